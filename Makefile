@@ -1,0 +1,33 @@
+# quicedge: the two commands are `make run` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: run test lint check bench clean certs
+
+$(STAMP): pyproject.toml scripts/bootstrap.sh
+	PYTHON=$(PYTHON) bash scripts/bootstrap.sh $(VENV)
+	touch $(STAMP)
+
+## run: set everything up and start the local stack (edge + two CPU stand-in backends).
+run: $(STAMP)
+	bash scripts/run-local.sh
+
+## test: set everything up (venv, dependencies, a Redis server) and run the whole suite.
+test: $(STAMP)
+	bash scripts/with-redis.sh $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+## lint: ruff and mypy.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy edge transport backends certs bench
+
+check: lint test
+
+certs: $(STAMP)
+	$(BIN)/quicedge certs
+
+clean:
+	rm -rf $(VENV) certs/dev .pytest_cache .ruff_cache .mypy_cache

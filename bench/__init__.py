@@ -1,0 +1,1 @@
+"""TTFT benchmarks: load generator, transports, RTT emulator, reports."""

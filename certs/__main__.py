@@ -1,0 +1,5 @@
+import sys
+
+from certs.cli import main
+
+sys.exit(main())

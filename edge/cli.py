@@ -1,0 +1,48 @@
+"""The `quicedge` command: a thin dispatcher to each subcommand's own parser.
+
+Each subcommand lives with the package that owns it and parses its own arguments, so that
+`quicedge sim ...` and `python -m backends.sim ...` are the same program.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+
+# subcommand -> (module, one-line help). The module exposes `main(argv) -> int`.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("edge.serve", "run the edge proxy (HTTP/3, HTTP/2, HTTP/1.1)"),
+    "sim": ("backends.sim.cli", "run a CPU stand-in for an SGLang server"),
+    "certs": ("certs.cli", "make development certificates (CA + localhost leaf)"),
+    "bench": ("bench.cli", "TTFT load generator, RTT relay and comparisons"),
+    "request": ("bench.request", "send one request and print the stream and its TTFT"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: quicedge COMMAND [options]", "", "commands:"]
+    width = max(len(name) for name in SUBCOMMANDS)
+    for name, (_, help_text) in SUBCOMMANDS.items():
+        lines.append(f"  {name:<{width}}  {help_text}")
+    lines.append("")
+    lines.append("Run `quicedge COMMAND --help` for a command's options.")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(usage())
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in SUBCOMMANDS:
+        print(f"quicedge: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    entry: Callable[[list[str]], int] = module.main
+    return entry(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,74 @@
+"""Suite-wide fixtures: a real Redis server and generated development certificates."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from certs import DevCertificates, ensure_dev_certificates
+from tests.helpers import free_port
+
+
+@pytest.fixture(scope="session")
+def redis_server_url() -> Iterator[str]:
+    """URL of a real Redis server.
+
+    `make test` starts one and exports QUICEDGE_TEST_REDIS_URL. A bare `pytest` starts its own
+    redis-server when the binary exists. Redis is mandatory to test, so its absence fails.
+    """
+    url = os.environ.get("QUICEDGE_TEST_REDIS_URL")
+    if url:
+        yield url
+        return
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("no Redis: run `make test`, or install redis-server, or set QUICEDGE_TEST_REDIS_URL")
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail("redis-server did not start")
+            time.sleep(0.05)
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture
+def redis_url(redis_server_url: str) -> str:
+    """The test Redis URL; tests isolate themselves with `redis_prefix`, not by flushing."""
+    return redis_server_url
+
+
+@pytest.fixture
+def redis_prefix() -> str:
+    """A key prefix unique to one test, so tests can share one Redis in any order."""
+    return f"quicedge-test:{uuid.uuid4().hex[:12]}:"
+
+
+@pytest.fixture(scope="session")
+def dev_certs(tmp_path_factory: pytest.TempPathFactory) -> DevCertificates:
+    """A development PKI generated once per test session in a temporary folder."""
+    return ensure_dev_certificates(Path(tmp_path_factory.mktemp("certs")))
