@@ -96,9 +96,15 @@ def _make_ca() -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
             x509.KeyUsage(
-                digital_signature=True, key_cert_sign=True, crl_sign=True,
-                content_commitment=False, key_encipherment=False, data_encipherment=False,
-                key_agreement=False, encipher_only=False, decipher_only=False,
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
             ),
             critical=True,
         )
@@ -137,7 +143,9 @@ def _make_leaf(
     return cert, key
 
 
-def ensure_dev_certificates(directory: Path | None = None, *, force: bool = False) -> DevCertificates:
+def ensure_dev_certificates(
+    directory: Path | None = None, *, force: bool = False
+) -> DevCertificates:
     """Return the development PKI in `directory`, generating it if missing, invalid or expiring."""
     paths = _paths(directory or default_dir())
     if not force and _still_valid(paths):

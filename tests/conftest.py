@@ -30,7 +30,9 @@ def redis_server_url() -> Iterator[str]:
         return
     binary = shutil.which("redis-server")
     if binary is None:
-        pytest.fail("no Redis: run `make test`, or install redis-server, or set QUICEDGE_TEST_REDIS_URL")
+        pytest.fail(
+            "no Redis: run `make test`, install redis-server or set QUICEDGE_TEST_REDIS_URL"
+        )
     port = free_port()
     proc = subprocess.Popen(
         [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
