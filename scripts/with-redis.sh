@@ -1,12 +1,9 @@
 #!/usr/bin/env bash
 # Run a command with a private Redis server on a free loopback port; stop it afterwards.
-# Installs redis-server with apt-get when it is absent. Exports QUICEDGE_TEST_REDIS_URL.
+# Installs redis-server (and the other test packages) with apt-get when absent. Exports QUICEDGE_TEST_REDIS_URL.
 set -euo pipefail
 
-if ! command -v redis-server >/dev/null 2>&1; then
-  echo "redis-server not found; installing it with apt-get" >&2
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
-fi
+bash "$(dirname "$0")/ensure-system-packages.sh"
 
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 dir=$(mktemp -d)

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# `make run`: the local stack on its embedded defaults — in-memory state, two CPU stand-in
+# backends, generated development certificates — in the foreground until Ctrl-C.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bin=.venv/bin
+SIM_PROFILE=${SIM_PROFILE:-h100-llama3-8b}
+SIM_PORTS=(${SIM_PORTS:-30001 30002})
+
+"$bin/quicedge" certs >/dev/null
+pids=()
+cleanup() {
+  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+}
+trap cleanup EXIT INT TERM
+
+backends=()
+for i in "${!SIM_PORTS[@]}"; do
+  port=${SIM_PORTS[$i]}
+  "$bin/quicedge" sim --host 127.0.0.1 --port "$port" --name "sim-$((i + 1))" \
+    --profile "$SIM_PROFILE" --enable-metrics --enable-cache-report >/dev/null &
+  pids+=($!)
+  backends+=(--backend "http://127.0.0.1:$port")
+done
+for port in "${SIM_PORTS[@]}"; do
+  for _ in $(seq 1 100); do
+    (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break
+    sleep 0.1
+  done
+done
+
+ca=certs/dev/ca.pem
+body='{"model": "default", "stream": true, "messages": [{"role": "user", "content": "Say hello"}]}'
+cat <<MSG
+
+quicedge local stack: edge on h3 127.0.0.1:4433 (UDP), h2/h1 127.0.0.1:8443 (TCP), admin 127.0.0.1:9901,
+backends ${backends[*]} (CPU stand-ins, profile $SIM_PROFILE).
+
+Send a request over HTTP/3 (run it twice: the second goes in 0-RTT with the saved ticket):
+  $bin/quicedge request https://127.0.0.1:4433/v1/chat/completions --h3 --cacert $ca \\
+      --ticket /tmp/quicedge-ticket --json '$body'
+over HTTP/2 or HTTP/1.1:
+  curl --cacert $ca https://localhost:8443/v1/chat/completions -H 'content-type: application/json' \\
+      -d '$body'
+Fleet state: curl http://127.0.0.1:9901/backends    Metrics: curl http://127.0.0.1:9901/metrics
+Press Ctrl-C to stop.
+
+MSG
+"$bin/quicedge" serve "${backends[@]}" &
+pids+=($!)
+wait "${pids[-1]}"
