@@ -1,0 +1,201 @@
+"""HTTP/2 client over TLS (the `h2` state machine on asyncio streams); streams multiplex on one
+connection when connections are reused."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.settings
+
+from bench.clients.base import ClientOptions, Target, describe, tcp_ssl_context
+from bench.stream import RequestResult, StreamParser
+
+READ_SIZE = 65536
+# A window large enough that flow control never paces a streamed answer (RFC 9113 §6.9.2).
+WINDOW = 16 * 1024 * 1024
+
+
+class _Connection:
+    """One HTTP/2 connection: a reader task routes events to per-stream queues."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.h2 = h2.connection.H2Connection(
+            h2.config.H2Configuration(client_side=True, header_encoding=None)
+        )
+        self.streams: dict[int, asyncio.Queue[h2.events.Event | None]] = {}
+        self.closed = False
+        self.h2.initiate_connection()
+        self.h2.increment_flow_control_window(WINDOW)
+        self.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: WINDOW})
+        self.flush()
+        self.task = asyncio.create_task(self._read_loop())
+
+    def flush(self) -> None:
+        data = self.h2.data_to_send()
+        if data:
+            self.writer.write(data)
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                data = await self.reader.read(READ_SIZE)
+                if not data:
+                    break
+                for event in self.h2.receive_data(data):
+                    stream_id = getattr(event, "stream_id", None)
+                    if isinstance(event, h2.events.DataReceived):
+                        # Give the window back at once: the benchmark must not be flow-limited.
+                        self.h2.acknowledge_received_data(
+                            event.flow_controlled_length, event.stream_id
+                        )
+                    if stream_id is not None and stream_id in self.streams:
+                        self.streams[stream_id].put_nowait(event)
+                    elif isinstance(event, h2.events.ConnectionTerminated):
+                        break
+                self.flush()
+        except Exception:  # a dead connection ends every open stream below
+            pass
+        finally:
+            self.closed = True
+            for queue in self.streams.values():
+                queue.put_nowait(None)
+
+    def open_stream(self) -> tuple[int, asyncio.Queue[h2.events.Event | None]]:
+        stream_id = self.h2.get_next_available_stream_id()
+        queue: asyncio.Queue[h2.events.Event | None] = asyncio.Queue()
+        self.streams[stream_id] = queue
+        return stream_id, queue
+
+    async def close(self) -> None:
+        self.closed = True
+        self.task.cancel()
+        try:
+            self.h2.close_connection()
+            self.flush()
+        except Exception:  # closing a broken connection
+            pass
+        self.writer.close()
+        try:
+            await self.task
+        except asyncio.CancelledError:
+            pass
+
+
+class H2Client:
+    transport = "h2"
+
+    def __init__(self, options: ClientOptions) -> None:
+        self._options = options
+        self._ssl = tcp_ssl_context(options, ["h2"])
+        self._shared: _Connection | None = None
+        self._lock = asyncio.Lock()
+
+    async def _connect(self, target: Target) -> _Connection:
+        if target.scheme != "https":
+            raise ValueError("h2 needs an https:// URL (HTTP/2 over TLS, ALPN h2)")
+        reader, writer = await asyncio.open_connection(
+            target.host, target.port, ssl=self._ssl, server_hostname=target.server_name
+        )
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        ssl_object = writer.get_extra_info("ssl_object")
+        if ssl_object is None or ssl_object.selected_alpn_protocol() != "h2":
+            writer.close()
+            raise ConnectionError("server did not negotiate h2 (ALPN)")
+        return _Connection(reader, writer)
+
+    async def request(
+        self, target: Target, *, method: str, headers: list[tuple[str, str]], body: bytes
+    ) -> RequestResult:
+        result = RequestResult(transport=self.transport, start=time.perf_counter())
+        try:
+            await asyncio.wait_for(
+                self._exchange(result, target, method, headers, body), self._options.timeout
+            )
+        except TimeoutError:
+            result.error = f"timeout after {self._options.timeout}s"
+        except Exception as exc:
+            result.error = describe(exc)
+        return result
+
+    async def _connection(self, result: RequestResult, target: Target) -> _Connection:
+        if self._options.new_connection_per_request:
+            conn = await self._connect(target)
+            result.connect_s = time.perf_counter() - result.start
+            return conn
+        async with self._lock:
+            if self._shared is None or self._shared.closed:
+                self._shared = await self._connect(target)
+                result.connect_s = time.perf_counter() - result.start
+            else:
+                result.reused_connection = True
+            return self._shared
+
+    async def _exchange(
+        self,
+        result: RequestResult,
+        target: Target,
+        method: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+    ) -> None:
+        start = result.start
+        conn = await self._connection(result, target)
+        stream_id, queue = conn.open_stream()
+        try:
+            request_headers = [
+                (":method", method),
+                (":scheme", "https"),
+                (":authority", target.authority),
+                (":path", target.path),
+                ("content-length", str(len(body))),
+                *headers,
+            ]
+            conn.h2.send_headers(stream_id, request_headers, end_stream=not body)
+            if body:
+                conn.h2.send_data(stream_id, body, end_stream=True)
+            conn.flush()
+            parser: StreamParser | None = None
+            while True:
+                event = await queue.get()
+                now = time.perf_counter() - start
+                if event is None:
+                    raise ConnectionError("connection closed before the response ended")
+                if isinstance(event, h2.events.ResponseReceived):
+                    for name, value in event.headers:
+                        key, text = name.decode().lower(), value.decode()
+                        if key == ":status":
+                            result.status = int(text)
+                        elif not key.startswith(":"):
+                            result.headers.append((key, text))
+                    result.headers_s = now
+                    content_type = result.header("content-type") or ""
+                    parser = StreamParser(result, event_stream="event-stream" in content_type)
+                elif isinstance(event, h2.events.DataReceived):
+                    if parser is None:
+                        raise ConnectionError("DATA before HEADERS")
+                    parser.feed(event.data, now)
+                elif isinstance(event, h2.events.StreamEnded):
+                    if parser is None:
+                        raise ConnectionError("stream ended without a response")
+                    parser.finish(now)
+                    return
+                elif isinstance(event, h2.events.StreamReset):
+                    raise ConnectionError(f"stream reset by server (error {event.error_code})")
+        finally:
+            conn.streams.pop(stream_id, None)
+            if self._options.new_connection_per_request:
+                await conn.close()
+
+    async def aclose(self) -> None:
+        if self._shared is not None:
+            await self._shared.close()
+            self._shared = None

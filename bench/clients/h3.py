@@ -1,0 +1,287 @@
+"""HTTP/3 client on aioquic: a new QUIC connection per request or one shared connection, with
+optional 0-RTT resumption from saved session tickets (RFC 9001 §4.6, RFC 8446 §2.3)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import socket
+import ssl
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from aioquic.asyncio.protocol import QuicConnectionProtocol
+from aioquic.h3.connection import H3_ALPN, H3Connection
+from aioquic.h3.events import DataReceived, H3Event, HeadersReceived
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, QuicEvent, StreamReset
+from aioquic.tls import SessionTicket
+
+from bench.clients.base import ClientOptions, Target, describe
+from bench.stream import RequestResult, StreamParser
+
+_END = object()  # queued when the connection dies
+
+
+class TicketStore:
+    """Session tickets the server gave us, each used at most once (servers that protect 0-RTT
+    against replay accept a ticket only once, RFC 8446 §8.1). Optionally mirrored to a file."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self._tickets: deque[SessionTicket] = deque()
+        self._path = path
+        if path is not None and path.exists():
+            self._tickets.extend(load_tickets(path))
+
+    def add(self, ticket: SessionTicket) -> None:
+        self._tickets.append(ticket)
+
+    def take(self, server_name: str) -> SessionTicket | None:
+        """The newest valid ticket for `server_name`, removed from the store."""
+        while self._tickets:
+            ticket = self._tickets.pop()
+            if ticket.is_valid and ticket.server_name == server_name:
+                return ticket
+        return None
+
+    def __len__(self) -> int:
+        return len(self._tickets)
+
+    def save(self) -> None:
+        """Write the unused tickets to the file (mode 0600: a ticket is a resumption secret)."""
+        if self._path is None:
+            return
+        fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "wb") as handle:
+            pickle.dump(list(self._tickets), handle)
+
+
+def load_tickets(path: Path) -> list[SessionTicket]:
+    """Tickets saved by `TicketStore.save`. A file that is not ours is an error, never executed
+    blindly: only the SessionTicket class (and the plain types it holds) may be unpickled."""
+    with path.open("rb") as handle:
+        data = _TicketUnpickler(handle).load()
+    if not isinstance(data, list) or not all(isinstance(t, SessionTicket) for t in data):
+        raise ValueError(f"{path}: not a quicedge ticket file")
+    return data
+
+
+class _TicketUnpickler(pickle.Unpickler):
+    _ALLOWED = {
+        ("aioquic.tls", "SessionTicket"),
+        ("aioquic.tls", "CipherSuite"),
+        ("datetime", "datetime"),
+        ("datetime", "timezone"),
+        ("datetime", "timedelta"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in self._ALLOWED:
+            raise pickle.UnpicklingError(f"unexpected object {module}.{name} in ticket file")
+        return super().find_class(module, name)
+
+
+class _H3Protocol(QuicConnectionProtocol):
+    """Routes HTTP/3 events to per-stream queues and remembers the handshake outcome."""
+
+    def __init__(self, quic: QuicConnection, **kwargs: Any) -> None:
+        super().__init__(quic, **kwargs)
+        # Created now, so a 0-RTT request's HEADERS go in the client's first flight.
+        self.h3 = H3Connection(quic)
+        self.queues: dict[int, asyncio.Queue[Any]] = {}
+        self.handshake = asyncio.get_running_loop().create_future()
+        self.terminated = False
+
+    def quic_event_received(self, event: QuicEvent) -> None:
+        if isinstance(event, HandshakeCompleted) and not self.handshake.done():
+            self.handshake.set_result(event.early_data_accepted)
+        elif isinstance(event, ConnectionTerminated):
+            self.terminated = True
+            if not self.handshake.done():
+                self.handshake.set_exception(
+                    ConnectionError(f"QUIC connection closed: {event.reason_phrase or event}")
+                )
+                self.handshake.exception()  # retrieved: nobody may be waiting on it
+            for queue in self.queues.values():
+                queue.put_nowait(_END)
+        elif isinstance(event, StreamReset) and event.stream_id in self.queues:
+            self.queues[event.stream_id].put_nowait(event)
+        for h3_event in self.h3.handle_event(event):
+            self._h3_event(h3_event)
+
+    def _h3_event(self, event: H3Event) -> None:
+        stream_id = getattr(event, "stream_id", None)
+        if stream_id is not None and stream_id in self.queues:
+            self.queues[stream_id].put_nowait(event)
+
+
+class H3Client:
+    transport = "h3"
+
+    def __init__(self, options: ClientOptions, *, tickets: TicketStore | None = None) -> None:
+        self._options = options
+        self.tickets = tickets if tickets is not None else TicketStore()
+        self._shared: tuple[_H3Protocol, asyncio.DatagramTransport] | None = None
+        self._shared_early = False
+        self._lock = asyncio.Lock()
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def _configuration(self, target: Target) -> QuicConfiguration:
+        config = QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN)
+        config.server_name = target.server_name
+        if self._options.insecure:
+            config.verify_mode = ssl.CERT_NONE
+        elif self._options.cacert:
+            config.load_verify_locations(self._options.cacert)
+        if self._options.zero_rtt:
+            config.session_ticket = self.tickets.take(target.server_name)
+        return config
+
+    async def _open(self, target: Target) -> tuple[_H3Protocol, asyncio.DatagramTransport, bool]:
+        """Open a connection. With a ticket and 0-RTT on, return before the handshake completes
+        so the first request rides in early data; otherwise after it (1 RTT)."""
+        if target.scheme != "https":
+            raise ValueError("h3 needs an https:// URL")
+        loop = asyncio.get_running_loop()
+        config = self._configuration(target)
+        early = config.session_ticket is not None
+        infos = await loop.getaddrinfo(target.host, target.port, type=socket.SOCK_DGRAM)
+        family, _, _, _, addr = infos[0]
+        quic = QuicConnection(configuration=config, session_ticket_handler=self.tickets.add)
+        transport, protocol = await loop.create_datagram_endpoint(
+            lambda: _H3Protocol(quic),
+            local_addr=("::", 0) if family == socket.AF_INET6 else ("0.0.0.0", 0),
+        )
+        assert isinstance(protocol, _H3Protocol)
+        protocol.connect(addr, transmit=not early)
+        if not early:
+            await protocol.wait_connected()
+        return protocol, transport, early
+
+    def _close_later(self, protocol: _H3Protocol, transport: asyncio.DatagramTransport) -> None:
+        """Close without making the caller wait out the draining period (RFC 9000 §10.2)."""
+
+        async def close() -> None:
+            protocol.close()
+            try:
+                await asyncio.wait_for(protocol.wait_closed(), 5.0)
+            except TimeoutError:
+                pass
+            finally:
+                transport.close()
+
+        task = asyncio.create_task(close())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def request(
+        self, target: Target, *, method: str, headers: list[tuple[str, str]], body: bytes
+    ) -> RequestResult:
+        result = RequestResult(transport=self.transport, start=time.perf_counter())
+        try:
+            await asyncio.wait_for(
+                self._exchange(result, target, method, headers, body), self._options.timeout
+            )
+        except TimeoutError:
+            result.error = f"timeout after {self._options.timeout}s"
+        except Exception as exc:
+            result.error = describe(exc)
+        return result
+
+    async def _connection(
+        self, result: RequestResult, target: Target
+    ) -> tuple[_H3Protocol, asyncio.DatagramTransport]:
+        if self._options.new_connection_per_request:
+            protocol, transport, early = await self._open(target)
+            result.early_data = early
+            return protocol, transport
+        async with self._lock:
+            if self._shared is None or self._shared[0].terminated:
+                protocol, transport, early = await self._open(target)
+                self._shared, self._shared_early = (protocol, transport), early
+                result.early_data = early
+            else:
+                result.reused_connection = True
+            return self._shared
+
+    async def _exchange(
+        self,
+        result: RequestResult,
+        target: Target,
+        method: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+    ) -> None:
+        start = result.start
+        protocol, transport = await self._connection(result, target)
+        if not result.early_data and not result.reused_connection:
+            result.connect_s = time.perf_counter() - start
+        stream_id = protocol._quic.get_next_available_stream_id()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        protocol.queues[stream_id] = queue
+        try:
+            request_headers = [
+                (b":method", method.encode()),
+                (b":scheme", b"https"),
+                (b":authority", target.authority.encode()),
+                (b":path", target.path.encode()),
+                (b"content-length", str(len(body)).encode()),
+            ] + [(k.lower().encode(), v.encode()) for k, v in headers]
+            protocol.h3.send_headers(stream_id, request_headers, end_stream=not body)
+            if body:
+                protocol.h3.send_data(stream_id, body, end_stream=True)
+            protocol.transmit()
+            await self._read_response(result, queue, start)
+            if result.early_data:
+                accepted = await asyncio.wait_for(protocol.handshake, self._options.timeout)
+                result.early_data_accepted = bool(accepted)
+        finally:
+            protocol.queues.pop(stream_id, None)
+            if self._options.new_connection_per_request:
+                self._close_later(protocol, transport)
+
+    async def _read_response(
+        self, result: RequestResult, queue: asyncio.Queue[Any], start: float
+    ) -> None:
+        parser: StreamParser | None = None
+        while True:
+            event = await queue.get()
+            now = time.perf_counter() - start
+            if event is _END:
+                raise ConnectionError("connection closed before the response ended")
+            if isinstance(event, StreamReset):
+                raise ConnectionError(f"stream reset by server (error {event.error_code})")
+            if isinstance(event, HeadersReceived):
+                if parser is None:
+                    for name, value in event.headers:
+                        key, text = name.decode().lower(), value.decode()
+                        if key == ":status":
+                            result.status = int(text)
+                        elif not key.startswith(":"):
+                            result.headers.append((key, text))
+                    result.headers_s = now
+                    content_type = result.header("content-type") or ""
+                    parser = StreamParser(result, event_stream="event-stream" in content_type)
+                # else: trailers, ignored
+            elif isinstance(event, DataReceived):
+                if parser is None:
+                    raise ConnectionError("DATA before HEADERS")
+                if event.data:
+                    parser.feed(event.data, now)
+            if getattr(event, "stream_ended", False):
+                if parser is None:
+                    raise ConnectionError("stream ended without a response")
+                parser.finish(now)
+                return
+
+    async def aclose(self) -> None:
+        if self._shared is not None:
+            self._close_later(*self._shared)
+            self._shared = None
+        if self._closing:
+            await asyncio.gather(*list(self._closing), return_exceptions=True)
