@@ -1,0 +1,556 @@
+"""Keep-alive HTTP/1.1 connection pool to the backends (the upstream hot path).
+
+One `UpstreamPool` serves every backend. Per backend it keeps idle keep-alive connections (used
+most-recently-first, closed after `idle_timeout`), and bounds the number of open connections at
+`max_connections_per_backend`: a request that finds the cap reached waits for a free slot.
+
+Each connection is a small `asyncio.Protocol` around an `h11.Connection`. Bytes the backend sends
+are buffered by the protocol and handed to h11 only when the consumer asks for the next event, so
+a slow consumer pauses reading from the socket instead of growing a buffer without bound.
+
+A response that is closed before its body is complete closes its connection: that is how an
+upstream request is aborted (the backend sees the disconnect). TCP_NODELAY is set on every socket:
+the request goes out in one write and must not wait for Nagle's algorithm (RFC 896) to release it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import socket
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import h11
+
+from backends.errors import (
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+)
+
+log = logging.getLogger(__name__)
+
+READ_HIGH_WATER = 256 * 1024  # buffered unread bytes above which the socket is paused
+# Hop-by-hop headers (RFC 9110 §7.6.1) and framing headers the pool sets itself.
+_DROP_HEADERS = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"content-length",
+        b"host",
+    }
+)
+
+
+@dataclass(slots=True)
+class BackendPoolStats:
+    idle: int
+    active: int
+    waiting: int
+
+
+@dataclass(slots=True)
+class PoolStats:
+    requests: int
+    reused: int
+    connects: int
+    backends: dict[str, BackendPoolStats] = field(default_factory=dict)
+
+    @property
+    def reuse_ratio(self) -> float:
+        """Share of requests that were sent on an already open (warm) connection."""
+        return self.reused / self.requests if self.requests else 0.0
+
+
+class _Connection(asyncio.Protocol):
+    """One TCP connection to a backend and its h11 state."""
+
+    def __init__(self, host: _Host) -> None:
+        self.host = host
+        self.h11 = h11.Connection(our_role=h11.CLIENT)
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.received_any = False  # any byte of the current response arrived
+        self._buf = bytearray()
+        self._eof = False
+        self._paused = False
+        self._waiter: asyncio.Future[None] | None = None
+        self.idle_handle: asyncio.TimerHandle | None = None
+
+    # -- asyncio.Protocol ------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        if self.h11.our_state is h11.IDLE:
+            # RFC 9112 §9.3: a server must not send a response nobody asked for; the
+            # connection can no longer be trusted to frame the next response.
+            self.close()
+            return
+        self.received_any = True
+        self._buf += data
+        if len(self._buf) > READ_HIGH_WATER and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool | None:
+        self._eof = True
+        self._wake()
+        return None  # close the transport
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._eof = True
+        if not self.closed:
+            self.closed = True
+            self.host.on_connection_lost(self)
+        self._wake()
+
+    # -- used by the pool ------------------------------------------------------------------
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def usable(self) -> bool:
+        return not self.closed and not self._eof and self.h11.our_state is h11.IDLE
+
+    def send(self, data: bytes) -> None:
+        assert self.transport is not None
+        self.received_any = False
+        self.transport.write(data)
+
+    async def next_event(self, timeout: float | None, what: str) -> Any:
+        """The next h11 event, reading from the socket as needed."""
+        conn = self.h11
+        while True:
+            event = conn.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            if self._buf:
+                data = bytes(self._buf)
+                self._buf.clear()
+                if self._paused and self.transport is not None:
+                    self._paused = False
+                    self.transport.resume_reading()
+                conn.receive_data(data)
+                continue
+            if self._eof:
+                conn.receive_data(b"")  # h11 turns a premature EOF into RemoteProtocolError
+                continue
+            await self._wait(timeout, what)
+
+    async def _wait(self, timeout: float | None, what: str) -> None:
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
+        self._waiter = waiter
+        handle = None
+        if timeout is not None:
+            handle = loop.call_later(timeout, _expire, waiter)
+        try:
+            await waiter
+        except TimeoutError:
+            raise UpstreamTimeout(
+                f"no {what} from {self.host.base_url} within {timeout:g}s",
+                base_url=self.host.base_url,
+            ) from None
+        finally:
+            self._waiter = None
+            if handle is not None:
+                handle.cancel()
+
+    def close(self) -> None:
+        if self.idle_handle is not None:
+            self.idle_handle.cancel()
+            self.idle_handle = None
+        if self.transport is not None:
+            self.transport.abort()
+        if not self.closed:
+            self.closed = True
+            self.host.on_connection_lost(self)
+        self._eof = True
+        self._wake()
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
+
+
+class _Host:
+    """The connections of one backend: idle ones (LIFO), the active count and the waiters."""
+
+    def __init__(self, pool: UpstreamPool, base_url: str) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme != "http" or not parts.hostname:
+            raise ValueError(f"backend URL must be http://host[:port], got {base_url!r}")
+        if parts.path not in ("", "/") or parts.query:
+            raise ValueError(f"backend URL must not have a path or query, got {base_url!r}")
+        self.pool = pool
+        self.base_url = base_url
+        self.hostname = parts.hostname
+        self.port = parts.port or 80
+        self.host_header = parts.netloc.encode("ascii")
+        self.idle: collections.deque[_Connection] = collections.deque()
+        self.active = 0
+        self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self.all: set[_Connection] = set()
+
+    @property
+    def open_count(self) -> int:
+        return self.active + len(self.idle)
+
+    def on_connection_lost(self, conn: _Connection) -> None:
+        """The connection closed (either side): free its slot."""
+        if conn not in self.all:
+            return
+        self.all.discard(conn)
+        try:
+            self.idle.remove(conn)
+        except ValueError:
+            self.active -= 1
+        self.wake_one()
+
+    def wake_one(self) -> None:
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    async def connect(self) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self.pool.connect_timeout):
+                _, conn = await loop.create_connection(
+                    lambda: _Connection(self), self.hostname, self.port
+                )
+        except TimeoutError:
+            raise UpstreamConnectError(
+                f"connect to {self.base_url} timed out after {self.pool.connect_timeout:g}s",
+                base_url=self.base_url,
+            ) from None
+        except OSError as exc:
+            raise UpstreamConnectError(
+                f"connect to {self.base_url} failed: {exc}", base_url=self.base_url
+            ) from exc
+        self.pool._connects += 1
+        self.all.add(conn)
+        return conn
+
+    async def acquire(self) -> tuple[_Connection, bool]:
+        """A connection for one request and whether it was reused. Takes one active slot."""
+        while True:
+            while self.idle:
+                conn = self.idle.pop()
+                if conn.idle_handle is not None:
+                    conn.idle_handle.cancel()
+                    conn.idle_handle = None
+                if conn.usable():
+                    self.active += 1
+                    return conn, True
+                # Closed by the backend while idle (its keep-alive timeout): drop it.
+                self.idle.append(conn)
+                conn.close()
+            if self.open_count < self.pool.max_connections_per_backend:
+                self.active += 1
+                try:
+                    conn = await self.connect()
+                except BaseException:
+                    self.active -= 1
+                    self.wake_one()
+                    raise
+                return conn, False
+            waiter = asyncio.get_running_loop().create_future()
+            self.waiters.append(waiter)
+            try:
+                await waiter
+            except BaseException:
+                if waiter.done() and not waiter.cancelled():
+                    self.wake_one()  # pass on the slot we were given
+                raise
+
+    def release(self, conn: _Connection) -> None:
+        """The response is complete: keep the connection if HTTP allows it, else close it."""
+        if conn.closed:
+            return
+        h = conn.h11
+        if h.our_state is h11.DONE and h.their_state is h11.DONE:
+            h.start_next_cycle()
+            self.active -= 1
+            self.idle.append(conn)
+            conn.idle_handle = asyncio.get_running_loop().call_later(
+                self.pool.idle_timeout, conn.close
+            )
+            self.wake_one()
+        else:
+            conn.close()
+
+    def stats(self) -> BackendPoolStats:
+        waiting = sum(1 for w in self.waiters if not w.done())
+        return BackendPoolStats(idle=len(self.idle), active=self.active, waiting=waiting)
+
+
+class UpstreamResponse:
+    """Status and headers of a backend response; the body is read by iterating."""
+
+    __slots__ = ("_chunk_timeout", "_conn", "_done", "_host", "headers", "reused", "status")
+
+    def __init__(
+        self,
+        *,
+        host: _Host,
+        conn: _Connection,
+        status: int,
+        headers: list[tuple[bytes, bytes]],
+        reused: bool,
+        chunk_timeout: float | None,
+    ) -> None:
+        self._host = host
+        self._conn: _Connection | None = conn
+        self._chunk_timeout = chunk_timeout
+        self._done = False
+        self.status = status
+        self.headers = headers
+        self.reused = reused
+
+    @property
+    def complete(self) -> bool:
+        """True once the whole body was received."""
+        return self._done
+
+    def header(self, name: bytes) -> bytes | None:
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self
+
+    async def __anext__(self) -> bytes:
+        conn = self._conn
+        if conn is None:
+            raise StopAsyncIteration
+        while True:
+            try:
+                event = await conn.next_event(self._chunk_timeout, "body chunk")
+            except UpstreamError:
+                self._abort()
+                raise
+            except h11.RemoteProtocolError as exc:
+                self._abort()
+                raise UpstreamProtocolError(
+                    f"{self._host.base_url} broke off the response body: {exc}",
+                    base_url=self._host.base_url,
+                ) from None
+            if type(event) is h11.Data:
+                if event.data:
+                    return bytes(event.data)
+                continue
+            if type(event) is h11.EndOfMessage:
+                self._done = True
+                self._conn = None
+                self._host.release(conn)
+                raise StopAsyncIteration
+            self._abort()  # ConnectionClosed or anything unexpected mid-body
+            raise UpstreamProtocolError(
+                f"{self._host.base_url} closed the connection mid-body",
+                base_url=self._host.base_url,
+            )
+
+    async def read(self) -> bytes:
+        """The whole (remaining) body."""
+        return b"".join([chunk async for chunk in self])
+
+    def _abort(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    async def aclose(self) -> None:
+        """Body incomplete: close the connection (aborts the upstream request). Idempotent."""
+        self._abort()
+
+    async def __aenter__(self) -> UpstreamResponse:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._abort()
+
+    def __repr__(self) -> str:
+        state = "complete" if self._done else ("open" if self._conn else "closed")
+        return f"<UpstreamResponse {self.status} {state} reused={self.reused}>"
+
+
+class UpstreamPool:
+    """Keep-alive HTTP/1.1 connections to every backend, bounded per backend."""
+
+    def __init__(
+        self,
+        *,
+        max_connections_per_backend: int = 128,
+        idle_timeout: float = 60.0,
+        connect_timeout: float = 2.0,
+    ) -> None:
+        if max_connections_per_backend < 1:
+            raise ValueError("max_connections_per_backend must be at least 1")
+        if idle_timeout <= 0 or connect_timeout <= 0:
+            raise ValueError("idle_timeout and connect_timeout must be positive")
+        self.max_connections_per_backend = max_connections_per_backend
+        self.idle_timeout = idle_timeout
+        self.connect_timeout = connect_timeout
+        self._hosts: dict[str, _Host] = {}
+        self._requests = 0
+        self._reused = 0
+        self._connects = 0
+        self._closed = False
+
+    def _host(self, base_url: str) -> _Host:
+        host = self._hosts.get(base_url)
+        if host is None:
+            if self._closed:
+                raise UpstreamConnectError("the upstream pool is closed", base_url=base_url)
+            host = self._hosts[base_url] = _Host(self, base_url.rstrip("/"))
+        return host
+
+    async def warm(self, base_url: str, count: int) -> None:
+        """Open up to `count` idle connections (within the cap). Failures are logged, not raised."""
+        host = self._host(base_url)
+        want = min(count, self.max_connections_per_backend) - host.open_count
+        if want <= 0:
+            return
+        host.active += want  # reserve the slots while connecting
+        connects = [host.connect() for _ in range(want)]
+        results = await asyncio.gather(*connects, return_exceptions=True)
+        loop = asyncio.get_running_loop()
+        for result in results:
+            if isinstance(result, _Connection):
+                if result.closed:
+                    continue  # its slot was already freed by on_connection_lost
+                host.active -= 1
+                host.idle.append(result)
+                result.idle_handle = loop.call_later(self.idle_timeout, result.close)
+            else:
+                host.active -= 1
+                log.warning("warming %s: %s", base_url, result)
+        host.wake_one()
+
+    @staticmethod
+    def _encode(
+        host: _Host,
+        conn: _Connection,
+        method: str,
+        path: str,
+        headers: Sequence[tuple[bytes, bytes]],
+        body: bytes,
+    ) -> bytes:
+        out_headers = [(b"host", host.host_header), (b"content-length", b"%d" % len(body))]
+        for name, value in headers:
+            if name.lower() not in _DROP_HEADERS:
+                out_headers.append((name, value))
+        try:
+            h = conn.h11
+            data = h.send(h11.Request(method=method, target=path, headers=out_headers))
+            if body:
+                data += h.send(h11.Data(data=body))
+            data += h.send(h11.EndOfMessage())
+        except h11.LocalProtocolError as exc:
+            conn.close()
+            raise ValueError(f"invalid upstream request: {exc}") from None
+        return data
+
+    async def request(
+        self,
+        base_url: str,
+        method: str,
+        path: str,
+        *,
+        headers: Sequence[tuple[bytes, bytes]],
+        body: bytes,
+        first_byte_timeout: float | None = None,
+        chunk_timeout: float | None = None,
+    ) -> UpstreamResponse:
+        """Send one request; return once the status line and headers arrived."""
+        host = self._host(base_url)
+        self._requests += 1
+        for attempt in (0, 1):
+            conn, reused = await host.acquire()
+            try:
+                conn.send(self._encode(host, conn, method, path, headers, body))
+                while True:
+                    event = await conn.next_event(first_byte_timeout, "response")
+                    if type(event) is h11.Response:
+                        break
+                    if type(event) is h11.InformationalResponse:
+                        continue  # 1xx (RFC 9110 §15.2): the final response follows
+                    raise h11.RemoteProtocolError(f"unexpected {type(event).__name__}")
+            except (UpstreamError, h11.RemoteProtocolError, OSError, ValueError) as exc:
+                stale = reused and not conn.received_any and conn._eof
+                conn.close()
+                if stale and attempt == 0 and not isinstance(exc, UpstreamTimeout):
+                    # The backend closed this idle connection just as we reused it (its
+                    # keep-alive timeout raced our request); nothing was processed, so a
+                    # fresh connection is safe (RFC 9112 §9.3.1).
+                    continue
+                if isinstance(exc, UpstreamError | ValueError):
+                    raise
+                raise UpstreamProtocolError(
+                    f"{base_url} failed before the response head: {exc}", base_url=base_url
+                ) from None
+            except BaseException:
+                conn.close()  # cancelled: the request may be half sent
+                raise
+            if reused:
+                self._reused += 1
+            return UpstreamResponse(
+                host=host,
+                conn=conn,
+                status=event.status_code,
+                headers=list(event.headers),
+                reused=reused,
+                chunk_timeout=chunk_timeout,
+            )
+        raise AssertionError("unreachable")
+
+    def stats(self) -> PoolStats:
+        return PoolStats(
+            requests=self._requests,
+            reused=self._reused,
+            connects=self._connects,
+            backends={url: host.stats() for url, host in self._hosts.items()},
+        )
+
+    async def aclose(self) -> None:
+        """Close every connection; requests in flight see UpstreamProtocolError."""
+        self._closed = True
+        for host in self._hosts.values():
+            for conn in list(host.all):
+                conn.close()
+            for waiter in host.waiters:
+                if not waiter.done():
+                    waiter.set_exception(
+                        UpstreamConnectError("the upstream pool is closed", base_url=host.base_url)
+                    )
+        self._hosts.clear()
+
+    def __repr__(self) -> str:
+        parts = [f"{u}: {h.active} active, {len(h.idle)} idle" for u, h in self._hosts.items()]
+        return f"<UpstreamPool {'; '.join(parts) or 'empty'}>"
+
+
+__all__ = ["BackendPoolStats", "PoolStats", "UpstreamPool", "UpstreamResponse"]

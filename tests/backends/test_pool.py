@@ -1,0 +1,423 @@
+"""The upstream pool over real sockets, against a small scripted HTTP/1.1 server (h11 based)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import h11
+import pytest
+
+from backends.errors import (
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+)
+from backends.pool import UpstreamPool
+from tests.helpers import free_port
+
+
+@dataclass
+class ScriptedServer:
+    """An HTTP/1.1 server whose behaviour is chosen by the request path."""
+
+    port: int = 0
+    connections: int = 0
+    open_connections: int = 0
+    closed: asyncio.Event = field(default_factory=asyncio.Event)
+    release: asyncio.Event = field(default_factory=asyncio.Event)
+    requests: list[tuple[str, bytes, dict[bytes, bytes]]] = field(default_factory=list)
+    server: asyncio.Server | None = None
+    writers: set[asyncio.StreamWriter] = field(default_factory=set)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self.open_connections += 1
+        self.writers.add(writer)
+        conn = h11.Connection(our_role=h11.SERVER)
+        try:
+            while True:
+                target, body, headers = await self._read_request(conn, reader)
+                if target is None:
+                    return
+                self.requests.append((target, body, headers))
+                keep = await self._respond(target, body, conn, reader, writer)
+                if not keep or conn.our_state is not h11.DONE:
+                    return
+                conn.start_next_cycle()
+        except (ConnectionError, h11.RemoteProtocolError):
+            return
+        finally:
+            self.open_connections -= 1
+            self.writers.discard(writer)
+            self.closed.set()
+            writer.close()
+
+    async def _read_request(
+        self, conn: h11.Connection, reader: asyncio.StreamReader
+    ) -> tuple[str | None, bytes, dict[bytes, bytes]]:
+        target: str | None = None
+        headers: dict[bytes, bytes] = {}
+        body = b""
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(await reader.read(65536))
+            elif isinstance(event, h11.Request):
+                target = event.target.decode()
+                headers = dict(event.headers)
+            elif isinstance(event, h11.Data):
+                body += event.data
+            elif isinstance(event, h11.EndOfMessage):
+                return target, body, headers
+            else:  # ConnectionClosed
+                return None, b"", {}
+
+    async def _respond(
+        self,
+        target: str,
+        body: bytes,
+        conn: h11.Connection,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+    ) -> bool:
+        def send(event: object) -> None:
+            writer.write(conn.send(event))  # type: ignore[arg-type]
+
+        async def wait_release() -> None:
+            # Wait for the test's signal, but notice a client that goes away meanwhile.
+            eof = asyncio.ensure_future(reader.read(1))
+            release = asyncio.ensure_future(self.release.wait())
+            await asyncio.wait([eof, release], return_when=asyncio.FIRST_COMPLETED)
+            released = release.done()
+            for task in (release, eof):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            if not released:
+                raise ConnectionError("client went away")
+
+        if target == "/ok":
+            send(h11.Response(status_code=200, headers=[("content-length", str(len(body) + 3))]))
+            send(h11.Data(data=b"ok:" + body))
+            send(h11.EndOfMessage())
+        elif target == "/close":
+            send(
+                h11.Response(
+                    status_code=200, headers=[("content-length", "2"), ("connection", "close")]
+                )
+            )
+            send(h11.Data(data=b"ok"))
+            send(h11.EndOfMessage())
+            await writer.drain()
+            return False
+        elif target == "/stream":
+            # Chunked SSE: one event, then wait for the test, then the rest.
+            send(h11.Response(status_code=200, headers=[("content-type", "text/event-stream")]))
+            send(h11.Data(data=b"data: 1\n\n"))
+            await writer.drain()
+            await wait_release()
+            send(h11.Data(data=b"data: 2\n\n"))
+            send(h11.Data(data=b"data: [DONE]\n\n"))
+            send(h11.EndOfMessage())
+        elif target == "/die":
+            send(h11.Response(status_code=200, headers=[("transfer-encoding", "chunked")]))
+            send(h11.Data(data=b"data: 1\n\n"))
+            await writer.drain()
+            writer.transport.abort()
+            return False
+        elif target == "/hang":
+            await wait_release()
+            send(h11.Response(status_code=200, headers=[("content-length", "0")]))
+            send(h11.EndOfMessage())
+        elif target == "/garbage":
+            writer.write(b"this is not HTTP\r\n\r\n")
+            await writer.drain()
+            return False
+        elif target == "/status503":
+            send(h11.Response(status_code=503, headers=[("content-length", "4")]))
+            send(h11.Data(data=b"busy"))
+            send(h11.EndOfMessage())
+        await writer.drain()
+        return True
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[ScriptedServer]:
+    srv = ScriptedServer()
+    srv.server = await asyncio.start_server(srv.handle, "127.0.0.1", 0)
+    srv.port = srv.server.sockets[0].getsockname()[1]
+    try:
+        yield srv
+    finally:
+        srv.release.set()
+        srv.server.close()
+        await srv.server.wait_closed()
+
+
+async def wait_until(predicate: object, timeout: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():  # type: ignore[operator]
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)
+
+
+async def get(pool: UpstreamPool, url: str, path: str, body: bytes = b"", **kw: float) -> bytes:
+    response = await pool.request(url, "POST", path, headers=[], body=body, **kw)
+    try:
+        return await response.read()
+    finally:
+        await response.aclose()
+
+
+async def test_sequential_requests_reuse_one_connection(server: ScriptedServer) -> None:
+    pool = UpstreamPool()
+    try:
+        for i in range(5):
+            assert await get(pool, server.url, "/ok", b"%d" % i) == b"ok:%d" % i
+        stats = pool.stats()
+        assert (stats.requests, stats.connects, stats.reused) == (5, 1, 4)
+        assert stats.reuse_ratio == pytest.approx(0.8)
+        assert stats.backends[server.url].idle == 1
+        assert server.connections == 1
+        host, body, headers = server.requests[0]
+        assert headers[b"host"] == f"127.0.0.1:{server.port}".encode()
+        assert headers[b"content-length"] == b"1"
+    finally:
+        await pool.aclose()
+
+
+async def test_socket_has_tcp_nodelay(server: ScriptedServer) -> None:
+    pool = UpstreamPool()
+    try:
+        response = await pool.request(server.url, "GET", "/ok", headers=[], body=b"")
+        await response.read()
+        conn = next(iter(pool._hosts[server.url].all))
+        sock = conn.transport.get_extra_info("socket")  # type: ignore[union-attr]
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    finally:
+        await pool.aclose()
+
+
+async def test_stream_chunks_arrive_before_the_body_ends(server: ScriptedServer) -> None:
+    pool = UpstreamPool()
+    try:
+        response = await pool.request(server.url, "POST", "/stream", headers=[], body=b"{}")
+        assert response.status == 200
+        assert (b"content-type", b"text/event-stream") in response.headers
+        chunks = aiter(response)
+        assert await anext(chunks) == b"data: 1\n\n"  # before the server sends the rest
+        server.release.set()
+        rest = [c async for c in chunks]
+        assert b"".join(rest) == b"data: 2\n\ndata: [DONE]\n\n"
+        assert response.complete
+        assert pool.stats().backends[server.url].idle == 1  # back in the pool
+    finally:
+        await pool.aclose()
+
+
+async def test_cap_bounds_connections_and_waits_for_a_slot(server: ScriptedServer) -> None:
+    pool = UpstreamPool(max_connections_per_backend=2)
+    try:
+        tasks = [asyncio.create_task(get(pool, server.url, "/hang")) for _ in range(3)]
+        await wait_until(lambda: pool.stats().backends.get(server.url) is not None
+                         and pool.stats().backends[server.url].waiting == 1)  # fmt: skip
+        await wait_until(lambda: len(server.requests) == 2)
+        assert server.connections == 2
+        server.release.set()
+        assert await asyncio.gather(*tasks) == [b"", b"", b""]
+        stats = pool.stats()
+        assert stats.connects == 2 and stats.reused == 1
+        assert stats.backends[server.url].active == 0
+    finally:
+        await pool.aclose()
+
+
+async def test_idle_connections_expire(server: ScriptedServer) -> None:
+    pool = UpstreamPool(idle_timeout=0.1)
+    try:
+        await get(pool, server.url, "/ok")
+        await asyncio.wait_for(server.closed.wait(), 5)
+        assert pool.stats().backends[server.url].idle == 0
+        await get(pool, server.url, "/ok")
+        assert pool.stats().connects == 2
+    finally:
+        await pool.aclose()
+
+
+async def test_server_dying_mid_body_raises_protocol_error(server: ScriptedServer) -> None:
+    pool = UpstreamPool()
+    try:
+        response = await pool.request(server.url, "POST", "/die", headers=[], body=b"")
+        chunks = aiter(response)
+        assert await anext(chunks) == b"data: 1\n\n"
+        with pytest.raises(UpstreamProtocolError):
+            await anext(chunks)
+        assert pool.stats().backends[server.url].active == 0
+        assert pool.stats().backends[server.url].idle == 0
+        await response.aclose()  # idempotent after the failure
+    finally:
+        await pool.aclose()
+
+
+async def test_connect_refused() -> None:
+    pool = UpstreamPool()
+    url = f"http://127.0.0.1:{free_port()}"
+    try:
+        with pytest.raises(UpstreamConnectError) as info:
+            await pool.request(url, "GET", "/", headers=[], body=b"")
+        assert info.value.kind == "connect" and info.value.base_url == url
+        assert pool.stats().backends[url].active == 0
+    finally:
+        await pool.aclose()
+
+
+async def test_first_byte_timeout_closes_the_connection(server: ScriptedServer) -> None:
+    pool = UpstreamPool()
+    try:
+        with pytest.raises(UpstreamTimeout):
+            await pool.request(server.url, "POST", "/hang", headers=[], body=b"",
+                               first_byte_timeout=0.05)  # fmt: skip
+        await asyncio.wait_for(server.closed.wait(), 5)  # the backend saw the abort
+        assert pool.stats().backends[server.url].active == 0
+    finally:
+        await pool.aclose()
+
+
+async def test_chunk_timeout(server: ScriptedServer) -> None:
+    pool = UpstreamPool()
+    try:
+        response = await pool.request(
+            server.url, "POST", "/stream", headers=[], body=b"", chunk_timeout=0.05
+        )
+        chunks = aiter(response)
+        await anext(chunks)
+        with pytest.raises(UpstreamTimeout) as info:
+            await anext(chunks)
+        assert info.value.kind == "timeout"
+        await asyncio.wait_for(server.closed.wait(), 5)
+        assert pool.stats().backends[server.url].active == 0
+    finally:
+        await pool.aclose()
+
+
+async def test_early_close_aborts_the_upstream_request(server: ScriptedServer) -> None:
+    pool = UpstreamPool()
+    try:
+        response = await pool.request(server.url, "POST", "/stream", headers=[], body=b"")
+        await anext(aiter(response))
+        await response.aclose()
+        await response.aclose()
+        await asyncio.wait_for(server.closed.wait(), 5)
+        assert server.open_connections == 0
+        stats = pool.stats().backends[server.url]
+        assert (stats.active, stats.idle) == (0, 0)
+        assert [c async for c in response] == []
+    finally:
+        await pool.aclose()
+
+
+async def test_warm_opens_idle_connections_that_requests_reuse(server: ScriptedServer) -> None:
+    pool = UpstreamPool(max_connections_per_backend=4)
+    try:
+        await pool.warm(server.url, 3)
+        await pool.warm(server.url, 3)  # already warm: opens nothing more
+        await wait_until(lambda: server.connections == 3)
+        assert pool.stats().backends[server.url].idle == 3
+        response = await pool.request(server.url, "POST", "/ok", headers=[], body=b"")
+        assert response.reused
+        await response.read()
+        assert pool.stats().connects == 3 and pool.stats().reuse_ratio == 1.0
+        await pool.warm(f"http://127.0.0.1:{free_port()}", 2)  # a dead backend only logs
+    finally:
+        await pool.aclose()
+
+
+async def test_connection_close_response_is_not_reused(server: ScriptedServer) -> None:
+    pool = UpstreamPool()
+    try:
+        assert await get(pool, server.url, "/close") == b"ok"
+        assert pool.stats().backends[server.url].idle == 0
+        assert await get(pool, server.url, "/ok") == b"ok:"
+        assert pool.stats().connects == 2
+    finally:
+        await pool.aclose()
+
+
+async def test_backend_closing_an_idle_connection_is_survived(server: ScriptedServer) -> None:
+    pool = UpstreamPool()
+    try:
+        await get(pool, server.url, "/ok")
+        for writer in list(server.writers):
+            writer.close()  # as the backend's keep-alive timeout does
+        await wait_until(lambda: pool.stats().backends[server.url].idle == 0)
+        assert await get(pool, server.url, "/ok") == b"ok:"
+        assert pool.stats().connects == 2
+    finally:
+        await pool.aclose()
+
+
+async def test_error_status_is_a_response_not_an_exception(server: ScriptedServer) -> None:
+    pool = UpstreamPool()
+    try:
+        response = await pool.request(server.url, "POST", "/status503", headers=[], body=b"")
+        assert response.status == 503 and await response.read() == b"busy"
+        assert response.header(b"content-length") == b"4"
+    finally:
+        await pool.aclose()
+
+
+async def test_garbage_response_is_a_protocol_error(server: ScriptedServer) -> None:
+    pool = UpstreamPool()
+    try:
+        with pytest.raises(UpstreamProtocolError):
+            await pool.request(server.url, "POST", "/garbage", headers=[], body=b"")
+        assert pool.stats().backends[server.url].active == 0
+    finally:
+        await pool.aclose()
+
+
+async def test_hop_by_hop_headers_are_replaced(server: ScriptedServer) -> None:
+    pool = UpstreamPool()
+    try:
+        headers = [(b"Connection", b"close"), (b"content-length", b"99"), (b"x-request-id", b"r1")]
+        response = await pool.request(server.url, "POST", "/ok", headers=headers, body=b"ab")
+        assert await response.read() == b"ok:ab"
+        _, _, seen = server.requests[0]
+        assert seen[b"content-length"] == b"2" and seen[b"x-request-id"] == b"r1"
+        assert b"connection" not in seen
+    finally:
+        await pool.aclose()
+
+
+async def test_bad_input_is_rejected(server: ScriptedServer) -> None:
+    pool = UpstreamPool()
+    try:
+        with pytest.raises(ValueError, match="http://host"):
+            await pool.request("https://example.invalid", "GET", "/", headers=[], body=b"")
+        with pytest.raises(ValueError, match="path"):
+            await pool.request(server.url + "/v1", "GET", "/", headers=[], body=b"")
+        with pytest.raises(ValueError, match="invalid upstream request"):
+            await pool.request(server.url, "GET", "/", headers=[(b"x-bad", b"a\r\nb")], body=b"")
+        assert pool.stats().backends[server.url].active == 0
+        with pytest.raises(ValueError):
+            UpstreamPool(max_connections_per_backend=0)
+    finally:
+        await pool.aclose()
+
+
+async def test_closed_pool_refuses_requests(server: ScriptedServer) -> None:
+    pool = UpstreamPool()
+    await get(pool, server.url, "/ok")
+    await pool.aclose()
+    with pytest.raises(UpstreamError):
+        await pool.request(server.url, "GET", "/ok", headers=[], body=b"")
