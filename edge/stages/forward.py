@@ -1,0 +1,75 @@
+"""Forward stage: the upstream request — original body bytes (plus `rid`) and the headers.
+
+The body is forwarded as the client sent it. SGLang aborts a request by its `rid`, so when the
+body has none the request id is spliced in right after the opening brace: the body parsed as a JSON
+object, so its first non-blank byte is `{` and inserting one member there keeps it valid JSON
+without re-serialising the rest (cheap and exact for any body size).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from edge.errors import InvalidRequest
+
+_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:\-]{1,128}")
+_WHITESPACE = b" \t\r\n"
+
+
+def new_request_id() -> str:
+    """A 128-bit random id in hex (as SGLang's own `uuid4().hex` rids)."""
+    return os.urandom(16).hex()
+
+
+def request_id_from(header: bytes | None) -> str:
+    """The client's `x-request-id` if well-formed, a new one if absent; 400 if malformed.
+
+    Restricted to a safe alphabet because it travels in a header, in JSON and in logs.
+    """
+    if header is None:
+        return new_request_id()
+    if _REQUEST_ID.fullmatch(header) is None:
+        raise InvalidRequest(
+            "x-request-id must be 1-128 characters of A-Z a-z 0-9 . _ : -",
+            param="x-request-id",
+            code="invalid_request_id",
+        )
+    return header.decode("ascii")
+
+
+def splice_rid(raw: bytes, body: Mapping[str, Any], rid: str) -> bytes:
+    """`raw` with `"rid": rid` added as the object's first member (unless it has a rid already)."""
+    if "rid" in body:
+        return raw
+    start = 0
+    while raw[start] in _WHITESPACE:
+        start += 1
+    member = b'"rid":' + json.dumps(rid).encode()
+    # `{}` gets no comma; any other object keeps its members after ours
+    return raw[: start + 1] + member + (b"," if body else b"") + raw[start + 1 :]
+
+
+def upstream_headers(
+    *,
+    request_id: str,
+    early_data: bool,
+    traceparent: bytes | None,
+    tracestate: bytes | None,
+) -> list[tuple[bytes, bytes]]:
+    """Headers for the backend: JSON body, the request id, trace context, Early-Data.
+
+    RFC 8470 §5.1: a request forwarded before the client's handshake completed carries
+    `Early-Data: 1`, so the origin can answer 425 if it would not accept a replay.
+    """
+    headers = [(b"content-type", b"application/json"), (b"x-request-id", request_id.encode())]
+    if traceparent is not None:
+        headers.append((b"traceparent", traceparent))
+        if tracestate is not None:
+            headers.append((b"tracestate", tracestate))
+    if early_data:
+        headers.append((b"early-data", b"1"))
+    return headers

@@ -1,0 +1,93 @@
+"""Validate stage: the fields each inference route needs, checked once, with the field named.
+
+The backend validates everything else (sampling parameters...) and answers 400 itself; the edge
+checks only what it needs to route and relay, so a broken request never reaches a backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from edge.errors import InvalidRequest
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+GENERATE = "/generate"
+
+
+def _missing(field: str, what: str) -> InvalidRequest:
+    return InvalidRequest(f"'{field}' is required: {what}", param=field, code="missing_field")
+
+
+def _invalid(field: str, what: str) -> InvalidRequest:
+    return InvalidRequest(f"'{field}' is invalid: {what}", param=field, code="invalid_value")
+
+
+def _check_chat(body: dict[str, Any]) -> None:
+    messages = body.get("messages")
+    if messages is None:
+        raise _missing("messages", "a non-empty list of {role, content} objects")
+    if not isinstance(messages, list) or not messages:
+        raise _invalid("messages", "must be a non-empty list")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise _invalid(f"messages[{i}]", "must be an object")
+        if not isinstance(message.get("role"), str):
+            raise _invalid(f"messages[{i}].role", "must be a string")
+        content = message.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise _invalid(f"messages[{i}].content", "must be a string or a list of parts")
+
+
+def _is_prompt(value: Any) -> bool:
+    """A prompt is a string, token ids, or a list of either (OpenAI completions)."""
+    if isinstance(value, str):
+        return True
+    if isinstance(value, list) and value:
+        return all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value) or all(
+            isinstance(v, list) and all(isinstance(t, int) for t in v) for v in value
+        )
+    return False
+
+
+def _check_completions(body: dict[str, Any]) -> None:
+    if "prompt" not in body:
+        raise _missing("prompt", "a string, a list of strings or token ids")
+    if not _is_prompt(body["prompt"]):
+        raise _invalid("prompt", "must be a string, a list of strings or token ids")
+
+
+def _check_generate(body: dict[str, Any]) -> None:
+    text, ids = body.get("text"), body.get("input_ids")
+    if text is None and ids is None:
+        raise _missing("text", "`text` or `input_ids` is needed")
+    if text is not None and not _is_prompt(text):
+        raise _invalid("text", "must be a string or a list of strings")
+    if ids is not None and not _is_prompt(ids):
+        raise _invalid("input_ids", "must be a list of token ids")
+    params = body.get("sampling_params")
+    if params is not None and not isinstance(params, dict):
+        raise _invalid("sampling_params", "must be an object")
+
+
+VALIDATORS: dict[str, Callable[[dict[str, Any]], None]] = {
+    CHAT: _check_chat,
+    COMPLETIONS: _check_completions,
+    GENERATE: _check_generate,
+}
+
+
+def validate(route: str, body: dict[str, Any]) -> bool:
+    """Check the route's required fields and the common ones; return whether it streams."""
+    VALIDATORS[route](body)
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _invalid("stream", "must be true or false")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _invalid("model", "must be a string")
+    rid = body.get("rid")
+    if rid is not None and not isinstance(rid, (str, list)):
+        raise _invalid("rid", "must be a string")
+    return stream

@@ -1,0 +1,132 @@
+"""SSEScanner: the same answer whether the stream comes whole, byte by byte, or split anywhere."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from edge.relay import SSEScanner, Usage, usage_from
+
+
+def sse(*objs: object) -> bytes:
+    out = b""
+    for obj in objs:
+        out += b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
+    return out
+
+
+def chat_chunk(delta: dict[str, object], finish: str | None = None) -> dict[str, object]:
+    return {
+        "id": "r1",
+        "object": "chat.completion.chunk",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
+
+
+CHAT_STREAM = sse(
+    chat_chunk({"role": "assistant", "content": ""}),
+    chat_chunk({"content": " Paris"}),
+    chat_chunk({"content": " is"}),
+    chat_chunk({}, finish="stop"),
+    {
+        "id": "r1",
+        "choices": [],
+        "usage": {
+            "prompt_tokens": 36,
+            "completion_tokens": 2,
+            "prompt_tokens_details": {"cached_tokens": 30},
+        },
+    },
+    b"[DONE]",
+)
+
+
+def meta(completion: int) -> dict[str, int]:
+    return {"prompt_tokens": 5, "cached_tokens": 2, "completion_tokens": completion}
+
+
+GENERATE_STREAM = sse(
+    {"text": " Paris", "meta_info": meta(1)},
+    {"text": " Paris.", "meta_info": meta(2)},
+    b"[DONE]",
+)
+
+COMPLETIONS_STREAM = sse(
+    {"choices": [{"index": 0, "text": "a"}], "usage": None},
+    {"choices": [{"index": 0, "text": "b", "finish_reason": "length"}], "usage": None},
+    b"[DONE]",
+)
+
+
+def splits(stream: bytes) -> list[list[bytes]]:
+    """Whole, one byte at a time, and cut at every single position."""
+    ways = [[stream], [stream[i : i + 1] for i in range(len(stream))]]
+    ways += [[stream[:i], stream[i:]] for i in range(1, len(stream))]
+    return ways
+
+
+@pytest.mark.parametrize(
+    ("stream", "content", "events", "usage"),
+    [
+        (CHAT_STREAM, 2, 5, Usage(36, 30, 2)),
+        (GENERATE_STREAM, 2, 2, Usage(5, 2, 2)),
+        (COMPLETIONS_STREAM, 2, 2, Usage()),
+    ],
+    ids=["chat", "generate", "completions"],
+)
+def test_every_split_gives_the_same_accounting(
+    stream: bytes, content: int, events: int, usage: Usage
+) -> None:
+    for parts in splits(stream):
+        scanner = SSEScanner()
+        seen = sum(scanner.feed(part) for part in parts)
+        assert seen == content
+        assert scanner.events == events
+        assert scanner.done
+        assert scanner.usage() == usage
+        assert scanner.error is None
+
+
+def test_first_content_is_reported_in_the_chunk_that_completes_it() -> None:
+    scanner = SSEScanner()
+    role, first, _ = CHAT_STREAM.split(b"\n\n", 2)
+    assert scanner.feed(role + b"\n\n") == 0  # the role chunk has empty content
+    assert scanner.feed(first[:10]) == 0
+    assert scanner.feed(first[10:] + b"\n") == 0
+    assert scanner.feed(b"\n") == 1
+
+
+def test_trailing_partial_event_is_kept_not_counted() -> None:
+    scanner = SSEScanner()
+    assert scanner.feed(GENERATE_STREAM + b'data: {"text": "x"') == 2
+    assert scanner.feed(b"}") == 0
+    assert scanner.events == 2
+    assert scanner.feed(b"\n\n") == 1
+    assert scanner.events == 3
+
+
+def test_whitespace_in_json_is_understood() -> None:
+    scanner = SSEScanner()
+    assert scanner.feed(b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n') == 1
+    assert scanner.feed(b'data: {"choices": [{"delta": {"content": ""}}]}\n\n') == 0
+
+
+def test_error_event_is_recorded() -> None:
+    scanner = SSEScanner()
+    scanner.feed(sse({"error": {"message": "context too long", "code": 400}}, b"[DONE]"))
+    assert scanner.error == {"message": "context too long", "code": 400}
+    assert scanner.done
+
+
+def test_comments_and_other_fields_are_relayed_not_counted() -> None:
+    scanner = SSEScanner()
+    assert scanner.feed(b": keep-alive\n\nevent: ping\nid: 3\n\n") == 0
+    assert scanner.events == 0
+
+
+def test_usage_from_openai_and_native() -> None:
+    assert usage_from({"usage": {"prompt_tokens": 3, "completion_tokens": 1}}) == Usage(3, None, 1)
+    assert usage_from({"meta_info": {"prompt_tokens": 9, "cached_tokens": 4}}) == Usage(9, 4, None)
+    assert usage_from([1, 2]) == Usage()
+    assert usage_from({"usage": {"prompt_tokens": True}}) == Usage()
