@@ -1,0 +1,451 @@
+"""The backends the edge forwards to, and what the edge knows about each of them.
+
+Health has three independent parts:
+
+- **Active checks**: `GET /health` every `interval`; `failure_threshold` consecutive failures
+  mark a backend unhealthy, `success_threshold` consecutive successes mark it healthy again.
+- **Passive ejection**: `eject_after` consecutive connect failures, timeouts, broken responses or
+  5xx answers eject a backend for `eject_base_s`, doubling with each ejection in a row up to
+  `eject_max_s` (exponential backoff, as Envoy's outlier detection). A success resets both.
+- **Degraded**: a backend whose TTFT p99, KV usage (`token_usage` from `/v1/loads`) or waiting
+  queue exceeds its threshold still takes work, but only when no healthy, non-degraded backend can.
+
+`track()` is the one place where `in_flight` and `in_flight_prefill_tokens` change. Routing reads
+them synchronously; they are exact because every change happens on one event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+from urllib.parse import urlsplit
+
+from backends.pool import UpstreamPool
+
+log = logging.getLogger(__name__)
+
+# Failure kinds `record_failure` accepts; the first four count towards passive ejection.
+EJECTING_KINDS = frozenset({"connect", "timeout", "protocol", "5xx"})
+FAILURE_KINDS = EJECTING_KINDS | {"429", "4xx", "disconnect"}
+
+
+@dataclass(frozen=True, slots=True)
+class LoadView:
+    """The fields of `backends.sglang.LoadSnapshot` the registry reads."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_total_tokens: int
+    token_usage: float
+    max_total_tokens: int | None
+
+
+class BackendClient(Protocol):
+    """What the registry needs from `backends.sglang.SGLangClient`."""
+
+    async def health(self) -> bool: ...
+    async def loads(self) -> Any: ...
+    async def aclose(self) -> None: ...
+
+
+ClientFactory = Callable[[str, float], BackendClient]
+
+
+def _sglang_client(url: str, timeout: float) -> BackendClient:
+    from backends.sglang import SGLangClient
+
+    return SGLangClient(url, timeout=timeout)
+
+
+@dataclass(slots=True)
+class HealthConfig:
+    """Health checking, ejection and degradation settings (times in seconds)."""
+
+    interval: float = 5.0
+    """Period of the active `/health` check (SGLang's router: 60 s; we want faster return)."""
+    timeout: float = 2.0
+    """Timeout of one `/health` or `/v1/loads` call."""
+    failure_threshold: int = 3
+    success_threshold: int = 2
+    loads_interval: float | None = 1.0
+    """Period of `/v1/loads` polling; None turns it off."""
+    eject_after: int = 5
+    """Consecutive passive failures (connect, timeout, protocol, 5xx) that eject a backend."""
+    eject_base_s: float = 2.0
+    eject_max_s: float = 60.0
+    degraded_ttft_p99_s: float | None = None
+    """TTFT p99 above which a backend is degraded (None: not used)."""
+    degraded_token_usage: float | None = 0.98
+    """KV usage (0..1) above which a backend is degraded: its cache is evicting hard."""
+    degraded_queue: int | None = None
+    """Waiting requests (`num_waiting_reqs`) above which a backend is degraded."""
+    ttft_window: int = 256
+    """TTFT samples kept per backend for the p99."""
+    min_ttft_samples: int = 20
+    """Samples needed before the TTFT p99 may mark a backend degraded."""
+
+    def __post_init__(self) -> None:
+        positive = {"interval": self.interval, "timeout": self.timeout,
+                    "eject_base_s": self.eject_base_s, "eject_max_s": self.eject_max_s}  # fmt: skip
+        for name, value in positive.items():
+            if not value > 0:
+                raise ValueError(f"health.{name} must be > 0, got {value!r}")
+        if self.loads_interval is not None and not self.loads_interval > 0:
+            raise ValueError("health.loads_interval must be > 0 or None")
+        for name in ("failure_threshold", "success_threshold", "eject_after", "ttft_window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"health.{name} must be >= 1")
+        if self.degraded_token_usage is not None and not 0 < self.degraded_token_usage <= 1:
+            raise ValueError("health.degraded_token_usage must be in (0, 1]")
+        if self.degraded_ttft_p99_s is not None and not self.degraded_ttft_p99_s > 0:
+            raise ValueError("health.degraded_ttft_p99_s must be > 0")
+        if self.degraded_queue is not None and self.degraded_queue < 0:
+            raise ValueError("health.degraded_queue must be >= 0")
+
+
+@dataclass(eq=False)
+class Backend:
+    """One backend and the edge's view of it. Identity, not value, makes two backends equal."""
+
+    name: str
+    url: str
+    healthy: bool = True
+    degraded: bool = False
+    ejected_until: float = 0.0
+    in_flight: int = 0
+    """Requests the edge has in flight on this backend (changed only by `track`)."""
+    in_flight_prefill_tokens: int = 0
+    """Predicted uncached prompt tokens of requests not yet past their first token."""
+    in_prefill: int = 0
+    """Requests not yet past their first token."""
+    load: Any = None
+    """The last `/v1/loads` answer (a LoadSnapshot), None until one arrived."""
+    max_concurrency: int | None = None
+    degraded_reason: str | None = None
+    requests: int = 0
+    successes: int = 0
+    failures: dict[str, int] = field(default_factory=dict)
+    consecutive_failures: int = 0
+    ejections_in_a_row: int = 0
+    ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=256))
+    check_successes: int = 0
+    check_failures: int = 0
+
+    def ttft_p99(self) -> float | None:
+        if not self.ttfts:
+            return None
+        ordered = sorted(self.ttfts)
+        return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+
+    def __repr__(self) -> str:
+        return (
+            f"<Backend {self.name} healthy={self.healthy} degraded={self.degraded} "
+            f"in_flight={self.in_flight} prefill_tokens={self.in_flight_prefill_tokens}>"
+        )
+
+
+class Ticket:
+    """One request in flight on a backend, as handed out by `BackendRegistry.track`."""
+
+    __slots__ = ("_in_prefill", "backend", "prefill_tokens")
+
+    def __init__(self, backend: Backend, prefill_tokens: int) -> None:
+        self.backend = backend
+        self.prefill_tokens = prefill_tokens
+        self._in_prefill = True
+
+    def first_token(self) -> None:
+        """The first token arrived: this request no longer queues prefill work. Idempotent."""
+        if self._in_prefill:
+            self._in_prefill = False
+            self.backend.in_flight_prefill_tokens -= self.prefill_tokens
+            self.backend.in_prefill -= 1
+
+
+def _name_for(url: str) -> str:
+    return urlsplit(url).netloc
+
+
+class BackendRegistry:
+    """Every backend, their health, and the edge's in-flight accounting."""
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        pool: UpstreamPool | None,
+        health: HealthConfig | None = None,
+        names: Sequence[str] | None = None,
+        max_concurrency: int | None = None,
+        warm_connections: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+        client_factory: ClientFactory | None = None,
+    ) -> None:
+        if not urls:
+            raise ValueError("at least one backend URL is required")
+        if names is not None and len(names) != len(urls):
+            raise ValueError("names must match urls one for one")
+        if max_concurrency is not None and max_concurrency < 1:
+            raise ValueError("max_concurrency must be >= 1")
+        if warm_connections < 0:
+            raise ValueError("warm_connections must be >= 0")
+        self.health = health or HealthConfig()
+        self.pool = pool
+        self.warm_connections = warm_connections
+        self._clock = clock
+        self._client_factory = client_factory or _sglang_client
+        self.backends: list[Backend] = []
+        seen: set[str] = set()
+        for i, raw in enumerate(urls):
+            url = raw.rstrip("/")
+            parts = urlsplit(url)
+            if parts.scheme != "http" or not parts.hostname or parts.path:
+                raise ValueError(f"backend URL must be http://host[:port], got {raw!r}")
+            if url in seen:
+                raise ValueError(f"backend {url} is listed twice")
+            seen.add(url)
+            backend = Backend(
+                name=names[i] if names is not None else _name_for(url),
+                url=url,
+                max_concurrency=max_concurrency,
+            )
+            backend.ttfts = deque(maxlen=self.health.ttft_window)
+            self.backends.append(backend)
+        self._by_name = {b.name: b for b in self.backends}
+        if len(self._by_name) != len(self.backends):
+            raise ValueError("backend names must be unique")
+        self._tasks: list[asyncio.Task[None]] = []
+        self._clients: dict[str, BackendClient] = {}
+
+    def get(self, name: str) -> Backend | None:
+        return self._by_name.get(name)
+
+    # -- selection ------------------------------------------------------------------------
+    def available(self, backend: Backend, now: float | None = None) -> bool:
+        """Healthy, not ejected and under its concurrency cap."""
+        if now is None:
+            now = self._clock()
+        return (
+            backend.healthy
+            and backend.ejected_until <= now
+            and (backend.max_concurrency is None or backend.in_flight < backend.max_concurrency)
+        )
+
+    def candidates(self) -> list[Backend]:
+        """Backends that may take a new request: degraded ones only if nothing else can."""
+        now = self._clock()
+        able = [b for b in self.backends if self.available(b, now)]
+        good = [b for b in able if not b.degraded]
+        return good or able
+
+    # -- accounting -----------------------------------------------------------------------
+    @contextlib.contextmanager
+    def track(self, backend: Backend, *, prefill_tokens: int) -> Iterator[Ticket]:
+        """Count one request in flight on `backend` for the duration of the block.
+
+        The only place the in-flight counts change; the `finally` restores them on every path
+        (success, error, client disconnect, timeout, cancellation).
+        """
+        tokens = max(0, int(prefill_tokens))
+        ticket = Ticket(backend, tokens)
+        backend.in_flight += 1
+        backend.in_prefill += 1
+        backend.in_flight_prefill_tokens += tokens
+        backend.requests += 1
+        try:
+            yield ticket
+        finally:
+            ticket.first_token()
+            backend.in_flight -= 1
+
+    def record_success(self, backend: Backend, *, ttft_s: float | None) -> None:
+        backend.successes += 1
+        backend.consecutive_failures = 0
+        backend.ejections_in_a_row = 0
+        if ttft_s is not None:
+            backend.ttfts.append(ttft_s)
+        self._update_degraded(backend)
+
+    def record_failure(self, backend: Backend, kind: str) -> None:
+        """Count a failed attempt; `kind` is one of FAILURE_KINDS (an UpstreamError's `.kind`)."""
+        if kind not in FAILURE_KINDS:
+            raise ValueError(
+                f"unknown failure kind {kind!r}; expected one of {sorted(FAILURE_KINDS)}"
+            )
+        backend.failures[kind] = backend.failures.get(kind, 0) + 1
+        if kind not in EJECTING_KINDS:
+            return
+        backend.consecutive_failures += 1
+        if backend.consecutive_failures >= self.health.eject_after:
+            h = self.health
+            duration = min(h.eject_max_s, h.eject_base_s * 2**backend.ejections_in_a_row)
+            backend.ejected_until = self._clock() + duration
+            backend.ejections_in_a_row += 1
+            backend.consecutive_failures = 0
+            log.warning("ejecting backend %s for %.1fs after %s failures", backend.name,
+                        duration, h.eject_after)  # fmt: skip
+
+    def set_load(self, backend: Backend, load: Any) -> None:
+        backend.load = load
+        self._update_degraded(backend)
+
+    def _update_degraded(self, backend: Backend) -> None:
+        h = self.health
+        reason = None
+        load = backend.load
+        if load is not None:
+            if h.degraded_token_usage is not None and load.token_usage > h.degraded_token_usage:
+                reason = f"token_usage {load.token_usage:.2f} > {h.degraded_token_usage}"
+            elif h.degraded_queue is not None and load.num_waiting_reqs > h.degraded_queue:
+                reason = f"queue {load.num_waiting_reqs} > {h.degraded_queue}"
+        if reason is None and h.degraded_ttft_p99_s is not None:
+            if len(backend.ttfts) >= h.min_ttft_samples:
+                p99 = backend.ttft_p99()
+                if p99 is not None and p99 > h.degraded_ttft_p99_s:
+                    reason = f"ttft p99 {p99 * 1000:.0f}ms > {h.degraded_ttft_p99_s * 1000:.0f}ms"
+        backend.degraded = reason is not None
+        backend.degraded_reason = reason
+
+    def record_check(self, backend: Backend, ok: bool) -> None:
+        """Apply one active health-check result with the configured thresholds."""
+        if ok:
+            backend.check_successes += 1
+            backend.check_failures = 0
+            if not backend.healthy and backend.check_successes >= self.health.success_threshold:
+                backend.healthy = True
+                log.info("backend %s is healthy again", backend.name)
+                if self.pool is not None and self.warm_connections:
+                    self._spawn(self.pool.warm(backend.url, self.warm_connections))
+        else:
+            backend.check_failures += 1
+            backend.check_successes = 0
+            if backend.healthy and backend.check_failures >= self.health.failure_threshold:
+                backend.healthy = False
+                log.warning("backend %s failed %d health checks", backend.name,
+                            backend.check_failures)  # fmt: skip
+
+    # -- background work ------------------------------------------------------------------
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.append(task)
+        task.add_done_callback(self._forget)
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        with contextlib.suppress(ValueError):
+            self._tasks.remove(task)
+
+    def _client(self, backend: Backend) -> BackendClient:
+        client = self._clients.get(backend.url)
+        if client is None:
+            client = self._clients[backend.url] = self._client_factory(
+                backend.url, self.health.timeout
+            )
+        return client
+
+    async def check_once(self, backend: Backend) -> bool:
+        """One active `/health` check; any error or timeout counts as a failure."""
+        try:
+            async with asyncio.timeout(self.health.timeout):
+                ok = bool(await self._client(backend).health())
+        except Exception as exc:  # a dead backend raises many things; all mean "not healthy"
+            log.debug("health check of %s failed: %r", backend.name, exc)
+            ok = False
+        self.record_check(backend, ok)
+        return ok
+
+    async def poll_load_once(self, backend: Backend) -> None:
+        try:
+            async with asyncio.timeout(self.health.timeout):
+                load = await self._client(backend).loads()
+        except Exception as exc:
+            log.debug("load poll of %s failed: %r", backend.name, exc)
+            load = None
+        self.set_load(backend, load)
+
+    async def _check_loop(self, backend: Backend) -> None:
+        while True:
+            await self.check_once(backend)
+            await asyncio.sleep(self.health.interval)
+
+    async def _load_loop(self, backend: Backend, interval: float) -> None:
+        while True:
+            if backend.healthy:
+                await self.poll_load_once(backend)
+            await asyncio.sleep(interval)
+
+    async def start(self) -> None:
+        """Pre-warm pool connections, then start the health checks and load polling."""
+        if self.pool is not None and self.warm_connections:
+            await asyncio.gather(
+                *(self.pool.warm(b.url, self.warm_connections) for b in self.backends)
+            )
+        for backend in self.backends:
+            self._spawn(self._check_loop(backend))
+            if self.health.loads_interval is not None:
+                self._spawn(self._load_loop(backend, self.health.loads_interval))
+
+    async def aclose(self) -> None:
+        tasks, self._tasks = list(self._tasks), []
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        clients, self._clients = list(self._clients.values()), {}
+        for client in clients:
+            with contextlib.suppress(Exception):
+                await client.aclose()
+
+    # -- admin ----------------------------------------------------------------------------
+    def snapshot(self) -> list[dict[str, Any]]:
+        """JSON-able state of every backend, for the admin `/backends` route."""
+        now = self._clock()
+        out: list[dict[str, Any]] = []
+        for b in self.backends:
+            load = b.load
+            p99 = b.ttft_p99()
+            out.append(
+                {
+                    "name": b.name,
+                    "url": b.url,
+                    "healthy": b.healthy,
+                    "available": self.available(b, now),
+                    "degraded": b.degraded,
+                    "degraded_reason": b.degraded_reason,
+                    "ejected_for_s": round(max(0.0, b.ejected_until - now), 3),
+                    "in_flight": b.in_flight,
+                    "in_flight_prefill_tokens": b.in_flight_prefill_tokens,
+                    "max_concurrency": b.max_concurrency,
+                    "requests": b.requests,
+                    "successes": b.successes,
+                    "failures": dict(b.failures),
+                    "ttft_p99_ms": None if p99 is None else round(p99 * 1000, 2),
+                    "load": None
+                    if load is None
+                    else {
+                        "num_running_reqs": load.num_running_reqs,
+                        "num_waiting_reqs": load.num_waiting_reqs,
+                        "num_total_tokens": load.num_total_tokens,
+                        "token_usage": load.token_usage,
+                        "max_total_tokens": load.max_total_tokens,
+                    },
+                }
+            )
+        return out
+
+
+__all__ = [
+    "EJECTING_KINDS",
+    "FAILURE_KINDS",
+    "Backend",
+    "BackendClient",
+    "BackendRegistry",
+    "HealthConfig",
+    "LoadView",
+    "Ticket",
+]
