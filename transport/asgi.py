@@ -1,0 +1,30 @@
+"""ASGI types shared by the listeners, and the scope extensions every transport adds."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+def with_tcp_extensions(app: ASGIApp) -> ASGIApp:
+    """Wrap an app served by hypercorn: ``transport`` = h2/h1, ``early_data`` False.
+
+    TLS over TCP in Python has no early-data API (stdlib ``ssl``), so nothing arrives early.
+    """
+
+    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            extensions = dict(scope.get("extensions") or {})
+            extensions["transport"] = "h2" if scope.get("http_version") == "2" else "h1"
+            extensions["early_data"] = False
+            extensions["handshake_wait_s"] = 0.0
+            scope = {**scope, "extensions": extensions}
+        await app(scope, receive, send)
+
+    return wrapped

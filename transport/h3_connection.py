@@ -1,0 +1,134 @@
+"""aioquic's H3Connection with bad requests confined to their own stream.
+
+aioquic raises ``MessageError`` for a malformed request (missing, duplicated or unknown
+pseudo-headers, bad header characters, a content-length that does not match the body) and turns
+it into a *connection* error, killing every other request on the connection. RFC 9114 §4.1.2
+says a malformed request is a *stream* error of type H3_MESSAGE_ERROR; this subclass does that.
+It also refuses a HEADERS frame larger than the header limit before buffering it (RFC 9114
+§4.2.2, §10.5), so an oversize header block costs neither memory nor the connection.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aioquic.buffer import encode_uint_var
+from aioquic.h3.connection import (
+    ErrorCode,
+    FrameType,
+    H3Connection,
+    H3Stream,
+    MessageError,
+    encode_frame,
+    stream_is_request_response,
+)
+from aioquic.h3.events import H3Event
+from aioquic.quic.connection import QuicConnection
+
+
+@dataclass(frozen=True, slots=True)
+class StreamFailed:
+    """A request stream the connection refused before the application saw it."""
+
+    stream_id: int
+    status: int | None
+    """HTTP status to answer with, or None when the stream was reset."""
+    reason: str
+
+
+class _HeaderBlockTooLarge(Exception):
+    pass
+
+
+class StreamConfinedH3Connection(H3Connection):
+    """A server-side H3Connection that answers bad requests with a stream error."""
+
+    def __init__(self, quic: QuicConnection, *, max_header_bytes: int) -> None:
+        super().__init__(quic)
+        self._failed: set[int] = set()
+        self._max_header_bytes = max_header_bytes
+        self.failed_streams: list[StreamFailed] = []
+        """Streams refused since the caller last drained this list."""
+
+    def stop_reading(self, stream_id: int, error_code: int) -> None:
+        """Ask the peer to stop sending (STOP_SENDING) and ignore whatever still arrives."""
+        self._failed.add(stream_id)
+        stream = self._stream.get(stream_id)
+        if stream is not None:
+            stream.buffer = b""
+            stream.frame_size = None
+            stream.frame_type = None
+        try:
+            self._quic.stop_stream(stream_id, error_code)
+        except ValueError:
+            pass  # the receiving side is already finished and discarded
+
+    def abort_stream(self, stream_id: int, error_code: int) -> None:
+        """Reset our side (RESET_STREAM) and stop reading the peer's."""
+        self.stop_reading(stream_id, error_code)
+        self._quic.reset_stream(stream_id, error_code)
+        stream = self._stream.get(stream_id)
+        if stream is not None:
+            stream.sending_ended = True
+
+    def send_goaway(self, stream_id: int) -> None:
+        """GOAWAY on our control stream (RFC 9114 §5.2, §7.2.6); aioquic has no API for it."""
+        assert self._local_control_stream_id is not None
+        self._quic.send_stream_data(
+            self._local_control_stream_id,
+            encode_frame(FrameType.GOAWAY, encode_uint_var(stream_id)),
+        )
+
+    def forget(self, stream_id: int) -> None:
+        """Drop all state of a finished stream."""
+        self._failed.discard(stream_id)
+        self._stream.pop(stream_id, None)
+
+    def _receive_request_or_push_data(
+        self, stream: H3Stream, data: bytes, stream_ended: bool
+    ) -> list[H3Event]:
+        if stream.stream_id in self._failed:
+            if stream_ended:
+                stream.receiving_ended = True
+            return []
+        try:
+            return super()._receive_request_or_push_data(stream, data, stream_ended)
+        except _HeaderBlockTooLarge:
+            self.stop_reading(stream.stream_id, ErrorCode.H3_EXCESSIVE_LOAD)
+            self.failed_streams.append(
+                StreamFailed(stream.stream_id, 431, "request header block too large")
+            )
+            return []
+
+    def _check_request_or_push_frame_type(self, frame_type: int, stream: H3Stream) -> None:
+        super()._check_request_or_push_frame_type(frame_type, stream)
+        if (
+            not self._is_client
+            and frame_type == FrameType.HEADERS
+            and stream.frame_size is not None
+            and stream.frame_size > self._max_header_bytes
+        ):
+            # The encoded block is never larger than the decoded field section, so this
+            # refuses only requests that are over the limit anyway.
+            raise _HeaderBlockTooLarge
+
+    def _handle_request_or_push_frame(
+        self,
+        frame_type: int,
+        frame_data: bytes | None,
+        stream: H3Stream,
+        stream_ended: bool,
+    ) -> list[H3Event]:
+        if stream.stream_id in self._failed:
+            return []
+        try:
+            return super()._handle_request_or_push_frame(
+                frame_type, frame_data, stream, stream_ended
+            )
+        except MessageError as exc:
+            if self._is_client or not stream_is_request_response(stream.stream_id):
+                raise
+            # RFC 9114 §4.1.2: a malformed request is a stream error H3_MESSAGE_ERROR.
+            self.abort_stream(stream.stream_id, ErrorCode.H3_MESSAGE_ERROR)
+            self.failed_streams.append(StreamFailed(stream.stream_id, None, exc.reason_phrase))
+            return []

@@ -1,0 +1,325 @@
+"""The HTTP/3 listener: aioquic's QUIC endpoint, one thin asyncio protocol per connection.
+
+Each datagram goes ``QuicConnection.receive_datagram`` → events → ``H3Session.handle`` →
+actions, which this module executes: start an app task, feed its receive queue, deliver
+``http.disconnect``. Every ASGI ``send`` writes to the session and transmits at once, so each
+response chunk leaves in its own flush.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from functools import partial
+from typing import Any
+
+from aioquic.asyncio.protocol import QuicConnectionProtocol
+from aioquic.asyncio.server import QuicServer
+from aioquic.buffer import Buffer
+from aioquic.quic.connection import NetworkAddress, QuicConnection
+from aioquic.quic.events import HandshakeCompleted, QuicEvent
+from aioquic.quic.packet import pull_quic_header
+from aioquic.tls import SessionTicket
+
+from transport.asgi import ASGIApp, Message
+from transport.early_data import EarlyDataPolicy
+from transport.h3_session import (
+    Action,
+    EarlyRequest,
+    H3Limits,
+    H3Session,
+    RequestAborted,
+    RequestBody,
+    RequestRefused,
+    StartRequest,
+)
+from transport.metrics import TransportMetrics
+from transport.retry import SharedRetryTokenHandler
+from transport.tickets import TicketStore, TicketStoreError
+from transport.tls import TlsMaterial
+
+log = logging.getLogger("quicedge.transport.h3")
+
+_DISCONNECT: Message = {"type": "http.disconnect"}
+
+
+class _Exchange:
+    """One request's ASGI channel: a receive queue and the app task."""
+
+    __slots__ = ("queue", "task")
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[Message] = asyncio.Queue()
+        self.task: asyncio.Task[None] | None = None
+
+
+class H3Protocol(QuicConnectionProtocol):
+    """One QUIC connection: feeds events to its ``H3Session`` and runs the app per request."""
+
+    def __init__(
+        self, quic: QuicConnection, stream_handler: Any = None, *, server: H3Server
+    ) -> None:
+        super().__init__(quic, stream_handler)
+        limits = server.limits
+        # aioquic has no public knob for MAX_STREAMS; set the initial credit before the
+        # transport parameters are sent. Credit returns as streams finish, so this bounds
+        # the number of concurrent request streams (RFC 9000 §4.6).
+        quic._local_max_streams_bidi.value = limits.max_concurrent_streams
+        quic._local_max_streams_bidi.sent = limits.max_concurrent_streams
+        self._server = server
+        self._session = H3Session(quic, policy=server.policy, limits=limits, server=server.address)
+        self._exchanges: dict[int, _Exchange] = {}
+        self._started_at = self._loop.time()
+
+    @property
+    def session(self) -> H3Session:
+        return self._session
+
+    @property
+    def active(self) -> int:
+        return len(self._exchanges) + self._session.open_requests
+
+    def quic_event_received(self, event: QuicEvent) -> None:
+        if isinstance(event, HandshakeCompleted):
+            self._server.handshake_completed(event, self._loop.time() - self._started_at)
+        for action in self._session.handle(event, self._loop.time()):
+            self._execute(action)
+
+    def _execute(self, action: Action) -> None:
+        if isinstance(action, RequestBody):
+            exchange = self._exchanges.get(action.stream_id)
+            if exchange is not None:
+                exchange.queue.put_nowait(
+                    {"type": "http.request", "body": action.body, "more_body": action.more_body}
+                )
+        elif isinstance(action, StartRequest):
+            exchange = _Exchange()
+            self._exchanges[action.stream_id] = exchange
+            exchange.task = self._loop.create_task(
+                self._run_app(action.stream_id, action.scope, exchange)
+            )
+        elif isinstance(action, RequestAborted):
+            exchange = self._exchanges.get(action.stream_id)
+            if exchange is not None:
+                exchange.queue.put_nowait(_DISCONNECT)
+        elif isinstance(action, RequestRefused):
+            self._server.request_refused(action)
+        elif isinstance(action, EarlyRequest):
+            self._server.early_request(action)
+
+    async def _run_app(self, stream_id: int, scope: dict[str, Any], exchange: _Exchange) -> None:
+        session = self._session
+
+        async def receive() -> Message:
+            if exchange.queue.empty() and session.response_done(stream_id):
+                return _DISCONNECT
+            return await exchange.queue.get()
+
+        async def send(message: Message) -> None:
+            kind = message["type"]
+            if kind == "http.response.start":
+                session.send_start(stream_id, int(message["status"]), message.get("headers", []))
+            elif kind == "http.response.body":
+                session.send_body(
+                    stream_id, message.get("body", b""), bool(message.get("more_body", False))
+                )
+            else:
+                raise ValueError(f"unsupported ASGI message type {kind!r}")
+            self.transmit()  # flush per send: each token chunk leaves now
+
+        try:
+            await self._server.app(scope, receive, send)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("ASGI app failed on %s %s", scope["method"], scope["path"])
+        finally:
+            self._exchanges.pop(stream_id, None)
+            if not self._session.terminated:
+                session.app_finished(stream_id)
+                self.transmit()
+
+    def app_tasks(self) -> list[asyncio.Task[None]]:
+        return [e.task for e in self._exchanges.values() if e.task is not None]
+
+    def goaway(self) -> None:
+        self._session.goaway()
+        self.transmit()
+
+    def cancel_all(self) -> None:
+        for stream_id, exchange in list(self._exchanges.items()):
+            self._session.cancel(stream_id)
+            if exchange.task is not None:
+                exchange.task.cancel()
+        self.transmit()
+
+
+class _Endpoint(QuicServer):
+    """aioquic's QuicServer that can stop admitting new connections and swap its config."""
+
+    draining = False
+
+    def datagram_received(self, data: bytes | str, addr: NetworkAddress) -> None:
+        if self.draining:
+            try:
+                header = pull_quic_header(
+                    Buffer(data=data if isinstance(data, bytes) else data.encode()),
+                    host_cid_length=self._configuration.connection_id_length,
+                )
+            except ValueError:
+                return
+            if header.destination_cid not in self._protocols:
+                return  # no new connections while draining
+        super().datagram_received(data, addr)
+
+    def protocols(self) -> list[H3Protocol]:
+        unique = {id(p): p for p in self._protocols.values() if isinstance(p, H3Protocol)}
+        return list(unique.values())
+
+
+class H3Server:
+    """An HTTP/3 listener serving one ASGI app."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        tls: TlsMaterial,
+        tickets: TicketStore | None,
+        policy: EarlyDataPolicy | None = None,
+        limits: H3Limits | None = None,
+        retry_secret: bytes | None = None,
+        metrics: TransportMetrics | None = None,
+    ) -> None:
+        self.app = app
+        self.tls = tls
+        self.tickets = tickets
+        self.policy = policy or EarlyDataPolicy()
+        self.limits = limits or H3Limits()
+        self.retry_secret = retry_secret
+        self.metrics = metrics
+        self.address: tuple[str, int] | None = None
+        self._endpoint: _Endpoint | None = None
+        self._transport: asyncio.DatagramTransport | None = None
+
+    def __repr__(self) -> str:
+        conns = len(self._endpoint.protocols()) if self._endpoint else 0
+        return f"<H3Server {self.address} connections={conns}>"
+
+    @property
+    def port(self) -> int:
+        assert self.address is not None, "not started"
+        return self.address[1]
+
+    async def start(self, host: str, port: int, *, reuse_port: bool = False) -> None:
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM)
+        if reuse_port:
+            # Workers share the port; the kernel spreads clients by 4-tuple hash.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        configuration = self.tls.quic_configuration(idle_timeout=self.limits.idle_timeout)
+        fetcher = self._take_ticket if self.tickets is not None else None
+        handler = self._keep_ticket if self.tickets is not None else None
+        transport, endpoint = await loop.create_datagram_endpoint(
+            lambda: _Endpoint(
+                configuration=configuration,
+                create_protocol=partial(H3Protocol, server=self),
+                session_ticket_fetcher=fetcher,
+                session_ticket_handler=handler,
+                retry=self.retry_secret is not None,
+            ),
+            sock=sock,
+        )
+        if self.retry_secret is not None:
+            endpoint._retry = SharedRetryTokenHandler(self.retry_secret)
+        self._transport = transport
+        self._endpoint = endpoint
+        name = sock.getsockname()
+        self.address = (str(name[0]), int(name[1]))
+        self.tls.on_reload(self._reload)
+
+    def _reload(self) -> None:
+        if self._endpoint is not None:
+            # New connections take the new certificate; live ones keep theirs.
+            self._endpoint._configuration = self.tls.quic_configuration(
+                idle_timeout=self.limits.idle_timeout
+            )
+
+    # session tickets: called synchronously by aioquic's TLS engine
+
+    def _take_ticket(self, ticket_id: bytes) -> SessionTicket | None:
+        assert self.tickets is not None
+        try:
+            ticket = self.tickets.take(ticket_id)
+        except TicketStoreError as exc:
+            # Fail closed: no ticket, no resumption, no early data without replay protection.
+            log.warning("resumption refused: %s", exc)
+            if self.metrics is not None:
+                self.metrics.ticket_store_errors.labels("take").inc()
+                self.metrics.zero_rtt.labels("rejected").inc()
+            return None
+        if ticket is None and self.metrics is not None:
+            self.metrics.zero_rtt.labels("replay_refused").inc()
+        return ticket
+
+    def _keep_ticket(self, ticket: SessionTicket) -> None:
+        assert self.tickets is not None
+        try:
+            self.tickets.put(ticket)
+        except TicketStoreError as exc:
+            log.warning("session ticket not kept: %s", exc)
+            if self.metrics is not None:
+                self.metrics.ticket_store_errors.labels("put").inc()
+
+    # metrics hooks
+
+    def handshake_completed(self, event: HandshakeCompleted, seconds: float) -> None:
+        if self.metrics is None:
+            return
+        self.metrics.handshake_seconds.observe(seconds)
+        self.metrics.handshakes.labels("true" if event.session_resumed else "false").inc()
+        if event.early_data_accepted:
+            self.metrics.zero_rtt.labels("accepted").inc()
+
+    def request_refused(self, action: RequestRefused) -> None:
+        if self.metrics is not None:
+            self.metrics.stream_errors.labels(str(action.status or "reset")).inc()
+        log.debug("stream %d refused: %s", action.stream_id, action.reason)
+
+    def early_request(self, action: EarlyRequest) -> None:
+        if self.metrics is not None:
+            self.metrics.early_requests.labels(action.action.value).inc()
+
+    # shutdown
+
+    def connections(self) -> list[H3Protocol]:
+        return self._endpoint.protocols() if self._endpoint is not None else []
+
+    async def drain(self, timeout: float) -> None:
+        """Stop admitting connections, GOAWAY all, wait up to ``timeout`` for open requests."""
+        if self._endpoint is None:
+            return
+        self._endpoint.draining = True
+        for protocol in self.connections():
+            protocol.goaway()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            tasks = [t for p in self.connections() for t in p.app_tasks()]
+            remaining = deadline - loop.time()
+            if not tasks or remaining <= 0:
+                break
+            await asyncio.wait(tasks, timeout=remaining)
+        for protocol in self.connections():
+            protocol.cancel_all()
+
+    async def aclose(self) -> None:
+        if self._endpoint is None:
+            return
+        for protocol in self.connections():
+            protocol.cancel_all()
+        self._endpoint.close()  # CONNECTION_CLOSE to every client, then the socket
+        self._endpoint = None
+        await asyncio.sleep(0)

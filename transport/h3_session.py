@@ -1,0 +1,414 @@
+"""HTTP/3 → ASGI for one QUIC connection, without I/O: QUIC events in, request actions out.
+
+``H3Session.handle(event, now)`` turns aioquic events into ``StartRequest`` / ``RequestBody`` /
+``RequestAborted`` actions for the asyncio layer, which runs the app. Responses go back through
+``send_start`` / ``send_body``; the caller transmits after each (one flush per ASGI ``send``).
+
+Theory of operation for early data: aioquic has no per-frame 0-RTT flag, but a request whose
+HEADERS arrive before ``HandshakeCompleted`` can only have come in 0-RTT packets (the client's
+Finished precedes its 1-RTT data). Such requests meet the early-data policy: ``accept`` starts
+the app at once with ``early_data`` True; ``defer`` holds the request (and its body) until the
+handshake completes; ``reject`` answers 425 (RFC 8470 §5.2) without the app. A rare 1-RTT
+request reordered ahead of the Finished is treated as early: the safe side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote_to_bytes
+
+from aioquic.h3.connection import ErrorCode
+from aioquic.h3.events import DataReceived, HeadersReceived
+from aioquic.quic.connection import QuicConnection
+from aioquic.quic.events import (
+    ConnectionTerminated,
+    HandshakeCompleted,
+    QuicEvent,
+    StopSendingReceived,
+    StreamReset,
+)
+
+from transport.early_data import EarlyDataPolicy, Mode
+from transport.h3_connection import StreamConfinedH3Connection
+
+KiB = 1024
+MiB = 1024 * KiB
+SECONDS = 1.0
+
+Address = tuple[str, int]
+Scope = dict[str, Any]
+
+# RFC 9114 §4.2: connection-specific fields MUST NOT appear in HTTP/3 messages.
+_HOP_BY_HOP = frozenset(
+    {b"connection", b"keep-alive", b"proxy-connection", b"transfer-encoding", b"upgrade"}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class H3Limits:
+    """Per-connection limits of the HTTP/3 listener."""
+
+    max_concurrent_streams: int = 128
+    """Request streams a client may have open at once (QUIC MAX_STREAMS, RFC 9000 §4.6)."""
+    max_header_bytes: int = 16 * KiB
+    """Request field section size, counted as in RFC 9114 §4.2.2 (name + value + 32 each); 431."""
+    max_body_bytes: int = 8 * MiB
+    """Request body size; beyond it 413 (or a stream reset once the response has started)."""
+    idle_timeout: float = 60 * SECONDS
+    """A connection with no traffic for this long is closed (QUIC max_idle_timeout)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_concurrent_streams", "max_header_bytes", "max_body_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.idle_timeout <= 0:
+            raise ValueError("idle_timeout must be > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class StartRequest:
+    """Call the app for this request now."""
+
+    stream_id: int
+    scope: Scope
+
+
+@dataclass(frozen=True, slots=True)
+class RequestBody:
+    """A piece of a started request's body (``http.request``)."""
+
+    stream_id: int
+    body: bytes
+    more_body: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RequestAborted:
+    """The client reset the stream or the connection closed (``http.disconnect``)."""
+
+    stream_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRefused:
+    """The transport answered (or reset) a request itself; for metrics and logs."""
+
+    stream_id: int
+    status: int | None
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class EarlyRequest:
+    """A request arrived in 0-RTT and the policy applied ``action``."""
+
+    stream_id: int
+    action: Mode
+
+
+Action = StartRequest | RequestBody | RequestAborted | RequestRefused | EarlyRequest
+
+
+@dataclass(slots=True)
+class _Request:
+    scope: Scope
+    arrived_at: float
+    started: bool = False
+    body_done: bool = False
+    received: int = 0
+    pending: list[RequestBody] = field(default_factory=list)
+    response_started: bool = False
+    response_done: bool = False
+
+
+class H3Session:
+    """One connection's HTTP/3 request handling."""
+
+    def __init__(
+        self,
+        quic: QuicConnection,
+        *,
+        policy: EarlyDataPolicy,
+        limits: H3Limits,
+        server: Address | None,
+    ) -> None:
+        self._quic = quic
+        self._h3 = StreamConfinedH3Connection(quic, max_header_bytes=limits.max_header_bytes)
+        self._policy = policy
+        self._limits = limits
+        self._server = server
+        self._requests: dict[int, _Request] = {}
+        self._deferred: list[int] = []
+        self._goaway_id: int | None = None
+        self._max_seen_id = -4
+        self.handshake_complete = False
+        self.terminated = False
+
+    def __repr__(self) -> str:
+        return (
+            f"<H3Session requests={len(self._requests)} deferred={len(self._deferred)}"
+            f" handshake_complete={self.handshake_complete}>"
+        )
+
+    @property
+    def open_requests(self) -> int:
+        return len(self._requests)
+
+    # events in
+
+    def handle(self, event: QuicEvent, now: float) -> list[Action]:
+        actions: list[Action] = []
+        if isinstance(event, HandshakeCompleted):
+            self.handshake_complete = True
+            self._release_deferred(now, actions)
+            return actions
+        if isinstance(event, ConnectionTerminated):
+            self.terminated = True
+            for stream_id, req in list(self._requests.items()):
+                if req.started:
+                    actions.append(RequestAborted(stream_id))
+            self._requests.clear()
+            self._deferred.clear()
+            return actions
+        for h3_event in self._h3.handle_event(event):
+            if isinstance(h3_event, HeadersReceived):
+                self._on_headers(h3_event, now, actions)
+            elif isinstance(h3_event, DataReceived):
+                self._on_data(h3_event.stream_id, h3_event.data, h3_event.stream_ended, actions)
+        if isinstance(event, StreamReset | StopSendingReceived):
+            self._on_reset(event.stream_id, actions)
+        if self._h3.failed_streams:
+            for failed in self._h3.failed_streams:
+                self._on_failed(failed.stream_id, failed.status, failed.reason, actions)
+            self._h3.failed_streams.clear()
+        return actions
+
+    def _on_headers(self, event: HeadersReceived, now: float, actions: list[Action]) -> None:
+        stream_id = event.stream_id
+        req = self._requests.get(stream_id)
+        if req is not None:
+            # Trailers (RFC 9114 §4.1): dropped; they can only end the body.
+            if event.stream_ended:
+                self._on_data(stream_id, b"", True, actions)
+            return
+        self._max_seen_id = max(self._max_seen_id, stream_id)
+        if self._goaway_id is not None and stream_id >= self._goaway_id:
+            # RFC 9114 §5.2: requests past the GOAWAY identifier are not processed.
+            self._h3.abort_stream(stream_id, ErrorCode.H3_REQUEST_REJECTED)
+            actions.append(RequestRefused(stream_id, None, "after GOAWAY"))
+            return
+        size = 0
+        method = path = authority = b""
+        scheme = b"https"
+        headers: list[tuple[bytes, bytes]] = []
+        for name, value in event.headers:
+            size += len(name) + len(value) + 32
+            if name.startswith(b":"):
+                if name == b":method":
+                    method = value
+                elif name == b":path":
+                    path = value
+                elif name == b":authority":
+                    authority = value
+                elif name == b":scheme":
+                    scheme = value
+            else:
+                headers.append((name, value))
+        if size > self._limits.max_header_bytes:
+            self._refuse(stream_id, 431, "request header fields too large", actions)
+            return
+        if not path.startswith(b"/"):
+            # CONNECT, or an asterisk/absolute form: not served by this proxy.
+            self._refuse(stream_id, 400, "request target must be an origin-form path", actions)
+            return
+        length = _content_length(headers)
+        if length is not None and length > self._limits.max_body_bytes:
+            self._refuse(stream_id, 413, "request body too large", actions)
+            return
+        if authority and not any(n == b"host" for n, _ in headers):
+            headers.insert(0, (b"host", authority))
+        raw_path, _, query = path.partition(b"?")
+        early = not self.handshake_complete
+        peer = self._quic.get_peer_address()
+        scope: Scope = {
+            "type": "http",
+            "asgi": {"version": "3.0", "spec_version": "2.3"},
+            "http_version": "3",
+            "method": method.decode("latin-1"),
+            "scheme": scheme.decode("latin-1"),
+            "path": unquote_to_bytes(raw_path).decode("utf-8", "replace"),
+            "raw_path": raw_path,
+            "query_string": query,
+            "root_path": "",
+            "headers": headers,
+            "client": _addr(peer) if peer is not None else None,
+            "server": self._server,
+            "extensions": {"transport": "h3", "early_data": early, "handshake_wait_s": 0.0},
+        }
+        req = _Request(scope=scope, arrived_at=now)
+        self._requests[stream_id] = req
+        if early:
+            mode = self._policy.mode_for(scope["path"])
+            actions.append(EarlyRequest(stream_id, mode))
+            if mode is Mode.REJECT:
+                self._refuse(stream_id, 425, "too early: retry after the handshake", actions)
+                return
+            if mode is Mode.DEFER:
+                scope["extensions"]["early_data"] = False
+                self._deferred.append(stream_id)
+            else:
+                req.started = True
+                actions.append(StartRequest(stream_id, scope))
+        else:
+            req.started = True
+            actions.append(StartRequest(stream_id, scope))
+        if event.stream_ended:
+            self._on_data(stream_id, b"", True, actions)
+
+    def _on_data(self, stream_id: int, data: bytes, ended: bool, actions: list[Action]) -> None:
+        req = self._requests.get(stream_id)
+        if req is None or req.body_done:
+            return
+        req.received += len(data)
+        if req.received > self._limits.max_body_bytes:
+            if req.started:
+                actions.append(RequestAborted(stream_id))
+            self._refuse(stream_id, 413, "request body too large", actions)
+            return
+        if not data and not ended:
+            return
+        req.body_done = ended
+        piece = RequestBody(stream_id, data, not ended)
+        if req.started:
+            actions.append(piece)
+        else:
+            req.pending.append(piece)
+
+    def _on_reset(self, stream_id: int, actions: list[Action]) -> None:
+        req = self._requests.pop(stream_id, None)
+        self._h3.forget(stream_id)
+        if req is None:
+            return
+        if req.started:
+            actions.append(RequestAborted(stream_id))
+        else:
+            self._deferred.remove(stream_id)
+
+    def _on_failed(
+        self, stream_id: int, status: int | None, reason: str, actions: list[Action]
+    ) -> None:
+        req = self._requests.pop(stream_id, None)
+        if req is not None and req.started:
+            actions.append(RequestAborted(stream_id))
+        if stream_id in self._deferred:
+            self._deferred.remove(stream_id)
+        if status is not None:
+            self._respond(stream_id, status, reason)
+        actions.append(RequestRefused(stream_id, status, reason))
+
+    def _release_deferred(self, now: float, actions: list[Action]) -> None:
+        for stream_id in self._deferred:
+            req = self._requests[stream_id]
+            req.started = True
+            req.scope["extensions"]["handshake_wait_s"] = max(0.0, now - req.arrived_at)
+            actions.append(StartRequest(stream_id, req.scope))
+            actions.extend(req.pending)
+            req.pending.clear()
+        self._deferred.clear()
+
+    def _refuse(self, stream_id: int, status: int, reason: str, actions: list[Action]) -> None:
+        """Answer ``status`` ourselves and stop reading the request (RFC 9114 §4.1.1)."""
+        req = self._requests.pop(stream_id, None)
+        if stream_id in self._deferred:
+            self._deferred.remove(stream_id)
+        if req is not None and req.response_started:
+            self._h3.abort_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
+        else:
+            self._respond(stream_id, status, reason)
+        actions.append(RequestRefused(stream_id, status, reason))
+
+    def _respond(self, stream_id: int, status: int, reason: str) -> None:
+        body = reason.encode() + b"\n"
+        self._h3.send_headers(
+            stream_id,
+            [
+                (b":status", str(status).encode()),
+                (b"content-type", b"text/plain; charset=utf-8"),
+                (b"content-length", str(len(body)).encode()),
+            ],
+        )
+        self._h3.send_data(stream_id, body, end_stream=True)
+        self._h3.stop_reading(stream_id, ErrorCode.H3_NO_ERROR)
+
+    # responses out
+
+    def send_start(self, stream_id: int, status: int, headers: list[tuple[bytes, bytes]]) -> bool:
+        """Send the response HEADERS; False if the request is gone (reset, refused)."""
+        req = self._requests.get(stream_id)
+        if req is None or req.response_started:
+            return False
+        req.response_started = True
+        fields = [(b":status", str(status).encode())]
+        fields.extend((n.lower(), v) for n, v in headers if n.lower() not in _HOP_BY_HOP)
+        self._h3.send_headers(stream_id, fields)
+        return True
+
+    def send_body(self, stream_id: int, body: bytes, more_body: bool) -> bool:
+        """Send a DATA frame (and FIN when done); False if the request is gone."""
+        req = self._requests.get(stream_id)
+        if req is None or not req.response_started or req.response_done:
+            return False
+        if body or not more_body:
+            self._h3.send_data(stream_id, body, end_stream=not more_body)
+        if not more_body:
+            req.response_done = True
+            if req.body_done:
+                self._finish(stream_id)
+            else:
+                # RFC 9114 §4.1.1: a complete response may end the request early.
+                self._h3.stop_reading(stream_id, ErrorCode.H3_NO_ERROR)
+                self._finish(stream_id)
+        return True
+
+    def app_finished(self, stream_id: int) -> None:
+        """The app returned; fix up a response it left incomplete."""
+        req = self._requests.get(stream_id)
+        if req is None:
+            return
+        if not req.response_started:
+            self._respond(stream_id, 500, "internal server error")
+            self._requests.pop(stream_id, None)
+        elif not req.response_done:
+            self._h3.abort_stream(stream_id, ErrorCode.H3_INTERNAL_ERROR)
+            self._requests.pop(stream_id, None)
+
+    def _finish(self, stream_id: int) -> None:
+        self._requests.pop(stream_id, None)
+
+    def response_done(self, stream_id: int) -> bool:
+        req = self._requests.get(stream_id)
+        return req is None or req.response_done
+
+    def cancel(self, stream_id: int) -> None:
+        """Abort a request from our side (shutdown past the drain timeout)."""
+        if self._requests.pop(stream_id, None) is not None:
+            self._h3.abort_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
+
+    def goaway(self) -> None:
+        """Send GOAWAY (RFC 9114 §5.2): requests already received finish, later ones are refused."""
+        if self._goaway_id is not None:
+            return
+        self._goaway_id = self._max_seen_id + 4
+        self._h3.send_goaway(self._goaway_id)
+
+
+def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    for name, value in headers:
+        if name == b"content-length":
+            return int(value)  # aioquic already checked it is a non-negative integer
+    return None
+
+
+def _addr(addr: tuple[Any, ...]) -> Address:
+    return (str(addr[0]), int(addr[1]))

@@ -1,0 +1,116 @@
+"""TLS material for every listener: PEM certificate chain and key, reloadable on SIGHUP.
+
+One ``TlsMaterial`` serves both stacks: it builds a fresh ``QuicConfiguration`` for the QUIC
+endpoint (each new connection takes the endpoint's current one) and keeps *one* ``ssl.SSLContext``
+for hypercorn, whose ``load_cert_chain`` swaps the certificate for new handshakes in place.
+Established connections keep the certificate they were set up with: a reload drops nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import ssl
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from aioquic.h3.connection import H3_ALPN
+from aioquic.quic.configuration import QuicConfiguration
+from cryptography import x509
+from cryptography.hazmat.primitives.serialization import load_pem_private_key
+
+log = logging.getLogger("quicedge.transport.tls")
+
+TCP_ALPN = ["h2", "http/1.1"]
+
+
+class TlsError(ValueError):
+    """Certificate or key missing, unreadable or not matching."""
+
+
+@dataclass(frozen=True, slots=True)
+class CertificateFiles:
+    cert: Path
+    """PEM certificate chain, leaf first."""
+    key: Path
+    """PEM private key (unencrypted)."""
+
+
+def resolve_files(cert: str | Path | None, key: str | Path | None) -> CertificateFiles:
+    """``--cert``/``--key`` when both are given; the development certificates when neither is."""
+    if (cert is None) != (key is None):
+        raise TlsError("--cert and --key go together: give both or neither")
+    if cert is None or key is None:
+        from certs import ensure_dev_certificates
+
+        dev = ensure_dev_certificates()
+        return CertificateFiles(dev.cert, dev.key)
+    return CertificateFiles(Path(cert), Path(key))
+
+
+def check_files(files: CertificateFiles) -> None:
+    """Parse both files and check the key matches the leaf; raise ``TlsError`` with the reason."""
+    try:
+        chain = x509.load_pem_x509_certificates(files.cert.read_bytes())
+    except OSError as exc:
+        raise TlsError(f"cannot read certificate {files.cert}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise TlsError(f"certificate {files.cert} is not PEM: {exc}") from None
+    try:
+        key = load_pem_private_key(files.key.read_bytes(), password=None)
+    except OSError as exc:
+        raise TlsError(f"cannot read key {files.key}: {exc.strerror}") from None
+    except (ValueError, TypeError) as exc:
+        raise TlsError(f"key {files.key} is not an unencrypted PEM private key: {exc}") from None
+    if chain[0].public_key() != key.public_key():
+        raise TlsError(f"key {files.key} does not match certificate {files.cert}")
+
+
+class TlsMaterial:
+    """The current certificate for all listeners, with reload and change notification."""
+
+    def __init__(self, files: CertificateFiles) -> None:
+        check_files(files)
+        self.files = files
+        self._ssl: ssl.SSLContext | None = None
+        self._listeners: list[Callable[[], None]] = []
+        self.generation = 0
+        """Bumped on each successful reload."""
+
+    def quic_configuration(self, *, idle_timeout: float) -> QuicConfiguration:
+        config = QuicConfiguration(
+            is_client=False,
+            alpn_protocols=H3_ALPN,
+            idle_timeout=idle_timeout,
+        )
+        config.load_cert_chain(self.files.cert, self.files.key)
+        return config
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """The shared server context for TLS over TCP (ALPN h2, http/1.1; TLS >= 1.2)."""
+        if self._ssl is None:
+            ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_2  # RFC 9113 §9.2
+            ctx.options |= ssl.OP_NO_COMPRESSION  # RFC 9113 §9.2.1
+            ctx.set_alpn_protocols(TCP_ALPN)
+            ctx.load_cert_chain(self.files.cert, self.files.key)
+            self._ssl = ctx
+        return self._ssl
+
+    def on_reload(self, callback: Callable[[], None]) -> None:
+        self._listeners.append(callback)
+
+    def reload(self) -> bool:
+        """Re-read the files; on any error keep serving the old certificate and return False."""
+        try:
+            check_files(self.files)
+            if self._ssl is not None:
+                self._ssl.load_cert_chain(self.files.cert, self.files.key)
+        except (TlsError, ssl.SSLError, OSError) as exc:
+            log.error("TLS reload failed, keeping the current certificate: %s", exc)
+            return False
+        self.generation += 1
+        for callback in self._listeners:
+            callback()
+        log.info("TLS certificate reloaded from %s", self.files.cert)
+        return True
