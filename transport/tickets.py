@@ -31,6 +31,8 @@ from typing import Protocol
 
 import redis
 from aioquic.tls import CipherSuite, SessionTicket
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 Clock = Callable[[], float]
 
@@ -171,12 +173,15 @@ class RedisTicketStore:
     ) -> None:
         if timeout <= 0:
             raise ValueError("ticket store timeout must be > 0")
+        # One lazily opened, kept connection (the loop is single-threaded); no retries and no
+        # backoff sleeps: a failure must cost at most one timeout of loop time.
         self._redis = redis.Redis.from_url(
             url,
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
-            single_connection_client=True,
+            retry=Retry(NoBackoff(), 0),
             retry_on_timeout=False,
+            max_connections=1,
         )
         self._prefix = prefix.encode()
         self._cooldown = cooldown

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import shutil
+import subprocess
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import pytest
+import redis
 from prometheus_client import CollectorRegistry
 
 from certs import DevCertificates
+from tests.helpers import free_port
 from tests.transport.apps import RecordingApp
 from transport.h3_server import H3Server
 from transport.metrics import TransportMetrics
@@ -42,3 +47,43 @@ def h3_server(tls: TlsMaterial) -> H3Factory:
             await server.aclose()
 
     return factory
+
+
+class PrivateRedis:
+    """A redis-server of one test's own, so the test may stop it."""
+
+    def __init__(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.fail("redis-server is required (run `make test`)")
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = subprocess.Popen(
+            [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", ""],
+            stdout=subprocess.DEVNULL,
+        )
+        client = redis.Redis(port=self.port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    pytest.fail("private redis-server did not start")
+                time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+@pytest.fixture
+def private_redis() -> Iterator[PrivateRedis]:
+    server = PrivateRedis()
+    try:
+        yield server
+    finally:
+        server.stop()

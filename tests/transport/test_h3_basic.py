@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-
-from aioquic.h3.connection import ErrorCode
 
 from tests.transport.apps import RecordingApp
 from tests.transport.conftest import H3Factory
 from tests.transport.h3client import h3_connect
-from transport.h3_session import H3Limits
 
 
 async def test_request_scope_and_body(h3_server: H3Factory, dev_certs) -> None:
