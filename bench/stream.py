@@ -12,8 +12,11 @@ across them (bench_serving's `adjust_itl`). Latency is the time of the last byte
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+TextCallback = Callable[[str], None]
 
 
 @dataclass(slots=True)
@@ -63,8 +66,15 @@ def _int_or_none(value: Any) -> int | None:
 class StreamParser:
     """Turns response body bytes into content events, usage and errors, fed as they arrive."""
 
-    def __init__(self, result: RequestResult, *, event_stream: bool = True) -> None:
+    def __init__(
+        self,
+        result: RequestResult,
+        *,
+        event_stream: bool = True,
+        on_text: TextCallback | None = None,
+    ) -> None:
         self._result = result
+        self._on_text = on_text
         self._event_stream = event_stream
         self._buffer = b""
         self._body: list[bytes] = []  # only for non-streaming responses
@@ -134,6 +144,8 @@ class StreamParser:
         new_text, new_tokens = self._new_text(payload)
         if not new_text:
             return
+        if self._on_text is not None:
+            self._on_text(new_text)
         if not streaming:
             result.text = new_text
             result.ttft_s = now

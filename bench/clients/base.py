@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit
 
-from bench.stream import RequestResult
+from bench.stream import RequestResult, TextCallback
 
 TRANSPORTS: tuple[str, ...] = ("h3", "h2", "h1")
 
@@ -67,10 +67,17 @@ class Client(Protocol):
     transport: str
 
     async def request(
-        self, target: Target, *, method: str, headers: list[tuple[str, str]], body: bytes
+        self,
+        target: Target,
+        *,
+        method: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        on_text: TextCallback | None = None,
     ) -> RequestResult:
-        """Send one request and read the whole streamed answer. Never raises for a failed request:
-        the error is in `RequestResult.error`."""
+        """Send one request and read the whole streamed answer, calling `on_text` with each
+        piece of generated text as it arrives. Never raises for a failed request: the error is
+        in `RequestResult.error`."""
         ...
 
     async def aclose(self) -> None: ...

@@ -9,7 +9,7 @@ import time
 import h11
 
 from bench.clients.base import ClientOptions, Target, describe, tcp_ssl_context
-from bench.stream import RequestResult, StreamParser
+from bench.stream import RequestResult, StreamParser, TextCallback
 
 READ_SIZE = 65536
 
@@ -47,13 +47,18 @@ class H1Client:
         return _Connection(reader, writer)
 
     async def request(
-        self, target: Target, *, method: str, headers: list[tuple[str, str]], body: bytes
+        self,
+        target: Target,
+        *,
+        method: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        on_text: TextCallback | None = None,
     ) -> RequestResult:
         result = RequestResult(transport=self.transport, start=time.perf_counter())
         try:
-            await asyncio.wait_for(
-                self._exchange(result, target, method, headers, body), self._options.timeout
-            )
+            exchange = self._exchange(result, target, method, headers, body, on_text)
+            await asyncio.wait_for(exchange, self._options.timeout)
         except TimeoutError:
             result.error = f"timeout after {self._options.timeout}s"
         except Exception as exc:  # every failure is a result, not a crash of the benchmark
@@ -67,6 +72,7 @@ class H1Client:
         method: str,
         headers: list[tuple[str, str]],
         body: bytes,
+        on_text: TextCallback | None,
     ) -> None:
         start = result.start
         conn: _Connection | None = None
@@ -99,7 +105,9 @@ class H1Client:
                     result.headers = [(k.decode().lower(), v.decode()) for k, v in event.headers]
                     result.headers_s = now
                     content_type = result.header("content-type") or ""
-                    parser = StreamParser(result, event_stream="event-stream" in content_type)
+                    parser = StreamParser(
+                        result, event_stream="event-stream" in content_type, on_text=on_text
+                    )
                 elif isinstance(event, h11.Data):
                     assert parser is not None
                     parser.feed(bytes(event.data), now)

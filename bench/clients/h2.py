@@ -13,7 +13,7 @@ import h2.events
 import h2.settings
 
 from bench.clients.base import ClientOptions, Target, describe, tcp_ssl_context
-from bench.stream import RequestResult, StreamParser
+from bench.stream import RequestResult, StreamParser, TextCallback
 
 READ_SIZE = 65536
 # A window large enough that flow control never paces a streamed answer (RFC 9113 §6.9.2).
@@ -113,13 +113,18 @@ class H2Client:
         return _Connection(reader, writer)
 
     async def request(
-        self, target: Target, *, method: str, headers: list[tuple[str, str]], body: bytes
+        self,
+        target: Target,
+        *,
+        method: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        on_text: TextCallback | None = None,
     ) -> RequestResult:
         result = RequestResult(transport=self.transport, start=time.perf_counter())
         try:
-            await asyncio.wait_for(
-                self._exchange(result, target, method, headers, body), self._options.timeout
-            )
+            exchange = self._exchange(result, target, method, headers, body, on_text)
+            await asyncio.wait_for(exchange, self._options.timeout)
         except TimeoutError:
             result.error = f"timeout after {self._options.timeout}s"
         except Exception as exc:
@@ -146,6 +151,7 @@ class H2Client:
         method: str,
         headers: list[tuple[str, str]],
         body: bytes,
+        on_text: TextCallback | None,
     ) -> None:
         start = result.start
         conn = await self._connection(result, target)
@@ -178,7 +184,9 @@ class H2Client:
                             result.headers.append((key, text))
                     result.headers_s = now
                     content_type = result.header("content-type") or ""
-                    parser = StreamParser(result, event_stream="event-stream" in content_type)
+                    parser = StreamParser(
+                        result, event_stream="event-stream" in content_type, on_text=on_text
+                    )
                 elif isinstance(event, h2.events.DataReceived):
                     if parser is None:
                         raise ConnectionError("DATA before HEADERS")

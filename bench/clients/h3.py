@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import pickle
 import socket
 import ssl
 import time
@@ -22,7 +21,8 @@ from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, QuicEv
 from aioquic.tls import SessionTicket
 
 from bench.clients.base import ClientOptions, Target, describe
-from bench.stream import RequestResult, StreamParser
+from bench.stream import RequestResult, StreamParser, TextCallback
+from transport.tickets import decode_ticket, encode_ticket
 
 _END = object()  # queued when the connection dies
 
@@ -52,38 +52,21 @@ class TicketStore:
         return len(self._tickets)
 
     def save(self) -> None:
-        """Write the unused tickets to the file (mode 0600: a ticket is a resumption secret)."""
+        """Write the unused tickets to the file, one JSON line each (mode 0600: a ticket holds a
+        resumption secret)."""
         if self._path is None:
             return
         fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.fchmod(fd, 0o600)
         with os.fdopen(fd, "wb") as handle:
-            pickle.dump(list(self._tickets), handle)
+            for ticket in self._tickets:
+                handle.write(encode_ticket(ticket) + b"\n")
 
 
 def load_tickets(path: Path) -> list[SessionTicket]:
-    """Tickets saved by `TicketStore.save`. A file that is not ours is an error, never executed
-    blindly: only the SessionTicket class (and the plain types it holds) may be unpickled."""
-    with path.open("rb") as handle:
-        data = _TicketUnpickler(handle).load()
-    if not isinstance(data, list) or not all(isinstance(t, SessionTicket) for t in data):
-        raise ValueError(f"{path}: not a quicedge ticket file")
-    return data
-
-
-class _TicketUnpickler(pickle.Unpickler):
-    _ALLOWED = {
-        ("aioquic.tls", "SessionTicket"),
-        ("aioquic.tls", "CipherSuite"),
-        ("datetime", "datetime"),
-        ("datetime", "timezone"),
-        ("datetime", "timedelta"),
-    }
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in self._ALLOWED:
-            raise pickle.UnpicklingError(f"unexpected object {module}.{name} in ticket file")
-        return super().find_class(module, name)
+    """Tickets saved by `TicketStore.save`; ValueError for a file that is not one."""
+    lines = [line for line in path.read_bytes().splitlines() if line.strip()]
+    return [decode_ticket(line) for line in lines]
 
 
 class _H3Protocol(QuicConnectionProtocol):
@@ -180,13 +163,18 @@ class H3Client:
         task.add_done_callback(self._closing.discard)
 
     async def request(
-        self, target: Target, *, method: str, headers: list[tuple[str, str]], body: bytes
+        self,
+        target: Target,
+        *,
+        method: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        on_text: TextCallback | None = None,
     ) -> RequestResult:
         result = RequestResult(transport=self.transport, start=time.perf_counter())
         try:
-            await asyncio.wait_for(
-                self._exchange(result, target, method, headers, body), self._options.timeout
-            )
+            exchange = self._exchange(result, target, method, headers, body, on_text)
+            await asyncio.wait_for(exchange, self._options.timeout)
         except TimeoutError:
             result.error = f"timeout after {self._options.timeout}s"
         except Exception as exc:
@@ -216,6 +204,7 @@ class H3Client:
         method: str,
         headers: list[tuple[str, str]],
         body: bytes,
+        on_text: TextCallback | None,
     ) -> None:
         start = result.start
         protocol, transport = await self._connection(result, target)
@@ -236,7 +225,7 @@ class H3Client:
             if body:
                 protocol.h3.send_data(stream_id, body, end_stream=True)
             protocol.transmit()
-            await self._read_response(result, queue, start)
+            await self._read_response(result, queue, start, on_text)
             if result.early_data:
                 accepted = await asyncio.wait_for(protocol.handshake, self._options.timeout)
                 result.early_data_accepted = bool(accepted)
@@ -246,7 +235,11 @@ class H3Client:
                 self._close_later(protocol, transport)
 
     async def _read_response(
-        self, result: RequestResult, queue: asyncio.Queue[Any], start: float
+        self,
+        result: RequestResult,
+        queue: asyncio.Queue[Any],
+        start: float,
+        on_text: TextCallback | None,
     ) -> None:
         parser: StreamParser | None = None
         while True:
@@ -266,7 +259,9 @@ class H3Client:
                             result.headers.append((key, text))
                     result.headers_s = now
                     content_type = result.header("content-type") or ""
-                    parser = StreamParser(result, event_stream="event-stream" in content_type)
+                    parser = StreamParser(
+                        result, event_stream="event-stream" in content_type, on_text=on_text
+                    )
                 # else: trailers, ignored
             elif isinstance(event, DataReceived):
                 if parser is None:

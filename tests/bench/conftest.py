@@ -1,0 +1,66 @@
+"""Bench test fixtures: real servers on free ports, and running the bench commands as a user
+would (a subprocess), so the servers keep running in the test's own event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from certs import DevCertificates
+from tests.bench.servers import edge_h3, hypercorn_server
+from tests.helpers import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class Servers:
+    tls_port: int  # hypercorn, TLS: h2 and http/1.1
+    plain_port: int  # hypercorn, plain http/1.1
+    h3_port: int  # the edge's HTTP/3 listener (UDP)
+
+
+@pytest.fixture
+async def servers(dev_certs: DevCertificates) -> AsyncIterator[Servers]:
+    tls_port, plain_port = free_port(), free_port()
+    async with (
+        hypercorn_server(dev_certs, tls_port),
+        hypercorn_server(None, plain_port),
+        edge_h3(dev_certs) as h3,
+    ):
+        yield Servers(tls_port, plain_port, h3.port)
+
+
+@dataclass
+class Completed:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+async def run_command(*args: str, timeout: float = 60.0) -> Completed:
+    """`python -m <args>` from the repository root, awaited without blocking the loop."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        *args,
+        cwd=REPO,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), timeout)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
+        raise
+    assert proc.returncode is not None
+    return Completed(proc.returncode, out.decode(), err.decode())
