@@ -42,6 +42,8 @@ class ProxyConfig:
     """Consecutive failed checks that mark a backend unhealthy."""
     health_success_threshold: int = 2
     """Consecutive passed checks that mark it healthy again."""
+    loads_interval: float | None = 1 * SECONDS
+    """Period of `/v1/loads` polling (queue and KV usage feed routing); None turns it off."""
     eject_after_failures: int = 5
     """Consecutive connect failures / 5xx on real traffic that eject a backend (passive check)."""
     eject_base: float = 1 * SECONDS
@@ -108,7 +110,7 @@ class ProxyConfig:
             raise ValueError("proxy: max_concurrency_per_backend must be >= 1")
         if self.degraded_token_usage is not None and not 0 < self.degraded_token_usage <= 1:
             raise ValueError("proxy: degraded_token_usage must be in (0, 1]")
-        for name in ("degraded_ttft_p99", "degraded_queue"):
+        for name in ("degraded_ttft_p99", "degraded_queue", "loads_interval"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"proxy: {name} must be > 0, got {value!r}")
@@ -128,6 +130,7 @@ class ProxyConfig:
 
 
 _OPTIONAL_NUMBERS = {
+    "loads_interval": float,
     "max_concurrency_per_backend": int,
     "degraded_ttft_p99": float,
     "degraded_token_usage": float,

@@ -51,6 +51,15 @@ def _is_prompt(value: Any) -> bool:
     return False
 
 
+def _is_token_ids(value: Any) -> bool:
+    """`input_ids`: a list of ints, or a batch of such lists."""
+    if not isinstance(value, list) or not value:
+        return False
+    if isinstance(value[0], list):
+        return all(_is_token_ids(v) for v in value)
+    return all(type(v) is int for v in value)
+
+
 def _check_completions(body: dict[str, Any]) -> None:
     if "prompt" not in body:
         raise _missing("prompt", "a string, a list of strings or token ids")
@@ -64,7 +73,7 @@ def _check_generate(body: dict[str, Any]) -> None:
         raise _missing("text", "`text` or `input_ids` is needed")
     if text is not None and not _is_prompt(text):
         raise _invalid("text", "must be a string or a list of strings")
-    if ids is not None and not _is_prompt(ids):
+    if ids is not None and not _is_token_ids(ids):
         raise _invalid("input_ids", "must be a list of token ids")
     params = body.get("sampling_params")
     if params is not None and not isinstance(params, dict):

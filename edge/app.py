@@ -1,0 +1,619 @@
+"""The proxy's ASGI app: one request through parse → admit → route → forward → relay → account.
+
+Each stage is a plain function (`edge.stages`, `edge.routing`, `edge.relay`); this module runs them
+in order, times each one, retries on another backend while nothing has reached the client, and
+renders every `EdgeError` in one place (`_render`). It runs unchanged under the H3 server, under
+hypercorn (H1/H2) and in-process in tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from backends.errors import (
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+)
+from backends.pool import UpstreamPool, UpstreamResponse
+from backends.registry import Backend, BackendRegistry, Ticket
+from edge.config import ProxyConfig
+from edge.errors import (
+    JSON_HEADERS,
+    BadGateway,
+    EdgeError,
+    MethodNotAllowed,
+    ModelNotFound,
+    NoHealthyBackend,
+    RouteNotFound,
+    TooManyRequests,
+    from_upstream,
+)
+from edge.models import ModelCatalog
+from edge.relay import RelayResult, Usage, read_whole, relay_stream, usage_of_body
+from edge.routing.base import Decision, Outcome, RequestView, RoutingPolicy
+from edge.stages.body import (
+    ClientGone,
+    check_content_type,
+    declared_length,
+    parse_json_object,
+    read_body,
+)
+from edge.stages.forward import request_id_from, splice_rid, upstream_headers
+from edge.stages.validate import CHAT, COMPLETIONS, GENERATE, validate
+from edge.stages.view import build_view
+from edge.telemetry import Metrics, RequestTrace, Tracer, cache_label
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+Aborter = Callable[[Backend, str], None]
+"""Fire-and-forget `/abort_request` for (backend, rid); must not block the caller."""
+
+INFERENCE_ROUTES = (CHAT, COMPLETIONS, GENERATE)
+RETRY_STATUSES = frozenset({429, 502, 503})
+"""Upstream answers worth another backend while nothing reached the client (overloaded/down)."""
+MAX_UPSTREAM_BODY = 64 * 1024 * 1024
+"""Largest non-streaming backend answer the edge holds (64 MiB)."""
+# Hop-by-hop (RFC 9110 §7.6.1) and framing headers: the client's transport sets its own.
+_DROP_RESPONSE_HEADERS = frozenset(
+    {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"server", b"date",
+     b"proxy-connection", b"upgrade", b"trailer", b"te", b"alt-svc"}
+)  # fmt: skip
+_TRANSPORT_BY_VERSION = {"3": "h3", "2": "h2", "2.0": "h2"}
+
+
+@dataclass(slots=True)
+class _Headers:
+    """The request headers the app reads, found in one pass."""
+
+    content_type: bytes | None = None
+    content_length: bytes | None = None
+    request_id: bytes | None = None
+    session: bytes | None = None
+    tenant: bytes | None = None
+    traceparent: bytes | None = None
+    tracestate: bytes | None = None
+
+
+_WANTED = {
+    b"content-type": "content_type",
+    b"content-length": "content_length",
+    b"x-request-id": "request_id",
+    b"x-session-id": "session",
+    b"x-tenant-id": "tenant",
+    b"traceparent": "traceparent",
+    b"tracestate": "tracestate",
+}
+
+
+def _read_headers(raw: list[tuple[bytes, bytes]]) -> _Headers:
+    found = _Headers()
+    for name, value in raw:
+        attr = _WANTED.get(name.lower())
+        if attr is not None:
+            setattr(found, attr, value)
+    return found
+
+
+@dataclass(slots=True)
+class Exchange:
+    """State of one inference request while it runs (small: one per request)."""
+
+    route: str
+    t0: float
+    transport: str
+    early_data: bool
+    handshake_wait: float
+    request_id: str
+    headers: _Headers
+    trace: RequestTrace | None
+    view: RequestView | None = None
+    stream: bool = False
+    payload: bytes = b""
+    abort_rid: str | None = None
+    upstream_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    started: bool = False
+    """The response start was sent: no retry, no error page, only an error event."""
+    disconnected: bool = False
+    status: int = 0
+    backend: Backend | None = None
+    decision: Decision | None = None
+    retries: int = 0
+    usage: Usage | None = None
+
+
+class _Retry(Exception):
+    """This attempt failed before anything reached the client; another backend may serve."""
+
+    def __init__(self, error: EdgeError, reason: str) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.reason = reason
+
+
+class ProxyApp:
+    """The ASGI app for the inference routes and `/v1/models`."""
+
+    def __init__(
+        self,
+        *,
+        config: ProxyConfig,
+        pool: UpstreamPool,
+        registry: BackendRegistry,
+        policy: RoutingPolicy,
+        metrics: Metrics,
+        catalog: ModelCatalog,
+        abort: Aborter,
+        tracer: Tracer | None = None,
+    ) -> None:
+        self.config = config
+        self.pool = pool
+        self.registry = registry
+        self.policy = policy
+        self.metrics = metrics
+        self.catalog = catalog
+        self.abort = abort
+        self.tracer = tracer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if kind != "http":
+            return
+        path: str = scope["path"]
+        method: str = scope["method"]
+        route = path if path in INFERENCE_ROUTES else None
+        is_models = path == "/v1/models" or path.startswith("/v1/models/")
+        label = route or ("/v1/models" if is_models else "other")
+        try:
+            if route is not None:
+                if method not in ("POST", "PUT") or (method == "PUT" and route != GENERATE):
+                    allow = b"POST, PUT" if route == GENERATE else b"POST"
+                    raise MethodNotAllowed(
+                        f"{method} is not allowed on {path}", headers=((b"allow", allow),)
+                    )
+                await self._inference(scope, receive, send, route)
+                return
+            if label == "/v1/models":
+                if method != "GET":
+                    raise MethodNotAllowed(
+                        f"{method} is not allowed on {path}", headers=((b"allow", b"GET"),)
+                    )
+                await self._models(path, send)
+                self.metrics.requests.labels(label, "200").inc()
+                return
+            raise RouteNotFound(f"no route for {method} {path}")
+        except EdgeError as err:
+            await _render(send, err)
+            self.metrics.requests.labels(label, str(err.status)).inc()
+
+    # -- /v1/models --------------------------------------------------------------------------
+
+    async def _models(self, path: str, send: Send) -> None:
+        listing = await self.catalog.listing()
+        if path == "/v1/models":
+            await _send_json(send, 200, listing)
+            return
+        model = path[len("/v1/models/") :]
+        card = self.catalog.card(model)
+        if card is None:
+            raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+        await _send_json(send, 200, card)
+
+    # -- inference ---------------------------------------------------------------------------
+
+    async def _inference(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
+        t0 = time.perf_counter()
+        ext = scope.get("extensions") or {}
+        transport = ext.get("transport") or _TRANSPORT_BY_VERSION.get(
+            scope.get("http_version", "1.1"), "h1"
+        )
+        early = bool(ext.get("early_data", False))
+        wait = float(ext.get("handshake_wait_s", 0.0) or 0.0)
+        headers = _read_headers(scope["headers"])
+        trace: RequestTrace | None = None
+        request_id = "-"
+        ex: Exchange | None = None
+        try:
+            request_id = request_id_from(headers.request_id)
+            if self.tracer is not None:  # decided once: no tracer, no span objects
+                trace = RequestTrace(
+                    self.tracer,
+                    start=t0 - wait,
+                    traceparent=headers.traceparent,
+                    tracestate=headers.tracestate,
+                    attributes={
+                        "http.route": route,
+                        "quicedge.transport": transport,
+                        "quicedge.early_data": early,
+                        "quicedge.request_id": request_id,
+                        "quicedge.tenant": (headers.tenant or b"default").decode("latin-1"),
+                        "quicedge.policy": self.policy.name,
+                    },
+                )
+                if wait > 0:
+                    trace.stage("handshake_wait", t0 - wait, t0)
+            ex = Exchange(
+                route=route, t0=t0, transport=transport, early_data=early,
+                handshake_wait=wait, request_id=request_id, headers=headers, trace=trace,
+            )  # fmt: skip
+            if wait > 0:
+                self.metrics.handshake_wait.observe(wait)
+            await self._parse_and_admit(ex, receive)
+            await self._forward(ex, receive, send)
+        except EdgeError as err:
+            if trace is not None:
+                trace.set("http.status_code", err.status)
+                trace.end(time.perf_counter(), error=err.message)
+            if ex is not None and ex.started:  # too late for an error page; the stream ended
+                log.warning("request %s failed after the response started: %s", request_id, err)
+                self.metrics.requests.labels(route, str(ex.status)).inc()
+                return
+            err.extra_headers = (*err.extra_headers, (b"x-request-id", request_id.encode()))
+            raise
+        except ClientGone:
+            self.metrics.disconnects.inc()
+            self.metrics.requests.labels(route, "499").inc()
+            if trace is not None:
+                trace.end(time.perf_counter(), error="client disconnected")
+            return
+        assert ex is not None
+        status = ex.status
+        self.metrics.requests.labels(route, str(status)).inc()
+        if trace is not None:
+            trace.set("http.status_code", status)
+            trace.set("quicedge.retries", ex.retries)
+            trace.end(time.perf_counter(), error="client disconnected" if ex.disconnected else None)
+
+    async def _parse_and_admit(self, ex: Exchange, receive: Receive) -> None:
+        """Parse (body, JSON once) then admit (fields, model, routing view)."""
+        h = ex.headers
+        check_content_type(h.content_type)
+        limit = self.config.max_body_bytes
+        declared_length(h.content_length, limit)
+        raw = await read_body(receive, limit)
+        body = parse_json_object(raw)
+        t_parsed = time.perf_counter()
+        ex.stream = validate(ex.route, body)
+        if ex.route != GENERATE:
+            await self.catalog.check(body.get("model"))
+        session = h.session.decode("latin-1") if h.session else None
+        ex.view = build_view(ex.route, body, session)
+        rid = body.get("rid")
+        ex.abort_rid = rid if isinstance(rid, str) else (ex.request_id if rid is None else None)
+        ex.payload = splice_rid(raw, body, ex.request_id)
+        traceparent, tracestate = h.traceparent, h.tracestate
+        if ex.trace is not None:
+            traceparent, tracestate = ex.trace.upstream_context()
+        ex.upstream_headers = upstream_headers(
+            request_id=ex.request_id,
+            early_data=ex.early_data,
+            traceparent=traceparent,
+            tracestate=tracestate,
+        )
+        t_admitted = time.perf_counter()
+        self.metrics.stage_parse.observe(t_parsed - ex.t0)
+        self.metrics.stage_admit.observe(t_admitted - t_parsed)
+        if ex.trace is not None:
+            ex.trace.stage("parse", ex.t0, t_parsed)
+            ex.trace.stage("admit", t_parsed, t_admitted)
+            ex.trace.set("quicedge.stream", ex.stream)
+            ex.trace.set("quicedge.approx_prompt_tokens", ex.view.approx_tokens)
+
+    async def _forward(self, ex: Exchange, receive: Receive, send: Send) -> None:
+        """Route and try backends in turn; a watcher aborts everything if the client goes away."""
+        task = asyncio.current_task()
+        assert task is not None
+        watcher = asyncio.ensure_future(_watch_disconnect(receive, task, ex))
+        try:
+            await self._attempts(ex, send)
+        except asyncio.CancelledError:
+            if not ex.disconnected:
+                raise
+            task.uncancel()
+            self.metrics.disconnects.inc()
+            ex.status = ex.status or 499  # nginx's "client closed request"
+        finally:
+            watcher.cancel()
+
+    async def _attempts(self, ex: Exchange, send: Send) -> None:
+        tried: list[Backend] = []
+        last: _Retry | None = None
+        assert ex.view is not None
+        for attempt in range(self.config.max_retries + 1):
+            candidates = [b for b in self.registry.candidates() if b not in tried]
+            if not candidates:
+                if last is not None:
+                    raise last.error
+                raise NoHealthyBackend("no healthy backend can take the request now")
+            t_route = time.perf_counter()
+            decision = self.policy.choose(ex.view, candidates)
+            t_routed = time.perf_counter()
+            backend = decision.backend
+            tried.append(backend)
+            self.metrics.stage_route.observe(t_routed - t_route)
+            self.metrics.decisions.labels(self.policy.name, decision.reason).inc()
+            if ex.trace is not None:
+                ex.trace.stage(
+                    "route", t_route, t_routed,
+                    {"quicedge.backend": backend.name, "quicedge.reason": decision.reason,
+                     "quicedge.predicted_cached_tokens": decision.predicted_cached_tokens},
+                )  # fmt: skip
+            prefill = ex.view.approx_tokens - decision.predicted_cached_tokens
+            # the last try relays whatever the backend answers: no other backend is left to ask
+            last_try = attempt == self.config.max_retries or len(candidates) == 1
+            try:
+                with self.registry.track(backend, prefill_tokens=prefill) as ticket:
+                    await self._attempt(ex, backend, decision, ticket, send, last_try=last_try)
+                return
+            except _Retry as retry:
+                last = retry
+                ex.retries += 1
+                self.metrics.retries.labels(retry.reason).inc()
+        assert last is not None
+        raise last.error
+
+    async def _attempt(
+        self,
+        ex: Exchange,
+        backend: Backend,
+        decision: Decision,
+        ticket: Ticket,
+        send: Send,
+        *,
+        last_try: bool,
+    ) -> None:
+        """One backend: send, then relay; observe the outcome exactly once, whatever happens."""
+        assert ex.view is not None
+        ex.backend, ex.decision = backend, decision
+        error: str | None = "cancelled"
+        upstream_ttft: float | None = None
+        usage = Usage()
+        completion: str | None = None
+        response: UpstreamResponse | None = None
+        t_send = time.perf_counter()
+        try:
+            try:
+                response = await self.pool.request(
+                    backend.url, "POST", ex.route,
+                    headers=ex.upstream_headers, body=ex.payload,
+                    first_byte_timeout=self.config.first_byte_timeout,
+                    chunk_timeout=self.config.chunk_timeout,
+                )  # fmt: skip
+            except UpstreamError as exc:
+                error = exc.kind
+                self._upstream_failed(backend, exc.kind)
+                if isinstance(exc, UpstreamTimeout | UpstreamProtocolError):
+                    self._abort(ex, backend)  # it may have reached the backend
+                if isinstance(exc, UpstreamConnectError | UpstreamProtocolError) and not last_try:
+                    raise _Retry(from_upstream(exc), exc.kind) from None
+                raise from_upstream(exc) from None
+            t_head = time.perf_counter()
+            self.metrics.upstream_requests.labels(
+                backend.name, "true" if response.reused else "false"
+            ).inc()
+            if ex.trace is not None:
+                ex.trace.stage(
+                    "upstream_connect", t_send, t_head,
+                    {"quicedge.backend": backend.name, "quicedge.reused": response.reused},
+                )  # fmt: skip
+            status = response.status
+            if status in RETRY_STATUSES and not last_try:
+                with contextlib.suppress(UpstreamError):
+                    await response.read()  # small error body: keeps the connection reusable
+                error = "429" if status == 429 else "5xx"
+                self._upstream_failed(backend, error)
+                raise _Retry(_retry_error(backend, status), reason=str(status)) from None
+            if ex.stream and status == 200:
+                result = await self._relay(ex, response, backend, ticket, send, t_head)
+                usage = result.usage
+                error = self._stream_error(result)
+                if result.first_upstream is not None:
+                    upstream_ttft = result.first_upstream - t_send
+                self._account_stream(ex, backend, decision, result, t_send, upstream_ttft)
+            else:
+                try:
+                    body = await read_whole(response, MAX_UPSTREAM_BODY)
+                except UpstreamError as exc:
+                    error = exc.kind
+                    self._upstream_failed(backend, exc.kind)
+                    raise from_upstream(exc) from None
+                ex.started = True
+                out = _response_headers(response.headers, ex, backend)
+                out.append((b"content-length", b"%d" % len(body)))
+                await send({"type": "http.response.start", "status": status, "headers": out})
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+                ex.status = status
+                if status == 200:
+                    usage = usage_of_body(body)
+                    error = None
+                else:
+                    error = "5xx" if status >= 500 else ("429" if status == 429 else "4xx")
+                    if status >= 500:
+                        self._upstream_failed(backend, error)
+            if error is None:
+                self.registry.record_success(backend, ttft_s=upstream_ttft)
+            elif error == "4xx":
+                self.registry.record_failure(backend, "4xx")
+            self._account_cache(ex, decision, usage)
+        except asyncio.CancelledError:
+            if ex.disconnected:
+                error = "disconnect"
+                self.registry.record_failure(backend, "disconnect")
+                self._abort(ex, backend)
+            raise
+        finally:
+            if response is not None and not response.complete:
+                await response.aclose()  # aborts the upstream request (its connection closes)
+            self.policy.observe(
+                Outcome(
+                    backend=backend, view=ex.view, decision=decision, ttft_s=upstream_ttft,
+                    prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
+                    completion_text=completion, error=error,
+                )
+            )  # fmt: skip
+
+    async def _relay(
+        self,
+        ex: Exchange,
+        response: UpstreamResponse,
+        backend: Backend,
+        ticket: Ticket,
+        send: Send,
+        t_head: float,
+    ) -> RelayResult:
+        ex.started = True
+        ex.status = 200
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": _response_headers(response.headers, ex, backend),
+            }
+        )
+        result = RelayResult()
+        await relay_stream(response, send, result, on_first_token=ticket.first_token)
+        if result.upstream_error is not None:
+            self._upstream_failed(backend, result.upstream_error.kind)
+            if isinstance(result.upstream_error, UpstreamTimeout):
+                self._abort(ex, backend)
+        trace = ex.trace
+        if trace is not None and result.first_client is not None:
+            assert result.first_upstream is not None
+            trace.stage("upstream_first_byte", t_head, result.first_upstream)
+            trace.stage("first_byte_to_client", result.first_upstream, result.first_client)
+            trace.stage("stream_end", result.first_client, result.end,
+                        {"quicedge.chunks": len(result.gaps) + 1})  # fmt: skip
+        return result
+
+    @staticmethod
+    def _stream_error(result: RelayResult) -> str | None:
+        if result.upstream_error is not None:
+            return result.upstream_error.kind
+        if result.backend_error is not None:
+            return "backend_error"
+        return None
+
+    def _account_stream(
+        self,
+        ex: Exchange,
+        backend: Backend,
+        decision: Decision,
+        result: RelayResult,
+        t_send: float,
+        upstream_ttft: float | None,
+    ) -> None:
+        """Metrics of a relayed stream: TTFT (edge and upstream), edge-added time, ITL."""
+        if result.first_client is None or result.first_upstream is None or upstream_ttft is None:
+            return
+        usage = result.usage
+        ttft = result.first_client - ex.t0 + ex.handshake_wait
+        m = self.metrics
+        m.ttft.labels(
+            ex.transport,
+            "0rtt" if ex.early_data else "1rtt",
+            cache_label(usage.prompt_tokens, usage.cached_tokens),
+            backend.name,
+        ).observe(ttft)
+        m.upstream_ttft.labels(backend.name).observe(upstream_ttft)
+        added = (t_send - ex.t0) + (result.first_client - result.first_upstream)
+        m.edge_added.labels(ex.transport).observe(added)
+        if result.gaps:
+            itl = m.itl.labels(backend.name)
+            for gap in result.gaps:
+                itl.observe(gap)
+        if ex.trace is not None:
+            ex.trace.set("quicedge.ttft_ms", round(ttft * 1000, 3))
+
+    def _account_cache(self, ex: Exchange, decision: Decision, usage: Usage) -> None:
+        assert ex.view is not None
+        ex.usage = usage
+        hit = self.metrics.prefix_hit
+        if ex.view.approx_tokens > 0:
+            predicted = min(decision.predicted_cached_tokens / ex.view.approx_tokens, 1.0)
+            hit.labels("predicted").observe(predicted)
+        if usage.prompt_tokens and usage.cached_tokens is not None:
+            hit.labels("reported").observe(min(usage.cached_tokens / usage.prompt_tokens, 1.0))
+        trace = ex.trace
+        if trace is not None:
+            trace.set("quicedge.backend", decision.backend.name)
+            trace.set("quicedge.reason", decision.reason)
+            trace.set("quicedge.prompt_tokens", usage.prompt_tokens)
+            trace.set("quicedge.cached_tokens", usage.cached_tokens)
+            trace.set("quicedge.completion_tokens", usage.completion_tokens)
+
+    def _upstream_failed(self, backend: Backend, kind: str) -> None:
+        self.metrics.upstream_errors.labels(backend.name, kind).inc()
+        self.registry.record_failure(backend, kind)
+
+    def _abort(self, ex: Exchange, backend: Backend) -> None:
+        if ex.abort_rid is not None:
+            self.abort(backend, ex.abort_rid)
+
+
+async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any], ex: Exchange) -> None:
+    """Wait for `http.disconnect` after the body was read; then cancel the request's task."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            ex.disconnected = True
+            task.cancel()
+            return
+
+
+def _retry_error(backend: Backend, status: int) -> EdgeError:
+    message = f"backend {backend.name} answered {status}"
+    if status == 429:
+        return TooManyRequests(message)
+    if status == 503:
+        return NoHealthyBackend(message)
+    return BadGateway(message)
+
+
+def _response_headers(
+    upstream: list[tuple[bytes, bytes]], ex: Exchange, backend: Backend
+) -> list[tuple[bytes, bytes]]:
+    out = [(k, v) for k, v in upstream if k not in _DROP_RESPONSE_HEADERS and k != b"x-request-id"]
+    out.append((b"x-request-id", ex.request_id.encode()))
+    out.append((b"x-quicedge-backend", backend.name.encode()))
+    return out
+
+
+async def _render(send: Send, err: EdgeError) -> None:
+    """The one place an `EdgeError` becomes a response."""
+    body = err.body()
+    await send({"type": "http.response.start", "status": err.status, "headers": err.headers()})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _send_json(send: Send, status: int, obj: Any) -> None:
+    body = json.dumps(obj, separators=(",", ":")).encode()
+    headers = [*JSON_HEADERS, (b"content-length", b"%d" % len(body))]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    """Acknowledge lifespan events; the wiring starts and stops the fleet, not the server."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

@@ -1,0 +1,119 @@
+"""The fleet's model list: `/v1/models` merged from healthy backends, and the unknown-model check.
+
+Fetched at start and again when older than `ttl`; a request naming a model outside a known list
+gets 404 `model_not_found` without touching a backend. While the list is unknown (no backend
+answered), requests pass and the backend decides.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from backends.pool import UpstreamPool
+from backends.registry import Backend
+from edge.errors import ModelNotFound
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "default"
+"""SGLang's `CompletionRequest.model` default: the served model, whatever its name."""
+
+
+class ModelCatalog:
+    def __init__(
+        self,
+        *,
+        backends: Sequence[Backend],
+        pool: UpstreamPool,
+        ttl: float,
+        timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._backends = backends
+        self._pool = pool
+        self._ttl = ttl
+        self._timeout = timeout
+        self._clock = clock
+        self._fetched_at = float("-inf")
+        self._listing: dict[str, Any] = {"object": "list", "data": []}
+        self.known: frozenset[str] | None = None
+        """Model ids served by the fleet; None until a backend answered."""
+        self._refreshing: asyncio.Task[None] | None = None
+
+    @property
+    def stale(self) -> bool:
+        return self._clock() - self._fetched_at > self._ttl
+
+    async def _fetch(self, backend: Backend) -> list[dict[str, Any]]:
+        response = await self._pool.request(
+            backend.url, "GET", "/v1/models", headers=(), body=b"",
+            first_byte_timeout=self._timeout, chunk_timeout=self._timeout,
+        )  # fmt: skip
+        body = await response.read()
+        if response.status != 200:
+            raise ValueError(f"{backend.name} /v1/models answered {response.status}")
+        data = json.loads(body).get("data")
+        if not isinstance(data, list):
+            raise ValueError(f"{backend.name} /v1/models has no data list")
+        return [card for card in data if isinstance(card, dict) and isinstance(card.get("id"), str)]
+
+    async def refresh(self) -> None:
+        """Fetch from every healthy backend at once; concurrent callers share one fetch."""
+        if self._refreshing is None:
+            self._refreshing = asyncio.ensure_future(self._refresh())
+        task = self._refreshing
+        try:
+            await asyncio.shield(task)
+        finally:
+            if task.done():
+                self._refreshing = None
+
+    async def _refresh(self) -> None:
+        healthy = [b for b in self._backends if b.healthy]
+        results = await asyncio.gather(*(self._fetch(b) for b in healthy), return_exceptions=True)
+        merged: dict[str, dict[str, Any]] = {}
+        answered = False
+        for backend, result in zip(healthy, results, strict=True):
+            if isinstance(result, BaseException):
+                log.info("models from %s: %s", backend.name, result)
+                continue
+            answered = True
+            for card in result:
+                merged.setdefault(card["id"], card)
+        self._fetched_at = self._clock()
+        if answered:
+            self._listing = {"object": "list", "data": list(merged.values())}
+            self.known = frozenset(merged)
+
+    async def listing(self) -> dict[str, Any]:
+        """The merged `/v1/models` answer."""
+        if self.stale:
+            await self.refresh()
+        return self._listing
+
+    def card(self, model: str) -> dict[str, Any] | None:
+        for card in self._listing["data"]:
+            if card["id"] == model:
+                return card
+        return None
+
+    async def check(self, model: str | None) -> None:
+        """404 `model_not_found` for a model the fleet does not serve (when the list is known)."""
+        if model is None or model == DEFAULT_MODEL:
+            return
+        known = self.known
+        if known is not None and model in known:
+            return  # the hot path: no await
+        if self.stale:
+            await self.refresh()
+            known = self.known
+        if known is not None and model not in known:
+            raise ModelNotFound(
+                f"The model `{model}` does not exist. Served: {', '.join(sorted(known))}",
+                param="model",
+            )

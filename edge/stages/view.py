@@ -1,0 +1,74 @@
+"""View stage: what routing needs to know about a request, as a `RequestView`.
+
+The text is the prompt as the backend will see it, so that prefix matching in the routing tree
+lines up with the backend's radix cache: chat messages are rendered with role markers in order,
+the way a chat template lays them out; token-id prompts become their ids joined by spaces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from edge.routing.base import RequestView
+from edge.stages.validate import CHAT, COMPLETIONS
+
+CHARS_PER_TOKEN = 4
+"""Rough characters per token of English text for BPE tokenizers (OpenAI's rule of thumb)."""
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # OpenAI content parts: keep the text ones, in order
+        return "".join(
+            part.get("text", "")
+            for part in content
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+        )
+    return ""
+
+
+def render_chat(messages: list[dict[str, Any]]) -> str:
+    """Messages with role markers, ending with the assistant marker a template adds to generate."""
+    parts = [f"<|{m['role']}|>\n{_content_text(m.get('content'))}\n" for m in messages]
+    parts.append("<|assistant|>\n")
+    return "".join(parts)
+
+
+def _prompt_text(prompt: Any) -> tuple[str, int | None]:
+    """(text, exact token count if the prompt is token ids) for a completions/generate prompt."""
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, list) and prompt:
+        if isinstance(prompt[0], int):
+            return " ".join(map(str, prompt)), len(prompt)
+        if isinstance(prompt[0], str):
+            return "\n".join(prompt), None
+        if isinstance(prompt[0], list):  # a batch of token-id prompts: route on the first
+            return " ".join(map(str, prompt[0])), len(prompt[0])
+    return "", None
+
+
+def build_view(route: str, body: Mapping[str, Any], session_header: str | None) -> RequestView:
+    """The routing view of a validated body."""
+    tokens: int | None
+    if route == CHAT:
+        text, tokens = render_chat(body["messages"]), None
+    elif route == COMPLETIONS:
+        text, tokens = _prompt_text(body["prompt"])
+    else:  # /generate: text, else input_ids
+        source = body.get("text")
+        text, tokens = _prompt_text(source if source is not None else body.get("input_ids"))
+    if tokens is None:
+        tokens = len(text) // CHARS_PER_TOKEN + 1
+    user = body.get("user")
+    session = session_header or (user if isinstance(user, str) and user else None)
+    model = body.get("model")
+    return RequestView(
+        route=route,
+        text=text,
+        approx_tokens=tokens,
+        session_key=session,
+        model=model if isinstance(model, str) else None,
+    )

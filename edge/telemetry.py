@@ -1,0 +1,326 @@
+"""Telemetry: Prometheus metrics on the registry passed in, OpenTelemetry spans per request stage.
+
+Nothing here is global: `edge.serve` creates the one `CollectorRegistry`, and the tracer comes from
+`tracer_from_env()` (the standard `OTEL_*` variables) or from a test. Tracing is decided once per
+request: with no tracer the app creates no span objects at all, and a request costs only the
+`time.perf_counter()` reads that the metrics need anyway. Stage spans are emitted when the request
+ends, with the start and end times recorded as it ran, so the hot path does no span bookkeeping.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# TTFT spans ~1 ms (cached, idle) to tens of seconds (long prompt, deep queue).
+TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5,
+                0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)  # fmt: skip
+# What the edge itself adds is meant to be well under a millisecond.
+EDGE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1,
+                0.25, 1.0)  # fmt: skip
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
+RATIO_BUCKETS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+HIT_RATIO = 0.9
+"""cached/prompt at or above which a request counts as a cache `hit` (else `partial`, or `miss`
+when nothing was cached)."""
+
+
+def cache_label(prompt_tokens: int | None, cached_tokens: int | None) -> str:
+    """`hit`, `partial`, `miss`, or `unknown` when the backend did not report cached tokens."""
+    if cached_tokens is None or not prompt_tokens:
+        return "unknown"
+    if cached_tokens <= 0:
+        return "miss"
+    return "hit" if cached_tokens >= HIT_RATIO * prompt_tokens else "partial"
+
+
+class Metrics:
+    """The app's metrics (transport registers its own on the same registry)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+        self.ttft = Histogram(
+            "quicedge_ttft_seconds",
+            "Time to first token seen by the edge: request arrival (plus any deferred-0-RTT "
+            "handshake wait) to the first content chunk handed to the client transport",
+            ["transport", "early_data", "cache", "backend"],
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.upstream_ttft = Histogram(
+            "quicedge_upstream_ttft_seconds",
+            "Request sent upstream to the first content chunk received from the backend",
+            ["backend"],
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.edge_added = Histogram(
+            "quicedge_edge_added_seconds",
+            "TTFT the edge adds: arrival to upstream send, plus first chunk in to first chunk out",
+            ["transport"],
+            buckets=EDGE_BUCKETS,
+            registry=registry,
+        )
+        self.itl = Histogram(
+            "quicedge_inter_token_seconds",
+            "Gap between content chunks as handed to the client",
+            ["backend"],
+            buckets=ITL_BUCKETS,
+            registry=registry,
+        )
+        self.requests = Counter(
+            "quicedge_requests",
+            "Requests by route and the status the client got",
+            ["route", "status"],
+            registry=registry,
+        )
+        self.decisions = Counter(
+            "quicedge_routing_decisions",
+            "Routing decisions by policy and reason",
+            ["policy", "reason"],
+            registry=registry,
+        )
+        self.prefix_hit = Histogram(
+            "quicedge_prefix_hit_ratio",
+            "Share of the prompt cached on the chosen backend: predicted by routing, reported "
+            "by the backend",
+            ["kind"],
+            buckets=RATIO_BUCKETS,
+            registry=registry,
+        )
+        self.upstream_requests = Counter(
+            "quicedge_upstream_requests",
+            "Upstream requests by backend and whether a warm connection was reused",
+            ["backend", "reused"],
+            registry=registry,
+        )
+        self.upstream_errors = Counter(
+            "quicedge_upstream_errors",
+            "Failed upstream attempts by backend and kind",
+            ["backend", "kind"],
+            registry=registry,
+        )
+        self.retries = Counter(
+            "quicedge_retries",
+            "Attempts retried on another backend, by the reason",
+            ["reason"],
+            registry=registry,
+        )
+        self.disconnects = Counter(
+            "quicedge_client_disconnects",
+            "Clients that went away before their answer was complete (upstream aborted)",
+            registry=registry,
+        )
+        self.stage = Histogram(
+            "quicedge_stage_seconds",
+            "Time spent in each edge stage (parse, admit, route)",
+            ["stage"],
+            buckets=EDGE_BUCKETS,
+            registry=registry,
+        )
+        self.handshake_wait = Histogram(
+            "quicedge_early_data_handshake_wait_seconds",
+            "How long deferred 0-RTT requests waited for the handshake to complete",
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        # children created once: labels() takes a lock and a dict lookup per call
+        self.stage_parse = self.stage.labels("parse")
+        self.stage_admit = self.stage.labels("admit")
+        self.stage_route = self.stage.labels("route")
+
+
+class FleetCollector(Collector):
+    """Read-at-scrape gauges: in-flight per backend, health, and upstream connection reuse.
+
+    Computed from the registry and pool when Prometheus scrapes, so requests pay nothing for them.
+    """
+
+    def __init__(self, backends: Sequence[Any], pool_stats: Callable[[], Any]) -> None:
+        self._backends = backends
+        self._pool_stats = pool_stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        in_flight = GaugeMetricFamily(
+            "quicedge_backend_in_flight", "Requests the edge has in flight", labels=["backend"]
+        )
+        prefill = GaugeMetricFamily(
+            "quicedge_backend_in_flight_prefill_tokens",
+            "Predicted uncached prompt tokens of requests not yet past their first token",
+            labels=["backend"],
+        )
+        healthy = GaugeMetricFamily(
+            "quicedge_backend_healthy", "1 when the backend passes its checks", labels=["backend"]
+        )
+        degraded = GaugeMetricFamily(
+            "quicedge_backend_degraded", "1 when the backend is degraded", labels=["backend"]
+        )
+        for b in self._backends:
+            in_flight.add_metric([b.name], b.in_flight)
+            prefill.add_metric([b.name], b.in_flight_prefill_tokens)
+            healthy.add_metric([b.name], 1.0 if b.healthy else 0.0)
+            degraded.add_metric([b.name], 1.0 if b.degraded else 0.0)
+        yield from (in_flight, prefill, healthy, degraded)
+        stats = self._pool_stats()
+        reuse = GaugeMetricFamily(
+            "quicedge_upstream_reuse_ratio",
+            "Share of upstream requests sent on an already open keep-alive connection",
+        )
+        reuse.add_metric([], stats.reuse_ratio)
+        connects = GaugeMetricFamily(
+            "quicedge_upstream_connects", "TCP connections the pool has opened"
+        )
+        connects.add_metric([], stats.connects)
+        conns = GaugeMetricFamily(
+            "quicedge_upstream_connections",
+            "Upstream connections by backend and state",
+            labels=["backend", "state"],
+        )
+        for url, host in stats.backends.items():
+            conns.add_metric([url, "idle"], host.idle)
+            conns.add_metric([url, "active"], host.active)
+        yield from (reuse, connects, conns)
+
+
+# -- tracing ---------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class TracingSetup:
+    """A tracer and the provider to flush at shutdown (None when this module built neither)."""
+
+    tracer: Tracer | None
+    provider: TracerProvider | None = None
+
+    def shutdown(self) -> None:
+        if self.provider is not None:
+            self.provider.shutdown()
+
+
+def tracer_from_env(*, force: bool = False, environ: dict[str, str] | None = None) -> TracingSetup:
+    """A tracer whose exporters follow `OTEL_TRACES_EXPORTER` (none by default; console; otlp).
+
+    `force` (the `tracing` setting) turns tracing on with the console exporter when the variable
+    names none. Sampling follows `OTEL_TRACES_SAMPLER`, resource attributes `OTEL_SERVICE_NAME` /
+    `OTEL_RESOURCE_ATTRIBUTES`, and the OTLP exporter its own `OTEL_EXPORTER_OTLP_*` variables:
+    the SDK reads them itself.
+    """
+    env = os.environ if environ is None else environ
+    names = [n.strip().lower() for n in env.get("OTEL_TRACES_EXPORTER", "none").split(",")]
+    names = [n for n in names if n and n != "none"]
+    if not names and force:
+        names = ["console"]
+    if not names:
+        return TracingSetup(None)
+    resource = Resource.create({"service.name": env.get("OTEL_SERVICE_NAME", "quicedge")})
+    provider = TracerProvider(resource=resource)
+    for name in names:
+        if name == "console":
+            provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+        elif name == "otlp":
+            try:
+                from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+                    OTLPSpanExporter,
+                )
+            except ImportError:
+                raise ValueError(
+                    "OTEL_TRACES_EXPORTER=otlp needs `pip install quicedge[otlp]`"
+                ) from None
+            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        else:
+            raise ValueError(f"OTEL_TRACES_EXPORTER: unknown exporter {name!r} (console, otlp)")
+    return TracingSetup(provider.get_tracer("quicedge.edge"), provider)
+
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+class RequestTrace:
+    """The spans of one traced request: a SERVER root span and one child per stage.
+
+    Times are `time.perf_counter()` seconds, converted to the epoch nanoseconds OpenTelemetry
+    wants by one offset taken at the start.
+    """
+
+    __slots__ = ("_ctx", "_offset_ns", "_root", "_tracer")
+
+    def __init__(
+        self,
+        tracer: Tracer,
+        *,
+        start: float,
+        traceparent: bytes | None,
+        tracestate: bytes | None,
+        attributes: dict[str, Any],
+    ) -> None:
+        self._tracer = tracer
+        self._offset_ns = time.time_ns() - int(time.perf_counter() * 1e9)
+        carrier: dict[str, str] = {}
+        if traceparent is not None:  # W3C Trace Context: continue the client's trace
+            carrier["traceparent"] = traceparent.decode("latin-1")
+            if tracestate is not None:
+                carrier["tracestate"] = tracestate.decode("latin-1")
+        parent = _PROPAGATOR.extract(carrier) if carrier else None
+        self._root = tracer.start_span(
+            "quicedge.request",
+            context=parent,
+            kind=SpanKind.SERVER,
+            start_time=self._ns(start),
+            attributes=attributes,
+        )
+        self._ctx = trace.set_span_in_context(self._root)
+
+    def _ns(self, t: float) -> int:
+        return self._offset_ns + int(t * 1e9)
+
+    def upstream_context(self) -> tuple[bytes | None, bytes | None]:
+        """`traceparent`/`tracestate` for the backend: this request's span as the parent."""
+        carrier: dict[str, str] = {}
+        _PROPAGATOR.inject(carrier, context=self._ctx)
+        parent = carrier.get("traceparent")
+        state = carrier.get("tracestate")
+        return (
+            parent.encode() if parent else None,
+            state.encode() if state else None,
+        )
+
+    def stage(
+        self, name: str, start: float, end: float, attributes: dict[str, Any] | None = None
+    ) -> None:
+        span = self._tracer.start_span(
+            name, context=self._ctx, start_time=self._ns(start), attributes=attributes
+        )
+        span.end(end_time=self._ns(end))
+
+    def set(self, key: str, value: Any) -> None:
+        if value is not None:
+            self._root.set_attribute(key, value)
+
+    def end(self, end: float, error: str | None = None) -> None:
+        if error is not None:
+            self._root.set_status(Status(StatusCode.ERROR, error))
+        self._root.end(end_time=self._ns(end))
+
+
+__all__ = [
+    "FleetCollector",
+    "Metrics",
+    "RequestTrace",
+    "TracingSetup",
+    "cache_label",
+    "tracer_from_env",
+]

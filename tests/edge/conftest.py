@@ -1,0 +1,260 @@
+"""Helpers for the app's end-to-end tests: the edge served by hypercorn over real sockets, in
+front of real `SimServer`s or a tiny scripted HTTP/1.1 upstream that records what it received."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import h11
+import httpx
+from hypercorn.asyncio import serve
+from hypercorn.config import Config
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client import CollectorRegistry
+
+from edge.config import ProxyConfig
+from edge.wiring import Wiring, build
+from tests.helpers import async_wait_for_tcp, free_port
+
+
+@contextlib.asynccontextmanager
+async def hypercorn_app(
+    app: Any, *, certfile: Path | None = None, keyfile: Path | None = None
+) -> AsyncIterator[str]:
+    """Serve an ASGI app on 127.0.0.1 (TLS with ALPN h2/http1.1 when certs are given)."""
+    port = free_port()
+    config = Config()
+    config.bind = [f"127.0.0.1:{port}"]
+    config.accesslog = None
+    config.errorlog = None
+    config.graceful_timeout = 0.5
+    if certfile is not None:
+        config.certfile = str(certfile)
+        config.keyfile = str(keyfile)
+    stop = asyncio.Event()
+    task = asyncio.ensure_future(serve(app, config, shutdown_trigger=stop.wait))  # type: ignore[arg-type]
+    try:
+        await async_wait_for_tcp("127.0.0.1", port)
+        yield f"{'https' if certfile else 'http'}://127.0.0.1:{port}"
+    finally:
+        stop.set()
+        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(task, 5)
+
+
+@dataclass
+class Edge:
+    url: str
+    admin_url: str
+    wiring: Wiring
+    registry: CollectorRegistry
+    spans: InMemorySpanExporter | None
+
+
+def fast_config(backends: Sequence[str], **overrides: Any) -> ProxyConfig:
+    """Defaults sized for tests: quick health checks, short timeouts, a small pool."""
+    values: dict[str, Any] = {
+        "backends": list(backends),
+        "policy": "round_robin",
+        "health_interval": 0.1,
+        "health_timeout": 1.0,
+        "health_failure_threshold": 2,
+        "health_success_threshold": 1,
+        "loads_interval": 0.2,
+        "pool_warm_connections": 2,
+        "first_byte_timeout": 10.0,
+        "chunk_timeout": 10.0,
+        "connect_timeout": 1.0,
+    }
+    values.update(overrides)
+    return ProxyConfig.from_mapping(values).validate()
+
+
+@contextlib.asynccontextmanager
+async def run_edge(
+    config: ProxyConfig,
+    *,
+    trace: bool = False,
+    certs: Any = None,
+    start: bool = True,
+) -> AsyncIterator[Edge]:
+    registry = CollectorRegistry()
+    exporter: InMemorySpanExporter | None = None
+    tracer = None
+    if trace:
+        exporter = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(exporter))
+        tracer = provider.get_tracer("test")
+    wiring = await build(config, registry=registry, tracer=tracer)
+    if start:
+        await wiring.start()
+    try:
+        tls = {"certfile": certs.cert, "keyfile": certs.key} if certs is not None else {}
+        async with (
+            hypercorn_app(wiring.app, **tls) as url,
+            hypercorn_app(wiring.admin_app) as admin,
+        ):
+            yield Edge(url, admin, wiring, registry, exporter)
+    finally:
+        await wiring.aclose()
+
+
+# -- a tiny scripted upstream ---------------------------------------------------------------
+
+
+@dataclass
+class Recorded:
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+
+
+@dataclass
+class Reply:
+    """What the scripted upstream answers: status, headers, body chunks (with optional pauses)."""
+
+    status: int = 200
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    chunks: list[bytes] = field(default_factory=list)
+    delay: float = 0.0
+    """Pause before each chunk."""
+    die_after: int | None = None
+    """Close the connection abruptly after this many chunks (mid-body death)."""
+    chunked: bool = True
+
+
+Script = Callable[[Recorded], Awaitable[Reply] | Reply]
+
+
+class TinyUpstream:
+    """An HTTP/1.1 server that records every request and answers as the script says."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.requests: list[Recorded] = []
+        self.port = 0
+        self._server: asyncio.base_events.Server | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def __aenter__(self) -> TinyUpstream:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._server is not None
+        self._server.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._server.wait_closed(), 2)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = h11.Connection(h11.SERVER)
+        try:
+            while True:
+                request: h11.Request | None = None
+                body = b""
+                while True:
+                    event = conn.next_event()
+                    if event is h11.NEED_DATA:
+                        data = await reader.read(65536)
+                        conn.receive_data(data)
+                        if not data and request is None:
+                            return
+                        continue
+                    if isinstance(event, h11.Request):
+                        request = event
+                    elif isinstance(event, h11.Data):
+                        body += event.data
+                    elif isinstance(event, h11.EndOfMessage):
+                        break
+                    elif isinstance(event, h11.ConnectionClosed):
+                        return
+                assert request is not None
+                recorded = Recorded(
+                    request.method.decode(),
+                    request.target.decode(),
+                    {k.decode(): v.decode() for k, v in request.headers},
+                    body,
+                )
+                self.requests.append(recorded)
+                reply = self.script(recorded)
+                if asyncio.iscoroutine(reply):
+                    reply = await reply
+                assert isinstance(reply, Reply)
+                headers = list(reply.headers)
+                if reply.chunked:
+                    headers.append(("transfer-encoding", "chunked"))
+                else:
+                    headers.append(("content-length", str(sum(map(len, reply.chunks)))))
+                writer.write(conn.send(h11.Response(status_code=reply.status, headers=headers)))
+                await writer.drain()
+                for i, chunk in enumerate(reply.chunks):
+                    if reply.die_after is not None and i >= reply.die_after:
+                        writer.transport.abort()
+                        return
+                    if reply.delay:
+                        await asyncio.sleep(reply.delay)
+                    writer.write(conn.send(h11.Data(data=chunk)))
+                    await writer.drain()
+                if reply.die_after is not None:
+                    writer.transport.abort()
+                    return
+                writer.write(conn.send(h11.EndOfMessage()))
+                await writer.drain()
+                if conn.our_state is h11.MUST_CLOSE:
+                    return
+                conn.start_next_cycle()
+        except (ConnectionError, h11.ProtocolError):
+            return
+        finally:
+            writer.close()
+
+
+def sse_reply(texts: Sequence[str], *, delay: float = 0.0, die_after: int | None = None) -> Reply:
+    """A /v1/completions-style stream of the given token texts, then [DONE]."""
+    chunks = [
+        b"data: " + json.dumps({"choices": [{"index": 0, "text": t}]}).encode() + b"\n\n"
+        for t in texts
+    ]
+    chunks.append(b"data: [DONE]\n\n")
+    return Reply(
+        headers=[("content-type", "text/event-stream")],
+        chunks=chunks,
+        delay=delay,
+        die_after=die_after,
+    )
+
+
+def health_ok(recorded: Recorded) -> Reply | None:
+    """Answers for the routes the registry polls, so a scripted upstream counts as healthy."""
+    if recorded.path == "/health":
+        return Reply(status=200, chunked=False)
+    if recorded.path in ("/v1/loads", "/get_load"):
+        load = {"num_running_reqs": 0, "num_waiting_reqs": 0, "num_total_tokens": 0,
+                "token_usage": 0.0, "max_total_tokens": 100000}  # fmt: skip
+        return Reply(chunks=[json.dumps(load).encode()], chunked=False,
+                     headers=[("content-type", "application/json")])  # fmt: skip
+    if recorded.path == "/v1/models":
+        models = {"object": "list", "data": [{"id": "tiny-model", "object": "model"}]}
+        return Reply(chunks=[json.dumps(models).encode()], chunked=False,
+                     headers=[("content-type", "application/json")])  # fmt: skip
+    if recorded.path == "/abort_request":
+        return Reply(status=200, chunked=False)
+    return None
+
+
+def client(edge: Edge, **kwargs: Any) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=edge.url, timeout=20.0, **kwargs)

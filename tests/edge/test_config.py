@@ -1,0 +1,90 @@
+"""ProxyConfig and the wiring's flags: defaults, TOML, command line over TOML, clear errors."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import pytest
+
+from edge.config import ProxyConfig
+from edge.telemetry import cache_label, tracer_from_env
+from edge.wiring import add_arguments, config_from
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_flags_override_toml() -> None:
+    toml: dict[str, Any] = {
+        "proxy": {"backends": ["http://127.0.0.1:1"], "policy": "least_load", "max_retries": 1}
+    }
+    config = config_from(parse("--policy", "cache_aware", "--chunk-timeout", "3"), toml)
+    assert config.backends == ["http://127.0.0.1:1"]
+    assert config.policy == "cache_aware"
+    assert config.max_retries == 1
+    assert config.chunk_timeout == 3.0
+    assert config.first_byte_timeout == ProxyConfig().first_byte_timeout
+
+
+def test_repeated_backend_flags_replace_toml_list() -> None:
+    toml = {"proxy": {"backends": ["http://127.0.0.1:1"]}}
+    config = config_from(
+        parse("--backend", "http://127.0.0.1:2", "--backend", "http://127.0.0.1:3"), toml
+    )
+    assert config.backends == ["http://127.0.0.1:2", "http://127.0.0.1:3"]
+
+
+def test_tracing_flag() -> None:
+    assert config_from(parse("--backend", "http://a:1", "--tracing"), {}).tracing is True
+    assert config_from(parse("--backend", "http://a:1"), {"proxy": {"tracing": True}}).tracing
+
+
+@pytest.mark.parametrize(
+    ("section", "message"),
+    [
+        ({}, "at least one backend"),
+        ({"backends": ["ftp://x"]}, "http://HOST:PORT"),
+        ({"backends": ["http://a:1", "http://a:1"]}, "twice"),
+        ({"backends": ["http://a:1"], "nonsense": 1}, "unknown setting"),
+        ({"backends": ["http://a:1"], "connect_timeout": "fast"}, "connect_timeout"),
+        ({"backends": ["http://a:1"], "connect_timeout": 0}, "connect_timeout"),
+        ({"backends": ["http://a:1"], "max_retries": -1}, "max_retries"),
+        ({"backends": ["http://a:1"], "max_retries": 1.5}, "max_retries"),
+        ({"backends": ["http://a:1"], "tracing": "yes"}, "tracing"),
+        ({"backends": ["http://a:1"], "degraded_token_usage": 2}, "degraded_token_usage"),
+        ({"backends": ["http://a:1"], "pool_warm_connections": 500}, "pool_warm"),
+        ({"backends": "http://a:1"}, "list of URLs"),
+    ],
+)
+def test_bad_settings_are_named(section: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        config_from(parse(), {"proxy": section})
+
+
+def test_proxy_section_must_be_a_table() -> None:
+    with pytest.raises(ValueError, match=r"\[proxy\]"):
+        config_from(parse(), {"proxy": 3})
+
+
+def test_cache_labels() -> None:
+    assert cache_label(100, None) == "unknown"
+    assert cache_label(100, 0) == "miss"
+    assert cache_label(100, 50) == "partial"
+    assert cache_label(100, 95) == "hit"
+
+
+def test_tracer_from_environment() -> None:
+    assert tracer_from_env(environ={}).tracer is None
+    assert tracer_from_env(environ={"OTEL_TRACES_EXPORTER": "none"}).tracer is None
+    setup = tracer_from_env(environ={"OTEL_TRACES_EXPORTER": "console"})
+    assert setup.tracer is not None
+    setup.shutdown()
+    forced = tracer_from_env(force=True, environ={})
+    assert forced.tracer is not None
+    forced.shutdown()
+    with pytest.raises(ValueError, match="unknown exporter"):
+        tracer_from_env(environ={"OTEL_TRACES_EXPORTER": "zipkin-ish"})

@@ -1,0 +1,185 @@
+"""The pure stages: body limits, JSON, field validation, the routing view and the rid splice."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from edge import errors
+from edge.stages.body import (
+    ClientGone,
+    check_content_type,
+    declared_length,
+    parse_json_object,
+    read_body,
+)
+from edge.stages.forward import request_id_from, splice_rid, upstream_headers
+from edge.stages.validate import CHAT, COMPLETIONS, GENERATE, validate
+from edge.stages.view import build_view, render_chat
+
+
+def receiver(*messages: dict[str, Any]) -> Any:
+    queue = list(messages)
+
+    async def receive() -> dict[str, Any]:
+        return queue.pop(0)
+
+    return receive
+
+
+@pytest.mark.parametrize(
+    "value", [b"application/json", b"application/json; charset=utf-8", b"Application/JSON"]
+)
+def test_json_content_types_pass(value: bytes) -> None:
+    check_content_type(value)
+
+
+@pytest.mark.parametrize("value", [None, b"text/plain", b"application/x-www-form-urlencoded"])
+def test_other_content_types_are_415(value: bytes | None) -> None:
+    with pytest.raises(errors.UnsupportedMediaType):
+        check_content_type(value)
+
+
+def test_declared_length_over_limit_is_413_before_reading() -> None:
+    with pytest.raises(errors.PayloadTooLarge):
+        declared_length(b"1001", 1000)
+    assert declared_length(b"1000", 1000) == 1000
+    with pytest.raises(errors.InvalidRequest):
+        declared_length(b"ten", 1000)
+
+
+async def test_body_is_counted_as_it_streams_in() -> None:
+    chunks = [{"type": "http.request", "body": b"x" * 400, "more_body": True}] * 3
+    with pytest.raises(errors.PayloadTooLarge):
+        await read_body(receiver(*chunks), 1000)
+    body = await read_body(
+        receiver(
+            {"type": "http.request", "body": b"ab", "more_body": True},
+            {"type": "http.request", "body": b"cd", "more_body": False},
+        ),
+        1000,
+    )
+    assert body == b"abcd"
+
+
+async def test_client_gone_while_sending_body() -> None:
+    with pytest.raises(ClientGone):
+        await read_body(
+            receiver(
+                {"type": "http.request", "body": b"ab", "more_body": True},
+                {"type": "http.disconnect"},
+            ),
+            1000,
+        )
+
+
+@pytest.mark.parametrize("body", [b"", b"{", b"[1, 2]", b'"text"', b"\xff\xfe"])
+def test_non_object_json_is_400(body: bytes) -> None:
+    with pytest.raises(errors.InvalidJSON):
+        parse_json_object(body)
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        (CHAT, {}, "messages"),
+        (CHAT, {"messages": []}, "messages"),
+        (CHAT, {"messages": ["hi"]}, "messages[0]"),
+        (CHAT, {"messages": [{"content": "hi"}]}, "messages[0].role"),
+        (CHAT, {"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+        (COMPLETIONS, {}, "prompt"),
+        (COMPLETIONS, {"prompt": 5}, "prompt"),
+        (COMPLETIONS, {"prompt": []}, "prompt"),
+        (GENERATE, {}, "text"),
+        (GENERATE, {"text": {"a": 1}}, "text"),
+        (GENERATE, {"input_ids": "abc"}, "input_ids"),
+        (GENERATE, {"text": "hi", "sampling_params": [1]}, "sampling_params"),
+        (COMPLETIONS, {"prompt": "hi", "stream": "yes"}, "stream"),
+        (COMPLETIONS, {"prompt": "hi", "model": 7}, "model"),
+    ],
+)
+def test_missing_or_invalid_fields_name_the_field(
+    route: str, body: dict[str, Any], param: str
+) -> None:
+    with pytest.raises(errors.InvalidRequest) as info:
+        validate(route, body)
+    assert info.value.param == param
+    assert info.value.status == 400
+
+
+def test_valid_bodies_report_stream() -> None:
+    chat = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
+    assert validate(CHAT, chat) is True
+    assert validate(COMPLETIONS, {"prompt": [1, 2, 3]}) is False
+    assert validate(GENERATE, {"input_ids": [1, 2], "stream": False}) is False
+
+
+def test_chat_view_renders_roles_in_order() -> None:
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "image_url"}]},
+    ]
+    text = render_chat(messages)
+    assert text == "<|system|>\nYou are terse.\n<|user|>\nHi\n<|assistant|>\n"
+    view = build_view(CHAT, {"messages": messages, "user": "u1", "model": "m"}, None)
+    assert view.text == text
+    assert view.approx_tokens == len(text) // 4 + 1
+    assert view.session_key == "u1"
+    assert view.model == "m"
+    # a shared system prompt gives a shared text prefix
+    other = render_chat([messages[0], {"role": "user", "content": "Bye"}])
+    assert other.startswith("<|system|>\nYou are terse.\n<|user|>\n")
+
+
+def test_session_header_wins_over_user_field() -> None:
+    view = build_view(COMPLETIONS, {"prompt": "abc", "user": "u1"}, "s9")
+    assert view.session_key == "s9"
+
+
+def test_token_id_prompts_count_exactly() -> None:
+    view = build_view(GENERATE, {"input_ids": [5, 6, 7]}, None)
+    assert view.approx_tokens == 3
+    assert view.text == "5 6 7"
+    assert build_view(COMPLETIONS, {"prompt": [[1, 2], [3]]}, None).approx_tokens == 2
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b'{"prompt": "hi"}', b'  \n{"prompt":"hi","n":1}', b"{}", b'\t{ "a" : [1, {"b": 2}] }'],
+)
+def test_rid_splice_keeps_the_rest_exactly(raw: bytes) -> None:
+    body = json.loads(raw)
+    out = splice_rid(raw, body, "abc123")
+    assert json.loads(out) == {"rid": "abc123", **body}
+    assert out.endswith(raw.lstrip()[1:])
+
+
+def test_rid_already_present_is_left_alone() -> None:
+    raw = b'{"rid": "mine", "text": "x"}'
+    assert splice_rid(raw, json.loads(raw), "other") is raw
+
+
+def test_request_id_header() -> None:
+    assert request_id_from(b"req-1.2:3_x") == "req-1.2:3_x"
+    generated = request_id_from(None)
+    assert len(generated) == 32 and generated != request_id_from(None)
+    for bad in (b"", b"has space", b'quote"', b"x" * 129):
+        with pytest.raises(errors.InvalidRequest):
+            request_id_from(bad)
+
+
+def test_upstream_headers_carry_id_trace_and_early_data() -> None:
+    headers = dict(
+        upstream_headers(
+            request_id="r1", early_data=True, traceparent=b"00-a-b-01", tracestate=None
+        )
+    )
+    assert headers[b"x-request-id"] == b"r1"
+    assert headers[b"early-data"] == b"1"
+    assert headers[b"traceparent"] == b"00-a-b-01"
+    plain = dict(
+        upstream_headers(request_id="r1", early_data=False, traceparent=None, tracestate=None)
+    )
+    assert b"early-data" not in plain and b"traceparent" not in plain
