@@ -103,8 +103,7 @@ async def _serve(relay: Relay) -> int:
 
 class _UdpEcho(asyncio.DatagramProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.DatagramTransport)
-        self.transport = transport
+        self.transport: asyncio.DatagramTransport = transport  # type: ignore[assignment]
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
         self.transport.sendto(data, addr)
