@@ -287,9 +287,14 @@ class H3Session:
 
     def _on_reset(self, stream_id: int, actions: list[Action]) -> None:
         req = self._requests.pop(stream_id, None)
-        self._h3.forget(stream_id)
         if req is None:
+            self._h3.forget(stream_id)
             return
+        if not req.response_done:
+            # RFC 9114 §4.1.2: the client cancelled; abandon the response too, which also
+            # lets QUIC retire the stream and return its credit.
+            self._h3.abort_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
+        self._h3.forget(stream_id)
         if req.started:
             actions.append(RequestAborted(stream_id))
         else:

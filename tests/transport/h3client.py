@@ -31,6 +31,7 @@ class Response:
     reset_code: int | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
     first_data: asyncio.Event = field(default_factory=asyncio.Event)
+    arrivals: asyncio.Queue[bytes] = field(default_factory=asyncio.Queue)
 
     def header(self, name: bytes) -> bytes | None:
         return next((v for n, v in self.headers if n == name), None)
@@ -69,6 +70,7 @@ class H3Client(QuicConnectionProtocol):
                 if h3_event.data:
                     r.body += h3_event.data
                     r.chunks.append(h3_event.data)
+                    r.arrivals.put_nowait(h3_event.data)
                     r.first_data.set()
             if getattr(h3_event, "stream_ended", False):
                 r.done.set()
@@ -102,7 +104,9 @@ class H3Client(QuicConnectionProtocol):
         self.transmit()
 
     def reset(self, stream_id: int, code: int = 0x10C) -> None:
+        """Cancel a request (RFC 9114 §4.1.2): RESET_STREAM and STOP_SENDING."""
         self._quic.reset_stream(stream_id, code)
+        self._quic.stop_stream(stream_id, code)
         self.transmit()
 
     async def fetch(self, method: str, path: str, timeout: float = 10.0, **kw: Any) -> Response:

@@ -1,0 +1,194 @@
+"""Malformed requests, limits, concurrency, resets and flushing on the HTTP/3 listener."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aioquic.h3.connection import ErrorCode
+
+from tests.transport.apps import RecordingApp
+from tests.transport.conftest import H3Factory
+from tests.transport.h3client import H3Client, h3_connect
+from transport.asgi import Receive, Scope, Send
+from transport.h3_session import H3Limits
+
+
+async def _connection_still_serves(client: H3Client) -> None:
+    r = await client.fetch("GET", "/echo")
+    assert r.status == 200
+
+
+BASE = [(b":method", b"GET"), (b":scheme", b"https"), (b":authority", b"localhost")]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        pytest.param(BASE, id="missing-path"),
+        pytest.param([(b":method", b"GET"), (b":path", b"/echo")], id="missing-scheme"),
+        pytest.param([*BASE, (b":path", b"/echo"), (b":bogus", b"1")], id="unknown-pseudo"),
+        pytest.param([*BASE, (b":path", b"/echo"), (b":path", b"/x")], id="duplicate-pseudo"),
+        pytest.param([*BASE, (b":path", b"/echo"), (b"Upper", b"x")], id="uppercase-name"),
+        pytest.param([*BASE, (b":path", b"/echo"), (b"connection", b"close")], id="conn-header"),
+    ],
+)
+async def test_malformed_request_is_a_stream_error(
+    h3_server: H3Factory, dev_certs, fields: list[tuple[bytes, bytes]]
+) -> None:
+    app = RecordingApp()
+    async with h3_server(app=app) as server, h3_connect(server.port, dev_certs.ca_cert) as c:
+        held = c.request("GET", "/hold")
+        c.send_now()
+        await asyncio.wait_for(c.responses[held].first_data.wait(), 10)
+        bad = await c.fetch("GET", "", raw_headers=fields)
+        assert bad.reset_code == ErrorCode.H3_MESSAGE_ERROR
+        assert bad.status is None
+        # The other request on the connection is unharmed and the connection serves on.
+        assert not c.responses[held].done.is_set()
+        assert c.terminated is None
+        await _connection_still_serves(c)
+    assert [s.path for s in app.seen] == ["/hold", "/echo"]
+
+
+async def test_non_origin_form_target_is_400(h3_server: H3Factory, dev_certs) -> None:
+    async with h3_server() as server, h3_connect(server.port, dev_certs.ca_cert) as c:
+        r = await c.fetch("GET", "", raw_headers=[*BASE, (b":path", b"*")])
+        assert r.status == 400
+        await _connection_still_serves(c)
+
+
+async def test_oversize_header_block_is_431(h3_server: H3Factory, dev_certs) -> None:
+    limits = H3Limits(max_header_bytes=2048)
+    app = RecordingApp()
+    async with h3_server(app=app, limits=limits) as server:
+        async with h3_connect(server.port, dev_certs.ca_cert) as c:
+            # One huge field: refused from the encoded frame size, before buffering it.
+            big = await c.fetch("GET", "/echo", headers=[(b"x-big", b"a" * 8000)])
+            assert big.status == 431
+            # Many small fields: compressed under the limit, over it once counted (§4.2.2).
+            many = [(b"x-h%d" % i, b"v") for i in range(80)]
+            r = await c.fetch("GET", "/echo", headers=many)
+            assert r.status == 431
+            await _connection_still_serves(c)
+    assert [s.path for s in app.seen] == ["/echo"]
+
+
+async def test_body_over_limit_is_413(h3_server: H3Factory, dev_certs) -> None:
+    limits = H3Limits(max_body_bytes=1000)
+    app = RecordingApp()
+    async with h3_server(app=app, limits=limits) as server:
+        async with h3_connect(server.port, dev_certs.ca_cert) as c:
+            declared = await c.fetch(
+                "POST", "/echo", body=b"x" * 2000, headers=[(b"content-length", b"2000")]
+            )
+            assert declared.status == 413
+            # No content-length: refused once the bytes pass the limit; the app is told.
+            streamed = await c.fetch("POST", "/echo", body=b"x" * 3000)
+            assert streamed.status == 413
+            ok = await c.fetch("POST", "/echo", body=b"x" * 1000)
+            assert ok.status == 200
+    assert await asyncio.wait_for(app.disconnects.get(), 5) == "/echo"
+
+
+async def test_hundred_concurrent_streams_on_one_connection(
+    h3_server: H3Factory, dev_certs
+) -> None:
+    n = 100
+    inside = 0
+    all_in = asyncio.Event()
+
+    async def barrier_app(scope: Scope, receive: Receive, send: Send) -> None:
+        nonlocal inside
+        inside += 1
+        if inside == n:
+            all_in.set()
+        await all_in.wait()  # every request is in the app at the same time
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": scope["path"].encode()})
+
+    async with h3_server(app=barrier_app) as server:
+        async with h3_connect(server.port, dev_certs.ca_cert) as c:
+            ids = [c.request("GET", f"/r{i}") for i in range(n)]
+            c.send_now()
+            responses = await asyncio.gather(*(c.wait(i, 30) for i in ids))
+    assert [r.status for r in responses] == [200] * n
+    assert [r.body for r in responses] == [b"/r%d" % i for i in range(n)]
+
+
+async def test_concurrent_stream_limit_queues_extra_requests(
+    h3_server: H3Factory, dev_certs
+) -> None:
+    app = RecordingApp()
+    async with h3_server(app=app, limits=H3Limits(max_concurrent_streams=2)) as server:
+        async with h3_connect(server.port, dev_certs.ca_cert) as c:
+            holds = [c.request("GET", "/hold") for _ in range(2)]
+            c.send_now()
+            for h in holds:
+                await asyncio.wait_for(c.responses[h].first_data.wait(), 10)
+            third = c.request("GET", "/echo")
+            c.send_now()
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(c.responses[third].done.wait()), 0.3)
+            assert [s.path for s in app.seen] == ["/hold", "/hold"]
+            c.reset(holds[0])
+            r = await c.wait(third)
+            assert r.status == 200
+
+
+async def test_client_reset_reaches_app_as_disconnect(h3_server: H3Factory, dev_certs) -> None:
+    app = RecordingApp()
+    async with h3_server(app=app) as server, h3_connect(server.port, dev_certs.ca_cert) as c:
+        sid = c.request("GET", "/hold")
+        c.send_now()
+        await asyncio.wait_for(c.responses[sid].first_data.wait(), 10)
+        c.reset(sid)
+        assert await asyncio.wait_for(app.disconnects.get(), 10) == "/hold"
+        await _connection_still_serves(c)
+    assert app.seen[0].disconnected
+
+
+async def test_connection_close_reaches_app_as_disconnect(h3_server: H3Factory, dev_certs) -> None:
+    app = RecordingApp()
+    async with h3_server(app=app) as server:
+        async with h3_connect(server.port, dev_certs.ca_cert) as c:
+            sid = c.request("GET", "/hold")
+            c.send_now()
+            await asyncio.wait_for(c.responses[sid].first_data.wait(), 10)
+        # leaving the block closed the connection (CONNECTION_CLOSE)
+        assert await asyncio.wait_for(app.disconnects.get(), 10) == "/hold"
+
+
+async def test_each_send_is_flushed(h3_server: H3Factory, dev_certs) -> None:
+    app = RecordingApp()
+    async with h3_server(app=app) as server, h3_connect(server.port, dev_certs.ca_cert) as c:
+        sid = c.request("GET", "/stream?n=3")
+        c.send_now()
+        r = c.responses[sid]
+        for i in range(3):
+            await app.release.put(None)
+            # chunk i arrives while the app is blocked before producing chunk i+1
+            assert await asyncio.wait_for(r.arrivals.get(), 10) == b"%d;" % i
+        await c.wait(sid)
+    assert r.body == b"0;1;2;"
+
+
+async def test_app_errors_become_500_or_reset(h3_server: H3Factory, dev_certs) -> None:
+    async def broken(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["path"] == "/late":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"x", "more_body": True})
+        raise RuntimeError("boom")
+
+    async with h3_server(app=broken) as server, h3_connect(server.port, dev_certs.ca_cert) as c:
+        early = await c.fetch("GET", "/early")
+        assert early.status == 500
+        late = await c.fetch("GET", "/late")
+        assert late.status == 200 and late.reset_code == ErrorCode.H3_INTERNAL_ERROR
+
+
+async def test_limits_reject_bad_values() -> None:
+    with pytest.raises(ValueError, match="max_body_bytes"):
+        H3Limits(max_body_bytes=0)
+    with pytest.raises(ValueError, match="idle_timeout"):
+        H3Limits(idle_timeout=0)
