@@ -1,0 +1,121 @@
+"""`quicedge sim` / `python -m backends.sim`: run one stand-in server until interrupted."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+from backends.sim.config import SimConfig
+from backends.sim.profiles import PROFILES
+from backends.sim.server import SimServer
+
+
+def _output_len(text: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition(":")
+    try:
+        return (int(lo), int(hi)) if sep else (int(lo), int(lo))
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected N or LO:HI") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="quicedge sim",
+        description="A CPU stand-in for an SGLang server (same HTTP API, radix cache, scheduler).",
+    )
+    d = SimConfig()
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=d.port, help="0 picks a free port (default 30000)")
+    p.add_argument("--name", default=d.name, help="instance name")
+    p.add_argument("--profile", default=d.profile, choices=sorted(PROFILES))
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=d.time_scale,
+        help="multiply every simulated duration (0.01: 100x faster)",
+    )
+    p.add_argument("--max-running-requests", type=int, default=None)
+    p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
+    p.add_argument("--page-size", type=int, default=d.page_size)
+    p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
+    p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
+    p.add_argument("--context-length", type=int, default=None)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--enable-metrics", action="store_true")
+    p.add_argument("--enable-cache-report", action="store_true")
+    p.add_argument("--disable-radix-cache", action="store_true")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument(
+        "--natural-output-len",
+        type=_output_len,
+        default=d.natural_output_len,
+        metavar="LO:HI",
+        help="answer length range when ignore_eos is off",
+    )
+    p.add_argument(
+        "--startup-delay",
+        type=float,
+        default=d.startup_delay,
+        help="simulated warmup seconds during which /health is 503",
+    )
+    p.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive)
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+def config_from(args: argparse.Namespace) -> SimConfig:
+    return SimConfig(
+        name=args.name,
+        host=args.host,
+        port=args.port,
+        profile=args.profile,
+        time_scale=args.time_scale,
+        max_running_requests=args.max_running_requests,
+        max_total_tokens=args.max_total_tokens,
+        page_size=args.page_size,
+        max_prefill_tokens=args.max_prefill_tokens,
+        chunked_prefill_size=args.chunked_prefill_size,
+        enable_metrics=args.enable_metrics,
+        enable_cache_report=args.enable_cache_report,
+        seed=args.seed,
+        served_model_name=args.served_model_name,
+        context_length=args.context_length,
+        disable_radix_cache=args.disable_radix_cache,
+        natural_output_len=args.natural_output_len,
+        startup_delay=args.startup_delay,
+        timeout_keep_alive=args.timeout_keep_alive,
+        max_body_bytes=args.max_body_bytes,
+    )
+
+
+async def serve(config: SimConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    async with SimServer(config) as server:
+        # One line on stdout once listening: scripts and tests wait for it.
+        print(f"ready {server.url}", flush=True)
+        await stop.wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    try:
+        config = config_from(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        asyncio.run(serve(config))
+    except OSError as exc:
+        print(f"quicedge sim: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,98 @@
+"""`SimConfig`: the stand-in's options, mirroring SGLang's server arguments where they exist."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from backends.sim.profiles import Profile, get_profile
+
+MiB = 1024 * 1024
+
+
+@dataclass(slots=True)
+class SimConfig:
+    name: str = "sim"
+    """Instance name (shows in /server_info and logs; not the model name)."""
+    host: str = "127.0.0.1"
+    port: int = 30000
+    """TCP port; 0 picks a free one (see `SimServer.port`). SGLang's default is 30000."""
+    profile: str = "instant"
+    """Timing profile: h100-llama3-8b, h200-llama3-8b or instant (no simulated compute)."""
+    time_scale: float = 1.0
+    """Every simulated duration is multiplied by this (0.01 runs 100x faster)."""
+    max_running_requests: int | None = None
+    """Cap on requests in the running batch (`--max-running-requests`); None: the profile's."""
+    max_total_tokens: int | None = None
+    """KV pool size in tokens (`--max-total-tokens`); None: the profile's."""
+    page_size: int = 1
+    max_prefill_tokens: int = 16384
+    """New (uncached) tokens one prefill batch may take."""
+    chunked_prefill_size: int = 8192
+    """Longer prompts are prefilled in chunks of this many tokens, one chunk per batch."""
+    enable_metrics: bool = False
+    enable_cache_report: bool = False
+    seed: int = 0
+    served_model_name: str | None = None
+    """Model name on the OpenAI routes; None: the profile's model path."""
+    context_length: int | None = None
+    disable_radix_cache: bool = False
+    natural_output_len: tuple[int, int] = (64, 512)
+    """Range of the answer length at which the model emits end-of-turn (unless ignore_eos)."""
+    startup_delay: float = 0.0
+    """Simulated warmup (scaled) during which /health answers 503."""
+    timeout_keep_alive: float = 5.0
+    """Idle keep-alive connections are closed after this many seconds (uvicorn in SGLang: 5)."""
+    max_body_bytes: int = 32 * MiB
+    """Request bodies above this get 413."""
+
+    def __post_init__(self) -> None:
+        get_profile(self.profile)  # raises ValueError for an unknown name
+        checks: list[tuple[bool, str]] = [
+            (0 <= self.port <= 65535, "port must be in 0..65535"),
+            (self.time_scale >= 0, "time_scale must be >= 0"),
+            (self.page_size >= 1, "page_size must be >= 1"),
+            (self.max_prefill_tokens >= 1, "max_prefill_tokens must be >= 1"),
+            (self.chunked_prefill_size >= 1, "chunked_prefill_size must be >= 1"),
+            (
+                self.max_running_requests is None or self.max_running_requests >= 1,
+                "max_running_requests must be >= 1",
+            ),
+            (
+                self.max_total_tokens is None or self.max_total_tokens >= 2,
+                "max_total_tokens must be >= 2",
+            ),
+            (
+                self.context_length is None or self.context_length >= 2,
+                "context_length must be >= 2",
+            ),
+            (
+                1 <= self.natural_output_len[0] <= self.natural_output_len[1],
+                "natural_output_len must be (lo, hi) with 1 <= lo <= hi",
+            ),
+            (self.startup_delay >= 0, "startup_delay must be >= 0"),
+            (self.timeout_keep_alive > 0, "timeout_keep_alive must be > 0"),
+            (self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    @property
+    def timing(self) -> Profile:
+        return get_profile(self.profile)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.timing.model_path
+
+    @property
+    def effective_max_running_requests(self) -> int:
+        return self.max_running_requests or self.timing.max_running_requests
+
+    @property
+    def effective_max_total_tokens(self) -> int:
+        return self.max_total_tokens or self.timing.max_total_tokens
+
+    @property
+    def effective_context_length(self) -> int:
+        return self.context_length or self.timing.context_length
