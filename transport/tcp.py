@@ -1,0 +1,156 @@
+"""TCP listeners on hypercorn: TLS (ALPN h2, http/1.1) with Alt-Svc, plain HTTP/1.1, admin.
+
+Each listener binds its own socket (TCP_NODELAY, optional SO_REUSEPORT for workers) and hands
+it to hypercorn as ``fd://N``, so the bound port is known even when asked for port 0. The TLS
+listener shares ``TlsMaterial``'s one ``SSLContext``, so a SIGHUP reload reaches new handshakes.
+Shutdown: hypercorn stops accepting, closes idle HTTP/2 connections with GOAWAY and lets open
+requests finish for ``graceful_timeout`` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import ssl
+from dataclasses import dataclass
+
+from hypercorn.asyncio import serve
+from hypercorn.config import Config
+
+from transport.asgi import ASGIApp, Receive, Scope, Send, with_tcp_extensions
+from transport.tls import TlsMaterial
+
+ALT_SVC_MAX_AGE = 86400  # one day, as NGINX's documented example
+
+
+def alt_svc_value(h3_port: int) -> str:
+    """RFC 7838 / RFC 9114 §3.1.1: the same host serves HTTP/3 on ``h3_port``."""
+    return f'h3=":{h3_port}"; ma={ALT_SVC_MAX_AGE}'
+
+
+def tcp_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    # Accepted sockets inherit TCP_NODELAY from the listener on Linux: no Nagle delay on
+    # token-sized writes.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind((host, port))
+    # Listen now: clients that connect before hypercorn's accept loop runs wait in the backlog.
+    sock.listen(1024)
+    return sock
+
+
+def without_lifespan(app: ASGIApp) -> ASGIApp:
+    """Answer ASGI lifespan events ourselves: our apps are started by ``edge.serve``."""
+
+    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        await app(scope, receive, send)
+
+    return wrapped
+
+
+class _Config(Config):
+    """hypercorn Config whose TLS context is the shared, reloadable one."""
+
+    def __init__(self, context: ssl.SSLContext | None) -> None:
+        super().__init__()
+        self._context = context
+
+    @property
+    def ssl_enabled(self) -> bool:
+        return self._context is not None
+
+    def create_ssl_context(self) -> ssl.SSLContext | None:
+        return self._context
+
+
+@dataclass(frozen=True, slots=True)
+class TcpOptions:
+    graceful_timeout: float = 10.0
+    """Seconds open requests may take to finish after shutdown begins."""
+    keep_alive_timeout: float = 60.0
+    """Idle keep-alive connections are closed after this long."""
+    max_header_bytes: int = 16 * 1024
+    """HTTP/1.1 request line + headers (h11 max incomplete event size)."""
+
+
+class TcpListener:
+    """One hypercorn listener for one ASGI app."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        host: str,
+        port: int,
+        tls: TlsMaterial | None = None,
+        alt_svc_port: int | None = None,
+        reuse_port: bool = False,
+        options: TcpOptions | None = None,
+        add_extensions: bool = True,
+    ) -> None:
+        self._app = without_lifespan(with_tcp_extensions(app) if add_extensions else app)
+        sock = tcp_socket(host, port, reuse_port=reuse_port)
+        name = sock.getsockname()
+        self.address = (str(name[0]), int(name[1]))
+        # hypercorn takes over the descriptor (it wraps ``fd://N`` in its own socket object).
+        self._fd: int | None = sock.detach()
+        self.scheme = "https" if tls is not None else "http"
+        options = options or TcpOptions()
+        config = _Config(tls.ssl_context() if tls is not None else None)
+        config.bind = [f"fd://{self._fd}"]
+        config.alt_svc_headers = [alt_svc_value(alt_svc_port)] if alt_svc_port else []
+        config.include_server_header = False
+        config.graceful_timeout = options.graceful_timeout
+        config.keep_alive_timeout = options.keep_alive_timeout
+        config.h11_max_incomplete_size = options.max_header_bytes
+        config.accesslog = None
+        config.errorlog = "-"
+        config.loglevel = "WARNING"
+        self._config = config
+        self._stopping = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def __repr__(self) -> str:
+        return f"<TcpListener {self.url}>"
+
+    @property
+    def port(self) -> int:
+        return self.address[1]
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.address[0]}:{self.address[1]}"
+
+    async def start(self) -> None:
+        self._fd = None  # owned by hypercorn from here on
+        self._task = asyncio.create_task(
+            serve(self._app, self._config, shutdown_trigger=self._stopping.wait),  # type: ignore[arg-type]
+            name=f"hypercorn {self.url}",
+        )
+        await asyncio.sleep(0)
+
+    async def stop(self) -> None:
+        """Stop accepting and drain (hypercorn's graceful shutdown)."""
+        self._stopping.set()
+        if self._task is not None:
+            await self._task
+            self._task = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    async def wait(self) -> None:
+        if self._task is not None:
+            await self._task
