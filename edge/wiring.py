@@ -136,23 +136,22 @@ class Wiring:
 
     def abort(self, backend: Backend, rid: str) -> None:
         """Fire `/abort_request {rid}` at the backend without waiting for it (never raises)."""
-        client = self._clients.get(backend.url)
-        if client is None:
-            from backends.sglang import SGLangClient
-
-            client = self._clients[backend.url] = SGLangClient(
-                backend.url, timeout=self.config.health_timeout
-            )
-        task = asyncio.ensure_future(_abort(client, backend, rid))
+        task = asyncio.ensure_future(self._abort(backend, rid))
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
 
+    async def _abort(self, backend: Backend, rid: str) -> None:
+        try:
+            client = self._clients.get(backend.url)
+            if client is None:
+                from backends.sglang import SGLangClient
 
-async def _abort(client: Any, backend: Backend, rid: str) -> None:
-    try:
-        await client.abort(rid)
-    except Exception as exc:  # best effort: the closed upstream connection aborts it too
-        log.info("abort of %s on %s failed: %s", rid, backend.name, exc)
+                client = self._clients[backend.url] = SGLangClient(
+                    backend.url, timeout=self.config.health_timeout
+                )
+            await client.abort(rid)
+        except Exception as exc:  # best effort: the closed upstream connection aborts it too
+            log.info("abort of %s on %s failed: %s", rid, backend.name, exc)
 
 
 async def build(

@@ -217,8 +217,8 @@ class TinyUpstream:
                 if conn.our_state is h11.MUST_CLOSE:
                     return
                 conn.start_next_cycle()
-        except (ConnectionError, h11.ProtocolError):
-            return
+        except (ConnectionError, h11.ProtocolError, asyncio.CancelledError):
+            return  # a cancelled handler at teardown is expected, not an error to log
         finally:
             writer.close()
 
