@@ -1,0 +1,270 @@
+"""`ttft` (the default): send each request where its predicted time to first token is smallest.
+
+For each candidate backend the policy predicts
+
+    TTFT = b + a * (Q + U) + c * U * (C + U/2) + d * D
+
+  Q  prefill tokens queued ahead on that backend: the edge's own in-flight accounting (predicted
+     uncached tokens of requests not yet past their first token), plus, when `/v1/loads` shows
+     more waiting requests than the edge sent, the excess times the mean uncached size;
+  U  this prompt's tokens that backend has not cached (from the prefix-tree match), C = the rest;
+  D  requests decoding there (their steps interleave with prefill);
+  b  fixed cost (scheduling, first decode step, network, the edge itself).
+
+This is SGLang's prefill cost model (prefill-priority continuous batching: a request waits for
+the prefill work queued before it, then pays for its own uncached tokens). The coefficients start
+from priors for Llama-3-8B on an H100 and are learned online by recursive least squares with
+forgetting from every observed TTFT, so the policy adapts to the real GPU, model and load.
+
+The tree is corrected from what backends report: when a backend reports fewer cached tokens
+than predicted, it has evicted. The policy trims that backend's tree below the point the backend
+really held (an engine evicts leaves first, so nothing deeper survived) and shrinks its estimate
+of that backend's cache size, evicting its least recently used entries. Backends that report
+as much as predicted let the estimate grow back.
+
+A session key is only a tie-breaker: the session's previous backend wins if its prediction is
+within `session_slack` (relative) + `session_slack_s` of the best, so load always wins.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from backends.registry import Backend
+from edge.routing.base import Decision, Outcome, RequestView, register_policy, usable
+from edge.routing.cache_aware import chars_to_tokens
+from edge.routing.prefix_tree import DEFAULT_MAX_CHARS, PrefixTree
+
+# Feature scaling keeps the least-squares problem well conditioned: seconds per 1k tokens,
+# per 1M token-pairs, per 10 decoding requests.
+_SCALES = (1.0, 1e-3, 1e-6, 0.1)
+# Priors (sglang reference §2.4: Llama-3.1-8B BF16 on H100): b 15 ms, a 33 us/token,
+# c 1 ns/token-pair, d 1 ms per 10 decoding requests.
+PRIOR = (0.015, 0.033, 0.001, 0.001)
+_FLOORS = (0.0, 1e-4, 0.0, 0.0)  # a must stay positive, or cached tokens would stop mattering
+
+
+class RecursiveLeastSquares:
+    """Online linear regression y ~ theta . x with exponential forgetting (lambda)."""
+
+    def __init__(
+        self, prior: Sequence[float], *, forgetting: float, prior_scale: float, noise_s: float
+    ) -> None:
+        """`prior_scale`: prior standard deviation relative to each prior coefficient;
+        `noise_s`: expected TTFT noise (s). Their ratio sets how fast data overrides priors."""
+        if not 0.5 < forgetting <= 1:
+            raise ValueError("forgetting must be in (0.5, 1]")
+        if prior_scale <= 0 or noise_s <= 0:
+            raise ValueError("prior_scale and noise_s must be > 0")
+        n = len(prior)
+        self.theta = list(prior)
+        self.forgetting = forgetting
+        self._p = [[0.0] * n for _ in range(n)]
+        for i, value in enumerate(prior):
+            self._p[i][i] = (prior_scale * max(abs(value), 1e-3) / noise_s) ** 2
+        self._max_trace = sum(self._p[i][i] for i in range(n)) * 100
+        self.updates = 0
+
+    def predict(self, x: Sequence[float]) -> float:
+        return sum(t * v for t, v in zip(self.theta, x, strict=True))
+
+    def update(self, x: Sequence[float], y: float) -> None:
+        n = len(x)
+        p = self._p
+        px = [sum(p[i][j] * x[j] for j in range(n)) for i in range(n)]
+        denom = self.forgetting + sum(x[i] * px[i] for i in range(n))
+        if denom <= 0:
+            return
+        k = [v / denom for v in px]
+        err = y - self.predict(x)
+        for i in range(n):
+            self.theta[i] += k[i] * err
+        lam = self.forgetting
+        for i in range(n):
+            for j in range(n):
+                p[i][j] = (p[i][j] - k[i] * px[j]) / lam
+        trace = sum(p[i][i] for i in range(n))
+        if trace > self._max_trace:  # no excitation + forgetting blows P up ("windup")
+            f = self._max_trace / trace
+            for i in range(n):
+                for j in range(n):
+                    p[i][j] *= f
+        self.updates += 1
+
+
+@register_policy("ttft")
+class TTFTPolicy:
+    name = "ttft"
+
+    def __init__(
+        self,
+        *,
+        max_tree_chars: int = DEFAULT_MAX_CHARS,
+        learn: bool = True,
+        forgetting: float = 0.995,
+        prior: Sequence[float] = PRIOR,
+        prior_scale: float = 1.0,
+        noise_s: float = 0.01,
+        session_slack: float = 0.1,
+        session_slack_s: float = 0.002,
+        max_sessions: int = 65536,
+        capacity_fraction: float = 0.9,
+        learn_completions: bool = True,
+    ) -> None:
+        if len(prior) != 4:
+            raise ValueError("prior must have 4 coefficients: b, a, c, d")
+        if session_slack < 0 or session_slack_s < 0:
+            raise ValueError("session slack must be >= 0")
+        if not 0 < capacity_fraction <= 1:
+            raise ValueError("capacity_fraction must be in (0, 1]")
+        if max_sessions < 1:
+            raise ValueError("max_sessions must be >= 1")
+        self.tree = PrefixTree(max_tree_chars)
+        self.model = RecursiveLeastSquares(
+            prior, forgetting=forgetting, prior_scale=prior_scale, noise_s=noise_s
+        )
+        self.learn = learn
+        self.session_slack = session_slack
+        self.session_slack_s = session_slack_s
+        self.max_sessions = max_sessions
+        self.capacity_fraction = capacity_fraction
+        self.learn_completions = learn_completions
+        self._sessions: OrderedDict[str, str] = OrderedDict()
+        self._turn = 0
+        self._mean_uncached = 512.0
+        self._tokens_per_char = 0.25
+        self._capacity_cap: dict[str, int] = {}
+        self.trims = 0
+
+    # -- prediction ------------------------------------------------------------------------
+    def coefficients(self) -> tuple[float, ...]:
+        """(b s, a s/token, c s/token-pair, d s/decoding request) as used in predictions."""
+        return tuple(
+            max(f, t) * s for t, f, s in zip(self.model.theta, _FLOORS, _SCALES, strict=True)
+        )
+
+    def features(self, backend: Backend, cached: int, view: RequestView) -> list[float]:
+        uncached = max(0, view.approx_tokens - cached)
+        queued = float(backend.in_flight_prefill_tokens)
+        decoding = backend.in_flight - backend.in_prefill
+        load = backend.load
+        if load is not None:
+            extra = load.num_waiting_reqs - backend.in_prefill
+            if extra > 0:  # work the edge did not send (another edge, a direct client)
+                queued += extra * self._mean_uncached
+            decoding = max(decoding, load.num_running_reqs - backend.in_prefill)
+        raw = (1.0, queued + uncached, uncached * (cached + uncached / 2), float(max(0, decoding)))
+        return [v * s for v, s in zip(raw, _SCALES, strict=True)]
+
+    def _predict(self, x: Sequence[float]) -> float:
+        theta = self.model.theta
+        return sum(max(f, t) * v for t, f, v in zip(theta, _FLOORS, x, strict=True))
+
+    def choose(self, view: RequestView, candidates: Sequence[Backend]) -> Decision:
+        pool = usable(candidates)
+        match = self.tree.match(view.text)
+        self._turn += 1
+        n = len(pool)
+        best: tuple[float, int, int, int] | None = None
+        best_i = 0
+        scored: list[tuple[float, int, list[float], int]] = []
+        for i, b in enumerate(pool):
+            self._learn_capacity(b)
+            chars = match.chars.get(b.url, 0)
+            cached = chars_to_tokens(chars, view)
+            x = self.features(b, cached, view)
+            pred = self._predict(x)
+            scored.append((pred, cached, x, chars))
+            # Ties (an idle fleet, nothing cached) rotate, so they spread like least_load.
+            key = (pred, -cached, b.in_flight, (i - self._turn) % n)
+            if best is None or key < best:
+                best, best_i = key, i
+        reason = "ttft"
+        if view.session_key is not None:
+            url = self._sessions.get(view.session_key)
+            if url is not None and url != pool[best_i].url:
+                for i, b in enumerate(pool):
+                    if b.url == url:
+                        limit = scored[best_i][0] * (1 + self.session_slack) + self.session_slack_s
+                        if scored[i][0] <= limit:
+                            best_i, reason = i, "session"
+                        break
+        backend = pool[best_i]
+        pred, cached, x, chars = scored[best_i]
+        self.tree.insert(view.text, backend.url)
+        if view.session_key is not None:
+            self._remember_session(view.session_key, backend.url)
+        uncached = view.approx_tokens - cached
+        self._mean_uncached += 0.05 * (uncached - self._mean_uncached)
+        if view.text:
+            ratio = view.approx_tokens / len(view.text)
+            self._tokens_per_char += 0.05 * (ratio - self._tokens_per_char)
+        return Decision(
+            backend=backend,
+            reason=reason,
+            predicted_cached_tokens=cached,
+            predicted_ttft_s=pred,
+            features=(*x, float(chars)),
+        )
+
+    def _remember_session(self, key: str, url: str) -> None:
+        self._sessions[key] = url
+        self._sessions.move_to_end(key)
+        while len(self._sessions) > self.max_sessions:
+            self._sessions.popitem(last=False)
+
+    def _learn_capacity(self, backend: Backend) -> None:
+        """Bound the tenant's tree by the backend's KV pool once `/v1/loads` tells its size."""
+        load = backend.load
+        if load is None or not load.max_total_tokens or backend.url in self._capacity_cap:
+            return
+        cap = int(load.max_total_tokens / self._tokens_per_char * self.capacity_fraction)
+        self._capacity_cap[backend.url] = cap
+        self.tree.set_limit(backend.url, cap)
+
+    # -- learning --------------------------------------------------------------------------
+    def observe(self, outcome: Outcome) -> None:
+        url = outcome.backend.url
+        view = outcome.view
+        if outcome.error is not None:
+            if outcome.error == "connect":
+                self.tree.remove_tenant(url)  # a backend that is down restarts with no cache
+            return
+        features = outcome.decision.features
+        if self.learn and features is not None and outcome.ttft_s is not None:
+            self.model.update(features[:4], outcome.ttft_s)
+        if features is not None and outcome.cached_tokens is not None and view.text:
+            self._correct_cache(outcome, matched_chars=int(features[4]))
+        if self.learn_completions and outcome.completion_text:
+            self.tree.insert(view.text + outcome.completion_text, url)
+
+    def _correct_cache(self, outcome: Outcome, *, matched_chars: int) -> None:
+        view = outcome.view
+        url = outcome.backend.url
+        reported = outcome.cached_tokens or 0
+        # Convert with the backend's own token count when it reported one (exact ratio).
+        tokens = outcome.prompt_tokens or view.approx_tokens
+        per_char = tokens / len(view.text)
+        predicted = min(int(matched_chars * per_char), tokens - 1)
+        missing = predicted - reported
+        if missing > max(16, 0.1 * predicted):
+            keep_chars = int(reported / per_char)
+            self.tree.trim(view.text, url, keep_chars)
+            self.tree.insert(view.text, url)  # it holds this prompt again now
+            held = self.tree.tenant_chars(url)
+            limit = self.tree.limit(url)
+            if limit is None:
+                limit = held
+            floor = max(len(view.text), 1024)  # room for this prompt at least
+            self.tree.set_limit(url, max(floor, min(limit, held) - int(missing / per_char)))
+            self.trims += 1
+        elif missing <= 0:
+            limit = self.tree.limit(url)
+            cap = self._capacity_cap.get(url)
+            if limit is not None:
+                grown = int(limit * 1.02) + int(-missing / per_char)
+                self.tree.set_limit(url, grown if cap is None else min(cap, grown))
+
+
+__all__ = ["PRIOR", "RecursiveLeastSquares", "TTFTPolicy"]

@@ -1,0 +1,159 @@
+"""The approximate radix tree: matching, splitting, LRU eviction under a character budget, trims."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from edge.routing.prefix_tree import PrefixTree
+
+
+def test_match_counts_characters_per_tenant() -> None:
+    tree = PrefixTree()
+    tree.insert("system prompt: be brief. question one", "a")
+    tree.insert("system prompt: be brief. question two", "b")
+    tree.insert("other text", "c")
+    m = tree.match("system prompt: be brief. question one, again")
+    assert m.chars == {"a": len("system prompt: be brief. question one"),
+                       "b": len("system prompt: be brief. question ")}  # fmt: skip
+    assert tree.match("nothing shared").chars == {}
+    assert tree.match("").chars == {}
+    assert tree.match("syst").chars == {"a": 4, "b": 4}
+    # the tenants own exactly the characters they inserted
+    assert tree.tenant_chars("a") == len("system prompt: be brief. question one")
+    assert tree.tenant_chars("c") == len("other text")
+    assert tree.total_chars == sum(tree.tenant_chars(t) for t in "abc")
+
+
+def test_split_keeps_both_branches() -> None:
+    tree = PrefixTree()
+    tree.insert("abcdef", "a")
+    tree.insert("abcxyz", "a")
+    tree.insert("ab", "b")
+    assert tree.match("abcdef").chars == {"a": 6, "b": 2}
+    assert tree.match("abcxyz").chars == {"a": 6, "b": 2}
+    assert tree.tenant_chars("a") == len("abcdefxyz")
+    assert tree.node_count() == 4  # ab, c, def, xyz
+
+
+def test_stamps_reflect_recency() -> None:
+    tree = PrefixTree()
+    tree.insert("shared prefix A", "a")
+    tree.insert("shared prefix B", "b")
+    m = tree.match("shared prefix")
+    assert m.stamps["b"] > m.stamps["a"]
+    tree.insert("shared prefix A", "a")
+    assert tree.match("shared prefix").stamps["a"] > tree.match("shared prefix").stamps["b"]
+
+
+def test_global_budget_evicts_least_recently_used_across_tenants() -> None:
+    tree = PrefixTree(max_chars=100)
+    tree.insert("x" * 40, "a")  # oldest
+    tree.insert("y" * 40, "b")
+    tree.insert("z" * 40, "a")  # over budget: the x-run goes
+    assert tree.total_chars == 80 <= tree.max_chars
+    assert tree.match("x" * 40).chars == {}
+    assert tree.match("y" * 40).chars == {"b": 40}
+    tree.insert("y" * 40, "b")  # refresh: now the z-run is the oldest
+    tree.insert("w" * 30, "c")
+    assert tree.match("z" * 40).chars == {}
+    assert tree.match("y" * 40).chars == {"b": 40}
+    assert tree.evicted_chars == 80
+
+
+def test_eviction_takes_leaves_first() -> None:
+    tree = PrefixTree(max_chars=60)
+    tree.insert("P" * 30 + "one", "a")
+    tree.insert("P" * 30 + "two", "a")
+    tree.insert("q" * 25, "b")  # 36 + 25 = 61 > 60: the oldest leaf "one" goes, not the prefix
+    assert tree.match("P" * 30 + "one").chars == {"a": 30}
+    assert tree.match("P" * 30 + "two").chars == {"a": 33}
+
+
+def test_per_tenant_limit() -> None:
+    tree = PrefixTree()
+    tree.set_limit("a", 50)
+    for i in range(10):
+        tree.insert(chr(65 + i) + "k" * 19, "a")  # ten disjoint 20-char texts
+        tree.insert(chr(65 + i) + "k" * 19, "b")
+    assert tree.tenant_chars("a") <= 50
+    assert tree.tenant_chars("b") == 200
+    assert tree.match("J" + "k" * 19).chars == {"a": 20, "b": 20}  # the newest survive
+    assert "a" not in tree.match("A" + "k" * 19).chars
+    tree.set_limit("a", None)
+    assert tree.limit("a") is None
+
+
+def test_trim_drops_the_path_below_and_everything_under_it() -> None:
+    tree = PrefixTree()
+    base = "S" * 100
+    tree.insert(base + "first question", "a")
+    tree.insert(base + "second question", "a")
+    tree.insert(base + "first question", "b")
+    removed = tree.trim(base + "first question", "a", keep_chars=60)
+    assert removed == 100 + len("first question") + len("second question") - 60
+    assert tree.match(base + "second question").chars == {"a": 60, "b": 100}
+    assert tree.match(base + "first question").chars == {"a": 60, "b": 114}
+    assert tree.tenant_chars("a") == 60
+    assert tree.trim("unknown", "a", 0) == 0
+    assert tree.trim(base, "c", 10) == 0
+
+
+def test_remove_tenant() -> None:
+    tree = PrefixTree()
+    tree.insert("shared start a", "a")
+    tree.insert("shared start b", "b")
+    tree.remove_tenant("a")
+    assert tree.match("shared start a").chars == {"b": len("shared start ")}
+    assert tree.tenant_chars("a") == 0 and tree.total_chars == len("shared start b")
+    tree.insert("shared start a", "a")
+    assert tree.match("shared start a").chars["a"] == 14
+
+
+def test_bad_budget() -> None:
+    with pytest.raises(ValueError):
+        PrefixTree(max_chars=0)
+
+
+def test_random_workload_matches_a_brute_force_model() -> None:
+    """Without eviction, each tenant's match is its longest common prefix with what it got."""
+    rng = random.Random(7)
+    alphabet = "abc"
+    tree = PrefixTree(max_chars=10**9)
+    inserted: dict[str, list[str]] = {"t1": [], "t2": [], "t3": []}
+    for _ in range(400):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 12)))
+        tenant = rng.choice(list(inserted))
+        tree.insert(text, tenant)
+        inserted[tenant].append(text)
+    for _ in range(300):
+        query = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 14)))
+        expected = {}
+        for tenant, texts in inserted.items():
+            best = max((common(query, t) for t in texts), default=0)
+            if best:
+                expected[tenant] = best
+        assert tree.match(query).chars == expected, query
+
+
+def test_memory_stays_bounded_under_churn() -> None:
+    rng = random.Random(3)
+    tree = PrefixTree(max_chars=5000)
+    for i in range(3000):
+        prefix = f"group{rng.randint(0, 40)}:" + "p" * 50
+        tree.insert(prefix + f"q{i}" + "x" * rng.randint(0, 80), f"t{i % 4}")
+        assert tree.total_chars <= 5000
+    assert tree.total_chars == sum(tree.tenant_chars(f"t{i}") for i in range(4))
+    # nodes cannot outnumber characters, and the lazy heaps are compacted
+    assert tree.node_count() <= 5000
+    assert all(len(h) < 20000 for h in tree._heaps.values())
+
+
+def common(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
