@@ -171,6 +171,10 @@ class HttpProtocol(asyncio.Protocol):
                 self._cancel_idle_timer()
                 self._request = event
                 self._body = bytearray()
+                # h11 bounds only *incomplete* heads; a complete oversize head arrives whole.
+                if sum(len(k) + len(v) for k, v in event.headers) > MAX_HEADER_BYTES:
+                    self._reject(431, f"request headers exceed {MAX_HEADER_BYTES} bytes")
+                    return
                 length = _content_length(event.headers)
                 if length is not None and length > self._max_body:
                     self._reject(413, f"request body of {length} bytes exceeds {self._max_body}")

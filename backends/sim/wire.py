@@ -156,7 +156,9 @@ def parse_generate(obj: dict[str, Any], tokenizer: Tokenizer) -> GenParams:
         ids = tokenizer.encode(BOS_TOKEN + text)  # HF tokenizers add BOS to plain text
     else:
         ids = _token_ids(_single(input_ids, "input_ids"), "input_ids")
-    sp = obj.get("sampling_params") or {}
+    sp = obj.get("sampling_params")
+    if sp is None:
+        sp = {}
     if not isinstance(sp, dict):
         raise BadRequest("'sampling_params' must be an object")
     _sampling(sp)
