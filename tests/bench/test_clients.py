@@ -7,9 +7,9 @@ import json
 import pytest
 
 from bench.clients import ClientError, ClientOptions, Target, TicketStore, make_client
+from bench.stub_app import WORDS
 from certs import DevCertificates
 from tests.bench.conftest import Servers
-from tests.bench.servers import WORDS
 from tests.helpers import free_port, free_udp_port
 
 BODY = json.dumps({"prompt_tokens": 11}).encode()
@@ -52,7 +52,7 @@ async def test_stream_timings_and_usage(
         assert result.status == 200
         assert result.transport == transport
         assert result.text == "".join(WORDS)
-        assert result.backend == "test-backend"
+        assert result.backend == "stub"
         assert (result.prompt_tokens, result.completion_tokens, result.cached_tokens) == (11, 6, 3)
         assert result.ttft_s is not None and result.latency_s is not None
         assert 0 < result.ttft_s <= result.latency_s
@@ -65,7 +65,7 @@ async def test_stream_timings_and_usage(
     assert second.reused_connection is reuse
     assert (second.connect_s is None) is reuse
     if transport != "h3":
-        version = first.header("x-test-http-version")
+        version = first.header("x-stub-http-version")
         assert version == ("2" if transport == "h2" else "1.1")
 
 
@@ -85,11 +85,11 @@ async def test_h3_zero_rtt_resumes_with_single_use_tickets(
         await client.aclose()
     cold, *resumed = results
     assert cold.error is None and cold.early_data is False and cold.early_data_accepted is None
-    assert cold.header("x-test-early-data") == "0"
+    assert cold.header("x-stub-early-data") == "0"
     for result in resumed:
         assert result.error is None and result.status == 200
         assert result.early_data is True and result.early_data_accepted is True
-        assert result.header("x-test-early-data") == "1"  # the app saw it as early data
+        assert result.header("x-stub-early-data") == "1"  # the app saw it as early data
         assert result.connect_s is None  # sent before any handshake completed
     assert len(tickets) == 1  # each ticket used once; the last connection's is left
 
@@ -116,7 +116,7 @@ async def test_h3_ticket_reused_twice_falls_back_to_full_handshake(
     assert first.early_data_accepted is True
     assert replay.error is None and replay.status == 200  # still served, after the handshake
     assert replay.early_data is True and replay.early_data_accepted is False
-    assert replay.header("x-test-early-data") == "0"
+    assert replay.header("x-stub-early-data") == "0"
 
 
 async def test_connection_refused_is_an_error_result(dev_certs: DevCertificates) -> None:

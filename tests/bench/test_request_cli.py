@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.stub_app import WORDS
 from certs import DevCertificates
 from tests.bench.conftest import Servers, run_command
-from tests.bench.servers import WORDS
 from tests.helpers import free_port
 
 CHAT = json.dumps({"messages": [{"role": "user", "content": "hi"}], "prompt_tokens": 5})
@@ -34,7 +34,7 @@ async def test_request_prints_stream_and_ttft(
     fields = _fields(done.stdout)
     assert fields["status"] == "200"
     assert fields["transport"] == transport
-    assert fields["backend"] == "test-backend"
+    assert fields["backend"] == "stub"
     assert fields["early data"] == "not used"
     assert fields["ttft"].endswith(" ms") and float(fields["ttft"][:-3]) > 0
     assert fields["prompt tokens"] == "5 (cached 3)"
