@@ -38,7 +38,7 @@ from edge.errors import (
     from_upstream,
 )
 from edge.models import ModelCatalog
-from edge.relay import RelayResult, Usage, read_whole, relay_stream, usage_of_body
+from edge.relay import RelayResult, Usage, answer_of_body, read_whole, relay_stream
 from edge.routing.base import Decision, Outcome, RequestView, RoutingPolicy
 from edge.stages.body import (
     ClientGone,
@@ -421,7 +421,7 @@ class ProxyApp:
                 raise _Retry(_retry_error(backend, status), reason=str(status)) from None
             if ex.stream and status == 200:
                 result = await self._relay(ex, response, backend, ticket, send, t_head)
-                usage = result.usage
+                usage, completion = result.usage, result.text
                 error = self._stream_error(result)
                 if result.first_upstream is not None:
                     upstream_ttft = result.first_upstream - t_send
@@ -440,7 +440,7 @@ class ProxyApp:
                 await send({"type": "http.response.body", "body": body, "more_body": False})
                 ex.status = status
                 if status == 200:
-                    usage = usage_of_body(body)
+                    usage, completion = answer_of_body(body)
                     error = None
                 else:
                     error = "5xx" if status >= 500 else ("429" if status == 429 else "4xx")

@@ -62,6 +62,24 @@ def usage_from(obj: Any) -> Usage:
     return Usage()
 
 
+def text_from(obj: Any) -> str | None:
+    """The generated text of a whole answer (or of /generate's cumulative last chunk)."""
+    if not isinstance(obj, dict):
+        return None
+    text = obj.get("text")
+    if isinstance(text, str):  # /generate
+        return text
+    choices = obj.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        choice = choices[0]
+        message = choice.get("message")
+        if isinstance(message, dict) and isinstance(message.get("content"), str):
+            return str(message["content"])  # chat
+        if isinstance(choice.get("text"), str):
+            return str(choice["text"])  # completions
+    return None
+
+
 def _int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
@@ -151,14 +169,20 @@ class SSEScanner:
         err = obj.get("error") if isinstance(obj, dict) else None
         self.error = err if isinstance(err, dict) else {"message": str(err)}
 
-    def usage(self) -> Usage:
-        """Decode the last data event once, at the end of the stream."""
+    def final(self) -> tuple[Usage, str | None]:
+        """Decode the last data event once, at the end of the stream: usage, and the whole
+        generated text when the stream is /generate's (its text is cumulative)."""
         if self.last_data is None:
-            return Usage()
+            return Usage(), None
         try:
-            return usage_from(json.loads(self.last_data))
+            obj = json.loads(self.last_data)
         except ValueError:
-            return Usage()
+            return Usage(), None
+        text = obj.get("text") if isinstance(obj, dict) and "meta_info" in obj else None
+        return usage_from(obj), text if isinstance(text, str) else None
+
+    def usage(self) -> Usage:
+        return self.final()[0]
 
 
 @dataclass(slots=True)
@@ -173,6 +197,8 @@ class RelayResult:
     gaps: list[float] = field(default_factory=list)
     """Inter-token latencies as the client sees them (between content chunks)."""
     usage: Usage = field(default_factory=Usage)
+    text: str | None = None
+    """The generated text, when it came for free (/generate streams)."""
     error: EdgeError | None = None
     """A failure after the response started (the client got an error event)."""
     upstream_error: UpstreamError | None = None
@@ -223,7 +249,7 @@ async def relay_stream(
                 }
             )
     result.backend_error = scanner.error
-    result.usage = scanner.usage()
+    result.usage, result.text = scanner.final()
     await send({"type": "http.response.body", "body": b"", "more_body": False})
     result.end = perf()
 
@@ -250,9 +276,10 @@ class UpstreamResponseTooLarge(UpstreamError):
     kind = "protocol"
 
 
-def usage_of_body(body: bytes) -> Usage:
-    """Counts from a non-streaming JSON answer (decoded once, for accounting only)."""
+def answer_of_body(body: bytes) -> tuple[Usage, str | None]:
+    """Counts and generated text of a non-streaming JSON answer (decoded once, for accounting)."""
     try:
-        return usage_from(json.loads(body))
+        obj = json.loads(body)
     except ValueError:
-        return Usage()
+        return Usage(), None
+    return usage_from(obj), text_from(obj)

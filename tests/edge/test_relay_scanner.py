@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from edge.relay import SSEScanner, Usage, usage_from
+from edge.relay import SSEScanner, Usage, answer_of_body, usage_from
 
 
 def sse(*objs: object) -> bytes:
@@ -130,3 +130,23 @@ def test_usage_from_openai_and_native() -> None:
     assert usage_from({"meta_info": {"prompt_tokens": 9, "cached_tokens": 4}}) == Usage(9, 4, None)
     assert usage_from([1, 2]) == Usage()
     assert usage_from({"usage": {"prompt_tokens": True}}) == Usage()
+
+
+def test_generate_stream_gives_the_whole_text_for_free() -> None:
+    scanner = SSEScanner()
+    scanner.feed(GENERATE_STREAM)
+    assert scanner.final() == (Usage(5, 2, 2), " Paris.")
+    chat = SSEScanner()
+    chat.feed(CHAT_STREAM)
+    assert chat.final()[1] is None  # deltas: not collected
+
+
+def test_whole_answers_give_usage_and_text() -> None:
+    chat = {
+        "choices": [{"message": {"role": "assistant", "content": "Paris."}}],
+        "usage": {"prompt_tokens": 9, "completion_tokens": 2},
+    }
+    assert answer_of_body(json.dumps(chat).encode()) == (Usage(9, None, 2), "Paris.")
+    completion = {"choices": [{"text": "abc"}]}
+    assert answer_of_body(json.dumps(completion).encode()) == (Usage(), "abc")
+    assert answer_of_body(b"not json") == (Usage(), None)
