@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import selectors
 import shutil
+import signal
 import subprocess
+import sys
+import tempfile
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
@@ -14,7 +20,7 @@ import redis
 from prometheus_client import CollectorRegistry
 
 from certs import DevCertificates
-from tests.helpers import free_port
+from tests.helpers import free_port, free_udp_port
 from tests.transport.apps import RecordingApp
 from transport.h3_server import H3Server
 from transport.metrics import TransportMetrics
@@ -87,3 +93,77 @@ def private_redis() -> Iterator[PrivateRedis]:
         yield server
     finally:
         server.stop()
+
+
+class ServeProcess:
+    """``quicedge serve`` in a child process on free ports; stopped with SIGTERM."""
+
+    def __init__(self, *args: str, ready_timeout: float = 60.0) -> None:
+        self.h3_port = free_udp_port()
+        self.tcp_port = free_port()
+        self.admin_port = free_port()
+        cmd = [
+            sys.executable, "-m", "edge.cli", "serve",
+            "--h3", f"127.0.0.1:{self.h3_port}",
+            "--tcp", f"127.0.0.1:{self.tcp_port}",
+            "--admin", f"127.0.0.1:{self.admin_port}",
+            *args,
+        ]  # fmt: skip
+        self.stderr = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=self.stderr)
+        self.lines: list[str] = []
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        pending = b""
+        deadline = time.monotonic() + ready_timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while True:
+                if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
+                    self.stop()
+                    pytest.fail(f"serve not ready in {ready_timeout}s: {self.lines}")
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    pytest.fail(f"serve exited ({self.proc.wait()}): {self.lines} {self.errors()}")
+                pending += chunk
+                *done, pending = pending.split(b"\n")
+                self.lines.extend(line.decode() for line in done)
+                if "ready" in self.lines:
+                    return
+
+    def errors(self) -> str:
+        self.stderr.seek(0)
+        return self.stderr.read().decode(errors="replace")
+
+    def metrics(self) -> str:
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/metrics", timeout=10) as r:
+            return str(r.read().decode())
+
+    def metric(self, sample: str) -> float:
+        for line in self.metrics().splitlines():
+            if line.startswith(sample + " "):
+                return float(line.split()[-1])
+        raise AssertionError(f"no sample {sample}")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return int(self.proc.returncode)
+
+
+@pytest.fixture
+def serve_process() -> Iterator[Callable[..., ServeProcess]]:
+    started: list[ServeProcess] = []
+
+    def start(*args: str) -> ServeProcess:
+        started.append(ServeProcess(*args))
+        return started[-1]
+
+    yield start
+    for proc in started:
+        proc.stop()

@@ -1,0 +1,183 @@
+"""``quicedge serve`` as a user runs it: CLI errors, TOML, processes, workers, interop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from edge.serve import build_parser, main, transport_config
+from tests.transport.conftest import ServeProcess
+from tests.transport.h3client import fresh_ticket, h3_connect
+from transport.early_data import Mode
+
+ZERO_RTT = 'quicedge_zero_rtt_total{result="%s"}'
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--demo", "--workers", "2"], "--workers 2 needs --redis URL"),
+        (["--demo", "--h3", "localhost"], "--h3: expected HOST:PORT"),
+        (["--demo", "--h3", "off"], "--h3 cannot be off"),
+        (["--demo", "--cert", "x.pem"], "--cert and --key go together"),
+        (["--demo", "--cert", "/nonexistent.pem", "--key", "/nonexistent.key"], "cannot read"),
+        (["--demo", "--quic-retry-secret", "short"], "at least 16 bytes"),
+        (["--demo", "--workers", "0"], "workers must be >= 1"),
+        (["--demo", "--max-streams", "0"], "max_concurrent_streams must be >= 1"),
+        (["--demo", "--config", "/nonexistent.toml"], "--config /nonexistent.toml"),
+    ],
+)
+def test_bad_settings_are_refused_clearly(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_early_data_mode_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--demo", "--early-data", "sometimes"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_help_shows_the_early_data_policy() -> None:
+    text = build_parser().format_help()
+    for route in ("/v1/chat/completions", "/v1/completions", "/generate"):
+        assert f"{route:<22} accept" in text
+    assert "(any other path)       defer" in text
+    assert "--early-data {accept,defer,reject}" in text
+
+
+def test_toml_settings_and_flag_overrides(tmp_path: Path) -> None:
+    config = tmp_path / "edge.toml"
+    config.write_text(
+        """
+[serve]
+h3 = "0.0.0.0:443"
+tcp = "off"
+workers = 3
+redis = "redis://r:6379/0"
+max_body_bytes = 1000
+
+[early_data]
+default = "reject"
+routes = { "/v1/embeddings" = "accept" }
+"""
+    )
+    parser = build_parser()
+    t = transport_config(parser.parse_args(["--config", str(config)]), _load(config))
+    assert t.h3 == ("0.0.0.0", 443) and t.tcp is None and t.workers == 3
+    assert t.limits.max_body_bytes == 1000
+    assert t.early_data.mode_for("/v1/embeddings") is Mode.ACCEPT
+    assert t.early_data.mode_for("/generate") is Mode.ACCEPT
+    assert t.early_data.mode_for("/other") is Mode.REJECT
+    args = parser.parse_args(["--workers", "1", "--early-data", "defer", "--tcp", "[::1]:8443"])
+    t = transport_config(args, _load(config))
+    assert t.workers == 1 and t.tcp == ("::1", 8443)
+    assert t.early_data.mode_for("/generate") is Mode.DEFER
+
+
+def test_toml_unknown_setting_is_refused(tmp_path: Path, capsys) -> None:
+    config = tmp_path / "edge.toml"
+    config.write_text('[serve]\nh4 = "x"\n')
+    assert main(["--demo", "--config", str(config)]) == 2
+    assert "unknown settings: h4" in capsys.readouterr().err
+    config.write_text('[early_data]\ndefault = "maybe"\n')
+    assert main(["--demo", "--config", str(config)]) == 2
+    assert "invalid early-data mode 'maybe'" in capsys.readouterr().err
+
+
+def _load(path: Path) -> dict:
+    import tomllib
+
+    return tomllib.loads(path.read_text())
+
+
+def _gtls(port: int, workdir: Path, *extra: str) -> tuple[str, dict]:
+    """One gtlsclient run (ngtcp2 + GnuTLS: not aioquic) POSTing to /generate; (log, answer)."""
+    out = workdir / "out"
+    out.mkdir(exist_ok=True)
+    body = workdir / "body.json"
+    body.write_text('{"text": "hello"}')
+    answer = out / "generate"
+    answer.unlink(missing_ok=True)
+    run = subprocess.run(
+        [
+            "gtlsclient", "--exit-on-all-streams-close", "--no-quic-dump", "--no-http-dump",
+            f"--session-file={workdir / 'session'}", f"--tp-file={workdir / 'tp'}",
+            f"--download={out}", "-m", "POST", "-d", str(body), "--timeout=10s", *extra,
+            "127.0.0.1", str(port), f"https://localhost:{port}/generate",
+        ],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert answer.exists(), f"no answer from gtlsclient: {run.stdout}\n{run.stderr}"
+    return run.stdout + run.stderr, json.loads(answer.read_text())
+
+
+def test_gtlsclient_resumes_with_0rtt_and_the_replayed_ticket_is_refused(
+    serve_process, tmp_path: Path
+) -> None:
+    server: ServeProcess = serve_process("--demo")
+    log, first = _gtls(server.h3_port, tmp_path)
+    assert first["early_data"] is False and first["transport"] == "h3"
+    assert (tmp_path / "session").exists() and (tmp_path / "tp").exists()
+    # Keep the ticket the first run saved; the second run overwrites the files with a new one.
+    saved = {n: (tmp_path / n).read_bytes() for n in ("session", "tp")}
+    log, second = _gtls(server.h3_port, tmp_path)
+    assert "Early data was rejected" not in log
+    assert second["early_data"] is True
+    assert second["body_bytes"] == len('{"text": "hello"}')
+    for name, data in saved.items():
+        (tmp_path / name).write_bytes(data)
+    log, replay = _gtls(server.h3_port, tmp_path)
+    assert "Early data was rejected by server" in log
+    assert replay["early_data"] is False  # served after the full handshake
+    assert server.metric(ZERO_RTT % "accepted") == 1
+    assert server.metric(ZERO_RTT % "replay_refused") == 1
+
+
+async def test_two_processes_sharing_redis_accept_a_ticket_once(
+    serve_process, dev_certs, redis_url: str, redis_prefix: str
+) -> None:
+    # Both processes use the default development certificates of the checkout.
+    from certs import ensure_dev_certificates
+
+    ca = ensure_dev_certificates().ca_cert
+    a: ServeProcess = serve_process("--demo", "--redis", redis_url)
+    b: ServeProcess = serve_process("--demo", "--redis", redis_url)
+    ticket = await fresh_ticket(a.h3_port, ca)  # issued by A, kept in Redis
+    results = []
+    for server in (b, a, b):  # redeemed on B; replays on A and on B are refused
+        async with h3_connect(server.h3_port, ca, ticket=ticket, wait_connected=False) as c:
+            r = await c.fetch("POST", "/generate", body=b"{}")
+            await asyncio.wait_for(c.handshake_done.wait(), 10)
+            assert c.handshake is not None
+            results.append((c.handshake.early_data_accepted, json.loads(r.body)["early_data"]))
+    assert results == [(True, True), (False, False), (False, False)]
+    assert b.metric(ZERO_RTT % "accepted") == 1
+    assert a.metric(ZERO_RTT % "replay_refused") + b.metric(ZERO_RTT % "replay_refused") == 2
+
+
+async def test_workers_share_ports_and_tickets(serve_process, redis_url: str) -> None:
+    from certs import ensure_dev_certificates
+
+    ca = ensure_dev_certificates().ca_cert
+    server: ServeProcess = serve_process("--demo", "--workers", "2", "--redis", redis_url)
+    assert any("workers 2" in line for line in server.lines)
+    ticket = await fresh_ticket(server.h3_port, ca)
+    accepted = []
+    pids = set()
+    for _ in range(6):  # new client ports: the kernel spreads them over both workers
+        async with h3_connect(server.h3_port, ca, ticket=ticket, wait_connected=False) as c:
+            r = await c.fetch("POST", "/generate", body=b"{}")
+            await asyncio.wait_for(c.handshake_done.wait(), 10)
+            assert c.handshake is not None
+            accepted.append(c.handshake.early_data_accepted)
+            pids.add(json.loads(r.body)["pid"])
+    assert accepted.count(True) == 1 and accepted[0] is True
+    assert server.stop() == 0
+    assert len(pids) >= 1
