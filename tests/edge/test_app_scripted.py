@@ -1,0 +1,283 @@
+"""The app against small scripted upstreams that record what they got: forwarded headers and body,
+retries only before the first byte, mid-stream death, timeouts, and every bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+
+import httpx
+import pytest
+
+from tests.edge.conftest import (
+    Edge,
+    Recorded,
+    Reply,
+    TinyUpstream,
+    client,
+    fast_config,
+    health_ok,
+    run_edge,
+    sse_reply,
+)
+
+COMPLETION = {"model": "tiny-model", "prompt": "Hello there", "stream": True}
+
+
+def script(on_request: Callable[[Recorded], Reply]) -> Callable[[Recorded], Reply]:
+    def answer(recorded: Recorded) -> Reply:
+        return health_ok(recorded) or on_request(recorded)
+
+    return answer
+
+
+def inference(upstream: TinyUpstream) -> list[Recorded]:
+    return [r for r in upstream.requests if r.path.startswith(("/v1/c", "/generate"))]
+
+
+def in_flight(edge: Edge) -> list[int]:
+    return [b.in_flight for b in edge.wiring.registry.backends]
+
+
+async def test_forwards_body_with_rid_and_headers_and_names_the_backend() -> None:
+    async with TinyUpstream(script(lambda r: sse_reply(["Hi", " there"]))) as up:
+        async with run_edge(fast_config([up.url])) as edge, client(edge) as http:
+            traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+            response = await http.post(
+                "/v1/completions",
+                json=COMPLETION,
+                headers={"x-request-id": "req-42", "traceparent": traceparent},
+            )
+            assert response.status_code == 200
+            assert response.headers["x-request-id"] == "req-42"
+            assert response.headers["x-quicedge-backend"] == edge.wiring.registry.backends[0].name
+            assert response.headers["content-type"] == "text/event-stream"
+            assert b'"Hi"' in response.content and response.content.endswith(b"data: [DONE]\n\n")
+    (sent,) = inference(up)
+    assert json.loads(sent.body) == {"rid": "req-42", **COMPLETION}
+    assert sent.headers["x-request-id"] == "req-42"
+    assert sent.headers["traceparent"] == traceparent  # tracing off: passed through unchanged
+    assert "early-data" not in sent.headers
+
+
+async def test_early_data_request_is_forwarded_with_early_data_header() -> None:
+    """Drive the app with the scope the H3 transport gives a 0-RTT request."""
+    async with TinyUpstream(script(lambda r: sse_reply(["ok"]))) as up:
+        async with run_edge(fast_config([up.url])) as edge:
+            body = json.dumps(COMPLETION).encode()
+            scope = {
+                "type": "http",
+                "method": "POST",
+                "path": "/v1/completions",
+                "http_version": "3",
+                "headers": [(b"content-type", b"application/json")],
+                "extensions": {"transport": "h3", "early_data": True, "handshake_wait_s": 0.0},
+            }
+            messages = [{"type": "http.request", "body": body, "more_body": False}]
+            done = asyncio.Event()
+            sent: list[dict[str, object]] = []
+
+            async def receive() -> dict[str, object]:
+                if messages:
+                    return messages.pop(0)
+                await done.wait()
+                return {"type": "http.disconnect"}
+
+            async def send(message: dict[str, object]) -> None:
+                sent.append(message)
+
+            await edge.wiring.app(scope, receive, send)
+            done.set()
+            assert sent[0]["status"] == 200
+            metrics = (await httpx.AsyncClient().get(edge.admin_url + "/metrics")).text
+            assert 'early_data="0rtt"' in metrics and 'transport="h3"' in metrics
+    (forwarded,) = inference(up)
+    assert forwarded.headers["early-data"] == "1"
+
+
+async def test_503_is_retried_on_the_other_backend() -> None:
+    busy = script(lambda r: Reply(status=503, chunks=[b'{"error":"busy"}'], chunked=False))
+    async with TinyUpstream(busy) as bad, TinyUpstream(script(lambda r: sse_reply(["x"]))) as good:
+        config = fast_config([bad.url, good.url], policy="round_robin", eject_after_failures=100)
+        async with run_edge(config) as edge, client(edge) as http:
+            for _ in range(4):
+                response = await http.post("/v1/completions", json=COMPLETION)
+                assert response.status_code == 200
+                assert response.headers["x-quicedge-backend"] == f"127.0.0.1:{good.port}"
+            metrics = (await httpx.AsyncClient().get(edge.admin_url + "/metrics")).text
+            assert 'quicedge_retries_total{reason="503"}' in metrics
+            assert in_flight(edge) == [0, 0]
+    assert len(inference(good)) == 4
+    assert 1 <= len(inference(bad)) <= 4
+
+
+async def test_when_every_backend_says_503_the_client_gets_the_last_answer() -> None:
+    busy = script(lambda r: Reply(status=503, chunks=[b'{"error":"busy"}'], chunked=False))
+    async with TinyUpstream(busy) as a, TinyUpstream(busy) as b:
+        config = fast_config([a.url, b.url], eject_after_failures=100)
+        async with run_edge(config) as edge, client(edge) as http:
+            response = await http.post("/v1/completions", json=COMPLETION)
+            assert response.status_code == 503
+            assert response.content == b'{"error":"busy"}'
+    assert len(inference(a)) + len(inference(b)) == 2  # each backend tried once
+
+
+async def test_backend_dying_mid_stream_ends_with_error_event_and_no_retry() -> None:
+    dying = script(lambda r: sse_reply(["a", "b", "c", "d"], die_after=2))
+    async with TinyUpstream(dying) as a, TinyUpstream(dying) as b:
+        async with run_edge(fast_config([a.url, b.url])) as edge, client(edge) as http:
+            response = await http.post("/v1/completions", json=COMPLETION)
+            assert response.status_code == 200
+            events = [e for e in response.content.split(b"\n\n") if e]
+            assert events[-1] == b"data: [DONE]"
+            error = json.loads(events[-2][len(b"data: ") :])
+            assert error["error"]["code"] == "bad_gateway"
+            assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:2]] == ["a", "b"]
+            assert in_flight(edge) == [0, 0]
+            failures = [b.failures for b in edge.wiring.registry.backends]
+            assert {"protocol": 1} in failures
+    assert len(inference(a)) + len(inference(b)) == 1  # no retry after the first byte
+
+
+async def test_connect_refused_is_retried_elsewhere() -> None:
+    async with TinyUpstream(script(lambda r: sse_reply(["x"]))) as good:
+        dead = TinyUpstream(script(lambda r: sse_reply(["never"])))
+        async with dead:
+            dead_url = dead.url
+        config = fast_config([dead_url, good.url], pool_warm_connections=0)
+        async with run_edge(config, start=False) as edge, client(edge) as http:
+            for _ in range(2):  # round robin reaches the dead one in two tries
+                response = await http.post("/v1/completions", json=COMPLETION)
+                assert response.status_code == 200
+            assert edge.wiring.registry.backends[0].failures["connect"] >= 1
+            assert in_flight(edge) == [0, 0]
+    assert len(inference(good)) == 2
+
+
+async def test_first_byte_timeout_is_504_and_aborts() -> None:
+    async def slow(recorded: Recorded) -> Reply:
+        reply = health_ok(recorded)
+        if reply is not None:
+            return reply
+        await asyncio.sleep(3)
+        return sse_reply(["late"])
+
+    async with TinyUpstream(slow) as up:
+        config = fast_config([up.url], first_byte_timeout=0.3)
+        async with run_edge(config) as edge, client(edge) as http:
+            response = await http.post("/v1/completions", json=COMPLETION)
+            assert response.status_code == 504
+            assert response.json()["error"]["code"] == "upstream_timeout"
+            assert in_flight(edge) == [0]
+            for _ in range(50):
+                if any(r.path == "/abort_request" for r in up.requests):
+                    break
+                await asyncio.sleep(0.05)
+    aborts = [json.loads(r.body) for r in up.requests if r.path == "/abort_request"]
+    assert aborts == [{"rid": response.headers["x-request-id"]}]
+
+
+async def test_chunk_timeout_ends_the_stream_with_504_event() -> None:
+    async with TinyUpstream(script(lambda r: sse_reply(["a", "b"], delay=1.0))) as up:
+        config = fast_config([up.url], chunk_timeout=0.3)
+        async with run_edge(config) as edge, client(edge) as http:
+            response = await http.post("/v1/completions", json=COMPLETION)
+            assert response.status_code == 200
+            events = [e for e in response.content.split(b"\n\n") if e]
+            assert json.loads(events[-2][6:])["error"]["code"] == "upstream_timeout"
+            assert events[-1] == b"data: [DONE]"
+            assert in_flight(edge) == [0]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "headers", "content", "status", "code"),
+    [
+        ("POST", "/v1/completions", {"content-type": "application/json"}, b"{nope", 400,
+         "invalid_json"),
+        ("POST", "/v1/completions", {"content-type": "application/json"}, b"[]", 400,
+         "invalid_json"),
+        ("POST", "/v1/completions", {"content-type": "text/plain"}, b"{}", 415,
+         "unsupported_media_type"),
+        ("POST", "/v1/completions", {"content-type": "application/json"},
+         b'{"prompt": "' + b"x" * 5000 + b'"}', 413, "payload_too_large"),
+        ("POST", "/v1/chat/completions", {"content-type": "application/json"}, b"{}", 400,
+         "missing_field"),
+        ("POST", "/v1/chat/completions", {"content-type": "application/json"},
+         b'{"model": "gpt-17", "messages": [{"role": "user", "content": "hi"}]}', 404,
+         "model_not_found"),
+        ("POST", "/v1/nothing", {"content-type": "application/json"}, b"{}", 404, "not_found"),
+        ("GET", "/v1/completions", {}, b"", 405, "method_not_allowed"),
+        ("DELETE", "/v1/models", {}, b"", 405, "method_not_allowed"),
+        ("GET", "/v1/models/gpt-17", {}, b"", 404, "model_not_found"),
+        ("POST", "/v1/completions", {"content-type": "application/json", "x-request-id": "a b"},
+         b'{"prompt": "x"}', 400, "invalid_request_id"),
+    ],
+)  # fmt: skip
+async def test_bad_input_gets_openai_error_before_any_backend_is_touched(
+    method: str, path: str, headers: dict[str, str], content: bytes, status: int, code: str
+) -> None:
+    async with TinyUpstream(script(lambda r: sse_reply(["x"]))) as up:
+        async with run_edge(fast_config([up.url], max_body_bytes=4096)) as edge:
+            async with client(edge) as http:
+                response = await http.request(method, path, headers=headers, content=content)
+    assert response.status_code == status
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert error["code"] == code
+    assert set(error) == {"message", "type", "param", "code"}
+    if status == 405:
+        assert "allow" in response.headers
+    assert inference(up) == []
+
+
+async def test_body_over_limit_without_content_length_is_413() -> None:
+    """A chunked body is counted as it arrives: 413 once past the limit, before it ends."""
+    async with TinyUpstream(script(lambda r: sse_reply(["x"]))) as up:
+        async with run_edge(fast_config([up.url], max_body_bytes=1000)) as edge:
+            port = int(edge.url.rsplit(":", 1)[1])
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nhost: edge\r\n"
+                b"content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+            )
+            for _ in range(3):  # 1500 bytes, and the body never ends
+                writer.write(b"1f4\r\n" + b"x" * 500 + b"\r\n")
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            writer.close()
+    assert head.startswith(b"HTTP/1.1 413")
+    assert inference(up) == []
+
+
+async def test_no_healthy_backend_is_503() -> None:
+    async with TinyUpstream(script(lambda r: sse_reply(["x"]))) as up:
+        async with run_edge(fast_config([up.url]), start=False) as edge, client(edge) as http:
+            edge.wiring.registry.backends[0].healthy = False
+            response = await http.post("/v1/completions", json=COMPLETION)
+            assert response.status_code == 503
+            assert response.json()["error"]["code"] == "no_healthy_backend"
+            ready = await httpx.AsyncClient().get(edge.admin_url + "/ready")
+            assert ready.status_code == 503
+    assert inference(up) == []
+
+
+async def test_repeated_5xx_ejects_the_backend_passively() -> None:
+    failing = script(lambda r: Reply(status=500, chunks=[b'{"error":"boom"}'], chunked=False))
+    async with (
+        TinyUpstream(failing) as bad,
+        TinyUpstream(script(lambda r: sse_reply(["x"]))) as good,
+    ):
+        config = fast_config([bad.url, good.url], eject_after_failures=2, eject_base=30.0)
+        async with run_edge(config) as edge, client(edge) as http:
+            statuses = [
+                (await http.post("/v1/completions", json=COMPLETION)).status_code for _ in range(4)
+            ]
+            assert statuses.count(500) == 2  # relayed as the backend said: 500 is not retried
+            bad_backend = edge.wiring.registry.backends[0]
+            assert bad_backend.ejected_until > 0
+            for _ in range(4):
+                response = await http.post("/v1/completions", json=COMPLETION)
+                assert response.status_code == 200
+            assert in_flight(edge) == [0, 0]
+    assert len(inference(bad)) == 2

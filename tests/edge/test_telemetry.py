@@ -1,0 +1,152 @@
+"""Spans reach an in-memory exporter with the stage structure and attributes; W3C trace context
+flows from the client through the edge to the backend; deferred 0-RTT waits become a span."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from opentelemetry.trace import SpanKind
+
+from backends.sim import SimConfig, SimServer
+from tests.edge.conftest import (
+    Recorded,
+    TinyUpstream,
+    client,
+    fast_config,
+    health_ok,
+    run_edge,
+    sse_reply,
+)
+
+TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+PARENT_ID = "b7ad6b7169203331"
+TRACEPARENT = f"00-{TRACE_ID}-{PARENT_ID}-01"
+STAGES = {
+    "parse",
+    "admit",
+    "route",
+    "upstream_connect",
+    "upstream_first_byte",
+    "first_byte_to_client",
+    "stream_end",
+}
+
+
+async def test_a_streamed_request_has_a_span_per_stage_with_attributes() -> None:
+    config = SimConfig(name="b1", port=0, profile="instant", enable_cache_report=True)
+    async with SimServer(config) as server:
+        async with run_edge(fast_config([server.url]), trace=True) as edge, client(edge) as http:
+            body = {
+                "model": "default",
+                "messages": [{"role": "user", "content": "trace me"}],
+                "stream": True,
+                "max_tokens": 4,
+                "stream_options": {"include_usage": True},
+            }
+            for _ in range(2):  # the second finds its prompt cached
+                response = await http.post(
+                    "/v1/chat/completions",
+                    json=body,
+                    headers={
+                        "traceparent": TRACEPARENT,
+                        "x-request-id": "t-1",
+                        "x-tenant-id": "acme",
+                    },
+                )
+                assert response.status_code == 200
+            await asyncio.sleep(0)  # the root span ends right after the last byte
+    assert edge.spans is not None
+    spans = edge.spans.get_finished_spans()
+    roots = [s for s in spans if s.name == "quicedge.request"]
+    assert len(roots) == 2
+    root = roots[1]
+    children = [
+        s for s in spans if s.parent is not None and s.parent.span_id == root.context.span_id
+    ]
+    assert {s.name for s in children} == STAGES
+    assert root.kind is SpanKind.SERVER
+    assert format(root.context.trace_id, "032x") == TRACE_ID
+    assert root.parent is not None and format(root.parent.span_id, "016x") == PARENT_ID
+    for span in children:
+        assert span.parent is not None and span.parent.span_id == root.context.span_id
+        assert root.start_time <= span.start_time <= span.end_time <= root.end_time
+    attrs = dict(root.attributes or {})
+    backend = edge.wiring.registry.backends[0].name
+    assert attrs["quicedge.transport"] == "h1"
+    assert attrs["quicedge.early_data"] is False
+    assert attrs["quicedge.backend"] == backend
+    assert attrs["quicedge.policy"] == "round_robin"
+    assert attrs["quicedge.request_id"] == "t-1"
+    assert attrs["quicedge.tenant"] == "acme"
+    assert isinstance(attrs["quicedge.prompt_tokens"], int) and attrs["quicedge.prompt_tokens"] > 0
+    assert 0 < attrs["quicedge.cached_tokens"] < attrs["quicedge.prompt_tokens"]
+    assert attrs["http.status_code"] == 200
+    by_name = {s.name: s for s in children}
+    assert dict(by_name["upstream_connect"].attributes or {})["quicedge.reused"] in (True, False)
+    assert dict(by_name["route"].attributes or {})["quicedge.backend"] == backend
+
+
+async def test_traceparent_sent_upstream_continues_the_clients_trace() -> None:
+    def answer(recorded: Recorded) -> Any:
+        return health_ok(recorded) or sse_reply(["hi"])
+
+    async with TinyUpstream(answer) as up:
+        async with run_edge(fast_config([up.url]), trace=True) as edge, client(edge) as http:
+            body = {"prompt": "x", "stream": True}
+            response = await http.post(
+                "/v1/completions", json=body, headers={"traceparent": TRACEPARENT}
+            )
+            assert response.status_code == 200
+            await asyncio.sleep(0)
+    (sent,) = [r for r in up.requests if r.path == "/v1/completions"]
+    version, trace_id, span_id, flags = sent.headers["traceparent"].split("-")
+    assert (version, trace_id, flags) == ("00", TRACE_ID, "01")
+    assert edge.spans is not None
+    (root,) = [s for s in edge.spans.get_finished_spans() if s.name == "quicedge.request"]
+    assert span_id == format(root.context.span_id, "016x") != PARENT_ID
+
+
+async def test_deferred_early_data_wait_is_a_span_and_a_metric() -> None:
+    async with TinyUpstream(lambda r: health_ok(r) or sse_reply(["ok"])) as up:
+        async with run_edge(fast_config([up.url]), trace=True) as edge:
+            scope = {
+                "type": "http",
+                "method": "POST",
+                "path": "/v1/completions",
+                "http_version": "3",
+                "headers": [(b"content-type", b"application/json")],
+                "extensions": {"transport": "h3", "early_data": False, "handshake_wait_s": 0.05},
+            }
+            messages = [{"type": "http.request", "body": json.dumps({"prompt": "x"}).encode()}]
+            sent: list[dict[str, Any]] = []
+
+            async def receive() -> dict[str, Any]:
+                if messages:
+                    return messages.pop(0)
+                await asyncio.Event().wait()
+                raise AssertionError("unreachable")
+
+            async def send(message: dict[str, Any]) -> None:
+                sent.append(message)
+
+            await edge.wiring.app(scope, receive, send)
+            assert sent[0]["status"] == 200
+            samples = edge.registry.get_sample_value(
+                "quicedge_early_data_handshake_wait_seconds_count"
+            )
+            assert samples == 1.0
+    assert edge.spans is not None
+    spans = {s.name: s for s in edge.spans.get_finished_spans()}
+    wait = spans["handshake_wait"]
+    assert wait.end_time - wait.start_time == 50_000_000
+    assert wait.end_time <= spans["parse"].start_time
+
+
+async def test_no_tracer_when_tracing_is_off(monkeypatch: Any) -> None:
+    monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
+    async with TinyUpstream(lambda r: health_ok(r) or sse_reply(["ok"])) as up:
+        async with run_edge(fast_config([up.url]), start=False) as edge:
+            assert edge.wiring.tracing.tracer is None
+            assert edge.wiring.app.tracer is None  # type: ignore[attr-defined]
