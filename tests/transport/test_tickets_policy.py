@@ -1,0 +1,150 @@
+"""Ticket stores and the early-data policy on their own (the stores against a real Redis)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+
+import pytest
+import redis
+from aioquic.tls import CipherSuite, SessionTicket
+
+from transport.early_data import EarlyDataPolicy, Mode, parse_mode
+from transport.retry import SharedRetryTokenHandler
+from transport.tickets import (
+    MemoryTicketStore,
+    RedisTicketStore,
+    TicketStoreError,
+    decode_ticket,
+    encode_ticket,
+)
+
+NOW = 1_800_000_000.0
+
+
+def ticket(lifetime: float = 86400, now: float = NOW) -> SessionTicket:
+    start = dt.datetime.fromtimestamp(now, dt.UTC)
+    return SessionTicket(
+        age_add=7,
+        cipher_suite=CipherSuite.AES_128_GCM_SHA256,
+        not_valid_after=start + dt.timedelta(seconds=lifetime),
+        not_valid_before=start,
+        resumption_secret=os.urandom(32),
+        server_name="localhost",
+        ticket=os.urandom(64),
+        max_early_data_size=0xFFFFFFFF,
+        other_extensions=[(42, b"\x00\x01")],
+    )
+
+
+def test_memory_store_is_single_use_and_expires() -> None:
+    clock = [NOW]
+    store = MemoryTicketStore(clock=lambda: clock[0], max_ttl=60)
+    a, b = ticket(), ticket()
+    store.put(a)
+    store.put(b)
+    assert store.take(a.ticket) is a
+    assert store.take(a.ticket) is None
+    clock[0] += 61  # capped at max_ttl although the ticket's own lifetime is a day
+    assert store.take(b.ticket) is None
+    store.put(ticket(lifetime=-1))  # already expired: not kept
+    assert len(store) == 0
+
+
+def test_memory_store_is_bounded() -> None:
+    store = MemoryTicketStore(max_entries=2, clock=lambda: NOW)
+    first, *rest = [ticket() for _ in range(3)]
+    for t in (first, *rest):
+        store.put(t)
+    assert len(store) == 2
+    assert store.take(first.ticket) is None  # the oldest made room
+    assert all(store.take(t.ticket) is t for t in rest)
+    with pytest.raises(ValueError):
+        MemoryTicketStore(max_entries=0)
+
+
+def test_ticket_encoding_round_trips_and_refuses_garbage() -> None:
+    t = ticket()
+    assert decode_ticket(encode_ticket(t)) == t
+    renamed = encode_ticket(t).replace(b'"ticket"', b'"x"')
+    for bad in (b"", b"{}", b"[1]", b'{"age_add": "x"}', renamed):
+        with pytest.raises(ValueError, match="malformed stored session ticket"):
+            decode_ticket(bad)
+
+
+def test_redis_store_getdel_and_ttl(redis_url: str, redis_prefix: str) -> None:
+    store = RedisTicketStore(redis_url, prefix=redis_prefix, clock=lambda: NOW, max_ttl=30)
+    r = redis.Redis.from_url(redis_url)
+    try:
+        t = ticket()
+        store.put(t)
+        key = redis_prefix + t.ticket.hex()
+        assert 0 < r.pttl(key) <= 30_000
+        other = RedisTicketStore(redis_url, prefix=redis_prefix)  # another worker
+        try:
+            assert other.take(t.ticket) == t
+        finally:
+            other.close()
+        assert store.take(t.ticket) is None
+        r.set(redis_prefix + b"bad".hex(), b"not json")
+        with pytest.raises(TicketStoreError, match="malformed"):
+            store.take(b"bad")
+    finally:
+        store.close()
+
+
+def test_redis_store_unreachable_fails_fast_then_cools_down() -> None:
+    clock = [0.0]
+    store = RedisTicketStore(
+        "redis://127.0.0.1:1/0", timeout=0.05, cooldown=5, monotonic=lambda: clock[0]
+    )
+    with pytest.raises(TicketStoreError, match="unavailable"):
+        store.take(b"x")
+    with pytest.raises(TicketStoreError, match="cooling down"):
+        store.put(ticket(now=dt.datetime.now(dt.UTC).timestamp()))
+    clock[0] = 6
+    with pytest.raises(TicketStoreError, match="unavailable: "):
+        store.take(b"x")
+    with pytest.raises(ValueError):
+        RedisTicketStore("redis://127.0.0.1:1/0", timeout=0)
+
+
+def test_policy_defaults_override_and_parsing() -> None:
+    p = EarlyDataPolicy()
+    assert p.mode_for("/v1/chat/completions") is Mode.ACCEPT
+    assert p.mode_for("/generate") is Mode.ACCEPT
+    assert p.mode_for("/v1/models") is Mode.DEFER
+    r = p.overridden(Mode.REJECT)
+    assert r.mode_for("/generate") is Mode.REJECT and r.mode_for("/x") is Mode.REJECT
+    assert parse_mode(" Accept ") is Mode.ACCEPT
+    with pytest.raises(ValueError, match="expected one of accept, defer, reject"):
+        parse_mode("yes")
+    with pytest.raises(ValueError, match="must be a path"):
+        EarlyDataPolicy.from_mapping({"routes": {"generate": "accept"}})
+    with pytest.raises(ValueError, match="unknown early-data settings"):
+        EarlyDataPolicy.from_mapping({"defaults": "accept"})
+    assert "*=defer" in p.describe()
+
+
+def test_retry_tokens_validate_across_handlers_with_the_same_secret() -> None:
+    secret = b"0123456789abcdef-shared"
+    a = SharedRetryTokenHandler(secret, clock=lambda: NOW)
+    b = SharedRetryTokenHandler(secret, clock=lambda: NOW + 1)
+    other = SharedRetryTokenHandler(b"another secret of 16+ bytes", clock=lambda: NOW)
+    addr = ("127.0.0.1", 5555)
+    token = a.create_token(
+        address=addr,
+        original_destination_connection_id=b"odcid",
+        retry_source_connection_id=b"rscid",
+        now=0,
+    )
+    assert b.validate_token(address=addr, destination_cid=b"rscid", token=token, now=0) == b"odcid"
+    with pytest.raises(ValueError):
+        other.validate_token(address=addr, destination_cid=b"rscid", token=token, now=0)
+    with pytest.raises(ValueError, match="address"):
+        b.validate_token(address=("127.0.0.1", 5556), destination_cid=b"rscid", token=token, now=0)
+    late = SharedRetryTokenHandler(secret, clock=lambda: NOW + 60)
+    with pytest.raises(ValueError, match="expired"):
+        late.validate_token(address=addr, destination_cid=b"rscid", token=token, now=0)
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        SharedRetryTokenHandler(b"short")
