@@ -35,7 +35,7 @@ from backends.sim.tokenizer import EOS_ID
 log = logging.getLogger("backends.sim.scheduler")
 
 # Catch up on a late wake-up only by this much; beyond it, restart from now.
-_MAX_CATCH_UP = 0.002
+_MAX_CATCH_UP = 0.010
 _RESERVE_CAP = 4096
 
 
