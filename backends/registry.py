@@ -32,7 +32,7 @@ from backends.pool import UpstreamPool
 log = logging.getLogger(__name__)
 
 # Failure kinds `record_failure` accepts; the first four count towards passive ejection.
-EJECTING_KINDS = frozenset({"connect", "timeout", "protocol", "5xx"})
+EJECTING_KINDS = frozenset({"connect", "timeout", "protocol", "upstream", "5xx"})
 FAILURE_KINDS = EJECTING_KINDS | {"429", "4xx", "disconnect"}
 
 
@@ -92,8 +92,12 @@ class HealthConfig:
     """Samples needed before the TTFT p99 may mark a backend degraded."""
 
     def __post_init__(self) -> None:
-        positive = {"interval": self.interval, "timeout": self.timeout,
-                    "eject_base_s": self.eject_base_s, "eject_max_s": self.eject_max_s}  # fmt: skip
+        positive = {
+            "interval": self.interval,
+            "timeout": self.timeout,
+            "eject_base_s": self.eject_base_s,
+            "eject_max_s": self.eject_max_s,
+        }
         for name, value in positive.items():
             if not value > 0:
                 raise ValueError(f"health.{name} must be > 0, got {value!r}")
@@ -289,8 +293,12 @@ class BackendRegistry:
             backend.ejected_until = self._clock() + duration
             backend.ejections_in_a_row += 1
             backend.consecutive_failures = 0
-            log.warning("ejecting backend %s for %.1fs after %s failures", backend.name,
-                        duration, h.eject_after)  # fmt: skip
+            log.warning(
+                "ejecting backend %s for %.1fs after %s failures",
+                backend.name,
+                duration,
+                h.eject_after,
+            )
 
     def set_load(self, backend: Backend, load: Any) -> None:
         backend.load = load
@@ -328,8 +336,9 @@ class BackendRegistry:
             backend.check_successes = 0
             if backend.healthy and backend.check_failures >= self.health.failure_threshold:
                 backend.healthy = False
-                log.warning("backend %s failed %d health checks", backend.name,
-                            backend.check_failures)  # fmt: skip
+                log.warning(
+                    "backend %s failed %d health checks", backend.name, backend.check_failures
+                )
 
     # -- background work ------------------------------------------------------------------
     def _spawn(self, coro: Any) -> None:

@@ -197,9 +197,6 @@ class TTFTPolicy:
             self._remember_session(view.session_key, backend.url)
         uncached = view.approx_tokens - cached
         self._mean_uncached += 0.05 * (uncached - self._mean_uncached)
-        if view.text:
-            ratio = view.approx_tokens / len(view.text)
-            self._tokens_per_char += 0.05 * (ratio - self._tokens_per_char)
         return Decision(
             backend=backend,
             reason=reason,
@@ -217,11 +214,16 @@ class TTFTPolicy:
     def _learn_capacity(self, backend: Backend) -> None:
         """Bound the tenant's tree by the backend's KV pool once `/v1/loads` tells its size."""
         load = backend.load
-        if load is None or not load.max_total_tokens or backend.url in self._capacity_cap:
+        if load is None or not load.max_total_tokens:
             return
         cap = int(load.max_total_tokens / self._tokens_per_char * self.capacity_fraction)
+        old = self._capacity_cap.get(backend.url)
+        if old is not None and abs(cap - old) <= 0.1 * old:
+            return
         self._capacity_cap[backend.url] = cap
-        self.tree.set_limit(backend.url, cap)
+        limit = self.tree.limit(backend.url)
+        if limit is None or old is None or limit >= old or limit > cap:
+            self.tree.set_limit(backend.url, cap)  # follow the cap unless feedback lowered it
 
     # -- learning --------------------------------------------------------------------------
     def observe(self, outcome: Outcome) -> None:
@@ -234,6 +236,9 @@ class TTFTPolicy:
         features = outcome.decision.features
         if self.learn and features is not None and outcome.ttft_s is not None:
             self.model.update(features[:4], outcome.ttft_s)
+        if outcome.prompt_tokens and view.text:  # the backend's real tokens per character
+            ratio = outcome.prompt_tokens / len(view.text)
+            self._tokens_per_char += 0.05 * (ratio - self._tokens_per_char)
         if features is not None and outcome.cached_tokens is not None and view.text:
             self._correct_cache(outcome, matched_chars=int(features[4]))
         if self.learn_completions and outcome.completion_text:

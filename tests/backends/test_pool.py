@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from backends.errors import (
     UpstreamTimeout,
 )
 from backends.pool import UpstreamPool
+from backends.sim import SimConfig, SimServer
 from tests.helpers import free_port
 
 
@@ -229,8 +231,12 @@ async def test_cap_bounds_connections_and_waits_for_a_slot(server: ScriptedServe
     pool = UpstreamPool(max_connections_per_backend=2)
     try:
         tasks = [asyncio.create_task(get(pool, server.url, "/hang")) for _ in range(3)]
-        await wait_until(lambda: pool.stats().backends.get(server.url) is not None
-                         and pool.stats().backends[server.url].waiting == 1)  # fmt: skip
+        await wait_until(
+            lambda: (
+                pool.stats().backends.get(server.url) is not None
+                and pool.stats().backends[server.url].waiting == 1
+            )
+        )
         await wait_until(lambda: len(server.requests) == 2)
         assert server.connections == 2
         server.release.set()
@@ -285,8 +291,9 @@ async def test_first_byte_timeout_closes_the_connection(server: ScriptedServer) 
     pool = UpstreamPool()
     try:
         with pytest.raises(UpstreamTimeout):
-            await pool.request(server.url, "POST", "/hang", headers=[], body=b"",
-                               first_byte_timeout=0.05)  # fmt: skip
+            await pool.request(
+                server.url, "POST", "/hang", headers=[], body=b"", first_byte_timeout=0.05
+            )
         await asyncio.wait_for(server.closed.wait(), 5)  # the backend saw the abort
         assert pool.stats().backends[server.url].active == 0
     finally:
@@ -421,3 +428,72 @@ async def test_closed_pool_refuses_requests(server: ScriptedServer) -> None:
     await pool.aclose()
     with pytest.raises(UpstreamError):
         await pool.request(server.url, "GET", "/ok", headers=[], body=b"")
+
+
+# -- against the SGLang stand-in ------------------------------------------------------------
+
+
+def generate_body(tokens: int) -> bytes:
+    return json.dumps(
+        {
+            "text": "The capital of France is",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True},
+        }
+    ).encode()
+
+
+async def test_streams_generate_from_the_stand_in_on_one_connection() -> None:
+    async with SimServer(SimConfig(name="p1", port=0, profile="instant")) as sim:
+        pool = UpstreamPool()
+        try:
+            for _ in range(3):
+                response = await pool.request(
+                    sim.url,
+                    "POST",
+                    "/generate",
+                    body=generate_body(8),
+                    headers=[(b"content-type", b"application/json")],
+                )
+                assert response.status == 200
+                events = (await response.read()).split(b"\n\n")
+                assert events[-2] == b"data: [DONE]"
+                last = json.loads(events[-3][len(b"data: ") :])
+                assert last["meta_info"]["completion_tokens"] == 8
+            assert pool.stats().connects == 1 and pool.stats().reused == 2
+        finally:
+            await pool.aclose()
+
+
+async def test_early_close_aborts_the_request_in_the_stand_in() -> None:
+    config = SimConfig(name="p2", port=0, profile="h100-llama3-8b", time_scale=0.2)
+    async with SimServer(config) as sim:
+        pool = UpstreamPool()
+        try:
+            response = await pool.request(
+                sim.url,
+                "POST",
+                "/generate",
+                body=generate_body(100000),
+                headers=[(b"content-type", b"application/json")],
+            )
+            await anext(aiter(response))
+            assert sim.scheduler is not None and not sim.scheduler.idle
+            await response.aclose()
+            await wait_until(lambda: sim.scheduler is not None and sim.scheduler.idle)
+        finally:
+            await pool.aclose()
+
+
+async def test_stand_in_keep_alive_timeout_is_survived() -> None:
+    async with SimServer(SimConfig(name="p3", port=0, timeout_keep_alive=0.05)) as sim:
+        pool = UpstreamPool()
+        try:
+            response = await pool.request(sim.url, "GET", "/health", headers=[], body=b"")
+            await response.read()
+            await wait_until(lambda: pool.stats().backends[sim.url].idle == 0)
+            response = await pool.request(sim.url, "GET", "/health", headers=[], body=b"")
+            assert response.status == 200 and not response.reused
+            await response.read()
+        finally:
+            await pool.aclose()

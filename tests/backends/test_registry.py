@@ -34,8 +34,13 @@ def make(**kw: object) -> tuple[BackendRegistry, FakeClock]:
 
 
 def load(*, usage: float = 0.1, waiting: int = 0) -> LoadView:
-    return LoadView(num_running_reqs=1, num_waiting_reqs=waiting, num_total_tokens=10,
-                    token_usage=usage, max_total_tokens=1000)  # fmt: skip
+    return LoadView(
+        num_running_reqs=1,
+        num_waiting_reqs=waiting,
+        num_total_tokens=10,
+        token_usage=usage,
+        max_total_tokens=1000,
+    )
 
 
 def test_track_counts_and_restores_on_success() -> None:
@@ -286,8 +291,13 @@ class PoolProbe:
     async def loads(self) -> LoadView:
         response = await self.pool.request(self.url, "GET", "/v1/loads", headers=[], body=b"")
         entry = json.loads(await response.read())[0]
-        return LoadView(entry["num_reqs"] - entry["num_waiting_reqs"], entry["num_waiting_reqs"],
-                        entry["num_tokens"], entry["token_usage"], None)  # fmt: skip
+        return LoadView(
+            entry["num_reqs"] - entry["num_waiting_reqs"],
+            entry["num_waiting_reqs"],
+            entry["num_tokens"],
+            entry["token_usage"],
+            None,
+        )
 
     async def aclose(self) -> None:
         await self.pool.aclose()
@@ -314,10 +324,17 @@ async def wait_until(predicate: object, timeout: float = 10.0) -> None:
 async def test_active_checks_eject_and_return(health_server: HealthServer) -> None:
     url = f"http://127.0.0.1:{health_server.port}"
     pool = UpstreamPool()
-    health = HealthConfig(interval=0.02, timeout=1.0, failure_threshold=2, success_threshold=2,
-                          loads_interval=0.02, degraded_token_usage=0.95)  # fmt: skip
-    registry = BackendRegistry([url], pool=pool, health=health, warm_connections=2,
-                               client_factory=PoolProbe)  # fmt: skip
+    health = HealthConfig(
+        interval=0.02,
+        timeout=1.0,
+        failure_threshold=2,
+        success_threshold=2,
+        loads_interval=0.02,
+        degraded_token_usage=0.95,
+    )
+    registry = BackendRegistry(
+        [url], pool=pool, health=health, warm_connections=2, client_factory=PoolProbe
+    )
     b = registry.backends[0]
     await registry.start()
     try:

@@ -17,21 +17,33 @@ def fleet(n: int = 4) -> list[Backend]:
 
 
 def view(text: str, tokens: int | None = None, session: str | None = None) -> RequestView:
-    return RequestView(route="/generate", text=text,
-                       approx_tokens=tokens if tokens is not None else max(1, len(text) // 4),
-                       session_key=session)  # fmt: skip
+    return RequestView(
+        route="/generate",
+        text=text,
+        approx_tokens=tokens if tokens is not None else max(1, len(text) // 4),
+        session_key=session,
+    )
 
 
 def test_every_name_makes_its_policy() -> None:
-    assert set(POLICY_NAMES) == {"round_robin", "random", "least_load", "power_of_two",
-                                 "cache_aware", "ttft"}  # fmt: skip
+    assert set(POLICY_NAMES) == {
+        "round_robin",
+        "random",
+        "least_load",
+        "power_of_two",
+        "cache_aware",
+        "ttft",
+    }
     for name in POLICY_NAMES:
         policy = make_policy(name)
         assert policy.name == name
         decision = policy.choose(view("hello world"), fleet())
         assert isinstance(decision, Decision)
-        policy.observe(Outcome(backend=decision.backend, view=view("hello world"),
-                               decision=decision, ttft_s=0.01))  # fmt: skip
+        policy.observe(
+            Outcome(
+                backend=decision.backend, view=view("hello world"), decision=decision, ttft_s=0.01
+            )
+        )
 
 
 def test_bad_policy_name_and_options() -> None:
@@ -66,8 +78,14 @@ def test_degraded_only_when_nothing_else(name: str) -> None:
 def test_round_robin_cycles() -> None:
     backends = fleet(3)
     policy = make_policy("round_robin")
-    assert [policy.choose(view("x"), backends).backend.name for _ in range(6)] == \
-        ["b0", "b1", "b2", "b0", "b1", "b2"]  # fmt: skip
+    assert [policy.choose(view("x"), backends).backend.name for _ in range(6)] == [
+        "b0",
+        "b1",
+        "b2",
+        "b0",
+        "b1",
+        "b2",
+    ]
 
 
 def test_random_is_seeded_and_covers_the_fleet() -> None:
@@ -209,10 +227,16 @@ def test_ttft_without_shared_prefixes_spreads_like_least_load() -> None:
 def test_ttft_counts_work_it_did_not_send_from_v1_loads() -> None:
     backends = fleet(2)
     policy = TTFTPolicy()
-    backends[0].load = LoadView(num_running_reqs=0, num_waiting_reqs=20, num_total_tokens=0,
-                                token_usage=0.1, max_total_tokens=None)  # fmt: skip
-    assert all(policy.choose(view(f"p{i} " * 50), backends).backend is backends[1]
-               for i in range(5))  # fmt: skip
+    backends[0].load = LoadView(
+        num_running_reqs=0,
+        num_waiting_reqs=20,
+        num_total_tokens=0,
+        token_usage=0.1,
+        max_total_tokens=None,
+    )
+    assert all(
+        policy.choose(view(f"p{i} " * 50), backends).backend is backends[1] for i in range(5)
+    )
 
 
 def test_session_key_breaks_ties_but_yields_to_load() -> None:
@@ -264,8 +288,11 @@ def test_reported_misses_trim_the_tree_and_shrink_the_capacity() -> None:
     d = policy.choose(request, [b])
     assert d.predicted_cached_tokens > 1000
     # the backend reports it held only the first 500 tokens (2000 chars): it evicted
-    policy.observe(Outcome(backend=b, view=request, decision=d, ttft_s=0.05,
-                           prompt_tokens=1100, cached_tokens=500))  # fmt: skip
+    policy.observe(
+        Outcome(
+            backend=b, view=request, decision=d, ttft_s=0.05, prompt_tokens=1100, cached_tokens=500
+        )
+    )
     assert policy.trims == 1
     for i in range(1, 10):  # the siblings below the evicted point are gone; the re-cached
         # request shares only "branch " with them
@@ -276,16 +303,29 @@ def test_reported_misses_trim_the_tree_and_shrink_the_capacity() -> None:
     assert limit is not None and limit < held_before
     # accurate reports let the estimate grow back
     d2 = policy.choose(request, [b])
-    policy.observe(Outcome(backend=b, view=request, decision=d2, ttft_s=0.01,
-                           prompt_tokens=1100, cached_tokens=1099))  # fmt: skip
+    policy.observe(
+        Outcome(
+            backend=b,
+            view=request,
+            decision=d2,
+            ttft_s=0.01,
+            prompt_tokens=1100,
+            cached_tokens=1099,
+        )
+    )
     assert (policy.tree.limit(b.url) or 0) > limit
 
 
 def test_capacity_comes_from_the_kv_pool_size() -> None:
     backends = fleet(1)
     b = backends[0]
-    b.load = LoadView(num_running_reqs=0, num_waiting_reqs=0, num_total_tokens=0,
-                      token_usage=0.0, max_total_tokens=1000)  # fmt: skip
+    b.load = LoadView(
+        num_running_reqs=0,
+        num_waiting_reqs=0,
+        num_total_tokens=0,
+        token_usage=0.0,
+        max_total_tokens=1000,
+    )
     policy = TTFTPolicy(capacity_fraction=1.0)
     for i in range(20):
         policy.choose(view(f"{i:03d}" + "t" * 797, 200), backends)  # 800 chars each

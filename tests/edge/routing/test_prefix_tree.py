@@ -15,8 +15,10 @@ def test_match_counts_characters_per_tenant() -> None:
     tree.insert("system prompt: be brief. question two", "b")
     tree.insert("other text", "c")
     m = tree.match("system prompt: be brief. question one, again")
-    assert m.chars == {"a": len("system prompt: be brief. question one"),
-                       "b": len("system prompt: be brief. question ")}  # fmt: skip
+    assert m.chars == {
+        "a": len("system prompt: be brief. question one"),
+        "b": len("system prompt: be brief. question "),
+    }
     assert tree.match("nothing shared").chars == {}
     assert tree.match("").chars == {}
     assert tree.match("syst").chars == {"a": 4, "b": 4}
