@@ -10,12 +10,20 @@ For each point (U uncached tokens after C cached ones) it warms a C-token prefix
 
 by least squares and prints the fitted values next to the profile's priors. Token ids are
 sent as `input_ids`, so the counts are exact whatever the model's tokenizer is.
+
+It can also fit a file written by SGLang's own benchmark (one JSON line per run, with
+`--output-details`) over the generated-shared-prefix dataset in order (`--gsp-ordered`):
+the first request of each group is uncached (C = 0), the others reuse the system prompt:
+
+    python -m backends.sim.calibrate --from-bench-serving runs.jsonl \
+        --gsp-prompts-per-group 16 --gsp-system-prompt-len 2048
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import statistics
 import sys
@@ -61,6 +69,32 @@ def fit(samples: Sequence[tuple[int, int, float]]) -> tuple[float, float, float]
         x[r] = (v[r] - sum(m[r][k] * x[k] for k in range(r + 1, n))) / m[r][r]
     b, a, c = x
     return a, b, c
+
+
+def samples_from_bench_serving(
+    lines: Sequence[str], *, prompts_per_group: int, system_prompt_len: int
+) -> list[tuple[int, int, float]]:
+    """(U, C, TTFT) from `sglang.bench_serving --output-details` JSON lines (gsp, ordered)."""
+    samples: list[tuple[int, int, float]] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            run = json.loads(line)
+            input_lens, ttfts = run["input_lens"], run["ttfts"]
+        except (ValueError, KeyError, TypeError):
+            msg = f"line {number}: not a bench_serving result with --output-details"
+            raise ValueError(msg) from None
+        for i, (n, ttft) in enumerate(zip(input_lens, ttfts, strict=False)):
+            if not ttft or ttft <= 0:
+                continue  # failed request
+            if i % prompts_per_group == 0:
+                samples.append((int(n), 0, float(ttft)))
+            elif n > system_prompt_len:
+                samples.append((int(n) - system_prompt_len, system_prompt_len, float(ttft)))
+    if len(samples) < 3:
+        raise ValueError("fewer than 3 usable requests in the file")
+    return samples
 
 
 async def measure(
@@ -116,7 +150,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", default="h100-llama3-8b", choices=sorted(PROFILES))
     p.add_argument("--points", default=DEFAULT_POINTS, help="U:C pairs, comma separated")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--from-bench-serving", metavar="JSONL", default=None,
+                   help="fit sglang.bench_serving results instead of measuring")  # fmt: skip
+    p.add_argument("--gsp-prompts-per-group", type=int, default=16)
+    p.add_argument("--gsp-system-prompt-len", type=int, default=2048)
     args = p.parse_args(argv)
+    if args.from_bench_serving:
+        try:
+            with open(args.from_bench_serving, encoding="utf-8") as f:
+                samples = samples_from_bench_serving(
+                    f.readlines(),
+                    prompts_per_group=args.gsp_prompts_per_group,
+                    system_prompt_len=args.gsp_system_prompt_len,
+                )
+            a, b, c = fit(samples)
+        except (OSError, ValueError) as exc:
+            p.error(str(exc))
+        print(f"{len(samples)} requests: a = {a * 1e6:.2f} us/token   b = {b * 1000:.2f} ms   "
+              f"c = {c * 1e9:.3f} ns")  # fmt: skip
+        return 0
     try:
         points = parse_points(args.points)
     except ValueError as exc:

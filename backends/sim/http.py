@@ -12,7 +12,7 @@ import contextlib
 import json
 import logging
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from http import HTTPStatus
 
@@ -48,7 +48,7 @@ class Responder:
         self._proto = proto
         self.started = False
         self.disconnected = False
-        self.on_disconnect: Callable[[], None] | None = None
+        self.on_disconnect: Callable[[], object] | None = None
 
     async def send(
         self, status: int, body: bytes, content_type: bytes = b"application/json"
@@ -265,7 +265,7 @@ class HttpProtocol(asyncio.Protocol):
             self._idle_timer = None
 
 
-def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+def _content_length(headers: Iterable[tuple[bytes, bytes]]) -> int | None:
     for key, value in headers:
         if key.lower() == b"content-length":
             try:

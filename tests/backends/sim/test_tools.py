@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from backends.sim import SimServer, probe
-from backends.sim.calibrate import fit, measure, parse_points
+from backends.sim.calibrate import fit, measure, parse_points, samples_from_bench_serving
 from backends.sim.selfcheck import check_queue
 from tests.backends.sim.conftest import MakeSim
 
@@ -48,3 +50,22 @@ async def test_queue_check_sees_16_running_24_queued(make_sim: MakeSim) -> None:
     assert "running=16 queued=24" in lines[-1]
     load = (await probe.get_json(server.url, "/v1/loads"))["loads"][0]
     assert load["num_running_reqs"] == 0  # the check aborts what it started
+
+
+def test_fit_from_bench_serving_lines() -> None:
+    a, b, c = 30e-6, 9e-3, 1.3e-9
+    sys_len, question = 2048, 128
+
+    def ttft(u: int, cc: int) -> float:
+        return b + a * u + c * u * (cc + u / 2)
+
+    def run(sys_len: int, question: int) -> str:
+        lens = [sys_len + question] * 4
+        ttfts = [ttft(lens[0], 0)] + [ttft(question, sys_len)] * 3
+        return json.dumps({"input_lens": lens, "ttfts": ttfts})
+
+    lines = [run(sys_len, question), run(sys_len, 512), run(sys_len, 1024)]
+    samples = samples_from_bench_serving(lines, prompts_per_group=4, system_prompt_len=sys_len)
+    assert fit(samples) == pytest.approx((a, b, c), rel=1e-6)
+    with pytest.raises(ValueError, match="line 1"):
+        samples_from_bench_serving(["{}"], prompts_per_group=4, system_prompt_len=sys_len)
