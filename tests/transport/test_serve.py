@@ -138,6 +138,7 @@ def test_gtlsclient_resumes_with_0rtt_and_the_replayed_ticket_is_refused(
     assert replay["early_data"] is False  # served after the full handshake
     assert server.metric(ZERO_RTT % "accepted") == 1
     assert server.metric(ZERO_RTT % "replay_refused") == 1
+    assert server.stop() == 0  # SIGTERM: drained and exited cleanly
 
 
 async def test_two_processes_sharing_redis_accept_a_ticket_once(
