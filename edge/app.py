@@ -534,9 +534,7 @@ class ProxyApp:
         added = (t_send - ex.t0) + (result.first_client - result.first_upstream)
         m.edge_added.labels(ex.transport).observe(added)
         if result.gaps:
-            itl = m.itl.labels(backend.name)
-            for gap in result.gaps:
-                itl.observe(gap)
+            m.itl.labels(backend.name).observe_many(result.gaps)
         if ex.trace is not None:
             ex.trace.set("quicedge.ttft_ms", round(ttft * 1000, 3))
 

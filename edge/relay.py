@@ -86,6 +86,8 @@ def _int(value: Any) -> int | None:
 
 def _data_of(event: bytes) -> bytes | None:
     """The payload of an event's `data:` field (SGLang sends one data line per event)."""
+    if event.startswith(b"data: ") and b"\n" not in event:
+        return event[6:]  # the usual shape, found without splitting
     for line in event.split(b"\n"):
         if line.startswith(b"data:"):
             return line[5:].strip()
