@@ -37,6 +37,7 @@ log = logging.getLogger("backends.sim.scheduler")
 # Catch up on a late wake-up only by this much; beyond it, restart from now.
 _MAX_CATCH_UP = 0.010
 _RESERVE_CAP = 4096
+_GEN_WINDOW_S = 5
 
 
 class Scheduler:
@@ -56,7 +57,8 @@ class Scheduler:
         self._by_rid: dict[str, SimRequest] = {}
         self._wakeup = asyncio.Event()
         self._horizon = 0.0
-        self._generated_window: collections.deque[tuple[float, int]] = collections.deque()
+        # Generated tokens per whole second of the clock, for the last few seconds.
+        self._gen_buckets: collections.deque[list[int]] = collections.deque()
 
     # -- public API ----------------------------------------------------------------------------
 
@@ -123,13 +125,24 @@ class Scheduler:
     def gen_throughput(self) -> float:
         """Generated tokens per second over the last few seconds (sglang:gen_throughput)."""
         now = self.clock.now()
-        window = self._generated_window
-        while window and now - window[0][0] > 5.0:
-            window.popleft()
-        if not window:
+        self._trim_gen_buckets(int(now))
+        if not self._gen_buckets:
             return 0.0
-        span = max(now - window[0][0], 1e-3)
-        return sum(n for _, n in window) / span
+        span = max(now - self._gen_buckets[0][0], 1.0)
+        return sum(n for _, n in self._gen_buckets) / span
+
+    def _trim_gen_buckets(self, second: int) -> None:
+        while self._gen_buckets and second - self._gen_buckets[0][0] >= _GEN_WINDOW_S:
+            self._gen_buckets.popleft()
+
+    def _count_generated(self, now: float) -> None:
+        second = int(now)
+        buckets = self._gen_buckets
+        if buckets and buckets[-1][0] == second:
+            buckets[-1][1] += 1
+        else:
+            buckets.append([second, 1])
+            self._trim_gen_buckets(second)
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -309,7 +322,7 @@ class Scheduler:
             if req.last_token_at is not None:
                 self.stats.itl.observe(now - req.last_token_at)
             self.stats.generation_tokens_total += 1
-            self._generated_window.append((now, 1))
+            self._count_generated(now)
         req.last_token_at = now
         req.finish_reason = self._check_finish(req, token_id, piece)
         req.notify()

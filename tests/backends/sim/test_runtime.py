@@ -56,6 +56,7 @@ async def test_running_and_queued_in_loads_and_metrics(
     assert metric(text, "sglang:num_running_reqs") == 16
     assert metric(text, "sglang:num_queue_reqs") == 24
     assert metric(text, "sglang:num_used_tokens") > 0
+    assert metric(text, "sglang:gen_throughput") > 0  # first tokens came out of prefill
     legacy = (await client.get(f"{server.url}/get_load")).json()
     assert legacy[0]["num_reqs"] == 40 and legacy[0]["num_waiting_reqs"] == 24
     r = await client.post(f"{server.url}/abort_request", json={"abort_all": True})
