@@ -363,9 +363,15 @@ def main(argv: list[str]) -> int:
             if wiring is None:
                 print("quicedge serve: proxy core not installed; serving the demo app")
             else:
-                proxy = wiring.config_from(args, doc)
-        resolve_files(transport.cert, transport.key)  # fail early on bad TLS files
-        TlsMaterial(resolve_files(transport.cert, transport.key))
+                try:
+                    proxy = wiring.config_from(args, doc)
+                except ValueError as exc:
+                    raise ValueError(f"{exc} (or --demo for the built-in echo app)") from None
+        # Fail early on bad TLS files; make the development certificates once, here, so
+        # that workers never race to generate them.
+        files = resolve_files(transport.cert, transport.key)
+        TlsMaterial(files)
+        transport = replace(transport, cert=str(files.cert), key=str(files.key))
     except (ValueError, TlsError) as exc:
         print(f"quicedge serve: {exc}", file=sys.stderr)
         return 2
