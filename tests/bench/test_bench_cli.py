@@ -180,3 +180,18 @@ def test_bad_input_is_a_clear_error(
 async def test_quicedge_bench_relay_dispatch() -> None:
     done = await run_command("edge.cli", "bench", "relay", "--help")
     assert done.returncode == 0 and "RTT emulator" in done.stdout
+
+
+async def test_poisson_arrivals_stop_at_the_duration(sim: SimServer, tmp_path: Path) -> None:
+    out = tmp_path / "runs.jsonl"
+    done = await run_command(
+        "bench.cli", "--url", sim.url + "/generate", "--workload", "random", "--num", "200",
+        "--random-input-len", "4", "--output-len", "2", "--rate", "40", "--concurrency", "8",
+        "--duration", "0.5", "--progress", "--output", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    records = _lines(out)
+    assert 0 < len(records) < 200  # ~20 arrivals in 0.5 s at 40/s
+    assert all(r["status"] == 200 for r in records)
+    assert max(r["start_s"] for r in records) < 5.0
+    assert "] " in done.stderr and "errors=0" in done.stderr  # the progress bar
