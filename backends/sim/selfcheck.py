@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 import sys
 import time
 from typing import Any
@@ -25,8 +26,9 @@ from backends.sim.profiles import PROFILES, get_profile
 from backends.sim.textgen import WORDS
 
 
-def system_prompt(words: int) -> str:
-    return "".join(WORDS[(i * 7) % len(WORDS)] for i in range(words))
+def system_prompt(words: int, salt: int = 0) -> str:
+    """`words` words; a different `salt` differs from the first word on (a fresh prefix)."""
+    return "".join(WORDS[(i * 7 + salt) % len(WORDS)] for i in range(words))
 
 
 async def _usage_of(result: probe.StreamResult) -> dict[str, Any]:
@@ -43,32 +45,55 @@ def _metric(text: str, name: str) -> float | None:
     return None
 
 
+async def _server_ttft(url: str) -> tuple[float, float]:
+    """(sum, count) of the server's TTFT histogram; (0, 0) without /metrics."""
+    status, raw = await probe.get(url, "/metrics")
+    if status != 200:
+        return 0.0, 0.0
+    text = raw.decode()
+    total = _metric(text, "sglang:time_to_first_token_seconds_sum") or 0.0
+    count = _metric(text, "sglang:time_to_first_token_seconds_count") or 0.0
+    return total, count
+
+
 async def check_ttft(url: str, profile_name: str, lines: list[str]) -> bool:
     profile = get_profile(profile_name)
     body = {
         "messages": [
-            {"role": "system", "content": system_prompt(2000)},
+            {"role": "system", "content": system_prompt(2000, salt=random.randrange(1, 1000))},
             {"role": "user", "content": "Summarise the above."},
         ],
         "max_tokens": 8,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    before = await _server_ttft(url)
     cold = await probe.stream(url, "/v1/chat/completions", body)
+    middle = await _server_ttft(url)
     warm = await probe.stream(url, "/v1/chat/completions", body)
+    after = await _server_ttft(url)
+    server_cold = middle[0] - before[0] if middle[1] - before[1] == 1 else None
+    server_warm = after[0] - middle[0] if after[1] - middle[1] == 1 else None
     if cold.ttft is None or warm.ttft is None:
         raise RuntimeError(f"no generated text (HTTP {cold.status}/{warm.status})")
     usage_cold, usage_warm = await _usage_of(cold), await _usage_of(warm)
     prompt_tokens = usage_cold["prompt_tokens"]
+    cached_cold = (usage_cold.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     cached = (usage_warm.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    predicted = profile.predict_ttft(prompt_tokens)
+    predicted = profile.predict_ttft(prompt_tokens, cached_cold)
     predicted_warm = profile.predict_ttft(prompt_tokens, prompt_tokens - 1)
     error = cold.ttft / predicted - 1
     ratio = cold.ttft / warm.ttft
     ok1 = abs(error) <= 0.25
     ok2 = cached == prompt_tokens - 1 and ratio >= 5
+    server = (
+        f"server-side TTFT (sglang:time_to_first_token_seconds) cold {server_cold * 1000:.1f} ms, "
+        f"warm {server_warm * 1000:.1f} ms, ratio {server_cold / server_warm:.1f}x"
+        if server_cold and server_warm
+        else "server-side TTFT: no /metrics (start the server with --enable-metrics)"
+    )
     lines += [
-        f"prompt tokens                      {prompt_tokens}",
+        f"prompt tokens                      {prompt_tokens} ({cached_cold} cached: template)",
         f"TTFT cold (client)                 {cold.ttft * 1000:.1f} ms",
         f"TTFT predicted by {profile.name:<16} {predicted * 1000:.1f} ms",
         f"error vs prediction                {error * 100:+.1f} %   [{'PASS' if ok1 else 'FAIL'}]",
@@ -76,6 +101,7 @@ async def check_ttft(url: str, profile_name: str, lines: list[str]) -> bool:
         f"(predicted {predicted_warm * 1000:.1f} ms)",
         f"cached_tokens on the repeat        {cached} (prompt_tokens - 1 = {prompt_tokens - 1})",
         f"TTFT ratio cold / warm             {ratio:.1f}x   [{'PASS' if ok2 else 'FAIL'}]",
+        server,
     ]
     return ok1 and ok2
 
