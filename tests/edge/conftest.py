@@ -142,6 +142,8 @@ class TinyUpstream:
     def __init__(self, script: Script) -> None:
         self.script = script
         self.requests: list[Recorded] = []
+        self.body_bytes_sent: dict[str, int] = {}
+        """Body bytes handed to the socket per path (each write waits for it to drain)."""
         self.port = 0
         self._server: asyncio.base_events.Server | None = None
 
@@ -209,6 +211,8 @@ class TinyUpstream:
                         await asyncio.sleep(reply.delay)
                     writer.write(conn.send(h11.Data(data=chunk)))
                     await writer.drain()
+                    sent = self.body_bytes_sent
+                    sent[recorded.path] = sent.get(recorded.path, 0) + len(chunk)
                 if reply.die_after is not None:
                     writer.transport.abort()
                     return

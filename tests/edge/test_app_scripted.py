@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from collections.abc import Callable
 
 import httpx
@@ -281,3 +282,41 @@ async def test_repeated_5xx_ejects_the_backend_passively() -> None:
                 assert response.status_code == 200
             assert in_flight(edge) == [0, 0]
     assert len(inference(bad)) == 2
+
+
+async def test_a_client_that_stops_reading_slows_the_upstream_instead_of_filling_memory() -> None:
+    event = b"data: " + b"x" * (64 * 1024 - 8) + b"\n\n"
+    total = 800 * len(event)  # 50 MiB: far more than every socket buffer on the way holds
+
+    def flood(recorded: Recorded) -> Reply:
+        reply = health_ok(recorded)
+        if reply is not None:
+            return reply
+        return Reply(headers=[("content-type", "text/event-stream")], chunks=[event] * 800)
+
+    async with TinyUpstream(flood) as up:
+        async with run_edge(fast_config([up.url], chunk_timeout=30.0)) as edge:
+            port = int(edge.url.rsplit(":", 1)[1])
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+            reader, writer = await asyncio.open_connection(sock=sock)
+            body = json.dumps(COMPLETION).encode()
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nhost: edge\r\n"
+                b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                % (len(body), body)
+            )
+            await writer.drain()
+            await asyncio.sleep(1.0)  # not reading: the stream must stall upstream
+            stalled_at = up.body_bytes_sent.get("/v1/completions", 0)
+            assert 0 < stalled_at < total // 2, stalled_at  # started, then held back
+            writer.close()  # and now the client leaves: the upstream stream is aborted
+            for _ in range(200):
+                if in_flight(edge) == [0]:
+                    break
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)
+            assert up.body_bytes_sent["/v1/completions"] < total
+            assert in_flight(edge) == [0]
