@@ -58,6 +58,7 @@ class SimServer:
         self._ready_at = self.clock.now() + cfg.startup_delay * cfg.time_scale
         loop = asyncio.get_running_loop()
         self._loop_task = loop.create_task(scheduler.run(), name=f"sim-scheduler-{cfg.name}")
+        self._loop_task.add_done_callback(_report_crash)
         self._server = await loop.create_server(
             lambda: HttpProtocol(
                 api.handle,
@@ -99,3 +100,9 @@ class SimServer:
         tb: TracebackType | None,
     ) -> None:
         await self.stop()
+
+
+def _report_crash(task: asyncio.Task[None]) -> None:
+    """The scheduler loop only ends by cancellation; anything else is a bug worth a traceback."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("scheduler loop crashed", exc_info=task.exception())
