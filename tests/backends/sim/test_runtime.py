@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Any
 
@@ -261,3 +262,20 @@ async def test_keep_alive_and_idle_timeout(make_sim: MakeSim) -> None:
     # Idle past the keep-alive timeout: the server closes (as uvicorn does in SGLang).
     assert await asyncio.wait_for(reader.read(), 10) == b""
     writer.close()
+
+
+async def test_disconnect_during_prefill_aborts(
+    make_sim: MakeSim, client: httpx.AsyncClient
+) -> None:
+    server = await make_sim(profile="h100-llama3-8b", time_scale=10.0)  # 8k prefill ~ 3 s
+    body = {"prompt": list(range(1000, 9000)), "max_tokens": 5, "stream": True}
+    payload = json.dumps(body).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n\r\n%s" % (len(payload), payload)
+    )
+    await writer.drain()
+    await wait_load(client, server, lambda e: e["num_running_reqs"] == 1)
+    writer.close()  # before the first token exists
+    await wait_load(client, server, lambda e: e["num_running_reqs"] == 0, timeout=2.0)

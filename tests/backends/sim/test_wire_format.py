@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 
 from backends.sim import SimServer
@@ -138,3 +140,73 @@ async def test_models_and_health(sim: SimServer, client: httpx.AsyncClient) -> N
     assert card["owned_by"] == "sglang" and card["id"] == sim.config.model_name
     r = await client.get(f"{sim.url}/health")
     assert r.status_code == 200 and r.content == b""
+
+
+async def test_continuous_usage_stats(sim: SimServer, client: httpx.AsyncClient) -> None:
+    body = {
+        "prompt": "x",
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
+    _, events = await stream_post(client, f"{sim.url}/v1/completions", body)
+    content = [e for e in events[:-1] if e["choices"]]
+    assert [e["usage"]["completion_tokens"] for e in content] == [1, 2, 3]
+
+
+async def test_stop_string_on_chat(sim: SimServer, client: httpx.AsyncClient) -> None:
+    base = {"messages": [{"role": "user", "content": "q"}], "max_tokens": 12, "ignore_eos": True}
+    full = (await client.post(f"{sim.url}/v1/chat/completions", json=base)).json()
+    text = full["choices"][0]["message"]["content"]
+    word = text.split()[4].strip(",.")
+    stopped = (
+        await client.post(f"{sim.url}/v1/chat/completions", json={**base, "stop": [word]})
+    ).json()
+    choice = stopped["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["matched_stop"] == word
+    assert choice["message"]["content"] == text[: text.index(word)]
+
+
+async def test_content_parts_render_like_a_string(
+    sim: SimServer, client: httpx.AsyncClient
+) -> None:
+    url = f"{sim.url}/v1/chat/completions"
+    plain = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 2}
+    parts = {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "hello there"}]}],
+        "max_tokens": 2,
+    }
+    a = (await client.post(url, json=plain)).json()
+    b = (await client.post(url, json=parts)).json()
+    assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"]
+    assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
+
+
+async def test_token_id_prompt_and_prefill_only(sim: SimServer, client: httpx.AsyncClient) -> None:
+    r = await client.post(f"{sim.url}/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 1})
+    assert r.json()["usage"]["prompt_tokens"] == 3
+    r = await client.post(
+        f"{sim.url}/generate",
+        json={"input_ids": [9, 9, 9], "sampling_params": {"max_new_tokens": 0}},
+    )
+    out = r.json()
+    assert out["text"] == "" and out["output_ids"] == []
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+
+
+async def test_pipelined_requests_answer_in_order(sim: SimServer) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", sim.port)
+    body = b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}, "rid": "p%d"}'
+    requests = b"".join(
+        b"POST /generate HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s"
+        % (len(body % i), body % i)
+        for i in range(3)
+    )
+    writer.write(requests)
+    for i in range(3):
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 ")
+        length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        payload = await reader.readexactly(length)
+        assert b'"id":"p%d"' % i in payload
+    writer.close()
