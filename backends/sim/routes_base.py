@@ -1,0 +1,135 @@
+"""What every route handler shares: server state, wire helpers, and turning parsed
+parameters into a scheduler request.
+
+Native routes answer errors as `{"error": {"message": ...}}`; OpenAI routes as
+`{"object": "error", "message": ..., "type": "Bad Request", "param": null, "code": 400}`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import Callable
+from http import HTTPStatus
+from typing import Any
+
+from backends.sim.config import SimConfig
+from backends.sim.http import Responder
+from backends.sim.metrics import SimMetrics
+from backends.sim.request import SimRequest
+from backends.sim.scheduler import Scheduler
+from backends.sim.textgen import OutputPlan
+from backends.sim.tokenizer import Tokenizer
+from backends.sim.wire import BadRequest, GenParams
+
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream; charset=utf-8"),
+    (b"cache-control", b"no-cache"),
+]
+DONE = b"data: [DONE]\n\n"
+FLUSH_MESSAGE = (
+    b"Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+    b"waiting requests, the operation will not be performed.)\n"
+)
+HEALTH_TIMEOUT = 20.0  # SGLANG_HEALTH_CHECK_TIMEOUT
+
+
+def dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + dumps(obj) + b"\n\n"
+
+
+def openai_error(message: str, status: int = 400) -> bytes:
+    phrase = HTTPStatus(status).phrase
+    return dumps(
+        {"object": "error", "message": message, "type": phrase, "param": None, "code": status}
+    )
+
+
+def native_error(message: str) -> bytes:
+    return dumps({"error": {"message": message}})
+
+
+class RouteContext:
+    def __init__(
+        self,
+        config: SimConfig,
+        scheduler: Scheduler,
+        *,
+        tokenizer: Tokenizer,
+        metrics: SimMetrics,
+        is_ready: Callable[[], bool],
+    ) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.is_ready = is_ready
+        self.created = int(time.time())
+
+    def _new_request(self, params: GenParams) -> SimRequest:
+        n = len(params.input_ids)
+        ctx = self.config.effective_context_length
+        if n == 0:
+            raise BadRequest("The input is empty.")
+        if n >= ctx:
+            raise BadRequest(
+                f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens)."
+            )
+        max_new = params.max_new_tokens if params.max_new_tokens is not None else ctx - n
+        if n + max_new > ctx:
+            raise BadRequest(
+                f"Requested token count exceeds the model's maximum context length of {ctx} "
+                f"tokens. You requested a total of {n + max_new} tokens: {n} tokens from the "
+                f"input messages and {max_new} tokens for the completion. Please reduce the "
+                "number of tokens in the input messages or the completion to fit within the limit."
+            )
+        pool = self.scheduler.max_total_tokens
+        if n >= pool:
+            raise BadRequest(
+                f"The input ({n} tokens) does not fit in the KV cache ({pool} tokens)."
+            )
+        rid = params.rid or uuid.uuid4().hex
+        if self.scheduler.get(rid) is not None:
+            raise BadRequest(f"Duplicate request ID: {rid}")
+        plan = OutputPlan(
+            self.tokenizer,
+            params.input_ids,
+            seed=self.config.seed,
+            natural_len=self.config.natural_output_len,
+        )
+        return SimRequest(
+            rid=rid,
+            input_ids=params.input_ids,
+            max_new_tokens=max_new,
+            plan=plan,
+            ignore_eos=params.ignore_eos,
+            min_new_tokens=params.min_new_tokens,
+            stop=params.stop,
+            stop_token_ids=params.stop_token_ids,
+            no_stop_trim=params.no_stop_trim,
+        )
+
+    def _submit(self, params: GenParams, responder: Responder) -> SimRequest:
+        req = self._new_request(params)
+        self.scheduler.submit(req)
+        scheduler = self.scheduler
+        # A client that goes away aborts its request and frees its slot (SGLang's abort task).
+        responder.on_disconnect = lambda: scheduler.abort(req)
+        return req
+
+    @staticmethod
+    async def _until_finished(req: SimRequest) -> None:
+        while not req.finished:
+            await req.wait_change()
+
+    @staticmethod
+    def _abort_message(req: SimRequest) -> str | None:
+        reason = req.finish_reason
+        if reason is not None and reason.get("type") == "abort":
+            return str(reason.get("message", "aborted"))
+        return None

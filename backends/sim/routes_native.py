@@ -1,0 +1,65 @@
+"""SGLang's native `/generate`: cumulative text and output_ids, meta_info on every chunk."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from backends.sim.http import HttpRequest, Responder
+from backends.sim.request import SimRequest
+from backends.sim.routes_base import DONE, SSE_HEADERS, RouteContext, dumps, native_error, sse
+from backends.sim.wire import parse_generate, parse_json
+
+
+class NativeRoutes(RouteContext):
+    def _meta(self, req: SimRequest, *, final: bool) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "finish_reason": req.finish_reason,
+            "prompt_tokens": req.prompt_tokens,
+            "weight_version": "default",
+            "total_retractions": 0,
+            "completion_tokens": req.completion_tokens,
+            "cached_tokens": req.cached_tokens,
+            "cached_tokens_details": None,
+            "dp_rank": None,
+        }
+        if final:
+            assert req.finished_at is not None
+            meta["e2e_latency"] = req.finished_at - req.created_at
+            meta["response_sent_to_client_ts"] = time.time()
+        return meta
+
+    def _generate_output(self, req: SimRequest, *, final: bool) -> dict[str, Any]:
+        return {
+            "text": req.text(),
+            "output_ids": list(req.output_ids),
+            "meta_info": self._meta(req, final=final),
+        }
+
+    async def generate(self, request: HttpRequest, responder: Responder) -> None:
+        params = parse_generate(parse_json(request.body), self.tokenizer)
+        req = self._submit(params, responder)
+        if not params.stream:
+            await self._until_finished(req)
+            if responder.disconnected:
+                return
+            message = self._abort_message(req)
+            if message is not None:
+                await responder.send(400, native_error(message))
+                return
+            await responder.send(200, dumps(self._generate_output(req, final=True)))
+            return
+        # SGLang starts the event stream at once; chunks follow as tokens exist.
+        await responder.start(200, SSE_HEADERS)
+        sent = 0
+        while not responder.disconnected:
+            n = req.completion_tokens
+            if n > sent or req.finished:
+                await responder.write(sse(self._generate_output(req, final=req.finished)))
+                sent = n
+                if req.finished:
+                    await responder.write(DONE)
+                    await responder.end()
+                    return
+            await req.wait_change()

@@ -1,0 +1,275 @@
+"""OpenAI-compatible `/v1/chat/completions`, `/v1/completions` and `/v1/models`, with SGLang's
+chunk order: role chunk (with the first token) -> content chunks -> finish chunk (chat) ->
+usage chunk (`stream_options.include_usage`) -> `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from backends.sim.http import HttpRequest, Responder
+from backends.sim.request import SimRequest
+from backends.sim.routes_base import DONE, SSE_HEADERS, RouteContext, dumps, openai_error, sse
+from backends.sim.wire import BadRequest, parse_chat, parse_completion, parse_json
+
+
+class OpenAIRoutes(RouteContext):
+    def _usage(self, req: SimRequest) -> dict[str, Any]:
+        cached = req.cached_tokens
+        details = {"cached_tokens": cached} if self.config.enable_cache_report and cached else None
+        return {
+            "prompt_tokens": req.prompt_tokens,
+            "total_tokens": req.prompt_tokens + req.completion_tokens,
+            "completion_tokens": req.completion_tokens,
+            "prompt_tokens_details": details,
+            "reasoning_tokens": 0,
+        }
+
+    @staticmethod
+    def _finish_fields(req: SimRequest) -> tuple[str | None, Any]:
+        reason = req.finish_reason
+        if reason is None:
+            return None, None
+        return reason["type"], reason.get("matched")
+
+    async def _first_output(self, req: SimRequest, responder: Responder) -> bool:
+        """OpenAI routes send the 200 only with the first chunk (SGLang kick-starts the
+        generator to surface errors first). False if the client or the request is gone."""
+        while req.completion_tokens == 0 and not req.finished:
+            await req.wait_change()
+        if responder.disconnected:
+            return False
+        message = self._abort_message(req)
+        if message is not None and req.completion_tokens == 0:
+            await responder.send(400, openai_error(message))
+            return False
+        await responder.start(200, SSE_HEADERS)
+        return True
+
+    async def chat_completions(self, request: HttpRequest, responder: Responder) -> None:
+        self._require_json(request)
+        obj = parse_json(request.body)
+        params = parse_chat(obj, self.tokenizer)
+        req = self._submit(params, responder)
+        model = params.model or self.config.model_name
+        created = int(time.time())
+        if not params.stream:
+            await self._until_finished(req)
+            if responder.disconnected:
+                return
+            message = self._abort_message(req)
+            if message is not None:
+                await responder.send(400, openai_error(message))
+                return
+            reason, matched = self._finish_fields(req)
+            body = {
+                "id": req.rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {
+                            "role": "assistant",
+                            "content": req.text(),
+                            "reasoning_content": None,
+                            "tool_calls": None,
+                        },
+                        "logprobs": None,
+                        "finish_reason": reason,
+                        "matched_stop": matched,
+                    }
+                ],
+                "usage": self._usage(req),
+                "metadata": {"weight_version": "default"},
+            }
+            await responder.send(200, dumps(body))
+            return
+        if not await self._first_output(req, responder):
+            return
+        head = {
+            "id": req.rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+        }
+
+        def chunk(delta: dict[str, Any], reason: str | None = None, matched: Any = None) -> bytes:
+            choice = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": reason,
+                "matched_stop": matched,
+            }
+            out = {**head, "choices": [choice]}
+            if params.continuous_usage_stats:
+                out["usage"] = self._usage(req)
+            return sse(out)
+
+        # Role chunk, together with the first token (never before it exists).
+        await responder.write(
+            chunk({"reasoning_content": None, "role": "assistant", "content": ""})
+        )
+        sent_tokens = sent_chars = 0
+        while not responder.disconnected:
+            if req.completion_tokens > sent_tokens:
+                sent_tokens = req.completion_tokens
+                text = req.text()
+                delta, sent_chars = text[sent_chars:], len(text)
+                if delta:
+                    await responder.write(chunk({"reasoning_content": None, "content": delta}))
+            if req.finished:
+                message = self._abort_message(req)
+                if message is not None:
+                    await responder.write(
+                        sse(
+                            {
+                                "error": {
+                                    "message": message,
+                                    "type": "Bad Request",
+                                    "param": None,
+                                    "code": 400,
+                                }
+                            }
+                        )
+                    )
+                else:
+                    reason, matched = self._finish_fields(req)
+                    empty = {
+                        "role": None,
+                        "content": None,
+                        "reasoning_content": None,
+                        "tool_calls": None,
+                    }
+                    await responder.write(chunk(empty, reason, matched))
+                    if params.include_usage:
+                        await responder.write(
+                            sse({**head, "choices": [], "usage": self._usage(req)})
+                        )
+                await responder.write(DONE)
+                await responder.end()
+                return
+            await req.wait_change()
+
+    async def completions(self, request: HttpRequest, responder: Responder) -> None:
+        self._require_json(request)
+        params = parse_completion(parse_json(request.body), self.tokenizer)
+        req = self._submit(params, responder)
+        model = params.model or self.config.model_name
+        created = int(time.time())
+        if not params.stream:
+            await self._until_finished(req)
+            if responder.disconnected:
+                return
+            message = self._abort_message(req)
+            if message is not None:
+                await responder.send(400, openai_error(message))
+                return
+            reason, matched = self._finish_fields(req)
+            body = {
+                "id": req.rid,
+                "object": "text_completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": req.text(),
+                        "logprobs": None,
+                        "finish_reason": reason,
+                        "matched_stop": matched,
+                    }
+                ],
+                "usage": self._usage(req),
+                "metadata": {"weight_version": "default"},
+            }
+            await responder.send(200, dumps(body))
+            return
+        if not await self._first_output(req, responder):
+            return
+        head = {"id": req.rid, "object": "text_completion", "created": created, "model": model}
+        sent_tokens = sent_chars = 0
+        while not responder.disconnected:
+            new = req.completion_tokens > sent_tokens
+            if new or req.finished:
+                sent_tokens = req.completion_tokens
+                text = req.text()
+                delta, sent_chars = text[sent_chars:], len(text)
+                message = self._abort_message(req)
+                if message is not None:
+                    await responder.write(
+                        sse(
+                            {
+                                "error": {
+                                    "message": message,
+                                    "type": "Bad Request",
+                                    "param": None,
+                                    "code": 400,
+                                }
+                            }
+                        )
+                    )
+                    await responder.write(DONE)
+                    await responder.end()
+                    return
+                # finish_reason rides on the last content chunk (no separate finish chunk).
+                reason, matched = self._finish_fields(req)
+                if delta or reason is not None:
+                    choice = {
+                        "index": 0,
+                        "text": delta,
+                        "logprobs": None,
+                        "finish_reason": reason,
+                        "matched_stop": matched,
+                    }
+                    out: dict[str, Any] = {**head, "choices": [choice], "usage": None}
+                    if params.continuous_usage_stats:
+                        out["usage"] = self._usage(req)
+                    await responder.write(sse(out))
+                if req.finished:
+                    if params.include_usage:
+                        usage = {k: v for k, v in self._usage(req).items() if v is not None}
+                        await responder.write(sse({**head, "choices": [], "usage": usage}))
+                    await responder.write(DONE)
+                    await responder.end()
+                    return
+            await req.wait_change()
+
+    @staticmethod
+    def _require_json(request: HttpRequest) -> None:
+        content_type = request.header(b"content-type") or b""
+        if not content_type.split(b";")[0].strip().lower() == b"application/json":
+            raise BadRequest("Unsupported Media Type: Only 'application/json' is allowed")
+
+    # -- information and control ---------------------------------------------------------------
+
+    def _model_card(self) -> dict[str, Any]:
+        name = self.config.model_name
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "sglang",
+            "root": name,
+            "parent": None,
+            "max_model_len": self.config.effective_context_length,
+        }
+
+    async def models(self, request: HttpRequest, responder: Responder) -> None:
+        await responder.send(200, dumps({"object": "list", "data": [self._model_card()]}))
+
+    async def model_card(self, request: HttpRequest, responder: Responder) -> None:
+        wanted = request.path[len("/v1/models/") :]
+        if wanted != self.config.model_name:
+            error = {
+                "message": f"The model '{wanted}' does not exist",
+                "type": "invalid_request_error",
+                "param": "model",
+                "code": "model_not_found",
+            }
+            await responder.send(404, dumps({"error": error}))
+            return
+        await responder.send(200, dumps(self._model_card()))
