@@ -179,6 +179,10 @@ class HttpProtocol(asyncio.Protocol):
                 if length is not None and length > self._max_body:
                     self._reject(413, f"request body of {length} bytes exceeds {self._max_body}")
                     return
+                if self._conn.they_are_waiting_for_100_continue:
+                    # curl sends `Expect: 100-continue` for bodies over 1 KiB and would
+                    # otherwise wait a second before sending the body (RFC 9110 §10.1.1).
+                    self.send_event(h11.InformationalResponse(status_code=100, headers=[]))
             elif isinstance(event, h11.Data):
                 self._body += event.data
                 if len(self._body) > self._max_body:

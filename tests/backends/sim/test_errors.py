@@ -172,3 +172,18 @@ def test_config_rejects_bad_values() -> None:
         SimConfig(max_running_requests=0)
     with pytest.raises(ValueError, match="natural_output_len"):
         SimConfig(natural_output_len=(5, 2))
+
+
+async def test_expect_100_continue(sim: SimServer) -> None:
+    body = b'{"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}'
+    reader, writer = await asyncio.open_connection("127.0.0.1", sim.port)
+    writer.write(
+        b"POST /generate HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\n"
+        b"content-length: %d\r\n\r\n" % len(body)
+    )
+    interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert interim.startswith(b"HTTP/1.1 100 ")
+    writer.write(body)
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert head.startswith(b"HTTP/1.1 200 ")
+    writer.close()
