@@ -311,10 +311,11 @@ class RequestTrace:
     """The spans of one traced request: a SERVER root span and one child per stage.
 
     Times are `time.perf_counter()` seconds, converted to the epoch nanoseconds OpenTelemetry
-    wants by one offset taken at the start.
+    wants by one offset taken at the start. Stage spans are made when the request ends, so
+    tracing adds nothing between the request's arrival and its first token but the root span.
     """
 
-    __slots__ = ("_ctx", "_offset_ns", "_root", "_tracer")
+    __slots__ = ("_ctx", "_offset_ns", "_root", "_stages", "_tracer")
 
     def __init__(
         self,
@@ -326,6 +327,7 @@ class RequestTrace:
         attributes: dict[str, Any],
     ) -> None:
         self._tracer = tracer
+        self._stages: list[tuple[str, float, float, dict[str, Any] | None]] = []
         self._offset_ns = time.time_ns() - int(time.perf_counter() * 1e9)
         carrier: dict[str, str] = {}
         if traceparent is not None:  # W3C Trace Context: continue the client's trace
@@ -359,19 +361,22 @@ class RequestTrace:
     def stage(
         self, name: str, start: float, end: float, attributes: dict[str, Any] | None = None
     ) -> None:
-        span = self._tracer.start_span(
-            name, context=self._ctx, start_time=self._ns(start), attributes=attributes
-        )
-        span.end(end_time=self._ns(end))
+        """Record a stage; its span is created in `end()`, off the path to the first token."""
+        self._stages.append((name, start, end, attributes))
 
     def set(self, key: str, value: Any) -> None:
         if value is not None:
             self._root.set_attribute(key, value)
 
     def end(self, end: float, error: str | None = None) -> None:
+        tracer, ctx, ns = self._tracer, self._ctx, self._ns
+        for name, start, stop, attributes in self._stages:
+            span = tracer.start_span(name, context=ctx, start_time=ns(start), attributes=attributes)
+            span.end(end_time=ns(stop))
+        self._stages.clear()
         if error is not None:
             self._root.set_status(Status(StatusCode.ERROR, error))
-        self._root.end(end_time=self._ns(end))
+        self._root.end(end_time=ns(end))
 
 
 __all__ = [
