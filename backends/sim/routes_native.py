@@ -33,7 +33,7 @@ class NativeRoutes(RouteContext):
     def _generate_output(self, req: SimRequest, *, final: bool) -> dict[str, Any]:
         return {
             "text": req.text(),
-            "output_ids": list(req.output_ids),
+            "output_ids": req.output_ids,  # serialised at once, no copy needed
             "meta_info": self._meta(req, final=final),
         }
 
