@@ -345,6 +345,7 @@ async def _main(args: argparse.Namespace) -> int:
         f"configuration and RTT; prompt {args.input_len} words, {args.output_len} output tokens; "
         f"stand-in profile {args.sim_profile}.",
         "",
+        "",
     ]
     path = args.out / "report.md"
     path.write_text("\n".join(header) + report + "\n")
