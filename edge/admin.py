@@ -11,19 +11,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from backends.pool import UpstreamPool
 from backends.registry import BackendRegistry
+from edge.asgi import Receive, Scope, Send, lifespan
 from edge.errors import EdgeError, MethodNotAllowed, RouteNotFound
 from edge.routing.base import RoutingPolicy
-
-Scope = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
-Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 
 class AdminApp:
@@ -48,9 +45,7 @@ class AdminApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            from edge.app import _lifespan
-
-            await _lifespan(receive, send)
+            await lifespan(receive, send)
             return
         if scope["type"] != "http":
             return

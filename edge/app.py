@@ -2,19 +2,17 @@
 
 Each stage is a plain function (`edge.stages`, `edge.routing`, `edge.relay`); this module runs them
 in order, times each one, retries on another backend while nothing has reached the client, and
-renders every `EdgeError` in one place (`_render`). It runs unchanged under the H3 server, under
-hypercorn (H1/H2) and in-process in tests.
+renders every `EdgeError` in one place (`edge.asgi.render_error`). It runs unchanged under the H3
+server, under hypercorn (H1/H2) and in-process in tests.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
-from collections.abc import Awaitable, Callable, MutableMapping
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 from backends.errors import (
@@ -25,9 +23,9 @@ from backends.errors import (
 )
 from backends.pool import UpstreamPool, UpstreamResponse
 from backends.registry import Backend, BackendRegistry, Ticket
+from edge.asgi import Receive, Scope, Send, lifespan, render_error, send_json
 from edge.config import ProxyConfig
 from edge.errors import (
-    JSON_HEADERS,
     BadGateway,
     EdgeError,
     MethodNotAllowed,
@@ -37,9 +35,11 @@ from edge.errors import (
     TooManyRequests,
     from_upstream,
 )
+from edge.exchange import Exchange, read_headers
 from edge.models import ModelCatalog
 from edge.relay import RelayResult, Usage, answer_of_body, read_whole, relay_stream
-from edge.routing.base import Decision, Outcome, RequestView, RoutingPolicy
+from edge.routing.base import Decision, Outcome, RoutingPolicy
+from edge.stages.account import account_cache, account_stream
 from edge.stages.body import (
     ClientGone,
     check_content_type,
@@ -47,18 +47,13 @@ from edge.stages.body import (
     parse_json_object,
     read_body,
 )
-from edge.stages.forward import request_id_from, splice_rid, upstream_headers
+from edge.stages.forward import request_id_from, response_headers, splice_rid, upstream_headers
 from edge.stages.validate import CHAT, COMPLETIONS, GENERATE, validate
 from edge.stages.view import build_view
-from edge.telemetry import Metrics, RequestTrace, Tracer, cache_label
+from edge.telemetry import Metrics, RequestTrace, Tracer
 
 log = logging.getLogger(__name__)
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 Aborter = Callable[[Backend, str], None]
 """Fire-and-forget `/abort_request` for (backend, rid); must not block the caller."""
 
@@ -67,72 +62,7 @@ RETRY_STATUSES = frozenset({429, 502, 503})
 """Upstream answers worth another backend while nothing reached the client (overloaded/down)."""
 MAX_UPSTREAM_BODY = 64 * 1024 * 1024
 """Largest non-streaming backend answer the edge holds (64 MiB)."""
-# Hop-by-hop (RFC 9110 §7.6.1) and framing headers: the client's transport sets its own.
-_DROP_RESPONSE_HEADERS = frozenset(
-    {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"server", b"date",
-     b"proxy-connection", b"upgrade", b"trailer", b"te", b"alt-svc"}
-)  # fmt: skip
 _TRANSPORT_BY_VERSION = {"3": "h3", "2": "h2", "2.0": "h2"}
-
-
-@dataclass(slots=True)
-class _Headers:
-    """The request headers the app reads, found in one pass."""
-
-    content_type: bytes | None = None
-    content_length: bytes | None = None
-    request_id: bytes | None = None
-    session: bytes | None = None
-    tenant: bytes | None = None
-    traceparent: bytes | None = None
-    tracestate: bytes | None = None
-
-
-_WANTED = {
-    b"content-type": "content_type",
-    b"content-length": "content_length",
-    b"x-request-id": "request_id",
-    b"x-session-id": "session",
-    b"x-tenant-id": "tenant",
-    b"traceparent": "traceparent",
-    b"tracestate": "tracestate",
-}
-
-
-def _read_headers(raw: list[tuple[bytes, bytes]]) -> _Headers:
-    found = _Headers()
-    for name, value in raw:
-        attr = _WANTED.get(name.lower())
-        if attr is not None:
-            setattr(found, attr, value)
-    return found
-
-
-@dataclass(slots=True)
-class Exchange:
-    """State of one inference request while it runs (small: one per request)."""
-
-    route: str
-    t0: float
-    transport: str
-    early_data: bool
-    handshake_wait: float
-    request_id: str
-    headers: _Headers
-    trace: RequestTrace | None
-    view: RequestView | None = None
-    stream: bool = False
-    payload: bytes = b""
-    abort_rid: str | None = None
-    upstream_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-    started: bool = False
-    """The response start was sent: no retry, no error page, only an error event."""
-    disconnected: bool = False
-    status: int = 0
-    backend: Backend | None = None
-    decision: Decision | None = None
-    retries: int = 0
-    usage: Usage | None = None
 
 
 class _Retry(Exception):
@@ -171,7 +101,7 @@ class ProxyApp:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "lifespan":
-            await _lifespan(receive, send)
+            await lifespan(receive, send)
             return
         if kind != "http":
             return
@@ -199,7 +129,7 @@ class ProxyApp:
                 return
             raise RouteNotFound(f"no route for {method} {path}")
         except EdgeError as err:
-            await _render(send, err)
+            await render_error(send, err)
             self.metrics.requests.labels(label, str(err.status)).inc()
 
     # -- /v1/models --------------------------------------------------------------------------
@@ -207,13 +137,13 @@ class ProxyApp:
     async def _models(self, path: str, send: Send) -> None:
         listing = await self.catalog.listing()
         if path == "/v1/models":
-            await _send_json(send, 200, listing)
+            await send_json(send, 200, listing)
             return
         model = path[len("/v1/models/") :]
         card = self.catalog.card(model)
         if card is None:
             raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
-        await _send_json(send, 200, card)
+        await send_json(send, 200, card)
 
     # -- inference ---------------------------------------------------------------------------
 
@@ -225,7 +155,7 @@ class ProxyApp:
         )
         early = bool(ext.get("early_data", False))
         wait = float(ext.get("handshake_wait_s", 0.0) or 0.0)
-        headers = _read_headers(scope["headers"])
+        headers = read_headers(scope["headers"])
         trace: RequestTrace | None = None
         request_id = "-"
         ex: Exchange | None = None
@@ -425,7 +355,7 @@ class ProxyApp:
                 error = self._stream_error(result)
                 if result.first_upstream is not None:
                     upstream_ttft = result.first_upstream - t_send
-                self._account_stream(ex, backend, decision, result, t_send, upstream_ttft)
+                account_stream(self.metrics, ex, backend, result, t_send, upstream_ttft)
             else:
                 try:
                     body = await read_whole(response, MAX_UPSTREAM_BODY)
@@ -434,7 +364,9 @@ class ProxyApp:
                     self._upstream_failed(backend, exc.kind)
                     raise from_upstream(exc) from None
                 ex.started = True
-                out = _response_headers(response.headers, ex, backend)
+                out = response_headers(
+                    response.headers, request_id=ex.request_id, backend_name=backend.name
+                )
                 out.append((b"content-length", b"%d" % len(body)))
                 await send({"type": "http.response.start", "status": status, "headers": out})
                 await send({"type": "http.response.body", "body": body, "more_body": False})
@@ -450,7 +382,7 @@ class ProxyApp:
                 self.registry.record_success(backend, ttft_s=upstream_ttft)
             elif error == "4xx":
                 self.registry.record_failure(backend, "4xx")
-            self._account_cache(ex, decision, usage)
+            account_cache(self.metrics, ex, decision, usage)
         except asyncio.CancelledError:
             if ex.disconnected:
                 error = "disconnect"
@@ -483,7 +415,9 @@ class ProxyApp:
             {
                 "type": "http.response.start",
                 "status": 200,
-                "headers": _response_headers(response.headers, ex, backend),
+                "headers": response_headers(
+                    response.headers, request_id=ex.request_id, backend_name=backend.name
+                ),
             }
         )
         result = RelayResult()
@@ -508,52 +442,6 @@ class ProxyApp:
         if result.backend_error is not None:
             return "backend_error"
         return None
-
-    def _account_stream(
-        self,
-        ex: Exchange,
-        backend: Backend,
-        decision: Decision,
-        result: RelayResult,
-        t_send: float,
-        upstream_ttft: float | None,
-    ) -> None:
-        """Metrics of a relayed stream: TTFT (edge and upstream), edge-added time, ITL."""
-        if result.first_client is None or result.first_upstream is None or upstream_ttft is None:
-            return
-        usage = result.usage
-        ttft = result.first_client - ex.t0 + ex.handshake_wait
-        m = self.metrics
-        m.ttft.labels(
-            ex.transport,
-            "0rtt" if ex.early_data else "1rtt",
-            cache_label(usage.prompt_tokens, usage.cached_tokens),
-            backend.name,
-        ).observe(ttft)
-        m.upstream_ttft.labels(backend.name).observe(upstream_ttft)
-        added = (t_send - ex.t0) + (result.first_client - result.first_upstream)
-        m.edge_added.labels(ex.transport).observe(added)
-        if result.gaps:
-            m.itl.labels(backend.name).observe_many(result.gaps)
-        if ex.trace is not None:
-            ex.trace.set("quicedge.ttft_ms", round(ttft * 1000, 3))
-
-    def _account_cache(self, ex: Exchange, decision: Decision, usage: Usage) -> None:
-        assert ex.view is not None
-        ex.usage = usage
-        hit = self.metrics.prefix_hit
-        if ex.view.approx_tokens > 0:
-            predicted = min(decision.predicted_cached_tokens / ex.view.approx_tokens, 1.0)
-            hit.labels("predicted").observe(predicted)
-        if usage.prompt_tokens and usage.cached_tokens is not None:
-            hit.labels("reported").observe(min(usage.cached_tokens / usage.prompt_tokens, 1.0))
-        trace = ex.trace
-        if trace is not None:
-            trace.set("quicedge.backend", decision.backend.name)
-            trace.set("quicedge.reason", decision.reason)
-            trace.set("quicedge.prompt_tokens", usage.prompt_tokens)
-            trace.set("quicedge.cached_tokens", usage.cached_tokens)
-            trace.set("quicedge.completion_tokens", usage.completion_tokens)
 
     def _upstream_failed(self, backend: Backend, kind: str) -> None:
         self.metrics.upstream_errors.labels(backend.name, kind).inc()
@@ -581,37 +469,3 @@ def _retry_error(backend: Backend, status: int) -> EdgeError:
     if status == 503:
         return NoHealthyBackend(message)
     return BadGateway(message)
-
-
-def _response_headers(
-    upstream: list[tuple[bytes, bytes]], ex: Exchange, backend: Backend
-) -> list[tuple[bytes, bytes]]:
-    out = [(k, v) for k, v in upstream if k not in _DROP_RESPONSE_HEADERS and k != b"x-request-id"]
-    out.append((b"x-request-id", ex.request_id.encode()))
-    out.append((b"x-quicedge-backend", backend.name.encode()))
-    return out
-
-
-async def _render(send: Send, err: EdgeError) -> None:
-    """The one place an `EdgeError` becomes a response."""
-    body = err.body()
-    await send({"type": "http.response.start", "status": err.status, "headers": err.headers()})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-async def _send_json(send: Send, status: int, obj: Any) -> None:
-    body = json.dumps(obj, separators=(",", ":")).encode()
-    headers = [*JSON_HEADERS, (b"content-length", b"%d" % len(body))]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-async def _lifespan(receive: Receive, send: Send) -> None:
-    """Acknowledge lifespan events; the wiring starts and stops the fleet, not the server."""
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return

@@ -20,7 +20,8 @@ from prometheus_client import CollectorRegistry
 from backends.pool import UpstreamPool
 from backends.registry import Backend, BackendRegistry, HealthConfig
 from edge.admin import AdminApp
-from edge.app import ASGIApp, ProxyApp
+from edge.app import ProxyApp
+from edge.asgi import ASGIApp
 from edge.config import ProxyConfig
 from edge.models import ModelCatalog
 from edge.routing.base import RoutingPolicy, make_policy

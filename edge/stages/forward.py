@@ -73,3 +73,20 @@ def upstream_headers(
     if early_data:
         headers.append((b"early-data", b"1"))
     return headers
+
+
+# Hop-by-hop (RFC 9110 §7.6.1) and framing headers: the client's transport sets its own.
+DROP_RESPONSE_HEADERS = frozenset(
+    {b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"server", b"date",
+     b"proxy-connection", b"upgrade", b"trailer", b"te", b"alt-svc"}
+)  # fmt: skip
+
+
+def response_headers(
+    upstream: list[tuple[bytes, bytes]], *, request_id: str, backend_name: str
+) -> list[tuple[bytes, bytes]]:
+    """The backend's response headers for the client, plus the request id and the backend."""
+    out = [(k, v) for k, v in upstream if k not in DROP_RESPONSE_HEADERS and k != b"x-request-id"]
+    out.append((b"x-request-id", request_id.encode()))
+    out.append((b"x-quicedge-backend", backend_name.encode()))
+    return out

@@ -1,0 +1,40 @@
+"""ASGI plumbing shared by the proxy and admin apps: types, error rendering, JSON, lifespan."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from edge.errors import JSON_HEADERS, EdgeError
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+async def render_error(send: Send, err: EdgeError) -> None:
+    """The one place an `EdgeError` becomes a response."""
+    body = err.body()
+    await send({"type": "http.response.start", "status": err.status, "headers": err.headers()})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def send_json(send: Send, status: int, obj: Any) -> None:
+    body = json.dumps(obj, separators=(",", ":")).encode()
+    headers = [*JSON_HEADERS, (b"content-length", b"%d" % len(body))]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def lifespan(receive: Receive, send: Send) -> None:
+    """Acknowledge lifespan events; the wiring starts and stops the fleet, not the server."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

@@ -1,0 +1,71 @@
+"""The state of one inference request as it moves through the stages, and its headers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from backends.registry import Backend
+from edge.relay import Usage
+from edge.routing.base import Decision, RequestView
+from edge.telemetry import RequestTrace
+
+
+@dataclass(slots=True)
+class RequestHeaders:
+    """The request headers the app reads, found in one pass."""
+
+    content_type: bytes | None = None
+    content_length: bytes | None = None
+    request_id: bytes | None = None
+    session: bytes | None = None
+    tenant: bytes | None = None
+    traceparent: bytes | None = None
+    tracestate: bytes | None = None
+
+
+_WANTED = {
+    b"content-type": "content_type",
+    b"content-length": "content_length",
+    b"x-request-id": "request_id",
+    b"x-session-id": "session",
+    b"x-tenant-id": "tenant",
+    b"traceparent": "traceparent",
+    b"tracestate": "tracestate",
+}
+
+
+def read_headers(raw: Iterable[tuple[bytes, bytes]]) -> RequestHeaders:
+    found = RequestHeaders()
+    for name, value in raw:
+        attr = _WANTED.get(name.lower())
+        if attr is not None:
+            setattr(found, attr, value)
+    return found
+
+
+@dataclass(slots=True)
+class Exchange:
+    """State of one inference request while it runs (small: one per request)."""
+
+    route: str
+    t0: float
+    transport: str
+    early_data: bool
+    handshake_wait: float
+    request_id: str
+    headers: RequestHeaders
+    trace: RequestTrace | None
+    view: RequestView | None = None
+    stream: bool = False
+    payload: bytes = b""
+    abort_rid: str | None = None
+    upstream_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
+    started: bool = False
+    """The response start was sent: no retry, no error page, only an error event."""
+    disconnected: bool = False
+    status: int = 0
+    backend: Backend | None = None
+    decision: Decision | None = None
+    retries: int = 0
+    usage: Usage | None = None
