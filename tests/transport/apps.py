@@ -24,7 +24,7 @@ class Seen:
 @dataclass
 class RecordingApp:
     """Routes: /echo (body + scope facts as JSON), /stream?n=N (N chunks, one per release),
-    /hold (answers headers, then waits for http.disconnect)."""
+    /hold (answers headers, then waits for http.disconnect), /big (20 kB body)."""
 
     seen: list[Seen] = field(default_factory=list)
     disconnects: asyncio.Queue[str] = field(default_factory=asyncio.Queue)
@@ -57,6 +57,10 @@ class RecordingApp:
             seen.body += message.get("body", b"")
             if not message.get("more_body", False):
                 break
+        if scope["path"] == "/big":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"x" * 20_000})
+            return
         if scope["path"] == "/stream":
             n = int(scope["query_string"].decode().partition("=")[2] or 3)
             await send({"type": "http.response.start", "status": 200, "headers": []})

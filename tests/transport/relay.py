@@ -25,9 +25,15 @@ class UdpRelay(asyncio.DatagramProtocol):
         self.server = ("127.0.0.1", server_port)
         self.hold_after_reply = hold_after_reply
         self.held: list[bytes] = []
+        self.holding = asyncio.Event()
+        """Set once a client datagram has been held back."""
         self.client: Any = None
         self.server_replied = False
         self.forwarded = 0
+        self.bytes_up = 0
+        """Client → server bytes forwarded."""
+        self.bytes_down = 0
+        """Server → client bytes forwarded."""
         self._down: asyncio.DatagramTransport | None = None
         self._up: asyncio.DatagramTransport | None = None
 
@@ -45,13 +51,16 @@ class UdpRelay(asyncio.DatagramProtocol):
         self.client = addr
         if self.hold_after_reply and self.server_replied:
             self.held.append(data)
+            self.holding.set()
             return
         assert self._up is not None
         self.forwarded += 1
+        self.bytes_up += len(data)
         self._up.sendto(data)
 
     def from_server(self, data: bytes) -> None:
         self.server_replied = True
+        self.bytes_down += len(data)
         if self._down is not None and self.client is not None:
             self._down.sendto(data, self.client)
 
@@ -60,6 +69,7 @@ class UdpRelay(asyncio.DatagramProtocol):
         self.hold_after_reply = False
         assert self._up is not None
         for data in self.held:
+            self.bytes_up += len(data)
             self._up.sendto(data)
         self.held.clear()
 

@@ -38,9 +38,9 @@ async def test_early_request_answered_before_handshake_completes(
                 sid = client.request("POST", INFERENCE, body=b'{"x": 1}')
                 client.send_now()
                 r = await client.wait(sid)
-                # The client's Finished is still held by the relay: the server's handshake
-                # has not completed, yet the response arrived.
-                assert relay.held, "the client's second flight should be held"
+                # The client's Finished is held by the relay: the server's handshake has not
+                # completed, yet the response arrived.
+                await asyncio.wait_for(relay.holding.wait(), 10)
                 assert not any(p.session.handshake_complete for p in server.connections())
                 assert r.status == 200
                 assert json.loads(r.body)["early_data"] is True
@@ -54,6 +54,32 @@ async def test_early_request_answered_before_handshake_completes(
     assert app.seen[-1].extensions["early_data"] is True
     assert server.metrics is not None
     assert counter(server.metrics, "accepted") == 1
+
+
+async def test_anti_amplification_before_address_validation(
+    h3_server: H3Factory, dev_certs
+) -> None:
+    """RFC 9000 §8.1: until the client's address is validated the server sends at most 3x
+    what it received; a large early response waits for the client's handshake flight."""
+    async with h3_server(policy=EarlyDataPolicy({"/big": Mode.ACCEPT})) as server:
+        ticket = await fresh_ticket(server.port, dev_certs.ca_cert)
+        relay = UdpRelay(server.port, hold_after_reply=True)
+        port = await relay.start()
+        try:
+            async with h3_connect(
+                port, dev_certs.ca_cert, ticket=ticket, wait_connected=False
+            ) as client:
+                sid = client.request("GET", "/big")
+                client.send_now()
+                await asyncio.wait_for(client.responses[sid].first_data.wait(), 10)
+                await asyncio.sleep(0.3)  # time for the server to (wrongly) send it all
+                assert relay.bytes_down <= 3 * relay.bytes_up
+                assert len(client.responses[sid].body) < 20_000
+                relay.release()
+                r = await client.wait(sid)
+                assert len(r.body) == 20_000
+        finally:
+            relay.close()
 
 
 async def _resume_early(port: int, ca, ticket) -> tuple[bool, dict]:
