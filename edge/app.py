@@ -270,7 +270,7 @@ class ProxyApp:
             if not candidates:
                 if last is not None:
                     raise last.error
-                raise NoHealthyBackend("no healthy backend can take the request now")
+                raise self._no_candidate()
             t_route = time.perf_counter()
             decision = self.policy.choose(ex.view, candidates)
             t_routed = time.perf_counter()
@@ -442,6 +442,17 @@ class ProxyApp:
         if result.backend_error is not None:
             return "backend_error"
         return None
+
+    def _no_candidate(self) -> EdgeError:
+        """503, saying whether the fleet is down or only full (every backend at its cap)."""
+        healthy = [b for b in self.registry.backends if b.healthy]
+        if healthy and all(
+            b.max_concurrency is not None and b.in_flight >= b.max_concurrency for b in healthy
+        ):
+            return NoHealthyBackend(
+                "every backend is at its concurrency cap; retry shortly", code="at_capacity"
+            )
+        return NoHealthyBackend("no healthy backend can take the request now")
 
     def _upstream_failed(self, backend: Backend, kind: str) -> None:
         self.metrics.upstream_errors.labels(backend.name, kind).inc()

@@ -320,3 +320,29 @@ async def test_a_client_that_stops_reading_slows_the_upstream_instead_of_filling
             await asyncio.sleep(0.2)
             assert up.body_bytes_sent["/v1/completions"] < total
             assert in_flight(edge) == [0]
+
+
+async def test_backends_at_their_cap_answer_503_at_capacity() -> None:
+    release = asyncio.Event()
+
+    async def held(recorded: Recorded) -> Reply:
+        reply = health_ok(recorded)
+        if reply is not None:
+            return reply
+        await release.wait()
+        return sse_reply(["done"])
+
+    async with TinyUpstream(held) as up:
+        config = fast_config([up.url], max_concurrency_per_backend=1)
+        async with run_edge(config) as edge, client(edge) as http:
+            first = asyncio.ensure_future(http.post("/v1/completions", json=COMPLETION))
+            for _ in range(100):
+                if in_flight(edge) == [1]:
+                    break
+                await asyncio.sleep(0.02)
+            second = await http.post("/v1/completions", json=COMPLETION)
+            assert second.status_code == 503
+            assert second.json()["error"]["code"] == "at_capacity"
+            release.set()
+            assert (await first).status_code == 200
+            assert in_flight(edge) == [0]
