@@ -187,3 +187,19 @@ async def test_expect_100_continue(sim: SimServer) -> None:
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
     assert head.startswith(b"HTTP/1.1 200 ")
     writer.close()
+
+
+async def test_duplicate_rid_in_flight(make_sim: MakeSim, client: httpx.AsyncClient) -> None:
+    server = await make_sim(profile="h100-llama3-8b")
+    body = {"text": "x", "rid": "dup", "sampling_params": {"max_new_tokens": 100_000}}
+    first = asyncio.create_task(client.post(f"{server.url}/generate", json=body))
+    for _ in range(500):  # wait until the first one is in
+        loads = (await client.get(f"{server.url}/v1/loads")).json()["loads"][0]
+        if loads["num_running_reqs"] == 1:
+            break
+        await asyncio.sleep(0.01)
+    r = await client.post(f"{server.url}/generate", json=body)
+    assert r.status_code == 400
+    assert "Duplicate request ID: dup" in r.json()["error"]["message"]
+    await client.post(f"{server.url}/abort_request", json={"rid": "dup"})
+    assert (await first).status_code == 400
