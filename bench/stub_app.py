@@ -62,6 +62,7 @@ async def stub_app(scope: dict[str, Any], receive: Receive, send: Send) -> None:
         (b"x-quicedge-backend", b"stub"),
         (b"x-stub-http-version", scope.get("http_version", "?").encode()),
         (b"x-stub-early-data", b"1" if extensions.get("early_data") else b"0"),
+        (b"x-stub-transport", str(extensions.get("transport", "?")).encode()),
     ]
     await send({"type": "http.response.start", "status": 200, "headers": headers})
     for event in chat_events(int(request.get("prompt_tokens", 7)), 3):

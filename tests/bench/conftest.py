@@ -13,28 +13,26 @@ from pathlib import Path
 import pytest
 
 from certs import DevCertificates
-from tests.bench.servers import edge_h3, hypercorn_server
-from tests.helpers import free_port
+from tests.bench.servers import edge_h3, edge_tcp
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclass
 class Servers:
-    tls_port: int  # hypercorn, TLS: h2 and http/1.1
-    plain_port: int  # hypercorn, plain http/1.1
-    h3_port: int  # the edge's HTTP/3 listener (UDP)
+    tls_port: int  # TLS: h2 and http/1.1
+    plain_port: int  # plain http/1.1
+    h3_port: int  # HTTP/3 (UDP)
 
 
 @pytest.fixture
 async def servers(dev_certs: DevCertificates) -> AsyncIterator[Servers]:
-    tls_port, plain_port = free_port(), free_port()
     async with (
-        hypercorn_server(dev_certs, tls_port),
-        hypercorn_server(None, plain_port),
+        edge_tcp(dev_certs) as tls,
+        edge_tcp(None) as plain,
         edge_h3(dev_certs) as h3,
     ):
-        yield Servers(tls_port, plain_port, h3.port)
+        yield Servers(tls.port, plain.port, h3.port)
 
 
 @dataclass

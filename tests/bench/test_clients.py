@@ -64,6 +64,7 @@ async def test_stream_timings_and_usage(
     assert first.reused_connection is False and first.connect_s is not None
     assert second.reused_connection is reuse
     assert (second.connect_s is None) is reuse
+    assert first.header("x-stub-transport") == transport  # what the listener says it served
     if transport != "h3":
         version = first.header("x-stub-http-version")
         assert version == ("2" if transport == "h2" else "1.1")
