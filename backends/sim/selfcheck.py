@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import sys
 import time
@@ -106,6 +107,17 @@ async def check_ttft(url: str, profile_name: str, lines: list[str]) -> bool:
     return ok1 and ok2
 
 
+async def _load(url: str) -> dict[str, int]:
+    """Running and waiting counts from /v1/loads, or the legacy /get_load list."""
+    status, raw = await probe.get(url, "/v1/loads")
+    if status == 200:
+        entry = json.loads(raw)["loads"][0]
+        return {k: int(entry[k]) for k in ("num_running_reqs", "num_waiting_reqs")}
+    entry = (await probe.get_json(url, "/get_load"))[0]
+    waiting = int(entry["num_waiting_reqs"])
+    return {"num_running_reqs": int(entry["num_reqs"]) - waiting, "num_waiting_reqs": waiting}
+
+
 async def check_queue(url: str, lines: list[str], *, total: int = 40, running: int = 16) -> bool:
     body = {"text": "count to a million", "sampling_params": {"max_new_tokens": 100_000,
             "ignore_eos": True}}  # fmt: skip
@@ -116,7 +128,7 @@ async def check_queue(url: str, lines: list[str], *, total: int = 40, running: i
     try:
         deadline = time.monotonic() + 30
         while True:
-            load = (await probe.get_json(url, "/v1/loads"))["loads"][0]
+            load = await _load(url)
             if load["num_running_reqs"] + load["num_waiting_reqs"] >= total:
                 break
             if time.monotonic() > deadline:
