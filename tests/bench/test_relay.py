@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
+import sys
 import time
 from typing import Any
 
 import pytest
 
 from bench.relay import Forward, Link, Relay, RelayError
-from tests.bench.conftest import run_command
+from tests.bench.conftest import REPO, run_command
 from tests.helpers import free_port
 
 RTT_S = 0.060
@@ -185,3 +186,31 @@ async def test_relay_selftest_reports_accuracy(tmp_path: Any) -> None:
     assert case["udp"]["p50_ms"] >= 20 - 1
     assert case["tcp_connect_expected_ms"] == 40
     assert case["packets"] > 0
+
+
+async def test_relay_command_runs_on_its_own() -> None:
+    """`quicedge bench relay` as a process: prints its ports, relays with the delay, stops on
+    SIGTERM."""
+    server = await _tcp_echo_server()
+    port = server.sockets[0].getsockname()[1]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "edge.cli", "bench", "relay",
+        "--tcp", f"0:127.0.0.1:{port}", "--udp", f"0:127.0.0.1:{port}", "--rtt-ms", "40",
+        stdout=asyncio.subprocess.PIPE, cwd=REPO,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    try:
+        lines = [(await asyncio.wait_for(proc.stdout.readline(), 20)).decode() for _ in range(3)]
+        assert lines[0].startswith("udp 127.0.0.1:") and lines[2].startswith("ready rtt=40")
+        relay_port = int(lines[1].split()[1].rsplit(":", 1)[1])
+        start = time.perf_counter()
+        reader, writer = await asyncio.open_connection("127.0.0.1", relay_port)
+        writer.write(b"ping")
+        assert await asyncio.wait_for(reader.readexactly(4), 5) == b"ping"
+        assert time.perf_counter() - start >= 2 * 0.040 - EARLY_S  # handshake RTT + echo RTT
+        writer.close()
+    finally:
+        proc.terminate()
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+        server.close()
+        await server.wait_closed()
