@@ -43,6 +43,11 @@ log = logging.getLogger("quicedge.transport.h3")
 
 _DISCONNECT: Message = {"type": "http.disconnect"}
 
+# Per-stream send buffer bounds: a `send` returns only once the stream's unacknowledged bytes
+# are under the high-water mark; it resumes when acknowledgements bring them under the low one.
+SEND_HIGH_WATER = 1024 * 1024
+SEND_LOW_WATER = 256 * 1024
+
 
 class _Exchange:
     """One request's ASGI channel: a receive queue and the app task."""
@@ -70,6 +75,7 @@ class H3Protocol(QuicConnectionProtocol):
         self._server = server
         self._session = H3Session(quic, policy=server.policy, limits=limits, server=server.address)
         self._exchanges: dict[int, _Exchange] = {}
+        self._writable: dict[int, asyncio.Future[None]] = {}
         self._started_at = self._loop.time()
 
     @property
@@ -85,6 +91,34 @@ class H3Protocol(QuicConnectionProtocol):
             self._server.handshake_completed(event, self._loop.time() - self._started_at)
         for action in self._session.handle(event, self._loop.time()):
             self._execute(action)
+        if self._session.terminated:
+            self._release_writers(everyone=True)
+
+    def transmit(self) -> None:
+        super().transmit()
+        if self._writable:
+            self._release_writers()
+
+    def _unacked(self, stream_id: int) -> int:
+        # aioquic exposes no per-stream buffer size; the sender keeps unacknowledged bytes.
+        stream = self._quic._streams.get(stream_id)
+        return len(stream.sender._buffer) if stream is not None else 0
+
+    def _release_writers(self, *, everyone: bool = False) -> None:
+        for stream_id, waiter in list(self._writable.items()):
+            if everyone or self._unacked(stream_id) <= SEND_LOW_WATER:
+                del self._writable[stream_id]
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    async def _wait_writable(self, stream_id: int) -> None:
+        """Back-pressure: bound what one stream may have buffered (style: bound every buffer)."""
+        if self._session.terminated or self._unacked(stream_id) <= SEND_HIGH_WATER:
+            return
+        waiter = self._writable.get(stream_id)
+        if waiter is None:
+            waiter = self._writable[stream_id] = self._loop.create_future()
+        await waiter
 
     def _execute(self, action: Action) -> None:
         if isinstance(action, RequestBody):
@@ -103,6 +137,9 @@ class H3Protocol(QuicConnectionProtocol):
             exchange = self._exchanges.get(action.stream_id)
             if exchange is not None:
                 exchange.queue.put_nowait(_DISCONNECT)
+            waiter = self._writable.pop(action.stream_id, None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
         elif isinstance(action, RequestRefused):
             self._server.request_refused(action)
         elif isinstance(action, EarlyRequest):
@@ -121,9 +158,11 @@ class H3Protocol(QuicConnectionProtocol):
             if kind == "http.response.start":
                 session.send_start(stream_id, int(message["status"]), message.get("headers", []))
             elif kind == "http.response.body":
-                session.send_body(
-                    stream_id, message.get("body", b""), bool(message.get("more_body", False))
-                )
+                more = bool(message.get("more_body", False))
+                if session.send_body(stream_id, message.get("body", b""), more) and more:
+                    self.transmit()  # flush per send: each token chunk leaves now
+                    await self._wait_writable(stream_id)
+                    return
             else:
                 raise ValueError(f"unsupported ASGI message type {kind!r}")
             self.transmit()  # flush per send: each token chunk leaves now

@@ -25,6 +25,9 @@ class UdpRelay(asyncio.DatagramProtocol):
         self.server = ("127.0.0.1", server_port)
         self.hold_after_reply = hold_after_reply
         self.held: list[bytes] = []
+        self.hold_down = False
+        """Hold server → client datagrams (the client then acknowledges nothing)."""
+        self.held_down: list[bytes] = []
         self.holding = asyncio.Event()
         """Set once a client datagram has been held back."""
         self.client: Any = None
@@ -60,6 +63,9 @@ class UdpRelay(asyncio.DatagramProtocol):
 
     def from_server(self, data: bytes) -> None:
         self.server_replied = True
+        if self.hold_down:
+            self.held_down.append(data)
+            return
         self.bytes_down += len(data)
         if self._down is not None and self.client is not None:
             self._down.sendto(data, self.client)
@@ -72,6 +78,12 @@ class UdpRelay(asyncio.DatagramProtocol):
             self.bytes_up += len(data)
             self._up.sendto(data)
         self.held.clear()
+
+    def release_down(self) -> None:
+        self.hold_down = False
+        for data in self.held_down:
+            self.from_server(data)
+        self.held_down.clear()
 
     def close(self) -> None:
         for t in (self._down, self._up):

@@ -10,7 +10,9 @@ from aioquic.h3.connection import ErrorCode
 from tests.transport.apps import RecordingApp
 from tests.transport.conftest import H3Factory
 from tests.transport.h3client import H3Client, h3_connect
+from tests.transport.relay import UdpRelay
 from transport.asgi import Receive, Scope, Send
+from transport.h3_server import SEND_HIGH_WATER
 from transport.h3_session import H3Limits
 
 
@@ -171,6 +173,41 @@ async def test_each_send_is_flushed(h3_server: H3Factory, dev_certs) -> None:
             assert await asyncio.wait_for(r.arrivals.get(), 10) == b"%d;" % i
         await c.wait(sid)
     assert r.body == b"0;1;2;"
+
+
+async def test_sends_are_back_pressured_by_unacknowledged_bytes(
+    h3_server: H3Factory, dev_certs
+) -> None:
+    chunk, total = 128 * 1024, 12
+    sent = 0
+
+    async def flood(scope: Scope, receive: Receive, send: Send) -> None:
+        nonlocal sent
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        if scope["path"] == "/flood":
+            for _ in range(total):
+                await send({"type": "http.response.body", "body": b"x" * chunk, "more_body": True})
+                sent += 1
+        await send({"type": "http.response.body", "body": b""})
+
+    async with h3_server(app=flood) as server:
+        relay = UdpRelay(server.port)
+        port = await relay.start()
+        try:
+            async with h3_connect(port, dev_certs.ca_cert) as c:
+                assert (await c.fetch("GET", "/warm")).status == 200
+                relay.hold_down = True  # nothing reaches the client, so nothing is acked
+                sid = c.request("GET", "/flood")
+                c.send_now()
+                await asyncio.sleep(0.5)
+                # The app is held once ~SEND_HIGH_WATER bytes wait for acknowledgement.
+                assert 0 < sent <= SEND_HIGH_WATER // chunk + 1
+                relay.release_down()
+                r = await c.wait(sid, timeout=60)
+        finally:
+            relay.close()
+    assert sent == total
+    assert len(r.body) == chunk * total
 
 
 async def test_app_errors_become_500_or_reset(h3_server: H3Factory, dev_certs) -> None:
