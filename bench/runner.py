@@ -154,6 +154,9 @@ def record(
 
 
 class Runner:
+    """Runs a `RunPlan`: warm-up, then every session under every configuration; each finished
+    request goes to `on_record` as its JSON-able record."""
+
     def __init__(
         self,
         plan: RunPlan,

@@ -15,11 +15,12 @@ from bench.relay import Forward, Link, Relay, RelayError
 from tests.bench.conftest import REPO, run_command
 from tests.helpers import free_port
 
-RTT_S = 0.060
+RTT_S = 0.080
 # A relay may be late on a loaded machine, never early: allow 1 ms early (timer slack and clock
-# granularity) and a generous amount late.
+# granularity) and a generous amount late, still under one RTT so a missing or extra half-RTT
+# delay per direction is caught.
 EARLY_S = 0.001
-LATE_S = 0.040
+LATE_S = 0.060
 
 
 class _Echo(asyncio.DatagramProtocol):
