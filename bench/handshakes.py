@@ -219,13 +219,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--redis", help="Redis URL (default: a private redis-server)")
     args = p.parse_args(argv)
     ca = ensure_dev_certificates().ca_cert
-    print(f"quicedge handshake rate: {args.concurrency} concurrent clients, {args.duration}s each,")
-    print(
-        f"server and clients on one machine ({os.cpu_count()} CPUs); one request per connection\n"
-    )
-    print(
-        f"{'store':<8} {'handshake':<10} {'conn/s':>8} {'0-RTT ok':>9} {'server CPU/handshake':>21}"
-    )
+    print(f"quicedge handshakes: {args.concurrency} concurrent clients, {args.duration}s per row,")
+    print(f"server + clients on one machine ({os.cpu_count()} CPUs), one request per connection;")
+    print(f"load average {os.getloadavg()[0]:.1f} at start\n")
+    head = f"{'store':<8} {'handshake':<10} {'conn/s':>8} {'0-RTT ok':>9}"
+    print(f"{head} {'server CPU/handshake':>21} {'server-CPU-bound/s':>19}")
     with _redis(args.redis) as url:
         stores = {"memory": [], "redis": ["--redis", url]}
         for name, store_args in stores.items():
