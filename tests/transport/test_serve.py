@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -99,6 +100,7 @@ def _load(path: Path) -> dict:
 
 def _gtls(port: int, workdir: Path, *extra: str) -> tuple[str, dict]:
     """One gtlsclient run (ngtcp2 + GnuTLS: not aioquic) POSTing to /generate; (log, answer)."""
+    assert shutil.which("gtlsclient"), "gtlsclient (Debian ngtcp2-client) is required: make test"
     out = workdir / "out"
     out.mkdir(exist_ok=True)
     body = workdir / "body.json"
