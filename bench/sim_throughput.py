@@ -71,6 +71,16 @@ async def run_client(
         writer.close()
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process (Linux /proc), None elsewhere."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def start_server(cpu: int | None, port: int) -> tuple[subprocess.Popen[str], str]:
     cmd = [sys.executable, "-m", "backends.sim", "--host", "127.0.0.1", "--port", str(port),
            "--profile", "instant", "--name", "bench"]  # fmt: skip
@@ -130,8 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     url = args.url
     if url is None:
         proc, url = start_server(None if args.server_cpu < 0 else args.server_cpu, args.port)
+    cpu_before = cpu_seconds(proc.pid) if proc else None
     try:
         report = asyncio.run(measure(url, args.clients, args.duration, args.max_tokens))
+        cpu_after = cpu_seconds(proc.pid) if proc else None
     finally:
         if proc is not None:
             proc.terminate()
@@ -147,6 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"streamed tokens/s      {report['tokens_per_s']:.0f}")
     print(f"tokens per SSE event   {report['tokens_per_event']:.2f} (1.00: one event per token)")
     print(f"TTFT median / p99      {report['ttft_median_ms']:.2f} / {report['ttft_p99_ms']:.2f} ms")
+    if cpu_before is not None and cpu_after is not None and cpu_after > cpu_before:
+        cpu = cpu_after - cpu_before  # includes the uncounted warm-up request: negligible
+        print(f"server CPU time        {cpu:.2f} s ({cpu / report['elapsed_s'] * 100:.0f} % of "
+              f"one core)")  # fmt: skip
+        print(f"tokens per CPU-second  {report['tokens'] / cpu:.0f} (capacity of one busy core)")
     return 0
 
 

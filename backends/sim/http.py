@@ -42,10 +42,11 @@ class HttpRequest:
 class Responder:
     """Answers one request. Writes never block the loop; they wait while the socket is full."""
 
-    __slots__ = ("_proto", "disconnected", "on_disconnect", "started")
+    __slots__ = ("_chunked", "_proto", "disconnected", "on_disconnect", "started")
 
     def __init__(self, proto: HttpProtocol) -> None:
         self._proto = proto
+        self._chunked = False
         self.started = False
         self.disconnected = False
         self.on_disconnect: Callable[[], object] | None = None
@@ -53,13 +54,19 @@ class Responder:
     async def send(
         self, status: int, body: bytes, content_type: bytes = b"application/json"
     ) -> None:
+        """A whole response with a Content-Length."""
         headers = [(b"content-type", content_type), (b"content-length", b"%d" % len(body))]
         await self.start(status, headers)
         await self.write(body)
         await self.end()
 
     async def start(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
+        """The response head. Without a Content-Length the body is streamed: chunked for an
+        HTTP/1.1 client (framed here, the hot path), close-delimited for HTTP/1.0 (by h11)."""
         self.started = True
+        if self._proto.peer_http11 and not any(k == b"content-length" for k, _ in headers):
+            headers = [*headers, (b"transfer-encoding", b"chunked")]
+            self._chunked = True
         self._proto.send_event(
             h11.Response(status_code=status, headers=headers, reason=_REASONS.get(status, b""))
         )
@@ -67,7 +74,11 @@ class Responder:
     async def write(self, data: bytes) -> None:
         if data:
             await self._proto.writable()
-            self._proto.send_event(h11.Data(data=data))
+            if self._chunked:
+                # RFC 9112 §7.1 chunk; h11 only frames the last chunk (EndOfMessage).
+                self._proto.write_raw(b"%x\r\n%b\r\n" % (len(data), data))
+            else:
+                self._proto.send_event(h11.Data(data=data))
 
     async def end(self) -> None:
         self._proto.send_event(h11.EndOfMessage())
@@ -146,6 +157,14 @@ class HttpProtocol(asyncio.Protocol):
             raise ConnectionResetError("client went away")
         if self._can_write is not None and not self._can_write.done():
             await self._can_write
+
+    @property
+    def peer_http11(self) -> bool:
+        return self._request is not None and self._request.http_version == b"1.1"
+
+    def write_raw(self, data: bytes) -> None:
+        if not self._closed and self._transport is not None:
+            self._transport.write(data)
 
     def send_event(self, event: h11.Event) -> None:
         data = self._conn.send(event)

@@ -109,6 +109,20 @@ class OpenAIRoutes(RouteContext):
                 out["usage"] = self._usage(req)
             return sse(out)
 
+        # Content chunks are the hot path: splice the delta into pre-serialised bytes, which
+        # equal what `chunk()` would produce (same keys, same order, compact separators).
+        content_prefix = (
+            b"data: "
+            + dumps(head)[:-1]
+            + b',"choices":[{"index":0,"delta":{"reasoning_content":null,"content":'
+        )
+        content_suffix = b'},"logprobs":null,"finish_reason":null,"matched_stop":null}]}\n\n'
+
+        def content_chunk(delta: str) -> bytes:
+            if params.continuous_usage_stats:
+                return chunk({"reasoning_content": None, "content": delta})
+            return content_prefix + dumps(delta) + content_suffix
+
         # Role chunk, together with the first token (never before it exists).
         await responder.write(
             chunk({"reasoning_content": None, "role": "assistant", "content": ""})
@@ -120,7 +134,7 @@ class OpenAIRoutes(RouteContext):
                 text = req.text()
                 delta, sent_chars = text[sent_chars:], len(text)
                 if delta:
-                    await responder.write(chunk({"reasoning_content": None, "content": delta}))
+                    await responder.write(content_chunk(delta))
             if req.finished:
                 message = self._abort_message(req)
                 if message is not None:

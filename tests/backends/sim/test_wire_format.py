@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 
@@ -210,3 +211,15 @@ async def test_pipelined_requests_answer_in_order(sim: SimServer) -> None:
         payload = await reader.readexactly(length)
         assert b'"id":"p%d"' % i in payload
     writer.close()
+
+
+async def test_chat_content_chunk_bytes_match_the_generic_encoding(
+    sim: SimServer, client: httpx.AsyncClient
+) -> None:
+    body = {"messages": [{"role": "user", "content": "é ü"}], "max_tokens": 3, "stream": True}
+    async with client.stream("POST", f"{sim.url}/v1/chat/completions", json=body) as r:
+        raw = [line async for line in r.aiter_lines() if line.startswith("data: {")]
+    for line in raw:
+        event = json.loads(line[len("data: ") :])
+        generic = json.dumps(event, separators=(",", ":"), ensure_ascii=False)
+        assert line[len("data: ") :] == generic
