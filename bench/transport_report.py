@@ -142,7 +142,7 @@ async def _stub(certs: DevCertificates) -> AsyncIterator[tuple[int, int]]:
         await h3.aclose()
 
 
-def _configs(ep: Endpoints, *, edge: bool, stub: bool, reuse: bool) -> list[str]:
+def matrix_specs(ep: Endpoints, *, edge: bool, stub: bool, reuse: bool) -> list[str]:
     flag = "+reuse" if reuse else "+new"
     specs = []
     for name, base, enabled in (("edge", ep, edge), ("stub", ep, stub)):
@@ -196,7 +196,7 @@ def _median(document: dict[str, Any] | None, config: str) -> float | None:
     return None if value is None else float(value)
 
 
-def _report(results: dict[str, dict[str, Any]]) -> str:
+def render_report(results: dict[str, dict[str, Any]]) -> str:
     """Markdown tables. `results`: "rtt0-reuse" (warm connections, no RTT), and "rtt<N>" runs
     with new connections; "rtt0" is the floor: handshake CPU and loopback, with no RTT."""
     floor = results.get("rtt0")
@@ -331,13 +331,13 @@ async def _main(args: argparse.Namespace) -> int:
             direct=f"{sim_url}{ROUTE}",
         )
         edge, stub = not args.no_edge, not args.no_stub
-        specs = _configs(ep, edge=edge, stub=stub, reuse=True)
+        specs = matrix_specs(ep, edge=edge, stub=stub, reuse=True)
         results["rtt0-reuse"] = await _bench(specs, None, args, certs, "rtt0-reuse")
         for rtt in [0.0, *args.rtts]:
-            specs = _configs(ep, edge=edge, stub=stub, reuse=False)
+            specs = matrix_specs(ep, edge=edge, stub=stub, reuse=False)
             tag = f"rtt{rtt:g}"
             results[tag] = await _bench(specs, rtt or None, args, certs, tag)
-    report = _report(results)
+    report = render_report(results)
     header = [
         "# Transport TTFT report",
         "",
