@@ -140,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     url = args.url
     if url is None:
         proc, url = start_server(None if args.server_cpu < 0 else args.server_cpu, args.port)
+        others = set(range(os.cpu_count() or 1)) - {args.server_cpu}
+        if args.server_cpu >= 0 and others and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, others)  # keep the load generator off the server's core
     cpu_before = cpu_seconds(proc.pid) if proc else None
     try:
         report = asyncio.run(measure(url, args.clients, args.duration, args.max_tokens))
