@@ -282,8 +282,8 @@ def _print_lines(lines: list[str]) -> None:
 def _worker_entry(plan: Plan, index: int, ready: Any) -> None:
     """A worker process: run, and report its listening lines once up."""
     logging.basicConfig(level=logging.WARNING, format=f"worker {index}: %(message)s")
-    # The parent forwards SIGINT itself; a terminal's Ctrl-C must not hit workers twice.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGTERM/SIGINT (from the parent, or a terminal's Ctrl-C to the process group) drain;
+    # a second one while draining changes nothing.
     try:
         asyncio.run(run_worker(plan, announce=lambda lines: ready.put((index, lines))))
     except Exception as exc:  # report, so the parent does not wait forever
