@@ -5,12 +5,18 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import signal
+import ssl
 import subprocess
+import tomllib
 from pathlib import Path
 
+import httpx
 import pytest
 
+from certs import ensure_dev_certificates
 from edge.serve import build_parser, main, transport_config
+from tests.helpers import free_port
 from tests.transport.conftest import ServeProcess
 from tests.transport.h3client import fresh_ticket, h3_connect
 from transport.early_data import Mode
@@ -93,8 +99,6 @@ def test_toml_unknown_setting_is_refused(tmp_path: Path, capsys) -> None:
 
 
 def _load(path: Path) -> dict:
-    import tomllib
-
     return tomllib.loads(path.read_text())
 
 
@@ -147,8 +151,6 @@ async def test_two_processes_sharing_redis_accept_a_ticket_once(
     serve_process, dev_certs, redis_url: str, redis_prefix: str
 ) -> None:
     # Both processes use the default development certificates of the checkout.
-    from certs import ensure_dev_certificates
-
     ca = ensure_dev_certificates().ca_cert
     a: ServeProcess = serve_process("--demo", "--redis", redis_url)
     b: ServeProcess = serve_process("--demo", "--redis", redis_url)
@@ -166,8 +168,6 @@ async def test_two_processes_sharing_redis_accept_a_ticket_once(
 
 
 async def test_workers_share_ports_and_tickets(serve_process, redis_url: str) -> None:
-    from certs import ensure_dev_certificates
-
     ca = ensure_dev_certificates().ca_cert
     server: ServeProcess = serve_process("--demo", "--workers", "2", "--redis", redis_url)
     assert any("workers 2" in line for line in server.lines)
@@ -184,3 +184,25 @@ async def test_workers_share_ports_and_tickets(serve_process, redis_url: str) ->
     assert accepted.count(True) == 1 and accepted[0] is True
     assert server.stop() == 0
     assert len(pids) >= 1
+
+
+async def test_serve_listeners_alt_svc_and_sighup(serve_process) -> None:
+    http_port = free_port()
+    server: ServeProcess = serve_process("--demo", "--http", f"127.0.0.1:{http_port}")
+    ctx = ssl.create_default_context(cafile=str(ensure_dev_certificates().ca_cert))
+    async with httpx.AsyncClient(http2=True, verify=ctx) as client:
+        r = await client.get(f"https://localhost:{server.tcp_port}/v1/models")
+        assert r.http_version == "HTTP/2"
+        assert r.headers["alt-svc"] == f'h3=":{server.h3_port}"; ma=86400'
+        assert r.json()["transport"] == "h2"
+        server.proc.send_signal(signal.SIGHUP)  # reload the certificate: keeps serving
+        await asyncio.sleep(0.2)
+        r = await client.get(f"https://localhost:{server.tcp_port}/v1/models")
+        assert r.status_code == 200
+    async with httpx.AsyncClient() as client:
+        r = await client.get(f"http://127.0.0.1:{http_port}/generate")
+        assert r.json()["transport"] == "h1" and "alt-svc" not in r.headers
+        health = await client.get(f"http://127.0.0.1:{server.admin_port}/health")
+        assert health.status_code == 200
+    assert server.proc.poll() is None
+    assert server.stop() == 0
