@@ -28,6 +28,7 @@ within `session_slack` (relative) + `session_slack_s` of the best, so load alway
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -42,17 +43,31 @@ _SCALES = (1.0, 1e-3, 1e-6, 0.1)
 # Priors (sglang reference §2.4: Llama-3.1-8B BF16 on H100): b 15 ms, a 33 us/token,
 # c 1 ns/token-pair, d 1 ms per 10 decoding requests.
 PRIOR = (0.015, 0.033, 0.001, 0.001)
-_FLOORS = (0.0, 1e-4, 0.0, 0.0)  # a must stay positive, or cached tokens would stop mattering
+
+
+def default_bounds(prior: Sequence[float]) -> list[tuple[float, float]]:
+    """Physically plausible ranges: `a` within 10x of its prior (it must stay positive, or
+    cached tokens would stop mattering), c and d at most 10x theirs, b anything up to 2 s.
+    Bounds keep a burst of queueing outliers from teaching the model nonsense."""
+    b, a, c, d = prior
+    return [(0.0, 2.0), (a / 10, a * 10), (0.0, max(c, 1e-3) * 10), (0.0, max(d, 1e-3) * 10)]
 
 
 class RecursiveLeastSquares:
     """Online linear regression y ~ theta . x with exponential forgetting (lambda)."""
 
     def __init__(
-        self, prior: Sequence[float], *, forgetting: float, prior_scale: float, noise_s: float
+        self,
+        prior: Sequence[float],
+        *,
+        forgetting: float,
+        prior_scale: float,
+        noise_s: float,
+        bounds: Sequence[tuple[float, float]] | None = None,
     ) -> None:
         """`prior_scale`: prior standard deviation relative to each prior coefficient;
-        `noise_s`: expected TTFT noise (s). Their ratio sets how fast data overrides priors."""
+        `noise_s`: expected TTFT noise (s). Their ratio sets how fast data overrides priors.
+        `bounds`: (low, high) per coefficient; the estimate is projected into them."""
         if not 0.5 < forgetting <= 1:
             raise ValueError("forgetting must be in (0.5, 1]")
         if prior_scale <= 0 or noise_s <= 0:
@@ -64,6 +79,8 @@ class RecursiveLeastSquares:
         for i, value in enumerate(prior):
             self._p[i][i] = (prior_scale * max(abs(value), 1e-3) / noise_s) ** 2
         self._max_trace = sum(self._p[i][i] for i in range(n)) * 100
+        self.bounds = list(bounds) if bounds is not None else [(-math.inf, math.inf)] * n
+        self._abs_err = noise_s  # running mean absolute residual, for clipping outliers
         self.updates = 0
 
     def predict(self, x: Sequence[float]) -> float:
@@ -78,8 +95,13 @@ class RecursiveLeastSquares:
             return
         k = [v / denom for v in px]
         err = y - self.predict(x)
+        # Huber-style clipping: one request stuck behind a burst must not swing the model.
+        limit = 4 * self._abs_err
+        self._abs_err += 0.05 * (min(abs(err), limit) - self._abs_err)
+        err = max(-limit, min(limit, err))
         for i in range(n):
-            self.theta[i] += k[i] * err
+            low, high = self.bounds[i]
+            self.theta[i] = max(low, min(high, self.theta[i] + k[i] * err))
         lam = self.forgetting
         for i in range(n):
             for j in range(n):
@@ -122,7 +144,11 @@ class TTFTPolicy:
             raise ValueError("max_sessions must be >= 1")
         self.tree = PrefixTree(max_tree_chars)
         self.model = RecursiveLeastSquares(
-            prior, forgetting=forgetting, prior_scale=prior_scale, noise_s=noise_s
+            prior,
+            forgetting=forgetting,
+            prior_scale=prior_scale,
+            noise_s=noise_s,
+            bounds=default_bounds(prior),
         )
         self.learn = learn
         self.session_slack = session_slack
@@ -140,9 +166,7 @@ class TTFTPolicy:
     # -- prediction ------------------------------------------------------------------------
     def coefficients(self) -> tuple[float, ...]:
         """(b s, a s/token, c s/token-pair, d s/decoding request) as used in predictions."""
-        return tuple(
-            max(f, t) * s for t, f, s in zip(self.model.theta, _FLOORS, _SCALES, strict=True)
-        )
+        return tuple(t * s for t, s in zip(self.model.theta, _SCALES, strict=True))
 
     def features(self, backend: Backend, cached: int, view: RequestView) -> list[float]:
         uncached = max(0, view.approx_tokens - cached)
@@ -158,8 +182,7 @@ class TTFTPolicy:
         return [v * s for v, s in zip(raw, _SCALES, strict=True)]
 
     def _predict(self, x: Sequence[float]) -> float:
-        theta = self.model.theta
-        return sum(max(f, t) * v for t, f, v in zip(theta, _FLOORS, x, strict=True))
+        return self.model.predict(x)
 
     def choose(self, view: RequestView, candidates: Sequence[Backend]) -> Decision:
         pool = usable(candidates)
