@@ -7,6 +7,7 @@ import asyncio
 import json
 import socket
 from collections.abc import Callable
+from typing import Any
 
 import httpx
 import pytest
@@ -346,3 +347,62 @@ async def test_backends_at_their_cap_answer_503_at_capacity() -> None:
             release.set()
             assert (await first).status_code == 200
             assert in_flight(edge) == [0]
+
+
+class CountingPolicy:
+    """Wraps the real policy and counts its calls (routing itself is unchanged)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.chosen = 0
+        self.outcomes: list[Any] = []
+
+    def choose(self, view: Any, candidates: Any) -> Any:
+        self.chosen += 1
+        return self.inner.choose(view, candidates)
+
+    def observe(self, outcome: Any) -> None:
+        self.outcomes.append(outcome)
+        self.inner.observe(outcome)
+
+
+async def test_every_attempt_is_observed_exactly_once() -> None:
+    replies = iter(
+        [
+            Reply(status=503, chunks=[b"{}"], chunked=False),  # retried elsewhere
+            sse_reply(["ok"]),
+            sse_reply(["a", "b", "c"], die_after=1),  # dies mid-stream
+            Reply(status=400, chunks=[b'{"error":{"message":"bad"}}'], chunked=False),
+            sse_reply(["fine"]),
+        ]
+    )
+    async with TinyUpstream(script(lambda r: next(replies))) as up:
+        config = fast_config([up.url], max_retries=1)
+        async with run_edge(config) as edge, client(edge) as http:
+            counting = CountingPolicy(edge.wiring.app.policy)  # type: ignore[attr-defined]
+            edge.wiring.app.policy = counting  # type: ignore[attr-defined]
+            statuses = [
+                (await http.post("/v1/completions", json=COMPLETION)).status_code for _ in range(4)
+            ]
+            assert in_flight(edge) == [0]
+    # one backend: the 503 is relayed (nothing else to try), then ok, mid-stream death, 400
+    assert statuses == [503, 200, 200, 400]
+    assert counting.chosen == len(counting.outcomes) == 4
+    assert [o.error for o in counting.outcomes] == ["5xx", None, "protocol", "4xx"]
+    assert len(inference(up)) == 4
+
+
+async def test_a_retried_request_is_observed_once_per_backend_tried() -> None:
+    busy = script(lambda r: Reply(status=503, chunks=[b"{}"], chunked=False))
+    async with TinyUpstream(busy) as bad, TinyUpstream(script(lambda r: sse_reply(["x"]))) as good:
+        config = fast_config([bad.url, good.url], eject_after_failures=100)
+        async with run_edge(config) as edge, client(edge) as http:
+            counting = CountingPolicy(edge.wiring.app.policy)  # type: ignore[attr-defined]
+            edge.wiring.app.policy = counting  # type: ignore[attr-defined]
+            for _ in range(6):
+                assert (await http.post("/v1/completions", json=COMPLETION)).status_code == 200
+    attempts = len(inference(bad)) + len(inference(good))
+    assert len(inference(good)) == 6 and len(inference(bad)) >= 1
+    assert counting.chosen == len(counting.outcomes) == attempts
+    assert sum(o.error == "5xx" for o in counting.outcomes) == len(inference(bad))
