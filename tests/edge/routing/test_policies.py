@@ -339,3 +339,25 @@ def test_connect_failure_forgets_the_backends_cache() -> None:
     d = policy.choose(v, backends)
     policy.observe(Outcome(backend=d.backend, view=v, decision=d, error="connect"))
     assert policy.tree.match(v.text).chars == {}
+
+
+def test_learning_stays_in_bounds_under_outliers() -> None:
+    """A burst of huge TTFTs that correlate with decoding load must not teach the policy that
+    decoding matters more than cached tokens."""
+    backends = fleet(2)
+    policy = TTFTPolicy()
+    for i in range(400):
+        b = backends[i % 2]
+        b.in_flight = 30 + i % 7  # decoding requests
+        v = view(f"{i:05d}" + "w" * 2000, 500)
+        d = policy.choose(v, [b])
+        policy.observe(Outcome(backend=b, view=v, decision=d, ttft_s=5.0 + (i % 7)))
+    b_hat, a_hat, c_hat, d_hat = policy.coefficients()
+    assert a_hat >= 33e-6 / 10
+    assert d_hat <= 0.001  # at most 1 ms per decoding request
+    # so a cached prefix still wins over a backend with a few fewer decoding requests
+    for b in backends:
+        b.in_flight = b.in_prefill = 0
+    backends[0].in_flight = 5
+    policy.tree.insert(SYSTEM, backends[0].url)
+    assert policy.choose(view(SYSTEM + "q" * 40), backends).backend is backends[0]
