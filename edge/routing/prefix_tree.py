@@ -120,10 +120,11 @@ class PrefixTree:
             stack.extend(n.children.values())
 
     # -- updates ---------------------------------------------------------------------------
-    def insert(self, text: str, tenant: str) -> None:
-        """Record that `tenant` now holds `text` (and so every prefix of it)."""
+    def insert(self, text: str, tenant: str) -> int:
+        """Record that `tenant` now holds `text` (and so every prefix of it); returns the
+        stamp this insert put on the path (0 for an empty text)."""
         if not text:
-            return
+            return 0
         stamp = next(self._tick)
         node = self._root
         pos = 0
@@ -156,6 +157,7 @@ class PrefixTree:
             self._evict_tenant(tenant, limit)
         if self.total_chars > self.max_chars:
             self._evict_global(self.max_chars)
+        return stamp
 
     def _split(self, node: _Node, at: int) -> _Node:
         """Split `node`'s edge after `at` characters; return the new upper node."""

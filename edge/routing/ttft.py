@@ -157,6 +157,7 @@ class TTFTPolicy:
         self.capacity_fraction = capacity_fraction
         self.learn_completions = learn_completions
         self._sessions: OrderedDict[str, str] = OrderedDict()
+        self._open: dict[int, None] = {}  # stamps of routed requests not yet observed
         self._turn = 0
         self._mean_uncached = 512.0
         self._tokens_per_char = 0.25
@@ -215,7 +216,13 @@ class TTFTPolicy:
                         break
         backend = pool[best_i]
         pred, cached, x, chars = scored[best_i]
-        self.tree.insert(view.text, backend.url)
+        # A match that rests on an insert whose request is still in flight is not yet in the
+        # backend's cache (it may still be queued): a shortfall then is no sign of eviction.
+        confirmed = match.stamps.get(backend.url, 0) not in self._open
+        stamp = self.tree.insert(view.text, backend.url)
+        self._open[stamp] = None
+        while len(self._open) > self.max_sessions:  # observe() never came for the oldest
+            del self._open[next(iter(self._open))]
         if view.session_key is not None:
             self._remember_session(view.session_key, backend.url)
         uncached = view.approx_tokens - cached
@@ -225,7 +232,7 @@ class TTFTPolicy:
             reason=reason,
             predicted_cached_tokens=cached,
             predicted_ttft_s=pred,
-            features=(*x, float(chars)),
+            features=(*x, float(chars), float(stamp), 1.0 if confirmed else 0.0),
         )
 
     def _remember_session(self, key: str, url: str) -> None:
@@ -252,17 +259,21 @@ class TTFTPolicy:
     def observe(self, outcome: Outcome) -> None:
         url = outcome.backend.url
         view = outcome.view
+        features = outcome.decision.features
+        if features is not None:
+            self._open.pop(int(features[5]), None)
         if outcome.error is not None:
             if outcome.error == "connect":
                 self.tree.remove_tenant(url)  # a backend that is down restarts with no cache
             return
-        features = outcome.decision.features
         if self.learn and features is not None and outcome.ttft_s is not None:
             self.model.update(features[:4], outcome.ttft_s)
         if outcome.prompt_tokens and view.text:  # the backend's real tokens per character
             ratio = outcome.prompt_tokens / len(view.text)
             self._tokens_per_char += 0.05 * (ratio - self._tokens_per_char)
-        if features is not None and outcome.cached_tokens is not None and view.text:
+        confirmed = features is not None and features[6] > 0
+        if confirmed and outcome.cached_tokens is not None and view.text:
+            assert features is not None
             self._correct_cache(outcome, matched_chars=int(features[4]))
         if self.learn_completions and outcome.completion_text:
             self.tree.insert(view.text + outcome.completion_text, url)

@@ -361,3 +361,25 @@ def test_learning_stays_in_bounds_under_outliers() -> None:
     backends[0].in_flight = 5
     policy.tree.insert(SYSTEM, backends[0].url)
     assert policy.choose(view(SYSTEM + "q" * 40), backends).backend is backends[0]
+
+
+def test_a_prefix_still_in_flight_is_no_evidence_of_eviction() -> None:
+    backends = fleet(1)
+    b = backends[0]
+    policy = TTFTPolicy()
+    first = view(SYSTEM + " first question", 2010)
+    second = view(SYSTEM + " second question", 2010)
+    d1 = policy.choose(first, backends)
+    d2 = policy.choose(second, backends)  # routed while the first is still prefilling
+    assert d2.predicted_cached_tokens > 1900
+    # the backend had nothing cached for the second (the first was not done): no trim
+    policy.observe(Outcome(backend=b, view=second, decision=d2, ttft_s=0.1,
+                           prompt_tokens=2010, cached_tokens=0))  # fmt: skip
+    policy.observe(Outcome(backend=b, view=first, decision=d1, ttft_s=0.1,
+                           prompt_tokens=2010, cached_tokens=0))  # fmt: skip
+    assert policy.trims == 0 and policy.tree.limit(b.url) is None
+    # once both are done, the prefix is confirmed: a later shortfall is an eviction
+    d3 = policy.choose(view(SYSTEM + " third", 2005), backends)
+    policy.observe(Outcome(backend=b, view=view(SYSTEM + " third", 2005), decision=d3,
+                           ttft_s=0.1, prompt_tokens=2005, cached_tokens=0))  # fmt: skip
+    assert policy.trims == 1
