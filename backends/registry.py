@@ -380,7 +380,11 @@ class BackendRegistry:
 
     async def _check_loop(self, backend: Backend) -> None:
         while True:
-            await self.check_once(backend)
+            healthy = await self.check_once(backend)
+            if healthy and backend.healthy and self.pool is not None and self.warm_connections:
+                # Backends close idle keep-alive connections (uvicorn: after 5 s): top the
+                # warm set up again so the next request does not pay a connect.
+                await self.pool.warm(backend.url, self.warm_connections)
             await asyncio.sleep(self.health.interval)
 
     async def _load_loop(self, backend: Backend, interval: float) -> None:

@@ -363,3 +363,22 @@ async def test_unreachable_backend_fails_its_checks() -> None:
         await wait_until(lambda: not registry.backends[0].healthy)
     finally:
         await registry.aclose()
+
+
+async def test_health_loop_tops_up_warm_connections() -> None:
+    from backends.sim import SimConfig, SimServer
+
+    async with SimServer(SimConfig(name="w", port=0, timeout_keep_alive=0.05)) as sim:
+        pool = UpstreamPool()
+        health = HealthConfig(interval=0.02, loads_interval=None)
+        registry = BackendRegistry([sim.url], pool=pool, health=health, warm_connections=2,
+                                   client_factory=PoolProbe)  # fmt: skip
+        await registry.start()
+        try:
+            connects = pool.stats().connects
+            # the stand-in closes idle connections after 50 ms; the health loop re-opens them
+            await wait_until(lambda: pool.stats().connects >= connects + 4)
+            await wait_until(lambda: pool.stats().backends[sim.url].idle == 2)
+        finally:
+            await registry.aclose()
+            await pool.aclose()
