@@ -130,6 +130,7 @@ class TTFTPolicy:
         noise_s: float = 0.01,
         session_slack: float = 0.1,
         session_slack_s: float = 0.002,
+        miss_penalty: float = 0.5,
         max_sessions: int = 65536,
         capacity_fraction: float = 0.9,
         learn_completions: bool = True,
@@ -138,6 +139,8 @@ class TTFTPolicy:
             raise ValueError("prior must have 4 coefficients: b, a, c, d")
         if session_slack < 0 or session_slack_s < 0:
             raise ValueError("session slack must be >= 0")
+        if miss_penalty < 0:
+            raise ValueError("miss_penalty must be >= 0")
         if not 0 < capacity_fraction <= 1:
             raise ValueError("capacity_fraction must be in (0, 1]")
         if max_sessions < 1:
@@ -153,6 +156,7 @@ class TTFTPolicy:
         self.learn = learn
         self.session_slack = session_slack
         self.session_slack_s = session_slack_s
+        self.miss_penalty = miss_penalty
         self.max_sessions = max_sessions
         self.capacity_fraction = capacity_fraction
         self.learn_completions = learn_completions
@@ -192,16 +196,20 @@ class TTFTPolicy:
         n = len(pool)
         best: tuple[float, int, int, int] | None = None
         best_i = 0
-        scored: list[tuple[float, int, list[float], int]] = []
+        scored: list[tuple[float, int, list[float], int, float]] = []
         for i, b in enumerate(pool):
             self._learn_capacity(b)
             chars = match.chars.get(b.url, 0)
             cached = chars_to_tokens(chars, view)
             x = self.features(b, cached, view)
             pred = self._predict(x)
-            scored.append((pred, cached, x, chars))
+            # The choice also charges part of this request's own prefill to the requests that
+            # will queue behind it there (a cache miss delays them all): `miss_penalty`.
+            uncached = max(0, view.approx_tokens - cached) * _SCALES[1]
+            score = pred + self.miss_penalty * self.model.theta[1] * uncached
+            scored.append((score, cached, x, chars, pred))
             # Ties (an idle fleet, nothing cached) rotate, so they spread like least_load.
-            key = (pred, -cached, b.in_flight, (i - self._turn) % n)
+            key = (score, -cached, b.in_flight, (i - self._turn) % n)
             if best is None or key < best:
                 best, best_i = key, i
         reason = "ttft"
@@ -215,7 +223,7 @@ class TTFTPolicy:
                             best_i, reason = i, "session"
                         break
         backend = pool[best_i]
-        pred, cached, x, chars = scored[best_i]
+        _, cached, x, chars, pred = scored[best_i]
         # A match that rests on an insert whose request is still in flight is not yet in the
         # backend's cache (it may still be queued): a shortfall then is no sign of eviction.
         confirmed = match.stamps.get(backend.url, 0) not in self._open

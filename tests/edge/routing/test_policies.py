@@ -202,9 +202,11 @@ def test_ttft_spills_a_hot_prefix_when_its_queue_costs_more_than_a_prefill() -> 
     policy.tree.insert(SYSTEM, backends[0].url)
     request = view(SYSTEM + "q" * 400)  # 2100 tokens, 2000 of them cached on b0
     backends[0].in_flight = backends[0].in_prefill = 4
-    backends[0].in_flight_prefill_tokens = 1500  # less than the 2000 it would save: stay
+    # Staying costs the queue; moving costs a 2100-token prefill, charged 1.5x (miss_penalty
+    # 0.5: the requests that will queue behind a miss pay for it too).
+    backends[0].in_flight_prefill_tokens = 2500
     assert policy.choose(request, backends).backend is backends[0]
-    backends[0].in_flight_prefill_tokens = 2500  # now waiting costs more than prefilling
+    backends[0].in_flight_prefill_tokens = 3500  # now waiting costs more than prefilling
     d = policy.choose(request, backends)
     assert d.backend is backends[1] and d.predicted_cached_tokens == 0
     # and b1 now holds the prefix too: the hot prefix lives on two backends
