@@ -197,6 +197,7 @@ class TTFTPolicy:
         best: tuple[float, int, int, int] | None = None
         best_i = 0
         scored: list[tuple[float, int, list[float], int, float]] = []
+        mean_in_flight = sum(b.in_flight for b in pool) / n + 1
         for i, b in enumerate(pool):
             self._learn_capacity(b)
             chars = match.chars.get(b.url, 0)
@@ -204,9 +205,11 @@ class TTFTPolicy:
             x = self.features(b, cached, view)
             pred = self._predict(x)
             # The choice also charges part of this request's own prefill to the requests that
-            # will queue behind it there (a cache miss delays them all): `miss_penalty`.
+            # will queue behind it there (a cache miss delays them all): `miss_penalty`, times
+            # how many arrive there relative to elsewhere (Little's law: in-flight ~ rate).
             uncached = max(0, view.approx_tokens - cached) * _SCALES[1]
-            score = pred + self.miss_penalty * self.model.theta[1] * uncached
+            behind = (b.in_flight + 1) / mean_in_flight
+            score = pred + self.miss_penalty * self.model.theta[1] * uncached * behind
             scored.append((score, cached, x, chars, pred))
             # Ties (an idle fleet, nothing cached) rotate, so they spread like least_load.
             key = (score, -cached, b.in_flight, (i - self._turn) % n)

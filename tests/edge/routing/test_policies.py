@@ -202,11 +202,12 @@ def test_ttft_spills_a_hot_prefix_when_its_queue_costs_more_than_a_prefill() -> 
     policy.tree.insert(SYSTEM, backends[0].url)
     request = view(SYSTEM + "q" * 400)  # 2100 tokens, 2000 of them cached on b0
     backends[0].in_flight = backends[0].in_prefill = 4
-    # Staying costs the queue; moving costs a 2100-token prefill, charged 1.5x (miss_penalty
-    # 0.5: the requests that will queue behind a miss pay for it too).
-    backends[0].in_flight_prefill_tokens = 2500
+    # Staying costs the queue; moving costs a 2100-token prefill plus a share of it for the
+    # requests that will queue behind the miss (miss_penalty 0.5, times b1's in-flight
+    # relative to the fleet's: 1/3 here), so about 2450 tokens.
+    backends[0].in_flight_prefill_tokens = 2200
     assert policy.choose(request, backends).backend is backends[0]
-    backends[0].in_flight_prefill_tokens = 3500  # now waiting costs more than prefilling
+    backends[0].in_flight_prefill_tokens = 2700  # now waiting costs more than prefilling
     d = policy.choose(request, backends)
     assert d.backend is backends[1] and d.predicted_cached_tokens == 0
     # and b1 now holds the prefix too: the hot prefix lives on two backends
@@ -385,3 +386,15 @@ def test_a_prefix_still_in_flight_is_no_evidence_of_eviction() -> None:
     policy.observe(Outcome(backend=b, view=view(SYSTEM + " third", 2005), decision=d3,
                            ttft_s=0.1, prompt_tokens=2005, cached_tokens=0))  # fmt: skip
     assert policy.trims == 1
+
+
+def test_a_cold_miss_avoids_the_backend_that_many_requests_are_flowing_to() -> None:
+    backends = fleet(3)
+    policy = TTFTPolicy()
+    # Same queued prefill and decoding everywhere; b0 has many short cached requests in
+    # flight (a high arrival rate), b1 few: a long miss on b0 would delay more of them.
+    for b, in_flight in zip(backends, (12, 2, 6), strict=True):
+        b.in_flight, b.in_prefill, b.in_flight_prefill_tokens = in_flight, in_flight - 2, 100
+    for i in range(6):
+        d = policy.choose(view(f"{i} a prompt no backend has seen " * 40), backends)
+        assert d.backend is backends[1]
