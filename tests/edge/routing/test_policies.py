@@ -391,10 +391,11 @@ def test_a_prefix_still_in_flight_is_no_evidence_of_eviction() -> None:
 def test_a_cold_miss_avoids_the_backend_that_many_requests_are_flowing_to() -> None:
     backends = fleet(3)
     policy = TTFTPolicy()
-    # Same queued prefill and decoding everywhere; b0 has many short cached requests in
-    # flight (a high arrival rate), b1 few: a long miss on b0 would delay more of them.
-    for b, in_flight in zip(backends, (12, 2, 6), strict=True):
-        b.in_flight, b.in_prefill, b.in_flight_prefill_tokens = in_flight, in_flight - 2, 100
+    # Same decoding everywhere, b1 even has a little more prefill queued; but b0 has many
+    # short cached requests in flight (a high arrival rate), b1 few: a long miss on b0 would
+    # delay more of them.
+    for b, in_flight, queued in zip(backends, (12, 2, 6), (100, 130, 100), strict=True):
+        b.in_flight, b.in_prefill, b.in_flight_prefill_tokens = in_flight, in_flight - 2, queued
     for i in range(6):
         d = policy.choose(view(f"{i} a prompt no backend has seen " * 40), backends)
         assert d.backend is backends[1]
