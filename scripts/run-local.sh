@@ -31,7 +31,7 @@ for port in "${SIM_PORTS[@]}"; do
 done
 
 ca=certs/dev/ca.pem
-body='{"model": "default", "stream": true, "messages": [{"role": "user", "content": "Say hello"}]}'
+body='{"model": "default", "max_tokens": 32, "stream": true, "messages": [{"role": "user", "content": "Say hello"}]}'
 cat <<MSG
 
 quicedge local stack: edge on h3 127.0.0.1:4433 (UDP), h2/h1 127.0.0.1:8443 (TCP), admin 127.0.0.1:9901,
