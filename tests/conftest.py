@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 
 from certs import DevCertificates, ensure_dev_certificates
-from tests.helpers import free_port
+from tests.helpers import RedisServer
 
 
 @pytest.fixture(scope="session")
@@ -28,34 +24,14 @@ def redis_server_url() -> Iterator[str]:
     if url:
         yield url
         return
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.fail(
-            "no Redis: run `make test`, install redis-server or set QUICEDGE_TEST_REDIS_URL"
-        )
-    port = free_port()
-    proc = subprocess.Popen(
-        [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    client = redis.Redis.from_url(url)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            if time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail("redis-server did not start")
-            time.sleep(0.05)
     try:
-        yield url
+        server = RedisServer()
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    try:
+        yield server.url
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        server.stop()
 
 
 @pytest.fixture

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import socket
+import subprocess
 import time
+
+import redis
 
 
 def free_port(kind: int = socket.SOCK_STREAM) -> int:
@@ -43,3 +47,50 @@ async def async_wait_for_tcp(host: str, port: int, timeout: float = 10.0) -> Non
             if asyncio.get_running_loop().time() > deadline:
                 raise TimeoutError(f"nothing listening on {host}:{port} after {timeout}s") from None
             await asyncio.sleep(0.02)
+
+
+class RedisServer:
+    """A redis-server of our own on a free loopback port; stopping it tests Redis going away."""
+
+    def __init__(self) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError(
+                "no redis-server: run `make test`, or install redis-server, "
+                "or set QUICEDGE_TEST_REDIS_URL"
+            )
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = subprocess.Popen(
+            [
+                binary,
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis(port=self.port)
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.02)
+            finally:
+                client.close()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import selectors
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,11 +15,10 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import pytest
-import redis
 from prometheus_client import CollectorRegistry
 
 from certs import DevCertificates
-from tests.helpers import free_port, free_udp_port
+from tests.helpers import RedisServer, free_port, free_udp_port
 from tests.transport.apps import RecordingApp
 from transport.h3_server import H3Server
 from transport.metrics import TransportMetrics
@@ -55,40 +53,13 @@ def h3_server(tls: TlsMaterial) -> H3Factory:
     return factory
 
 
-class PrivateRedis:
-    """A redis-server of one test's own, so the test may stop it."""
-
-    def __init__(self) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.fail("redis-server is required (run `make test`)")
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = subprocess.Popen(
-            [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", ""],
-            stdout=subprocess.DEVNULL,
-        )
-        client = redis.Redis(port=self.port)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except redis.ConnectionError:
-                if time.monotonic() > deadline:
-                    self.stop()
-                    pytest.fail("private redis-server did not start")
-                time.sleep(0.02)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
-
-
 @pytest.fixture
-def private_redis() -> Iterator[PrivateRedis]:
-    server = PrivateRedis()
+def private_redis() -> Iterator[RedisServer]:
+    """A redis-server of one test's own, so the test may stop it."""
+    try:
+        server = RedisServer()
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
     try:
         yield server
     finally:

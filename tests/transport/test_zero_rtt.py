@@ -8,8 +8,9 @@ import json
 import pytest
 import redis
 
+from tests.helpers import RedisServer
 from tests.transport.apps import RecordingApp
-from tests.transport.conftest import H3Factory, PrivateRedis
+from tests.transport.conftest import H3Factory
 from tests.transport.h3client import fresh_ticket, h3_connect
 from tests.transport.relay import UdpRelay
 from transport.early_data import EarlyDataPolicy, Mode
@@ -130,7 +131,7 @@ async def test_ticket_single_use_redis(
 
 
 async def test_redis_down_means_full_handshakes_still_served(
-    h3_server: H3Factory, dev_certs, private_redis: PrivateRedis
+    h3_server: H3Factory, dev_certs, private_redis: RedisServer
 ) -> None:
     store = RedisTicketStore(private_redis.url, cooldown=0.0)
     try:
