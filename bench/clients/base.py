@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import ssl
+import time
 from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -81,6 +83,44 @@ class Client(Protocol):
         ...
 
     async def aclose(self) -> None: ...
+
+
+class StreamingClient:
+    """The `Client.request` every transport shares: time the exchange, bound it, and turn every
+    failure into `RequestResult.error`. Subclasses implement `_exchange`."""
+
+    transport: str
+    _options: ClientOptions
+
+    async def request(
+        self,
+        target: Target,
+        *,
+        method: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        on_text: TextCallback | None = None,
+    ) -> RequestResult:
+        result = RequestResult(transport=self.transport, start=time.perf_counter())
+        try:
+            exchange = self._exchange(result, target, method, headers, body, on_text)
+            await asyncio.wait_for(exchange, self._options.timeout)
+        except TimeoutError:
+            result.error = f"timeout after {self._options.timeout}s"
+        except Exception as exc:  # every failure is a result, not a crash of the benchmark
+            result.error = describe(exc)
+        return result
+
+    async def _exchange(
+        self,
+        result: RequestResult,
+        target: Target,
+        method: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        on_text: TextCallback | None,
+    ) -> None:
+        raise NotImplementedError
 
 
 def tcp_ssl_context(options: ClientOptions, alpn: list[str]) -> ssl.SSLContext:

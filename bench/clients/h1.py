@@ -8,7 +8,7 @@ import time
 
 import h11
 
-from bench.clients.base import ClientOptions, Target, describe, tcp_ssl_context
+from bench.clients.base import ClientOptions, StreamingClient, Target, tcp_ssl_context
 from bench.stream import RequestResult, StreamParser, TextCallback
 
 READ_SIZE = 65536
@@ -24,7 +24,7 @@ class _Connection:
         self.writer.close()
 
 
-class H1Client:
+class H1Client(StreamingClient):
     transport = "h1"
 
     def __init__(self, options: ClientOptions) -> None:
@@ -45,25 +45,6 @@ class H1Client:
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return _Connection(reader, writer)
-
-    async def request(
-        self,
-        target: Target,
-        *,
-        method: str,
-        headers: list[tuple[str, str]],
-        body: bytes,
-        on_text: TextCallback | None = None,
-    ) -> RequestResult:
-        result = RequestResult(transport=self.transport, start=time.perf_counter())
-        try:
-            exchange = self._exchange(result, target, method, headers, body, on_text)
-            await asyncio.wait_for(exchange, self._options.timeout)
-        except TimeoutError:
-            result.error = f"timeout after {self._options.timeout}s"
-        except Exception as exc:  # every failure is a result, not a crash of the benchmark
-            result.error = describe(exc)
-        return result
 
     async def _exchange(
         self,

@@ -12,7 +12,7 @@ import h2.connection
 import h2.events
 import h2.settings
 
-from bench.clients.base import ClientOptions, Target, describe, tcp_ssl_context
+from bench.clients.base import ClientOptions, StreamingClient, Target, tcp_ssl_context
 from bench.stream import RequestResult, StreamParser, TextCallback
 
 READ_SIZE = 65536
@@ -88,7 +88,7 @@ class _Connection:
             pass
 
 
-class H2Client:
+class H2Client(StreamingClient):
     transport = "h2"
 
     def __init__(self, options: ClientOptions) -> None:
@@ -111,25 +111,6 @@ class H2Client:
             writer.close()
             raise ConnectionError("server did not negotiate h2 (ALPN)")
         return _Connection(reader, writer)
-
-    async def request(
-        self,
-        target: Target,
-        *,
-        method: str,
-        headers: list[tuple[str, str]],
-        body: bytes,
-        on_text: TextCallback | None = None,
-    ) -> RequestResult:
-        result = RequestResult(transport=self.transport, start=time.perf_counter())
-        try:
-            exchange = self._exchange(result, target, method, headers, body, on_text)
-            await asyncio.wait_for(exchange, self._options.timeout)
-        except TimeoutError:
-            result.error = f"timeout after {self._options.timeout}s"
-        except Exception as exc:
-            result.error = describe(exc)
-        return result
 
     async def _connection(self, result: RequestResult, target: Target) -> _Connection:
         if self._options.new_connection_per_request:

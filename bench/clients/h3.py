@@ -21,7 +21,7 @@ from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, QuicEvent, StreamReset
 from aioquic.tls import SessionTicket
 
-from bench.clients.base import ClientOptions, Target, describe
+from bench.clients.base import ClientOptions, StreamingClient, Target
 from bench.stream import RequestResult, StreamParser, TextCallback
 from transport.tickets import decode_ticket, encode_ticket
 
@@ -108,7 +108,7 @@ class _H3Protocol(QuicConnectionProtocol):
             self.queues[stream_id].put_nowait(event)
 
 
-class H3Client:
+class H3Client(StreamingClient):
     transport = "h3"
 
     def __init__(self, options: ClientOptions, *, tickets: TicketStore | None = None) -> None:
@@ -173,25 +173,6 @@ class H3Client:
         task = asyncio.create_task(close())
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
-
-    async def request(
-        self,
-        target: Target,
-        *,
-        method: str,
-        headers: list[tuple[str, str]],
-        body: bytes,
-        on_text: TextCallback | None = None,
-    ) -> RequestResult:
-        result = RequestResult(transport=self.transport, start=time.perf_counter())
-        try:
-            exchange = self._exchange(result, target, method, headers, body, on_text)
-            await asyncio.wait_for(exchange, self._options.timeout)
-        except TimeoutError:
-            result.error = f"timeout after {self._options.timeout}s"
-        except Exception as exc:
-            result.error = describe(exc)
-        return result
 
     async def _connection(
         self, result: RequestResult, target: Target
