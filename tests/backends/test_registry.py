@@ -382,3 +382,31 @@ async def test_health_loop_tops_up_warm_connections() -> None:
         finally:
             await registry.aclose()
             await pool.aclose()
+
+
+async def test_default_client_checks_a_stand_in_that_dies_and_returns() -> None:
+    """The registry's own SGLang client against the stand-in: healthy, loads polled (KV pool
+    size included), unhealthy once it is gone, healthy again when it is back on its port."""
+    from backends.sim import SimConfig, SimServer
+
+    sim = SimServer(SimConfig(name="r", port=0, max_total_tokens=5000))
+    await sim.start()
+    port = sim.port
+    health = HealthConfig(interval=0.02, timeout=0.5, failure_threshold=2, success_threshold=2,
+                          loads_interval=0.02)  # fmt: skip
+    registry = BackendRegistry([sim.url], pool=None, health=health)
+    b = registry.backends[0]
+    await registry.start()
+    try:
+        await wait_until(lambda: b.load is not None)
+        assert b.load.max_total_tokens == 5000 and b.healthy
+        await sim.stop()
+        await wait_until(lambda: not b.healthy)
+        assert registry.candidates() == []
+        sim = SimServer(SimConfig(name="r", port=port))
+        await sim.start()
+        await wait_until(lambda: b.healthy)
+        assert registry.candidates() == [b]
+    finally:
+        await registry.aclose()
+        await sim.stop()
