@@ -21,7 +21,7 @@ import logging
 import socket
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import h11
@@ -89,8 +89,9 @@ class _Connection(asyncio.Protocol):
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # A stream transport, though not always an asyncio.Transport subclass: uvloop's
+        # TCPTransport is not one, and an isinstance assert here would leave us without it.
+        self.transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -133,6 +134,23 @@ class _Connection(asyncio.Protocol):
         assert self.transport is not None
         self.received_any = False
         self.transport.write(data)
+
+    def poll_event(self) -> Any:
+        """The next h11 event from bytes already received, or `h11.NEED_DATA`; never waits.
+
+        A pending EOF is left for `next_event`, so an error is raised only by a call that
+        could not have returned data instead."""
+        conn = self.h11
+        while True:
+            event = conn.next_event()
+            if event is not h11.NEED_DATA or not self._buf:
+                return event
+            data = bytes(self._buf)
+            self._buf.clear()
+            if self._paused and self.transport is not None:
+                self._paused = False
+                self.transport.resume_reading()
+            conn.receive_data(data)
 
     async def next_event(self, timeout: float | None, what: str) -> Any:
         """The next h11 event, reading from the socket as needed."""
@@ -308,7 +326,16 @@ class _Host:
 class UpstreamResponse:
     """Status and headers of a backend response; the body is read by iterating."""
 
-    __slots__ = ("_chunk_timeout", "_conn", "_done", "_host", "headers", "reused", "status")
+    __slots__ = (
+        "_chunk_timeout",
+        "_conn",
+        "_done",
+        "_host",
+        "_pending",
+        "headers",
+        "reused",
+        "status",
+    )
 
     def __init__(
         self,
@@ -324,6 +351,7 @@ class UpstreamResponse:
         self._conn: _Connection | None = conn
         self._chunk_timeout = chunk_timeout
         self._done = False
+        self._pending: h11.RemoteProtocolError | None = None
         self.status = status
         self.headers = headers
         self.reused = reused
@@ -343,11 +371,18 @@ class UpstreamResponse:
         return self
 
     async def __anext__(self) -> bytes:
+        """All body bytes received so far (at least one), waiting only when there are none.
+
+        Chunks that arrived together come back as one: a consumer that fell behind (a busy
+        edge, a burst of tokens) catches up with one write to its client instead of one per
+        chunk, and nothing that has arrived waits for anything that has not."""
         conn = self._conn
         if conn is None:
             raise StopAsyncIteration
         while True:
             try:
+                if self._pending is not None:
+                    raise self._pending
                 event = await conn.next_event(self._chunk_timeout, "body chunk")
             except UpstreamError:
                 self._abort()
@@ -360,18 +395,43 @@ class UpstreamResponse:
                 ) from None
             if type(event) is h11.Data:
                 if event.data:
-                    return bytes(event.data)
+                    return self._with_buffered(conn, bytes(event.data))
                 continue
             if type(event) is h11.EndOfMessage:
-                self._done = True
-                self._conn = None
-                self._host.release(conn)
+                self._finish(conn)
                 raise StopAsyncIteration
             self._abort()  # ConnectionClosed or anything unexpected mid-body
             raise UpstreamProtocolError(
                 f"{self._host.base_url} closed the connection mid-body",
                 base_url=self._host.base_url,
             )
+
+    def _with_buffered(self, conn: _Connection, first: bytes) -> bytes:
+        """`first` and the body bytes already buffered behind it, without waiting."""
+        parts: list[bytes] | None = None
+        while True:
+            try:
+                event = conn.poll_event()
+            except h11.RemoteProtocolError as exc:
+                self._pending = exc  # raised by the next call, after this data is relayed
+                break
+            if type(event) is h11.Data:
+                if parts is None:
+                    parts = [first]
+                parts.append(event.data)
+                continue
+            if type(event) is h11.EndOfMessage:
+                self._finish(conn)  # the next call ends the iteration
+            elif event is not h11.NEED_DATA:
+                # ConnectionClosed or anything unexpected: let the next call find it.
+                self._pending = h11.RemoteProtocolError(f"unexpected {type(event).__name__}")
+            break
+        return first if parts is None else b"".join(parts)
+
+    def _finish(self, conn: _Connection) -> None:
+        self._done = True
+        self._conn = None
+        self._host.release(conn)
 
     async def read(self) -> bytes:
         """The whole (remaining) body."""

@@ -32,6 +32,8 @@ from transport.config import TransportConfig, format_address, parse_address
 from transport.demo import demo_admin_app, demo_app
 from transport.early_data import MODES, EarlyDataPolicy
 from transport.h3_server import H3Server
+from transport.loop import LOOPS, running_loop_name
+from transport.loop import run as run_on_loop
 from transport.metrics import TransportMetrics
 from transport.retry import MIN_SECRET_BYTES
 from transport.tcp import TcpListener, TcpOptions
@@ -97,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = parser.add_argument_group("processes and limits")
     g.add_argument("--workers", type=int, help="processes sharing the ports (1)")
     g.add_argument("--drain-timeout", type=float, help="SIGTERM: seconds to finish requests (10)")
+    g.add_argument(
+        "--loop",
+        choices=LOOPS,
+        help="event loop; auto: uvloop when installed, else asyncio (auto)",
+    )
     g.add_argument("--idle-timeout", type=float, help="QUIC idle timeout, s (60)")
     g.add_argument(
         "--max-streams", type=int, dest="max_concurrent_streams",
@@ -162,6 +169,7 @@ def transport_config(args: argparse.Namespace, doc: Mapping[str, Any]) -> Transp
         "quic_retry_secret",
         "workers",
         "drain_timeout",
+        "loop",
     ):
         value = getattr(args, name)
         if value is not None:
@@ -252,6 +260,7 @@ async def run_worker(
         store = f"redis {t.redis}" if t.redis else "memory (this process only)"
         lines.append(f"tickets {store}; retry {'on' if t.quic_retry else 'off'}")
         lines.append(f"early data: {t.early_data.describe()}")
+        lines.append(f"loop   {running_loop_name()}")
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         loop.add_signal_handler(signal.SIGHUP, tls.reload)
@@ -285,7 +294,10 @@ def _worker_entry(plan: Plan, index: int, ready: Any) -> None:
     # SIGTERM/SIGINT (from the parent, or a terminal's Ctrl-C to the process group) drain;
     # a second one while draining changes nothing.
     try:
-        asyncio.run(run_worker(plan, announce=lambda lines: ready.put((index, lines))))
+        run_on_loop(
+            run_worker(plan, announce=lambda lines: ready.put((index, lines))),
+            plan.transport.loop,
+        )
     except Exception as exc:  # report, so the parent does not wait forever
         ready.put((index, f"failed: {exc}"))
         raise
@@ -379,7 +391,7 @@ def main(argv: list[str]) -> int:
     if transport.workers > 1:
         return run_workers(plan)
     try:
-        asyncio.run(run_worker(plan, announce=_print_lines))
+        run_on_loop(run_worker(plan, announce=_print_lines), plan.transport.loop)
     except OSError as exc:
         print(f"quicedge serve: {exc}", file=sys.stderr)
         return 1

@@ -13,6 +13,7 @@ from typing import Any
 
 from transport.early_data import EarlyDataPolicy, parse_mode
 from transport.h3_session import H3Limits
+from transport.loop import resolve as resolve_loop
 
 Address = tuple[str, int]
 
@@ -57,6 +58,8 @@ class TransportConfig:
     """Processes sharing the UDP and TCP ports (SO_REUSEPORT); > 1 needs ``redis``."""
     drain_timeout: float = 10.0
     """On SIGTERM, seconds open requests get to finish."""
+    loop: str = "auto"
+    """Event loop: ``asyncio``, ``uvloop``, or ``auto`` (uvloop when installed)."""
     limits: H3Limits = field(default_factory=H3Limits)
 
     def validate(self) -> TransportConfig:
@@ -70,6 +73,7 @@ class TransportConfig:
             )
         if (self.cert is None) != (self.key is None):
             raise ValueError("--cert and --key go together: give both or neither")
+        resolve_loop(self.loop)  # unknown, or uvloop asked for and not installed
         if self.drain_timeout < 0:
             raise ValueError("drain_timeout must be >= 0")
         if self.redis_timeout <= 0:

@@ -15,6 +15,7 @@ import socket
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from http import HTTPStatus
+from typing import cast
 
 import h11
 
@@ -113,8 +114,9 @@ class HttpProtocol(asyncio.Protocol):
     # -- asyncio callbacks ---------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # A stream transport, though not always an asyncio.Transport subclass: uvloop's
+        # TCPTransport is not one, and an isinstance assert here would leave us without it.
+        self._transport = cast(asyncio.Transport, transport)
         sock = transport.get_extra_info("socket")
         if sock is not None:
             with contextlib.suppress(OSError):

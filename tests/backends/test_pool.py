@@ -130,6 +130,24 @@ class ScriptedServer:
             send(h11.Data(data=b"data: 2\n\n"))
             send(h11.Data(data=b"data: [DONE]\n\n"))
             send(h11.EndOfMessage())
+        elif target == "/burst":
+            # Three chunks and the end of the body in one write, then a pause before the
+            # connection is reused: they reach the pool together.
+            data = conn.send(h11.Response(status_code=200, headers=[]))
+            for i in range(3):
+                data += conn.send(h11.Data(data=b"data: %d\n\n" % i))
+            writer.write(data + conn.send(h11.EndOfMessage()))
+        elif target == "/burst-die":
+            data = conn.send(
+                h11.Response(status_code=200, headers=[("transfer-encoding", "chunked")])
+            )
+            data += conn.send(h11.Data(data=b"data: 1\n\n")) + conn.send(
+                h11.Data(data=b"data: 2\n\n")
+            )
+            writer.write(data + b"zz\r\n")  # a broken chunk header right behind the good ones
+            await writer.drain()
+            writer.transport.abort()
+            return False
         elif target == "/die":
             send(h11.Response(status_code=200, headers=[("transfer-encoding", "chunked")]))
             send(h11.Data(data=b"data: 1\n\n"))
@@ -497,3 +515,58 @@ async def test_stand_in_keep_alive_timeout_is_survived() -> None:
             await response.read()
         finally:
             await pool.aclose()
+
+
+async def test_chunks_that_arrived_together_come_back_as_one(server: ScriptedServer) -> None:
+    pool = UpstreamPool()
+    try:
+        response = await pool.request(server.url, "POST", "/burst", headers=[], body=b"")
+        chunks = [c async for c in response]
+        # one read for all of it, and the connection is back in the pool
+        assert chunks == [b"data: 0\n\ndata: 1\n\ndata: 2\n\n"]
+        assert response.complete
+        assert pool.stats().backends[server.url].idle == 1
+        assert await get(pool, server.url, "/ok") == b"ok:"
+        assert pool.stats().reused == 1
+    finally:
+        await pool.aclose()
+
+
+async def test_data_before_a_framing_error_is_delivered_first(server: ScriptedServer) -> None:
+    pool = UpstreamPool()
+    try:
+        response = await pool.request(server.url, "POST", "/burst-die", headers=[], body=b"")
+        chunks = aiter(response)
+        assert await anext(chunks) == b"data: 1\n\ndata: 2\n\n"
+        with pytest.raises(UpstreamProtocolError):
+            await anext(chunks)
+        assert not response.complete
+        assert pool.stats().backends[server.url].active == 0
+        assert pool.stats().backends[server.url].idle == 0
+    finally:
+        await pool.aclose()
+
+
+def test_pool_and_stand_in_on_uvloop() -> None:
+    """uvloop's transports are not asyncio.Transport subclasses; both ends must still work."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def main() -> None:
+        async with SimServer(SimConfig(name="uv", port=0)) as sim:
+            pool = UpstreamPool()
+            try:
+                await pool.warm(sim.url, 2)
+                for _ in range(2):
+                    response = await pool.request(
+                        sim.url, "POST", "/generate", body=generate_body(8),
+                        headers=[(b"content-type", b"application/json")],
+                    )  # fmt: skip
+                    assert response.status == 200
+                    assert b"[DONE]" in await response.read()
+                stats = pool.stats()
+                assert stats.connects == 2 and stats.reused == 2
+            finally:
+                await pool.aclose()
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(main())

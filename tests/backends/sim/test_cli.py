@@ -83,3 +83,26 @@ def test_options_map_to_config() -> None:
     assert config.time_scale == 0.5 and config.natural_output_len == (8, 9)
     assert config.enable_cache_report and not config.enable_metrics
     assert config.profile == "h200-llama3-8b"
+
+
+def test_process_on_the_asyncio_loop_serves() -> None:
+    proc = subprocess.Popen(
+        [*CMD, "--port", "0", "--name", "b2", "--profile", "instant", "--loop", "asyncio"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().strip()
+        assert line.startswith("ready http://127.0.0.1:"), line
+        r = httpx.post(f"{line.split()[1]}/generate", json={"text": "hi"}, timeout=10)
+        assert r.status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+
+
+def test_unknown_loop_is_refused() -> None:
+    result = run("--loop", "trio")
+    assert result.returncode == 2 and "invalid choice" in result.stderr
