@@ -48,7 +48,7 @@ class SimCollector(Collector):
         yield self._gauge(
             "sglang:num_queue_reqs", "The number of requests in the waiting queue", s.num_waiting
         )
-        yield self._gauge("sglang:num_used_tokens", "The number of used tokens", s.used_tokens)
+        yield self._gauge("sglang:num_used_tokens", "The number of used tokens", s.in_use_tokens)
         yield self._gauge("sglang:token_usage", "The token usage", round(s.token_usage, 2))
         yield self._gauge(
             "sglang:gen_throughput", "The generation throughput (token/s)", s.gen_throughput()

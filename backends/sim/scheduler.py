@@ -119,8 +119,17 @@ class Scheduler:
         return self.cache.total_size + sum(r.own_tokens for r in self.holding)
 
     @property
+    def in_use_tokens(self) -> int:
+        """KV tokens that cannot be freed now: locked cache paths and running requests' own.
+
+        This is what SGLang reports as used (max_total - (available + evictable)): cached
+        prefixes no request holds are evictable, so a full but idle cache reads as 0 usage.
+        """
+        return self.cache.protected_size + sum(r.own_tokens for r in self.holding)
+
+    @property
     def token_usage(self) -> float:
-        return min(1.0, self.used_tokens / self.max_total_tokens)
+        return min(1.0, self.in_use_tokens / self.max_total_tokens)
 
     def gen_throughput(self) -> float:
         """Generated tokens per second over the last few seconds (sglang:gen_throughput)."""

@@ -279,3 +279,33 @@ async def test_disconnect_during_prefill_aborts(
     await wait_load(client, server, lambda e: e["num_running_reqs"] == 1)
     writer.close()  # before the first token exists
     await wait_load(client, server, lambda e: e["num_running_reqs"] == 0, timeout=2.0)
+
+
+async def test_token_usage_counts_only_what_cannot_be_evicted(
+    make_sim: MakeSim, client: httpx.AsyncClient
+) -> None:
+    # As SGLang: used = max_total - (available + evictable). A finished request leaves its
+    # tokens cached but unlocked, so an idle server with a warm cache reports no usage.
+    server = await make_sim(profile="instant", max_total_tokens=10_000)
+    r = await client.post(
+        f"{server.url}/generate",
+        json={"input_ids": list(range(500)), "sampling_params": {"max_new_tokens": 4}},
+    )
+    assert r.status_code == 200
+    idle = await load(client, server)
+    assert idle["num_running_reqs"] == 0
+    assert idle["token_usage"] == 0.0 and idle["num_used_tokens"] == 0
+    busy = asyncio.create_task(
+        client.post(
+            f"{server.url}/generate",
+            json={
+                "input_ids": list(range(500)),
+                "rid": "busy",
+                "sampling_params": {"max_new_tokens": 100_000, "ignore_eos": True},
+            },
+        )
+    )
+    running = await wait_load(client, server, lambda e: e["num_running_reqs"] == 1)
+    assert running["num_used_tokens"] >= 500 and running["token_usage"] > 0
+    await client.post(f"{server.url}/abort_request", json={"rid": "busy"})
+    await busy
