@@ -26,7 +26,11 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 # A JSON string member `"content": "<first char>` or `"text": "<first char>`: the first char is
 # `"` when the string is empty (the chat role chunk, `"content":""`), anything else is content.
-_CONTENT = re.compile(rb'"(?:content|text)"\s*:\s*"(.)', re.DOTALL)
+# The first "content" (chat delta) or "text" (completions, /generate) string of an event: group 1
+# is the JSON string literal's body, still escaped.
+_CONTENT = re.compile(rb'"(?:content|text)"\s*:\s*"((?:[^"\\]|\\.)*)"', re.DOTALL)
+_MAX_PIECES = 256 * 1024
+"""Bytes of OpenAI stream deltas kept for routing feedback; a longer answer is not learned."""
 _DONE = b"[DONE]"
 _MAX_TAIL = 1 << 20
 """An SSE event larger than this (1 MiB) is relayed but not scanned: accounting gives up on it."""
@@ -102,7 +106,17 @@ class SSEScanner:
     time costs linear, not quadratic, time.
     """
 
-    __slots__ = ("_scanned", "_tail", "content_events", "done", "error", "events", "last_data")
+    __slots__ = (
+        "_pieces",
+        "_pieces_size",
+        "_scanned",
+        "_tail",
+        "content_events",
+        "done",
+        "error",
+        "events",
+        "last_data",
+    )
 
     def __init__(self) -> None:
         self._tail = bytearray()
@@ -117,6 +131,9 @@ class SSEScanner:
         """The `error` object of an error event, if the backend sent one."""
         self.done = False
         """`data: [DONE]` was seen."""
+        self._pieces: list[bytes] | None = []
+        """Escaped text of each OpenAI delta, decoded once at the end (None: gave up)."""
+        self._pieces_size = 0
 
     def feed(self, chunk: bytes) -> int:
         """Scan `chunk`; return how many content events it completed."""
@@ -160,7 +177,17 @@ class SSEScanner:
             self._record_error(payload)
             return 0
         match = _CONTENT.search(payload)
-        return 1 if match is not None and match.group(1) != b'"' else 0
+        if match is None or not match.group(1):
+            return 0
+        # /generate's text is cumulative and comes whole in the last event: keep OpenAI deltas only.
+        if self._pieces is not None and not payload.startswith(b'{"text"'):
+            piece = match.group(1)
+            self._pieces_size += len(piece)
+            if self._pieces_size <= _MAX_PIECES:
+                self._pieces.append(piece)
+            else:
+                self._pieces = None
+        return 1
 
     def _record_error(self, payload: bytes) -> None:
         try:
@@ -181,7 +208,20 @@ class SSEScanner:
         except ValueError:
             return Usage(), None
         text = obj.get("text") if isinstance(obj, dict) and "meta_info" in obj else None
-        return usage_from(obj), text if isinstance(text, str) else None
+        if not isinstance(text, str):
+            text = self._joined_pieces()
+        return usage_from(obj), text
+
+    def _joined_pieces(self) -> str | None:
+        """The OpenAI stream's generated text: the deltas' escaped bodies joined into one JSON
+        string and decoded once (escapes never span two deltas, so the join stays valid)."""
+        if not self._pieces:
+            return None
+        try:
+            text = json.loads(b'"' + b"".join(self._pieces) + b'"')
+        except ValueError:
+            return None
+        return text if isinstance(text, str) else None
 
     def usage(self) -> Usage:
         return self.final()[0]

@@ -371,7 +371,7 @@ async def test_every_attempt_is_observed_exactly_once() -> None:
     replies = iter(
         [
             Reply(status=503, chunks=[b"{}"], chunked=False),  # retried elsewhere
-            sse_reply(["ok"]),
+            sse_reply(["o", "k"]),
             sse_reply(["a", "b", "c"], die_after=1),  # dies mid-stream
             Reply(status=400, chunks=[b'{"error":{"message":"bad"}}'], chunked=False),
             sse_reply(["fine"]),
@@ -390,6 +390,8 @@ async def test_every_attempt_is_observed_exactly_once() -> None:
     assert statuses == [503, 200, 200, 400]
     assert counting.chosen == len(counting.outcomes) == 4
     assert [o.error for o in counting.outcomes] == ["5xx", None, "protocol", "4xx"]
+    # the streamed answer reaches the policy, so its prefix tree learns what the backend cached
+    assert counting.outcomes[1].completion_text == "ok"
     assert len(inference(up)) == 4
 
 

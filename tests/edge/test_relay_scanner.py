@@ -138,7 +138,31 @@ def test_generate_stream_gives_the_whole_text_for_free() -> None:
     assert scanner.final() == (Usage(5, 2, 2), " Paris.")
     chat = SSEScanner()
     chat.feed(CHAT_STREAM)
-    assert chat.final()[1] is None  # deltas: not collected
+    assert chat.final()[1] == " Paris is"  # deltas joined, decoded once at the end
+
+
+def test_chat_deltas_with_escapes_join_into_the_text_at_any_split() -> None:
+    # json.dumps escapes quotes, backslashes, newlines and non-ASCII (the emoji as a surrogate
+    # pair); each escape lies within one delta.
+    pieces = ['say "hi"', " caf\u00e9 \\ ", "é\n", "😀"]
+    stream = sse(*(chat_chunk({"content": p}) for p in pieces), b"[DONE]")
+    expected = "".join(pieces)
+    whole = SSEScanner()
+    whole.feed(stream)
+    assert whole.final()[1] == expected
+    bytewise = SSEScanner()
+    for i in range(len(stream)):
+        bytewise.feed(stream[i : i + 1])
+    assert bytewise.final()[1] == expected
+
+
+def test_an_answer_too_long_to_learn_is_not_kept() -> None:
+    chunk = sse(chat_chunk({"content": "x" * 4096}))
+    scanner = SSEScanner()
+    # 400 KiB of deltas, over the 256 KiB kept for routing feedback: all still counted.
+    assert sum(scanner.feed(chunk) for _ in range(100)) == 100
+    scanner.feed(sse(b"[DONE]"))
+    assert scanner.final()[1] is None
 
 
 def test_whole_answers_give_usage_and_text() -> None:
