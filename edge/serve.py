@@ -83,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = parser.add_argument_group("0-RTT and address validation")
     g.add_argument("--redis", metavar="URL", help="Redis for fleet-wide single-use tickets")
     g.add_argument(
+        "--ticket-secret",
+        metavar="SECRET",
+        help="seal tickets stored in Redis (AES-GCM), >= 16 bytes, same on all workers "
+        "(default: $QUICEDGE_TICKET_SECRET)",
+    )
+    g.add_argument(
         "--early-data", choices=MODES, help="policy for every route (overrides the table below)"
     )
     g.add_argument(
@@ -165,6 +171,7 @@ def transport_config(args: argparse.Namespace, doc: Mapping[str, Any]) -> Transp
         "cert",
         "key",
         "redis",
+        "ticket_secret",
         "quic_retry",
         "quic_retry_secret",
         "workers",
@@ -179,6 +186,9 @@ def transport_config(args: argparse.Namespace, doc: Mapping[str, Any]) -> Transp
         for n in ("idle_timeout", "max_concurrent_streams", "max_header_bytes", "max_body_bytes")
         if getattr(args, n) is not None
     }
+    env_secret = os.environ.get("QUICEDGE_TICKET_SECRET")
+    if env_secret and "ticket_secret" not in over and config.ticket_secret is None:
+        over["ticket_secret"] = env_secret  # keeps the secret off the command line (ps)
     config = replace(config, **over)
     if limits:
         config = replace(config, limits=replace(config.limits, **limits))
@@ -214,7 +224,13 @@ async def run_worker(
     else:
         app, admin_app = demo_app, demo_admin_app(registry)
     tickets: TicketStore = (
-        RedisTicketStore(t.redis, timeout=t.redis_timeout) if t.redis else MemoryTicketStore()
+        RedisTicketStore(
+            t.redis,
+            timeout=t.redis_timeout,
+            secret=t.ticket_secret.encode() if t.ticket_secret else None,
+        )
+        if t.redis
+        else MemoryTicketStore()
     )
     secret = t.quic_retry_secret.encode() if t.quic_retry_secret else None
     if t.quic_retry and secret is None:
@@ -257,7 +273,11 @@ async def run_worker(
             lines.append(f"admin  {admin.url} (/health /ready /metrics)")
         for listener in [*listeners, *([admin] if admin else [])]:
             await listener.start()
-        store = f"redis {t.redis}" if t.redis else "memory (this process only)"
+        store = (
+            f"redis {t.redis} ({'sealed' if t.ticket_secret else 'NOT sealed: --ticket-secret'})"
+            if t.redis
+            else "memory (this process only)"
+        )
         lines.append(f"tickets {store}; retry {'on' if t.quic_retry else 'off'}")
         lines.append(f"early data: {t.early_data.describe()}")
         lines.append(f"loop   {running_loop_name()}")

@@ -49,6 +49,8 @@ class TransportConfig:
     """Redis URL for the fleet-wide ticket store; None: in-process memory store."""
     redis_timeout: float = 0.05
     """Socket timeout of the ticket store's Redis calls, s (they run on the event loop)."""
+    ticket_secret: str | None = None
+    """Secret that seals tickets stored in Redis (AES-GCM); the same on every worker."""
     early_data: EarlyDataPolicy = field(default_factory=EarlyDataPolicy)
     quic_retry: bool = False
     """Validate client addresses with a Retry round trip before the handshake (RFC 9000 §8.1.2)."""
@@ -85,6 +87,11 @@ class TransportConfig:
             )
         if self.quic_retry_secret is not None and len(self.quic_retry_secret.encode()) < 16:
             raise ValueError("quic_retry_secret must be at least 16 bytes")
+        if self.ticket_secret is not None:
+            if not self.redis:
+                raise ValueError("--ticket-secret seals tickets stored in Redis: it needs --redis")
+            if len(self.ticket_secret.encode()) < 16:
+                raise ValueError("ticket_secret must be at least 16 bytes")
         return self
 
     @classmethod

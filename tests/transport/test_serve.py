@@ -33,6 +33,8 @@ ZERO_RTT = 'quicedge_zero_rtt_total{result="%s"}'
         (["--demo", "--cert", "x.pem"], "--cert and --key go together"),
         (["--demo", "--cert", "/nonexistent.pem", "--key", "/nonexistent.key"], "cannot read"),
         (["--demo", "--quic-retry-secret", "short"], "at least 16 bytes"),
+        (["--demo", "--ticket-secret", "x" * 16], "--ticket-secret seals tickets stored in Redis"),
+        (["--demo", "--redis", "redis://x", "--ticket-secret", "short"], "at least 16 bytes"),
         (["--demo", "--workers", "0"], "workers must be >= 1"),
         (["--demo", "--max-streams", "0"], "max_concurrent_streams must be >= 1"),
         (["--demo", "--config", "/nonexistent.toml"], "--config /nonexistent.toml"),
@@ -152,8 +154,10 @@ async def test_two_processes_sharing_redis_accept_a_ticket_once(
 ) -> None:
     # Both processes use the default development certificates of the checkout.
     ca = ensure_dev_certificates().ca_cert
-    a: ServeProcess = serve_process("--demo", "--redis", redis_url)
-    b: ServeProcess = serve_process("--demo", "--redis", redis_url)
+    sealed = ("--redis", redis_url, "--ticket-secret", "one secret for the whole fleet")
+    a: ServeProcess = serve_process("--demo", *sealed)
+    b: ServeProcess = serve_process("--demo", *sealed)
+    assert any("(sealed)" in line for line in a.lines)
     ticket = await fresh_ticket(a.h3_port, ca)  # issued by A, kept in Redis
     results = []
     for server in (b, a, b):  # redeemed on B; replays on A and on B are refused

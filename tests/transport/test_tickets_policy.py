@@ -93,6 +93,40 @@ def test_redis_store_getdel_and_ttl(redis_url: str, redis_prefix: str) -> None:
         store.close()
 
 
+def test_redis_store_seals_tickets_with_the_shared_secret(
+    redis_url: str, redis_prefix: str
+) -> None:
+    secret = b"a shared secret, same everywhere"
+    store = RedisTicketStore(redis_url, prefix=redis_prefix, clock=lambda: NOW, secret=secret)
+    worker = RedisTicketStore(redis_url, prefix=redis_prefix, secret=secret)
+    rotated = RedisTicketStore(redis_url, prefix=redis_prefix, secret=b"x" * 16)
+    unsealed = RedisTicketStore(redis_url, prefix=redis_prefix)
+    r = redis.Redis.from_url(redis_url)
+    try:
+        assert store.sealed and not unsealed.sealed
+        a, b, c = ticket(), ticket(), ticket()
+        for t in (a, b, c):
+            store.put(t)
+        stored = r.get(redis_prefix + a.ticket.hex())
+        assert stored is not None
+        assert a.resumption_secret not in stored and b"resumption_secret" not in stored
+        assert worker.take(a.ticket) == a  # another worker with the same secret
+        assert worker.take(a.ticket) is None  # still single use
+        assert rotated.take(b.ticket) is None  # another secret reads it as unknown...
+        assert worker.take(b.ticket) is None  # ...and the take consumed it all the same
+        with pytest.raises(TicketStoreError, match="malformed"):
+            unsealed.take(c.ticket)  # a store without the secret cannot use it either
+        # a value moved under another ticket's key does not open (bound to the ticket id)
+        store.put(a)
+        r.rename(redis_prefix + a.ticket.hex(), redis_prefix + b.ticket.hex())
+        assert worker.take(b.ticket) is None
+        with pytest.raises(ValueError, match="at least 16 bytes"):
+            RedisTicketStore(redis_url, secret=b"short")
+    finally:
+        for s in (store, worker, rotated, unsealed):
+            s.close()
+
+
 def test_redis_store_unreachable_fails_fast_then_cools_down() -> None:
     clock = [0.0]
     store = RedisTicketStore(
