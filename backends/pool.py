@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import re
 import socket
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -135,6 +136,15 @@ class _Connection(asyncio.Protocol):
         self.received_any = False
         self.transport.write(data)
 
+    def take_buffered(self) -> bytes:
+        """The bytes received and not yet consumed (for a body decoded outside h11)."""
+        data = bytes(self._buf)
+        self._buf.clear()
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        return data
+
     def poll_event(self) -> Any:
         """The next h11 event from bytes already received, or `h11.NEED_DATA`; never waits.
 
@@ -207,6 +217,93 @@ class _Connection(asyncio.Protocol):
 def _expire(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_exception(TimeoutError())
+
+
+# RFC 9112 §7.1: chunk-size [chunk-ext] CRLF; the same grammar h11 accepts (1-20 hex digits, any
+# extension after `;`, optional trailing whitespace).
+_CHUNK_HEADER = re.compile(rb"([0-9A-Fa-f]{1,20})(?:;.*)?[ \t]*", re.DOTALL)
+MAX_CHUNK_LINE = 16 * 1024  # a chunk header or trailer line longer than this is refused
+
+
+class _ChunkedBody:
+    """Incremental decoder of a chunked response body (RFC 9112 §7.1).
+
+    h11 yields one event per chunk, through its state machine; this decodes every chunk in the
+    bytes at hand in one pass, which is most of what the relay costs per token. The pool uses it
+    for chunked responses only (what SGLang streams with); h11 still writes the request and
+    parses the status line and headers. Trailer fields are read and dropped, as before.
+    """
+
+    __slots__ = ("_left", "_pending", "_state", "done", "error", "extra")
+
+    _SIZE, _DATA, _DATA_END, _TRAILER = range(4)
+
+    def __init__(self) -> None:
+        self._pending = b""  # an incomplete chunk header, CRLF or trailer line
+        self._left = 0  # bytes of the current chunk's data still to come
+        self._state = self._SIZE
+        self.done = False
+        """The last chunk and the trailer section were read."""
+        self.extra = False
+        """Bytes followed the end of the body (nothing was asked for: never reuse)."""
+        self.error: h11.RemoteProtocolError | None = None
+        """A framing error, found after the data `feed` returned with it."""
+
+    def feed(self, data: bytes) -> bytes:
+        """The chunk data in `data` (may be empty). A framing error raises
+        `h11.RemoteProtocolError`, or, when data came before it, is kept in `error` so that
+        the data is relayed first."""
+        out: list[bytes] = []
+        try:
+            self._decode(data, out)
+        except h11.RemoteProtocolError as exc:
+            if not any(out):
+                raise
+            self.error = exc
+        return b"".join(out) if len(out) != 1 else out[0]
+
+    def _decode(self, data: bytes, out: list[bytes]) -> None:
+        buf = self._pending + data if self._pending else data
+        self._pending = b""
+        pos, end = 0, len(buf)
+        while pos < end:
+            state = self._state
+            if state == self._DATA:
+                take = min(self._left, end - pos)
+                out.append(buf[pos : pos + take])
+                pos += take
+                self._left -= take
+                if self._left == 0:
+                    self._state = self._DATA_END
+            elif state == self._DATA_END:
+                if end - pos < 2:
+                    break
+                if buf[pos : pos + 2] != b"\r\n":
+                    raise h11.RemoteProtocolError("chunk data not followed by CRLF")
+                pos += 2
+                self._state = self._SIZE
+            else:
+                eol = buf.find(b"\r\n", pos)
+                if eol < 0:
+                    break
+                line = buf[pos:eol]
+                pos = eol + 2
+                if state == self._SIZE:
+                    match = _CHUNK_HEADER.fullmatch(line)
+                    if match is None:
+                        raise h11.RemoteProtocolError(f"bad chunk header {line[:40]!r}")
+                    self._left = int(match.group(1), 16)
+                    self._state = self._DATA if self._left else self._TRAILER
+                elif not line:  # the blank line after the trailer section: the end
+                    self.done = True
+                    self.extra = pos < end
+                    return
+                elif b":" not in line:
+                    raise h11.RemoteProtocolError(f"bad trailer field {line[:40]!r}")
+        if pos < end:
+            self._pending = buf[pos:]
+            if len(self._pending) > MAX_CHUNK_LINE:
+                raise h11.RemoteProtocolError("chunk header or trailer line too long")
 
 
 class _Host:
@@ -302,21 +399,28 @@ class _Host:
                     self.wake_one()  # pass on the slot we were given
                 raise
 
-    def release(self, conn: _Connection) -> None:
-        """The response is complete: keep the connection if HTTP allows it, else close it."""
+    def release(self, conn: _Connection, *, decoded_outside: bool = False) -> None:
+        """The response is complete: keep the connection if HTTP allows it, else close it.
+
+        `decoded_outside`: the body was read by `_ChunkedBody`, not h11, and the response allows
+        keep-alive; h11 never saw the body, so the next request gets a fresh h11 state."""
         if conn.closed:
             return
         h = conn.h11
-        if h.our_state is h11.DONE and h.their_state is h11.DONE:
+        if decoded_outside and h.our_state is h11.DONE and not conn._buf and not conn._eof:
+            conn.h11 = h11.Connection(our_role=h11.CLIENT)
+            self._keep(conn)
+        elif h.our_state is h11.DONE and h.their_state is h11.DONE:
             h.start_next_cycle()
-            self.active -= 1
-            self.idle.append(conn)
-            conn.idle_handle = asyncio.get_running_loop().call_later(
-                self.pool.idle_timeout, conn.close
-            )
-            self.wake_one()
+            self._keep(conn)
         else:
             conn.close()
+
+    def _keep(self, conn: _Connection) -> None:
+        self.active -= 1
+        self.idle.append(conn)
+        conn.idle_handle = asyncio.get_running_loop().call_later(self.pool.idle_timeout, conn.close)
+        self.wake_one()
 
     def stats(self) -> BackendPoolStats:
         waiting = sum(1 for w in self.waiters if not w.done())
@@ -327,10 +431,12 @@ class UpstreamResponse:
     """Status and headers of a backend response; the body is read by iterating."""
 
     __slots__ = (
+        "_body",
         "_chunk_timeout",
         "_conn",
         "_done",
         "_host",
+        "_keep_alive",
         "_pending",
         "headers",
         "reused",
@@ -346,8 +452,12 @@ class UpstreamResponse:
         headers: list[tuple[bytes, bytes]],
         reused: bool,
         chunk_timeout: float | None,
+        body: _ChunkedBody | None = None,
+        keep_alive: bool = True,
     ) -> None:
         self._host = host
+        self._body = body
+        self._keep_alive = keep_alive
         self._conn: _Connection | None = conn
         self._chunk_timeout = chunk_timeout
         self._done = False
@@ -379,6 +489,8 @@ class UpstreamResponse:
         conn = self._conn
         if conn is None:
             raise StopAsyncIteration
+        if self._body is not None:
+            return await self._next_decoded(conn, self._body)
         while True:
             try:
                 if self._pending is not None:
@@ -405,6 +517,45 @@ class UpstreamResponse:
                 f"{self._host.base_url} closed the connection mid-body",
                 base_url=self._host.base_url,
             )
+
+    async def _next_decoded(self, conn: _Connection, body: _ChunkedBody) -> bytes:
+        """`__anext__` for a chunked body: every chunk at hand, decoded in one pass."""
+        while True:
+            data = conn.take_buffered()
+            try:
+                if body.error is not None:
+                    raise body.error
+                out = body.feed(data) if data else b""
+            except h11.RemoteProtocolError as exc:
+                self._abort()
+                raise UpstreamProtocolError(
+                    f"{self._host.base_url} broke off the response body: {exc}",
+                    base_url=self._host.base_url,
+                ) from None
+            if body.done:
+                self._done = True
+                self._conn = None
+                if body.extra or not self._keep_alive:
+                    conn.close()
+                else:
+                    self._host.release(conn, decoded_outside=True)
+                if out:
+                    return out
+                raise StopAsyncIteration
+            if out:
+                return out
+            if conn._eof:
+                self._abort()
+                raise UpstreamProtocolError(
+                    f"{self._host.base_url} broke off the response body: the connection closed"
+                    " before the last chunk",
+                    base_url=self._host.base_url,
+                )
+            try:
+                await conn._wait(self._chunk_timeout, "body chunk")
+            except UpstreamError:
+                self._abort()
+                raise
 
     def _with_buffered(self, conn: _Connection, first: bytes) -> bytes:
         """`first` and the body bytes already buffered behind it, without waiting."""
@@ -455,6 +606,22 @@ class UpstreamResponse:
     def __repr__(self) -> str:
         state = "complete" if self._done else ("open" if self._conn else "closed")
         return f"<UpstreamResponse {self.status} {state} reused={self.reused}>"
+
+
+def _chunked(headers: list[tuple[bytes, bytes]]) -> bool:
+    # h11 refuses any transfer coding but chunked, and chunked wins over content-length
+    # (RFC 9112 §6.3), so a response h11 accepted with this header has a chunked body.
+    return any(name == b"transfer-encoding" for name, _ in headers)
+
+
+def _keep_alive(event: h11.Response) -> bool:
+    """h11's rule: HTTP/1.1 and no `Connection: close`."""
+    if event.http_version < b"1.1":
+        return False
+    for name, value in event.headers:
+        if name == b"connection" and b"close" in value.lower():
+            return False
+    return True
 
 
 class UpstreamPool:
@@ -577,13 +744,22 @@ class UpstreamPool:
                 raise
             if reused:
                 self._reused += 1
+            headers = list(event.headers)
+            decoder = None
+            if method != "HEAD" and event.status_code not in (204, 304) and _chunked(headers):
+                # h11 accepted the head; the body is decoded outside it, starting with the
+                # bytes h11 already holds beyond the head.
+                decoder = _ChunkedBody()
+                conn._buf[:0] = conn.h11.trailing_data[0]
             return UpstreamResponse(
                 host=host,
                 conn=conn,
                 status=event.status_code,
-                headers=list(event.headers),
+                headers=headers,
                 reused=reused,
                 chunk_timeout=chunk_timeout,
+                body=decoder,
+                keep_alive=_keep_alive(event),
             )
         raise AssertionError("unreachable")
 

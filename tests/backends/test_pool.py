@@ -18,7 +18,7 @@ from backends.errors import (
     UpstreamProtocolError,
     UpstreamTimeout,
 )
-from backends.pool import UpstreamPool
+from backends.pool import MAX_CHUNK_LINE, UpstreamPool, _ChunkedBody
 from backends.sim import SimConfig, SimServer
 from tests.helpers import free_port
 
@@ -147,6 +147,20 @@ class ScriptedServer:
             writer.write(data + b"zz\r\n")  # a broken chunk header right behind the good ones
             await writer.drain()
             writer.transport.abort()
+            return False
+        elif target == "/trailers":
+            # Chunk extensions and a trailer section, as a chunked body may carry them.
+            writer.write(
+                conn.send(h11.Response(status_code=200, headers=[("transfer-encoding", "chunked")]))
+                + b"5;ext=1\r\nhello\r\n6 \r\n world\r\n0\r\nx-checksum: 1\r\n\r\n"
+            )
+            conn.send(h11.Data(data=b"hello world"))
+            conn.send(h11.EndOfMessage(headers=[("x-checksum", "1")]))  # keep h11 in step
+        elif target == "/chunked-close":
+            send(h11.Response(status_code=200, headers=[("connection", "close")]))
+            send(h11.Data(data=b"bye"))
+            send(h11.EndOfMessage())
+            await writer.drain()
             return False
         elif target == "/die":
             send(h11.Response(status_code=200, headers=[("transfer-encoding", "chunked")]))
@@ -570,3 +584,65 @@ def test_pool_and_stand_in_on_uvloop() -> None:
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(main())
+
+
+async def test_chunk_extensions_and_trailers_keep_the_connection(server: ScriptedServer) -> None:
+    pool = UpstreamPool()
+    try:
+        assert await get(pool, server.url, "/trailers") == b"hello world"
+        assert await get(pool, server.url, "/ok") == b"ok:"
+        assert pool.stats().reused == 1 and server.connections == 1
+    finally:
+        await pool.aclose()
+
+
+async def test_chunked_answer_with_connection_close_is_not_reused(server: ScriptedServer) -> None:
+    pool = UpstreamPool()
+    try:
+        assert await get(pool, server.url, "/chunked-close") == b"bye"
+        assert pool.stats().backends[server.url].idle == 0
+        assert await get(pool, server.url, "/ok") == b"ok:"
+        assert pool.stats().connects == 2
+    finally:
+        await pool.aclose()
+
+
+BODY = b"4\r\nabcd\r\n1A;name=value\r\n" + b"z" * 26 + b"\r\n3\t\r\nxyz\r\n0\r\nt: 1\r\n\r\n"
+
+
+def test_chunked_decoder_any_split() -> None:
+    expected = b"abcd" + b"z" * 26 + b"xyz"
+    for cut in range(len(BODY) + 1):
+        for parts in ([BODY[:cut], BODY[cut:]], [BODY[i : i + 1] for i in range(len(BODY))]):
+            decoder = _ChunkedBody()
+            out = b"".join(decoder.feed(part) for part in parts)
+            assert out == expected and decoder.done and not decoder.extra
+    decoder = _ChunkedBody()
+    assert decoder.feed(BODY + b"HTTP/1.1 200 OK\r\n") == expected
+    assert decoder.done and decoder.extra  # bytes nobody asked for: the connection is not reused
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"g\r\n",  # not hex
+        b"\r\n",  # no size
+        b"123456789012345678901\r\n",  # over 20 digits
+        b"3\r\nabcXY",  # data not followed by CRLF
+        b"0\r\nnot a field\r\n\r\n",  # a trailer line without a colon
+        b"1" * (MAX_CHUNK_LINE + 1),  # a chunk header that never ends
+    ],
+)
+def test_chunked_decoder_refuses_bad_framing(data: bytes) -> None:
+    decoder = _ChunkedBody()
+    with pytest.raises(h11.RemoteProtocolError):
+        decoder.feed(data)
+        if decoder.error is not None:  # data came first: it is returned, the error kept
+            raise decoder.error
+    assert not decoder.done
+
+
+def test_chunked_decoder_returns_data_before_an_error() -> None:
+    decoder = _ChunkedBody()
+    assert decoder.feed(b"2\r\nok\r\nzz\r\n") == b"ok"
+    assert isinstance(decoder.error, h11.RemoteProtocolError)
