@@ -87,6 +87,12 @@ class _Connection(asyncio.Protocol):
         self._paused = False
         self._waiter: asyncio.Future[None] | None = None
         self.idle_handle: asyncio.TimerHandle | None = None
+        # One timer per connection for the first-byte and chunk timeouts, re-armed lazily:
+        # a wait only moves the deadline, where a timer per wait (one per streamed chunk)
+        # would cost a heap insert and a cancel each time.
+        self._deadline: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
 
     # -- asyncio.Protocol ------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -186,9 +192,10 @@ class _Connection(asyncio.Protocol):
         loop = asyncio.get_running_loop()
         waiter = loop.create_future()
         self._waiter = waiter
-        handle = None
         if timeout is not None:
-            handle = loop.call_later(timeout, _expire, waiter)
+            deadline = self._deadline = loop.time() + timeout
+            if self._timer is None or self._timer_at > deadline:
+                self._arm(loop, deadline)
         try:
             await waiter
         except TimeoutError:
@@ -198,13 +205,33 @@ class _Connection(asyncio.Protocol):
             ) from None
         finally:
             self._waiter = None
-            if handle is not None:
-                handle.cancel()
+            self._deadline = None  # the timer, if it fires now, finds nothing to expire
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = loop.call_at(when, self._on_timer)
+        self._timer_at = when
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        deadline, waiter = self._deadline, self._waiter
+        if deadline is None or waiter is None or waiter.done():
+            return  # no wait in progress: the next one arms the timer again
+        loop = asyncio.get_running_loop()
+        # Timers may fire a little early (the loop's clock resolution, libuv's milliseconds).
+        if deadline - loop.time() <= 0.001:
+            waiter.set_exception(TimeoutError())
+        else:
+            self._arm(loop, deadline)  # the deadline moved on since the timer was set
 
     def close(self) -> None:
         if self.idle_handle is not None:
             self.idle_handle.cancel()
             self.idle_handle = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self.transport is not None:
             self.transport.abort()
         if not self.closed:
@@ -212,11 +239,6 @@ class _Connection(asyncio.Protocol):
             self.host.on_connection_lost(self)
         self._eof = True
         self._wake()
-
-
-def _expire(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError())
 
 
 # RFC 9112 §7.1: chunk-size [chunk-ext] CRLF; the same grammar h11 accepts (1-20 hex digits, any

@@ -646,3 +646,27 @@ def test_chunked_decoder_returns_data_before_an_error() -> None:
     decoder = _ChunkedBody()
     assert decoder.feed(b"2\r\nok\r\nzz\r\n") == b"ok"
     assert isinstance(decoder.error, h11.RemoteProtocolError)
+
+
+async def test_a_shorter_chunk_timeout_after_a_long_first_byte_timeout(
+    server: ScriptedServer,
+) -> None:
+    """The timeouts share one timer per connection: a nearer deadline must re-arm it."""
+    pool = UpstreamPool()
+    try:
+        response = await pool.request(
+            server.url, "POST", "/stream", headers=[], body=b"",
+            first_byte_timeout=30, chunk_timeout=0.05,
+        )  # fmt: skip
+        chunks = aiter(response)
+        await anext(chunks)
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(UpstreamTimeout):
+            await asyncio.wait_for(anext(chunks), 5)
+        assert asyncio.get_running_loop().time() - started < 2
+        # the connection is gone, and a fresh one still honours the long first-byte timeout
+        assert pool.stats().backends[server.url].active == 0
+        server.release.set()
+        assert await get(pool, server.url, "/ok", first_byte_timeout=30, chunk_timeout=30) == b"ok:"
+    finally:
+        await pool.aclose()
