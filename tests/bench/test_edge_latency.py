@@ -26,3 +26,14 @@ async def test_reports_each_target_and_the_added_latency() -> None:
 async def test_bad_target_is_refused() -> None:
     done = await run_command("bench.edge_latency", "https://example.com")
     assert done.returncode == 2 and "expected NAME=http://host:port" in done.stderr
+
+
+async def test_pool_cpu_reports_cpu_and_reads_per_body() -> None:
+    async with SimServer(SimConfig(name="pc", port=0, profile="instant")) as sim:
+        done = await run_command(
+            "bench.pool_cpu", sim.url, "--max-tokens", "4", "--requests", "2", "--repeats", "2",
+            "--chunk-timeout", "30", "--loop", "asyncio",
+        )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("pool CPU per request: min ")
+    assert "reads per body" in done.stdout
