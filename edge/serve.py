@@ -31,6 +31,7 @@ from transport.asgi import ASGIApp
 from transport.config import TransportConfig, format_address, parse_address
 from transport.demo import demo_admin_app, demo_app
 from transport.early_data import MODES, EarlyDataPolicy
+from transport.h1_server import H1Listener
 from transport.h3_server import H3Server
 from transport.loop import LOOPS, running_loop_name
 from transport.loop import run as run_on_loop
@@ -244,7 +245,7 @@ async def run_worker(
         retry_secret=secret if t.quic_retry else None,
         metrics=metrics,
     )
-    listeners: list[TcpListener] = []
+    listeners: list[TcpListener | H1Listener] = []
     try:
         await h3.start(*t.h3, reuse_port=plan.reuse_port)
         options = TcpOptions(graceful_timeout=t.drain_timeout)
@@ -259,15 +260,15 @@ async def run_worker(
             lines.append(f"tcp    {listeners[-1].url} (h2, http/1.1; alt-svc h3 :{h3.port})")
         if t.http is not None:
             listeners.append(
-                TcpListener(
+                H1Listener(
                     app, host=t.http[0], port=t.http[1], reuse_port=plan.reuse_port,
                     options=options,
                 )
             )  # fmt: skip
             lines.append(f"http   {listeners[-1].url} (plain HTTP/1.1)")
-        admin: TcpListener | None = None
+        admin: H1Listener | None = None
         if t.admin is not None:
-            admin = TcpListener(
+            admin = H1Listener(
                 admin_app, host=t.admin[0], port=t.admin[1], reuse_port=plan.reuse_port
             )
             lines.append(f"admin  {admin.url} (/health /ready /metrics)")

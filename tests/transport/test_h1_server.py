@@ -1,0 +1,515 @@
+"""transport.h1_server over real sockets: raw asyncio streams and httpx."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.transport.apps import RecordingApp
+from transport.asgi import ASGIApp, Receive, Scope, Send
+from transport.h1_server import H1Listener
+from transport.tcp import TcpOptions
+
+Response = tuple[int, dict[str, str], bytes]
+GET = b"GET /echo HTTP/1.1\r\nhost: x\r\n\r\n"
+
+
+@asynccontextmanager
+async def serving(app: ASGIApp, **options: Any) -> AsyncIterator[H1Listener]:
+    listener = H1Listener(app, host="127.0.0.1", port=0, options=TcpOptions(**options))
+    await listener.start()
+    try:
+        yield listener
+    finally:
+        await listener.stop()
+
+
+@asynccontextmanager
+async def connect(
+    listener: H1Listener,
+) -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+    try:
+        yield reader, writer
+    finally:
+        writer.close()
+
+
+async def read_response(reader: asyncio.StreamReader, *, head_only: bool = False) -> Response:
+    """One response: framed by content-length, chunked, or the connection's end."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ")[1])
+    headers: dict[str, str] = {}
+    for line in lines[1:]:
+        if line:
+            name, _, value = line.partition(":")
+            assert name.lower() not in headers, f"{name} twice"
+            headers[name.lower()] = value.strip()
+    if head_only or status in (100, 204, 304):
+        return status, headers, b""
+    if "content-length" in headers:
+        return status, headers, await reader.readexactly(int(headers["content-length"]))
+    if headers.get("transfer-encoding") == "chunked":
+        body = b""
+        while True:
+            size = int((await reader.readuntil(b"\r\n"))[:-2], 16)
+            if size == 0:
+                assert await reader.readuntil(b"\r\n") == b"\r\n"
+                return status, headers, body
+            body += (await reader.readexactly(size + 2))[:-2]
+    return status, headers, await asyncio.wait_for(reader.read(), 5)
+
+
+async def at_eof(reader: asyncio.StreamReader) -> bool:
+    return await asyncio.wait_for(reader.read(1), 5) == b""
+
+
+async def test_scope_extensions_and_keep_alive_over_httpx() -> None:
+    app = RecordingApp()
+    async with serving(app) as listener, httpx.AsyncClient() as client:
+        url = f"http://127.0.0.1:{listener.port}"
+        r1 = await client.post(f"{url}/echo?x=1", content=b"abc")
+        r2 = await client.get(f"{url}/a%20b")
+    assert r1.status_code == 200 and r2.status_code == 200
+    view = json.loads(r1.content)
+    assert view == {
+        "path": "/echo",
+        "early_data": False,
+        "transport": "h1",
+        "handshake_wait_s": 0.0,
+        "body_bytes": 3,
+        "http_version": "1.1",
+    }
+    assert app.seen[1].path == "/a b"
+    assert ("host", f"127.0.0.1:{listener.port}") in [
+        (n.decode(), v.decode()) for n, v in app.seen[0].headers
+    ]
+
+
+async def test_scope_shape() -> None:
+    scopes: list[Scope] = []
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        scopes.append(scope)
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body"})
+
+    async with serving(app) as listener, connect(listener) as (reader, writer):
+        writer.write(b"GET /p%2Fq?a=b&c HTTP/1.1\r\nHost: x\r\nX-Y: z\r\n\r\n")
+        status, headers, _ = await read_response(reader)
+    assert status == 204 and "content-length" not in headers
+    scope = scopes[0]
+    assert scope["type"] == "http" and scope["asgi"]["version"] == "3.0"
+    assert scope["method"] == "GET" and scope["scheme"] == "http"
+    assert scope["path"] == "/p/q" and scope["raw_path"] == b"/p%2Fq"
+    assert scope["query_string"] == b"a=b&c" and scope["root_path"] == ""
+    assert scope["headers"] == [(b"host", b"x"), (b"x-y", b"z")]
+    assert scope["server"] == ("127.0.0.1", listener.port)
+    assert scope["client"][0] == "127.0.0.1"
+    assert scope["extensions"] == {"transport": "h1", "early_data": False, "handshake_wait_s": 0.0}
+
+
+async def test_tcp_nodelay_on_accepted_connections() -> None:
+    async with serving(RecordingApp()) as listener, connect(listener) as (reader, writer):
+        writer.write(GET)
+        await read_response(reader)
+        (conn,) = listener.connections
+        sock = conn._transport.get_extra_info("socket")  # type: ignore[union-attr]
+        assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+
+
+async def test_pipelined_requests_are_answered_in_order() -> None:
+    app = RecordingApp()
+    async with serving(app) as listener, connect(listener) as (reader, writer):
+        writer.write(
+            b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\nab"
+            b"GET /stream?n=2 HTTP/1.1\r\nhost: x\r\n\r\n"
+            b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+            b"3\r\nxyz\r\n0\r\n\r\n"
+        )
+        first = await read_response(reader)
+        for _ in range(2):
+            app.release.put_nowait(None)
+        second = await read_response(reader)
+        third = await read_response(reader)
+    assert json.loads(first[2])["body_bytes"] == 2
+    assert second[1]["transfer-encoding"] == "chunked" and second[2] == b"0;1;"
+    assert json.loads(third[2])["body_bytes"] == 3
+    assert [s.path for s in app.seen] == ["/echo", "/stream", "/echo"]
+
+
+async def test_chunked_and_streamed_request_bodies() -> None:
+    messages: list[dict[str, Any]] = []
+    first = asyncio.Event()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            messages.append(message)
+            first.set()
+            if not message.get("more_body"):
+                break
+        body = b"".join(m["body"] for m in messages)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": body})
+
+    async with serving(app) as listener, connect(listener) as (reader, writer):
+        writer.write(
+            b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n4\r\nabcd\r\n"
+        )
+        await writer.drain()
+        await asyncio.wait_for(first.wait(), 5)
+        assert messages[0] == {"type": "http.request", "body": b"abcd", "more_body": True}
+        writer.write(b"2;ext=1\r\nef\r\n0\r\n\r\n")
+        status, _, body = await read_response(reader)
+    assert (status, body) == (200, b"abcdef")
+    assert messages[-1]["more_body"] is False
+
+
+async def test_every_split_of_a_request_is_parsed_the_same() -> None:
+    app = RecordingApp()
+    request = (
+        b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+        b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n" + GET
+    )
+    async with serving(app) as listener:
+        for cut in range(1, len(request)):
+            async with connect(listener) as (reader, writer):
+                writer.write(request[:cut])
+                await writer.drain()
+                await asyncio.sleep(0)
+                writer.write(request[cut:])
+                one = await read_response(reader)
+                two = await read_response(reader)
+            assert json.loads(one[2])["body_bytes"] == 5, cut
+            assert two[0] == 200, cut
+
+
+async def test_expect_100_continue() -> None:
+    app = RecordingApp()
+    async with serving(app) as listener, connect(listener) as (reader, writer):
+        writer.write(
+            b"POST /echo HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\ncontent-length: 3\r\n\r\n"
+        )
+        assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5) == (
+            b"HTTP/1.1 100 Continue\r\n\r\n"
+        )
+        writer.write(b"abc")
+        status, _, body = await read_response(reader)
+        assert status == 200 and json.loads(body)["body_bytes"] == 3
+        writer.write(GET)  # and the connection goes on
+        assert (await read_response(reader))[0] == 200
+
+
+async def test_expect_100_refused_without_reading_closes() -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 417, "headers": []})
+        await send({"type": "http.response.body", "body": b"no"})
+
+    async with serving(app) as listener, connect(listener) as (reader, writer):
+        writer.write(
+            b"POST / HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\ncontent-length: 3\r\n\r\n"
+        )
+        status, _, body = await read_response(reader)
+        assert (status, body) == (417, b"no")  # no 100 first: the app never asked for the body
+        assert await at_eof(reader)
+
+
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (b"GET / HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 20_000 + b"\r\n\r\n", 431),
+        (b"GET / HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 20_000, 431),
+        (b"NOT HTTP AT ALL\r\n\r\n", 400),
+        (b"GET / HTTP/1.1\r\n\r\n", 400),  # no Host (RFC 9112 §3.2)
+        (b"GET / HTTP/1.1\r\nhost: x\r\nbad header\r\n\r\n", 400),
+        (b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: x\r\n\r\n", 400),
+        (b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n", 400),
+    ],
+)
+async def test_bad_requests_are_answered_and_closed(request_bytes: bytes, status: int) -> None:
+    app = RecordingApp()
+    async with serving(app, max_header_bytes=16 * 1024) as listener:
+        async with connect(listener) as (reader, writer):
+            writer.write(request_bytes)
+            got, headers, _ = await read_response(reader)
+            assert got == status and headers["connection"] == "close"
+            assert await at_eof(reader)
+        async with connect(listener) as (reader, writer):  # the listener is unharmed
+            writer.write(GET)
+            assert (await read_response(reader))[0] == 200
+
+
+async def test_disconnect_mid_response_reaches_the_app() -> None:
+    app = RecordingApp()
+    async with serving(app) as listener:
+        async with connect(listener) as (reader, writer):
+            writer.write(b"GET /hold HTTP/1.1\r\nhost: x\r\n\r\n")
+            await reader.readuntil(b"first\r\n")
+        assert await asyncio.wait_for(app.disconnects.get(), 5) == "/hold"
+    assert app.seen[0].disconnected
+
+
+async def test_disconnect_while_the_app_waits_for_the_body() -> None:
+    app = RecordingApp()
+    async with serving(app) as listener:
+        async with connect(listener) as (_, writer):
+            writer.write(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\nab")
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        assert await asyncio.wait_for(app.disconnects.get(), 5) == "/echo"
+
+
+async def test_send_waits_while_the_client_does_not_read() -> None:
+    sent = 0
+    chunk = b"x" * 65536
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        nonlocal sent
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for _ in range(400):  # 25 MiB
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            sent += 1
+        await send({"type": "http.response.body", "body": b""})
+
+    async with serving(app) as listener, connect(listener) as (reader, writer):
+        writer.write(GET)
+        await asyncio.sleep(0.5)
+        stalled = sent
+        await asyncio.sleep(0.2)
+        assert sent == stalled < 400  # held by the transport's high-water mark
+        status, _, body = await read_response(reader)
+    assert status == 200 and len(body) == 400 * len(chunk)
+
+
+async def test_reading_pauses_while_the_app_does_not_read_the_body() -> None:
+    release = asyncio.Event()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await release.wait()
+        total = 0
+        while True:
+            message = await receive()
+            total += len(message["body"])
+            if not message["more_body"]:
+                break
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"%d" % total})
+
+    size = 4 * 1024 * 1024
+    async with serving(app) as listener, connect(listener) as (reader, writer):
+        writer.write(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % size)
+        writer.write(b"y" * size)
+        await asyncio.sleep(0.3)
+        (conn,) = listener.connections
+        assert not conn._transport.is_reading()  # type: ignore[union-attr]
+        release.set()
+        status, _, body = await read_response(reader)
+    assert (status, body) == (200, b"%d" % size)
+
+
+async def test_head_response_has_no_body() -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"5")]}
+        )
+        await send(
+            {"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else b"hello"}
+        )
+
+    async with serving(app) as listener, connect(listener) as (reader, writer):
+        writer.write(b"HEAD / HTTP/1.1\r\nhost: x\r\n\r\n" + GET)
+        status, headers, _ = await read_response(reader, head_only=True)
+        assert (status, headers["content-length"]) == (200, "5")
+        assert await read_response(reader) == (200, {"content-length": "5"}, b"hello")
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"GET /echo HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+        b"GET /echo HTTP/1.0\r\n\r\n",
+    ],
+)
+async def test_connection_close_and_http10(request_bytes: bytes) -> None:
+    async with serving(RecordingApp()) as listener, connect(listener) as (reader, writer):
+        writer.write(request_bytes)
+        status, headers, _ = await read_response(reader)
+        assert status == 200 and headers["connection"] == "close"
+        assert await at_eof(reader)
+
+
+async def test_http10_streamed_response_ends_with_the_connection() -> None:
+    app = RecordingApp()
+    async with serving(app) as listener, connect(listener) as (reader, writer):
+        writer.write(b"GET /stream?n=2 HTTP/1.0\r\n\r\n")
+        app.release.put_nowait(None)
+        app.release.put_nowait(None)
+        status, headers, body = await read_response(reader)
+    assert "transfer-encoding" not in headers and body == b"0;1;"
+
+
+async def test_app_connection_close_header_closes() -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        headers = [(b"Connection", b"close")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"bye"})
+
+    async with serving(app) as listener, connect(listener) as (reader, writer):
+        writer.write(GET)
+        assert await read_response(reader) == (
+            200,
+            {"transfer-encoding": "chunked", "connection": "close"},
+            b"bye",
+        )
+        assert await at_eof(reader)
+
+
+async def test_idle_keep_alive_connections_time_out() -> None:
+    async with serving(RecordingApp(), keep_alive_timeout=0.2) as listener:
+        async with connect(listener) as (reader, writer):
+            writer.write(GET)
+            await read_response(reader)
+            assert await at_eof(reader)
+        async with connect(listener) as (reader, _):  # and a connection that never asks
+            assert await at_eof(reader)
+
+
+async def test_a_long_response_outlives_the_idle_timeout() -> None:
+    app = RecordingApp()
+    async with serving(app, keep_alive_timeout=0.1) as listener, connect(listener) as (r, w):
+        w.write(b"GET /stream?n=2 HTTP/1.1\r\nhost: x\r\n\r\n")
+        await asyncio.sleep(0.3)
+        app.release.put_nowait(None)
+        app.release.put_nowait(None)
+        assert (await read_response(r))[2] == b"0;1;"
+
+
+async def test_app_error_before_the_response_is_500() -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["path"] == "/silent":
+            return
+        if scope["path"] == "/split":  # response splitting is refused
+            headers = [(b"x", b"a\r\nset-cookie: b")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+        raise RuntimeError("boom")
+
+    async with serving(app) as listener:
+        for path in (b"/boom", b"/silent", b"/split"):
+            async with connect(listener) as (reader, writer):
+                writer.write(b"GET %b HTTP/1.1\r\nhost: x\r\n\r\n" % path)
+                status, headers, _ = await read_response(reader)
+                assert (status, headers["connection"]) == (500, "close")
+                assert await at_eof(reader)
+
+
+async def test_app_error_mid_response_closes_without_the_last_chunk() -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"part", "more_body": True})
+        await asyncio.sleep(0.05)
+        raise RuntimeError("boom")
+
+    async with serving(app) as listener, connect(listener) as (reader, writer):
+        writer.write(GET)
+        with pytest.raises(asyncio.IncompleteReadError):
+            await read_response(reader)
+
+
+async def test_response_framing() -> None:
+    """Chunked unless the app gives a length; the head is sent before the body is ready."""
+    app = RecordingApp()
+    async with serving(app) as listener, connect(listener) as (reader, writer):
+        writer.write(b"GET /big HTTP/1.1\r\nhost: x\r\n\r\n")
+        status, headers, body = await read_response(reader)
+        assert headers == {"transfer-encoding": "chunked"} and body == b"x" * 20000
+        writer.write(b"GET /echo HTTP/1.1\r\nhost: x\r\n\r\n")
+        status, headers, body = await read_response(reader)
+        assert (status, headers["transfer-encoding"]) == (200, "chunked")
+        writer.write(b"GET /stream?n=1 HTTP/1.1\r\nhost: x\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)  # before any body
+        assert b"transfer-encoding: chunked" in head
+        app.release.put_nowait(None)
+        assert await reader.readuntil(b"0\r\n\r\n") == b"2\r\n0;\r\n0\r\n\r\n"
+
+
+async def test_no_body_for_204_and_304() -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        status = int(scope["path"][1:])
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": b"dropped"})
+
+    async with serving(app) as listener, connect(listener) as (reader, writer):
+        writer.write(b"GET /204 HTTP/1.1\r\nhost: x\r\n\r\nGET /304 HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert await read_response(reader) == (204, {}, b"")
+        assert await read_response(reader) == (304, {}, b"")
+        writer.write(b"GET /200 HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert await read_response(reader) == (200, {"transfer-encoding": "chunked"}, b"dropped")
+
+
+async def test_drain_finishes_open_responses_and_closes_idle_connections() -> None:
+    app = RecordingApp()
+    listener = H1Listener(app, host="127.0.0.1", port=0, options=TcpOptions(graceful_timeout=5))
+    await listener.start()
+    async with connect(listener) as (busy_r, busy_w), connect(listener) as (idle_r, idle_w):
+        idle_w.write(GET)
+        await read_response(idle_r)
+        busy_w.write(b"GET /stream?n=1 HTTP/1.1\r\nhost: x\r\n\r\n")
+        head = await asyncio.wait_for(busy_r.readuntil(b"\r\n\r\n"), 5)
+        stopping = asyncio.create_task(listener.stop())
+        assert await at_eof(idle_r)
+        with pytest.raises(OSError):
+            await asyncio.open_connection("127.0.0.1", listener.port)
+        assert not stopping.done()
+        app.release.put_nowait(None)
+        assert await busy_r.readuntil(b"0\r\n\r\n") == b"2\r\n0;\r\n0\r\n\r\n"
+        assert await at_eof(busy_r)
+        await asyncio.wait_for(stopping, 5)
+    assert b"200" in head
+
+
+async def test_drain_timeout_cuts_what_is_left() -> None:
+    app = RecordingApp()
+    listener = H1Listener(app, host="127.0.0.1", port=0, options=TcpOptions(graceful_timeout=0.2))
+    await listener.start()
+    async with connect(listener) as (reader, writer):
+        writer.write(b"GET /hold HTTP/1.1\r\nhost: x\r\n\r\n")
+        await reader.readuntil(b"first\r\n")
+        await asyncio.wait_for(listener.stop(), 5)
+        assert await asyncio.wait_for(app.disconnects.get(), 5) == "/hold"
+
+
+async def test_listener_never_started_releases_its_port() -> None:
+    listener = H1Listener(RecordingApp(), host="127.0.0.1", port=0)
+    port = listener.port
+    await listener.stop()
+    again = H1Listener(RecordingApp(), host="127.0.0.1", port=port)
+    await again.stop()
+
+
+@pytest.mark.parametrize(
+    "scenario",
+    [
+        test_scope_shape,
+        test_tcp_nodelay_on_accepted_connections,
+        test_pipelined_requests_are_answered_in_order,
+        test_expect_100_continue,
+        test_disconnect_mid_response_reaches_the_app,
+        test_send_waits_while_the_client_does_not_read,
+        test_reading_pauses_while_the_app_does_not_read_the_body,
+        test_drain_finishes_open_responses_and_closes_idle_connections,
+    ],
+)
+def test_on_uvloop(scenario: Any) -> None:
+    """uvloop's transports (the default loop of ``quicedge serve``) behave the same."""
+    uvloop = pytest.importorskip("uvloop")
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(scenario())

@@ -1,0 +1,523 @@
+"""A lean HTTP/1.1 ASGI server on an asyncio ``Protocol``: the plain-HTTP and admin listeners.
+
+hypercorn costs ~45% of the edge's CPU per request on the plain listener (a task per request,
+its keep-alive task restarted per request, a lock and a socket write per ASGI message). Here
+h11 parses the request (head and body framing, ~85 µs a request on the 2-core VM; a fresh
+parser per request instead of its response state machine), the response is framed by hand and
+each ASGI message is at most one socket write. The TLS listener stays on hypercorn: it needs h2
+via ALPN.
+
+One request at a time per connection (RFC 9112 §9.3.2: pipelined requests are answered in
+order); reading pauses while a request's unread body or a pipelined request is buffered. The
+idle timeout is one lazily re-armed timer per connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Iterable
+from http import HTTPStatus
+from typing import Any
+from urllib.parse import unquote
+
+import h11
+
+from transport.asgi import ASGIApp, Message
+from transport.tcp import TcpOptions, tcp_socket
+
+log = logging.getLogger("quicedge.h1")
+
+BODY_BUFFER = 64 * 1024
+"""Request-body bytes buffered for the app before reading pauses."""
+
+_DISCONNECT: Message = {"type": "http.disconnect"}
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_ERROR = "HTTP/1.1 {} {}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+_ASGI = {"version": "3.0", "spec_version": "2.3"}
+
+
+def _status_line(status: int) -> bytes:
+    try:
+        reason = HTTPStatus(status).phrase
+    except ValueError:
+        reason = ""
+    return f"HTTP/1.1 {status} {reason}\r\n".encode()
+
+
+_STATUS_LINES = {s.value: _status_line(s.value) for s in HTTPStatus}
+
+
+class _Cycle:
+    """One request and its response."""
+
+    __slots__ = (
+        "body",
+        "body_bytes",
+        "body_done",
+        "chunked",
+        "complete",
+        "continued",
+        "disconnected",
+        "expect_100",
+        "finished",
+        "head_only",
+        "http_10",
+        "keep_alive",
+        "proto",
+        "scope",
+        "started",
+        "waiter",
+    )
+
+    def __init__(self, proto: H1Protocol, scope: dict[str, Any], *, keep_alive: bool) -> None:
+        self.proto = proto
+        self.scope = scope
+        self.body: list[bytes] = []
+        self.body_bytes = 0
+        self.complete = False  # the whole request body has arrived
+        self.body_done = False  # ... and has been handed to the app
+        self.expect_100 = False
+        self.continued = False
+        self.head_only = scope["method"] == "HEAD"
+        self.http_10 = scope["http_version"] == "1.0"
+        self.keep_alive = keep_alive
+        self.started = False
+        self.finished = False
+        self.disconnected = False
+        self.chunked = False
+        self.waiter: asyncio.Future[None] | None = None
+
+    def wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def receive(self) -> Message:
+        while True:
+            if self.disconnected or self.finished:
+                return _DISCONNECT
+            if self.body or (self.complete and not self.body_done):
+                body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
+                self.body.clear()
+                self.body_bytes = 0
+                self.body_done = self.complete
+                self.proto.body_consumed()
+                return {"type": "http.request", "body": body, "more_body": not self.complete}
+            if self.expect_100 and not self.continued and not self.started:
+                # RFC 9110 §10.1.1: the app asked for the body, so tell the client to send it.
+                self.continued = True
+                self.proto.write(_CONTINUE)
+            self.waiter = self.proto.loop.create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+
+    async def send(self, message: Message) -> None:
+        kind = message["type"]
+        if kind == "http.response.start":
+            if self.started:
+                raise RuntimeError("http.response.start sent twice")
+            head = self._head(int(message["status"]), message.get("headers") or ())
+            self.started = True  # after _head: a bad header still leaves room for a 500
+            # Written at once: holding it back one loop turn to share a write with the first
+            # body chunk measured no better (docs/benchmarks.md, "Edge-added latency").
+            if not self.disconnected:
+                self.proto.write(head)
+            return
+        if kind != "http.response.body":
+            raise RuntimeError(f"unexpected ASGI message {kind!r}")
+        if not self.started or self.finished:
+            raise RuntimeError("http.response.body outside a response")
+        if self.disconnected:
+            return
+        body: bytes = message.get("body", b"")
+        more: bool = message.get("more_body", False)
+        out = b""
+        if self.chunked:
+            if body:
+                out = b"%x\r\n%b\r\n" % (len(body), body)
+            if not more:
+                out += b"0\r\n\r\n"
+        elif not self.head_only:
+            out = body
+        if out:
+            self.proto.write(out)
+        if not more:
+            self.finished = True
+            self.wake()
+            self.proto.finish(self)
+        elif self.proto.write_paused:
+            await self.proto.drained()
+
+    def _head(self, status: int, headers: Iterable[tuple[bytes, bytes]]) -> bytes:
+        """The response head, with framing (RFC 9112 §6) added where the app gave none."""
+        parts = [_STATUS_LINES.get(status) or _status_line(status)]
+        framed = False
+        close = not self.keep_alive or self.proto.server.draining
+        for name, value in headers:
+            if b"\n" in name or b"\r" in name or b"\n" in value or b"\r" in value:
+                raise ValueError("CR or LF in a response header")  # response splitting
+            lname = name.lower()
+            if lname == b"connection":
+                close = close or b"close" in value.lower()
+                continue
+            if lname == b"content-length":
+                framed = True
+            elif lname == b"transfer-encoding":
+                framed = self.chunked = True  # the app asked for chunked: we encode it
+            parts.append(b"%b: %b\r\n" % (name, value))
+        no_body = self.head_only or status < 200 or status in (204, 304)
+        if no_body:
+            self.chunked = False
+            self.head_only = True  # 1xx, 204, 304: whatever body the app sends is dropped
+        elif not framed:
+            if self.http_10:
+                close = True  # RFC 9112 §6.3 (8): the body ends when the connection closes
+            else:
+                self.chunked = True
+                parts.append(b"transfer-encoding: chunked\r\n")
+        if close:
+            self.keep_alive = False
+            parts.append(b"connection: close\r\n")
+        parts.append(b"\r\n")
+        return b"".join(parts)
+
+
+class H1Protocol(asyncio.Protocol):
+    """One HTTP/1.1 connection."""
+
+    def __init__(self, server: H1Listener, loop: asyncio.AbstractEventLoop) -> None:
+        self.server = server
+        self.loop = loop
+        self.write_paused = False
+        self._transport: asyncio.Transport | None = None
+        self._parser = self._new_parser()
+        self._cycle: _Cycle | None = None
+        self._reading_paused = False
+        self._drain: asyncio.Future[None] | None = None
+        self._closed = False
+        self._idle_since: float = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._client: tuple[str, int] | None = None
+        self._local: tuple[str, int] | None = None
+
+    def _new_parser(self) -> h11.Connection:
+        return h11.Connection(
+            h11.SERVER, max_incomplete_event_size=self.server.options.max_header_bytes
+        )
+
+    # asyncio callbacks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:  # inherited from the listener on Linux; set it anyway elsewhere
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = transport.get_extra_info("peername")
+        local = transport.get_extra_info("sockname")
+        self._client = (str(peer[0]), int(peer[1])) if peer else None
+        self._local = (str(local[0]), int(local[1])) if local else None
+        self.server.connections.add(self)
+        self._idle_since = self.loop.time()
+        self._timer = self.loop.call_later(self.server.options.keep_alive_timeout, self._on_timer)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self.server.forget(self)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._cycle is not None and not self._cycle.finished:
+            self._cycle.disconnected = True
+            self._cycle.wake()
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+    def eof_received(self) -> bool:
+        # As hypercorn: a client that half-closes has gone; the app gets http.disconnect.
+        return False
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        self._parser.receive_data(data)
+        if self._cycle is not None and self._cycle.complete:
+            # A pipelined request behind one in progress: buffer it, read no more until then.
+            # Reading goes on otherwise, so that a client that leaves is seen at once.
+            self._pause_reading()
+            return
+        self._advance()
+
+    # requests
+
+    def _advance(self) -> None:
+        """Turn buffered bytes into a request and its body events."""
+        try:
+            while not self._closed:
+                cycle = self._cycle
+                if cycle is None:
+                    event = self._parser.next_event()
+                    if event is h11.NEED_DATA:
+                        return
+                    if type(event) is h11.Request:
+                        self._start(event)
+                        continue
+                    self.close()  # ConnectionClosed
+                    return
+                if cycle.complete:
+                    return  # pipelined bytes wait for this response (RFC 9112 §9.3.2)
+                event = self._parser.next_event()
+                if event is h11.NEED_DATA:
+                    return
+                if type(event) is h11.Data:
+                    cycle.expect_100 = False  # the client sent the body without waiting
+                    cycle.body.append(bytes(event.data))
+                    cycle.body_bytes += len(event.data)
+                    if cycle.body_bytes > BODY_BUFFER:
+                        self._pause_reading()
+                elif type(event) is h11.EndOfMessage:
+                    cycle.complete = True
+                else:
+                    self.close()
+                    return
+                cycle.wake()
+        except h11.RemoteProtocolError as exc:
+            self._refuse(exc.error_status_hint)
+
+    def _start(self, event: h11.Request) -> None:
+        target = bytes(event.target)
+        path, _, query = target.partition(b"?")
+        version = event.http_version.decode()
+        scope: dict[str, Any] = {
+            "type": "http",
+            "asgi": _ASGI,
+            "http_version": version,
+            "method": event.method.decode(),
+            "scheme": "http",
+            "path": unquote(path.decode("ascii")),
+            "raw_path": path,
+            "query_string": query,
+            "root_path": "",
+            "headers": list(event.headers),
+            "client": self._client,
+            "server": self._local,
+            "extensions": {"transport": "h1", "early_data": False, "handshake_wait_s": 0.0},
+        }
+        keep_alive = version == "1.1"
+        size = len(target)
+        for name, value in event.headers:
+            size += len(name) + len(value) + 4
+            if name == b"connection" and b"close" in value.lower():
+                keep_alive = False
+        if size > self.server.options.max_header_bytes:
+            # h11 checks only a head that arrives in pieces; one read can hold a whole big one.
+            self._refuse(431)
+            return
+        cycle = _Cycle(self, scope, keep_alive=keep_alive)
+        cycle.expect_100 = self._parser.they_are_waiting_for_100_continue
+        self._cycle = cycle
+        self.server.spawn(self._run(cycle))
+
+    async def _run(self, cycle: _Cycle) -> None:
+        try:
+            await self.server.app(cycle.scope, cycle.receive, cycle.send)
+        except Exception:
+            log.exception("ASGI app failed on %s %s", cycle.scope["method"], cycle.scope["path"])
+            self._failed(cycle)
+        else:
+            if not cycle.finished:
+                if not cycle.started:
+                    log.error("ASGI app returned without a response")
+                self._failed(cycle)
+
+    def _failed(self, cycle: _Cycle) -> None:
+        """500 when nothing was sent yet; otherwise close, so the client sees it cut short."""
+        if self._closed or cycle.finished or cycle.disconnected:
+            return
+        cycle.finished = True
+        if not cycle.started:
+            self.write(_ERROR.format(500, "Internal Server Error").encode())
+        self.close()
+
+    def _refuse(self, status: int) -> None:
+        """A malformed request (400) or an oversize head (431): answer and close."""
+        cycle = self._cycle
+        if cycle is not None and cycle.started:
+            if not cycle.finished:  # malformed body mid-response: the app sees disconnect
+                cycle.disconnected = True
+                cycle.wake()
+            self.close()
+            return
+        if cycle is not None:
+            cycle.disconnected = True
+            cycle.wake()
+        self.write(_ERROR.format(status, HTTPStatus(status).phrase).encode())
+        self.close()
+
+    def finish(self, cycle: _Cycle) -> None:
+        """The response is complete: next request on this connection, or close."""
+        if self._closed:
+            return
+        if not cycle.keep_alive or not cycle.complete or self.server.draining:
+            # An unread remainder of the body would have to be read to find the next request.
+            self.close()
+            return
+        data, _ = self._parser.trailing_data
+        self._parser = self._new_parser()
+        self._cycle = None
+        self._idle_since = self.loop.time()
+        if data:
+            self._parser.receive_data(data)
+        if self._reading_paused:
+            self._reading_paused = False
+            assert self._transport is not None
+            self._transport.resume_reading()
+        self._advance()
+
+    def body_consumed(self) -> None:
+        if self._reading_paused and self._cycle is not None and not self._cycle.complete:
+            self._reading_paused = False
+            assert self._transport is not None
+            self._transport.resume_reading()
+
+    def _pause_reading(self) -> None:
+        if not self._reading_paused and self._transport is not None:
+            self._reading_paused = True
+            self._transport.pause_reading()
+
+    # output and lifetime
+
+    def write(self, data: bytes) -> None:
+        if not self._closed and self._transport is not None:
+            self._transport.write(data)
+
+    async def drained(self) -> None:
+        """Wait until the transport's buffer is under its low-water mark (or the peer left)."""
+        while self.write_paused and not self._closed:
+            if self._drain is None or self._drain.done():
+                self._drain = self.loop.create_future()
+            await self._drain
+
+    def close(self) -> None:
+        if not self._closed and self._transport is not None:
+            self._closed = True
+            self._transport.close()  # flushes what is buffered, then connection_lost
+
+    def abort(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
+
+    @property
+    def idle(self) -> bool:
+        return self._cycle is None
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self._closed:
+            return
+        timeout = self.server.options.keep_alive_timeout
+        if self._cycle is None:
+            left = self._idle_since + timeout - self.loop.time()
+            if left <= 0:
+                self.close()
+                return
+        else:
+            left = timeout
+        self._timer = self.loop.call_later(left, self._on_timer)
+
+
+class H1Listener:
+    """A plain-HTTP/1.1 listener for one ASGI app; the same surface as ``TcpListener``."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        host: str,
+        port: int,
+        reuse_port: bool = False,
+        options: TcpOptions | None = None,
+    ) -> None:
+        self.app = app
+        self.options = options or TcpOptions()
+        self._sock: socket.socket | None = tcp_socket(host, port, reuse_port=reuse_port)
+        name = self._sock.getsockname()
+        self.address = (str(name[0]), int(name[1]))
+        self.scheme = "http"
+        self.connections: set[H1Protocol] = set()
+        self.draining = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._server: asyncio.AbstractServer | None = None
+        self._stopped = asyncio.Event()
+        self._empty: asyncio.Event | None = None
+
+    def __repr__(self) -> str:
+        return f"<H1Listener {self.url}>"
+
+    @property
+    def port(self) -> int:
+        return self.address[1]
+
+    @property
+    def url(self) -> str:
+        return f"{self.scheme}://{self.address[0]}:{self.address[1]}"
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        sock, self._sock = self._sock, None
+        assert sock is not None, "started twice"
+        self._server = await loop.create_server(
+            lambda: H1Protocol(self, loop), sock=sock, backlog=1024
+        )
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def forget(self, conn: H1Protocol) -> None:
+        self.connections.discard(conn)
+        if not self.connections and self._empty is not None:
+            self._empty.set()
+
+    async def stop(self) -> None:
+        """Stop accepting, close idle connections, let responses finish, then cut the rest."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        if self._server is None:
+            self._stopped.set()
+            return
+        server, self._server = self._server, None
+        self.draining = True
+        server.close()
+        self._empty = asyncio.Event()
+        for conn in list(self.connections):
+            if conn.idle:
+                conn.close()
+        if self.connections:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._empty.wait(), self.options.graceful_timeout)
+        for conn in list(self.connections):
+            conn.abort()  # the apps get http.disconnect
+        if self._tasks:
+            _, pending = await asyncio.wait(set(self._tasks), timeout=1.0)
+            for task in pending:
+                task.cancel()
+            if pending:
+                await asyncio.wait(pending)
+        await server.wait_closed()
+        self._stopped.set()
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
