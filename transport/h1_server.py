@@ -66,6 +66,7 @@ class _Cycle:
         "head_only",
         "http_10",
         "keep_alive",
+        "left",
         "proto",
         "scope",
         "started",
@@ -88,6 +89,7 @@ class _Cycle:
         self.finished = False
         self.disconnected = False
         self.chunked = False
+        self.left = -1  # body bytes still owed under the app's content-length; -1: none given
         self.waiter: asyncio.Future[None] | None = None
 
     def wake(self) -> None:
@@ -143,6 +145,12 @@ class _Cycle:
                 out += b"0\r\n\r\n"
         elif not self.head_only:
             out = body
+            if self.left >= 0:
+                self.left -= len(body)
+                if self.left < 0 or (not more and self.left):
+                    # The client would read the wrong bytes as the next response: close instead.
+                    self.proto.close()
+                    raise RuntimeError("response body does not match its content-length")
         if out:
             self.proto.write(out)
         if not more:
@@ -166,6 +174,7 @@ class _Cycle:
                 continue
             if lname == b"content-length":
                 framed = True
+                self.left = int(value)
             elif lname == b"transfer-encoding":
                 framed = self.chunked = True  # the app asked for chunked: we encode it
             parts.append(b"%b: %b\r\n" % (name, value))

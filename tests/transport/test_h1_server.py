@@ -455,6 +455,20 @@ async def test_no_body_for_204_and_304() -> None:
         assert await read_response(reader) == (200, {"transfer-encoding": "chunked"}, b"dropped")
 
 
+@pytest.mark.parametrize("body", [b"abc", b"abcdefg"])
+async def test_body_that_misses_its_content_length_closes(body: bytes) -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        headers = [(b"content-length", b"5")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async with serving(app) as listener, connect(listener) as (reader, writer):
+        writer.write(GET + GET)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200 ")
+        assert len(await asyncio.wait_for(reader.read(), 5)) <= 5  # then the end, no 2nd answer
+
+
 async def test_drain_finishes_open_responses_and_closes_idle_connections() -> None:
     app = RecordingApp()
     listener = H1Listener(app, host="127.0.0.1", port=0, options=TcpOptions(graceful_timeout=5))
