@@ -127,6 +127,20 @@ class RouteContext:
         while not req.finished:
             await req.wait_change()
 
+    async def _whole_answer_due(
+        self, req: SimRequest, responder: Responder, error: Callable[[str], bytes]
+    ) -> bool:
+        """Wait for a non-streamed request to finish; False when there is no answer to send:
+        the client went away, or the request was aborted (a 400 went out, as SGLang's)."""
+        await self._until_finished(req)
+        if responder.disconnected:
+            return False
+        message = self._abort_message(req)
+        if message is not None:
+            await responder.send(400, error(message))
+            return False
+        return True
+
     @staticmethod
     def _abort_message(req: SimRequest) -> str | None:
         reason = req.finish_reason

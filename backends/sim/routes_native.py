@@ -41,12 +41,7 @@ class NativeRoutes(RouteContext):
         params = parse_generate(parse_json(request.body), self.tokenizer)
         req = self._submit(params, responder)
         if not params.stream:
-            await self._until_finished(req)
-            if responder.disconnected:
-                return
-            message = self._abort_message(req)
-            if message is not None:
-                await responder.send(400, native_error(message))
+            if not await self._whole_answer_due(req, responder, native_error):
                 return
             await responder.send(200, dumps(self._generate_output(req, final=True)))
             return

@@ -55,12 +55,7 @@ class OpenAIRoutes(RouteContext):
         model = params.model or self.config.model_name
         created = int(time.time())
         if not params.stream:
-            await self._until_finished(req)
-            if responder.disconnected:
-                return
-            message = self._abort_message(req)
-            if message is not None:
-                await responder.send(400, openai_error(message))
+            if not await self._whole_answer_due(req, responder, openai_error):
                 return
             reason, matched = self._finish_fields(req)
             body = {
@@ -175,12 +170,7 @@ class OpenAIRoutes(RouteContext):
         model = params.model or self.config.model_name
         created = int(time.time())
         if not params.stream:
-            await self._until_finished(req)
-            if responder.disconnected:
-                return
-            message = self._abort_message(req)
-            if message is not None:
-                await responder.send(400, openai_error(message))
+            if not await self._whole_answer_due(req, responder, openai_error):
                 return
             reason, matched = self._finish_fields(req)
             body = {
