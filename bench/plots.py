@@ -20,23 +20,28 @@ def write_plots(records: list[dict[str, Any]], directory: Path) -> list[Path]:
     for rec in records:
         if rec["ttft_ms"] is not None and rec["error"] is None:
             by_config.setdefault(rec["config"], []).append(rec)
-    written = []
+
+    def finish(fig: Any, ax: Any, xlabel: str, ylabel: str, title: str, name: str) -> Path:
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        if by_config:
+            ax.legend()
+        path = directory / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, recs in by_config.items():
         ttft = sorted(r["ttft_ms"] for r in recs)
         ax.step(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], where="post", label=name)
-    ax.set_xlabel("TTFT (ms), as the client sees it")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title("TTFT CDF")
-    ax.grid(True, alpha=0.3)
-    if by_config:
-        ax.legend()
-    path = directory / "ttft_cdf.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    written.append(path)
+    cdf = finish(
+        fig, ax, "TTFT (ms), as the client sees it", "fraction of requests", "TTFT CDF",
+        "ttft_cdf.png",
+    )  # fmt: skip
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, recs in by_config.items():
@@ -45,15 +50,8 @@ def write_plots(records: list[dict[str, Any]], directory: Path) -> list[Path]:
         ]
         if points:
             ax.scatter([p[0] for p in points], [p[1] for p in points], s=12, alpha=0.6, label=name)
-    ax.set_xlabel("cached fraction of the prompt (cached_tokens / prompt_tokens)")
-    ax.set_ylabel("TTFT (ms)")
-    ax.set_title("TTFT against prefix-cache hit")
-    ax.grid(True, alpha=0.3)
-    if by_config:
-        ax.legend()
-    path = directory / "ttft_vs_cached.png"
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    written.append(path)
-    return written
+    cached = finish(
+        fig, ax, "cached fraction of the prompt (cached_tokens / prompt_tokens)", "TTFT (ms)",
+        "TTFT against prefix-cache hit", "ttft_vs_cached.png",
+    )  # fmt: skip
+    return [cdf, cached]
