@@ -4,9 +4,11 @@ One `UpstreamPool` serves every backend. Per backend it keeps idle keep-alive co
 most-recently-first, closed after `idle_timeout`), and bounds the number of open connections at
 `max_connections_per_backend`: a request that finds the cap reached waits for a free slot.
 
-Each connection is a small `asyncio.Protocol` around an `h11.Connection`. Bytes the backend sends
-are buffered by the protocol and handed to h11 only when the consumer asks for the next event, so
-a slow consumer pauses reading from the socket instead of growing a buffer without bound.
+Each connection is a small `asyncio.Protocol` with an llhttp parser (`httptools`) that frames
+its responses in C as bytes arrive; the consumer takes the body parsed so far in one piece. Once
+more than `READ_HIGH_WATER` body bytes wait unread, reading from the socket pauses, so a slow
+consumer does not grow a buffer without bound. Requests are written by hand, in one write, after
+checking that nothing in them could be read as a second request on the wire.
 
 A response that is closed before its body is complete closes its connection: that is how an
 upstream request is aborted (the backend sees the disconnect). TCP_NODELAY is set on every socket:
@@ -22,10 +24,10 @@ import re
 import socket
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import cast
 from urllib.parse import urlsplit
 
-import h11
+import httptools
 
 from backends.errors import (
     UpstreamConnectError,
@@ -36,7 +38,11 @@ from backends.errors import (
 
 log = logging.getLogger(__name__)
 
-READ_HIGH_WATER = 256 * 1024  # buffered unread bytes above which the socket is paused
+READ_HIGH_WATER = 256 * 1024  # buffered unread body bytes above which the socket is paused
+MAX_RESPONSE_HEAD = 64 * 1024  # a status line and headers longer than this are refused
+# Not HEAD: a response parser does not know the request's method, and would read the body a
+# HEAD response announces but never sends.
+_METHODS = frozenset({"GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
 # Hop-by-hop headers (RFC 9110 §7.6.1) and framing headers the pool sets itself.
 _DROP_HEADERS = frozenset(
     {
@@ -73,17 +79,123 @@ class PoolStats:
         return self.reused / self.requests if self.requests else 0.0
 
 
+class _ResponseParser:
+    """Sans-I/O reader of one connection's responses: llhttp (httptools) does the framing.
+
+    llhttp checks what h11 checked (status line, header syntax, Content-Length against
+    Transfer-Encoding, chunk framing) in C, and hands over each piece of body as it is parsed:
+    one callback per chunk instead of a pass through a Python state machine. The callbacks only
+    record; the consumer takes the body bytes gathered so far in one piece.
+    """
+
+    __slots__ = (
+        "_head_bytes",
+        "_informational",
+        "body",
+        "body_bytes",
+        "done",
+        "error",
+        "extra",
+        "head_done",
+        "headers",
+        "keep_alive",
+        "parser",
+        "status",
+    )
+
+    def __init__(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.reset()
+
+    def reset(self) -> None:
+        """Ready for the next response on the same connection."""
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.head_done = False
+        self.keep_alive = False
+        self.body: list[bytes] = []
+        self.body_bytes = 0
+        self.done = False  # the whole response (head and body) was parsed
+        self.extra = False  # bytes followed its end: nobody asked for them, never reuse
+        self.error: str | None = None
+        self._informational = False
+        self._head_bytes = 0
+
+    def feed(self, data: bytes) -> None:
+        if not self.head_done:
+            self._head_bytes += len(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self.error = "it switched protocols"
+        except httptools.HttpParserError as exc:
+            if self.done:
+                self.extra = True  # garbage after a complete response: only reuse suffers
+            else:
+                self.error = str(exc) or type(exc).__name__
+        if not self.head_done and self._head_bytes > MAX_RESPONSE_HEAD and self.error is None:
+            self.error = f"response head over {MAX_RESPONSE_HEAD} bytes"
+
+    def feed_eof(self) -> None:
+        """The connection closed: the end of a body that runs until close (RFC 9112 §6.3 (8))."""
+        if self.head_done and not self.done and self._until_close():
+            self.done = True
+
+    def _until_close(self) -> bool:
+        for name, value in self.headers:
+            if name == b"content-length" or (name == b"transfer-encoding" and value == b"chunked"):
+                return False
+        return not self.keep_alive
+
+    def take_body(self) -> bytes:
+        body = self.body
+        data = body[0] if len(body) == 1 else b"".join(body)
+        body.clear()
+        self.body_bytes = 0
+        return data
+
+    # httptools callbacks
+    def on_message_begin(self) -> None:
+        if self.done:
+            self.extra = True
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self.head_done:  # after the head: trailer fields, read and dropped
+            self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if status < 200:
+            # 1xx (RFC 9110 §15.2): llhttp ends it without a body; the final response follows.
+            self._informational = True
+            self.headers = []
+            return
+        self.status = status
+        self.keep_alive = self.parser.should_keep_alive()
+        self.head_done = True
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+        self.body_bytes += len(body)
+
+    def on_message_complete(self) -> None:
+        if self._informational:
+            self._informational = False
+        else:
+            self.done = True
+
+
 class _Connection(asyncio.Protocol):
-    """One TCP connection to a backend and its h11 state."""
+    """One TCP connection to a backend: its transport, its parser and the consumer's waiter."""
 
     def __init__(self, host: _Host) -> None:
         self.host = host
-        self.h11 = h11.Connection(our_role=h11.CLIENT)
+        self.response = _ResponseParser()
         self.transport: asyncio.Transport | None = None
         self.closed = False
+        self.in_flight = False  # a request was sent and its response is not complete
         self.received_any = False  # any byte of the current response arrived
-        self._buf = bytearray()
-        self._eof = False
+        self.eof = False
         self._paused = False
         self._waiter: asyncio.Future[None] | None = None
         self.idle_handle: asyncio.TimerHandle | None = None
@@ -104,25 +216,30 @@ class _Connection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
-        if self.h11.our_state is h11.IDLE:
+        if not self.in_flight:
             # RFC 9112 §9.3: a server must not send a response nobody asked for; the
             # connection can no longer be trusted to frame the next response.
             self.close()
             return
         self.received_any = True
-        self._buf += data
-        if len(self._buf) > READ_HIGH_WATER and not self._paused and self.transport is not None:
+        response = self.response
+        response.feed(data)
+        if response.body_bytes > READ_HIGH_WATER and not self._paused:
+            assert self.transport is not None
             self._paused = True
             self.transport.pause_reading()
         self._wake()
 
     def eof_received(self) -> bool | None:
-        self._eof = True
+        self.eof = True
+        self.response.feed_eof()
         self._wake()
         return None  # close the transport
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._eof = True
+        if not self.eof:
+            self.eof = True
+            self.response.feed_eof()
         if not self.closed:
             self.closed = True
             self.host.on_connection_lost(self)
@@ -135,58 +252,22 @@ class _Connection(asyncio.Protocol):
             waiter.set_result(None)
 
     def usable(self) -> bool:
-        return not self.closed and not self._eof and self.h11.our_state is h11.IDLE
+        return not self.closed and not self.eof and not self.in_flight
 
     def send(self, data: bytes) -> None:
         assert self.transport is not None
+        self.response.reset()
+        self.in_flight = True
         self.received_any = False
         self.transport.write(data)
 
-    def take_buffered(self) -> bytes:
-        """The bytes received and not yet consumed (for a body decoded outside h11)."""
-        data = bytes(self._buf)
-        self._buf.clear()
+    def take_body(self) -> bytes:
+        """The body bytes parsed and not yet consumed; reading resumes if it was paused."""
+        data = self.response.take_body()
         if self._paused and self.transport is not None:
             self._paused = False
             self.transport.resume_reading()
         return data
-
-    def poll_event(self) -> Any:
-        """The next h11 event from bytes already received, or `h11.NEED_DATA`; never waits.
-
-        A pending EOF is left for `next_event`, so an error is raised only by a call that
-        could not have returned data instead."""
-        conn = self.h11
-        while True:
-            event = conn.next_event()
-            if event is not h11.NEED_DATA or not self._buf:
-                return event
-            data = bytes(self._buf)
-            self._buf.clear()
-            if self._paused and self.transport is not None:
-                self._paused = False
-                self.transport.resume_reading()
-            conn.receive_data(data)
-
-    async def next_event(self, timeout: float | None, what: str) -> Any:
-        """The next h11 event, reading from the socket as needed."""
-        conn = self.h11
-        while True:
-            event = conn.next_event()
-            if event is not h11.NEED_DATA:
-                return event
-            if self._buf:
-                data = bytes(self._buf)
-                self._buf.clear()
-                if self._paused and self.transport is not None:
-                    self._paused = False
-                    self.transport.resume_reading()
-                conn.receive_data(data)
-                continue
-            if self._eof:
-                conn.receive_data(b"")  # h11 turns a premature EOF into RemoteProtocolError
-                continue
-            await self._wait(timeout, what)
 
     async def _wait(self, timeout: float | None, what: str) -> None:
         loop = asyncio.get_running_loop()
@@ -237,95 +318,8 @@ class _Connection(asyncio.Protocol):
         if not self.closed:
             self.closed = True
             self.host.on_connection_lost(self)
-        self._eof = True
+        self.eof = True
         self._wake()
-
-
-# RFC 9112 §7.1: chunk-size [chunk-ext] CRLF; the same grammar h11 accepts (1-20 hex digits, any
-# extension after `;`, optional trailing whitespace).
-_CHUNK_HEADER = re.compile(rb"([0-9A-Fa-f]{1,20})(?:;.*)?[ \t]*", re.DOTALL)
-MAX_CHUNK_LINE = 16 * 1024  # a chunk header or trailer line longer than this is refused
-
-
-class _ChunkedBody:
-    """Incremental decoder of a chunked response body (RFC 9112 §7.1).
-
-    h11 yields one event per chunk, through its state machine; this decodes every chunk in the
-    bytes at hand in one pass, which is most of what the relay costs per token. The pool uses it
-    for chunked responses only (what SGLang streams with); h11 still writes the request and
-    parses the status line and headers. Trailer fields are read and dropped, as before.
-    """
-
-    __slots__ = ("_left", "_pending", "_state", "done", "error", "extra")
-
-    _SIZE, _DATA, _DATA_END, _TRAILER = range(4)
-
-    def __init__(self) -> None:
-        self._pending = b""  # an incomplete chunk header, CRLF or trailer line
-        self._left = 0  # bytes of the current chunk's data still to come
-        self._state = self._SIZE
-        self.done = False
-        """The last chunk and the trailer section were read."""
-        self.extra = False
-        """Bytes followed the end of the body (nothing was asked for: never reuse)."""
-        self.error: h11.RemoteProtocolError | None = None
-        """A framing error, found after the data `feed` returned with it."""
-
-    def feed(self, data: bytes) -> bytes:
-        """The chunk data in `data` (may be empty). A framing error raises
-        `h11.RemoteProtocolError`, or, when data came before it, is kept in `error` so that
-        the data is relayed first."""
-        out: list[bytes] = []
-        try:
-            self._decode(data, out)
-        except h11.RemoteProtocolError as exc:
-            if not any(out):
-                raise
-            self.error = exc
-        return b"".join(out) if len(out) != 1 else out[0]
-
-    def _decode(self, data: bytes, out: list[bytes]) -> None:
-        buf = self._pending + data if self._pending else data
-        self._pending = b""
-        pos, end = 0, len(buf)
-        while pos < end:
-            state = self._state
-            if state == self._DATA:
-                take = min(self._left, end - pos)
-                out.append(buf[pos : pos + take])
-                pos += take
-                self._left -= take
-                if self._left == 0:
-                    self._state = self._DATA_END
-            elif state == self._DATA_END:
-                if end - pos < 2:
-                    break
-                if buf[pos : pos + 2] != b"\r\n":
-                    raise h11.RemoteProtocolError("chunk data not followed by CRLF")
-                pos += 2
-                self._state = self._SIZE
-            else:
-                eol = buf.find(b"\r\n", pos)
-                if eol < 0:
-                    break
-                line = buf[pos:eol]
-                pos = eol + 2
-                if state == self._SIZE:
-                    match = _CHUNK_HEADER.fullmatch(line)
-                    if match is None:
-                        raise h11.RemoteProtocolError(f"bad chunk header {line[:40]!r}")
-                    self._left = int(match.group(1), 16)
-                    self._state = self._DATA if self._left else self._TRAILER
-                elif not line:  # the blank line after the trailer section: the end
-                    self.done = True
-                    self.extra = pos < end
-                    return
-                elif b":" not in line:
-                    raise h11.RemoteProtocolError(f"bad trailer field {line[:40]!r}")
-        if pos < end:
-            self._pending = buf[pos:]
-            if len(self._pending) > MAX_CHUNK_LINE:
-                raise h11.RemoteProtocolError("chunk header or trailer line too long")
 
 
 class _Host:
@@ -421,19 +415,13 @@ class _Host:
                     self.wake_one()  # pass on the slot we were given
                 raise
 
-    def release(self, conn: _Connection, *, decoded_outside: bool = False) -> None:
-        """The response is complete: keep the connection if HTTP allows it, else close it.
-
-        `decoded_outside`: the body was read by `_ChunkedBody`, not h11, and the response allows
-        keep-alive; h11 never saw the body, so the next request gets a fresh h11 state."""
+    def release(self, conn: _Connection) -> None:
+        """The response is complete: keep the connection if HTTP allows it, else close it."""
         if conn.closed:
             return
-        h = conn.h11
-        if decoded_outside and h.our_state is h11.DONE and not conn._buf and not conn._eof:
-            conn.h11 = h11.Connection(our_role=h11.CLIENT)
-            self._keep(conn)
-        elif h.our_state is h11.DONE and h.their_state is h11.DONE:
-            h.start_next_cycle()
+        response = conn.response
+        conn.in_flight = False
+        if response.keep_alive and not response.extra and not conn.eof:
             self._keep(conn)
         else:
             conn.close()
@@ -452,18 +440,7 @@ class _Host:
 class UpstreamResponse:
     """Status and headers of a backend response; the body is read by iterating."""
 
-    __slots__ = (
-        "_body",
-        "_chunk_timeout",
-        "_conn",
-        "_done",
-        "_host",
-        "_keep_alive",
-        "_pending",
-        "headers",
-        "reused",
-        "status",
-    )
+    __slots__ = ("_chunk_timeout", "_conn", "_done", "_host", "headers", "reused", "status")
 
     def __init__(
         self,
@@ -474,16 +451,11 @@ class UpstreamResponse:
         headers: list[tuple[bytes, bytes]],
         reused: bool,
         chunk_timeout: float | None,
-        body: _ChunkedBody | None = None,
-        keep_alive: bool = True,
     ) -> None:
         self._host = host
-        self._body = body
-        self._keep_alive = keep_alive
         self._conn: _Connection | None = conn
         self._chunk_timeout = chunk_timeout
         self._done = False
-        self._pending: h11.RemoteProtocolError | None = None
         self.status = status
         self.headers = headers
         self.reused = reused
@@ -507,70 +479,28 @@ class UpstreamResponse:
 
         Chunks that arrived together come back as one: a consumer that fell behind (a busy
         edge, a burst of tokens) catches up with one write to its client instead of one per
-        chunk, and nothing that has arrived waits for anything that has not."""
+        chunk, and nothing that has arrived waits for anything that has not. Body bytes parsed
+        before a framing error are returned first; the next call raises."""
         conn = self._conn
         if conn is None:
             raise StopAsyncIteration
-        if self._body is not None:
-            return await self._next_decoded(conn, self._body)
+        response = conn.response
         while True:
-            try:
-                if self._pending is not None:
-                    raise self._pending
-                event = await conn.next_event(self._chunk_timeout, "body chunk")
-            except UpstreamError:
-                self._abort()
-                raise
-            except h11.RemoteProtocolError as exc:
-                self._abort()
-                raise UpstreamProtocolError(
-                    f"{self._host.base_url} broke off the response body: {exc}",
-                    base_url=self._host.base_url,
-                ) from None
-            if type(event) is h11.Data:
-                if event.data:
-                    return self._with_buffered(conn, bytes(event.data))
-                continue
-            if type(event) is h11.EndOfMessage:
-                self._finish(conn)
-                raise StopAsyncIteration
-            self._abort()  # ConnectionClosed or anything unexpected mid-body
-            raise UpstreamProtocolError(
-                f"{self._host.base_url} closed the connection mid-body",
-                base_url=self._host.base_url,
-            )
-
-    async def _next_decoded(self, conn: _Connection, body: _ChunkedBody) -> bytes:
-        """`__anext__` for a chunked body: every chunk at hand, decoded in one pass."""
-        while True:
-            data = conn.take_buffered()
-            try:
-                if body.error is not None:
-                    raise body.error
-                out = body.feed(data) if data else b""
-            except h11.RemoteProtocolError as exc:
-                self._abort()
-                raise UpstreamProtocolError(
-                    f"{self._host.base_url} broke off the response body: {exc}",
-                    base_url=self._host.base_url,
-                ) from None
-            if body.done:
+            out = conn.take_body() if response.body else b""
+            if response.done:
                 self._done = True
                 self._conn = None
-                if body.extra or not self._keep_alive:
-                    conn.close()
-                else:
-                    self._host.release(conn, decoded_outside=True)
+                self._host.release(conn)
                 if out:
                     return out
                 raise StopAsyncIteration
             if out:
                 return out
-            if conn._eof:
+            if response.error is not None or conn.eof:
                 self._abort()
+                cause = response.error or "the connection closed before the end of the body"
                 raise UpstreamProtocolError(
-                    f"{self._host.base_url} broke off the response body: the connection closed"
-                    " before the last chunk",
+                    f"{self._host.base_url} broke off the response body: {cause}",
                     base_url=self._host.base_url,
                 )
             try:
@@ -578,33 +508,6 @@ class UpstreamResponse:
             except UpstreamError:
                 self._abort()
                 raise
-
-    def _with_buffered(self, conn: _Connection, first: bytes) -> bytes:
-        """`first` and the body bytes already buffered behind it, without waiting."""
-        parts: list[bytes] | None = None
-        while True:
-            try:
-                event = conn.poll_event()
-            except h11.RemoteProtocolError as exc:
-                self._pending = exc  # raised by the next call, after this data is relayed
-                break
-            if type(event) is h11.Data:
-                if parts is None:
-                    parts = [first]
-                parts.append(event.data)
-                continue
-            if type(event) is h11.EndOfMessage:
-                self._finish(conn)  # the next call ends the iteration
-            elif event is not h11.NEED_DATA:
-                # ConnectionClosed or anything unexpected: let the next call find it.
-                self._pending = h11.RemoteProtocolError(f"unexpected {type(event).__name__}")
-            break
-        return first if parts is None else b"".join(parts)
-
-    def _finish(self, conn: _Connection) -> None:
-        self._done = True
-        self._conn = None
-        self._host.release(conn)
 
     async def read(self) -> bytes:
         """The whole (remaining) body."""
@@ -630,20 +533,51 @@ class UpstreamResponse:
         return f"<UpstreamResponse {self.status} {state} reused={self.reused}>"
 
 
-def _chunked(headers: list[tuple[bytes, bytes]]) -> bool:
-    # h11 refuses any transfer coding but chunked, and chunked wins over content-length
-    # (RFC 9112 §6.3), so a response h11 accepted with this header has a chunked body.
-    return any(name == b"transfer-encoding" for name, _ in headers)
+# RFC 9110 §5.1 and §5.5: a header name is a token; a value holds no CR, LF or NUL.
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_BAD_VALUE = re.compile(rb"[\r\n\x00]")
+_TARGET = re.compile(r"/[\x21-\x7e]*")
 
 
-def _keep_alive(event: h11.Response) -> bool:
-    """h11's rule: HTTP/1.1 and no `Connection: close`."""
-    if event.http_version < b"1.1":
-        return False
-    for name, value in event.headers:
-        if name == b"connection" and b"close" in value.lower():
-            return False
-    return True
+def _encode_request(
+    host: _Host, method: str, path: str, headers: Sequence[tuple[bytes, bytes]], body: bytes
+) -> bytes:
+    """The request head and body as one write. Raises ValueError on what would be invalid
+    on the wire (a header injection, a target with spaces) instead of sending it."""
+    if method not in _METHODS:
+        raise ValueError(f"invalid upstream request: method {method!r} is not supported")
+    if _TARGET.fullmatch(path) is None:
+        raise ValueError(f"invalid upstream request: bad target {path[:60]!r}")
+    parts = [
+        b"%b %b HTTP/1.1\r\nhost: %b\r\ncontent-length: %d\r\n"
+        % (method.encode(), path.encode(), host.host_header, len(body))
+    ]
+    for name, value in headers:
+        if name.lower() in _DROP_HEADERS:
+            continue
+        if _TOKEN.fullmatch(name) is None or _BAD_VALUE.search(value) is not None:
+            raise ValueError(f"invalid upstream request: bad header {name[:40]!r}")
+        parts.append(b"%b: %b\r\n" % (name, value.strip(b" \t")))
+    parts.append(b"\r\n")
+    parts.append(body)
+    return b"".join(parts)
+
+
+async def _read_head(conn: _Connection, timeout: float | None) -> None:
+    """Wait for the status line and headers of the response to the request just sent."""
+    response = conn.response
+    while not response.head_done:
+        if response.error is not None:
+            raise UpstreamProtocolError(
+                f"{conn.host.base_url} sent an invalid response: {response.error}",
+                base_url=conn.host.base_url,
+            )
+        if conn.eof:
+            raise UpstreamProtocolError(
+                f"{conn.host.base_url} closed the connection before the response head",
+                base_url=conn.host.base_url,
+            )
+        await conn._wait(timeout, "response")
 
 
 class UpstreamPool:
@@ -699,30 +633,6 @@ class UpstreamPool:
                 log.warning("warming %s: %s", base_url, result)
         host.wake_one()
 
-    @staticmethod
-    def _encode(
-        host: _Host,
-        conn: _Connection,
-        method: str,
-        path: str,
-        headers: Sequence[tuple[bytes, bytes]],
-        body: bytes,
-    ) -> bytes:
-        out_headers = [(b"host", host.host_header), (b"content-length", b"%d" % len(body))]
-        for name, value in headers:
-            if name.lower() not in _DROP_HEADERS:
-                out_headers.append((name, value))
-        try:
-            h = conn.h11
-            data = h.send(h11.Request(method=method, target=path, headers=out_headers))
-            if body:
-                data += h.send(h11.Data(data=body))
-            data += h.send(h11.EndOfMessage())
-        except h11.LocalProtocolError as exc:
-            conn.close()
-            raise ValueError(f"invalid upstream request: {exc}") from None
-        return data
-
     async def request(
         self,
         base_url: str,
@@ -736,27 +646,22 @@ class UpstreamPool:
     ) -> UpstreamResponse:
         """Send one request; return once the status line and headers arrived."""
         host = self._host(base_url)
+        data = _encode_request(host, method, path, headers, body)
         self._requests += 1
         for attempt in (0, 1):
             conn, reused = await host.acquire()
             try:
-                conn.send(self._encode(host, conn, method, path, headers, body))
-                while True:
-                    event = await conn.next_event(first_byte_timeout, "response")
-                    if type(event) is h11.Response:
-                        break
-                    if type(event) is h11.InformationalResponse:
-                        continue  # 1xx (RFC 9110 §15.2): the final response follows
-                    raise h11.RemoteProtocolError(f"unexpected {type(event).__name__}")
-            except (UpstreamError, h11.RemoteProtocolError, OSError, ValueError) as exc:
-                stale = reused and not conn.received_any and conn._eof
+                conn.send(data)
+                await _read_head(conn, first_byte_timeout)
+            except (UpstreamError, OSError) as exc:
+                stale = reused and not conn.received_any and conn.eof
                 conn.close()
                 if stale and attempt == 0 and not isinstance(exc, UpstreamTimeout):
                     # The backend closed this idle connection just as we reused it (its
                     # keep-alive timeout raced our request); nothing was processed, so a
                     # fresh connection is safe (RFC 9112 §9.3.1).
                     continue
-                if isinstance(exc, UpstreamError | ValueError):
+                if isinstance(exc, UpstreamError):
                     raise
                 raise UpstreamProtocolError(
                     f"{base_url} failed before the response head: {exc}", base_url=base_url
@@ -766,22 +671,13 @@ class UpstreamPool:
                 raise
             if reused:
                 self._reused += 1
-            headers = list(event.headers)
-            decoder = None
-            if method != "HEAD" and event.status_code not in (204, 304) and _chunked(headers):
-                # h11 accepted the head; the body is decoded outside it, starting with the
-                # bytes h11 already holds beyond the head.
-                decoder = _ChunkedBody()
-                conn._buf[:0] = conn.h11.trailing_data[0]
             return UpstreamResponse(
                 host=host,
                 conn=conn,
-                status=event.status_code,
-                headers=headers,
+                status=conn.response.status,
+                headers=conn.response.headers,
                 reused=reused,
                 chunk_timeout=chunk_timeout,
-                body=decoder,
-                keep_alive=_keep_alive(event),
             )
         raise AssertionError("unreachable")
 

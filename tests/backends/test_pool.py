@@ -18,7 +18,7 @@ from backends.errors import (
     UpstreamProtocolError,
     UpstreamTimeout,
 )
-from backends.pool import MAX_CHUNK_LINE, UpstreamPool, _ChunkedBody
+from backends.pool import MAX_RESPONSE_HEAD, UpstreamPool, _ResponseParser
 from backends.sim import SimConfig, SimServer
 from tests.helpers import free_port
 
@@ -152,7 +152,7 @@ class ScriptedServer:
             # Chunk extensions and a trailer section, as a chunked body may carry them.
             writer.write(
                 conn.send(h11.Response(status_code=200, headers=[("transfer-encoding", "chunked")]))
-                + b"5;ext=1\r\nhello\r\n6 \r\n world\r\n0\r\nx-checksum: 1\r\n\r\n"
+                + b"5;ext=1\r\nhello\r\n6;a=b\r\n world\r\n0\r\nx-checksum: 1\r\n\r\n"
             )
             conn.send(h11.Data(data=b"hello world"))
             conn.send(h11.EndOfMessage(headers=[("x-checksum", "1")]))  # keep h11 in step
@@ -607,45 +607,84 @@ async def test_chunked_answer_with_connection_close_is_not_reused(server: Script
         await pool.aclose()
 
 
-BODY = b"4\r\nabcd\r\n1A;name=value\r\n" + b"z" * 26 + b"\r\n3\t\r\nxyz\r\n0\r\nt: 1\r\n\r\n"
+HEAD = (
+    b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-A: 1\r\n\r\n"
+)
+BODY = b"4\r\nabcd\r\n1A;name=value\r\n" + b"z" * 26 + b"\r\n3\r\nxyz\r\n0\r\nt: 1\r\n\r\n"
 
 
-def test_chunked_decoder_any_split() -> None:
-    expected = b"abcd" + b"z" * 26 + b"xyz"
-    for cut in range(len(BODY) + 1):
-        for parts in ([BODY[:cut], BODY[cut:]], [BODY[i : i + 1] for i in range(len(BODY))]):
-            decoder = _ChunkedBody()
-            out = b"".join(decoder.feed(part) for part in parts)
-            assert out == expected and decoder.done and not decoder.extra
-    decoder = _ChunkedBody()
-    assert decoder.feed(BODY + b"HTTP/1.1 200 OK\r\n") == expected
-    assert decoder.done and decoder.extra  # bytes nobody asked for: the connection is not reused
+def parse(*parts: bytes) -> tuple[_ResponseParser, bytes]:
+    response = _ResponseParser()
+    body = b""
+    for part in parts:
+        response.feed(part)
+        if response.body:
+            body += response.take_body()
+    return response, body
+
+
+def test_parser_any_split() -> None:
+    """Status, headers (names lowercased, 1xx skipped), chunk data, extensions and trailers."""
+    wire = HEAD + BODY
+    for cut in range(len(wire) + 1):
+        for parts in ([wire[:cut], wire[cut:]], [wire[i : i + 1] for i in range(len(wire))]):
+            response, body = parse(*parts)
+            assert body == b"abcd" + b"z" * 26 + b"xyz"
+            assert response.status == 200 and response.done and response.keep_alive
+            assert response.headers == [(b"transfer-encoding", b"chunked"), (b"x-a", b"1")]
+            assert response.error is None and not response.extra
+    response, _ = parse(HEAD + BODY + b"HTTP/1.1 200 OK\r\n")
+    assert response.done and response.extra  # bytes nobody asked for: the connection is not reused
 
 
 @pytest.mark.parametrize(
-    "data",
+    "wire",
     [
-        b"g\r\n",  # not hex
-        b"\r\n",  # no size
-        b"123456789012345678901\r\n",  # over 20 digits
-        b"3\r\nabcXY",  # data not followed by CRLF
-        b"0\r\nnot a field\r\n\r\n",  # a trailer line without a colon
-        b"1" * (MAX_CHUNK_LINE + 1),  # a chunk header that never ends
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\ng\r\n",  # not hex
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n\r\n",  # no size
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabcXY",  # no CRLF after data
+        b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n",  # both
+        b"HTTP/1.1 200 OK\r\nX: a\r\n b\r\n\r\n",  # obsolete line folding
+        b"HTTP/1.1 200 OK\r\nX: a\x00b\r\n\r\n",  # NUL in a value
+        b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: x\r\n\r\n",
+        b"this is not HTTP\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nX: " + b"a" * MAX_RESPONSE_HEAD,  # a head that never ends
     ],
 )
-def test_chunked_decoder_refuses_bad_framing(data: bytes) -> None:
-    decoder = _ChunkedBody()
-    with pytest.raises(h11.RemoteProtocolError):
-        decoder.feed(data)
-        if decoder.error is not None:  # data came first: it is returned, the error kept
-            raise decoder.error
-    assert not decoder.done
+def test_parser_refuses_bad_framing(wire: bytes) -> None:
+    response, _ = parse(wire)
+    assert response.error is not None and not response.done
 
 
-def test_chunked_decoder_returns_data_before_an_error() -> None:
-    decoder = _ChunkedBody()
-    assert decoder.feed(b"2\r\nok\r\nzz\r\n") == b"ok"
-    assert isinstance(decoder.error, h11.RemoteProtocolError)
+def test_parser_returns_data_before_an_error() -> None:
+    response, body = parse(
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\nzz\r\n"
+    )
+    assert body == b"ok" and response.error is not None and not response.done
+
+
+def test_parser_body_until_close() -> None:
+    """No Content-Length and not chunked: the body ends when the connection does."""
+    response, body = parse(b"HTTP/1.1 200 OK\r\nX: 1\r\n\r\nab", b"c")
+    assert body == b"abc" and not response.done and not response.keep_alive
+    response.feed_eof()
+    assert response.done
+    cut, _ = parse(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nab")
+    cut.feed_eof()
+    assert not cut.done  # a declared length that never arrived is not a complete body
+
+
+async def test_requests_that_cannot_be_framed_are_refused(server: ScriptedServer) -> None:
+    pool = UpstreamPool()
+    try:
+        for method, path in (("HEAD", "/ok"), ("POST", "/a b"), ("POST", "no-slash")):
+            with pytest.raises(ValueError, match="invalid upstream request"):
+                await pool.request(server.url, method, path, headers=[], body=b"")
+        with pytest.raises(ValueError, match="invalid upstream request"):
+            await pool.request(server.url, "POST", "/ok", headers=[(b"x y", b"1")], body=b"")
+        assert server.connections == 0 and pool.stats().requests == 0
+    finally:
+        await pool.aclose()
 
 
 async def test_a_shorter_chunk_timeout_after_a_long_first_byte_timeout(
