@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.transport.apps import RecordingApp
-from transport.asgi import ASGIApp, Receive, Scope, Send
+from transport.asgi import ASGIApp, Message, Receive, Scope, Send
 from transport.h1_server import H1Listener
 from transport.tcp import TcpOptions
 
@@ -103,7 +103,7 @@ async def test_scope_shape() -> None:
         await send({"type": "http.response.body"})
 
     async with serving(app) as listener, connect(listener) as (reader, writer):
-        writer.write(b"GET /p%2Fq?a=b&c HTTP/1.1\r\nHost: x\r\nX-Y: z\r\n\r\n")
+        writer.write(b"GET /p%2Fq?a=b&c HTTP/1.1\r\nHost: x\r\nX-Y: z \t\r\n\r\n")
         status, headers, _ = await read_response(reader)
     assert status == 204 and "content-length" not in headers
     scope = scopes[0]
@@ -111,7 +111,7 @@ async def test_scope_shape() -> None:
     assert scope["method"] == "GET" and scope["scheme"] == "http"
     assert scope["path"] == "/p/q" and scope["raw_path"] == b"/p%2Fq"
     assert scope["query_string"] == b"a=b&c" and scope["root_path"] == ""
-    assert scope["headers"] == [(b"host", b"x"), (b"x-y", b"z")]
+    assert scope["headers"] == [(b"host", b"x"), (b"x-y", b"z")]  # names lowercased
     assert scope["server"] == ("127.0.0.1", listener.port)
     assert scope["client"][0] == "127.0.0.1"
     assert scope["extensions"] == {"transport": "h1", "early_data": False, "handshake_wait_s": 0.0}
@@ -147,7 +147,7 @@ async def test_pipelined_requests_are_answered_in_order() -> None:
 
 
 async def test_chunked_and_streamed_request_bodies() -> None:
-    messages: list[dict[str, Any]] = []
+    messages: list[Message] = []
     first = asyncio.Event()
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -233,6 +233,20 @@ async def test_expect_100_refused_without_reading_closes() -> None:
         (b"GET / HTTP/1.1\r\nhost: x\r\nbad header\r\n\r\n", 400),
         (b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: x\r\n\r\n", 400),
         (b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n", 400),
+        (
+            b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 3\r\n"
+            b"transfer-encoding: chunked\r\n\r\n",
+            400,  # RFC 9112 §6.1: request smuggling
+        ),
+        (b"GET / HTTP/1.1\r\nhost: x\r\nhost: y\r\n\r\n", 400),
+        (b"GET / HTTP/1.1\r\nhost: x\r\nx-a: b\r\n c\r\n\r\n", 400),  # obs-fold
+        (b"GET /\xc3\xa9 HTTP/1.1\r\nhost: x\r\n\r\n", 400),
+        (b"GET / HTTP/2.0\r\nhost: x\r\n\r\n", 505),
+        (
+            b"POST / HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: h2c\r\n"
+            b"content-length: 3\r\n\r\nabc",
+            400,  # the parser would skip the body of an upgrade
+        ),
     ],
 )
 async def test_bad_requests_are_answered_and_closed(request_bytes: bytes, status: int) -> None:
@@ -246,6 +260,119 @@ async def test_bad_requests_are_answered_and_closed(request_bytes: bytes, status
         async with connect(listener) as (reader, writer):  # the listener is unharmed
             writer.write(GET)
             assert (await read_response(reader))[0] == 200
+
+
+async def test_an_oversize_head_in_many_reads_is_refused() -> None:
+    """The parser keeps a partial header line to itself: the bytes fed are counted too."""
+    app = RecordingApp()
+    async with serving(app, max_header_bytes=4096) as listener, connect(listener) as (r, w):
+        w.write(b"GET /echo HTTP/1.1\r\nhost: x\r\nx-big: ")
+        for _ in range(9):  # one header line, never finished: 4.6 KB in all
+            await asyncio.sleep(0.005)
+            w.write(b"a" * 512)
+            await w.drain()
+        status, headers, _ = await read_response(r)
+        assert (status, headers["connection"]) == (431, "close")
+        assert await at_eof(r)
+    assert app.seen == []
+
+
+async def test_heads_in_many_reads_are_counted_per_request() -> None:
+    app = RecordingApp()
+    head = b"GET /echo HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 3000 + b"\r\n\r\n"
+    async with serving(app, max_header_bytes=4096) as listener, connect(listener) as (r, w):
+        for _ in range(3):  # 9 KB of heads on one connection, each under the limit
+            for at in range(0, len(head), 500):
+                w.write(head[at : at + 500])
+                await w.drain()
+                await asyncio.sleep(0.002)
+            assert (await read_response(r))[0] == 200
+    assert len(app.seen) == 3
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"GET /echo HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: websocket\r\n\r\n",
+        b"GET /echo HTTP/1.1\r\nhost: x\r\nconnection: Upgrade, keep-alive\r\nupgrade: h2c\r\n\r\n",
+        b"CONNECT example.com:443 HTTP/1.1\r\nhost: example.com:443\r\n\r\n",
+    ],
+)
+async def test_upgrade_is_answered_as_http11_then_closed(request_bytes: bytes) -> None:
+    """We speak no other protocol: the request gets an ordinary answer, what follows is not read."""
+    app = RecordingApp()
+    async with serving(app) as listener, connect(listener) as (reader, writer):
+        writer.write(request_bytes + b"\x00\x01 not http " + GET)
+        status, headers, _ = await read_response(reader)
+        assert (status, headers["connection"]) == (200, "close")
+        assert await at_eof(reader)
+    assert len(app.seen) == 1
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        b"GET /echo HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+        b"GET /echo HTTP/1.1\r\nhost: x\r\nconnection: keep-alive, Close\r\n\r\n",
+        b"GET /echo HTTP/1.0\r\nconnection: keep-alive\r\n\r\n",
+    ],
+)
+async def test_nothing_after_a_last_request_is_read(request_bytes: bytes) -> None:
+    app = RecordingApp()
+    async with serving(app) as listener, connect(listener) as (reader, writer):
+        writer.write(request_bytes + GET + b"NOT HTTP\r\n\r\n")
+        status, headers, _ = await read_response(reader)
+        assert (status, headers["connection"]) == (200, "close")
+        assert await at_eof(reader)
+    assert len(app.seen) == 1
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b"NOT HTTP AT ALL\r\n\r\n",
+        b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\nzz\r\n",
+    ],
+)
+async def test_a_bad_request_behind_good_ones_is_answered_after_them(bad: bytes) -> None:
+    app = RecordingApp()
+    async with serving(app) as listener, connect(listener) as (reader, writer):
+        writer.write(b"GET /stream?n=1 HTTP/1.1\r\nhost: x\r\n\r\n" + GET + bad)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        app.release.put_nowait(None)  # the first answer is under way when the bad one is read
+        assert await reader.readuntil(b"0\r\n\r\n") == b"2\r\n0;\r\n0\r\n\r\n"
+        assert (await read_response(reader))[0] == 200
+        status, headers, _ = await read_response(reader)
+        assert (status, headers["connection"]) == (400, "close")
+        assert await at_eof(reader)
+    assert head.startswith(b"HTTP/1.1 200 ")
+    assert [s.path for s in app.seen] == ["/stream", "/echo"]  # the bad one never reaches it
+
+
+async def test_a_pipelined_request_waits_with_reading_paused() -> None:
+    app = RecordingApp()
+    size = 300_000
+    async with serving(app) as listener, connect(listener) as (reader, writer):
+        writer.write(b"GET /stream?n=1 HTTP/1.1\r\nhost: x\r\n\r\n")
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        writer.write(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % size)
+        writer.write(b"y" * size)
+        (conn,) = listener.connections
+        transport = conn._transport
+        assert transport is not None
+        for _ in range(500):  # until the pipelined bytes arrive
+            if not transport.is_reading():
+                break
+            await asyncio.sleep(0.01)
+        assert not transport.is_reading()
+        assert len(app.seen) == 1
+        app.release.put_nowait(None)
+        assert await reader.readuntil(b"0\r\n\r\n") == b"2\r\n0;\r\n0\r\n\r\n"
+        status, _, body = await read_response(reader)
+        assert (status, json.loads(body)["body_bytes"]) == (200, size)
+        assert transport.is_reading()
+        writer.write(GET)  # and the connection goes on
+        assert (await read_response(reader))[0] == 200
 
 
 async def test_disconnect_mid_response_reaches_the_app() -> None:
@@ -340,11 +467,13 @@ async def test_head_response_has_no_body() -> None:
     ],
 )
 async def test_connection_close_and_http10(request_bytes: bytes) -> None:
-    async with serving(RecordingApp()) as listener, connect(listener) as (reader, writer):
+    app = RecordingApp()
+    async with serving(app) as listener, connect(listener) as (reader, writer):
         writer.write(request_bytes)
-        status, headers, _ = await read_response(reader)
+        status, headers, body = await read_response(reader)
         assert status == 200 and headers["connection"] == "close"
         assert await at_eof(reader)
+    assert json.loads(body)["http_version"] == request_bytes.split(b"\r\n")[0][-3:].decode()
 
 
 async def test_http10_streamed_response_ends_with_the_connection() -> None:
@@ -515,6 +644,7 @@ async def test_listener_never_started_releases_its_port() -> None:
         test_scope_shape,
         test_tcp_nodelay_on_accepted_connections,
         test_pipelined_requests_are_answered_in_order,
+        test_a_pipelined_request_waits_with_reading_paused,
         test_expect_100_continue,
         test_disconnect_mid_response_reaches_the_app,
         test_send_waits_while_the_client_does_not_read,
