@@ -421,7 +421,9 @@ class ProxyApp:
             }
         )
         result = RelayResult()
-        await relay_stream(response, send, result, on_first_token=ticket.first_token)
+        await relay_stream(
+            response, send, result, on_first_token=ticket.first_token, route=ex.route
+        )
         if result.upstream_error is not None:
             self._upstream_failed(backend, result.upstream_error.kind)
             if isinstance(result.upstream_error, UpstreamTimeout):

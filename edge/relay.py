@@ -24,14 +24,17 @@ from edge.errors import EdgeError, from_upstream, stream_error_event
 
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
-# A JSON string member `"content": "<first char>` or `"text": "<first char>`: the first char is
-# `"` when the string is empty (the chat role chunk, `"content":""`), anything else is content.
-# The first "content" (chat delta) or "text" (completions, /generate) string of an event: group 1
-# is the JSON string literal's body, still escaped.
-_CONTENT = re.compile(rb'"(?:content|text)"\s*:\s*"((?:[^"\\]|\\.)*)"', re.DOTALL)
+# The JSON string member `"content": "..."` (chat deltas) or `"text": "..."` (completions,
+# /generate); group 1 is the string literal's body, still escaped. The literal prefix lets the
+# regex engine skip to candidates with a fast substring search instead of trying every `"`.
+_FIELDS = {
+    field: re.compile(rb'"' + field + rb'":\s*"((?:[^"\\]|\\.)*)"', re.DOTALL)
+    for field in (b"content", b"text")
+}
 _MAX_PIECES = 256 * 1024
 """Bytes of OpenAI stream deltas kept for routing feedback; a longer answer is not learned."""
 _DONE = b"[DONE]"
+_DONE_LINE = b"data: [DONE]"
 _MAX_TAIL = 1 << 20
 """An SSE event larger than this (1 MiB) is relayed but not scanned: accounting gives up on it."""
 
@@ -101,32 +104,40 @@ def _data_of(event: bytes) -> bytes | None:
 class SSEScanner:
     """Incremental `text/event-stream` scanner: feed chunks, learn what accounting needs.
 
-    Events end at a blank line (`\\n\\n`; SGLang writes LF line ends). Bytes of an incomplete
-    event are kept in `_tail` and scanning resumes where it stopped, so feeding one byte at a
-    time costs linear, not quadratic, time.
+    Events end at a blank line (`\\n\\n`; SGLang writes LF line ends, one `data:` line per event).
+    A chunk is scanned as a whole, not event by event: the complete events in it are one region,
+    searched with a few C-level calls (counts, one regex `findall`), whatever their number; a
+    busy edge reads many tokens at once, and a loop per event was most of its relay cost. Bytes
+    of an incomplete event wait in `_tail`, searched again only from where the last search
+    stopped. Error events, rare, are parsed one by one.
+
+    `field` is the JSON member that carries generated text (`content` for chat, `text` for the
+    others); `deltas` says whether it is a delta (OpenAI) or /generate's cumulative text.
     """
 
     __slots__ = (
+        "_content",
+        "_deltas",
+        "_last_region",
         "_pieces",
         "_pieces_size",
-        "_scanned",
         "_tail",
         "content_events",
         "done",
         "error",
         "events",
-        "last_data",
     )
 
-    def __init__(self) -> None:
-        self._tail = bytearray()
-        self._scanned = 0
+    def __init__(self, field: bytes = b"content", *, deltas: bool = True) -> None:
+        self._content = _FIELDS[field]
+        self._deltas = deltas
+        self._tail = b""
+        self._last_region = b""
+        """The last region that held a data event other than `[DONE]`."""
         self.events = 0
         """Complete data events seen (not counting `[DONE]`)."""
         self.content_events = 0
         """Events that carried generated text."""
-        self.last_data: bytes | None = None
-        """Payload of the last data event before `[DONE]` (usage/meta_info live there)."""
         self.error: dict[str, Any] | None = None
         """The `error` object of an error event, if the backend sent one."""
         self.done = False
@@ -135,59 +146,65 @@ class SSEScanner:
         """Escaped text of each OpenAI delta, decoded once at the end (None: gave up)."""
         self._pieces_size = 0
 
+    @classmethod
+    def for_route(cls, route: str) -> SSEScanner:
+        if route == "/generate":
+            return cls(b"text", deltas=False)
+        return cls(b"content" if route == "/v1/chat/completions" else b"text")
+
     def feed(self, chunk: bytes) -> int:
         """Scan `chunk`; return how many content events it completed."""
-        if not self._tail:
-            data: bytes | bytearray = chunk
-            start_scan = 0
-        else:
-            if len(self._tail) > _MAX_TAIL:
+        tail = self._tail
+        if tail:
+            if len(tail) > _MAX_TAIL:
                 return 0
-            self._tail += chunk
-            data = self._tail
-            start_scan = self._scanned
-        content = 0
-        start = 0
-        while True:
-            end = data.find(b"\n\n", start_scan)
-            if end < 0:
-                break
-            content += self._event(bytes(data[start:end]))
-            start = start_scan = end + 2
-        if start == 0 and data is self._tail:
-            pass  # nothing complete: keep the tail as it is
-        elif start < len(data):
-            self._tail = bytearray(data[start:])
+            data = tail + chunk
+            # the tail held no separator; one may straddle the old end, so start a byte before
+            end = data.find(b"\n\n", len(tail) - 1)
+            if end >= 0:
+                end = data.rfind(b"\n\n", end)
         else:
-            self._tail = bytearray()
-        # a separator split across chunks: resume one byte before the end
-        self._scanned = max(len(self._tail) - 1, 0)
-        return content
+            data = chunk
+            end = data.rfind(b"\n\n")
+        if end < 0:
+            self._tail = data
+            return 0
+        self._tail = data[end + 2 :]
+        return self._scan(data[:end])
 
-    def _event(self, event: bytes) -> int:
-        payload = _data_of(event)
-        if payload is None:  # comment or non-data event: relayed, not counted
-            return 0
-        if payload == _DONE:
+    def _scan(self, region: bytes) -> int:
+        """Account for `region`, one or more complete events (separators between them)."""
+        events = region.count(b"\n\ndata:") + region.startswith(b"data:")
+        if not events:
+            return 0  # comments or other fields only: relayed, not counted
+        if region.endswith(_DONE_LINE) and (
+            len(region) == len(_DONE_LINE) or region.endswith(b"\n\n" + _DONE_LINE)
+        ):  # anchored: JSON text may say "data: [DONE]" too
             self.done = True
+            events -= 1
+        if not events:
             return 0
-        self.events += 1
-        self.last_data = payload
-        if payload[:16].find(b'"error"') >= 0:
-            self._record_error(payload)
+        self.events += events
+        self._last_region = region
+        if b'"error"' in region:
+            self._scan_errors(region)
+        found = [m for m in self._content.findall(region) if m]
+        if not found:
             return 0
-        match = _CONTENT.search(payload)
-        if match is None or not match.group(1):
-            return 0
-        # /generate's text is cumulative and comes whole in the last event: keep OpenAI deltas only.
-        if self._pieces is not None and not payload.startswith(b'{"text"'):
-            piece = match.group(1)
-            self._pieces_size += len(piece)
+        self.content_events += len(found)
+        if self._deltas and self._pieces is not None:
+            self._pieces_size += sum(map(len, found))
             if self._pieces_size <= _MAX_PIECES:
-                self._pieces.append(piece)
+                self._pieces += found
             else:
                 self._pieces = None
-        return 1
+        return len(found)
+
+    def _scan_errors(self, region: bytes) -> None:
+        for event in region.split(b"\n\n"):
+            payload = _data_of(event)
+            if payload is not None and payload[:16].find(b'"error"') >= 0:
+                self._record_error(payload)
 
     def _record_error(self, payload: bytes) -> None:
         try:
@@ -198,13 +215,23 @@ class SSEScanner:
         err = obj.get("error") if isinstance(obj, dict) else None
         self.error = err if isinstance(err, dict) else {"message": str(err)}
 
+    @property
+    def last_data(self) -> bytes | None:
+        """Payload of the last data event before `[DONE]` (usage/meta_info live there)."""
+        for event in reversed(self._last_region.split(b"\n\n")):
+            payload = _data_of(event)
+            if payload is not None and payload != _DONE:
+                return payload
+        return None
+
     def final(self) -> tuple[Usage, str | None]:
         """Decode the last data event once, at the end of the stream: usage, and the whole
         generated text when the stream is /generate's (its text is cumulative)."""
-        if self.last_data is None:
+        last = self.last_data
+        if last is None:
             return Usage(), None
         try:
-            obj = json.loads(self.last_data)
+            obj = json.loads(last)
         except ValueError:
             return Usage(), None
         text = obj.get("text") if isinstance(obj, dict) and "meta_info" in obj else None
@@ -215,7 +242,7 @@ class SSEScanner:
     def _joined_pieces(self) -> str | None:
         """The OpenAI stream's generated text: the deltas' escaped bodies joined into one JSON
         string and decoded once (escapes never span two deltas, so the join stays valid)."""
-        if not self._pieces:
+        if not self._deltas or not self._pieces:
             return None
         try:
             text = json.loads(b'"' + b"".join(self._pieces) + b'"')
@@ -254,13 +281,15 @@ async def relay_stream(
     send: Send,
     result: RelayResult,
     on_first_token: Callable[[], None] | None = None,
+    *,
+    route: str = "/v1/chat/completions",
 ) -> None:
     """Relay an SSE body chunk by chunk. The response start was already sent.
 
     A backend failure mid-stream ends the client's stream with an error event in the API's format
     then `data: [DONE]` (as SGLang does), never a hang. Client-side send errors propagate.
     """
-    scanner = SSEScanner()
+    scanner = SSEScanner.for_route(route)
     perf = time.perf_counter
     last = 0.0
     try:

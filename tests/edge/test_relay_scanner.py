@@ -66,20 +66,23 @@ def splits(stream: bytes) -> list[list[bytes]]:
     return ways
 
 
+CHAT, COMPLETIONS, GENERATE = "/v1/chat/completions", "/v1/completions", "/generate"
+
+
 @pytest.mark.parametrize(
-    ("stream", "content", "events", "usage"),
+    ("route", "stream", "content", "events", "usage"),
     [
-        (CHAT_STREAM, 2, 5, Usage(36, 30, 2)),
-        (GENERATE_STREAM, 2, 2, Usage(5, 2, 2)),
-        (COMPLETIONS_STREAM, 2, 2, Usage()),
+        (CHAT, CHAT_STREAM, 2, 5, Usage(36, 30, 2)),
+        (GENERATE, GENERATE_STREAM, 2, 2, Usage(5, 2, 2)),
+        (COMPLETIONS, COMPLETIONS_STREAM, 2, 2, Usage()),
     ],
     ids=["chat", "generate", "completions"],
 )
 def test_every_split_gives_the_same_accounting(
-    stream: bytes, content: int, events: int, usage: Usage
+    route: str, stream: bytes, content: int, events: int, usage: Usage
 ) -> None:
     for parts in splits(stream):
-        scanner = SSEScanner()
+        scanner = SSEScanner.for_route(route)
         seen = sum(scanner.feed(part) for part in parts)
         assert seen == content
         assert scanner.events == events
@@ -98,7 +101,7 @@ def test_first_content_is_reported_in_the_chunk_that_completes_it() -> None:
 
 
 def test_trailing_partial_event_is_kept_not_counted() -> None:
-    scanner = SSEScanner()
+    scanner = SSEScanner.for_route(GENERATE)
     assert scanner.feed(GENERATE_STREAM + b'data: {"text": "x"') == 2
     assert scanner.feed(b"}") == 0
     assert scanner.events == 2
@@ -133,7 +136,7 @@ def test_usage_from_openai_and_native() -> None:
 
 
 def test_generate_stream_gives_the_whole_text_for_free() -> None:
-    scanner = SSEScanner()
+    scanner = SSEScanner.for_route(GENERATE)
     scanner.feed(GENERATE_STREAM)
     assert scanner.final() == (Usage(5, 2, 2), " Paris.")
     chat = SSEScanner()
@@ -163,6 +166,26 @@ def test_an_answer_too_long_to_learn_is_not_kept() -> None:
     assert sum(scanner.feed(chunk) for _ in range(100)) == 100
     scanner.feed(sse(b"[DONE]"))
     assert scanner.final()[1] is None
+
+
+def test_text_that_looks_like_the_protocol_is_only_text() -> None:
+    """Generated text that says `data: [DONE]` or `"content":"` is escaped text, not framing."""
+    tricky = ["data: [DONE]", '"content":"x"', "\n\ndata: [DONE]\n\n"]
+    stream = sse(*(chat_chunk({"content": p}) for p in tricky))
+    for parts in splits(stream):
+        scanner = SSEScanner.for_route(CHAT)
+        assert sum(scanner.feed(part) for part in parts) == 3
+        assert not scanner.done and scanner.events == 3
+        scanner.feed(sse(b"[DONE]"))
+        assert scanner.done and scanner.final()[1] == "".join(tricky)
+
+
+def test_many_events_in_one_chunk_count_each() -> None:
+    stream = sse(*(chat_chunk({"content": f" t{i}"}) for i in range(50)), b"[DONE]")
+    scanner = SSEScanner.for_route(CHAT)
+    assert scanner.feed(stream) == 50
+    assert scanner.done and scanner.events == 50
+    assert scanner.final()[1] == "".join(f" t{i}" for i in range(50))
 
 
 def test_whole_answers_give_usage_and_text() -> None:
