@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 from backends.sim import SimConfig, SimServer
-from bench.edge_latency import Response
+from bench.edge_latency import REPO, Response
 from tests.bench.conftest import run_command
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -52,12 +54,13 @@ async def test_concurrent_streams_report_itl_and_the_added_figures(tmp_path: Pat
         done = await run_command(
             "bench.edge_latency", f"a={sim.url}", f"b={sim.url}", "--concurrency", "3",
             "--rounds", "2", "--per-round", "6", "--warmup", "1", "--max-tokens", "5",
-            "--pause-ms", "0", "--json", str(out),
+            "--pause-ms", "0", "--json", str(out), "--no-rt",
         )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[0] == "concurrency 3:"
     report = json.loads(out.read_text())
     assert report["config"]["concurrency"] == [3]
+    assert report["config"]["client_priority"] == "normal"
     (run,) = report["runs"]
     a, b = run["targets"]
     # 2 rounds of 6 requests, 2 on each of the 3 connections.
@@ -120,8 +123,32 @@ async def test_spawn_writes_both_reports_and_stops_its_processes(tmp_path: Path)
         assert report["pinning"]["edge"] == [max(os.sched_getaffinity(0))]
     table = (tmp_path / "edge_latency.md").read_text()
     assert "| 2 | edge | 4 |" in table and "CPU pinning:" in table
+    priority = report["config"]["client_priority"]
+    assert priority == "SCHED_FIFO 10" or priority.startswith("normal (real-time refused")
+    assert f"Client priority: {priority}" in table
     for pid in (report["pids"]["sim"], report["pids"]["edge"]):
         assert not _running(pid), f"process {pid} still running"
+
+
+def test_real_time_client_is_not_inherited_by_its_children() -> None:
+    """The stand-in and the edge are started by the client: they must run at normal priority."""
+    script = (
+        "import os, subprocess, sys\n"
+        "from bench.edge_latency import client_priority\n"
+        "said = client_priority(True)\n"
+        "child = subprocess.run([sys.executable, '-c',"
+        " 'import os; print(os.sched_getscheduler(0))'], capture_output=True, text=True)\n"
+        "print(said, os.sched_getscheduler(0), child.stdout.strip(), sep='|')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=REPO
+    )
+    said, ours, theirs = done.stdout.strip().split("|")
+    if said == "SCHED_FIFO 10":
+        assert int(ours) & ~getattr(os, "SCHED_RESET_ON_FORK", 0) == os.SCHED_FIFO
+    else:
+        assert said.startswith("normal (real-time refused")
+    assert int(theirs) == os.SCHED_OTHER
 
 
 def test_chunked_answer_split_anywhere_ends_where_it_ends() -> None:
