@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import multiprocessing
 import os
@@ -285,6 +286,7 @@ async def run_worker(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         loop.add_signal_handler(signal.SIGHUP, tls.reload)
+        freeze_startup_heap()
         announce(lines)
         await stop.wait()
         log.info("draining for up to %.1fs", t.drain_timeout)
@@ -301,6 +303,15 @@ async def run_worker(
         if wiring is not None:
             await wiring.aclose()
         tickets.close()
+
+
+def freeze_startup_heap() -> None:
+    """Move everything allocated at startup (modules, classes, config: ~60k objects) out of
+    the garbage collector's reach. A full collection walks every tracked object: ~75 ms here
+    with them, a pause every request in flight would wait out; after the freeze, a full
+    collection walks only what serving allocated."""
+    gc.collect()
+    gc.freeze()
 
 
 def _print_lines(lines: list[str]) -> None:
