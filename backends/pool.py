@@ -192,6 +192,8 @@ class _Connection(asyncio.Protocol):
         self.host = host
         self.response = _ResponseParser()
         self.transport: asyncio.Transport | None = None
+        # Kept: asyncio.get_running_loop() costs a getpid() system call each time on 3.11.
+        self.loop = asyncio.get_running_loop()
         self.closed = False
         self.in_flight = False  # a request was sent and its response is not complete
         self.received_any = False  # any byte of the current response arrived
@@ -270,7 +272,7 @@ class _Connection(asyncio.Protocol):
         return data
 
     async def _wait(self, timeout: float | None, what: str) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         waiter = loop.create_future()
         self._waiter = waiter
         if timeout is not None:
@@ -299,7 +301,7 @@ class _Connection(asyncio.Protocol):
         deadline, waiter = self._deadline, self._waiter
         if deadline is None or waiter is None or waiter.done():
             return  # no wait in progress: the next one arms the timer again
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         # Timers may fire a little early (the loop's clock resolution, libuv's milliseconds).
         if deadline - loop.time() <= 0.001:
             waiter.set_exception(TimeoutError())
@@ -429,7 +431,7 @@ class _Host:
     def _keep(self, conn: _Connection) -> None:
         self.active -= 1
         self.idle.append(conn)
-        conn.idle_handle = asyncio.get_running_loop().call_later(self.pool.idle_timeout, conn.close)
+        conn.idle_handle = conn.loop.call_later(self.pool.idle_timeout, conn.close)
         self.wake_one()
 
     def stats(self) -> BackendPoolStats:

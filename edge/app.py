@@ -249,7 +249,7 @@ class ProxyApp:
         """Route and try backends in turn; a watcher aborts everything if the client goes away."""
         task = asyncio.current_task()
         assert task is not None
-        watcher = asyncio.ensure_future(_watch_disconnect(receive, task, ex))
+        watcher = task.get_loop().create_task(_watch_disconnect(receive, task, ex))
         try:
             await self._attempts(ex, send)
         except asyncio.CancelledError:

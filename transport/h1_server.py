@@ -368,7 +368,7 @@ class H1Protocol(asyncio.Protocol):
         self._reading = cycle
         if self._cycle is None:
             self._cycle = cycle
-            self.server.spawn(self._run(cycle))
+            self.server.spawn(self._run(cycle), self.loop)
         else:
             self._queue.append(cycle)  # answered in order (RFC 9112 §9.3.2)
 
@@ -469,7 +469,7 @@ class H1Protocol(asyncio.Protocol):
                 return
         else:
             cycle = self._cycle = self._queue.popleft()
-            self.server.spawn(self._run(cycle))
+            self.server.spawn(self._run(cycle), self.loop)
             if cycle.complete and (self._queue or self._url):
                 return  # more pipelined requests: reading stays paused
             if cycle.body_bytes > BODY_BUFFER:
@@ -575,8 +575,8 @@ class H1Listener:
             lambda: H1Protocol(self, loop), sock=sock, backlog=1024
         )
 
-    def spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
+    def spawn(self, coro: Any, loop: asyncio.AbstractEventLoop) -> None:
+        task = loop.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
