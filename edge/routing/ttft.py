@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
+from operator import mul
 
 from backends.registry import Backend
 from edge.routing.base import Decision, Outcome, RequestView, register_policy, usable
@@ -85,13 +86,16 @@ class RecursiveLeastSquares:
         self.updates = 0
 
     def predict(self, x: Sequence[float]) -> float:
-        return sum(t * v for t, v in zip(self.theta, x, strict=True))
+        if len(x) != len(self.theta):
+            raise ValueError(f"expected {len(self.theta)} features, got {len(x)}")
+        return sum(map(mul, self.theta, x))
 
     def update(self, x: Sequence[float], y: float) -> None:
-        n = len(x)
+        # Row by row with map(): this runs after every response, and index loops over the
+        # small matrix cost several times as much in the interpreter.
         p = self._p
-        px = [sum(p[i][j] * x[j] for j in range(n)) for i in range(n)]
-        denom = self.forgetting + sum(x[i] * px[i] for i in range(n))
+        px = [sum(map(mul, row, x)) for row in p]
+        denom = self.forgetting + sum(map(mul, x, px))
         if denom <= 0:
             return
         k = [v / denom for v in px]
@@ -100,19 +104,20 @@ class RecursiveLeastSquares:
         limit = 4 * self._abs_err
         self._abs_err += 0.05 * (min(abs(err), limit) - self._abs_err)
         err = max(-limit, min(limit, err))
-        for i in range(n):
-            low, high = self.bounds[i]
-            self.theta[i] = max(low, min(high, self.theta[i] + k[i] * err))
+        self.theta = [
+            max(low, min(high, t + ki * err))
+            for t, ki, (low, high) in zip(self.theta, k, self.bounds, strict=True)
+        ]
         lam = self.forgetting
-        for i in range(n):
-            for j in range(n):
-                p[i][j] = (p[i][j] - k[i] * px[j]) / lam
-        trace = sum(p[i][i] for i in range(n))
+        p = [
+            [(pij - ki * pxj) / lam for pij, pxj in zip(row, px, strict=True)]
+            for row, ki in zip(p, k, strict=True)
+        ]
+        trace = sum(row[i] for i, row in enumerate(p))
         if trace > self._max_trace:  # no excitation + forgetting blows P up ("windup")
             f = self._max_trace / trace
-            for i in range(n):
-                for j in range(n):
-                    p[i][j] *= f
+            p = [[v * f for v in row] for row in p]
+        self._p = p
         self.updates += 1
 
 
