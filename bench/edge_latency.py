@@ -25,8 +25,9 @@ system, from /proc) each spent per request while that target was measured. Targe
 first are also reported as "added" over the first: differences of the percentiles (TTFT p50
 and p99, ITL p99, first byte p50). `--json PATH` writes all of it.
 
-`--spawn` runs the whole measurement: it starts an `instant` stand-in (`python -m backends.sim`)
-and one edge in front of it (`python -m edge.cli serve`, free ports), measures `direct` against
+`--spawn` runs the whole measurement: it starts a stand-in (`python -m backends.sim`, `instant`
+unless `--sim-profile` and `--sim-time-scale` say otherwise) and one edge in front of it
+(`python -m edge.cli serve`, free ports), measures `direct` against
 `edge` at each `--concurrency`, writes OUT/edge_latency.md and OUT/edge_latency.json, and stops
 both. With two CPUs or more, the edge is pinned to the last one and the stand-in and this client
 to the others (`--no-pin`: not pinned). `--edge-python` and `--edge-cwd` run another tree's edge
@@ -526,6 +527,7 @@ def markdown(result: dict[str, Any]) -> str:
         f" {cfg['rounds']} interleaved rounds of {cfg['per_round']} requests per target,"
         f" {cfg['warmup']} warm-up requests per connection, pause {cfg['pause_ms']} ms",
         f"- Client priority: {cfg.get('client_priority', 'normal')}",
+        f"- Stand-in profile: {cfg.get('sim_profile', 'instant')}",
         "- All times in ms; added = edge percentile − direct percentile. ITL gaps of tokens that"
         " arrived in one read count as 0.",
         "",
@@ -642,7 +644,7 @@ def spawned(args: argparse.Namespace, out: Path) -> Iterator[Spawned]:
         sim = _start(
             "the stand-in",
             [sys.executable, "-m", "backends.sim", "--port", str(sim_port), "--name", "s1",
-             "--profile", "instant"],
+             "--profile", args.sim_profile, "--time-scale", str(args.sim_time_scale)],
             log=out / "sim.log", cpus=others, cwd=REPO,
         )  # fmt: skip
         stack.callback(_stop, sim)
@@ -745,6 +747,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--spawn", action="store_true")
     g.add_argument("--out", default="bench-out/edge-latency", help="edge_latency.md/.json here")
     g.add_argument("--no-pin", dest="pin", action="store_false", help="no CPU pinning")
+    g.add_argument(
+        "--sim-profile",
+        default="instant",
+        help="the stand-in's timing profile (instant: no simulated GPU time)",
+    )
+    g.add_argument("--sim-time-scale", type=float, default=1.0,
+                   help="multiply the profile's durations")  # fmt: skip
     g.add_argument("--edge-arg", action="append", default=[], metavar="ARG",
                    help="one more argument to `serve` (repeat; --edge-arg=--loop ...)")  # fmt: skip
     g.add_argument("--edge-python", default=sys.executable, help="the edge's interpreter")
@@ -783,6 +792,8 @@ def main(argv: list[str] | None = None) -> int:
         "pause_ms": args.pause_ms,
         "client_priority": client_priority(args.rt),
     }
+    if args.spawn:
+        config["sim_profile"] = f"{args.sim_profile} (time scale {args.sim_time_scale:g})"
     try:
         if args.spawn:
             result = run_spawn(args, config)

@@ -126,6 +126,7 @@ async def test_spawn_writes_both_reports_and_stops_its_processes(tmp_path: Path)
     priority = report["config"]["client_priority"]
     assert priority == "SCHED_FIFO 10" or priority.startswith("normal (real-time refused")
     assert f"Client priority: {priority}" in table
+    assert "Stand-in profile: instant (time scale 1)" in table
     for pid in (report["pids"]["sim"], report["pids"]["edge"]):
         assert not _running(pid), f"process {pid} still running"
 
