@@ -22,6 +22,7 @@ import collections
 import logging
 import re
 import socket
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import cast
@@ -197,6 +198,7 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.in_flight = False  # a request was sent and its response is not complete
         self.received_any = False  # any byte of the current response arrived
+        self.unread_since = 0.0  # perf_counter() of the read that brought the oldest unread body
         self.eof = False
         self._paused = False
         self._waiter: asyncio.Future[None] | None = None
@@ -225,6 +227,8 @@ class _Connection(asyncio.Protocol):
             return
         self.received_any = True
         response = self.response
+        if not response.body:
+            self.unread_since = time.perf_counter()
         response.feed(data)
         if response.body_bytes > READ_HIGH_WATER and not self._paused:
             assert self.transport is not None
@@ -442,7 +446,16 @@ class _Host:
 class UpstreamResponse:
     """Status and headers of a backend response; the body is read by iterating."""
 
-    __slots__ = ("_chunk_timeout", "_conn", "_done", "_host", "headers", "reused", "status")
+    __slots__ = (
+        "_chunk_timeout",
+        "_conn",
+        "_done",
+        "_host",
+        "arrived_at",
+        "headers",
+        "reused",
+        "status",
+    )
 
     def __init__(
         self,
@@ -461,6 +474,9 @@ class UpstreamResponse:
         self.status = status
         self.headers = headers
         self.reused = reused
+        self.arrived_at = 0.0
+        """`time.perf_counter()` of the socket read that brought the first byte of the body
+        bytes last returned: the time they waited in the edge starts there."""
 
     @property
     def complete(self) -> bool:
@@ -488,7 +504,11 @@ class UpstreamResponse:
             raise StopAsyncIteration
         response = conn.response
         while True:
-            out = conn.take_body() if response.body else b""
+            if response.body:
+                self.arrived_at = conn.unread_since
+                out = conn.take_body()
+            else:
+                out = b""
             if response.done:
                 self._done = True
                 self._conn = None

@@ -148,13 +148,17 @@ class ProxyApp:
     # -- inference ---------------------------------------------------------------------------
 
     async def _inference(self, scope: Scope, receive: Receive, send: Send, route: str) -> None:
-        t0 = time.perf_counter()
         ext = scope.get("extensions") or {}
         transport = ext.get("transport") or _TRANSPORT_BY_VERSION.get(
             scope.get("http_version", "1.1"), "h1"
         )
         early = bool(ext.get("early_data", False))
         wait = float(ext.get("handshake_wait_s", 0.0) or 0.0)
+        # From the socket read that completed the head where the listener says (the time in
+        # its parser and the loop's queue is the edge's too); a deferred 0-RTT request starts
+        # when the handshake released it, its wait is counted apart.
+        arrived = ext.get("arrived_at")
+        t0 = arrived + wait if arrived else time.perf_counter()
         headers = read_headers(scope["headers"])
         trace: RequestTrace | None = None
         request_id = "-"
@@ -431,8 +435,10 @@ class ProxyApp:
         trace = ex.trace
         if trace is not None and result.first_client is not None:
             assert result.first_upstream is not None
-            trace.stage("upstream_first_byte", t_head, result.first_upstream)
-            trace.stage("first_byte_to_client", result.first_upstream, result.first_client)
+            # the first token may have come in the same read as the head
+            first_in = max(t_head, result.first_upstream)
+            trace.stage("upstream_first_byte", t_head, first_in)
+            trace.stage("first_byte_to_client", first_in, result.first_client)
             trace.stage("stream_end", result.first_client, result.end,
                         {"quicedge.chunks": len(result.gaps) + 1})  # fmt: skip
         return result

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backends.errors import UpstreamError
+from backends.pool import UpstreamResponse
 from edge.errors import EdgeError, from_upstream, stream_error_event
 
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
@@ -265,6 +266,8 @@ class RelayResult:
     end: float = 0.0
     gaps: list[float] = field(default_factory=list)
     """Inter-token latencies as the client sees them (between content chunks)."""
+    delays: list[float] = field(default_factory=list)
+    """Per content chunk: from the socket read that brought it to its hand-over to the client."""
     usage: Usage = field(default_factory=Usage)
     text: str | None = None
     """The generated text, when it came for free (/generate streams)."""
@@ -277,7 +280,7 @@ class RelayResult:
 
 
 async def relay_stream(
-    chunks: AsyncIterable[bytes],
+    chunks: UpstreamResponse,
     send: Send,
     result: RelayResult,
     on_first_token: Callable[[], None] | None = None,
@@ -292,14 +295,16 @@ async def relay_stream(
     scanner = SSEScanner.for_route(route)
     perf = time.perf_counter
     last = 0.0
+    delays = result.delays
     try:
         async for chunk in chunks:
-            arrived = perf()
+            arrived = chunks.arrived_at  # the socket read, not when this task got to it
             content = scanner.feed(chunk)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             result.bytes_out += len(chunk)
             if content:
                 now = perf()
+                delays.append(now - arrived)
                 if result.first_client is None:
                     result.first_upstream = arrived
                     result.first_client = now

@@ -74,7 +74,16 @@ class Metrics:
         )
         self.edge_added = LightHistogram(
             "quicedge_edge_added_seconds",
-            "TTFT the edge adds: arrival to upstream send, plus first chunk in to first chunk out",
+            "TTFT the edge adds: the request's read to its upstream send, plus the first token's"
+            " read from the backend to its hand-over to the client",
+            ["transport"],
+            buckets=EDGE_BUCKETS,
+            registry=registry,
+        )
+        self.relay_delay = LightHistogram(
+            "quicedge_relay_delay_seconds",
+            "Per content chunk: the socket read that brought it from the backend to its hand-over"
+            " to the client transport",
             ["transport"],
             buckets=EDGE_BUCKETS,
             registry=registry,

@@ -1,4 +1,11 @@
-"""ASGI types shared by the listeners, and the scope extensions every transport adds."""
+"""ASGI types shared by the listeners, and the scope extensions every transport adds.
+
+Scope extensions (``scope["extensions"]``): ``transport`` (h3, h2, h1), ``early_data`` (the
+request came in 0-RTT), ``handshake_wait_s`` (a deferred 0-RTT request waited this long for the
+handshake) and, where the listener knows it, ``arrived_at``: the ``time.perf_counter()`` of the
+socket read that completed the request head, so that the app can count the time the request
+spent in the listener and the event loop's queue before it ran.
+"""
 
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 from collections import deque
 from collections.abc import Iterable
 from http import HTTPStatus
@@ -229,6 +230,7 @@ class H1Protocol(asyncio.Protocol):
         self._head_size = 0  # as the callbacks deliver it
         self._in_head = True
         self._head_fed = 0  # bytes fed while the head was incomplete
+        self._read_at = 0.0  # time.perf_counter() of the last read
         self._reading_paused = False
         self._drain: asyncio.Future[None] | None = None
         self._closed = False
@@ -280,6 +282,7 @@ class H1Protocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._halt:
             return  # nothing after a last or a bad request is read
+        self._read_at = time.perf_counter()
         cycle = self._cycle
         was_complete = cycle is not None and cycle.complete
         if self._in_head:
@@ -361,7 +364,12 @@ class H1Protocol(asyncio.Protocol):
             "headers": headers,
             "client": self._client,
             "server": self._local,
-            "extensions": {"transport": "h1", "early_data": False, "handshake_wait_s": 0.0},
+            "extensions": {
+                "transport": "h1",
+                "early_data": False,
+                "handshake_wait_s": 0.0,
+                "arrived_at": self._read_at,
+            },
         }
         cycle = _Cycle(self, scope, keep_alive=keep_alive)
         cycle.expect_100 = expect_100

@@ -14,6 +14,7 @@ request reordered ahead of the Finished is treated as early: the safe side.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote_to_bytes
@@ -244,7 +245,12 @@ class H3Session:
             "headers": headers,
             "client": _addr(peer) if peer is not None else None,
             "server": self._server,
-            "extensions": {"transport": "h3", "early_data": early, "handshake_wait_s": 0.0},
+            "extensions": {
+                "transport": "h3",
+                "early_data": early,
+                "handshake_wait_s": 0.0,
+                "arrived_at": time.perf_counter(),
+            },
         }
         req = _Request(scope=scope, arrived_at=now)
         self._requests[stream_id] = req

@@ -35,6 +35,8 @@ def account_stream(
     m.edge_added.labels(ex.transport).observe(added)
     if result.gaps:
         m.itl.labels(backend.name).observe_many(result.gaps)
+    if result.delays:
+        m.relay_delay.labels(ex.transport).observe_many(result.delays)
     if ex.trace is not None:
         ex.trace.set("quicedge.ttft_ms", round(ttft * 1000, 3))
 

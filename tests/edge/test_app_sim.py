@@ -15,6 +15,7 @@ import pytest
 
 from backends.sim import SimConfig, SimServer
 from tests.edge.conftest import Edge, client, fast_config, run_edge
+from transport.h1_server import H1Listener
 
 CHAT = {"messages": [{"role": "user", "content": "Say hello to the edge"}], "max_tokens": 8}
 BODIES: dict[str, dict[str, Any]] = {
@@ -119,6 +120,42 @@ async def test_h2_over_tls_and_metric_labels(dev_certs: Any) -> None:
     assert f'quicedge_upstream_requests_total{{backend="{name}",reused="true"}} 2.0' in text
     assert f'quicedge_backend_in_flight{{backend="{name}"}} 0.0' in text
     assert "quicedge_upstream_reuse_ratio 1.0" in text
+
+
+def sample(text: str, name: str) -> float:
+    """The value of the one sample called `name` (labels included) in an exposition."""
+    (line,) = [ln for ln in text.splitlines() if ln.startswith(name + " ")]
+    return float(line.split()[-1])
+
+
+async def test_plain_listener_times_the_edge_from_its_socket_reads() -> None:
+    """On our HTTP/1.1 listener the edge's added time starts at the read of the request and at
+    the read of each token from the backend: a part of TTFT, and one relay delay per chunk."""
+    async with sims(sim_config("b1")) as servers:
+        async with run_edge(fast_config([s.url for s in servers])) as edge:
+            listener = H1Listener(edge.wiring.app, host="127.0.0.1", port=0)
+            await listener.start()
+            try:
+                async with httpx.AsyncClient(base_url=listener.url, timeout=20) as http:
+                    for _ in range(3):
+                        body = {**BODIES["/v1/chat/completions"], "stream": True}
+                        response = await http.post("/v1/chat/completions", json=body)
+                        assert response.status_code == 200 and "[DONE]" in response.text
+            finally:
+                await listener.stop()
+            text = await metrics_text(edge)
+    h1 = '{transport="h1"}'
+    added = sample(text, f"quicedge_edge_added_seconds_sum{h1}")
+    assert sample(text, f"quicedge_edge_added_seconds_count{h1}") == 3
+    ttft = sum(
+        float(ln.split()[-1])
+        for ln in text.splitlines()
+        if ln.startswith("quicedge_ttft_seconds_sum{") and 'transport="h1"' in ln
+    )
+    assert 0 < added < ttft
+    chunks = sample(text, f"quicedge_relay_delay_seconds_count{h1}")
+    assert 3 <= chunks <= 3 * 8  # one per content chunk; 8 tokens an answer
+    assert 0 < sample(text, f"quicedge_relay_delay_seconds_sum{h1}") < ttft
 
 
 async def test_models_are_merged_from_healthy_backends() -> None:

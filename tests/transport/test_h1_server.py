@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -103,8 +104,10 @@ async def test_scope_shape() -> None:
         await send({"type": "http.response.body"})
 
     async with serving(app) as listener, connect(listener) as (reader, writer):
+        sent = time.perf_counter()
         writer.write(b"GET /p%2Fq?a=b&c HTTP/1.1\r\nHost: x\r\nX-Y: z \t\r\n\r\n")
         status, headers, _ = await read_response(reader)
+        answered = time.perf_counter()
     assert status == 204 and "content-length" not in headers
     scope = scopes[0]
     assert scope["type"] == "http" and scope["asgi"]["version"] == "3.0"
@@ -114,7 +117,9 @@ async def test_scope_shape() -> None:
     assert scope["headers"] == [(b"host", b"x"), (b"x-y", b"z")]  # names lowercased
     assert scope["server"] == ("127.0.0.1", listener.port)
     assert scope["client"][0] == "127.0.0.1"
-    assert scope["extensions"] == {"transport": "h1", "early_data": False, "handshake_wait_s": 0.0}
+    extensions = dict(scope["extensions"])
+    assert sent <= extensions.pop("arrived_at") <= answered  # the read of the head
+    assert extensions == {"transport": "h1", "early_data": False, "handshake_wait_s": 0.0}
 
 
 async def test_tcp_nodelay_on_accepted_connections() -> None:

@@ -3,6 +3,7 @@ sockets, injected time), so the early-data actions and ``handshake_wait_s`` are 
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from aioquic.h3.connection import H3Connection
@@ -91,11 +92,9 @@ def test_accepted_early_request_starts_at_once(tls: TlsMaterial, dev_certs) -> N
     assert actions[0] == EarlyRequest(sid, Mode.ACCEPT)
     start = actions[1]
     assert isinstance(start, StartRequest) and start.stream_id == sid
-    assert start.scope["extensions"] == {
-        "transport": "h3",
-        "early_data": True,
-        "handshake_wait_s": 0.0,
-    }
+    extensions = dict(start.scope["extensions"])
+    assert 0 < extensions.pop("arrived_at") <= time.perf_counter()
+    assert extensions == {"transport": "h3", "early_data": True, "handshake_wait_s": 0.0}
     assert start.scope["client"] == CLIENT and start.scope["server"] == SERVER
     assert actions[2:] == [RequestBody(sid, b"{}", False)]
     assert not pair.session.handshake_complete
