@@ -58,12 +58,14 @@ import subprocess
 import sys
 import time
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
+
+from bench import edge_histograms
 
 _CONTENT = re.compile(rb'"(?:content|text)"\s*:\s*"[^"]')
 REPO = Path(__file__).resolve().parents[1]
@@ -402,8 +404,10 @@ def measure(
     warmup: int,
     pause_s: float,
     pids: dict[str, int],
+    on_warm: Callable[[], None] | None = None,
 ) -> None:
-    """Warm up every target, then `rounds` interleaved rounds; results land in `targets`."""
+    """Warm up every target, then `rounds` interleaved rounds; results land in `targets`.
+    `on_warm` is called between the two."""
     pools: list[list[Conn]] = []
     try:
         for t in targets:
@@ -413,6 +417,8 @@ def measure(
                 pools[-1].append(Conn(t, request))
         for pool in pools:
             drive(pool, warmup, pause_s, record=False)
+        if on_warm is not None:
+            on_warm()
         for _ in range(rounds):
             for t, pool in zip(targets, pools, strict=True):
                 before = {name: cpu_seconds(pid) for name, pid in pids.items()}
@@ -502,6 +508,14 @@ def report(runs: list[dict[str, Any]]) -> str:
                     f" p99 {_f(a['ttft_p99'], '+.2f')}, ITL p99 {_f(a['itl_p99'], '+.2f')},"
                     f" first byte p50 {_f(a['first_byte_p50'], '+.2f')} ms"
                 )
+        own = run.get("edge_own_ms")
+        if own is not None:
+            lines.append(
+                f"{'':>8}  the edge's own histograms ({own['requests']:.0f} requests):"
+                f" added TTFT p50 {_f(own['added_p50'])} p99 {_f(own['added_p99'])},"
+                f" relay delay per chunk p50 {_f(own['relay_delay_p50'])}"
+                f" p99 {_f(own['relay_delay_p99'])} ms"
+            )
     return "\n".join(lines)
 
 
@@ -554,6 +568,27 @@ def markdown(result: dict[str, Any]) -> str:
                 _f(row["req_per_s"], ".0f"),
                 *(_f(cpu.get(name)) for name in ("sim", "edge", "client")),
             ]
+            out.append("| " + " | ".join(cells) + " |")
+    owns = [
+        (run["concurrency"], run["edge_own_ms"]) for run in result["runs"] if run.get("edge_own_ms")
+    ]
+    if owns:
+        out += [
+            "",
+            "The edge's own timing, from its histograms (`quicedge_edge_added_seconds`: the"
+            " request's read to its upstream send plus the first token's read to its hand-over;"
+            " `quicedge_relay_delay_seconds`: each content chunk's read to its hand-over), scraped"
+            " before and after the measured rounds, quantiles interpolated within buckets:",
+            "",
+            "| concurrency | requests | added TTFT p50 | added TTFT p99 | chunks |"
+            " relay delay p50 | relay delay p99 |",
+            "| ---: |" + " ---: |" * 6,
+        ]
+        for n, own in owns:
+            cells = [
+                str(n), f"{own['requests']:.0f}", _f(own["added_p50"]), _f(own["added_p99"]),
+                f"{own['chunks']:.0f}", _f(own["relay_delay_p50"]), _f(own["relay_delay_p99"]),
+            ]  # fmt: skip
             out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
@@ -627,6 +662,7 @@ def _stop(child: Child) -> None:
 class Spawned:
     sim_url: str
     edge_url: str
+    metrics_url: str
     pids: dict[str, int]
     edge_cmd: list[str]
     pinning: dict[str, list[int]] | None
@@ -650,11 +686,11 @@ def spawned(args: argparse.Namespace, out: Path) -> Iterator[Spawned]:
         stack.callback(_stop, sim)
         _wait_listening(sim, sim_port)
         sim_url = f"http://127.0.0.1:{sim_port}"
-        http = _free_port()
+        http, admin = _free_port(), _free_port()
         edge_cmd = [
             args.edge_python, "-m", "edge.cli", "serve", "--backend", sim_url,
             "--http", f"127.0.0.1:{http}", "--h3", f"127.0.0.1:{_free_port(socket.SOCK_DGRAM)}",
-            "--tcp", f"127.0.0.1:{_free_port()}", "--admin", f"127.0.0.1:{_free_port()}",
+            "--tcp", f"127.0.0.1:{_free_port()}", "--admin", f"127.0.0.1:{admin}",
             *args.edge_arg,
         ]  # fmt: skip
         edge_cwd = Path(args.edge_cwd).resolve()
@@ -672,7 +708,10 @@ def spawned(args: argparse.Namespace, out: Path) -> Iterator[Spawned]:
             else None
         )
         pids = {"sim": sim.proc.pid, "edge": edge.proc.pid, "client": os.getpid()}
-        yield Spawned(sim_url, f"http://127.0.0.1:{http}", pids, edge_cmd, pinning)
+        yield Spawned(
+            sim_url, f"http://127.0.0.1:{http}", f"http://127.0.0.1:{admin}/metrics", pids,
+            edge_cmd, pinning,
+        )  # fmt: skip
 
 
 def _on_sigterm(signum: int, _frame: Any) -> None:
@@ -685,10 +724,10 @@ def run_spawn(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any
     signal.signal(signal.SIGTERM, _on_sigterm)
     runs = []
     with spawned(args, out) as s:
+        args.edge_metrics = args.edge_metrics or s.metrics_url
         for n in args.concurrency:
             targets = [_target(f"direct={s.sim_url}"), _target(f"edge={s.edge_url}")]
-            _measure_level(targets, n, args, {**s.pids, **dict(args.cpu_pid)})
-            runs.append({"concurrency": n, "targets": summarize(targets)})
+            runs.append(_measure_level(targets, n, args, {**s.pids, **dict(args.cpu_pid)}))
             print(report(runs[-1:]), flush=True)
     result = {
         "command": shlex.join(["python", "-m", "bench.edge_latency", *args.argv]),
@@ -710,7 +749,15 @@ def run_spawn(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any
 
 def _measure_level(
     targets: list[Target], concurrency: int, args: argparse.Namespace, pids: dict[str, int]
-) -> None:
+) -> dict[str, Any]:
+    """One concurrency level; its run record, with the edge's own histograms when known."""
+    url = args.edge_metrics
+    before: dict[str, edge_histograms.Buckets] = {}
+
+    def warm() -> None:
+        if url:
+            before.update(edge_histograms.scrape(url))
+
     measure(
         targets,
         concurrency=concurrency,
@@ -721,7 +768,13 @@ def _measure_level(
         warmup=args.warmup,
         pause_s=args.pause_ms / 1e3,
         pids=pids,
+        on_warm=warm,
     )
+    run: dict[str, Any] = {"concurrency": concurrency, "targets": summarize(targets)}
+    if url:
+        d = edge_histograms.delta(edge_histograms.scrape(url), before)
+        run["edge_own_ms"] = edge_histograms.summary(d)
+    return run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -741,6 +794,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pause-ms", type=float, default=2.0, help="between a connection's requests")
     p.add_argument("--cpu-pid", type=_pid, action="append", default=[], metavar="NAME=PID")
     p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
+    p.add_argument("--edge-metrics", metavar="URL",
+                   help="the edge's admin /metrics: also report its own histograms")  # fmt: skip
     p.add_argument("--no-rt", dest="rt", action="store_false",
                    help="run the client at normal priority, not SCHED_FIFO")  # fmt: skip
     g = p.add_argument_group("--spawn: start a stand-in and an edge, measure direct vs edge")
@@ -801,8 +856,7 @@ def main(argv: list[str] | None = None) -> int:
             result = {"config": config, "runs": []}
             for n in args.concurrency:
                 targets = [t.fresh() for t in args.targets]
-                _measure_level(targets, n, args, dict(args.cpu_pid))
-                result["runs"].append({"concurrency": n, "targets": summarize(targets)})
+                result["runs"].append(_measure_level(targets, n, args, dict(args.cpu_pid)))
             print(report(result["runs"]))
     except (OSError, ValueError, RuntimeError) as exc:
         print(f"edge_latency: {exc}", file=sys.stderr)

@@ -119,6 +119,10 @@ async def test_spawn_writes_both_reports_and_stops_its_processes(tmp_path: Path)
         assert direct["name"] == "direct" and edge["name"] == "edge"
         assert edge["added_ms"]["ttft_p99"] is not None
         assert set(edge["cpu_ms_per_request"]) == {"sim", "edge", "client"}
+        # the edge's own histograms count exactly the measured requests (not the warm-up)
+        own = run["edge_own_ms"]
+        assert own["requests"] == edge["requests"] and own["chunks"] >= edge["requests"]
+        assert own["added_p50"] is not None and own["relay_delay_p99"] is not None
     if len(os.sched_getaffinity(0)) >= 2:
         assert report["pinning"]["edge"] == [max(os.sched_getaffinity(0))]
     table = (tmp_path / "edge_latency.md").read_text()
@@ -126,6 +130,7 @@ async def test_spawn_writes_both_reports_and_stops_its_processes(tmp_path: Path)
     priority = report["config"]["client_priority"]
     assert priority == "SCHED_FIFO 10" or priority.startswith("normal (real-time refused")
     assert f"Client priority: {priority}" in table
+    assert "The edge's own timing" in table
     assert "Stand-in profile: instant (time scale 1)" in table
     for pid in (report["pids"]["sim"], report["pids"]["edge"]):
         assert not _running(pid), f"process {pid} still running"
