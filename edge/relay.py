@@ -33,6 +33,8 @@ _FIELDS = {
     for field in (b"content", b"text")
 }
 _MAX_PIECES = 256 * 1024
+_BATCH = 64 * 1024
+"""Bytes of events gathered before their delta texts are extracted, in one regex pass."""
 """Bytes of OpenAI stream deltas kept for routing feedback; a longer answer is not learned."""
 _DONE = b"[DONE]"
 _DONE_LINE = b"data: [DONE]"
@@ -120,6 +122,11 @@ class SSEScanner:
         "_content",
         "_deltas",
         "_last_region",
+        "_compact",
+        "_compact_empty",
+        "_key",
+        "_pending",
+        "_pending_size",
         "_pieces",
         "_pieces_size",
         "_tail",
@@ -146,6 +153,12 @@ class SSEScanner:
         self._pieces: list[bytes] | None = []
         """Escaped text of each OpenAI delta, decoded once at the end (None: gave up)."""
         self._pieces_size = 0
+        self._pending: list[bytes] = []
+        """Regions with content whose text is not extracted yet."""
+        self._pending_size = 0
+        self._key = b'"' + field + b'":'
+        self._compact = self._key + b'"'
+        self._compact_empty = self._compact + b'"'
 
     @classmethod
     def for_route(cls, route: str) -> SSEScanner:
@@ -189,17 +202,33 @@ class SSEScanner:
         self._last_region = region
         if b'"error"' in region:
             self._scan_errors(region)
-        found = [m for m in self._content.findall(region) if m]
-        if not found:
-            return 0
-        self.content_events += len(found)
-        if self._deltas and self._pieces is not None:
-            self._pieces_size += sum(map(len, found))
-            if self._pieces_size <= _MAX_PIECES:
-                self._pieces += found
-            else:
-                self._pieces = None
-        return len(found)
+        # Non-empty text fields, counted in compact JSON (SGLang's) by two substring counts;
+        # other spacing takes the regex. The text itself is extracted in batches (`_collect`).
+        content = region.count(self._compact)
+        if content:
+            content -= region.count(self._compact_empty)
+        elif self._key in region:
+            content = sum(1 for m in self._content.findall(region) if m)
+        if content:
+            self.content_events += content
+            if self._deltas and self._pieces is not None:
+                self._pending.append(region)
+                self._pending_size += len(region)
+                if self._pending_size >= _BATCH:
+                    self._collect()
+        return content
+
+    def _collect(self) -> None:
+        """Extract the escaped delta texts of the regions kept so far, in one regex pass."""
+        pending, self._pending, self._pending_size = self._pending, [], 0
+        if self._pieces is None or not pending:
+            return
+        found = [m for m in self._content.findall(b"\n\n".join(pending)) if m]
+        self._pieces_size += sum(map(len, found))
+        if self._pieces_size <= _MAX_PIECES:
+            self._pieces += found
+        else:
+            self._pieces = None
 
     def _scan_errors(self, region: bytes) -> None:
         for event in region.split(b"\n\n"):
@@ -243,7 +272,10 @@ class SSEScanner:
     def _joined_pieces(self) -> str | None:
         """The OpenAI stream's generated text: the deltas' escaped bodies joined into one JSON
         string and decoded once (escapes never span two deltas, so the join stays valid)."""
-        if not self._deltas or not self._pieces:
+        if not self._deltas:
+            return None
+        self._collect()
+        if not self._pieces:
             return None
         try:
             text = json.loads(b'"' + b"".join(self._pieces) + b'"')
