@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
+from typing import Generic, TypeVar
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -47,23 +48,38 @@ class CounterChild:
         self.value += amount
 
 
-class _Metric(Collector):
+Child = TypeVar("Child", HistogramChild, CounterChild)
+
+
+class _Metric(Collector, Generic[Child]):
+    """Children by label values, made on first use."""
+
     def __init__(
         self,
         name: str,
         documentation: str,
         labelnames: Sequence[str] = (),
+        *,
         registry: CollectorRegistry | None = None,
     ) -> None:
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
+        self._children: dict[tuple[str, ...], Child] = {}
         if not self.labelnames:
             self.labels()  # exposed from the start, as prometheus_client does
         if registry is not None:
             registry.register(self)
 
-    def labels(self, *values: str) -> object:
+    def labels(self, *values: str) -> Child:
+        child = self._children.get(values)
+        if child is None:
+            if len(values) != len(self.labelnames):
+                raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
+            child = self._children[values] = self._new_child()
+        return child
+
+    def _new_child(self) -> Child:
         raise NotImplementedError
 
     def collect(self) -> Iterator[CounterMetricFamily | HistogramMetricFamily]:
@@ -73,7 +89,7 @@ class _Metric(Collector):
         return self.collect()  # the registry takes the names from here
 
 
-class LightHistogram(_Metric):
+class LightHistogram(_Metric[HistogramChild]):
     """A labelled histogram; `labels(*values)` returns the child to `observe` on."""
 
     def __init__(
@@ -86,16 +102,10 @@ class LightHistogram(_Metric):
         registry: CollectorRegistry | None = None,
     ) -> None:
         self._bounds = tuple(sorted(float(b) for b in buckets))
-        self._children: dict[tuple[str, ...], HistogramChild] = {}
-        super().__init__(name, documentation, labelnames, registry)
+        super().__init__(name, documentation, labelnames, registry=registry)
 
-    def labels(self, *values: str) -> HistogramChild:
-        child = self._children.get(values)
-        if child is None:
-            if len(values) != len(self.labelnames):
-                raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
-            child = self._children[values] = HistogramChild(self._bounds)
-        return child
+    def _new_child(self) -> HistogramChild:
+        return HistogramChild(self._bounds)
 
     def observe(self, value: float) -> None:
         """For a histogram without labels."""
@@ -113,27 +123,11 @@ class LightHistogram(_Metric):
         yield family
 
 
-class LightCounter(_Metric):
+class LightCounter(_Metric[CounterChild]):
     """A labelled counter; exposed as `<name>_total`, as prometheus_client does."""
 
-    def __init__(
-        self,
-        name: str,
-        documentation: str,
-        labelnames: Sequence[str] = (),
-        *,
-        registry: CollectorRegistry | None = None,
-    ) -> None:
-        self._children: dict[tuple[str, ...], CounterChild] = {}
-        super().__init__(name, documentation, labelnames, registry)
-
-    def labels(self, *values: str) -> CounterChild:
-        child = self._children.get(values)
-        if child is None:
-            if len(values) != len(self.labelnames):
-                raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
-            child = self._children[values] = CounterChild()
-        return child
+    def _new_child(self) -> CounterChild:
+        return CounterChild()
 
     def inc(self, amount: float = 1.0) -> None:
         """For a counter without labels."""
