@@ -180,3 +180,10 @@ def test_content_length_answers_are_framed_too() -> None:
     r = Response(0.0)
     assert not r.feed(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body[:9], 1)
     assert r.feed(body[9:], 2.0) and r.tokens == [2.0, 2.0]
+
+
+async def test_relay_cpu_reports_the_cost_per_chunk() -> None:
+    done = await run_command("bench.relay_cpu", "--chunks", "4", "--streams", "3")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("relay per chunk: ")
+    assert "(3 streams of 5 chunks)" in done.stdout
