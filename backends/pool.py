@@ -23,7 +23,7 @@ import logging
 import re
 import socket
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
 from urllib.parse import urlsplit
@@ -199,6 +199,10 @@ class _Connection(asyncio.Protocol):
         self.in_flight = False  # a request was sent and its response is not complete
         self.received_any = False  # any byte of the current response arrived
         self.unread_since = 0.0  # perf_counter() of the read that brought the oldest unread body
+        self.sink: Callable[[], bool] | None = None
+        """Called after each read that parsed something; True: it took care of it, the waiting
+        consumer need not wake (see `UpstreamResponse.set_sink`)."""
+        self._wait_timeout: float | None = None
         self.eof = False
         self._paused = False
         self._waiter: asyncio.Future[None] | None = None
@@ -234,6 +238,11 @@ class _Connection(asyncio.Protocol):
             assert self.transport is not None
             self._paused = True
             self.transport.pause_reading()
+        sink = self.sink
+        if sink is not None and sink():
+            if self._deadline is not None and self._wait_timeout is not None:
+                self._deadline = self.loop.time() + self._wait_timeout  # progress: a new chunk
+            return
         self._wake()
 
     def eof_received(self) -> bool | None:
@@ -263,6 +272,7 @@ class _Connection(asyncio.Protocol):
     def send(self, data: bytes) -> None:
         assert self.transport is not None
         self.response.reset()
+        self.sink = None
         self.in_flight = True
         self.received_any = False
         self.transport.write(data)
@@ -279,6 +289,7 @@ class _Connection(asyncio.Protocol):
         loop = self.loop
         waiter = loop.create_future()
         self._waiter = waiter
+        self._wait_timeout = timeout
         if timeout is not None:
             deadline = self._deadline = loop.time() + timeout
             if self._timer is None or self._timer_at > deadline:
@@ -313,6 +324,7 @@ class _Connection(asyncio.Protocol):
             self._arm(loop, deadline)  # the deadline moved on since the timer was set
 
     def close(self) -> None:
+        self.sink = None
         if self.idle_handle is not None:
             self.idle_handle.cancel()
             self.idle_handle = None
@@ -427,6 +439,7 @@ class _Host:
             return
         response = conn.response
         conn.in_flight = False
+        conn.sink = None
         if response.keep_alive and not response.extra and not conn.eof:
             self._keep(conn)
         else:
@@ -531,6 +544,30 @@ class UpstreamResponse:
                 self._abort()
                 raise
 
+    def set_sink(self, sink: Callable[[], bool] | None) -> None:
+        """Run `sink` from the connection's read callback each time a read parsed something,
+        instead of waking the task iterating this response. The sink takes what it can with
+        `take_ready` and returns True when the iterating task need not wake; returning False
+        (the end of the body, an error, a sink that cannot take more now) wakes it, and
+        iterating finishes the body as usual: whatever the sink left, then the end or the
+        error. While the sink takes chunks, each one counts as progress for `chunk_timeout`."""
+        if self._conn is not None:
+            self._conn.sink = sink
+
+    def take_ready(self) -> bytes:
+        """The body bytes parsed so far, without waiting (b"" when none); sets `arrived_at`."""
+        conn = self._conn
+        if conn is None or not conn.response.body:
+            return b""
+        self.arrived_at = conn.unread_since
+        return conn.take_body()
+
+    @property
+    def settled(self) -> bool:
+        """Nothing more will arrive: the body is complete, broken off, or the connection closed."""
+        conn = self._conn
+        return conn is None or conn.response.done or conn.response.error is not None or conn.eof
+
     async def read(self) -> bytes:
         """The whole (remaining) body."""
         return b"".join([chunk async for chunk in self])
@@ -539,6 +576,10 @@ class UpstreamResponse:
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.close()
+
+    def abort(self) -> None:
+        """Close the connection now if the body is incomplete (aborts the upstream request)."""
+        self._abort()
 
     async def aclose(self) -> None:
         """Body incomplete: close the connection (aborts the upstream request). Idempotent."""

@@ -6,9 +6,11 @@ Drives the edge's own relay path in one process: a pool connection is fed a 64-t
 completion chunk by chunk (one chunk per event-loop turn, as one socket read each), the relay
 (`edge.relay.relay_stream`) scans and passes each one to an HTTP/1.1 listener's response cycle,
 which frames it. Both ends have stand-in transports whose writes cost nothing, so what is
-measured is the Python work per chunk: the llhttp callback, waking the relay, the scan, the ASGI
-send and the chunked framing. Compare it with the edge's CPU per token under load
-(`bench.edge_latency`): the difference is system calls and the loop's I/O dispatch.
+measured is the Python work per chunk: the llhttp callback, the scan and the chunked framing,
+and either the listener's body writer called from the pool's read callback (our HTTP/1.1
+listener) or a wake-up of the relay's task and an ASGI send (other listeners). Compare it with
+the edge's CPU per token under load (`bench.edge_latency`): the difference is system calls and
+the loop's I/O dispatch.
 
 It reaches into the pool's and the listener's private classes on purpose: no socket is involved.
 """
@@ -73,8 +75,10 @@ def chat_chunks(tokens: int) -> list[bytes]:
     return out
 
 
-async def measure(chunks: list[bytes], streams: int) -> float:
-    """Seconds of wall time per chunk (one process, nothing else running in it)."""
+async def measure(chunks: list[bytes], streams: int, *, splice: bool) -> float:
+    """Seconds of wall time per chunk (one process, nothing else running in it). `splice`:
+    through the listener's body writer, from the pool's read callback (what our HTTP/1.1
+    listener gets); else as ASGI messages sent by the relay's task (what hypercorn gets)."""
     loop = asyncio.get_running_loop()
     host = UpstreamPool()._host("http://127.0.0.1:9")
     listener = H1Listener(_no_app, host="127.0.0.1", port=0)
@@ -104,7 +108,8 @@ async def measure(chunks: list[bytes], streams: int) -> float:
             started = time.perf_counter()
             feeder = loop.create_task(feed())
             result = RelayResult()
-            await relay_stream(response, cycle.send, result)
+            writer = cycle if splice else None
+            await relay_stream(response, cycle.send, result, writer=writer)
             await feeder
             total += time.perf_counter() - started
             if len(result.delays) != len(chunks) - 1 or not cycle.finished:
@@ -138,14 +143,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--chunks and --streams must be >= 1")
     chunks = chat_chunks(args.chunks)
 
-    async def run() -> tuple[float, float]:
-        per_chunk = await measure(chunks, args.streams)
-        return per_chunk, await loop_turn(args.streams * len(chunks))
+    async def run() -> tuple[float, float, float]:
+        splice = await measure(chunks, args.streams, splice=True)
+        pull = await measure(chunks, args.streams, splice=False)
+        return splice, pull, await loop_turn(args.streams * len(chunks))
 
-    per_chunk, turn = run_on_loop(run(), args.loop)
+    splice, pull, turn = run_on_loop(run(), args.loop)
     print(
-        f"relay per chunk: {per_chunk * 1e6:.1f} us, of which a bare loop turn"
-        f" {turn * 1e6:.1f} us ({args.streams} streams of {len(chunks)} chunks)"
+        f"relay per chunk: {splice * 1e6:.1f} us through the body writer, {pull * 1e6:.1f} us"
+        f" as ASGI messages; a bare loop turn {turn * 1e6:.1f} us"
+        f" ({args.streams} streams of {len(chunks)} chunks)"
     )
     return 0
 

@@ -185,6 +185,7 @@ class ProxyApp:
             ex = Exchange(
                 route=route, t0=t0, transport=transport, early_data=early,
                 handshake_wait=wait, request_id=request_id, headers=headers, trace=trace,
+                body_writer=ext.get("quicedge.body_writer"),
             )  # fmt: skip
             if wait > 0:
                 self.metrics.handshake_wait.observe(wait)
@@ -426,8 +427,9 @@ class ProxyApp:
         )
         result = RelayResult()
         await relay_stream(
-            response, send, result, on_first_token=ticket.first_token, route=ex.route
-        )
+            response, send, result, on_first_token=ticket.first_token, route=ex.route,
+            writer=ex.body_writer,
+        )  # fmt: skip
         if result.upstream_error is not None:
             self._upstream_failed(backend, result.upstream_error.kind)
             if isinstance(result.upstream_error, UpstreamTimeout):

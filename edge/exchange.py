@@ -9,6 +9,7 @@ from backends.registry import Backend
 from edge.relay import Usage
 from edge.routing.base import Decision, RequestView
 from edge.telemetry import RequestTrace
+from transport.asgi import BodyWriter
 
 
 @dataclass(slots=True)
@@ -69,3 +70,5 @@ class Exchange:
     decision: Decision | None = None
     retries: int = 0
     usage: Usage | None = None
+    body_writer: BodyWriter | None = None
+    """The listener's `quicedge.body_writer`, when it offers one: the relay writes through it."""

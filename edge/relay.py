@@ -22,6 +22,7 @@ from typing import Any
 from backends.errors import UpstreamError
 from backends.pool import UpstreamResponse
 from edge.errors import EdgeError, from_upstream, stream_error_event
+from transport.asgi import BodyWriter
 
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
@@ -311,6 +312,36 @@ class RelayResult:
     bytes_out: int = 0
 
 
+class _Relay:
+    """What relaying one stream keeps: its scanner and its timings."""
+
+    __slots__ = ("last", "on_first_token", "result", "scanner")
+
+    def __init__(
+        self, scanner: SSEScanner, result: RelayResult, on_first_token: Callable[[], None] | None
+    ) -> None:
+        self.scanner = scanner
+        self.result = result
+        self.on_first_token = on_first_token
+        self.last = 0.0
+
+    def passed(self, chunk: bytes, content: int, arrived: float) -> None:
+        """`chunk`, read at `arrived` with `content` tokens in it, was handed to the client."""
+        result = self.result
+        result.bytes_out += len(chunk)
+        if content:
+            now = time.perf_counter()
+            result.delays.append(now - arrived)
+            if result.first_client is None:
+                result.first_upstream = arrived
+                result.first_client = now
+                if self.on_first_token is not None:
+                    self.on_first_token()
+            else:
+                result.gaps.append(now - self.last)
+            self.last = now
+
+
 async def relay_stream(
     chunks: UpstreamResponse,
     send: Send,
@@ -318,37 +349,26 @@ async def relay_stream(
     on_first_token: Callable[[], None] | None = None,
     *,
     route: str = "/v1/chat/completions",
+    writer: BodyWriter | None = None,
 ) -> None:
     """Relay an SSE body chunk by chunk. The response start was already sent.
 
-    A backend failure mid-stream ends the client's stream with an error event in the API's format
-    then `data: [DONE]` (as SGLang does), never a hang. Client-side send errors propagate.
+    With a `writer` (the listener's ``quicedge.body_writer``), each chunk is passed on from
+    inside the upstream connection's read callback, without waking this task; otherwise this
+    task reads each chunk and sends it as an ASGI message. A backend failure mid-stream ends the
+    client's stream with an error event in the API's format then `data: [DONE]` (as SGLang
+    does), never a hang. Client-side send errors propagate.
     """
-    scanner = SSEScanner.for_route(route)
-    perf = time.perf_counter
-    last = 0.0
-    delays = result.delays
+    relay = _Relay(SSEScanner.for_route(route), result, on_first_token)
     try:
-        async for chunk in chunks:
-            arrived = chunks.arrived_at  # the socket read, not when this task got to it
-            content = scanner.feed(chunk)
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            result.bytes_out += len(chunk)
-            if content:
-                now = perf()
-                delays.append(now - arrived)
-                if result.first_client is None:
-                    result.first_upstream = arrived
-                    result.first_client = now
-                    if on_first_token is not None:
-                        on_first_token()
-                else:
-                    result.gaps.append(now - last)
-                last = now
+        if writer is None:
+            await _pull(chunks, send, relay)
+        else:
+            await _splice(chunks, writer, relay)
     except UpstreamError as exc:
         result.upstream_error = exc
         result.error = from_upstream(exc)
-        if not scanner.done:
+        if not relay.scanner.done:
             await send(
                 {
                     "type": "http.response.body",
@@ -356,10 +376,60 @@ async def relay_stream(
                     "more_body": True,
                 }
             )
-    result.backend_error = scanner.error
-    result.usage, result.text = scanner.final()
+    result.backend_error = relay.scanner.error
+    result.usage, result.text = relay.scanner.final()
     await send({"type": "http.response.body", "body": b"", "more_body": False})
-    result.end = perf()
+    result.end = time.perf_counter()
+
+
+async def _pull(chunks: UpstreamResponse, send: Send, relay: _Relay) -> None:
+    scanner = relay.scanner
+    async for chunk in chunks:
+        arrived = chunks.arrived_at  # the socket read, not when this task got to it
+        content = scanner.feed(chunk)
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        relay.passed(chunk, content, arrived)
+
+
+async def _splice(chunks: UpstreamResponse, writer: BodyWriter, relay: _Relay) -> None:
+    """Chunks go to the client from the pool's read callback (`take`). This task only waits:
+    for the end, an error, a timeout, or a client too slow for the callback to write to, in
+    which case it writes what is left itself, waits for the drain, and hands back."""
+    scanner = relay.scanner
+    failure: list[Exception] = []
+
+    def take() -> bool:
+        try:
+            chunk = chunks.take_ready()
+            if chunk:
+                content = scanner.feed(chunk)
+                more = writer.write_body(chunk)
+                relay.passed(chunk, content, chunks.arrived_at)
+                if not more:
+                    chunks.set_sink(None)  # the client's buffer is full: the task waits for it
+            return not chunks.settled
+        except Exception as exc:  # raised in a transport callback: hand it to the task
+            failure.append(exc)
+            chunks.abort()
+            return False
+
+    chunks.set_sink(take)
+    try:
+        async for chunk in chunks:  # only what the callback did not take
+            content = scanner.feed(chunk)
+            more = writer.write_body(chunk)
+            relay.passed(chunk, content, chunks.arrived_at)
+            if not more:
+                await writer.drained()
+            chunks.set_sink(take)
+    except UpstreamError:
+        if failure:
+            raise failure[0] from None
+        raise
+    finally:
+        chunks.set_sink(None)
+    if failure:
+        raise failure[0]
 
 
 async def read_whole(chunks: AsyncIterable[bytes], limit: int) -> bytes:

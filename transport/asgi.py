@@ -4,19 +4,33 @@ Scope extensions (``scope["extensions"]``): ``transport`` (h3, h2, h1), ``early_
 request came in 0-RTT), ``handshake_wait_s`` (a deferred 0-RTT request waited this long for the
 handshake) and, where the listener knows it, ``arrived_at``: the ``time.perf_counter()`` of the
 socket read that completed the request head, so that the app can count the time the request
-spent in the listener and the event loop's queue before it ran.
+spent in the listener and the event loop's queue before it ran. Our HTTP/1.1 listener also
+offers ``quicedge.body_writer`` (a `BodyWriter`): response body bytes written without an await, so
+that a relay can pass a chunk on from inside the upstream connection's read callback.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any
+from typing import Any, Protocol
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class BodyWriter(Protocol):
+    """The ``quicedge.body_writer`` scope extension: `http.response.body` without an await."""
+
+    def write_body(self, body: bytes, more: bool = True) -> bool:
+        """Frame and write `body`; False when the client's buffer is full (await `drained`)."""
+        ...
+
+    async def drained(self) -> None:
+        """Return once the client's buffer is below its low-water mark, or it has gone."""
+        ...
 
 
 def with_tcp_extensions(app: ASGIApp) -> ASGIApp:

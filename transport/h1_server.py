@@ -140,12 +140,16 @@ class _Cycle:
             return
         if kind != "http.response.body":
             raise RuntimeError(f"unexpected ASGI message {kind!r}")
+        if not self.write_body(message.get("body", b""), message.get("more_body", False)):
+            await self.proto.drained()
+
+    def write_body(self, body: bytes, more: bool = True) -> bool:
+        """`http.response.body` without an await (the ``quicedge.body_writer`` extension):
+        False when the client's buffer is full and the caller must await `drained()`."""
         if not self.started or self.finished:
             raise RuntimeError("http.response.body outside a response")
         if self.disconnected:
-            return
-        body: bytes = message.get("body", b"")
-        more: bool = message.get("more_body", False)
+            return True  # nothing to wait for: the app learns of it from receive()
         out = b""
         if self.chunked:
             if body:
@@ -166,8 +170,11 @@ class _Cycle:
             self.finished = True
             self.wake()
             self.proto.finish(self)
-        elif self.proto.write_paused:
-            await self.proto.drained()
+            return True
+        return not self.proto.write_paused
+
+    async def drained(self) -> None:
+        await self.proto.drained()
 
     def _head(self, status: int, headers: Iterable[tuple[bytes, bytes]]) -> bytes:
         """The response head, with framing (RFC 9112 §6) added where the app gave none."""
@@ -372,6 +379,7 @@ class H1Protocol(asyncio.Protocol):
             },
         }
         cycle = _Cycle(self, scope, keep_alive=keep_alive)
+        scope["extensions"]["quicedge.body_writer"] = cycle
         cycle.expect_100 = expect_100
         self._reading = cycle
         if self._cycle is None:

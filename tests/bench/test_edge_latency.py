@@ -185,5 +185,5 @@ def test_content_length_answers_are_framed_too() -> None:
 async def test_relay_cpu_reports_the_cost_per_chunk() -> None:
     done = await run_command("bench.relay_cpu", "--chunks", "4", "--streams", "3")
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("relay per chunk: ")
+    assert done.stdout.startswith("relay per chunk: ") and "as ASGI messages" in done.stdout
     assert "(3 streams of 5 chunks)" in done.stdout

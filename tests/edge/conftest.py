@@ -13,6 +13,7 @@ from typing import Any
 
 import h11
 import httpx
+import pytest
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 from opentelemetry.sdk.trace import TracerProvider
@@ -23,6 +24,7 @@ from prometheus_client import CollectorRegistry
 from edge.config import ProxyConfig
 from edge.wiring import Wiring, build
 from tests.helpers import async_wait_for_tcp, free_port
+from transport.h1_server import H1Listener
 
 
 @contextlib.asynccontextmanager
@@ -48,6 +50,22 @@ async def hypercorn_app(
         stop.set()
         with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
             await asyncio.wait_for(task, 5)
+
+
+@contextlib.asynccontextmanager
+async def h1_app(app: Any) -> AsyncIterator[str]:
+    """Serve an ASGI app on our own plain HTTP/1.1 listener on 127.0.0.1."""
+    listener = H1Listener(app, host="127.0.0.1", port=0)
+    await listener.start()
+    try:
+        yield listener.url
+    finally:
+        await listener.stop()
+
+
+LISTENERS = pytest.mark.parametrize("listener", ["hypercorn", "h1"])
+"""Run a streaming test on both plain listeners: hypercorn (the relay sends ASGI messages) and
+ours (the relay writes from the upstream read callback)."""
 
 
 @dataclass
@@ -85,7 +103,11 @@ async def run_edge(
     trace: bool = False,
     certs: Any = None,
     start: bool = True,
+    listener: str = "hypercorn",
 ) -> AsyncIterator[Edge]:
+    """The app on hypercorn (TLS when `certs` are given), or on our own plain HTTP/1.1 listener
+    (`listener="h1"`, what `quicedge serve --http` runs, where the relay writes through the
+    listener's body writer)."""
     registry = CollectorRegistry()
     exporter: InMemorySpanExporter | None = None
     tracer = None
@@ -99,10 +121,8 @@ async def run_edge(
         await wiring.start()
     try:
         tls = {"certfile": certs.cert, "keyfile": certs.key} if certs is not None else {}
-        async with (
-            hypercorn_app(wiring.app, **tls) as url,
-            hypercorn_app(wiring.admin_app) as admin,
-        ):
+        serving = h1_app(wiring.app) if listener == "h1" else hypercorn_app(wiring.app, **tls)
+        async with serving as url, hypercorn_app(wiring.admin_app) as admin:
             yield Edge(url, admin, wiring, registry, exporter)
     finally:
         await wiring.aclose()

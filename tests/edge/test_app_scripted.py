@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tests.edge.conftest import (
+    LISTENERS,
     Edge,
     Recorded,
     Reply,
@@ -125,10 +126,12 @@ async def test_when_every_backend_says_503_the_client_gets_the_last_answer() -> 
     assert len(inference(a)) + len(inference(b)) == 2  # each backend tried once
 
 
-async def test_backend_dying_mid_stream_ends_with_error_event_and_no_retry() -> None:
+@LISTENERS
+async def test_backend_dying_mid_stream_ends_with_error_event_and_no_retry(listener: str) -> None:
     dying = script(lambda r: sse_reply(["a", "b", "c", "d"], die_after=2))
     async with TinyUpstream(dying) as a, TinyUpstream(dying) as b:
-        async with run_edge(fast_config([a.url, b.url])) as edge, client(edge) as http:
+        config = fast_config([a.url, b.url])
+        async with run_edge(config, listener=listener) as edge, client(edge) as http:
             response = await http.post("/v1/completions", json=COMPLETION)
             assert response.status_code == 200
             events = [e for e in response.content.split(b"\n\n") if e]
@@ -180,15 +183,32 @@ async def test_first_byte_timeout_is_504_and_aborts() -> None:
     assert aborts == [{"rid": response.headers["x-request-id"]}]
 
 
-async def test_chunk_timeout_ends_the_stream_with_504_event() -> None:
+@LISTENERS
+async def test_chunk_timeout_ends_the_stream_with_504_event(listener: str) -> None:
     async with TinyUpstream(script(lambda r: sse_reply(["a", "b"], delay=1.0))) as up:
         config = fast_config([up.url], chunk_timeout=0.3)
-        async with run_edge(config) as edge, client(edge) as http:
+        async with run_edge(config, listener=listener) as edge, client(edge) as http:
             response = await http.post("/v1/completions", json=COMPLETION)
             assert response.status_code == 200
             events = [e for e in response.content.split(b"\n\n") if e]
             assert json.loads(events[-2][6:])["error"]["code"] == "upstream_timeout"
             assert events[-1] == b"data: [DONE]"
+            assert in_flight(edge) == [0]
+
+
+@LISTENERS
+async def test_a_steady_stream_longer_than_the_chunk_timeout_completes(listener: str) -> None:
+    """The timeout is between chunks, not for the whole body: each chunk is progress, also
+    when the listener's body writer passes chunks on without waking the request's task."""
+    words = [f"w{i}" for i in range(8)]
+    async with TinyUpstream(script(lambda r: sse_reply(words, delay=0.1))) as up:
+        config = fast_config([up.url], chunk_timeout=0.35)
+        async with run_edge(config, listener=listener) as edge, client(edge) as http:
+            response = await http.post("/v1/completions", json=COMPLETION)
+            assert response.status_code == 200
+            events = [e for e in response.content.split(b"\n\n") if e]
+            assert events[-1] == b"data: [DONE]"
+            assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]] == words
             assert in_flight(edge) == [0]
 
 
@@ -285,7 +305,10 @@ async def test_repeated_5xx_ejects_the_backend_passively() -> None:
     assert len(inference(bad)) == 2
 
 
-async def test_a_client_that_stops_reading_slows_the_upstream_instead_of_filling_memory() -> None:
+@LISTENERS
+async def test_a_client_that_stops_reading_slows_the_upstream_instead_of_filling_memory(
+    listener: str,
+) -> None:
     event = b"data: " + b"x" * (64 * 1024 - 8) + b"\n\n"
     total = 800 * len(event)  # 50 MiB: far more than every socket buffer on the way holds
 
@@ -296,7 +319,8 @@ async def test_a_client_that_stops_reading_slows_the_upstream_instead_of_filling
         return Reply(headers=[("content-type", "text/event-stream")], chunks=[event] * 800)
 
     async with TinyUpstream(flood) as up:
-        async with run_edge(fast_config([up.url], chunk_timeout=30.0)) as edge:
+        config = fast_config([up.url], chunk_timeout=30.0)
+        async with run_edge(config, listener=listener) as edge:
             port = int(edge.url.rsplit(":", 1)[1])
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)

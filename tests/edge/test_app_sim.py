@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from backends.sim import SimConfig, SimServer
-from tests.edge.conftest import Edge, client, fast_config, run_edge
+from tests.edge.conftest import LISTENERS, Edge, client, fast_config, run_edge
 from transport.h1_server import H1Listener
 
 CHAT = {"messages": [{"role": "user", "content": "Say hello to the edge"}], "max_tokens": 8}
@@ -178,10 +178,12 @@ async def test_models_are_merged_from_healthy_backends() -> None:
             assert unknown.json()["error"]["code"] == "model_not_found"
 
 
-async def test_client_disconnect_aborts_the_upstream_request() -> None:
+@LISTENERS
+async def test_client_disconnect_aborts_the_upstream_request(listener: str) -> None:
     slow = sim_config("b1", profile="h100-llama3-8b", time_scale=1.0)
     async with sims(slow) as (server,):
-        async with run_edge(fast_config([server.url])) as edge, client(edge) as http:
+        config = fast_config([server.url])
+        async with run_edge(config, listener=listener) as edge, client(edge) as http:
             body = {**BODIES["/generate"], "stream": True}
             body["sampling_params"] = {"max_new_tokens": 5000, "ignore_eos": True}
             async with http.stream("POST", "/generate", json=body) as response:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from typing import Any
 
 import pytest
 
-from edge.relay import SSEScanner, Usage, answer_of_body, usage_from
+from backends.pool import UpstreamPool
+from backends.sim import SimConfig, SimServer
+from edge.relay import RelayResult, SSEScanner, Usage, answer_of_body, relay_stream, usage_from
 
 
 def sse(*objs: object) -> bytes:
@@ -197,3 +201,47 @@ def test_whole_answers_give_usage_and_text() -> None:
     completion = {"choices": [{"text": "abc"}]}
     assert answer_of_body(json.dumps(completion).encode()) == (Usage(), "abc")
     assert answer_of_body(b"not json") == (Usage(), None)
+
+
+class FailingWriter:
+    """A body writer that breaks on its second chunk, as a bug in a listener would."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+
+    def write_body(self, body: bytes, more: bool = True) -> bool:
+        if self.chunks:
+            raise RuntimeError("the listener broke")
+        self.chunks.append(body)
+        return True
+
+    async def drained(self) -> None:
+        return None
+
+
+async def test_a_body_writer_failing_in_the_read_callback_fails_the_relay() -> None:
+    """An error raised where the pool's read callback writes is the relay's error, at once;
+    the upstream request is aborted, nothing hangs."""
+    body = json.dumps({"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 64}})
+    # paced tokens: the second one arrives while the relay waits, so the read callback writes it
+    paced = SimConfig(name="w", port=0, profile="h100-llama3-8b", time_scale=0.2)
+    async with SimServer(paced) as sim:
+        pool = UpstreamPool()
+        try:
+            response = await pool.request(
+                sim.url, "POST", "/generate", headers=[], body=body.encode()
+            )
+            writer = FailingWriter()
+
+            async def send(message: Any) -> None:
+                return None
+
+            with pytest.raises(RuntimeError, match="the listener broke"):
+                await asyncio.wait_for(
+                    relay_stream(response, send, RelayResult(), route=GENERATE, writer=writer), 10
+                )
+            assert len(writer.chunks) == 1
+            assert not response.complete
+            assert pool.stats().backends[sim.url].active == 0  # its connection was closed
+        finally:
+            await pool.aclose()

@@ -119,6 +119,8 @@ async def test_scope_shape() -> None:
     assert scope["client"][0] == "127.0.0.1"
     extensions = dict(scope["extensions"])
     assert sent <= extensions.pop("arrived_at") <= answered  # the read of the head
+    writer = extensions.pop("quicedge.body_writer")  # writes without an await (the relay's)
+    assert callable(writer.write_body) and callable(writer.drained)
     assert extensions == {"transport": "h1", "early_data": False, "handshake_wait_s": 0.0}
 
 
