@@ -518,7 +518,9 @@ async def test_early_close_aborts_the_request_in_the_stand_in() -> None:
 
 
 async def test_stand_in_keep_alive_timeout_is_survived() -> None:
-    async with SimServer(SimConfig(name="p3", port=0, timeout_keep_alive=0.05)) as sim:
+    # Long enough that a fresh connection is not timed out before its request is read, on a
+    # busy machine too (a full collection in the test process can take tens of ms).
+    async with SimServer(SimConfig(name="p3", port=0, timeout_keep_alive=0.5)) as sim:
         pool = UpstreamPool()
         try:
             response = await pool.request(sim.url, "GET", "/health", headers=[], body=b"")
