@@ -30,7 +30,10 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 # /generate); group 1 is the string literal's body, still escaped. The literal prefix lets the
 # regex engine skip to candidates with a fast substring search instead of trying every `"`.
 _FIELDS = {
-    field: re.compile(rb'"' + field + rb'":\s*"((?:[^"\\]|\\.)*)"', re.DOTALL)
+    # the string body "unrolled" (runs of plain characters, then one escape): one step per run,
+    # where an alternation per character costs a step each (findall over 64 chat events:
+    # 73 -> 51 us)
+    field: re.compile(rb'"' + field + rb'":\s*"([^"\\]*(?:\\.[^"\\]*)*)"', re.DOTALL)
     for field in (b"content", b"text")
 }
 _MAX_PIECES = 256 * 1024
