@@ -374,6 +374,7 @@ class ProxyApp:
                 )
                 out.append((b"content-length", b"%d" % len(body)))
                 await send({"type": "http.response.start", "status": status, "headers": out})
+                ex.responded = True
                 await send({"type": "http.response.body", "body": body, "more_body": False})
                 ex.status = status
                 if status == 200:
@@ -428,7 +429,7 @@ class ProxyApp:
         result = RelayResult()
         await relay_stream(
             response, send, result, on_first_token=ticket.first_token, route=ex.route,
-            writer=ex.body_writer,
+            writer=ex.body_writer, on_complete=ex.mark_responded,
         )  # fmt: skip
         if result.upstream_error is not None:
             self._upstream_failed(backend, result.upstream_error.kind)
@@ -478,8 +479,9 @@ async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any], ex: Excha
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            ex.disconnected = True
-            task.cancel()
+            if not ex.responded:
+                ex.disconnected = True
+                task.cancel()
             return
 
 

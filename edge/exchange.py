@@ -64,6 +64,9 @@ class Exchange:
     upstream_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     started: bool = False
     """The response start was sent: no retry, no error page, only an error event."""
+    responded: bool = False
+    """The response's last message was handed to the server: an `http.disconnect` from here on
+    is its end, not a client going away."""
     disconnected: bool = False
     status: int = 0
     backend: Backend | None = None
@@ -72,3 +75,6 @@ class Exchange:
     usage: Usage | None = None
     body_writer: BodyWriter | None = None
     """The listener's `quicedge.body_writer`, when it offers one: the relay writes through it."""
+
+    def mark_responded(self) -> None:
+        self.responded = True

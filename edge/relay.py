@@ -353,8 +353,10 @@ async def relay_stream(
     *,
     route: str = "/v1/chat/completions",
     writer: BodyWriter | None = None,
+    on_complete: Callable[[], None] | None = None,
 ) -> None:
-    """Relay an SSE body chunk by chunk. The response start was already sent.
+    """Relay an SSE body chunk by chunk. The response start was already sent; `on_complete`
+    is called as the stream's last message is sent.
 
     With a `writer` (the listener's ``quicedge.body_writer``), each chunk is passed on from
     inside the upstream connection's read callback, without waking this task; otherwise this
@@ -379,10 +381,12 @@ async def relay_stream(
                     "more_body": True,
                 }
             )
-    result.backend_error = relay.scanner.error
-    result.usage, result.text = relay.scanner.final()
+    if on_complete is not None:
+        on_complete()
     await send({"type": "http.response.body", "body": b"", "more_body": False})
     result.end = time.perf_counter()
+    result.backend_error = relay.scanner.error
+    result.usage, result.text = relay.scanner.final()
 
 
 async def _pull(chunks: UpstreamResponse, send: Send, relay: _Relay) -> None:

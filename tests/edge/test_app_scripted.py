@@ -99,6 +99,41 @@ async def test_early_data_request_is_forwarded_with_early_data_header() -> None:
     assert forwarded.headers["early-data"] == "1"
 
 
+async def test_the_end_of_a_whole_response_is_not_a_client_going_away() -> None:
+    """Once the response is complete, `receive` answers `http.disconnect` (ASGI). A send of the
+    last chunk that yields to the loop lets the watcher see it; the request must still be
+    accounted as served, not cancelled, counted as a disconnect and aborted upstream."""
+    async with TinyUpstream(script(lambda r: sse_reply(["ok"]))) as up:
+        async with run_edge(fast_config([up.url])) as edge:
+            body = json.dumps(COMPLETION).encode()
+            scope = {
+                "type": "http", "method": "POST", "path": "/v1/completions",
+                "http_version": "1.1", "headers": [(b"content-type", b"application/json")],
+            }  # fmt: skip
+            messages = [{"type": "http.request", "body": body, "more_body": False}]
+            responded = asyncio.Event()
+
+            async def receive() -> dict[str, object]:
+                if messages:
+                    return messages.pop(0)
+                await responded.wait()
+                return {"type": "http.disconnect"}
+
+            async def send(message: dict[str, object]) -> None:
+                if message["type"] == "http.response.body" and not message.get("more_body"):
+                    responded.set()
+                    for _ in range(3):  # a server whose send waits, e.g. for a drain
+                        await asyncio.sleep(0)
+
+            await edge.wiring.app(scope, receive, send)
+            metrics = (await httpx.AsyncClient().get(edge.admin_url + "/metrics")).text
+            assert "quicedge_client_disconnects_total 0.0" in metrics
+            assert 'quicedge_requests_total{route="/v1/completions",status="200"} 1.0' in metrics
+            assert "quicedge_ttft_seconds_count" in metrics
+            assert in_flight(edge) == [0]
+    assert not any(r.path == "/abort_request" for r in up.requests)
+
+
 async def test_503_is_retried_on_the_other_backend() -> None:
     busy = script(lambda r: Reply(status=503, chunks=[b'{"error":"busy"}'], chunked=False))
     async with TinyUpstream(busy) as bad, TinyUpstream(script(lambda r: sse_reply(["x"]))) as good:
