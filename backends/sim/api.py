@@ -55,6 +55,8 @@ class Api(NativeRoutes, OpenAIRoutes, AdminRoutes):
             ("/metrics", get, self.prometheus, False),
         ):
             self.routes[path] = (methods, handler, openai)
+        if self.timings is not None:  # otherwise 404, as an unknown path
+            self.routes["/debug/timings"] = (get, self.debug_timings, False)
 
     # -- dispatch ------------------------------------------------------------------------------
 

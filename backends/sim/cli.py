@@ -65,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive)
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    p.add_argument(
+        "--record-timings",
+        type=int,
+        default=d.record_timings,
+        metavar="N",
+        help="for benchmarks: keep the perf_counter() times of the request read and of the first"
+        " token's write for the last N generation requests, at GET /debug/timings (0: off)",
+    )
     p.add_argument("--log-level", default="warning")
     p.add_argument(
         "--loop",
@@ -112,6 +120,7 @@ def config_from(args: argparse.Namespace) -> SimConfig:
         startup_delay=args.startup_delay,
         timeout_keep_alive=args.timeout_keep_alive,
         max_body_bytes=args.max_body_bytes,
+        record_timings=args.record_timings,
     )
 
 

@@ -44,6 +44,9 @@ class SimConfig:
     """Idle keep-alive connections are closed after this many seconds (uvicorn in SGLang: 5)."""
     max_body_bytes: int = 32 * MiB
     """Request bodies above this get 413."""
+    record_timings: int = 0
+    """Keep the `perf_counter()` stamps of this many most recent generation requests, served
+    at `/debug/timings` for benchmarks; 0: off."""
 
     def __post_init__(self) -> None:
         get_profile(self.profile)  # raises ValueError for an unknown name
@@ -72,6 +75,7 @@ class SimConfig:
             (self.startup_delay >= 0, "startup_delay must be >= 0"),
             (self.timeout_keep_alive > 0, "timeout_keep_alive must be > 0"),
             (self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024"),
+            (self.record_timings >= 0, "record_timings must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:

@@ -15,6 +15,7 @@ import socket
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from http import HTTPStatus
+from time import perf_counter
 from typing import cast
 
 import h11
@@ -32,6 +33,9 @@ class HttpRequest:
     query: str
     headers: list[tuple[bytes, bytes]]  # lowercase names
     body: bytes
+    read_at: float
+    """`perf_counter()` of the socket read that completed the request (benchmarks split
+    latency with it; a pipelined request gets the latest read before it was parsed)."""
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.headers:
@@ -43,7 +47,7 @@ class HttpRequest:
 class Responder:
     """Answers one request. Writes never block the loop; they wait while the socket is full."""
 
-    __slots__ = ("_chunked", "_proto", "disconnected", "on_disconnect", "started")
+    __slots__ = ("_chunked", "_proto", "disconnected", "on_disconnect", "on_done", "started")
 
     def __init__(self, proto: HttpProtocol) -> None:
         self._proto = proto
@@ -51,6 +55,8 @@ class Responder:
         self.started = False
         self.disconnected = False
         self.on_disconnect: Callable[[], object] | None = None
+        self.on_done: Callable[[], object] | None = None
+        """Called once the handler has returned or failed: the answer is written or abandoned."""
 
     async def send(
         self, status: int, body: bytes, content_type: bytes = b"application/json"
@@ -105,6 +111,7 @@ class HttpProtocol(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._request: h11.Request | None = None
         self._body = bytearray()
+        self._read_at = 0.0
         self._task: asyncio.Task[None] | None = None
         self._responder: Responder | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
@@ -125,6 +132,7 @@ class HttpProtocol(asyncio.Protocol):
         self._arm_idle_timer()
 
     def data_received(self, data: bytes) -> None:
+        self._read_at = perf_counter()  # first, so that parsing is not counted as network time
         self._conn.receive_data(data)
         self._pump()
 
@@ -226,6 +234,7 @@ class HttpProtocol(asyncio.Protocol):
             query=query,
             headers=[(k.lower(), v) for k, v in self._request.headers],
             body=bytes(self._body),
+            read_at=self._read_at,
         )
         self._body = bytearray()
         self._responder = Responder(self)
@@ -247,6 +256,8 @@ class HttpProtocol(asyncio.Protocol):
         finally:
             self._task = None
             self._responder = None
+            if responder.on_done is not None:
+                responder.on_done()
         self._next_cycle()
 
     def _next_cycle(self) -> None:

@@ -159,6 +159,14 @@ class AdminRoutes(RouteContext):
         # SGLang answers 200 with an empty body whether or not the rid was known.
         await responder.send(200, b"", b"text/plain; charset=utf-8")
 
+    async def debug_timings(self, request: HttpRequest, responder: Responder) -> None:
+        """The kept records, oldest first (routed only with `--record-timings`)."""
+        records = [
+            {"rid": t.rid, "read_at": t.read_at, "first_token_at": t.first_token_at}
+            for t in self.timings or ()
+        ]
+        await responder.send(200, dumps({"clock": "perf_counter", "timings": records}))
+
     async def prometheus(self, request: HttpRequest, responder: Responder) -> None:
         await responder.send(
             200, self.metrics.render(), b"text/plain; version=0.0.4; charset=utf-8"

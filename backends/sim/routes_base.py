@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
 from backends.sim.config import SimConfig
-from backends.sim.http import Responder
+from backends.sim.http import HttpRequest, Responder
 from backends.sim.metrics import SimMetrics
 from backends.sim.request import SimRequest
 from backends.sim.scheduler import Scheduler
@@ -54,6 +56,19 @@ def native_error(message: str) -> bytes:
     return dumps({"error": {"message": message}})
 
 
+@dataclass(slots=True)
+class Timing:
+    """One generation request's `perf_counter()` stamps (`--record-timings`), which a
+    benchmark on the same host joins by rid with its own stamps to split the latency."""
+
+    rid: str
+    read_at: float
+    """The socket read that completed the request."""
+    first_token_at: float | None = None
+    """Just after the first non-empty text (a whole non-streamed answer) went to the
+    transport; None when no content was sent (an error, an abort, a client gone)."""
+
+
 class RouteContext:
     def __init__(
         self,
@@ -70,6 +85,9 @@ class RouteContext:
         self.metrics = metrics
         self.is_ready = is_ready
         self.created = int(time.time())
+        self.timings: deque[Timing] | None = (
+            deque(maxlen=config.record_timings) if config.record_timings else None
+        )
 
     def _new_request(self, params: GenParams) -> SimRequest:
         n = len(params.input_ids)
@@ -121,6 +139,17 @@ class RouteContext:
         # A client that goes away aborts its request and frees its slot (SGLang's abort task).
         responder.on_disconnect = lambda: scheduler.abort(req)
         return req
+
+    def _timing(self, request: HttpRequest, req: SimRequest, responder: Responder) -> Timing | None:
+        """The request's record, or None when not recording. It joins `timings` once the answer
+        is done, so a listed record is final. A stream drops it once the first content is
+        stamped: on or off, what each later chunk costs is one test of a local for None."""
+        timings = self.timings
+        if timings is None:
+            return None
+        timing = Timing(req.rid, request.read_at)
+        responder.on_done = lambda: timings.append(timing)
+        return timing
 
     @staticmethod
     async def _until_finished(req: SimRequest) -> None:

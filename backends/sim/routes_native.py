@@ -40,10 +40,13 @@ class NativeRoutes(RouteContext):
     async def generate(self, request: HttpRequest, responder: Responder) -> None:
         params = parse_generate(parse_json(request.body), self.tokenizer)
         req = self._submit(params, responder)
+        timing = self._timing(request, req, responder)
         if not params.stream:
             if not await self._whole_answer_due(req, responder, native_error):
                 return
             await responder.send(200, dumps(self._generate_output(req, final=True)))
+            if timing is not None and req.text():
+                timing.first_token_at = time.perf_counter()
             return
         # SGLang starts the event stream at once; chunks follow as tokens exist.
         await responder.start(200, SSE_HEADERS)
@@ -51,8 +54,12 @@ class NativeRoutes(RouteContext):
         while not responder.disconnected:
             n = req.completion_tokens
             if n > sent or req.finished:
-                await responder.write(sse(self._generate_output(req, final=req.finished)))
+                out = self._generate_output(req, final=req.finished)
+                await responder.write(sse(out))
                 sent = n
+                if timing is not None and out["text"]:  # the first content, stamped once
+                    timing.first_token_at = time.perf_counter()
+                    timing = None
                 if req.finished:
                     await responder.write(DONE)
                     await responder.end()

@@ -52,6 +52,7 @@ class OpenAIRoutes(RouteContext):
         obj = parse_json(request.body)
         params = parse_chat(obj, self.tokenizer)
         req = self._submit(params, responder)
+        timing = self._timing(request, req, responder)
         model = params.model or self.config.model_name
         created = int(time.time())
         if not params.stream:
@@ -81,6 +82,8 @@ class OpenAIRoutes(RouteContext):
                 "metadata": {"weight_version": "default"},
             }
             await responder.send(200, dumps(body))
+            if timing is not None and req.text():
+                timing.first_token_at = time.perf_counter()
             return
         if not await self._first_output(req, responder):
             return
@@ -130,6 +133,9 @@ class OpenAIRoutes(RouteContext):
                 delta, sent_chars = text[sent_chars:], len(text)
                 if delta:
                     await responder.write(content_chunk(delta))
+                    if timing is not None:  # the first content, stamped once
+                        timing.first_token_at = time.perf_counter()
+                        timing = None
             if req.finished:
                 message = self._abort_message(req)
                 if message is not None:
@@ -167,6 +173,7 @@ class OpenAIRoutes(RouteContext):
         self._require_json(request)
         params = parse_completion(parse_json(request.body), self.tokenizer)
         req = self._submit(params, responder)
+        timing = self._timing(request, req, responder)
         model = params.model or self.config.model_name
         created = int(time.time())
         if not params.stream:
@@ -191,6 +198,8 @@ class OpenAIRoutes(RouteContext):
                 "metadata": {"weight_version": "default"},
             }
             await responder.send(200, dumps(body))
+            if timing is not None and req.text():
+                timing.first_token_at = time.perf_counter()
             return
         if not await self._first_output(req, responder):
             return
@@ -233,6 +242,9 @@ class OpenAIRoutes(RouteContext):
                     if params.continuous_usage_stats:
                         out["usage"] = self._usage(req)
                     await responder.write(sse(out))
+                    if timing is not None and delta:  # the first content, stamped once
+                        timing.first_token_at = time.perf_counter()
+                        timing = None
                 if req.finished:
                     if params.include_usage:
                         usage = {k: v for k, v in self._usage(req).items() if v is not None}
