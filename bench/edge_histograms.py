@@ -7,7 +7,9 @@ sharing cores. The edge also times itself from its own socket reads to its own w
 first token's read from the backend to its hand-over to the client) and
 `quicedge_relay_delay_seconds` per streamed content chunk. Scraping them before and after a run
 gives that run's distribution; quantiles are interpolated within buckets, as Prometheus'
-`histogram_quantile` does. The kernel's loopback hops are outside these numbers.
+`histogram_quantile` does. Outside these numbers: the kernel's loopback hops, and the time a
+request or a token waits in the kernel before the edge reads it, which grows while the edge's
+event loop is busy. `bench.legs` measures those with the client's and the stand-in's stamps.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from bench import edge_histograms
+from bench import edge_histograms, legs
 
 _CONTENT = re.compile(rb'"(?:content|text)"\s*:\s*"[^"]')
 REPO = Path(__file__).resolve().parents[1]
@@ -82,6 +82,8 @@ class Target:
     cpu_s: dict[str, float] = field(default_factory=dict)
     requests: int = 0
     wall_s: float = 0.0
+    sent: list[tuple[str, float, float]] = field(default_factory=list)
+    """(rid, sent at, first token at) per request, for `bench.legs`."""
 
     def fresh(self) -> Target:
         """The same address with no measurements (one per concurrency level)."""
@@ -92,6 +94,7 @@ class Target:
         self.first_byte_ms.append((r.first_byte - r.t0) * 1e3)
         self.ttft_ms.append((tokens[0] - r.t0) * 1e3)
         self.itl_ms.extend([(b - a) * 1e3 for a, b in itertools.pairwise(tokens)])
+        self.sent.append((r.rid, r.t0, tokens[0]))
         self.requests += 1
 
 
@@ -119,9 +122,32 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+RID_PREFIX = "el-"
+RID_DIGITS = 12
+_rids = itertools.count(1)
+
+
+class Request:
+    """The request's bytes, with a fresh `rid` (fixed width) spliced in for every send: the
+    stand-in records its timings under it (`bench.legs`), and the edge passes it on."""
+
+    __slots__ = ("_at", "_wire")
+
+    def __init__(self, wire: bytes) -> None:
+        self._wire = wire
+        self._at = wire.index(RID_PREFIX.encode() + b"0" * RID_DIGITS) + len(RID_PREFIX)
+
+    def next(self) -> tuple[str, bytes]:
+        digits = b"%0*d" % (RID_DIGITS, next(_rids))
+        return RID_PREFIX + digits.decode(), self._wire[: self._at] + digits + self._wire[
+            self._at + RID_DIGITS :
+        ]
+
+
 def request_bytes(host: str, max_tokens: int, prompt_words: int) -> bytes:
     body = json.dumps(
         {
+            "rid": RID_PREFIX + "0" * RID_DIGITS,
             "model": "default",
             "stream": True,
             "max_tokens": max_tokens,
@@ -141,10 +167,11 @@ class Response:
     Content-Length, so a keep-alive connection knows when the next answer starts), and when its
     first byte and each content token arrived."""
 
-    __slots__ = ("t0", "first_byte", "tokens", "done", "_wire", "_head", "_chunked", "_left",
-                 "_sse")  # fmt: skip
+    __slots__ = ("rid", "t0", "first_byte", "tokens", "done", "_wire", "_head", "_chunked",
+                 "_left", "_sse")  # fmt: skip
 
-    def __init__(self, t0: float) -> None:
+    def __init__(self, t0: float, rid: str = "") -> None:
+        self.rid = rid
         self.t0 = t0
         self.first_byte = 0.0  # 0: nothing arrived yet
         self.tokens: list[float] = []
@@ -250,7 +277,7 @@ class Conn:
 
     __slots__ = ("target", "request", "blocking", "sock", "response", "left", "retried")
 
-    def __init__(self, target: Target, request: bytes) -> None:
+    def __init__(self, target: Target, request: Request) -> None:
         self.target = target
         self.request = request
         self.blocking = False
@@ -271,15 +298,16 @@ class Conn:
 
     def send(self) -> None:
         """Send the request; a server that closed the idle connection gets a new one."""
-        self.response = Response(time.perf_counter())
+        rid, data = self.request.next()
+        self.response = Response(time.perf_counter(), rid)
         try:
-            sent = self.sock.send(self.request)
+            sent = self.sock.send(data)
         except (BrokenPipeError, ConnectionResetError):
             self.reconnect()
             return
-        if sent < len(self.request):  # a full send buffer: rare for a few hundred bytes
+        if sent < len(data):  # a full send buffer: rare for a few hundred bytes
             self.sock.setblocking(True)
-            self.sock.sendall(self.request[sent:])
+            self.sock.sendall(data[sent:])
             self.sock.setblocking(self.blocking)
 
     def reconnect(self) -> None:
@@ -411,7 +439,7 @@ def measure(
     pools: list[list[Conn]] = []
     try:
         for t in targets:
-            request = request_bytes(t.host, max_tokens, prompt_words)
+            request = Request(request_bytes(t.host, max_tokens, prompt_words))
             pools.append([])
             for _ in range(concurrency):
                 pools[-1].append(Conn(t, request))
@@ -508,6 +536,22 @@ def report(runs: list[dict[str, Any]]) -> str:
                     f" p99 {_f(a['ttft_p99'], '+.2f')}, ITL p99 {_f(a['itl_p99'], '+.2f')},"
                     f" first byte p50 {_f(a['first_byte_p50'], '+.2f')} ms"
                 )
+            lg = row.get("legs")
+            if lg is not None and lg["joined"]:
+                rq, rs = lg["request_leg_ms"] or {}, lg["response_leg_ms"] or {}
+                lines.append(
+                    f"{'':>8}  legs ({lg['joined']} requests): request (send → stand-in read)"
+                    f" p50 {_f(rq.get('p50'))} p99 {_f(rq.get('p99'))}, response (stand-in"
+                    f" first token → client) p50 {_f(rs.get('p50'))} p99 {_f(rs.get('p99'))} ms"
+                )
+                if "added_ms" in lg:
+                    a = lg["added_ms"]
+                    lines.append(
+                        f"{'':>8}  legs added over {row['added_over']}: request p50"
+                        f" {_f(a['request_p50'], '+.2f')} p99 {_f(a['request_p99'], '+.2f')},"
+                        f" response p50 {_f(a['response_p50'], '+.2f')}"
+                        f" p99 {_f(a['response_p99'], '+.2f')} ms"
+                    )
         own = run.get("edge_own_ms")
         if own is not None:
             lines.append(
@@ -569,6 +613,7 @@ def markdown(result: dict[str, Any]) -> str:
                 *(_f(cpu.get(name)) for name in ("sim", "edge", "client")),
             ]
             out.append("| " + " | ".join(cells) + " |")
+    out += _legs_table(result["runs"])
     owns = [
         (run["concurrency"], run["edge_own_ms"]) for run in result["runs"] if run.get("edge_own_ms")
     ]
@@ -591,6 +636,35 @@ def markdown(result: dict[str, Any]) -> str:
             ]  # fmt: skip
             out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
+
+
+def _legs_table(runs: list[dict[str, Any]]) -> list[str]:
+    rows = [(run["concurrency"], row) for run in runs for row in run["targets"] if row.get("legs")]
+    if not rows:
+        return []
+    out = [
+        "",
+        "The legs of each request (`bench.legs`), from the client's stamps and the stand-in's"
+        " (`--record-timings`): request = client send → the stand-in's read; response = the"
+        " stand-in's first-token write → the client's read. Added = edge − direct, per"
+        " percentile:",
+        "",
+        "| concurrency | target | joined | request p50 | request p99 | response p50 |"
+        " response p99 | added request p50 | added request p99 | added response p50 |"
+        " added response p99 |",
+        "| ---: | --- |" + " ---: |" * 9,
+    ]
+    for n, row in rows:
+        lg = row["legs"]
+        rq, rs, a = lg["request_leg_ms"] or {}, lg["response_leg_ms"] or {}, lg.get("added_ms", {})
+        cells = [
+            str(n), row["name"], str(lg["joined"]), _f(rq.get("p50")), _f(rq.get("p99")),
+            _f(rs.get("p50")), _f(rs.get("p99")),
+            *(_f(a.get(k), "+.2f") for k in ("request_p50", "request_p99", "response_p50",
+                                             "response_p99")),
+        ]  # fmt: skip
+        out.append("| " + " | ".join(cells) + " |")
+    return out
 
 
 # --- --spawn: the stand-in and the edge as child processes ---
@@ -680,7 +754,8 @@ def spawned(args: argparse.Namespace, out: Path) -> Iterator[Spawned]:
         sim = _start(
             "the stand-in",
             [sys.executable, "-m", "backends.sim", "--port", str(sim_port), "--name", "s1",
-             "--profile", args.sim_profile, "--time-scale", str(args.sim_time_scale)],
+             "--profile", args.sim_profile, "--time-scale", str(args.sim_time_scale),
+             "--record-timings", str(_requests_sent(args))],
             log=out / "sim.log", cpus=others, cwd=REPO,
         )  # fmt: skip
         stack.callback(_stop, sim)
@@ -725,6 +800,7 @@ def run_spawn(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any
     runs = []
     with spawned(args, out) as s:
         args.edge_metrics = args.edge_metrics or s.metrics_url
+        args.sim_timings = args.sim_timings or s.sim_url
         for n in args.concurrency:
             targets = [_target(f"direct={s.sim_url}"), _target(f"edge={s.edge_url}")]
             runs.append(_measure_level(targets, n, args, {**s.pids, **dict(args.cpu_pid)}))
@@ -745,6 +821,14 @@ def run_spawn(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any
     (out / "edge_latency.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out / 'edge_latency.md'} and {out / 'edge_latency.json'}")
     return result
+
+
+def _requests_sent(args: argparse.Namespace) -> int:
+    """At most how many requests a run sends (every level, both targets): what the stand-in
+    keeps timings of."""
+    rounds = args.rounds
+    per_level = [n * (args.warmup + rounds * -(-args.per_round // n)) for n in args.concurrency]
+    return 2 * sum(per_level) + 100
 
 
 def _measure_level(
@@ -774,7 +858,17 @@ def _measure_level(
     if url:
         d = edge_histograms.delta(edge_histograms.scrape(url), before)
         run["edge_own_ms"] = edge_histograms.summary(d)
+    if args.sim_timings:
+        add_legs(run["targets"], targets, legs.fetch(args.sim_timings))
     return run
+
+
+def add_legs(rows: list[dict[str, Any]], targets: list[Target], stamps: legs.Stamps) -> None:
+    """Each target's request and response legs (`bench.legs`), and what it adds over the first."""
+    for row, t in zip(rows, targets, strict=True):
+        row["legs"] = legs.legs(t.sent, stamps)
+        if row is not rows[0]:
+            row["legs"]["added_ms"] = legs.added(row["legs"], rows[0]["legs"])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -796,6 +890,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="PATH", help="also write the numbers as JSON")
     p.add_argument("--edge-metrics", metavar="URL",
                    help="the edge's admin /metrics: also report its own histograms")  # fmt: skip
+    p.add_argument("--sim-timings", metavar="URL",
+                   help="a stand-in run with --record-timings (its base URL): also report each"
+                   " request's legs (bench.legs)")  # fmt: skip
     p.add_argument("--no-rt", dest="rt", action="store_false",
                    help="run the client at normal priority, not SCHED_FIFO")  # fmt: skip
     g = p.add_argument_group("--spawn: start a stand-in and an edge, measure direct vs edge")

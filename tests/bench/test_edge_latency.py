@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from backends.sim import SimConfig, SimServer
 from bench.edge_latency import REPO, Response
 from tests.bench.conftest import run_command
@@ -72,6 +74,32 @@ async def test_concurrent_streams_report_itl_and_the_added_figures(tmp_path: Pat
     assert b["added_ms"]["ttft_p50"] == b["ttft_ms"]["p50"] - a["ttft_ms"]["p50"]
 
 
+async def test_legs_join_the_clients_stamps_with_the_stand_ins(tmp_path: Path) -> None:
+    out = tmp_path / "el.json"
+    config = SimConfig(name="el", port=0, profile="instant", record_timings=1000)
+    async with SimServer(config) as sim:
+        done = await run_command(
+            "bench.edge_latency", f"a={sim.url}", f"b={sim.url}", "--concurrency", "2",
+            "--rounds", "2", "--per-round", "4", "--warmup", "1", "--max-tokens", "3",
+            "--pause-ms", "0", "--json", str(out), "--no-rt", "--sim-timings", sim.url,
+        )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "legs (8 requests): request (send → stand-in read) p50" in done.stdout
+    assert "legs added over a: request p50" in done.stdout
+    (run,) = json.loads(out.read_text())["runs"]
+    a, b = run["targets"]
+    for row in (a, b):
+        legs = row["legs"]
+        assert legs["joined"] == row["requests"] == 8  # every request, each rid its own
+        # both clocks are one (CLOCK_MONOTONIC): each leg is short and not negative
+        for leg in ("request_leg_ms", "response_leg_ms"):
+            assert 0 <= legs[leg]["p50"] <= legs[leg]["p99"] < 1000
+    assert "added_ms" not in a["legs"]
+    assert b["legs"]["added_ms"]["request_p50"] == pytest.approx(
+        b["legs"]["request_leg_ms"]["p50"] - a["legs"]["request_leg_ms"]["p50"]
+    )
+
+
 async def test_idle_connections_closed_by_the_server_are_reopened() -> None:
     # The stand-in closes idle connections after 0.1 s; each request waits 0.3 s first.
     config = SimConfig(name="el", port=0, profile="instant", timeout_keep_alive=0.1)
@@ -131,6 +159,12 @@ async def test_spawn_writes_both_reports_and_stops_its_processes(tmp_path: Path)
     assert priority == "SCHED_FIFO 10" or priority.startswith("normal (real-time refused")
     assert f"Client priority: {priority}" in table
     assert "The edge's own timing" in table
+    assert "The legs of each request" in table
+    for run in report["runs"]:
+        direct, edge = run["targets"]
+        assert direct["legs"]["joined"] == direct["requests"]
+        assert edge["legs"]["joined"] == edge["requests"]  # the edge passed each rid on
+        assert edge["legs"]["added_ms"]["request_p99"] is not None
     assert "Stand-in profile: instant (time scale 1)" in table
     for pid in (report["pids"]["sim"], report["pids"]["edge"]):
         assert not _running(pid), f"process {pid} still running"
