@@ -36,7 +36,6 @@ from backends.errors import (
     UpstreamProtocolError,
     UpstreamTimeout,
 )
-from transport.eager import resolve_now
 
 log = logging.getLogger(__name__)
 
@@ -204,7 +203,6 @@ class _Connection(asyncio.Protocol):
         """Called after each read that parsed something; True: it took care of it, the waiting
         consumer need not wake (see `UpstreamResponse.set_sink`)."""
         self._wait_timeout: float | None = None
-        self._wake_now = False
         self.eof = False
         self._paused = False
         self._waiter: asyncio.Future[None] | None = None
@@ -266,10 +264,7 @@ class _Connection(asyncio.Protocol):
     def _wake(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
-            if self._wake_now:
-                resolve_now(self.loop, waiter)  # the response head: on the way to a first token
-            else:
-                waiter.set_result(None)
+            waiter.set_result(None)
 
     def usable(self) -> bool:
         return not self.closed and not self.eof and not self.in_flight
@@ -290,13 +285,10 @@ class _Connection(asyncio.Protocol):
             self.transport.resume_reading()
         return data
 
-    async def _wait(self, timeout: float | None, what: str, *, now: bool = False) -> None:
-        """Wait for the next read; ``now``: the waiting task steps inside that read's callback
-        (`transport.eager.resolve_now`) rather than on the loop's next turn."""
+    async def _wait(self, timeout: float | None, what: str) -> None:
         loop = self.loop
         waiter = loop.create_future()
         self._waiter = waiter
-        self._wake_now = now
         self._wait_timeout = timeout
         if timeout is not None:
             deadline = self._deadline = loop.time() + timeout
@@ -648,7 +640,7 @@ async def _read_head(conn: _Connection, timeout: float | None) -> None:
                 f"{conn.host.base_url} closed the connection before the response head",
                 base_url=conn.host.base_url,
             )
-        await conn._wait(timeout, "response", now=True)
+        await conn._wait(timeout, "response")
 
 
 class UpstreamPool:

@@ -1,5 +1,4 @@
-"""Shared test helpers: free ports, waiting for listeners, the call stack. Nothing here mocks the
-stack."""
+"""Shared test helpers: free ports and waiting for listeners. Nothing here mocks the stack."""
 
 from __future__ import annotations
 
@@ -7,7 +6,6 @@ import asyncio
 import shutil
 import socket
 import subprocess
-import sys
 import time
 
 import redis
@@ -18,17 +16,6 @@ def free_port(kind: int = socket.SOCK_STREAM) -> int:
     with socket.socket(socket.AF_INET, kind) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def called_from(function: str) -> bool:
-    """Whether a frame of ``function`` (say, a protocol's ``data_received``) is below the
-    caller's: what runs inside a socket read's callback, rather than a loop turn later."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == function:
-            return True
-        frame = frame.f_back
-    return False
 
 
 def free_udp_port() -> int:

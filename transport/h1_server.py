@@ -16,10 +16,6 @@ no limit on the size of a head: it is summed from the callbacks and, while the h
 incomplete, from the bytes fed. Parsing stops after a request that ends the connection
 (``Connection: close``, HTTP/1.0, an upgrade): nothing after it is read. The idle timeout is
 one lazily re-armed timer per connection.
-
-A request's app is started after the read that completed its head is parsed, and its first step
-runs in that callback (`transport.eager`): a request that came whole is handed to its backend
-before the loop turns, instead of after every callback already queued.
 """
 
 from __future__ import annotations
@@ -38,7 +34,6 @@ from urllib.parse import unquote
 import httptools
 
 from transport.asgi import ASGIApp, Message
-from transport.eager import start_task
 from transport.tcp import TcpOptions, tcp_socket
 
 log = logging.getLogger("quicedge.h1")
@@ -233,7 +228,6 @@ class H1Protocol(asyncio.Protocol):
         self._cycle: _Cycle | None = None  # the request being answered
         self._queue: deque[_Cycle] = deque()  # pipelined requests behind it, already parsed
         self._reading: _Cycle | None = None  # the request whose body is being parsed
-        self._starting: _Cycle | None = None  # a request whose app starts after this read
         # Parsing stopped: -1 after a request that ends the connection, else the status that
         # answers a bad request once those before it are answered.
         self._halt = 0
@@ -313,20 +307,16 @@ class H1Protocol(asyncio.Protocol):
                 # llhttp sets no limit, and httptools keeps a partial header line itself.
                 self._stop(431)
         cycle = self._cycle
-        if cycle is not None and not self._closed:
-            cycle.wake()
-            if cycle.complete:
-                if was_complete or self._queue or self._url:
-                    # A pipelined request behind the one in progress: read no more until then.
-                    # Reading goes on otherwise, so that a client that leaves is seen at once.
-                    self._pause_reading()
-            elif cycle.body_bytes > BODY_BUFFER:
+        if cycle is None or self._closed:
+            return
+        cycle.wake()
+        if cycle.complete:
+            if was_complete or self._queue or self._url:
+                # A pipelined request behind the one in progress: read no more until then.
+                # Reading goes on otherwise, so that a client that leaves is seen at once.
                 self._pause_reading()
-        starting, self._starting = self._starting, None
-        if starting is not None:
-            # Its first step runs now, with the body this read brought: a request that came
-            # whole in one read is parsed, routed and sent upstream in this callback.
-            self.server.spawn(self._run(starting), self.loop, eager=True)
+        elif cycle.body_bytes > BODY_BUFFER:
+            self._pause_reading()
 
     # parser callbacks (httptools): one feed_data per read may parse several requests
 
@@ -393,7 +383,8 @@ class H1Protocol(asyncio.Protocol):
         cycle.expect_100 = expect_100
         self._reading = cycle
         if self._cycle is None:
-            self._cycle = self._starting = cycle  # started once this read is parsed
+            self._cycle = cycle
+            self.server.spawn(self._run(cycle), self.loop)
         else:
             self._queue.append(cycle)  # answered in order (RFC 9112 §9.3.2)
 
@@ -600,11 +591,8 @@ class H1Listener:
             lambda: H1Protocol(self, loop), sock=sock, backlog=1024
         )
 
-    def spawn(self, coro: Any, loop: asyncio.AbstractEventLoop, *, eager: bool = False) -> None:
-        """Run a request's app; ``eager``: its first step now (`transport.eager`)."""
-        task = start_task(loop, coro) if eager else loop.create_task(coro)
-        if task.done():
-            return
+    def spawn(self, coro: Any, loop: asyncio.AbstractEventLoop) -> None:
+        task = loop.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

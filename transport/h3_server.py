@@ -23,7 +23,6 @@ from aioquic.quic.packet import pull_quic_header
 from aioquic.tls import SessionTicket
 
 from transport.asgi import ASGIApp, Message
-from transport.eager import start_task
 from transport.early_data import EarlyDataPolicy
 from transport.h3_session import (
     Action,
@@ -78,8 +77,6 @@ class H3Protocol(QuicConnectionProtocol):
         self._exchanges: dict[int, _Exchange] = {}
         self._writable: dict[int, asyncio.Future[None]] = {}
         self._started_at = self._loop.time()
-        # Requests that arrived in the datagram being processed; their apps start after it.
-        self._starting: list[tuple[int, dict[str, Any], _Exchange]] | None = None
 
     @property
     def session(self) -> H3Session:
@@ -88,17 +85,6 @@ class H3Protocol(QuicConnectionProtocol):
     @property
     def active(self) -> int:
         return len(self._exchanges) + self._session.open_requests
-
-    def datagram_received(self, data: bytes | str, addr: NetworkAddress) -> None:
-        self._starting = starting = []
-        try:
-            super().datagram_received(data, addr)  # events, actions, then ACKs sent
-        finally:
-            self._starting = None
-        for stream_id, scope, exchange in starting:
-            # The first step (parse, route, send upstream) runs in this callback, with the
-            # body the datagram brought, not one loop turn later (`transport.eager`).
-            exchange.task = start_task(self._loop, self._run_app(stream_id, scope, exchange))
 
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, HandshakeCompleted):
@@ -144,12 +130,9 @@ class H3Protocol(QuicConnectionProtocol):
         elif isinstance(action, StartRequest):
             exchange = _Exchange()
             self._exchanges[action.stream_id] = exchange
-            if self._starting is not None:
-                self._starting.append((action.stream_id, action.scope, exchange))
-            else:  # released from elsewhere than a datagram: not inside aioquic's processing
-                exchange.task = self._loop.create_task(
-                    self._run_app(action.stream_id, action.scope, exchange)
-                )
+            exchange.task = self._loop.create_task(
+                self._run_app(action.stream_id, action.scope, exchange)
+            )
         elif isinstance(action, RequestAborted):
             exchange = self._exchanges.get(action.stream_id)
             if exchange is not None:

@@ -20,7 +20,7 @@ from backends.errors import (
 )
 from backends.pool import MAX_RESPONSE_HEAD, UpstreamPool, _ResponseParser
 from backends.sim import SimConfig, SimServer
-from tests.helpers import called_from, free_port
+from tests.helpers import free_port
 
 
 @dataclass
@@ -255,25 +255,6 @@ async def test_stream_chunks_arrive_before_the_body_ends(server: ScriptedServer)
         assert b"".join(rest) == b"data: 2\n\ndata: [DONE]\n\n"
         assert response.complete
         assert pool.stats().backends[server.url].idle == 1  # back in the pool
-    finally:
-        await pool.aclose()
-
-
-async def test_the_head_wakes_the_request_inside_the_read(server: ScriptedServer) -> None:
-    """The response head is on the way to a first token: the task waiting for it resumes in
-    the connection's read callback (`transport.eager.resolve_now`), not a loop turn later.
-    Body chunks after it wake the task in the ordinary way."""
-    pool = UpstreamPool()
-    try:
-        await get(pool, server.url, "/ok")  # a warm connection: no connect on the way
-        response = await pool.request(server.url, "POST", "/stream", headers=[], body=b"{}")
-        assert called_from("data_received")
-        chunks = aiter(response)
-        await anext(chunks)
-        server.release.set()
-        await anext(chunks)
-        assert not called_from("data_received")
-        await response.aclose()
     finally:
         await pool.aclose()
 

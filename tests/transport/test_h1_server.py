@@ -13,7 +13,6 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import called_from
 from tests.transport.apps import RecordingApp
 from transport.asgi import ASGIApp, Message, Receive, Scope, Send
 from transport.h1_server import H1Listener
@@ -152,32 +151,6 @@ async def test_pipelined_requests_are_answered_in_order() -> None:
     assert second[1]["transfer-encoding"] == "chunked" and second[2] == b"0;1;"
     assert json.loads(third[2])["body_bytes"] == 3
     assert [s.path for s in app.seen] == ["/echo", "/stream", "/echo"]
-
-
-async def test_the_app_starts_inside_the_read_with_its_body() -> None:
-    """A request that came whole in one read reaches its app's first await in that read's
-    callback (`transport.eager`), its body already there; the one pipelined behind it starts
-    when the first is answered."""
-    firsts: list[tuple[str, bool, bytes]] = []
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        inside = called_from("data_received")
-        message = await receive()
-        firsts.append((scope["path"], inside, message["body"]))
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await asyncio.sleep(0)
-        await send({"type": "http.response.body", "body": b"ok"})
-
-    async with serving(app) as listener, connect(listener) as (reader, writer):
-        writer.write(b"POST /one HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\nab")
-        assert (await read_response(reader))[2] == b"ok"
-        writer.write(
-            b"POST /two HTTP/1.1\r\nhost: x\r\ncontent-length: 1\r\n\r\nc"
-            b"GET /three HTTP/1.1\r\nhost: x\r\n\r\n"
-        )
-        await read_response(reader)
-        await read_response(reader)
-    assert firsts == [("/one", True, b"ab"), ("/two", True, b"c"), ("/three", False, b"")]
 
 
 async def test_chunked_and_streamed_request_bodies() -> None:
@@ -678,7 +651,6 @@ async def test_listener_never_started_releases_its_port() -> None:
         test_scope_shape,
         test_tcp_nodelay_on_accepted_connections,
         test_pipelined_requests_are_answered_in_order,
-        test_the_app_starts_inside_the_read_with_its_body,
         test_a_pipelined_request_waits_with_reading_paused,
         test_expect_100_continue,
         test_disconnect_mid_response_reaches_the_app,

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 
-from tests.helpers import called_from
 from tests.transport.apps import RecordingApp
 from tests.transport.conftest import H3Factory
 from tests.transport.h3client import h3_connect
-from transport.asgi import Receive, Scope, Send
 
 
 async def test_request_scope_and_body(h3_server: H3Factory, dev_certs) -> None:
@@ -26,23 +24,3 @@ async def test_request_scope_and_body(h3_server: H3Factory, dev_certs) -> None:
         "http_version": "3",
     }
     assert (b"host", b"localhost") in app.seen[0].headers
-
-
-async def test_the_app_starts_inside_the_datagram_with_its_body(
-    h3_server: H3Factory, dev_certs
-) -> None:
-    """A request whose headers and body came in one datagram reaches its app's first await in
-    that datagram's callback (`transport.eager`), after aioquic has processed it."""
-    firsts: list[tuple[bool, bytes]] = []
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:
-        inside = called_from("datagram_received") and not called_from("_process_events")
-        message = await receive()
-        firsts.append((inside, message["body"]))
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"ok"})
-
-    async with h3_server(app=app) as server, h3_connect(server.port, dev_certs.ca_cert) as c:
-        r = await c.fetch("POST", "/echo", body=b"small")
-    assert r.status == 200 and r.body == b"ok"
-    assert firsts == [(True, b"small")]
