@@ -25,11 +25,20 @@ system, from /proc) each spent per request while that target was measured. Targe
 first are also reported as "added" over the first: differences of the percentiles (TTFT p50
 and p99, ITL p99, first byte p50). `--json PATH` writes all of it.
 
+Every request carries its own `rid`. Against a stand-in that records timings
+(`backends.sim --record-timings N`; give its URL with `--sim-timings`), each request is also split
+into a request leg (client send → the stand-in's read) and a response leg (the stand-in's
+first-token write → the client's read), and each target's legs are reported with what it adds
+over the first (`bench.legs`): unlike TTFT, they leave out the client's own wake-ups, and unlike
+the edge's own histograms, they include the time a request or a token waited in the kernel
+before the edge read it.
+
 `--spawn` runs the whole measurement: it starts a stand-in (`python -m backends.sim`, `instant`
 unless `--sim-profile` and `--sim-time-scale` say otherwise) and one edge in front of it
 (`python -m edge.cli serve`, free ports), measures `direct` against
 `edge` at each `--concurrency`, writes OUT/edge_latency.md and OUT/edge_latency.json, and stops
-both. With two CPUs or more, the edge is pinned to the last one and the stand-in and this client
+both; the stand-in records timings, so the legs are reported too. With two CPUs or more, the
+edge is pinned to the last one and the stand-in and this client
 to the others (`--no-pin`: not pinned). `--edge-python` and `--edge-cwd` run another tree's edge
 (another commit's checkout) for before/after comparisons; `--edge-arg` adds arguments to
 `serve`. The edge's CPU is its main process (with `--workers`, not the workers').
