@@ -9,7 +9,9 @@ first token's read from the backend to its hand-over to the client) and
 gives that run's distribution; quantiles are interpolated within buckets, as Prometheus'
 `histogram_quantile` does. Outside these numbers: the kernel's loopback hops, and the time a
 request or a token waits in the kernel before the edge reads it, which grows while the edge's
-event loop is busy. `bench.legs` measures those with the client's and the stand-in's stamps.
+event loop is busy. `quicedge_loop_read_delay_seconds` samples that wait (a probe byte on a
+socket, ~10 a second), and `bench.legs` measures it per request from the client's and the
+stand-in's stamps.
 """
 
 from __future__ import annotations
@@ -21,12 +23,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 ADDED = "quicedge_edge_added_seconds"
 RELAY_DELAY = "quicedge_relay_delay_seconds"
+READ_DELAY = "quicedge_loop_read_delay_seconds"
 
 Buckets = dict[float, float]
 """Cumulative count per upper bound (`le`), summed over every label set."""
 
 
-def parse(text: str, names: tuple[str, ...] = (ADDED, RELAY_DELAY)) -> dict[str, Buckets]:
+def parse(
+    text: str, names: tuple[str, ...] = (ADDED, RELAY_DELAY, READ_DELAY)
+) -> dict[str, Buckets]:
     out: dict[str, Buckets] = {name: {} for name in names}
     for family in text_string_to_metric_families(text):
         if family.name not in out:
@@ -83,6 +88,8 @@ def summary(d: Mapping[str, Buckets]) -> dict[str, float | None]:
         "added_p99": ms(ADDED, 0.99),
         "relay_delay_p50": ms(RELAY_DELAY, 0.5),
         "relay_delay_p99": ms(RELAY_DELAY, 0.99),
+        "read_delay_p50": ms(READ_DELAY, 0.5),
+        "read_delay_p99": ms(READ_DELAY, 0.99),
         "requests": d.get(ADDED, {}).get(float("inf"), 0.0),
         "chunks": d.get(RELAY_DELAY, {}).get(float("inf"), 0.0),
     }

@@ -37,6 +37,7 @@ from transport.h3_server import H3Server
 from transport.loop import LOOPS, running_loop_name
 from transport.loop import run as run_on_loop
 from transport.metrics import TransportMetrics
+from transport.read_delay import ReadDelayProbe
 from transport.retry import MIN_SECRET_BYTES
 from transport.tcp import TcpListener, TcpOptions
 from transport.tickets import MemoryTicketStore, RedisTicketStore, TicketStore
@@ -247,6 +248,7 @@ async def run_worker(
         metrics=metrics,
     )
     listeners: list[TcpListener | H1Listener] = []
+    probe = ReadDelayProbe(metrics.read_delay)
     try:
         await h3.start(*t.h3, reuse_port=plan.reuse_port)
         options = TcpOptions(graceful_timeout=t.drain_timeout)
@@ -287,6 +289,7 @@ async def run_worker(
             loop.add_signal_handler(sig, stop.set)
         loop.add_signal_handler(signal.SIGHUP, tls.reload)
         freeze_startup_heap()
+        probe.start()
         announce(lines)
         await stop.wait()
         log.info("draining for up to %.1fs", t.drain_timeout)
@@ -294,6 +297,7 @@ async def run_worker(
         if admin is not None:
             await admin.stop()
     finally:
+        probe.stop()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
         await h3.aclose()

@@ -6,6 +6,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 # Handshakes on loopback take ~1 ms; across the Internet 1-3 RTT (10-300 ms).
 _HANDSHAKE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# An idle loop reads within ~0.1 ms; a busy one can keep a socket waiting for milliseconds.
+_READ_DELAY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05,
+                       0.1, 0.25, 1.0)  # fmt: skip
 
 
 class TransportMetrics:
@@ -49,6 +52,14 @@ class TransportMetrics:
             "quicedge_early_requests",
             "Requests received in 0-RTT, by the early-data policy applied",
             ["action"],
+            registry=registry,
+        )
+        self.read_delay = Histogram(
+            "quicedge_loop_read_delay_seconds",
+            "How long a byte waits on a socket before this process's event loop reads it,"
+            " sampled ~10 times a second (transport.read_delay): the wait before a request's or"
+            " a token's read, which the per-request histograms start after",
+            buckets=_READ_DELAY_BUCKETS,
             registry=registry,
         )
         self.stream_errors = Counter(

@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from bench.edge_histograms import ADDED, RELAY_DELAY, delta, parse, quantile, summary
 from edge.light_metrics import LightHistogram
+from transport.metrics import TransportMetrics
 
 BUCKETS = (0.001, 0.002, 0.005)
 
@@ -44,3 +45,14 @@ def test_label_sets_are_summed_and_a_run_is_the_difference() -> None:
     assert run["relay_delay_p99"] == pytest.approx(1.99)
     empty = summary(delta(before, before))
     assert empty["added_p50"] is None and empty["requests"] == 0
+
+
+def test_the_loops_read_delay_is_read_from_the_transport_metrics() -> None:
+    registry = CollectorRegistry()
+    metrics = TransportMetrics(registry)
+    for value in (0.0002, 0.0002, 0.004):
+        metrics.read_delay.observe(value)
+    run = summary(parse(generate_latest(registry).decode()))
+    assert run["read_delay_p50"] == pytest.approx(0.1 + 0.15 * (1.5 / 2))  # ms, in (0.1, 0.25]
+    assert run["read_delay_p99"] is not None and run["read_delay_p99"] > 3
+    assert run["added_p50"] is None  # no requests in this exposition
