@@ -148,9 +148,8 @@ class Request:
 
     def next(self) -> tuple[str, bytes]:
         digits = b"%0*d" % (RID_DIGITS, next(_rids))
-        return RID_PREFIX + digits.decode(), self._wire[: self._at] + digits + self._wire[
-            self._at + RID_DIGITS :
-        ]
+        at, wire = self._at, self._wire
+        return RID_PREFIX + digits.decode(), wire[:at] + digits + wire[at + RID_DIGITS :]
 
 
 def request_bytes(host: str, max_tokens: int, prompt_words: int) -> bytes:
