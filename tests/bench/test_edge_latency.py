@@ -221,3 +221,23 @@ async def test_relay_cpu_reports_the_cost_per_chunk() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("relay per chunk: ") and "as ASGI messages" in done.stdout
     assert "(3 streams of 5 chunks)" in done.stdout
+
+
+async def test_request_cpu_reports_the_cost_of_whole_requests() -> None:
+    done = await run_command(
+        "bench.request_cpu", "--requests", "40", "--repeats", "2", "--concurrency", "4",
+        "--tokens", "3",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("edge CPU per request: min ")
+    assert "(2 x 40 requests, 4 connections, 3 tokens each)" in done.stdout
+
+
+def test_request_cpu_stand_in_streams_as_sglang_does() -> None:
+    from bench.request_cpu import stream_reads
+
+    reads = stream_reads(2)
+    assert len(reads) == 4 and reads[0].startswith(b"HTTP/1.1 200 OK\r\n")
+    r = Response(0.0)
+    assert [r.feed(read, float(i)) for i, read in enumerate(reads)] == [False] * 3 + [True]
+    assert r.tokens == [1.0, 2.0]  # the role chunk carries no text
