@@ -302,8 +302,11 @@ class _Connection(asyncio.Protocol):
                 base_url=self.host.base_url,
             ) from None
         finally:
-            self._waiter = None
-            self._deadline = None  # the timer, if it fires now, finds nothing to expire
+            # Unless the next request's wait began first: a sink can end the response and
+            # release the connection while this task still has to resume (`take_end`).
+            if self._waiter is waiter:
+                self._waiter = None
+                self._deadline = None  # the timer, if it fires now, finds nothing to expire
 
     def _arm(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
         if self._timer is not None:
@@ -543,6 +546,8 @@ class UpstreamResponse:
             except UpstreamError:
                 self._abort()
                 raise
+            if self._done:  # a sink took the end meanwhile (`take_end`)
+                raise StopAsyncIteration
 
     def set_sink(self, sink: Callable[[], bool] | None) -> None:
         """Run `sink` from the connection's read callback each time a read parsed something,
@@ -561,6 +566,17 @@ class UpstreamResponse:
             return b""
         self.arrived_at = conn.unread_since
         return conn.take_body()
+
+    def take_end(self) -> bool:
+        """True when the body is complete and all of it was taken: the response ends here,
+        and its connection goes back to the pool, as iterating to the end would do."""
+        conn = self._conn
+        if conn is None or not conn.response.done or conn.response.body:
+            return False
+        self._done = True
+        self._conn = None
+        self._host.release(conn)
+        return True
 
     @property
     def settled(self) -> bool:

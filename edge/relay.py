@@ -316,17 +316,30 @@ class RelayResult:
 
 
 class _Relay:
-    """What relaying one stream keeps: its scanner and its timings."""
+    """What relaying one stream keeps: its scanner, its timings, whether the client's stream
+    has ended."""
 
-    __slots__ = ("last", "on_first_token", "result", "scanner")
+    __slots__ = ("ended", "last", "on_complete", "on_first_token", "result", "scanner")
 
     def __init__(
-        self, scanner: SSEScanner, result: RelayResult, on_first_token: Callable[[], None] | None
+        self,
+        scanner: SSEScanner,
+        result: RelayResult,
+        on_first_token: Callable[[], None] | None,
+        on_complete: Callable[[], None] | None,
     ) -> None:
         self.scanner = scanner
         self.result = result
         self.on_first_token = on_first_token
+        self.on_complete = on_complete
+        self.ended = False
         self.last = 0.0
+
+    def complete(self) -> None:
+        """The stream's last message is about to be handed over."""
+        self.ended = True
+        if self.on_complete is not None:
+            self.on_complete()
 
     def passed(self, chunk: bytes, content: int, arrived: float) -> None:
         """`chunk`, read at `arrived` with `content` tokens in it, was handed to the client."""
@@ -364,7 +377,7 @@ async def relay_stream(
     client's stream with an error event in the API's format then `data: [DONE]` (as SGLang
     does), never a hang. Client-side send errors propagate.
     """
-    relay = _Relay(SSEScanner.for_route(route), result, on_first_token)
+    relay = _Relay(SSEScanner.for_route(route), result, on_first_token, on_complete)
     try:
         if writer is None:
             await _pull(chunks, send, relay)
@@ -381,9 +394,9 @@ async def relay_stream(
                     "more_body": True,
                 }
             )
-    if on_complete is not None:
-        on_complete()
-    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    if not relay.ended:
+        relay.complete()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
     result.end = time.perf_counter()
     result.backend_error = relay.scanner.error
     result.usage, result.text = relay.scanner.final()
@@ -399,21 +412,29 @@ async def _pull(chunks: UpstreamResponse, send: Send, relay: _Relay) -> None:
 
 
 async def _splice(chunks: UpstreamResponse, writer: BodyWriter, relay: _Relay) -> None:
-    """Chunks go to the client from the pool's read callback (`take`). This task only waits:
-    for the end, an error, a timeout, or a client too slow for the callback to write to, in
-    which case it writes what is left itself, waits for the drain, and hands back."""
+    """Chunks go to the client from the pool's read callback (`take`), and so does the end of
+    the stream when the backend's body ends cleanly: in the same write as the last chunk, so
+    that the client has its whole answer before this task wakes to account for it. This task
+    only waits: for the end, an error, a timeout, or a client too slow for the callback to
+    write to, in which case it writes what is left itself, waits for the drain, and hands
+    back."""
     scanner = relay.scanner
     failure: list[Exception] = []
 
     def take() -> bool:
         try:
             chunk = chunks.take_ready()
+            content = scanner.feed(chunk) if chunk else 0
+            if chunks.take_end():
+                relay.complete()
+                writer.write_body(chunk, more=False)
+                more = True
+            else:
+                more = writer.write_body(chunk) if chunk else True
             if chunk:
-                content = scanner.feed(chunk)
-                more = writer.write_body(chunk)
                 relay.passed(chunk, content, chunks.arrived_at)
-                if not more:
-                    chunks.set_sink(None)  # the client's buffer is full: the task waits for it
+            if not more:
+                chunks.set_sink(None)  # the client's buffer is full: the task waits for it
             return not chunks.settled
         except Exception as exc:  # raised in a transport callback: hand it to the task
             failure.append(exc)

@@ -711,3 +711,57 @@ async def test_a_shorter_chunk_timeout_after_a_long_first_byte_timeout(
         assert await get(pool, server.url, "/ok", first_byte_timeout=30, chunk_timeout=30) == b"ok:"
     finally:
         await pool.aclose()
+
+
+async def test_a_sink_that_takes_the_end_returns_the_connection_at_once(
+    server: ScriptedServer,
+) -> None:
+    pool = UpstreamPool()
+    try:
+        response = await pool.request(server.url, "POST", "/stream", headers=[], body=b"")
+        chunks = aiter(response)
+        assert await anext(chunks) == b"data: 1\n\n"
+        taken: list[bytes] = []
+        idle_at_end: list[int] = []
+
+        def sink() -> bool:
+            taken.append(response.take_ready())
+            if response.take_end():
+                idle_at_end.append(pool.stats().backends[server.url].idle)
+            return not response.settled
+
+        response.set_sink(sink)
+        server.release.set()
+        assert [c async for c in chunks] == []  # the sink took all of it, and the end
+        assert b"".join(taken) == b"data: 2\n\ndata: [DONE]\n\n"
+        assert idle_at_end == [1] and response.complete
+    finally:
+        await pool.aclose()
+
+
+async def test_the_next_request_on_a_connection_a_sink_released_is_not_lost(
+    server: ScriptedServer,
+) -> None:
+    """The sink ends the response from the read callback; the next request takes the connection
+    and waits for its head before the first consumer has resumed from its own wait."""
+    pool = UpstreamPool()
+    loop = asyncio.get_running_loop()
+    try:
+        response = await pool.request(server.url, "POST", "/stream", headers=[], body=b"")
+        chunks = aiter(response)
+        assert await anext(chunks) == b"data: 1\n\n"
+        follow_up: list[asyncio.Task[bytes]] = []
+
+        def sink() -> bool:
+            response.take_ready()
+            if response.take_end():  # scheduled before the consumer's wake-up below
+                follow_up.append(loop.create_task(get(pool, server.url, "/ok", b"next")))
+            return not response.settled
+
+        response.set_sink(sink)
+        server.release.set()
+        assert [c async for c in chunks] == []
+        assert await asyncio.wait_for(follow_up[0], 5) == b"ok:next"
+        assert pool.stats().reused == 1  # on the connection the sink gave back
+    finally:
+        await pool.aclose()

@@ -245,3 +245,56 @@ async def test_a_body_writer_failing_in_the_read_callback_fails_the_relay() -> N
             assert pool.stats().backends[sim.url].active == 0  # its connection was closed
         finally:
             await pool.aclose()
+
+
+class RecordingWriter:
+    """A body writer that keeps what it was given, and what had happened by then."""
+
+    def __init__(self, completed: list[bool]) -> None:
+        self.writes: list[tuple[bytes, bool, bool]] = []  # body, more, completed before it
+        self._completed = completed
+
+    def write_body(self, body: bytes, more: bool = True) -> bool:
+        self.writes.append((body, more, bool(self._completed)))
+        return True
+
+    async def drained(self) -> None:
+        return None
+
+
+async def test_the_stream_ends_from_the_read_callback_with_its_last_chunk() -> None:
+    """When the backend's body ends while the relay waits, the read callback writes the last
+    chunk and the stream's end together (the client has its whole answer before the relay's
+    task wakes), calls `on_complete` first, and gives the connection back to the pool."""
+    body = json.dumps({"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 8}})
+    paced = SimConfig(name="w", port=0, profile="h100-llama3-8b", time_scale=0.2)
+    async with SimServer(paced) as sim:
+        pool = UpstreamPool()
+        try:
+            response = await pool.request(
+                sim.url, "POST", "/generate", headers=[], body=body.encode()
+            )
+            completed: list[bool] = []
+            writer = RecordingWriter(completed)
+            sent: list[Any] = []
+
+            async def send(message: Any) -> None:
+                sent.append(message)
+
+            result = RelayResult()
+            await asyncio.wait_for(
+                relay_stream(
+                    response, send, result, route=GENERATE, writer=writer,
+                    on_complete=lambda: completed.append(True),
+                ),
+                10,
+            )  # fmt: skip
+            assert sent == []  # nothing went through the task's ASGI send
+            *chunks, (last, more, was_completed) = writer.writes
+            assert all(m and not c for _, m, c in chunks)
+            assert not more and was_completed and last.endswith(b"data: [DONE]\n\n")
+            assert completed == [True] and response.complete
+            assert result.text and result.delays  # tokens were relayed and accounted
+            assert pool.stats().backends[sim.url].idle == 1
+        finally:
+            await pool.aclose()
