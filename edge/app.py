@@ -417,19 +417,17 @@ class ProxyApp:
     ) -> RelayResult:
         ex.started = True
         ex.status = 200
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 200,
-                "headers": response_headers(
-                    response.headers, request_id=ex.request_id, backend_name=backend.name
-                ),
-            }
-        )
+        start = {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": response_headers(
+                response.headers, request_id=ex.request_id, backend_name=backend.name
+            ),
+        }
         result = RelayResult()
         await relay_stream(
             response, send, result, on_first_token=ticket.first_token, route=ex.route,
-            writer=ex.body_writer, on_complete=ex.mark_responded,
+            writer=ex.body_writer, on_complete=ex.mark_responded, start=start,
         )  # fmt: skip
         if result.upstream_error is not None:
             self._upstream_failed(backend, result.upstream_error.kind)

@@ -367,22 +367,27 @@ async def relay_stream(
     route: str = "/v1/chat/completions",
     writer: BodyWriter | None = None,
     on_complete: Callable[[], None] | None = None,
+    start: MutableMapping[str, Any] | None = None,
 ) -> None:
-    """Relay an SSE body chunk by chunk. The response start was already sent; `on_complete`
-    is called as the stream's last message is sent.
+    """Relay an SSE body chunk by chunk, after the `http.response.start` message `start` (None:
+    the caller sent it); `on_complete` is called as the stream's last message is sent.
 
-    With a `writer` (the listener's ``quicedge.body_writer``), each chunk is passed on from
-    inside the upstream connection's read callback, without waking this task; otherwise this
-    task reads each chunk and sends it as an ASGI message. A backend failure mid-stream ends the
+    With a `writer` (the listener's ``quicedge.body_writer``), the head goes out with whatever
+    body bytes arrived with it, each later chunk is passed on from inside the upstream
+    connection's read callback without waking this task, and the stream's end goes with the
+    last chunk; otherwise this task sends the head, then reads each chunk and sends it as an
+    ASGI message. A backend failure mid-stream ends the
     client's stream with an error event in the API's format then `data: [DONE]` (as SGLang
     does), never a hang. Client-side send errors propagate.
     """
     relay = _Relay(SSEScanner.for_route(route), result, on_first_token, on_complete)
     try:
         if writer is None:
+            if start is not None:
+                await send(start)
             await _pull(chunks, send, relay)
         else:
-            await _splice(chunks, writer, relay)
+            await _splice(chunks, writer, relay, start)
     except UpstreamError as exc:
         result.upstream_error = exc
         result.error = from_upstream(exc)
@@ -411,29 +416,47 @@ async def _pull(chunks: UpstreamResponse, send: Send, relay: _Relay) -> None:
         relay.passed(chunk, content, arrived)
 
 
-async def _splice(chunks: UpstreamResponse, writer: BodyWriter, relay: _Relay) -> None:
-    """Chunks go to the client from the pool's read callback (`take`), and so does the end of
-    the stream when the backend's body ends cleanly: in the same write as the last chunk, so
-    that the client has its whole answer before this task wakes to account for it. This task
-    only waits: for the end, an error, a timeout, or a client too slow for the callback to
-    write to, in which case it writes what is left itself, waits for the drain, and hands
-    back."""
-    scanner = relay.scanner
+def _pass_on(
+    chunks: UpstreamResponse,
+    writer: BodyWriter,
+    relay: _Relay,
+    chunk: bytes,
+    start: MutableMapping[str, Any] | None = None,
+) -> bool:
+    """Write `chunk` (after the head `start`, if given) and, when the backend's body is
+    complete, the stream's end, all in one write; False when the client's buffer is full."""
+    content = relay.scanner.feed(chunk) if chunk else 0
+    chunks.take_end()  # all of the body was taken: the response ends here
+    end = chunks.complete
+    if end:
+        relay.complete()
+    if start is not None:
+        more = writer.write_head(start, chunk, more=not end)
+    elif chunk or end:
+        more = writer.write_body(chunk, more=not end)
+    else:
+        more = True
+    if chunk:
+        relay.passed(chunk, content, chunks.arrived_at)
+    return more
+
+
+async def _splice(
+    chunks: UpstreamResponse,
+    writer: BodyWriter,
+    relay: _Relay,
+    start: MutableMapping[str, Any] | None,
+) -> None:
+    """The head goes out with the body bytes that came with it, later chunks from the pool's
+    read callback (`take`), and the stream's end with the last chunk, so that the client has
+    its whole answer before this task wakes to account for it. This task only waits: for the
+    end, an error, a timeout, or a client too slow for the callback to write to, in which
+    case it writes what is left itself, waits for the drain, and hands back."""
     failure: list[Exception] = []
 
     def take() -> bool:
         try:
-            chunk = chunks.take_ready()
-            content = scanner.feed(chunk) if chunk else 0
-            if chunks.take_end():
-                relay.complete()
-                writer.write_body(chunk, more=False)
-                more = True
-            else:
-                more = writer.write_body(chunk) if chunk else True
-            if chunk:
-                relay.passed(chunk, content, chunks.arrived_at)
-            if not more:
+            if not _pass_on(chunks, writer, relay, chunks.take_ready()):
                 chunks.set_sink(None)  # the client's buffer is full: the task waits for it
             return not chunks.settled
         except Exception as exc:  # raised in a transport callback: hand it to the task
@@ -441,13 +464,14 @@ async def _splice(chunks: UpstreamResponse, writer: BodyWriter, relay: _Relay) -
             chunks.abort()
             return False
 
+    if start is not None and not _pass_on(chunks, writer, relay, chunks.take_ready(), start):
+        await writer.drained()
+    if relay.ended:
+        return
     chunks.set_sink(take)
     try:
         async for chunk in chunks:  # only what the callback did not take
-            content = scanner.feed(chunk)
-            more = writer.write_body(chunk)
-            relay.passed(chunk, content, chunks.arrived_at)
-            if not more:
+            if not _pass_on(chunks, writer, relay, chunk):
                 await writer.drained()
             chunks.set_sink(take)
     except UpstreamError:

@@ -5,8 +5,9 @@ request came in 0-RTT), ``handshake_wait_s`` (a deferred 0-RTT request waited th
 handshake) and, where the listener knows it, ``arrived_at``: the ``time.perf_counter()`` of the
 socket read that completed the request head, so that the app can count the time the request
 spent in the listener and the event loop's queue before it ran. Our HTTP/1.1 listener also
-offers ``quicedge.body_writer`` (a `BodyWriter`): response body bytes written without an await, so
-that a relay can pass a chunk on from inside the upstream connection's read callback.
+offers ``quicedge.body_writer`` (a `BodyWriter`): the response written without an await, so that
+a relay can pass a chunk on from inside the upstream connection's read callback, and send the head
+with whatever body bytes came with it in one write.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 class BodyWriter(Protocol):
     """The ``quicedge.body_writer`` scope extension: `http.response.body` without an await."""
+
+    def write_head(self, start: Message, body: bytes = b"", more: bool = True) -> bool:
+        """`start` (an `http.response.start` message) and the first body bytes, in one write;
+        False when the client's buffer is full (await `drained`)."""
+        ...
 
     def write_body(self, body: bytes, more: bool = True) -> bool:
         """Frame and write `body`; False when the client's buffer is full (await `drained`)."""

@@ -129,35 +129,42 @@ class _Cycle:
     async def send(self, message: Message) -> None:
         kind = message["type"]
         if kind == "http.response.start":
-            if self.started:
-                raise RuntimeError("http.response.start sent twice")
-            head = self._head(int(message["status"]), message.get("headers") or ())
-            self.started = True  # after _head: a bad header still leaves room for a 500
             # Written at once: holding it back one loop turn to share a write with the first
             # body chunk measured no better (docs/benchmarks.md, "Edge-added latency").
-            if not self.disconnected:
-                self.proto.write(head)
+            self.write_head(message)
             return
         if kind != "http.response.body":
             raise RuntimeError(f"unexpected ASGI message {kind!r}")
         if not self.write_body(message.get("body", b""), message.get("more_body", False)):
             await self.proto.drained()
 
+    def write_head(self, start: Message, body: bytes = b"", more: bool = True) -> bool:
+        """`http.response.start` and the first `http.response.body` in one write (the
+        ``quicedge.body_writer`` extension)."""
+        if self.started:
+            raise RuntimeError("http.response.start sent twice")
+        head = self._head(int(start["status"]), start.get("headers") or ())
+        self.started = True  # after _head: a bad header still leaves room for a 500
+        return self._write(head, body, more)
+
     def write_body(self, body: bytes, more: bool = True) -> bool:
         """`http.response.body` without an await (the ``quicedge.body_writer`` extension):
         False when the client's buffer is full and the caller must await `drained()`."""
         if not self.started or self.finished:
             raise RuntimeError("http.response.body outside a response")
+        return self._write(b"", body, more)
+
+    def _write(self, head: bytes, body: bytes, more: bool) -> bool:
         if self.disconnected:
             return True  # nothing to wait for: the app learns of it from receive()
-        out = b""
+        out = head
         if self.chunked:
             if body:
-                out = b"%x\r\n%b\r\n" % (len(body), body)
+                out += b"%x\r\n%b\r\n" % (len(body), body)
             if not more:
                 out += b"0\r\n\r\n"
         elif not self.head_only:
-            out = body
+            out += body
             if self.left >= 0:
                 self.left -= len(body)
                 if self.left < 0 or (not more and self.left):

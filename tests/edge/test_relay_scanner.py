@@ -209,6 +209,9 @@ class FailingWriter:
     def __init__(self) -> None:
         self.chunks: list[bytes] = []
 
+    def write_head(self, start: Any, body: bytes = b"", more: bool = True) -> bool:
+        return self.write_body(body, more)
+
     def write_body(self, body: bytes, more: bool = True) -> bool:
         if self.chunks:
             raise RuntimeError("the listener broke")
@@ -250,9 +253,14 @@ async def test_a_body_writer_failing_in_the_read_callback_fails_the_relay() -> N
 class RecordingWriter:
     """A body writer that keeps what it was given, and what had happened by then."""
 
-    def __init__(self, completed: list[bool]) -> None:
+    def __init__(self, completed: list[bool] | None = None) -> None:
+        self.heads: list[tuple[Any, int]] = []  # the start message, and how many writes before
         self.writes: list[tuple[bytes, bool, bool]] = []  # body, more, completed before it
-        self._completed = completed
+        self._completed = completed if completed is not None else []
+
+    def write_head(self, start: Any, body: bytes = b"", more: bool = True) -> bool:
+        self.heads.append((start, len(self.writes)))
+        return self.write_body(body, more)
 
     def write_body(self, body: bytes, more: bool = True) -> bool:
         self.writes.append((body, more, bool(self._completed)))
@@ -298,3 +306,54 @@ async def test_the_stream_ends_from_the_read_callback_with_its_last_chunk() -> N
             assert pool.stats().backends[sim.url].idle == 1
         finally:
             await pool.aclose()
+
+
+async def test_an_answer_that_came_with_its_head_goes_out_in_one_write() -> None:
+    """The whole answer arrived before the relay began: head, body and end in one write."""
+    body = json.dumps({"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 4}})
+    async with SimServer(SimConfig(name="w", port=0, profile="instant")) as sim:
+        pool = UpstreamPool()
+        try:
+            response = await pool.request(
+                sim.url, "POST", "/generate", headers=[], body=body.encode()
+            )
+            await asyncio.sleep(0.2)  # the rest of the answer arrives meanwhile
+            writer = RecordingWriter()
+            start = {"type": "http.response.start", "status": 200, "headers": []}
+            result = RelayResult()
+            await relay_stream(response, _no_send, result, route=GENERATE, writer=writer,
+                               start=start)  # fmt: skip
+            assert writer.heads == [(start, 0)]
+            ((data, more, _),) = writer.writes
+            assert not more and data.endswith(b"data: [DONE]\n\n") and data.count(b"data:") == 5
+            assert result.first_client is not None and response.complete
+            assert pool.stats().backends[sim.url].idle == 1
+        finally:
+            await pool.aclose()
+
+
+async def test_without_a_body_writer_the_head_is_an_asgi_message() -> None:
+    body = json.dumps({"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 2}})
+    async with SimServer(SimConfig(name="w", port=0, profile="instant")) as sim:
+        pool = UpstreamPool()
+        try:
+            response = await pool.request(
+                sim.url, "POST", "/generate", headers=[], body=body.encode()
+            )
+            sent: list[Any] = []
+
+            async def send(message: Any) -> None:
+                sent.append(message)
+
+            start = {"type": "http.response.start", "status": 200, "headers": []}
+            await relay_stream(response, send, RelayResult(), route=GENERATE, start=start)
+            assert sent[0] is start and sent[-1] == {
+                "type": "http.response.body", "body": b"", "more_body": False,
+            }  # fmt: skip
+            assert b"".join(m["body"] for m in sent[1:]).endswith(b"data: [DONE]\n\n")
+        finally:
+            await pool.aclose()
+
+
+async def _no_send(message: Any) -> None:
+    raise AssertionError(f"sent as an ASGI message: {message}")

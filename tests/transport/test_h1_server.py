@@ -664,3 +664,23 @@ def test_on_uvloop(scenario: Any) -> None:
     uvloop = pytest.importorskip("uvloop")
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(scenario())
+
+
+async def test_the_body_writer_writes_a_whole_response_with_its_head() -> None:
+    """`write_head` frames the head, the first body bytes and (more=False) the end together;
+    the connection then serves the next request."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        body_writer = scope["extensions"]["quicedge.body_writer"]
+        await receive()
+        start = {"type": "http.response.start", "status": 200, "headers": [(b"x-a", b"1")]}
+        assert body_writer.write_head(start, b"data: 1\n\n", more=False)
+        with pytest.raises(RuntimeError, match="sent twice"):
+            body_writer.write_head(start)
+
+    async with serving(app) as listener, connect(listener) as (reader, writer):
+        for _ in range(2):
+            writer.write(GET)
+            status, headers, body = await read_response(reader)
+            assert status == 200 and headers["x-a"] == "1" and body == b"data: 1\n\n"
+            assert headers["transfer-encoding"] == "chunked"
