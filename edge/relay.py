@@ -12,12 +12,13 @@ client slows the upstream read instead of growing a buffer in the edge.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import AsyncIterable, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from backends.errors import UpstreamError
 from backends.pool import UpstreamResponse
@@ -242,7 +243,7 @@ class SSEScanner:
 
     def _record_error(self, payload: bytes) -> None:
         try:
-            obj = json.loads(payload)
+            obj = orjson.loads(payload)
         except ValueError:
             self.error = {"message": "unparseable error event"}
             return
@@ -265,7 +266,7 @@ class SSEScanner:
         if last is None:
             return Usage(), None
         try:
-            obj = json.loads(last)
+            obj = orjson.loads(last)
         except ValueError:
             return Usage(), None
         text = obj.get("text") if isinstance(obj, dict) and "meta_info" in obj else None
@@ -282,7 +283,7 @@ class SSEScanner:
         if not self._pieces:
             return None
         try:
-            text = json.loads(b'"' + b"".join(self._pieces) + b'"')
+            text = orjson.loads(b'"' + b"".join(self._pieces) + b'"')
         except ValueError:
             return None
         return text if isinstance(text, str) else None
@@ -509,7 +510,7 @@ class UpstreamResponseTooLarge(UpstreamError):
 def answer_of_body(body: bytes) -> tuple[Usage, str | None]:
     """Counts and generated text of a non-streaming JSON answer (decoded once, for accounting)."""
     try:
-        obj = json.loads(body)
+        obj = orjson.loads(body)
     except ValueError:
         return Usage(), None
     return usage_from(obj), text_from(obj)

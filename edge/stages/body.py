@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
+
+import orjson
 
 from edge.errors import InvalidJSON, InvalidRequest, PayloadTooLarge, UnsupportedMediaType
 
@@ -70,12 +71,17 @@ async def read_body(receive: Receive, limit: int) -> bytes:
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
-    """Decode the body once; 400 unless it is a JSON object."""
+    """Decode the body once; 400 unless it is a JSON object.
+
+    orjson decodes a chat request ~5x faster than `json`, and holds to RFC 8259 where `json`
+    does not: UTF-8 only, no NaN or Infinity, no lone surrogate escapes, at most 1024 levels
+    of nesting (`json` overflows the stack on deep nesting instead of answering 400).
+    """
     if not body:
         raise InvalidJSON("request body is empty; expected a JSON object")
     try:
-        value = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
         raise InvalidJSON(f"request body is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise InvalidJSON(f"request body must be a JSON object, got {type(value).__name__}")

@@ -82,6 +82,22 @@ def test_non_object_json_is_400(body: bytes) -> None:
 
 
 @pytest.mark.parametrize(
+    "body",
+    [
+        b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}",  # overflowed `json`'s stack: a 500
+        b'{"temperature": NaN}',
+        b'{"temperature": 1e999}',
+        b'{"prompt": "\\ud800"}',  # a lone surrogate
+        b'{"prompt": "\xc3("}',  # not UTF-8
+        '{"prompt": "hi"}'.encode("utf-16"),
+    ],
+)
+def test_what_rfc_8259_does_not_allow_is_400(body: bytes) -> None:
+    with pytest.raises(errors.InvalidJSON, match="not valid JSON"):
+        parse_json_object(body)
+
+
+@pytest.mark.parametrize(
     ("route", "body", "param"),
     [
         (CHAT, {}, "messages"),
