@@ -91,19 +91,21 @@ class RecursiveLeastSquares:
         return sum(map(mul, self.theta, x))
 
     def update(self, x: Sequence[float], y: float) -> None:
-        # Row by row with map(): this runs after every response, and index loops over the
-        # small matrix cost several times as much in the interpreter.
+        if len(self.theta) == 4:
+            self._update4(x, y)
+        else:
+            self._update_any(x, y)
+
+    def _update_any(self, x: Sequence[float], y: float) -> None:
+        # Row by row with map(): index loops over the small matrix cost several times as much
+        # in the interpreter.
         p = self._p
         px = [sum(map(mul, row, x)) for row in p]
         denom = self.forgetting + sum(map(mul, x, px))
         if denom <= 0:
             return
         k = [v / denom for v in px]
-        err = y - self.predict(x)
-        # Huber-style clipping: one request stuck behind a burst must not swing the model.
-        limit = 4 * self._abs_err
-        self._abs_err += 0.05 * (min(abs(err), limit) - self._abs_err)
-        err = max(-limit, min(limit, err))
+        err = self._clipped(y - self.predict(x))
         self.theta = [
             max(low, min(high, t + ki * err))
             for t, ki, (low, high) in zip(self.theta, k, self.bounds, strict=True)
@@ -119,6 +121,56 @@ class RecursiveLeastSquares:
             p = [[v * f for v in row] for row in p]
         self._p = p
         self.updates += 1
+
+    def _update4(self, x: Sequence[float], y: float) -> None:
+        """`update` written out for the `ttft` policy's four features. It runs after every
+        response, and the general form's nested comprehensions cost ~95k instructions of the
+        ~780k a whole request takes (`bench.request_cpu`). The same operations in the same
+        order as `_update_any`, so the same results (tested)."""
+        x0, x1, x2, x3 = x
+        (p00, p01, p02, p03), (p10, p11, p12, p13), (p20, p21, p22, p23), (p30, p31, p32, p33) = (
+            self._p
+        )
+        px0 = p00 * x0 + p01 * x1 + p02 * x2 + p03 * x3
+        px1 = p10 * x0 + p11 * x1 + p12 * x2 + p13 * x3
+        px2 = p20 * x0 + p21 * x1 + p22 * x2 + p23 * x3
+        px3 = p30 * x0 + p31 * x1 + p32 * x2 + p33 * x3
+        lam = self.forgetting
+        denom = lam + (x0 * px0 + x1 * px1 + x2 * px2 + x3 * px3)
+        if denom <= 0:
+            return
+        k0, k1, k2, k3 = px0 / denom, px1 / denom, px2 / denom, px3 / denom
+        t0, t1, t2, t3 = self.theta
+        err = self._clipped(y - (t0 * x0 + t1 * x1 + t2 * x2 + t3 * x3))
+        (lo0, hi0), (lo1, hi1), (lo2, hi2), (lo3, hi3) = self.bounds
+        self.theta = [
+            max(lo0, min(hi0, t0 + k0 * err)),
+            max(lo1, min(hi1, t1 + k1 * err)),
+            max(lo2, min(hi2, t2 + k2 * err)),
+            max(lo3, min(hi3, t3 + k3 * err)),
+        ]
+        p = [
+            [(p00 - k0 * px0) / lam, (p01 - k0 * px1) / lam, (p02 - k0 * px2) / lam,
+             (p03 - k0 * px3) / lam],
+            [(p10 - k1 * px0) / lam, (p11 - k1 * px1) / lam, (p12 - k1 * px2) / lam,
+             (p13 - k1 * px3) / lam],
+            [(p20 - k2 * px0) / lam, (p21 - k2 * px1) / lam, (p22 - k2 * px2) / lam,
+             (p23 - k2 * px3) / lam],
+            [(p30 - k3 * px0) / lam, (p31 - k3 * px1) / lam, (p32 - k3 * px2) / lam,
+             (p33 - k3 * px3) / lam],
+        ]  # fmt: skip
+        trace = p[0][0] + p[1][1] + p[2][2] + p[3][3]
+        if trace > self._max_trace:  # no excitation + forgetting blows P up ("windup")
+            f = self._max_trace / trace
+            p = [[v * f for v in row] for row in p]
+        self._p = p
+        self.updates += 1
+
+    def _clipped(self, err: float) -> float:
+        """Huber-style clipping: one request stuck behind a burst must not swing the model."""
+        limit = 4 * self._abs_err
+        self._abs_err += 0.05 * (min(abs(err), limit) - self._abs_err)
+        return max(-limit, min(limit, err))
 
 
 @register_policy("ttft")
