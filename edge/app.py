@@ -186,6 +186,7 @@ class ProxyApp:
                 route=route, t0=t0, transport=transport, early_data=early,
                 handshake_wait=wait, request_id=request_id, headers=headers, trace=trace,
                 body_writer=ext.get("quicedge.body_writer"),
+                on_disconnect=ext.get("quicedge.on_disconnect"),
             )  # fmt: skip
             if wait > 0:
                 self.metrics.handshake_wait.observe(wait)
@@ -251,10 +252,15 @@ class ProxyApp:
             ex.trace.set("quicedge.approx_prompt_tokens", ex.view.approx_tokens)
 
     async def _forward(self, ex: Exchange, receive: Receive, send: Send) -> None:
-        """Route and try backends in turn; a watcher aborts everything if the client goes away."""
+        """Route and try backends in turn; all of it is cancelled if the client goes away (the
+        listener's callback says so, or a task watching for `http.disconnect`)."""
         task = asyncio.current_task()
         assert task is not None
-        watcher = task.get_loop().create_task(_watch_disconnect(receive, task, ex))
+        watcher: asyncio.Task[None] | None = None
+        if ex.on_disconnect is not None:
+            ex.on_disconnect(lambda: _client_gone(task, ex))
+        else:
+            watcher = task.get_loop().create_task(_watch_disconnect(receive, task, ex))
         try:
             await self._attempts(ex, send)
         except asyncio.CancelledError:
@@ -264,7 +270,10 @@ class ProxyApp:
             self.metrics.disconnects.inc()
             ex.status = ex.status or 499  # nginx's "client closed request"
         finally:
-            watcher.cancel()
+            if watcher is not None:
+                watcher.cancel()
+            elif ex.on_disconnect is not None:
+                ex.on_disconnect(None)
 
     async def _attempts(self, ex: Exchange, send: Send) -> None:
         tried: list[Backend] = []
@@ -477,10 +486,15 @@ async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any], ex: Excha
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            if not ex.responded:
-                ex.disconnected = True
-                task.cancel()
+            _client_gone(task, ex)
             return
+
+
+def _client_gone(task: asyncio.Task[Any], ex: Exchange) -> None:
+    """Cancel the request, unless its response was already handed over (then it is its end)."""
+    if not ex.responded:
+        ex.disconnected = True
+        task.cancel()
 
 
 def _retry_error(backend: Backend, status: int) -> EdgeError:

@@ -9,7 +9,7 @@ from backends.registry import Backend
 from edge.relay import Usage
 from edge.routing.base import Decision, RequestView
 from edge.telemetry import RequestTrace
-from transport.asgi import BodyWriter
+from transport.asgi import BodyWriter, OnDisconnect
 
 
 @dataclass(slots=True)
@@ -75,6 +75,8 @@ class Exchange:
     usage: Usage | None = None
     body_writer: BodyWriter | None = None
     """The listener's `quicedge.body_writer`, when it offers one: the relay writes through it."""
+    on_disconnect: OnDisconnect | None = None
+    """The listener's `quicedge.on_disconnect`, when it offers one: no watcher task needed."""
 
     def mark_responded(self) -> None:
         self.responded = True

@@ -7,7 +7,8 @@ socket read that completed the request head, so that the app can count the time 
 spent in the listener and the event loop's queue before it ran. Our HTTP/1.1 listener also
 offers ``quicedge.body_writer`` (a `BodyWriter`): the response written without an await, so that
 a relay can pass a chunk on from inside the upstream connection's read callback, and send the head
-with whatever body bytes came with it in one write.
+with whatever body bytes came with it in one write; and ``quicedge.on_disconnect``, a callback
+when the client goes away mid-response.
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ class BodyWriter(Protocol):
     async def drained(self) -> None:
         """Return once the client's buffer is below its low-water mark, or it has gone."""
         ...
+
+
+OnDisconnect = Callable[[Callable[[], None] | None], None]
+"""The ``quicedge.on_disconnect`` scope extension: register a callback (None: unregister) that
+the server calls once, from its connection-lost callback, if the client goes away before the
+response is complete. An app that waits for ``http.disconnect`` needs a task to wait in; this
+costs none."""
 
 
 def with_tcp_extensions(app: ASGIApp) -> ASGIApp:

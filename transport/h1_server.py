@@ -26,7 +26,7 @@ import logging
 import socket
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from http import HTTPStatus
 from typing import Any, NoReturn
 from urllib.parse import unquote
@@ -76,6 +76,7 @@ class _Cycle:
         "http_10",
         "keep_alive",
         "left",
+        "on_gone",
         "proto",
         "scope",
         "started",
@@ -100,6 +101,19 @@ class _Cycle:
         self.chunked = False
         self.left = -1  # body bytes still owed under the app's content-length; -1: none given
         self.waiter: asyncio.Future[None] | None = None
+        self.on_gone: Callable[[], None] | None = None
+
+    def notify_disconnect(self, callback: Callable[[], None] | None) -> None:
+        """The ``quicedge.on_disconnect`` extension: `callback` runs if the client goes away."""
+        self.on_gone = callback
+
+    def gone(self) -> None:
+        """The client went away (or its request broke off) before the response was complete."""
+        self.disconnected = True
+        self.wake()
+        callback, self.on_gone = self.on_gone, None
+        if callback is not None:
+            callback()
 
     def wake(self) -> None:
         if self.waiter is not None and not self.waiter.done():
@@ -276,8 +290,7 @@ class H1Protocol(asyncio.Protocol):
             self._timer.cancel()
             self._timer = None
         if self._cycle is not None and not self._cycle.finished:
-            self._cycle.disconnected = True
-            self._cycle.wake()
+            self._cycle.gone()
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
 
@@ -387,6 +400,7 @@ class H1Protocol(asyncio.Protocol):
         }
         cycle = _Cycle(self, scope, keep_alive=keep_alive)
         scope["extensions"]["quicedge.body_writer"] = cycle
+        scope["extensions"]["quicedge.on_disconnect"] = cycle.notify_disconnect
         cycle.expect_100 = expect_100
         self._reading = cycle
         if self._cycle is None:
@@ -466,13 +480,11 @@ class H1Protocol(asyncio.Protocol):
         cycle = self._cycle
         if cycle is not None and cycle.started:
             if not cycle.finished:  # malformed body mid-response: the app sees disconnect
-                cycle.disconnected = True
-                cycle.wake()
+                cycle.gone()
             self.close()
             return
         if cycle is not None:
-            cycle.disconnected = True
-            cycle.wake()
+            cycle.gone()
         self.write(_ERROR.format(status, HTTPStatus(status).phrase).encode())
         self.close()
 

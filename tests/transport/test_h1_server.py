@@ -121,7 +121,37 @@ async def test_scope_shape() -> None:
     assert sent <= extensions.pop("arrived_at") <= answered  # the read of the head
     writer = extensions.pop("quicedge.body_writer")  # writes without an await (the relay's)
     assert callable(writer.write_body) and callable(writer.drained)
+    assert callable(extensions.pop("quicedge.on_disconnect"))  # a callback, not a task
     assert extensions == {"transport": "h1", "early_data": False, "handshake_wait_s": 0.0}
+
+
+async def test_the_disconnect_callback_runs_once_when_the_client_leaves_mid_response() -> None:
+    calls: list[str] = []
+    started = asyncio.Event()
+    done = asyncio.Event()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        on_disconnect = scope["extensions"]["quicedge.on_disconnect"]
+        if scope["path"] == "/unregistered":
+            on_disconnect(lambda: calls.append("unregistered"))
+            on_disconnect(None)
+        else:
+            on_disconnect(lambda: calls.append(scope["path"]))
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        started.set()
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        done.set()
+
+    async with serving(app) as listener:
+        for path in ("/leave", "/unregistered"):
+            started.clear()
+            done.clear()
+            async with connect(listener) as (reader, writer):
+                writer.write(b"GET %b HTTP/1.1\r\nhost: x\r\n\r\n" % path.encode())
+                await asyncio.wait_for(started.wait(), 5)
+            await asyncio.wait_for(done.wait(), 5)
+    assert calls == ["/leave"]
 
 
 async def test_tcp_nodelay_on_accepted_connections() -> None:
