@@ -241,3 +241,36 @@ def test_request_cpu_stand_in_streams_as_sglang_does() -> None:
     r = Response(0.0)
     assert [r.feed(read, float(i)) for i, read in enumerate(reads)] == [False] * 3 + [True]
     assert r.tokens == [1.0, 2.0]  # the role chunk carries no text
+
+
+FAKE_VALGRIND = """#!/bin/sh
+# stands in for valgrind: the instruction total grows with --repeats
+case "$*" in
+  *"--repeats 3"*) echo "==1== I   refs:      5,000,000" >&2 ;;
+  *) echo "==1== I   refs:      1,000,000" >&2 ;;
+esac
+"""
+
+
+def test_request_cpu_counts_instructions_per_request_from_two_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench.request_cpu import main
+
+    fake = tmp_path / "valgrind"
+    fake.write_text(FAKE_VALGRIND)
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert main(["--requests", "100", "--instructions"]) == 0
+    out = capsys.readouterr().out  # (5M - 1M) over the 200 requests of the two extra repeats
+    assert out.startswith("edge instructions per request: 20000 (200 requests, 32 connections")
+
+
+def test_request_cpu_says_when_valgrind_is_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bench.request_cpu import main
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert main(["--instructions"]) == 1
+    assert "needs valgrind" in capsys.readouterr().err
