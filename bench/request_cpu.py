@@ -41,6 +41,7 @@ from prometheus_client import CollectorRegistry
 
 from backends.pool import _Connection
 from bench.edge_latency import Request, request_bytes
+from bench.relay_cpu import NullTransport
 from edge.config import ProxyConfig
 from edge.serve import freeze_startup_heap
 from edge.wiring import build
@@ -80,27 +81,7 @@ def stream_reads(tokens: int) -> list[bytes]:
     return reads
 
 
-class _Null:
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return default
-
-    def pause_reading(self) -> None:
-        pass
-
-    def resume_reading(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    def abort(self) -> None:
-        pass
-
-    def is_closing(self) -> bool:
-        return False
-
-
-class StandIn(_Null):
+class StandIn(NullTransport):
     """A backend connection's transport: each request written is answered a read per turn."""
 
     def __init__(self, conn: _Connection, reads: list[bytes], loop: asyncio.AbstractEventLoop):
@@ -115,7 +96,7 @@ class StandIn(_Null):
             self.loop.call_soon(self._answer, i + 1)
 
 
-class Client(_Null):
+class Client(NullTransport):
     """A client connection's transport: the next request goes out when an answer has ended."""
 
     def __init__(self, bench: Bench) -> None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
 
-from backends.pool import UpstreamPool
+from backends.pool import UpstreamPool, UpstreamResponse
 from backends.sim import SimConfig, SimServer
 from edge.relay import RelayResult, SSEScanner, Usage, answer_of_body, relay_stream, usage_from
 
@@ -203,6 +205,28 @@ def test_whole_answers_give_usage_and_text() -> None:
     assert answer_of_body(b"not json") == (Usage(), None)
 
 
+PACED = {"profile": "h100-llama3-8b", "time_scale": 0.2}
+"""Tokens a few ms apart: those after the first arrive while the relay waits, so the pool's
+read callback writes them."""
+
+
+@asynccontextmanager
+async def generate_stream(
+    tokens: int, **sim: Any
+) -> AsyncIterator[tuple[UpstreamPool, str, UpstreamResponse]]:
+    """A streamed /generate answer of `tokens` tokens from a stand-in, its head read."""
+    body = {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": tokens}}
+    async with SimServer(SimConfig(name="w", port=0, **sim)) as server:
+        pool = UpstreamPool()
+        try:
+            response = await pool.request(
+                server.url, "POST", "/generate", headers=[], body=json.dumps(body).encode()
+            )
+            yield pool, server.url, response
+        finally:
+            await pool.aclose()
+
+
 class FailingWriter:
     """A body writer that breaks on its second chunk, as a bug in a listener would."""
 
@@ -225,29 +249,19 @@ class FailingWriter:
 async def test_a_body_writer_failing_in_the_read_callback_fails_the_relay() -> None:
     """An error raised where the pool's read callback writes is the relay's error, at once;
     the upstream request is aborted, nothing hangs."""
-    body = json.dumps({"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 64}})
-    # paced tokens: the second one arrives while the relay waits, so the read callback writes it
-    paced = SimConfig(name="w", port=0, profile="h100-llama3-8b", time_scale=0.2)
-    async with SimServer(paced) as sim:
-        pool = UpstreamPool()
-        try:
-            response = await pool.request(
-                sim.url, "POST", "/generate", headers=[], body=body.encode()
+    async with generate_stream(64, **PACED) as (pool, url, response):
+        writer = FailingWriter()
+
+        async def send(message: Any) -> None:
+            return None
+
+        with pytest.raises(RuntimeError, match="the listener broke"):
+            await asyncio.wait_for(
+                relay_stream(response, send, RelayResult(), route=GENERATE, writer=writer), 10
             )
-            writer = FailingWriter()
-
-            async def send(message: Any) -> None:
-                return None
-
-            with pytest.raises(RuntimeError, match="the listener broke"):
-                await asyncio.wait_for(
-                    relay_stream(response, send, RelayResult(), route=GENERATE, writer=writer), 10
-                )
-            assert len(writer.chunks) == 1
-            assert not response.complete
-            assert pool.stats().backends[sim.url].active == 0  # its connection was closed
-        finally:
-            await pool.aclose()
+        assert len(writer.chunks) == 1
+        assert not response.complete
+        assert pool.stats().backends[url].active == 0  # its connection was closed
 
 
 class RecordingWriter:
@@ -274,85 +288,60 @@ async def test_the_stream_ends_from_the_read_callback_with_its_last_chunk() -> N
     """When the backend's body ends while the relay waits, the read callback writes the last
     chunk and the stream's end together (the client has its whole answer before the relay's
     task wakes), calls `on_complete` first, and gives the connection back to the pool."""
-    body = json.dumps({"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 8}})
-    paced = SimConfig(name="w", port=0, profile="h100-llama3-8b", time_scale=0.2)
-    async with SimServer(paced) as sim:
-        pool = UpstreamPool()
-        try:
-            response = await pool.request(
-                sim.url, "POST", "/generate", headers=[], body=body.encode()
-            )
-            completed: list[bool] = []
-            writer = RecordingWriter(completed)
-            sent: list[Any] = []
+    async with generate_stream(8, **PACED) as (pool, url, response):
+        completed: list[bool] = []
+        writer = RecordingWriter(completed)
+        sent: list[Any] = []
 
-            async def send(message: Any) -> None:
-                sent.append(message)
+        async def send(message: Any) -> None:
+            sent.append(message)
 
-            result = RelayResult()
-            await asyncio.wait_for(
-                relay_stream(
-                    response, send, result, route=GENERATE, writer=writer,
-                    on_complete=lambda: completed.append(True),
-                ),
-                10,
-            )  # fmt: skip
-            assert sent == []  # nothing went through the task's ASGI send
-            *chunks, (last, more, was_completed) = writer.writes
-            assert all(m and not c for _, m, c in chunks)
-            assert not more and was_completed and last.endswith(b"data: [DONE]\n\n")
-            assert completed == [True] and response.complete
-            assert result.text and result.delays  # tokens were relayed and accounted
-            assert pool.stats().backends[sim.url].idle == 1
-        finally:
-            await pool.aclose()
+        result = RelayResult()
+        await asyncio.wait_for(
+            relay_stream(
+                response, send, result, route=GENERATE, writer=writer,
+                on_complete=lambda: completed.append(True),
+            ),
+            10,
+        )  # fmt: skip
+        assert sent == []  # nothing went through the task's ASGI send
+        *chunks, (last, more, was_completed) = writer.writes
+        assert all(m and not c for _, m, c in chunks)
+        assert not more and was_completed and last.endswith(b"data: [DONE]\n\n")
+        assert completed == [True] and response.complete
+        assert result.text and result.delays  # tokens were relayed and accounted
+        assert pool.stats().backends[url].idle == 1
 
 
 async def test_an_answer_that_came_with_its_head_goes_out_in_one_write() -> None:
     """The whole answer arrived before the relay began: head, body and end in one write."""
-    body = json.dumps({"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 4}})
-    async with SimServer(SimConfig(name="w", port=0, profile="instant")) as sim:
-        pool = UpstreamPool()
-        try:
-            response = await pool.request(
-                sim.url, "POST", "/generate", headers=[], body=body.encode()
-            )
-            await asyncio.sleep(0.2)  # the rest of the answer arrives meanwhile
-            writer = RecordingWriter()
-            start = {"type": "http.response.start", "status": 200, "headers": []}
-            result = RelayResult()
-            await relay_stream(response, _no_send, result, route=GENERATE, writer=writer,
-                               start=start)  # fmt: skip
-            assert writer.heads == [(start, 0)]
-            ((data, more, _),) = writer.writes
-            assert not more and data.endswith(b"data: [DONE]\n\n") and data.count(b"data:") == 5
-            assert result.first_client is not None and response.complete
-            assert pool.stats().backends[sim.url].idle == 1
-        finally:
-            await pool.aclose()
+    async with generate_stream(4, profile="instant") as (pool, url, response):
+        await asyncio.sleep(0.2)  # the rest of the answer arrives meanwhile
+        writer = RecordingWriter()
+        start = {"type": "http.response.start", "status": 200, "headers": []}
+        result = RelayResult()
+        await relay_stream(response, _no_send, result, route=GENERATE, writer=writer,
+                           start=start)  # fmt: skip
+        assert writer.heads == [(start, 0)]
+        ((data, more, _),) = writer.writes
+        assert not more and data.endswith(b"data: [DONE]\n\n") and data.count(b"data:") == 5
+        assert result.first_client is not None and response.complete
+        assert pool.stats().backends[url].idle == 1
 
 
 async def test_without_a_body_writer_the_head_is_an_asgi_message() -> None:
-    body = json.dumps({"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 2}})
-    async with SimServer(SimConfig(name="w", port=0, profile="instant")) as sim:
-        pool = UpstreamPool()
-        try:
-            response = await pool.request(
-                sim.url, "POST", "/generate", headers=[], body=body.encode()
-            )
-            sent: list[Any] = []
+    async with generate_stream(2, profile="instant") as (_, _, response):
+        sent: list[Any] = []
 
-            async def send(message: Any) -> None:
-                sent.append(message)
+        async def send(message: Any) -> None:
+            sent.append(message)
 
-            start = {"type": "http.response.start", "status": 200, "headers": []}
-            await relay_stream(response, send, RelayResult(), route=GENERATE, start=start)
-            assert sent[0] is start and sent[-1] == {
-                "type": "http.response.body", "body": b"", "more_body": False,
-            }  # fmt: skip
-            assert b"".join(m["body"] for m in sent[1:]).endswith(b"data: [DONE]\n\n")
-        finally:
-            await pool.aclose()
+        start = {"type": "http.response.start", "status": 200, "headers": []}
+        await relay_stream(response, send, RelayResult(), route=GENERATE, start=start)
+        assert sent[0] is start and sent[-1] == {
+            "type": "http.response.body", "body": b"", "more_body": False,
+        }  # fmt: skip
+        assert b"".join(m["body"] for m in sent[1:]).endswith(b"data: [DONE]\n\n")
 
 
 async def _no_send(message: Any) -> None:
