@@ -2,8 +2,9 @@
 
 Each datagram goes ``QuicConnection.receive_datagram`` → events → ``H3Session.handle`` →
 actions, which this module executes: start an app task, feed its receive queue, deliver
-``http.disconnect``. Every ASGI ``send`` writes to the session and transmits at once, so each
-response chunk leaves in its own flush.
+``http.disconnect``. Every write (an ASGI ``send``, or the ``quicedge.body_writer`` scope
+extension's, which needs no await) goes to the session and transmits at once, so each response
+chunk leaves in its own flush. ``quicedge.on_disconnect`` calls back when a request is aborted.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -50,13 +52,46 @@ SEND_LOW_WATER = 256 * 1024
 
 
 class _Exchange:
-    """One request's ASGI channel: a receive queue and the app task."""
+    """One request's ASGI channel: a receive queue, the app task, and the response's writer
+    (the ``quicedge.body_writer`` and ``quicedge.on_disconnect`` scope extensions)."""
 
-    __slots__ = ("queue", "task")
+    __slots__ = ("on_gone", "proto", "queue", "stream_id", "task")
 
-    def __init__(self) -> None:
+    def __init__(self, proto: H3Protocol, stream_id: int) -> None:
+        self.proto = proto
+        self.stream_id = stream_id
         self.queue: asyncio.Queue[Message] = asyncio.Queue()
         self.task: asyncio.Task[None] | None = None
+        self.on_gone: Callable[[], None] | None = None
+
+    def write_head(self, start: Message, body: bytes = b"", more: bool = True) -> bool:
+        """HEADERS and the first DATA in one flush; False when the stream's send buffer is over
+        its high-water mark (await `drained`)."""
+        session = self.proto.session
+        session.send_start(self.stream_id, int(start["status"]), start.get("headers") or [])
+        return self._send(body, more)
+
+    def write_body(self, body: bytes, more: bool = True) -> bool:
+        return self._send(body, more)
+
+    def _send(self, body: bytes, more: bool) -> bool:
+        proto = self.proto
+        sent = proto.session.send_body(self.stream_id, body, more)
+        proto.transmit()  # flush per write: each token chunk leaves now
+        return not (sent and more) or proto.writable(self.stream_id)
+
+    async def drained(self) -> None:
+        await self.proto.wait_writable(self.stream_id)
+
+    def notify_disconnect(self, callback: Callable[[], None] | None) -> None:
+        self.on_gone = callback
+
+    def gone(self) -> None:
+        """The request was aborted (reset, connection closed, body over the limit)."""
+        self.queue.put_nowait(_DISCONNECT)
+        callback, self.on_gone = self.on_gone, None
+        if callback is not None:
+            callback()
 
 
 class H3Protocol(QuicConnectionProtocol):
@@ -111,9 +146,12 @@ class H3Protocol(QuicConnectionProtocol):
                 if not waiter.done():
                     waiter.set_result(None)
 
-    async def _wait_writable(self, stream_id: int) -> None:
+    def writable(self, stream_id: int) -> bool:
+        return self._session.terminated or self._unacked(stream_id) <= SEND_HIGH_WATER
+
+    async def wait_writable(self, stream_id: int) -> None:
         """Back-pressure: bound what one stream may have buffered (style: bound every buffer)."""
-        if self._session.terminated or self._unacked(stream_id) <= SEND_HIGH_WATER:
+        if self.writable(stream_id):
             return
         waiter = self._writable.get(stream_id)
         if waiter is None:
@@ -128,15 +166,18 @@ class H3Protocol(QuicConnectionProtocol):
                     {"type": "http.request", "body": action.body, "more_body": action.more_body}
                 )
         elif isinstance(action, StartRequest):
-            exchange = _Exchange()
+            exchange = _Exchange(self, action.stream_id)
             self._exchanges[action.stream_id] = exchange
+            extensions = action.scope["extensions"]
+            extensions["quicedge.body_writer"] = exchange
+            extensions["quicedge.on_disconnect"] = exchange.notify_disconnect
             exchange.task = self._loop.create_task(
                 self._run_app(action.stream_id, action.scope, exchange)
             )
         elif isinstance(action, RequestAborted):
             exchange = self._exchanges.get(action.stream_id)
             if exchange is not None:
-                exchange.queue.put_nowait(_DISCONNECT)
+                exchange.gone()
             waiter = self._writable.pop(action.stream_id, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
@@ -156,16 +197,13 @@ class H3Protocol(QuicConnectionProtocol):
         async def send(message: Message) -> None:
             kind = message["type"]
             if kind == "http.response.start":
-                session.send_start(stream_id, int(message["status"]), message.get("headers", []))
+                exchange.write_head(message)
             elif kind == "http.response.body":
-                more = bool(message.get("more_body", False))
-                if session.send_body(stream_id, message.get("body", b""), more) and more:
-                    self.transmit()  # flush per send: each token chunk leaves now
-                    await self._wait_writable(stream_id)
-                    return
+                body = message.get("body", b"")
+                if not exchange.write_body(body, bool(message.get("more_body", False))):
+                    await exchange.drained()
             else:
                 raise ValueError(f"unsupported ASGI message type {kind!r}")
-            self.transmit()  # flush per send: each token chunk leaves now
 
         try:
             await self._server.app(scope, receive, send)

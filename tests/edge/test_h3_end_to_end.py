@@ -3,14 +3,20 @@ edge forwards that request upstream with `Early-Data: 1` (RFC 8470) and the firs
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from backends.sim import SimConfig, SimServer
 from bench.clients.base import ClientOptions, Target
 from bench.clients.h3 import H3Client
 from edge.wiring import build
 from tests.edge.conftest import Recorded, TinyUpstream, fast_config, health_ok, sse_reply
+from tests.transport.h3client import h3_connect
 from transport.h3_server import H3Server
 from transport.tickets import MemoryTicketStore
 from transport.tls import CertificateFiles, TlsMaterial
@@ -61,3 +67,71 @@ async def test_zero_rtt_request_reaches_the_backend_marked_early_data(dev_certs:
             "quicedge_ttft_seconds_count", {**labels, "early_data": early}
         )
         assert value == count
+
+
+@contextlib.asynccontextmanager
+async def h3_edge(dev_certs: Any, sim: SimServer) -> AsyncIterator[tuple[Any, H3Server]]:
+    """The proxy on the HTTP/3 listener in front of one stand-in; yields (wiring, server)."""
+    wiring = await build(fast_config([sim.url]), registry=CollectorRegistry())
+    await wiring.start()
+    tls = TlsMaterial(CertificateFiles(dev_certs.cert, dev_certs.key))
+    server = H3Server(wiring.app, tls=tls, tickets=MemoryTicketStore())
+    await server.start("127.0.0.1", 0)
+    try:
+        yield wiring, server
+    finally:
+        await server.aclose()
+        await wiring.aclose()
+
+
+CHAT_STREAM = {
+    "model": "default", "stream": True, "max_tokens": 16, "ignore_eos": True,
+    "messages": [{"role": "user", "content": "Say hello"}],
+}  # fmt: skip
+PACED = SimConfig(name="s", port=0, profile="h100-llama3-8b", time_scale=0.2)
+
+
+async def test_a_stream_is_relayed_token_by_token_over_http3(dev_certs: Any) -> None:
+    """Paced tokens reach the edge one read at a time and the client as they come (the relay
+    writes them through the H3 listener's body writer); the stream ends whole."""
+    async with SimServer(PACED) as sim, h3_edge(dev_certs, sim) as (wiring, server):
+        async with h3_connect(server.port, dev_certs.ca_cert) as client:
+            r = await client.fetch(
+                "POST", "/v1/chat/completions", body=json.dumps(CHAT_STREAM).encode(),
+                headers=[(b"content-type", b"application/json")],
+            )  # fmt: skip
+        assert r.status == 200 and r.header(b"x-quicedge-backend") is not None
+        events = [e for e in r.body.split(b"\n\n") if e.startswith(b"data: {")]
+        texts = [json.loads(e[6:])["choices"][0]["delta"].get("content") for e in events]
+        assert len([t for t in texts if t]) == 16 and r.body.endswith(b"data: [DONE]\n\n")
+        assert len(r.chunks) > 8  # paced: the tokens did not come as one block
+        assert wiring.registry.backends[0].in_flight == 0
+
+
+async def test_a_client_that_resets_its_stream_aborts_the_upstream_request(
+    dev_certs: Any,
+) -> None:
+    slow = SimConfig(name="s", port=0, profile="h100-llama3-8b", time_scale=1.0)
+    body = {**CHAT_STREAM, "max_tokens": 5000}
+    async with SimServer(slow) as sim, h3_edge(dev_certs, sim) as (wiring, server):
+        async with h3_connect(server.port, dev_certs.ca_cert) as client:
+            stream_id = client.request(
+                "POST", "/v1/chat/completions", body=json.dumps(body).encode(),
+                headers=[(b"content-type", b"application/json")],
+            )  # fmt: skip
+            client.send_now()
+            await asyncio.wait_for(client.responses[stream_id].first_data.wait(), 10)
+            assert sim.scheduler.num_running == 1
+            client.reset(stream_id)
+            await wait_until(lambda: sim.scheduler.num_running == 0)
+            await wait_until(lambda: wiring.registry.backends[0].in_flight == 0)
+        assert sim.scheduler.stats.num_aborted_requests_total >= 1
+        assert wiring.metrics.disconnects.labels().value == 1
+
+
+async def wait_until(predicate: Any, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.02)
