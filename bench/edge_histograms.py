@@ -11,7 +11,8 @@ gives that run's distribution; quantiles are interpolated within buckets, as Pro
 request or a token waits in the kernel before the edge reads it, which grows while the edge's
 event loop is busy. `quicedge_loop_read_delay_seconds` samples that wait (a probe byte on a
 socket, ~10 a second), and `bench.legs` measures it per request from the client's and the
-stand-in's stamps.
+stand-in's stamps. `quicedge_gc_pause_seconds` times each garbage collection: a long one stalls
+every request in flight.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from prometheus_client.parser import text_string_to_metric_families
 ADDED = "quicedge_edge_added_seconds"
 RELAY_DELAY = "quicedge_relay_delay_seconds"
 READ_DELAY = "quicedge_loop_read_delay_seconds"
+GC_PAUSE = "quicedge_gc_pause_seconds"
 
 Buckets = dict[float, float]
 """Cumulative count per upper bound (`le`), summed over every label set."""
 
 
 def parse(
-    text: str, names: tuple[str, ...] = (ADDED, RELAY_DELAY, READ_DELAY)
+    text: str, names: tuple[str, ...] = (ADDED, RELAY_DELAY, READ_DELAY, GC_PAUSE)
 ) -> dict[str, Buckets]:
     out: dict[str, Buckets] = {name: {} for name in names}
     for family in text_string_to_metric_families(text):
@@ -77,7 +79,8 @@ def quantile(buckets: Buckets, q: float) -> float | None:
 
 
 def summary(d: Mapping[str, Buckets]) -> dict[str, float | None]:
-    """Milliseconds: the added TTFT and the relay delay at p50 and p99, and their counts."""
+    """Milliseconds: the added TTFT, the relay delay and the read delay at p50 and p99, and
+    their counts; the garbage collections, and the bucket bound of the longest (`gc_pause_max`)."""
 
     def ms(name: str, q: float) -> float | None:
         value = quantile(d.get(name, {}), q)
@@ -92,4 +95,6 @@ def summary(d: Mapping[str, Buckets]) -> dict[str, float | None]:
         "read_delay_p99": ms(READ_DELAY, 0.99),
         "requests": d.get(ADDED, {}).get(float("inf"), 0.0),
         "chunks": d.get(RELAY_DELAY, {}).get(float("inf"), 0.0),
+        "gc_pauses": d.get(GC_PAUSE, {}).get(float("inf"), 0.0),
+        "gc_pause_max": ms(GC_PAUSE, 1.0),
     }

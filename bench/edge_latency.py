@@ -567,7 +567,9 @@ def report(runs: list[dict[str, Any]]) -> str:
                 f" added TTFT p50 {_f(own['added_p50'])} p99 {_f(own['added_p99'])},"
                 f" relay delay per chunk p50 {_f(own['relay_delay_p50'])}"
                 f" p99 {_f(own['relay_delay_p99'])}, loop read delay"
-                f" p50 {_f(own.get('read_delay_p50'))} p99 {_f(own.get('read_delay_p99'))} ms"
+                f" p50 {_f(own.get('read_delay_p50'))} p99 {_f(own.get('read_delay_p99'))} ms;"
+                f" {own.get('gc_pauses', 0):.0f} garbage collections, the longest"
+                f" ≤ {_f(own.get('gc_pause_max'))} ms"
             )
     return "\n".join(lines)
 
@@ -633,18 +635,21 @@ def markdown(result: dict[str, Any]) -> str:
             " request's read to its upstream send plus the first token's read to its hand-over;"
             " `quicedge_relay_delay_seconds`: each content chunk's read to its hand-over;"
             " `quicedge_loop_read_delay_seconds`: how long a probe byte waited on a socket before"
-            " the loop read it, the wait in front of every read), scraped before and after the"
-            " measured rounds, quantiles interpolated within buckets:",
+            " the loop read it, the wait in front of every read; `quicedge_gc_pause_seconds`:"
+            " each garbage collection, the longest given as its bucket's bound), scraped before"
+            " and after the measured rounds, quantiles interpolated within buckets:",
             "",
             "| concurrency | requests | added TTFT p50 | added TTFT p99 | chunks |"
-            " relay delay p50 | relay delay p99 | read delay p50 | read delay p99 |",
-            "| ---: |" + " ---: |" * 8,
+            " relay delay p50 | relay delay p99 | read delay p50 | read delay p99 |"
+            " collections | longest collection ≤ |",
+            "| ---: |" + " ---: |" * 10,
         ]
         for n, own in owns:
             cells = [
                 str(n), f"{own['requests']:.0f}", _f(own["added_p50"]), _f(own["added_p99"]),
                 f"{own['chunks']:.0f}", _f(own["relay_delay_p50"]), _f(own["relay_delay_p99"]),
                 _f(own.get("read_delay_p50")), _f(own.get("read_delay_p99")),
+                f"{own.get('gc_pauses', 0):.0f}", _f(own.get("gc_pause_max")),
             ]  # fmt: skip
             out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"

@@ -32,6 +32,7 @@ from transport.asgi import ASGIApp
 from transport.config import TransportConfig, format_address, parse_address
 from transport.demo import demo_admin_app, demo_app
 from transport.early_data import MODES, EarlyDataPolicy
+from transport.gc_pauses import GcPauseProbe
 from transport.h1_server import H1Listener
 from transport.h3_server import H3Server
 from transport.loop import LOOPS, running_loop_name
@@ -249,6 +250,7 @@ async def run_worker(
     )
     listeners: list[TcpListener | H1Listener] = []
     probe = ReadDelayProbe(metrics.read_delay)
+    gc_pauses = GcPauseProbe(metrics.gc_pauses)
     try:
         await h3.start(*t.h3, reuse_port=plan.reuse_port)
         options = TcpOptions(graceful_timeout=t.drain_timeout)
@@ -290,6 +292,7 @@ async def run_worker(
         loop.add_signal_handler(signal.SIGHUP, tls.reload)
         freeze_startup_heap()
         probe.start()
+        gc_pauses.start()  # after the freeze's own full collection
         announce(lines)
         await stop.wait()
         log.info("draining for up to %.1fs", t.drain_timeout)
@@ -298,6 +301,7 @@ async def run_worker(
             await admin.stop()
     finally:
         probe.stop()
+        gc_pauses.stop()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
         await h3.aclose()

@@ -9,6 +9,8 @@ _HANDSHAKE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 # An idle loop reads within ~0.1 ms; a busy one can keep a socket waiting for milliseconds.
 _READ_DELAY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05,
                        0.1, 0.25, 1.0)  # fmt: skip
+_GC_PAUSE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                     0.1, 0.25)  # fmt: skip
 
 
 class TransportMetrics:
@@ -62,6 +64,16 @@ class TransportMetrics:
             buckets=_READ_DELAY_BUCKETS,
             registry=registry,
         )
+        self.gc_pauses = Histogram(
+            "quicedge_gc_pause_seconds",
+            "How long each garbage collection stopped this process (transport.gc_pauses), by"
+            " generation: every request in flight waits it out",
+            ["generation"],
+            buckets=_GC_PAUSE_BUCKETS,
+            registry=registry,
+        )
+        for generation in ("0", "1", "2"):
+            self.gc_pauses.labels(generation)
         self.stream_errors = Counter(
             "quicedge_h3_stream_errors",
             "HTTP/3 requests refused by the transport",

@@ -56,3 +56,14 @@ def test_the_loops_read_delay_is_read_from_the_transport_metrics() -> None:
     assert run["read_delay_p50"] == pytest.approx(0.1 + 0.15 * (1.5 / 2))  # ms, in (0.1, 0.25]
     assert run["read_delay_p99"] is not None and run["read_delay_p99"] > 3
     assert run["added_p50"] is None  # no requests in this exposition
+
+
+def test_garbage_collections_are_counted_with_the_longest() -> None:
+    registry = CollectorRegistry()
+    metrics = TransportMetrics(registry)
+    for generation, value in (("0", 0.00004), ("0", 0.0002), ("2", 0.03)):
+        metrics.gc_pauses.labels(generation).observe(value)
+    run = summary(parse(generate_latest(registry).decode()))
+    assert run["gc_pauses"] == 3
+    assert run["gc_pause_max"] == pytest.approx(50.0)  # ms: the bound of the (25, 50 ms] bucket
+    assert summary(parse(""))["gc_pauses"] == 0
