@@ -443,16 +443,24 @@ class H1Protocol(asyncio.Protocol):
     # requests
 
     async def _run(self, cycle: _Cycle) -> None:
+        scope = cycle.scope
         try:
-            await self.server.app(cycle.scope, cycle.receive, cycle.send)
+            await self.server.app(scope, cycle.receive, cycle.send)
         except Exception:
-            log.exception("ASGI app failed on %s %s", cycle.scope["method"], cycle.scope["path"])
+            log.exception("ASGI app failed on %s %s", scope["method"], scope["path"])
             self._failed(cycle)
         else:
             if not cycle.finished:
                 if not cycle.started:
                     log.error("ASGI app returned without a response")
                 self._failed(cycle)
+        finally:
+            # The scope's extensions refer to the cycle, which refers to the scope: left in
+            # place, that reference cycle would be freed by the garbage collector only, every
+            # request's (docs/benchmarks.md, "Fifth pass").
+            extensions = scope["extensions"]
+            extensions.pop("quicedge.body_writer", None)
+            extensions.pop("quicedge.on_disconnect", None)
 
     def _failed(self, cycle: _Cycle) -> None:
         """500 when nothing was sent yet; otherwise close, so the client sees it cut short."""
