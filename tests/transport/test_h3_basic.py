@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 
 from tests.transport.apps import RecordingApp
 from tests.transport.conftest import H3Factory
 from tests.transport.h3client import h3_connect
 from transport.asgi import Receive, Scope, Send
+from transport.h3_server import _Exchange
 
 
 async def test_request_scope_and_body(h3_server: H3Factory, dev_certs) -> None:
@@ -68,3 +70,26 @@ async def test_the_disconnect_callback_runs_when_the_client_resets_the_stream(
         c.reset(stream_id)
         await asyncio.wait_for(done.wait(), 5)
     assert calls == ["/leave"]
+
+
+async def test_a_served_request_leaves_no_reference_cycle(h3_server: H3Factory, dev_certs) -> None:
+    """What a request's exchange holds is freed by reference counting when it is done, not
+    left for the garbage collector, whose every collection stalls every request in flight."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:  # keeps no scope
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds is kept in gc.garbage, not freed
+    try:
+        async with h3_server(app=app) as server, h3_connect(server.port, dev_certs.ca_cert) as c:
+            for _ in range(3):
+                assert (await c.fetch("POST", "/echo", body=b"ab")).status == 200
+        gc.collect()
+        left = [o for o in gc.garbage if isinstance(o, _Exchange)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert left == []
