@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 
 import redis
 
@@ -94,3 +95,12 @@ class RedisServer:
         if self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(10)
+
+
+async def wait_until(predicate: Callable[[], object], timeout: float = 10.0) -> None:
+    """Poll `predicate` on the running loop until it is true; AssertionError after `timeout`."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.01)

@@ -20,7 +20,7 @@ from backends.errors import (
 )
 from backends.pool import MAX_RESPONSE_HEAD, UpstreamPool, _ResponseParser
 from backends.sim import SimConfig, SimServer
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_until
 
 
 @dataclass
@@ -195,14 +195,6 @@ async def server() -> AsyncIterator[ScriptedServer]:
         srv.release.set()
         srv.server.close()
         await srv.server.wait_closed()
-
-
-async def wait_until(predicate: object, timeout: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():  # type: ignore[operator]
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
 
 
 async def get(pool: UpstreamPool, url: str, path: str, body: bytes = b"", **kw: float) -> bytes:

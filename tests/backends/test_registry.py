@@ -11,6 +11,7 @@ import pytest
 from backends.errors import UpstreamError
 from backends.pool import UpstreamPool
 from backends.registry import BackendRegistry, HealthConfig, LoadView
+from tests.helpers import wait_until
 
 
 class FakeClock:
@@ -311,14 +312,6 @@ async def health_server() -> AsyncIterator[HealthServer]:
     yield srv
     srv.server.close()
     await srv.server.wait_closed()
-
-
-async def wait_until(predicate: object, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():  # type: ignore[operator]
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
 
 
 async def test_active_checks_eject_and_return(health_server: HealthServer) -> None:

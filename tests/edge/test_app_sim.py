@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import ssl
@@ -15,6 +14,7 @@ import pytest
 
 from backends.sim import SimConfig, SimServer
 from tests.edge.conftest import LISTENERS, Edge, client, fast_config, run_edge
+from tests.helpers import wait_until
 from transport.h1_server import H1Listener
 
 CHAT = {"messages": [{"role": "user", "content": "Say hello to the edge"}], "max_tokens": 8}
@@ -42,14 +42,6 @@ def sim_config(name: str, **overrides: Any) -> SimConfig:
 async def sims(*configs: SimConfig) -> AsyncIterator[list[SimServer]]:
     async with contextlib.AsyncExitStack() as stack:
         yield [await stack.enter_async_context(SimServer(c)) for c in configs]
-
-
-async def wait_until(predicate: Any, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)
 
 
 def data_events(content: bytes) -> list[bytes]:

@@ -16,6 +16,7 @@ from bench.clients.base import ClientOptions, Target
 from bench.clients.h3 import H3Client
 from edge.wiring import build
 from tests.edge.conftest import Recorded, TinyUpstream, fast_config, health_ok, sse_reply
+from tests.helpers import wait_until
 from tests.transport.h3client import h3_connect
 from transport.h3_server import H3Server
 from transport.tickets import MemoryTicketStore
@@ -127,11 +128,3 @@ async def test_a_client_that_resets_its_stream_aborts_the_upstream_request(
             await wait_until(lambda: wiring.registry.backends[0].in_flight == 0)
         assert sim.scheduler.stats.num_aborted_requests_total >= 1
         assert wiring.metrics.disconnects.labels().value == 1
-
-
-async def wait_until(predicate: Any, timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.02)

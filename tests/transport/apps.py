@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,3 +90,27 @@ class RecordingApp:
             }
         )
         await send({"type": "http.response.body", "body": payload})
+
+
+async def ok_app(scope: Scope, receive: Receive, send: Send) -> None:
+    """Answers 200 `ok` and keeps nothing of the request."""
+    await receive()
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+@contextmanager
+def collector_finds() -> Iterator[list[object]]:
+    """What the garbage collector finds inside the block is kept (DEBUG_SAVEALL), not freed:
+    the list yielded holds it after the block and one last collection. Reference counting
+    frees everything else at once, so what is found was left in a reference cycle."""
+    found: list[object] = []
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        yield found
+        gc.collect()
+        found.extend(gc.garbage)
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()

@@ -116,6 +116,13 @@ class ServeProcess:
                 return float(line.split()[-1])
         raise AssertionError(f"no sample {sample}")
 
+    def wait_metric(self, sample: str, at_least: float, timeout: float = 10.0) -> None:
+        """Poll `/metrics` until `sample` reaches `at_least`."""
+        deadline = time.monotonic() + timeout
+        while self.metric(sample) < at_least:
+            assert time.monotonic() < deadline, f"{sample} stayed under {at_least}"
+            time.sleep(0.1)
+
     def stop(self, timeout: float = 30.0) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)

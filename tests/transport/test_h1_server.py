@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 import socket
 import time
@@ -14,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.transport.apps import RecordingApp
+from tests.transport.apps import RecordingApp, collector_finds, ok_app
 from transport.asgi import ASGIApp, Message, Receive, Scope, Send
 from transport.h1_server import H1Listener, _Cycle
 from transport.tcp import TcpOptions
@@ -720,22 +719,9 @@ async def test_the_body_writer_writes_a_whole_response_with_its_head() -> None:
 async def test_a_served_request_leaves_no_reference_cycle() -> None:
     """What a request allocates is freed by reference counting when it is done, not left for
     the garbage collector, whose every collection stalls every request in flight."""
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:  # keeps no scope
-        await receive()
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"ok"})
-
-    gc.collect()
-    gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds is kept in gc.garbage, not freed
-    try:
-        async with serving(app) as listener, connect(listener) as (reader, writer):
+    with collector_finds() as found:
+        async with serving(ok_app) as listener, connect(listener) as (reader, writer):
             for _ in range(3):
                 writer.write(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\nab")
                 assert (await read_response(reader))[0] == 200
-        gc.collect()
-        left = [o for o in gc.garbage if isinstance(o, _Cycle)]
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-    assert left == []
+    assert [o for o in found if isinstance(o, _Cycle)] == []

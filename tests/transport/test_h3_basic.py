@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import json
 
-from tests.transport.apps import RecordingApp
+from tests.transport.apps import RecordingApp, collector_finds, ok_app
 from tests.transport.conftest import H3Factory
 from tests.transport.h3client import h3_connect
 from transport.asgi import Receive, Scope, Send
@@ -75,21 +74,8 @@ async def test_the_disconnect_callback_runs_when_the_client_resets_the_stream(
 async def test_a_served_request_leaves_no_reference_cycle(h3_server: H3Factory, dev_certs) -> None:
     """What a request's exchange holds is freed by reference counting when it is done, not
     left for the garbage collector, whose every collection stalls every request in flight."""
-
-    async def app(scope: Scope, receive: Receive, send: Send) -> None:  # keeps no scope
-        await receive()
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"ok"})
-
-    gc.collect()
-    gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds is kept in gc.garbage, not freed
-    try:
-        async with h3_server(app=app) as server, h3_connect(server.port, dev_certs.ca_cert) as c:
+    with collector_finds() as found:
+        async with h3_server(app=ok_app) as server, h3_connect(server.port, dev_certs.ca_cert) as c:
             for _ in range(3):
                 assert (await c.fetch("POST", "/echo", body=b"ab")).status == 200
-        gc.collect()
-        left = [o for o in gc.garbage if isinstance(o, _Exchange)]
-    finally:
-        gc.set_debug(0)
-        gc.garbage.clear()
-    assert left == []
+    assert [o for o in found if isinstance(o, _Exchange)] == []
