@@ -377,9 +377,9 @@ async def relay_stream(
     body bytes arrived with it, each later chunk is passed on from inside the upstream
     connection's read callback without waking this task, and the stream's end goes with the
     last chunk; otherwise this task sends the head, then reads each chunk and sends it as an
-    ASGI message. A backend failure mid-stream ends the
-    client's stream with an error event in the API's format then `data: [DONE]` (as SGLang
-    does), never a hang. Client-side send errors propagate.
+    ASGI message. A backend failure mid-stream ends the client's stream with an error event in
+    the API's format then `data: [DONE]` (as SGLang does), never a hang. Client-side send
+    errors propagate.
     """
     relay = _Relay(SSEScanner.for_route(route), result, on_first_token, on_complete)
     try:
