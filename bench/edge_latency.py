@@ -547,10 +547,12 @@ def report(runs: list[dict[str, Any]]) -> str:
             lg = row.get("legs")
             if lg is not None and lg["joined"]:
                 rq, rs = lg["request_leg_ms"] or {}, lg["response_leg_ms"] or {}
+                bo = lg.get("both_legs_ms") or {}
                 lines.append(
                     f"{'':>8}  legs ({lg['joined']} requests): request (send → stand-in read)"
                     f" p50 {_f(rq.get('p50'))} p99 {_f(rq.get('p99'))}, response (stand-in"
-                    f" first token → client) p50 {_f(rs.get('p50'))} p99 {_f(rs.get('p99'))} ms"
+                    f" first token → client) p50 {_f(rs.get('p50'))} p99 {_f(rs.get('p99'))},"
+                    f" both p50 {_f(bo.get('p50'))} p99 {_f(bo.get('p99'))} ms"
                 )
                 if "added_ms" in lg:
                     a = lg["added_ms"]
@@ -558,7 +560,8 @@ def report(runs: list[dict[str, Any]]) -> str:
                         f"{'':>8}  legs added over {row['added_over']}: request p50"
                         f" {_f(a['request_p50'], '+.2f')} p99 {_f(a['request_p99'], '+.2f')},"
                         f" response p50 {_f(a['response_p50'], '+.2f')}"
-                        f" p99 {_f(a['response_p99'], '+.2f')} ms"
+                        f" p99 {_f(a['response_p99'], '+.2f')}, both p50"
+                        f" {_f(a.get('both_p50'), '+.2f')} p99 {_f(a.get('both_p99'), '+.2f')} ms"
                     )
         own = run.get("edge_own_ms")
         if own is not None:
@@ -663,22 +666,23 @@ def _legs_table(runs: list[dict[str, Any]]) -> list[str]:
         "",
         "The legs of each request (`bench.legs`), from the client's stamps and the stand-in's"
         " (`--record-timings`): request = client send → the stand-in's read; response = the"
-        " stand-in's first-token write → the client's read. Added = edge − direct, per"
-        " percentile:",
+        " stand-in's first-token write → the client's read; both = their sum per request."
+        " Added = edge − direct, per percentile:",
         "",
         "| concurrency | target | joined | request p50 | request p99 | response p50 |"
-        " response p99 | added request p50 | added request p99 | added response p50 |"
-        " added response p99 |",
-        "| ---: | --- |" + " ---: |" * 9,
+        " response p99 | both p50 | both p99 | added request p50 | added request p99 |"
+        " added response p50 | added response p99 | added both p50 | added both p99 |",
+        "| ---: | --- |" + " ---: |" * 13,
     ]
     for n, row in rows:
         lg = row["legs"]
         rq, rs, a = lg["request_leg_ms"] or {}, lg["response_leg_ms"] or {}, lg.get("added_ms", {})
+        bo = lg.get("both_legs_ms") or {}
         cells = [
             str(n), row["name"], str(lg["joined"]), _f(rq.get("p50")), _f(rq.get("p99")),
-            _f(rs.get("p50")), _f(rs.get("p99")),
+            _f(rs.get("p50")), _f(rs.get("p99")), _f(bo.get("p50")), _f(bo.get("p99")),
             *(_f(a.get(k), "+.2f") for k in ("request_p50", "request_p99", "response_p50",
-                                             "response_p99")),
+                                             "response_p99", "both_p50", "both_p99")),
         ]  # fmt: skip
         out.append("| " + " | ".join(cells) + " |")
     return out

@@ -9,7 +9,10 @@ sent the request and when it read the first token. On one Linux host both clocks
 CLOCK_MONOTONIC, so per request:
 
 - the *request leg*: client send → the stand-in's read of the request;
-- the *response leg*: the stand-in's first-token write → the client's read of it.
+- the *response leg*: the stand-in's first-token write → the client's read of it;
+- *both legs*, their sum per request: the client's TTFT less the stand-in's own time from its
+  read to its first token. An edge can shorten one leg by lengthening the other (serving first
+  tokens before new requests does), so the sum is what the percentiles of the two cannot tell.
 
 Direct to the stand-in, the legs hold the loopback hops and the stand-in's own wait before its
 read; through the edge, also everything the edge does and waits for on the way, including the
@@ -24,6 +27,7 @@ import urllib.request
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+LEGS = ("request_leg_ms", "response_leg_ms", "both_legs_ms")
 Stamps = dict[str, tuple[float, float | None]]
 """rid → (the stand-in's read, its first-token write or None)."""
 
@@ -49,6 +53,7 @@ def legs(sent: Iterable[tuple[str, float, float]], stamps: Mapping[str, Any]) ->
     `joined` counts those the stand-in recorded."""
     request: list[float] = []
     response: list[float] = []
+    both: list[float] = []
     for rid, t_send, t_first in sent:
         stamp = stamps.get(rid)
         if stamp is None:
@@ -57,18 +62,20 @@ def legs(sent: Iterable[tuple[str, float, float]], stamps: Mapping[str, Any]) ->
         request.append((read_at - t_send) * 1e3)
         if first_at is not None:
             response.append((t_first - first_at) * 1e3)
+            both.append(request[-1] + response[-1])
     return {
         "joined": len(request),
         "request_leg_ms": _pcts(request),
         "response_leg_ms": _pcts(response),
+        "both_legs_ms": _pcts(both),
     }
 
 
 def added(row: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, float | None]:
-    """What `row` adds over `base` on each leg, at p50 and p99 (ms)."""
+    """What `row` adds over `base` on each leg and on both, at p50 and p99 (ms)."""
     out: dict[str, float | None] = {}
-    for leg in ("request_leg_ms", "response_leg_ms"):
+    for leg in LEGS:
         for q in ("p50", "p99"):
             a, b = row.get(leg), base.get(leg)
-            out[f"{leg[: -len('_leg_ms')]}_{q}"] = None if a is None or b is None else a[q] - b[q]
+            out[f"{leg.split('_')[0]}_{q}"] = None if a is None or b is None else a[q] - b[q]
     return out
