@@ -20,11 +20,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import re
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -36,6 +38,7 @@ from backends.errors import (
     UpstreamProtocolError,
     UpstreamTimeout,
 )
+from backends.urgent_reads import UrgentReads
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +205,10 @@ class _Connection(asyncio.Protocol):
         self.sink: Callable[[], bool] | None = None
         """Called after each read that parsed something; True: it took care of it, the waiting
         consumer need not wake (see `UpstreamResponse.set_sink`)."""
+        self.on_head: Callable[[], None] | None = None
+        """Called from the read that completed the response head, before the consumer wakes."""
+        self.fd = -1
+        self.urgent: UrgentReads | None = None  # the set this socket is in while it is urgent
         self._wait_timeout: float | None = None
         self.eof = False
         self._paused = False
@@ -222,6 +229,7 @@ class _Connection(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.fd = sock.fileno()
 
     def data_received(self, data: bytes) -> None:
         if not self.in_flight:
@@ -238,6 +246,11 @@ class _Connection(asyncio.Protocol):
             assert self.transport is not None
             self._paused = True
             self.transport.pause_reading()
+        if self.on_head is not None and response.head_done:
+            on_head, self.on_head = self.on_head, None
+            on_head()
+            self._wake()
+            return
         sink = self.sink
         if sink is not None and sink():
             if self._deadline is not None and self._wait_timeout is not None:
@@ -252,6 +265,7 @@ class _Connection(asyncio.Protocol):
         return None  # close the transport
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.not_urgent()
         if not self.eof:
             self.eof = True
             self.response.feed_eof()
@@ -276,6 +290,34 @@ class _Connection(asyncio.Protocol):
         self.in_flight = True
         self.received_any = False
         self.transport.write(data)
+        urgent = self.host.pool.urgent
+        if urgent is not None and self.fd >= 0:
+            self.urgent = urgent
+            urgent.add(self.fd, self._read_now)
+
+    def _read_now(self) -> None:
+        """Read out of the loop's turn (`UrgentReads`); EOF and errors are left to the
+        transport's own read, which sees them too."""
+        if self.closed or self.eof or self._paused:
+            self.not_urgent()
+            return
+        try:
+            data = os.read(self.fd, READ_HIGH_WATER)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.not_urgent()
+            return
+        if not data:
+            self.not_urgent()
+            return
+        self.data_received(data)
+
+    def not_urgent(self) -> None:
+        """Leave the urgent set: the first token went on, or the response or connection ended."""
+        if self.urgent is not None:
+            self.urgent.discard(self.fd)
+            self.urgent = None
 
     def take_body(self) -> bytes:
         """The body bytes parsed and not yet consumed; reading resumes if it was paused."""
@@ -327,7 +369,9 @@ class _Connection(asyncio.Protocol):
             self._arm(loop, deadline)  # the deadline moved on since the timer was set
 
     def close(self) -> None:
+        self.not_urgent()
         self.sink = None
+        self.on_head = None
         if self.idle_handle is not None:
             self.idle_handle.cancel()
             self.idle_handle = None
@@ -443,6 +487,8 @@ class _Host:
         response = conn.response
         conn.in_flight = False
         conn.sink = None
+        conn.on_head = None
+        conn.not_urgent()
         if response.keep_alive and not response.extra and not conn.eof:
             self._keep(conn)
         else:
@@ -578,6 +624,12 @@ class UpstreamResponse:
         self._host.release(conn)
         return True
 
+    def first_token_passed(self) -> None:
+        """The first content token went on to the client: from now on this response's reads
+        wait for the loop's turn like any other (`UrgentReads`)."""
+        if self._conn is not None:
+            self._conn.not_urgent()
+
     @property
     def settled(self) -> bool:
         """Nothing more will arrive: the body is complete, broken off, or the connection closed."""
@@ -642,10 +694,14 @@ def _encode_request(
     return b"".join(parts)
 
 
-async def _read_head(conn: _Connection, timeout: float | None) -> None:
-    """Wait for the status line and headers of the response to the request just sent."""
+async def _read_head(
+    conn: _Connection, timeout: float | None, began: list[UpstreamResponse]
+) -> None:
+    """Wait for the status line and headers of the response to the request just sent. Once
+    `began` holds the response, its head was handled in the read callback (`on_head`); the
+    whole response may have ended there too, and the connection gone to another request."""
     response = conn.response
-    while not response.head_done:
+    while not began and not response.head_done:
         if response.error is not None:
             raise UpstreamProtocolError(
                 f"{conn.host.base_url} sent an invalid response: {response.error}",
@@ -659,6 +715,17 @@ async def _read_head(conn: _Connection, timeout: float | None) -> None:
         await conn._wait(timeout, "response")
 
 
+def _response_of(conn: _Connection, reused: bool, chunk_timeout: float | None) -> UpstreamResponse:
+    return UpstreamResponse(
+        host=conn.host,
+        conn=conn,
+        status=conn.response.status,
+        headers=conn.response.headers,
+        reused=reused,
+        chunk_timeout=chunk_timeout,
+    )
+
+
 class UpstreamPool:
     """Keep-alive HTTP/1.1 connections to every backend, bounded per backend."""
 
@@ -668,6 +735,7 @@ class UpstreamPool:
         max_connections_per_backend: int = 128,
         idle_timeout: float = 60.0,
         connect_timeout: float = 2.0,
+        urgent_reads: bool = True,
     ) -> None:
         if max_connections_per_backend < 1:
             raise ValueError("max_connections_per_backend must be at least 1")
@@ -676,6 +744,8 @@ class UpstreamPool:
         self.max_connections_per_backend = max_connections_per_backend
         self.idle_timeout = idle_timeout
         self.connect_timeout = connect_timeout
+        self.urgent = UrgentReads() if urgent_reads and UrgentReads.available else None
+        """Sockets whose first token is due, read between request starts (`UrgentReads`)."""
         self._hosts: dict[str, _Host] = {}
         self._requests = 0
         self._reused = 0
@@ -722,16 +792,28 @@ class UpstreamPool:
         body: bytes,
         first_byte_timeout: float | None = None,
         chunk_timeout: float | None = None,
+        on_head: Callable[[UpstreamResponse], None] | None = None,
     ) -> UpstreamResponse:
-        """Send one request; return once the status line and headers arrived."""
+        """Send one request; return once the status line and headers arrived.
+
+        `on_head`, if given, gets the response from inside the read callback that completed its
+        head, before this call returns: a relay can pass the head and the first token on
+        without waiting for this task's turn (it must not raise). After sending, the sockets of
+        other responses whose first token is due are read at once (`UrgentReads`)."""
         host = self._host(base_url)
         data = _encode_request(host, method, path, headers, body)
         self._requests += 1
         for attempt in (0, 1):
             conn, reused = await host.acquire()
+            began: list[UpstreamResponse] = []
             try:
                 conn.send(data)
-                await _read_head(conn, first_byte_timeout)
+                if on_head is not None:
+                    conn.on_head = partial(
+                        self._head_arrived, conn, reused, chunk_timeout, on_head, began
+                    )
+                self.read_urgent()
+                await _read_head(conn, first_byte_timeout, began)
             except (UpstreamError, OSError) as exc:
                 stale = reused and not conn.received_any and conn.eof
                 conn.close()
@@ -750,15 +832,27 @@ class UpstreamPool:
                 raise
             if reused:
                 self._reused += 1
-            return UpstreamResponse(
-                host=host,
-                conn=conn,
-                status=conn.response.status,
-                headers=conn.response.headers,
-                reused=reused,
-                chunk_timeout=chunk_timeout,
-            )
+            if began:
+                return began[0]
+            return _response_of(conn, reused, chunk_timeout)
         raise AssertionError("unreachable")
+
+    @staticmethod
+    def _head_arrived(
+        conn: _Connection,
+        reused: bool,
+        chunk_timeout: float | None,
+        on_head: Callable[[UpstreamResponse], None],
+        began: list[UpstreamResponse],
+    ) -> None:
+        response = _response_of(conn, reused, chunk_timeout)
+        began.append(response)
+        on_head(response)
+
+    def read_urgent(self) -> None:
+        """Read, now, the sockets whose first token is due and has arrived (`UrgentReads`)."""
+        if self.urgent is not None:
+            self.urgent.poll()
 
     def stats(self) -> PoolStats:
         return PoolStats(
@@ -780,6 +874,9 @@ class UpstreamPool:
                         UpstreamConnectError("the upstream pool is closed", base_url=host.base_url)
                     )
         self._hosts.clear()
+        if self.urgent is not None:
+            self.urgent.close()
+            self.urgent = None
 
     def __repr__(self) -> str:
         parts = [f"{u}: {h.active} active, {len(h.idle)} idle" for u, h in self._hosts.items()]

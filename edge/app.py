@@ -12,7 +12,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
+from functools import partial
 from typing import Any
 
 from backends.errors import (
@@ -37,7 +38,7 @@ from edge.errors import (
 )
 from edge.exchange import Exchange, read_headers
 from edge.models import ModelCatalog
-from edge.relay import RelayResult, Usage, answer_of_body, read_whole, relay_stream
+from edge.relay import RelayResult, StreamRelay, Usage, answer_of_body, read_whole
 from edge.routing.base import Decision, Outcome, RoutingPolicy
 from edge.stages.account import account_cache, account_stream
 from edge.stages.body import (
@@ -330,6 +331,15 @@ class ProxyApp:
         usage = Usage()
         completion: str | None = None
         response: UpstreamResponse | None = None
+        relay: StreamRelay | None = None
+        on_head: Callable[[UpstreamResponse], None] | None = None
+        if ex.stream and ex.body_writer is not None:
+            # The head and the first token go on from the read callback that brings them.
+            relay = StreamRelay(
+                RelayResult(), route=ex.route, writer=ex.body_writer,
+                on_first_token=ticket.first_token, on_complete=ex.mark_responded,
+            )  # fmt: skip
+            on_head = partial(self._begin_relay, ex, backend, relay)
         t_send = time.perf_counter()
         try:
             try:
@@ -337,7 +347,7 @@ class ProxyApp:
                     backend.url, "POST", ex.route,
                     headers=ex.upstream_headers, body=ex.payload,
                     first_byte_timeout=self.config.first_byte_timeout,
-                    chunk_timeout=self.config.chunk_timeout,
+                    chunk_timeout=self.config.chunk_timeout, on_head=on_head,
                 )  # fmt: skip
             except UpstreamError as exc:
                 error = exc.kind
@@ -347,7 +357,7 @@ class ProxyApp:
                 if isinstance(exc, UpstreamConnectError | UpstreamProtocolError) and not last_try:
                     raise _Retry(from_upstream(exc), exc.kind) from None
                 raise from_upstream(exc) from None
-            t_head = time.perf_counter()
+            t_head = relay.began_at if relay is not None and relay.began_at else time.perf_counter()
             self.metrics.upstream_requests.labels(
                 backend.name, "true" if response.reused else "false"
             ).inc()
@@ -364,7 +374,7 @@ class ProxyApp:
                 self._upstream_failed(backend, error)
                 raise _Retry(_retry_error(backend, status), reason=str(status)) from None
             if ex.stream and status == 200:
-                result = await self._relay(ex, response, backend, ticket, send, t_head)
+                result = await self._relay(ex, response, backend, ticket, send, t_head, relay)
                 usage, completion = result.usage, result.text
                 error = self._stream_error(result)
                 if result.first_upstream is not None:
@@ -423,21 +433,17 @@ class ProxyApp:
         ticket: Ticket,
         send: Send,
         t_head: float,
+        relay: StreamRelay | None,
     ) -> RelayResult:
+        if relay is None:
+            relay = StreamRelay(
+                RelayResult(), route=ex.route, writer=ex.body_writer,
+                on_first_token=ticket.first_token, on_complete=ex.mark_responded,
+            )  # fmt: skip
         ex.started = True
         ex.status = 200
-        start = {
-            "type": "http.response.start",
-            "status": 200,
-            "headers": response_headers(
-                response.headers, request_id=ex.request_id, backend_name=backend.name
-            ),
-        }
-        result = RelayResult()
-        await relay_stream(
-            response, send, result, on_first_token=ticket.first_token, route=ex.route,
-            writer=ex.body_writer, on_complete=ex.mark_responded, start=start,
-        )  # fmt: skip
+        await relay.run(response, send, _start_of(ex, response, backend))
+        result = relay.result
         if result.upstream_error is not None:
             self._upstream_failed(backend, result.upstream_error.kind)
             if isinstance(result.upstream_error, UpstreamTimeout):
@@ -452,6 +458,17 @@ class ProxyApp:
             trace.stage("stream_end", result.first_client, result.end,
                         {"quicedge.chunks": len(result.gaps) + 1})  # fmt: skip
         return result
+
+    @staticmethod
+    def _begin_relay(
+        ex: Exchange, backend: Backend, relay: StreamRelay, response: UpstreamResponse
+    ) -> None:
+        """`on_head`: a streamed 200 starts at once (anything else waits for the task, which
+        may retry it elsewhere)."""
+        if response.status == 200:
+            ex.started = True
+            ex.status = 200
+            relay.begin(response, _start_of(ex, response, backend))
 
     @staticmethod
     def _stream_error(result: RelayResult) -> str | None:
@@ -495,6 +512,19 @@ def _client_gone(task: asyncio.Task[Any], ex: Exchange) -> None:
     if not ex.responded:
         ex.disconnected = True
         task.cancel()
+
+
+def _start_of(
+    ex: Exchange, response: UpstreamResponse, backend: Backend
+) -> MutableMapping[str, Any]:
+    """The client's `http.response.start` for a relayed 200."""
+    return {
+        "type": "http.response.start",
+        "status": 200,
+        "headers": response_headers(
+            response.headers, request_id=ex.request_id, backend_name=backend.name
+        ),
+    }
 
 
 def _retry_error(backend: Backend, status: int) -> EdgeError:

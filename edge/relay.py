@@ -316,25 +316,105 @@ class RelayResult:
     bytes_out: int = 0
 
 
-class _Relay:
-    """What relaying one stream keeps: its scanner, its timings, whether the client's stream
-    has ended."""
+class StreamRelay:
+    """Relaying one SSE stream: its scanner, its timings, whether the client's stream ended.
 
-    __slots__ = ("ended", "last", "on_complete", "on_first_token", "result", "scanner")
+    `begin` starts it from inside the pool's read callback, as the response head arrives
+    (`UpstreamPool.request(on_head=...)`); `run` is the request task's part, which does all of
+    it when nothing began it."""
+
+    __slots__ = (
+        "began",
+        "began_at",
+        "ended",
+        "last",
+        "on_complete",
+        "on_first_token",
+        "result",
+        "scanner",
+        "writer",
+        "_blocked",
+        "_chunks",
+        "_failure",
+    )
 
     def __init__(
         self,
-        scanner: SSEScanner,
         result: RelayResult,
-        on_first_token: Callable[[], None] | None,
-        on_complete: Callable[[], None] | None,
+        *,
+        route: str = "/v1/chat/completions",
+        writer: BodyWriter | None = None,
+        on_first_token: Callable[[], None] | None = None,
+        on_complete: Callable[[], None] | None = None,
     ) -> None:
-        self.scanner = scanner
+        self.scanner = SSEScanner.for_route(route)
         self.result = result
+        self.writer = writer
         self.on_first_token = on_first_token
         self.on_complete = on_complete
+        self.began = False
+        self.began_at: float | None = None
         self.ended = False
         self.last = 0.0
+        self._blocked = False  # the client's buffer was full after `begin`'s write
+        self._chunks: UpstreamResponse | None = None
+        self._failure: Exception | None = None  # raised in a callback, for the task to raise
+
+    def begin(self, chunks: UpstreamResponse, start: MutableMapping[str, Any]) -> None:
+        """Send the head `start` with the body bytes that came with it, and pass later chunks on
+        from the read callback (`set_sink`), without waiting for the request task's turn. Needs
+        a `writer`. Called from a transport callback: a failure is kept for `run` to raise."""
+        assert self.writer is not None
+        self.began, self.began_at, self._chunks = True, time.perf_counter(), chunks
+        try:
+            more = _pass_on(chunks, self.writer, self, chunks.take_ready(), start)
+        except Exception as exc:
+            self._failure = exc
+            chunks.abort()
+            return
+        if not more:
+            self._blocked = True  # the task waits for the drain, then sets the sink
+        elif not self.ended:
+            chunks.set_sink(self._take)
+
+    async def run(
+        self, chunks: UpstreamResponse, send: Send, start: MutableMapping[str, Any] | None
+    ) -> None:
+        """Relay the rest of the stream after `start` (None: the caller sent it; ignored once
+        `begin` sent it). With a `writer`, the head goes out with whatever body bytes arrived
+        with it, each later chunk is passed on from inside the upstream connection's read
+        callback without waking this task, and the stream's end goes with the last chunk;
+        otherwise this task sends the head, then reads each chunk and sends it as an ASGI
+        message. A backend failure mid-stream ends the client's stream with an error event in
+        the API's format then `data: [DONE]` (as SGLang does), never a hang. Client-side send
+        errors propagate."""
+        result = self.result
+        try:
+            if self._failure is not None:
+                raise self._failure
+            if self.writer is None:
+                if start is not None:
+                    await send(start)
+                await self._pull(chunks, send)
+            else:
+                await self._splice(chunks, self.writer, None if self.began else start)
+        except UpstreamError as exc:
+            result.upstream_error = exc
+            result.error = from_upstream(exc)
+            if not self.scanner.done:
+                await send(
+                    {
+                        "type": "http.response.body",
+                        "body": stream_error_event(result.error),
+                        "more_body": True,
+                    }
+                )
+        if not self.ended:
+            self.complete()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        result.end = time.perf_counter()
+        result.backend_error = self.scanner.error
+        result.usage, result.text = self.scanner.final()
 
     def complete(self) -> None:
         """The stream's last message is about to be handed over."""
@@ -342,7 +422,7 @@ class _Relay:
         if self.on_complete is not None:
             self.on_complete()
 
-    def passed(self, chunk: bytes, content: int, arrived: float) -> None:
+    def passed(self, chunks: UpstreamResponse, chunk: bytes, content: int, arrived: float) -> None:
         """`chunk`, read at `arrived` with `content` tokens in it, was handed to the client."""
         result = self.result
         result.bytes_out += len(chunk)
@@ -352,11 +432,66 @@ class _Relay:
             if result.first_client is None:
                 result.first_upstream = arrived
                 result.first_client = now
+                chunks.first_token_passed()
                 if self.on_first_token is not None:
                     self.on_first_token()
             else:
                 result.gaps.append(now - self.last)
             self.last = now
+
+    async def _pull(self, chunks: UpstreamResponse, send: Send) -> None:
+        scanner = self.scanner
+        async for chunk in chunks:
+            arrived = chunks.arrived_at  # the socket read, not when this task got to it
+            content = scanner.feed(chunk)
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            self.passed(chunks, chunk, content, arrived)
+
+    def _take(self) -> bool:
+        """The sink: pass on what the read callback parsed (`UpstreamResponse.set_sink`)."""
+        chunks = self._chunks
+        assert chunks is not None and self.writer is not None
+        try:
+            if not _pass_on(chunks, self.writer, self, chunks.take_ready()):
+                chunks.set_sink(None)  # the client's buffer is full: the task waits for it
+            return not chunks.settled
+        except Exception as exc:  # raised in a transport callback: hand it to the task
+            self._failure = exc
+            chunks.abort()
+            return False
+
+    async def _splice(
+        self,
+        chunks: UpstreamResponse,
+        writer: BodyWriter,
+        start: MutableMapping[str, Any] | None,
+    ) -> None:
+        """The head goes out with the body bytes that came with it, later chunks from the
+        pool's read callback (`_take`), and the stream's end with the last chunk, so that the
+        client has its whole answer before this task wakes to account for it. This task only
+        waits: for the end, an error, a timeout, or a client too slow for the callback to write
+        to, in which case it writes what is left itself, waits for the drain, and hands back."""
+        self._chunks = chunks
+        if start is not None:
+            self._blocked = not _pass_on(chunks, writer, self, chunks.take_ready(), start)
+        if self._blocked:
+            await writer.drained()
+        if self.ended:
+            return
+        chunks.set_sink(self._take)
+        try:
+            async for chunk in chunks:  # only what the callback did not take
+                if not _pass_on(chunks, writer, self, chunk):
+                    await writer.drained()
+                chunks.set_sink(self._take)
+        except UpstreamError:
+            if self._failure is not None:
+                raise self._failure from None
+            raise
+        finally:
+            chunks.set_sink(None)
+        if self._failure is not None:
+            raise self._failure
 
 
 async def relay_stream(
@@ -371,56 +506,19 @@ async def relay_stream(
     start: MutableMapping[str, Any] | None = None,
 ) -> None:
     """Relay an SSE body chunk by chunk, after the `http.response.start` message `start` (None:
-    the caller sent it); `on_complete` is called as the stream's last message is sent.
-
-    With a `writer` (the listener's ``quicedge.body_writer``), the head goes out with whatever
-    body bytes arrived with it, each later chunk is passed on from inside the upstream
-    connection's read callback without waking this task, and the stream's end goes with the
-    last chunk; otherwise this task sends the head, then reads each chunk and sends it as an
-    ASGI message. A backend failure mid-stream ends the client's stream with an error event in
-    the API's format then `data: [DONE]` (as SGLang does), never a hang. Client-side send
-    errors propagate.
-    """
-    relay = _Relay(SSEScanner.for_route(route), result, on_first_token, on_complete)
-    try:
-        if writer is None:
-            if start is not None:
-                await send(start)
-            await _pull(chunks, send, relay)
-        else:
-            await _splice(chunks, writer, relay, start)
-    except UpstreamError as exc:
-        result.upstream_error = exc
-        result.error = from_upstream(exc)
-        if not relay.scanner.done:
-            await send(
-                {
-                    "type": "http.response.body",
-                    "body": stream_error_event(result.error),
-                    "more_body": True,
-                }
-            )
-    if not relay.ended:
-        relay.complete()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-    result.end = time.perf_counter()
-    result.backend_error = relay.scanner.error
-    result.usage, result.text = relay.scanner.final()
-
-
-async def _pull(chunks: UpstreamResponse, send: Send, relay: _Relay) -> None:
-    scanner = relay.scanner
-    async for chunk in chunks:
-        arrived = chunks.arrived_at  # the socket read, not when this task got to it
-        content = scanner.feed(chunk)
-        await send({"type": "http.response.body", "body": chunk, "more_body": True})
-        relay.passed(chunk, content, arrived)
+    the caller sent it); `on_complete` is called as the stream's last message is sent. See
+    `StreamRelay.run`."""
+    relay = StreamRelay(
+        result, route=route, writer=writer, on_first_token=on_first_token,
+        on_complete=on_complete,
+    )  # fmt: skip
+    await relay.run(chunks, send, start)
 
 
 def _pass_on(
     chunks: UpstreamResponse,
     writer: BodyWriter,
-    relay: _Relay,
+    relay: StreamRelay,
     chunk: bytes,
     start: MutableMapping[str, Any] | None = None,
 ) -> bool:
@@ -438,51 +536,8 @@ def _pass_on(
     else:
         more = True
     if chunk:
-        relay.passed(chunk, content, chunks.arrived_at)
+        relay.passed(chunks, chunk, content, chunks.arrived_at)
     return more
-
-
-async def _splice(
-    chunks: UpstreamResponse,
-    writer: BodyWriter,
-    relay: _Relay,
-    start: MutableMapping[str, Any] | None,
-) -> None:
-    """The head goes out with the body bytes that came with it, later chunks from the pool's
-    read callback (`take`), and the stream's end with the last chunk, so that the client has
-    its whole answer before this task wakes to account for it. This task only waits: for the
-    end, an error, a timeout, or a client too slow for the callback to write to, in which
-    case it writes what is left itself, waits for the drain, and hands back."""
-    failure: list[Exception] = []
-
-    def take() -> bool:
-        try:
-            if not _pass_on(chunks, writer, relay, chunks.take_ready()):
-                chunks.set_sink(None)  # the client's buffer is full: the task waits for it
-            return not chunks.settled
-        except Exception as exc:  # raised in a transport callback: hand it to the task
-            failure.append(exc)
-            chunks.abort()
-            return False
-
-    if start is not None and not _pass_on(chunks, writer, relay, chunks.take_ready(), start):
-        await writer.drained()
-    if relay.ended:
-        return
-    chunks.set_sink(take)
-    try:
-        async for chunk in chunks:  # only what the callback did not take
-            if not _pass_on(chunks, writer, relay, chunk):
-                await writer.drained()
-            chunks.set_sink(take)
-    except UpstreamError:
-        if failure:
-            raise failure[0] from None
-        raise
-    finally:
-        chunks.set_sink(None)
-    if failure:
-        raise failure[0]
 
 
 async def read_whole(chunks: AsyncIterable[bytes], limit: int) -> bytes:

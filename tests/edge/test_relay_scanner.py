@@ -12,7 +12,15 @@ import pytest
 
 from backends.pool import UpstreamPool, UpstreamResponse
 from backends.sim import SimConfig, SimServer
-from edge.relay import RelayResult, SSEScanner, Usage, answer_of_body, relay_stream, usage_from
+from edge.relay import (
+    RelayResult,
+    SSEScanner,
+    StreamRelay,
+    Usage,
+    answer_of_body,
+    relay_stream,
+    usage_from,
+)
 
 
 def sse(*objs: object) -> bytes:
@@ -346,3 +354,61 @@ async def test_without_a_body_writer_the_head_is_an_asgi_message() -> None:
 
 async def _no_send(message: Any) -> None:
     raise AssertionError(f"sent as an ASGI message: {message}")
+
+
+@asynccontextmanager
+async def begun(
+    relay: StreamRelay, start: Any, tokens: int, **sim: Any
+) -> AsyncIterator[tuple[UpstreamPool, str, UpstreamResponse]]:
+    body = {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": tokens}}
+    async with SimServer(SimConfig(name="w", port=0, **sim)) as server:
+        pool = UpstreamPool()
+        try:
+            response = await pool.request(
+                server.url, "POST", "/generate", headers=[], body=json.dumps(body).encode(),
+                on_head=lambda r: relay.begin(r, start),
+            )  # fmt: skip
+            yield pool, server.url, response
+        finally:
+            await pool.aclose()
+
+
+START = {"type": "http.response.start", "status": 200, "headers": []}
+
+
+async def test_the_head_goes_out_from_the_read_callback_that_brought_it() -> None:
+    """`begin`, as the pool's `on_head`, writes the head (with the body bytes that came with it)
+    before the request's task resumes; `run` then relays the rest without sending it again."""
+    writer = RecordingWriter()
+    result = RelayResult()
+    relay = StreamRelay(result, route=GENERATE, writer=writer)
+    async with begun(relay, START, 8, **PACED) as (pool, url, response):
+        assert writer.heads == [(START, 0)]  # before pool.request returned
+        assert relay.began and relay.began_at is not None
+        sent: list[Any] = []
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        await asyncio.wait_for(relay.run(response, send, START), 10)
+        assert sent == [] and writer.heads == [(START, 0)]
+        body = b"".join(data for data, _, _ in writer.writes)
+        assert body.count(b"data:") == 9 and body.endswith(b"data: [DONE]\n\n")
+        assert result.first_client is not None and result.text
+        assert pool.stats().backends[url].idle == 1
+
+
+async def test_a_head_the_writer_refuses_in_the_callback_fails_the_relay() -> None:
+    """A write that raises inside the read callback is kept, the upstream request aborted, and
+    `run` raises it in the request's task, where the app can answer for it."""
+
+    class RefusingWriter(RecordingWriter):
+        def write_head(self, start: Any, body: bytes = b"", more: bool = True) -> bool:
+            raise ValueError("a header the listener refuses")
+
+    relay = StreamRelay(RelayResult(), route=GENERATE, writer=RefusingWriter())
+    async with begun(relay, START, 8, **PACED) as (pool, url, response):
+        with pytest.raises(ValueError, match="a header the listener refuses"):
+            await asyncio.wait_for(relay.run(response, _no_send, START), 10)
+        assert not response.complete
+        assert pool.stats().backends[url].active == 0  # its connection was closed
