@@ -43,6 +43,9 @@ from backends.urgent_reads import UrgentReads
 log = logging.getLogger(__name__)
 
 READ_HIGH_WATER = 256 * 1024  # buffered unread body bytes above which the socket is paused
+URGENT_AFTER = 0.0005
+"""Seconds without any upstream read after which a request start reads the urgent sockets
+itself (`UrgentReads`): a loop that polls more often serves first tokens in its own order."""
 MAX_RESPONSE_HEAD = 64 * 1024  # a status line and headers longer than this are refused
 # Not HEAD: a response parser does not know the request's method, and would read the body a
 # HEAD response announces but never sends.
@@ -239,8 +242,9 @@ class _Connection(asyncio.Protocol):
             return
         self.received_any = True
         response = self.response
+        now = self.host.pool.last_read = time.perf_counter()
         if not response.body:
-            self.unread_since = time.perf_counter()
+            self.unread_since = now
         response.feed(data)
         if response.body_bytes > READ_HIGH_WATER and not self._paused:
             assert self.transport is not None
@@ -746,6 +750,8 @@ class UpstreamPool:
         self.connect_timeout = connect_timeout
         self.urgent = UrgentReads() if urgent_reads and UrgentReads.available else None
         """Sockets whose first token is due, read between request starts (`UrgentReads`)."""
+        self.last_read = 0.0
+        """`perf_counter()` of the last read of any upstream socket."""
         self._hosts: dict[str, _Host] = {}
         self._requests = 0
         self._reused = 0
@@ -850,9 +856,11 @@ class UpstreamPool:
         on_head(response)
 
     def read_urgent(self) -> None:
-        """Read, now, the sockets whose first token is due and has arrived (`UrgentReads`)."""
-        if self.urgent is not None:
-            self.urgent.poll()
+        """Read, now, the sockets whose first token is due and has arrived (`UrgentReads`),
+        unless an upstream socket was read in the last `URGENT_AFTER` seconds."""
+        urgent = self.urgent
+        if urgent is not None and time.perf_counter() - self.last_read > URGENT_AFTER:
+            urgent.poll()
 
     def stats(self) -> PoolStats:
         return PoolStats(

@@ -3,10 +3,12 @@
 At many streams in step, the requests that follow the streams' ends reach the edge together.
 Each costs ~0.2 ms of Python before it reaches its backend, and the event loop polls no socket
 while it works through them: a first token that came back meanwhile waits in the kernel until
-the burst is over, several milliseconds at 32 streams. The pool asks this set after every
-request it sends (one `epoll_wait` with a zero timeout, about a microsecond when nothing is
-ready) and reads the ready sockets at once, so a first token waits for one request start at
-most instead of all of them.
+the burst is over, several milliseconds at 32 streams. After every request it sends, unless
+it read an upstream socket in the last half millisecond (`URGENT_AFTER`: a loop that polls that
+often serves first tokens in its own order), the pool asks this set (one `epoll_wait` with a
+zero timeout, about a microsecond when nothing is ready) and reads the ready sockets at once.
+A first token then waits about half a millisecond and one request start at most, instead of
+the whole burst.
 
 A socket is *urgent* from its request's send until the relay has passed its first content
 token on (or the response ends, or the connection closes). The out-of-turn read and the

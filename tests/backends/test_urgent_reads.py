@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from backends import pool as pool_module
 from backends.pool import UpstreamPool, UpstreamResponse
 from backends.urgent_reads import UrgentReads
 
@@ -180,6 +181,37 @@ async def test_without_urgent_reads_the_head_waits_for_the_loop(backend: Threade
         response = await asyncio.wait_for(request, 5)
         assert heads == [None]  # from the transport's read callback
         backend.finish.set()
+        assert await asyncio.wait_for(response.read(), 5) == b"first\n\nsecond\n\n"
+    finally:
+        await pool.aclose()
+
+
+async def test_a_loop_that_just_read_upstream_is_left_to_its_own_order(
+    backend: ThreadedBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pool_module, "URGENT_AFTER", 10.0)  # no machine is that slow
+    pool = UpstreamPool()
+    await pool.warm(backend.url, 1)
+    heads: list[asyncio.Task[object] | None] = []
+    try:
+        request = asyncio.ensure_future(
+            pool.request(
+                backend.url, "POST", "/generate", headers=[], body=b"{}",
+                on_head=lambda r: heads.append(asyncio.current_task()),
+            )
+        )  # fmt: skip
+        await asyncio.sleep(0)
+        backend.respond.set()
+        assert backend.answered.acquire(timeout=5)
+        hold_the_loop()
+        pool.last_read = time.perf_counter()  # an upstream socket was read just now
+        pool.read_urgent()
+        assert heads == []
+        pool.last_read = 0.0
+        pool.read_urgent()
+        assert heads == [asyncio.current_task()]
+        backend.finish.set()
+        response = await asyncio.wait_for(request, 5)
         assert await asyncio.wait_for(response.read(), 5) == b"first\n\nsecond\n\n"
     finally:
         await pool.aclose()
