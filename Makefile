@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: run test lint check bench clean certs
+.PHONY: run test lint check bench clean certs bench-references
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
 	PYTHON=$(PYTHON) bash scripts/bootstrap.sh $(VENV)
@@ -28,6 +28,12 @@ check: lint test
 
 certs: $(STAMP)
 	$(BIN)/quicedge certs
+
+## bench-references: Caddy and nginx (Debian packages), the yardsticks of
+## `python -m bench.edge_latency --spawn --reference caddy --reference nginx`.
+bench-references:
+	command -v caddy >/dev/null && command -v nginx >/dev/null || \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq caddy nginx-light; }
 
 clean:
 	rm -rf $(VENV) certs/dev .pytest_cache .ruff_cache .mypy_cache

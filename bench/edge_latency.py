@@ -42,6 +42,9 @@ edge is pinned to the last one and the stand-in and this client
 to the others (`--no-pin`: not pinned). `--edge-python` and `--edge-cwd` run another tree's edge
 (another commit's checkout) for before/after comparisons; `--edge-arg` adds arguments to
 `serve`. The edge's CPU is its main process (with `--workers`, not the workers').
+`--reference caddy` and `--reference nginx` also measure a compiled proxy in front of the same
+stand-in, on the edge's CPU, in the same rounds (`bench.reference_proxies`): what this machine
+allows any proxy, to read the edge's figures against.
 
 The client runs at real-time priority (SCHED_FIFO 10, not inherited by children; `--no-rt`:
 normal) where the system allows it. It is the instrument: when it shares a core with a busy
@@ -74,7 +77,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from bench import edge_histograms, legs
+from bench import edge_histograms, legs, reference_proxies
 
 _CONTENT = re.compile(rb'"(?:content|text)"\s*:\s*"[^"]')
 REPO = Path(__file__).resolve().parents[1]
@@ -761,6 +764,8 @@ class Spawned:
     pids: dict[str, int]
     edge_cmd: list[str]
     pinning: dict[str, list[int]] | None
+    references: dict[str, str] = field(default_factory=dict)
+    """Reference proxies (`--reference`): name → base URL."""
 
 
 @contextmanager
@@ -796,6 +801,19 @@ def spawned(args: argparse.Namespace, out: Path) -> Iterator[Spawned]:
         )  # fmt: skip
         stack.callback(_stop, edge)
         _wait_listening(edge, http)
+        references: dict[str, str] = {}
+        pids = {"sim": sim.proc.pid, "edge": edge.proc.pid, "client": os.getpid()}
+        for name in args.reference:
+            port = _free_port()
+            ref = reference_proxies.reference(name, port, sim_url, out / name)
+            child = _start(
+                name, ref.command, log=out / f"{name}.log", cpus=edge_cpus,
+                env=dict(os.environ, **ref.env),
+            )  # fmt: skip
+            stack.callback(_stop, child)
+            _wait_listening(child, port)
+            references[name] = f"http://127.0.0.1:{port}"
+            pids[name] = child.proc.pid
         if others:
             os.sched_setaffinity(0, others)
         pinning = (
@@ -803,10 +821,9 @@ def spawned(args: argparse.Namespace, out: Path) -> Iterator[Spawned]:
             if edge_cpus and others
             else None
         )
-        pids = {"sim": sim.proc.pid, "edge": edge.proc.pid, "client": os.getpid()}
         yield Spawned(
             sim_url, f"http://127.0.0.1:{http}", f"http://127.0.0.1:{admin}/metrics", pids,
-            edge_cmd, pinning,
+            edge_cmd, pinning, references,
         )  # fmt: skip
 
 
@@ -824,6 +841,7 @@ def run_spawn(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any
         args.sim_timings = args.sim_timings or s.sim_url
         for n in args.concurrency:
             targets = [_target(f"direct={s.sim_url}"), _target(f"edge={s.edge_url}")]
+            targets += [_target(f"{name}={url}") for name, url in s.references.items()]
             runs.append(_measure_level(targets, n, args, {**s.pids, **dict(args.cpu_pid)}))
             print(report(runs[-1:]), flush=True)
     result = {
@@ -845,11 +863,11 @@ def run_spawn(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any
 
 
 def _requests_sent(args: argparse.Namespace) -> int:
-    """At most how many requests a run sends (every level, both targets): what the stand-in
+    """At most how many requests a run sends (every level, every target): what the stand-in
     keeps timings of."""
     rounds = args.rounds
     per_level = [n * (args.warmup + rounds * -(-args.per_round // n)) for n in args.concurrency]
-    return 2 * sum(per_level) + 100
+    return (2 + len(args.reference)) * sum(per_level) + 100
 
 
 def _measure_level(
@@ -931,6 +949,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="one more argument to `serve` (repeat; --edge-arg=--loop ...)")  # fmt: skip
     g.add_argument("--edge-python", default=sys.executable, help="the edge's interpreter")
     g.add_argument("--edge-cwd", default=str(REPO), help="the tree whose edge runs")
+    g.add_argument("--reference", action="append", default=[],
+                   choices=reference_proxies.REFERENCES,
+                   help="also measure this compiled proxy in front of the same stand-in, on the"
+                   " edge's CPU (repeat; bench.reference_proxies)")  # fmt: skip
     return p
 
 
