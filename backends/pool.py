@@ -43,6 +43,7 @@ from backends.urgent_reads import UrgentReads
 log = logging.getLogger(__name__)
 
 READ_HIGH_WATER = 256 * 1024  # buffered unread body bytes above which the socket is paused
+_URGENT_READ_SIZE = 64 * 1024  # a head and first tokens; under malloc's mmap threshold
 URGENT_AFTER = 0.0005
 """Seconds without any upstream read after which a request start reads the urgent sockets
 itself (`UrgentReads`): a loop that polls more often serves first tokens in its own order."""
@@ -306,7 +307,7 @@ class _Connection(asyncio.Protocol):
             self.not_urgent()
             return
         try:
-            data = os.read(self.fd, READ_HIGH_WATER)
+            data = os.read(self.fd, _URGENT_READ_SIZE)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -315,7 +316,14 @@ class _Connection(asyncio.Protocol):
         if not data:
             self.not_urgent()
             return
-        self.data_received(data)
+        try:
+            self.data_received(data)
+        except Exception:
+            # This runs inside another request's task: fail this connection as the transport
+            # would have (the loop reports an error raised in data_received and closes it),
+            # not the request that happened to read it.
+            log.exception("reading %s out of turn", self.host.base_url)
+            self.close()
 
     def not_urgent(self) -> None:
         """Leave the urgent set: the first token went on, or the response or connection ended."""

@@ -335,10 +335,7 @@ class ProxyApp:
         on_head: Callable[[UpstreamResponse], None] | None = None
         if ex.stream and ex.body_writer is not None:
             # The head and the first token go on from the read callback that brings them.
-            relay = StreamRelay(
-                RelayResult(), route=ex.route, writer=ex.body_writer,
-                on_first_token=ticket.first_token, on_complete=ex.mark_responded,
-            )  # fmt: skip
+            relay = _stream_relay(ex, ticket)
             on_head = partial(self._begin_relay, ex, backend, relay)
         t_send = time.perf_counter()
         try:
@@ -436,10 +433,7 @@ class ProxyApp:
         relay: StreamRelay | None,
     ) -> RelayResult:
         if relay is None:
-            relay = StreamRelay(
-                RelayResult(), route=ex.route, writer=ex.body_writer,
-                on_first_token=ticket.first_token, on_complete=ex.mark_responded,
-            )  # fmt: skip
+            relay = _stream_relay(ex, ticket)
         ex.started = True
         ex.status = 200
         await relay.run(response, send, _start_of(ex, response, backend))
@@ -512,6 +506,13 @@ def _client_gone(task: asyncio.Task[Any], ex: Exchange) -> None:
     if not ex.responded:
         ex.disconnected = True
         task.cancel()
+
+
+def _stream_relay(ex: Exchange, ticket: Ticket) -> StreamRelay:
+    return StreamRelay(
+        RelayResult(), route=ex.route, writer=ex.body_writer,
+        on_first_token=ticket.first_token, on_complete=ex.mark_responded,
+    )  # fmt: skip
 
 
 def _start_of(

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from backends import pool as pool_module
+from backends.errors import UpstreamProtocolError
 from backends.pool import UpstreamPool, UpstreamResponse
 from backends.urgent_reads import UrgentReads
 
@@ -213,6 +214,36 @@ async def test_a_loop_that_just_read_upstream_is_left_to_its_own_order(
         backend.finish.set()
         response = await asyncio.wait_for(request, 5)
         assert await asyncio.wait_for(response.read(), 5) == b"first\n\nsecond\n\n"
+    finally:
+        await pool.aclose()
+
+
+async def test_a_failure_read_out_of_turn_fails_its_own_request_only(
+    backend: ThreadedBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bytes read out of turn are parsed inside whichever task read them; an error there closes
+    the connection they came from (as the loop does for a transport callback) and reaches that
+    connection's request, not the task that happened to read."""
+    pool = UpstreamPool()
+    await pool.warm(backend.url, 1)
+
+    def on_head(response: UpstreamResponse) -> None:
+        raise RuntimeError("a broken head callback")
+
+    try:
+        request = asyncio.ensure_future(
+            pool.request(backend.url, "POST", "/generate", headers=[], body=b"{}", on_head=on_head)
+        )
+        await asyncio.sleep(0)
+        backend.respond.set()
+        assert backend.answered.acquire(timeout=5)
+        hold_the_loop()
+        pool.read_urgent()  # does not raise here
+        assert "reading http://127.0.0.1" in caplog.text and "out of turn" in caplog.text
+        response = await asyncio.wait_for(request, 5)
+        with pytest.raises(UpstreamProtocolError):
+            await asyncio.wait_for(response.read(), 5)
+        assert pool.stats().backends[backend.url].active == 0
     finally:
         await pool.aclose()
 
