@@ -79,6 +79,8 @@ class PoolStats:
     requests: int
     reused: int
     connects: int
+    urgent_reads: int = 0
+    """Reads of a due first token made between request starts, out of the loop's turn."""
     backends: dict[str, BackendPoolStats] = field(default_factory=dict)
 
     @property
@@ -316,6 +318,7 @@ class _Connection(asyncio.Protocol):
         if not data:
             self.not_urgent()
             return
+        self.host.pool.urgent_reads += 1
         try:
             self.data_received(data)
         except Exception:
@@ -760,6 +763,7 @@ class UpstreamPool:
         """Sockets whose first token is due, read between request starts (`UrgentReads`)."""
         self.last_read = 0.0
         """`perf_counter()` of the last read of any upstream socket."""
+        self.urgent_reads = 0
         self._hosts: dict[str, _Host] = {}
         self._requests = 0
         self._reused = 0
@@ -875,6 +879,7 @@ class UpstreamPool:
             requests=self._requests,
             reused=self._reused,
             connects=self._connects,
+            urgent_reads=self.urgent_reads,
             backends={url: host.stats() for url, host in self._hosts.items()},
         )
 

@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from edge.light_metrics import LightCounter, LightHistogram
@@ -167,7 +167,7 @@ class FleetCollector(Collector):
         self._backends = backends
         self._pool_stats = pool_stats
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Metric]:
         in_flight = GaugeMetricFamily(
             "quicedge_backend_in_flight", "Requests the edge has in flight", labels=["backend"]
         )
@@ -198,6 +198,12 @@ class FleetCollector(Collector):
             "quicedge_upstream_connects", "TCP connections the pool has opened"
         )
         connects.add_metric([], stats.connects)
+        urgent = CounterMetricFamily(
+            "quicedge_upstream_urgent_reads",
+            "First tokens read between request starts, because the event loop had read no"
+            " upstream socket for 0.5 ms (a sign of long loop turns)",
+        )
+        urgent.add_metric([], stats.urgent_reads)
         conns = GaugeMetricFamily(
             "quicedge_upstream_connections",
             "Upstream connections by backend and state",
@@ -206,7 +212,7 @@ class FleetCollector(Collector):
         for url, host in stats.backends.items():
             conns.add_metric([url, "idle"], host.idle)
             conns.add_metric([url, "active"], host.active)
-        yield from (reuse, connects, conns)
+        yield from (reuse, connects, urgent, conns)
 
 
 # -- tracing ---------------------------------------------------------------------------------

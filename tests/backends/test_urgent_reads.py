@@ -147,6 +147,7 @@ async def _due_head_scenario(backend: ThreadedBackend) -> None:
         assert heads == []
         pool.read_urgent()
         assert heads == [(200, asyncio.current_task())]  # read in this task's turn
+        assert pool.stats().urgent_reads == 1
         assert first == [b"first\n\n"]
         response = await asyncio.wait_for(request, 5)
         # Once its first token went on, the socket waits for the loop's turn like any other.
@@ -181,6 +182,7 @@ async def test_without_urgent_reads_the_head_waits_for_the_loop(backend: Threade
         assert heads == []
         response = await asyncio.wait_for(request, 5)
         assert heads == [None]  # from the transport's read callback
+        assert pool.stats().urgent_reads == 0
         backend.finish.set()
         assert await asyncio.wait_for(response.read(), 5) == b"first\n\nsecond\n\n"
     finally:

@@ -91,9 +91,11 @@ async def test_legs_join_the_clients_stamps_with_the_stand_ins(tmp_path: Path) -
     for row in (a, b):
         legs = row["legs"]
         assert legs["joined"] == row["requests"] == 8  # every request, each rid its own
-        # both clocks are one (CLOCK_MONOTONIC): each leg is short and not negative
-        for leg in ("request_leg_ms", "response_leg_ms"):
-            assert 0 <= legs[leg]["p50"] <= legs[leg]["p99"] < 1000
+        # both clocks are one (CLOCK_MONOTONIC): each leg is short, and only the response leg
+        # may be a hair negative (the stand-in stamps after its write returned; the client may
+        # have read it by then)
+        assert 0 <= legs["request_leg_ms"]["p50"] <= legs["request_leg_ms"]["p99"] < 1000
+        assert -1 < legs["response_leg_ms"]["p50"] <= legs["response_leg_ms"]["p99"] < 1000
     assert "added_ms" not in a["legs"]
     assert b["legs"]["added_ms"]["request_p50"] == pytest.approx(
         b["legs"]["request_leg_ms"]["p50"] - a["legs"]["request_leg_ms"]["p50"]
