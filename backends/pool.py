@@ -290,7 +290,8 @@ class _Connection(asyncio.Protocol):
     def usable(self) -> bool:
         return not self.closed and not self.eof and not self.in_flight
 
-    def send(self, data: bytes) -> None:
+    def send(self, data: bytes, *, is_urgent: bool = False) -> None:
+        """Write a request; `is_urgent`: its first token may be read out of turn (`UrgentReads`)."""
         assert self.transport is not None
         self.response.reset()
         self.sink = None
@@ -298,7 +299,7 @@ class _Connection(asyncio.Protocol):
         self.received_any = False
         self.transport.write(data)
         urgent = self.host.pool.urgent
-        if urgent is not None and self.fd >= 0:
+        if urgent is not None and self.fd >= 0 and is_urgent:
             self.urgent = urgent
             urgent.add(self.fd, self._read_now)
 
@@ -816,8 +817,10 @@ class UpstreamPool:
 
         `on_head`, if given, gets the response from inside the read callback that completed its
         head, before this call returns: a relay can pass the head and the first token on
-        without waiting for this task's turn (it must not raise). After sending, the sockets of
-        other responses whose first token is due are read at once (`UrgentReads`)."""
+        without waiting for this task's turn (it must not raise). Such a response's socket is
+        urgent until its first token went on (`UrgentReads`): reading it early helps only where
+        a callback can act on what it brings. After sending, the urgent sockets of other
+        responses are read at once if the loop has read none for `URGENT_AFTER`."""
         host = self._host(base_url)
         data = _encode_request(host, method, path, headers, body)
         self._requests += 1
@@ -825,7 +828,7 @@ class UpstreamPool:
             conn, reused = await host.acquire()
             began: list[UpstreamResponse] = []
             try:
-                conn.send(data)
+                conn.send(data, is_urgent=on_head is not None)
                 if on_head is not None:
                     conn.on_head = partial(
                         self._head_arrived, conn, reused, chunk_timeout, on_head, began

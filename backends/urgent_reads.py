@@ -11,7 +11,9 @@ A first token then waits about half a millisecond and one request start at most,
 the whole burst.
 
 A socket is *urgent* from its request's send until the relay has passed its first content
-token on (or the response ends, or the connection closes). The out-of-turn read and the
+token on (or the response ends, or the connection closes), when its request has a head
+callback (`UpstreamPool.request(on_head=...)`) that can relay what the read brings; a request
+whose task would have to wake anyway gains nothing from an early read. The out-of-turn read and the
 transport's own read take bytes off the same stream in one thread, and neither buffers, so the
 protocol sees them in order; the transport's next read just finds nothing (EAGAIN) and waits.
 

@@ -189,6 +189,28 @@ async def test_without_urgent_reads_the_head_waits_for_the_loop(backend: Threade
         await pool.aclose()
 
 
+async def test_a_request_without_a_head_callback_is_not_urgent(backend: ThreadedBackend) -> None:
+    """Its task has to wake for the head anyway: an early read would gain nothing."""
+    pool = UpstreamPool()
+    await pool.warm(backend.url, 1)
+    try:
+        request = asyncio.ensure_future(
+            pool.request(backend.url, "POST", "/generate", headers=[], body=b"{}")
+        )
+        await asyncio.sleep(0)
+        assert pool.urgent is not None and len(pool.urgent) == 0
+        backend.respond.set()
+        assert backend.answered.acquire(timeout=5)
+        hold_the_loop()
+        pool.read_urgent()
+        assert pool.stats().urgent_reads == 0
+        response = await asyncio.wait_for(request, 5)
+        backend.finish.set()
+        assert await asyncio.wait_for(response.read(), 5) == b"first\n\nsecond\n\n"
+    finally:
+        await pool.aclose()
+
+
 async def test_a_loop_that_just_read_upstream_is_left_to_its_own_order(
     backend: ThreadedBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
