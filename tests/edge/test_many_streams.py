@@ -65,10 +65,17 @@ async def one_stream(http: httpx.AsyncClient, rid: str) -> tuple[str, int]:
     return request_id, tokens
 
 
-async def test_32_streams_in_bursts_arrive_whole(stand_in: str) -> None:
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+async def test_32_streams_in_bursts_arrive_whole(stand_in: str, loop: str) -> None:
+    """uvloop is `serve`'s default; asyncio's own loop reads the same sockets differently."""
+    if loop == "uvloop":
+        pytest.importorskip("uvloop")
     http_port = free_port()
-    serve = ServeProcess("--backend", stand_in, "--http", f"127.0.0.1:{http_port}")
+    serve = ServeProcess(
+        "--backend", stand_in, "--http", f"127.0.0.1:{http_port}", "--loop", loop
+    )  # fmt: skip
     try:
+        assert f"quicedge serve: loop   {loop}" in serve.lines
         limits = httpx.Limits(max_connections=STREAMS, max_keepalive_connections=STREAMS)
         async with httpx.AsyncClient(
             base_url=f"http://127.0.0.1:{http_port}", limits=limits, timeout=30
