@@ -10,7 +10,7 @@ import asyncio
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -66,6 +66,23 @@ class ThreadedBackend:
 def hold_the_loop(seconds: float = 0.05) -> None:
     """Block the event loop, as a burst of request starts does, while bytes arrive."""
     time.sleep(seconds)
+
+
+async def answered_while_held(
+    pool: UpstreamPool,
+    backend: ThreadedBackend,
+    on_head: Callable[[UpstreamResponse], None] | None = None,
+) -> asyncio.Future[UpstreamResponse]:
+    """Send a request and let it wait for its head, then hold the loop while the backend
+    answers: the answer waits in the kernel. Returns the pending request."""
+    request = asyncio.ensure_future(
+        pool.request(backend.url, "POST", "/generate", headers=[], body=b"{}", on_head=on_head)
+    )
+    await asyncio.sleep(0)  # sent; it waits for its head
+    backend.respond.set()
+    assert backend.answered.acquire(timeout=5)
+    hold_the_loop()
+    return request
 
 
 @pytest.fixture
@@ -137,13 +154,7 @@ async def _due_head_scenario(backend: ThreadedBackend) -> None:
         first.append(response.take_ready())
 
     try:
-        request = asyncio.ensure_future(
-            pool.request(backend.url, "POST", "/generate", headers=[], body=b"{}", on_head=on_head)
-        )
-        await asyncio.sleep(0)  # the request is sent; it waits for its head
-        backend.respond.set()
-        assert backend.answered.acquire(timeout=5)
-        hold_the_loop()  # the answer waits in the kernel
+        request = await answered_while_held(pool, backend, on_head)
         assert heads == []
         pool.read_urgent()
         assert heads == [(200, asyncio.current_task())]  # read in this task's turn
@@ -168,16 +179,9 @@ async def test_without_urgent_reads_the_head_waits_for_the_loop(backend: Threade
     await pool.warm(backend.url, 1)
     heads: list[asyncio.Task[object] | None] = []
     try:
-        request = asyncio.ensure_future(
-            pool.request(
-                backend.url, "POST", "/generate", headers=[], body=b"{}",
-                on_head=lambda r: heads.append(asyncio.current_task()),
-            )
-        )  # fmt: skip
-        await asyncio.sleep(0)
-        backend.respond.set()
-        assert backend.answered.acquire(timeout=5)
-        hold_the_loop()
+        request = await answered_while_held(
+            pool, backend, lambda r: heads.append(asyncio.current_task())
+        )
         pool.read_urgent()
         assert heads == []
         response = await asyncio.wait_for(request, 5)
@@ -194,14 +198,8 @@ async def test_a_request_without_a_head_callback_is_not_urgent(backend: Threaded
     pool = UpstreamPool()
     await pool.warm(backend.url, 1)
     try:
-        request = asyncio.ensure_future(
-            pool.request(backend.url, "POST", "/generate", headers=[], body=b"{}")
-        )
-        await asyncio.sleep(0)
+        request = await answered_while_held(pool, backend)
         assert pool.urgent is not None and len(pool.urgent) == 0
-        backend.respond.set()
-        assert backend.answered.acquire(timeout=5)
-        hold_the_loop()
         pool.read_urgent()
         assert pool.stats().urgent_reads == 0
         response = await asyncio.wait_for(request, 5)
@@ -219,16 +217,9 @@ async def test_a_loop_that_just_read_upstream_is_left_to_its_own_order(
     await pool.warm(backend.url, 1)
     heads: list[asyncio.Task[object] | None] = []
     try:
-        request = asyncio.ensure_future(
-            pool.request(
-                backend.url, "POST", "/generate", headers=[], body=b"{}",
-                on_head=lambda r: heads.append(asyncio.current_task()),
-            )
-        )  # fmt: skip
-        await asyncio.sleep(0)
-        backend.respond.set()
-        assert backend.answered.acquire(timeout=5)
-        hold_the_loop()
+        request = await answered_while_held(
+            pool, backend, lambda r: heads.append(asyncio.current_task())
+        )
         pool.last_read = time.perf_counter()  # an upstream socket was read just now
         pool.read_urgent()
         assert heads == []
@@ -255,13 +246,7 @@ async def test_a_failure_read_out_of_turn_fails_its_own_request_only(
         raise RuntimeError("a broken head callback")
 
     try:
-        request = asyncio.ensure_future(
-            pool.request(backend.url, "POST", "/generate", headers=[], body=b"{}", on_head=on_head)
-        )
-        await asyncio.sleep(0)
-        backend.respond.set()
-        assert backend.answered.acquire(timeout=5)
-        hold_the_loop()
+        request = await answered_while_held(pool, backend, on_head)
         pool.read_urgent()  # does not raise here
         assert "reading http://127.0.0.1" in caplog.text and "out of turn" in caplog.text
         response = await asyncio.wait_for(request, 5)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import pytest
@@ -220,7 +220,7 @@ read callback writes them."""
 
 @asynccontextmanager
 async def generate_stream(
-    tokens: int, **sim: Any
+    tokens: int, on_head: Callable[[UpstreamResponse], None] | None = None, **sim: Any
 ) -> AsyncIterator[tuple[UpstreamPool, str, UpstreamResponse]]:
     """A streamed /generate answer of `tokens` tokens from a stand-in, its head read."""
     body = {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": tokens}}
@@ -228,8 +228,9 @@ async def generate_stream(
         pool = UpstreamPool()
         try:
             response = await pool.request(
-                server.url, "POST", "/generate", headers=[], body=json.dumps(body).encode()
-            )
+                server.url, "POST", "/generate", headers=[], body=json.dumps(body).encode(),
+                on_head=on_head,
+            )  # fmt: skip
             yield pool, server.url, response
         finally:
             await pool.aclose()
@@ -356,21 +357,11 @@ async def _no_send(message: Any) -> None:
     raise AssertionError(f"sent as an ASGI message: {message}")
 
 
-@asynccontextmanager
-async def begun(
+def begun(
     relay: StreamRelay, start: Any, tokens: int, **sim: Any
-) -> AsyncIterator[tuple[UpstreamPool, str, UpstreamResponse]]:
-    body = {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": tokens}}
-    async with SimServer(SimConfig(name="w", port=0, **sim)) as server:
-        pool = UpstreamPool()
-        try:
-            response = await pool.request(
-                server.url, "POST", "/generate", headers=[], body=json.dumps(body).encode(),
-                on_head=lambda r: relay.begin(r, start),
-            )  # fmt: skip
-            yield pool, server.url, response
-        finally:
-            await pool.aclose()
+) -> AbstractAsyncContextManager[tuple[UpstreamPool, str, UpstreamResponse]]:
+    """`generate_stream` with the relay begun from the read that brought the head."""
+    return generate_stream(tokens, on_head=lambda r: relay.begin(r, start), **sim)
 
 
 START = {"type": "http.response.start", "status": 200, "headers": []}
