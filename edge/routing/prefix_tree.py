@@ -1,8 +1,10 @@
 """An approximate radix tree of what each backend's prefix cache holds, over request text.
 
 Like sgl-router's cache-aware tree, one tree is shared by all backends ("tenants"): each node has
-an edge label (a run of characters), children keyed by their label's first character, and a map
-tenant -> last-access stamp. A tenant owns every node on the path of each text inserted for it.
+an edge label (a run of characters), children keyed by their label's first character, and for
+each tenant holding it, a last-access stamp. A tenant owns every node on the path of each text
+inserted for it, so what a tenant holds is closed under ancestors: a match walks the text's path
+once and gives each tenant the depth of the deepest node it holds there.
 
 Memory is bounded by characters: the sum over tenants of the characters they own never exceeds
 `max_chars` (the tree's own size is at most that). Beyond it, the least recently used
@@ -14,6 +16,13 @@ Theory of operation of the LRU: every insert stamps its whole path with a fresh 
 (tick, leaf) onto the tenant's heap. Heap entries are validated when popped (the stamp must be
 current and the node still a leaf for that tenant), so refreshing a path costs no heap work; a
 parent becomes evictable, and is pushed, when its last child carrying the tenant is evicted.
+
+Layout, for the garbage collector: a node is an integer, never reused, and every field is a
+dict from integers to strings or integers. CPython does not track such dicts, so a collection
+never walks the tree. As objects (a node with its dicts, a heap entry referring to it), a full
+tree was ~100k objects the collector tracked, and a full collection walked them for tens of
+milliseconds while every request in flight waited (docs/benchmarks.md, "Seventh pass"). For the
+same reason a heap entry is one integer, `stamp << 64 | node`, not a tuple.
 """
 
 from __future__ import annotations
@@ -24,23 +33,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 DEFAULT_MAX_CHARS = 8 * 1024 * 1024
-
-
-class _Node:
-    __slots__ = ("children", "dead", "label", "parent", "tenants")
-
-    def __init__(self, label: str, parent: _Node | None) -> None:
-        self.label = label
-        self.parent = parent
-        self.children: dict[str, _Node] = {}
-        self.tenants: dict[str, int] = {}
-        self.dead = False
-
-    def holds_in_child(self, tenant: str) -> bool:
-        for child in self.children.values():
-            if tenant in child.tenants:
-                return True
-        return False
+_ROOT = 0
+_KEY_SHIFT = 21  # a child's key: its parent << 21 | its label's first code point (< 2**21)
+_NODE_BITS = 64  # a heap entry: stamp << 64 | node
+_NODE_MASK = (1 << _NODE_BITS) - 1
 
 
 def _common_prefix_len(label: str, text: str, pos: int) -> int:
@@ -68,10 +64,14 @@ class PrefixTree:
         if max_chars < 1:
             raise ValueError("max_chars must be >= 1")
         self.max_chars = max_chars
-        self._root = _Node("", None)
+        self._label: dict[int, str] = {_ROOT: ""}
+        self._parent: dict[int, int] = {}
+        self._child: dict[int, int] = {}  # parent << _KEY_SHIFT | ord(first char) -> child
+        self._child_chars: dict[int, str] = {}  # node -> its children's first characters
+        self._held: dict[str, dict[int, int]] = {}  # tenant -> {node: stamp}
+        self._nodes = itertools.count(_ROOT + 1)
         self._tick = itertools.count(1)
-        self._seq = itertools.count()
-        self._heaps: dict[str, list[tuple[int, int, _Node]]] = {}
+        self._heaps: dict[str, list[int]] = {}
         self._chars: dict[str, int] = {}
         self._limits: dict[str, int] = {}
         self._heap_live: dict[str, int] = {}
@@ -80,24 +80,36 @@ class PrefixTree:
 
     # -- queries ---------------------------------------------------------------------------
     def match(self, text: str) -> Match:
-        chars: dict[str, int] = {}
-        stamps: dict[str, int] = {}
-        node = self._root
+        path: list[int] = []  # the nodes the text runs through, the last perhaps partly
+        ends: list[int] = []  # how far into the text each of them reaches
+        child_of, labels = self._child, self._label
+        node = _ROOT
         pos = 0
         n = len(text)
         while pos < n:
-            child = node.children.get(text[pos])
+            child = child_of.get(node << _KEY_SHIFT | ord(text[pos]))
             if child is None:
                 break
-            label = child.label
+            label = labels[child]
             full = text.startswith(label, pos)
             pos += len(label) if full else _common_prefix_len(label, text, pos)
-            for tenant, stamp in child.tenants.items():
-                chars[tenant] = pos
-                stamps[tenant] = stamp
+            path.append(child)
+            ends.append(pos)
             if not full:
                 break
             node = child
+        chars: dict[str, int] = {}
+        stamps: dict[str, int] = {}
+        if path:
+            for tenant, held in self._held.items():
+                depth = 0
+                for node in path:
+                    if node not in held:
+                        break
+                    depth += 1
+                if depth:
+                    chars[tenant] = ends[depth - 1]
+                    stamps[tenant] = held[path[depth - 1]]
         return Match(chars, stamps)
 
     def tenant_chars(self, tenant: str) -> int:
@@ -110,14 +122,49 @@ class PrefixTree:
         return self._limits.get(tenant)
 
     def node_count(self) -> int:
-        return sum(1 for _ in self._walk(self._root)) - 1
+        """Nodes in the tree, the root aside."""
+        return len(self._label) - 1
 
-    def _walk(self, node: _Node) -> Iterator[_Node]:
-        stack = [node]
+    def _children(self, node: int) -> Iterator[int]:
+        child_of, base = self._child, node << _KEY_SHIFT
+        for char in self._child_chars.get(node, ""):
+            yield child_of[base | ord(char)]
+
+    def _walk(self, top: int) -> Iterator[int]:
+        stack = [top]
         while stack:
-            n = stack.pop()
-            yield n
-            stack.extend(n.children.values())
+            node = stack.pop()
+            yield node
+            stack.extend(self._children(node))
+
+    def _holds_in_child(self, node: int, tenant: str) -> bool:
+        held = self._held.get(tenant, {})
+        return any(child in held for child in self._children(node))
+
+    def _unheld(self, node: int) -> bool:
+        return not any(node in held for held in self._held.values())
+
+    # -- nodes -----------------------------------------------------------------------------
+    def _new_node(self, parent: int, label: str) -> int:
+        node = next(self._nodes)
+        self._label[node] = label
+        self._parent[node] = parent
+        self._child[parent << _KEY_SHIFT | ord(label[0])] = node
+        self._child_chars[parent] = self._child_chars.get(parent, "") + label[0]
+        return node
+
+    def _free_node(self, node: int) -> None:
+        """Unlink a node that no tenant holds and that has no children."""
+        parent = self._parent.pop(node)
+        first = self._label.pop(node)[0]
+        key = parent << _KEY_SHIFT | ord(first)
+        if self._child.get(key) == node:
+            del self._child[key]
+            rest = self._child_chars[parent].replace(first, "", 1)
+            if rest:
+                self._child_chars[parent] = rest
+            else:
+                del self._child_chars[parent]
 
     # -- updates ---------------------------------------------------------------------------
     def insert(self, text: str, tenant: str) -> int:
@@ -126,27 +173,28 @@ class PrefixTree:
         if not text:
             return 0
         stamp = next(self._tick)
-        node = self._root
+        held = self._held.get(tenant)
+        if held is None:
+            held = self._held[tenant] = {}
+        child_of, labels = self._child, self._label
+        node = _ROOT
         pos = 0
         n = len(text)
         added = 0
         while pos < n:
-            child = node.children.get(text[pos])
+            child = child_of.get(node << _KEY_SHIFT | ord(text[pos]))
             if child is None:
-                leaf = _Node(text[pos:], node)
-                node.children[text[pos]] = leaf
-                leaf.tenants[tenant] = stamp
-                added += len(leaf.label)
-                node = leaf
+                node = self._new_node(node, text[pos:])
+                held[node] = stamp
+                added += n - pos
                 break
-            label = child.label
+            label = labels[child]
             if not text.startswith(label, pos):
-                common = _common_prefix_len(label, text, pos)
-                child = self._split(child, common)
-                label = child.label
-            if tenant not in child.tenants:
+                child = self._split(child, _common_prefix_len(label, text, pos))
+                label = labels[child]
+            if child not in held:
                 added += len(label)
-            child.tenants[tenant] = stamp
+            held[child] = stamp
             pos += len(label)
             node = child
         self._chars[tenant] = self._chars.get(tenant, 0) + added
@@ -159,17 +207,24 @@ class PrefixTree:
             self._evict_global(self.max_chars)
         return stamp
 
-    def _split(self, node: _Node, at: int) -> _Node:
-        """Split `node`'s edge after `at` characters; return the new upper node."""
-        assert 0 < at < len(node.label)
-        parent = node.parent
-        assert parent is not None
-        upper = _Node(node.label[:at], parent)
-        upper.tenants = dict(node.tenants)
-        parent.children[upper.label[0]] = upper
-        node.label = node.label[at:]
-        node.parent = upper
-        upper.children[node.label[0]] = node
+    def _split(self, node: int, at: int) -> int:
+        """Split `node`'s edge after `at` characters; return the new upper node, which every
+        tenant holding `node` holds too, with the same stamp."""
+        label = self._label[node]
+        assert 0 < at < len(label)
+        parent = self._parent[node]
+        upper = next(self._nodes)
+        self._label[upper] = label[:at]
+        self._parent[upper] = parent
+        self._child[parent << _KEY_SHIFT | ord(label[0])] = upper  # in `node`'s place
+        self._label[node] = label[at:]
+        self._parent[node] = upper
+        self._child[upper << _KEY_SHIFT | ord(label[at])] = node
+        self._child_chars[upper] = label[at]
+        for held in self._held.values():
+            stamp = held.get(node)
+            if stamp is not None:
+                held[upper] = stamp
         return upper
 
     def set_limit(self, tenant: str, max_chars: int | None) -> None:
@@ -183,92 +238,88 @@ class PrefixTree:
 
     def remove_tenant(self, tenant: str) -> None:
         """Forget everything a tenant holds (a backend that restarted has an empty cache)."""
-        for node in list(self._walk(self._root)):
-            if node is not self._root and tenant in node.tenants:
-                del node.tenants[tenant]
-        self._prune(self._root)
+        self._held.pop(tenant, None)
+        self._prune(_ROOT)
         self.total_chars -= self._chars.pop(tenant, 0)
         self._heaps.pop(tenant, None)
+        self._heap_live.pop(tenant, None)
 
     def trim(self, text: str, tenant: str, keep_chars: int) -> int:
         """The tenant holds at most `keep_chars` of `text`: drop it from the path beyond that,
         and from everything below (an engine evicts leaves first, so nothing deeper survives).
         Returns the characters removed from the tenant."""
-        node = self._root
+        held = self._held.get(tenant, {})
+        node = _ROOT
         pos = 0
         while pos < len(text):
-            child = node.children.get(text[pos])
-            if child is None or tenant not in child.tenants:
+            child = self._child.get(node << _KEY_SHIFT | ord(text[pos]))
+            if child is None or child not in held:
                 return 0
-            end = pos + len(child.label)
+            label = self._label[child]
+            end = pos + len(label)
             if end > keep_chars:
                 if keep_chars > pos:
-                    if not text.startswith(child.label[: keep_chars - pos], pos):
+                    if not text.startswith(label[: keep_chars - pos], pos):
                         return 0
                     self._split(child, keep_chars - pos)  # `child` is now the part beyond
                 return self._drop_subtree(child, tenant)
-            if not text.startswith(child.label, pos):
+            if not text.startswith(label, pos):
                 return 0
             pos = end
             node = child
         return 0
 
-    def _drop_subtree(self, top: _Node, tenant: str) -> int:
+    def _drop_subtree(self, top: int, tenant: str) -> int:
+        held = self._held[tenant]
         removed = 0
         for node in list(self._walk(top)):
-            if tenant in node.tenants:
-                del node.tenants[tenant]
-                removed += len(node.label)
+            if held.pop(node, None) is not None:
+                removed += len(self._label[node])
         self._chars[tenant] = self._chars.get(tenant, 0) - removed
         self.total_chars -= removed
-        parent = top.parent
+        parent = self._parent[top]
         self._prune(top)
-        if parent is not None and parent is not self._root and tenant in parent.tenants:
-            if not parent.holds_in_child(tenant):
-                self._push(tenant, parent.tenants[tenant], parent)
+        if parent != _ROOT and parent in held and not self._holds_in_child(parent, tenant):
+            self._push(tenant, held[parent], parent)
         return removed
 
-    def _prune(self, top: _Node) -> None:
-        """Delete tenant-less nodes at and below `top` (iterative: paths can be deep)."""
+    def _prune(self, top: int) -> None:
+        """Free the nodes at and below `top` that no tenant holds (iterative: paths can be
+        deep)."""
         order = list(self._walk(top))
         for node in reversed(order):  # children before their parents
-            if node is not self._root and not node.tenants and not node.children:
-                parent = node.parent
-                assert parent is not None
-                if parent.children.get(node.label[0]) is node:
-                    del parent.children[node.label[0]]
-                node.dead = True
+            if node != _ROOT and node not in self._child_chars and self._unheld(node):
+                self._free_node(node)
 
     # -- eviction --------------------------------------------------------------------------
-    def _heap(self, tenant: str) -> list[tuple[int, int, _Node]]:
+    def _push(self, tenant: str, stamp: int, node: int) -> None:
         heap = self._heaps.get(tenant)
         if heap is None:
             heap = self._heaps[tenant] = []
-        return heap
-
-    def _push(self, tenant: str, stamp: int, node: _Node) -> None:
-        heap = self._heap(tenant)
-        heapq.heappush(heap, (stamp, next(self._seq), node))
+        heapq.heappush(heap, stamp << _NODE_BITS | node)
         if len(heap) > 4096 and len(heap) > 4 * self._heap_live.get(tenant, 0):
-            # Mostly stale entries: rebuild from the tree's real leaves for this tenant.
+            # Mostly stale entries: rebuild from the tenant's real leaves.
+            held = self._held[tenant]
             live = [
-                (n.tenants[tenant], next(self._seq), n)
-                for n in self._walk(self._root)
-                if tenant in n.tenants and not n.holds_in_child(tenant)
+                held_stamp << _NODE_BITS | n
+                for n, held_stamp in held.items()
+                if not self._holds_in_child(n, tenant)
             ]
             heapq.heapify(live)
             self._heaps[tenant] = live
             self._heap_live[tenant] = len(live)
 
-    def _top(self, tenant: str) -> tuple[int, int, _Node] | None:
-        """The tenant's least recently used leaf entry, discarding stale ones."""
+    def _top(self, tenant: str) -> tuple[int, int] | None:
+        """The tenant's least recently used leaf as (stamp, node), discarding stale entries:
+        a node freed or refreshed since, or no longer the tenant's leaf."""
         heap = self._heaps.get(tenant)
+        held = self._held.get(tenant, {})
         while heap:
-            stamp, _, node = heap[0]
-            if node.dead or node.tenants.get(tenant) != stamp or node.holds_in_child(tenant):
+            stamp, node = heap[0] >> _NODE_BITS, heap[0] & _NODE_MASK
+            if held.get(node) != stamp or self._holds_in_child(node, tenant):
                 heapq.heappop(heap)
                 continue
-            return heap[0]
+            return stamp, node
         return None
 
     def _evict_one(self, tenant: str) -> bool:
@@ -276,19 +327,18 @@ class PrefixTree:
         if entry is None:
             return False
         heapq.heappop(self._heaps[tenant])
-        node = entry[2]
-        del node.tenants[tenant]
-        size = len(node.label)
+        node = entry[1]
+        held = self._held[tenant]
+        del held[node]
+        size = len(self._label[node])
         self._chars[tenant] -= size
         self.total_chars -= size
         self.evicted_chars += size
-        parent = node.parent
-        if not node.tenants and not node.children and parent is not None:
-            del parent.children[node.label[0]]
-            node.dead = True
-        if parent is not None and parent is not self._root and tenant in parent.tenants:
-            if not parent.holds_in_child(tenant):
-                self._push(tenant, parent.tenants[tenant], parent)
+        parent = self._parent[node]
+        if node not in self._child_chars and self._unheld(node):
+            self._free_node(node)
+        if parent != _ROOT and parent in held and not self._holds_in_child(parent, tenant):
+            self._push(tenant, held[parent], parent)
         return True
 
     def _evict_tenant(self, tenant: str, target: int) -> None:

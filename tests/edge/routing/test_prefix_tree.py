@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -150,6 +151,75 @@ def test_memory_stays_bounded_under_churn() -> None:
     # nodes cannot outnumber characters, and the lazy heaps are compacted
     assert tree.node_count() <= 5000
     assert all(len(h) < 20000 for h in tree._heaps.values())
+
+
+def test_holdings_stay_consistent_under_eviction_trims_and_removals() -> None:
+    """After every operation: each node lies on its parent's path, what a tenant holds is
+    closed under ancestors, the character counts add up, and no node is left unheld."""
+    rng = random.Random(11)
+    tree = PrefixTree(max_chars=400)
+    texts: list[str] = []
+    for _ in range(2000):
+        tenant = rng.choice(["t1", "t2", "t3"])
+        roll = rng.random()
+        if roll < 0.7 or not texts:
+            stem = rng.choice(texts)[: rng.randint(0, 30)] if texts else ""
+            texts.append(stem + "".join(rng.choice("abcd") for _ in range(rng.randint(1, 20))))
+            tree.insert(texts[-1], tenant)
+        elif roll < 0.85:
+            text = rng.choice(texts)
+            tree.trim(text, tenant, rng.randint(0, len(text)))
+        elif roll < 0.97:
+            tree.set_limit(tenant, rng.choice([None, 50, 150]))
+        else:
+            tree.remove_tenant(tenant)
+        check_invariants(tree)
+    assert tree.evicted_chars > 0
+
+
+def check_invariants(tree: PrefixTree) -> None:
+    nodes = list(tree._walk(0))[1:]
+    assert len(nodes) == tree.node_count()
+    for node in nodes:
+        assert any(node in held for held in tree._held.values()), "an unheld node survived"
+    for tenant, held in tree._held.items():
+        for node in held:
+            parent = tree._parent[node]
+            assert parent == 0 or parent in held, "a tenant holds a node but not its parent"
+        assert tree.tenant_chars(tenant) == sum(len(tree._label[n]) for n in held)
+    assert tree.total_chars == sum(tree.tenant_chars(t) for t in tree._held)
+    assert tree.total_chars <= tree.max_chars
+
+
+def test_the_garbage_collector_does_not_walk_the_tree() -> None:
+    """A full collection stops every request in flight for as long as it walks the objects it
+    tracks: the tree must not add to them as it grows (nodes, labels, stamps, heap entries)."""
+
+    def tracked(tree: PrefixTree) -> int:
+        gc.collect()
+        seen: set[int] = set()
+        stack: list[object] = [tree]
+        while stack:
+            obj = stack.pop()
+            if id(obj) in seen or not gc.is_tracked(obj) or isinstance(obj, type):
+                continue  # (a type leads to its module, and from there to everything)
+            seen.add(id(obj))
+            stack.extend(gc.get_referents(obj))
+        return len(seen)
+
+    def grown(texts: int) -> PrefixTree:
+        rng = random.Random(5)
+        tree = PrefixTree(max_chars=20_000)
+        for i in range(texts):
+            text = "".join(rng.choice("abcd") for _ in range(rng.randint(10, 60)))
+            tree.insert(text, f"t{i % 3}")
+            if i % 7 == 0:
+                tree.trim(text, f"t{i % 3}", rng.randint(0, len(text)))
+        return tree
+
+    small, large = grown(20), grown(3000)
+    assert large.node_count() > 20 * small.node_count() and large.evicted_chars > 0
+    assert tracked(large) == tracked(small)
 
 
 def common(a: str, b: str) -> int:
