@@ -43,7 +43,7 @@ from backends.pool import _Connection
 from bench.edge_latency import Request, request_bytes
 from bench.relay_cpu import NullTransport
 from edge.config import ProxyConfig
-from edge.serve import freeze_startup_heap
+from edge.serve import prepare_collector
 from edge.wiring import build
 from transport.h1_server import H1Listener, H1Protocol
 from transport.loop import LOOPS
@@ -159,7 +159,7 @@ async def measure(
         clients.append(client)
     try:
         await _run(loop, clients, max(concurrency * 20, requests // 10))  # warm-up
-        freeze_startup_heap()  # as `serve` does before it serves
+        prepare_collector()  # as `serve` does before it serves
         ok_before = _ok(wiring)
         per_request = []
         for _ in range(repeats):
