@@ -29,10 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
@@ -40,6 +37,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from backends.pool import _Connection
+from bench.cachegrind import instructions
 from bench.edge_latency import Request, request_bytes
 from bench.relay_cpu import NullTransport
 from edge.config import ProxyConfig
@@ -191,20 +189,9 @@ def _ok(wiring: Any) -> int:
 
 def count_instructions(argv: list[str], requests: int) -> int:
     """Instructions per request: this bench under cachegrind with 3 repeats minus with 1."""
-    valgrind = shutil.which("valgrind")
-    if valgrind is None:
-        raise RuntimeError("--instructions needs valgrind (apt-get install valgrind)")
-    counts = []
-    for repeats in (1, 3):
-        command = [
-            valgrind, "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
-            sys.executable, "-m", "bench.request_cpu", *argv, "--repeats", str(repeats),
-        ]  # fmt: skip
-        done = subprocess.run(command, capture_output=True, text=True, check=False)
-        found = re.search(r"I\s+refs:\s+([\d,]+)", done.stderr)
-        if done.returncode != 0 or found is None:
-            raise RuntimeError(f"valgrind run failed: {done.stderr.strip()[-500:]}")
-        counts.append(int(found.group(1).replace(",", "")))
+    counts = [
+        instructions(["bench.request_cpu", *argv, "--repeats", str(repeats)]) for repeats in (1, 3)
+    ]
     return (counts[1] - counts[0]) // (2 * requests)
 
 

@@ -1,7 +1,7 @@
 """What the routing policy's prefix tree costs the garbage collector, and the edge per request.
 
     python -m bench.tree_gc [--requests 40000] [--max-chars 8388608] [--tenants 4] [--seed 0] \\
-        [--json PATH]
+        [--json PATH] [--instructions]
 
 Every garbage collection stops the event loop, so every request in flight waits it out, and a
 full collection walks every object the collector tracks. The prefix tree is the one structure
@@ -15,7 +15,10 @@ own; answers are `--answer-chars` long; words come from a fixed vocabulary, seed
 It reports, for the whole run and for its last quarter (the tree full, evicting), the
 collections by generation and their pauses (median and longest), the objects the collector
 tracks because of the tree, the time of one full collection at the end, and the tree's own
-time per request. It asserts nothing: speed belongs in reports.
+time per request. It asserts nothing: speed belongs in reports. Time per request on a shared VM
+varies by ±30 % between identical runs; `--instructions` counts instead (valgrind must be
+installed): it runs this bench under cachegrind twice with the same texts, once feeding the tree
+and once not (`--no-tree`), and reports the difference per request.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.cachegrind import instructions
 from edge.routing.prefix_tree import DEFAULT_MAX_CHARS, PrefixTree
 from transport.gc_pauses import GcPauseProbe
 
@@ -84,6 +88,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ]
     systems = [_words(rng, vocabulary, args.system_chars) for _ in range(args.groups)]
     tenants = [f"http://10.0.0.{i + 1}:30000" for i in range(args.tenants)]
+    feed = not args.no_tree
 
     gc.collect()
     gc.freeze()  # as `serve` does: what existed before the tree is not walked
@@ -102,10 +107,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             prompt = rng.choice(systems) + " " + _words(rng, vocabulary, args.question_chars)
             answer = _words(rng, vocabulary, args.answer_chars)
             start = time.perf_counter()
-            match = tree.match(prompt)
-            tenant = max(tenants, key=lambda t: match.chars.get(t, 0) - rng.random())
-            tree.insert(prompt, tenant)
-            tree.insert(prompt + answer, tenant)
+            chars = tree.match(prompt).chars if feed else {}
+            tenant = max(tenants, key=lambda t: chars.get(t, 0) - rng.random())
+            if feed:
+                tree.insert(prompt, tenant)
+                tree.insert(prompt + answer, tenant)
             tree_s += time.perf_counter() - start
     finally:
         probe.stop()
@@ -167,9 +173,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--answer-chars", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument(
+        "--instructions",
+        action="store_true",
+        help="count the tree's instructions per request under valgrind instead of timing",
+    )
+    p.add_argument("--no-tree", action="store_true", help="make the texts but feed no tree")
     args = p.parse_args(argv)
     if min(args.requests, args.max_chars, args.tenants, args.groups) < 1:
         p.error("--requests, --max-chars, --tenants and --groups must be >= 1")
+    if args.instructions:
+        shape = [
+            "bench.tree_gc", "--requests", str(args.requests), "--max-chars", str(args.max_chars),
+            "--tenants", str(args.tenants), "--groups", str(args.groups),
+            "--system-chars", str(args.system_chars), "--question-chars", str(args.question_chars),
+            "--answer-chars", str(args.answer_chars), "--seed", str(args.seed),
+        ]  # fmt: skip
+        try:
+            fed, unfed = instructions(shape), instructions([*shape, "--no-tree"])
+        except RuntimeError as exc:
+            print(f"tree_gc: {exc}", file=sys.stderr)
+            return 1
+        print(f"tree instructions per request: {(fed - unfed) // args.requests}"
+              f" (match + 2 inserts, {args.requests} requests)")  # fmt: skip
+        return 0
     result = run(args)
     print(report(result))
     if args.json:

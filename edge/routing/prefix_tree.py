@@ -138,11 +138,21 @@ class PrefixTree:
             stack.extend(self._children(node))
 
     def _holds_in_child(self, node: int, tenant: str) -> bool:
+        chars = self._child_chars.get(node)
+        if chars is None:
+            return False
         held = self._held.get(tenant, {})
-        return any(child in held for child in self._children(node))
+        child_of, base = self._child, node << _KEY_SHIFT
+        for char in chars:  # (a loop, not any(): this runs for every eviction)
+            if child_of[base | ord(char)] in held:
+                return True
+        return False
 
     def _unheld(self, node: int) -> bool:
-        return not any(node in held for held in self._held.values())
+        for held in self._held.values():
+            if node in held:
+                return False
+        return True
 
     # -- nodes -----------------------------------------------------------------------------
     def _new_node(self, parent: int, label: str) -> int:
@@ -309,25 +319,23 @@ class PrefixTree:
             self._heaps[tenant] = live
             self._heap_live[tenant] = len(live)
 
-    def _top(self, tenant: str) -> tuple[int, int] | None:
-        """The tenant's least recently used leaf as (stamp, node), discarding stale entries:
+    def _top(self, tenant: str) -> int | None:
+        """The tenant's least recently used leaf, as its heap entry, discarding stale entries:
         a node freed or refreshed since, or no longer the tenant's leaf."""
         heap = self._heaps.get(tenant)
         held = self._held.get(tenant, {})
         while heap:
-            stamp, node = heap[0] >> _NODE_BITS, heap[0] & _NODE_MASK
-            if held.get(node) != stamp or self._holds_in_child(node, tenant):
-                heapq.heappop(heap)
-                continue
-            return stamp, node
+            entry = heap[0]
+            node = entry & _NODE_MASK
+            if held.get(node) == entry >> _NODE_BITS and not self._holds_in_child(node, tenant):
+                return entry
+            heapq.heappop(heap)
         return None
 
-    def _evict_one(self, tenant: str) -> bool:
-        entry = self._top(tenant)
-        if entry is None:
-            return False
+    def _evict_top(self, tenant: str, entry: int) -> None:
+        """Evict the leaf of the tenant's top heap entry, `entry` (as `_top` returned it)."""
         heapq.heappop(self._heaps[tenant])
-        node = entry[1]
+        node = entry & _NODE_MASK
         held = self._held[tenant]
         del held[node]
         size = len(self._label[node])
@@ -339,21 +347,29 @@ class PrefixTree:
             self._free_node(node)
         if parent != _ROOT and parent in held and not self._holds_in_child(parent, tenant):
             self._push(tenant, held[parent], parent)
-        return True
 
     def _evict_tenant(self, tenant: str, target: int) -> None:
-        while self._chars.get(tenant, 0) > target and self._evict_one(tenant):
-            pass
+        while self._chars.get(tenant, 0) > target:
+            entry = self._top(tenant)
+            if entry is None:
+                return
+            self._evict_top(tenant, entry)
 
     def _evict_global(self, target: int) -> None:
-        while self.total_chars > target:
-            oldest: tuple[int, str] | None = None
-            for tenant in self._heaps:
-                entry = self._top(tenant)
-                if entry is not None and (oldest is None or entry[0] < oldest[0]):
-                    oldest = (entry[0], tenant)
-            if oldest is None or not self._evict_one(oldest[1]):
-                return
+        # An eviction changes only its own tenant's heap: the other tenants' tops stand.
+        tops: dict[str, int] = {}
+        for tenant in self._heaps:
+            entry = self._top(tenant)
+            if entry is not None:
+                tops[tenant] = entry
+        while self.total_chars > target and tops:
+            tenant = min(tops, key=tops.__getitem__)  # the oldest stamp of all
+            self._evict_top(tenant, tops[tenant])
+            entry = self._top(tenant)
+            if entry is None:
+                del tops[tenant]
+            else:
+                tops[tenant] = entry
 
     def __repr__(self) -> str:
         per = ", ".join(f"{t}={c}" for t, c in self._chars.items())

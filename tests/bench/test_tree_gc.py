@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -32,3 +33,39 @@ def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
         tree_gc.main(["--requests", "0"])
     assert exited.value.code == 2
     assert "must be >= 1" in capsys.readouterr().err
+
+
+# stands in for valgrind: the run that feeds no tree executes fewer instructions
+FAKE_VALGRIND = """#!/bin/sh
+case "$*" in
+  *"--no-tree"*) echo "==1== I   refs:      1,000,000" >&2 ;;
+  *) echo "==1== I   refs:      5,000,000" >&2 ;;
+esac
+"""
+
+
+def test_instructions_are_the_difference_of_a_run_with_the_tree_and_one_without(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake = tmp_path / "valgrind"
+    fake.write_text(FAKE_VALGRIND)
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert tree_gc.main(["--requests", "200", "--instructions"]) == 0
+    out = capsys.readouterr().out  # (5M - 1M) over 200 requests
+    assert out.startswith("tree instructions per request: 20000 (match + 2 inserts, 200")
+
+
+def test_instructions_need_valgrind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert tree_gc.main(["--instructions"]) == 1
+    assert "needs valgrind" in capsys.readouterr().err
+
+
+def test_without_the_tree_the_texts_are_made_but_nothing_is_learned(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert tree_gc.main(["--requests", "50", "--no-tree"]) == 0
+    assert "50 requests; tree 0 of" in capsys.readouterr().out
