@@ -2,10 +2,10 @@
 
 A collection runs inside whatever allocation set it off, on the event loop's thread, so every
 request in flight waits it out. A full collection walks every object the collector tracks,
-apart from the startup heap `edge.serve` freezes, and the routing policy's prefix tree grows
-with what the edge learns (docs/benchmarks.md, "Fifth pass": up to 10 ms live after 26k
-answers, a young one 0.75 ms on average). No per-request histogram shows this stall as such;
-this one does.
+apart from the startup heap `edge.serve` freezes. `serve` keeps collections rare (a young
+threshold of 10,000, and a prefix tree the collector does not track: docs/benchmarks.md,
+"Seventh pass"), so each one this histogram counts is worth a look. No per-request histogram
+shows this stall as such; this one does.
 """
 
 from __future__ import annotations
