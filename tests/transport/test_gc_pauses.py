@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import urllib.error
+import urllib.request
 
 from prometheus_client import CollectorRegistry
 
+from tests.helpers import free_port
 from tests.transport.conftest import ServeProcess
 from transport.gc_pauses import GcPauseProbe
 from transport.metrics import TransportMetrics
@@ -57,7 +61,21 @@ def test_young_collections_are_timed_under_their_generation() -> None:
 
 
 def test_serve_times_its_collections(serve_process) -> None:
-    """Each scrape allocates enough to set off young collections in the serving process."""
-    server: ServeProcess = serve_process("--demo")
+    """`serve` sets a young threshold of 10,000 tracked objects, which steady serving does not
+    reach; a request body that is 20,000 nested arrays (parsed before anything else looks at
+    it) holds more than that at once, and sets off a collection that the histogram counts."""
+    http_port = free_port()
+    server: ServeProcess = serve_process(
+        "--backend", "http://127.0.0.1:9", "--http", f"127.0.0.1:{http_port}"
+    )
+    assert server.metric('quicedge_gc_pause_seconds_count{generation="0"}') == 0
+    body = b'{"model": "default", "prompt": "hi", "nested": [' + b",".join([b"[]"] * 20_000) + b"]}"
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{http_port}/v1/completions",
+        data=body,
+        headers={"content-type": "application/json"},
+    )
+    with contextlib.suppress(urllib.error.HTTPError):  # no backend: the answer is an error
+        urllib.request.urlopen(request, timeout=10).close()
     server.wait_metric('quicedge_gc_pause_seconds_count{generation="0"}', 1)
     assert server.stop() == 0
