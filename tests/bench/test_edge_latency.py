@@ -12,7 +12,7 @@ import pytest
 
 from backends.sim import SimConfig, SimServer
 from bench.edge_latency import REPO, Response
-from tests.bench.conftest import run_command
+from tests.bench.conftest import FakeValgrind, run_command
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 ROLE = b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
@@ -245,24 +245,12 @@ def test_request_cpu_stand_in_streams_as_sglang_does() -> None:
     assert r.tokens == [1.0, 2.0]  # the role chunk carries no text
 
 
-FAKE_VALGRIND = """#!/bin/sh
-# stands in for valgrind: the instruction total grows with --repeats
-case "$*" in
-  *"--repeats 3"*) echo "==1== I   refs:      5,000,000" >&2 ;;
-  *) echo "==1== I   refs:      1,000,000" >&2 ;;
-esac
-"""
-
-
 def test_request_cpu_counts_instructions_per_request_from_two_runs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    fake_valgrind: FakeValgrind, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from bench.request_cpu import main
 
-    fake = tmp_path / "valgrind"
-    fake.write_text(FAKE_VALGRIND)
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    fake_valgrind("--repeats 3", 5_000_000, 1_000_000)  # the total grows with --repeats
     assert main(["--requests", "100", "--instructions"]) == 0
     out = capsys.readouterr().out  # (5M - 1M) over the 200 requests of the two extra repeats
     assert out.startswith("edge instructions per request: 20000 (200 requests, 32 connections")

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from bench import tree_gc
+from tests.bench.conftest import FakeValgrind
 
 
 def test_a_small_run_fills_the_tree_and_writes_its_report(
@@ -35,22 +35,10 @@ def test_bad_arguments_are_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert "must be >= 1" in capsys.readouterr().err
 
 
-# stands in for valgrind: the run that feeds no tree executes fewer instructions
-FAKE_VALGRIND = """#!/bin/sh
-case "$*" in
-  *"--no-tree"*) echo "==1== I   refs:      1,000,000" >&2 ;;
-  *) echo "==1== I   refs:      5,000,000" >&2 ;;
-esac
-"""
-
-
 def test_instructions_are_the_difference_of_a_run_with_the_tree_and_one_without(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    fake_valgrind: FakeValgrind, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    fake = tmp_path / "valgrind"
-    fake.write_text(FAKE_VALGRIND)
-    fake.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    fake_valgrind("--no-tree", 1_000_000, 5_000_000)
     assert tree_gc.main(["--requests", "200", "--instructions"]) == 0
     out = capsys.readouterr().out  # (5M - 1M) over 200 requests
     assert out.startswith("tree instructions per request: 20000 (match + 2 inserts, 200")

@@ -213,6 +213,15 @@ async def test_serve_listeners_alt_svc_and_sighup(serve_process) -> None:
     assert server.stop() == 0
 
 
+def printed_numbers(script: str) -> list[int]:
+    """The integers a fresh interpreter prints running `script` (the collector's settings and
+    counts are per process)."""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True
+    )
+    return [int(word) for word in done.stdout.split()]
+
+
 def test_a_steady_load_runs_almost_no_young_collections() -> None:
     """Requests in flight hold tracked objects until they end: with CPython's default young
     threshold (700), 32 streams crossed it every ~30 requests, each time stopping every request
@@ -228,10 +237,7 @@ def test_a_steady_load_runs_almost_no_young_collections() -> None:
         "per_request, ok = asyncio.run(request_cpu.measure(2000, 1, 32, 4))\n"
         "print(ok, sum(1 for info in young if info['generation'] == 0))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, check=True
-    )
-    served, young = map(int, done.stdout.split())
+    served, young = printed_numbers(script)
     assert served == 2000
     assert young <= 3  # 80 with the default threshold
 
@@ -246,8 +252,5 @@ def test_startup_heap_is_frozen_before_serving() -> None:
         "prepare_collector()\n"
         "print(gc.get_freeze_count(), len(gc.get_objects()))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, check=True
-    )
-    frozen, tracked = map(int, done.stdout.split())
+    frozen, tracked = printed_numbers(script)
     assert frozen > 10_000 and tracked < frozen // 10
