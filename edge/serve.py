@@ -317,8 +317,9 @@ async def run_worker(
 # this much since the last one (700 by default). Serving frees nearly all it allocates, but the
 # requests in flight hold ~50 tracked objects each until they end, so at 32 streams the count
 # crossed 700 about every 30 requests: a 0.3 ms stop of every request, finding nothing to free.
-# At 10,000 a steady load runs almost none; real garbage still triggers one. The prefix tree,
-# which once flooded the young generation with nodes, is no longer tracked at all.
+# At 10,000 a steady load runs almost none; real garbage still triggers one. Nothing long-lived
+# piles up in the young generation meanwhile: the prefix tree, the one structure that grows with
+# traffic, is not tracked at all (edge/routing/prefix_tree.py).
 YOUNG_COLLECTION_THRESHOLD = 10_000
 
 
