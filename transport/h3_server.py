@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import time
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.asyncio.server import QuicServer
@@ -77,7 +78,7 @@ class _Exchange:
     def _send(self, body: bytes, more: bool) -> bool:
         proto = self.proto
         sent = proto.session.send_body(self.stream_id, body, more)
-        proto.transmit()  # flush per write: each token chunk leaves now
+        proto.transmit_soon()
         return not (sent and more) or proto.writable(self.stream_id)
 
     async def drained(self) -> None:
@@ -111,6 +112,8 @@ class H3Protocol(QuicConnectionProtocol):
         self._session = H3Session(quic, policy=server.policy, limits=limits, server=server.address)
         self._exchanges: dict[int, _Exchange] = {}
         self._writable: dict[int, asyncio.Future[None]] = {}
+        self._flush: asyncio.Handle | None = None
+        self._flush_since = 0.0  # when the write the pending flush is for was made
         self._started_at = self._loop.time()
 
     @property
@@ -130,9 +133,53 @@ class H3Protocol(QuicConnectionProtocol):
             self._release_writers(everyone=True)
 
     def transmit(self) -> None:
+        if self._flush is not None:  # this one sends what it was scheduled for
+            self._flush.cancel()
+            self._flush = None
+            self._flushed()
         super().transmit()
         if self._writable:
             self._release_writers()
+
+    def transmit_soon(self) -> None:
+        """Send what the streams have buffered: now if this connection carries one response,
+        else once the callbacks that are ready now have run.
+
+        Each transmit walks every stream of the connection (aioquic builds packets that way),
+        and the acknowledgements of a busy connection arrive in bursts of datagrams. With many
+        responses in flight on one connection, their chunks and the replies to those
+        acknowledgements share one transmit per loop turn: with 32 streams, a transmit per
+        chunk and per datagram kept the loop from reading its sockets for up to ~90 ms
+        (docs/benchmarks.md, "Seventh pass"). A lone response has nothing to share a turn with,
+        and its chunks leave at once."""
+        if len(self._exchanges) <= 1:
+            self.transmit()
+        elif self._flush is None:
+            self._flush_since = time.perf_counter()
+            self._flush = self._loop.call_soon(self._flush_now)
+
+    def _flush_now(self) -> None:
+        self._flush = None
+        self._flushed()
+        self.transmit()
+
+    def _flushed(self) -> None:
+        metrics = self._server.metrics
+        if metrics is not None:
+            metrics.h3_flush_delay.observe(time.perf_counter() - self._flush_since)
+
+    def _send_written(self) -> None:
+        """Send what is written and waiting for `transmit_soon` now: a stream reset takes the
+        place of the stream's unsent data, and what the app wrote before it failed must go."""
+        if self._flush is not None:
+            self.transmit()
+
+    def datagram_received(self, data: bytes | str, addr: NetworkAddress) -> None:
+        # As aioquic's, but the reply (acknowledgements, data the peer's credit now lets
+        # through) may go out with whatever else this turn writes.
+        self._quic.receive_datagram(cast(bytes, data), addr, now=self._loop.time())
+        self._process_events()
+        self.transmit_soon()
 
     def _unacked(self, stream_id: int) -> int:
         # aioquic exposes no per-stream buffer size; the sender keeps unacknowledged bytes.
@@ -214,6 +261,7 @@ class H3Protocol(QuicConnectionProtocol):
         finally:
             self._exchanges.pop(stream_id, None)
             if not self._session.terminated:
+                self._send_written()  # before a reset that would drop it
                 session.app_finished(stream_id)
                 self.transmit()
 
@@ -225,6 +273,7 @@ class H3Protocol(QuicConnectionProtocol):
         self.transmit()
 
     def cancel_all(self) -> None:
+        self._send_written()
         for stream_id, exchange in list(self._exchanges.items()):
             self._session.cancel(stream_id)
             if exchange.task is not None:

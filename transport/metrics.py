@@ -9,6 +9,9 @@ _HANDSHAKE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 # An idle loop reads within ~0.1 ms; a busy one can keep a socket waiting for milliseconds.
 _READ_DELAY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05,
                        0.1, 0.25, 1.0)  # fmt: skip
+# A deferred HTTP/3 transmit waits out the rest of its loop turn: microseconds to a millisecond.
+_FLUSH_DELAY_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025,
+                        0.005, 0.01, 0.025)  # fmt: skip
 _GC_PAUSE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                      0.1, 0.25)  # fmt: skip
 
@@ -74,6 +77,14 @@ class TransportMetrics:
         )
         for generation in ("0", "1", "2"):
             self.gc_pauses.labels(generation)
+        self.h3_flush_delay = Histogram(
+            "quicedge_h3_flush_delay_seconds",
+            "HTTP/3 connections with several responses in flight send once per loop turn: from"
+            " the first write a transmit waited for to that transmit (a chunk's wait after the"
+            " relay handed it over, which the relay delay does not include)",
+            buckets=_FLUSH_DELAY_BUCKETS,
+            registry=registry,
+        )
         self.stream_errors = Counter(
             "quicedge_h3_stream_errors",
             "HTTP/3 requests refused by the transport",
