@@ -4,6 +4,10 @@ per loop turn, and what was written before a stream reset still goes out first."
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
 
 from aioquic.h3.connection import ErrorCode
 from prometheus_client import CollectorRegistry
@@ -65,47 +69,48 @@ def expected_body() -> bytes:
     return b"".join(b"%d;" % i for i in range(CHUNKS))
 
 
-async def test_a_lone_response_leaves_chunk_by_chunk(h3_server: H3Factory, dev_certs) -> None:
+@dataclass
+class Ticking:
+    client: H3Client
+    registry: CollectorRegistry
+    datagrams: list[int]  # what the client has received since it connected
+
+
+@asynccontextmanager
+async def ticking_server(h3_server: H3Factory, dev_certs: Any) -> AsyncIterator[Ticking]:
+    """A listener serving `ticking_app`, a connected client, and the listener's metrics."""
     ticker = Ticker()
     registry = CollectorRegistry()
-    metrics = TransportMetrics(registry)
     ticker.task = asyncio.create_task(ticker.run())
     try:
         async with (
-            h3_server(app=ticking_app(ticker), metrics=metrics) as server,
+            h3_server(app=ticking_app(ticker), metrics=TransportMetrics(registry)) as server,
             h3_connect(server.port, dev_certs.ca_cert) as client,
         ):
-            datagrams = count_datagrams(client)
-            r = await client.fetch("GET", "/one")
+            yield Ticking(client, registry, count_datagrams(client))
     finally:
         ticker.task.cancel()
+
+
+async def test_a_lone_response_leaves_chunk_by_chunk(h3_server: H3Factory, dev_certs) -> None:
+    async with ticking_server(h3_server, dev_certs) as t:
+        r = await t.client.fetch("GET", "/one")
     assert r.status == 200 and r.body == expected_body()
-    assert datagrams[0] >= CHUNKS  # a datagram per chunk: nothing waits for a turn's end
-    assert flushes(registry) == 0
+    assert t.datagrams[0] >= CHUNKS  # a datagram per chunk: nothing waits for a turn's end
+    assert flushes(t.registry) == 0
 
 
 async def test_responses_on_one_connection_share_datagrams(h3_server: H3Factory, dev_certs) -> None:
     """Two streams write a chunk each in every tick: one transmit a turn sends both."""
-    ticker = Ticker()
-    registry = CollectorRegistry()
-    metrics = TransportMetrics(registry)
-    ticker.task = asyncio.create_task(ticker.run())
-    try:
-        async with (
-            h3_server(app=ticking_app(ticker), metrics=metrics) as server,
-            h3_connect(server.port, dev_certs.ca_cert) as client,
-        ):
-            datagrams = count_datagrams(client)
-            first, second = client.request("GET", "/a"), client.request("GET", "/b")
-            client.send_now()
-            a, b = await client.wait(first), await client.wait(second)
-    finally:
-        ticker.task.cancel()
+    async with ticking_server(h3_server, dev_certs) as t:
+        first, second = t.client.request("GET", "/a"), t.client.request("GET", "/b")
+        t.client.send_now()
+        a, b = await t.client.wait(first), await t.client.wait(second)
     assert (a.status, b.status) == (200, 200)
     assert a.body == expected_body() and b.body == expected_body()
     # a datagram per chunk would be 2 * CHUNKS; shared, about one per tick
-    assert datagrams[0] < 1.5 * CHUNKS
-    assert flushes(registry) > 0
+    assert t.datagrams[0] < 1.5 * CHUNKS
+    assert flushes(t.registry) > 0
 
 
 async def test_a_reset_does_not_drop_what_was_written_before_it(
