@@ -1,6 +1,6 @@
 """QUIC handshakes per second with each session-ticket store (memory, Redis); prints a report.
 
-    .venv/bin/python -m bench.handshakes [--duration 5] [--concurrency 8] [--redis URL]
+    .venv/bin/python -m tools.handshakes [--duration 5] [--concurrency 8] [--redis URL]
 
 For each store it starts ``quicedge serve --demo`` in its own process and drives it with aioquic
 clients from this one: *full* handshakes (no ticket; the server stores a new ticket each time)
@@ -212,7 +212,7 @@ def _redis(url: str | None) -> Iterator[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m bench.handshakes", description=__doc__.split("\n")[0]
+        prog="python -m tools.handshakes", description=__doc__.split("\n")[0]
     )
     p.add_argument("--duration", type=float, default=5.0, help="seconds per measurement (5)")
     p.add_argument("--concurrency", type=int, default=8, help="connections in flight (8)")
