@@ -3,6 +3,7 @@ developer-only tool or test. Built from a copy of the checkout, so no stale `bui
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -31,7 +32,8 @@ def test_the_wheel_has_the_packages_and_the_command_but_no_tools(tmp_path: Path)
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     [wheel] = (tmp_path / "wheel").glob("quicedge-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
+    archive = zipfile.ZipFile(wheel)
+    names = archive.namelist()
     tops = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
     assert tops == {"backends", "bench", "certs", "edge", "transport"}
     assert not [n for n in names if n.startswith(("tools/", "tests/"))]
@@ -41,6 +43,10 @@ def test_the_wheel_has_the_packages_and_the_command_but_no_tools(tmp_path: Path)
         assert module in names
     for moved in ("handshakes", "pool_cpu", "sim_throughput", "tracing_overhead", "tree_gc"):
         assert f"bench/{moved}.py" not in names
+    # Nothing shipped imports what is not shipped.
+    unshipped = re.compile(rb"^\s*(from|import) (tools|tests)\b", re.M)
+    importing = [n for n in names if n.endswith(".py") and unshipped.search(archive.read(n))]
+    assert not importing
     [entry_points] = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
-    scripts = zipfile.ZipFile(wheel).read(entry_points).decode()
+    scripts = archive.read(entry_points).decode()
     assert "[console_scripts]" in scripts and "quicedge = edge.cli:main" in scripts
