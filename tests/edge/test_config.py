@@ -57,7 +57,7 @@ def test_tracing_flag() -> None:
         ({"backends": ["http://a:1"], "tracing": "yes"}, "tracing"),
         ({"backends": ["http://a:1"], "degraded_token_usage": 2}, "degraded_token_usage"),
         ({"backends": ["http://a:1"], "pool_warm_connections": 500}, "pool_warm"),
-        ({"backends": "http://a:1"}, "list of URLs"),
+        ({"backends": "http://a:1"}, "proxy.backends: expected a list of strings"),
     ],
 )
 def test_bad_settings_are_named(section: dict[str, Any], message: str) -> None:
