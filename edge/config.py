@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edge import settings
+from edge.routing.base import POLICY_NAMES
 from edge.settings import Section
 from transport.config import EarlyDataSettings, TransportConfig
 
@@ -28,7 +29,7 @@ class ProxyConfig:
     backends: list[str] = field(default_factory=list)
     """Base URLs of the SGLang servers, e.g. `http://10.0.0.5:30000`."""
     policy: str = "ttft"
-    """Routing policy by name (`edge.routing.POLICY_NAMES`)."""
+    """Routing policy: round_robin, random, least_load, power_of_two, cache_aware or ttft."""
 
     connect_timeout: float = 2 * SECONDS
     """TCP connect to a backend, s; past it the attempt is retried on another backend."""
@@ -90,6 +91,11 @@ class ProxyConfig:
                 raise ValueError(f"proxy: backend URL must be http://HOST:PORT, got {url!r}")
         if len(set(self.backends)) != len(self.backends):
             raise ValueError("proxy: a backend URL is listed twice")
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(
+                f"proxy.policy: unknown routing policy {self.policy!r}; choose one of "
+                + ", ".join(POLICY_NAMES)
+            )
         positive = (
             "connect_timeout",
             "first_byte_timeout",

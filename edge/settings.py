@@ -290,6 +290,8 @@ def _build(
             kwargs[f.name] = _value(raw, tp, f.metadata, source, text=True)
         elif f.name in table:
             kwargs[f.name] = _value(table[f.name], tp, f.metadata, f"{where}.{f.name}", text=False)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise SettingsError(f"{where}.{f.name}: required ({_describe(tp)})")
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as exc:
@@ -336,7 +338,6 @@ def _leaves(section: Section) -> Iterator[_Leaf]:
     def walk(cls: type, prefix: tuple[str, ...], renames: Mapping[str, Any]) -> Iterator[_Leaf]:
         hints = _hints(cls)
         docs = field_docs(cls)
-        defaults = cls()
         for f in _loaded_fields(cls):
             tp = hints[f.name]
             if f.metadata.get("flatten"):
@@ -347,12 +348,20 @@ def _leaves(section: Section) -> Iterator[_Leaf]:
                 continue
             fmt: Callable[[Any], str] = f.metadata.get("format", _show)
             text = (f.metadata.get("help") or docs.get(f.name, "")).rstrip(".")
-            default = fmt(getattr(defaults, f.name))
+            default = fmt(_default(f))
             leaf = _Leaf(section.name, (*prefix, f.name), tp, str(flag), "", f.metadata)
             help_text = f"{text} (default: {default}; ${leaf.env})".replace("%", "%%")
             yield dataclasses.replace(leaf, help=help_text)
 
     yield from walk(section.kind, (), section.flags)
+
+
+def _default(f: dataclasses.Field[Any]) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
 
 
 def _flaggable(tp: Any, meta: Mapping[str, Any]) -> bool:
@@ -429,7 +438,8 @@ class Settings:
 
     def get(self, name: str, kind: type[T]) -> T:
         value = self._values[name]
-        assert isinstance(value, kind)
+        if not isinstance(value, kind):
+            raise TypeError(f"settings section {name!r} is {type(value).__name__}, not {kind}")
         return value
 
     def validate(self, *, skip: Sequence[str] = ()) -> Settings:

@@ -109,6 +109,12 @@ class TransportConfig:
                 "resume (and send 0-RTT) only when the kernel hands its new connection to the "
                 "same worker; Redis shares one store, in which each ticket is still single-use"
             )
+        if self.redis is not None and not self.redis.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ValueError(
+                f"serve.redis: expected a redis://, rediss:// or unix:// URL, got {self.redis!r}"
+            )
         if (self.cert is None) != (self.key is None):
             raise ValueError("--cert and --key go together: give both or neither")
         if self.cert is None and not self.dev_certs:

@@ -85,12 +85,17 @@ def test_a_config_file_mistake_is_one_line_and_exit_2(
         ({}, ["--h3", "off"], "--h3: cannot be off"),
         ({}, ["--wrkers", "2"], "unrecognized arguments: --wrkers 2"),
         ({}, ["--workers", "2"], "--workers 2 needs --redis URL"),
+        ({"QUICEDGE_REDIS": "localhost:6379"}, [], "serve.redis: expected a redis://"),
+        ({}, ["--policy", "fastest"], "proxy.policy: unknown routing policy 'fastest'"),
     ],
 )
 def test_a_flag_or_environment_mistake_is_one_line_and_exit_2(
     env: dict[str, str], argv: list[str], message: str
 ) -> None:
-    line = refused(quicedge("serve", "--demo", *argv, env=env))
+    demo = [] if "proxy." in message else ["--demo"]
+    if not demo:
+        argv = [*argv, "--backend", "http://127.0.0.1:1"]
+    line = refused(quicedge("serve", *demo, *argv, env=env))
     assert message in line
 
 
@@ -161,7 +166,9 @@ class Tenant:
 
 @dataclass
 class Window:
-    seconds: float = 1.0
+    seconds: float
+    """Window length, s (no default: required)."""
+    slack: float = 0.0
     """Window length, s."""
 
 
@@ -177,7 +184,7 @@ class Feature:
     """Hosts it applies to."""
     mode: Literal["fast", "safe"] = "safe"
     """How it runs."""
-    window: Window = field(default_factory=Window)
+    window: Window = field(default_factory=lambda: Window(1.0))
     paths: dict[str, int] = field(default_factory=dict)
 
     def validate(self) -> None:
@@ -242,6 +249,7 @@ def test_flags_beat_environment_beat_toml() -> None:
         ({"feature": {"hosts": ["a", 1]}}, "feature.hosts[1]: expected a string, got 1"),
         ({"feature": {"mode": "slow"}}, "feature.mode: expected one of fast, safe"),
         ({"feature": {"window": {"secs": 1}}}, "feature.window: unknown setting 'secs' (did"),
+        ({"feature": {"window": {"slack": 1}}}, "feature.window.seconds: required (a number)"),
         ({"feature": {"enabeld": True}}, "did you mean 'enabled'?"),
         ({"tenants": {"name": "x"}}, "[[tenants]]: expected a list of tables"),
         ({"tenants": [{"name": "x", "tier": "platinum"}]}, "[[tenants]][0].tier: expected one"),
