@@ -157,7 +157,7 @@ async def test_flush_cache(make_sim: MakeSim, client: httpx.AsyncClient) -> None
 
 
 async def test_health_is_503_until_warm(make_sim: MakeSim, client: httpx.AsyncClient) -> None:
-    server = await make_sim(startup_delay=0.3)
+    server = await make_sim(startup_delay=2.0)  # time to ask before it ends, on a busy machine
     r = await client.get(f"{server.url}/health")
     assert r.status_code == 503
     deadline = time.monotonic() + 10
@@ -227,7 +227,8 @@ async def test_output_is_deterministic_per_seed(
 
 
 async def test_prefill_time_over_http(make_sim: MakeSim, client: httpx.AsyncClient) -> None:
-    scale = 3.0  # stretch simulated time so the gap dwarfs scheduling noise
+    # Stretch simulated time so that the gap (~1 s) dwarfs a loaded machine's scheduling noise.
+    scale = 20.0
     server = await make_sim(profile="h100-llama3-8b", time_scale=scale, enable_cache_report=True)
     profile = get_profile("h100-llama3-8b")
     system = "".join(WORDS[i % len(WORDS)] for i in range(2000))
