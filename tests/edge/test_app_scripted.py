@@ -236,9 +236,10 @@ async def test_chunk_timeout_ends_the_stream_with_504_event(listener: str) -> No
 async def test_a_steady_stream_longer_than_the_chunk_timeout_completes(listener: str) -> None:
     """The timeout is between chunks, not for the whole body: each chunk is progress, also
     when the listener's body writer passes chunks on without waking the request's task."""
-    words = [f"w{i}" for i in range(8)]
-    async with TinyUpstream(script(lambda r: sse_reply(words, delay=0.1))) as up:
-        config = fast_config([up.url], chunk_timeout=0.35)
+    words = [f"w{i}" for i in range(10)]  # 2 s in all, twice the timeout
+    async with TinyUpstream(script(lambda r: sse_reply(words, delay=0.2))) as up:
+        # 0.8 s to spare per gap: a stall on a busy machine does not fire the timeout
+        config = fast_config([up.url], chunk_timeout=1.0)
         async with run_edge(config, listener=listener) as edge, client(edge) as http:
             response = await http.post("/v1/completions", json=COMPLETION)
             assert response.status_code == 200
