@@ -73,7 +73,12 @@ def test_the_table_names_every_setting_once_with_the_codes_default() -> None:
 def test_the_tables_flags_set_their_keys() -> None:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    dest_of = {flag: action.dest for action in parser._actions for flag in action.option_strings}
+    # The settings loader names each flag's destination after its section: `proxy.backends`.
+    dest_of = {
+        flag: action.dest.removeprefix("proxy.")
+        for action in parser._actions
+        for flag in action.option_strings
+    }
     for row in proxy_table():
         key = row["`[proxy]` key"].strip("`")
         flags = re.findall(r"`(--[a-z0-9-]+)", row["flag"])
