@@ -28,6 +28,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from edge.fleet_metrics import FleetMetrics, FleetPlan
 from transport.asgi import ASGIApp
 from transport.config import TransportConfig, format_address, parse_address
 from transport.demo import demo_admin_app, demo_app
@@ -206,6 +207,10 @@ class Plan:
     transport: TransportConfig
     proxy: Any | None  # edge.config.ProxyConfig, or None for the demo app
     reuse_port: bool
+    fleet: FleetPlan | None = None
+    """With several workers: where they serve their metrics to each other (edge.fleet_metrics)."""
+    discovery: Any | None = None
+    """backends.discovery.DiscoveryConfig, or None for the static `--backend` list."""
 
 
 async def run_worker(
@@ -222,11 +227,16 @@ async def run_worker(
     app: ASGIApp
     admin_app: ASGIApp
     if plan.proxy is not None:
-        wiring = await _wiring().build(plan.proxy, registry=registry)  # type: ignore[union-attr]
+        wiring = await _wiring().build(  # type: ignore[union-attr]
+            plan.proxy, registry=registry, discovery=plan.discovery
+        )
         await wiring.start()
         app, admin_app = wiring.app, wiring.admin_app
     else:
         app, admin_app = demo_app, demo_admin_app(registry)
+    fleet = FleetMetrics(plan.fleet, registry) if plan.fleet is not None else None
+    if fleet is not None:
+        admin_app = fleet.wrap(admin_app)
     tickets: TicketStore = (
         RedisTicketStore(
             t.redis,
@@ -279,6 +289,8 @@ async def run_worker(
             lines.append(f"admin  {admin.url} (/health /ready /metrics)")
         for listener in [*listeners, *([admin] if admin else [])]:
             await listener.start()
+        if fleet is not None:
+            await fleet.start()
         store = (
             f"redis {t.redis} ({'sealed' if t.ticket_secret else 'NOT sealed: --ticket-secret'})"
             if t.redis
@@ -302,6 +314,8 @@ async def run_worker(
     finally:
         probe.stop()
         gc_pauses.stop()
+        if fleet is not None:
+            await fleet.aclose()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
         await h3.aclose()
@@ -344,6 +358,8 @@ def _print_lines(lines: list[str]) -> None:
 def _worker_entry(plan: Plan, index: int, ready: Any) -> None:
     """A worker process: run, and report its listening lines once up."""
     logging.basicConfig(level=logging.WARNING, format=f"worker {index}: %(message)s")
+    if plan.fleet is not None:
+        plan = replace(plan, fleet=plan.fleet.for_worker(index))
     # SIGTERM/SIGINT (from the parent, or a terminal's Ctrl-C to the process group) drain;
     # a second one while draining changes nothing.
     try:
@@ -376,7 +392,7 @@ def run_workers(plan: Plan) -> int:
     )
     if t.quic_retry and t.quic_retry_secret is None:
         t = replace(t, quic_retry_secret=os.urandom(24).hex())
-    plan = replace(plan, transport=t, reuse_port=True)
+    plan = replace(plan, transport=t, reuse_port=True, fleet=FleetPlan.create(t.workers))
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Queue()
     procs = [
@@ -411,6 +427,7 @@ def run_workers(plan: Plan) -> int:
         _print_lines([*reported[0], f"workers {t.workers} (pids {[p.pid for p in procs]})"])
     for proc in procs:
         proc.join()
+    plan.fleet.cleanup()  # type: ignore[union-attr]
     return max((p.exitcode or 0) for p in procs) if reported else 1
 
 
@@ -422,7 +439,7 @@ def main(argv: list[str]) -> int:
     try:
         doc = load_toml(args.config)
         transport = transport_config(args, doc)
-        proxy = None
+        proxy = discovery = None
         wiring = _wiring()
         if not args.demo:
             if wiring is None:
@@ -430,6 +447,7 @@ def main(argv: list[str]) -> int:
             else:
                 try:
                     proxy = wiring.config_from(args, doc)
+                    discovery = wiring.discovery_from(doc)
                 except ValueError as exc:
                     raise ValueError(f"{exc} (or --demo for the built-in echo app)") from None
         # Fail early on bad TLS files; make the development certificates once, here, so
@@ -440,7 +458,7 @@ def main(argv: list[str]) -> int:
     except (ValueError, TlsError) as exc:
         print(f"quicedge serve: {exc}", file=sys.stderr)
         return 2
-    plan = Plan(transport=transport, proxy=proxy, reuse_port=False)
+    plan = Plan(transport=transport, proxy=proxy, reuse_port=False, discovery=discovery)
     if transport.workers > 1:
         return run_workers(plan)
     try:
