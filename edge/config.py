@@ -73,9 +73,11 @@ class ProxyConfig:
     models_ttl: float = 5 * SECONDS
     """How long the merged `/v1/models` list is reused before it is fetched again."""
 
-    def validate(self) -> ProxyConfig:
-        """Raise ValueError naming the first bad setting; return self for chaining."""
-        if not self.backends:
+    def validate(self, *, need_backends: bool = True) -> ProxyConfig:
+        """Raise ValueError naming the first bad setting; return self for chaining.
+
+        `need_backends` is False when discovery finds the backends (`backends.discovery`)."""
+        if not self.backends and need_backends:
             raise ValueError("proxy: at least one backend is required (--backend URL)")
         for url in self.backends:
             if not url.startswith(("http://", "https://")) or "://" == url[-3:]:

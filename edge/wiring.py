@@ -17,6 +17,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from backends.discovery import Discovery, DiscoveryConfig, make_source
 from backends.pool import UpstreamPool
 from backends.registry import Backend, BackendRegistry, HealthConfig
 from edge.admin import AdminApp
@@ -99,7 +100,16 @@ def config_from(args: argparse.Namespace, toml: Mapping[str, Any]) -> ProxyConfi
         flag_value = getattr(args, f.name, None)
         if flag_value is not None:
             values[f.name] = flag_value
-    return ProxyConfig.from_mapping(values).validate()
+    static = discovery_from(toml).mode == "static"
+    return ProxyConfig.from_mapping(values).validate(need_backends=static)
+
+
+def discovery_from(toml: Mapping[str, Any]) -> DiscoveryConfig:
+    """The `[discovery]` table (static `--backend` list when absent)."""
+    section = toml.get("discovery", {})
+    if not isinstance(section, Mapping):
+        raise ValueError("config: [discovery] must be a table")
+    return DiscoveryConfig.from_mapping(section)
 
 
 @dataclass(eq=False)
@@ -115,6 +125,7 @@ class Wiring:
     metrics: Metrics
     catalog: ModelCatalog
     tracing: TracingSetup
+    discovery: Discovery | None = None
     _aborts: set[asyncio.Task[Any]] = field(default_factory=set)
     _clients: dict[str, Any] = field(default_factory=dict)
 
@@ -122,9 +133,13 @@ class Wiring:
         """Pre-warm pools, start health checks and load polling, learn the fleet's models."""
         await self.registry.start()
         await self.catalog.refresh()
+        if self.discovery is not None:
+            self.discovery.start(self.registry)
 
     async def aclose(self) -> None:
         """Stop checks, let in-progress aborts finish briefly, close pools, flush spans."""
+        if self.discovery is not None:
+            await self.discovery.aclose()
         await self.registry.aclose()
         if self._aborts:
             await asyncio.wait(set(self._aborts), timeout=1.0)
@@ -160,12 +175,15 @@ async def build(
     *,
     registry: CollectorRegistry,
     tracer: Tracer | None = None,
+    discovery: DiscoveryConfig | None = None,
 ) -> Wiring:
     """Make the proxy's objects (nothing is started: call `Wiring.start`).
 
     `tracer` overrides the one from the OTEL_* environment (tests pass an in-memory one).
+    With `discovery` other than static, the first lookup's backends join the `--backend` list.
     """
-    config.validate()
+    source = make_source(discovery) if discovery is not None else None
+    config.validate(need_backends=source is None)
     pool = UpstreamPool(
         max_connections_per_backend=config.pool_max_connections,
         idle_timeout=config.pool_idle_timeout,
@@ -184,8 +202,11 @@ async def build(
         degraded_token_usage=config.degraded_token_usage,
         degraded_queue=config.degraded_queue,
     )
+    finder = Discovery(discovery, source) if discovery and source else None
+    urls = await finder.initial(config.backends) if finder else config.backends
     backends = BackendRegistry(
-        config.backends,
+        urls,
+        allow_empty=finder is not None,
         pool=pool,
         health=health,
         max_concurrency=config.max_concurrency_per_backend,
@@ -208,6 +229,7 @@ async def build(
         metrics=metrics,
         catalog=catalog,
         tracing=tracing,
+        discovery=finder,
     )
     wiring.app = ProxyApp(
         config=config,
@@ -227,4 +249,4 @@ async def _unset_app(scope: Any, receive: Any, send: Any) -> None:  # replaced i
     raise RuntimeError("wiring not built")
 
 
-__all__ = ["Wiring", "add_arguments", "build", "config_from"]
+__all__ = ["Wiring", "add_arguments", "build", "config_from", "discovery_from"]
