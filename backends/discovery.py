@@ -84,7 +84,7 @@ class DiscoveryConfig:
         if self.mode == "dns":
             for name in self.names:
                 if not name.startswith("_"):
-                    _host_port(name)  # raises with the name in the message
+                    _name(name)  # raises with the name in the message
             for server in self.nameservers:
                 _nameserver(server)
         return self
@@ -117,15 +117,22 @@ class DiscoveryConfig:
         return config.validate()
 
 
-def _host_port(text: str) -> tuple[str, int]:
+def _host_port(text: str) -> tuple[str, int] | None:
     parts = urlsplit(f"//{text}")
     try:
         port = parts.port
     except ValueError:
         port = None
     if not parts.hostname or port is None:
-        raise ValueError(f"discovery.names: {text!r} is not HOST:PORT or _service._proto.DOMAIN")
+        return None
     return parts.hostname, port
+
+
+def _name(text: str) -> tuple[str, int]:
+    found = _host_port(text)
+    if found is None:
+        raise ValueError(f"discovery.names: {text!r} is not HOST:PORT or _service._proto.DOMAIN")
+    return found
 
 
 def _nameserver(text: str) -> tuple[str, int]:
@@ -133,9 +140,11 @@ def _nameserver(text: str) -> tuple[str, int]:
         return str(ipaddress.ip_address(text)), 53
     except ValueError:
         pass
-    host, port = _host_port(text)
+    found = _host_port(text)
     try:
-        return str(ipaddress.ip_address(host)), port
+        if found is None:
+            raise ValueError
+        return str(ipaddress.ip_address(found[0])), found[1]
     except ValueError:
         raise ValueError(f"discovery.nameservers: {text!r} is not IP or IP:PORT") from None
 
@@ -181,7 +190,7 @@ class DnsSource:
                 answer = await self.resolver.resolve(name, "SRV")
                 targets = [(r.target.to_text(omit_final_dot=True), int(r.port)) for r in answer]
             else:
-                targets = [_host_port(name)]
+                targets = [_name(name)]
             urls: set[str] = set()
             for host, port in targets:
                 urls.update(backend_url(a, port) for a in await self._addresses(host))

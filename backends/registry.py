@@ -246,7 +246,7 @@ class BackendRegistry:
     def add(self, url: str, *, name: str | None = None) -> Backend:
         """Add a backend at run time; once started, its checks and load polling start at once.
 
-        Adding the URL of a draining backend brings that backend back."""
+        Adding a URL the registry holds returns its backend (a draining one is taken back)."""
         backend = self._by_name.get(name if name is not None else _name_for(url.rstrip("/")))
         if backend is not None and backend.url == url.rstrip("/"):
             backend.draining = False
