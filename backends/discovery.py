@@ -165,7 +165,10 @@ class DnsSource:
     """A/AAAA and SRV lookups with dnspython's asyncio resolver."""
 
     def __init__(self, config: DiscoveryConfig) -> None:
-        import dns.asyncresolver
+        try:
+            import dns.asyncresolver
+        except ImportError:
+            raise ValueError("discovery.mode dns needs `pip install quicedge[discovery]`") from None
 
         self.names = list(config.names)
         self.timeout = config.timeout
