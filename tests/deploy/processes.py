@@ -43,8 +43,11 @@ def wait_ready(admin_port: int, timeout: float = 30.0) -> None:
         time.sleep(0.1)
 
 
-def completion(base_url: str) -> int:
-    """One non-streaming completion on a fresh connection; the status code."""
-    body = {"model": "default", "prompt": "Hello", "max_tokens": 4}
+def completion(base_url: str, *, stream: bool = False) -> int:
+    """One completion on a fresh connection, read to its end; the status code. Streamed ones
+    are the requests the TTFT histograms count."""
+    body = {"model": "default", "prompt": "Hello", "max_tokens": 4, "stream": stream}
     with httpx.Client(base_url=base_url, timeout=30) as client:
-        return client.post("/v1/completions", json=body).status_code
+        response = client.post("/v1/completions", json=body)
+        assert not stream or response.text.rstrip().endswith("data: [DONE]")
+        return response.status_code
