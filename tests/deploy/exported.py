@@ -14,9 +14,7 @@ from transport.metrics import TransportMetrics
 SUFFIXES = {"histogram": ("_bucket", "_count", "_sum"), "summary": ("_count", "_sum")}
 
 
-def edge_families(registry: CollectorRegistry | None = None) -> dict[str, tuple[str, str]]:
-    """Family name as exposed (counters with `_total`) → (type, help), for one worker's
-    registry as `quicedge serve` fills it, plus what the multi-worker `/metrics` adds."""
+def _filled(registry: CollectorRegistry | None) -> CollectorRegistry:
     registry = registry or CollectorRegistry()
 
     async def fill() -> None:
@@ -25,6 +23,14 @@ def edge_families(registry: CollectorRegistry | None = None) -> dict[str, tuple[
         await wiring.aclose()
 
     asyncio.run(fill())
+    return registry
+
+
+def edge_families(registry: CollectorRegistry | None = None) -> dict[str, tuple[str, str]]:
+    """Family name as exposed (counters with `_total`) → (type, help), for one worker's
+    registry as `quicedge serve` fills it (`registry`, when given, is one `_filled` already),
+    plus what the multi-worker `/metrics` adds."""
+    registry = registry or _filled(None)
     text = merge_expositions({0: generate_latest(registry)}).decode()
     helps = {}
     families: dict[str, tuple[str, str]] = {}
@@ -39,10 +45,42 @@ def edge_families(registry: CollectorRegistry | None = None) -> dict[str, tuple[
     return families
 
 
-def edge_metric_names(registry: CollectorRegistry | None = None) -> set[str]:
+def edge_metric_names() -> set[str]:
     """Every series name a query may use: families and their histogram suffixes."""
     names: set[str] = set()
-    for name, (kind, _) in edge_families(registry).items():
+    for name, (kind, _) in edge_families().items():
         names.add(name)
         names.update(name + suffix for suffix in SUFFIXES.get(kind, ()))
     return names
+
+
+def _label_names(registry: CollectorRegistry) -> dict[str, tuple[str, ...]]:
+    """Label names by family (as exposed), from the collectors themselves: a labelled family
+    has no samples until its first child, so the samples cannot tell."""
+    labels: dict[str, tuple[str, ...]] = {}
+    for collector in list(registry._collector_to_names):  # a test helper may read it
+        for family in collector.collect():
+            names = getattr(collector, "labelnames", None) or getattr(
+                collector, "_labelnames", None
+            )
+            if names is None:
+                names = getattr(family, "_labelnames", ())
+            exposed = family.name + ("_total" if family.type == "counter" else "")
+            labels[exposed] = tuple(names)
+    return labels
+
+
+def reference_table() -> str:
+    """The metrics reference of docs/operations.md, as the code's registry has it."""
+    registry = _filled(None)
+    labels = _label_names(registry)
+    labels["quicedge_metrics_worker_up"] = ("worker",)
+    rows = ["| metric | type | labels | what it counts |", "| --- | --- | --- | --- |"]
+    for name, (kind, doc) in sorted(edge_families(registry).items()):
+        names = ", ".join(f"`{n}`" for n in labels.get(name, ())) or "none"
+        rows.append(f"| `{name}` | {kind} | {names} | {doc.replace('|', '/')} |")
+    return "\n".join(rows) + "\n"
+
+
+if __name__ == "__main__":  # python -m tests.deploy.exported: print the table
+    print(reference_table(), end="")

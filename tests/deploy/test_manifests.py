@@ -250,7 +250,7 @@ def test_the_autoscaler_targets_a_metric_the_edge_exports() -> None:
     series = re.match(r"(\w+)\{", rule["seriesQuery"])
     assert series is not None
     assert re.fullmatch(rule["name"]["matches"], series.group(1))
-    assert series.group(1) in edge_metric_names(CollectorRegistry())
+    assert series.group(1) in edge_metric_names()
     monitor = yaml.safe_load((K8S / "monitoring" / "podmonitor.yaml").read_text())
     port_names = {
         p["name"]
