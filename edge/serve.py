@@ -392,7 +392,8 @@ def run_workers(plan: Plan) -> int:
     )
     if t.quic_retry and t.quic_retry_secret is None:
         t = replace(t, quic_retry_secret=os.urandom(24).hex())
-    plan = replace(plan, transport=t, reuse_port=True, fleet=FleetPlan.create(t.workers))
+    fleet = FleetPlan.create(t.workers)
+    plan = replace(plan, transport=t, reuse_port=True, fleet=fleet)
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Queue()
     procs = [
@@ -427,7 +428,7 @@ def run_workers(plan: Plan) -> int:
         _print_lines([*reported[0], f"workers {t.workers} (pids {[p.pid for p in procs]})"])
     for proc in procs:
         proc.join()
-    plan.fleet.cleanup()  # type: ignore[union-attr]
+    fleet.cleanup()
     return max((p.exitcode or 0) for p in procs) if reported else 1
 
 
