@@ -59,7 +59,8 @@ class DiscoveryConfig:
     drain_timeout: float = 30.0
     """Seconds a removed backend keeps its requests in flight before it is dropped. Default 30."""
     nameservers: list[str] = field(default_factory=list)
-    """dns: `IP` or `IP:PORT` of the servers to ask. Default empty: the system's resolv.conf."""
+    """dns: `IP` or `IP:PORT` of the servers to ask (one port for all). Default empty: the
+    system's resolv.conf."""
     port_name: str | None = None
     """kubernetes: the EndpointSlice port to use, by name. Default None: the first port."""
     namespace: str | None = None
@@ -85,8 +86,9 @@ class DiscoveryConfig:
             for name in self.names:
                 if not name.startswith("_"):
                     _name(name)  # raises with the name in the message
-            for server in self.nameservers:
-                _nameserver(server)
+            ports = {_nameserver(server)[1] for server in self.nameservers}
+            if len(ports) > 1:
+                raise ValueError("discovery.nameservers: give every server the same port")
         return self
 
     @classmethod
@@ -210,17 +212,12 @@ class DnsSource:
         with contextlib.suppress(ValueError):
             return {str(ipaddress.ip_address(host))}
         found: set[str] = set()
-        answered = False
         for kind in ("A", "AAAA"):
             try:
                 answer = await self.resolver.resolve(host, kind)
             except dns.resolver.NoAnswer:
-                answered = True  # e.g. no AAAA record: only the other family
-                continue
-            answered = True
+                continue  # e.g. no AAAA record: only the other family
             found.update(r.address for r in answer)
-        if not answered:
-            raise dns.resolver.NoAnswer
         return found
 
 

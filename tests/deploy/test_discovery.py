@@ -91,6 +91,10 @@ def test_settings_are_checked_by_name() -> None:
         DiscoveryConfig.from_mapping({"mode": "dns", "names": ["a:1"], "interval": 0})
     with pytest.raises(ValueError, match="discovery.nameservers"):
         DiscoveryConfig.from_mapping({"mode": "dns", "names": ["a:1"], "nameservers": ["x"]})
+    with pytest.raises(ValueError, match="the same port"):
+        DiscoveryConfig.from_mapping(
+            {"mode": "dns", "names": ["a:1"], "nameservers": ["10.0.0.1", "10.0.0.2:5353"]}
+        )
     assert DiscoveryConfig.from_mapping({}).mode == "static"
 
 
