@@ -188,8 +188,17 @@ def test_the_edge_pod_runs_flags_and_config_keys_that_exist(
     # The drain fits in the grace period.
     grace = edge_deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert transport.drain_timeout + 5 < grace
-    # Discovery lists a headless Service of the stack, by a port name it has.
+    # Discovery lists a headless Service of the stack, by a port name it has, with a service
+    # account allowed to list its EndpointSlices.
     assert discovery.mode == "kubernetes"
+    account = edge_deployment["spec"]["template"]["spec"]["serviceAccountName"]
+    binding = one(docs, "RoleBinding", "quicedge-discovery")
+    assert {"kind": "ServiceAccount", "name": account, "namespace": "quicedge"} in binding[
+        "subjects"
+    ]
+    role = one(docs, "Role", binding["roleRef"]["name"])
+    assert {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+            "verbs": ["list"]} in role["rules"]  # fmt: skip
     for name in discovery.names:
         service = one(docs, "Service", name)
         assert service["spec"]["clusterIP"] == "None"
