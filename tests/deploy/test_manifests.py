@@ -296,3 +296,18 @@ def test_the_compose_edge_runs_flags_and_config_keys_that_exist(
     for name in ("prometheus", "grafana", "otel-collector"):
         for volume in services[name]["volumes"]:
             assert (ROOT / volume.split(":")[0].removeprefix("./")).exists(), volume
+
+
+def test_the_image_installs_extras_that_exist_and_exposes_the_listeners() -> None:
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    install = re.search(r"pip install [^']*'\.\[([\w,]+)\]'", dockerfile)
+    assert install, "the Dockerfile installs the project with its extras"
+    extras = set(install.group(1).split(","))
+    assert {"otlp", "discovery"} <= extras <= set(project["project"]["optional-dependencies"])
+    copied = set(re.findall(r"^COPY (\w+) \1$", dockerfile, re.M))
+    packages = {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
+    assert packages <= copied
+    assert 'ENTRYPOINT ["quicedge"]' in dockerfile and "quicedge" in project["project"]["scripts"]
+    exposed = set(re.search(r"^EXPOSE (.+)$", dockerfile, re.M).group(1).split())  # type: ignore[union-attr]
+    assert {"4433/udp", "8443/tcp", "9901/tcp", "30000/tcp"} == exposed
