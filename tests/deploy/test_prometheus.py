@@ -56,6 +56,14 @@ def test_promtool_accepts_the_config_and_the_rules() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def test_the_rules_compute_what_they_claim() -> None:
+    """promtool's unit tests: the per-pod in-flight sum over workers and backends, and the
+    alert on a silent worker."""
+    done = promtool("test", "rules", str(ROOT / "deploy" / "prometheus" / "rules_test.yml"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SUCCESS" in done.stdout
+
+
 def test_promtool_rejects_a_broken_rule(tmp_path: Path) -> None:
     broken = tmp_path / "rules.yml"
     broken.write_text("groups:\n- name: x\n  rules:\n  - record: a:b\n    expr: sum(rate(x[1m])\n")
