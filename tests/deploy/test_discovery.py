@@ -24,8 +24,10 @@ from backends.registry import BackendRegistry
 from backends.sim import SimConfig, SimServer
 from edge.wiring import Wiring, build
 from tests.deploy.dns_server import dns_server
+from tests.deploy.processes import completion, sim_process, wait_ready
 from tests.edge.conftest import Recorded, Reply, TinyUpstream, fast_config, hypercorn_app
-from tests.helpers import wait_until
+from tests.helpers import free_port, wait_until
+from tests.transport.conftest import ServeProcess
 
 SRV_NAME = "_sglang._tcp.fleet.test"
 
@@ -211,3 +213,33 @@ async def test_kubernetes_slices_are_listed_with_the_service_account(tmp_path: P
         await discovery.refresh(registry)
         assert [b.url for b in registry.backends] == ["http://127.0.0.1:30000"]
         assert not registry.backends[0].draining and len(server.requests) == 3
+
+
+def test_serve_with_two_workers_finds_its_backends_by_dns(tmp_path: Path, redis_url: str) -> None:
+    """The `[discovery]` table through `quicedge serve --config`, as the compose stack runs it."""
+    http_port = free_port()
+    with dns_server() as (zone, server), sim_process() as backend:
+        port = backend.rsplit(":", 1)[1]
+        zone.set("sim.fleet.test", "A", ["127.0.0.1"])
+        config = tmp_path / "edge.toml"
+        config.write_text(
+            f'[discovery]\nmode = "dns"\nnames = ["sim.fleet.test:{port}"]\n'
+            f'nameservers = ["{server}"]\ninterval = 0.5\n'
+        )
+        edge = ServeProcess(
+            "--config", str(config), "--workers", "2", "--redis", redis_url,
+            "--http", f"127.0.0.1:{http_port}",
+        )  # fmt: skip
+        try:
+            wait_ready(edge.admin_port)
+            statuses = [completion(f"http://127.0.0.1:{http_port}") for _ in range(8)]
+            assert statuses == [200] * 8
+            metrics = httpx.get(f"http://127.0.0.1:{edge.admin_port}/metrics", timeout=10).text
+            healthy = [
+                line for line in metrics.splitlines()
+                if line.startswith("quicedge_backend_healthy{") and line.endswith(" 1.0")
+            ]  # fmt: skip
+            assert len(healthy) == 2  # each worker found the one backend
+            assert all(f'backend="127.0.0.1:{port}"' in line for line in healthy)
+        finally:
+            assert edge.stop() == 0
