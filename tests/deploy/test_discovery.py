@@ -3,8 +3,10 @@ while the edge serves, and a removed one finishes what it holds."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import ssl
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,7 @@ from backends.discovery import (
 )
 from backends.registry import BackendRegistry
 from backends.sim import SimConfig, SimServer
+from certs import ensure_dev_certificates
 from edge.wiring import Wiring, build
 from tests.deploy.dns_server import dns_server
 from tests.deploy.processes import completion, sim_process, wait_ready
@@ -243,3 +246,40 @@ def test_serve_with_two_workers_finds_its_backends_by_dns(tmp_path: Path, redis_
             assert all(f'backend="127.0.0.1:{port}"' in line for line in healthy)
         finally:
             assert edge.stop() == 0
+
+
+class TlsApi(TinyUpstream):
+    """The stand-in API server over TLS, as the real one is."""
+
+    def __init__(self, script: Any, context: ssl.SSLContext) -> None:
+        super().__init__(script)
+        self.context = context
+
+    async def __aenter__(self) -> TlsApi:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self.context)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+
+async def test_kubernetes_slices_over_tls_verify_the_api_servers_certificate(
+    dev_certs: Any, tmp_path: Path
+) -> None:
+    def api(recorded: Recorded) -> Reply:
+        return Reply(chunks=[json.dumps(slices(("127.0.0.1", True))).encode()], chunked=False,
+                     headers=[("content-type", "application/json")])  # fmt: skip
+
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(dev_certs.cert, dev_certs.key)
+    async with TlsApi(api, context) as server:
+        base = {"mode": "kubernetes", "names": ["sglang"], "namespace": "inference",
+                "api_url": f"https://localhost:{server.port}",
+                "token_file": str(tmp_path / "none")}  # fmt: skip
+        trusted = DiscoveryConfig.from_mapping({**base, "ca_file": str(dev_certs.ca_cert)})
+        found = await KubernetesSource(trusted).lookup()
+        assert found == {"sglang": {"http://127.0.0.1:30000"}}
+        assert "authorization" not in server.requests[0].headers  # no token file, no token
+        # A CA that did not sign the API server's certificate: the lookup fails, nothing changes.
+        other = tmp_path / "other-ca.pem"
+        other.write_bytes(ensure_dev_certificates(tmp_path / "other").ca_cert.read_bytes())
+        untrusted = DiscoveryConfig.from_mapping({**base, "ca_file": str(other)})
+        assert await KubernetesSource(untrusted).lookup() == {"sglang": None}
