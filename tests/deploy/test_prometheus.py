@@ -3,6 +3,7 @@ the edge and SGLang export, and a real Prometheus scraping a running edge."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import shutil
@@ -17,10 +18,12 @@ from typing import Any
 import httpx
 import yaml
 
+from certs import ensure_dev_certificates
 from tests.deploy.exported import edge_metric_names
 from tests.deploy.processes import completion, sim_process, wait_ready
 from tests.helpers import free_port, wait_for_tcp
 from tests.transport.conftest import ServeProcess
+from tests.transport.h3client import h3_connect
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "quicedge.json"
@@ -170,8 +173,42 @@ def query(url: str, expr: str) -> list[dict[str, Any]]:
     return list(answer["data"]["result"])
 
 
-def test_a_real_prometheus_scrapes_the_edge_and_counts_its_requests(redis_url: str) -> None:
-    requests = 12
+async def h3_streams(port: int, count: int) -> list[int]:
+    """`count` streamed completions over HTTP/3 (one QUIC connection); their statuses."""
+    body = json.dumps({"model": "default", "prompt": "Hello", "max_tokens": 4, "stream": True})
+    statuses = []
+    async with h3_connect(port, ensure_dev_certificates().ca_cert) as client:
+        for _ in range(count):
+            r = await client.fetch(
+                "POST", "/v1/completions", body=body.encode(),
+                headers=[(b"content-type", b"application/json")],
+            )  # fmt: skip
+            assert r.body.rstrip().endswith(b"data: [DONE]")
+            statuses.append(r.status)
+    return statuses
+
+
+def wait_for(url: str, expr: str, check: Any, timeout: float = 60.0) -> list[dict[str, Any]]:
+    """Query until `check(result)` holds; the result."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = query(url, expr)
+        if check(result):
+            return result
+        assert time.monotonic() < deadline, f"{expr}: Prometheus has {result}"
+        time.sleep(0.5)
+
+
+def next_scrape(url: str) -> None:
+    """Until Prometheus has scraped again."""
+    last = float(query(url, "max(timestamp(up))")[0]["value"][1])
+    wait_for(url, "max(timestamp(up))", lambda r: float(r[0]["value"][1]) > last)
+
+
+def test_a_real_prometheus_scrapes_the_edge_and_the_dashboard_shows_h3_ttft(
+    redis_url: str,
+) -> None:
+    h1, h3 = 8, 4
     http_port = free_port()
     with sim_process() as backend:
         server = ServeProcess(
@@ -180,25 +217,40 @@ def test_a_real_prometheus_scrapes_the_edge_and_counts_its_requests(redis_url: s
         )  # fmt: skip
         try:
             wait_ready(server.admin_port)
-            edge = f"http://127.0.0.1:{http_port}"
-            statuses = [completion(edge, stream=True) for _ in range(requests)]
-            assert statuses == [200] * requests
             with prometheus([f"127.0.0.1:{server.admin_port}"]) as url:
+                # Scraped once before any request, so rate() sees the requests as an increase.
+                wait_for(url, 'up{job="quicedge"}', lambda r: r and r[0]["value"][1] == "1")
+                edge = f"http://127.0.0.1:{http_port}"
+                assert [completion(edge, stream=True) for _ in range(h1)] == [200] * h1
+                assert asyncio.run(h3_streams(server.h3_port, h3)) == [200] * h3
                 total = 'sum(quicedge_requests_total{job="quicedge"})'
-                deadline = time.monotonic() + 60
-                while True:
-                    result = query(url, total)
-                    if result and float(result[0]["value"][1]) == requests:
-                        break
-                    assert time.monotonic() < deadline, f"Prometheus has {result}"
-                    time.sleep(0.5)
-                workers = query(url, "count(count by (worker) (quicedge_requests_total))")
-                assert float(workers[0]["value"][1]) >= 1
+                wait_for(url, total, lambda r: r and float(r[0]["value"][1]) == h1 + h3)
                 up = query(url, "sum(quicedge_metrics_worker_up)")
                 assert float(up[0]["value"][1]) == 2
                 ttft = query(url, "sum by (transport) (quicedge_ttft_seconds_count)")
-                assert [(r["metric"], float(r["value"][1])) for r in ttft] == [
-                    ({"transport": "h1"}, requests)
-                ]
+                counts = {r["metric"]["transport"]: float(r["value"][1]) for r in ttft}
+                assert counts == {"h1": h1, "h3": h3}
+                # The dashboard's panels: the mean shows the first HTTP/3 requests at once. The
+                # quantiles are built on rate(), which sees a series from its second scrape on; a
+                # series is per worker and cache outcome, so batches go on (each on a new
+                # connection, to either worker) until one increased a series already scraped.
+                panels = dict(dashboard_queries())
+                mean = query(url, panels["Mean TTFT by transport since start"])
+                h3_mean = [float(x["value"][1]) for x in mean if x["metric"]["transport"] == "h3"]
+                assert len(h3_mean) == 1 and 0 < h3_mean[0] < 30
+                p95 = panels["TTFT by transport (p50, p95)"]
+                deadline = time.monotonic() + 60
+                while True:
+                    next_scrape(url)
+                    lines = query(url, p95)
+                    h3_values = [
+                        x["value"][1] for x in lines if x["metric"]["transport"] == "h3"
+                    ]  # fmt: skip
+                    if h3_values and h3_values[0] != "NaN":
+                        break
+                    assert time.monotonic() < deadline, f"{p95}: {lines}"
+                    assert asyncio.run(h3_streams(server.h3_port, h3)) == [200] * h3
+                value = float(h3_values[0])
+                assert 0 < value < 30
         finally:
             assert server.stop() == 0
