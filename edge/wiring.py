@@ -109,7 +109,9 @@ def discovery_from(toml: Mapping[str, Any]) -> DiscoveryConfig:
     section = toml.get("discovery", {})
     if not isinstance(section, Mapping):
         raise ValueError("config: [discovery] must be a table")
-    return DiscoveryConfig.from_mapping(section)
+    config = DiscoveryConfig.from_mapping(section)
+    make_source(config)  # fails here, not in a worker, outside a cluster or without dnspython
+    return config
 
 
 @dataclass(eq=False)

@@ -283,3 +283,15 @@ async def test_kubernetes_slices_over_tls_verify_the_api_servers_certificate(
         other.write_bytes(ensure_dev_certificates(tmp_path / "other").ca_cert.read_bytes())
         untrusted = DiscoveryConfig.from_mapping({**base, "ca_file": str(other)})
         assert await KubernetesSource(untrusted).lookup() == {"sglang": None}
+
+
+def test_serve_says_at_once_that_kubernetes_discovery_needs_a_cluster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from edge.serve import main
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    config = tmp_path / "edge.toml"
+    config.write_text('[discovery]\nmode = "kubernetes"\nnames = ["sglang"]\n')
+    assert main(["--config", str(config)]) == 2
+    assert "discovery.api_url: not in a cluster" in capsys.readouterr().err

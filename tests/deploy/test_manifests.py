@@ -101,7 +101,8 @@ def secret_values(docs: list[dict[str, Any]]) -> dict[tuple[str, str], str]:
 
 
 def edge_args(docs: list[dict[str, Any]]) -> tuple[list[str], dict[str, str]]:
-    """The edge container's arguments with $(VAR) expanded from its env, as the kubelet does."""
+    """The edge container's arguments with $(VAR) expanded from its env, as the kubelet does,
+    and that env with the API server's address the kubelet adds to every pod."""
     edge = container(one(docs, "Deployment", "quicedge"))
     secrets = secret_values(docs)
     env: dict[str, str] = {}
@@ -112,6 +113,7 @@ def edge_args(docs: list[dict[str, Any]]) -> tuple[list[str], dict[str, str]]:
             ref = item["valueFrom"]["secretKeyRef"]
             env[item["name"]] = secrets[(ref["name"], ref["key"])]
     args = [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], a) for a in edge["args"]]
+    env.update(KUBERNETES_SERVICE_HOST="10.96.0.1", KUBERNETES_SERVICE_PORT="443")
     return args, env
 
 
