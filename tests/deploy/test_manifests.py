@@ -187,7 +187,8 @@ def test_the_edge_pod_runs_flags_and_config_keys_that_exist(
     mounts = {m["mountPath"] for m in edge["volumeMounts"]}
     assert transport.cert and Path(transport.cert).parent.as_posix() in mounts
     assert transport.key and Path(transport.key).parent.as_posix() in mounts
-    # The drain fits in the grace period.
+    # One core requested per worker; the drain fits in the grace period.
+    assert int(edge["resources"]["requests"]["cpu"]) == transport.workers
     grace = edge_deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     assert transport.drain_timeout + 5 < grace
     # Discovery lists a headless Service of the stack, by a port name it has, with a service
