@@ -9,9 +9,10 @@ field is its `--help` text; `validate()` gives a clear error for each bad value.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+from backends.discovery import DiscoveryConfig
 from edge import settings
 from edge.routing.base import POLICY_NAMES
 from edge.settings import Section
@@ -82,9 +83,11 @@ class ProxyConfig:
     models_ttl: float = 5 * SECONDS
     """How long the merged `/v1/models` list is reused before it is fetched again, s."""
 
-    def validate(self) -> ProxyConfig:
-        """Raise ValueError naming the first bad setting; return self for chaining."""
-        if not self.backends:
+    def validate(self, *, need_backends: bool = True) -> ProxyConfig:
+        """Raise ValueError naming the first bad setting; return self for chaining.
+
+        `need_backends` is False when discovery finds the backends (`backends.discovery`)."""
+        if not self.backends and need_backends:
             raise ValueError("proxy: at least one backend is required (--backend URL)")
         for url in self.backends:
             if not url.startswith(("http://", "https://")) or "://" == url[-3:]:
@@ -161,6 +164,12 @@ SECTIONS: tuple[Section, ...] = (
         title="0-RTT early data ([early_data])",
     ),
     Section("proxy", ProxyConfig, flags=PROXY_FLAGS, title="proxy ([proxy])"),
+    Section(
+        "discovery",
+        DiscoveryConfig,
+        flags={f.name: f"--discovery-{f.name.replace('_', '-')}" for f in fields(DiscoveryConfig)},
+        title="backend discovery ([discovery])",
+    ),
 )
 
 
