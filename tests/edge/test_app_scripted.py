@@ -58,8 +58,11 @@ async def test_forwards_body_with_rid_and_headers_and_names_the_backend() -> Non
             assert response.headers["content-type"] == "text/event-stream"
             assert b'"Hi"' in response.content and response.content.endswith(b"data: [DONE]\n\n")
     (sent,) = inference(up)
-    assert json.loads(sent.body) == {"rid": "req-42", **COMPLETION}
-    assert sent.headers["x-request-id"] == "req-42"
+    # the client's id labels the answer; the backend gets the edge's own as its rid
+    rid = json.loads(sent.body)["rid"]
+    assert rid != "req-42" and len(rid) == 32
+    assert json.loads(sent.body) == {"rid": rid, **COMPLETION}
+    assert sent.headers["x-request-id"] == rid
     assert sent.headers["traceparent"] == traceparent  # tracing off: passed through unchanged
     assert "early-data" not in sent.headers
 
