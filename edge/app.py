@@ -30,7 +30,13 @@ from edge.stages.body import (
     parse_json_object,
     read_body,
 )
-from edge.stages.forward import request_id_from, splice_rid, upstream_headers, upstream_rid
+from edge.stages.forward import (
+    label_from_body,
+    request_id_from,
+    splice_rid,
+    upstream_headers,
+    upstream_rid,
+)
 from edge.stages.validate import CHAT, COMPLETIONS, GENERATE, validate
 from edge.stages.view import build_view
 from edge.telemetry import Metrics, RequestTrace, Tracer
@@ -209,16 +215,22 @@ class ProxyApp:
             await self.catalog.check(body.get("model"))
         session = h.session.decode("latin-1") if h.session else None
         ex.view = build_view(ex.route, body, session)
-        # The backend's rid is always the edge's own (`edge.stages.forward`); a batch's rids are
-        # derived from it and not aborted one by one.
-        rid = upstream_rid(ex.request_id, from_client=h.request_id is not None)
+        # The backend's rid is always the edge's own (`edge.stages.forward`); the client's id,
+        # from its header or its body, is only the label. A batch's rids are derived from the
+        # edge's and not aborted one by one.
+        client_id = h.request_id is not None
+        if not client_id and (label := label_from_body(body.get("rid"))) is not None:
+            ex.request_id, client_id = label, True
+            if ex.trace is not None:
+                ex.trace.set("quicedge.request_id", label)
+        rid = upstream_rid(ex.request_id, from_client=client_id)
         ex.abort_rid = None if isinstance(body.get("rid"), list) else rid
         ex.payload = splice_rid(raw, body, rid)
         traceparent, tracestate = h.traceparent, h.tracestate
         if ex.trace is not None:
             traceparent, tracestate = ex.trace.upstream_context()
         ex.upstream_headers = upstream_headers(
-            rid=rid,
+            label=ex.request_id,
             early_data=ex.early_data,
             traceparent=traceparent,
             tracestate=tracestate,

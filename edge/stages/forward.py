@@ -2,8 +2,10 @@
 
 SGLang aborts a request by its `rid`, so the upstream `rid` is always one the edge chose
 (`upstream_rid`): a client-chosen one could name another client's request, and that client's
-disconnect would then abort someone else's generation. The client's `x-request-id` stays a label
-(the response header, logs, the trace). The body is forwarded as the client sent it, with
+disconnect would then abort someone else's generation. The client's id (its `x-request-id`, or
+its body's `rid`) stays a label: the response's `x-request-id`, logs, the trace, and the upstream
+`x-request-id` header, which SGLang does not read but which lets a backend's logs be joined with
+the client's. The body is forwarded as the client sent it, with
 `"rid"` spliced in right after the opening brace: the body parsed as a JSON object, so its first
 non-blank byte is `{` and inserting one member there keeps it valid JSON without re-serialising
 the rest (cheap and exact for any body size). Only a body that carries its own `rid` is
@@ -47,6 +49,13 @@ def request_id_from(header: bytes | None) -> str:
     return header.decode("ascii")
 
 
+def label_from_body(rid: object) -> str | None:
+    """A body `rid` usable as the request's label (a well-formed string), else None."""
+    if isinstance(rid, str) and _REQUEST_ID.fullmatch(rid.encode("utf-8", "replace")):
+        return rid
+    return None
+
+
 def upstream_rid(label: str, from_client: bool) -> str:
     """The `rid` the backend sees: the request id when the edge made it, else a new one."""
     return new_request_id() if from_client else label
@@ -72,18 +81,18 @@ def splice_rid(raw: bytes, body: Mapping[str, Any], rid: str) -> bytes:
 
 def upstream_headers(
     *,
-    rid: str,
+    label: str,
     early_data: bool,
     traceparent: bytes | None,
     tracestate: bytes | None,
 ) -> list[tuple[bytes, bytes]]:
-    """Headers for the backend: JSON body, the upstream `rid` as its request id, trace context,
-    Early-Data.
+    """Headers for the backend: JSON body, the request's label as its `x-request-id` (the
+    backend's `rid` is in the body), trace context, Early-Data.
 
     RFC 8470 §5.1: a request forwarded before the client's handshake completed carries
     `Early-Data: 1`, so the origin can answer 425 if it would not accept a replay.
     """
-    headers = [(b"content-type", b"application/json"), (b"x-request-id", rid.encode())]
+    headers = [(b"content-type", b"application/json"), (b"x-request-id", label.encode())]
     if traceparent is not None:
         headers.append((b"traceparent", traceparent))
         if tracestate is not None:

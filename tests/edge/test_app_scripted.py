@@ -62,9 +62,20 @@ async def test_forwards_body_with_rid_and_headers_and_names_the_backend() -> Non
     rid = json.loads(sent.body)["rid"]
     assert rid != "req-42" and len(rid) == 32
     assert json.loads(sent.body) == {"rid": rid, **COMPLETION}
-    assert sent.headers["x-request-id"] == rid
+    assert sent.headers["x-request-id"] == "req-42"  # the label, which SGLang does not read
     assert sent.headers["traceparent"] == traceparent  # tracing off: passed through unchanged
     assert "early-data" not in sent.headers
+
+
+async def test_a_body_rid_labels_the_request_but_is_not_sent_as_the_rid() -> None:
+    async with TinyUpstream(script(lambda r: sse_reply(["ok"]))) as up:
+        async with run_edge(fast_config([up.url])) as edge, client(edge) as http:
+            response = await http.post("/v1/completions", json={**COMPLETION, "rid": "mine"})
+            assert response.status_code == 200
+            assert response.headers["x-request-id"] == "mine"
+    (sent,) = inference(up)
+    assert json.loads(sent.body)["rid"] not in ("mine", "")
+    assert sent.headers["x-request-id"] == "mine"
 
 
 async def test_early_data_request_is_forwarded_with_early_data_header() -> None:

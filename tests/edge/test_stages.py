@@ -15,7 +15,13 @@ from edge.stages.body import (
     parse_json_object,
     read_body,
 )
-from edge.stages.forward import request_id_from, splice_rid, upstream_headers, upstream_rid
+from edge.stages.forward import (
+    label_from_body,
+    request_id_from,
+    splice_rid,
+    upstream_headers,
+    upstream_rid,
+)
 from edge.stages.validate import CHAT, COMPLETIONS, GENERATE, validate
 from edge.stages.view import build_view, render_chat
 
@@ -180,6 +186,12 @@ def test_a_client_rid_is_replaced_by_the_edges() -> None:
     assert out == {"text": ["a", "b"], "rid": ["edge1-0", "edge1-1"]}
 
 
+def test_a_body_rid_is_a_label_only_when_well_formed() -> None:
+    assert label_from_body("bench-000001") == "bench-000001"
+    for bad in (None, 7, ["a"], "", "has space", "x" * 129, "é"):
+        assert label_from_body(bad) is None
+
+
 def test_upstream_rid_is_the_edges_own() -> None:
     assert upstream_rid("abc", from_client=False) == "abc"  # the edge made the label itself
     chosen = upstream_rid("abc", from_client=True)
@@ -197,10 +209,10 @@ def test_request_id_header() -> None:
 
 def test_upstream_headers_carry_id_trace_and_early_data() -> None:
     headers = dict(
-        upstream_headers(rid="r1", early_data=True, traceparent=b"00-a-b-01", tracestate=None)
+        upstream_headers(label="r1", early_data=True, traceparent=b"00-a-b-01", tracestate=None)
     )
     assert headers[b"x-request-id"] == b"r1"
     assert headers[b"early-data"] == b"1"
     assert headers[b"traceparent"] == b"00-a-b-01"
-    plain = dict(upstream_headers(rid="r1", early_data=False, traceparent=None, tracestate=None))
+    plain = dict(upstream_headers(label="r1", early_data=False, traceparent=None, tracestate=None))
     assert b"early-data" not in plain and b"traceparent" not in plain
