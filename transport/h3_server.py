@@ -52,7 +52,7 @@ SEND_HIGH_WATER = 1024 * 1024
 SEND_LOW_WATER = 256 * 1024
 
 
-class _Exchange:
+class _StreamChannel:
     """One request's ASGI channel: a receive queue, the app task, and the response's writer
     (the ``quicedge.body_writer`` and ``quicedge.on_disconnect`` scope extensions)."""
 
@@ -110,7 +110,7 @@ class H3Protocol(QuicConnectionProtocol):
         quic._local_max_streams_bidi.sent = limits.max_concurrent_streams
         self._server = server
         self._session = H3Session(quic, policy=server.policy, limits=limits, server=server.address)
-        self._exchanges: dict[int, _Exchange] = {}
+        self._exchanges: dict[int, _StreamChannel] = {}
         self._writable: dict[int, asyncio.Future[None]] = {}
         self._flush: asyncio.Handle | None = None
         self._flush_since = 0.0  # when the write the pending flush is for was made
@@ -213,7 +213,7 @@ class H3Protocol(QuicConnectionProtocol):
                     {"type": "http.request", "body": action.body, "more_body": action.more_body}
                 )
         elif isinstance(action, StartRequest):
-            exchange = _Exchange(self, action.stream_id)
+            exchange = _StreamChannel(self, action.stream_id)
             self._exchanges[action.stream_id] = exchange
             extensions = action.scope["extensions"]
             extensions["quicedge.body_writer"] = exchange
@@ -233,7 +233,9 @@ class H3Protocol(QuicConnectionProtocol):
         elif isinstance(action, EarlyRequest):
             self._server.early_request(action)
 
-    async def _run_app(self, stream_id: int, scope: dict[str, Any], exchange: _Exchange) -> None:
+    async def _run_app(
+        self, stream_id: int, scope: dict[str, Any], exchange: _StreamChannel
+    ) -> None:
         session = self._session
 
         async def receive() -> Message:
