@@ -72,7 +72,7 @@ async def test_the_disconnect_callback_runs_when_the_client_resets_the_stream(
 
 
 async def test_a_served_request_leaves_no_reference_cycle(h3_server: H3Factory, dev_certs) -> None:
-    """What a request's exchange holds is freed by reference counting when it is done, not
+    """What a request's stream channel holds is freed by reference counting when it is done, not
     left for the garbage collector, whose every collection stalls every request in flight."""
     with collector_finds() as found:
         async with h3_server(app=ok_app) as server, h3_connect(server.port, dev_certs.ca_cert) as c:
