@@ -218,12 +218,11 @@ class ProxyApp:
         # The backend's rid is always the edge's own (`edge.stages.forward`); the client's id,
         # from its header or its body, is only the label. A batch's rids are derived from the
         # edge's and not aborted one by one.
-        client_id = h.request_id is not None
-        if not client_id and (label := label_from_body(body.get("rid"))) is not None:
-            ex.request_id, client_id = label, True
+        rid = upstream_rid(ex.request_id, from_client=h.request_id is not None)
+        if h.request_id is None and (label := label_from_body(body.get("rid"))) is not None:
+            ex.request_id = label
             if ex.trace is not None:
                 ex.trace.set("quicedge.request_id", label)
-        rid = upstream_rid(ex.request_id, from_client=client_id)
         ex.abort_rid = None if isinstance(body.get("rid"), list) else rid
         ex.payload = splice_rid(raw, body, rid)
         traceparent, tracestate = h.traceparent, h.tracestate

@@ -25,6 +25,7 @@ import orjson
 from edge.errors import InvalidRequest
 
 _REQUEST_ID = re.compile(rb"[A-Za-z0-9._:\-]{1,128}")
+_REQUEST_ID_TEXT = re.compile(r"[A-Za-z0-9._:\-]{1,128}", re.ASCII)
 _WHITESPACE = b" \t\r\n"
 
 
@@ -51,7 +52,7 @@ def request_id_from(header: bytes | None) -> str:
 
 def label_from_body(rid: object) -> str | None:
     """A body `rid` usable as the request's label (a well-formed string), else None."""
-    if isinstance(rid, str) and _REQUEST_ID.fullmatch(rid.encode("utf-8", "replace")):
+    if isinstance(rid, str) and _REQUEST_ID_TEXT.fullmatch(rid) is not None:
         return rid
     return None
 
