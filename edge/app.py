@@ -181,6 +181,8 @@ class ProxyApp:
             if trace is not None:
                 trace.set("http.status_code", err.status)
                 trace.end(time.perf_counter(), error=err.message)
+            if ex is not None:
+                request_id = ex.request_id  # the label, which the body may have given
             if ex is not None and ex.started:  # too late for an error page; the stream ended
                 log.warning("request %s failed after the response started: %s", request_id, err)
                 self.metrics.requests.labels(route, str(ex.status)).inc()

@@ -78,6 +78,22 @@ async def test_a_body_rid_labels_the_request_but_is_not_sent_as_the_rid() -> Non
     assert sent.headers["x-request-id"] == "mine"
 
 
+async def test_an_error_after_parsing_carries_the_body_rid_label() -> None:
+    async def slow(recorded: Recorded) -> Reply:
+        reply = health_ok(recorded)
+        if reply is not None:
+            return reply
+        await asyncio.sleep(3)
+        return sse_reply(["late"])
+
+    async with TinyUpstream(slow) as up:
+        config = fast_config([up.url], first_byte_timeout=0.3)
+        async with run_edge(config) as edge, client(edge) as http:
+            response = await http.post("/v1/completions", json={**COMPLETION, "rid": "mine"})
+            assert response.status_code == 504  # an EdgeError, rendered at the boundary
+            assert response.headers["x-request-id"] == "mine"
+
+
 async def test_early_data_request_is_forwarded_with_early_data_header() -> None:
     """Drive the app with the scope the H3 transport gives a 0-RTT request."""
     async with TinyUpstream(script(lambda r: sse_reply(["ok"]))) as up:
