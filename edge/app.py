@@ -220,12 +220,15 @@ class ProxyApp:
         # The backend's rid is always the edge's own (`edge.stages.forward`); the client's id,
         # from its header or its body, is only the label. A batch's rids are derived from the
         # edge's and not aborted one by one.
-        rid = upstream_rid(ex.request_id, from_client=h.request_id is not None)
-        if h.request_id is None and (label := label_from_body(body.get("rid"))) is not None:
-            ex.request_id = label
-            if ex.trace is not None:
-                ex.trace.set("quicedge.request_id", label)
-        ex.abort_rid = None if isinstance(body.get("rid"), list) else rid
+        rid = ex.abort_rid = upstream_rid(ex.request_id, from_client=h.request_id is not None)
+        if "rid" in body:
+            theirs = body["rid"]
+            if isinstance(theirs, list):
+                ex.abort_rid = None
+            elif h.request_id is None and (label := label_from_body(theirs)) is not None:
+                ex.request_id = label
+                if ex.trace is not None:
+                    ex.trace.set("quicedge.request_id", label)
         ex.payload = splice_rid(raw, body, rid)
         traceparent, tracestate = h.traceparent, h.tracestate
         if ex.trace is not None:
