@@ -5,11 +5,13 @@ SGLang aborts a request by its `rid`, so the upstream `rid` is always one the ed
 disconnect would then abort someone else's generation. The client's id (its `x-request-id`, or
 its body's `rid`) stays a label: the response's `x-request-id`, logs, the trace, and the upstream
 `x-request-id` header, which SGLang does not read but which lets a backend's logs be joined with
-the client's. The body is forwarded as the client sent it, with
-`"rid"` spliced in right after the opening brace: the body parsed as a JSON object, so its first
-non-blank byte is `{` and inserting one member there keeps it valid JSON without re-serialising
-the rest (cheap and exact for any body size). Only a body that carries its own `rid` is
-re-encoded, with the edge's in its place.
+the client's.
+
+The body is forwarded as the client sent it, with `"rid"` spliced in right after the opening
+brace: the body parsed as a JSON object, so its first non-blank byte is `{` and inserting one
+member there keeps it valid JSON without re-serialising the rest (cheap and exact for any body
+size). Only a body that carries its own `rid` is re-encoded (about 2 µs for a chat request),
+with the edge's in its place: removing a member from the raw bytes would need a JSON parser.
 """
 
 from __future__ import annotations
