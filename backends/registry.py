@@ -157,7 +157,7 @@ class Backend:
         )
 
 
-class Ticket:
+class InFlight:
     """One request in flight on a backend, as handed out by `BackendRegistry.track`."""
 
     __slots__ = ("_in_prefill", "backend", "prefill_tokens")
@@ -306,22 +306,22 @@ class BackendRegistry:
 
     # -- accounting -----------------------------------------------------------------------
     @contextlib.contextmanager
-    def track(self, backend: Backend, *, prefill_tokens: int) -> Iterator[Ticket]:
+    def track(self, backend: Backend, *, prefill_tokens: int) -> Iterator[InFlight]:
         """Count one request in flight on `backend` for the duration of the block.
 
         The only place the in-flight counts change; the `finally` restores them on every path
         (success, error, client disconnect, timeout, cancellation).
         """
         tokens = max(0, int(prefill_tokens))
-        ticket = Ticket(backend, tokens)
+        in_flight = InFlight(backend, tokens)
         backend.in_flight += 1
         backend.in_prefill += 1
         backend.in_flight_prefill_tokens += tokens
         backend.requests += 1
         try:
-            yield ticket
+            yield in_flight
         finally:
-            ticket.first_token()
+            in_flight.first_token()
             backend.in_flight -= 1
 
     def record_success(self, backend: Backend, *, ttft_s: float | None) -> None:
@@ -525,6 +525,6 @@ __all__ = [
     "BackendClient",
     "BackendRegistry",
     "HealthConfig",
+    "InFlight",
     "LoadView",
-    "Ticket",
 ]

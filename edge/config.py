@@ -67,6 +67,13 @@ class ProxyConfig:
     pool_idle_timeout: float = 60 * SECONDS
     """An idle upstream connection is closed after this long, s (SGLang's uvicorn keeps 5 s; the
     pool notices a closed one and reconnects)."""
+    pool_max_waiters: int = 256
+    """Requests that may wait for a free upstream connection to one backend when all
+    `pool_max_connections` are in use; one more is refused at once with 503 and Retry-After
+    (or tried on another backend). 0: none waits."""
+    pool_acquire_timeout: float = 5 * SECONDS
+    """Longest wait for a free upstream connection to one backend before 503 and Retry-After
+    (or another backend). Default 5 s."""
     max_concurrency_per_backend: int | None = None
     """Requests the edge keeps in flight on one backend; none means no cap."""
 
@@ -108,6 +115,7 @@ class ProxyConfig:
             "eject_base",
             "eject_max",
             "pool_idle_timeout",
+            "pool_acquire_timeout",
             "max_body_bytes",
             "pool_max_connections",
             "health_failure_threshold",
@@ -119,6 +127,8 @@ class ProxyConfig:
                 raise ValueError(f"proxy: {name} must be > 0, got {getattr(self, name)!r}")
         if self.max_retries < 0:
             raise ValueError(f"proxy: max_retries must be >= 0, got {self.max_retries}")
+        if self.pool_max_waiters < 0:
+            raise ValueError(f"proxy: pool_max_waiters must be >= 0, got {self.pool_max_waiters}")
         if self.models_ttl < 0:
             raise ValueError(f"proxy: models_ttl must be >= 0, got {self.models_ttl}")
         if not 0 <= self.pool_warm_connections <= self.pool_max_connections:

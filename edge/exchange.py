@@ -6,8 +6,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from backends.registry import Backend
-from edge.relay import Usage
 from edge.routing.base import Decision, RequestView
+from edge.sse import Usage
 from edge.telemetry import RequestTrace
 from transport.asgi import BodyWriter, OnDisconnect
 

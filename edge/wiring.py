@@ -128,6 +128,8 @@ async def build(
     pool = UpstreamPool(
         max_connections_per_backend=config.pool_max_connections,
         idle_timeout=config.pool_idle_timeout,
+        max_waiters_per_backend=config.pool_max_waiters,
+        acquire_timeout=config.pool_acquire_timeout,
         connect_timeout=config.connect_timeout,
     )
     health = HealthConfig(
