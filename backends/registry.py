@@ -143,6 +143,12 @@ class Backend:
     check_failures: int = 0
     draining: bool = False
     """Removed from the fleet (`BackendRegistry.remove`): takes no new request, finishes its own."""
+    model: str | None = None
+    """The model it serves (its pool), from the `[models]` config or discovered; None: unknown."""
+    model_version: str | None = None
+    """The version of that model (SGLang's `weight_version`, or the config's)."""
+    hw_group: str = "default"
+    """Hardware group (e.g. `h100`, `a100`): the `ttft` policy learns one speed per group."""
 
     def ttft_p99(self) -> float | None:
         if not self.ttfts:
@@ -504,6 +510,9 @@ class BackendRegistry:
                     "successes": b.successes,
                     "failures": dict(b.failures),
                     "ttft_p99_ms": None if p99 is None else round(p99 * 1000, 2),
+                    "model": b.model,
+                    "model_version": b.model_version,
+                    "hw_group": b.hw_group,
                     "load": None
                     if load is None
                     else {

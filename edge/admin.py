@@ -5,6 +5,8 @@ Served on its own (plain HTTP) listener, never on the client-facing ones.
 - `GET /ready`: 200 when at least one backend is healthy, else 503 (readiness).
 - `GET /metrics`: `generate_latest(registry)` of the process's one registry.
 - `GET /backends`: JSON of `registry.snapshot()`, the routing policy and the pool's statistics.
+- `GET /rollouts`: model pools, aliases and each rollout's state, tests and transitions.
+- `POST /rollouts/{model}/promote|pause|rollback`: move a rollout by hand (docs/models.md).
 """
 
 from __future__ import annotations
@@ -19,8 +21,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from backends.pool import UpstreamPool
 from backends.registry import BackendRegistry
 from edge.asgi import Receive, Scope, Send, lifespan
-from edge.errors import EdgeError, MethodNotAllowed, RouteNotFound
+from edge.errors import EdgeError, InvalidRequest, MethodNotAllowed, RouteNotFound
+from edge.models import Models
 from edge.routing.base import RoutingPolicy
+
+_ROLLOUT_ACTIONS = ("promote", "pause", "rollback")
 
 
 class AdminApp:
@@ -31,7 +36,9 @@ class AdminApp:
         backends: BackendRegistry,
         pool: UpstreamPool,
         policy: RoutingPolicy,
+        models: Models | None = None,
     ) -> None:
+        self.models = models
         self.registry = registry
         self.backends = backends
         self.pool = pool
@@ -41,6 +48,7 @@ class AdminApp:
             "/ready": self._ready,
             "/metrics": self._metrics,
             "/backends": self._backends,
+            "/rollouts": self._rollouts,
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -50,10 +58,17 @@ class AdminApp:
         if scope["type"] != "http":
             return
         try:
-            handler = self._routes.get(scope["path"])
-            if handler is None:
+            path: str = scope["path"]
+            handler = self._routes.get(path)
+            if handler is None and path.startswith("/rollouts/"):
+                if scope["method"] != "POST":
+                    raise MethodNotAllowed(
+                        "rollout actions are POST only", headers=((b"allow", b"POST"),)
+                    )
+                handler = self._rollout_action(path)
+            elif handler is None:
                 raise RouteNotFound(f"no admin route {scope['path']}")
-            if scope["method"] not in ("GET", "HEAD"):
+            elif scope["method"] not in ("GET", "HEAD"):
                 raise MethodNotAllowed("admin routes are GET only", headers=((b"allow", b"GET"),))
             status, content_type, body = handler()
         except EdgeError as err:
@@ -82,6 +97,30 @@ class AdminApp:
         pool["reuse_ratio"] = round(stats.reuse_ratio, 4)
         body = {"policy": self.policy.name, "backends": self.backends.snapshot(), "pool": pool}
         return 200, b"application/json", _json(body)
+
+    def _rollouts(self) -> tuple[int, bytes, bytes]:
+        body = self.models.snapshot() if self.models is not None else {"rollouts": []}
+        return 200, b"application/json", _json(body)
+
+    def _rollout_action(self, path: str) -> Callable[[], tuple[int, bytes, bytes]]:
+        """`/rollouts/{model}/{action}`; the model may contain slashes (`org/name`)."""
+        model, _, action = path[len("/rollouts/") :].rpartition("/")
+        ramp = self.models.ramps.get(model) if self.models is not None else None
+        if ramp is None:
+            raise RouteNotFound(f"no rollout for model {model!r}")
+        if action not in _ROLLOUT_ACTIONS:
+            raise RouteNotFound(
+                f"unknown rollout action {action!r}; use promote, pause or rollback"
+            )
+
+        def act() -> tuple[int, bytes, bytes]:
+            try:
+                getattr(ramp, action)("operator")
+            except ValueError as exc:
+                raise InvalidRequest(str(exc), code="invalid_state") from None
+            return 200, b"application/json", _json(ramp.snapshot())
+
+        return act
 
 
 def _json(obj: Any) -> bytes:

@@ -21,7 +21,7 @@ from edge.attempt import Aborter, Attempts
 from edge.config import ProxyConfig
 from edge.errors import EdgeError, MethodNotAllowed, ModelNotFound, RouteNotFound
 from edge.exchange import Exchange, read_headers
-from edge.models import ModelCatalog
+from edge.models import ModelCatalog, Models
 from edge.routing.base import RoutingPolicy
 from edge.stages.body import (
     ClientGone,
@@ -61,6 +61,7 @@ class ProxyApp:
         catalog: ModelCatalog,
         abort: Aborter,
         tracer: Tracer | None = None,
+        models: Models | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
@@ -69,9 +70,10 @@ class ProxyApp:
         self.catalog = catalog
         self.abort = abort
         self.tracer = tracer
+        self.models = models
         self.attempts = Attempts(
             config=config, pool=pool, registry=registry, policy=policy, metrics=metrics,
-            abort=abort,
+            abort=abort, models=models,
         )  # fmt: skip
 
     @property
@@ -120,12 +122,15 @@ class ProxyApp:
     # -- /v1/models --------------------------------------------------------------------------
 
     async def _models(self, path: str, send: Send) -> None:
-        listing = await self.catalog.listing()
+        if self.models is not None:
+            listing = await self.models.pools.listing()
+        else:
+            listing = await self.catalog.listing()
         if path == "/v1/models":
             await send_json(send, 200, listing)
             return
         model = path[len("/v1/models/") :]
-        card = self.catalog.card(model)
+        card = next((c for c in listing["data"] if c["id"] == model), None)
         if card is None:
             raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
         await send_json(send, 200, card)
@@ -213,7 +218,12 @@ class ProxyApp:
         body = parse_json_object(raw)
         t_parsed = time.perf_counter()
         ex.stream = validate(ex.route, body)
-        if ex.route != GENERATE:
+        if self.models is not None:
+            ex.model_route = await self.models.route(
+                None if ex.route == GENERATE else body.get("model"),
+                tenant=h.tenant, canary=h.canary, session=h.session,
+            )  # fmt: skip
+        elif ex.route != GENERATE:
             await self.catalog.check(body.get("model"))
         session = h.session.decode("latin-1") if h.session else None
         ex.view = build_view(ex.route, body, session)

@@ -28,6 +28,7 @@ from edge.asgi import Send
 from edge.config import ProxyConfig
 from edge.errors import BadGateway, EdgeError, NoHealthyBackend, TooManyRequests, from_upstream
 from edge.exchange import Exchange
+from edge.models.service import Models
 from edge.relay import RelayResult, StreamRelay, read_whole
 from edge.routing.base import Decision, Outcome, RoutingPolicy
 from edge.sse import Usage, answer_of_body
@@ -67,7 +68,9 @@ class Attempts:
         policy: RoutingPolicy,
         metrics: Metrics,
         abort: Aborter,
+        models: Models | None = None,
     ) -> None:
+        self.models = models
         self.config = config
         self.pool = pool
         self.registry = registry
@@ -81,7 +84,13 @@ class Attempts:
         last: _Retry | None = None
         assert ex.view is not None
         for attempt in range(self.config.max_retries + 1):
-            candidates = [b for b in self.registry.candidates() if b not in tried]
+            able = self.registry.candidates()
+            if self.models is not None and able:  # the pool's (503 naming it when it has none)
+                mine = self.models.candidates(ex.model_route, able)
+                if not mine and last is None and ex.model_route is not None:
+                    raise self.models.pools.no_backend(ex.model_route)
+                able = mine
+            candidates = [b for b in able if b not in tried]
             if not candidates:
                 if last is not None:
                     raise last.error
@@ -97,7 +106,9 @@ class Attempts:
                 ex.trace.stage(
                     "route", t_route, t_routed,
                     {"quicedge.backend": backend.name, "quicedge.reason": decision.reason,
-                     "quicedge.predicted_cached_tokens": decision.predicted_cached_tokens},
+                     "quicedge.predicted_cached_tokens": decision.predicted_cached_tokens,
+                     "quicedge.model": backend.model or "", "quicedge.model_version":
+                     backend.model_version or "", "quicedge.hw_group": backend.hw_group},
                 )  # fmt: skip
             prefill = ex.view.approx_tokens - decision.predicted_cached_tokens
             # the last try relays whatever the backend answers: no other backend is left to ask
@@ -210,6 +221,11 @@ class Attempts:
                     completion_text=completion, error=error,
                 )
             )  # fmt: skip
+            if self.models is not None:
+                self.models.observe(
+                    ex.model_route, backend, ttft_s=upstream_ttft, error=error,
+                    request=(ex.route, ex.payload, ex.abort_rid or ex.request_id),
+                )  # fmt: skip
 
     async def _send_whole(
         self, ex: Exchange, response: UpstreamResponse, body: bytes, send: Send

@@ -14,6 +14,7 @@ from typing import Any
 
 from backends.discovery import DiscoveryConfig
 from edge import settings
+from edge.models.config import ModelsConfig
 from edge.routing.base import POLICY_NAMES
 from edge.settings import Section
 from transport.config import EarlyDataSettings, TransportConfig
@@ -179,6 +180,12 @@ SECTIONS: tuple[Section, ...] = (
         DiscoveryConfig,
         flags={f.name: f"--discovery-{f.name.replace('_', '-')}" for f in fields(DiscoveryConfig)},
         title="backend discovery ([discovery])",
+    ),
+    Section(
+        "models",
+        ModelsConfig,
+        flags={"default": "--default-model", "discover": "--discover-models"},
+        title="model pools and gray release ([models], docs/models.md)",
     ),
 )
 

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from backends.registry import Backend
 from edge.routing.base import Decision, RequestView
 from edge.sse import Usage
 from edge.telemetry import RequestTrace
 from transport.asgi import BodyWriter, OnDisconnect
+
+if TYPE_CHECKING:
+    from edge.models.pools import Route
 
 
 @dataclass(slots=True)
@@ -21,6 +25,7 @@ class RequestHeaders:
     request_id: bytes | None = None
     session: bytes | None = None
     tenant: bytes | None = None
+    canary: bytes | None = None
     traceparent: bytes | None = None
     tracestate: bytes | None = None
 
@@ -31,6 +36,7 @@ _WANTED = {
     b"x-request-id": "request_id",
     b"x-session-id": "session",
     b"x-tenant-id": "tenant",
+    b"x-canary": "canary",
     b"traceparent": "traceparent",
     b"tracestate": "tracestate",
 }
@@ -72,6 +78,8 @@ class Exchange:
     backend: Backend | None = None
     decision: Decision | None = None
     retries: int = 0
+    model_route: Route | None = None
+    """The model pool and version (`edge.models`); None: any backend."""
     usage: Usage | None = None
     body_writer: BodyWriter | None = None
     """The listener's `quicedge.body_writer`, when it offers one: the relay writes through it."""

@@ -22,6 +22,7 @@ from backends.discovery import DiscoveryConfig, make_source
 from edge import settings, wiring
 from edge.config import SECTIONS, ProxyConfig
 from edge.fleet_metrics import FleetMetrics, FleetPlan
+from edge.models.config import ModelsConfig
 from edge.settings import Settings, SettingsError
 from transport.config import EarlyDataSettings, TransportConfig
 from transport.demo import DemoApps
@@ -116,7 +117,10 @@ class ProxyApps:
     async def open(self, registry: CollectorRegistry) -> ServedApps:
         discovery = self.settings.get("discovery", DiscoveryConfig)
         built = await wiring.build(
-            self.settings.get("proxy", ProxyConfig), registry=registry, discovery=discovery
+            self.settings.get("proxy", ProxyConfig),
+            registry=registry,
+            discovery=discovery,
+            models=self.settings.get("models", ModelsConfig),
         )
         await built.start()
         admin_app = built.admin_app

@@ -26,7 +26,7 @@ from edge.admin import AdminApp
 from edge.app import ProxyApp
 from edge.asgi import ASGIApp
 from edge.config import SECTIONS, ProxyConfig
-from edge.models import ModelCatalog
+from edge.models import ModelCatalog, Models, ModelsConfig
 from edge.routing.base import RoutingPolicy, make_policy
 from edge.telemetry import FleetCollector, Metrics, Tracer, TracingSetup, tracer_from_env
 
@@ -66,6 +66,7 @@ class Wiring:
     metrics: Metrics
     catalog: ModelCatalog
     tracing: TracingSetup
+    models: Models
     discovery: Discovery | None = None
     _aborts: set[asyncio.Task[Any]] = field(default_factory=set)
     _clients: dict[str, Any] = field(default_factory=dict)
@@ -74,6 +75,7 @@ class Wiring:
         """Pre-warm pools, start health checks and load polling, learn the fleet's models."""
         await self.registry.start()
         await self.catalog.refresh()
+        self.models.pools.apply_config()
         if self.discovery is not None:
             self.discovery.start(self.registry)
 
@@ -82,6 +84,7 @@ class Wiring:
         if self.discovery is not None:
             await self.discovery.aclose()
         await self.registry.aclose()
+        await self.models.aclose()
         if self._aborts:
             await asyncio.wait(set(self._aborts), timeout=1.0)
         clients, self._clients = list(self._clients.values()), {}
@@ -117,6 +120,7 @@ async def build(
     registry: CollectorRegistry,
     tracer: Tracer | None = None,
     discovery: DiscoveryConfig | None = None,
+    models: ModelsConfig | None = None,
 ) -> Wiring:
     """Make the proxy's objects (nothing is started: call `Wiring.start`).
 
@@ -162,6 +166,9 @@ async def build(
     catalog = ModelCatalog(
         backends=backends.backends, pool=pool, ttl=config.models_ttl, timeout=config.health_timeout
     )
+    pools = Models(
+        models or ModelsConfig(), backends=backends, catalog=catalog, pool=pool, registry=registry
+    )
     wiring = Wiring(
         app=_unset_app,
         admin_app=_unset_app,
@@ -172,6 +179,7 @@ async def build(
         metrics=metrics,
         catalog=catalog,
         tracing=tracing,
+        models=pools,
         discovery=finder,
     )
     wiring.app = ProxyApp(
@@ -183,8 +191,11 @@ async def build(
         catalog=catalog,
         abort=wiring.abort,
         tracer=tracing.tracer,
+        models=pools,
     )
-    wiring.admin_app = AdminApp(registry=registry, backends=backends, pool=pool, policy=policy)
+    wiring.admin_app = AdminApp(
+        registry=registry, backends=backends, pool=pool, policy=policy, models=pools
+    )
     return wiring
 
 

@@ -14,7 +14,9 @@ For each candidate backend the policy predicts
 This is SGLang's prefill cost model (prefill-priority continuous batching: a request waits for
 the prefill work queued before it, then pays for its own uncached tokens). The coefficients start
 from priors for Llama-3-8B on an H100 and are learned online by recursive least squares with
-forgetting from every observed TTFT, so the policy adapts to the real GPU, model and load.
+forgetting from every observed TTFT, so the policy adapts to the real GPU, model and load. Each
+hardware group (`Backend.hw_group`: h200, a100 ...) has its own coefficients, learned from its
+own backends' TTFTs, so a fast and a slow GPU are not priced alike; a group starts from the priors.
 
 The tree is corrected from what backends report: when a backend reports fewer cached tokens
 than predicted, it has evicted. The policy trims that backend's tree below the point the backend
@@ -204,13 +206,15 @@ class TTFTPolicy:
         if max_sessions < 1:
             raise ValueError("max_sessions must be >= 1")
         self.tree = PrefixTree(max_tree_chars)
-        self.model = RecursiveLeastSquares(
-            prior,
-            forgetting=forgetting,
-            prior_scale=prior_scale,
-            noise_s=noise_s,
-            bounds=default_bounds(prior),
-        )
+        self._rls_options = {
+            "forgetting": forgetting, "prior_scale": prior_scale, "noise_s": noise_s,
+            "bounds": default_bounds(prior),
+        }  # fmt: skip
+        self._prior = tuple(prior)
+        self.model = RecursiveLeastSquares(self._prior, **self._rls_options)  # type: ignore[arg-type]
+        """The coefficients of hardware group `default` (the only one of a uniform fleet)."""
+        self.groups: dict[str, RecursiveLeastSquares] = {"default": self.model}
+        """Coefficients per hardware group."""
         self.learn = learn
         self.session_slack = session_slack
         self.session_slack_s = session_slack_s
@@ -227,9 +231,21 @@ class TTFTPolicy:
         self.trims = 0
 
     # -- prediction ------------------------------------------------------------------------
-    def coefficients(self) -> tuple[float, ...]:
-        """(b s, a s/token, c s/token-pair, d s/decoding request) as used in predictions."""
-        return tuple(t * s for t, s in zip(self.model.theta, _SCALES, strict=True))
+    def coefficients(self, group: str = "default") -> tuple[float, ...]:
+        """(b s, a s/token, c s/token-pair, d s/decoding request) of a hardware group, as used in
+        predictions."""
+        theta = self.group_model(group).theta
+        return tuple(t * s for t, s in zip(theta, _SCALES, strict=True))
+
+    def group_model(self, group: str) -> RecursiveLeastSquares:
+        """The coefficients of one hardware group, from the priors the first time it is seen."""
+        model = self.groups.get(group)
+        if model is None:
+            model = self.groups[group] = RecursiveLeastSquares(
+                self._prior,
+                **self._rls_options,  # type: ignore[arg-type]
+            )
+        return model
 
     def features(self, backend: Backend, cached: int, view: RequestView) -> list[float]:
         uncached = max(0, view.approx_tokens - cached)
@@ -244,8 +260,8 @@ class TTFTPolicy:
         raw = (1.0, queued + uncached, uncached * (cached + uncached / 2), float(max(0, decoding)))
         return [v * s for v, s in zip(raw, _SCALES, strict=True)]
 
-    def _predict(self, x: Sequence[float]) -> float:
-        return self.model.predict(x)
+    def _predict(self, x: Sequence[float], group: str = "default") -> float:
+        return self.group_model(group).predict(x)
 
     def choose(self, view: RequestView, candidates: Sequence[Backend]) -> Decision:
         pool = usable(candidates)
@@ -261,13 +277,14 @@ class TTFTPolicy:
             chars = match.chars.get(b.url, 0)
             cached = chars_to_tokens(chars, view)
             x = self.features(b, cached, view)
-            pred = self._predict(x)
+            rls = self.groups.get(b.hw_group) or self.group_model(b.hw_group)
+            pred = rls.predict(x)
             # The choice also charges part of this request's own prefill to the requests that
             # will queue behind it there (a cache miss delays them all): `miss_penalty`, times
             # how many arrive there relative to elsewhere (Little's law: in-flight ~ rate).
             uncached = max(0, view.approx_tokens - cached) * _SCALES[1]
             behind = (b.in_flight + 1) / mean_in_flight
-            score = pred + self.miss_penalty * self.model.theta[1] * uncached * behind
+            score = pred + self.miss_penalty * rls.theta[1] * uncached * behind
             scored.append((score, cached, x, chars, pred))
             # Ties (an idle fleet, nothing cached) rotate, so they spread like least_load.
             key = (score, -cached, b.in_flight, (i - self._turn) % n)
@@ -336,7 +353,7 @@ class TTFTPolicy:
                 self.tree.remove_tenant(url)  # a backend that is down restarts with no cache
             return
         if self.learn and features is not None and outcome.ttft_s is not None:
-            self.model.update(features[:4], outcome.ttft_s)
+            self.group_model(outcome.backend.hw_group).update(features[:4], outcome.ttft_s)
         if outcome.prompt_tokens and view.text:  # the backend's real tokens per character
             ratio = outcome.prompt_tokens / len(view.text)
             self._tokens_per_char += 0.05 * (ratio - self._tokens_per_char)

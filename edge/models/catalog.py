@@ -3,6 +3,9 @@
 Fetched at start and again when older than `ttl`; a request naming a model outside a known list
 gets 404 `model_not_found` without touching a backend. While the list is unknown (no backend
 answered), requests pass and the backend decides.
+
+Each fetch also tells the pools what a backend serves: its model is the first card's id, its
+version SGLang's `weight_version` from `/get_model_info`, unless `[[models.backends]]` set them.
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ class ModelCatalog:
         self.known: frozenset[str] | None = None
         """Model ids served by the fleet; None until a backend answered."""
         self._refreshing: asyncio.Task[None] | None = None
+        self.pinned: set[str] = set()
+        """Backend URLs whose model and version the config set: not discovered."""
+        self.discover = True
+        """Learn each backend's model and version from its answers."""
 
     @property
     def stale(self) -> bool:
@@ -60,7 +67,29 @@ class ModelCatalog:
         data = json.loads(body).get("data")
         if not isinstance(data, list):
             raise ValueError(f"{backend.name} /v1/models has no data list")
-        return [card for card in data if isinstance(card, dict) and isinstance(card.get("id"), str)]
+        cards = [c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)]
+        if self.discover and backend.url not in self.pinned and cards:
+            if backend.model is None:
+                backend.model = cards[0]["id"]
+            if backend.model_version is None:
+                backend.model_version = await self._version(backend)
+        return cards
+
+    async def _version(self, backend: Backend) -> str | None:
+        """SGLang's `weight_version` (`/get_model_info`), None when it has none."""
+        try:
+            response = await self._pool.request(
+                backend.url, "GET", "/get_model_info", headers=(), body=b"",
+                first_byte_timeout=self._timeout, chunk_timeout=self._timeout,
+            )  # fmt: skip
+            body = await response.read()
+            if response.status != 200:
+                return None
+            version = json.loads(body).get("weight_version")
+        except Exception as exc:  # an older server without the route: no version
+            log.info("model info from %s: %s", backend.name, exc)
+            return None
+        return version if isinstance(version, str) and version else None
 
     async def refresh(self) -> None:
         """Fetch from every healthy backend at once; concurrent callers share one fetch."""

@@ -1,0 +1,65 @@
+"""Prometheus metrics of model pools, rollouts, shadow pairs and drift tests."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+_RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0, 1.01, 1.1, 1.5, 2.0, 4.0)
+
+
+class ModelMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.requests = Counter(
+            "quicedge_model_requests",
+            "Attempts per model pool and version, by outcome (ok or a failure kind).",
+            ["model", "version", "outcome"],
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "quicedge_model_ttft_seconds",
+            "Backend TTFT per model pool and version, s.",
+            ["model", "version"],
+            buckets=_TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.canary_percent = Gauge(
+            "quicedge_rollout_canary_percent",
+            "The canary's share of a pool's traffic, percent.",
+            ["model"],
+            registry=registry,
+        )
+        self.transitions = Counter(
+            "quicedge_rollout_transitions",
+            "Rollout transitions (advance, promoted, pause, hold, rollback, resume).",
+            ["model", "action"],
+            registry=registry,
+        )
+        self.shadow = Counter(
+            "quicedge_shadow_requests",
+            "Shadow pairs by result: compared, error, dropped_full, dropped_rate, canary_busy.",
+            ["model", "result"],
+            registry=registry,
+        )
+        self.shadow_agree = Counter(
+            "quicedge_shadow_agreement",
+            "Shadow pair checks (exact, finish, top1) by whether the two versions agreed.",
+            ["model", "check", "agree"],
+            registry=registry,
+        )
+        self.shadow_similarity = Histogram(
+            "quicedge_shadow_similarity",
+            "Shadow pair similarity (token_overlap, edit_similarity, length_ratio).",
+            ["model", "measure"],
+            buckets=_RATIO_BUCKETS,
+            registry=registry,
+        )
+        self.drift_tests = Counter(
+            "quicedge_drift_tests",
+            "Drift tests run per metric, by action (none, hold, pause).",
+            ["model", "metric", "action"],
+            registry=registry,
+        )
+
+
+__all__ = ["ModelMetrics"]

@@ -1,0 +1,163 @@
+"""Model pools: which backends serve the model a request names, and which version it gets.
+
+A backend's pool is its `Backend.model` (from `[[models.backends]]`, else discovered by
+`edge.models.catalog`); its version is `Backend.model_version`. `ModelPools.resolve` turns the
+body's `model` (a pool name, an alias, `default` or absent) into a `Route` (pool, version) before
+routing; `candidates` narrows the registry's candidates to that pool and version, so the routing
+policy only ever sees backends that serve the request's model. A backend whose model is not known
+yet serves every pool (the backend decides), as the edge did before it knew any model.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from backends.registry import Backend
+from edge.errors import ModelNotFound, NoHealthyBackend
+from edge.models.catalog import DEFAULT_MODEL, ModelCatalog
+from edge.models.config import ModelsConfig
+from edge.models.rollout import Rollout
+
+
+@dataclass(slots=True)
+class Route:
+    """The pool and version one request goes to (None: any)."""
+
+    pool: str | None
+    version: str | None = None
+    canary: bool = False
+    """The version is the pool's canary."""
+
+
+ANY = Route(None)
+
+
+class ModelPools:
+    """Pools by model name, aliases, and the rollout of each pool that has one."""
+
+    def __init__(
+        self,
+        config: ModelsConfig,
+        *,
+        backends: Sequence[Backend],
+        catalog: ModelCatalog,
+        rollouts: dict[str, Rollout] | None = None,
+        rng: Callable[[], float] = random.random,
+    ) -> None:
+        self.config = config
+        self.backends = backends
+        self.catalog = catalog
+        self.aliases = {a.name: a.model for a in config.aliases}
+        self.rollouts: dict[str, Rollout] = rollouts or {}
+        self._rng = rng
+        self.apply_config()
+
+    def apply_config(self) -> None:
+        """Set model, version and hardware group from `[[models.backends]]` (the config wins
+        over discovery). Called again when discovery adds backends."""
+        by_url = {b.url.rstrip("/"): b for b in self.config.backends}
+        for backend in self.backends:
+            entry = by_url.get(backend.url)
+            if entry is None:
+                continue
+            if entry.model is not None:
+                backend.model = entry.model
+            if entry.version is not None:
+                backend.model_version = entry.version
+            backend.hw_group = entry.hardware_group
+        self.catalog.pinned = {
+            url for url, e in by_url.items() if e.model is not None and e.version is not None
+        }
+
+    # -- names --------------------------------------------------------------------------------
+    def pools(self) -> dict[str, list[Backend]]:
+        """Backends by pool, for the listing and the admin API."""
+        out: dict[str, list[Backend]] = {}
+        for b in self.backends:
+            if b.model is not None:
+                out.setdefault(b.model, []).append(b)
+        return out
+
+    def default_pool(self) -> str | None:
+        if self.config.default is not None:
+            return self.config.default
+        for b in self.backends:
+            if b.model is not None:
+                return b.model
+        return None
+
+    async def resolve(self, model: Any, *, tenant: bytes | None, canary: bytes | None,
+                      session: bytes | None) -> Route:  # fmt: skip
+        """The route of a request whose body names `model` (None: `/generate`, or absent).
+
+        Raises ModelNotFound (404) for a name that is neither a pool nor an alias, once the
+        fleet's models are known."""
+        if model is None or model == DEFAULT_MODEL:
+            pool = self.default_pool()
+        else:
+            pool = self.aliases.get(model, model)
+            if not self._known(pool):
+                await self.catalog.check(pool)  # refreshes a stale list; raises if unknown
+                if not self._known(pool):
+                    if self.catalog.known is None and not self.pools():
+                        return ANY  # nothing is known yet: the backend decides
+                    raise ModelNotFound(
+                        f"The model `{model}` does not exist. Served: "
+                        + ", ".join(sorted({*self.pools(), *self.aliases})),
+                        param="model",
+                    )
+        if pool is None:
+            return ANY
+        rollout = self.rollouts.get(pool)
+        if rollout is None:
+            return Route(pool)
+        to_canary = rollout.to_canary(tenant=tenant, header=canary, session=session,
+                                      draw=self._rng)  # fmt: skip
+        return Route(pool, rollout.canary if to_canary else rollout.stable, to_canary)
+
+    def _known(self, pool: str) -> bool:
+        return any(b.model == pool for b in self.backends)
+
+    # -- routing ------------------------------------------------------------------------------
+    def candidates(self, route: Route, able: list[Backend]) -> list[Backend]:
+        """`able` narrowed to the route's pool and version. A canary with no backend that can
+        take the request falls back to the stable version (the client is served); empty when
+        the pool has none (the caller answers `no_backend`)."""
+        pool = route.pool
+        if pool is None:
+            return able
+        mine = [b for b in able if b.model == pool or b.model is None]
+        if route.version is not None:
+            exact = [b for b in mine if b.model_version == route.version]
+            if not exact and route.canary:
+                rollout = self.rollouts[pool]
+                route.version, route.canary = rollout.stable, False
+                exact = [b for b in mine if b.model_version == rollout.stable]
+            mine = exact
+        return mine
+
+    def no_backend(self, route: Route) -> NoHealthyBackend:
+        what = route.pool if route.version is None else f"{route.pool} version {route.version}"
+        return NoHealthyBackend(f"model pool {what} has no healthy backend that can take it now")
+
+    # -- /v1/models ---------------------------------------------------------------------------
+    async def listing(self) -> dict[str, Any]:
+        """The fleet's models (the backends' cards, merged) and the aliases, OpenAI's shape."""
+        listing = await self.catalog.listing()
+        data = list(listing["data"])
+        ids = {card["id"] for card in data}
+        for name in sorted(self.pools()):
+            if name not in ids:
+                data.append({"id": name, "object": "model", "owned_by": "quicedge", "root": name})
+                ids.add(name)
+        for alias, pool in sorted(self.aliases.items()):
+            if alias not in ids:
+                data.append({"id": alias, "object": "model", "owned_by": "quicedge",
+                             "root": pool, "parent": pool})  # fmt: skip
+        return {"object": "list", "data": data}
+
+
+__all__ = ["ANY", "ModelPools", "Route"]

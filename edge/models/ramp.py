@@ -1,0 +1,210 @@
+"""The ramp controller: moves a rollout's canary share through the operator's steps.
+
+A step is held until the canary has served `step_requests` requests there and `step_seconds`
+have passed; it advances only while the canary's SLOs hold (error rate over its last `window`
+requests at most `max_error_rate`, TTFT p99 at most `max_ttft_p99`) and the last drift tests
+found nothing. Otherwise:
+
+- the error rate over the limit (with at least 20 requests seen) rolls back: share 0, every
+  request to stable;
+- a TTFT p99 over the limit, or a top-1 confidence shift, pauses it (share kept, no advance);
+- an entropy, length or finish-share change holds it for review (share kept, no advance).
+
+`promote`, `pause` and `rollback` do the same by hand (the admin API). Every transition is logged
+with its reason, counted in `quicedge_rollout_transitions_total{model,action}`, and kept (the
+last 50) for `GET /rollouts`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from edge.models.config import RolloutConfig
+from edge.models.drift import DriftDetector, Sample, TestResult
+from edge.models.rollout import Rollout
+
+log = logging.getLogger(__name__)
+
+MIN_ERROR_SAMPLES = 20
+"""Canary requests seen before its error rate may roll it back (one early error is not a rate)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    at: float
+    action: str
+    """advance, promoted, pause, hold, rollback, resume."""
+    percent: float
+    reason: str
+
+
+class Ramp:
+    """One pool's rollout and the controller that moves it."""
+
+    def __init__(
+        self,
+        config: RolloutConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        on_transition: Callable[[Rollout, Transition], None] | None = None,
+    ) -> None:
+        self.config = config
+        self._clock = clock
+        self._on_transition = on_transition
+        self.rollout = Rollout(
+            config.model, stable=config.stable, canary=config.canary, percent=config.steps[0],
+            tenants=frozenset(t.encode() for t in config.tenants),
+            header_rule=config.header is not None,
+        )  # fmt: skip
+        self.drift = DriftDetector(config.drift)
+        self.step = 0
+        self.step_started = clock()
+        self.step_requests = 0
+        self._errors: deque[bool] = deque(maxlen=config.drift.window)
+        self._ttfts: deque[float] = deque(maxlen=config.drift.window)
+        self.history: deque[Transition] = deque(maxlen=50)
+        self.last_tests: list[TestResult] = []
+
+    # -- inputs ---------------------------------------------------------------------------
+    def observe(self, *, canary: bool, error: bool, ttft_s: float | None) -> None:
+        """One live request's outcome (O(1) but for the p99 at a step's end)."""
+        if not canary:
+            return
+        self.step_requests += 1
+        self._errors.append(error)
+        if ttft_s is not None:
+            self._ttfts.append(ttft_s)
+        self.check()
+
+    def add_pair(self, stable: Sample, canary: Sample) -> list[TestResult]:
+        """One shadow pair; applies what a full window's tests found."""
+        results = self.drift.add(stable, canary=False) + self.drift.add(canary, canary=True)
+        if results:
+            self.last_tests = results
+            for result in results:
+                if result.action == "pause":
+                    self._move("pause", "drift: " + result.reason)
+                elif result.action == "hold":
+                    self._move("hold", "drift: " + result.reason)
+        return results
+
+    # -- the controller -------------------------------------------------------------------
+    def error_rate(self) -> float:
+        return sum(self._errors) / len(self._errors) if self._errors else 0.0
+
+    def ttft_p99(self) -> float | None:
+        if not self._ttfts:
+            return None
+        ordered = sorted(self._ttfts)
+        return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
+
+    def check(self) -> None:
+        """Roll back, pause or advance as the SLOs and the step's progress say."""
+        r = self.rollout
+        cfg = self.config
+        if r.state in ("rolled_back", "promoted"):
+            return
+        if len(self._errors) >= MIN_ERROR_SAMPLES and self.error_rate() > cfg.max_error_rate:
+            self._move("rollback", f"canary error rate {self.error_rate():.1%} > "
+                                   f"{cfg.max_error_rate:.1%}")  # fmt: skip
+            return
+        if not cfg.auto or r.state != "ramping":
+            return
+        if self.step_requests < cfg.step_requests:
+            return
+        if self._clock() - self.step_started < cfg.step_seconds:
+            return
+        p99 = self.ttft_p99()
+        if cfg.max_ttft_p99 is not None and p99 is not None and p99 > cfg.max_ttft_p99:
+            self._move("pause", f"canary TTFT p99 {p99 * 1000:.0f} ms > "
+                                f"{cfg.max_ttft_p99 * 1000:.0f} ms")  # fmt: skip
+            return
+        done = f"{self.step_requests} canary requests, error rate {self.error_rate():.1%}"
+        self._advance("step done: " + done)
+
+    def _advance(self, reason: str) -> None:
+        steps = self.config.steps
+        if self.step + 1 < len(steps):
+            self.step += 1
+            self._start_step()
+            self.rollout.percent = steps[self.step]
+            self._move("advance", reason)
+            if self.rollout.percent >= 100:
+                self._move("promoted", "reached 100 %")
+        else:
+            self.rollout.percent = 100.0
+            self._move("promoted", reason)
+
+    def _start_step(self) -> None:
+        self.step_started = self._clock()
+        self.step_requests = 0
+
+    def _move(self, action: str, reason: str) -> None:
+        r = self.rollout
+        if action == "rollback":
+            r.percent = 0.0
+            r.state = "rolled_back"
+        elif action in ("pause", "hold"):
+            r.state = "paused" if action == "pause" else "held"
+        elif action == "promoted":
+            r.state = "promoted"
+        elif action in ("advance", "resume"):
+            r.state = "ramping"
+        r.reason = reason
+        transition = Transition(self._clock(), action, r.percent, reason)
+        self.history.append(transition)
+        log.warning("rollout %s: %s at %.4g %% (%s)", r.pool, action, r.percent, reason)
+        if self._on_transition is not None:
+            self._on_transition(r, transition)
+
+    # -- the admin API --------------------------------------------------------------------
+    def promote(self, reason: str = "operator") -> None:
+        """Resume a paused or held ramp at its step, or advance a ramping one a step."""
+        if self.rollout.state == "rolled_back":
+            raise ValueError(f"rollout {self.rollout.pool} was rolled back; restart it by config")
+        if self.rollout.state in ("paused", "held"):
+            self._start_step()
+            self._move("resume", reason)
+        elif self.rollout.state == "ramping":
+            self._advance(reason)
+
+    def pause(self, reason: str = "operator") -> None:
+        if self.rollout.state in ("ramping", "held"):
+            self._move("pause", reason)
+
+    def rollback(self, reason: str = "operator") -> None:
+        if self.rollout.state != "rolled_back":
+            self._move("rollback", reason)
+
+    def snapshot(self) -> dict[str, Any]:
+        r = self.rollout
+        now = self._clock()
+        p99 = self.ttft_p99()
+        return {
+            "model": r.pool, "stable": r.stable, "canary": r.canary, "state": r.state,
+            "reason": r.reason, "percent": r.percent, "step": self.step,
+            "steps": list(self.config.steps), "step_requests": self.step_requests,
+            "step_age_s": round(now - self.step_started, 3),
+            "canary_error_rate": round(self.error_rate(), 4),
+            "canary_ttft_p99_ms": None if p99 is None else round(p99 * 1000, 2),
+            "drift_windows_tested": self.drift.windows_tested,
+            "last_tests": [
+                {"metric": t.metric, "stable": round(t.stable_mean, 4),
+                 "canary": round(t.canary_mean, 4), "p": t.p_value, "action": t.action}
+                for t in self.last_tests
+            ],
+            "history": [
+                {"age_s": round(now - t.at, 3), "action": t.action, "percent": t.percent,
+                 "reason": t.reason}
+                for t in self.history
+            ],
+        }  # fmt: skip
+
+
+__all__ = ["MIN_ERROR_SAMPLES", "Ramp", "Transition"]

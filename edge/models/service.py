@@ -1,0 +1,132 @@
+"""`Models`: what the app and the attempts call: pools, rollouts, shadows and their metrics.
+
+Three calls on the request path, each O(1) or O(backends): `route` (after parsing: the body's
+`model` to a pool and version), `candidates` (before the policy: the registry's candidates
+narrowed to them) and `observe` (after each attempt: per-pool metrics, the ramp's SLO window and
+maybe a shadow mirror).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from backends.pool import UpstreamPool
+from backends.registry import Backend, BackendRegistry
+from edge.models.catalog import ModelCatalog
+from edge.models.config import ModelsConfig
+from edge.models.metrics import ModelMetrics
+from edge.models.pools import ModelPools, Route
+from edge.models.ramp import Ramp, Transition
+from edge.models.rollout import Rollout
+from edge.models.shadow import Shadow
+
+
+class Models:
+    def __init__(
+        self,
+        config: ModelsConfig,
+        *,
+        backends: BackendRegistry,
+        catalog: ModelCatalog,
+        pool: UpstreamPool,
+        registry: CollectorRegistry,
+        clock: Callable[[], float] = time.monotonic,
+        rng: Callable[[], float] = random.random,
+    ) -> None:
+        self.config = config
+        self.metrics = ModelMetrics(registry)
+        catalog.discover = config.discover
+        self.ramps: dict[str, Ramp] = {
+            r.model: Ramp(r, clock=clock, on_transition=self._transition) for r in config.rollouts
+        }
+        self.shadows: dict[str, Shadow] = {
+            r.model: Shadow(
+                r,
+                ramp=self.ramps[r.model],
+                pool=pool,
+                registry=backends,
+                metrics=self.metrics,
+                rng=rng,
+                clock=clock,
+            )  # fmt: skip
+            for r in config.rollouts
+        }
+        self.pools = ModelPools(
+            config, backends=backends.backends, catalog=catalog,
+            rollouts={name: ramp.rollout for name, ramp in self.ramps.items()}, rng=rng,
+        )  # fmt: skip
+        for name, ramp in self.ramps.items():
+            self.metrics.canary_percent.labels(name).set(ramp.rollout.percent)
+
+    def _transition(self, rollout: Rollout, transition: Transition) -> None:
+        self.metrics.transitions.labels(rollout.pool, transition.action).inc()
+        self.metrics.canary_percent.labels(rollout.pool).set(rollout.percent)
+
+    async def route(
+        self, model: Any, *, tenant: bytes | None, canary: bytes | None, session: bytes | None
+    ) -> Route:
+        return await self.pools.resolve(model, tenant=tenant, canary=canary, session=session)
+
+    def candidates(self, route: Route | None, able: list[Backend]) -> list[Backend]:
+        if route is None:
+            return able
+        return self.pools.candidates(route, able)
+
+    def observe(
+        self,
+        route: Route | None,
+        backend: Backend,
+        *,
+        ttft_s: float | None,
+        error: str | None,
+        request: tuple[str, bytes, str] | None,
+    ) -> None:
+        """One attempt's outcome. `request` (route, payload, rid) lets a successful stable
+        request be mirrored."""
+        model = backend.model or "unknown"
+        version = backend.model_version or "unknown"
+        self.metrics.requests.labels(model, version, error or "ok").inc()
+        if ttft_s is not None:
+            self.metrics.ttft.labels(model, version).observe(ttft_s)
+        if route is None or route.pool is None:
+            return
+        ramp = self.ramps.get(route.pool)
+        if ramp is None or error == "disconnect":
+            return
+        canary = backend.model_version == ramp.rollout.canary
+        ramp.observe(canary=canary, error=error is not None, ttft_s=ttft_s)
+        if not canary and error is None and request is not None:
+            self.shadows[route.pool].mirror(*request)
+
+    # -- admin ----------------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        pools = {
+            name: [
+                {
+                    "name": b.name,
+                    "version": b.model_version,
+                    "hw_group": b.hw_group,
+                    "healthy": b.healthy,
+                }
+                for b in members
+            ]  # fmt: skip
+            for name, members in self.pools.pools().items()
+        }
+        return {
+            "default": self.pools.default_pool(),
+            "pools": pools,
+            "aliases": dict(self.pools.aliases),
+            "rollouts": [ramp.snapshot() for ramp in self.ramps.values()],
+        }
+
+    async def aclose(self) -> None:
+        for shadow in self.shadows.values():
+            await shadow.aclose()
+
+
+__all__ = ["Models"]
