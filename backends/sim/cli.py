@@ -45,7 +45,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
     p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
     p.add_argument("--context-length", type=int, default=None)
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument(
+        "--served-model-name", "--model-name", dest="served_model_name", default=None,
+        help="the model's name on the OpenAI routes (default: the profile's model path)",
+    )  # fmt: skip
+    p.add_argument(
+        "--model-version", default=d.model_version,
+        help="reported as weight_version (default: default)",
+    )  # fmt: skip
+    p.add_argument(
+        "--variant", choices=("none", "text", "long", "flat"), default=d.variant,
+        help="change the outputs in a controlled way: another text stream, answers twice as long,"
+        " or a mean top-1 probability 0.08 lower (default: none)",
+    )  # fmt: skip
     p.add_argument("--enable-metrics", action="store_true")
     p.add_argument("--enable-cache-report", action="store_true")
     p.add_argument("--disable-radix-cache", action="store_true")
@@ -114,6 +126,8 @@ def config_from(args: argparse.Namespace) -> SimConfig:
         enable_cache_report=args.enable_cache_report,
         seed=args.seed,
         served_model_name=args.served_model_name,
+        model_version=args.model_version,
+        variant=args.variant,
         context_length=args.context_length,
         disable_radix_cache=args.disable_radix_cache,
         natural_output_len=args.natural_output_len,

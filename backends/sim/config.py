@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from backends.sim.profiles import Profile, get_profile
 
@@ -34,6 +35,12 @@ class SimConfig:
     seed: int = 0
     served_model_name: str | None = None
     """Model name on the OpenAI routes; None: the profile's model path."""
+    model_version: str = "default"
+    """Reported as SGLang's `weight_version` (`/get_model_info`, answers' metadata)."""
+    variant: Literal["none", "text", "long", "flat"] = "none"
+    """A controlled change of the outputs, to stand in for another version of the model: `text`
+    another text stream for the same prompt, `long` answers twice as long, `flat` logprobs
+    whose mean top-1 probability is 0.08 lower (and whose entropy is higher)."""
     context_length: int | None = None
     disable_radix_cache: bool = False
     natural_output_len: tuple[int, int] = (64, 512)
@@ -76,6 +83,8 @@ class SimConfig:
             (self.timeout_keep_alive > 0, "timeout_keep_alive must be > 0"),
             (self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024"),
             (self.record_timings >= 0, "record_timings must be >= 0"),
+            (self.variant in ("none", "text", "long", "flat"), "variant: none|text|long|flat"),
+            (bool(self.model_version), "model_version must not be empty"),
         ]
         for ok, message in checks:
             if not ok:

@@ -49,7 +49,7 @@ class AdminRoutes(RouteContext):
             "tokenizer_path": path,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": "default",
+            "weight_version": self.config.model_version,
             "has_image_understanding": False,
             "has_audio_understanding": False,
             "model_type": "llama",

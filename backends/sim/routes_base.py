@@ -18,6 +18,7 @@ from typing import Any
 
 from backends.sim.config import SimConfig
 from backends.sim.http import HttpRequest, Responder
+from backends.sim.logprobs import LogprobSource
 from backends.sim.metrics import SimMetrics
 from backends.sim.request import SimRequest
 from backends.sim.scheduler import Scheduler
@@ -115,11 +116,14 @@ class RouteContext:
         rid = params.rid or uuid.uuid4().hex
         if self.scheduler.get(rid) is not None:
             raise BadRequest(f"Duplicate request ID: {rid}")
+        cfg = self.config
+        lo, hi = cfg.natural_output_len
         plan = OutputPlan(
             self.tokenizer,
             params.input_ids,
-            seed=self.config.seed,
-            natural_len=self.config.natural_output_len,
+            # `text`: another stream for the same prompt; `long`: answers twice as long
+            seed=cfg.seed ^ 0x5EED if cfg.variant == "text" else cfg.seed,
+            natural_len=(2 * lo, 2 * hi) if cfg.variant == "long" else (lo, hi),
         )
         return SimRequest(
             rid=rid,
@@ -132,6 +136,19 @@ class RouteContext:
             stop_token_ids=params.stop_token_ids,
             no_stop_trim=params.no_stop_trim,
         )
+
+    def _logprobs(self, params: GenParams) -> LogprobSource | None:
+        """The answer's logprobs when the request asked for them."""
+        if not params.logprobs:
+            return None
+        cfg = self.config
+        return LogprobSource(cfg.seed, cfg.variant, params.input_ids, params.top_logprobs)
+
+    def _pieces(self, req: SimRequest) -> list[str]:
+        """One text piece per output token (a trimmed stop string merges the pieces)."""
+        if len(req.pieces) == len(req.output_ids):
+            return req.pieces
+        return [self.tokenizer.decode([i]) for i in req.output_ids]
 
     def _submit(self, params: GenParams, responder: Responder) -> SimRequest:
         req = self._new_request(params)

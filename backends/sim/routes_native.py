@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from backends.sim.http import HttpRequest, Responder
+from backends.sim.logprobs import LogprobSource
 from backends.sim.request import SimRequest
 from backends.sim.routes_base import DONE, SSE_HEADERS, RouteContext, dumps, native_error, sse
 from backends.sim.wire import parse_generate, parse_json
@@ -17,7 +18,7 @@ class NativeRoutes(RouteContext):
             "id": req.rid,
             "finish_reason": req.finish_reason,
             "prompt_tokens": req.prompt_tokens,
-            "weight_version": "default",
+            "weight_version": self.config.model_version,
             "total_retractions": 0,
             "completion_tokens": req.completion_tokens,
             "cached_tokens": req.cached_tokens,
@@ -30,21 +31,28 @@ class NativeRoutes(RouteContext):
             meta["response_sent_to_client_ts"] = time.time()
         return meta
 
-    def _generate_output(self, req: SimRequest, *, final: bool) -> dict[str, Any]:
+    def _generate_output(
+        self, req: SimRequest, *, final: bool, logprobs: LogprobSource | None = None
+    ) -> dict[str, Any]:
+        meta = self._meta(req, final=final)
+        if logprobs is not None:  # cumulative, like the text
+            meta.update(logprobs.native(self.tokenizer, self._pieces(req), req.output_ids))
         return {
             "text": req.text(),
             "output_ids": req.output_ids,  # serialised at once, no copy needed
-            "meta_info": self._meta(req, final=final),
+            "meta_info": meta,
         }
 
     async def generate(self, request: HttpRequest, responder: Responder) -> None:
         params = parse_generate(parse_json(request.body), self.tokenizer)
         req = self._submit(params, responder)
         timing = self._timing(request, req, responder)
+        logprobs = self._logprobs(params)
         if not params.stream:
             if not await self._whole_answer_due(req, responder, native_error):
                 return
-            await responder.send(200, dumps(self._generate_output(req, final=True)))
+            await responder.send(200, dumps(self._generate_output(req, final=True,
+                                                                  logprobs=logprobs)))  # fmt: skip
             if timing is not None and req.text():
                 timing.first_token_at = time.perf_counter()
             return
@@ -54,7 +62,7 @@ class NativeRoutes(RouteContext):
         while not responder.disconnected:
             n = req.completion_tokens
             if n > sent or req.finished:
-                out = self._generate_output(req, final=req.finished)
+                out = self._generate_output(req, final=req.finished, logprobs=logprobs)
                 await responder.write(sse(out))
                 sent = n
                 if timing is not None and out["text"]:  # the first content, stamped once

@@ -55,6 +55,7 @@ class OpenAIRoutes(RouteContext):
         timing = self._timing(request, req, responder)
         model = params.model or self.config.model_name
         created = int(time.time())
+        logprobs = self._logprobs(params)
         if not params.stream:
             if not await self._whole_answer_due(req, responder, openai_error):
                 return
@@ -73,13 +74,15 @@ class OpenAIRoutes(RouteContext):
                             "reasoning_content": None,
                             "tool_calls": None,
                         },
-                        "logprobs": None,
+                        "logprobs": None
+                        if logprobs is None
+                        else {"content": logprobs.chat_content(self._pieces(req))},
                         "finish_reason": reason,
                         "matched_stop": matched,
                     }
                 ],
                 "usage": self._usage(req),
-                "metadata": {"weight_version": "default"},
+                "metadata": {"weight_version": self.config.model_version},
             }
             await responder.send(200, dumps(body))
             if timing is not None and req.text():
@@ -94,11 +97,16 @@ class OpenAIRoutes(RouteContext):
             "model": model,
         }
 
-        def chunk(delta: dict[str, Any], reason: str | None = None, matched: Any = None) -> bytes:
+        def chunk(
+            delta: dict[str, Any],
+            reason: str | None = None,
+            matched: Any = None,
+            lps: list[dict[str, Any]] | None = None,
+        ) -> bytes:
             choice = {
                 "index": 0,
                 "delta": delta,
-                "logprobs": None,
+                "logprobs": None if lps is None else {"content": lps},
                 "finish_reason": reason,
                 "matched_stop": matched,
             }
@@ -116,7 +124,10 @@ class OpenAIRoutes(RouteContext):
         )
         content_suffix = b'},"logprobs":null,"finish_reason":null,"matched_stop":null}]}\n\n'
 
-        def content_chunk(delta: str) -> bytes:
+        def content_chunk(delta: str, start: int) -> bytes:
+            if logprobs is not None:
+                lps = logprobs.chat_content(self._pieces(req), start)
+                return chunk({"reasoning_content": None, "content": delta}, lps=lps)
             if params.continuous_usage_stats:
                 return chunk({"reasoning_content": None, "content": delta})
             return content_prefix + dumps(delta) + content_suffix
@@ -128,11 +139,11 @@ class OpenAIRoutes(RouteContext):
         sent_tokens = sent_chars = 0
         while not responder.disconnected:
             if req.completion_tokens > sent_tokens:
-                sent_tokens = req.completion_tokens
+                start, sent_tokens = sent_tokens, req.completion_tokens
                 text = req.text()
                 delta, sent_chars = text[sent_chars:], len(text)
                 if delta:
-                    await responder.write(content_chunk(delta))
+                    await responder.write(content_chunk(delta, start))
                     if timing is not None:  # the first content, stamped once
                         timing.first_token_at = time.perf_counter()
                         timing = None
@@ -176,6 +187,7 @@ class OpenAIRoutes(RouteContext):
         timing = self._timing(request, req, responder)
         model = params.model or self.config.model_name
         created = int(time.time())
+        logprobs = self._logprobs(params)
         if not params.stream:
             if not await self._whole_answer_due(req, responder, openai_error):
                 return
@@ -189,13 +201,15 @@ class OpenAIRoutes(RouteContext):
                     {
                         "index": 0,
                         "text": req.text(),
-                        "logprobs": None,
+                        "logprobs": None
+                        if logprobs is None
+                        else logprobs.completion(self._pieces(req)),
                         "finish_reason": reason,
                         "matched_stop": matched,
                     }
                 ],
                 "usage": self._usage(req),
-                "metadata": {"weight_version": "default"},
+                "metadata": {"weight_version": self.config.model_version},
             }
             await responder.send(200, dumps(body))
             if timing is not None and req.text():

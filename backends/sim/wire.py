@@ -37,6 +37,12 @@ class GenParams:
     include_usage: bool = False
     continuous_usage_stats: bool = False
     model: str | None = None
+    logprobs: bool = False
+    """Return each output token's logprob (chat `logprobs`, completions `logprobs` >= 0,
+    native `return_logprob`)."""
+    top_logprobs: int = 0
+    """Alternatives per token (chat `top_logprobs`, completions `logprobs`, native
+    `top_logprobs_num`)."""
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
@@ -174,6 +180,8 @@ def parse_generate(obj: dict[str, Any], tokenizer: Tokenizer) -> GenParams:
         stop=_stop(sp),
         stop_token_ids=_stop_ids(sp),
         no_stop_trim=_bool(sp, "no_stop_trim"),
+        logprobs=_bool(obj, "return_logprob"),
+        top_logprobs=_int(obj, "top_logprobs_num", 0, minimum=0) or 0,
     )
 
 
@@ -215,6 +223,12 @@ def parse_completion(obj: dict[str, Any], tokenizer: Tokenizer) -> GenParams:
     if _bool(obj, "echo"):
         raise BadRequest("'echo' is not supported by the stand-in")
     params = GenParams(input_ids=ids, max_new_tokens=_int(obj, "max_tokens", 16, minimum=0))
+    # Legacy completions: `logprobs` is the number of alternatives (0..5), null for none.
+    top = _int(obj, "logprobs", None, minimum=0)
+    if top is not None:
+        if top > 5:
+            raise BadRequest("'logprobs' must be at most 5")
+        params.logprobs, params.top_logprobs = True, top
     return _openai_common(obj, params)
 
 
@@ -230,4 +244,11 @@ def parse_chat(obj: dict[str, Any], tokenizer: Tokenizer) -> GenParams:
     if max_tokens is None:
         max_tokens = _int(obj, "max_tokens", None, minimum=0)
     params = GenParams(input_ids=tokenizer.encode(text), max_new_tokens=max_tokens)
+    params.logprobs = _bool(obj, "logprobs")
+    top = _int(obj, "top_logprobs", 0, minimum=0) or 0
+    if top > 20:
+        raise BadRequest("'top_logprobs' must be at most 20")
+    if top and not params.logprobs:
+        raise BadRequest("'top_logprobs' requires 'logprobs' to be true")
+    params.top_logprobs = top
     return _openai_common(obj, params)
