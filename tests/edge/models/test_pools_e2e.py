@@ -1,0 +1,137 @@
+"""Model pools end to end: httpx → hypercorn → the app → real stand-ins with different model
+names and versions. Pool selection, aliases, `/v1/models`, unknown models, a pool with no
+healthy backend, per-pool metrics and spans."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from backends.sim import SimConfig, SimServer
+from edge.models import ModelsConfig
+from edge.models.config import Alias, BackendModel
+from tests.edge.conftest import client, fast_config, run_edge
+from tests.helpers import wait_until
+
+
+def sim(model: str, **overrides: Any) -> SimConfig:
+    values: dict[str, Any] = {"port": 0, "profile": "instant", "served_model_name": model}
+    values.update(overrides)
+    return SimConfig(**values)
+
+
+@contextlib.asynccontextmanager
+async def sims(*configs: SimConfig) -> AsyncIterator[list[SimServer]]:
+    async with contextlib.AsyncExitStack() as stack:
+        yield [await stack.enter_async_context(SimServer(c)) for c in configs]
+
+
+def chat(model: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "hi there"}],
+                            "max_tokens": 4}  # fmt: skip
+    if model is not None:
+        body["model"] = model
+    return body
+
+
+def netloc(server: SimServer) -> str:
+    return urlsplit(server.url).netloc
+
+
+async def test_the_model_selects_the_pool_aliases_work_and_the_listing_shows_both() -> None:
+    async with sims(sim("alpha"), sim("alpha"), sim("beta")) as (a1, a2, b1):
+        models = ModelsConfig(default="beta", aliases=[Alias("gpt-small", "alpha")])
+        config = fast_config([a1.url, a2.url, b1.url])
+        async with run_edge(config, models=models, trace=True) as edge, client(edge) as http:
+            seen: dict[str, Counter[str]] = {}
+            for model in ("alpha", "beta", "gpt-small"):
+                for _ in range(6):
+                    r = await http.post("/v1/chat/completions", json=chat(model))
+                    assert r.status_code == 200, r.text
+                    seen.setdefault(model, Counter())[r.headers["x-quicedge-backend"]] += 1
+            assert set(seen["alpha"]) == {netloc(a1), netloc(a2)}  # round robin inside the pool
+            assert set(seen["beta"]) == {netloc(b1)}
+            assert set(seen["gpt-small"]) <= {netloc(a1), netloc(a2)}
+            # /generate has no model field: the default pool
+            r = await http.post(
+                "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+            )
+            assert r.status_code == 200 and r.headers["x-quicedge-backend"] == netloc(b1)
+            listing = (await http.get("/v1/models")).json()
+            ids = {card["id"]: card for card in listing["data"]}
+            assert {"alpha", "beta", "gpt-small"} <= set(ids)
+            assert ids["gpt-small"]["root"] == "alpha"
+            card = await http.get("/v1/models/gpt-small")
+            assert card.status_code == 200 and card.json()["root"] == "alpha"
+            async with httpx.AsyncClient() as admin:
+                metrics = (await admin.get(edge.admin_url + "/metrics")).text
+                rollouts = (await admin.get(edge.admin_url + "/rollouts")).json()
+            assert 'quicedge_model_requests_total{model="beta",outcome="ok",version="default"}' in (
+                metrics
+            )
+            assert sorted(rollouts["pools"]) == ["alpha", "beta"]
+            assert edge.spans is not None
+            routes = [s for s in edge.spans.get_finished_spans() if s.name == "route"]
+            assert {s.attributes["quicedge.model"] for s in routes if s.attributes} == {
+                "alpha", "beta",
+            }  # fmt: skip
+
+
+async def test_an_unknown_model_is_a_404_in_openai_shape_and_reaches_no_backend() -> None:
+    async with sims(sim("alpha")) as (a1,):
+        async with run_edge(fast_config([a1.url])) as edge, client(edge) as http:
+            r = await http.post("/v1/chat/completions", json=chat("nope"))
+            assert r.status_code == 404
+            error = r.json()["error"]
+            assert error["code"] == "model_not_found" and error["param"] == "model"
+            assert "alpha" in error["message"] and error["type"] == "invalid_request_error"
+            assert r.headers.get("x-request-id")
+            async with httpx.AsyncClient() as admin:
+                metrics = (await admin.get(edge.admin_url + "/metrics")).text
+            assert "quicedge_model_requests_total{" not in metrics  # no attempt was made
+
+
+async def test_a_pool_with_no_healthy_backend_is_a_clear_503_and_others_still_serve() -> None:
+    async with sims(sim("alpha")) as (a1,):
+        beta = SimServer(sim("beta"))
+        await beta.__aenter__()
+        try:
+            config = fast_config([a1.url, beta.url])
+            async with run_edge(config) as edge, client(edge) as http:
+                r = await http.post("/v1/chat/completions", json=chat("beta"))
+                assert r.status_code == 200
+                await beta.__aexit__(None, None, None)
+                b = edge.wiring.registry.get(netloc(beta))
+                assert b is not None
+                await wait_until(lambda: not b.healthy, timeout=20)
+                r = await http.post("/v1/chat/completions", json=chat("beta"))
+                assert r.status_code == 503, r.text
+                error = r.json()["error"]
+                assert error["code"] == "no_healthy_backend"
+                assert "model pool beta" in error["message"]
+                ok = await http.post("/v1/chat/completions", json=chat("alpha"))
+                assert ok.status_code == 200
+        finally:
+            with contextlib.suppress(Exception):
+                await beta.__aexit__(None, None, None)
+
+
+async def test_versions_are_discovered_and_config_pins_model_version_and_group() -> None:
+    async with sims(sim("alpha", model_version="v1"), sim("alpha", model_version="v2")) as (
+        one,
+        two,
+    ):
+        models = ModelsConfig(
+            backends=[BackendModel(two.url, model="alpha", version="v9", hardware_group="a100")]
+        )
+        async with run_edge(fast_config([one.url, two.url]), models=models) as edge:
+            b1 = edge.wiring.registry.get(netloc(one))
+            b2 = edge.wiring.registry.get(netloc(two))
+            assert b1 is not None and b2 is not None
+            assert (b1.model, b1.model_version, b1.hw_group) == ("alpha", "v1", "default")
+            assert (b2.model, b2.model_version, b2.hw_group) == ("alpha", "v9", "a100")
