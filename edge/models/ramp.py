@@ -87,11 +87,15 @@ class Ramp:
         results = self.drift.add(stable, canary=False) + self.drift.add(canary, canary=True)
         if results:
             self.last_tests = results
-            for result in results:
-                if result.action == "pause":
-                    self._move("pause", "drift: " + result.reason)
-                elif result.action == "hold":
-                    self._move("hold", "drift: " + result.reason)
+            # The strongest action of the window, with every reason for it; a hold never
+            # turns a pause back into a hold.
+            for action in ("pause", "hold"):
+                reasons = [r.reason for r in results if r.action == action]
+                if reasons and self.rollout.state in ("ramping", "held"):
+                    if action == "hold" and self.rollout.state == "held":
+                        break
+                    self._move(action, "drift: " + "; ".join(reasons))
+                    break
         return results
 
     # -- the controller -------------------------------------------------------------------
