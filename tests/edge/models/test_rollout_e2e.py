@@ -1,0 +1,185 @@
+"""Gray release end to end: a stable and a canary stand-in behind the edge. The split by header
+and session, shadow pairs compared and fed to the drift windows, a variant with longer answers
+held, a canary that errors rolled back, and the admin API."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any
+
+import httpx
+
+from edge.models import ModelsConfig
+from edge.models.config import BackendModel, DriftConfig, RolloutConfig
+from tests.edge.conftest import (
+    Recorded,
+    Reply,
+    TinyUpstream,
+    client,
+    fast_config,
+    health_ok,
+    run_edge,
+)
+from tests.edge.models.test_pools_e2e import chat, netloc, sim, sims
+from tests.helpers import wait_until
+
+
+def rollout(**overrides: Any) -> RolloutConfig:
+    values: dict[str, Any] = {"model": "m", "stable": "v1", "canary": "v2", "steps": [50.0],
+                              "auto": False}  # fmt: skip
+    values.update(overrides)
+    return RolloutConfig(**values)
+
+
+async def test_the_header_and_sessions_choose_the_version() -> None:
+    async with sims(sim("m", model_version="v1"), sim("m", model_version="v2")) as (s1, s2):
+        models = ModelsConfig(rollouts=[rollout()])
+        async with (
+            run_edge(fast_config([s1.url, s2.url]), models=models) as edge,
+            client(edge) as http,
+        ):
+            by_header = {}
+            for value in ("1", "0"):
+                r = await http.post("/v1/chat/completions", json=chat("m"),
+                                    headers={"x-canary": value})  # fmt: skip
+                assert r.status_code == 200
+                by_header[value] = r.headers["x-quicedge-backend"]
+            assert by_header == {"1": netloc(s2), "0": netloc(s1)}
+            for i in range(6):  # each session keeps one version, whichever it is
+                got = set()
+                for _ in range(4):
+                    r = await http.post("/v1/chat/completions", json=chat("m"),
+                                        headers={"x-session-id": f"user-{i}"})  # fmt: skip
+                    got.add(r.headers["x-quicedge-backend"])
+                assert len(got) == 1
+            seen = Counter()
+            for _ in range(40):
+                r = await http.post("/v1/chat/completions", json=chat("m"))
+                seen[r.headers["x-quicedge-backend"]] += 1
+            assert set(seen) == {netloc(s1), netloc(s2)}  # 50 %: both, (1 - 2^-39)
+
+
+async def test_identical_versions_shadow_pairs_agree_and_the_ramp_completes() -> None:
+    async with sims(sim("m", model_version="v1"), sim("m", model_version="v2")) as (s1, s2):
+        models = ModelsConfig(rollouts=[rollout(
+            steps=[5.0, 50.0, 100.0], auto=True, step_requests=3, step_seconds=0,
+            shadow_fraction=1.0, shadow_rate=1000, shadow_concurrency=8,
+            drift=DriftConfig(window=30),
+        )])  # fmt: skip
+        async with (
+            run_edge(fast_config([s1.url, s2.url]), models=models) as edge,
+            client(edge) as http,
+        ):
+            ramp = edge.wiring.models.ramps["m"]
+            shadow = edge.wiring.models.shadows["m"]
+            body = {**chat("m"), "temperature": 0, "max_tokens": 12}
+            sent = 0
+            while (ramp.rollout.state == "ramping" or shadow.compared < 60) and sent < 600:
+                r = await http.post("/v1/chat/completions", json=body,
+                                    headers={"x-session-id": f"s{sent}"})  # fmt: skip
+                assert r.status_code == 200
+                sent += 1
+                if ramp.rollout.state != "ramping" and ramp.rollout.percent >= 100:
+                    # at 100 % nothing is stable any more: no mirrors; stop
+                    break
+            await wait_until(lambda: not shadow._tasks, timeout=20)
+            assert ramp.rollout.state == "promoted", ramp.snapshot()
+            assert [t.action for t in ramp.history][-1] == "promoted"
+            assert all(t.action in ("advance", "promoted") for t in ramp.history)
+            assert shadow.compared > 0
+            assert shadow.last is not None and shadow.last.exact is True
+            assert shadow.last.top1_agreement == 1.0 and shadow.last.length_ratio == 1.0
+            async with httpx.AsyncClient() as admin:
+                metrics = (await admin.get(edge.admin_url + "/metrics")).text
+            assert (
+                'quicedge_shadow_agreement_total{agree="true",check="exact",model="m"}' in metrics
+            )
+            assert 'quicedge_rollout_transitions_total{action="promoted",model="m"}' in metrics
+
+
+async def test_a_variant_with_longer_answers_is_held_at_the_first_step_with_the_reason() -> None:
+    base = {"natural_output_len": (10, 30)}
+    async with sims(
+        sim("m", model_version="v1", **base), sim("m", model_version="v2", variant="long", **base)
+    ) as (s1, s2):
+        models = ModelsConfig(rollouts=[rollout(
+            steps=[5.0, 50.0, 100.0], auto=True, step_requests=10_000,
+            shadow_fraction=1.0, shadow_rate=1000, shadow_concurrency=8,
+            drift=DriftConfig(window=30),
+        )])  # fmt: skip
+        async with (
+            run_edge(fast_config([s1.url, s2.url]), models=models) as edge,
+            client(edge) as http,
+        ):
+            ramp = edge.wiring.models.ramps["m"]
+            body = {**chat("m"), "max_tokens": 200}
+            for i in range(400):
+                if ramp.rollout.state != "ramping":
+                    break
+                r = await http.post("/v1/chat/completions", json=body, headers={"x-canary": "0"})
+                assert r.status_code == 200
+                if i % 8 == 7:  # let the mirrors finish: the limit drops the rest
+                    await wait_until(lambda: not edge.wiring.models.shadows["m"]._tasks)
+            assert ramp.rollout.state == "held", ramp.snapshot()
+            assert ramp.rollout.percent == 5 and "mean length" in ramp.rollout.reason
+            async with httpx.AsyncClient() as admin:
+                state = (await admin.get(edge.admin_url + "/rollouts")).json()
+            (shown,) = state["rollouts"]
+            assert shown["state"] == "held" and "length" in shown["history"][-1]["reason"]
+
+
+def _failing_canary(recorded: Recorded) -> Reply:
+    known = health_ok(recorded)
+    if known is not None:
+        return known
+    error = {"error": {"message": "boom", "type": "server_error", "code": 500}}
+    return Reply(status=500, chunks=[json.dumps(error).encode()], chunked=False,
+                 headers=[("content-type", "application/json")])  # fmt: skip
+
+
+async def test_a_canary_that_errors_is_rolled_back_and_stable_serves_all() -> None:
+    async with sims(sim("m", model_version="v1")) as (s1,), TinyUpstream(_failing_canary) as bad:
+        models = ModelsConfig(
+            backends=[BackendModel(bad.url, model="m", version="v2")],
+            rollouts=[rollout(auto=True, step_requests=10_000)],
+        )
+        config = fast_config([s1.url, bad.url], eject_after_failures=1000)
+        async with run_edge(config, models=models) as edge, client(edge) as http:
+            ramp = edge.wiring.models.ramps["m"]
+            statuses = Counter()
+            for _ in range(400):
+                if ramp.rollout.state == "rolled_back":
+                    break
+                r = await http.post("/v1/chat/completions", json=chat("m"))
+                statuses[r.status_code] += 1
+            assert ramp.rollout.state == "rolled_back", ramp.snapshot()
+            assert "error rate" in ramp.rollout.reason and statuses[500] >= 20
+            for _ in range(20):
+                r = await http.post("/v1/chat/completions", json=chat("m"))
+                assert r.status_code == 200 and r.headers["x-quicedge-backend"] == netloc(s1)
+
+
+async def test_the_admin_api_moves_a_rollout_and_refuses_what_it_cannot_do() -> None:
+    async with sims(sim("m", model_version="v1"), sim("m", model_version="v2")) as (s1, s2):
+        models = ModelsConfig(rollouts=[rollout(steps=[1.0, 10.0, 100.0])])
+        async with run_edge(fast_config([s1.url, s2.url]), models=models) as edge:
+            async with httpx.AsyncClient(base_url=edge.admin_url) as admin:
+                state = (await admin.post("/rollouts/m/promote")).json()
+                assert state["percent"] == 10 and state["state"] == "ramping"
+                assert (await admin.post("/rollouts/m/pause")).json()["state"] == "paused"
+                back = (await admin.post("/rollouts/m/rollback")).json()
+                assert back["state"] == "rolled_back" and back["percent"] == 0
+                refused = await admin.post("/rollouts/m/promote")
+                assert (
+                    refused.status_code == 400
+                    and "rolled back" in refused.json()["error"]["message"]
+                )
+                assert (await admin.post("/rollouts/nope/pause")).status_code == 404
+                assert (await admin.post("/rollouts/m/explode")).status_code == 404
+                assert (await admin.get("/rollouts/m/pause")).status_code == 405
+                listed = (await admin.get("/rollouts")).json()
+                actions = [h["action"] for h in listed["rollouts"][0]["history"]]
+                assert actions == ["advance", "pause", "rollback"]
+                metrics = (await admin.get("/metrics")).text
+                assert 'quicedge_rollout_canary_percent{model="m"} 0.0' in metrics
