@@ -47,7 +47,7 @@ def run(
         t += rng.expovariate(capacity * load)
         for s in fleet:  # prefills that ended leave the backend's queue
             b = s.backend
-            for end, tokens in [o for o in s.open if o[0] <= t]:
+            for _end, tokens in [o for o in s.open if o[0] <= t]:
                 b.in_flight -= 1
                 b.in_prefill -= 1
                 b.in_flight_prefill_tokens -= tokens
