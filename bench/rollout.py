@@ -12,9 +12,10 @@ Writes OUT/rollout.md and OUT/rollout.json.
 2. **False alarms**: 10,000 identical pairs per trial through the same ramp, counting every pause
    or hold; and a full ramp 1 → 5 → 25 → 50 → 100 % with identical versions, which must end
    promoted.
-3. **Shadow cost**: a real edge (our HTTP/1.1 listener) in front of a stable and a canary
-   stand-in (`h100-llama3-8b` timing at `--time-scale`), streamed chat requests from a client,
-   TTFT measured at the client: shadowing 0 % and 10 % of stable traffic, runs interleaved.
+3. **Shadow cost**: a real edge (our HTTP/1.1 listener, in this process with the client) in
+   front of a stable and a canary stand-in (each its own process, `h100-llama3-8b` timing at
+   `--time-scale`), streamed chat requests one after another, TTFT measured at the client:
+   shadowing 0 % and 10 % of stable traffic, runs interleaved.
 """
 
 from __future__ import annotations
@@ -26,16 +27,17 @@ import json
 import logging
 import math
 import random
+import re
 import statistics
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 from prometheus_client import CollectorRegistry
 
-from backends.sim import SimConfig, SimServer
 from edge.config import ProxyConfig
 from edge.models.config import DriftConfig, ModelsConfig, RolloutConfig
 from edge.models.drift import Sample
@@ -44,6 +46,7 @@ from edge.wiring import build
 from transport.h1_server import H1Listener
 
 TOP_K = 5
+_CONTENT = re.compile(rb'"content":"[^"]')
 _WEIGHTS = [0.5**i for i in range(TOP_K - 1)]
 _TOTAL = sum(_WEIGHTS)
 
@@ -139,25 +142,44 @@ async def _ttfts(url: str, n: int, seed: int) -> tuple[list[float], int]:
                     await r.aread()
                     continue
                 async for chunk in r.aiter_bytes():
-                    if first is None and b'"content":"' in chunk and b'"content":""' not in chunk:
+                    if first is None and _CONTENT.search(chunk):
                         first = time.perf_counter() - t0
             if first is not None:
                 out.append(first)
     return out, errors
 
 
+@contextlib.asynccontextmanager
+async def _sim_process(version: str, time_scale: float) -> AsyncIterator[str]:
+    """A stand-in in a process of its own (the edge's loop is not the backends'); its URL."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "backends.sim", "--port", "0", "--profile", "h100-llama3-8b",
+        "--time-scale", str(time_scale), "--model-name", "m", "--model-version", version,
+        "--natural-output-len", "16:32", stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+        if not line.startswith(b"ready "):
+            raise RuntimeError(f"the stand-in did not start: {line!r}")
+        yield line.split()[1].decode()
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+        await proc.wait()
+
+
 async def shadow_cost(*, requests: int, rounds: int, time_scale: float) -> dict[str, Any]:
-    sim: dict[str, Any] = {"port": 0, "profile": "h100-llama3-8b", "time_scale": time_scale,
-           "served_model_name": "m", "natural_output_len": (16, 32)}  # fmt: skip
     results: dict[str, list[float]] = {"0": [], "0.1": []}
     shadowed: dict[str, float] = {}
+    per_round: dict[str, list[tuple[float, float]]] = {}
     async with contextlib.AsyncExitStack() as stack:
-        stable = await stack.enter_async_context(SimServer(SimConfig(model_version="v1", **sim)))
-        canary = await stack.enter_async_context(SimServer(SimConfig(model_version="v2", **sim)))
+        stable_url = await stack.enter_async_context(_sim_process("v1", time_scale))
+        canary_url = await stack.enter_async_context(_sim_process("v2", time_scale))
         for r in range(rounds):
             for fraction in ("0", "0.1") if r % 2 == 0 else ("0.1", "0"):
                 proxy = ProxyConfig.from_mapping(
-                    {"backends": [stable.url, canary.url], "policy": "round_robin"}
+                    {"backends": [stable_url, canary_url], "policy": "round_robin"}
                 ).validate()
                 # canary share 0 % (steps below any real share): only shadows reach the canary
                 rollout = RolloutConfig(model="m", stable="v1", canary="v2", steps=[1e-9],
@@ -171,6 +193,9 @@ async def shadow_cost(*, requests: int, rounds: int, time_scale: float) -> dict[
                 try:
                     ttfts, _ = await _ttfts(listener.url, requests, seed=r)
                     results[fraction].extend(ttfts)
+                    per_round.setdefault(fraction, []).append(
+                        (statistics.median(ttfts) * 1000, _quantile(ttfts, 0.99) * 1000)
+                    )
                     shadow = wiring.models.shadows["m"]
                     shadowed[fraction] = shadowed.get(fraction, 0) + shadow.compared
                 finally:
@@ -182,6 +207,8 @@ async def shadow_cost(*, requests: int, rounds: int, time_scale: float) -> dict[
             "n": len(values), "pairs_compared": shadowed.get(fraction, 0),
             "p50_ms": round(statistics.median(values) * 1000, 3),
             "p99_ms": round(_quantile(values, 0.99) * 1000, 3),
+            "rounds_p50_ms": [round(p50, 3) for p50, _ in per_round[fraction]],
+            "rounds_p99_ms": [round(p99, 3) for _, p99 in per_round[fraction]],
         }  # fmt: skip
     return out
 
@@ -195,11 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=4, help="interleaved shadow rounds")
     parser.add_argument("--time-scale", type=float, default=0.2)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--no-detection", action="store_true", help="only the shadow cost")
     args = parser.parse_args(argv)
     logging.getLogger("edge.models.ramp").setLevel(logging.ERROR)  # one line per transition
     rng = random.Random(args.seed)
     report: dict[str, Any] = {"detection": {}, "false_alarms": {}}
-    for window in (100, 200, 400):
+    for window in () if args.no_detection else (100, 200, 400):
         runs = [pairs_until_pause(rng, shift=0.08, window=window, limit=20 * window)
                 for _ in range(args.trials)]  # fmt: skip
         found = [float(r) for r in runs if r is not None]
@@ -209,9 +237,10 @@ def main(argv: list[str] | None = None) -> int:
             "p90_pairs": _quantile(found, 0.9) if found else None,
             "max_pairs": max(found) if found else None,
         }  # fmt: skip
-    alarms = [false_alarms(rng, pairs=10_000, window=200) for _ in range(args.alarm_trials)]
+    trials = 0 if args.no_detection else args.alarm_trials
+    alarms = [false_alarms(rng, pairs=10_000, window=200) for _ in range(trials)]
     report["false_alarms"] = {"pairs_per_trial": 10_000, "window": 200, "alpha": 0.001,
-                              "trials": args.alarm_trials, "alarms": alarms}  # fmt: skip
+                              "trials": trials, "alarms": alarms}  # fmt: skip
     report["full_ramp"] = full_ramp(rng, window=200, step_requests=500)
     report["shadow"] = asyncio.run(
         shadow_cost(requests=args.requests, rounds=args.rounds, time_scale=args.time_scale)
@@ -228,12 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", f"False alarms in {fa['pairs_per_trial']} identical pairs (window 200, alpha "
               f"0.001), per trial: {fa['alarms']}", "",
               f"Full ramp, identical versions: {report['full_ramp']}", "",
-              "| shadow | n | pairs | TTFT p50 ms | p99 ms |",
-              "| --- | --- | --- | --- | --- |"]  # fmt: skip
+              "| shadow | n | pairs | TTFT p50 ms | p99 ms | p50 per round | p99 per round |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for fraction in ("0", "0.1"):
         d = report["shadow"][fraction]
         lines.append(f"| {fraction} | {d['n']} | {d['pairs_compared']} | {d['p50_ms']} | "
-                     f"{d['p99_ms']} |")  # fmt: skip
+                     f"{d['p99_ms']} | {d['rounds_p50_ms']} | {d['rounds_p99_ms']} |")  # fmt: skip
     (args.out / "rollout.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -43,13 +43,13 @@ class ModelMetrics:
         )
         self.shadow_agree = Counter(
             "quicedge_shadow_agreement",
-            "Shadow pair checks (exact, finish, top1) by whether the two versions agreed.",
+            "Shadow pair checks (exact for greedy requests, finish) by whether the versions agreed.",
             ["model", "check", "agree"],
             registry=registry,
         )
         self.shadow_similarity = Histogram(
             "quicedge_shadow_similarity",
-            "Shadow pair similarity (token_overlap, edit_similarity, length_ratio).",
+            "Shadow pair measures (token_overlap, edit_similarity, length_ratio, top1_agreement).",
             ["model", "measure"],
             buckets=_RATIO_BUCKETS,
             registry=registry,
