@@ -285,6 +285,10 @@ def health_ok(recorded: Recorded) -> Reply | None:
         models = {"object": "list", "data": [{"id": "tiny-model", "object": "model"}]}
         return Reply(chunks=[json.dumps(models).encode()], chunked=False,
                      headers=[("content-type", "application/json")])  # fmt: skip
+    if recorded.path == "/get_model_info":  # the model catalog reads its weight_version
+        info = {"model_path": "tiny-model", "weight_version": "default"}
+        return Reply(chunks=[json.dumps(info).encode()], chunked=False,
+                     headers=[("content-type", "application/json")])  # fmt: skip
     if recorded.path == "/abort_request":
         return Reply(status=200, chunked=False)
     return None
