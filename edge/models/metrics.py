@@ -43,7 +43,7 @@ class ModelMetrics:
         )
         self.shadow_agree = Counter(
             "quicedge_shadow_agreement",
-            "Shadow pair checks (exact for greedy requests, finish) by whether the versions agreed.",
+            "Shadow pair checks (exact: greedy requests only; finish) by whether both agreed.",
             ["model", "check", "agree"],
             registry=registry,
         )

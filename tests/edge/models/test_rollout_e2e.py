@@ -183,3 +183,35 @@ async def test_the_admin_api_moves_a_rollout_and_refuses_what_it_cannot_do() -> 
                 assert actions == ["advance", "pause", "rollback"]
                 metrics = (await admin.get("/metrics")).text
                 assert 'quicedge_rollout_canary_percent{model="m"} 0.0' in metrics
+
+
+async def test_a_flatter_canary_pauses_at_the_first_step_on_its_top1_probability() -> None:
+    """Mirrors are awaited one by one and the stand-ins are deterministic per prompt, so the
+    windows hold the same samples on every run."""
+    async with sims(sim("m", model_version="v1"), sim("m", model_version="v2", variant="flat")) as (
+        s1,
+        s2,
+    ):
+        models = ModelsConfig(rollouts=[rollout(
+            steps=[1.0, 50.0, 100.0], auto=True, step_requests=10_000,
+            shadow_fraction=1.0, shadow_rate=1000, drift=DriftConfig(window=100),
+        )])  # fmt: skip
+        async with (
+            run_edge(fast_config([s1.url, s2.url]), models=models) as edge,
+            client(edge) as http,
+        ):
+            ramp = edge.wiring.models.ramps["m"]
+            shadow = edge.wiring.models.shadows["m"]
+            for i in range(1500):
+                if ramp.rollout.state != "ramping":
+                    break
+                body = {"model": "m", "max_tokens": 16, "temperature": 0,
+                        "messages": [{"role": "user", "content": f"question {i}"}]}  # fmt: skip
+                r = await http.post("/v1/chat/completions", json=body, headers={"x-canary": "0"})
+                assert r.status_code == 200
+                await wait_until(lambda: not shadow._tasks, timeout=20)
+            assert ramp.rollout.state == "paused", ramp.snapshot()
+            assert ramp.rollout.percent == 1 and "top-1 probability" in ramp.rollout.reason
+            assert shadow.last is not None and shadow.last.exact is True  # same text, flatter
+            assert shadow.compared % 100 == 0  # it paused at the end of a window
+            assert shadow.compared <= 500  # 200 with these prompts (docs/models.md)
