@@ -219,10 +219,15 @@ class ProxyApp:
         t_parsed = time.perf_counter()
         ex.stream = validate(ex.route, body)
         if self.models is not None:
-            ex.model_route = await self.models.route(
-                None if ex.route == GENERATE else body.get("model"),
-                tenant=h.tenant, canary=h.canary, session=h.session,
-            )  # fmt: skip
+            model = None if ex.route == GENERATE else body.get("model")
+            route = self.models.route_now(
+                model, tenant=h.tenant, canary=h.canary, session=h.session
+            )
+            if route is None:  # a name not known yet: the fleet's list decides (maybe 404)
+                route = await self.models.route(
+                    model, tenant=h.tenant, canary=h.canary, session=h.session
+                )
+            ex.model_route = route
         elif ex.route != GENERATE:
             await self.catalog.check(body.get("model"))
         session = h.session.decode("latin-1") if h.session else None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -18,7 +20,7 @@ class ModelMetrics:
         )
         self.ttft = Histogram(
             "quicedge_model_ttft_seconds",
-            "Backend TTFT per model pool and version, s.",
+            "Backend TTFT per version of a pool with a rollout, s.",
             ["model", "version"],
             buckets=_TTFT_BUCKETS,
             registry=registry,
@@ -60,6 +62,28 @@ class ModelMetrics:
             ["model", "metric", "action"],
             registry=registry,
         )
+        # Children by labels: `labels()` on every attempt costs more than the rest of it.
+        self._attempts: dict[tuple[str | None, str | None, str | None], Any] = {}
+        self._ttfts: dict[tuple[str | None, str | None], Any] = {}
+
+    def attempt(
+        self, model: str | None, version: str | None, error: str | None, ttft_s: float | None
+    ) -> None:
+        """One attempt of a pool's version (model and version None: not known yet)."""
+        key = (model, version, error)
+        child = self._attempts.get(key)
+        if child is None:
+            child = self._attempts[key] = self.requests.labels(
+                model or "unknown", version or "unknown", error or "ok"
+            )
+        child.inc()
+        if ttft_s is not None:
+            hist = self._ttfts.get((model, version))
+            if hist is None:
+                hist = self._ttfts[(model, version)] = self.ttft.labels(
+                    model or "unknown", version or "unknown"
+                )
+            hist.observe(ttft_s)
 
 
 __all__ = ["ModelMetrics"]

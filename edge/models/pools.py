@@ -53,6 +53,7 @@ class ModelPools:
         self.aliases = {a.name: a.model for a in config.aliases}
         self.rollouts: dict[str, Rollout] = rollouts or {}
         self._rng = rng
+        self._plain: dict[str, Route] = {}
         self.apply_config()
 
     def apply_config(self) -> None:
@@ -89,6 +90,32 @@ class ModelPools:
                 return b.model
         return None
 
+    def resolve_now(self, model: Any, *, tenant: bytes | None, canary: bytes | None,
+                    session: bytes | None) -> Route | None:  # fmt: skip
+        """`resolve` without awaiting, for a name that is known (the hot path); None when the
+        name needs the fleet's list."""
+        if model is None or model == DEFAULT_MODEL:
+            pool = self.default_pool()
+        else:
+            pool = self.aliases.get(model, model)
+            if not self._known(pool):
+                return None
+        if pool is None:
+            return ANY
+        return self._route(pool, tenant=tenant, canary=canary, session=session)
+
+    def _route(self, pool: str, *, tenant: bytes | None, canary: bytes | None,
+               session: bytes | None) -> Route:  # fmt: skip
+        rollout = self.rollouts.get(pool)
+        if rollout is None:
+            route = self._plain.get(pool)
+            if route is None:  # shared: a route without a rollout is never changed
+                route = self._plain[pool] = Route(pool)
+            return route
+        to_canary = rollout.to_canary(tenant=tenant, header=canary, session=session,
+                                      draw=self._rng)  # fmt: skip
+        return Route(pool, rollout.canary if to_canary else rollout.stable, to_canary)
+
     async def resolve(self, model: Any, *, tenant: bytes | None, canary: bytes | None,
                       session: bytes | None) -> Route:  # fmt: skip
         """The route of a request whose body names `model` (None: `/generate`, or absent).
@@ -111,12 +138,7 @@ class ModelPools:
                     )
         if pool is None:
             return ANY
-        rollout = self.rollouts.get(pool)
-        if rollout is None:
-            return Route(pool)
-        to_canary = rollout.to_canary(tenant=tenant, header=canary, session=session,
-                                      draw=self._rng)  # fmt: skip
-        return Route(pool, rollout.canary if to_canary else rollout.stable, to_canary)
+        return self._route(pool, tenant=tenant, canary=canary, session=session)
 
     def _known(self, pool: str) -> bool:
         return any(b.model == pool for b in self.backends)

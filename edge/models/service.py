@@ -67,9 +67,16 @@ class Models:
         self.metrics.transitions.labels(rollout.pool, transition.action).inc()
         self.metrics.canary_percent.labels(rollout.pool).set(rollout.percent)
 
+    def route_now(
+        self, model: Any, *, tenant: bytes | None, canary: bytes | None, session: bytes | None
+    ) -> Route | None:
+        """The request's pool and version when its name is known (no await); else None."""
+        return self.pools.resolve_now(model, tenant=tenant, canary=canary, session=session)
+
     async def route(
         self, model: Any, *, tenant: bytes | None, canary: bytes | None, session: bytes | None
     ) -> Route:
+        """The request's pool and version; 404 for a model the fleet does not serve."""
         return await self.pools.resolve(model, tenant=tenant, canary=canary, session=session)
 
     def candidates(self, route: Route | None, able: list[Backend]) -> list[Backend]:
@@ -88,14 +95,14 @@ class Models:
     ) -> None:
         """One attempt's outcome. `request` (route, payload, rid) lets a successful stable
         request be mirrored."""
-        model = backend.model or "unknown"
-        version = backend.model_version or "unknown"
-        self.metrics.requests.labels(model, version, error or "ok").inc()
-        if ttft_s is not None:
-            self.metrics.ttft.labels(model, version).observe(ttft_s)
         if route is None or route.pool is None:
+            self.metrics.attempt(backend.model, backend.model_version, error, None)
             return
         ramp = self.ramps.get(route.pool)
+        # TTFT per version only where versions are compared: elsewhere it is the backend's
+        # `quicedge_upstream_ttft_seconds`, and a histogram costs ~2 us an observation.
+        self.metrics.attempt(backend.model, backend.model_version, error,
+                             ttft_s if ramp is not None else None)  # fmt: skip
         if ramp is None or error == "disconnect":
             return
         canary = backend.model_version == ramp.rollout.canary
