@@ -75,7 +75,6 @@ class Wiring:
         """Pre-warm pools, start health checks and load polling, learn the fleet's models."""
         await self.registry.start()
         await self.catalog.refresh()
-        self.models.pools.apply_config()
         if self.discovery is not None:
             self.discovery.start(self.registry)
 

@@ -51,6 +51,8 @@ class ModelCatalog:
         """Backend URLs whose model and version the config set: not discovered."""
         self.discover = True
         """Learn each backend's model and version from its answers."""
+        self.configure: Callable[[], None] | None = None
+        """Called before each fetch: applies `[[models.backends]]` (`ModelPools.apply_config`)."""
 
     @property
     def stale(self) -> bool:
@@ -103,6 +105,8 @@ class ModelCatalog:
                 self._refreshing = None
 
     async def _refresh(self) -> None:
+        if self.configure is not None:  # backends discovery added meanwhile get their config
+            self.configure()
         healthy = [b for b in self._backends if b.healthy]
         results = await asyncio.gather(*(self._fetch(b) for b in healthy), return_exceptions=True)
         merged: dict[str, dict[str, Any]] = {}

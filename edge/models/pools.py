@@ -55,6 +55,7 @@ class ModelPools:
         self._rng = rng
         self._plain: dict[str, Route] = {}
         self.apply_config()
+        catalog.configure = self.apply_config
 
     def apply_config(self) -> None:
         """Set model, version and hardware group from `[[models.backends]]` (the config wins

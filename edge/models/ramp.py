@@ -67,6 +67,8 @@ class Ramp:
         self.step_started = clock()
         self.step_requests = 0
         self._errors: deque[bool] = deque(maxlen=config.drift.window)
+        self._error_count = 0
+        """Errors in `_errors`, kept as it slides (the check runs on every canary request)."""
         self._ttfts: deque[float] = deque(maxlen=config.drift.window)
         self.history: deque[Transition] = deque(maxlen=50)
         self.last_tests: list[TestResult] = []
@@ -77,7 +79,10 @@ class Ramp:
         if not canary:
             return
         self.step_requests += 1
+        if len(self._errors) == self._errors.maxlen:
+            self._error_count -= self._errors[0]  # the one the append pushes out
         self._errors.append(error)
+        self._error_count += error
         if ttft_s is not None:
             self._ttfts.append(ttft_s)
         self.check()
@@ -100,7 +105,7 @@ class Ramp:
 
     # -- the controller -------------------------------------------------------------------
     def error_rate(self) -> float:
-        return sum(self._errors) / len(self._errors) if self._errors else 0.0
+        return self._error_count / len(self._errors) if self._errors else 0.0
 
     def ttft_p99(self) -> float | None:
         if not self._ttfts:
