@@ -166,17 +166,18 @@ def shadow_body(route: str, payload: bytes, rid: str) -> tuple[bytes, bool]:
 
 
 class _Bucket:
-    """Token bucket: `rate` per second, up to `rate` (one second's worth) banked."""
+    """Token bucket: `rate` per second, up to one second's worth banked (at least one)."""
 
     def __init__(self, rate: float, clock: Callable[[], float]) -> None:
         self.rate = rate
-        self.tokens = rate
+        self.capacity = max(1.0, rate)
+        self.tokens = self.capacity
         self._clock = clock
         self._at = clock()
 
     def take(self) -> bool:
         now = self._clock()
-        self.tokens = min(self.rate, self.tokens + (now - self._at) * self.rate)
+        self.tokens = min(self.capacity, self.tokens + (now - self._at) * self.rate)
         self._at = now
         if self.tokens >= 1:
             self.tokens -= 1

@@ -39,7 +39,7 @@ def chat(model: str | None) -> dict[str, Any]:
     return body
 
 
-def netloc(server: SimServer) -> str:
+def netloc(server: SimServer | Any) -> str:
     return urlsplit(server.url).netloc
 
 

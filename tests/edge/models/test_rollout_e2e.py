@@ -4,6 +4,7 @@ held, a canary that errors rolled back, and the admin API."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import Counter
 from typing import Any
@@ -215,3 +216,90 @@ async def test_a_flatter_canary_pauses_at_the_first_step_on_its_top1_probability
             assert shadow.last is not None and shadow.last.exact is True  # same text, flatter
             assert shadow.compared % 100 == 0  # it paused at the end of a window
             assert shadow.compared <= 500  # 200 with these prompts (docs/models.md)
+
+
+async def test_a_shadow_never_delays_the_client_and_is_bounded() -> None:
+    """The canary holds every mirror until released: the client's answers come back meanwhile,
+    a second mirror finds the one slot taken, and one over the rate is dropped."""
+    release = asyncio.Event()
+
+    async def slow_canary(recorded: Recorded) -> Reply:
+        known = health_ok(recorded)
+        if known is not None:
+            return known
+        await release.wait()
+        answer = {"choices": [{"message": {"content": "late"}, "finish_reason": "stop"}],
+                  "usage": {"completion_tokens": 1}}  # fmt: skip
+        return Reply(chunks=[json.dumps(answer).encode()], chunked=False,
+                     headers=[("content-type", "application/json")])  # fmt: skip
+
+    async with sims(sim("m", model_version="v1")) as (s1,), TinyUpstream(slow_canary) as canary:
+        models = ModelsConfig(
+            backends=[BackendModel(canary.url, model="m", version="v2")],
+            rollouts=[
+                rollout(
+                    steps=[1e-6],
+                    shadow_fraction=1.0,
+                    shadow_concurrency=1,
+                    shadow_rate=0.01,
+                    shadow_timeout=30,
+                )
+            ],  # fmt: skip
+        )
+        async with (
+            run_edge(fast_config([s1.url, canary.url]), models=models) as edge,
+            client(edge) as http,
+        ):
+            shadow = edge.wiring.models.shadows["m"]
+            for _ in range(4):
+                r = await http.post("/v1/chat/completions", json=chat("m"),
+                                    headers={"x-canary": "0"})  # fmt: skip
+                assert r.status_code == 200 and r.headers["x-quicedge-backend"] == netloc(s1)
+            assert len(shadow._tasks) == 1  # answered while the first mirror still waits
+            async with httpx.AsyncClient() as admin:
+                metrics = (await admin.get(edge.admin_url + "/metrics")).text
+            assert 'quicedge_shadow_requests_total{model="m",result="dropped_full"} 3.0' in metrics
+            release.set()
+            await wait_until(lambda: shadow.compared == 1, timeout=20)
+            assert shadow.last is not None and shadow.last.exact is None  # not greedy
+            # the bucket (one token, then 0.01 a second) is empty: the next mirrors are dropped
+            for _ in range(2):
+                await http.post("/v1/chat/completions", json=chat("m"), headers={"x-canary": "0"})
+                await wait_until(lambda: not shadow._tasks, timeout=20)
+            async with httpx.AsyncClient() as admin:
+                metrics = (await admin.get(edge.admin_url + "/metrics")).text
+            dropped = 'quicedge_shadow_requests_total{model="m",result="dropped_rate"} 2.0'
+            assert dropped in metrics and shadow.compared == 1
+
+
+async def test_no_mirror_goes_to_a_canary_that_is_queueing() -> None:
+    def queueing_canary(recorded: Recorded) -> Reply:
+        if recorded.path in ("/v1/loads", "/get_load"):
+            load = {"num_running_reqs": 8, "num_waiting_reqs": 5, "num_total_tokens": 0,
+                    "token_usage": 0.5, "max_total_tokens": 100000}  # fmt: skip
+            return Reply(chunks=[json.dumps({"loads": [load]}).encode()], chunked=False,
+                         headers=[("content-type", "application/json")])  # fmt: skip
+        known = health_ok(recorded)
+        assert known is not None, recorded.path  # no mirror may reach it
+        return known
+
+    async with sims(sim("m", model_version="v1")) as (s1,), TinyUpstream(queueing_canary) as busy:
+        models = ModelsConfig(
+            backends=[BackendModel(busy.url, model="m", version="v2")],
+            rollouts=[rollout(steps=[1e-6], shadow_fraction=1.0)],
+        )
+        async with (
+            run_edge(fast_config([s1.url, busy.url]), models=models) as edge,
+            client(edge) as http,
+        ):
+            b = edge.wiring.registry.get(netloc(busy))
+            assert b is not None
+            await wait_until(lambda: b.load is not None and b.load.num_waiting_reqs > 0)
+            for _ in range(3):
+                r = await http.post("/v1/chat/completions", json=chat("m"),
+                                    headers={"x-canary": "0"})  # fmt: skip
+                assert r.status_code == 200
+            async with httpx.AsyncClient() as admin:
+                metrics = (await admin.get(edge.admin_url + "/metrics")).text
+            assert 'quicedge_shadow_requests_total{model="m",result="canary_busy"} 3.0' in metrics
+            assert not [r for r in busy.requests if r.path.startswith("/v1/chat")]
