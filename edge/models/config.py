@@ -105,7 +105,8 @@ class RolloutConfig:
     step_seconds: float = 60.0
     """Least time a step is held before it may advance, s (both this and `step_requests`)."""
     auto: bool = True
-    """Advance, pause and roll back by itself; false: only the admin API moves it."""
+    """Advance through the steps by itself; false: only the admin API advances it (pauses,
+    holds and rollbacks happen either way)."""
     header: str | None = "x-canary"
     """A request with this header set to `1` goes to the canary, `0` to stable; none: no rule."""
     tenants: list[str] = field(default_factory=list)
