@@ -25,6 +25,7 @@ from backends.errors import (
 from backends.pool import UpstreamPool, UpstreamResponse
 from backends.registry import Backend, BackendRegistry, Ticket
 from edge.asgi import Receive, Scope, Send, lifespan, render_error, send_json
+from edge.audit import AuditLog
 from edge.config import ProxyConfig
 from edge.errors import (
     BadGateway,
@@ -38,6 +39,7 @@ from edge.errors import (
 )
 from edge.exchange import Exchange, read_headers
 from edge.models import ModelCatalog
+from edge.policy.gateway import PolicyGateway
 from edge.relay import RelayResult, StreamRelay, Usage, answer_of_body, read_whole
 from edge.routing.base import Decision, Outcome, RoutingPolicy
 from edge.stages.account import account_cache, account_stream
@@ -89,8 +91,12 @@ class ProxyApp:
         catalog: ModelCatalog,
         abort: Aborter,
         tracer: Tracer | None = None,
+        gateway: PolicyGateway | None = None,
+        audit: AuditLog | None = None,
     ) -> None:
         self.config = config
+        self.gateway = gateway
+        self.audit = audit
         self.pool = pool
         self.registry = registry
         self.policy = policy
@@ -194,6 +200,8 @@ class ProxyApp:
             await self._parse_and_admit(ex, receive)
             await self._forward(ex, receive, send)
         except EdgeError as err:
+            if self.audit is not None and ex is not None:
+                self.audit.record_exchange(ex, ex.status if ex.started else err.status)
             if trace is not None:
                 trace.set("http.status_code", err.status)
                 trace.end(time.perf_counter(), error=err.message)
@@ -204,6 +212,8 @@ class ProxyApp:
             err.extra_headers = (*err.extra_headers, (b"x-request-id", request_id.encode()))
             raise
         except ClientGone:
+            if self.audit is not None and ex is not None:
+                self.audit.record_exchange(ex, 499)
             self.metrics.disconnects.inc()
             self.metrics.requests.labels(route, "499").inc()
             if trace is not None:
@@ -211,6 +221,8 @@ class ProxyApp:
             return
         assert ex is not None
         status = ex.status
+        if self.audit is not None:
+            self.audit.record_exchange(ex, status)
         self.metrics.requests.labels(route, str(status)).inc()
         if trace is not None:
             trace.set("http.status_code", status)
@@ -220,6 +232,8 @@ class ProxyApp:
     async def _parse_and_admit(self, ex: Exchange, receive: Receive) -> None:
         """Parse (body, JSON once) then admit (fields, model, routing view)."""
         h = ex.headers
+        if self.audit is not None:
+            self.audit.admit()  # a full audit queue may refuse new requests (`when_full`)
         check_content_type(h.content_type)
         limit = self.config.max_body_bytes
         declared_length(h.content_length, limit)
@@ -229,6 +243,8 @@ class ProxyApp:
         ex.stream = validate(ex.route, body)
         if ex.route != GENERATE:
             await self.catalog.check(body.get("model"))
+        if self.gateway is not None:
+            raw = self.gateway.stage(ex, body, raw)
         session = h.session.decode("latin-1") if h.session else None
         ex.view = build_view(ex.route, body, session)
         rid = body.get("rid")
@@ -438,6 +454,10 @@ class ProxyApp:
         ex.status = 200
         await relay.run(response, send, _start_of(ex, response, backend))
         result = relay.result
+        if result.filtered is not None:
+            self._abort(ex, backend)  # its connection is closed already; this frees the slot
+            if self.gateway is not None:
+                self.gateway.filtered(ex, result.filtered)
         if result.upstream_error is not None:
             self._upstream_failed(backend, result.upstream_error.kind)
             if isinstance(result.upstream_error, UpstreamTimeout):
@@ -512,6 +532,7 @@ def _stream_relay(ex: Exchange, ticket: Ticket) -> StreamRelay:
     return StreamRelay(
         RelayResult(), route=ex.route, writer=ex.body_writer,
         on_first_token=ticket.first_token, on_complete=ex.mark_responded,
+        guard=ex.stream_guard,
     )  # fmt: skip
 
 

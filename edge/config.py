@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from edge.audit import AuditConfig
+from edge.policy.config import PolicyConfig
+
 SECONDS = 1.0
 KiB = 1024
 MiB = 1024 * KiB
@@ -73,6 +76,11 @@ class ProxyConfig:
     models_ttl: float = 5 * SECONDS
     """How long the merged `/v1/models` list is reused before it is fetched again."""
 
+    gateway: PolicyConfig = field(default_factory=PolicyConfig)
+    """The policy gateway: the TOML `[policy]` table (not a `[proxy]` key)."""
+    audit: AuditConfig = field(default_factory=AuditConfig)
+    """The audit log: the TOML `[audit]` table (not a `[proxy]` key)."""
+
     def validate(self) -> ProxyConfig:
         """Raise ValueError naming the first bad setting; return self for chaining."""
         if not self.backends:
@@ -119,7 +127,7 @@ class ProxyConfig:
     @classmethod
     def from_mapping(cls, values: dict[str, Any]) -> ProxyConfig:
         """Build from TOML-style keys, rejecting unknown keys and wrong types by name."""
-        known = {f.name: f for f in fields(cls)}
+        known = {f.name: f for f in fields(cls) if f.name not in _OWN_TABLES}
         unknown = sorted(set(values) - set(known))
         if unknown:
             raise ValueError(f"proxy: unknown setting(s) {', '.join(unknown)}")
@@ -128,6 +136,9 @@ class ProxyConfig:
             setattr(config, name, _coerce(name, getattr(config, name), value))
         return config
 
+
+_OWN_TABLES = ("gateway", "audit")
+"""Settings read from their own TOML tables (`[policy]`, `[audit]`), not from `[proxy]`."""
 
 _OPTIONAL_NUMBERS = {
     "loads_interval": float,

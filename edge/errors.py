@@ -155,6 +155,75 @@ class GatewayTimeout(EdgeError):
     code = "upstream_timeout"
 
 
+class PolicyRefused(EdgeError):
+    """403 `policy_violation`: a policy rule or module refused the request. The message and the
+    `x-quicedge-policy-rule` header name the rule, never the text that matched."""
+
+    status = 403
+    type = "invalid_request_error"
+    code = "policy_violation"
+
+    def __init__(
+        self, rule: str, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(
+            message, param=param, code=code, headers=((b"x-quicedge-policy-rule", rule.encode()),)
+        )
+        self.rule = rule
+
+
+class PolicyLimit(PolicyRefused):
+    """400 `policy_limit`: the request asks for more than its tier allows."""
+
+    status = 400
+    code = "policy_limit"
+
+
+class ModelNotAllowed(PolicyRefused):
+    """403 `model_not_allowed`: the tenant may not use this model."""
+
+    code = "model_not_allowed"
+
+
+class PolicyUnavailable(PolicyRefused):
+    """503 `policy_unavailable`: a policy module failed and is configured to fail closed."""
+
+    status = 503
+    type = "server_error"
+    code = "policy_unavailable"
+
+
+class StreamRefusal(PolicyRefused):
+    """A refused streaming request answered as a well-formed stream: status 200, one chunk with
+    `finish_reason: "content_filter"`, then `data: [DONE]` (`[policy] stream_refusal = "sse"`)."""
+
+    status = 200
+
+    def __init__(self, rule: str, message: str, events: bytes) -> None:
+        super().__init__(rule, message)
+        self.events = events
+
+    def body(self) -> bytes:
+        return self.events
+
+    def headers(self, *extra: tuple[bytes, bytes]) -> list[tuple[bytes, bytes]]:
+        return [
+            (b"content-type", b"text/event-stream"),
+            (b"cache-control", b"no-cache"),
+            (b"content-length", b"%d" % len(self.events)),
+            *self.extra_headers,
+            *extra,
+        ]
+
+
+class AuditBacklog(EdgeError):
+    """503 `audit_backlog`: the audit log's queue is full and is configured to refuse."""
+
+    status = 503
+    type = "server_error"
+    code = "audit_backlog"
+
+
 def from_upstream(exc: UpstreamError) -> EdgeError:
     """Map a `backends.errors` exception to the client-facing error (the one mapping point)."""
     if isinstance(exc, UpstreamTimeout):
@@ -172,16 +241,22 @@ def stream_error_event(err: EdgeError) -> bytes:
 
 
 __all__ = [
+    "AuditBacklog",
     "BadGateway",
     "EdgeError",
     "GatewayTimeout",
     "InvalidJSON",
     "InvalidRequest",
     "MethodNotAllowed",
+    "ModelNotAllowed",
     "ModelNotFound",
     "NoHealthyBackend",
     "PayloadTooLarge",
+    "PolicyLimit",
+    "PolicyRefused",
+    "PolicyUnavailable",
     "RouteNotFound",
+    "StreamRefusal",
     "TooEarly",
     "TooManyRequests",
     "UnsupportedMediaType",

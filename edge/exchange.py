@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from backends.registry import Backend
 from edge.relay import Usage
 from edge.routing.base import Decision, RequestView
 from edge.telemetry import RequestTrace
 from transport.asgi import BodyWriter, OnDisconnect
+
+if TYPE_CHECKING:
+    from edge.policy.stream import StreamGuard
 
 
 @dataclass(slots=True)
@@ -77,6 +81,18 @@ class Exchange:
     """The listener's `quicedge.body_writer`, when it offers one: the relay writes through it."""
     on_disconnect: OnDisconnect | None = None
     """The listener's `quicedge.on_disconnect`, when it offers one: no watcher task needed."""
+    tenant: str = "anonymous"
+    """Who sent the request (admission sets it)."""
+    tier: str = "default"
+    """The tenant's service tier (admission sets it)."""
+    policy_decision: str | None = None
+    """The policy gateway's decision (`allow`, `redact`, `deny`, `filtered`...); None: off."""
+    policy_rules: tuple[str, ...] = ()
+    """Ids of the policy rules and modules that matched."""
+    stream_guard: StreamGuard | None = None
+    """The stream policy's watch over this answer, when stream rules are configured."""
+    ttft: float | None = None
+    """TTFT as the edge saw it, seconds (streamed answers)."""
 
     def mark_responded(self) -> None:
         self.responded = True

@@ -24,6 +24,7 @@ import sys
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -289,7 +290,7 @@ async def run_worker(
         lines.append(f"loop   {running_loop_name()}")
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        loop.add_signal_handler(signal.SIGHUP, tls.reload)
+        loop.add_signal_handler(signal.SIGHUP, partial(_reload, tls, wiring))
         prepare_collector()
         probe.start()
         gc_pauses.start()  # after the freeze's own full collection
@@ -311,6 +312,13 @@ async def run_worker(
         if wiring is not None:
             await wiring.aclose()
         tickets.close()
+
+
+def _reload(tls: TlsMaterial, wiring: Any) -> None:
+    """SIGHUP: certificates, and the policy modules when the proxy runs."""
+    tls.reload()
+    if wiring is not None:
+        wiring.reload()
 
 
 # CPython starts a young collection when tracked allocations have outnumbered deallocations by

@@ -151,6 +151,19 @@ class Metrics:
             buckets=TTFT_BUCKETS,
             registry=registry,
         )
+        self.policy_decisions = LightCounter(
+            "quicedge_policy_decisions",
+            "Policy gateway decisions by rule (or module) and outcome: allow, redact, deny, "
+            "filtered (stream cut), error, allow_on_error; rule `-`: a request no rule matched",
+            ["rule", "outcome"],
+            registry=registry,
+        )
+        self.policy_failures = LightCounter(
+            "quicedge_policy_module_failures",
+            "WebAssembly policy module failures by module and kind (trap, fuel, memory, abi, load)",
+            ["module", "kind"],
+            registry=registry,
+        )
         # children created once: a dict lookup less per request
         self.stage_parse = self.stage.labels("parse")
         self.stage_admit = self.stage.labels("admit")
@@ -213,6 +226,27 @@ class FleetCollector(Collector):
             conns.add_metric([url, "idle"], host.idle)
             conns.add_metric([url, "active"], host.active)
         yield from (reuse, connects, urgent, conns)
+
+
+class AuditCollector(Collector):
+    """Read-at-scrape audit log gauges and counters: queue depth, lines written, drops."""
+
+    def __init__(self, audit: Any) -> None:
+        self._audit = audit
+
+    def collect(self) -> Iterator[Metric]:
+        depth = GaugeMetricFamily(
+            "quicedge_audit_queue_depth", "Audit records waiting to be written"
+        )
+        depth.add_metric([], self._audit.depth)
+        written = CounterMetricFamily("quicedge_audit_written", "Audit lines written")
+        written.add_metric([], self._audit.written)
+        dropped = CounterMetricFamily(
+            "quicedge_audit_dropped",
+            'Audit records dropped: the queue was full (`when_full = "drop"`) or a write failed',
+        )
+        dropped.add_metric([], self._audit.dropped)
+        yield from (depth, written, dropped)
 
 
 # -- tracing ---------------------------------------------------------------------------------
@@ -341,6 +375,7 @@ class RequestTrace:
 
 
 __all__ = [
+    "AuditCollector",
     "FleetCollector",
     "Metrics",
     "RequestTrace",

@@ -22,10 +22,20 @@ from backends.registry import Backend, BackendRegistry, HealthConfig
 from edge.admin import AdminApp
 from edge.app import ProxyApp
 from edge.asgi import ASGIApp
+from edge.audit import AuditConfig, AuditLog
 from edge.config import ProxyConfig
 from edge.models import ModelCatalog
+from edge.policy.config import PolicyConfig
+from edge.policy.gateway import PolicyGateway
 from edge.routing.base import RoutingPolicy, make_policy
-from edge.telemetry import FleetCollector, Metrics, Tracer, TracingSetup, tracer_from_env
+from edge.telemetry import (
+    AuditCollector,
+    FleetCollector,
+    Metrics,
+    Tracer,
+    TracingSetup,
+    tracer_from_env,
+)
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +109,10 @@ def config_from(args: argparse.Namespace, toml: Mapping[str, Any]) -> ProxyConfi
         flag_value = getattr(args, f.name, None)
         if flag_value is not None:
             values[f.name] = flag_value
-    return ProxyConfig.from_mapping(values).validate()
+    config = ProxyConfig.from_mapping(values).validate()
+    config.gateway = PolicyConfig.from_mapping(toml.get("policy", {}))
+    config.audit = AuditConfig.from_mapping(toml.get("audit", {}))
+    return config
 
 
 @dataclass(eq=False)
@@ -115,6 +128,8 @@ class Wiring:
     metrics: Metrics
     catalog: ModelCatalog
     tracing: TracingSetup
+    gateway: PolicyGateway | None = None
+    audit: AuditLog | None = None
     _aborts: set[asyncio.Task[Any]] = field(default_factory=set)
     _clients: dict[str, Any] = field(default_factory=dict)
 
@@ -122,6 +137,15 @@ class Wiring:
         """Pre-warm pools, start health checks and load polling, learn the fleet's models."""
         await self.registry.start()
         await self.catalog.refresh()
+        if self.gateway is not None:
+            self.gateway.start()
+        if self.audit is not None:
+            await self.audit.start()
+
+    def reload(self) -> None:
+        """SIGHUP: compile the policy modules again (requests in progress keep the old ones)."""
+        if self.gateway is not None:
+            self.gateway.reload()
 
     async def aclose(self) -> None:
         """Stop checks, let in-progress aborts finish briefly, close pools, flush spans."""
@@ -133,6 +157,10 @@ class Wiring:
             with contextlib.suppress(Exception):
                 await client.aclose()
         await self.pool.aclose()
+        if self.gateway is not None:
+            await self.gateway.aclose()
+        if self.audit is not None:
+            await self.audit.aclose()  # after the requests: their records are written too
         self.tracing.shutdown()
 
     def abort(self, backend: Backend, rid: str) -> None:
@@ -198,6 +226,14 @@ async def build(
     catalog = ModelCatalog(
         backends=backends.backends, pool=pool, ttl=config.models_ttl, timeout=config.health_timeout
     )
+    gateway = PolicyGateway.from_config(
+        config.gateway,
+        on_decision=lambda rule, outcome: metrics.policy_decisions.labels(rule, outcome).inc(),
+        on_module_failure=lambda module, kind: metrics.policy_failures.labels(module, kind).inc(),
+    )
+    audit = AuditLog(config.audit) if config.audit.path else None
+    if audit is not None:
+        registry.register(AuditCollector(audit))
     wiring = Wiring(
         app=_unset_app,
         admin_app=_unset_app,
@@ -208,6 +244,8 @@ async def build(
         metrics=metrics,
         catalog=catalog,
         tracing=tracing,
+        gateway=gateway,
+        audit=audit,
     )
     wiring.app = ProxyApp(
         config=config,
@@ -218,6 +256,8 @@ async def build(
         catalog=catalog,
         abort=wiring.abort,
         tracer=tracing.tracer,
+        gateway=gateway,
+        audit=audit,
     )
     wiring.admin_app = AdminApp(registry=registry, backends=backends, pool=pool, policy=policy)
     return wiring

@@ -1,0 +1,294 @@
+"""Settings of the policy gateway: the TOML `[policy]` table and its arrays of tables.
+
+```toml
+[policy]
+stream_lookbehind = 256
+
+[[policy.rules]]
+id = "no-secrets"
+action = "deny"
+patterns = ["api[_ -]?key", "password"]
+
+[[policy.tenant_models]]
+tenant = "free-co"
+models = ["small-*"]
+
+[[policy.tiers]]
+tier = "free"
+max_tokens = 512
+
+[[policy.wasm]]
+id = "deny-keyword"
+path = "edge/policy/examples/deny_keyword.wasm"
+
+[[policy.stream_rules]]
+id = "no-leak"
+patterns = ["BEGIN PRIVATE KEY"]
+```
+
+Everything is off by default: with no rules, no WASM module and no stream rule the gateway is
+not built and a request pays nothing for it.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from typing import Any, Literal, TypeVar
+
+import regex
+
+KiB = 1024
+MiB = 1024 * KiB
+
+T = TypeVar("T")
+
+
+@dataclass
+class RuleConfig:
+    """One declarative rule over the prompt text (`[[policy.rules]]`)."""
+
+    id: str = ""
+    """Rule id: named in refusals, metrics and the audit log (required, unique)."""
+    action: Literal["deny", "allow", "redact"] = "deny"
+    """`deny` refuses a prompt that matches (403); `allow` exempts a matching prompt from every
+    `deny` rule; `redact` replaces each match with `replacement` and forwards the request."""
+    patterns: list[str] = field(default_factory=list)
+    """Regular expressions (Python `re` syntax), matched case-insensitively on the normalised
+    prompt text (see docs/policy.md)."""
+    literal: bool = False
+    """Treat `patterns` as plain text instead of regular expressions."""
+    tenants: list[str] = field(default_factory=list)
+    """Tenants the rule applies to; empty: every tenant."""
+    replacement: str = "[REDACTED]"
+    """Text that replaces a match of a `redact` rule."""
+
+    def validate(self) -> None:
+        if not self.id:
+            raise ValueError("policy.rules.id: every rule needs an id")
+        if not self.patterns:
+            raise ValueError(f"policy.rules.patterns: rule {self.id!r} has no pattern")
+        for pattern in self.patterns:
+            _check_pattern(f"policy.rules.patterns ({self.id})", pattern, self.literal)
+
+
+@dataclass
+class TenantModels:
+    """Models one tenant may use (`[[policy.tenant_models]]`)."""
+
+    tenant: str = ""
+    """The tenant id (as admission names it; `anonymous` without an API key)."""
+    models: list[str] = field(default_factory=list)
+    """Allowed model ids; shell-style globs (`small-*`) are accepted."""
+
+    def validate(self) -> None:
+        if not self.tenant:
+            raise ValueError("policy.tenant_models.tenant: required")
+
+
+@dataclass
+class TierLimits:
+    """Request-size limits of one tier (`[[policy.tiers]]`)."""
+
+    tier: str = ""
+    """The tier name (as admission names it)."""
+    max_tokens: int | None = None
+    """Largest `max_tokens` / `max_completion_tokens` / `sampling_params.max_new_tokens` a
+    request may ask for; None: no limit."""
+    max_prompt_chars: int | None = None
+    """Longest prompt, in characters of its text; None: no limit."""
+
+    def validate(self) -> None:
+        if not self.tier:
+            raise ValueError("policy.tiers.tier: required")
+        for name in ("max_tokens", "max_prompt_chars"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"policy.tiers.{name}: must be >= 1, got {value}")
+
+
+@dataclass
+class WasmConfig:
+    """One sandboxed policy module (`[[policy.wasm]]`)."""
+
+    id: str = ""
+    """Module id: named in refusals, metrics and the audit log (required)."""
+    path: str = ""
+    """The `.wasm` (or `.wat`) file; reloaded when it changes or on SIGHUP."""
+    fuel: int = 5_000_000
+    """Fuel per request (about one unit per WebAssembly instruction); past it the call traps."""
+    memory_bytes: int = 16 * MiB
+    """Largest linear memory the module may have, bytes (16 MiB)."""
+    on_error: Literal["closed", "open"] = "closed"
+    """A module that traps, runs out of fuel or answers garbage: `closed` refuses the request
+    (503 `policy_unavailable`), `open` lets it through. Either way it is counted."""
+    poll_interval: float | None = 1.0
+    """Seconds between checks of the file's modification time; None: reload on SIGHUP only."""
+
+    def validate(self) -> None:
+        if not self.id:
+            raise ValueError("policy.wasm.id: required")
+        if not self.path:
+            raise ValueError(f"policy.wasm.path: module {self.id!r} needs a path")
+        if self.fuel < 1000:
+            raise ValueError(f"policy.wasm.fuel: must be >= 1000, got {self.fuel}")
+        if self.memory_bytes < 64 * KiB:
+            raise ValueError("policy.wasm.memory_bytes: must be >= 65536 (one page)")
+        if self.poll_interval is not None and self.poll_interval <= 0:
+            raise ValueError("policy.wasm.poll_interval: must be > 0")
+
+
+@dataclass
+class StreamRuleConfig:
+    """A pattern watched for in the generated text (`[[policy.stream_rules]]`)."""
+
+    id: str = ""
+    """Rule id: named in the stream's end, metrics and the audit log (required)."""
+    patterns: list[str] = field(default_factory=list)
+    """Regular expressions (or plain text with `literal`), matched case-insensitively on the
+    normalised generated text. A match must fit in `policy.stream_lookbehind` characters."""
+    literal: bool = False
+    """Treat `patterns` as plain text."""
+
+    def validate(self) -> None:
+        if not self.id:
+            raise ValueError("policy.stream_rules.id: required")
+        if not self.patterns:
+            raise ValueError(f"policy.stream_rules.patterns: rule {self.id!r} has no pattern")
+        for pattern in self.patterns:
+            _check_pattern(f"policy.stream_rules.patterns ({self.id})", pattern, self.literal)
+
+
+@dataclass
+class PolicyConfig:
+    """The policy gateway (`[policy]`). Off unless something is configured."""
+
+    rules: list[RuleConfig] = field(default_factory=list)
+    """Declarative prompt rules, evaluated once per request."""
+    tenant_models: list[TenantModels] = field(default_factory=list)
+    """Per-tenant model allow-lists; a tenant not listed may use every model."""
+    tiers: list[TierLimits] = field(default_factory=list)
+    """Per-tier request-size limits; a tier not listed has none."""
+    wasm: list[WasmConfig] = field(default_factory=list)
+    """Sandboxed policy modules, run after the rules, in order."""
+    stream_rules: list[StreamRuleConfig] = field(default_factory=list)
+    """Patterns that end a streamed answer with `finish_reason: "content_filter"`."""
+    stream_lookbehind: int = 256
+    """Characters of generated text kept to catch a match split across chunks (256)."""
+    stream_refusal: Literal["sse", "json"] = "sse"
+    """How a refused streaming request is answered: `sse` (status 200, one chunk with
+    `finish_reason: "content_filter"`, then `[DONE]`) or `json` (the 403 error)."""
+
+    @property
+    def request_enabled(self) -> bool:
+        return bool(self.rules or self.tenant_models or self.tiers or self.wasm)
+
+    @property
+    def stream_enabled(self) -> bool:
+        return bool(self.stream_rules)
+
+    def validate(self) -> None:
+        ids: set[str] = set()
+        items: list[RuleConfig | WasmConfig | StreamRuleConfig] = [
+            *self.rules,
+            *self.wasm,
+            *self.stream_rules,
+        ]
+        for item in items:
+            item.validate()
+            if item.id in ids:
+                raise ValueError(f"policy: id {item.id!r} is used twice")
+            ids.add(item.id)
+        for models in self.tenant_models:
+            models.validate()
+        for tier in self.tiers:
+            tier.validate()
+        if self.stream_lookbehind < 1:
+            raise ValueError("policy.stream_lookbehind: must be >= 1")
+
+    @classmethod
+    def from_mapping(cls, values: typing.Mapping[str, Any]) -> PolicyConfig:
+        """Build from the `[policy]` TOML table, rejecting unknown keys and wrong types."""
+        config = from_mapping(cls, values, "policy")
+        config.validate()
+        return config
+
+
+def _check_pattern(where: str, pattern: str, literal: bool) -> None:
+    if not pattern:
+        raise ValueError(f"{where}: an empty pattern matches everything")
+    if literal:
+        return
+    try:
+        re.compile(pattern)
+        regex.compile(pattern)
+    except (re.error, regex.error) as exc:
+        raise ValueError(f"{where}: bad regular expression {pattern!r}: {exc}") from None
+
+
+def from_mapping(cls: type[T], values: typing.Mapping[str, Any], section: str) -> T:
+    """A dataclass from a TOML table: known keys only, each value checked against its type."""
+    if not isinstance(values, typing.Mapping):
+        raise ValueError(f"{section}: must be a table")
+    assert is_dataclass(cls)
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(values) - set(known))
+    if unknown:
+        raise ValueError(f"{section}: unknown setting(s) {', '.join(unknown)}")
+    kwargs = {name: _coerce(f"{section}.{name}", hints[name], v) for name, v in values.items()}
+    for name, f in known.items():
+        if name not in kwargs and f.default is MISSING and f.default_factory is MISSING:
+            raise ValueError(f"{section}.{name}: required")
+    return cls(**kwargs)
+
+
+def _coerce(where: str, hint: Any, value: Any) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(where, inner, value)
+    if origin is Literal:
+        if value not in args:
+            choices = ", ".join(map(str, args))
+            raise ValueError(f"{where}: must be one of {choices}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ValueError(f"{where}: must be a list")
+        return [_coerce(where, args[0], v) for v in value]
+    if is_dataclass(hint):
+        return from_mapping(hint, value, where)  # type: ignore[arg-type]
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"{where}: must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{where}: must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{where}: must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ValueError(f"{where}: must be a string, got {value!r}")
+        return value
+    raise TypeError(f"{where}: unsupported setting type {hint!r}")
+
+
+__all__ = [
+    "PolicyConfig",
+    "RuleConfig",
+    "StreamRuleConfig",
+    "TenantModels",
+    "TierLimits",
+    "WasmConfig",
+    "from_mapping",
+]
