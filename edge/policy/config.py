@@ -117,8 +117,9 @@ class WasmConfig:
     """Module id: named in refusals, metrics and the audit log (required)."""
     path: str = ""
     """The `.wasm` (or `.wat`) file; reloaded when it changes or on SIGHUP."""
-    fuel: int = 5_000_000
-    """Fuel per request (about one unit per WebAssembly instruction); past it the call traps."""
+    fuel: int = 10_000_000
+    """Fuel per request (about one unit per WebAssembly instruction; 10 M): past it the call
+    traps. A module that scans the prompt needs fuel in proportion to the largest prompt."""
     memory_bytes: int = 16 * MiB
     """Largest linear memory the module may have, bytes (16 MiB)."""
     on_error: Literal["closed", "open"] = "closed"

@@ -122,12 +122,15 @@ class StreamGuard:
             self._learn_ids(region)
         text = self._text_of(region)
         if not text:
+            if self._held:  # no new text: a possible match is neither done nor disproved
+                self._held.append(region)
+                return b""
             return self._pass(region)
         window = self._window + fold(text)
         match = self._rules.pattern.search(window, partial=True)
         self._window = window[-self._rules.lookbehind :]
-        if match is None:
-            return self._pass(region)
+        if match is None or (match.partial and match.start() == match.end()):
+            return self._pass(region)  # (the empty string at the end is a "partial" of anything)
         if match.partial:
             self._held.append(region)
             return b""
