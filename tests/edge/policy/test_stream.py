@@ -28,8 +28,8 @@ def rules(**overrides: Any) -> StreamRules:
 
 
 def chat_event(text: str) -> bytes:
-    chunk = {"id": "c1", "object": "chat.completion.chunk", "model": "m",
-             "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}  # fmt: skip
+    choice = {"index": 0, "delta": {"content": text}, "finish_reason": None}
+    chunk = {"id": "c1", "object": "chat.completion.chunk", "model": "m", "choices": [choice]}
     return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
 
