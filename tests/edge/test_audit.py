@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from edge.audit import GENESIS, AuditConfig, AuditLog, verify
+from edge.audit import GENESIS, AuditConfig, AuditLog, ordered_files, verify
 from edge.cli import main as cli
 from edge.errors import AuditBacklog
 from tests.edge.conftest import (
@@ -123,7 +123,7 @@ async def test_rotation_continues_the_chain_across_files(
         log.record(entry(i))
         await log.flush()
     await log.aclose()
-    rotated = sorted(tmp_path.glob("audit.jsonl.*"))
+    rotated = ordered_files(str(path))[:-1]
     assert len(rotated) >= 2
     first_of_new = json.loads(lines(path)[0])
     last_of_old = json.loads(lines(Path(f"{path}.{len(rotated)}"))[-1])
