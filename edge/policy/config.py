@@ -178,6 +178,11 @@ class PolicyConfig:
     """Patterns that end a streamed answer with `finish_reason: "content_filter"`."""
     stream_lookbehind: int = 256
     """Characters of generated text kept to catch a match split across chunks (256)."""
+    stream_hold: bool = False
+    """Hold back the events that may be the start of a match until it completes or fails, so no
+    part of a match reaches the client; those tokens wait for the ones that decide. Off
+    (default): nothing is held, and the stream is cut at the chunk that completes a match (the
+    part of the match in earlier chunks has reached the client)."""
     stream_refusal: Literal["sse", "json"] = "sse"
     """How a refused streaming request is answered: `sse` (status 200, one chunk with
     `finish_reason: "content_filter"`, then `[DONE]`) or `json` (the 403 error)."""

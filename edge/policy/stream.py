@@ -5,15 +5,16 @@ the client does. It decodes the text of each complete SSE event, folds it (`norm
 a window of the last `lookbehind` characters, and searches the rules there with the `regex`
 module's partial matching:
 
-- no match, and no match could start in the window's tail: everything is passed on at once;
-- the tail could be the start of a match (`BEGIN PRIV` of `BEGIN PRIVATE KEY`): the events from
-  here on are held back until the match completes or fails, so no part of a match leaks;
-- a match: the held events are dropped, the stream ends with a well-formed final chunk with
-  `finish_reason: "content_filter"` and `data: [DONE]`, and the relay aborts the upstream request.
+- no match: the events are passed on at once, unchanged;
+- a match: the chunk that completed it (and anything held) is dropped, the stream ends with a
+  well-formed final chunk with `finish_reason: "content_filter"` and `data: [DONE]`, and the
+  relay aborts the upstream request;
+- with `stream_hold` on, also: the tail could be the start of a match (`BEGIN PRIV` of
+  `BEGIN PRIVATE KEY`): the events from there on are held back until the match completes or
+  fails, so no part of a match reaches the client (those tokens wait for the deciding ones).
 
-Only events the client could not parse yet (an incomplete event) and events after a possible
-match start wait; a stream that never comes near a pattern is relayed unchanged, chunk for chunk.
-A match longer than `lookbehind` characters is not caught.
+By default nothing is held but the bytes of an incomplete event (the client could not parse
+them yet either). A match longer than `lookbehind` characters is not caught.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class StreamRules:
     pattern: regex.Pattern[str]
     ids: list[str]
     lookbehind: int
+    hold: bool = False
 
     @classmethod
     def from_config(cls, config: PolicyConfig) -> StreamRules | None:
@@ -61,7 +63,8 @@ class StreamRules:
         source, ids = combined_pattern(
             [(r.id, r.patterns, r.literal) for r in config.stream_rules], regex.IGNORECASE
         )
-        return cls(regex.compile(source, regex.IGNORECASE), ids, config.stream_lookbehind)
+        pattern = regex.compile(source, regex.IGNORECASE)
+        return cls(pattern, ids, config.stream_lookbehind, config.stream_hold)
 
     def guard(self, route: str) -> StreamGuard:
         return StreamGuard(self, route)
@@ -127,7 +130,7 @@ class StreamGuard:
                 return b""
             return self._pass(region)
         window = self._window + fold(text)
-        match = self._rules.pattern.search(window, partial=True)
+        match = self._rules.pattern.search(window, partial=self._rules.hold)
         self._window = window[-self._rules.lookbehind :]
         if match is None or (match.partial and match.start() == match.end()):
             return self._pass(region)  # (the empty string at the end is a "partial" of anything)

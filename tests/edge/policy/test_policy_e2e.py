@@ -42,6 +42,7 @@ POLICY: dict[str, Any] = {
          "replacement": "[EMAIL]"},
     ],
     "stream_rules": [{"id": "key-leak", "patterns": ["BEGIN PRIVATE KEY"], "literal": True}],
+    "stream_hold": True,
 }  # fmt: skip
 
 

@@ -19,7 +19,8 @@ def rules(**overrides: Any) -> StreamRules:
         "stream_rules": [
             {"id": "key-leak", "patterns": [SECRET], "literal": True},
             {"id": "card", "patterns": [r"\b4\d{3}([ -]?\d{4}){3}\b"]},
-        ]
+        ],
+        "stream_hold": True,
     }
     values.update(overrides)
     built = StreamRules.from_config(PolicyConfig.from_mapping(values))
@@ -142,6 +143,23 @@ def test_a_match_longer_than_the_lookbehind_is_out_of_reach() -> None:
     guard = rules(stream_lookbehind=8).guard("/v1/chat/completions")
     out, _ = run(guard, [chat_event(c) for c in SECRET])
     assert guard.cut is None and delta_text(out) == SECRET  # documented limit
+
+
+@pytest.mark.parametrize("split", [1, 5, 11, 16])
+def test_by_default_nothing_is_held_and_the_completing_chunk_is_cut(split: int) -> None:
+    guard = rules(stream_hold=False).guard("/v1/chat/completions")
+    first, second = chat_event("x " + SECRET[:split]), chat_event(SECRET[split:] + " MIIE")
+    assert guard.feed(first) == first  # at once: nothing waits for what may follow
+    out = guard.feed(second)
+    assert guard.cut == "key-leak"
+    assert delta_text(out) == "" and out.endswith(b"data: [DONE]\n\n")
+    assert guard.feed(chat_event("more")) == b"" and guard.finish() == b""
+
+
+def test_by_default_every_chunk_passes_as_it_comes() -> None:
+    guard = rules(stream_hold=False).guard("/v1/chat/completions")
+    chunks = [chat_event(w) for w in ("to ", "begin ", "private ", "lessons")]
+    assert [guard.feed(c) for c in chunks] == chunks
 
 
 def test_no_stream_rules_builds_no_guard() -> None:
