@@ -32,7 +32,6 @@ not built and a request pays nothing for it.
 
 from __future__ import annotations
 
-import re
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
@@ -71,7 +70,7 @@ class RuleConfig:
         if not self.patterns:
             raise ValueError(f"policy.rules.patterns: rule {self.id!r} has no pattern")
         for pattern in self.patterns:
-            _check_pattern(f"policy.rules.patterns ({self.id})", pattern, self.literal)
+            _check_pattern(f"policy.rules.patterns ({self.id})", pattern, self.literal, re2=True)
 
 
 @dataclass
@@ -222,15 +221,23 @@ class PolicyConfig:
         return config
 
 
-def _check_pattern(where: str, pattern: str, literal: bool) -> None:
+def _check_pattern(where: str, pattern: str, literal: bool, *, re2: bool = False) -> None:
+    """Request rules are RE2 expressions (`google-re2`), stream rules `regex` ones (which can
+    tell a match that may still complete at the end of the text)."""
     if not pattern:
         raise ValueError(f"{where}: an empty pattern matches everything")
     if literal:
         return
+    if re2:
+        from edge.policy.rules import check_pattern
+
+        problem = check_pattern(pattern)
+        if problem is not None:
+            raise ValueError(f"{where}: bad regular expression {pattern!r}: {problem}")
+        return
     try:
-        re.compile(pattern)
         regex.compile(pattern)
-    except (re.error, regex.error) as exc:
+    except regex.error as exc:
         raise ValueError(f"{where}: bad regular expression {pattern!r}: {exc}") from None
 
 

@@ -8,7 +8,9 @@
    case-insensitively): an `allow` match exempts the request from the `deny` rules; a `deny`
    match refuses it (403 `policy_violation`); `redact` rules replace their matches in the body.
 
-All rules of one action are one compiled alternation, so twenty rules cost one regex search.
+All rules of one action are one compiled alternation, and patterns are RE2 expressions
+(`google-re2`: linear time, no back-references or look-around), so twenty rules cost one
+automaton pass over the prompt, with no pattern able to backtrack for long.
 The refusal names the rule, never the text that matched. The body is changed (and so must be
 serialised again) only when something was redacted.
 """
@@ -20,6 +22,8 @@ import re
 from collections.abc import MutableMapping, MutableSequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import re2
 
 from edge.errors import ModelNotAllowed, PolicyLimit, PolicyRefused
 from edge.policy.config import PolicyConfig, RuleConfig
@@ -74,16 +78,30 @@ def requested_tokens(body: MutableMapping[str, Any]) -> int | None:
 class _Group:
     """Rules of one action and one tenant scope, as one alternation (group `r<i>` is rule i)."""
 
-    pattern: re.Pattern[str]
+    pattern: Any  # re2._Regexp
     rules: list[RuleConfig]
     tenants: frozenset[str] | None
 
     def applies(self, tenant: str) -> bool:
         return self.tenants is None or tenant in self.tenants
 
-    def rule_of(self, match: re.Match[str]) -> RuleConfig:
+    def rule_of(self, match: Any) -> RuleConfig:
         name = match.lastgroup
         return self.rules[int(name[1:])] if name else self.rules[0]
+
+
+_OPTIONS = re2.Options()
+_OPTIONS.case_sensitive = False
+_OPTIONS.log_errors = False
+
+
+def check_pattern(pattern: str) -> str | None:
+    """Why `pattern` is not an RE2 expression, or None when it is one."""
+    try:
+        re2.compile(pattern, _OPTIONS)
+    except re2.error as exc:
+        return str(exc)
+    return None
 
 
 def _compile_groups(rules: list[RuleConfig], action: str) -> list[_Group]:
@@ -99,8 +117,8 @@ def _compile_groups(rules: list[RuleConfig], action: str) -> list[_Group]:
             alts = "|".join(f"(?:{re.escape(p) if rule.literal else p})" for p in rule.patterns)
             parts.append(f"(?P<r{i}>{alts})")
         try:
-            pattern = re.compile("|".join(parts), re.IGNORECASE)
-        except re.error as exc:  # numbered back-references do not survive being combined
+            pattern = re2.compile("|".join(parts), _OPTIONS)
+        except re2.error as exc:
             ids = ", ".join(r.id for r in members)
             raise ValueError(f"policy.rules: rules {ids} cannot be combined: {exc}") from None
         groups.append(_Group(pattern, members, scope))
@@ -203,7 +221,7 @@ class RequestRules:
     ) -> None:
         fired: set[str] = set()
 
-        def replace(match: re.Match[str]) -> str:
+        def replace(match: Any) -> str:
             rule = group.rule_of(match)
             fired.add(rule.id)
             return rule.replacement
