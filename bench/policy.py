@@ -150,8 +150,8 @@ def phase(
                 rounds=args.rounds, per_round=args.per_round, warmup=args.warmup,
                 pause_s=args.pause_ms / 1e3, pids=pids,
             )  # fmt: skip
-            runs.append({"concurrency": n, "targets": summarize(targets),
-                         "policy_counts": {k: policy_counts(v) for k, v in admins.items()}})  # fmt: skip
+            counts = {k: policy_counts(v) for k, v in admins.items()}
+            runs.append({"concurrency": n, "targets": summarize(targets), "policy_counts": counts})
     return runs
 
 
