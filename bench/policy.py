@@ -252,6 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pause-ms", type=float, default=2.0)
     p.add_argument("--prompt-words", type=int, default=64)
     p.add_argument("--itl-tokens", type=int, default=32)
+    p.add_argument("--itl-per-round", type=int, default=16,
+                   help="requests per target and round, ITL phase (each is long)")  # fmt: skip
     p.add_argument("--skip-itl", action="store_true", help="the TTFT phase only")
     return p
 
@@ -266,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                  concurrency=args.concurrency)  # fmt: skip
     itl: list[dict[str, Any]] = []
     if not args.skip_itl:
+        args.per_round = args.itl_per_round
         itl = phase(out, "itl", profile="h100-llama3-8b", direct=False,
                     edges={"off": None, "stream": STREAM_TOML}, args=args,
                     max_tokens=args.itl_tokens, concurrency=args.concurrency)  # fmt: skip
