@@ -103,6 +103,7 @@ class AuditLog:
         self._idle = asyncio.Event()
         """Set while nothing is queued or being written."""
         self._idle.set()
+        self._closing = False
         self._task: asyncio.Task[None] | None = None
         self.dropped = 0
         self.written = 0
@@ -160,13 +161,14 @@ class AuditLog:
         self._task = asyncio.get_running_loop().create_task(self._drain())
 
     async def aclose(self) -> None:
-        """Write what is queued, then stop."""
+        """Write what is queued, then stop (one writer at a time: the chain has one end)."""
         if self._task is not None:
-            self._task.cancel()
+            self._closing = True
+            self._wake.set()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        if self._queue:
+        elif self._queue:
             await asyncio.to_thread(self._write, self._take())
 
     async def flush(self) -> None:
@@ -191,6 +193,8 @@ class AuditLog:
                 self.dropped += len(batch)
             if not self._queue:
                 self._idle.set()
+                if self._closing:
+                    return
             else:
                 self._wake.set()
 

@@ -145,7 +145,7 @@ class Wiring:
     def reload(self) -> None:
         """SIGHUP: compile the policy modules again (requests in progress keep the old ones)."""
         if self.gateway is not None:
-            self.gateway.reload()
+            self.gateway.reload_soon()
 
     async def aclose(self) -> None:
         """Stop checks, let in-progress aborts finish briefly, close pools, flush spans."""

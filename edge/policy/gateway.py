@@ -8,6 +8,7 @@ or the body serialised again when a rule or a module redacted something.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -56,6 +57,7 @@ class PolicyGateway:
         self.modules = [WasmPolicy(c, on_failure=on_module_failure) for c in config.wasm]
         self.stream = StreamRules.from_config(config)
         self._count = on_decision or (lambda rule, outcome: None)
+        self._reloads: set[asyncio.Task[bool]] = set()
 
     @classmethod
     def from_config(cls, config: PolicyConfig, **kwargs: Any) -> PolicyGateway | None:
@@ -162,9 +164,17 @@ class PolicyGateway:
             module.start()
 
     def reload(self) -> None:
-        """Compile every module again (SIGHUP)."""
+        """Compile every module again, now."""
         for module in self.modules:
             module.reload()
+
+    def reload_soon(self) -> None:
+        """SIGHUP: compile every module again in a thread; each is swapped in when ready."""
+        loop = asyncio.get_running_loop()
+        for module in self.modules:
+            task = loop.create_task(module.reload_async())
+            self._reloads.add(task)
+            task.add_done_callback(self._reloads.discard)
 
     async def aclose(self) -> None:
         for module in self.modules:

@@ -187,3 +187,16 @@ async def test_changed_file_is_reloaded_by_the_poller(tmp_path: Path) -> None:
     finally:
         await gw.aclose()
     await asyncio.sleep(0)
+
+
+async def test_sighup_reload_compiles_in_a_thread_and_swaps(tmp_path: Path) -> None:
+    path = tmp_path / "live.wasm"
+    path.write_bytes(wasmtime.wat2wasm(HEAD + '(func (export "check") (param i32 i32) '
+                                       "(result i64) (i64.const 18)))"))  # fmt: skip
+    gw, _ = gateway(str(path), poll_interval=None)
+    assert check(gw, "forbidden").decision == "allow"
+    path.write_bytes((EXAMPLES / "deny_keyword.wasm").read_bytes())
+    gw.reload_soon()  # what Wiring.reload does on SIGHUP
+    await wait_until(lambda: gw.modules[0].generation == 2, timeout=10)
+    with pytest.raises(PolicyRefused):
+        check(gw, "forbidden")
