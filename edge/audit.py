@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import fcntl
 import hashlib
 import hmac
 import logging
@@ -53,7 +54,9 @@ class AuditConfig:
     """The audit log (`[audit]`). Off unless `path` is set."""
 
     path: str | None = None
-    """The JSON-lines file; None: no audit log (default)."""
+    """The JSON-lines file; None: no audit log (default). `{pid}` in it is replaced by the
+    process id, which gives each of `--workers N` its own chain (one writer per file: a second
+    process that opens the same log is refused at start)."""
     max_bytes: int = 100 * MiB
     """Size past which the file is rotated (100 MiB)."""
     queue_size: int = 10_000
@@ -97,7 +100,8 @@ class AuditLog:
     def __init__(self, config: AuditConfig) -> None:
         assert config.path is not None
         self.config = config
-        self.path = config.path
+        self.path = config.path.replace("{pid}", str(os.getpid()))
+        self._lock: int | None = None
         self._queue: collections.deque[dict[str, Any]] = collections.deque()
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -157,6 +161,17 @@ class AuditLog:
     # -- the writer --------------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Take the log's lock (one writer per chain), read its last hash, start writing."""
+        self._lock = os.open(self.path + ".lock", os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock)
+            self._lock = None
+            raise ValueError(
+                f"audit.path: another process writes {self.path} (with --workers N, put "
+                "{pid} in the path)"
+            ) from None
         self._prev = await asyncio.to_thread(last_hash, self.path)
         self._task = asyncio.get_running_loop().create_task(self._drain())
 
@@ -170,6 +185,9 @@ class AuditLog:
             self._task = None
         elif self._queue:
             await asyncio.to_thread(self._write, self._take())
+        if self._lock is not None:
+            os.close(self._lock)  # and with it the lock
+            self._lock = None
 
     async def flush(self) -> None:
         """Wait until everything queued so far is written (tests, shutdown)."""

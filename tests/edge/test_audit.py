@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -209,3 +210,19 @@ async def test_burst_through_the_edge_is_audited_without_a_drop(tmp_path: Path) 
     assert sample["backend"] and sample["model"] == "tiny-model" and sample["ttft_ms"] > 0
     assert records[-1]["status"] == 400
     assert verify([str(path)], start=GENESIS).ok
+
+
+async def test_one_writer_per_log(tmp_path: Path) -> None:
+    path = str(tmp_path / "audit-{pid}.jsonl")
+    first = AuditLog(AuditConfig(path=path))
+    await first.start()
+    try:
+        assert first.path.endswith(f"audit-{os.getpid()}.jsonl")
+        second = AuditLog(AuditConfig(path=path))
+        with pytest.raises(ValueError, match="another process writes"):
+            await second.start()
+    finally:
+        await first.aclose()
+    third = AuditLog(AuditConfig(path=path))  # the lock went with the first writer
+    await third.start()
+    await third.aclose()
