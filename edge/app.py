@@ -247,6 +247,8 @@ class ProxyApp:
             raw = self.gateway.stage(ex, body, raw)
         session = h.session.decode("latin-1") if h.session else None
         ex.view = build_view(ex.route, body, session)
+        if self.gateway is not None and self.gateway.judge is not None:
+            await self.gateway.judge_stage(ex)
         rid = body.get("rid")
         ex.abort_rid = rid if isinstance(rid, str) else (ex.request_id if rid is None else None)
         ex.payload = splice_rid(raw, body, ex.request_id)
@@ -281,6 +283,9 @@ class ProxyApp:
         try:
             await self._attempts(ex, send)
         except asyncio.CancelledError:
+            if ex.judge_refused and not ex.disconnected and self.gateway is not None:
+                task.uncancel()
+                raise self.gateway.judge_refusal(ex) from None
             if not ex.disconnected:
                 raise
             task.uncancel()
@@ -425,6 +430,9 @@ class ProxyApp:
             if ex.disconnected:
                 error = "disconnect"
                 self.registry.record_failure(backend, "disconnect")
+                self._abort(ex, backend)
+            elif ex.judge_refused:
+                error = "refused"
                 self._abort(ex, backend)
             raise
         finally:

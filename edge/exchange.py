@@ -91,6 +91,9 @@ class Exchange:
     """Ids of the policy rules and modules that matched."""
     stream_guard: StreamGuard | None = None
     """The stream policy's watch over this answer, when stream rules are configured."""
+    judge_refused: bool = False
+    """The guard model refused this request while it ran (`race` mode): its cancellation is
+    a refusal, not a client going away."""
     ttft: float | None = None
     """TTFT as the edge saw it, seconds (streamed answers)."""
 

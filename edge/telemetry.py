@@ -164,6 +164,13 @@ class Metrics:
             ["module", "kind"],
             registry=registry,
         )
+        self.policy_judge = LightHistogram(
+            "quicedge_policy_judge_seconds",
+            "Time the guard model took to answer, by verdict (safe, unsafe, error)",
+            ["verdict"],
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
         # children created once: a dict lookup less per request
         self.stage_parse = self.stage.labels("parse")
         self.stage_admit = self.stage.labels("admit")

@@ -230,6 +230,8 @@ async def build(
         config.gateway,
         on_decision=lambda rule, outcome: metrics.policy_decisions.labels(rule, outcome).inc(),
         on_module_failure=lambda module, kind: metrics.policy_failures.labels(module, kind).inc(),
+        pool=pool,
+        on_judge=lambda verdict, seconds: metrics.policy_judge.labels(verdict).observe(seconds),
     )
     audit = AuditLog(config.audit) if config.audit.path else None
     if audit is not None:

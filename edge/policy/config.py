@@ -162,6 +162,37 @@ class StreamRuleConfig:
 
 
 @dataclass
+class JudgeConfig:
+    """The guard model (`[policy.judge]`); off while `backends` is empty."""
+
+    backends: list[str] = field(default_factory=list)
+    """Base URLs of the guard servers (round robin); empty: no judge (default)."""
+    model: str = "default"
+    """The `model` sent to the guard."""
+    mode: Literal["hold", "race"] = "hold"
+    """`hold`: wait for the verdict before routing; `race`: forward at once, cancel on `unsafe`
+    if the response has not started."""
+    routes: list[str] = field(default_factory=list)
+    """Routes judged; empty: every inference route."""
+    timeout: float = 2.0
+    """Seconds the guard has to answer (2)."""
+    on_error: Literal["closed", "open"] = "open"
+    """A guard that fails or times out: `closed` refuses (503 `policy_unavailable`), `open`
+    lets the request through (default)."""
+    max_prompt_chars: int = 16_000
+    """Characters of prompt sent to the guard (the end is cut; 16000)."""
+
+    def validate(self) -> None:
+        for url in self.backends:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"policy.judge.backends: expected http://HOST:PORT, got {url!r}")
+        if self.timeout <= 0:
+            raise ValueError("policy.judge.timeout: must be > 0")
+        if self.max_prompt_chars < 1:
+            raise ValueError("policy.judge.max_prompt_chars: must be >= 1")
+
+
+@dataclass
 class PolicyConfig:
     """The policy gateway (`[policy]`). Off unless something is configured."""
 
@@ -182,13 +213,17 @@ class PolicyConfig:
     part of a match reaches the client; those tokens wait for the ones that decide. Off
     (default): nothing is held, and the stream is cut at the chunk that completes a match (the
     part of the match in earlier chunks has reached the client)."""
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
+    """The model-judged track (`[policy.judge]`); off while it names no backend."""
     stream_refusal: Literal["sse", "json"] = "sse"
     """How a refused streaming request is answered: `sse` (status 200, one chunk with
     `finish_reason: "content_filter"`, then `[DONE]`) or `json` (the 403 error)."""
 
     @property
     def request_enabled(self) -> bool:
-        return bool(self.rules or self.tenant_models or self.tiers or self.wasm)
+        return bool(
+            self.rules or self.tenant_models or self.tiers or self.wasm or self.judge.backends
+        )
 
     @property
     def stream_enabled(self) -> bool:
@@ -210,6 +245,7 @@ class PolicyConfig:
             models.validate()
         for tier in self.tiers:
             tier.validate()
+        self.judge.validate()
         if self.stream_lookbehind < 1:
             raise ValueError("policy.stream_lookbehind: must be >= 1")
 

@@ -15,8 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from backends.pool import UpstreamPool
 from edge.errors import PolicyRefused, PolicyUnavailable, StreamRefusal
 from edge.policy.config import PolicyConfig
+from edge.policy.judge import Judge
 from edge.policy.rules import RequestRules, apply_spans, requested_tokens, text_slots
 from edge.policy.stream import StreamRules, final_events
 from edge.policy.wasm import ModuleFailed, WasmPolicy
@@ -49,6 +51,8 @@ class PolicyGateway:
         *,
         on_decision: Counter | None = None,
         on_module_failure: Counter | None = None,
+        pool: UpstreamPool | None = None,
+        on_judge: Callable[[str, float], None] | None = None,
     ) -> None:
         self.config = config
         self.rules = (
@@ -58,6 +62,12 @@ class PolicyGateway:
         self.stream = StreamRules.from_config(config)
         self._count = on_decision or (lambda rule, outcome: None)
         self._reloads: set[asyncio.Task[bool]] = set()
+        self.judge = (
+            Judge(config.judge, pool, observe=on_judge)
+            if config.judge.backends and pool is not None
+            else None
+        )
+        self._judging: set[asyncio.Task[Any]] = set()
 
     @classmethod
     def from_config(cls, config: PolicyConfig, **kwargs: Any) -> PolicyGateway | None:
@@ -147,6 +157,69 @@ class PolicyGateway:
         if ex.stream and self.stream is not None:
             ex.stream_guard = self.stream.guard(ex.route)
         return orjson.dumps(body) if outcome.redacted else raw
+
+    async def judge_stage(self, ex: Exchange) -> None:
+        """The model-judged track (`edge.policy.judge`): `hold` waits for the verdict here;
+        `race` asks in parallel and cancels the request if `unsafe` comes before its response
+        has started (`ex.judge_refused`; the app turns that cancellation into the refusal)."""
+        judge = self.judge
+        if judge is None or not judge.applies(ex.route) or ex.view is None:
+            return
+        if judge.config.mode == "hold":
+            self._judged(ex, await judge.ask(ex.view.text))
+            return
+        request = asyncio.current_task()
+        assert request is not None
+        task = asyncio.get_running_loop().create_task(judge.ask(ex.view.text))
+        self._judging.add(task)
+        task.add_done_callback(lambda t: self._raced(ex, request, t))
+
+    def _raced(self, ex: Exchange, request: asyncio.Task[Any], task: asyncio.Task[Any]) -> None:
+        self._judging.discard(task)
+        if task.cancelled() or task.exception() is not None:
+            return
+        verdict = task.result()
+        late = ex.started or ex.responded or request.done()
+        if verdict == "unsafe" and not late:
+            ex.judge_refused = True
+            request.cancel()
+        elif verdict == "error" and not late and self.config.judge.on_error == "closed":
+            ex.judge_refused = True
+            ex.policy_decision = "error"
+            request.cancel()
+        else:
+            self._count("judge", f"{verdict}_late" if late else verdict)
+
+    def _judged(self, ex: Exchange, verdict: str) -> None:
+        try:
+            if verdict == "unsafe":
+                raise PolicyRefused("judge", "the request was refused by the guard model")
+            if verdict == "error" and self.config.judge.on_error == "closed":
+                raise PolicyUnavailable("judge", "the guard model did not answer")
+        except PolicyRefused as err:
+            ex.policy_decision = "error" if isinstance(err, PolicyUnavailable) else "deny"
+            ex.policy_rules = (*ex.policy_rules, "judge")
+            raise self._refusal(ex, err) from None
+        self._count("judge", verdict)
+
+    def judge_refusal(self, ex: Exchange) -> PolicyRefused:
+        """The refusal a `race` cancellation becomes (called by the app)."""
+        if ex.policy_decision == "error":
+            err: PolicyRefused = PolicyUnavailable("judge", "the guard model did not answer")
+        else:
+            ex.policy_decision = "deny"
+            err = PolicyRefused("judge", "the request was refused by the guard model")
+        ex.policy_rules = (*ex.policy_rules, "judge")
+        return self._refusal(ex, err)
+
+    def _refusal(self, ex: Exchange, err: PolicyRefused) -> PolicyRefused:
+        self._count("judge", "error" if isinstance(err, PolicyUnavailable) else "deny")
+        if ex.trace is not None:
+            ex.trace.set("quicedge.policy.decision", ex.policy_decision)
+            ex.trace.set("quicedge.policy.rules", list(ex.policy_rules))
+        if ex.stream and self.config.stream_refusal == "sse" and err.status in (400, 403):
+            return StreamRefusal(err.rule, err.message, final_events(ex.route, None, None))
+        return err
 
     def filtered(self, ex: Exchange, rule: str) -> None:
         """A stream rule ended the answer: note it for the audit log, the span and the metric."""
