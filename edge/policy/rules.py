@@ -6,11 +6,12 @@
 2. the tier's limits (`[[policy.tiers]]`): `max_tokens` and prompt length, 400 `policy_limit`;
 3. the pattern rules (`[[policy.rules]]`) on the folded prompt text (`normalize.fold`, matched
    case-insensitively): an `allow` match exempts the request from the `deny` rules; a `deny`
-   match refuses it (403 `policy_violation`); `redact` rules replace their matches in the body.
+   match refuses it (403 `policy_violation`, naming the first matching deny rule in the file's
+   order); `redact` rules replace their matches in the body.
 
-All rules of one action are one compiled alternation, and patterns are RE2 expressions
-(`google-re2`: linear time, no back-references or look-around), so twenty rules cost one
-automaton pass over the prompt, with no pattern able to backtrack for long.
+Patterns are RE2 expressions (`google-re2`: linear time, no back-references or look-around), and
+all rules are one RE2 set, so twenty rules cost one automaton pass over the prompt, with no
+pattern able to backtrack.
 The refusal names the rule, never the text that matched. The body is changed (and so must be
 serialised again) only when something was redacted.
 """
@@ -74,22 +75,6 @@ def requested_tokens(body: MutableMapping[str, Any]) -> int | None:
     return None
 
 
-@dataclass(slots=True)
-class _Group:
-    """Rules of one action and one tenant scope, as one alternation (group `r<i>` is rule i)."""
-
-    pattern: Any  # re2._Regexp
-    rules: list[RuleConfig]
-    tenants: frozenset[str] | None
-
-    def applies(self, tenant: str) -> bool:
-        return self.tenants is None or tenant in self.tenants
-
-    def rule_of(self, match: Any) -> RuleConfig:
-        name = match.lastgroup
-        return self.rules[int(name[1:])] if name else self.rules[0]
-
-
 _OPTIONS = re2.Options()
 _OPTIONS.case_sensitive = False
 _OPTIONS.log_errors = False
@@ -104,25 +89,8 @@ def check_pattern(pattern: str) -> str | None:
     return None
 
 
-def _compile_groups(rules: list[RuleConfig], action: str) -> list[_Group]:
-    scopes: dict[frozenset[str] | None, list[RuleConfig]] = {}
-    for rule in rules:
-        if rule.action == action:
-            scope = frozenset(rule.tenants) if rule.tenants else None
-            scopes.setdefault(scope, []).append(rule)
-    groups = []
-    for scope, members in scopes.items():
-        parts = []
-        for i, rule in enumerate(members):
-            alts = "|".join(f"(?:{re.escape(p) if rule.literal else p})" for p in rule.patterns)
-            parts.append(f"(?P<r{i}>{alts})")
-        try:
-            pattern = re2.compile("|".join(parts), _OPTIONS)
-        except re2.error as exc:
-            ids = ", ".join(r.id for r in members)
-            raise ValueError(f"policy.rules: rules {ids} cannot be combined: {exc}") from None
-        groups.append(_Group(pattern, members, scope))
-    return groups
+def _alternation(rule: RuleConfig) -> str:
+    return "|".join(f"(?:{re.escape(p) if rule.literal else p})" for p in rule.patterns)
 
 
 @dataclass(slots=True)
@@ -136,15 +104,31 @@ class RuleVerdict:
 
 
 class RequestRules:
-    """The compiled request rules of one `PolicyConfig`."""
+    """The compiled request rules of one `PolicyConfig`.
+
+    Every pattern rule is one member of an RE2 set, so one pass over the prompt tells which
+    rules match anywhere in it (usually none, and then that pass is all the pattern work);
+    only the `redact` rules that matched run again, to find and replace their matches."""
 
     def __init__(self, config: PolicyConfig) -> None:
         self._models = {t.tenant: tuple(t.models) for t in config.tenant_models}
         self._tiers = {t.tier: t for t in config.tiers}
-        self._allow = _compile_groups(config.rules, "allow")
-        self._deny = _compile_groups(config.rules, "deny")
-        self._redact = _compile_groups(config.rules, "redact")
-        self.has_patterns = bool(self._allow or self._deny or self._redact)
+        self._rules = list(config.rules)
+        self._tenants = [frozenset(r.tenants) if r.tenants else None for r in self._rules]
+        self._set: Any = None
+        self._redactors: dict[int, Any] = {}
+        if self._rules:
+            self._set = re2.Set.SearchSet(_OPTIONS)
+            for i, rule in enumerate(self._rules):
+                try:
+                    if self._set.Add(_alternation(rule)) != i:
+                        raise re2.error("not added")
+                    if rule.action == "redact":
+                        self._redactors[i] = re2.compile(_alternation(rule), _OPTIONS)
+                except re2.error as exc:
+                    raise ValueError(f"policy.rules: rule {rule.id!r}: {exc}") from None
+            self._set.Compile()
+        self.has_patterns = bool(self._rules)
 
     def check(
         self,
@@ -187,56 +171,46 @@ class RequestRules:
                         f"{limits.max_prompt_chars} (rule `{rule}`)",
                         param="messages" if route == CHAT else "prompt",
                     )
-        if not self.has_patterns or not slots:
+        if self._set is None or not slots:
             return verdict
         folded = [fold(c[k]) for c, k in slots]
-        joined = "\n".join(folded)
-        exempt = False
-        for group in self._allow:
-            if group.applies(tenant):
-                match = group.pattern.search(joined)
-                if match is not None:
-                    exempt = True
-                    verdict.fired.append((group.rule_of(match).id, "allow"))
-                    break
-        if not exempt:
-            for group in self._deny:
-                if group.applies(tenant):
-                    match = group.pattern.search(joined)
-                    if match is not None:
-                        rule = group.rule_of(match).id
-                        raise PolicyRefused(
-                            rule,
-                            f"the request was refused by policy rule `{rule}`",
-                            param="messages" if route == CHAT else "prompt",
-                        )
-        for group in self._redact:
-            if group.applies(tenant) and group.pattern.search(joined) is not None:
-                self._redact_with(group, slots, folded, verdict)
+        hits = self._set.Match("\n".join(folded))
+        if not hits:
+            return verdict
+        rules, tenants = self._rules, self._tenants
+        matched = sorted(i for i in hits if tenants[i] is None or tenant in tenants[i])
+        exempt = next((i for i in matched if rules[i].action == "allow"), None)
+        if exempt is not None:
+            verdict.fired.append((rules[exempt].id, "allow"))
+        else:
+            deny = next((i for i in matched if rules[i].action == "deny"), None)
+            if deny is not None:
+                rule_id = rules[deny].id
+                raise PolicyRefused(
+                    rule_id,
+                    f"the request was refused by policy rule `{rule_id}`",
+                    param="messages" if route == CHAT else "prompt",
+                )
+        for i in matched:
+            if rules[i].action == "redact" and self._redact_with(i, slots, folded):
+                verdict.redacted = True
+                verdict.fired.append((rules[i].id, "redact"))
         return verdict
 
-    @staticmethod
-    def _redact_with(
-        group: _Group, slots: list[Slot], folded: list[str], verdict: RuleVerdict
-    ) -> None:
-        fired: set[str] = set()
-
-        def replace(match: Any) -> str:
-            rule = group.rule_of(match)
-            fired.add(rule.id)
-            return rule.replacement
-
+    def _redact_with(self, index: int, slots: list[Slot], folded: list[str]) -> bool:
+        pattern, replacement = self._redactors[index], self._rules[index].replacement
+        changed_any = False
         for i, (container, key) in enumerate(slots):
             original = container[key]
             # Offsets in the folded text are those of the original only when folding kept it
             # as it was; otherwise the folded text, redacted, replaces the original.
             source = original if folded[i] == original else folded[i]
-            changed = group.pattern.sub(replace, source)
+            changed = pattern.sub(replacement.replace("\\", "\\\\"), source)
             if changed != source:
                 container[key] = changed
                 folded[i] = fold(changed)
-                verdict.redacted = True
-        verdict.fired.extend((rule, "redact") for rule in sorted(fired))
+                changed_any = True
+        return changed_any
 
 
 def apply_spans(slots: list[Slot], spans: list[tuple[int, int]], replacement: str) -> bool:

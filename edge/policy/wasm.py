@@ -38,13 +38,25 @@ log = logging.getLogger(__name__)
 Failure = Literal["trap", "fuel", "memory", "abi", "load"]
 """Why a module call failed (a metric label)."""
 
-try:  # wasmtime's C API as its bindings expose it: a call without per-call type lookups
-    from wasmtime import _ffi as _wffi
+try:  # wasmtime's C API, called directly: no per-call type lookups or wrapper frames
+    from wasmtime import _bindings as _wb
 
-    _UNCHECKED: Any = _wffi.wasmtime_func_call_unchecked
-    _RAW: Any = _wffi.wasmtime_val_raw_t
-    _TRAP_PTR: Any = ctypes.POINTER(_wffi.wasm_trap_t)
-except (ImportError, AttributeError):  # pragma: no cover - other wasmtime versions
+    _UNCHECKED: Any = _wb.dll["wasmtime_func_call_unchecked"]
+    _UNCHECKED.restype = ctypes.c_void_p
+    _UNCHECKED.argtypes = _wb._wasmtime_func_call_unchecked.argtypes
+    _DATA: Any = _wb.dll["wasmtime_memory_data"]
+    _DATA.restype = ctypes.c_void_p
+    _DATA.argtypes = _wb._wasmtime_memory_data.argtypes
+    _SIZE: Any = _wb.dll["wasmtime_memory_data_size"]
+    _SIZE.restype = ctypes.c_size_t
+    _SIZE.argtypes = _wb._wasmtime_memory_data_size.argtypes
+    _FUEL: Any = _wb.dll["wasmtime_context_set_fuel"]
+    _FUEL.restype = ctypes.c_void_p
+    _FUEL.argtypes = _wb._wasmtime_context_set_fuel.argtypes
+    _RAW: Any = _wb.wasmtime_val_raw_t
+    _TRAP_PTR: Any = ctypes.POINTER(_wb.wasm_trap_t)
+    _ERROR_PTR: Any = ctypes.POINTER(_wb.wasmtime_error_t)
+except (ImportError, AttributeError, TypeError):  # pragma: no cover - other wasmtime versions
     _UNCHECKED = None
 
 
@@ -72,7 +84,18 @@ def _engine() -> wasmtime.Engine:
 class _Instance:
     """One live instance of a compiled module, and the buffer it lent for input."""
 
-    __slots__ = ("_args", "_buf", "_cap", "_check", "_ctx", "_alloc", "_memory", "_trap", "store")
+    __slots__ = (
+        "_alloc",
+        "_args",
+        "_buf",
+        "_cap",
+        "_check",
+        "_ctx",
+        "_memory",
+        "_memref",
+        "_trap",
+        "store",
+    )
 
     def __init__(self, engine: wasmtime.Engine, module: wasmtime.Module, memory_bytes: int) -> None:
         store = wasmtime.Store(engine)
@@ -108,13 +131,18 @@ class _Instance:
         self._cap = 0
         if _UNCHECKED is not None:
             self._ctx = store._context()
+            self._memref = ctypes.byref(memory._memory)
             self._args = (_RAW * 2)()
             self._trap = _TRAP_PTR()
 
     def call(self, data: bytes, fuel: int) -> bytes:
         """The module's answer to `data` (raises ModuleFailed)."""
-        store = self.store
-        store.set_fuel(fuel)
+        if _UNCHECKED is None:
+            self.store.set_fuel(fuel)
+        else:
+            error = _FUEL(self._ctx, fuel)
+            if error:
+                raise ModuleFailed("trap", _error_text(error))
         if len(data) > self._cap:
             ptr = self._invoke(self._alloc, len(data))
             self._buf, self._cap = ptr & 0xFFFFFFFF, len(data)
@@ -130,6 +158,8 @@ class _Instance:
         return ctypes.string_at(base + out_ptr, out_len)
 
     def _bounds(self) -> tuple[int, int]:
+        if _UNCHECKED is not None:
+            return _DATA(self._ctx, self._memref), _SIZE(self._ctx, self._memref)
         store, memory = self.store, self._memory
         return ctypes.addressof(memory.data_ptr(store).contents), memory.data_len(store)
 
@@ -150,12 +180,16 @@ class _Instance:
         # the signature was checked at instantiation, which is what makes the unchecked call safe
         error = _UNCHECKED(self._ctx, ctypes.byref(func._func), args, 2, ctypes.byref(trap))
         if error:
-            raise ModuleFailed("trap", str(wasmtime.WasmtimeError._from_ptr(error)))
+            raise ModuleFailed("trap", _error_text(error))
         if trap:
             message = str(wasmtime.Trap._from_ptr(trap))
             self._trap = _TRAP_PTR()
             raise _trap_failure(message)
         return int(args[0].i64)
+
+
+def _error_text(address: int) -> str:
+    return str(wasmtime.WasmtimeError._from_ptr(ctypes.cast(address, _ERROR_PTR)))
 
 
 def _trap_failure(message: str) -> ModuleFailed:

@@ -200,3 +200,11 @@ async def test_sighup_reload_compiles_in_a_thread_and_swaps(tmp_path: Path) -> N
     await wait_until(lambda: gw.modules[0].generation == 2, timeout=10)
     with pytest.raises(PolicyRefused):
         check(gw, "forbidden")
+
+
+def test_the_direct_call_path_is_in_use() -> None:
+    """The installed wasmtime exposes the C API calls `wasm.py` makes directly; without them it
+    falls back to the bindings' own (slower) calls, which this test would flag."""
+    from edge.policy import wasm
+
+    assert wasm._UNCHECKED is not None
