@@ -55,6 +55,9 @@ class StreamRules:
     ids: list[str]
     lookbehind: int
     hold: bool = False
+    span: int = 0
+    """The longest match any rule can make, capped at `lookbehind`: only the window's last
+    `span - 1` characters can hold the start of a match that ends in new text."""
 
     @classmethod
     def from_config(cls, config: PolicyConfig) -> StreamRules | None:
@@ -64,7 +67,9 @@ class StreamRules:
             [(r.id, r.patterns, r.literal) for r in config.stream_rules], regex.IGNORECASE
         )
         pattern = regex.compile(source, regex.IGNORECASE)
-        return cls(pattern, ids, config.stream_lookbehind, config.stream_hold)
+        span = max(_longest(p, r.literal) for r in config.stream_rules for p in r.patterns)
+        lookbehind = config.stream_lookbehind
+        return cls(pattern, ids, lookbehind, config.stream_hold, min(span, lookbehind))
 
     def guard(self, route: str) -> StreamGuard:
         return StreamGuard(self, route)
@@ -129,9 +134,13 @@ class StreamGuard:
                 self._held.append(region)
                 return b""
             return self._pass(region)
-        window = self._window + fold(text)
-        match = self._rules.pattern.search(window, partial=self._rules.hold)
-        self._window = window[-self._rules.lookbehind :]
+        new = fold(text)
+        window = self._window + new
+        rules = self._rules
+        # a match that ends in the new text starts at most `span - 1` characters before it
+        start = max(0, len(window) - len(new) - rules.span + 1)
+        match = rules.pattern.search(window, start, partial=rules.hold)
+        self._window = window[-rules.span :]
         if match is None or (match.partial and match.start() == match.end()):
             return self._pass(region)  # (the empty string at the end is a "partial" of anything)
         if match.partial:
@@ -185,6 +194,19 @@ class StreamGuard:
 
     def _final(self) -> bytes:
         return final_events(self._route, self._id, self._model, self._released_text)
+
+
+def _longest(pattern: str, literal: bool) -> int:
+    """The most characters a match of `pattern` can span (a large number when unbounded)."""
+    if literal:
+        return len(pattern)
+    try:
+        import re._parser as parser  # Python 3.11+: the parser `re` itself uses
+
+        width = parser.parse(pattern, re.IGNORECASE).getwidth()[1]
+    except (ImportError, re.error, AttributeError):
+        return 1 << 30  # unknown: the whole look-behind
+    return int(min(width, 1 << 30))
 
 
 def final_events(
