@@ -22,7 +22,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	$(BIN)/mypy edge transport backends certs bench
+	$(BIN)/mypy edge transport backends certs bench tools
 
 check: lint test
 

@@ -41,8 +41,8 @@ from bench.cachegrind import instructions
 from bench.edge_latency import Request, request_bytes
 from bench.relay_cpu import NullTransport
 from edge.config import ProxyConfig
-from edge.serve import prepare_collector
 from edge.wiring import build
+from transport.collector import prepare_collector
 from transport.h1_server import H1Listener, H1Protocol
 from transport.loop import LOOPS
 from transport.loop import run as run_on_loop

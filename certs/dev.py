@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import ipaddress
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,6 +142,28 @@ def _make_leaf(
         .sign(ca_key, hashes.SHA256())
     )
     return cert, key
+
+
+def dev_certificates_refusal(hosts: Iterable[str]) -> str | None:
+    """Why the development certificates must not be served on `hosts`, or None when every host
+    is loopback. Their CA key sits on this machine in a readable folder, so a listener other
+    machines can reach would present a certificate anyone with that folder could forge."""
+    exposed = sorted({h for h in hosts if not _is_loopback(h)})
+    if not exposed:
+        return None
+    return (
+        f"no --cert/--key, and {', '.join(exposed)} is not a loopback address: pass --cert and "
+        "--key, or --dev-certs to serve the development certificates there anyway"
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a name: it may resolve to anything
 
 
 def ensure_dev_certificates(

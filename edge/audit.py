@@ -36,8 +36,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
+from edge import settings
 from edge.errors import AuditBacklog
-from edge.policy.config import from_mapping
 
 if TYPE_CHECKING:
     from edge.exchange import Exchange
@@ -78,9 +78,22 @@ class AuditConfig:
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> AuditConfig:
-        config = from_mapping(cls, values, "audit")
+        """From an `[audit]`-style table (tests, in-process callers), validated."""
+        config = settings.from_mapping(cls, values, "audit")
         config.validate()
         return config
+
+
+AUDIT_FLAGS: dict[str, str | bool] = {
+    "path": "--audit-log",
+    "max_bytes": "--audit-max-bytes",
+    "queue_size": "--audit-queue-size",
+    "when_full": "--audit-when-full",
+    "include_prompts": "--audit-prompts",
+    "hash_key": "--audit-hash-key",
+    "fsync": "--audit-fsync",
+}
+"""Flags of the `[audit]` settings (the field names alone would collide with others')."""
 
 
 def canonical(record: Mapping[str, Any]) -> bytes:
@@ -363,4 +376,12 @@ def main(argv: Iterable[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["AuditConfig", "AuditLog", "GENESIS", "VerifyResult", "canonical", "verify"]
+__all__ = [
+    "AUDIT_FLAGS",
+    "AuditConfig",
+    "AuditLog",
+    "GENESIS",
+    "VerifyResult",
+    "canonical",
+    "verify",
+]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import sys
 from collections.abc import Callable, Sequence
+from importlib.metadata import version
 
 # subcommand -> (module, one-line help). The module exposes `main(argv) -> int`.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -22,7 +23,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 
 def usage() -> str:
-    lines = ["usage: quicedge COMMAND [options]", "", "commands:"]
+    lines = ["usage: quicedge [--version] COMMAND [options]", "", "commands:"]
     width = max(len(name) for name in SUBCOMMANDS)
     for name, (_, help_text) in SUBCOMMANDS.items():
         lines.append(f"  {name:<{width}}  {help_text}")
@@ -35,6 +36,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
         print(usage())
+        return 0
+    if args[0] == "--version":
+        print(f"quicedge {version('quicedge')}")
         return 0
     name, rest = args[0], args[1:]
     if name not in SUBCOMMANDS:

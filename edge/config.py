@@ -1,16 +1,23 @@
-"""`ProxyConfig`: every setting of the proxy core, typed, with units and documented defaults.
+"""`ProxyConfig`: every setting of the proxy core, typed, with units and documented defaults;
+`SECTIONS`: every settings section `quicedge serve` reads.
 
-Loaded by `edge.wiring.config_from` from the TOML `[proxy]` table and the command line (the command
-line wins). Field names are the TOML keys; `validate()` gives a clear error for each bad value.
+`edge.settings` reads each section from its TOML table, `QUICEDGE_*` variables and flags (flags
+win, then the environment, then TOML). Field names are the TOML keys; the docstring under each
+field is its `--help` text; `validate()` gives a clear error for each bad value.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from edge.audit import AuditConfig
-from edge.policy.config import PolicyConfig
+from edge import settings
+from edge.audit import AUDIT_FLAGS, AuditConfig
+from edge.policy.config import POLICY_FLAGS, PolicyConfig
+from edge.routing.base import POLICY_NAMES
+from edge.settings import Section
+from transport.config import EarlyDataSettings, TransportConfig
 
 SECONDS = 1.0
 KiB = 1024
@@ -24,48 +31,49 @@ class ProxyConfig:
     backends: list[str] = field(default_factory=list)
     """Base URLs of the SGLang servers, e.g. `http://10.0.0.5:30000`."""
     policy: str = "ttft"
-    """Routing policy by name (`edge.routing.POLICY_NAMES`)."""
+    """Routing policy: round_robin, random, least_load, power_of_two, cache_aware or ttft."""
 
     connect_timeout: float = 2 * SECONDS
-    """TCP connect to a backend; past it the attempt is retried on another backend."""
+    """TCP connect to a backend, s; past it the attempt is retried on another backend."""
     first_byte_timeout: float = 120 * SECONDS
-    """Request sent → response headers. Generous: a long prompt queued behind others is slow."""
+    """Request sent → response headers, s. Generous: a long prompt queued behind others is slow."""
     chunk_timeout: float = 60 * SECONDS
-    """Longest silence between two body chunks of a streaming answer before it is cut (504)."""
+    """Longest silence between two chunks of a streaming answer before it is cut (504), s."""
     max_body_bytes: int = 8 * MiB
-    """Largest request body accepted (413 above it); counted as it streams in, never held past."""
+    """Largest request body accepted, bytes (413 above it); counted as it streams in."""
     max_retries: int = 2
     """Extra attempts on other backends, only while nothing has reached the client."""
 
     health_interval: float = 2 * SECONDS
-    """Period of the active `/health` checks and `/v1/loads` polls."""
+    """Period of the active `/health` checks and `/v1/loads` polls, s."""
     health_timeout: float = 1 * SECONDS
-    """Deadline of one active check."""
+    """Deadline of one active check, s."""
     health_failure_threshold: int = 3
     """Consecutive failed checks that mark a backend unhealthy."""
     health_success_threshold: int = 2
     """Consecutive passed checks that mark it healthy again."""
     loads_interval: float | None = 1 * SECONDS
-    """Period of `/v1/loads` polling (queue and KV usage feed routing); None turns it off."""
+    """Period of `/v1/loads` polling (queue and KV usage feed routing), s; none turns it off."""
     eject_after_failures: int = 5
     """Consecutive connect failures / 5xx on real traffic that eject a backend (passive check)."""
     eject_base: float = 1 * SECONDS
-    """First ejection's length; it doubles on each repeat, up to `eject_max`."""
+    """First ejection's length, s; it doubles on each repeat, up to `eject_max`."""
     eject_max: float = 30 * SECONDS
-    """Longest ejection."""
+    """Longest ejection, s."""
 
     pool_max_connections: int = 128
     """Upstream keep-alive connections per backend (requests wait for a slot at the cap)."""
     pool_warm_connections: int = 8
     """Idle connections opened per backend at start, so early requests pay no TCP connect."""
     pool_idle_timeout: float = 60 * SECONDS
-    """An idle upstream connection is closed after this long (SGLang's uvicorn keeps 5 s; the pool
-    notices a closed one and reconnects)."""
+    """An idle upstream connection is closed after this long, s (SGLang's uvicorn keeps 5 s; the
+    pool notices a closed one and reconnects)."""
     max_concurrency_per_backend: int | None = None
-    """Requests the edge keeps in flight on one backend; None means no cap."""
+    """Requests the edge keeps in flight on one backend; none means no cap."""
 
     degraded_ttft_p99: float | None = None
-    """p99 TTFT above which a backend is degraded (gets work only when no other can); None: off."""
+    """p99 TTFT above which a backend is degraded (gets work only when no other can), s; none:
+    off."""
     degraded_token_usage: float | None = 0.95
     """KV-cache usage (`token_usage`, 0..1) above which a backend is degraded."""
     degraded_queue: int | None = None
@@ -74,12 +82,7 @@ class ProxyConfig:
     tracing: bool = False
     """Create OpenTelemetry spans. Also turned on by OTEL_TRACES_EXPORTER=console|otlp."""
     models_ttl: float = 5 * SECONDS
-    """How long the merged `/v1/models` list is reused before it is fetched again."""
-
-    gateway: PolicyConfig = field(default_factory=PolicyConfig)
-    """The policy gateway: the TOML `[policy]` table (not a `[proxy]` key)."""
-    audit: AuditConfig = field(default_factory=AuditConfig)
-    """The audit log: the TOML `[audit]` table (not a `[proxy]` key)."""
+    """How long the merged `/v1/models` list is reused before it is fetched again, s."""
 
     def validate(self) -> ProxyConfig:
         """Raise ValueError naming the first bad setting; return self for chaining."""
@@ -90,6 +93,11 @@ class ProxyConfig:
                 raise ValueError(f"proxy: backend URL must be http://HOST:PORT, got {url!r}")
         if len(set(self.backends)) != len(self.backends):
             raise ValueError("proxy: a backend URL is listed twice")
+        if self.policy not in POLICY_NAMES:
+            raise ValueError(
+                f"proxy.policy: unknown routing policy {self.policy!r}; choose one of "
+                + ", ".join(POLICY_NAMES)
+            )
         positive = (
             "connect_timeout",
             "first_byte_timeout",
@@ -125,62 +133,39 @@ class ProxyConfig:
         return self
 
     @classmethod
-    def from_mapping(cls, values: dict[str, Any]) -> ProxyConfig:
-        """Build from TOML-style keys, rejecting unknown keys and wrong types by name."""
-        known = {f.name: f for f in fields(cls) if f.name not in _OWN_TABLES}
-        unknown = sorted(set(values) - set(known))
-        if unknown:
-            raise ValueError(f"proxy: unknown setting(s) {', '.join(unknown)}")
-        config = cls()
-        for name, value in values.items():
-            setattr(config, name, _coerce(name, getattr(config, name), value))
-        return config
+    def from_mapping(cls, values: Mapping[str, Any]) -> ProxyConfig:
+        """From a `[proxy]`-style table, refusing unknown keys and wrong types by name (not
+        validated: call `validate()`)."""
+        return settings.from_mapping(cls, values, "proxy")
 
 
-_OWN_TABLES = ("gateway", "audit")
-"""Settings read from their own TOML tables (`[policy]`, `[audit]`), not from `[proxy]`."""
-
-_OPTIONAL_NUMBERS = {
-    "loads_interval": float,
-    "max_concurrency_per_backend": int,
-    "degraded_ttft_p99": float,
-    "degraded_token_usage": float,
-    "degraded_queue": int,
+# Flags whose names are not `--field-name`; every other field's flag is.
+PROXY_FLAGS: dict[str, str | bool] = {
+    "backends": "--backend",
+    "max_body_bytes": "--max-body",
+    "max_retries": "--retries",
+    "health_failure_threshold": "--health-failures",
+    "health_success_threshold": "--health-successes",
+    "eject_after_failures": "--eject-after",
+    "pool_max_connections": "--pool-size",
+    "pool_warm_connections": "--pool-warm",
+    "max_concurrency_per_backend": "--max-concurrency",
 }
 
-
-def _coerce(name: str, default: object, value: object) -> object:
-    """Check one TOML value against the field's type (ints are accepted for floats)."""
-    if name == "backends":
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise ValueError("proxy: backends must be a list of URLs")
-        return list(value)
-    if name in _OPTIONAL_NUMBERS:
-        if value is None:
-            return None
-        kind = _OPTIONAL_NUMBERS[name]
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"proxy: {name} must be a number, got {value!r}")
-        if kind is int and not isinstance(value, int):
-            raise ValueError(f"proxy: {name} must be an integer, got {value!r}")
-        return kind(value)
-    if isinstance(default, bool):
-        if not isinstance(value, bool):
-            raise ValueError(f"proxy: {name} must be true or false, got {value!r}")
-        return value
-    if isinstance(default, int):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"proxy: {name} must be an integer, got {value!r}")
-        return value
-    if isinstance(default, float):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"proxy: {name} must be a number, got {value!r}")
-        return float(value)
-    if isinstance(default, str):
-        if not isinstance(value, str):
-            raise ValueError(f"proxy: {name} must be a string, got {value!r}")
-        return value
-    return value
+# Every settings section of `quicedge serve`: TOML table, dataclass, flag renames. A feature adds
+# its own with one line here (see docs/architecture.md, "Settings").
+SECTIONS: tuple[Section, ...] = (
+    Section("serve", TransportConfig, title="listeners, TLS, tickets, processes ([serve])"),
+    Section(
+        "early_data",
+        EarlyDataSettings,
+        flags={"default": "--early-data-default"},
+        title="0-RTT early data ([early_data])",
+    ),
+    Section("proxy", ProxyConfig, flags=PROXY_FLAGS, title="proxy ([proxy])"),
+    Section("policy", PolicyConfig, flags=POLICY_FLAGS, title="policy gateway ([policy])"),
+    Section("audit", AuditConfig, flags=AUDIT_FLAGS, title="audit log ([audit])"),
+)
 
 
-__all__ = ["KiB", "MiB", "SECONDS", "ProxyConfig"]
+__all__ = ["PROXY_FLAGS", "SECTIONS", "KiB", "MiB", "SECONDS", "ProxyConfig"]

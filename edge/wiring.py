@@ -1,8 +1,9 @@
 """Wiring: proxy flags and config, and the objects one edge process runs (used by `edge.serve`).
 
-`add_arguments` adds the proxy flags to the serve parser; `config_from` merges them over the TOML
-`[proxy]` table (command line wins, then TOML, then the `ProxyConfig` defaults); `build` makes the
-pool, the backend registry, the routing policy, telemetry and the two ASGI apps.
+`add_arguments` adds the proxy flags to a parser; `config_from` reads the `[proxy]` section
+through `edge.settings` (flags, then `QUICEDGE_*` variables, then TOML, then the `ProxyConfig`
+defaults); `build` makes the pool, the backend registry, the routing policy, telemetry and the
+two ASGI apps.
 """
 
 from __future__ import annotations
@@ -12,18 +13,19 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from backends.pool import UpstreamPool
 from backends.registry import Backend, BackendRegistry, HealthConfig
+from edge import settings
 from edge.admin import AdminApp
 from edge.app import ProxyApp
 from edge.asgi import ASGIApp
 from edge.audit import AuditConfig, AuditLog
-from edge.config import ProxyConfig
+from edge.config import SECTIONS, ProxyConfig
 from edge.models import ModelCatalog
 from edge.policy.config import PolicyConfig
 from edge.policy.gateway import PolicyGateway
@@ -39,80 +41,25 @@ from edge.telemetry import (
 
 log = logging.getLogger(__name__)
 
-# flag → (ProxyConfig field, type, help). Defaults are None so that TOML values show through.
-_FLAGS: tuple[tuple[str, str, Any, str], ...] = (
-    ("--policy", "policy", str, "routing policy: round_robin random least_load power_of_two "
-     "cache_aware ttft (default ttft)"),
-    ("--connect-timeout", "connect_timeout", float, "backend TCP connect timeout, s (2)"),
-    ("--first-byte-timeout", "first_byte_timeout", float,
-     "request sent to response headers, s (120)"),
-    ("--chunk-timeout", "chunk_timeout", float, "longest gap between streamed chunks, s (60)"),
-    ("--max-body", "max_body_bytes", int, "largest request body, bytes (8 MiB); 413 above"),
-    ("--retries", "max_retries", int, "extra attempts on other backends before any byte was "
-     "sent to the client (2)"),
-    ("--health-interval", "health_interval", float, "active /health check period, s (2)"),
-    ("--health-timeout", "health_timeout", float, "one /health check's timeout, s (1)"),
-    ("--health-failures", "health_failure_threshold", int,
-     "failed checks that mark a backend unhealthy (3)"),
-    ("--health-successes", "health_success_threshold", int,
-     "passed checks that mark it healthy again (2)"),
-    ("--loads-interval", "loads_interval", float, "/v1/loads polling period, s (1)"),
-    ("--eject-after", "eject_after_failures", int,
-     "consecutive connect failures/5xx that eject a backend (5)"),
-    ("--eject-base", "eject_base", float, "first ejection, s; doubles on repeats (1)"),
-    ("--eject-max", "eject_max", float, "longest ejection, s (30)"),
-    ("--pool-size", "pool_max_connections", int, "keep-alive connections per backend (128)"),
-    ("--pool-warm", "pool_warm_connections", int, "connections opened per backend at start (8)"),
-    ("--pool-idle-timeout", "pool_idle_timeout", float, "idle upstream connection lifetime, s"),
-    ("--max-concurrency", "max_concurrency_per_backend", int,
-     "requests in flight per backend (no cap)"),
-    ("--degraded-ttft-p99", "degraded_ttft_p99", float, "TTFT p99 (s) that marks a backend "
-     "degraded (off)"),
-    ("--degraded-token-usage", "degraded_token_usage", float,
-     "KV usage 0..1 that marks a backend degraded (0.95)"),
-    ("--degraded-queue", "degraded_queue", int, "waiting requests that mark a backend degraded"),
-)  # fmt: skip
+_PROXY = next(s for s in SECTIONS if s.name == "proxy")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The proxy flags. `--backend` repeats; every flag also has a `[proxy]` TOML key."""
-    group = parser.add_argument_group("proxy")
-    group.add_argument(
-        "--backend",
-        dest="backends",
-        action="append",
-        metavar="URL",
-        default=None,
-        help="SGLang server base URL, e.g. http://127.0.0.1:30000 (repeat for several)",
-    )
-    for flag, dest, kind, text in _FLAGS:
-        group.add_argument(flag, dest=dest, type=kind, default=None, help=text)
-    group.add_argument(
-        "--tracing",
-        dest="tracing",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="OpenTelemetry spans per request stage (also on when OTEL_TRACES_EXPORTER is set)",
-    )
+    """The proxy flags (from `ProxyConfig`'s fields). `--backend` repeats."""
+    settings.add_flags(parser, [_PROXY])
 
 
-def config_from(args: argparse.Namespace, toml: Mapping[str, Any]) -> ProxyConfig:
-    """The proxy settings: `[proxy]` table of the parsed TOML document, overridden by flags.
+def config_from(
+    args: argparse.Namespace, toml: Mapping[str, Any], environ: Mapping[str, str] | None = None
+) -> ProxyConfig:
+    """The proxy settings: flags over `QUICEDGE_*` variables over the TOML `[proxy]` table.
 
-    Raises ValueError with the setting's name for unknown keys and bad values.
+    Raises `SettingsError` (a ValueError) naming the setting for unknown keys and bad values.
     """
-    section = toml.get("proxy", {})
-    if not isinstance(section, Mapping):
-        raise ValueError("config: [proxy] must be a table")
-    values = dict(section)
-    for f in fields(ProxyConfig):
-        flag_value = getattr(args, f.name, None)
-        if flag_value is not None:
-            values[f.name] = flag_value
-    config = ProxyConfig.from_mapping(values).validate()
-    config.gateway = PolicyConfig.from_mapping(toml.get("policy", {}))
-    config.audit = AuditConfig.from_mapping(toml.get("audit", {}))
-    return config
+    loaded = settings.load(
+        [_PROXY], toml={"proxy": toml.get("proxy", {})}, environ=environ or {}, flags=vars(args)
+    )
+    return loaded.validate().get("proxy", ProxyConfig)
 
 
 @dataclass(eq=False)
@@ -188,10 +135,13 @@ async def build(
     *,
     registry: CollectorRegistry,
     tracer: Tracer | None = None,
+    policies: PolicyConfig | None = None,
+    audit: AuditConfig | None = None,
 ) -> Wiring:
     """Make the proxy's objects (nothing is started: call `Wiring.start`).
 
-    `tracer` overrides the one from the OTEL_* environment (tests pass an in-memory one).
+    `tracer` overrides the one from the OTEL_* environment (tests pass an in-memory one);
+    `policies` (`[policy]`) and `audit` (`[audit]`) turn on the policy gateway and the audit log.
     """
     config.validate()
     pool = UpstreamPool(
@@ -227,15 +177,15 @@ async def build(
         backends=backends.backends, pool=pool, ttl=config.models_ttl, timeout=config.health_timeout
     )
     gateway = PolicyGateway.from_config(
-        config.gateway,
+        policies or PolicyConfig(),
         on_decision=lambda rule, outcome: metrics.policy_decisions.labels(rule, outcome).inc(),
         on_module_failure=lambda module, kind: metrics.policy_failures.labels(module, kind).inc(),
         pool=pool,
         on_judge=lambda verdict, seconds: metrics.policy_judge.labels(verdict).observe(seconds),
     )
-    audit = AuditLog(config.audit) if config.audit.path else None
-    if audit is not None:
-        registry.register(AuditCollector(audit))
+    audit_log = AuditLog(audit) if audit is not None and audit.path else None
+    if audit_log is not None:
+        registry.register(AuditCollector(audit_log))
     wiring = Wiring(
         app=_unset_app,
         admin_app=_unset_app,
@@ -247,7 +197,7 @@ async def build(
         catalog=catalog,
         tracing=tracing,
         gateway=gateway,
-        audit=audit,
+        audit=audit_log,
     )
     wiring.app = ProxyApp(
         config=config,
@@ -259,7 +209,7 @@ async def build(
         abort=wiring.abort,
         tracer=tracing.tracer,
         gateway=gateway,
-        audit=audit,
+        audit=audit_log,
     )
     wiring.admin_app = AdminApp(registry=registry, backends=backends, pool=pool, policy=policy)
     return wiring

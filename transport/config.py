@@ -1,129 +1,170 @@
 """The transport's settings: listeners, TLS, ticket store, early data, Retry, workers, limits.
 
-``TransportConfig.from_mapping`` reads the TOML ``[serve]`` table (and ``[early_data]``);
-``edge.serve`` lays command-line flags over it. Every value is checked with an error that names
-the setting.
+`TransportConfig` is the TOML ``[serve]`` table and `EarlyDataSettings` the ``[early_data]``
+table; `edge.settings` reads both (with their flags and ``QUICEDGE_*`` variables) from the field
+types, docstrings and metadata here. `validate()` checks what one field's type cannot say.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Literal
 
-from transport.early_data import EarlyDataPolicy, parse_mode
+from certs.dev import dev_certificates_refusal
+from transport.early_data import DEFAULT_MODE, EarlyDataPolicy, Mode
 from transport.h3_session import H3Limits
 from transport.loop import resolve as resolve_loop
 
 Address = tuple[str, int]
 
 
-def parse_address(value: str, *, setting: str) -> Address:
-    """``HOST:PORT`` (``[::1]:443`` for IPv6) → (host, port)."""
-    host, sep, port_text = value.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise ValueError(f"{setting}: expected HOST:PORT, got {value!r}")
-    return host, int(port_text)
-
-
-def format_address(addr: Address) -> str:
+def format_address(addr: Address | None) -> str:
+    if addr is None:
+        return "off"
     host, port = addr
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+def listen_address(value: str) -> Address:
+    """A listener that cannot be turned off: ``HOST:PORT``."""
+    if value == "off":
+        raise ValueError("cannot be off")
+    return _address(value)
+
+
+def optional_listen_address(value: str) -> Address | None:
+    """``HOST:PORT``, or ``off``."""
+    return None if value in ("off", "") else _address(value)
+
+
+def _address(value: str) -> Address:
+    host, sep, port_text = value.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise ValueError(f"expected HOST:PORT, got {value!r}")
+    return host, int(port_text)
+
+
+_LISTENER = {"parse": optional_listen_address, "format": format_address, "metavar": "HOST:PORT"}
+_SECRET = {"format": lambda v: "none" if v is None else "(set)"}
+
+
 @dataclass(frozen=True, slots=True)
 class TransportConfig:
-    h3: Address = ("127.0.0.1", 4433)
-    """QUIC/HTTP3 listener (UDP)."""
-    tcp: Address | None = ("127.0.0.1", 8443)
-    """TLS over TCP listener, HTTP/2 and HTTP/1.1; None: off."""
-    admin: Address | None = ("127.0.0.1", 9901)
-    """Plain-HTTP admin listener (health, readiness, metrics); None: off."""
-    http: Address | None = None
-    """Plain-HTTP/1.1 proxy listener (behind a TLS-terminating balancer; benchmarks)."""
-    cert: str | None = None
-    """PEM certificate chain; with ``key``. Default: the development certificates."""
-    key: str | None = None
-    redis: str | None = None
-    """Redis URL for the fleet-wide ticket store; None: in-process memory store."""
+    """The ``[serve]`` table: listeners, TLS, tickets, Retry, processes and HTTP/3 limits."""
+
+    h3: Address = field(
+        default=("127.0.0.1", 4433),
+        metadata={"parse": listen_address, "format": format_address, "metavar": "HOST:PORT"},
+    )
+    """QUIC/HTTP3 listener (UDP), HOST:PORT."""
+    tcp: Address | None = field(default=("127.0.0.1", 8443), metadata=_LISTENER)
+    """HTTP/2 + HTTP/1.1 over TLS (TCP) listener, HOST:PORT or off."""
+    admin: Address | None = field(default=("127.0.0.1", 9901), metadata=_LISTENER)
+    """Plain-HTTP admin listener (/health, /ready, /metrics), HOST:PORT or off."""
+    http: Address | None = field(default=None, metadata=_LISTENER)
+    """Plain-HTTP/1.1 proxy listener (behind a TLS-terminating balancer), HOST:PORT or off."""
+    cert: str | None = field(default=None, metadata={"metavar": "FILE"})
+    """PEM certificate chain file; with --key."""
+    key: str | None = field(default=None, metadata={"metavar": "FILE"})
+    """PEM private key file for --cert."""
+    dev_certs: bool = False
+    """Without --cert/--key, serve the generated development certificates even on a listener
+    that is not loopback (on loopback they are used without it)."""
+    redis: str | None = field(default=None, metadata={"metavar": "URL"})
+    """Redis URL of the ticket store shared by all workers and edge machines; none: this
+    process's memory."""
     redis_timeout: float = 0.05
-    """Socket timeout of the ticket store's Redis calls, s (they run on the event loop)."""
-    ticket_secret: str | None = None
-    """Secret that seals tickets stored in Redis (AES-GCM); the same on every worker."""
-    early_data: EarlyDataPolicy = field(default_factory=EarlyDataPolicy)
+    """Socket timeout of one ticket-store call to Redis, s (it runs on the event loop)."""
+    ticket_secret: str | None = field(default=None, metadata=_SECRET)
+    """Seals tickets stored in Redis (AES-GCM); at least 16 bytes, the same on every worker."""
+    early_data: EarlyDataPolicy = field(default_factory=EarlyDataPolicy, metadata={"load": False})
     quic_retry: bool = False
-    """Validate client addresses with a Retry round trip before the handshake (RFC 9000 §8.1.2)."""
-    quic_retry_secret: str | None = None
-    """Secret the Retry token key is derived from; the same on every worker and machine."""
+    """Validate client addresses with a Retry round trip before the handshake (RFC 9000 8.1.2)."""
+    quic_retry_secret: str | None = field(default=None, metadata=_SECRET)
+    """Secret the Retry token key is derived from; at least 16 bytes, the same on every worker
+    and machine."""
     workers: int = 1
-    """Processes sharing the UDP and TCP ports (SO_REUSEPORT); > 1 needs ``redis``."""
+    """Processes sharing the UDP and TCP ports (SO_REUSEPORT); above 1 needs --redis."""
     drain_timeout: float = 10.0
-    """On SIGTERM, seconds open requests get to finish."""
-    loop: str = "auto"
-    """Event loop: ``asyncio``, ``uvloop``, or ``auto`` (uvloop when installed)."""
-    limits: H3Limits = field(default_factory=H3Limits)
+    """On SIGTERM, how long open requests get to finish, s."""
+    loop: Literal["auto", "asyncio", "uvloop"] = "auto"
+    """Event loop: asyncio, uvloop, or auto (uvloop when installed)."""
+    limits: H3Limits = field(
+        default_factory=H3Limits,
+        metadata={
+            "flatten": True,
+            "flags": {"max_concurrent_streams": "--max-streams", "max_body_bytes": "--h3-max-body"},
+        },
+    )
 
     def validate(self) -> TransportConfig:
+        """Raise ValueError naming the first bad setting; return self for chaining."""
         if self.workers < 1:
-            raise ValueError("workers must be >= 1")
+            raise ValueError(f"serve.workers must be >= 1, got {self.workers}")
         if self.workers > 1 and not self.redis:
             raise ValueError(
-                f"--workers {self.workers} needs --redis URL: session tickets must be shared "
-                "by all workers, or a ticket issued by one worker could open a second 0-RTT "
-                "window on another (replay)"
+                f"--workers {self.workers} needs --redis URL: each worker's in-memory ticket "
+                "store knows only the tickets that worker issued, so a returning client would "
+                "resume (and send 0-RTT) only when the kernel hands its new connection to the "
+                "same worker; Redis shares one store, in which each ticket is still single-use"
+            )
+        if self.redis is not None and not self.redis.startswith(
+            ("redis://", "rediss://", "unix://")
+        ):
+            raise ValueError(
+                f"serve.redis: expected a redis://, rediss:// or unix:// URL, got {self.redis!r}"
             )
         if (self.cert is None) != (self.key is None):
             raise ValueError("--cert and --key go together: give both or neither")
+        if self.cert is None and not self.dev_certs:
+            # Only the TLS listeners present a certificate; admin and http are plain.
+            refusal = dev_certificates_refusal([a[0] for a in (self.h3, self.tcp) if a])
+            if refusal:
+                raise ValueError(refusal)
         resolve_loop(self.loop)  # unknown, or uvloop asked for and not installed
         if self.drain_timeout < 0:
-            raise ValueError("drain_timeout must be >= 0")
+            raise ValueError(f"serve.drain_timeout must be >= 0, got {self.drain_timeout}")
         if self.redis_timeout <= 0:
-            raise ValueError("redis_timeout must be > 0")
+            raise ValueError(f"serve.redis_timeout must be > 0, got {self.redis_timeout}")
         if self.quic_retry and self.workers > 1 and not self.quic_retry_secret:
             raise ValueError(
                 "--quic-retry with several workers needs --quic-retry-secret, so that every "
                 "worker validates the others' tokens"
             )
         if self.quic_retry_secret is not None and len(self.quic_retry_secret.encode()) < 16:
-            raise ValueError("quic_retry_secret must be at least 16 bytes")
+            raise ValueError("serve.quic_retry_secret must be at least 16 bytes")
         if self.ticket_secret is not None:
             if not self.redis:
                 raise ValueError("--ticket-secret seals tickets stored in Redis: it needs --redis")
             if len(self.ticket_secret.encode()) < 16:
-                raise ValueError("ticket_secret must be at least 16 bytes")
+                raise ValueError("serve.ticket_secret must be at least 16 bytes")
         return self
 
-    @classmethod
-    def from_mapping(cls, serve: Mapping[str, Any], early: Mapping[str, Any]) -> TransportConfig:
-        """From the TOML ``[serve]`` and ``[early_data]`` tables."""
-        known = {f.name for f in fields(cls)} - {"limits", "early_data"}
-        limit_keys = {f.name for f in fields(H3Limits)}
-        unknown = set(serve) - known - limit_keys
-        if unknown:
-            raise ValueError(f"config [serve]: unknown settings: {', '.join(sorted(unknown))}")
-        values: dict[str, Any] = {}
-        for name, value in serve.items():
-            if name in ("h3", "tcp", "admin", "http"):
-                if value in (False, "", "off"):
-                    if name == "h3":
-                        raise ValueError("config [serve].h3 cannot be off")
-                    values[name] = None
-                else:
-                    values[name] = parse_address(str(value), setting=f"[serve].{name}")
-            elif name in limit_keys:
-                continue
-            else:
-                values[name] = value
-        limits = {k: v for k, v in serve.items() if k in limit_keys}
-        config = cls(**values)
-        return replace(
-            config,
-            limits=H3Limits(**limits),
-            early_data=EarlyDataPolicy.from_mapping(early),
-        )
 
-    def with_early_data_override(self, mode: str | None) -> TransportConfig:
-        if mode is None:
-            return self
-        return replace(self, early_data=self.early_data.overridden(parse_mode(mode)))
+@dataclass(frozen=True, slots=True)
+class EarlyDataSettings:
+    """The ``[early_data]`` table: what is done with a request received in 0-RTT."""
+
+    default: Mode = DEFAULT_MODE
+    """Mode of every path not in routes: accept, defer (until the handshake completes) or
+    reject (425)."""
+    routes: dict[str, Mode] = field(default_factory=dict)
+    """Mode per path, merged over the built-in table (TOML only: routes = {PATH = MODE})."""
+    every_route: Mode | None = field(default=None, metadata={"flag": "--early-data"})
+    """One mode for every route and the default, overriding both."""
+
+    def validate(self) -> None:
+        for path in self.routes:
+            if not path.startswith("/"):
+                raise ValueError(
+                    f"early_data.routes: a route is a path starting with /, got {path!r}"
+                )
+
+    def policy(self) -> EarlyDataPolicy:
+        merged = EarlyDataPolicy()
+        policy = EarlyDataPolicy({**merged.routes, **self.routes}, self.default)
+        return policy if self.every_route is None else policy.overridden(self.every_route)
+
+    def applied_to(self, transport: TransportConfig) -> TransportConfig:
+        return replace(transport, early_data=self.policy())

@@ -1,17 +1,19 @@
 """A built-in ASGI app for ``quicedge serve --demo``: no backends, answers what it was handed.
 
-Used to exercise the listeners on their own (interop checks, handshake benchmarks) and as the
-fallback when the proxy core is not installed.
+Used to exercise the listeners on their own (interop checks, handshake benchmarks). It is served
+only when asked for: a proxy that cannot be built is an error, never this app in its place.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from transport.asgi import ASGIApp, Receive, Scope, Send
+from transport.workers import ServedApps
 
 
 async def demo_app(scope: Scope, receive: Receive, send: Send) -> None:
@@ -70,3 +72,18 @@ def demo_admin_app(registry: CollectorRegistry) -> ASGIApp:
         await send({"type": "http.response.body", "body": body})
 
     return admin
+
+
+@dataclass(frozen=True)
+class DemoApps:
+    """`transport.workers.AppFactory` of the echo app and its admin app."""
+
+    async def open(self, registry: CollectorRegistry) -> ServedApps:
+        return ServedApps(demo_app, demo_admin_app(registry), _nothing)
+
+    def describe(self) -> str:
+        return "built-in echo app (--demo)"
+
+
+async def _nothing() -> None:
+    return None

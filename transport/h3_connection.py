@@ -5,7 +5,8 @@ pseudo-headers, bad header characters, a content-length that does not match the 
 it into a *connection* error, killing every other request on the connection. RFC 9114 §4.1.2
 says a malformed request is a *stream* error of type H3_MESSAGE_ERROR; this subclass does that.
 It also refuses a HEADERS frame larger than the header limit before buffering it (RFC 9114
-§4.2.2, §10.5), so an oversize header block costs neither memory nor the connection.
+§4.2.2, §10.5), so an oversize header block costs neither memory nor the connection. Both
+override private ``H3Connection`` hooks, listed with the rest in ``transport.aioquic_private``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from aioquic.h3.connection import (
 )
 from aioquic.h3.events import H3Event
 from aioquic.quic.connection import QuicConnection
+
+from transport.aioquic_private import forget_h3_stream, h3_stream, local_control_stream_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +48,8 @@ class StreamConfinedH3Connection(H3Connection):
 
     def __init__(self, quic: QuicConnection, *, max_header_bytes: int) -> None:
         super().__init__(quic)
+        self._connection = quic  # aioquic's own reference (`_quic`) is private
+        self._serving = not quic.configuration.is_client
         self._failed: set[int] = set()
         self._max_header_bytes = max_header_bytes
         self.failed_streams: list[StreamFailed] = []
@@ -53,36 +58,37 @@ class StreamConfinedH3Connection(H3Connection):
     def stop_reading(self, stream_id: int, error_code: int) -> None:
         """Ask the peer to stop sending (STOP_SENDING) and ignore whatever still arrives."""
         self._failed.add(stream_id)
-        stream = self._stream.get(stream_id)
+        stream = h3_stream(self, stream_id)
         if stream is not None:
             stream.buffer = b""
             stream.frame_size = None
             stream.frame_type = None
         try:
-            self._quic.stop_stream(stream_id, error_code)
+            self._connection.stop_stream(stream_id, error_code)
         except ValueError:
             pass  # the receiving side is already finished and discarded
 
     def abort_stream(self, stream_id: int, error_code: int) -> None:
         """Reset our side (RESET_STREAM) and stop reading the peer's."""
         self.stop_reading(stream_id, error_code)
-        self._quic.reset_stream(stream_id, error_code)
-        stream = self._stream.get(stream_id)
+        self._connection.reset_stream(stream_id, error_code)
+        stream = h3_stream(self, stream_id)
         if stream is not None:
             stream.sending_ended = True
 
     def send_goaway(self, stream_id: int) -> None:
         """GOAWAY on our control stream (RFC 9114 §5.2, §7.2.6); aioquic has no API for it."""
-        assert self._local_control_stream_id is not None
-        self._quic.send_stream_data(
-            self._local_control_stream_id,
+        control = local_control_stream_id(self)
+        assert control is not None
+        self._connection.send_stream_data(
+            control,
             encode_frame(FrameType.GOAWAY, encode_uint_var(stream_id)),
         )
 
     def forget(self, stream_id: int) -> None:
         """Drop all state of a finished stream."""
         self._failed.discard(stream_id)
-        self._stream.pop(stream_id, None)
+        forget_h3_stream(self, stream_id)
 
     def _receive_request_or_push_data(
         self, stream: H3Stream, data: bytes, stream_ended: bool
@@ -103,7 +109,7 @@ class StreamConfinedH3Connection(H3Connection):
     def _check_request_or_push_frame_type(self, frame_type: int, stream: H3Stream) -> None:
         super()._check_request_or_push_frame_type(frame_type, stream)
         if (
-            not self._is_client
+            self._serving
             and frame_type == FrameType.HEADERS
             and stream.frame_size is not None
             and stream.frame_size > self._max_header_bytes
@@ -126,7 +132,7 @@ class StreamConfinedH3Connection(H3Connection):
                 frame_type, frame_data, stream, stream_ended
             )
         except MessageError as exc:
-            if self._is_client or not stream_is_request_response(stream.stream_id):
+            if not self._serving or not stream_is_request_response(stream.stream_id):
                 raise
             # RFC 9114 §4.1.2: a malformed request is a stream error H3_MESSAGE_ERROR.
             self.abort_stream(stream.stream_id, ErrorCode.H3_MESSAGE_ERROR)

@@ -25,6 +25,16 @@ from aioquic.quic.events import HandshakeCompleted, QuicEvent
 from aioquic.quic.packet import pull_quic_header
 from aioquic.tls import SessionTicket
 
+from transport.aioquic_private import (
+    has_connection,
+    process_events,
+    server_configuration,
+    server_protocols,
+    set_max_streams_bidi,
+    set_retry_handler,
+    set_server_configuration,
+    unacked_bytes,
+)
 from transport.asgi import ASGIApp, Message
 from transport.early_data import EarlyDataPolicy
 from transport.h3_session import (
@@ -106,15 +116,17 @@ class H3Protocol(QuicConnectionProtocol):
         # aioquic has no public knob for MAX_STREAMS; set the initial credit before the
         # transport parameters are sent. Credit returns as streams finish, so this bounds
         # the number of concurrent request streams (RFC 9000 §4.6).
-        quic._local_max_streams_bidi.value = limits.max_concurrent_streams
-        quic._local_max_streams_bidi.sent = limits.max_concurrent_streams
+        set_max_streams_bidi(quic, limits.max_concurrent_streams)
         self._server = server
         self._session = H3Session(quic, policy=server.policy, limits=limits, server=server.address)
         self._exchanges: dict[int, _Exchange] = {}
         self._writable: dict[int, asyncio.Future[None]] = {}
         self._flush: asyncio.Handle | None = None
         self._flush_since = 0.0  # when the write the pending flush is for was made
-        self._started_at = self._loop.time()
+        # Our own references: aioquic's (`_quic`, `_loop`) are private.
+        self._connection = quic
+        self._event_loop = asyncio.get_running_loop()
+        self._started_at = self._event_loop.time()
 
     @property
     def session(self) -> H3Session:
@@ -126,8 +138,8 @@ class H3Protocol(QuicConnectionProtocol):
 
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, HandshakeCompleted):
-            self._server.handshake_completed(event, self._loop.time() - self._started_at)
-        for action in self._session.handle(event, self._loop.time()):
+            self._server.handshake_completed(event, self._event_loop.time() - self._started_at)
+        for action in self._session.handle(event, self._event_loop.time()):
             self._execute(action)
         if self._session.terminated:
             self._release_writers(everyone=True)
@@ -156,7 +168,7 @@ class H3Protocol(QuicConnectionProtocol):
             self.transmit()
         elif self._flush is None:
             self._flush_since = time.perf_counter()
-            self._flush = self._loop.call_soon(self._flush_now)
+            self._flush = self._event_loop.call_soon(self._flush_now)
 
     def _flush_now(self) -> None:
         self._flush = None
@@ -177,14 +189,12 @@ class H3Protocol(QuicConnectionProtocol):
     def datagram_received(self, data: bytes | str, addr: NetworkAddress) -> None:
         # As aioquic's, but the reply (acknowledgements, data the peer's credit now lets
         # through) may go out with whatever else this turn writes.
-        self._quic.receive_datagram(cast(bytes, data), addr, now=self._loop.time())
-        self._process_events()
+        self._connection.receive_datagram(cast(bytes, data), addr, now=self._event_loop.time())
+        process_events(self)
         self.transmit_soon()
 
     def _unacked(self, stream_id: int) -> int:
-        # aioquic exposes no per-stream buffer size; the sender keeps unacknowledged bytes.
-        stream = self._quic._streams.get(stream_id)
-        return len(stream.sender._buffer) if stream is not None else 0
+        return unacked_bytes(self._connection, stream_id)
 
     def _release_writers(self, *, everyone: bool = False) -> None:
         for stream_id, waiter in list(self._writable.items()):
@@ -202,7 +212,7 @@ class H3Protocol(QuicConnectionProtocol):
             return
         waiter = self._writable.get(stream_id)
         if waiter is None:
-            waiter = self._writable[stream_id] = self._loop.create_future()
+            waiter = self._writable[stream_id] = self._event_loop.create_future()
         await waiter
 
     def _execute(self, action: Action) -> None:
@@ -218,7 +228,7 @@ class H3Protocol(QuicConnectionProtocol):
             extensions = action.scope["extensions"]
             extensions["quicedge.body_writer"] = exchange
             extensions["quicedge.on_disconnect"] = exchange.notify_disconnect
-            exchange.task = self._loop.create_task(
+            exchange.task = self._event_loop.create_task(
                 self._run_app(action.stream_id, action.scope, exchange)
             )
         elif isinstance(action, RequestAborted):
@@ -291,16 +301,16 @@ class _Endpoint(QuicServer):
             try:
                 header = pull_quic_header(
                     Buffer(data=data if isinstance(data, bytes) else data.encode()),
-                    host_cid_length=self._configuration.connection_id_length,
+                    host_cid_length=server_configuration(self).connection_id_length,
                 )
             except ValueError:
                 return
-            if header.destination_cid not in self._protocols:
+            if not has_connection(self, header.destination_cid):
                 return  # no new connections while draining
         super().datagram_received(data, addr)
 
     def protocols(self) -> list[H3Protocol]:
-        unique = {id(p): p for p in self._protocols.values() if isinstance(p, H3Protocol)}
+        unique = {id(p): p for p in server_protocols(self) if isinstance(p, H3Protocol)}
         return list(unique.values())
 
 
@@ -359,7 +369,7 @@ class H3Server:
             sock=sock,
         )
         if self.retry_secret is not None:
-            endpoint._retry = SharedRetryTokenHandler(self.retry_secret)
+            set_retry_handler(endpoint, SharedRetryTokenHandler(self.retry_secret))
         self._transport = transport
         self._endpoint = endpoint
         name = sock.getsockname()
@@ -369,8 +379,8 @@ class H3Server:
     def _reload(self) -> None:
         if self._endpoint is not None:
             # New connections take the new certificate; live ones keep theirs.
-            self._endpoint._configuration = self.tls.quic_configuration(
-                idle_timeout=self.limits.idle_timeout
+            set_server_configuration(
+                self._endpoint, self.tls.quic_configuration(idle_timeout=self.limits.idle_timeout)
             )
 
     # session tickets: called synchronously by aioquic's TLS engine

@@ -4,9 +4,10 @@ aioquic's ``QuicRetryTokenHandler`` draws a random AES-GCM key per process, so a
 by one SO_REUSEPORT worker fails in another (the kernel may hand the retried Initial to either).
 ``SharedRetryTokenHandler`` derives the key from a configured secret with HKDF and stamps
 tokens with wall-clock time (aioquic passes the loop's monotonic clock, which differs between
-machines). The server installs it in place of aioquic's (``QuicServer._retry``; there is no
-public hook). Anti-amplification (RFC 9000 §8.1: at most 3x the bytes received before the
-address is validated) is enforced by aioquic's ``QuicConnection`` itself, with or without Retry.
+machines). The server installs it in place of aioquic's, and it replaces aioquic's key, through
+``transport.aioquic_private`` (there is no public hook for either). Anti-amplification (RFC 9000
+§8.1: at most 3x the bytes received before the address is validated) is enforced by aioquic's
+``QuicConnection`` itself, with or without Retry.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from aioquic.quic.retry import QuicRetryTokenHandler
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from transport.aioquic_private import set_retry_key
 
 _INFO = b"quicedge quic retry token v1"
 MIN_SECRET_BYTES = 16
@@ -35,7 +38,8 @@ class SharedRetryTokenHandler(QuicRetryTokenHandler):
     """Retry tokens any holder of the same secret can validate."""
 
     def __init__(self, secret: bytes, *, clock: Callable[[], float] = time.time) -> None:
-        self._aead = AESGCM(derive_key(secret))
+        super().__init__()
+        set_retry_key(self, AESGCM(derive_key(secret)))
         self._clock = clock
 
     def create_token(

@@ -1,8 +1,11 @@
-"""TCP listeners on hypercorn: TLS (ALPN h2, http/1.1) with Alt-Svc, plain HTTP/1.1, admin.
+"""The TLS listener on hypercorn: HTTP/2 and HTTP/1.1 (ALPN ``h2``, ``http/1.1``) with Alt-Svc.
 
-Each listener binds its own socket (TCP_NODELAY, optional SO_REUSEPORT for workers) and hands
-it to hypercorn as ``fd://N``, so the bound port is known even when asked for port 0. The TLS
-listener shares ``TlsMaterial``'s one ``SSLContext``, so a SIGHUP reload reaches new handshakes.
+`TcpListener` binds its own socket (TCP_NODELAY, optional SO_REUSEPORT for workers) and hands it
+to hypercorn as ``fd://N``, so the bound port is known even when asked for port 0. It shares
+``TlsMaterial``'s one ``SSLContext``, so a SIGHUP reload reaches new handshakes. Every response
+carries ``Alt-Svc`` naming the HTTP/3 port (``alt_svc_port``), which is how a client learns to
+come back over QUIC. Without ``tls`` it serves plain HTTP through hypercorn (the tests use that);
+``quicedge serve``'s plain-HTTP and admin listeners are ``h1_server.H1Listener`` instead.
 Shutdown: hypercorn stops accepting, closes idle HTTP/2 connections with GOAWAY and lets open
 requests finish for ``graceful_timeout`` seconds.
 """
@@ -44,7 +47,7 @@ def tcp_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
 
 
 def without_lifespan(app: ASGIApp) -> ASGIApp:
-    """Answer ASGI lifespan events ourselves: our apps are started by ``edge.serve``."""
+    """Answer ASGI lifespan events ourselves: our apps are started by ``transport.workers``."""
 
     async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -86,7 +89,7 @@ class TcpOptions:
 
 
 class TcpListener:
-    """One hypercorn listener for one ASGI app."""
+    """One hypercorn listener for one ASGI app: TLS (h2 + HTTP/1.1) when given ``tls``."""
 
     def __init__(
         self,

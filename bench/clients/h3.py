@@ -78,6 +78,7 @@ class _H3Protocol(QuicConnectionProtocol):
         self, quic: QuicConnection, *, ticket_received: asyncio.Future[None], **kwargs: Any
     ) -> None:
         super().__init__(quic, **kwargs)
+        self.quic = quic  # aioquic's own reference (`_quic`) is private
         self.ticket_received = ticket_received
         # Created now, so a 0-RTT request's HEADERS go in the client's first flight.
         self.h3 = H3Connection(quic)
@@ -203,7 +204,7 @@ class H3Client(StreamingClient):
         protocol, transport = await self._connection(result, target)
         if not result.early_data and not result.reused_connection:
             result.connect_s = time.perf_counter() - start
-        stream_id = protocol._quic.get_next_available_stream_id()
+        stream_id = protocol.quic.get_next_available_stream_id()
         queue: asyncio.Queue[Any] = asyncio.Queue()
         protocol.queues[stream_id] = queue
         try:

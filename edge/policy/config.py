@@ -32,17 +32,16 @@ not built and a request pays nothing for it.
 
 from __future__ import annotations
 
-import types
-import typing
-from dataclasses import MISSING, dataclass, field, fields, is_dataclass
-from typing import Any, Literal, TypeVar
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 import regex
 
+from edge import settings
+
 KiB = 1024
 MiB = 1024 * KiB
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -250,9 +249,9 @@ class PolicyConfig:
             raise ValueError("policy.stream_lookbehind: must be >= 1")
 
     @classmethod
-    def from_mapping(cls, values: typing.Mapping[str, Any]) -> PolicyConfig:
-        """Build from the `[policy]` TOML table, rejecting unknown keys and wrong types."""
-        config = from_mapping(cls, values, "policy")
+    def from_mapping(cls, values: Mapping[str, Any]) -> PolicyConfig:
+        """From a `[policy]`-style table (tests, in-process callers), validated."""
+        config = settings.from_mapping(cls, values, "policy")
         config.validate()
         return config
 
@@ -277,59 +276,10 @@ def _check_pattern(where: str, pattern: str, literal: bool, *, re2: bool = False
         raise ValueError(f"{where}: bad regular expression {pattern!r}: {exc}") from None
 
 
-def from_mapping(cls: type[T], values: typing.Mapping[str, Any], section: str) -> T:
-    """A dataclass from a TOML table: known keys only, each value checked against its type."""
-    if not isinstance(values, typing.Mapping):
-        raise ValueError(f"{section}: must be a table")
-    assert is_dataclass(cls)
-    hints = typing.get_type_hints(cls)
-    known = {f.name: f for f in fields(cls)}
-    unknown = sorted(set(values) - set(known))
-    if unknown:
-        raise ValueError(f"{section}: unknown setting(s) {', '.join(unknown)}")
-    kwargs = {name: _coerce(f"{section}.{name}", hints[name], v) for name, v in values.items()}
-    for name, f in known.items():
-        if name not in kwargs and f.default is MISSING and f.default_factory is MISSING:
-            raise ValueError(f"{section}.{name}: required")
-    return cls(**kwargs)
-
-
-def _coerce(where: str, hint: Any, value: Any) -> Any:
-    origin = typing.get_origin(hint)
-    args = typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _coerce(where, inner, value)
-    if origin is Literal:
-        if value not in args:
-            choices = ", ".join(map(str, args))
-            raise ValueError(f"{where}: must be one of {choices}, got {value!r}")
-        return value
-    if origin is list:
-        if not isinstance(value, list):
-            raise ValueError(f"{where}: must be a list")
-        return [_coerce(where, args[0], v) for v in value]
-    if is_dataclass(hint):
-        return from_mapping(hint, value, where)  # type: ignore[arg-type]
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ValueError(f"{where}: must be true or false, got {value!r}")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{where}: must be an integer, got {value!r}")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{where}: must be a number, got {value!r}")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise ValueError(f"{where}: must be a string, got {value!r}")
-        return value
-    raise TypeError(f"{where}: unsupported setting type {hint!r}")
+POLICY_FLAGS: dict[str, str | bool] = {"stream_refusal": "--policy-stream-refusal",
+                                       "stream_lookbehind": "--policy-stream-lookbehind",
+                                       "stream_hold": "--policy-stream-hold"}  # fmt: skip
+"""Flags of the `[policy]` settings that have one (its rules and modules are TOML only)."""
 
 
 __all__ = [
@@ -339,5 +289,5 @@ __all__ = [
     "TenantModels",
     "TierLimits",
     "WasmConfig",
-    "from_mapping",
+    "POLICY_FLAGS",
 ]

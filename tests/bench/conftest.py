@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +14,9 @@ import pytest
 
 from certs import DevCertificates
 from tests.bench.servers import edge_h3, edge_tcp
+
+# The in-process request cost test (`bench.request_cpu`) counts instructions with this fixture.
+from tests.tools.conftest import FakeValgrind, fake_valgrind  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -62,26 +65,3 @@ async def run_command(*args: str, timeout: float = 60.0) -> Completed:
         raise
     assert proc.returncode is not None
     return Completed(proc.returncode, out.decode(), err.decode())
-
-
-FakeValgrind = Callable[[str, int, int], None]
-
-
-@pytest.fixture
-def fake_valgrind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> FakeValgrind:
-    """`install(pattern, matched, other)` puts a `valgrind` first on PATH that reports `matched`
-    instructions for a run whose arguments contain `pattern`, and `other` for any other run."""
-
-    def install(pattern: str, matched: int, other: int) -> None:
-        fake = tmp_path / "valgrind"
-        fake.write_text(
-            "#!/bin/sh\n"
-            f'case "$*" in\n'
-            f'  *"{pattern}"*) echo "==1== I   refs:      {matched:,}" >&2 ;;\n'
-            f'  *) echo "==1== I   refs:      {other:,}" >&2 ;;\n'
-            "esac\n"
-        )
-        fake.chmod(0o755)
-        monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-
-    return install

@@ -124,17 +124,6 @@ async def test_refused_answers_fail_the_run() -> None:
     assert done.returncode == 1 and "edge_latency: " in done.stderr
 
 
-async def test_pool_cpu_reports_cpu_and_reads_per_body() -> None:
-    async with SimServer(SimConfig(name="pc", port=0, profile="instant")) as sim:
-        done = await run_command(
-            "bench.pool_cpu", sim.url, "--max-tokens", "4", "--requests", "2", "--repeats", "2",
-            "--chunk-timeout", "30", "--loop", "asyncio",
-        )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("pool CPU per request: min ")
-    assert "reads per body" in done.stdout
-
-
 async def test_spawn_writes_both_reports_and_stops_its_processes(tmp_path: Path) -> None:
     done = await run_command(
         "bench.edge_latency", "--spawn", "--out", str(tmp_path), "--concurrency", "1", "2",

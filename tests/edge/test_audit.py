@@ -179,8 +179,8 @@ async def test_burst_through_the_edge_is_audited_without_a_drop(tmp_path: Path) 
 
     async with TinyUpstream(answer) as up:
         cfg = fast_config([up.url], pool_max_connections=64)
-        cfg.audit = AuditConfig(path=str(path), queue_size=256)
-        async with run_edge(cfg) as edge, client(edge) as http:
+        audit = AuditConfig(path=str(path), queue_size=256)
+        async with run_edge(cfg, audit=audit) as edge, client(edge) as http:
             todo = iter(range(total))
 
             async def worker() -> None:

@@ -38,6 +38,17 @@ def test_repeated_backend_flags_replace_toml_list() -> None:
     assert config.backends == ["http://127.0.0.1:2", "http://127.0.0.1:3"]
 
 
+def test_environment_between_flags_and_toml() -> None:
+    toml = {"proxy": {"backends": ["http://127.0.0.1:1"], "max_retries": 1, "chunk_timeout": 9}}
+    env = {"QUICEDGE_RETRIES": "3", "QUICEDGE_BACKEND": "http://a:1, http://b:2"}
+    config = config_from(parse("--chunk-timeout", "4"), toml, env)
+    assert config.backends == ["http://a:1", "http://b:2"]
+    assert (config.max_retries, config.chunk_timeout) == (3, 4.0)
+    assert config_from(parse("--retries", "0"), toml, env).max_retries == 0
+    config = config_from(parse(), toml, {"QUICEDGE_DEGRADED_QUEUE": "none"})
+    assert config.degraded_queue is None
+
+
 def test_tracing_flag() -> None:
     assert config_from(parse("--backend", "http://a:1", "--tracing"), {}).tracing is True
     assert config_from(parse("--backend", "http://a:1"), {"proxy": {"tracing": True}}).tracing
@@ -57,7 +68,7 @@ def test_tracing_flag() -> None:
         ({"backends": ["http://a:1"], "tracing": "yes"}, "tracing"),
         ({"backends": ["http://a:1"], "degraded_token_usage": 2}, "degraded_token_usage"),
         ({"backends": ["http://a:1"], "pool_warm_connections": 500}, "pool_warm"),
-        ({"backends": "http://a:1"}, "list of URLs"),
+        ({"backends": "http://a:1"}, "proxy.backends: expected a list of strings"),
     ],
 )
 def test_bad_settings_are_named(section: dict[str, Any], message: str) -> None:

@@ -13,6 +13,7 @@ from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.h3.connection import H3_ALPN, H3Connection
 from aioquic.h3.events import DataReceived, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import (
     ConnectionTerminated,
     HandshakeCompleted,
@@ -38,9 +39,10 @@ class Response:
 
 
 class H3Client(QuicConnectionProtocol):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.h3 = H3Connection(self._quic)
+    def __init__(self, quic: QuicConnection, *args: Any, **kwargs: Any) -> None:
+        super().__init__(quic, *args, **kwargs)
+        self.quic = quic  # aioquic's own reference (`_quic`) is private
+        self.h3 = H3Connection(quic)
         self.responses: dict[int, Response] = {}
         self.handshake: HandshakeCompleted | None = None
         self.handshake_done = asyncio.Event()
@@ -86,7 +88,7 @@ class H3Client(QuicConnectionProtocol):
         raw_headers: list[tuple[bytes, bytes]] | None = None,
     ) -> int:
         """Send a request (without transmitting: the caller decides when) and return its id."""
-        stream_id = self._quic.get_next_available_stream_id()
+        stream_id = self.quic.get_next_available_stream_id()
         self.responses[stream_id] = Response()
         fields = raw_headers or [
             (b":method", method.encode()),
@@ -105,8 +107,8 @@ class H3Client(QuicConnectionProtocol):
 
     def reset(self, stream_id: int, code: int = 0x10C) -> None:
         """Cancel a request (RFC 9114 §4.1.2): RESET_STREAM and STOP_SENDING."""
-        self._quic.reset_stream(stream_id, code)
-        self._quic.stop_stream(stream_id, code)
+        self.quic.reset_stream(stream_id, code)
+        self.quic.stop_stream(stream_id, code)
         self.transmit()
 
     async def fetch(self, method: str, path: str, timeout: float = 10.0, **kw: Any) -> Response:

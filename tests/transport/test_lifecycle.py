@@ -15,6 +15,7 @@ from certs import DevCertificates, ensure_dev_certificates
 from tests.transport.apps import RecordingApp
 from tests.transport.conftest import H3Factory
 from tests.transport.h3client import h3_connect
+from transport.aioquic_private import retry_count
 from transport.h3_server import H3Server
 from transport.tcp import TcpListener
 from transport.tickets import MemoryTicketStore
@@ -27,7 +28,7 @@ async def test_retry_round_trip_then_served(h3_server: H3Factory, dev_certs) -> 
             r = await c.fetch("GET", "/echo")
             assert r.status == 200
             # The client had to echo a Retry token (RFC 9000 §8.1.2).
-            assert c._quic._retry_count == 1
+            assert retry_count(c.quic) == 1
 
 
 def _copy_pki(src: DevCertificates, dst: Path) -> CertificateFiles:

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from edge.serve import build_parser, main, transport_config
+from edge.serve import build_parser, load_settings, transport_config
 from transport.config import TransportConfig
 from transport.loop import loop_factory, resolve, run, running_loop_name, uvloop_available
 
@@ -36,15 +36,14 @@ def test_run_uses_the_chosen_loop(name: str) -> None:
     assert run(which(), name) == name
 
 
-def test_flag_and_toml() -> None:
+def test_flag_and_toml(tmp_path) -> None:
+    config = tmp_path / "edge.toml"
+    config.write_text('[serve]\nloop = "asyncio"\n')
     parser = build_parser()
-    doc = {"serve": {"loop": "asyncio"}}
-    assert transport_config(parser.parse_args([]), doc).loop == "asyncio"
-    assert transport_config(parser.parse_args(["--loop", "auto"]), doc).loop == "auto"
-    assert transport_config(parser.parse_args([]), {}).loop == "auto"
 
+    def loop(*argv: str) -> str:
+        return transport_config(load_settings(parser.parse_args(["--demo", *argv]), {})).loop
 
-def test_bad_loop_flag_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
-        main(["--demo", "--loop", "trio"])
-    assert "invalid choice" in capsys.readouterr().err
+    assert loop("--config", str(config)) == "asyncio"
+    assert loop("--config", str(config), "--loop", "auto") == "auto"
+    assert loop() == "auto"

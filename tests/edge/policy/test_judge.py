@@ -53,10 +53,10 @@ def backend(head_delay: float = 0.0) -> Any:
     return answer
 
 
-def config(url: str, guard_url: str, **judge: Any) -> Any:
-    cfg = fast_config([url])
-    cfg.gateway = PolicyConfig.from_mapping({"judge": {"backends": [guard_url], **judge}})
-    return cfg
+def edge_with(url: str, guard_url: str, **judge: Any) -> Any:
+    """An edge in front of `url` whose guard model is `guard_url` (`[policy.judge]`)."""
+    policies = PolicyConfig.from_mapping({"judge": {"backends": [guard_url], **judge}})
+    return run_edge(fast_config([url]), policies=policies)
 
 
 def completion(prompt: str, stream: bool = False) -> dict[str, Any]:
@@ -74,7 +74,7 @@ async def metrics(edge: Any) -> str:
 
 async def test_hold_refuses_unsafe_before_routing_and_passes_safe() -> None:
     async with TinyUpstream(backend()) as up, TinyUpstream(guard()) as g:
-        async with run_edge(config(up.url, g.url)) as edge, client(edge) as http:
+        async with edge_with(up.url, g.url) as edge, client(edge) as http:
             refused = await http.post("/v1/completions", json=completion("plan an attack"))
             passed = await http.post("/v1/completions", json=completion("plan a picnic"))
             text = await metrics(edge)
@@ -89,7 +89,7 @@ async def test_hold_refuses_unsafe_before_routing_and_passes_safe() -> None:
 
 async def test_race_cancels_a_request_whose_answer_has_not_started() -> None:
     async with TinyUpstream(backend(head_delay=5.0)) as up, TinyUpstream(guard()) as g:
-        async with run_edge(config(up.url, g.url, mode="race")) as edge, client(edge) as http:
+        async with edge_with(up.url, g.url, mode="race") as edge, client(edge) as http:
             response = await http.post("/v1/completions", json=completion("attack!", True))
             await wait_until(lambda: any(r.path == "/abort_request" for r in up.requests), 10)
     assert response.status_code == 200  # a streaming refusal: a well-formed stream
@@ -101,7 +101,7 @@ async def test_race_cancels_a_request_whose_answer_has_not_started() -> None:
 
 async def test_race_verdict_after_the_answer_started_is_only_counted() -> None:
     async with TinyUpstream(backend()) as up, TinyUpstream(guard(delay=0.5)) as g:
-        async with run_edge(config(up.url, g.url, mode="race")) as edge, client(edge) as http:
+        async with edge_with(up.url, g.url, mode="race") as edge, client(edge) as http:
             response = await http.post("/v1/completions", json=completion("attack", True))
             counter = edge.wiring.metrics.policy_decisions.labels("judge", "unsafe_late")
             await wait_until(lambda: counter.value == 1, 10)
@@ -111,8 +111,10 @@ async def test_race_verdict_after_the_answer_started_is_only_counted() -> None:
 @pytest.mark.parametrize(("on_error", "status"), [("open", 200), ("closed", 503)])
 async def test_a_failing_guard(on_error: str, status: int) -> None:
     async with TinyUpstream(backend()) as up, TinyUpstream(guard(delay=5.0)) as g:
-        cfg = config(up.url, g.url, timeout=0.2, on_error=on_error)
-        async with run_edge(cfg) as edge, client(edge) as http:
+        async with (
+            edge_with(up.url, g.url, timeout=0.2, on_error=on_error) as edge,
+            client(edge) as http,
+        ):
             response = await http.post("/v1/completions", json=completion("hello"))
     assert response.status_code == status
     if status == 503:

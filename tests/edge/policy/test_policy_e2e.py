@@ -58,10 +58,9 @@ def inference(up: TinyUpstream) -> list[Recorded]:
             r.path != "/v1/models" and r.path != "/v1/loads"]  # fmt: skip
 
 
-def config(url: str, policy: dict[str, Any] = POLICY) -> Any:
-    cfg = fast_config([url])
-    cfg.gateway = PolicyConfig.from_mapping(policy)
-    return cfg
+def edge_with(url: str, policy: dict[str, Any] = POLICY, **kwargs: Any) -> Any:
+    """An edge in front of `url` with the `[policy]` table `policy`."""
+    return run_edge(fast_config([url]), policies=PolicyConfig.from_mapping(policy), **kwargs)
 
 
 def completion(prompt: str, stream: bool = True) -> dict[str, Any]:
@@ -70,7 +69,7 @@ def completion(prompt: str, stream: bool = True) -> dict[str, Any]:
 
 async def test_denied_request_gets_403_in_openai_shape_and_never_reaches_a_backend() -> None:
     async with TinyUpstream(script(["ok"])) as up:
-        async with run_edge(config(up.url)) as edge, client(edge) as http:
+        async with edge_with(up.url) as edge, client(edge) as http:
             response = await http.post("/v1/completions", json=completion("my PASSWORD", False))
             metrics = (await httpx.AsyncClient().get(f"{edge.admin_url}/metrics")).text
     assert response.status_code == 403
@@ -85,7 +84,7 @@ async def test_denied_request_gets_403_in_openai_shape_and_never_reaches_a_backe
 
 async def test_denied_streaming_request_gets_a_well_formed_sse_refusal() -> None:
     async with TinyUpstream(script(["ok"])) as up:
-        async with run_edge(config(up.url)) as edge, client(edge) as http:
+        async with edge_with(up.url) as edge, client(edge) as http:
             response = await http.post("/v1/completions", json=completion("password?"))
     assert response.status_code == 200
     assert response.headers["content-type"] == "text/event-stream"
@@ -97,7 +96,7 @@ async def test_denied_streaming_request_gets_a_well_formed_sse_refusal() -> None
 
 async def test_redacted_prompt_is_what_the_backend_gets() -> None:
     async with TinyUpstream(script(["ok"])) as up:
-        async with run_edge(config(up.url)) as edge, client(edge) as http:
+        async with edge_with(up.url) as edge, client(edge) as http:
             response = await http.post("/v1/completions", json=completion("mail bob@corp.io now"))
     assert response.status_code == 200
     (sent,) = inference(up)
@@ -108,7 +107,7 @@ async def test_redacted_prompt_is_what_the_backend_gets() -> None:
 
 async def test_clean_request_is_forwarded_byte_for_byte() -> None:
     async with TinyUpstream(script(["ok"])) as up:
-        async with run_edge(config(up.url)) as edge, client(edge) as http:
+        async with edge_with(up.url) as edge, client(edge) as http:
             raw = b'{"model": "tiny-model",   "prompt": "hello", "stream": true}'
             response = await http.post(
                 "/v1/completions", content=raw, headers={"content-type": "application/json"}
@@ -124,7 +123,7 @@ async def test_stream_rule_split_across_chunks_ends_the_stream_and_aborts_upstre
 ) -> None:
     tokens = ["Sure: ", "BEGIN PRIV", "ATE KEY", "-----", *(["MIIEv"] * 200)]
     async with TinyUpstream(script(tokens, delay=0.005)) as up:
-        async with run_edge(config(up.url), listener=listener, trace=True) as edge:
+        async with edge_with(up.url, listener=listener, trace=True) as edge:
             async with client(edge) as http:
                 response = await http.post("/v1/completions", json=completion("give me a key"))
             await wait_until(lambda: any(r.path == "/abort_request" for r in up.requests), 10)
@@ -149,7 +148,7 @@ async def test_stream_rule_split_across_chunks_ends_the_stream_and_aborts_upstre
 async def test_stream_with_no_match_is_relayed_whole(listener: str) -> None:
     tokens = ["begin ", "private ", "lessons ", *(["word "] * 20)]
     async with TinyUpstream(script(tokens)) as up:
-        async with run_edge(config(up.url), listener=listener) as edge, client(edge) as http:
+        async with edge_with(up.url, listener=listener) as edge, client(edge) as http:
             response = await http.post("/v1/completions", json=completion("hello"))
     texts = [json.loads(e[6:])["choices"][0]["text"]
              for e in response.content.split(b"\n\n") if e.startswith(b"data: {")]  # fmt: skip
@@ -171,7 +170,7 @@ async def test_module_hot_reload_under_load_fails_no_request(tmp_path: Path) -> 
             results.append(response.status_code)
 
     async with TinyUpstream(script(["a", "b", "c"])) as up:
-        async with run_edge(config(up.url, policy)) as edge, client(edge) as http:
+        async with edge_with(up.url, policy) as edge, client(edge) as http:
             module = edge.wiring.app.gateway.modules[0]  # type: ignore[attr-defined]
             workers = [asyncio.ensure_future(load(http)) for _ in range(8)]
             try:
@@ -200,7 +199,7 @@ async def test_failing_module_in_the_edge(tmp_path: Path, on_error: str) -> None
     bad.write_bytes(wasmtime.wat2wasm(ALLOW_ALL.replace("(i64.const 18)", "unreachable")))
     policy = {"wasm": [{"id": "bad", "path": str(bad), "on_error": on_error}]}
     async with TinyUpstream(script(["ok"])) as up:
-        async with run_edge(config(up.url, policy)) as edge, client(edge) as http:
+        async with edge_with(up.url, policy) as edge, client(edge) as http:
             response = await http.post("/v1/completions", json=completion("hi", False))
             metrics = (await httpx.AsyncClient().get(f"{edge.admin_url}/metrics")).text
     assert 'quicedge_policy_module_failures_total{kind="trap",module="bad"} 1.0' in metrics

@@ -208,7 +208,7 @@ def test_fold_keeps_ascii_as_is_and_folds_the_rest() -> None:
         ({"rules": [{"id": "x", "patterns": []}]}, "has no pattern"),
         ({"rules": [{"patterns": ["a"]}]}, "needs an id"),
         ({"rules": [{"id": "x", "patterns": ["a"], "colour": 1}]}, "unknown setting"),
-        ({"rules": [{"id": "x", "action": "maybe", "patterns": ["a"]}]}, "must be one of"),
+        ({"rules": [{"id": "x", "action": "maybe", "patterns": ["a"]}]}, "expected one of"),
         ({"rules": [{"id": "x", "patterns": ["a"]}, {"id": "x", "patterns": ["b"]}]}, "twice"),
         ({"tiers": [{"tier": "f", "max_tokens": 0}]}, "max_tokens"),
         ({"bogus": 1}, "unknown setting"),

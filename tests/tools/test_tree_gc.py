@@ -1,4 +1,4 @@
-"""`bench.tree_gc`: it fills a tree past its budget and reports what the collector did."""
+"""`tools.tree_gc`: it fills a tree past its budget and reports what the collector did."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import tree_gc
-from tests.bench.conftest import FakeValgrind
+from tests.tools.conftest import FakeValgrind
+from tools import tree_gc
 
 
 def test_a_small_run_fills_the_tree_and_writes_its_report(

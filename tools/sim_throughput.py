@@ -5,7 +5,7 @@ then runs N concurrent streaming clients on keep-alive connections for a fixed t
 a report. The clients are deliberately lean (raw asyncio streams, no JSON parsing except the
 final usage chunk) so that the server, not the load generator, is what gets measured.
 
-    python -m bench.sim_throughput --clients 64 --duration 10 --max-tokens 256
+    python -m tools.sim_throughput --clients 64 --duration 10 --max-tokens 256
 
 This is a benchmark, not a test: it prints numbers and asserts nothing.
 """
@@ -128,7 +128,7 @@ async def measure(url: str, clients: int, duration: float, max_tokens: int) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.sim_throughput", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m tools.sim_throughput", description=__doc__)
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--duration", type=float, default=10.0)
     p.add_argument("--max-tokens", type=int, default=256)

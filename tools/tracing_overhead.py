@@ -5,7 +5,7 @@ Runs the proxy app in-process (ASGI calls, no client socket) in front of one in-
 through an app built without a tracer and one with the OpenTelemetry SDK (batch processor, an
 exporter that drops spans). The two are interleaved round by round so machine noise hits both.
 
-    python -m bench.tracing_overhead [--requests 2000] [--rounds 10] [--tokens 16]
+    python -m tools.tracing_overhead [--requests 2000] [--rounds 10] [--tokens 16]
 
 Prints a report; it asserts nothing (speed belongs in reports, not in tests).
 """
@@ -153,7 +153,7 @@ async def _run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.tracing_overhead", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tools.tracing_overhead", description=__doc__)
     parser.add_argument("--requests", type=int, default=2000, help="requests per mode")
     parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds")
     parser.add_argument("--tokens", type=int, default=16, help="tokens per streamed answer")

@@ -1,6 +1,6 @@
 """CPU time the upstream pool spends per streamed request, with nothing else in the process.
 
-    python -m bench.pool_cpu http://127.0.0.1:31001 --max-tokens 64 --requests 100 --repeats 5 \\
+    python -m tools.pool_cpu http://127.0.0.1:31001 --max-tokens 64 --requests 100 --repeats 5 \\
         [--loop uvloop] [--chunk-timeout 30]
 
 Streams `--requests` chat completions one after another through one `UpstreamPool` and reports
@@ -55,7 +55,7 @@ async def measure(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.pool_cpu", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m tools.pool_cpu", description=__doc__)
     p.add_argument("url", help="backend base URL, e.g. http://127.0.0.1:31001")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--requests", type=int, default=100)

@@ -1,6 +1,6 @@
 """QUIC handshakes per second with each session-ticket store (memory, Redis); prints a report.
 
-    .venv/bin/python -m bench.handshakes [--duration 5] [--concurrency 8] [--redis URL]
+    .venv/bin/python -m tools.handshakes [--duration 5] [--concurrency 8] [--redis URL]
 
 For each store it starts ``quicedge serve --demo`` in its own process and drives it with aioquic
 clients from this one: *full* handshakes (no ticket; the server stores a new ticket each time)
@@ -28,12 +28,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from aioquic.asyncio.client import connect
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.h3.connection import H3_ALPN, H3Connection
 from aioquic.h3.events import DataReceived, HeadersReceived
 from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import HandshakeCompleted, QuicEvent
 from aioquic.tls import CipherSuite, SessionTicket
 
@@ -42,9 +44,10 @@ from transport.tickets import MemoryTicketStore, RedisTicketStore, TicketStore
 
 
 class _Client(QuicConnectionProtocol):
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.h3 = H3Connection(self._quic)
+    def __init__(self, quic: QuicConnection, *args: Any, **kwargs: Any) -> None:
+        super().__init__(quic, *args, **kwargs)
+        self.quic = quic  # aioquic's own reference (`_quic`) is private
+        self.h3 = H3Connection(quic)
         self.done = asyncio.Event()
         self.early = False
 
@@ -120,7 +123,7 @@ async def _drive(
                 session_ticket_handler=tickets.append, wait_connected=ticket is None,
             ) as client:  # fmt: skip
                 assert isinstance(client, _Client)
-                sid = client._quic.get_next_available_stream_id()
+                sid = client.quic.get_next_available_stream_id()
                 client.h3.send_headers(
                     sid,
                     [(b":method", b"POST"), (b":scheme", b"https"),
@@ -212,7 +215,7 @@ def _redis(url: str | None) -> Iterator[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m bench.handshakes", description=__doc__.split("\n")[0]
+        prog="python -m tools.handshakes", description=__doc__.split("\n")[0]
     )
     p.add_argument("--duration", type=float, default=5.0, help="seconds per measurement (5)")
     p.add_argument("--concurrency", type=int, default=8, help="connections in flight (8)")

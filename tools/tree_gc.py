@@ -1,6 +1,6 @@
 """What the routing policy's prefix tree costs the garbage collector, and the edge per request.
 
-    python -m bench.tree_gc [--requests 40000] [--max-chars 8388608] [--tenants 4] [--seed 0] \\
+    python -m tools.tree_gc [--requests 40000] [--max-chars 8388608] [--tenants 4] [--seed 0] \\
         [--json PATH] [--instructions]
 
 Every garbage collection stops the event loop, so every request in flight waits it out, and a
@@ -162,7 +162,7 @@ def report(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.tree_gc", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tools.tree_gc", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--requests", type=int, default=40000)
     p.add_argument("--max-chars", type=int, default=DEFAULT_MAX_CHARS)
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--requests, --max-chars, --tenants and --groups must be >= 1")
     if args.instructions:
         shape = [
-            "bench.tree_gc", "--requests", str(args.requests), "--max-chars", str(args.max_chars),
+            "tools.tree_gc", "--requests", str(args.requests), "--max-chars", str(args.max_chars),
             "--tenants", str(args.tenants), "--groups", str(args.groups),
             "--system-chars", str(args.system_chars), "--question-chars", str(args.question_chars),
             "--answer-chars", str(args.answer_chars), "--seed", str(args.seed),

@@ -1,0 +1,274 @@
+"""The settings loader: every section's TOML, `QUICEDGE_*` variables and flags, and the one-line
+errors `quicedge serve` gives for each mistake (through the real command, in a subprocess)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from importlib.metadata import version
+from pathlib import Path
+from typing import Literal
+
+import pytest
+
+from edge import settings
+from edge.settings import Section, SettingsError
+
+# -- the real command ----------------------------------------------------------------------------
+
+
+def quicedge(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUICEDGE_")}
+    environ.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "edge.cli", *argv],
+        capture_output=True,
+        text=True,
+        env=environ,
+        timeout=60,
+    )
+
+
+def refused(done: subprocess.CompletedProcess[str]) -> str:
+    """The one line a refused start printed (and nothing else)."""
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert done.stdout == ""
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ('[serve]\nworkers = "4"\n', "serve.workers: expected an integer, got '4'"),
+        ("[serve]\nwrokers = 4\n", "[serve]: unknown setting 'wrokers' (did you mean 'workers'?)"),
+        ("[srve]\nworkers = 1\n", "unknown table [srve] (did you mean [serve]?)"),
+        ("[serve]\nworkers = 0\n", "serve.workers must be >= 1, got 0"),
+        ("[serve]\nmax_concurrent_streams = 0\n", "max_concurrent_streams must be >= 1"),
+        ('[serve]\nh3 = "localhost"\n', "serve.h3: expected HOST:PORT, got 'localhost'"),
+        ('[serve]\nloop = "trio"\n', "serve.loop: expected one of auto, asyncio, uvloop"),
+        ('[early_data]\ndefault = "maybe"\n', "early_data.default: expected one of accept"),
+        ('[early_data]\nroutes = { "generate" = "accept" }\n', "a route is a path starting"),
+        ("[proxy]\nmax_retries = 1.5\n", "proxy.max_retries: expected an integer, got 1.5"),
+        (
+            '[proxy]\nbackends = ["http://a:1"]\nconnect_timeout = 0\n',
+            "connect_timeout must be > 0",
+        ),
+        ("serve = 3\n", "[serve] must be a table"),
+        ("[serve\n", "--config"),
+    ],
+)
+def test_a_config_file_mistake_is_one_line_and_exit_2(
+    tmp_path: Path, toml: str, message: str
+) -> None:
+    config = tmp_path / "edge.toml"
+    config.write_text(toml)
+    demo = [] if "[proxy]" in toml else ["--demo"]
+    line = refused(quicedge("serve", *demo, "--config", str(config)))
+    assert message in line and line.startswith("quicedge serve: ")
+
+
+@pytest.mark.parametrize(
+    ("env", "argv", "message"),
+    [
+        ({"QUICEDGE_WORKERS": "four"}, [], "$QUICEDGE_WORKERS: expected an integer, got 'four'"),
+        ({"QUICEDGE_QUIC_RETRY": "maybe"}, [], "$QUICEDGE_QUIC_RETRY: expected true or false"),
+        ({"QUICEDGE_EARLY_DATA": "often"}, [], "$QUICEDGE_EARLY_DATA: expected one of accept"),
+        ({"QUICEDGE_DRAIN_TIMEOUT": "-1"}, [], "serve.drain_timeout must be >= 0"),
+        ({}, ["--workers", "x"], "--workers: expected an integer, got 'x'"),
+        ({}, ["--early-data", "sometimes"], "--early-data: expected one of accept, defer, reject"),
+        ({}, ["--loop", "trio"], "--loop: expected one of auto, asyncio, uvloop"),
+        ({}, ["--h3", "off"], "--h3: cannot be off"),
+        ({}, ["--wrkers", "2"], "unrecognized arguments: --wrkers 2"),
+        ({}, ["--workers", "2"], "--workers 2 needs --redis URL"),
+        ({"QUICEDGE_REDIS": "localhost:6379"}, [], "serve.redis: expected a redis://"),
+        ({}, ["--policy", "fastest"], "proxy.policy: unknown routing policy 'fastest'"),
+    ],
+)
+def test_a_flag_or_environment_mistake_is_one_line_and_exit_2(
+    env: dict[str, str], argv: list[str], message: str
+) -> None:
+    demo = [] if "proxy." in message else ["--demo"]
+    if not demo:
+        argv = [*argv, "--backend", "http://127.0.0.1:1"]
+    line = refused(quicedge("serve", *demo, *argv, env=env))
+    assert message in line
+
+
+def test_the_proxy_needs_a_backend_unless_demo() -> None:
+    assert "at least one backend" in refused(quicedge("serve"))
+    assert "backend URL must be" in refused(quicedge("serve", "--backend", "ftp://x"))
+    env = {"QUICEDGE_BACKEND": "http://127.0.0.1:1,ftp://y"}
+    assert "got 'ftp://y'" in refused(quicedge("serve", env=env))
+
+
+def test_development_certificates_are_refused_off_loopback() -> None:
+    line = refused(quicedge("serve", "--demo", "--h3", "0.0.0.0:4433"))
+    assert "0.0.0.0 is not a loopback address" in line
+    assert "--cert and --key, or --dev-certs" in line
+    # The admin and plain-HTTP listeners present no certificate: no refusal for them.
+    done = quicedge("serve", "--demo", "--admin", "0.0.0.0:0", "--workers", "0")
+    assert "serve.workers must be >= 1" in refused(done)
+
+
+def test_dev_certs_flag_allows_them_anywhere() -> None:
+    from transport.config import TransportConfig
+
+    with pytest.raises(ValueError, match="not a loopback address"):
+        TransportConfig(tcp=("10.1.2.3", 8443)).validate()
+    TransportConfig(tcp=("10.1.2.3", 8443), dev_certs=True).validate()
+    TransportConfig(h3=("::1", 4433), tcp=("localhost", 8443)).validate()
+
+
+def test_version() -> None:
+    done = quicedge("--version")
+    assert done.returncode == 0
+    assert done.stdout.strip() == f"quicedge {version('quicedge')}"
+
+
+def test_a_proxy_that_cannot_be_imported_is_an_error_not_the_demo_app() -> None:
+    script = (
+        "import sys\n"
+        "sys.modules['backends.pool'] = None\n"  # makes `import backends.pool` fail
+        "from edge.cli import main\n"
+        "sys.exit(main(['serve', '--backend', 'http://127.0.0.1:1']))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode != 0
+    assert "import of backends.pool halted" in done.stderr and "ready" not in done.stdout
+
+
+# -- the loader on a section of every supported shape -------------------------------------------
+
+
+@dataclass
+class Tenant:
+    name: str = ""
+    """Tenant name, as logged."""
+    tier: Literal["gold", "silver", "bronze"] = "bronze"
+    api_key_sha256: list[str] = field(default_factory=list)
+    requests_per_second: float = 1.0
+    burst: int = 1
+    max_concurrent: int | None = None
+
+    def validate(self) -> None:
+        if not self.name:
+            raise ValueError("tenants.name: required")
+        if self.burst < 1:
+            raise ValueError(f"tenants.burst: must be >= 1, got {self.burst}")
+
+
+@dataclass
+class Window:
+    seconds: float
+    """Window length, s (no default: required)."""
+    slack: float = 0.0
+    """Window length, s."""
+
+
+@dataclass
+class Feature:
+    enabled: bool = False
+    """Turn the feature on."""
+    rate: float = 0.5
+    """Share of requests sampled, 0..1."""
+    label: str | None = None
+    """Label on the metrics; none: no label."""
+    hosts: list[str] = field(default_factory=list)
+    """Hosts it applies to."""
+    mode: Literal["fast", "safe"] = "safe"
+    """How it runs."""
+    window: Window = field(default_factory=lambda: Window(1.0))
+    paths: dict[str, int] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if not 0 <= self.rate <= 1:
+            raise ValueError(f"feature.rate: must be in 0..1, got {self.rate}")
+
+
+SECTIONS = [Section("feature", Feature), Section("tenants", list[Tenant])]
+
+
+def load(toml: dict, environ: dict[str, str] | None = None, argv: list[str] | None = None):
+    parser = argparse.ArgumentParser()
+    settings.add_flags(parser, SECTIONS)
+    flags = vars(parser.parse_args(argv or []))
+    return settings.load(SECTIONS, toml=toml, environ=environ or {}, flags=flags).validate()
+
+
+def test_every_shape_reads_from_toml() -> None:
+    loaded = load(
+        {
+            "feature": {
+                "enabled": True,
+                "rate": 1,  # an int where a float is expected
+                "label": "x",
+                "hosts": ["a", "b"],
+                "mode": "fast",
+                "window": {"seconds": 3},
+                "paths": {"/a": 1},
+            },
+            "tenants": [
+                {"name": "acme", "tier": "gold", "api_key_sha256": ["ab" * 32], "burst": 5},
+                {"name": "tiny", "requests_per_second": 0.5, "max_concurrent": 2},
+            ],
+        }
+    )
+    assert loaded["feature"] == Feature(True, 1.0, "x", ["a", "b"], "fast", Window(3.0), {"/a": 1})
+    assert isinstance(loaded["feature"].rate, float)
+    acme, tiny = loaded["tenants"]
+    assert (acme.tier, acme.burst, acme.max_concurrent) == ("gold", 5, None)
+    assert (tiny.tier, tiny.requests_per_second, tiny.max_concurrent) == ("bronze", 0.5, 2)
+    assert load({})["tenants"] == [] and load({})["feature"] == Feature()
+
+
+def test_flags_beat_environment_beat_toml() -> None:
+    toml = {"feature": {"rate": 0.1, "hosts": ["t"], "label": "toml"}}
+    env = {"QUICEDGE_RATE": "0.2", "QUICEDGE_HOSTS": "e1, e2", "QUICEDGE_LABEL": "none"}
+    f = load(toml, env)["feature"]
+    assert (f.rate, f.hosts, f.label) == (0.2, ["e1", "e2"], None)
+    f = load(toml, env, ["--rate", "0.3", "--hosts", "f", "--enabled", "--mode", "fast"])["feature"]
+    assert (f.rate, f.hosts, f.enabled, f.mode) == (0.3, ["f"], True, "fast")
+    assert load(toml, {"QUICEDGE_ENABLED": "yes"})["feature"].enabled is True
+
+
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ({"feature": {"rate": "high"}}, "feature.rate: expected a number, got 'high'"),
+        ({"feature": {"rate": True}}, "feature.rate: expected a number, got True"),
+        ({"feature": {"rate": 2}}, "feature.rate: must be in 0..1"),
+        ({"feature": {"enabled": 1}}, "feature.enabled: expected true or false"),
+        ({"feature": {"hosts": "a"}}, "feature.hosts: expected a list of strings"),
+        ({"feature": {"hosts": ["a", 1]}}, "feature.hosts[1]: expected a string, got 1"),
+        ({"feature": {"mode": "slow"}}, "feature.mode: expected one of fast, safe"),
+        ({"feature": {"window": {"secs": 1}}}, "feature.window: unknown setting 'secs' (did"),
+        ({"feature": {"window": {"slack": 1}}}, "feature.window.seconds: required (a number)"),
+        ({"feature": {"enabeld": True}}, "did you mean 'enabled'?"),
+        ({"tenants": {"name": "x"}}, "[[tenants]]: expected a list of tables"),
+        ({"tenants": [{"name": "x", "tier": "platinum"}]}, "[[tenants]][0].tier: expected one"),
+        ({"tenants": [{"name": "x"}, {"nme": "y"}]}, "[[tenants]][1]: unknown setting 'nme'"),
+        ({"tenants": [{"name": "x", "burst": 0}]}, "tenants.burst: must be >= 1, got 0"),
+        ({"tenants": [{"tier": "gold"}]}, "tenants.name: required"),
+    ],
+)
+def test_each_mistake_names_its_setting(toml: dict, message: str) -> None:
+    with pytest.raises(SettingsError) as caught:
+        load(toml)
+    assert message in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_help_comes_from_the_field_docstrings() -> None:
+    parser = argparse.ArgumentParser()
+    settings.add_flags(parser, SECTIONS)
+    text = " ".join(parser.format_help().split())
+    assert "--rate X Share of requests sampled, 0..1 (default: 0.5; $QUICEDGE_RATE)" in text
+    assert "--mode {fast,safe} How it runs (default: safe; $QUICEDGE_MODE)" in text
+    assert "--enabled, --no-enabled" in text
+    assert "--window" not in text and "--paths" not in text  # TOML only

@@ -1,0 +1,148 @@
+"""Every private aioquic attribute quicedge relies on, and the one place that touches them.
+
+aioquic has no public API for a few things the transport needs (a MAX_STREAMS limit, a stream's
+unacknowledged bytes, GOAWAY, stream errors for malformed requests, a shared Retry key, a
+configuration swapped on certificate reload). The code reaches into aioquic's internals only
+through the functions here, `pyproject.toml` pins aioquic to the minor version these were checked
+against, and `tests/transport/test_aioquic_private.py` checks each name in `ATTRIBUTES` on the
+installed aioquic, so an upgrade that renames one fails there, in one test, rather than deep
+inside a request. Each entry says what an upstream API would replace it with.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aioquic.asyncio.protocol import QuicConnectionProtocol
+from aioquic.asyncio.server import QuicServer
+from aioquic.h3.connection import H3Connection, H3Stream
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+from aioquic.quic.retry import QuicRetryTokenHandler
+from aioquic.quic.stream import QuicStream, QuicStreamSender
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+
+@dataclass(frozen=True, slots=True)
+class Private:
+    """One attribute of an aioquic class that quicedge reads, writes or overrides."""
+
+    owner: type
+    name: str
+    upstream: str
+    """The public API that would make this entry unnecessary."""
+
+
+ATTRIBUTES: tuple[Private, ...] = (
+    Private(QuicConnection, "_local_max_streams_bidi",
+            "a QuicConfiguration field for the initial MAX_STREAMS (bidi) credit"),
+    Private(QuicConnection, "_streams", "a per-stream query of unacknowledged send bytes"),
+    Private(QuicConnection, "_retry_count", "HandshakeCompleted saying whether Retry happened"),
+    Private(QuicStream, "sender", "as for QuicConnection._streams"),
+    Private(QuicStreamSender, "_buffer", "as for QuicConnection._streams"),
+    Private(QuicConnectionProtocol, "_process_events",
+            "a hook to choose when datagram_received transmits (it always transmits at once)"),
+    Private(QuicServer, "_protocols", "a public view of the server's connections"),
+    Private(QuicServer, "_configuration", "a setter for the configuration of new connections"),
+    Private(QuicServer, "_retry", "a retry token handler argument to QuicServer / serve()"),
+    Private(QuicRetryTokenHandler, "_aead", "a key argument to QuicRetryTokenHandler"),
+    Private(H3Connection, "_stream", "a per-stream state query and a way to discard one"),
+    Private(H3Connection, "_local_control_stream_id", "H3Connection.send_goaway()"),
+    Private(H3Connection, "_receive_request_or_push_data",
+            "a header size limit setting (RFC 9114 §4.2.2) and stream-level request errors"),
+    Private(H3Connection, "_check_request_or_push_frame_type", "as above"),
+    Private(H3Connection, "_handle_request_or_push_frame",
+            "malformed requests as stream errors (RFC 9114 §4.1.2), not connection errors"),
+    Private(H3Stream, "buffer", "a way to stop reading a request stream (STOP_SENDING)"),
+    Private(H3Stream, "frame_size", "as for H3Connection._receive_request_or_push_data"),
+    Private(H3Stream, "frame_type", "as for H3Stream.buffer"),
+    Private(H3Stream, "sending_ended", "H3Connection resetting a stream itself"),
+    Private(H3Stream, "receiving_ended", "as for H3Stream.buffer"),
+)  # fmt: skip
+
+H3_HOOK_PARAMETERS: dict[str, tuple[str, ...]] = {
+    "_receive_request_or_push_data": ("self", "stream", "data", "stream_ended"),
+    "_check_request_or_push_frame_type": ("self", "frame_type", "stream"),
+    "_handle_request_or_push_frame": ("self", "frame_type", "frame_data", "stream", "stream_ended"),
+}
+"""The private H3Connection methods `StreamConfinedH3Connection` overrides, with the parameters
+it calls them with: a renamed hook would silently stop being called, so the test checks both."""
+
+
+# QuicConnection
+
+
+def set_max_streams_bidi(quic: QuicConnection, limit: int) -> None:
+    """The initial MAX_STREAMS (bidi) credit, before the transport parameters are sent."""
+    quic._local_max_streams_bidi.value = limit
+    quic._local_max_streams_bidi.sent = limit
+
+
+def unacked_bytes(quic: QuicConnection, stream_id: int) -> int:
+    """Bytes the stream's sender holds: written and not yet acknowledged (0: no such stream)."""
+    stream = quic._streams.get(stream_id)
+    return len(stream.sender._buffer) if stream is not None else 0
+
+
+def retry_count(quic: QuicConnection) -> int:
+    """How many Retry packets a client connection answered."""
+    return quic._retry_count
+
+
+# QuicConnectionProtocol
+
+
+def process_events(protocol: QuicConnectionProtocol) -> None:
+    """Deliver the connection's pending events to `quic_event_received`, without transmitting."""
+    protocol._process_events()
+
+
+# QuicServer
+
+
+def server_protocols(server: QuicServer) -> list[QuicConnectionProtocol]:
+    """The server's connection protocols, one entry per connection ID (so repeats)."""
+    return list(server._protocols.values())
+
+
+def has_connection(server: QuicServer, connection_id: bytes) -> bool:
+    """Whether a datagram for this destination connection ID belongs to a known connection."""
+    return connection_id in server._protocols
+
+
+def server_configuration(server: QuicServer) -> QuicConfiguration:
+    """The configuration new connections get."""
+    return server._configuration
+
+
+def set_server_configuration(server: QuicServer, configuration: QuicConfiguration) -> None:
+    """New connections take `configuration`; live ones keep theirs."""
+    server._configuration = configuration
+
+
+def set_retry_handler(server: QuicServer, handler: QuicRetryTokenHandler) -> None:
+    """Mint and check Retry tokens with `handler` (the server must be created with retry=True)."""
+    server._retry = handler
+
+
+def set_retry_key(handler: QuicRetryTokenHandler, aead: AESGCM) -> None:
+    """Seal Retry tokens with `aead` instead of the handler's random per-process key."""
+    handler._aead = aead
+
+
+# H3Connection
+
+
+def h3_stream(h3: H3Connection, stream_id: int) -> H3Stream | None:
+    """The HTTP/3 layer's state of a stream, if it has any."""
+    return h3._stream.get(stream_id)
+
+
+def forget_h3_stream(h3: H3Connection, stream_id: int) -> None:
+    """Drop the HTTP/3 layer's state of a finished stream."""
+    h3._stream.pop(stream_id, None)
+
+
+def local_control_stream_id(h3: H3Connection) -> int | None:
+    """Our control stream, where GOAWAY goes (None before the connection is set up)."""
+    return h3._local_control_stream_id
