@@ -85,7 +85,8 @@ def check_pattern(pattern: str) -> str | None:
     try:
         re2.compile(pattern, _OPTIONS)
     except re2.error as exc:
-        return str(exc)
+        text = exc.args[0] if exc.args else exc
+        return text.decode(errors="replace") if isinstance(text, bytes) else str(text)
     return None
 
 
