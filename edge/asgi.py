@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from edge.errors import JSON_HEADERS, EdgeError
+from edge.stages.forward import new_request_id
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -16,9 +17,17 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 async def render_error(send: Send, err: EdgeError) -> None:
-    """The one place an `EdgeError` becomes a response."""
+    """The one place an `EdgeError` becomes a response.
+
+    Every error carries an `x-request-id`, so that a client can quote it: an inference route
+    has set the request's own; elsewhere (an unknown route, a refused method, `/v1/models`), or
+    where the client's id was malformed (`-`), the error gets a new one."""
     body = err.body()
-    await send({"type": "http.response.start", "status": err.status, "headers": err.headers()})
+    headers = err.headers()
+    if not any(k == b"x-request-id" and v != b"-" for k, v in headers):
+        headers = [(k, v) for k, v in headers if k != b"x-request-id"]
+        headers.append((b"x-request-id", new_request_id().encode()))
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 
 

@@ -104,3 +104,22 @@ async def wait_until(predicate: Callable[[], object], timeout: float = 10.0) -> 
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError("condition not reached in time")
         await asyncio.sleep(0.01)
+
+
+async def settled(read: Callable[[], int], *, quiet: float = 0.5, timeout: float = 20.0) -> int:
+    """Wait until `read()` is above 0 and has not changed for `quiet` seconds; return it.
+
+    For a count that grows and then must stop (bytes sent against backpressure). A stall on a
+    loaded machine can make it look settled early, but only below where it would stop, so an
+    upper bound checked on the result cannot fail from it. AssertionError after `timeout`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    value, since = read(), loop.time()
+    while value <= 0 or loop.time() - since < quiet:
+        if loop.time() > deadline:
+            raise AssertionError(f"still changing after {timeout}s: {value}")
+        await asyncio.sleep(0.05)
+        now = read()
+        if now != value:
+            value, since = now, loop.time()
+    return value

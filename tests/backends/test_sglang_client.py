@@ -10,7 +10,7 @@ import pytest
 
 from backends.sglang import LoadSnapshot, SGLangClient, SGLangError, launch_command, parse_loads
 from backends.sim import SimConfig, SimServer
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_until
 
 
 @pytest.fixture
@@ -78,7 +78,8 @@ async def test_loads_metrics_and_abort_while_running(server: SimServer) -> None:
 async def test_reconnects_after_server_closed_idle_connection(server: SimServer) -> None:
     async with SGLangClient(server.url) as client:
         assert (await client.loads()).num_running_reqs == 0
-        await asyncio.sleep(0.5)  # past the server's 0.2 s keep-alive: it closed our socket
+        # the server's 0.2 s keep-alive closes our socket
+        await wait_until(lambda: not server._connections)
         assert (await client.loads()).num_running_reqs == 0
 
 

@@ -56,5 +56,7 @@ def test_corrupt_files_are_replaced(tmp_path):
 
 def test_cli_writes_into_out(tmp_path, capsys):
     assert certs_main(["--out", str(tmp_path / "x")]) == 0
-    assert (tmp_path / "x" / "cert.pem").exists()
-    assert "leaf key" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    for name in ("ca.pem", "cert.pem", "key.pem"):  # it says where each file is
+        assert (tmp_path / "x" / name).exists()
+        assert str(tmp_path / "x" / name) in printed

@@ -166,6 +166,8 @@ class TinyUpstream:
         self.requests: list[Recorded] = []
         self.body_bytes_sent: dict[str, int] = {}
         """Body bytes handed to the socket per path (each write waits for it to drain)."""
+        self.replies_cut: list[str] = []
+        """Paths whose reply the peer cut off (the connection closed while it was being sent)."""
         self.port = 0
         self._server: asyncio.base_events.Server | None = None
 
@@ -186,6 +188,7 @@ class TinyUpstream:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = h11.Connection(h11.SERVER)
+        replying: str | None = None
         try:
             while True:
                 request: h11.Request | None = None
@@ -223,6 +226,7 @@ class TinyUpstream:
                     headers.append(("transfer-encoding", "chunked"))
                 else:
                     headers.append(("content-length", str(sum(map(len, reply.chunks)))))
+                replying = recorded.path
                 writer.write(conn.send(h11.Response(status_code=reply.status, headers=headers)))
                 await writer.drain()
                 for i, chunk in enumerate(reply.chunks):
@@ -240,10 +244,14 @@ class TinyUpstream:
                     return
                 writer.write(conn.send(h11.EndOfMessage()))
                 await writer.drain()
+                replying = None
                 if conn.our_state is h11.MUST_CLOSE:
                     return
                 conn.start_next_cycle()
-        except (ConnectionError, h11.ProtocolError, asyncio.CancelledError):
+        except ConnectionError:
+            if replying is not None:
+                self.replies_cut.append(replying)
+        except (h11.ProtocolError, asyncio.CancelledError):
             return  # a cancelled handler at teardown is expected, not an error to log
         finally:
             writer.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +25,7 @@ from tests.edge.conftest import (
     run_edge,
     sse_reply,
 )
+from tests.helpers import settled, wait_until
 
 COMPLETION = {"model": "tiny-model", "prompt": "Hello there", "stream": True}
 
@@ -196,24 +198,23 @@ async def test_connect_refused_is_retried_elsewhere() -> None:
 
 
 async def test_first_byte_timeout_is_504_and_aborts() -> None:
-    async def slow(recorded: Recorded) -> Reply:
+    never = asyncio.Event()  # the head never comes: the timeout is the only way out
+
+    async def silent(recorded: Recorded) -> Reply:
         reply = health_ok(recorded)
         if reply is not None:
             return reply
-        await asyncio.sleep(3)
+        await never.wait()
         return sse_reply(["late"])
 
-    async with TinyUpstream(slow) as up:
+    async with TinyUpstream(silent) as up:
         config = fast_config([up.url], first_byte_timeout=0.3)
         async with run_edge(config) as edge, client(edge) as http:
             response = await http.post("/v1/completions", json=COMPLETION)
             assert response.status_code == 504
             assert response.json()["error"]["code"] == "upstream_timeout"
             assert in_flight(edge) == [0]
-            for _ in range(50):
-                if any(r.path == "/abort_request" for r in up.requests):
-                    break
-                await asyncio.sleep(0.05)
+            await wait_until(lambda: any(r.path == "/abort_request" for r in up.requests))
     aborts = [json.loads(r.body) for r in up.requests if r.path == "/abort_request"]
     assert aborts == [{"rid": response.headers["x-request-id"]}]
 
@@ -235,9 +236,10 @@ async def test_chunk_timeout_ends_the_stream_with_504_event(listener: str) -> No
 async def test_a_steady_stream_longer_than_the_chunk_timeout_completes(listener: str) -> None:
     """The timeout is between chunks, not for the whole body: each chunk is progress, also
     when the listener's body writer passes chunks on without waking the request's task."""
-    words = [f"w{i}" for i in range(8)]
-    async with TinyUpstream(script(lambda r: sse_reply(words, delay=0.1))) as up:
-        config = fast_config([up.url], chunk_timeout=0.35)
+    words = [f"w{i}" for i in range(10)]  # 2 s in all, twice the timeout
+    async with TinyUpstream(script(lambda r: sse_reply(words, delay=0.2))) as up:
+        # 0.8 s to spare per gap: a stall on a busy machine does not fire the timeout
+        config = fast_config([up.url], chunk_timeout=1.0)
         async with run_edge(config, listener=listener) as edge, client(edge) as http:
             response = await http.post("/v1/completions", json=COMPLETION)
             assert response.status_code == 200
@@ -285,7 +287,23 @@ async def test_bad_input_gets_openai_error_before_any_backend_is_touched(
     assert set(error) == {"message", "type", "param", "code"}
     if status == 405:
         assert "allow" in response.headers
+    assert re.fullmatch(r"[0-9a-f]{32}", response.headers["x-request-id"])  # a new one
     assert inference(up) == []
+
+
+@pytest.mark.parametrize(
+    ("path", "content", "code"),
+    [("/v1/completions", b"[]", "invalid_json"), ("/v1/chat/completions", b"{}", "missing_field")],
+)
+async def test_an_error_on_an_inference_route_carries_the_clients_request_id(
+    path: str, content: bytes, code: str
+) -> None:
+    async with TinyUpstream(script(lambda r: sse_reply(["x"]))) as up:
+        async with run_edge(fast_config([up.url])) as edge, client(edge) as http:
+            headers = {"content-type": "application/json", "x-request-id": "req-7"}
+            response = await http.post(path, headers=headers, content=content)
+    assert response.json()["error"]["code"] == code
+    assert response.headers["x-request-id"] == "req-7"
 
 
 async def test_body_over_limit_without_content_length_is_413() -> None:
@@ -369,15 +387,14 @@ async def test_a_client_that_stops_reading_slows_the_upstream_instead_of_filling
                 % (len(body), body)
             )
             await writer.drain()
-            await asyncio.sleep(1.0)  # not reading: the stream must stall upstream
-            stalled_at = up.body_bytes_sent.get("/v1/completions", 0)
+            # Not reading: the upstream's sends start, then stop where the buffers are full. A
+            # relay without backpressure would let them run on to the whole answer instead.
+            stalled_at = await settled(lambda: up.body_bytes_sent.get("/v1/completions", 0))
             assert 0 < stalled_at < total // 2, stalled_at  # started, then held back
             writer.close()  # and now the client leaves: the upstream stream is aborted
-            for _ in range(200):
-                if in_flight(edge) == [0]:
-                    break
-                await asyncio.sleep(0.05)
-            await asyncio.sleep(0.2)
+            await wait_until(
+                lambda: in_flight(edge) == [0] and up.replies_cut == ["/v1/completions"]
+            )
             assert up.body_bytes_sent["/v1/completions"] < total
             assert in_flight(edge) == [0]
 
@@ -396,10 +413,7 @@ async def test_backends_at_their_cap_answer_503_at_capacity() -> None:
         config = fast_config([up.url], max_concurrency_per_backend=1)
         async with run_edge(config) as edge, client(edge) as http:
             first = asyncio.ensure_future(http.post("/v1/completions", json=COMPLETION))
-            for _ in range(100):
-                if in_flight(edge) == [1]:
-                    break
-                await asyncio.sleep(0.02)
+            await wait_until(lambda: in_flight(edge) == [1])
             second = await http.post("/v1/completions", json=COMPLETION)
             assert second.status_code == 503
             assert second.json()["error"]["code"] == "at_capacity"

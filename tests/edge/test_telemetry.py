@@ -19,6 +19,7 @@ from tests.edge.conftest import (
     run_edge,
     sse_reply,
 )
+from tests.helpers import wait_until
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 PARENT_ID = "b7ad6b7169203331"
@@ -32,6 +33,11 @@ STAGES = {
     "first_byte_to_client",
     "stream_end",
 }
+
+
+def roots_of(spans: Any) -> list[Any]:
+    """The finished request spans of an in-memory exporter."""
+    return [s for s in spans.get_finished_spans() if s.name == "quicedge.request"]
 
 
 async def test_a_streamed_request_has_a_span_per_stage_with_attributes() -> None:
@@ -56,11 +62,11 @@ async def test_a_streamed_request_has_a_span_per_stage_with_attributes() -> None
                     },
                 )
                 assert response.status_code == 200
-            await asyncio.sleep(0)  # the root span ends right after the last byte
-    assert edge.spans is not None
+            # the root span ends right after the last byte
+            assert edge.spans is not None
+            await wait_until(lambda: len(roots_of(edge.spans)) == 2)
     spans = edge.spans.get_finished_spans()
-    roots = [s for s in spans if s.name == "quicedge.request"]
-    assert len(roots) == 2
+    roots = roots_of(edge.spans)
     root = roots[1]
     children = [
         s for s in spans if s.parent is not None and s.parent.span_id == root.context.span_id
@@ -99,7 +105,8 @@ async def test_traceparent_sent_upstream_continues_the_clients_trace() -> None:
                 "/v1/completions", json=body, headers={"traceparent": TRACEPARENT}
             )
             assert response.status_code == 200
-            await asyncio.sleep(0)
+            assert edge.spans is not None
+            await wait_until(lambda: len(roots_of(edge.spans)) == 1)
     (sent,) = [r for r in up.requests if r.path == "/v1/completions"]
     version, trace_id, span_id, flags = sent.headers["traceparent"].split("-")
     assert (version, trace_id, flags) == ("00", TRACE_ID, "01")

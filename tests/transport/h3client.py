@@ -22,6 +22,8 @@ from aioquic.quic.events import (
 )
 from aioquic.tls import SessionTicket
 
+from tests.helpers import wait_until
+
 
 @dataclass
 class Response:
@@ -160,9 +162,5 @@ async def fresh_ticket(port: int, ca_cert: Any, host: str = "127.0.0.1") -> Sess
         r = await client.fetch("GET", "/echo")
         assert r.status == 200
         # NEW_SESSION_TICKET travels in the server's handshake-completion flight.
-        for _ in range(200):
-            if tickets:
-                break
-            await asyncio.sleep(0.01)
-    assert tickets, "server issued no session ticket"
+        await wait_until(lambda: bool(tickets))
     return tickets[-1]

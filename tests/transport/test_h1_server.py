@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.helpers import settled, wait_until
 from tests.transport.apps import RecordingApp, collector_finds, ok_app
 from transport.asgi import ASGIApp, Message, Receive, Scope, Send
 from transport.h1_server import H1Listener, _Cycle
@@ -397,11 +398,7 @@ async def test_a_pipelined_request_waits_with_reading_paused() -> None:
         (conn,) = listener.connections
         transport = conn._transport
         assert transport is not None
-        for _ in range(500):  # until the pipelined bytes arrive
-            if not transport.is_reading():
-                break
-            await asyncio.sleep(0.01)
-        assert not transport.is_reading()
+        await wait_until(lambda: not transport.is_reading())  # the pipelined bytes arrived
         assert len(app.seen) == 1
         app.release.put_nowait(None)
         assert await reader.readuntil(b"0\r\n\r\n") == b"2\r\n0;\r\n0\r\n\r\n"
@@ -428,7 +425,7 @@ async def test_disconnect_while_the_app_waits_for_the_body() -> None:
         async with connect(listener) as (_, writer):
             writer.write(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\nab")
             await writer.drain()
-            await asyncio.sleep(0.05)
+            await wait_until(lambda: len(app.seen) == 1)  # the app runs, waiting for the rest
         assert await asyncio.wait_for(app.disconnects.get(), 5) == "/echo"
 
 
@@ -446,10 +443,7 @@ async def test_send_waits_while_the_client_does_not_read() -> None:
 
     async with serving(app) as listener, connect(listener) as (reader, writer):
         writer.write(GET)
-        await asyncio.sleep(0.5)
-        stalled = sent
-        await asyncio.sleep(0.2)
-        assert sent == stalled < 400  # held by the transport's high-water mark
+        assert await settled(lambda: sent) < 400  # held by the transport's high-water mark
         status, _, body = await read_response(reader)
     assert status == 200 and len(body) == 400 * len(chunk)
 
@@ -472,9 +466,9 @@ async def test_reading_pauses_while_the_app_does_not_read_the_body() -> None:
     async with serving(app) as listener, connect(listener) as (reader, writer):
         writer.write(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % size)
         writer.write(b"y" * size)
-        await asyncio.sleep(0.3)
+        await wait_until(lambda: len(listener.connections) == 1)
         (conn,) = listener.connections
-        assert not conn._transport.is_reading()  # type: ignore[union-attr]
+        await wait_until(lambda: not conn._transport.is_reading())  # type: ignore[union-attr]
         release.set()
         status, _, body = await read_response(reader)
     assert (status, body) == (200, b"%d" % size)

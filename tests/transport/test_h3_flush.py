@@ -119,11 +119,12 @@ async def test_a_reset_does_not_drop_what_was_written_before_it(
     """With another response in flight, writes wait for the turn's transmit; an app that fails
     right after writing gets its stream reset, and the reset would take the place of the
     unsent head and chunk."""
-    release = asyncio.Event()
+    release, slow_started = asyncio.Event(), asyncio.Event()
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": []})
         if scope["path"] == "/slow":
+            slow_started.set()
             await release.wait()
             await send({"type": "http.response.body", "body": b"done", "more_body": False})
             return
@@ -136,7 +137,7 @@ async def test_a_reset_does_not_drop_what_was_written_before_it(
     ):
         slow = client.request("GET", "/slow")
         client.send_now()
-        await asyncio.sleep(0.05)  # /slow is in flight: the connection has two responses
+        await asyncio.wait_for(slow_started.wait(), 10)  # the connection has two responses
         failed = await client.fetch("GET", "/fails")
         release.set()
         done = await client.wait(slow)

@@ -7,6 +7,7 @@ import asyncio
 import pytest
 from aioquic.h3.connection import ErrorCode
 
+from tests.helpers import settled
 from tests.transport.apps import RecordingApp
 from tests.transport.conftest import H3Factory
 from tests.transport.h3client import H3Client, h3_connect
@@ -199,9 +200,9 @@ async def test_sends_are_back_pressured_by_unacknowledged_bytes(
                 relay.hold_down = True  # nothing reaches the client, so nothing is acked
                 sid = c.request("GET", "/flood")
                 c.send_now()
-                await asyncio.sleep(0.5)
                 # The app is held once ~SEND_HIGH_WATER bytes wait for acknowledgement.
-                assert 0 < sent <= SEND_HIGH_WATER // chunk + 1
+                held_at = await settled(lambda: sent)
+                assert 0 < held_at <= SEND_HIGH_WATER // chunk + 1
                 relay.release_down()
                 r = await c.wait(sid, timeout=60)
         finally:

@@ -92,7 +92,7 @@ async def test_drain_finishes_open_requests_and_refuses_new_ones(
         await app.release.put(None)
         await asyncio.wait_for(c.responses[sid].arrivals.get(), 10)
         drain = asyncio.create_task(server.drain(timeout=10))
-        await asyncio.sleep(0.05)  # GOAWAY is out
+        await asyncio.sleep(0)  # the drain task's first step, which sends the GOAWAYs, runs first
         late = await c.fetch("GET", "/echo")  # a request after GOAWAY's stream id
         assert late.reset_code == ErrorCode.H3_REQUEST_REJECTED
         assert not drain.done()  # still waiting for the open stream

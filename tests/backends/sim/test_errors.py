@@ -198,6 +198,8 @@ async def test_duplicate_rid_in_flight(make_sim: MakeSim, client: httpx.AsyncCli
         if loads["num_running_reqs"] == 1:
             break
         await asyncio.sleep(0.01)
+    else:
+        raise AssertionError("the first request never started")
     r = await client.post(f"{server.url}/generate", json=body)
     assert r.status_code == 400
     assert "Duplicate request ID: dup" in r.json()["error"]["message"]

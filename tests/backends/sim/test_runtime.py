@@ -157,7 +157,7 @@ async def test_flush_cache(make_sim: MakeSim, client: httpx.AsyncClient) -> None
 
 
 async def test_health_is_503_until_warm(make_sim: MakeSim, client: httpx.AsyncClient) -> None:
-    server = await make_sim(startup_delay=0.3)
+    server = await make_sim(startup_delay=2.0)  # time to ask before it ends, on a busy machine
     r = await client.get(f"{server.url}/health")
     assert r.status_code == 503
     deadline = time.monotonic() + 10
@@ -227,7 +227,8 @@ async def test_output_is_deterministic_per_seed(
 
 
 async def test_prefill_time_over_http(make_sim: MakeSim, client: httpx.AsyncClient) -> None:
-    scale = 3.0  # stretch simulated time so the gap dwarfs scheduling noise
+    # Stretch simulated time so that the gap (~1 s) dwarfs a loaded machine's scheduling noise.
+    scale = 20.0
     server = await make_sim(profile="h100-llama3-8b", time_scale=scale, enable_cache_report=True)
     profile = get_profile("h100-llama3-8b")
     system = "".join(WORDS[i % len(WORDS)] for i in range(2000))
@@ -267,7 +268,8 @@ async def test_keep_alive_and_idle_timeout(make_sim: MakeSim) -> None:
 async def test_disconnect_during_prefill_aborts(
     make_sim: MakeSim, client: httpx.AsyncClient
 ) -> None:
-    server = await make_sim(profile="h100-llama3-8b", time_scale=10.0)  # 8k prefill ~ 3 s
+    # An 8k prefill takes ~30 s scaled: only the abort can end the request within the wait.
+    server = await make_sim(profile="h100-llama3-8b", time_scale=100.0)
     body = {"prompt": list(range(1000, 9000)), "max_tokens": 5, "stream": True}
     payload = json.dumps(body).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
@@ -278,7 +280,7 @@ async def test_disconnect_during_prefill_aborts(
     await writer.drain()
     await wait_load(client, server, lambda e: e["num_running_reqs"] == 1)
     writer.close()  # before the first token exists
-    await wait_load(client, server, lambda e: e["num_running_reqs"] == 0, timeout=2.0)
+    await wait_load(client, server, lambda e: e["num_running_reqs"] == 0, timeout=10.0)
 
 
 async def test_token_usage_counts_only_what_cannot_be_evicted(
