@@ -1,4 +1,5 @@
-"""Errors raised by the upstream side. The app maps them to 502/504 in one place.
+"""Errors raised by the upstream side. The app maps them to 502/503/504 in one place
+(`edge.errors.from_upstream`).
 
 Each class carries a `kind` string that the backend registry uses to count passive failures
 (`record_failure(backend, kind)`) and that metrics use as a label.
@@ -26,6 +27,20 @@ class UpstreamConnectError(UpstreamError):
     kind = "connect"
 
 
+class UpstreamPoolBusy(UpstreamError):
+    """No connection to the backend came free: too many requests wait for one already, or none
+    did within `acquire_timeout`. Nothing was sent; the edge is short of connections, not the
+    backend out of order, so it is not a failure of the backend."""
+
+    kind = "pool_busy"
+
+
+class UpstreamResponseTooLarge(UpstreamError):
+    """A non-streaming answer larger than the edge is willing to hold."""
+
+    kind = "protocol"
+
+
 class UpstreamTimeout(UpstreamError):
     """No first byte within `first_byte_timeout`, or no body chunk within `chunk_timeout`."""
 
@@ -38,4 +53,11 @@ class UpstreamProtocolError(UpstreamError):
     kind = "protocol"
 
 
-__all__ = ["UpstreamConnectError", "UpstreamError", "UpstreamProtocolError", "UpstreamTimeout"]
+__all__ = [
+    "UpstreamConnectError",
+    "UpstreamError",
+    "UpstreamPoolBusy",
+    "UpstreamProtocolError",
+    "UpstreamResponseTooLarge",
+    "UpstreamTimeout",
+]

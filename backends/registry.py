@@ -141,6 +141,8 @@ class Backend:
     ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=256))
     check_successes: int = 0
     check_failures: int = 0
+    draining: bool = False
+    """Removed from the fleet (`BackendRegistry.remove`): takes no new request, finishes its own."""
 
     def ttft_p99(self) -> float | None:
         if not self.ttfts:
@@ -155,7 +157,7 @@ class Backend:
         )
 
 
-class Ticket:
+class InFlight:
     """One request in flight on a backend, as handed out by `BackendRegistry.track`."""
 
     __slots__ = ("_in_prefill", "backend", "prefill_tokens")
@@ -191,8 +193,9 @@ class BackendRegistry:
         warm_connections: int = 0,
         clock: Callable[[], float] = time.monotonic,
         client_factory: ClientFactory | None = None,
+        allow_empty: bool = False,
     ) -> None:
-        if not urls:
+        if not urls and not allow_empty:
             raise ValueError("at least one backend URL is required")
         if names is not None and len(names) != len(urls):
             raise ValueError("names must match urls one for one")
@@ -205,31 +208,82 @@ class BackendRegistry:
         self.warm_connections = warm_connections
         self._clock = clock
         self._client_factory = client_factory or _sglang_client
+        self.max_concurrency = max_concurrency
         self.backends: list[Backend] = []
+        """Every backend, draining ones included; changed in place by `add` and `remove`."""
         seen: set[str] = set()
         for i, raw in enumerate(urls):
-            url = raw.rstrip("/")
-            parts = urlsplit(url)
-            if parts.scheme != "http" or not parts.hostname or parts.path:
-                raise ValueError(f"backend URL must be http://host[:port], got {raw!r}")
-            if url in seen:
-                raise ValueError(f"backend {url} is listed twice")
-            seen.add(url)
-            backend = Backend(
-                name=names[i] if names is not None else _name_for(url),
-                url=url,
-                max_concurrency=max_concurrency,
-            )
-            backend.ttfts = deque(maxlen=self.health.ttft_window)
+            backend = self._new_backend(raw, names[i] if names is not None else None)
+            if backend.url in seen:
+                raise ValueError(f"backend {backend.url} is listed twice")
+            seen.add(backend.url)
             self.backends.append(backend)
         self._by_name = {b.name: b for b in self.backends}
         if len(self._by_name) != len(self.backends):
             raise ValueError("backend names must be unique")
         self._tasks: list[asyncio.Task[None]] = []
+        self._loops: dict[str, list[asyncio.Task[None]]] = {}
         self._clients: dict[str, BackendClient] = {}
+        self._started = False
+
+    def _new_backend(self, raw: str, name: str | None) -> Backend:
+        url = raw.rstrip("/")
+        parts = urlsplit(url)
+        if parts.scheme != "http" or not parts.hostname or parts.path:
+            raise ValueError(f"backend URL must be http://host[:port], got {raw!r}")
+        backend = Backend(
+            name=name if name is not None else _name_for(url),
+            url=url,
+            max_concurrency=self.max_concurrency,
+        )
+        backend.ttfts = deque(maxlen=self.health.ttft_window)
+        return backend
 
     def get(self, name: str) -> Backend | None:
         return self._by_name.get(name)
+
+    # -- membership (discovery) -----------------------------------------------------------
+    def add(self, url: str, *, name: str | None = None) -> Backend:
+        """Add a backend at run time; once started, its checks and load polling start at once.
+
+        Adding a URL the registry holds returns its backend (a draining one is taken back)."""
+        backend = self._by_name.get(name if name is not None else _name_for(url.rstrip("/")))
+        if backend is not None and backend.url == url.rstrip("/"):
+            backend.draining = False
+            return backend
+        backend = self._new_backend(url, name)
+        if backend.name in self._by_name or any(b.url == backend.url for b in self.backends):
+            raise ValueError(f"backend {backend.url} is already in the registry")
+        self.backends.append(backend)
+        self._by_name[backend.name] = backend
+        log.info("backend %s added", backend.name)
+        if self._started:
+            self._start_backend(backend, warm=True)
+        return backend
+
+    async def remove(self, name: str, *, drain_timeout: float) -> None:
+        """Take a backend out: no new requests at once, then wait (up to `drain_timeout` s) for
+        those in flight on it to end, then stop its checks. Unknown names are ignored."""
+        backend = self._by_name.get(name)
+        if backend is None:
+            return
+        backend.draining = True
+        log.info("backend %s draining (%d in flight)", name, backend.in_flight)
+        deadline = time.monotonic() + drain_timeout
+        # Polled: `track` is on every request's path, which should not pay for a notification.
+        while backend.in_flight and backend.draining and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+        if not backend.draining or self._by_name.get(name) is not backend:
+            return  # added back, or removed by a concurrent call, meanwhile
+        self.backends.remove(backend)
+        del self._by_name[name]
+        for task in self._loops.pop(name, []):
+            task.cancel()
+        client = self._clients.pop(backend.url, None)
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await client.aclose()
+        log.info("backend %s removed (%d still in flight)", name, backend.in_flight)
 
     # -- selection ------------------------------------------------------------------------
     def available(self, backend: Backend, now: float | None = None) -> bool:
@@ -238,6 +292,7 @@ class BackendRegistry:
             now = self._clock()
         return (
             backend.healthy
+            and not backend.draining
             and backend.ejected_until <= now
             and (backend.max_concurrency is None or backend.in_flight < backend.max_concurrency)
         )
@@ -251,22 +306,22 @@ class BackendRegistry:
 
     # -- accounting -----------------------------------------------------------------------
     @contextlib.contextmanager
-    def track(self, backend: Backend, *, prefill_tokens: int) -> Iterator[Ticket]:
+    def track(self, backend: Backend, *, prefill_tokens: int) -> Iterator[InFlight]:
         """Count one request in flight on `backend` for the duration of the block.
 
         The only place the in-flight counts change; the `finally` restores them on every path
         (success, error, client disconnect, timeout, cancellation).
         """
         tokens = max(0, int(prefill_tokens))
-        ticket = Ticket(backend, tokens)
+        in_flight = InFlight(backend, tokens)
         backend.in_flight += 1
         backend.in_prefill += 1
         backend.in_flight_prefill_tokens += tokens
         backend.requests += 1
         try:
-            yield ticket
+            yield in_flight
         finally:
-            ticket.first_token()
+            in_flight.first_token()
             backend.in_flight -= 1
 
     def record_success(self, backend: Backend, *, ttft_s: float | None) -> None:
@@ -341,10 +396,11 @@ class BackendRegistry:
                 )
 
     # -- background work ------------------------------------------------------------------
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.append(task)
         task.add_done_callback(self._forget)
+        return task
 
     def _forget(self, task: asyncio.Task[None]) -> None:
         with contextlib.suppress(ValueError):
@@ -400,12 +456,21 @@ class BackendRegistry:
                 *(self.pool.warm(b.url, self.warm_connections) for b in self.backends)
             )
         for backend in self.backends:
-            self._spawn(self._check_loop(backend))
-            if self.health.loads_interval is not None:
-                self._spawn(self._load_loop(backend, self.health.loads_interval))
+            self._start_backend(backend, warm=False)
+        self._started = True
+
+    def _start_backend(self, backend: Backend, *, warm: bool) -> None:
+        loops = self._loops.setdefault(backend.name, [])
+        if warm and self.pool is not None and self.warm_connections:
+            self._spawn(self.pool.warm(backend.url, self.warm_connections))
+        loops.append(self._spawn(self._check_loop(backend)))
+        if self.health.loads_interval is not None:
+            loops.append(self._spawn(self._load_loop(backend, self.health.loads_interval)))
 
     async def aclose(self) -> None:
         tasks, self._tasks = list(self._tasks), []
+        self._loops.clear()
+        self._started = False
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -428,6 +493,7 @@ class BackendRegistry:
                     "url": b.url,
                     "healthy": b.healthy,
                     "available": self.available(b, now),
+                    "draining": b.draining,
                     "degraded": b.degraded,
                     "degraded_reason": b.degraded_reason,
                     "ejected_for_s": round(max(0.0, b.ejected_until - now), 3),
@@ -459,6 +525,6 @@ __all__ = [
     "BackendClient",
     "BackendRegistry",
     "HealthConfig",
+    "InFlight",
     "LoadView",
-    "Ticket",
 ]

@@ -23,7 +23,7 @@ from typing import Any, TextIO
 from bench import relay_cli
 from bench.clients import ClientError, ClientOptions, Target
 from bench.loop import run
-from bench.relay import Forward, Link, Relay, RelayError
+from bench.rtt_relay import Forward, Link, Relay, RelayError
 from bench.runner import BenchConfig, Progress, Runner, RunPlan
 from bench.summary import format_table, summarize
 from bench.workloads import WORKLOADS, WorkloadError, WorkloadParams, make_workload

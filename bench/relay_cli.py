@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.loop import run
-from bench.relay import Forward, Link, Relay, RelayError
+from bench.rtt_relay import Forward, Link, Relay, RelayError
 
 
 def build_parser() -> argparse.ArgumentParser:

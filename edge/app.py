@@ -1,48 +1,30 @@
 """The proxy's ASGI app: one request through parse → admit → route → forward → relay → account.
 
-Each stage is a plain function (`edge.stages`, `edge.routing`, `edge.relay`); this module runs them
-in order, times each one, retries on another backend while nothing has reached the client, and
-renders every `EdgeError` in one place (`edge.asgi.render_error`). It runs unchanged under the H3
-server, under hypercorn (H1/H2) and in-process in tests.
+Each stage is a plain function (`edge.stages`, `edge.routing`, `edge.relay`); this module runs
+parse and admit in order and times them, hands the request to `edge.attempt.Attempts` (route,
+forward, relay, account; another backend while nothing has reached the client), cancels it when
+the client goes away, and renders every `EdgeError` in one place (`edge.asgi.render_error`). It
+runs unchanged under the H3 server, under hypercorn (H1/H2) and in-process in tests.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Callable, MutableMapping
-from functools import partial
 from typing import Any
 
-from backends.errors import (
-    UpstreamConnectError,
-    UpstreamError,
-    UpstreamProtocolError,
-    UpstreamTimeout,
-)
-from backends.pool import UpstreamPool, UpstreamResponse
-from backends.registry import Backend, BackendRegistry, Ticket
+from backends.pool import UpstreamPool
+from backends.registry import BackendRegistry
 from edge.asgi import Receive, Scope, Send, lifespan, render_error, send_json
+from edge.attempt import Aborter, Attempts
 from edge.audit import AuditLog
 from edge.config import ProxyConfig
-from edge.errors import (
-    BadGateway,
-    EdgeError,
-    MethodNotAllowed,
-    ModelNotFound,
-    NoHealthyBackend,
-    RouteNotFound,
-    TooManyRequests,
-    from_upstream,
-)
+from edge.errors import EdgeError, MethodNotAllowed, ModelNotFound, RouteNotFound
 from edge.exchange import Exchange, read_headers
 from edge.models import ModelCatalog
 from edge.policy.gateway import PolicyGateway
-from edge.relay import RelayResult, StreamRelay, Usage, answer_of_body, read_whole
-from edge.routing.base import Decision, Outcome, RoutingPolicy
-from edge.stages.account import account_cache, account_stream
+from edge.routing.base import RoutingPolicy
 from edge.stages.body import (
     ClientGone,
     check_content_type,
@@ -50,31 +32,21 @@ from edge.stages.body import (
     parse_json_object,
     read_body,
 )
-from edge.stages.forward import request_id_from, response_headers, splice_rid, upstream_headers
+from edge.stages.forward import (
+    label_from_body,
+    request_id_from,
+    splice_rid,
+    upstream_headers,
+    upstream_rid,
+)
 from edge.stages.validate import CHAT, COMPLETIONS, GENERATE, validate
 from edge.stages.view import build_view
 from edge.telemetry import Metrics, RequestTrace, Tracer
 
 log = logging.getLogger(__name__)
 
-Aborter = Callable[[Backend, str], None]
-"""Fire-and-forget `/abort_request` for (backend, rid); must not block the caller."""
-
 INFERENCE_ROUTES = (CHAT, COMPLETIONS, GENERATE)
-RETRY_STATUSES = frozenset({429, 502, 503})
-"""Upstream answers worth another backend while nothing reached the client (overloaded/down)."""
-MAX_UPSTREAM_BODY = 64 * 1024 * 1024
-"""Largest non-streaming backend answer the edge holds (64 MiB)."""
 _TRANSPORT_BY_VERSION = {"3": "h3", "2": "h2", "2.0": "h2"}
-
-
-class _Retry(Exception):
-    """This attempt failed before anything reached the client; another backend may serve."""
-
-    def __init__(self, error: EdgeError, reason: str) -> None:
-        super().__init__(error.message)
-        self.error = error
-        self.reason = reason
 
 
 class ProxyApp:
@@ -99,11 +71,23 @@ class ProxyApp:
         self.audit = audit
         self.pool = pool
         self.registry = registry
-        self.policy = policy
         self.metrics = metrics
         self.catalog = catalog
         self.abort = abort
         self.tracer = tracer
+        self.attempts = Attempts(
+            config=config, pool=pool, registry=registry, policy=policy, metrics=metrics,
+            abort=abort, gateway=gateway,
+        )  # fmt: skip
+
+    @property
+    def policy(self) -> RoutingPolicy:
+        """The routing policy (the one `attempts` asks; setting it swaps it there)."""
+        return self.attempts.policy
+
+    @policy.setter
+    def policy(self, policy: RoutingPolicy) -> None:
+        self.attempts.policy = policy
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -205,6 +189,8 @@ class ProxyApp:
             if trace is not None:
                 trace.set("http.status_code", err.status)
                 trace.end(time.perf_counter(), error=err.message)
+            if ex is not None:
+                request_id = ex.request_id  # the label, which the body may have given
             if ex is not None and ex.started:  # too late for an error page; the stream ended
                 log.warning("request %s failed after the response started: %s", request_id, err)
                 self.metrics.requests.labels(route, str(ex.status)).inc()
@@ -249,14 +235,24 @@ class ProxyApp:
         ex.view = build_view(ex.route, body, session)
         if self.gateway is not None and self.gateway.judge is not None:
             await self.gateway.judge_stage(ex)
-        rid = body.get("rid")
-        ex.abort_rid = rid if isinstance(rid, str) else (ex.request_id if rid is None else None)
-        ex.payload = splice_rid(raw, body, ex.request_id)
+        # The backend's rid is always the edge's own (`edge.stages.forward`); the client's id,
+        # from its header or its body, is only the label. A batch's rids are derived from the
+        # edge's and not aborted one by one.
+        rid = ex.abort_rid = upstream_rid(ex.request_id, from_client=h.request_id is not None)
+        if "rid" in body:
+            theirs = body["rid"]
+            if isinstance(theirs, list):
+                ex.abort_rid = None
+            elif h.request_id is None and (label := label_from_body(theirs)) is not None:
+                ex.request_id = label
+                if ex.trace is not None:
+                    ex.trace.set("quicedge.request_id", label)
+        ex.payload = splice_rid(raw, body, rid)
         traceparent, tracestate = h.traceparent, h.tracestate
         if ex.trace is not None:
             traceparent, tracestate = ex.trace.upstream_context()
         ex.upstream_headers = upstream_headers(
-            request_id=ex.request_id,
+            label=ex.request_id,
             early_data=ex.early_data,
             traceparent=traceparent,
             tracestate=tracestate,
@@ -281,7 +277,7 @@ class ProxyApp:
         else:
             watcher = task.get_loop().create_task(_watch_disconnect(receive, task, ex))
         try:
-            await self._attempts(ex, send)
+            await self.attempts.run(ex, send)
         except asyncio.CancelledError:
             if ex.judge_refused and not ex.disconnected and self.gateway is not None:
                 task.uncancel()
@@ -296,228 +292,6 @@ class ProxyApp:
                 watcher.cancel()
             elif ex.on_disconnect is not None:
                 ex.on_disconnect(None)
-
-    async def _attempts(self, ex: Exchange, send: Send) -> None:
-        tried: list[Backend] = []
-        last: _Retry | None = None
-        assert ex.view is not None
-        for attempt in range(self.config.max_retries + 1):
-            candidates = [b for b in self.registry.candidates() if b not in tried]
-            if not candidates:
-                if last is not None:
-                    raise last.error
-                raise self._no_candidate()
-            t_route = time.perf_counter()
-            decision = self.policy.choose(ex.view, candidates)
-            t_routed = time.perf_counter()
-            backend = decision.backend
-            tried.append(backend)
-            self.metrics.stage_route.observe(t_routed - t_route)
-            self.metrics.decisions.labels(self.policy.name, decision.reason).inc()
-            if ex.trace is not None:
-                ex.trace.stage(
-                    "route", t_route, t_routed,
-                    {"quicedge.backend": backend.name, "quicedge.reason": decision.reason,
-                     "quicedge.predicted_cached_tokens": decision.predicted_cached_tokens},
-                )  # fmt: skip
-            prefill = ex.view.approx_tokens - decision.predicted_cached_tokens
-            # the last try relays whatever the backend answers: no other backend is left to ask
-            last_try = attempt == self.config.max_retries or len(candidates) == 1
-            try:
-                with self.registry.track(backend, prefill_tokens=prefill) as ticket:
-                    await self._attempt(ex, backend, decision, ticket, send, last_try=last_try)
-                return
-            except _Retry as retry:
-                last = retry
-                ex.retries += 1
-                self.metrics.retries.labels(retry.reason).inc()
-        assert last is not None
-        raise last.error
-
-    async def _attempt(
-        self,
-        ex: Exchange,
-        backend: Backend,
-        decision: Decision,
-        ticket: Ticket,
-        send: Send,
-        *,
-        last_try: bool,
-    ) -> None:
-        """One backend: send, then relay; observe the outcome exactly once, whatever happens."""
-        assert ex.view is not None
-        ex.backend, ex.decision = backend, decision
-        error: str | None = "cancelled"
-        upstream_ttft: float | None = None
-        usage = Usage()
-        completion: str | None = None
-        response: UpstreamResponse | None = None
-        relay: StreamRelay | None = None
-        on_head: Callable[[UpstreamResponse], None] | None = None
-        if ex.stream and ex.body_writer is not None:
-            # The head and the first token go on from the read callback that brings them.
-            relay = _stream_relay(ex, ticket)
-            on_head = partial(self._begin_relay, ex, backend, relay)
-        t_send = time.perf_counter()
-        try:
-            try:
-                response = await self.pool.request(
-                    backend.url, "POST", ex.route,
-                    headers=ex.upstream_headers, body=ex.payload,
-                    first_byte_timeout=self.config.first_byte_timeout,
-                    chunk_timeout=self.config.chunk_timeout, on_head=on_head,
-                )  # fmt: skip
-            except UpstreamError as exc:
-                error = exc.kind
-                self._upstream_failed(backend, exc.kind)
-                if isinstance(exc, UpstreamTimeout | UpstreamProtocolError):
-                    self._abort(ex, backend)  # it may have reached the backend
-                if isinstance(exc, UpstreamConnectError | UpstreamProtocolError) and not last_try:
-                    raise _Retry(from_upstream(exc), exc.kind) from None
-                raise from_upstream(exc) from None
-            t_head = relay.began_at if relay is not None and relay.began_at else time.perf_counter()
-            self.metrics.upstream_requests.labels(
-                backend.name, "true" if response.reused else "false"
-            ).inc()
-            if ex.trace is not None:
-                ex.trace.stage(
-                    "upstream_connect", t_send, t_head,
-                    {"quicedge.backend": backend.name, "quicedge.reused": response.reused},
-                )  # fmt: skip
-            status = response.status
-            if status in RETRY_STATUSES and not last_try:
-                with contextlib.suppress(UpstreamError):
-                    await response.read()  # small error body: keeps the connection reusable
-                error = "429" if status == 429 else "5xx"
-                self._upstream_failed(backend, error)
-                raise _Retry(_retry_error(backend, status), reason=str(status)) from None
-            if ex.stream and status == 200:
-                result = await self._relay(ex, response, backend, ticket, send, t_head, relay)
-                usage, completion = result.usage, result.text
-                error = self._stream_error(result)
-                if result.first_upstream is not None:
-                    upstream_ttft = result.first_upstream - t_send
-                account_stream(self.metrics, ex, backend, result, t_send, upstream_ttft)
-            else:
-                try:
-                    body = await read_whole(response, MAX_UPSTREAM_BODY)
-                except UpstreamError as exc:
-                    error = exc.kind
-                    self._upstream_failed(backend, exc.kind)
-                    raise from_upstream(exc) from None
-                ex.started = True
-                out = response_headers(
-                    response.headers, request_id=ex.request_id, backend_name=backend.name
-                )
-                out.append((b"content-length", b"%d" % len(body)))
-                await send({"type": "http.response.start", "status": status, "headers": out})
-                ex.responded = True
-                await send({"type": "http.response.body", "body": body, "more_body": False})
-                ex.status = status
-                if status == 200:
-                    usage, completion = answer_of_body(body)
-                    error = None
-                else:
-                    error = "5xx" if status >= 500 else ("429" if status == 429 else "4xx")
-                    if status >= 500:
-                        self._upstream_failed(backend, error)
-            if error is None:
-                self.registry.record_success(backend, ttft_s=upstream_ttft)
-            elif error == "4xx":
-                self.registry.record_failure(backend, "4xx")
-            account_cache(self.metrics, ex, decision, usage)
-        except asyncio.CancelledError:
-            if ex.disconnected:
-                error = "disconnect"
-                self.registry.record_failure(backend, "disconnect")
-                self._abort(ex, backend)
-            elif ex.judge_refused:
-                error = "refused"
-                self._abort(ex, backend)
-            raise
-        finally:
-            if response is not None and not response.complete:
-                await response.aclose()  # aborts the upstream request (its connection closes)
-            self.policy.observe(
-                Outcome(
-                    backend=backend, view=ex.view, decision=decision, ttft_s=upstream_ttft,
-                    prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
-                    completion_text=completion, error=error,
-                )
-            )  # fmt: skip
-
-    async def _relay(
-        self,
-        ex: Exchange,
-        response: UpstreamResponse,
-        backend: Backend,
-        ticket: Ticket,
-        send: Send,
-        t_head: float,
-        relay: StreamRelay | None,
-    ) -> RelayResult:
-        if relay is None:
-            relay = _stream_relay(ex, ticket)
-        ex.started = True
-        ex.status = 200
-        await relay.run(response, send, _start_of(ex, response, backend))
-        result = relay.result
-        if result.filtered is not None:
-            self._abort(ex, backend)  # its connection is closed already; this frees the slot
-            if self.gateway is not None:
-                self.gateway.filtered(ex, result.filtered)
-        if result.upstream_error is not None:
-            self._upstream_failed(backend, result.upstream_error.kind)
-            if isinstance(result.upstream_error, UpstreamTimeout):
-                self._abort(ex, backend)
-        trace = ex.trace
-        if trace is not None and result.first_client is not None:
-            assert result.first_upstream is not None
-            # the first token may have come in the same read as the head
-            first_in = max(t_head, result.first_upstream)
-            trace.stage("upstream_first_byte", t_head, first_in)
-            trace.stage("first_byte_to_client", first_in, result.first_client)
-            trace.stage("stream_end", result.first_client, result.end,
-                        {"quicedge.chunks": len(result.gaps) + 1})  # fmt: skip
-        return result
-
-    @staticmethod
-    def _begin_relay(
-        ex: Exchange, backend: Backend, relay: StreamRelay, response: UpstreamResponse
-    ) -> None:
-        """`on_head`: a streamed 200 starts at once (anything else waits for the task, which
-        may retry it elsewhere)."""
-        if response.status == 200:
-            ex.started = True
-            ex.status = 200
-            relay.begin(response, _start_of(ex, response, backend))
-
-    @staticmethod
-    def _stream_error(result: RelayResult) -> str | None:
-        if result.upstream_error is not None:
-            return result.upstream_error.kind
-        if result.backend_error is not None:
-            return "backend_error"
-        return None
-
-    def _no_candidate(self) -> EdgeError:
-        """503, saying whether the fleet is down or only full (every backend at its cap)."""
-        healthy = [b for b in self.registry.backends if b.healthy]
-        if healthy and all(
-            b.max_concurrency is not None and b.in_flight >= b.max_concurrency for b in healthy
-        ):
-            return NoHealthyBackend(
-                "every backend is at its concurrency cap; retry shortly", code="at_capacity"
-            )
-        return NoHealthyBackend("no healthy backend can take the request now")
-
-    def _upstream_failed(self, backend: Backend, kind: str) -> None:
-        self.metrics.upstream_errors.labels(backend.name, kind).inc()
-        self.registry.record_failure(backend, kind)
-
-    def _abort(self, ex: Exchange, backend: Backend) -> None:
-        if ex.abort_rid is not None:
-            self.abort(backend, ex.abort_rid)
 
 
 async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any], ex: Exchange) -> None:
@@ -534,33 +308,3 @@ def _client_gone(task: asyncio.Task[Any], ex: Exchange) -> None:
     if not ex.responded:
         ex.disconnected = True
         task.cancel()
-
-
-def _stream_relay(ex: Exchange, ticket: Ticket) -> StreamRelay:
-    return StreamRelay(
-        RelayResult(), route=ex.route, writer=ex.body_writer,
-        on_first_token=ticket.first_token, on_complete=ex.mark_responded,
-        guard=ex.stream_guard,
-    )  # fmt: skip
-
-
-def _start_of(
-    ex: Exchange, response: UpstreamResponse, backend: Backend
-) -> MutableMapping[str, Any]:
-    """The client's `http.response.start` for a relayed 200."""
-    return {
-        "type": "http.response.start",
-        "status": 200,
-        "headers": response_headers(
-            response.headers, request_id=ex.request_id, backend_name=backend.name
-        ),
-    }
-
-
-def _retry_error(backend: Backend, status: int) -> EdgeError:
-    message = f"backend {backend.name} answered {status}"
-    if status == 429:
-        return TooManyRequests(message)
-    if status == 503:
-        return NoHealthyBackend(message)
-    return BadGateway(message)

@@ -9,9 +9,10 @@ field is its `--help` text; `validate()` gives a clear error for each bad value.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+from backends.discovery import DiscoveryConfig
 from edge import settings
 from edge.audit import AUDIT_FLAGS, AuditConfig
 from edge.policy.config import POLICY_FLAGS, PolicyConfig
@@ -68,6 +69,13 @@ class ProxyConfig:
     pool_idle_timeout: float = 60 * SECONDS
     """An idle upstream connection is closed after this long, s (SGLang's uvicorn keeps 5 s; the
     pool notices a closed one and reconnects)."""
+    pool_max_waiters: int = 256
+    """Requests that may wait for a free upstream connection to one backend when all
+    `pool_max_connections` are in use; one more is refused at once with 503 and Retry-After
+    (or tried on another backend). 0: none waits."""
+    pool_acquire_timeout: float = 5 * SECONDS
+    """Longest wait for a free upstream connection to one backend before 503 and Retry-After
+    (or another backend). Default 5 s."""
     max_concurrency_per_backend: int | None = None
     """Requests the edge keeps in flight on one backend; none means no cap."""
 
@@ -84,9 +92,11 @@ class ProxyConfig:
     models_ttl: float = 5 * SECONDS
     """How long the merged `/v1/models` list is reused before it is fetched again, s."""
 
-    def validate(self) -> ProxyConfig:
-        """Raise ValueError naming the first bad setting; return self for chaining."""
-        if not self.backends:
+    def validate(self, *, need_backends: bool = True) -> ProxyConfig:
+        """Raise ValueError naming the first bad setting; return self for chaining.
+
+        `need_backends` is False when discovery finds the backends (`backends.discovery`)."""
+        if not self.backends and need_backends:
             raise ValueError("proxy: at least one backend is required (--backend URL)")
         for url in self.backends:
             if not url.startswith(("http://", "https://")) or "://" == url[-3:]:
@@ -107,6 +117,7 @@ class ProxyConfig:
             "eject_base",
             "eject_max",
             "pool_idle_timeout",
+            "pool_acquire_timeout",
             "max_body_bytes",
             "pool_max_connections",
             "health_failure_threshold",
@@ -118,6 +129,8 @@ class ProxyConfig:
                 raise ValueError(f"proxy: {name} must be > 0, got {getattr(self, name)!r}")
         if self.max_retries < 0:
             raise ValueError(f"proxy: max_retries must be >= 0, got {self.max_retries}")
+        if self.pool_max_waiters < 0:
+            raise ValueError(f"proxy: pool_max_waiters must be >= 0, got {self.pool_max_waiters}")
         if self.models_ttl < 0:
             raise ValueError(f"proxy: models_ttl must be >= 0, got {self.models_ttl}")
         if not 0 <= self.pool_warm_connections <= self.pool_max_connections:
@@ -163,6 +176,12 @@ SECTIONS: tuple[Section, ...] = (
         title="0-RTT early data ([early_data])",
     ),
     Section("proxy", ProxyConfig, flags=PROXY_FLAGS, title="proxy ([proxy])"),
+    Section(
+        "discovery",
+        DiscoveryConfig,
+        flags={f.name: f"--discovery-{f.name.replace('_', '-')}" for f in fields(DiscoveryConfig)},
+        title="backend discovery ([discovery])",
+    ),
     Section("policy", PolicyConfig, flags=POLICY_FLAGS, title="policy gateway ([policy])"),
     Section("audit", AuditConfig, flags=AUDIT_FLAGS, title="audit log ([audit])"),
 )

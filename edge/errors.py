@@ -14,6 +14,7 @@ from typing import ClassVar
 from backends.errors import (
     UpstreamConnectError,
     UpstreamError,
+    UpstreamPoolBusy,
     UpstreamProtocolError,
     UpstreamTimeout,
 )
@@ -155,6 +156,11 @@ class GatewayTimeout(EdgeError):
     code = "upstream_timeout"
 
 
+POOL_BUSY_RETRY_AFTER = b"1"
+"""Seconds a client is asked to wait after a 503 `pool_busy` (RFC 9110 §10.2.3): connections
+come free as streams end, so a short wait is enough."""
+
+
 class PolicyRefused(EdgeError):
     """403 `policy_violation`: a policy rule or module refused the request. The message and the
     `x-quicedge-policy-rule` header name the rule, never the text that matched."""
@@ -226,6 +232,12 @@ class AuditBacklog(EdgeError):
 
 def from_upstream(exc: UpstreamError) -> EdgeError:
     """Map a `backends.errors` exception to the client-facing error (the one mapping point)."""
+    if isinstance(exc, UpstreamPoolBusy):
+        return NoHealthyBackend(
+            f"no upstream connection is free: {exc}",
+            code="pool_busy",
+            headers=((b"retry-after", POOL_BUSY_RETRY_AFTER),),
+        )
     if isinstance(exc, UpstreamTimeout):
         return GatewayTimeout(f"upstream timed out: {exc}")
     if isinstance(exc, UpstreamConnectError):

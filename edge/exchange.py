@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from backends.registry import Backend
-from edge.relay import Usage
 from edge.routing.base import Decision, RequestView
+from edge.sse import Usage
 from edge.telemetry import RequestTrace
 from transport.asgi import BodyWriter, OnDisconnect
 

@@ -18,11 +18,13 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from backends.discovery import DiscoveryConfig, make_source
 from edge import settings, wiring
 from edge.audit import AuditConfig
 from edge.config import SECTIONS, ProxyConfig
+from edge.fleet_metrics import FleetMetrics, FleetPlan
 from edge.policy.config import PolicyConfig
-from edge.settings import Settings
+from edge.settings import Settings, SettingsError
 from transport.config import EarlyDataSettings, TransportConfig
 from transport.demo import DemoApps
 from transport.early_data import EarlyDataPolicy
@@ -73,10 +75,25 @@ def load_toml(path: str | None) -> dict[str, Any]:
         raise ValueError(f"--config {path}: {exc}") from None
 
 
-def load_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Settings:
-    """Every section, validated (the proxy's only when it is served: not with ``--demo``)."""
-    loaded = settings.load(SECTIONS, toml=load_toml(args.config), environ=environ, flags=vars(args))
-    return loaded.validate(skip=("proxy",) if args.demo else ())
+def load_settings(
+    args: argparse.Namespace, environ: Mapping[str, str], toml: Mapping[str, Any] | None = None
+) -> Settings:
+    """Every section, validated (the proxy's only when it is served: not with ``--demo``).
+    `toml` stands for the ``--config`` file's document where the caller already has it."""
+    doc = load_toml(args.config) if toml is None else toml
+    loaded = settings.load(SECTIONS, toml=doc, environ=environ, flags=vars(args))
+    loaded.validate(skip=("proxy",))
+    if not args.demo:
+        discovery = loaded.get("discovery", DiscoveryConfig)
+        try:
+            # With discovery the `--backend` list may start empty: the first lookup fills it.
+            loaded.get("proxy", ProxyConfig).validate(need_backends=discovery.mode == "static")
+            make_source(discovery)  # fails here, not in a worker: outside a cluster, say
+        except SettingsError:
+            raise
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
+    return loaded
 
 
 def transport_config(loaded: Settings) -> TransportConfig:
@@ -90,16 +107,36 @@ class ProxyApps:
     """`transport.workers.AppFactory` of the proxy: built and started inside each worker."""
 
     settings: Settings
+    fleet: FleetPlan | None = None
+    """With several workers: where they serve their metrics to each other (edge.fleet_metrics)."""
+
+    def for_worker(self, index: int) -> ProxyApps:
+        if self.fleet is None:
+            return self
+        return replace(self, fleet=self.fleet.for_worker(index))
 
     async def open(self, registry: CollectorRegistry) -> ServedApps:
+        discovery = self.settings.get("discovery", DiscoveryConfig)
         built = await wiring.build(
             self.settings.get("proxy", ProxyConfig),
             registry=registry,
+            discovery=discovery,
             policies=self.settings.get("policy", PolicyConfig),
             audit=self.settings.get("audit", AuditConfig),
         )
         await built.start()
-        return ServedApps(built.app, built.admin_app, built.aclose, reload=built.reload)
+        admin_app = built.admin_app
+        fleet = FleetMetrics(self.fleet, registry) if self.fleet is not None else None
+        if fleet is not None:
+            admin_app = fleet.wrap(admin_app)
+            await fleet.start()
+
+        async def aclose() -> None:
+            if fleet is not None:
+                await fleet.aclose()
+            await built.aclose()
+
+        return ServedApps(built.app, admin_app, aclose, reload=built.reload)
 
     def describe(self) -> str:
         proxy = self.settings.get("proxy", ProxyConfig)
@@ -121,8 +158,13 @@ def main(argv: list[str]) -> int:
     except (ValueError, TlsError) as exc:
         print(f"quicedge serve: {exc}", file=sys.stderr)
         return 2
-    apps: AppFactory = DemoApps() if args.demo else ProxyApps(loaded)
-    return serve(Plan(transport=transport, apps=apps))
+    fleet = FleetPlan.create(transport.workers) if transport.workers > 1 else None
+    apps: AppFactory = DemoApps() if args.demo else ProxyApps(loaded, fleet=fleet)
+    try:
+        return serve(Plan(transport=transport, apps=apps))
+    finally:
+        if fleet is not None:
+            fleet.cleanup()
 
 
 __all__ = ["ProxyApps", "build_parser", "load_settings", "main", "transport_config"]

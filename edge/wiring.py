@@ -18,6 +18,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from backends.discovery import Discovery, DiscoveryConfig, make_source
 from backends.pool import UpstreamPool
 from backends.registry import Backend, BackendRegistry, HealthConfig
 from edge import settings
@@ -75,6 +76,7 @@ class Wiring:
     metrics: Metrics
     catalog: ModelCatalog
     tracing: TracingSetup
+    discovery: Discovery | None = None
     gateway: PolicyGateway | None = None
     audit: AuditLog | None = None
     _aborts: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -84,6 +86,8 @@ class Wiring:
         """Pre-warm pools, start health checks and load polling, learn the fleet's models."""
         await self.registry.start()
         await self.catalog.refresh()
+        if self.discovery is not None:
+            self.discovery.start(self.registry)
         if self.gateway is not None:
             self.gateway.start()
         if self.audit is not None:
@@ -96,6 +100,8 @@ class Wiring:
 
     async def aclose(self) -> None:
         """Stop checks, let in-progress aborts finish briefly, close pools, flush spans."""
+        if self.discovery is not None:
+            await self.discovery.aclose()
         await self.registry.aclose()
         if self._aborts:
             await asyncio.wait(set(self._aborts), timeout=1.0)
@@ -135,18 +141,23 @@ async def build(
     *,
     registry: CollectorRegistry,
     tracer: Tracer | None = None,
+    discovery: DiscoveryConfig | None = None,
     policies: PolicyConfig | None = None,
     audit: AuditConfig | None = None,
 ) -> Wiring:
     """Make the proxy's objects (nothing is started: call `Wiring.start`).
 
-    `tracer` overrides the one from the OTEL_* environment (tests pass an in-memory one);
+    `tracer` overrides the one from the OTEL_* environment (tests pass an in-memory one).
+    With `discovery` other than static, the first lookup's backends join the `--backend` list.
     `policies` (`[policy]`) and `audit` (`[audit]`) turn on the policy gateway and the audit log.
     """
-    config.validate()
+    source = make_source(discovery) if discovery is not None else None
+    config.validate(need_backends=source is None)
     pool = UpstreamPool(
         max_connections_per_backend=config.pool_max_connections,
         idle_timeout=config.pool_idle_timeout,
+        max_waiters_per_backend=config.pool_max_waiters,
+        acquire_timeout=config.pool_acquire_timeout,
         connect_timeout=config.connect_timeout,
     )
     health = HealthConfig(
@@ -162,8 +173,11 @@ async def build(
         degraded_token_usage=config.degraded_token_usage,
         degraded_queue=config.degraded_queue,
     )
+    finder = Discovery(discovery, source) if discovery and source else None
+    urls = await finder.initial(config.backends) if finder else config.backends
     backends = BackendRegistry(
-        config.backends,
+        urls,
+        allow_empty=finder is not None,
         pool=pool,
         health=health,
         max_concurrency=config.max_concurrency_per_backend,
@@ -196,6 +210,7 @@ async def build(
         metrics=metrics,
         catalog=catalog,
         tracing=tracing,
+        discovery=finder,
         gateway=gateway,
         audit=audit_log,
     )

@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.cachegrind import instructions
 from edge.routing.prefix_tree import DEFAULT_MAX_CHARS, PrefixTree
+from tools.cachegrind import instructions
 from transport.gc_pauses import GcPauseProbe
 
 

@@ -81,6 +81,9 @@ class DemoApps:
     async def open(self, registry: CollectorRegistry) -> ServedApps:
         return ServedApps(demo_app, demo_admin_app(registry), _nothing)
 
+    def for_worker(self, index: int) -> DemoApps:
+        return self
+
     def describe(self) -> str:
         return "built-in echo app (--demo)"
 

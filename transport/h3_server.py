@@ -62,7 +62,7 @@ SEND_HIGH_WATER = 1024 * 1024
 SEND_LOW_WATER = 256 * 1024
 
 
-class _Exchange:
+class _StreamChannel:
     """One request's ASGI channel: a receive queue, the app task, and the response's writer
     (the ``quicedge.body_writer`` and ``quicedge.on_disconnect`` scope extensions)."""
 
@@ -119,7 +119,7 @@ class H3Protocol(QuicConnectionProtocol):
         set_max_streams_bidi(quic, limits.max_concurrent_streams)
         self._server = server
         self._session = H3Session(quic, policy=server.policy, limits=limits, server=server.address)
-        self._exchanges: dict[int, _Exchange] = {}
+        self._channels: dict[int, _StreamChannel] = {}
         self._writable: dict[int, asyncio.Future[None]] = {}
         self._flush: asyncio.Handle | None = None
         self._flush_since = 0.0  # when the write the pending flush is for was made
@@ -134,7 +134,7 @@ class H3Protocol(QuicConnectionProtocol):
 
     @property
     def active(self) -> int:
-        return len(self._exchanges) + self._session.open_requests
+        return len(self._channels) + self._session.open_requests
 
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, HandshakeCompleted):
@@ -164,7 +164,7 @@ class H3Protocol(QuicConnectionProtocol):
         chunk and per datagram kept the loop from reading its sockets for up to ~90 ms
         (docs/benchmarks.md, "Seventh pass"). A lone response has nothing to share a turn with,
         and its chunks leave at once."""
-        if len(self._exchanges) <= 1:
+        if len(self._channels) <= 1:
             self.transmit()
         elif self._flush is None:
             self._flush_since = time.perf_counter()
@@ -217,24 +217,24 @@ class H3Protocol(QuicConnectionProtocol):
 
     def _execute(self, action: Action) -> None:
         if isinstance(action, RequestBody):
-            exchange = self._exchanges.get(action.stream_id)
-            if exchange is not None:
-                exchange.queue.put_nowait(
+            channel = self._channels.get(action.stream_id)
+            if channel is not None:
+                channel.queue.put_nowait(
                     {"type": "http.request", "body": action.body, "more_body": action.more_body}
                 )
         elif isinstance(action, StartRequest):
-            exchange = _Exchange(self, action.stream_id)
-            self._exchanges[action.stream_id] = exchange
+            channel = _StreamChannel(self, action.stream_id)
+            self._channels[action.stream_id] = channel
             extensions = action.scope["extensions"]
-            extensions["quicedge.body_writer"] = exchange
-            extensions["quicedge.on_disconnect"] = exchange.notify_disconnect
-            exchange.task = self._event_loop.create_task(
-                self._run_app(action.stream_id, action.scope, exchange)
+            extensions["quicedge.body_writer"] = channel
+            extensions["quicedge.on_disconnect"] = channel.notify_disconnect
+            channel.task = self._event_loop.create_task(
+                self._run_app(action.stream_id, action.scope, channel)
             )
         elif isinstance(action, RequestAborted):
-            exchange = self._exchanges.get(action.stream_id)
-            if exchange is not None:
-                exchange.gone()
+            channel = self._channels.get(action.stream_id)
+            if channel is not None:
+                channel.gone()
             waiter = self._writable.pop(action.stream_id, None)
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
@@ -243,22 +243,24 @@ class H3Protocol(QuicConnectionProtocol):
         elif isinstance(action, EarlyRequest):
             self._server.early_request(action)
 
-    async def _run_app(self, stream_id: int, scope: dict[str, Any], exchange: _Exchange) -> None:
+    async def _run_app(
+        self, stream_id: int, scope: dict[str, Any], channel: _StreamChannel
+    ) -> None:
         session = self._session
 
         async def receive() -> Message:
-            if exchange.queue.empty() and session.response_done(stream_id):
+            if channel.queue.empty() and session.response_done(stream_id):
                 return _DISCONNECT
-            return await exchange.queue.get()
+            return await channel.queue.get()
 
         async def send(message: Message) -> None:
             kind = message["type"]
             if kind == "http.response.start":
-                exchange.write_head(message)
+                channel.write_head(message)
             elif kind == "http.response.body":
                 body = message.get("body", b"")
-                if not exchange.write_body(body, bool(message.get("more_body", False))):
-                    await exchange.drained()
+                if not channel.write_body(body, bool(message.get("more_body", False))):
+                    await channel.drained()
             else:
                 raise ValueError(f"unsupported ASGI message type {kind!r}")
 
@@ -269,14 +271,14 @@ class H3Protocol(QuicConnectionProtocol):
         except Exception:
             log.exception("ASGI app failed on %s %s", scope["method"], scope["path"])
         finally:
-            self._exchanges.pop(stream_id, None)
+            self._channels.pop(stream_id, None)
             if not self._session.terminated:
                 self._send_written()  # before a reset that would drop it
                 session.app_finished(stream_id)
                 self.transmit()
 
     def app_tasks(self) -> list[asyncio.Task[None]]:
-        return [e.task for e in self._exchanges.values() if e.task is not None]
+        return [e.task for e in self._channels.values() if e.task is not None]
 
     def goaway(self) -> None:
         self._session.goaway()
@@ -284,10 +286,10 @@ class H3Protocol(QuicConnectionProtocol):
 
     def cancel_all(self) -> None:
         self._send_written()
-        for stream_id, exchange in list(self._exchanges.items()):
+        for stream_id, channel in list(self._channels.items()):
             self._session.cancel(stream_id)
-            if exchange.task is not None:
-                exchange.task.cancel()
+            if channel.task is not None:
+                channel.task.cancel()
         self.transmit()
 
 

@@ -53,6 +53,10 @@ class AppFactory(Protocol):
 
     def describe(self) -> str: ...
 
+    def for_worker(self, index: int) -> AppFactory:
+        """The factory as worker `index` of several runs it (itself when that changes nothing)."""
+        ...
+
 
 def _reloader(tls: TlsMaterial, apps: ServedApps) -> Callable[[], None]:
     """SIGHUP: the certificate, then whatever the apps reload."""
@@ -135,6 +139,7 @@ async def run_worker(plan: Plan, *, announce: Announce, stop: asyncio.Event | No
 def _worker_entry(plan: Plan, index: int, ready: Any) -> None:
     """A spawned worker: run, and report its listening lines once up (or why it failed)."""
     logging.basicConfig(level=logging.WARNING, format=f"worker {index}: %(message)s")
+    plan = replace(plan, apps=plan.apps.for_worker(index))
     # SIGTERM/SIGINT (from the parent, or a terminal's Ctrl-C to the process group) drain;
     # a second one while draining changes nothing.
     try:

@@ -59,7 +59,8 @@ def native_error(message: str) -> bytes:
 @dataclass(slots=True)
 class Timing:
     """One generation request's `perf_counter()` stamps (`--record-timings`), which a
-    benchmark on the same host joins by rid with its own stamps to split the latency."""
+    benchmark on the same host joins by rid (or by the `x-request-id` a proxy in front
+    sends) with its own stamps to split the latency."""
 
     rid: str
     read_at: float
@@ -147,7 +148,10 @@ class RouteContext:
         timings = self.timings
         if timings is None:
             return None
-        timing = Timing(req.rid, request.read_at)
+        # Keyed by the id a proxy in front labels the request with (its client's), which the
+        # benchmark knows; the rid a proxy sends is its own.
+        label = request.header(b"x-request-id")
+        timing = Timing(label.decode("latin-1") if label else req.rid, request.read_at)
         responder.on_done = lambda: timings.append(timing)
         return timing
 

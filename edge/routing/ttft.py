@@ -125,7 +125,7 @@ class RecursiveLeastSquares:
     def _update4(self, x: Sequence[float], y: float) -> None:
         """`update` written out for the `ttft` policy's four features. It runs after every
         response, and the general form's nested comprehensions cost ~95k instructions of the
-        ~780k a whole request takes (`bench.request_cpu`). The same operations in the same
+        ~780k a whole request takes (`tools.request_cpu`). The same operations in the same
         order as `_update_any`, so the same results (tested)."""
         x0, x1, x2, x3 = x
         (p00, p01, p02, p03), (p10, p11, p12, p13), (p20, p21, p22, p23), (p30, p31, p32, p33) = (

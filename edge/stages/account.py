@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from backends.registry import Backend
 from edge.exchange import Exchange
-from edge.relay import RelayResult, Usage
+from edge.relay import RelayResult
 from edge.routing.base import Decision
+from edge.sse import Usage
 from edge.telemetry import Metrics, cache_label
 
 

@@ -15,10 +15,11 @@ import pytest
 from backends.errors import (
     UpstreamConnectError,
     UpstreamError,
+    UpstreamPoolBusy,
     UpstreamProtocolError,
     UpstreamTimeout,
 )
-from backends.pool import MAX_RESPONSE_HEAD, UpstreamPool, _ResponseParser
+from backends.pool import UpstreamPool
 from backends.sim import SimConfig, SimServer
 from tests.helpers import free_port, wait_until
 
@@ -268,6 +269,56 @@ async def test_cap_bounds_connections_and_waits_for_a_slot(server: ScriptedServe
         stats = pool.stats()
         assert stats.connects == 2 and stats.reused == 1
         assert stats.backends[server.url].active == 0
+    finally:
+        await pool.aclose()
+
+
+async def test_waiters_over_the_limit_are_refused_at_once(server: ScriptedServer) -> None:
+    pool = UpstreamPool(max_connections_per_backend=1, max_waiters_per_backend=1)
+    try:
+        holder = asyncio.create_task(get(pool, server.url, "/hang"))
+        await wait_until(lambda: len(server.requests) == 1)
+        waiter = asyncio.create_task(get(pool, server.url, "/ok"))
+        await wait_until(lambda: pool.stats().backends[server.url].waiting == 1)
+        with pytest.raises(UpstreamPoolBusy, match="already wait") as refused:
+            await get(pool, server.url, "/ok")
+        assert refused.value.kind == "pool_busy" and refused.value.base_url == server.url
+        server.release.set()
+        assert await holder == b"" and await waiter == b"ok:"
+        stats = pool.stats()
+        assert stats.connects == 1 and stats.backends[server.url].waiting == 0
+    finally:
+        await pool.aclose()
+
+
+async def test_a_waiter_gives_up_after_the_acquire_timeout(server: ScriptedServer) -> None:
+    pool = UpstreamPool(max_connections_per_backend=1, acquire_timeout=0.2)
+    try:
+        holder = asyncio.create_task(get(pool, server.url, "/hang"))
+        await wait_until(lambda: len(server.requests) == 1)
+        with pytest.raises(UpstreamPoolBusy, match="within 0.2s"):
+            await asyncio.wait_for(get(pool, server.url, "/ok"), 10)
+        # the one that gave up no longer counts, and the slot still goes to the next request
+        assert pool.stats().backends[server.url].waiting == 0
+        later = asyncio.create_task(get(pool, server.url, "/ok"))
+        await wait_until(lambda: pool.stats().backends[server.url].waiting == 1)
+        server.release.set()
+        assert await holder == b"" and await later == b"ok:"
+    finally:
+        await pool.aclose()
+
+
+async def test_adopted_transport_serves_requests(server: ScriptedServer) -> None:
+    pool = UpstreamPool(max_connections_per_backend=1)
+    loop = asyncio.get_running_loop()
+    try:
+        transport, _ = await loop.create_connection(asyncio.Protocol, "127.0.0.1", server.port)
+        conn = pool.adopt(server.url, transport)
+        transport.set_protocol(conn)
+        assert await get(pool, server.url, "/ok", b"x") == b"ok:x"
+        assert pool.stats().connects == 0 and pool.stats().reused == 1
+        with pytest.raises(UpstreamPoolBusy):
+            pool.adopt(server.url, transport)  # the cap counts adopted connections too
     finally:
         await pool.aclose()
 
@@ -599,73 +650,6 @@ async def test_chunked_answer_with_connection_close_is_not_reused(server: Script
         assert pool.stats().connects == 2
     finally:
         await pool.aclose()
-
-
-HEAD = (
-    b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-A: 1\r\n\r\n"
-)
-BODY = b"4\r\nabcd\r\n1A;name=value\r\n" + b"z" * 26 + b"\r\n3\r\nxyz\r\n0\r\nt: 1\r\n\r\n"
-
-
-def parse(*parts: bytes) -> tuple[_ResponseParser, bytes]:
-    response = _ResponseParser()
-    body = b""
-    for part in parts:
-        response.feed(part)
-        if response.body:
-            body += response.take_body()
-    return response, body
-
-
-def test_parser_any_split() -> None:
-    """Status, headers (names lowercased, 1xx skipped), chunk data, extensions and trailers."""
-    wire = HEAD + BODY
-    for cut in range(len(wire) + 1):
-        for parts in ([wire[:cut], wire[cut:]], [wire[i : i + 1] for i in range(len(wire))]):
-            response, body = parse(*parts)
-            assert body == b"abcd" + b"z" * 26 + b"xyz"
-            assert response.status == 200 and response.done and response.keep_alive
-            assert response.headers == [(b"transfer-encoding", b"chunked"), (b"x-a", b"1")]
-            assert response.error is None and not response.extra
-    response, _ = parse(HEAD + BODY + b"HTTP/1.1 200 OK\r\n")
-    assert response.done and response.extra  # bytes nobody asked for: the connection is not reused
-
-
-@pytest.mark.parametrize(
-    "wire",
-    [
-        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\ng\r\n",  # not hex
-        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n\r\n",  # no size
-        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabcXY",  # no CRLF after data
-        b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n",  # both
-        b"HTTP/1.1 200 OK\r\nX: a\r\n b\r\n\r\n",  # obsolete line folding
-        b"HTTP/1.1 200 OK\r\nX: a\x00b\r\n\r\n",  # NUL in a value
-        b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: x\r\n\r\n",
-        b"this is not HTTP\r\n\r\n",
-        b"HTTP/1.1 200 OK\r\nX: " + b"a" * MAX_RESPONSE_HEAD,  # a head that never ends
-    ],
-)
-def test_parser_refuses_bad_framing(wire: bytes) -> None:
-    response, _ = parse(wire)
-    assert response.error is not None and not response.done
-
-
-def test_parser_returns_data_before_an_error() -> None:
-    response, body = parse(
-        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\nzz\r\n"
-    )
-    assert body == b"ok" and response.error is not None and not response.done
-
-
-def test_parser_body_until_close() -> None:
-    """No Content-Length and not chunked: the body ends when the connection does."""
-    response, body = parse(b"HTTP/1.1 200 OK\r\nX: 1\r\n\r\nab", b"c")
-    assert body == b"abc" and not response.done and not response.keep_alive
-    response.feed_eof()
-    assert response.done
-    cut, _ = parse(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nab")
-    cut.feed_eof()
-    assert not cut.done  # a declared length that never arrived is not a complete body
 
 
 async def test_requests_that_cannot_be_framed_are_refused(server: ScriptedServer) -> None:

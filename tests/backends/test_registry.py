@@ -47,12 +47,12 @@ def load(*, usage: float = 0.1, waiting: int = 0) -> LoadView:
 def test_track_counts_and_restores_on_success() -> None:
     registry, _ = make()
     b = registry.backends[0]
-    with registry.track(b, prefill_tokens=100) as ticket:
+    with registry.track(b, prefill_tokens=100) as in_flight:
         assert (b.in_flight, b.in_flight_prefill_tokens, b.in_prefill) == (1, 100, 1)
         with registry.track(b, prefill_tokens=50):
             assert (b.in_flight, b.in_flight_prefill_tokens) == (2, 150)
-        ticket.first_token()
-        ticket.first_token()  # idempotent
+        in_flight.first_token()
+        in_flight.first_token()  # idempotent
         assert (b.in_flight, b.in_flight_prefill_tokens, b.in_prefill) == (1, 0, 0)
     assert (b.in_flight, b.in_flight_prefill_tokens, b.in_prefill) == (0, 0, 0)
     assert b.requests == 2

@@ -15,9 +15,6 @@ import pytest
 from certs import DevCertificates
 from tests.bench.servers import edge_h3, edge_tcp
 
-# The in-process request cost test (`bench.request_cpu`) counts instructions with this fixture.
-from tests.tools.conftest import FakeValgrind, fake_valgrind  # noqa: F401
-
 REPO = Path(__file__).resolve().parents[2]
 
 

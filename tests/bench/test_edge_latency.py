@@ -12,7 +12,7 @@ import pytest
 
 from backends.sim import SimConfig, SimServer
 from bench.edge_latency import REPO, Response
-from tests.bench.conftest import FakeValgrind, run_command
+from tests.bench.conftest import run_command
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 ROLE = b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n'
@@ -205,51 +205,3 @@ def test_content_length_answers_are_framed_too() -> None:
     r = Response(0.0)
     assert not r.feed(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(body) + body[:9], 1)
     assert r.feed(body[9:], 2.0) and r.tokens == [2.0, 2.0]
-
-
-async def test_relay_cpu_reports_the_cost_per_chunk() -> None:
-    done = await run_command("bench.relay_cpu", "--chunks", "4", "--streams", "3")
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("relay per chunk: ") and "as ASGI messages" in done.stdout
-    assert "(3 streams of 5 chunks)" in done.stdout
-
-
-async def test_request_cpu_reports_the_cost_of_whole_requests() -> None:
-    done = await run_command(
-        "bench.request_cpu", "--requests", "40", "--repeats", "2", "--concurrency", "4",
-        "--tokens", "3",
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("edge CPU per request: min ")
-    assert "(2 x 40 requests, 4 connections, 3 tokens each)" in done.stdout
-
-
-def test_request_cpu_stand_in_streams_as_sglang_does() -> None:
-    from bench.request_cpu import stream_reads
-
-    reads = stream_reads(2)
-    assert len(reads) == 4 and reads[0].startswith(b"HTTP/1.1 200 OK\r\n")
-    r = Response(0.0)
-    assert [r.feed(read, float(i)) for i, read in enumerate(reads)] == [False] * 3 + [True]
-    assert r.tokens == [1.0, 2.0]  # the role chunk carries no text
-
-
-def test_request_cpu_counts_instructions_per_request_from_two_runs(
-    fake_valgrind: FakeValgrind, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from bench.request_cpu import main
-
-    fake_valgrind("--repeats 3", 5_000_000, 1_000_000)  # the total grows with --repeats
-    assert main(["--requests", "100", "--instructions"]) == 0
-    out = capsys.readouterr().out  # (5M - 1M) over the 200 requests of the two extra repeats
-    assert out.startswith("edge instructions per request: 20000 (200 requests, 32 connections")
-
-
-def test_request_cpu_says_when_valgrind_is_missing(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    from bench.request_cpu import main
-
-    monkeypatch.setenv("PATH", str(tmp_path))
-    assert main(["--instructions"]) == 1
-    assert "needs valgrind" in capsys.readouterr().err

@@ -60,10 +60,40 @@ async def test_forwards_body_with_rid_and_headers_and_names_the_backend() -> Non
             assert response.headers["content-type"] == "text/event-stream"
             assert b'"Hi"' in response.content and response.content.endswith(b"data: [DONE]\n\n")
     (sent,) = inference(up)
-    assert json.loads(sent.body) == {"rid": "req-42", **COMPLETION}
-    assert sent.headers["x-request-id"] == "req-42"
+    # the client's id labels the answer; the backend gets the edge's own as its rid
+    rid = json.loads(sent.body)["rid"]
+    assert rid != "req-42" and len(rid) == 32
+    assert json.loads(sent.body) == {"rid": rid, **COMPLETION}
+    assert sent.headers["x-request-id"] == "req-42"  # the label, which SGLang does not read
     assert sent.headers["traceparent"] == traceparent  # tracing off: passed through unchanged
     assert "early-data" not in sent.headers
+
+
+async def test_a_body_rid_labels_the_request_but_is_not_sent_as_the_rid() -> None:
+    async with TinyUpstream(script(lambda r: sse_reply(["ok"]))) as up:
+        async with run_edge(fast_config([up.url])) as edge, client(edge) as http:
+            response = await http.post("/v1/completions", json={**COMPLETION, "rid": "mine"})
+            assert response.status_code == 200
+            assert response.headers["x-request-id"] == "mine"
+    (sent,) = inference(up)
+    assert json.loads(sent.body)["rid"] not in ("mine", "")
+    assert sent.headers["x-request-id"] == "mine"
+
+
+async def test_an_error_after_parsing_carries_the_body_rid_label() -> None:
+    async def slow(recorded: Recorded) -> Reply:
+        reply = health_ok(recorded)
+        if reply is not None:
+            return reply
+        await asyncio.sleep(3)
+        return sse_reply(["late"])
+
+    async with TinyUpstream(slow) as up:
+        config = fast_config([up.url], first_byte_timeout=0.3)
+        async with run_edge(config) as edge, client(edge) as http:
+            response = await http.post("/v1/completions", json={**COMPLETION, "rid": "mine"})
+            assert response.status_code == 504  # an EdgeError, rendered at the boundary
+            assert response.headers["x-request-id"] == "mine"
 
 
 async def test_early_data_request_is_forwarded_with_early_data_header() -> None:

@@ -73,7 +73,8 @@ async def test_every_route_streams_and_answers_whole(route: str, stream: bool) -
             else:
                 last = response.json()
             if route == "/generate":
-                assert last["meta_info"]["id"] == "rq-1"  # the request id became SGLang's rid
+                # the backend's rid is the edge's own; the client's id is only the label
+                assert last["meta_info"]["id"] not in ("rq-1", "")
                 assert last["meta_info"]["completion_tokens"] == 8
             elif not stream:
                 assert last["usage"]["completion_tokens"] == 8
@@ -189,6 +190,69 @@ async def test_client_disconnect_aborts_the_upstream_request(listener: str) -> N
             assert edge.wiring.registry.backends[0].in_flight_prefill_tokens == 0
             text = await metrics_text(edge)
             assert "quicedge_client_disconnects_total 1.0" in text
+
+
+async def test_a_client_chosen_rid_cannot_abort_another_clients_request() -> None:
+    """Two clients send the same `x-request-id` and body `rid`; the second goes away. Only its
+    own generation is aborted: the first streams to its end."""
+    slow = sim_config("b1", profile="h100-llama3-8b", time_scale=1.0)
+    async with sims(slow) as (server,):
+        async with run_edge(fast_config([server.url])) as edge, client(edge) as http:
+            body = {**BODIES["/generate"], "stream": True, "rid": "shared"}
+            body["sampling_params"] = {"max_new_tokens": 200, "ignore_eos": True}
+            same = {"x-request-id": "shared"}
+            async with http.stream("POST", "/generate", json=body, headers=same) as first:
+                assert first.status_code == 200
+                assert first.headers["x-request-id"] == "shared"
+                chunks = first.aiter_bytes()
+                received = await anext(chunks)
+                async with http.stream("POST", "/generate", json=body, headers=same) as second:
+                    assert second.status_code == 200
+                    async for _ in second.aiter_bytes():
+                        break  # its first token arrived; now this client goes away
+                await wait_until(lambda: server.scheduler.stats.num_aborted_requests_total >= 1)
+                async for chunk in chunks:
+                    received += chunk
+    events = data_events(received)
+    assert events[-1] == b"[DONE]" and b"error" not in received
+    last = json.loads(events[-2])
+    assert last["meta_info"]["completion_tokens"] == 200
+    assert last["meta_info"]["id"] != "shared"
+    assert server.scheduler.stats.num_aborted_requests_total == 1
+
+
+@pytest.mark.parametrize(
+    ("bound", "says"),
+    [({"pool_max_waiters": 0}, "already wait"), ({"pool_acquire_timeout": 0.3}, "within 0.3s")],
+    ids=["waiters", "timeout"],
+)
+async def test_a_busy_pool_is_503_with_retry_after(bound: dict[str, Any], says: str) -> None:
+    """One upstream connection, held by a long stream: the next request finds no waiting room,
+    or waits past the acquire timeout, and is told to come back; the backend is not blamed."""
+    slow = sim_config("b1", profile="h100-llama3-8b", time_scale=1.0)
+    async with sims(slow) as (server,):
+        config = fast_config([server.url], pool_max_connections=1, pool_warm_connections=1, **bound)
+        async with run_edge(config) as edge, client(edge) as http:
+            body = {**BODIES["/generate"], "stream": True}
+            body["sampling_params"] = {"max_new_tokens": 5000, "ignore_eos": True}
+            async with http.stream("POST", "/generate", json=body) as held:
+                assert held.status_code == 200
+                chunks = held.aiter_bytes()
+                await anext(chunks)  # streaming (not closed): it holds the only connection
+                busy = await http.post("/generate", json=BODIES["/generate"])
+            assert busy.status_code == 503, busy.text
+            assert busy.headers["retry-after"] == "1"
+            error = busy.json()["error"]
+            assert error["code"] == "pool_busy" and says in error["message"]
+            (backend,) = edge.wiring.registry.backends
+            assert backend.healthy and "pool_busy" not in backend.failures
+            assert 'kind="pool_busy"' in await metrics_text(edge)
+            # the slot comes free with the stream's end (the health loop tops the warm set up
+            # again, holding the slot while it connects), and serves again
+            pool = edge.wiring.pool
+            await wait_until(lambda: pool.stats().backends[server.url].idle == 1)
+            again = await http.post("/generate", json=BODIES["/generate"])
+            assert again.status_code == 200
 
 
 async def test_health_ejection_and_return() -> None:

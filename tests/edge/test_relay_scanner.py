@@ -12,15 +12,8 @@ import pytest
 
 from backends.pool import UpstreamPool, UpstreamResponse
 from backends.sim import SimConfig, SimServer
-from edge.relay import (
-    RelayResult,
-    SSEScanner,
-    StreamRelay,
-    Usage,
-    answer_of_body,
-    relay_stream,
-    usage_from,
-)
+from edge.relay import RelayResult, StreamRelay, relay_stream
+from edge.sse import SSEScanner, Usage, answer_of_body, usage_from
 
 
 def sse(*objs: object) -> bytes:

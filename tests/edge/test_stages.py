@@ -15,7 +15,13 @@ from edge.stages.body import (
     parse_json_object,
     read_body,
 )
-from edge.stages.forward import request_id_from, splice_rid, upstream_headers
+from edge.stages.forward import (
+    label_from_body,
+    request_id_from,
+    splice_rid,
+    upstream_headers,
+    upstream_rid,
+)
 from edge.stages.validate import CHAT, COMPLETIONS, GENERATE, validate
 from edge.stages.view import build_view, render_chat
 
@@ -172,9 +178,24 @@ def test_rid_splice_keeps_the_rest_exactly(raw: bytes) -> None:
     assert out.endswith(raw.lstrip()[1:])
 
 
-def test_rid_already_present_is_left_alone() -> None:
+def test_a_client_rid_is_replaced_by_the_edges() -> None:
     raw = b'{"rid": "mine", "text": "x"}'
-    assert splice_rid(raw, json.loads(raw), "other") is raw
+    assert json.loads(splice_rid(raw, json.loads(raw), "edge1")) == {"rid": "edge1", "text": "x"}
+    batch = b'{"text": ["a", "b"], "rid": ["x", "y"]}'
+    out = json.loads(splice_rid(batch, json.loads(batch), "edge1"))
+    assert out == {"text": ["a", "b"], "rid": ["edge1-0", "edge1-1"]}
+
+
+def test_a_body_rid_is_a_label_only_when_well_formed() -> None:
+    assert label_from_body("bench-000001") == "bench-000001"
+    for bad in (None, 7, ["a"], "", "has space", "x" * 129, "é"):
+        assert label_from_body(bad) is None
+
+
+def test_upstream_rid_is_the_edges_own() -> None:
+    assert upstream_rid("abc", from_client=False) == "abc"  # the edge made the label itself
+    chosen = upstream_rid("abc", from_client=True)
+    assert chosen != "abc" and len(chosen) == 32
 
 
 def test_request_id_header() -> None:
@@ -188,14 +209,10 @@ def test_request_id_header() -> None:
 
 def test_upstream_headers_carry_id_trace_and_early_data() -> None:
     headers = dict(
-        upstream_headers(
-            request_id="r1", early_data=True, traceparent=b"00-a-b-01", tracestate=None
-        )
+        upstream_headers(label="r1", early_data=True, traceparent=b"00-a-b-01", tracestate=None)
     )
     assert headers[b"x-request-id"] == b"r1"
     assert headers[b"early-data"] == b"1"
     assert headers[b"traceparent"] == b"00-a-b-01"
-    plain = dict(
-        upstream_headers(request_id="r1", early_data=False, traceparent=None, tracestate=None)
-    )
+    plain = dict(upstream_headers(label="r1", early_data=False, traceparent=None, tracestate=None))
     assert b"early-data" not in plain and b"traceparent" not in plain

@@ -9,7 +9,7 @@ from tests.transport.apps import RecordingApp, collector_finds, ok_app
 from tests.transport.conftest import H3Factory
 from tests.transport.h3client import h3_connect
 from transport.asgi import Receive, Scope, Send
-from transport.h3_server import _Exchange
+from transport.h3_server import _StreamChannel
 
 
 async def test_request_scope_and_body(h3_server: H3Factory, dev_certs) -> None:
@@ -72,10 +72,10 @@ async def test_the_disconnect_callback_runs_when_the_client_resets_the_stream(
 
 
 async def test_a_served_request_leaves_no_reference_cycle(h3_server: H3Factory, dev_certs) -> None:
-    """What a request's exchange holds is freed by reference counting when it is done, not
+    """What a request's stream channel holds is freed by reference counting when it is done, not
     left for the garbage collector, whose every collection stalls every request in flight."""
     with collector_finds() as found:
         async with h3_server(app=ok_app) as server, h3_connect(server.port, dev_certs.ca_cert) as c:
             for _ in range(3):
                 assert (await c.fetch("POST", "/echo", body=b"ab")).status == 200
-    assert [o for o in found if isinstance(o, _Exchange)] == []
+    assert [o for o in found if isinstance(o, _StreamChannel)] == []

@@ -11,7 +11,7 @@ from tests.helpers import settled
 from tests.transport.apps import RecordingApp
 from tests.transport.conftest import H3Factory
 from tests.transport.h3client import H3Client, h3_connect
-from tests.transport.relay import UdpRelay
+from tests.transport.udp_holdback import UdpHoldback
 from transport.asgi import Receive, Scope, Send
 from transport.h3_server import SEND_HIGH_WATER
 from transport.h3_session import H3Limits
@@ -192,7 +192,7 @@ async def test_sends_are_back_pressured_by_unacknowledged_bytes(
         await send({"type": "http.response.body", "body": b""})
 
     async with h3_server(app=flood) as server:
-        relay = UdpRelay(server.port)
+        relay = UdpHoldback(server.port)
         port = await relay.start()
         try:
             async with h3_connect(port, dev_certs.ca_cert) as c:

@@ -223,11 +223,11 @@ def printed_numbers(script: str) -> list[int]:
 def test_a_steady_load_runs_almost_no_young_collections() -> None:
     """Requests in flight hold tracked objects until they end: with CPython's default young
     threshold (700), 32 streams crossed it every ~30 requests, each time stopping every request
-    to find nothing to free. The whole request path in-process (`bench.request_cpu`), after the
+    to find nothing to free. The whole request path in-process (`tools.request_cpu`), after the
     collector is prepared as `serve` prepares it."""
     script = (
         "import asyncio, gc\n"
-        "from bench import request_cpu\n"
+        "from tools import request_cpu\n"
         "from transport.collector import prepare_collector\n"
         "prepare_collector()\n"
         "young = []\n"

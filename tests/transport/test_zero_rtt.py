@@ -12,7 +12,7 @@ from tests.helpers import RedisServer, settled
 from tests.transport.apps import RecordingApp
 from tests.transport.conftest import H3Factory
 from tests.transport.h3client import fresh_ticket, h3_connect
-from tests.transport.relay import UdpRelay
+from tests.transport.udp_holdback import UdpHoldback
 from transport.early_data import EarlyDataPolicy, Mode
 from transport.metrics import TransportMetrics
 from transport.tickets import MemoryTicketStore, RedisTicketStore
@@ -32,7 +32,7 @@ async def test_early_request_answered_before_handshake_completes(
         ticket = await fresh_ticket(server.port, dev_certs.ca_cert)
         # The ticket's own connection may linger on the server for a moment: look past it.
         earlier = set(server.connections())
-        relay = UdpRelay(server.port, hold_after_reply=True)
+        relay = UdpHoldback(server.port, hold_after_reply=True)
         port = await relay.start()
         try:
             async with h3_connect(
@@ -68,7 +68,7 @@ async def test_anti_amplification_before_address_validation(
     what it received; a large early response waits for the client's handshake flight."""
     async with h3_server(policy=EarlyDataPolicy({"/big": Mode.ACCEPT})) as server:
         ticket = await fresh_ticket(server.port, dev_certs.ca_cert)
-        relay = UdpRelay(server.port, hold_after_reply=True)
+        relay = UdpHoldback(server.port, hold_after_reply=True)
         port = await relay.start()
         try:
             async with h3_connect(
@@ -166,7 +166,7 @@ async def test_defer_holds_request_until_handshake(h3_server: H3Factory, dev_cer
     async with h3_server(app=app, policy=policy) as server:
         ticket = await fresh_ticket(server.port, dev_certs.ca_cert)
         calls = len(app.seen)
-        relay = UdpRelay(server.port, hold_after_reply=True)
+        relay = UdpHoldback(server.port, hold_after_reply=True)
         port = await relay.start()
         try:
             async with h3_connect(

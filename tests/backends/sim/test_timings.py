@@ -107,6 +107,16 @@ async def test_whole_answer_is_stamped_once_written(
     assert before <= record["read_at"] <= record["first_token_at"] <= after
 
 
+async def test_a_proxys_label_keys_the_record(make_sim: MakeSim, client: httpx.AsyncClient) -> None:
+    """Behind a proxy the body's rid is the proxy's own; the client's id is `x-request-id`."""
+    server = await make_sim(record_timings=8)
+    body = {"text": "hi", "rid": "edge-chosen"}
+    r = await client.post(f"{server.url}/generate", json=body, headers={"x-request-id": "bench-1"})
+    assert r.status_code == 200 and r.json()["meta_info"]["id"] == "edge-chosen"
+    [record] = await timings(client, server)
+    assert record["rid"] == "bench-1"
+
+
 async def test_only_the_last_n_are_kept_oldest_first(
     make_sim: MakeSim, client: httpx.AsyncClient
 ) -> None:

@@ -13,14 +13,14 @@ from typing import Any
 
 
 class _Upstream(asyncio.DatagramProtocol):
-    def __init__(self, relay: UdpRelay) -> None:
+    def __init__(self, relay: UdpHoldback) -> None:
         self.relay = relay
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
         self.relay.from_server(data)
 
 
-class UdpRelay(asyncio.DatagramProtocol):
+class UdpHoldback(asyncio.DatagramProtocol):
     def __init__(self, server_port: int, *, hold_after_reply: bool = False) -> None:
         self.server = ("127.0.0.1", server_port)
         self.hold_after_reply = hold_after_reply

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from bench.relay import Forward, Link, Relay, RelayError
+from bench.rtt_relay import Forward, Link, Relay, RelayError
 from tests.bench.conftest import REPO, run_command
 from tests.helpers import free_port
 

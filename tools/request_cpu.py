@@ -1,6 +1,6 @@
 """The Python cost of one whole request through the edge, with the system calls taken out.
 
-    python -m bench.request_cpu [--requests 4000] [--repeats 5] [--concurrency 32] [--tokens 1] \
+    python -m tools.request_cpu [--requests 4000] [--repeats 5] [--concurrency 32] [--tokens 1] \
         [--loop uvloop] [--instructions]
 
 Runs the edge's own objects in one process, wired as `quicedge serve` wires them (`edge.wiring`,
@@ -21,7 +21,8 @@ with one and with three repeats, and reports the difference per request, which i
 run to run to a few hundred instructions. Instructions are not time (cache misses, branch
 misses and system calls are not in them), but the count tells whether a change did less work.
 
-It reaches into the pool's private classes on purpose: no socket is involved.
+No socket is involved: the pool takes the stand-in connections through `UpstreamPool.adopt`, the
+listener's protocol gets the clients' bytes through `data_received`, both public.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from backends.pool import _Connection
-from bench.cachegrind import instructions
+from backends.connection import Connection
 from bench.edge_latency import Request, request_bytes
-from bench.relay_cpu import NullTransport
 from edge.config import ProxyConfig
 from edge.wiring import build
+from tools.cachegrind import instructions
+from tools.relay_cpu import NullTransport
 from transport.collector import prepare_collector
 from transport.h1_server import H1Listener, H1Protocol
 from transport.loop import LOOPS
@@ -82,13 +83,15 @@ def stream_reads(tokens: int) -> list[bytes]:
 class StandIn(NullTransport):
     """A backend connection's transport: each request written is answered a read per turn."""
 
-    def __init__(self, conn: _Connection, reads: list[bytes], loop: asyncio.AbstractEventLoop):
-        self.conn, self.reads, self.loop = conn, reads, loop
+    def __init__(self, reads: list[bytes], loop: asyncio.AbstractEventLoop):
+        self.conn: Connection | None = None
+        self.reads, self.loop = reads, loop
 
     def write(self, data: bytes) -> None:
         self.loop.call_soon(self._answer, 0)
 
     def _answer(self, i: int) -> None:
+        assert self.conn is not None
         self.conn.data_received(self.reads[i])
         if i + 1 < len(self.reads):
             self.loop.call_soon(self._answer, i + 1)
@@ -141,13 +144,10 @@ async def measure(
     loop = asyncio.get_running_loop()
     config = ProxyConfig.from_mapping({"backends": [BACKEND]}).validate()
     wiring = await build(config, registry=CollectorRegistry())
-    host = wiring.pool._host(BACKEND)
     reads = stream_reads(tokens)
     for _ in range(concurrency):
-        conn = _Connection(host)
-        conn.connection_made(StandIn(conn, reads, loop))  # type: ignore[arg-type]
-        host.all.add(conn)
-        host.idle.append(conn)
+        stand_in = StandIn(reads, loop)
+        stand_in.conn = wiring.pool.adopt(BACKEND, stand_in)  # type: ignore[arg-type]
     listener = H1Listener(wiring.app, host="127.0.0.1", port=0)
     clients = []
     for _ in range(concurrency):
@@ -190,13 +190,13 @@ def _ok(wiring: Any) -> int:
 def count_instructions(argv: list[str], requests: int) -> int:
     """Instructions per request: this bench under cachegrind with 3 repeats minus with 1."""
     counts = [
-        instructions(["bench.request_cpu", *argv, "--repeats", str(repeats)]) for repeats in (1, 3)
+        instructions(["tools.request_cpu", *argv, "--repeats", str(repeats)]) for repeats in (1, 3)
     ]
     return (counts[1] - counts[0]) // (2 * requests)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.request_cpu", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tools.request_cpu", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--requests", type=int, default=4000, help="per repeat")
     p.add_argument("--repeats", type=int, default=5)

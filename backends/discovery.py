@@ -1,0 +1,403 @@
+"""Backend discovery: which SGLang servers the registry holds, as the fleet changes.
+
+Three modes (TOML `[discovery]`, `DiscoveryConfig`):
+
+- `static`: the `--backend` list, fixed for the process's life (the default).
+- `dns`: each name is `HOST:PORT` (its A and AAAA records) or `_service._proto.DOMAIN` (its SRV
+  records, each target's A and AAAA with the record's port), resolved again every `interval`.
+  A Kubernetes headless Service answers both with one address per ready pod.
+- `kubernetes`: the EndpointSlices of a headless Service, listed from the API server with the
+  pod's service account every `interval`; only endpoints whose `ready` condition holds count.
+
+A periodic list over plain HTTPS (h11, already a dependency) rather than the official client's
+watch: the client is synchronous and large, a watch needs its own thread and reconnect logic,
+and one small GET per interval (RBAC: `list` on `endpointslices`) feeds the same reconcile step
+as DNS. A backend that appears is added with its health checks; one that disappears drains (no
+new requests, those in flight finish, up to `drain_timeout`) and is removed. A lookup that
+fails (timeout, server error) changes nothing: the fleet is not emptied by a DNS hiccup, while
+an authoritative "no such name" or an empty slice does remove what it held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import json
+import logging
+import os
+import ssl
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, Protocol
+from urllib.parse import quote, urlsplit
+
+import h11
+
+from backends.registry import BackendRegistry
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["static", "dns", "kubernetes"]
+MODES: tuple[Mode, ...] = ("static", "dns", "kubernetes")
+SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+@dataclass(slots=True)
+class DiscoveryConfig:
+    """The `[discovery]` table."""
+
+    mode: Mode = "static"
+    """`static` (the `--backend` list), `dns` or `kubernetes`. Default `static`."""
+    names: list[str] = field(default_factory=list)
+    """dns: `HOST:PORT` (A/AAAA) or `_service._proto.DOMAIN` (SRV). kubernetes: headless Service
+    names, `NAME` or `NAMESPACE/NAME`. Default empty (needed by dns and kubernetes)."""
+    interval: float = 10.0
+    """Seconds between two lookups. Default 10."""
+    timeout: float = 2.0
+    """Seconds one lookup (all names) may take before it counts as failed. Default 2."""
+    drain_timeout: float = 30.0
+    """Seconds a removed backend keeps its requests in flight before it is dropped. Default 30."""
+    nameservers: list[str] = field(default_factory=list)
+    """dns: `IP` or `IP:PORT` of the servers to ask (one port for all). Default empty: the
+    system's resolv.conf."""
+    port_name: str | None = None
+    """kubernetes: the EndpointSlice port to use, by name. Default None: the first port."""
+    namespace: str | None = None
+    """kubernetes: namespace of names given without one. Default None: the pod's own."""
+    api_url: str | None = None
+    """kubernetes: API server base URL. Default None: https://$KUBERNETES_SERVICE_HOST:PORT."""
+    token_file: str = f"{SERVICE_ACCOUNT}/token"
+    """kubernetes: bearer token file. Default: the pod's service account token."""
+    ca_file: str = f"{SERVICE_ACCOUNT}/ca.crt"
+    """kubernetes: CA bundle of the API server. Default: the service account's."""
+
+    def validate(self) -> DiscoveryConfig:
+        if self.mode not in MODES:
+            raise ValueError(f"discovery.mode: {self.mode!r} is not one of {', '.join(MODES)}")
+        if self.mode != "static" and not self.names:
+            raise ValueError(f"discovery.names: mode {self.mode} needs at least one name")
+        for name in ("interval", "timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"discovery.{name}: must be > 0, got {getattr(self, name)!r}")
+        if self.drain_timeout < 0:
+            raise ValueError(f"discovery.drain_timeout: must be >= 0, got {self.drain_timeout}")
+        if self.mode == "dns":
+            for name in self.names:
+                if not name.startswith("_"):
+                    _name(name)  # raises with the name in the message
+            ports = {_nameserver(server)[1] for server in self.nameservers}
+            if len(ports) > 1:
+                raise ValueError("discovery.nameservers: give every server the same port")
+        return self
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> DiscoveryConfig:
+        """From the TOML table, rejecting unknown keys and values of the wrong type."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"discovery: unknown setting(s) {', '.join(unknown)}")
+        config = cls()
+        for key, value in values.items():
+            default = getattr(config, key)
+            if key in ("names", "nameservers"):
+                ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+                kind = "a list of strings"
+            elif key in ("interval", "timeout", "drain_timeout"):
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+                kind = "a number"
+            elif default is None:
+                ok = value is None or isinstance(value, str)
+                kind = "a string"
+            else:
+                ok = isinstance(value, str)
+                kind = "a string"
+            if not ok:
+                raise ValueError(f"discovery.{key}: must be {kind}, got {value!r}")
+            setattr(config, key, float(value) if kind == "a number" else value)
+        return config.validate()
+
+
+def _host_port(text: str) -> tuple[str, int] | None:
+    parts = urlsplit(f"//{text}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if not parts.hostname or port is None:
+        return None
+    return parts.hostname, port
+
+
+def _name(text: str) -> tuple[str, int]:
+    found = _host_port(text)
+    if found is None:
+        raise ValueError(f"discovery.names: {text!r} is not HOST:PORT or _service._proto.DOMAIN")
+    return found
+
+
+def _nameserver(text: str) -> tuple[str, int]:
+    try:
+        return str(ipaddress.ip_address(text)), 53
+    except ValueError:
+        pass
+    found = _host_port(text)
+    try:
+        if found is None:
+            raise ValueError
+        return str(ipaddress.ip_address(found[0])), found[1]
+    except ValueError:
+        raise ValueError(f"discovery.nameservers: {text!r} is not IP or IP:PORT") from None
+
+
+def backend_url(address: str, port: int) -> str:
+    """`http://ADDRESS:PORT`, an IPv6 address in brackets."""
+    host = f"[{address}]" if ":" in address else address
+    return f"http://{host}:{port}"
+
+
+class Source(Protocol):
+    async def lookup(self) -> dict[str, set[str] | None]:
+        """Backend URLs by name; None for a name whose lookup failed (keep what it held)."""
+        ...
+
+
+class DnsSource:
+    """A/AAAA and SRV lookups with dnspython's asyncio resolver."""
+
+    def __init__(self, config: DiscoveryConfig) -> None:
+        try:
+            import dns.asyncresolver
+        except ImportError:
+            raise ValueError("discovery.mode dns needs `pip install quicedge[discovery]`") from None
+
+        self.names = list(config.names)
+        self.timeout = config.timeout
+        self.resolver = dns.asyncresolver.Resolver(configure=not config.nameservers)
+        if config.nameservers:
+            servers = [_nameserver(s) for s in config.nameservers]
+            self.resolver.nameservers = [host for host, _ in servers]
+            self.resolver.port = servers[0][1]
+        self.resolver.lifetime = config.timeout
+        self.resolver.cache = None  # every lookup asks: the interval is the cache
+
+    async def lookup(self) -> dict[str, set[str] | None]:
+        results = await asyncio.gather(*(self._one(n) for n in self.names))
+        return dict(zip(self.names, results, strict=True))
+
+    async def _one(self, name: str) -> set[str] | None:
+        import dns.exception
+        import dns.resolver
+
+        try:
+            if name.startswith("_"):
+                answer = await self.resolver.resolve(name, "SRV")
+                targets = [(r.target.to_text(omit_final_dot=True), int(r.port)) for r in answer]
+            else:
+                targets = [_name(name)]
+            urls: set[str] = set()
+            for host, port in targets:
+                urls.update(backend_url(a, port) for a in await self._addresses(host))
+            return urls
+        except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
+            return set()  # the name is authoritatively empty: its backends go
+        except dns.exception.DNSException as exc:
+            log.warning("discovery: lookup of %s failed (%s); keeping its backends", name, exc)
+            return None
+
+    async def _addresses(self, host: str) -> set[str]:
+        import dns.resolver
+
+        with contextlib.suppress(ValueError):
+            return {str(ipaddress.ip_address(host))}
+        found: set[str] = set()
+        for kind in ("A", "AAAA"):
+            try:
+                answer = await self.resolver.resolve(host, kind)
+            except dns.resolver.NoAnswer:
+                continue  # e.g. no AAAA record: only the other family
+            found.update(r.address for r in answer)
+        return found
+
+
+class KubernetesSource:
+    """EndpointSlices of headless Services, listed from the API server."""
+
+    def __init__(self, config: DiscoveryConfig) -> None:
+        self.config = config
+        self.namespace = config.namespace or _read(f"{SERVICE_ACCOUNT}/namespace") or "default"
+        api = config.api_url
+        if api is None:
+            host = os.environ.get("KUBERNETES_SERVICE_HOST")
+            port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
+            if not host:
+                raise ValueError(
+                    "discovery.api_url: not in a cluster (no KUBERNETES_SERVICE_HOST); set it"
+                )
+            api = f"https://{backend_url(host, int(port)).removeprefix('http://')}"
+        self.api = urlsplit(api)
+        if self.api.scheme not in ("http", "https") or not self.api.hostname:
+            raise ValueError(f"discovery.api_url: {api!r} is not an http(s) URL")
+        self._ssl: ssl.SSLContext | None = None
+        if self.api.scheme == "https":
+            self._ssl = ssl.create_default_context(
+                cafile=config.ca_file if os.path.exists(config.ca_file) else None
+            )
+
+    def _service(self, name: str) -> tuple[str, str]:
+        namespace, _, service = name.rpartition("/")
+        return namespace or self.namespace, service
+
+    async def lookup(self) -> dict[str, set[str] | None]:
+        results = await asyncio.gather(*(self._one(n) for n in self.config.names))
+        return dict(zip(self.config.names, results, strict=True))
+
+    async def _one(self, name: str) -> set[str] | None:
+        namespace, service = self._service(name)
+        selector = quote(f"kubernetes.io/service-name={service}", safe="")
+        path = (
+            f"/apis/discovery.k8s.io/v1/namespaces/{quote(namespace)}/endpointslices"
+            f"?labelSelector={selector}"
+        )
+        try:
+            async with asyncio.timeout(self.config.timeout):
+                status, body = await self._get(path)
+            if status != 200:
+                raise OSError(f"HTTP {status}: {body[:200]!r}")
+            return ready_endpoints(json.loads(body), self.config.port_name)
+        except (OSError, TimeoutError, ValueError, h11.ProtocolError) as exc:
+            log.warning("discovery: listing slices of %s failed (%s); keeping them", name, exc)
+            return None
+
+    async def _get(self, path: str) -> tuple[int, bytes]:
+        host = self.api.hostname or ""
+        port = self.api.port or (443 if self._ssl else 80)
+        reader, writer = await asyncio.open_connection(
+            host, port, ssl=self._ssl, server_hostname=host if self._ssl else None
+        )
+        try:
+            conn = h11.Connection(h11.CLIENT)
+            headers = [("host", self.api.netloc), ("accept", "application/json")]
+            token = _read(self.config.token_file)
+            if token:
+                headers.append(("authorization", f"Bearer {token}"))
+            writer.write(conn.send(h11.Request(method="GET", target=path, headers=headers)))
+            writer.write(conn.send(h11.EndOfMessage()))
+            await writer.drain()
+            status, body = 0, bytearray()
+            while True:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    conn.receive_data(await reader.read(65536))
+                elif isinstance(event, h11.Response):
+                    status = event.status_code
+                elif isinstance(event, h11.Data):
+                    body += event.data
+                elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
+                    return status, bytes(body)
+        finally:
+            writer.close()
+
+
+def ready_endpoints(slices: Mapping[str, Any], port_name: str | None) -> set[str]:
+    """Backend URLs of the ready endpoints in an `EndpointSliceList`."""
+    urls: set[str] = set()
+    for item in slices.get("items") or []:
+        ports = item.get("ports") or []
+        chosen = [p for p in ports if port_name is None or p.get("name") == port_name]
+        if not chosen or chosen[0].get("port") is None:
+            continue
+        port = int(chosen[0]["port"])
+        for endpoint in item.get("endpoints") or []:
+            conditions = endpoint.get("conditions") or {}
+            if conditions.get("ready") is False:  # absent means ready (API docs)
+                continue
+            urls.update(backend_url(a, port) for a in endpoint.get("addresses") or [])
+    return urls
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def make_source(config: DiscoveryConfig) -> Source | None:
+    if config.mode == "dns":
+        return DnsSource(config)
+    if config.mode == "kubernetes":
+        return KubernetesSource(config)
+    return None
+
+
+class Discovery:
+    """Keeps the registry's backends equal to what the source finds, every `interval`."""
+
+    def __init__(self, config: DiscoveryConfig, source: Source) -> None:
+        self.config = config
+        self.source = source
+        self._known: dict[str, set[str]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._drains: set[asyncio.Task[None]] = set()
+
+    def _wanted(self) -> set[str]:
+        return set().union(*self._known.values()) if self._known else set()
+
+    async def initial(self, static: list[str]) -> list[str]:
+        """The backends to build the registry with: the `static` list (kept for good) and the
+        first lookup's URLs (a failed lookup gives none; the next interval tries again)."""
+        self._known[""] = {url.rstrip("/") for url in static}
+        await self._lookup()
+        return sorted(self._wanted())
+
+    async def _lookup(self) -> None:
+        for name, urls in (await self.source.lookup()).items():
+            if urls is not None:
+                self._known[name] = urls
+
+    async def refresh(self, registry: BackendRegistry) -> None:
+        """One lookup, then add what is new and drain what is gone."""
+        await self._lookup()
+        wanted = self._wanted()
+        current = {b.url: b for b in registry.backends if not b.draining}
+        for url in sorted(wanted - current.keys()):
+            registry.add(url)
+        for url in sorted(current.keys() - wanted):
+            task = asyncio.ensure_future(
+                registry.remove(current[url].name, drain_timeout=self.config.drain_timeout)
+            )
+            self._drains.add(task)
+            task.add_done_callback(self._drains.discard)
+
+    async def _run(self, registry: BackendRegistry) -> None:
+        while True:
+            await asyncio.sleep(self.config.interval)
+            try:
+                await self.refresh(registry)
+            except Exception:  # a bug here must not stop discovery for the process's life
+                log.exception("discovery: refresh failed")
+
+    def start(self, registry: BackendRegistry) -> None:
+        self._task = asyncio.ensure_future(self._run(registry))
+
+    async def aclose(self) -> None:
+        tasks = [t for t in (self._task, *self._drains) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._task = None
+
+
+__all__ = [
+    "MODES",
+    "Discovery",
+    "DiscoveryConfig",
+    "DnsSource",
+    "KubernetesSource",
+    "backend_url",
+    "make_source",
+    "ready_endpoints",
+]

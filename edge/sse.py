@@ -1,0 +1,292 @@
+"""The SSE scanner: what accounting needs from a `text/event-stream` body, without I/O.
+
+Only what accounting needs is parsed: which chunk carries the first content token (TTFT), how
+many content events a chunk completes (ITL), and, once at the end, the usage the backend reports
+(`prompt_tokens`, `cached_tokens`) and the generated text when it comes cheaply. `SSEScanner`
+finds event boundaries incrementally and never rescans bytes it has seen; a cheap regex tells
+content events from the chat role chunk and the usage/finish chunks, and JSON is decoded only for
+the last event and for error events. The relay (`edge.relay`) feeds it what it passes on.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+# The JSON string member `"content": "..."` (chat deltas) or `"text": "..."` (completions,
+# /generate); group 1 is the string literal's body, still escaped. The literal prefix lets the
+# regex engine skip to candidates with a fast substring search instead of trying every `"`.
+_FIELDS = {
+    # the string body "unrolled" (runs of plain characters, then one escape): one step per run,
+    # where an alternation per character would cost a step for each character
+    field: re.compile(rb'"' + field + rb'":\s*"([^"\\]*(?:\\.[^"\\]*)*)"', re.DOTALL)
+    for field in (b"content", b"text")
+}
+_MAX_PIECES = 256 * 1024
+"""Bytes of OpenAI stream deltas kept for routing feedback; a longer answer is not learned."""
+_BATCH = 64 * 1024
+"""Bytes of events gathered before their delta texts are extracted, in one regex pass."""
+_DONE = b"[DONE]"
+_DONE_LINE = b"data: [DONE]"
+_MAX_TAIL = 1 << 20
+"""An SSE event larger than this (1 MiB) is relayed but not scanned: accounting gives up on it."""
+
+
+@dataclass(slots=True)
+class Usage:
+    """Token counts the backend reported, when it did."""
+
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+def usage_from(obj: Any) -> Usage:
+    """Counts from one response object: SGLang `meta_info` or OpenAI `usage`."""
+    if not isinstance(obj, dict):
+        return Usage()
+    meta = obj.get("meta_info")
+    if isinstance(meta, dict):  # /generate: every chunk carries the counts so far
+        return Usage(
+            _int(meta.get("prompt_tokens")),
+            _int(meta.get("cached_tokens")),
+            _int(meta.get("completion_tokens")),
+        )
+    usage = obj.get("usage")
+    if isinstance(usage, dict):
+        details = usage.get("prompt_tokens_details")
+        # SGLang fills prompt_tokens_details only with --enable-cache-report and a count > 0;
+        # null is ambiguous (off, or zero), so it is reported as unknown rather than as a miss.
+        cached = _int(details.get("cached_tokens")) if isinstance(details, dict) else None
+        return Usage(_int(usage.get("prompt_tokens")), cached, _int(usage.get("completion_tokens")))
+    return Usage()
+
+
+def text_from(obj: Any) -> str | None:
+    """The generated text of a whole answer (or of /generate's cumulative last chunk)."""
+    if not isinstance(obj, dict):
+        return None
+    text = obj.get("text")
+    if isinstance(text, str):  # /generate
+        return text
+    choices = obj.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        choice = choices[0]
+        message = choice.get("message")
+        if isinstance(message, dict) and isinstance(message.get("content"), str):
+            return str(message["content"])  # chat
+        if isinstance(choice.get("text"), str):
+            return str(choice["text"])  # completions
+    return None
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _data_of(event: bytes) -> bytes | None:
+    """The payload of an event's `data:` field (SGLang sends one data line per event)."""
+    if event.startswith(b"data: ") and b"\n" not in event:
+        return event[6:]  # the usual shape, found without splitting
+    for line in event.split(b"\n"):
+        if line.startswith(b"data:"):
+            return line[5:].strip()
+    return None
+
+
+class SSEScanner:
+    """Incremental `text/event-stream` scanner: feed chunks, learn what accounting needs.
+
+    Events end at a blank line (`\\n\\n`; SGLang writes LF line ends, one `data:` line per event).
+    A chunk is scanned as a whole, not event by event: the complete events in it are one region,
+    searched with a few C-level calls (counts, one regex `findall`), whatever their number; a
+    busy edge reads many tokens at once, and a loop per event would be most of its relay cost. Bytes
+    of an incomplete event wait in `_tail`, searched again only from where the last search
+    stopped. Error events, rare, are parsed one by one.
+
+    `field` is the JSON member that carries generated text (`content` for chat, `text` for the
+    others); `deltas` says whether it is a delta (OpenAI) or /generate's cumulative text.
+    """
+
+    __slots__ = (
+        "_content",
+        "_deltas",
+        "_last_region",
+        "_compact",
+        "_compact_empty",
+        "_key",
+        "_pending",
+        "_pending_size",
+        "_pieces",
+        "_pieces_size",
+        "_tail",
+        "content_events",
+        "done",
+        "error",
+        "events",
+    )
+
+    def __init__(self, field: bytes = b"content", *, deltas: bool = True) -> None:
+        self._content = _FIELDS[field]
+        self._deltas = deltas
+        self._tail = b""
+        self._last_region = b""
+        """The last region that held a data event other than `[DONE]`."""
+        self.events = 0
+        """Complete data events seen (not counting `[DONE]`)."""
+        self.content_events = 0
+        """Events that carried generated text."""
+        self.error: dict[str, Any] | None = None
+        """The `error` object of an error event, if the backend sent one."""
+        self.done = False
+        """`data: [DONE]` was seen."""
+        self._pieces: list[bytes] | None = []
+        """Escaped text of each OpenAI delta, decoded once at the end (None: gave up)."""
+        self._pieces_size = 0
+        self._pending: list[bytes] = []
+        """Regions with content whose text is not extracted yet."""
+        self._pending_size = 0
+        self._key = b'"' + field + b'":'
+        self._compact = self._key + b'"'
+        self._compact_empty = self._compact + b'"'
+
+    @classmethod
+    def for_route(cls, route: str) -> SSEScanner:
+        if route == "/generate":
+            return cls(b"text", deltas=False)
+        return cls(b"content" if route == "/v1/chat/completions" else b"text")
+
+    def feed(self, chunk: bytes) -> int:
+        """Scan `chunk`; return how many content events it completed."""
+        tail = self._tail
+        if tail:
+            if len(tail) > _MAX_TAIL:
+                return 0
+            data = tail + chunk
+            # the tail held no separator; one may straddle the old end, so start a byte before
+            end = data.find(b"\n\n", len(tail) - 1)
+            if end >= 0:
+                end = data.rfind(b"\n\n", end)
+        else:
+            data = chunk
+            end = data.rfind(b"\n\n")
+        if end < 0:
+            self._tail = data
+            return 0
+        self._tail = data[end + 2 :]
+        return self._scan(data[:end])
+
+    def _scan(self, region: bytes) -> int:
+        """Account for `region`, one or more complete events (separators between them)."""
+        events = region.count(b"\n\ndata:") + region.startswith(b"data:")
+        if not events:
+            return 0  # comments or other fields only: relayed, not counted
+        if region.endswith(_DONE_LINE) and (
+            len(region) == len(_DONE_LINE) or region.endswith(b"\n\n" + _DONE_LINE)
+        ):  # anchored: JSON text may say "data: [DONE]" too
+            self.done = True
+            events -= 1
+        if not events:
+            return 0
+        self.events += events
+        self._last_region = region
+        if b'"error"' in region:
+            self._scan_errors(region)
+        # Non-empty text fields, counted in compact JSON (SGLang's) by two substring counts;
+        # other spacing takes the regex. The text itself is extracted in batches (`_collect`).
+        content = region.count(self._compact)
+        if content:
+            content -= region.count(self._compact_empty)
+        elif self._key in region:
+            content = sum(1 for m in self._content.findall(region) if m)
+        if content:
+            self.content_events += content
+            if self._deltas and self._pieces is not None:
+                self._pending.append(region)
+                self._pending_size += len(region)
+                if self._pending_size >= _BATCH:
+                    self._collect()
+        return content
+
+    def _collect(self) -> None:
+        """Extract the escaped delta texts of the regions kept so far, in one regex pass."""
+        pending, self._pending, self._pending_size = self._pending, [], 0
+        if self._pieces is None or not pending:
+            return
+        found = [m for m in self._content.findall(b"\n\n".join(pending)) if m]
+        self._pieces_size += sum(map(len, found))
+        if self._pieces_size <= _MAX_PIECES:
+            self._pieces += found
+        else:
+            self._pieces = None
+
+    def _scan_errors(self, region: bytes) -> None:
+        for event in region.split(b"\n\n"):
+            payload = _data_of(event)
+            if payload is not None and payload[:16].find(b'"error"') >= 0:
+                self._record_error(payload)
+
+    def _record_error(self, payload: bytes) -> None:
+        try:
+            obj = orjson.loads(payload)
+        except ValueError:
+            self.error = {"message": "unparseable error event"}
+            return
+        err = obj.get("error") if isinstance(obj, dict) else None
+        self.error = err if isinstance(err, dict) else {"message": str(err)}
+
+    @property
+    def last_data(self) -> bytes | None:
+        """Payload of the last data event before `[DONE]` (usage/meta_info live there)."""
+        for event in reversed(self._last_region.split(b"\n\n")):
+            payload = _data_of(event)
+            if payload is not None and payload != _DONE:
+                return payload
+        return None
+
+    def final(self) -> tuple[Usage, str | None]:
+        """Decode the last data event once, at the end of the stream: usage, and the whole
+        generated text when the stream is /generate's (its text is cumulative)."""
+        last = self.last_data
+        if last is None:
+            return Usage(), None
+        try:
+            obj = orjson.loads(last)
+        except ValueError:
+            return Usage(), None
+        text = obj.get("text") if isinstance(obj, dict) and "meta_info" in obj else None
+        if not isinstance(text, str):
+            text = self._joined_pieces()
+        return usage_from(obj), text
+
+    def _joined_pieces(self) -> str | None:
+        """The OpenAI stream's generated text: the deltas' escaped bodies joined into one JSON
+        string and decoded once (escapes never span two deltas, so the join stays valid)."""
+        if not self._deltas:
+            return None
+        self._collect()
+        if not self._pieces:
+            return None
+        try:
+            text = orjson.loads(b'"' + b"".join(self._pieces) + b'"')
+        except ValueError:
+            return None
+        return text if isinstance(text, str) else None
+
+    def usage(self) -> Usage:
+        return self.final()[0]
+
+
+def answer_of_body(body: bytes) -> tuple[Usage, str | None]:
+    """Counts and generated text of a non-streaming JSON answer (decoded once, for accounting)."""
+    try:
+        obj = orjson.loads(body)
+    except ValueError:
+        return Usage(), None
+    return usage_from(obj), text_from(obj)
+
+
+__all__ = ["SSEScanner", "Usage", "answer_of_body", "text_from", "usage_from"]

@@ -1,0 +1,50 @@
+"""Backends added and removed at run time (what discovery does)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from backends.registry import BackendRegistry
+from tests.helpers import wait_until
+
+
+async def test_add_remove_and_add_back_while_draining() -> None:
+    registry = BackendRegistry([], pool=None, allow_empty=True)
+    assert registry.candidates() == []
+    one = registry.add("http://127.0.0.1:30001")
+    assert registry.get("127.0.0.1:30001") is one and registry.candidates() == [one]
+    assert registry.add("http://127.0.0.1:30001/") is one
+    with pytest.raises(ValueError, match="already in the registry"):
+        registry.add("http://127.0.0.1:30002", name=one.name)
+    with pytest.raises(ValueError, match="http://host"):
+        registry.add("https://127.0.0.1:30002")
+    with registry.track(one, prefill_tokens=10):
+        removal = asyncio.ensure_future(registry.remove(one.name, drain_timeout=30))
+        await wait_until(lambda: one.draining)
+        assert registry.candidates() == [] and one in registry.backends
+        assert registry.add(one.url) is one  # back before it drained: kept, not removed
+        await removal
+        assert not one.draining and registry.candidates() == [one]
+    with registry.track(one, prefill_tokens=10):
+        removal = asyncio.ensure_future(registry.remove(one.name, drain_timeout=30))
+        await wait_until(lambda: one.draining)
+        assert not removal.done()  # waits for the request in flight
+    await asyncio.wait_for(removal, 10)
+    assert registry.backends == [] and registry.get(one.name) is None
+    await registry.remove("no-such-backend", drain_timeout=1)  # ignored
+
+
+async def test_a_removal_gives_up_waiting_after_its_drain_timeout() -> None:
+    registry = BackendRegistry(["http://127.0.0.1:30001"], pool=None)
+    backend = registry.backends[0]
+    with registry.track(backend, prefill_tokens=0):
+        await asyncio.wait_for(registry.remove(backend.name, drain_timeout=0.1), 10)
+        assert registry.backends == [] and backend.in_flight == 1
+    assert backend.in_flight == 0  # the request's own accounting still ends in `finally`
+
+
+def test_an_empty_registry_needs_allow_empty() -> None:
+    with pytest.raises(ValueError, match="at least one backend"):
+        BackendRegistry([], pool=None)

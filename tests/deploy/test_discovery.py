@@ -1,0 +1,297 @@
+"""Discovery against a real DNS server and a stand-in Kubernetes API: backends come and go
+while the edge serves, and a removed one finishes what it holds."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import ssl
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from backends.discovery import (
+    Discovery,
+    DiscoveryConfig,
+    DnsSource,
+    KubernetesSource,
+    ready_endpoints,
+)
+from backends.registry import BackendRegistry
+from backends.sim import SimConfig, SimServer
+from certs import ensure_dev_certificates
+from edge.wiring import Wiring, build
+from tests.deploy.dns_server import dns_server
+from tests.deploy.processes import completion, sim_process, wait_ready
+from tests.edge.conftest import Recorded, Reply, TinyUpstream, fast_config, hypercorn_app
+from tests.helpers import free_port, wait_until
+from tests.transport.conftest import ServeProcess
+
+SRV_NAME = "_sglang._tcp.fleet.test"
+
+
+def dns_config(server: str, *names: str, **extra: Any) -> DiscoveryConfig:
+    return DiscoveryConfig.from_mapping(
+        {"mode": "dns", "names": list(names), "nameservers": [server], "interval": 0.2,
+         "timeout": 2.0, **extra}
+    )  # fmt: skip
+
+
+async def test_a_and_aaaa_records_give_one_backend_per_address() -> None:
+    with dns_server() as (zone, server):
+        zone.set("sglang.fleet.test", "A", ["127.0.0.1", "127.0.0.2"])
+        zone.set("sglang.fleet.test", "AAAA", ["::1"])
+        found = await DnsSource(dns_config(server, "sglang.fleet.test:30000")).lookup()
+    assert found == {
+        "sglang.fleet.test:30000": {
+            "http://127.0.0.1:30000",
+            "http://127.0.0.2:30000",
+            "http://[::1]:30000",
+        }
+    }
+
+
+async def test_srv_records_give_their_targets_ports() -> None:
+    with dns_server() as (zone, server):
+        zone.set(SRV_NAME, "SRV", [(30001, "a.fleet.test"), (30002, "b.fleet.test")])
+        zone.set("a.fleet.test", "A", ["127.0.0.1"])
+        zone.set("b.fleet.test", "A", ["127.0.0.3"])
+        found = await DnsSource(dns_config(server, SRV_NAME)).lookup()
+        zone.set(SRV_NAME, "SRV", [])
+        zone.set("a.fleet.test", "A", [])
+        zone.set("b.fleet.test", "A", [])
+        gone = await DnsSource(dns_config(server, SRV_NAME)).lookup()
+    assert found == {SRV_NAME: {"http://127.0.0.1:30001", "http://127.0.0.3:30002"}}
+    assert gone == {SRV_NAME: set()}  # NXDOMAIN: authoritatively empty
+
+
+async def test_a_failed_lookup_keeps_the_backends_it_held() -> None:
+    with dns_server() as (zone, server):
+        zone.set("sglang.fleet.test", "A", ["127.0.0.1"])
+        config = dns_config(server, "sglang.fleet.test:30000", timeout=0.5)
+        discovery = Discovery(config, DnsSource(config))
+        assert await discovery.initial([]) == ["http://127.0.0.1:30000"]
+        registry = BackendRegistry(["http://127.0.0.1:30000"], pool=None)
+    # The server is gone: the lookup times out, and nothing is removed.
+    await discovery.refresh(registry)
+    assert [b.url for b in registry.backends] == ["http://127.0.0.1:30000"]
+    assert not registry.backends[0].draining
+
+
+def test_settings_are_checked_by_name() -> None:
+    with pytest.raises(ValueError, match="discovery.names: mode dns needs at least one name"):
+        DiscoveryConfig.from_mapping({"mode": "dns"})
+    with pytest.raises(ValueError, match="discovery: unknown setting"):
+        DiscoveryConfig.from_mapping({"mode": "dns", "name": ["x"]})
+    with pytest.raises(ValueError, match="discovery.mode"):
+        DiscoveryConfig.from_mapping({"mode": "consul", "names": ["x"]})
+    with pytest.raises(ValueError, match="is not HOST:PORT"):
+        DiscoveryConfig.from_mapping({"mode": "dns", "names": ["sglang"]})
+    with pytest.raises(ValueError, match="discovery.interval"):
+        DiscoveryConfig.from_mapping({"mode": "dns", "names": ["a:1"], "interval": 0})
+    with pytest.raises(ValueError, match="discovery.nameservers"):
+        DiscoveryConfig.from_mapping({"mode": "dns", "names": ["a:1"], "nameservers": ["x"]})
+    with pytest.raises(ValueError, match="the same port"):
+        DiscoveryConfig.from_mapping(
+            {"mode": "dns", "names": ["a:1"], "nameservers": ["10.0.0.1", "10.0.0.2:5353"]}
+        )
+    assert DiscoveryConfig.from_mapping({}).mode == "static"
+
+
+@contextlib.asynccontextmanager
+async def edge_with(discovery: DiscoveryConfig) -> AsyncIterator[tuple[Wiring, str]]:
+    proxy = fast_config(["http://127.0.0.1:1"])
+    proxy.backends = []  # every backend comes from discovery
+    wiring = await build(proxy, registry=CollectorRegistry(), discovery=discovery)
+    await wiring.start()
+    try:
+        async with hypercorn_app(wiring.app) as url:
+            yield wiring, url
+    finally:
+        await wiring.aclose()
+
+
+# ~6 ms a token: the 600-token answer below takes seconds, far longer than discovery's turn.
+PACED = SimConfig(host="127.0.0.1", port=0, profile="h100-llama3-8b", time_scale=1.0)
+
+
+async def test_backends_join_and_a_removed_one_drains_what_it_holds() -> None:
+    async with SimServer(PACED) as one, SimServer(PACED) as two:
+        with dns_server() as (zone, server):
+            zone.set(SRV_NAME, "SRV", [(one.port, "one.fleet.test")])
+            zone.set("one.fleet.test", "A", ["127.0.0.1"])
+            zone.set("two.fleet.test", "A", ["127.0.0.1"])
+            config = dns_config(server, SRV_NAME, drain_timeout=30.0)
+            async with edge_with(config) as (wiring, url):
+                registry = wiring.registry
+                assert [b.url for b in registry.backends] == [one.url]
+                zone.set(
+                    SRV_NAME, "SRV", [(one.port, "one.fleet.test"), (two.port, "two.fleet.test")]
+                )
+                await wait_until(lambda: {b.url for b in registry.backends} == {one.url, two.url})
+                # A long answer in flight on `one` while DNS stops naming it.
+                body = {"model": "default", "prompt": "Hello", "max_tokens": 600,
+                        "ignore_eos": True, "stream": True}  # fmt: skip
+                async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+                    async with client.stream("POST", "/v1/completions", json=body) as r:
+                        chunks = r.aiter_bytes()
+                        received = [await anext(chunks)]
+                        holder = next(b for b in registry.backends if b.in_flight)
+                        zone.set(SRV_NAME, "SRV", [
+                            (b.port, f"{n}.fleet.test")
+                            for b, n in ((one, "one"), (two, "two")) if b.url != holder.url
+                        ])  # fmt: skip
+                        await wait_until(lambda: holder.draining)
+                        assert holder.in_flight == 1 and holder in registry.backends
+                        assert holder not in registry.candidates()
+                        received.extend([c async for c in chunks])
+                    assert r.status_code == 200
+                    text = b"".join(received)
+                    assert text.rstrip().endswith(b"data: [DONE]")
+                    assert text.count(b'"text"') >= 600
+                    await wait_until(lambda: holder not in registry.backends)
+                    # The one that stayed serves new requests.
+                    r = await client.post("/v1/completions", json={**body, "stream": False})
+                    assert r.status_code == 200
+                    remaining = registry.backends
+                    assert len(remaining) == 1 and remaining[0].url != holder.url
+                    assert remaining[0].requests == 1
+
+
+def slices(*endpoints: tuple[str, bool | None], port: int = 30000) -> dict[str, Any]:
+    items = []
+    for address, ready in endpoints:
+        conditions = {} if ready is None else {"ready": ready}
+        items.append({"addresses": [address], "conditions": conditions})
+    return {
+        "kind": "EndpointSliceList",
+        "items": [{"ports": [{"name": "http", "port": port}], "endpoints": items}],
+    }
+
+
+def test_ready_endpoints_skip_those_not_ready() -> None:
+    listed = slices(("10.0.0.1", True), ("10.0.0.2", False), ("10.0.0.3", None))
+    assert ready_endpoints(listed, "http") == {"http://10.0.0.1:30000", "http://10.0.0.3:30000"}
+    assert ready_endpoints(listed, "metrics") == set()
+
+
+async def test_kubernetes_slices_are_listed_with_the_service_account(tmp_path: Path) -> None:
+    answer: dict[str, Any] = {
+        "status": 200,
+        "body": slices(("127.0.0.1", True), ("127.0.0.2", True)),
+    }
+
+    def api(recorded: Recorded) -> Reply:
+        return Reply(status=answer["status"], chunks=[json.dumps(answer["body"]).encode()],
+                     chunked=False, headers=[("content-type", "application/json")])  # fmt: skip
+
+    token = tmp_path / "token"
+    token.write_text("service-account-token\n")
+    async with TinyUpstream(api) as server:
+        config = DiscoveryConfig.from_mapping(
+            {"mode": "kubernetes", "names": ["inference/sglang"], "api_url": server.url,
+             "token_file": str(token), "port_name": "http", "interval": 0.2}
+        )  # fmt: skip
+        discovery = Discovery(config, KubernetesSource(config))
+        urls = await discovery.initial([])
+        assert urls == ["http://127.0.0.1:30000", "http://127.0.0.2:30000"]
+        request = server.requests[0]
+        assert request.path == (
+            "/apis/discovery.k8s.io/v1/namespaces/inference/endpointslices"
+            "?labelSelector=kubernetes.io%2Fservice-name%3Dsglang"
+        )
+        assert request.headers["authorization"] == "Bearer service-account-token"
+        registry = BackendRegistry(urls, pool=None)
+        answer["body"] = slices(("127.0.0.1", True), ("127.0.0.2", False))
+        await discovery.refresh(registry)
+        await wait_until(lambda: len(registry.backends) == 1)
+        assert registry.backends[0].url == "http://127.0.0.1:30000"
+        # An API server that fails changes nothing: the endpoint it held stays.
+        answer.update(status=500, body={"kind": "Status", "code": 500})
+        await discovery.refresh(registry)
+        assert [b.url for b in registry.backends] == ["http://127.0.0.1:30000"]
+        assert not registry.backends[0].draining and len(server.requests) == 3
+
+
+def test_serve_with_two_workers_finds_its_backends_by_dns(tmp_path: Path, redis_url: str) -> None:
+    """The `[discovery]` table through `quicedge serve --config`, as the compose stack runs it."""
+    http_port = free_port()
+    with dns_server() as (zone, server), sim_process() as backend:
+        port = backend.rsplit(":", 1)[1]
+        zone.set("sim.fleet.test", "A", ["127.0.0.1"])
+        config = tmp_path / "edge.toml"
+        config.write_text(
+            f'[discovery]\nmode = "dns"\nnames = ["sim.fleet.test:{port}"]\n'
+            f'nameservers = ["{server}"]\ninterval = 0.5\n'
+        )
+        edge = ServeProcess(
+            "--config", str(config), "--workers", "2", "--redis", redis_url,
+            "--http", f"127.0.0.1:{http_port}",
+        )  # fmt: skip
+        try:
+            wait_ready(edge.admin_port)
+            statuses = [completion(f"http://127.0.0.1:{http_port}") for _ in range(8)]
+            assert statuses == [200] * 8
+            metrics = httpx.get(f"http://127.0.0.1:{edge.admin_port}/metrics", timeout=10).text
+            healthy = [
+                line for line in metrics.splitlines()
+                if line.startswith("quicedge_backend_healthy{") and line.endswith(" 1.0")
+            ]  # fmt: skip
+            assert len(healthy) == 2  # each worker found the one backend
+            assert all(f'backend="127.0.0.1:{port}"' in line for line in healthy)
+        finally:
+            assert edge.stop() == 0
+
+
+class TlsApi(TinyUpstream):
+    """The stand-in API server over TLS, as the real one is."""
+
+    def __init__(self, script: Any, context: ssl.SSLContext) -> None:
+        super().__init__(script)
+        self.context = context
+
+    async def __aenter__(self) -> TlsApi:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0, ssl=self.context)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+
+async def test_kubernetes_slices_over_tls_verify_the_api_servers_certificate(
+    dev_certs: Any, tmp_path: Path
+) -> None:
+    def api(recorded: Recorded) -> Reply:
+        return Reply(chunks=[json.dumps(slices(("127.0.0.1", True))).encode()], chunked=False,
+                     headers=[("content-type", "application/json")])  # fmt: skip
+
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(dev_certs.cert, dev_certs.key)
+    async with TlsApi(api, context) as server:
+        base = {"mode": "kubernetes", "names": ["sglang"], "namespace": "inference",
+                "api_url": f"https://localhost:{server.port}",
+                "token_file": str(tmp_path / "none")}  # fmt: skip
+        trusted = DiscoveryConfig.from_mapping({**base, "ca_file": str(dev_certs.ca_cert)})
+        found = await KubernetesSource(trusted).lookup()
+        assert found == {"sglang": {"http://127.0.0.1:30000"}}
+        assert "authorization" not in server.requests[0].headers  # no token file, no token
+        # A CA that did not sign the API server's certificate: the lookup fails, nothing changes.
+        other = tmp_path / "other-ca.pem"
+        other.write_bytes(ensure_dev_certificates(tmp_path / "other").ca_cert.read_bytes())
+        untrusted = DiscoveryConfig.from_mapping({**base, "ca_file": str(other)})
+        assert await KubernetesSource(untrusted).lookup() == {"sglang": None}
+
+
+def test_serve_says_at_once_that_kubernetes_discovery_needs_a_cluster(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from edge.serve import main
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    config = tmp_path / "edge.toml"
+    config.write_text('[discovery]\nmode = "kubernetes"\nnames = ["sglang"]\n')
+    assert main(["--config", str(config)]) == 2
+    assert "discovery.api_url: not in a cluster" in capsys.readouterr().err
