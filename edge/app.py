@@ -51,6 +51,8 @@ from edge.stages.body import (
 from edge.stages.forward import request_id_from, response_headers, splice_rid, upstream_headers
 from edge.stages.validate import CHAT, COMPLETIONS, GENERATE, validate
 from edge.stages.view import build_view
+from edge.state.responses import RESPONSES
+from edge.state.stage import StateStage
 from edge.telemetry import Metrics, RequestTrace, Tracer
 
 log = logging.getLogger(__name__)
@@ -58,7 +60,7 @@ log = logging.getLogger(__name__)
 Aborter = Callable[[Backend, str], None]
 """Fire-and-forget `/abort_request` for (backend, rid); must not block the caller."""
 
-INFERENCE_ROUTES = (CHAT, COMPLETIONS, GENERATE)
+INFERENCE_ROUTES = (CHAT, COMPLETIONS, GENERATE, RESPONSES)
 RETRY_STATUSES = frozenset({429, 502, 503})
 """Upstream answers worth another backend while nothing reached the client (overloaded/down)."""
 MAX_UPSTREAM_BODY = 64 * 1024 * 1024
@@ -89,6 +91,7 @@ class ProxyApp:
         catalog: ModelCatalog,
         abort: Aborter,
         tracer: Tracer | None = None,
+        state: StateStage | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
@@ -98,6 +101,7 @@ class ProxyApp:
         self.catalog = catalog
         self.abort = abort
         self.tracer = tracer
+        self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -188,11 +192,19 @@ class ProxyApp:
                 handshake_wait=wait, request_id=request_id, headers=headers, trace=trace,
                 body_writer=ext.get("quicedge.body_writer"),
                 on_disconnect=ext.get("quicedge.on_disconnect"),
+                # the x-tenant-id header names the tenant until admission resolves API keys
+                tenant=headers.tenant.decode("latin-1") if headers.tenant else "anonymous",
             )  # fmt: skip
             if wait > 0:
                 self.metrics.handshake_wait.observe(wait)
-            await self._parse_and_admit(ex, receive)
-            await self._forward(ex, receive, send)
+            try:
+                await self._parse_and_admit(ex, receive)
+                relay_send = send if ex.state is None else await ex.state.begin(send)
+                if relay_send is not None:  # None: answered from the response cache
+                    await self._forward(ex, receive, relay_send)
+            finally:
+                if ex.state is not None:
+                    await ex.state.finish()
         except EdgeError as err:
             if trace is not None:
                 trace.set("http.status_code", err.status)
@@ -225,6 +237,10 @@ class ProxyApp:
         declared_length(h.content_length, limit)
         raw = await read_body(receive, limit)
         body = parse_json_object(raw)
+        if self.state is not None:  # stored conversations, /v1/responses, the response cache
+            raw, body = await self.state.prepare(ex, raw, body)
+        elif ex.route == RESPONSES:
+            raise RouteNotFound(f"no route for POST {RESPONSES}")
         t_parsed = time.perf_counter()
         ex.stream = validate(ex.route, body)
         if ex.route != GENERATE:
@@ -412,6 +428,7 @@ class ProxyApp:
                 self._abort(ex, backend)
             raise
         finally:
+            ex.error = error
             if response is not None and not response.complete:
                 await response.aclose()  # aborts the upstream request (its connection closes)
             self.policy.observe(

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from edge.state.config import StateConfig
+
 SECONDS = 1.0
 KiB = 1024
 MiB = 1024 * KiB
@@ -72,6 +74,8 @@ class ProxyConfig:
     """Create OpenTelemetry spans. Also turned on by OTEL_TRACES_EXPORTER=console|otlp."""
     models_ttl: float = 5 * SECONDS
     """How long the merged `/v1/models` list is reused before it is fetched again."""
+    state: StateConfig = field(default_factory=StateConfig)
+    """Stored conversations and the response cache: the TOML `[state]` table (`edge.state`)."""
 
     def validate(self) -> ProxyConfig:
         """Raise ValueError naming the first bad setting; return self for chaining."""
@@ -114,6 +118,7 @@ class ProxyConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"proxy: {name} must be > 0, got {value!r}")
+        self.state.validate()
         return self
 
     @classmethod
@@ -140,6 +145,8 @@ _OPTIONAL_NUMBERS = {
 
 def _coerce(name: str, default: object, value: object) -> object:
     """Check one TOML value against the field's type (ints are accepted for floats)."""
+    if name == "state":
+        return value if isinstance(value, StateConfig) else StateConfig.from_mapping(value)  # type: ignore[arg-type]
     if name == "backends":
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ValueError("proxy: backends must be a list of URLs")

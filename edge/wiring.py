@@ -25,6 +25,7 @@ from edge.asgi import ASGIApp
 from edge.config import ProxyConfig
 from edge.models import ModelCatalog
 from edge.routing.base import RoutingPolicy, make_policy
+from edge.state.stage import StateStage
 from edge.telemetry import FleetCollector, Metrics, Tracer, TracingSetup, tracer_from_env
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,8 @@ def config_from(args: argparse.Namespace, toml: Mapping[str, Any]) -> ProxyConfi
     if not isinstance(section, Mapping):
         raise ValueError("config: [proxy] must be a table")
     values = dict(section)
+    if "state" in toml:
+        values["state"] = toml["state"]  # the top-level [state] table (edge.state)
     for f in fields(ProxyConfig):
         flag_value = getattr(args, f.name, None)
         if flag_value is not None:
@@ -115,6 +118,7 @@ class Wiring:
     metrics: Metrics
     catalog: ModelCatalog
     tracing: TracingSetup
+    state: StateStage | None = None
     _aborts: set[asyncio.Task[Any]] = field(default_factory=set)
     _clients: dict[str, Any] = field(default_factory=dict)
 
@@ -133,6 +137,8 @@ class Wiring:
             with contextlib.suppress(Exception):
                 await client.aclose()
         await self.pool.aclose()
+        if self.state is not None:
+            await self.state.aclose()
         self.tracing.shutdown()
 
     def abort(self, backend: Backend, rid: str) -> None:
@@ -208,6 +214,7 @@ async def build(
         metrics=metrics,
         catalog=catalog,
         tracing=tracing,
+        state=StateStage(config.state, registry=registry),
     )
     wiring.app = ProxyApp(
         config=config,
@@ -218,6 +225,7 @@ async def build(
         catalog=catalog,
         abort=wiring.abort,
         tracer=tracing.tracer,
+        state=wiring.state,
     )
     wiring.admin_app = AdminApp(registry=registry, backends=backends, pool=pool, policy=policy)
     return wiring
