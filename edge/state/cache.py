@@ -12,10 +12,10 @@ A request may be answered from the cache only when all of these hold:
 The key is a SHA-256 of the tenant, the route, the model, the model's version (pinned in
 `state.cache.model_versions`, or the `weight_version` the backends last reported for it) and the
 request body with its keys sorted and `rid`/`user`/`metadata` left out. An entry is the whole
-answer: the SSE bytes of a stream, or the JSON body, replayed in the same shape with
-`x-quicedge-cache: hit-l1|hit-l2` (`miss` on a request that looked and did not find). Only a
-complete answer is stored: a 200 whose stream reached `[DONE]` with no error event, from a
-request the client did not abandon, no larger than `state.cache.max_entry_bytes`.
+answer: the SSE bytes of a stream, or the JSON body, replayed in the same shape (and the stored
+`content-type`) with `x-quicedge-cache: hit-l1|hit-l2` (`miss` on a request that looked and did
+not find). Only a complete answer is stored: a 200 whose stream reached `[DONE]` with no error
+event, from a request the client did not abandon, no larger than `state.cache.max_entry_bytes`.
 
 L1 is a `cachetools.LRUCache` bounded in bytes (`l1_max_bytes`, counting each entry's body and
 key); L2 is Redis with a TTL. `CacheTier` is the interface a third tier (object storage) would
@@ -52,20 +52,23 @@ class Entry:
     body: bytes
     expires: float
     """`time.time()` after which it is stale."""
+    content_type: bytes = b"application/json"
 
     def encode(self) -> bytes:
-        return (b"S" if self.stream else b"J") + b"%.3f\n" % self.expires + self.body
+        kind = b"S" if self.stream else b"J"
+        return kind + b"%.3f\n" % self.expires + self.content_type + b"\n" + self.body
 
     @classmethod
     def decode(cls, blob: bytes) -> Entry | None:
-        head, sep, body = blob.partition(b"\n")
-        if not sep or head[:1] not in (b"S", b"J"):
+        head, sep, rest = blob.partition(b"\n")
+        content_type, sep2, body = rest.partition(b"\n")
+        if not sep or not sep2 or head[:1] not in (b"S", b"J"):
             return None
         try:
             expires = float(head[1:])
         except ValueError:
             return None
-        return cls(head[:1] == b"S", body, expires)
+        return cls(head[:1] == b"S", body, expires, content_type)
 
 
 class CacheTier(Protocol):
@@ -163,8 +166,9 @@ class ResponseCache:
         return self._pinned.get(model) or self._learned.get(model) or ""
 
     def learn(self, model: str, version: str) -> None:
-        """A backend reported `version` for `model`: later keys use it, older entries miss."""
-        if model not in self._pinned:
+        """A backend reported `version` for `model`: later keys use it, older entries miss.
+        SGLang reports `default` when it was given no version: that says nothing."""
+        if model not in self._pinned and version != "default":
             self._learned[model] = version
 
     def key(self, tenant: str, route: str, model: str, normalised: bytes) -> str:
@@ -210,8 +214,8 @@ class ResponseCache:
             self.l1[key] = entry
         self.l1_bytes.set(self.l1.currsize)
 
-    async def put(self, key: str, *, stream: bool, body: bytes) -> None:
-        entry = Entry(stream, body, self._clock() + self.config.ttl)
+    async def put(self, key: str, *, stream: bool, body: bytes, content_type: bytes) -> None:
+        entry = Entry(stream, body, self._clock() + self.config.ttl, content_type)
         self._put_l1(key, entry)
         outcome = "stored"
         for tier in self.tiers:

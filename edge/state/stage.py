@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter
 from edge.errors import ConversationNotFound, EdgeError, InvalidRequest, StateUnavailable
 from edge.relay import SSEScanner, answer_of_body
 from edge.stages.validate import CHAT, COMPLETIONS, GENERATE
-from edge.state.cache import CACHE_HEADER, CacheTier, RedisTier, ResponseCache, deterministic
+from edge.state.cache import CACHE_HEADER, CacheTier, Entry, RedisTier, ResponseCache, deterministic
 from edge.state.cache import weight_version_of as _weight_version
 from edge.state.config import StateConfig
 from edge.state.conversations import (
@@ -192,6 +192,7 @@ class StateRequest:
 
     __slots__ = (
         "builder",
+        "content_type",
         "cache_key",
         "cache_model",
         "captured",
@@ -220,6 +221,7 @@ class StateRequest:
         self.captured_size = 0
         self.scanner: SSEScanner | None = None
         self.status = 0
+        self.content_type = b"application/json"
         self.ended = False
         self.held: MutableMapping[str, Any] | None = None
         self.whole: list[bytes] = []
@@ -232,7 +234,7 @@ class StateRequest:
             found = await cache.get(self.cache_key)
             if found is not None:
                 entry, tier = found
-                await self._replay(send, entry.stream, entry.body, tier)
+                await self._replay(send, entry, tier)
                 return None
             self.captured = []
         ex.body_writer = None  # relay through `send`, where this request sees the answer
@@ -241,10 +243,10 @@ class StateRequest:
         self._send = send
         return self.send
 
-    async def _replay(self, send: Send, stream: bool, body: bytes, tier: str) -> None:
-        ex = self.ex
+    async def _replay(self, send: Send, entry: Entry, tier: str) -> None:
+        ex, stream, body = self.ex, entry.stream, entry.body
         headers = [
-            (b"content-type", b"text/event-stream" if stream else b"application/json"),
+            (b"content-type", entry.content_type),
             (b"x-request-id", ex.request_id.encode()),
             (_CACHE_HEADER, b"hit-" + tier.encode()),
         ]
@@ -273,6 +275,9 @@ class StateRequest:
         kind = message["type"]
         if kind == "http.response.start":
             self.status = message["status"]
+            for name, value in message["headers"]:
+                if name == b"content-type":
+                    self.content_type = value
             if self.status == 200:
                 message = {**message, "headers": [*message["headers"], *self._extra_headers()]}
                 if self.builder is not None and not self.ex.stream:
@@ -375,7 +380,7 @@ class StateRequest:
         if version is not None and version != cache.version(self.cache_model):
             cache.learn(self.cache_model, version)
             key = cache.key(self.ex.tenant, self.ex.route, self.cache_model, self.normalised)
-        await cache.put(key, stream=self.ex.stream, body=body)
+        await cache.put(key, stream=self.ex.stream, body=body, content_type=self.content_type)
 
     def _reported_version(self, body: bytes) -> str | None:
         if not self.ex.stream:
