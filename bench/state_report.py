@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import tempfile
 from contextlib import AsyncExitStack
@@ -44,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-num", type=int, default=40, help="requests per cache configuration")
     p.add_argument("--sim-profile", default="instant")
     p.add_argument("--out", type=Path, default=Path("bench-out/state"))
+    p.add_argument("--no-turns", action="store_true", help="skip the multi-turn run")
+    p.add_argument(
+        "--redis", metavar="URL",
+        help="also run a second edge process sharing this Redis, and read L2 hits through it",
+    )  # fmt: skip
     return p
 
 
@@ -67,7 +73,14 @@ async def _main(args: argparse.Namespace) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     certs = ensure_dev_certificates(Path(tempfile.mkdtemp(prefix="quicedge-state-")))
     toml = args.out / "edge.toml"
-    toml.write_text('[state.cache]\nallow_tenants = ["*"]\n')
+    table = '[state.cache]\nallow_tenants = ["*"]\n'
+    if args.redis:
+        prefix = f"quicedge-bench:{os.getpid()}:"
+        table = (
+            f'[state]\nstore = "redis"\nredis_url = "{args.redis}"\nkey_prefix = "{prefix}"\n\n'
+            + table
+        )
+    toml.write_text(table)
     async with AsyncExitStack() as stack:
         ready, _ = await stack.enter_async_context(
             _process(
@@ -85,34 +98,18 @@ async def _main(args: argparse.Namespace) -> int:
             )  # fmt: skip
         )
         sim_url = ready.split()[1]
-        h3, tcp, admin = _free_port(), _free_port(), _free_port()
-        await stack.enter_async_context(
-            _process(
-                [
-                    "edge.cli",
-                    "serve",
-                    "--h3",
-                    f"127.0.0.1:{h3}",
-                    "--tcp",
-                    f"127.0.0.1:{tcp}",
-                    "--admin",
-                    f"127.0.0.1:{admin}",
-                    "--backend",
-                    sim_url,
-                    "--cert",
-                    str(certs.cert),
-                    "--key",
-                    str(certs.key),
-                    "--config",
-                    str(toml),
-                ],
-                "the edge",
-            )  # fmt: skip
-        )
+        edges = []
+        for _ in range(2 if args.redis else 1):
+            h3, tcp, admin = _free_port(), _free_port(), _free_port()
+            serve = ["edge.cli", "serve", "--h3", f"127.0.0.1:{h3}", "--tcp", f"127.0.0.1:{tcp}",
+                     "--admin", f"127.0.0.1:{admin}", "--backend", sim_url, "--cert",
+                     str(certs.cert), "--key", str(certs.key), "--config", str(toml)]  # fmt: skip
+            await stack.enter_async_context(_process(serve, "the edge"))
+            edges.append(f"https://localhost:{h3}{ROUTE}")
         stub_h3, _ = await stack.enter_async_context(_stub(certs))
-        edge = f"https://localhost:{h3}{ROUTE}"
+        edge = edges[0]
         stub = f"https://localhost:{stub_h3}{ROUTE}"
-        turns = await _bench(
+        turns = None if args.no_turns else await _bench(
             "turns", args, certs, "--url", edge, "--rtt-ms", str(args.rtt_ms),
             "--workload", "chat", "--chat-turns", str(args.turns), "--chat-system-len", "0",
             "--chat-turn-len", str(args.turn_words), "--output-len", str(args.output_len),
@@ -131,6 +128,15 @@ async def _main(args: argparse.Namespace) -> int:
                 "--output-len", "8", "--num", str(args.cache_num), "--warmup", "2",
                 "--compare", f"hit=h3+{mode}+cache@{edge}", f"floor=h3+{mode}@{stub}",
             )  # fmt: skip
+        if args.redis:
+            # distinct prompts stored through the first edge, then read through the second
+            for tag, url in (("l2-fill", edges[0]), ("l2-read", edges[1])):
+                cache[tag] = await _bench(
+                    tag, args, certs, "--url", url, "--workload", "gsp", "--gsp-groups", "1",
+                    "--gsp-prompts-per-group", str(args.cache_num), "--gsp-system-len", "64",
+                    "--output-len", "8", "--num", str(args.cache_num), "--warmup", "2",
+                    "--compare", f"hit=h3+reuse+cache@{url}", f"floor=h3+reuse@{stub}",
+                )  # fmt: skip
     report = render(turns, cache, args)
     (args.out / "report.md").write_text(report + "\n")
     print(report)
@@ -138,6 +144,17 @@ async def _main(args: argparse.Namespace) -> int:
 
 
 def render(turns: Any, cache: dict[str, Any], args: argparse.Namespace) -> str:
+    lines: list[str] = []
+    if turns is not None:
+        lines += _turn_lines(turns, args)
+    lines += ["A cache hit against the stub on the same H3 listener (the transport's floor):",
+              "", "| connection | RTT | config | n | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines += _cache_lines(cache, args)
+    return "\n".join(lines)
+
+
+def _turn_lines(turns: Any, args: argparse.Namespace) -> list[str]:
     lines = [f"Multi-turn chats over h3+0rtt at RTT {args.rtt_ms:g} ms, {args.sessions} chats per "
              f"configuration, {args.turn_words} words per user turn:", "",
              "| config | turn | n | request bytes p50 | TTFT p50 ms | TTFT p99 ms |",
@@ -146,27 +163,33 @@ def render(turns: Any, cache: dict[str, Any], args: argparse.Namespace) -> str:
         lines.append(f"| {row['config']} | {row['turn']} | {row['n']} | "
                      f"{row['request_bytes_p50']} | {row['ttft_p50_ms']:.1f} | "
                      f"{row['ttft_p99_ms']:.1f} |")  # fmt: skip
-    lines += ["", "A cache hit against the stub on the same H3 listener (the transport's floor):",
-              "", "| connection | RTT | config | n | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    return [*lines, ""]
+
+
+def _cache_lines(cache: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    lines = []
     for tag in cache:
         records = [json.loads(line) for line in (args.out / f"{tag}.jsonl").open()]
+        if tag == "l2-fill":
+            continue
+        wanted = "hit-l2" if tag == "l2-read" else "hit-l1"
         for config in ("hit", "floor"):
             # the hit row counts hits only (the run's first request is the miss that stored it)
             ttft = [
-                r["ttft_ms"]
-                for r in records
-                if r["config"] == config
-                and r["ttft_ms"]
-                and r["error"] is None
-                and (config == "floor" or r["cache"] == "hit-l1")
-            ]
+                r["ttft_ms"] for r in records
+                if r["config"] == config and r["ttft_ms"] and r["error"] is None
+                and (config == "floor" or r["cache"] == wanted)
+            ]  # fmt: skip
             p50, p90, p99 = (_percentile(ttft, q) or 0.0 for q in (50, 90, 99))
-            _, mode, rtt = tag.split("-")
-            connection = "new, 0-RTT" if mode == "0rtt" else "reused"
-            lines.append(f"| {connection} | {rtt.removeprefix('rtt')} | {config} | {len(ttft)} | "
-                         f"{p50:.2f} | {p90:.2f} | {p99:.2f} |")  # fmt: skip
-    return "\n".join(lines)
+            if tag == "l2-read":
+                connection, rtt, name = "reused, second edge", "0", f"{config} ({wanted})"
+            else:
+                _, mode, rtt = tag.split("-")
+                connection = "new, 0-RTT" if mode == "0rtt" else "reused"
+                rtt, name = rtt.removeprefix("rtt"), config
+            row = [connection, rtt, name, str(len(ttft)), f"{p50:.2f}", f"{p90:.2f}", f"{p99:.2f}"]
+            lines.append("| " + " | ".join(row) + " |")
+    return lines
 
 
 def main(argv: list[str]) -> int:
