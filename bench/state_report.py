@@ -182,7 +182,8 @@ def _cache_lines(cache: dict[str, Any], args: argparse.Namespace) -> list[str]:
             ]  # fmt: skip
             p50, p90, p99 = (_percentile(ttft, q) or 0.0 for q in (50, 90, 99))
             if tag == "l2-read":
-                connection, rtt, name = "reused, second edge", "0", f"{config} ({wanted})"
+                connection, rtt = "reused, second edge", "0"
+                name = f"hit ({wanted})" if config == "hit" else config
             else:
                 _, mode, rtt = tag.split("-")
                 connection = "new, 0-RTT" if mode == "0rtt" else "reused"
