@@ -16,6 +16,7 @@ from edge.state.config import CacheConfig
 from tests.edge.conftest import Reply, TinyUpstream, client, fast_config, run_edge
 from tests.edge.state.helpers import CHAT, ChatUpstream, chat_chunks, chat_whole, state
 from tests.edge.test_app_sim import sim_config
+from tests.helpers import RedisServer
 
 USE = {"x-quicedge-cache": "use"}
 GREEDY = {"model": "default", "messages": [{"role": "user", "content": "Cache me"}],
@@ -216,3 +217,25 @@ def test_entries_survive_their_encoding() -> None:
     entry = Entry(True, b"data: x\n\ndata: [DONE]\n\n", 1234.5, b"text/event-stream; charset=utf-8")
     assert Entry.decode(entry.encode()) == entry
     assert Entry.decode(b"garbage") is None
+
+
+async def test_with_redis_down_cached_requests_go_on_uncached() -> None:
+    server = RedisServer()
+    try:
+        settings = state(server.url, "t:", cache={"allow_tenants": ["*"]}, timeout=0.3)
+        upstream = ChatUpstream()
+        async with TinyUpstream(upstream) as up:
+            async with run_edge(fast_config([up.url], state=settings)) as edge:
+                async with client(edge) as http:
+                    server.stop()
+                    for _ in range(2):
+                        response = await http.post(CHAT, headers=USE, json=GREEDY)
+                        assert response.status_code == 200
+                        # L1 still serves what this process stored, without Redis
+                        assert response.headers["x-quicedge-cache"] in ("miss", "hit-l1")
+                    text = await metrics(edge)
+        assert count(text, "l2", "error") == 1
+        assert 'quicedge_cache_stores_total{outcome="error"} 1.0' in text
+        assert len(upstream.chats) == 1
+    finally:
+        server.stop()
