@@ -116,6 +116,13 @@ async def test_a_failed_or_cut_stream_is_never_stored() -> None:
         if n == 1:
             return Reply(status=400, headers=[("content-type", "application/json")],
                          chunks=[b'{"error":{"message":"bad"}}'], chunked=False)  # fmt: skip
+        if n == 2:  # ends cleanly, but before its [DONE]
+            return Reply(headers=[("content-type", "text/event-stream")],
+                         chunks=chat_chunks(["short"])[:-1])  # fmt: skip
+        if n == 3:  # the backend's own error event
+            error = b'data: {"error":{"message":"oom","code":500}}\n\ndata: [DONE]\n\n'
+            return Reply(headers=[("content-type", "text/event-stream")],
+                         chunks=[*chat_chunks(["part"])[:2], error])  # fmt: skip
         return Reply(headers=[("content-type", "text/event-stream")],
                      chunks=chat_chunks(["whole"]))  # fmt: skip
 
@@ -128,13 +135,17 @@ async def test_a_failed_or_cut_stream_is_never_stored() -> None:
             assert b'"error"' in cut.content
             refused = await http.post(CHAT, headers=USE, json=body)
             assert refused.status_code == 400
+            short = await http.post(CHAT, headers=USE, json=body)
+            assert short.status_code == 200 and b"[DONE]" not in short.content
+            failed = await http.post(CHAT, headers=USE, json=body)
+            assert b"oom" in failed.content
             whole = await http.post(CHAT, headers=USE, json=body)
             assert whole.headers["x-quicedge-cache"] == "miss" and b"whole" in whole.content
             hit = await http.post(CHAT, headers=USE, json=body)
             assert hit.headers["x-quicedge-cache"] == "hit-l1" and hit.content == whole.content
             text = await metrics(edge)
-    assert len(upstream.chats) == 3
-    assert 'quicedge_cache_stores_total{outcome="incomplete"} 1.0' in text
+    assert len(upstream.chats) == 5
+    assert 'quicedge_cache_stores_total{outcome="incomplete"} 3.0' in text
 
 
 async def test_a_new_model_version_invalidates_entries(redis_url: str, redis_prefix: str) -> None:

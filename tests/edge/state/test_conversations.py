@@ -278,6 +278,9 @@ async def test_a_failed_stream_is_not_appended_and_frees_the_conversation() -> N
         if n == 1:  # turn 2 dies mid-stream
             return Reply(headers=[("content-type", "text/event-stream")],
                          chunks=chat_chunks(["half", "way"]), die_after=2)  # fmt: skip
+        if n == 2:  # turn 3 ends before its [DONE]
+            return Reply(headers=[("content-type", "text/event-stream")],
+                         chunks=chat_chunks(["short"])[:-1])  # fmt: skip
         return Reply(headers=[("content-type", "text/event-stream")],
                      chunks=chat_chunks([f"answer {n}"]))  # fmt: skip
 
@@ -292,11 +295,15 @@ async def test_a_failed_stream_is_not_appended_and_frees_the_conversation() -> N
                 CHAT, headers=headers, json={"messages": turn("lost"), "stream": True}
             )
             assert b'"error"' in cut.content  # the client saw the failure as an error event
+            short = await http.post(
+                CHAT, headers=headers, json={"messages": turn("short"), "stream": True}
+            )
+            assert short.status_code == 200 and b"[DONE]" not in short.content
             again = await http.post(
                 CHAT, headers=headers, json={"messages": turn("retry"), "stream": True}
             )
             assert again.status_code == 200
-            assert await metric(edge, 'quicedge_conversation_turns_total{outcome="failed"}') == 1
+            assert await metric(edge, 'quicedge_conversation_turns_total{outcome="failed"}') == 2
     contents = [m["content"] for m in upstream.bodies()[-1]["messages"]]
     assert contents == [USER["content"], "answer 0", "retry"]
 
