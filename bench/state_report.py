@@ -6,9 +6,9 @@ It starts the stand-in, `quicedge serve` in front of it (response cache allowed 
 and the instant stub app on the edge's own H3 listener (the transport's floor), then runs
 `quicedge bench` twice:
 
-1. multi-turn chats (`--workload chat`, `--chat-turns 20`, ~2 kB per user turn), full-history
-   resend (`full=h3+0rtt`) against stored conversations (`stored=h3+0rtt+stored`), interleaved,
-   through the RTT relay; it reports request bytes and TTFT at turns 10 and 20;
+1. multi-turn chats (`--workload chat`, `--chat-turns 20`, 400 words or ~2.4 kB per user turn),
+   full-history resend (`full=h3+0rtt`) against stored conversations (`stored=h3+0rtt+stored`),
+   interleaved, through the RTT relay; it reports request bytes and TTFT at turns 10 and 20;
 2. one repeated greedy request through the edge with `+cache` (every request after the first is an
    L1 hit) against the stub over the same transport, at no added RTT and at `--rtt-ms`.
 
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rtt-ms", type=float, default=50.0)
     p.add_argument("--sessions", type=int, default=6, help="chats per configuration")
     p.add_argument("--turns", type=int, default=20, help="turns per chat")
-    p.add_argument("--turn-words", type=int, default=400, help="words per user turn (~5 B each)")
+    p.add_argument("--turn-words", type=int, default=400, help="words per user turn (~6 B each)")
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--cache-num", type=int, default=40, help="requests per cache configuration")
     p.add_argument("--sim-profile", default="instant")

@@ -169,3 +169,19 @@ def test_the_state_table_is_read_from_toml() -> None:
     assert config_from(args, toml).state.cache.allow_tenants == ["a"]
     with pytest.raises(ValueError, match="state.cache: unknown"):
         config_from(args, {**toml, "state": {"cache": {"allow": ["a"]}}})
+
+
+async def test_an_unstored_turn_reads_the_history_and_writes_nothing() -> None:
+    config = ConversationConfig()
+    store = MemoryConversations(config)
+    conversations = Conversations(store, config)
+    one = await conversations.start("t", user("q1"))
+    await conversations.commit(one, {"role": "assistant", "content": "a1"})
+    peek = await conversations.resume("t", one.cid, user("aside"), store=False, missing=MISSING)
+    assert peek.token is None and [m["content"] for m in peek.messages] == ["q1", "a1", "aside"]
+    held = await conversations.resume("t", one.cid, user("q2"), missing=MISSING)  # no lease taken
+    assert await conversations.commit(peek, {"role": "assistant", "content": "ignored"})
+    assert await conversations.commit(held, {"role": "assistant", "content": "a2"})
+    blob = await store.load("t", one.cid)
+    assert blob is not None
+    assert [m["content"] for m in History.decode(blob).messages] == ["q1", "a1", "q2", "a2"]
