@@ -39,11 +39,13 @@ from edge.stages.forward import (
 )
 from edge.stages.validate import CHAT, COMPLETIONS, GENERATE, validate
 from edge.stages.view import build_view
+from edge.state.responses import RESPONSES
+from edge.state.stage import StateStage
 from edge.telemetry import Metrics, RequestTrace, Tracer
 
 log = logging.getLogger(__name__)
 
-INFERENCE_ROUTES = (CHAT, COMPLETIONS, GENERATE)
+INFERENCE_ROUTES = (CHAT, COMPLETIONS, GENERATE, RESPONSES)
 _TRANSPORT_BY_VERSION = {"3": "h3", "2": "h2", "2.0": "h2"}
 
 
@@ -61,6 +63,7 @@ class ProxyApp:
         catalog: ModelCatalog,
         abort: Aborter,
         tracer: Tracer | None = None,
+        state: StateStage | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
@@ -69,6 +72,7 @@ class ProxyApp:
         self.catalog = catalog
         self.abort = abort
         self.tracer = tracer
+        self.state = state
         self.attempts = Attempts(
             config=config, pool=pool, registry=registry, policy=policy, metrics=metrics,
             abort=abort,
@@ -172,11 +176,19 @@ class ProxyApp:
                 handshake_wait=wait, request_id=request_id, headers=headers, trace=trace,
                 body_writer=ext.get("quicedge.body_writer"),
                 on_disconnect=ext.get("quicedge.on_disconnect"),
+                # the x-tenant-id header names the tenant until admission resolves API keys
+                tenant=headers.tenant.decode("latin-1") if headers.tenant else "anonymous",
             )  # fmt: skip
             if wait > 0:
                 self.metrics.handshake_wait.observe(wait)
-            await self._parse_and_admit(ex, receive)
-            await self._forward(ex, receive, send)
+            try:
+                await self._parse_and_admit(ex, receive)
+                relay_send = send if ex.state is None else await ex.state.begin(send)
+                if relay_send is not None:  # None: answered from the response cache
+                    await self._forward(ex, receive, relay_send)
+            finally:
+                if ex.state is not None:
+                    await ex.state.finish()
         except EdgeError as err:
             if trace is not None:
                 trace.set("http.status_code", err.status)
@@ -211,6 +223,10 @@ class ProxyApp:
         declared_length(h.content_length, limit)
         raw = await read_body(receive, limit)
         body = parse_json_object(raw)
+        if self.state is not None:  # stored conversations, /v1/responses, the response cache
+            raw, body = await self.state.prepare(ex, raw, body)
+        elif ex.route == RESPONSES:
+            raise RouteNotFound(f"no route for POST {RESPONSES}")
         t_parsed = time.perf_counter()
         ex.stream = validate(ex.route, body)
         if ex.route != GENERATE:

@@ -201,6 +201,7 @@ class Attempts:
                 self._abort(ex, backend)
             raise
         finally:
+            ex.error = error
             if response is not None and not response.complete:
                 await response.aclose()  # aborts the upstream request (its connection closes)
             self.policy.observe(

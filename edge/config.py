@@ -16,6 +16,7 @@ from backends.discovery import DiscoveryConfig
 from edge import settings
 from edge.routing.base import POLICY_NAMES
 from edge.settings import Section
+from edge.state.config import StateConfig
 from transport.config import EarlyDataSettings, TransportConfig
 
 SECONDS = 1.0
@@ -89,6 +90,9 @@ class ProxyConfig:
     """Create OpenTelemetry spans. Also turned on by OTEL_TRACES_EXPORTER=console|otlp."""
     models_ttl: float = 5 * SECONDS
     """How long the merged `/v1/models` list is reused before it is fetched again, s."""
+    state: StateConfig = field(default_factory=StateConfig, metadata={"load": False})
+    """Stored conversations and the response cache: the top-level `[state]` table (`edge.state`),
+    carried here for the proxy's stages; not a `[proxy]` key."""
 
     def validate(self, *, need_backends: bool = True) -> ProxyConfig:
         """Raise ValueError naming the first bad setting; return self for chaining.
@@ -141,13 +145,29 @@ class ProxyConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"proxy: {name} must be > 0, got {value!r}")
+        self.state.validate()
         return self
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> ProxyConfig:
         """From a `[proxy]`-style table, refusing unknown keys and wrong types by name (not
         validated: call `validate()`)."""
-        return settings.from_mapping(cls, values, "proxy")
+        own = {k: v for k, v in values.items() if k not in _CARRIED}
+        config = settings.from_mapping(cls, own, "proxy")
+        for name in _CARRIED.intersection(values):  # in-process callers pass these as objects
+            setattr(config, name, values[name])
+        return config
+
+    def with_features(self, loaded: settings.Settings) -> ProxyConfig:
+        """This `[proxy]` with the feature sections it carries (`state`, ...) from `loaded`."""
+        for name in _CARRIED:
+            setattr(self, name, loaded.get(name, type(getattr(self, name))))
+        return self
+
+
+# Feature sections read from their own top-level tables and carried on `ProxyConfig` for the
+# proxy's stages (`metadata={"load": False}`: not `[proxy]` keys).
+_CARRIED = frozenset({"state"})
 
 
 # Flags whose names are not `--field-name`; every other field's flag is.
@@ -180,6 +200,7 @@ SECTIONS: tuple[Section, ...] = (
         flags={f.name: f"--discovery-{f.name.replace('_', '-')}" for f in fields(DiscoveryConfig)},
         title="backend discovery ([discovery])",
     ),
+    Section("state", StateConfig, flags={f.name: False for f in fields(StateConfig)}),
 )
 
 

@@ -161,6 +161,31 @@ POOL_BUSY_RETRY_AFTER = b"1"
 come free as streams end, so a short wait is enough."""
 
 
+class ConversationNotFound(EdgeError):
+    """404: a stored conversation (or response) that does not exist, expired, or is another
+    tenant's; the three look the same, so an id leaks nothing."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "conversation_not_found"
+
+
+class ConversationBusy(EdgeError):
+    """409: another turn of the same conversation is in progress."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "conversation_busy"
+
+
+class StateUnavailable(EdgeError):
+    """503: the state store (Redis) did not answer in time; stateless requests go on."""
+
+    status = 503
+    type = "server_error"
+    code = "state_unavailable"
+
+
 def from_upstream(exc: UpstreamError) -> EdgeError:
     """Map a `backends.errors` exception to the client-facing error (the one mapping point)."""
     if isinstance(exc, UpstreamPoolBusy):
@@ -185,6 +210,8 @@ def stream_error_event(err: EdgeError) -> bytes:
 
 __all__ = [
     "BadGateway",
+    "ConversationBusy",
+    "ConversationNotFound",
     "EdgeError",
     "GatewayTimeout",
     "InvalidJSON",
@@ -194,6 +221,7 @@ __all__ = [
     "NoHealthyBackend",
     "PayloadTooLarge",
     "RouteNotFound",
+    "StateUnavailable",
     "TooEarly",
     "TooManyRequests",
     "UnsupportedMediaType",

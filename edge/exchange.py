@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from backends.registry import Backend
 from edge.routing.base import Decision, RequestView
 from edge.sse import Usage
 from edge.telemetry import RequestTrace
 from transport.asgi import BodyWriter, OnDisconnect
+
+if TYPE_CHECKING:
+    from edge.state.stage import StateRequest
 
 
 @dataclass(slots=True)
@@ -23,6 +27,8 @@ class RequestHeaders:
     tenant: bytes | None = None
     traceparent: bytes | None = None
     tracestate: bytes | None = None
+    conversation: bytes | None = None
+    cache: bytes | None = None
 
 
 _WANTED = {
@@ -33,6 +39,8 @@ _WANTED = {
     b"x-tenant-id": "tenant",
     b"traceparent": "traceparent",
     b"tracestate": "tracestate",
+    b"x-quicedge-conversation": "conversation",
+    b"x-quicedge-cache": "cache",
 }
 
 
@@ -77,6 +85,12 @@ class Exchange:
     """The listener's `quicedge.body_writer`, when it offers one: the relay writes through it."""
     on_disconnect: OnDisconnect | None = None
     """The listener's `quicedge.on_disconnect`, when it offers one: no watcher task needed."""
+    tenant: str = "anonymous"
+    """Whose request this is: state (conversations, cache entries) is kept per tenant."""
+    state: StateRequest | None = None
+    """The stored-conversation / response-cache side of this request (`edge.state`), if any."""
+    error: str | None = None
+    """How the last backend attempt failed (None: it succeeded, or none was made)."""
 
     def mark_responded(self) -> None:
         self.responded = True

@@ -115,9 +115,8 @@ class ProxyApps:
 
     async def open(self, registry: CollectorRegistry) -> ServedApps:
         discovery = self.settings.get("discovery", DiscoveryConfig)
-        built = await wiring.build(
-            self.settings.get("proxy", ProxyConfig), registry=registry, discovery=discovery
-        )
+        proxy = self.settings.get("proxy", ProxyConfig).with_features(self.settings)
+        built = await wiring.build(proxy, registry=registry, discovery=discovery)
         await built.start()
         admin_app = built.admin_app
         fleet = FleetMetrics(self.fleet, registry) if self.fleet is not None else None

@@ -28,6 +28,7 @@ from edge.asgi import ASGIApp
 from edge.config import SECTIONS, ProxyConfig
 from edge.models import ModelCatalog
 from edge.routing.base import RoutingPolicy, make_policy
+from edge.state.stage import StateStage
 from edge.telemetry import FleetCollector, Metrics, Tracer, TracingSetup, tracer_from_env
 
 log = logging.getLogger(__name__)
@@ -67,6 +68,7 @@ class Wiring:
     catalog: ModelCatalog
     tracing: TracingSetup
     discovery: Discovery | None = None
+    state: StateStage | None = None
     _aborts: set[asyncio.Task[Any]] = field(default_factory=set)
     _clients: dict[str, Any] = field(default_factory=dict)
 
@@ -89,6 +91,8 @@ class Wiring:
             with contextlib.suppress(Exception):
                 await client.aclose()
         await self.pool.aclose()
+        if self.state is not None:
+            await self.state.aclose()
         self.tracing.shutdown()
 
     def abort(self, backend: Backend, rid: str) -> None:
@@ -173,6 +177,7 @@ async def build(
         catalog=catalog,
         tracing=tracing,
         discovery=finder,
+        state=StateStage(config.state, registry=registry),
     )
     wiring.app = ProxyApp(
         config=config,
@@ -183,6 +188,7 @@ async def build(
         catalog=catalog,
         abort=wiring.abort,
         tracer=tracing.tracer,
+        state=wiring.state,
     )
     wiring.admin_app = AdminApp(registry=registry, backends=backends, pool=pool, policy=policy)
     return wiring
