@@ -24,6 +24,8 @@ from backends.errors import (
 )
 from backends.pool import UpstreamPool, UpstreamResponse
 from backends.registry import Backend, BackendRegistry, Ticket
+from edge.admission import Admission, AdmissionSettings
+from edge.admission.tenants import Tenant
 from edge.asgi import Receive, Scope, Send, lifespan, render_error, send_json
 from edge.config import ProxyConfig
 from edge.errors import (
@@ -89,6 +91,7 @@ class ProxyApp:
         catalog: ModelCatalog,
         abort: Aborter,
         tracer: Tracer | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
@@ -98,6 +101,7 @@ class ProxyApp:
         self.catalog = catalog
         self.abort = abort
         self.tracer = tracer
+        self.admission = admission or Admission(AdmissionSettings(), metrics=metrics)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -166,6 +170,7 @@ class ProxyApp:
         ex: Exchange | None = None
         try:
             request_id = request_id_from(headers.request_id)
+            tenant = self.admission.identify(headers.authorization)
             if self.tracer is not None:  # decided once: no tracer, no span objects
                 trace = RequestTrace(
                     self.tracer,
@@ -177,7 +182,8 @@ class ProxyApp:
                         "quicedge.transport": transport,
                         "quicedge.early_data": early,
                         "quicedge.request_id": request_id,
-                        "quicedge.tenant": (headers.tenant or b"default").decode("latin-1"),
+                        "quicedge.tenant": tenant.name,
+                        "quicedge.tier": tenant.tier,
                         "quicedge.policy": self.policy.name,
                     },
                 )
@@ -188,17 +194,24 @@ class ProxyApp:
                 handshake_wait=wait, request_id=request_id, headers=headers, trace=trace,
                 body_writer=ext.get("quicedge.body_writer"),
                 on_disconnect=ext.get("quicedge.on_disconnect"),
+                tenant=tenant.name, tier=tenant.tier, tier_rank=tenant.rank,
             )  # fmt: skip
             if wait > 0:
                 self.metrics.handshake_wait.observe(wait)
-            await self._parse_and_admit(ex, receive)
-            await self._forward(ex, receive, send)
+            await self._parse_and_admit(ex, receive, tenant)
+            try:
+                await self._forward(ex, receive, send)
+            finally:
+                self.admission.finish(ex, ex.usage.completion_tokens if ex.usage else None)
         except EdgeError as err:
             if trace is not None:
                 trace.set("http.status_code", err.status)
                 trace.end(time.perf_counter(), error=err.message)
             if ex is not None and ex.started:  # too late for an error page; the stream ended
-                log.warning("request %s failed after the response started: %s", request_id, err)
+                log.warning(
+                    "request %s (tenant %s) failed after the response started: %s",
+                    request_id, ex.tenant, err,
+                )  # fmt: skip
                 self.metrics.requests.labels(route, str(ex.status)).inc()
                 return
             err.extra_headers = (*err.extra_headers, (b"x-request-id", request_id.encode()))
@@ -217,8 +230,8 @@ class ProxyApp:
             trace.set("quicedge.retries", ex.retries)
             trace.end(time.perf_counter(), error="client disconnected" if ex.disconnected else None)
 
-    async def _parse_and_admit(self, ex: Exchange, receive: Receive) -> None:
-        """Parse (body, JSON once) then admit (fields, model, routing view)."""
+    async def _parse_and_admit(self, ex: Exchange, receive: Receive, tenant: Tenant) -> None:
+        """Parse (body, JSON once) then admit (fields, model, routing view, tenant quota)."""
         h = ex.headers
         check_content_type(h.content_type)
         limit = self.config.max_body_bytes
@@ -243,6 +256,7 @@ class ProxyApp:
             traceparent=traceparent,
             tracestate=tracestate,
         )
+        await self.admission.admit(ex, tenant)  # last: nothing after it may fail and leak a slot
         t_admitted = time.perf_counter()
         self.metrics.stage_parse.observe(t_parsed - ex.t0)
         self.metrics.stage_admit.observe(t_admitted - t_parsed)
@@ -281,7 +295,9 @@ class ProxyApp:
         last: _Retry | None = None
         assert ex.view is not None
         for attempt in range(self.config.max_retries + 1):
-            candidates = [b for b in self.registry.candidates() if b not in tried]
+            candidates = await self.admission.place(
+                ex, lambda: [b for b in self.registry.candidates() if b not in tried]
+            )
             if not candidates:
                 if last is not None:
                     raise last.error

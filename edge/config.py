@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from edge.admission.settings import AdmissionSettings
+
 SECONDS = 1.0
 KiB = 1024
 MiB = 1024 * KiB
@@ -72,6 +74,8 @@ class ProxyConfig:
     """Create OpenTelemetry spans. Also turned on by OTEL_TRACES_EXPORTER=console|otlp."""
     models_ttl: float = 5 * SECONDS
     """How long the merged `/v1/models` list is reused before it is fetched again."""
+    admission: AdmissionSettings = field(default_factory=AdmissionSettings)
+    """Tenants, quotas and throttling: read from `[admission]` and `[[tenants]]`, not `[proxy]`."""
 
     def validate(self) -> ProxyConfig:
         """Raise ValueError naming the first bad setting; return self for chaining."""
@@ -119,7 +123,7 @@ class ProxyConfig:
     @classmethod
     def from_mapping(cls, values: dict[str, Any]) -> ProxyConfig:
         """Build from TOML-style keys, rejecting unknown keys and wrong types by name."""
-        known = {f.name: f for f in fields(cls)}
+        known = {f.name: f for f in fields(cls) if f.name != "admission"}
         unknown = sorted(set(values) - set(known))
         if unknown:
             raise ValueError(f"proxy: unknown setting(s) {', '.join(unknown)}")

@@ -20,7 +20,7 @@ class RequestHeaders:
     content_length: bytes | None = None
     request_id: bytes | None = None
     session: bytes | None = None
-    tenant: bytes | None = None
+    authorization: bytes | None = None
     traceparent: bytes | None = None
     tracestate: bytes | None = None
 
@@ -30,7 +30,7 @@ _WANTED = {
     b"content-length": "content_length",
     b"x-request-id": "request_id",
     b"x-session-id": "session",
-    b"x-tenant-id": "tenant",
+    b"authorization": "authorization",
     b"traceparent": "traceparent",
     b"tracestate": "tracestate",
 }
@@ -77,6 +77,14 @@ class Exchange:
     """The listener's `quicedge.body_writer`, when it offers one: the relay writes through it."""
     on_disconnect: OnDisconnect | None = None
     """The listener's `quicedge.on_disconnect`, when it offers one: no watcher task needed."""
+    tenant: str = "anonymous"
+    """The admitted tenant (from the API key, never from a header the client names)."""
+    tier: str = "bronze"
+    """The tenant's tier: gold | silver | bronze."""
+    tier_rank: int = 2
+    """The tier's place in the admission queue (0 = gold, served first)."""
+    holds_slot: bool = False
+    """Admission counted this request against its tenant's `max_concurrent`."""
 
     def mark_responded(self) -> None:
         self.responded = True

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from backends.pool import UpstreamPool
 from backends.registry import Backend, BackendRegistry, HealthConfig
 from edge.admin import AdminApp
+from edge.admission import Admission, AdmissionSettings
 from edge.app import ProxyApp
 from edge.asgi import ASGIApp
 from edge.config import ProxyConfig
@@ -99,7 +100,9 @@ def config_from(args: argparse.Namespace, toml: Mapping[str, Any]) -> ProxyConfi
         flag_value = getattr(args, f.name, None)
         if flag_value is not None:
             values[f.name] = flag_value
-    return ProxyConfig.from_mapping(values).validate()
+    config = ProxyConfig.from_mapping(values).validate()
+    config.admission = AdmissionSettings.from_toml(toml)
+    return config
 
 
 @dataclass(eq=False)
@@ -115,6 +118,7 @@ class Wiring:
     metrics: Metrics
     catalog: ModelCatalog
     tracing: TracingSetup
+    admission: Admission
     _aborts: set[asyncio.Task[Any]] = field(default_factory=set)
     _clients: dict[str, Any] = field(default_factory=dict)
 
@@ -133,6 +137,7 @@ class Wiring:
             with contextlib.suppress(Exception):
                 await client.aclose()
         await self.pool.aclose()
+        await self.admission.aclose()
         self.tracing.shutdown()
 
     def abort(self, backend: Backend, rid: str) -> None:
@@ -193,6 +198,7 @@ async def build(
     )
     policy = make_policy(config.policy)
     metrics = Metrics(registry)
+    admission = Admission(config.admission, metrics=metrics)
     registry.register(FleetCollector(backends.backends, pool.stats))
     tracing = TracingSetup(tracer) if tracer is not None else tracer_from_env(force=config.tracing)
     catalog = ModelCatalog(
@@ -208,6 +214,7 @@ async def build(
         metrics=metrics,
         catalog=catalog,
         tracing=tracing,
+        admission=admission,
     )
     wiring.app = ProxyApp(
         config=config,
@@ -218,6 +225,7 @@ async def build(
         catalog=catalog,
         abort=wiring.abort,
         tracer=tracing.tracer,
+        admission=admission,
     )
     wiring.admin_app = AdminApp(registry=registry, backends=backends, pool=pool, policy=policy)
     return wiring
