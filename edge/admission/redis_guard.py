@@ -40,7 +40,7 @@ class RedisGuard:
         settings: RedisSettings,
         *,
         name: str = "admission",
-        on_state: Callable[[str, str], None] | None = None,
+        on_state: Callable[[str, str, str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if settings.url is None:
@@ -106,7 +106,7 @@ class RedisGuard:
         if state != self.state:
             old, self.state = self.state, state
             if self._on_state is not None:
-                self._on_state(self.name, state)
+                self._on_state(self.name, old, state)
             log.info("redis (%s) breaker %s -> %s", self.name, old, state)
 
     def _start_probe(self) -> None:

@@ -44,9 +44,9 @@ class Admission:
             )
         self._in_flight: dict[str, int] = {}
 
-    def _redis_state(self, name: str, state: str) -> None:
+    def _redis_state(self, name: str, old: str, state: str) -> None:
         self.metrics.redis_state.labels(name).set(STATES[state])
-        if state == "open":
+        if old == "closed":
             self.metrics.redis_trips.labels(name).inc()
 
     def _queued(self, tier: str, waited: float, placed: bool) -> None:
