@@ -122,6 +122,10 @@ class ThrottleSettings:
     max_queue_depth: int | None = None
     """A backend's queue depth (requests waiting) at which it gets no new work; None: the
     throttle and the admission queue are off."""
+    depth: Literal["waiting", "in_flight"] = "waiting"
+    """What counts as a backend's queue: `waiting` is the larger of its reported waiting
+    requests and this edge's requests on it without a first token; `in_flight` is every request
+    this edge has on it (bounds the backend's running batch too, hence its KV use)."""
     start_fraction: float = 0.8
     """Depth (share of the maximum) where admission starts to fall linearly to zero (0.8)."""
     queue_size: int = 256

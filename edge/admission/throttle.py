@@ -1,8 +1,11 @@
 """The second track: throttle by backend queue depth, and the bounded priority queue.
 
-A backend's depth is the larger of what it last reported (`num_waiting_reqs` from `/v1/loads`,
-up to one poll old) and this edge's own requests on it that have no first token yet (exact, and
-fresh between polls). Below `start_fraction × max_queue_depth` it takes every request; from there
+A backend's depth (`depth = "waiting"`) is the larger of what it last reported
+(`num_waiting_reqs` from `/v1/loads`, up to one poll old) and this edge's own requests on it that
+have no first token yet (exact, and fresh between polls). With `depth = "in_flight"` it is every
+request this edge has on the backend: that also bounds the backend's running batch, which is
+what keeps its KV pool from overflowing (a backend retracts when running requests outgrow it).
+Below `start_fraction × max_queue_depth` it takes every request; from there
 the chance that it takes one falls linearly to zero at `max_queue_depth` (the design's rule: a
 smooth slope rather than a cliff, so several edges do not all stop and start together).
 
@@ -35,9 +38,11 @@ class Throttle:
         self.max_depth = settings.max_queue_depth
         self.start = settings.start_fraction * self.max_depth
         self._rng = rng
+        self._in_flight = settings.depth == "in_flight"
 
-    @staticmethod
-    def depth(backend: Backend) -> int:
+    def depth(self, backend: Backend) -> int:
+        if self._in_flight:
+            return backend.in_flight
         load = backend.load
         reported = load.num_waiting_reqs if load is not None else 0
         return max(reported, backend.in_prefill)

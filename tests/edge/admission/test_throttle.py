@@ -32,6 +32,9 @@ def test_share_falls_linearly_from_80_percent_to_zero_at_the_maximum() -> None:
     backend.load = load(0)
     backend.in_prefill = 10  # the edge's own requests without a first token count too
     assert throttle.share(backend) == 0.0
+    by_flight = Throttle(ThrottleSettings(max_queue_depth=10, depth="in_flight"))
+    backend.in_prefill, backend.in_flight = 0, 9  # decoding requests count too
+    assert by_flight.share(backend) == pytest.approx(0.5)
 
 
 def test_admits_by_the_share() -> None:
