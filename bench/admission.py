@@ -394,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clients", type=int, default=100)
     p.add_argument("--kv-tokens", type=int, default=4000)
     p.add_argument("--bucket-rps", type=float, default=60.0)
-    p.add_argument("--max-depth", type=int, default=16, help="throttle depth per backend (16)")
+    p.add_argument("--max-depth", type=int, default=20, help="throttle depth per backend (20)")
     p.add_argument("--queue-size", type=int, default=256, help="admission queue bound (256)")
     p.add_argument("--queue-timeout", type=float, default=30.0, help="queue deadline, s (30)")
     p.add_argument("--cost-calls", type=int, default=5000)

@@ -113,3 +113,24 @@ async def test_gold_leaves_the_queue_before_silver_and_bronze() -> None:
             answers = await asyncio.gather(long, second, *tasks)
             assert [a.status_code for a in answers] == [200] * 6
             assert done == ["long", "second", "gold", "silver", "bronze-1", "bronze-2"]
+
+
+async def test_a_request_no_backend_takes_in_time_gets_503_with_retry_after() -> None:
+    async with SimServer(slow_sim("b1")) as sim:
+        config = fast_config([sim.url])
+        config.admission = AdmissionSettings(
+            throttle=ThrottleSettings(max_queue_depth=1, depth="in_flight", queue_timeout_s=0.5)
+        ).validate()
+        async with run_edge(config) as edge, client(edge) as http:
+            backend = edge.wiring.registry.backends[0]
+            long = asyncio.ensure_future(http.post("/v1/chat/completions", json=chat(400, True)))
+            await wait_until(lambda: backend.in_flight == 1)
+            r = await http.post("/v1/chat/completions", json=chat(5))
+            assert r.status_code == 503
+            error = r.json()["error"]
+            assert error["code"] == "overloaded" and error["type"] == "server_error"
+            assert r.headers["retry-after"] == "1"
+            assert not long.done(), "the long request must outlast the refused one"
+            assert (await long).status_code == 200
+            text = await metrics_text(edge)
+            assert 'quicedge_requests_total{route="/v1/chat/completions",status="503"} 1.0' in text

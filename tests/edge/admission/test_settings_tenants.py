@@ -94,3 +94,20 @@ def test_anonymous_off_means_a_missing_key_is_401() -> None:
 def test_no_key_is_kept_in_clear() -> None:
     directory = TenantDirectory(AdmissionSettings.from_toml(tomllib.loads(DOC)))
     assert "sk-acme" not in repr(vars(directory))
+
+
+def test_the_wiring_reads_admission_and_tenants_from_the_serve_toml() -> None:
+    import argparse
+
+    from edge.wiring import add_arguments, config_from
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    doc = tomllib.loads('[proxy]\nbackends = ["http://127.0.0.1:1"]\n' + DOC)
+    config = config_from(parser.parse_args([]), doc)
+    assert [t.name for t in config.admission.tenants] == ["acme", "tiny"]
+    assert config.admission.redis.fallback_share == 0.5
+    with pytest.raises(ValueError, match=re.escape("tenants[0].tier")):
+        config_from(parser.parse_args([]), {**doc, "tenants": [{"name": "x", "tier": "iron"}]})
+    with pytest.raises(ValueError, match="unknown setting"):
+        config_from(parser.parse_args([]), {**doc, "proxy": {**doc["proxy"], "admission": {}}})
