@@ -16,13 +16,12 @@ from tests.helpers import RedisServer, wait_until
 async def test_slow_answers_open_the_breaker_and_a_fast_probe_closes_it(redis_url: str) -> None:
     states: list[str] = []
     guard = RedisGuard(
-        RedisSettings(url=redis_url, timeout_ms=2000, slow_ms=20, backoff_s=0.05),
+        RedisSettings(url=redis_url, timeout_ms=5000, slow_ms=250, backoff_s=0.05),
         on_state=lambda name, old, new: states.append(new),
     )
     try:
-        assert await guard.run(guard.client.ping)
         for _ in range(3):  # answered, but slower than slow_ms: counts against Redis
-            await guard.run(lambda: asyncio.sleep(0.1))
+            await guard.run(lambda: asyncio.sleep(0.6))
         assert guard.state == "open"
         with pytest.raises(RedisUnavailable, match="open"):
             await guard.run(guard.client.ping)
