@@ -202,7 +202,8 @@ class ProxyApp:
             try:
                 await self._forward(ex, receive, send)
             finally:
-                self.admission.finish(ex, ex.usage.completion_tokens if ex.usage else None)
+                reported = ex.usage.completion_tokens if ex.usage is not None else None
+                self.admission.finish(ex, ex.content_chunks if reported is None else reported)
         except EdgeError as err:
             if trace is not None:
                 trace.set("http.status_code", err.status)
@@ -393,6 +394,7 @@ class ProxyApp:
                 if result.first_upstream is not None:
                     upstream_ttft = result.first_upstream - t_send
                 account_stream(self.metrics, ex, backend, result, t_send, upstream_ttft)
+                ex.content_chunks = len(result.gaps) + (result.first_client is not None)
             else:
                 try:
                     body = await read_whole(response, MAX_UPSTREAM_BODY)

@@ -85,6 +85,9 @@ class Exchange:
     """The tier's place in the admission queue (0 = gold, served first)."""
     holds_slot: bool = False
     """Admission counted this request against its tenant's `max_concurrent`."""
+    content_chunks: int = 0
+    """Content chunks relayed to the client (about one token each): the completion tokens
+    charged to the tenant when the backend reported no usage."""
 
     def mark_responded(self) -> None:
         self.responded = True

@@ -2,7 +2,8 @@
 is configured, with per-process buckets at `fallback_share` of each quota while it is not.
 
 Prompt tokens are charged at admission from the request's approximate count. Completion tokens
-are debited once, when the answer ends, from the usage the backend reported: one store call per
+are debited once, when the answer ends, from the usage the backend reported (or, when it
+reported none, the content chunks relayed, about one token each): one store call per
 request rather than one per streamed chunk, which for Redis would be a round trip per token.
 The bucket goes into debt for them, so a long answer slows the tenant's next requests rather
 than cutting the current one.

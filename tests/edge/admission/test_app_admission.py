@@ -172,3 +172,22 @@ async def test_the_default_edge_admits_anonymous_requests_as_before() -> None:
             assert r.status_code == 200
             r = await http.post("/v1/chat/completions", json=CHAT, headers=bearer("sk-any"))
             assert r.status_code == 401  # a key nobody configured is unknown, not ignored
+
+
+async def test_a_stream_without_usage_is_charged_its_relayed_chunks() -> None:
+    async with SimServer(sim_config("b1", profile="h100-llama3-8b")) as sim:
+        config = with_admission(
+            fast_config([sim.url]),
+            tenants=[tenant("tok", "silver", "sk-tok", tokens_per_minute=100000)],
+        )
+        body = {**CHAT, "max_tokens": 12, "ignore_eos": True, "stream": True}
+        async with run_edge(config) as edge, client(edge) as http:
+            r = await http.post("/v1/chat/completions", json=body, headers=bearer("sk-tok"))
+            assert r.status_code == 200 and b'"usage"' not in r.content
+            text = await metrics_text(edge)
+            charged = [
+                float(x.split()[-1]) for x in text.splitlines()
+                if x.startswith('quicedge_tenant_tokens_total{kind="completion",tenant="tok"}')
+            ]  # fmt: skip
+            # chunks read together count once: a lower bound on the 12 tokens, never above them
+            assert charged and 1 <= charged[0] <= 12
