@@ -97,7 +97,8 @@ class AdmissionQueue:
     ) -> list[Backend]:
         """Backends that may take this request now, waiting in the queue if needed.
 
-        Returns [] only when there are no candidates at all (the fleet is down, not full)."""
+        Returns [] only when there are no candidates at all (every backend down, or at its
+        `--max-concurrency` cap): the app's usual 503 says which."""
         found = candidates()
         if not found:
             return found
