@@ -1,10 +1,15 @@
 """The admission stage: who the tenant is, whether its quota admits the request, and on which
 backends it may be placed now. `edge.app` calls `identify` on the headers, `admit` after parsing,
-`place` for the candidates of each attempt and `finish` when the request ends."""
+`place` for the candidates of each attempt and `finish` when the request ends.
+
+A tenant refused for its requests bucket cannot pass before that bucket refills (other edges only
+take from it), so until then `identify` refuses its requests at once: before their body is read,
+and without asking the store again. A flood of over-quota requests costs a header lookup each."""
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 
 from backends.registry import Backend
@@ -43,9 +48,13 @@ class Admission:
                 settings.throttle, Throttle(settings.throttle), on_wait=self._queued
             )
         self._in_flight: dict[str, int] = {}
+        self._refused_until: dict[str, float] = {}
+        """Tenant → when its requests bucket holds a request again (monotonic seconds)."""
 
     def _redis_state(self, name: str, old: str, state: str) -> None:
         self.metrics.redis_state.labels(name).set(STATES[state])
+        if "closed" in (old, state):  # the buckets now come from elsewhere: refusals are void
+            self._refused_until.clear()
         if old == "closed":
             self.metrics.redis_trips.labels(name).inc()
 
@@ -56,10 +65,28 @@ class Admission:
 
     def identify(self, authorization: bytes | None) -> Tenant:
         try:
-            return self.directory.identify(authorization)
+            tenant = self.directory.identify(authorization)
         except Unauthorized:
             self.metrics.admission_rejections.labels("-", "unauthorized").inc()
             raise
+        if self._refused_until:
+            until = self._refused_until.get(tenant.name)
+            if until is not None:
+                wait = until - time.monotonic()
+                if wait > 0:
+                    self._reject(tenant.name, "requests")
+                    raise self._over_quota(tenant.name, "requests", wait)
+                del self._refused_until[tenant.name]
+        return tenant
+
+    @staticmethod
+    def _over_quota(name: str, reason: str, wait: float) -> TooManyRequests:
+        after = max(1, math.ceil(wait))
+        what = "requests per second" if reason == "requests" else "tokens per minute"
+        return TooManyRequests(
+            f"Rate limit reached for tenant {name} on {what}; retry in {after}s.",
+            headers=((b"retry-after", str(after).encode()),),
+        )
 
     async def admit(self, ex: Exchange, tenant: Tenant) -> None:
         """Charge the tenant's buckets for the request; 429 with Retry-After when over quota."""
@@ -77,12 +104,9 @@ class Admission:
             verdict, reason = await self.limiter.take(tenant, prompt)
             if not verdict.allowed:
                 self._reject(name, reason)
-                after = max(1, math.ceil(verdict.retry_after))
-                what = "requests per second" if reason == "requests" else "tokens per minute"
-                raise TooManyRequests(
-                    f"Rate limit reached for tenant {name} on {what}; retry in {after}s.",
-                    headers=((b"retry-after", str(after).encode()),),
-                )
+                if reason == "requests":
+                    self._refused_until[name] = time.monotonic() + verdict.retry_after
+                raise self._over_quota(name, reason, verdict.retry_after)
         if cap is not None:
             self._in_flight[name] = self._in_flight.get(name, 0) + 1
             ex.holds_slot = True

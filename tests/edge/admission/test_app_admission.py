@@ -191,3 +191,24 @@ async def test_a_stream_without_usage_is_charged_its_relayed_chunks() -> None:
             ]  # fmt: skip
             # chunks read together count once: a lower bound on the 12 tokens, never above them
             assert charged and 1 <= charged[0] <= 12
+
+
+async def test_a_tenant_over_its_request_rate_is_refused_before_its_body_is_read() -> None:
+    async with SimServer(sim_config("b1")) as sim:
+        config = with_admission(
+            fast_config([sim.url]),
+            tenants=[tenant("slow", "bronze", "sk-slow", requests_per_second=0.05, burst=1)],
+        )
+        async with run_edge(config) as edge, client(edge) as http:
+            ok = await http.post("/v1/chat/completions", json=CHAT, headers=bearer("sk-slow"))
+            assert ok.status_code == 200
+            refused = await http.post("/v1/chat/completions", json=CHAT, headers=bearer("sk-slow"))
+            assert refused.status_code == 429
+            # from now on the body is not even parsed: broken JSON gets the 429, not a 400
+            headers = {**bearer("sk-slow"), "content-type": "application/json"}
+            r = await http.post("/v1/chat/completions", content=b"{not json", headers=headers)
+            assert r.status_code == 429
+            assert r.json()["error"]["code"] == "rate_limit_exceeded"
+            assert 1 <= int(r.headers["retry-after"]) <= 20
+            # another tenant is not affected
+            assert (await http.post("/v1/chat/completions", json=CHAT)).status_code == 200
