@@ -160,7 +160,7 @@ class AdmissionSettings:
     tenants: list[TenantSettings] = field(default_factory=list)
     """Tenants with API keys (`[[tenants]]` at the top of the TOML document)."""
 
-    def validate(self) -> AdmissionSettings:
+    def validate(self) -> None:
         self.anonymous.validate()
         self.redis.validate()
         self.throttle.validate()
@@ -175,7 +175,6 @@ class AdmissionSettings:
                 if digest in digests:
                     raise ValueError(f"tenants[{i}].api_key_sha256: a key is listed twice")
                 digests.add(digest)
-        return self
 
     @classmethod
     def from_toml(cls, document: Mapping[str, Any]) -> AdmissionSettings:
@@ -188,7 +187,9 @@ class AdmissionSettings:
             raise ValueError("admission.tenants: write tenants as top-level [[tenants]]")
         if "tenants" in document:
             values["tenants"] = document["tenants"]
-        return cls.from_mapping(values).validate()
+        settings = cls.from_mapping(values)
+        settings.validate()
+        return settings
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> AdmissionSettings:

@@ -32,7 +32,7 @@ def tenant(name: str, tier: str, key: str, **limits: Any) -> TenantSettings:
 
 
 def with_admission(config: ProxyConfig, **values: Any) -> ProxyConfig:
-    config.admission = AdmissionSettings(**values).validate()
+    config.admission = AdmissionSettings(**values)  # the wiring validates it
     return config
 
 

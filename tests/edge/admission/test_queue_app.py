@@ -34,7 +34,7 @@ def settings(depth: int, **throttle: Any) -> AdmissionSettings:
         anonymous=AnonymousSettings(tier="bronze"),
         throttle=ThrottleSettings(max_queue_depth=depth, queue_timeout_s=60.0, **throttle),
         tenants=[tenant("vip", "gold", "sk-vip"), tenant("mid", "silver", "sk-mid")],
-    ).validate()
+    )
 
 
 async def test_backend_queue_stays_bounded_and_the_edge_queue_drains() -> None:
@@ -120,7 +120,7 @@ async def test_a_request_no_backend_takes_in_time_gets_503_with_retry_after() ->
         config = fast_config([sim.url])
         config.admission = AdmissionSettings(
             throttle=ThrottleSettings(max_queue_depth=1, depth="in_flight", queue_timeout_s=0.5)
-        ).validate()
+        )
         async with run_edge(config) as edge, client(edge) as http:
             backend = edge.wiring.registry.backends[0]
             long = asyncio.ensure_future(http.post("/v1/chat/completions", json=chat(400, True)))
