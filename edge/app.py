@@ -16,6 +16,8 @@ from typing import Any
 
 from backends.pool import UpstreamPool
 from backends.registry import BackendRegistry
+from edge.admission import Admission, AdmissionSettings
+from edge.admission.tenants import Tenant
 from edge.asgi import Receive, Scope, Send, lifespan, render_error, send_json
 from edge.attempt import Aborter, Attempts
 from edge.config import ProxyConfig
@@ -64,6 +66,7 @@ class ProxyApp:
         abort: Aborter,
         tracer: Tracer | None = None,
         state: StateStage | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
@@ -73,9 +76,10 @@ class ProxyApp:
         self.abort = abort
         self.tracer = tracer
         self.state = state
+        self.admission = admission or Admission(AdmissionSettings(), metrics=metrics)
         self.attempts = Attempts(
             config=config, pool=pool, registry=registry, policy=policy, metrics=metrics,
-            abort=abort,
+            abort=abort, admission=self.admission,
         )  # fmt: skip
 
     @property
@@ -154,6 +158,7 @@ class ProxyApp:
         ex: Exchange | None = None
         try:
             request_id = request_id_from(headers.request_id)
+            tenant = self.admission.identify(headers.authorization)
             if self.tracer is not None:  # decided once: no tracer, no span objects
                 trace = RequestTrace(
                     self.tracer,
@@ -165,7 +170,8 @@ class ProxyApp:
                         "quicedge.transport": transport,
                         "quicedge.early_data": early,
                         "quicedge.request_id": request_id,
-                        "quicedge.tenant": (headers.tenant or b"default").decode("latin-1"),
+                        "quicedge.tenant": tenant.name,
+                        "quicedge.tier": tenant.tier,
                         "quicedge.policy": self.policy.name,
                     },
                 )
@@ -176,16 +182,19 @@ class ProxyApp:
                 handshake_wait=wait, request_id=request_id, headers=headers, trace=trace,
                 body_writer=ext.get("quicedge.body_writer"),
                 on_disconnect=ext.get("quicedge.on_disconnect"),
-                # the x-tenant-id header names the tenant until admission resolves API keys
-                tenant=headers.tenant.decode("latin-1") if headers.tenant else "anonymous",
+                tenant=tenant.name, tier=tenant.tier, tier_rank=tenant.rank,
             )  # fmt: skip
             if wait > 0:
                 self.metrics.handshake_wait.observe(wait)
             try:
-                await self._parse_and_admit(ex, receive)
-                relay_send = send if ex.state is None else await ex.state.begin(send)
-                if relay_send is not None:  # None: answered from the response cache
-                    await self._forward(ex, receive, relay_send)
+                await self._parse_and_admit(ex, receive, tenant)
+                try:
+                    relay_send = send if ex.state is None else await ex.state.begin(send)
+                    if relay_send is not None:  # None: answered from the response cache
+                        await self._forward(ex, receive, relay_send)
+                finally:
+                    reported = ex.usage.completion_tokens if ex.usage is not None else None
+                    self.admission.finish(ex, ex.content_chunks if reported is None else reported)
             finally:
                 if ex.state is not None:
                     await ex.state.finish()
@@ -196,7 +205,10 @@ class ProxyApp:
             if ex is not None:
                 request_id = ex.request_id  # the label, which the body may have given
             if ex is not None and ex.started:  # too late for an error page; the stream ended
-                log.warning("request %s failed after the response started: %s", request_id, err)
+                log.warning(
+                    "request %s (tenant %s) failed after the response started: %s",
+                    request_id, ex.tenant, err,
+                )  # fmt: skip
                 self.metrics.requests.labels(route, str(ex.status)).inc()
                 return
             err.extra_headers = (*err.extra_headers, (b"x-request-id", request_id.encode()))
@@ -215,8 +227,8 @@ class ProxyApp:
             trace.set("quicedge.retries", ex.retries)
             trace.end(time.perf_counter(), error="client disconnected" if ex.disconnected else None)
 
-    async def _parse_and_admit(self, ex: Exchange, receive: Receive) -> None:
-        """Parse (body, JSON once) then admit (fields, model, routing view)."""
+    async def _parse_and_admit(self, ex: Exchange, receive: Receive, tenant: Tenant) -> None:
+        """Parse (body, JSON once) then admit (fields, model, routing view, tenant quota)."""
         h = ex.headers
         check_content_type(h.content_type)
         limit = self.config.max_body_bytes
@@ -255,6 +267,7 @@ class ProxyApp:
             traceparent=traceparent,
             tracestate=tracestate,
         )
+        await self.admission.admit(ex, tenant)  # last: nothing after it may fail and leak a slot
         t_admitted = time.perf_counter()
         self.metrics.stage_parse.observe(t_parsed - ex.t0)
         self.metrics.stage_admit.observe(t_admitted - t_parsed)

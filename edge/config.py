@@ -14,6 +14,7 @@ from typing import Any
 
 from backends.discovery import DiscoveryConfig
 from edge import settings
+from edge.admission.settings import AdmissionSettings, TenantSettings
 from edge.routing.base import POLICY_NAMES
 from edge.settings import Section
 from edge.state.config import StateConfig
@@ -93,6 +94,11 @@ class ProxyConfig:
     state: StateConfig = field(default_factory=StateConfig, metadata={"load": False})
     """Stored conversations and the response cache: the top-level `[state]` table (`edge.state`),
     carried here for the proxy's stages; not a `[proxy]` key."""
+    admission: AdmissionSettings = field(
+        default_factory=AdmissionSettings, metadata={"load": False}
+    )
+    """Tenants, quotas and throttling: the top-level `[admission]` table and `[[tenants]]` array
+    (`edge.admission`), carried here for the proxy's stages; not `[proxy]` keys."""
 
     def validate(self, *, need_backends: bool = True) -> ProxyConfig:
         """Raise ValueError naming the first bad setting; return self for chaining.
@@ -159,15 +165,19 @@ class ProxyConfig:
         return config
 
     def with_features(self, loaded: settings.Settings) -> ProxyConfig:
-        """This `[proxy]` with the feature sections it carries (`state`, ...) from `loaded`."""
-        for name in _CARRIED:
-            setattr(self, name, loaded.get(name, type(getattr(self, name))))
+        """This `[proxy]` with the feature sections it carries, from `loaded`: `[state]`,
+        `[admission]` with the `[[tenants]]` array. Checks what spans sections."""
+        self.state = loaded.get("state", StateConfig)
+        admission = loaded.get("admission", AdmissionSettings)
+        admission.tenants = list(loaded.get("tenants", list))
+        admission.validate()  # tenant names and keys unique across the array
+        self.admission = admission
         return self
 
 
 # Feature sections read from their own top-level tables and carried on `ProxyConfig` for the
 # proxy's stages (`metadata={"load": False}`: not `[proxy]` keys).
-_CARRIED = frozenset({"state"})
+_CARRIED = frozenset({"state", "admission"})
 
 
 # Flags whose names are not `--field-name`; every other field's flag is.
@@ -182,6 +192,12 @@ PROXY_FLAGS: dict[str, str | bool] = {
     "pool_warm_connections": "--pool-warm",
     "max_concurrency_per_backend": "--max-concurrency",
 }
+
+
+def _toml_only(kind: type) -> dict[str, str | bool]:
+    """No flag for any of `kind`'s fields: a feature's table is written in the TOML file."""
+    return {f.name: False for f in fields(kind)}
+
 
 # Every settings section of `quicedge serve`: TOML table, dataclass, flag renames. A feature adds
 # its own with one line here (see docs/architecture.md, "Settings").
@@ -201,6 +217,10 @@ SECTIONS: tuple[Section, ...] = (
         title="backend discovery ([discovery])",
     ),
     Section("state", StateConfig, flags={f.name: False for f in fields(StateConfig)}),
+    Section(
+        "admission", AdmissionSettings, flags={f.name: False for f in fields(AdmissionSettings)}
+    ),
+    Section("tenants", list[TenantSettings]),
 )
 
 

@@ -132,6 +132,26 @@ class TooManyRequests(EdgeError):
     code = "rate_limit_exceeded"
 
 
+class Unauthorized(EdgeError):
+    """401 `invalid_api_key`: no API key where one is required, or a key that is not known."""
+
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers=((b"www-authenticate", b"Bearer"),))
+
+
+class Overloaded(EdgeError):
+    """503 `overloaded`: admission could not place the request within its deadline
+    (headers carry `retry-after`)."""
+
+    status = 503
+    type = "server_error"
+    code = "overloaded"
+
+
 class BadGateway(EdgeError):
     """502: the backend failed (connection died, garbage, or refused after all retries)."""
 
@@ -219,11 +239,13 @@ __all__ = [
     "MethodNotAllowed",
     "ModelNotFound",
     "NoHealthyBackend",
+    "Overloaded",
     "PayloadTooLarge",
     "RouteNotFound",
     "StateUnavailable",
     "TooEarly",
     "TooManyRequests",
+    "Unauthorized",
     "UnsupportedMediaType",
     "from_upstream",
     "stream_error_event",

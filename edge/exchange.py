@@ -24,7 +24,7 @@ class RequestHeaders:
     content_length: bytes | None = None
     request_id: bytes | None = None
     session: bytes | None = None
-    tenant: bytes | None = None
+    authorization: bytes | None = None
     traceparent: bytes | None = None
     tracestate: bytes | None = None
     conversation: bytes | None = None
@@ -36,7 +36,7 @@ _WANTED = {
     b"content-length": "content_length",
     b"x-request-id": "request_id",
     b"x-session-id": "session",
-    b"x-tenant-id": "tenant",
+    b"authorization": "authorization",
     b"traceparent": "traceparent",
     b"tracestate": "tracestate",
     b"x-quicedge-conversation": "conversation",
@@ -86,11 +86,21 @@ class Exchange:
     on_disconnect: OnDisconnect | None = None
     """The listener's `quicedge.on_disconnect`, when it offers one: no watcher task needed."""
     tenant: str = "anonymous"
-    """Whose request this is: state (conversations, cache entries) is kept per tenant."""
+    """The admitted tenant (from the API key, never from a header the client names); state
+    (conversations, cache entries) and limits are kept per tenant."""
     state: StateRequest | None = None
     """The stored-conversation / response-cache side of this request (`edge.state`), if any."""
     error: str | None = None
     """How the last backend attempt failed (None: it succeeded, or none was made)."""
+    tier: str = "bronze"
+    """The tenant's tier: gold | silver | bronze."""
+    tier_rank: int = 2
+    """The tier's place in the admission queue (0 = gold, served first)."""
+    holds_slot: bool = False
+    """Admission counted this request against its tenant's `max_concurrent`."""
+    content_chunks: int = 0
+    """Content chunks relayed to the client (about one token each): the completion tokens
+    charged to the tenant when the backend reported no usage."""
 
     def mark_responded(self) -> None:
         self.responded = True

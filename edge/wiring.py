@@ -23,6 +23,7 @@ from backends.pool import UpstreamPool
 from backends.registry import Backend, BackendRegistry, HealthConfig
 from edge import settings
 from edge.admin import AdminApp
+from edge.admission import Admission
 from edge.app import ProxyApp
 from edge.asgi import ASGIApp
 from edge.config import SECTIONS, ProxyConfig
@@ -67,6 +68,7 @@ class Wiring:
     metrics: Metrics
     catalog: ModelCatalog
     tracing: TracingSetup
+    admission: Admission
     discovery: Discovery | None = None
     state: StateStage | None = None
     _aborts: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -93,6 +95,7 @@ class Wiring:
         await self.pool.aclose()
         if self.state is not None:
             await self.state.aclose()
+        await self.admission.aclose()
         self.tracing.shutdown()
 
     def abort(self, backend: Backend, rid: str) -> None:
@@ -161,6 +164,7 @@ async def build(
     )
     policy = make_policy(config.policy)
     metrics = Metrics(registry)
+    admission = Admission(config.admission, metrics=metrics)
     registry.register(FleetCollector(backends.backends, pool.stats))
     tracing = TracingSetup(tracer) if tracer is not None else tracer_from_env(force=config.tracing)
     catalog = ModelCatalog(
@@ -178,6 +182,7 @@ async def build(
         tracing=tracing,
         discovery=finder,
         state=StateStage(config.state, registry=registry),
+        admission=admission,
     )
     wiring.app = ProxyApp(
         config=config,
@@ -189,6 +194,7 @@ async def build(
         abort=wiring.abort,
         tracer=tracing.tracer,
         state=wiring.state,
+        admission=admission,
     )
     wiring.admin_app = AdminApp(registry=registry, backends=backends, pool=pool, policy=policy)
     return wiring

@@ -8,6 +8,8 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from edge.admission.settings import AdmissionSettings, TenantSettings
+from edge.admission.tenants import key_digest
 from edge.state.config import CacheConfig, ConversationConfig, StateConfig
 from tests.edge.conftest import Recorded, Reply, health_ok
 
@@ -32,6 +34,18 @@ def state(
     )
     config.validate()
     return config
+
+
+def tenants(*names: str) -> AdmissionSettings:
+    """Tenants `names`, each with the API key `sk-NAME` (see `as_tenant`)."""
+    return AdmissionSettings(
+        tenants=[TenantSettings(name=n, api_key_sha256=[key_digest(f"sk-{n}")]) for n in names]
+    )
+
+
+def as_tenant(name: str) -> dict[str, str]:
+    """The headers of a request by tenant `name` of `tenants(...)`."""
+    return {"authorization": f"Bearer sk-{name}"}
 
 
 def chat_chunks(texts: Sequence[str], *, weight_version: str | None = None) -> list[bytes]:

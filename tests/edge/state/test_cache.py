@@ -14,7 +14,15 @@ from backends.sim import SimServer
 from edge.state.cache import Entry, ResponseCache
 from edge.state.config import CacheConfig
 from tests.edge.conftest import Reply, TinyUpstream, client, fast_config, run_edge
-from tests.edge.state.helpers import CHAT, ChatUpstream, chat_chunks, chat_whole, state
+from tests.edge.state.helpers import (
+    CHAT,
+    ChatUpstream,
+    as_tenant,
+    chat_chunks,
+    chat_whole,
+    state,
+    tenants,
+)
 from tests.edge.test_app_sim import sim_config
 from tests.helpers import RedisServer
 
@@ -69,8 +77,9 @@ async def test_only_allowed_tenants_deterministic_opted_in_requests_are_cached()
     upstream = ChatUpstream()
     settings = state(cache={"allow_tenants": ["alpha"]})
     async with TinyUpstream(upstream) as up:
-        async with run_edge(fast_config([up.url], state=settings)) as edge, client(edge) as http:
-            alpha = {**USE, "x-tenant-id": "alpha"}
+        config = fast_config([up.url], state=settings, admission=tenants("alpha", "beta"))
+        async with run_edge(config) as edge, client(edge) as http:
+            alpha = {**USE, **as_tenant("alpha")}
 
             async def twice(headers: dict[str, str], body: dict[str, Any]) -> list[str | None]:
                 out = []
@@ -85,9 +94,9 @@ async def test_only_allowed_tenants_deterministic_opted_in_requests_are_cached()
             assert await twice(alpha, sampled) == [None, None]  # not deterministic
             seeded = {**sampled, "seed": 42}
             assert await twice(alpha, seeded) == ["miss", "hit-l1"]
-            other = {**USE, "x-tenant-id": "beta"}
+            other = {**USE, **as_tenant("beta")}
             assert await twice(other, GREEDY) == [None, None]  # beta did not allow it
-            plain = {"x-tenant-id": "alpha"}
+            plain = as_tenant("alpha")
             assert await twice(plain, {**GREEDY, "max_tokens": 3}) == [None, None]  # no opt-in
             # tenants never share entries: the same request by another allowed tenant misses
     # every request that was not a hit reached the upstream

@@ -15,7 +15,15 @@ from backends.sim import SimServer
 from edge.routing.base import RequestView
 from edge.stages.view import build_view
 from tests.edge.conftest import Reply, TinyUpstream, client, fast_config, run_edge
-from tests.edge.state.helpers import CHAT, ChatUpstream, chat_chunks, sse_events, state
+from tests.edge.state.helpers import (
+    CHAT,
+    ChatUpstream,
+    as_tenant,
+    chat_chunks,
+    sse_events,
+    state,
+    tenants,
+)
 from tests.edge.test_app_sim import sim_config
 from tests.helpers import RedisServer
 
@@ -175,14 +183,15 @@ async def test_the_ttft_policy_sees_the_previous_turn_cached() -> None:
 async def test_another_tenants_id_is_not_found() -> None:
     upstream = ChatUpstream()
     async with TinyUpstream(upstream) as up:
-        async with run_edge(fast_config([up.url])) as edge, client(edge) as http:
-            mine = {"x-tenant-id": "alpha"}
+        config = fast_config([up.url], admission=tenants("alpha", "beta"))
+        async with run_edge(config) as edge, client(edge) as http:
+            mine = as_tenant("alpha")
             first = await http.post(CHAT, headers={**mine, "x-quicedge-conversation": "new"},
                                     json={"messages": [USER]})  # fmt: skip
             conv = first.headers["x-quicedge-conversation"]
             other = await http.post(
                 CHAT,
-                headers={"x-tenant-id": "beta", "x-quicedge-conversation": conv},
+                headers={**as_tenant("beta"), "x-quicedge-conversation": conv},
                 json={"messages": turn("what did alpha say?")},
             )
             assert other.status_code == 404
@@ -194,7 +203,7 @@ async def test_another_tenants_id_is_not_found() -> None:
             rid = made.json()["id"]
             stolen = await http.post(
                 "/v1/responses",
-                headers={"x-tenant-id": "beta"},
+                headers=as_tenant("beta"),
                 json={"input": "hi", "previous_response_id": rid},
             )
             assert stolen.status_code == 404
