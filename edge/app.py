@@ -16,6 +16,8 @@ from typing import Any
 
 from backends.pool import UpstreamPool
 from backends.registry import BackendRegistry
+from edge.admission import Admission, AdmissionSettings
+from edge.admission.tenants import Tenant
 from edge.asgi import Receive, Scope, Send, lifespan, render_error, send_json
 from edge.attempt import Aborter, Attempts
 from edge.audit import AuditLog
@@ -41,11 +43,13 @@ from edge.stages.forward import (
 )
 from edge.stages.validate import CHAT, COMPLETIONS, GENERATE, validate
 from edge.stages.view import build_view
+from edge.state.responses import RESPONSES
+from edge.state.stage import StateStage
 from edge.telemetry import Metrics, RequestTrace, Tracer
 
 log = logging.getLogger(__name__)
 
-INFERENCE_ROUTES = (CHAT, COMPLETIONS, GENERATE)
+INFERENCE_ROUTES = (CHAT, COMPLETIONS, GENERATE, RESPONSES)
 _TRANSPORT_BY_VERSION = {"3": "h3", "2": "h2", "2.0": "h2"}
 
 
@@ -63,6 +67,8 @@ class ProxyApp:
         catalog: ModelCatalog,
         abort: Aborter,
         tracer: Tracer | None = None,
+        state: StateStage | None = None,
+        admission: Admission | None = None,
         gateway: PolicyGateway | None = None,
         audit: AuditLog | None = None,
     ) -> None:
@@ -75,9 +81,11 @@ class ProxyApp:
         self.catalog = catalog
         self.abort = abort
         self.tracer = tracer
+        self.state = state
+        self.admission = admission or Admission(AdmissionSettings(), metrics=metrics)
         self.attempts = Attempts(
             config=config, pool=pool, registry=registry, policy=policy, metrics=metrics,
-            abort=abort, gateway=gateway,
+            abort=abort, admission=self.admission, gateway=gateway,
         )  # fmt: skip
 
     @property
@@ -156,6 +164,7 @@ class ProxyApp:
         ex: Exchange | None = None
         try:
             request_id = request_id_from(headers.request_id)
+            tenant = self.admission.identify(headers.authorization)
             if self.tracer is not None:  # decided once: no tracer, no span objects
                 trace = RequestTrace(
                     self.tracer,
@@ -167,7 +176,8 @@ class ProxyApp:
                         "quicedge.transport": transport,
                         "quicedge.early_data": early,
                         "quicedge.request_id": request_id,
-                        "quicedge.tenant": (headers.tenant or b"default").decode("latin-1"),
+                        "quicedge.tenant": tenant.name,
+                        "quicedge.tier": tenant.tier,
                         "quicedge.policy": self.policy.name,
                     },
                 )
@@ -178,11 +188,22 @@ class ProxyApp:
                 handshake_wait=wait, request_id=request_id, headers=headers, trace=trace,
                 body_writer=ext.get("quicedge.body_writer"),
                 on_disconnect=ext.get("quicedge.on_disconnect"),
+                tenant=tenant.name, tier=tenant.tier, tier_rank=tenant.rank,
             )  # fmt: skip
             if wait > 0:
                 self.metrics.handshake_wait.observe(wait)
-            await self._parse_and_admit(ex, receive)
-            await self._forward(ex, receive, send)
+            try:
+                await self._parse_and_admit(ex, receive, tenant)
+                try:
+                    relay_send = send if ex.state is None else await ex.state.begin(send)
+                    if relay_send is not None:  # None: answered from the response cache
+                        await self._forward(ex, receive, relay_send)
+                finally:
+                    reported = ex.usage.completion_tokens if ex.usage is not None else None
+                    self.admission.finish(ex, ex.content_chunks if reported is None else reported)
+            finally:
+                if ex.state is not None:
+                    await ex.state.finish()
         except EdgeError as err:
             if self.audit is not None and ex is not None:
                 self.audit.record_exchange(ex, ex.status if ex.started else err.status)
@@ -192,7 +213,10 @@ class ProxyApp:
             if ex is not None:
                 request_id = ex.request_id  # the label, which the body may have given
             if ex is not None and ex.started:  # too late for an error page; the stream ended
-                log.warning("request %s failed after the response started: %s", request_id, err)
+                log.warning(
+                    "request %s (tenant %s) failed after the response started: %s",
+                    request_id, ex.tenant, err,
+                )  # fmt: skip
                 self.metrics.requests.labels(route, str(ex.status)).inc()
                 return
             err.extra_headers = (*err.extra_headers, (b"x-request-id", request_id.encode()))
@@ -215,8 +239,8 @@ class ProxyApp:
             trace.set("quicedge.retries", ex.retries)
             trace.end(time.perf_counter(), error="client disconnected" if ex.disconnected else None)
 
-    async def _parse_and_admit(self, ex: Exchange, receive: Receive) -> None:
-        """Parse (body, JSON once) then admit (fields, model, routing view)."""
+    async def _parse_and_admit(self, ex: Exchange, receive: Receive, tenant: Tenant) -> None:
+        """Parse (body, JSON once) then admit (fields, model, routing view, tenant quota)."""
         h = ex.headers
         if self.audit is not None:
             self.audit.admit()  # a full audit queue may refuse new requests (`when_full`)
@@ -225,6 +249,10 @@ class ProxyApp:
         declared_length(h.content_length, limit)
         raw = await read_body(receive, limit)
         body = parse_json_object(raw)
+        if self.state is not None:  # stored conversations, /v1/responses, the response cache
+            raw, body = await self.state.prepare(ex, raw, body)
+        elif ex.route == RESPONSES:
+            raise RouteNotFound(f"no route for POST {RESPONSES}")
         t_parsed = time.perf_counter()
         ex.stream = validate(ex.route, body)
         if ex.route != GENERATE:
@@ -257,6 +285,7 @@ class ProxyApp:
             traceparent=traceparent,
             tracestate=tracestate,
         )
+        await self.admission.admit(ex, tenant)  # last: nothing after it may fail and leak a slot
         t_admitted = time.perf_counter()
         self.metrics.stage_parse.observe(t_parsed - ex.t0)
         self.metrics.stage_admit.observe(t_admitted - t_parsed)

@@ -24,6 +24,7 @@ from backends.errors import (
 )
 from backends.pool import UpstreamPool, UpstreamResponse
 from backends.registry import Backend, BackendRegistry, InFlight
+from edge.admission import Admission
 from edge.asgi import Send
 from edge.config import ProxyConfig
 from edge.errors import BadGateway, EdgeError, NoHealthyBackend, TooManyRequests, from_upstream
@@ -68,8 +69,10 @@ class Attempts:
         policy: RoutingPolicy,
         metrics: Metrics,
         abort: Aborter,
+        admission: Admission,
         gateway: PolicyGateway | None = None,
     ) -> None:
+        self.admission = admission
         self.config = config
         self.gateway = gateway
         self.pool = pool
@@ -84,7 +87,9 @@ class Attempts:
         last: _Retry | None = None
         assert ex.view is not None
         for attempt in range(self.config.max_retries + 1):
-            candidates = [b for b in self.registry.candidates() if b not in tried]
+            candidates = await self.admission.place(
+                ex, lambda: [b for b in self.registry.candidates() if b not in tried]
+            )
             if not candidates:
                 if last is not None:
                     raise last.error
@@ -184,6 +189,7 @@ class Attempts:
                 if result.first_upstream is not None:
                     upstream_ttft = result.first_upstream - t_send
                 account_stream(self.metrics, ex, backend, result, t_send, upstream_ttft)
+                ex.content_chunks = len(result.gaps) + (result.first_client is not None)
             else:
                 try:
                     body = await read_whole(response, MAX_UPSTREAM_BODY)
@@ -207,6 +213,7 @@ class Attempts:
                 self._abort(ex, backend)
             raise
         finally:
+            ex.error = error
             if response is not None and not response.complete:
                 await response.aclose()  # aborts the upstream request (its connection closes)
             self.policy.observe(

@@ -132,6 +132,26 @@ class TooManyRequests(EdgeError):
     code = "rate_limit_exceeded"
 
 
+class Unauthorized(EdgeError):
+    """401 `invalid_api_key`: no API key where one is required, or a key that is not known."""
+
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers=((b"www-authenticate", b"Bearer"),))
+
+
+class Overloaded(EdgeError):
+    """503 `overloaded`: admission could not place the request within its deadline
+    (headers carry `retry-after`)."""
+
+    status = 503
+    type = "server_error"
+    code = "overloaded"
+
+
 class BadGateway(EdgeError):
     """502: the backend failed (connection died, garbage, or refused after all retries)."""
 
@@ -159,6 +179,31 @@ class GatewayTimeout(EdgeError):
 POOL_BUSY_RETRY_AFTER = b"1"
 """Seconds a client is asked to wait after a 503 `pool_busy` (RFC 9110 §10.2.3): connections
 come free as streams end, so a short wait is enough."""
+
+
+class ConversationNotFound(EdgeError):
+    """404: a stored conversation (or response) that does not exist, expired, or is another
+    tenant's; the three look the same, so an id leaks nothing."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "conversation_not_found"
+
+
+class ConversationBusy(EdgeError):
+    """409: another turn of the same conversation is in progress."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "conversation_busy"
+
+
+class StateUnavailable(EdgeError):
+    """503: the state store (Redis) did not answer in time; stateless requests go on."""
+
+    status = 503
+    type = "server_error"
+    code = "state_unavailable"
 
 
 class PolicyRefused(EdgeError):
@@ -255,6 +300,8 @@ def stream_error_event(err: EdgeError) -> bytes:
 __all__ = [
     "AuditBacklog",
     "BadGateway",
+    "ConversationBusy",
+    "ConversationNotFound",
     "EdgeError",
     "GatewayTimeout",
     "InvalidJSON",
@@ -263,14 +310,17 @@ __all__ = [
     "ModelNotAllowed",
     "ModelNotFound",
     "NoHealthyBackend",
+    "Overloaded",
     "PayloadTooLarge",
     "PolicyLimit",
     "PolicyRefused",
     "PolicyUnavailable",
     "RouteNotFound",
+    "StateUnavailable",
     "StreamRefusal",
     "TooEarly",
     "TooManyRequests",
+    "Unauthorized",
     "UnsupportedMediaType",
     "from_upstream",
     "stream_error_event",

@@ -87,7 +87,9 @@ def load_settings(
         discovery = loaded.get("discovery", DiscoveryConfig)
         try:
             # With discovery the `--backend` list may start empty: the first lookup fills it.
-            loaded.get("proxy", ProxyConfig).validate(need_backends=discovery.mode == "static")
+            proxy = loaded.get("proxy", ProxyConfig)
+            proxy.validate(need_backends=discovery.mode == "static")
+            proxy.with_features(loaded)
             make_source(discovery)  # fails here, not in a worker: outside a cluster, say
         except SettingsError:
             raise
@@ -117,8 +119,9 @@ class ProxyApps:
 
     async def open(self, registry: CollectorRegistry) -> ServedApps:
         discovery = self.settings.get("discovery", DiscoveryConfig)
+        proxy = self.settings.get("proxy", ProxyConfig)
         built = await wiring.build(
-            self.settings.get("proxy", ProxyConfig),
+            proxy,
             registry=registry,
             discovery=discovery,
             policies=self.settings.get("policy", PolicyConfig),

@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -136,6 +136,53 @@ class Metrics:
         self.disconnects = LightCounter(
             "quicedge_client_disconnects",
             "Clients that went away before their answer was complete (upstream aborted)",
+            registry=registry,
+        )
+        self.tenant_requests = LightCounter(
+            "quicedge_tenant_requests",
+            "Requests admitted, by tenant and tier",
+            ["tenant", "tier"],
+            registry=registry,
+        )
+        self.tenant_tokens = LightCounter(
+            "quicedge_tenant_tokens",
+            "Tokens charged to each tenant: prompt (estimated at admission) and completion "
+            "(reported by the backend)",
+            ["tenant", "kind"],
+            registry=registry,
+        )
+        self.admission_rejections = LightCounter(
+            "quicedge_admission_rejections",
+            "Requests refused by admission, by tenant (`-` when unknown) and reason "
+            "(unauthorized, requests, tokens, concurrency)",
+            ["tenant", "reason"],
+            registry=registry,
+        )
+        self.admission_local = LightCounter(
+            "quicedge_admission_local_decisions",
+            "Rate-limit decisions taken by this process's fallback buckets while Redis was "
+            "unavailable, by tenant",
+            ["tenant"],
+            registry=registry,
+        )
+        self.admission_queue_wait = LightHistogram(
+            "quicedge_admission_queue_wait_seconds",
+            "Time requests spent in the admission queue, by tier and outcome (placed, refused)",
+            ["tier", "outcome"],
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.redis_state = Gauge(
+            "quicedge_redis_breaker_state",
+            "Breaker of a Redis-backed feature: 0 closed (in use), 1 half-open (probing), "
+            "2 open (local fallback)",
+            ["store"],
+            registry=registry,
+        )
+        self.redis_trips = LightCounter(
+            "quicedge_redis_breaker_trips",
+            "Times a Redis-backed feature's breaker opened",
+            ["store"],
             registry=registry,
         )
         self.stage = LightHistogram(

@@ -23,6 +23,7 @@ from backends.pool import UpstreamPool
 from backends.registry import Backend, BackendRegistry, HealthConfig
 from edge import settings
 from edge.admin import AdminApp
+from edge.admission import Admission
 from edge.app import ProxyApp
 from edge.asgi import ASGIApp
 from edge.audit import AuditConfig, AuditLog
@@ -31,6 +32,7 @@ from edge.models import ModelCatalog
 from edge.policy.config import PolicyConfig
 from edge.policy.gateway import PolicyGateway
 from edge.routing.base import RoutingPolicy, make_policy
+from edge.state.stage import StateStage
 from edge.telemetry import (
     AuditCollector,
     FleetCollector,
@@ -76,7 +78,9 @@ class Wiring:
     metrics: Metrics
     catalog: ModelCatalog
     tracing: TracingSetup
+    admission: Admission
     discovery: Discovery | None = None
+    state: StateStage | None = None
     gateway: PolicyGateway | None = None
     audit: AuditLog | None = None
     _aborts: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -110,6 +114,9 @@ class Wiring:
             with contextlib.suppress(Exception):
                 await client.aclose()
         await self.pool.aclose()
+        if self.state is not None:
+            await self.state.aclose()
+        await self.admission.aclose()
         if self.gateway is not None:
             await self.gateway.aclose()
         if self.audit is not None:
@@ -185,6 +192,7 @@ async def build(
     )
     policy = make_policy(config.policy)
     metrics = Metrics(registry)
+    admission = Admission(config.admission, metrics=metrics)
     registry.register(FleetCollector(backends.backends, pool.stats))
     tracing = TracingSetup(tracer) if tracer is not None else tracer_from_env(force=config.tracing)
     catalog = ModelCatalog(
@@ -211,6 +219,8 @@ async def build(
         catalog=catalog,
         tracing=tracing,
         discovery=finder,
+        state=StateStage(config.state, registry=registry),
+        admission=admission,
         gateway=gateway,
         audit=audit_log,
     )
@@ -223,6 +233,8 @@ async def build(
         catalog=catalog,
         abort=wiring.abort,
         tracer=tracing.tracer,
+        state=wiring.state,
+        admission=admission,
         gateway=gateway,
         audit=audit_log,
     )
