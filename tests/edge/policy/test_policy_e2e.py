@@ -15,6 +15,9 @@ import httpx
 import pytest
 import wasmtime
 
+from edge.admission.settings import AdmissionSettings, TenantSettings
+from edge.admission.tenants import key_digest
+from edge.audit import AuditConfig
 from edge.policy.config import PolicyConfig
 from tests.edge.conftest import (
     LISTENERS,
@@ -208,3 +211,45 @@ async def test_failing_module_in_the_edge(tmp_path: Path, on_error: str) -> None
         assert response.json()["error"]["code"] == "policy_unavailable"
     else:
         assert response.status_code == 200
+
+
+async def test_admitted_tenant_and_tier_choose_the_rules_and_the_audit_records_them(
+    tmp_path: Path,
+) -> None:
+    """The tenant comes from the API key (admission), not from anything the client names."""
+    policy = {
+        "tenant_models": [{"tenant": "free-co", "models": ["small-*"]}],
+        "tiers": [{"tier": "bronze", "max_tokens": 16}],
+    }
+    async with TinyUpstream(script(["ok"])) as up:
+        cfg = fast_config([up.url])
+        cfg.admission = AdmissionSettings(tenants=[
+            TenantSettings(name="free-co", tier="bronze", api_key_sha256=[key_digest("sk-free")]),
+            TenantSettings(name="big-co", tier="gold", api_key_sha256=[key_digest("sk-big")]),
+        ])  # fmt: skip
+        audit = AuditConfig(path=str(tmp_path / "audit.jsonl"))
+        async with run_edge(cfg, policies=PolicyConfig.from_mapping(policy), audit=audit) as edge:
+            async with client(edge) as http:
+                body = {"model": "tiny-model", "prompt": "hi", "max_tokens": 64}
+
+                async def post(key: str, **extra: Any) -> httpx.Response:
+                    headers = {"authorization": f"Bearer {key}", "x-tenant-id": "big-co"}
+                    return await http.post("/v1/completions", json={**body, **extra},
+                                           headers=headers)  # fmt: skip
+
+                model = await post("sk-free")  # the x-tenant-id header changes nothing
+                limit = await post("sk-big", max_tokens=64)
+                anonymous = await http.post("/v1/completions", json=body)
+            assert edge.wiring.audit is not None
+            await edge.wiring.audit.flush()
+    assert model.status_code == 403 and model.json()["error"]["code"] == "model_not_allowed"
+    assert model.headers["x-quicedge-policy-rule"] == "models:free-co"
+    assert limit.status_code == 200  # gold has no limit
+    assert anonymous.status_code == 400  # anonymous is bronze: max_tokens 64 > 16
+    assert anonymous.headers["x-quicedge-policy-rule"] == "tier:bronze:max_tokens"
+    lines = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    assert [(r["tenant"], r["decision"], r["rules"], r["status"]) for r in lines] == [
+        ("free-co", "deny", ["models:free-co"], 403),
+        ("big-co", "allow", [], 200),
+        ("anonymous", "deny", ["tier:bronze:max_tokens"], 400),
+    ]
