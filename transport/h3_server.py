@@ -123,6 +123,8 @@ class H3Protocol(QuicConnectionProtocol):
         self._writable: dict[int, asyncio.Future[None]] = {}
         self._flush: asyncio.Handle | None = None
         self._flush_since = 0.0  # when the write the pending flush is for was made
+        self._early: set[int] = set()  # started in 0-RTT, handshake not yet complete
+        self._early_deadline: asyncio.TimerHandle | None = None
         # Our own references: aioquic's (`_quic`, `_loop`) are private.
         self._connection = quic
         self._event_loop = asyncio.get_running_loop()
@@ -139,10 +141,12 @@ class H3Protocol(QuicConnectionProtocol):
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, HandshakeCompleted):
             self._server.handshake_completed(event, self._event_loop.time() - self._started_at)
+            self._stop_early_watch()
         for action in self._session.handle(event, self._event_loop.time()):
             self._execute(action)
         if self._session.terminated:
             self._release_writers(everyone=True)
+            self._stop_early_watch()
 
     def transmit(self) -> None:
         if self._flush is not None:  # this one sends what it was scheduled for
@@ -231,6 +235,8 @@ class H3Protocol(QuicConnectionProtocol):
             exchange.task = self._event_loop.create_task(
                 self._run_app(action.stream_id, action.scope, exchange)
             )
+            if extensions["early_data"] and not self._session.handshake_complete:
+                self._watch_early(action.stream_id)
         elif isinstance(action, RequestAborted):
             exchange = self._exchanges.get(action.stream_id)
             if exchange is not None:
@@ -242,6 +248,39 @@ class H3Protocol(QuicConnectionProtocol):
             self._server.request_refused(action)
         elif isinstance(action, EarlyRequest):
             self._server.early_request(action)
+
+    def _watch_early(self, stream_id: int) -> None:
+        """A request runs on early data: unless the handshake completes within the deadline,
+        it is cancelled. A replayed first flight never completes one, nor does a client that
+        vanished, and their generation would otherwise run until the idle timeout."""
+        self._early.add(stream_id)
+        if self._early_deadline is None:
+            self._early_deadline = self._event_loop.call_later(
+                self._server.limits.early_data_handshake_deadline, self._early_data_expired
+            )
+
+    def _stop_early_watch(self) -> None:
+        self._early.clear()
+        if self._early_deadline is not None:
+            self._early_deadline.cancel()
+            self._early_deadline = None
+
+    def _early_data_expired(self) -> None:
+        self._early_deadline = None
+        if self._session.handshake_complete or self._session.terminated:
+            return
+        expired = [(sid, self._exchanges[sid]) for sid in self._early if sid in self._exchanges]
+        self._early.clear()
+        if not expired:
+            return
+        self._send_written()
+        for stream_id, exchange in expired:
+            self._session.cancel(stream_id)
+            # As for a client's reset: `http.disconnect`, and the `quicedge.on_disconnect`
+            # callback, with which the proxy cancels its task and so the upstream request.
+            exchange.gone()
+        self._server.early_data_expired(len(expired))
+        self.transmit()
 
     async def _run_app(self, stream_id: int, scope: dict[str, Any], exchange: _Exchange) -> None:
         session = self._session
@@ -270,6 +309,7 @@ class H3Protocol(QuicConnectionProtocol):
             log.exception("ASGI app failed on %s %s", scope["method"], scope["path"])
         finally:
             self._exchanges.pop(stream_id, None)
+            self._early.discard(stream_id)
             if not self._session.terminated:
                 self._send_written()  # before a reset that would drop it
                 session.app_finished(stream_id)
@@ -423,6 +463,11 @@ class H3Server:
         if self.metrics is not None:
             self.metrics.stream_errors.labels(str(action.status or "reset")).inc()
         log.debug("stream %d refused: %s", action.stream_id, action.reason)
+
+    def early_data_expired(self, requests: int) -> None:
+        log.debug("%d early-data request(s) cancelled: handshake past its deadline", requests)
+        if self.metrics is not None:
+            self.metrics.early_data_expired.inc(requests)
 
     def early_request(self, action: EarlyRequest) -> None:
         if self.metrics is not None:
