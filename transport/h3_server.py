@@ -25,6 +25,7 @@ from aioquic.quic.events import HandshakeCompleted, QuicEvent
 from aioquic.quic.packet import pull_quic_header
 from aioquic.tls import SessionTicket
 
+from transport import aioquic_patches  # noqa: F401  (before any connection: see the module)
 from transport.aioquic_private import (
     has_connection,
     process_events,
@@ -170,8 +171,21 @@ class H3Protocol(QuicConnectionProtocol):
         and its chunks leave at once."""
         if len(self._exchanges) <= 1:
             self.transmit()
-        elif self._flush is None:
+            return
+        if not self._flush_since:
             self._flush_since = time.perf_counter()
+        if self._flush is None:
+            self._flush = self._event_loop.call_soon(self._flush_now)
+
+    def _reply_soon(self) -> None:
+        """Send the reply to what arrived (acknowledgements, the handshake's next flight, data
+        the peer's credit now lets through) once the callbacks that are ready now have run.
+
+        A client's flight comes as several datagrams read in one loop turn, and an early
+        request's app task is ready in the same turn: they share one transmit, and where they
+        fit, datagrams (a transmit that finds nothing to send still walks every packet number
+        space and stream)."""
+        if self._flush is None:
             self._flush = self._event_loop.call_soon(self._flush_now)
 
     def _flush_now(self) -> None:
@@ -180,9 +194,14 @@ class H3Protocol(QuicConnectionProtocol):
         self.transmit()
 
     def _flushed(self) -> None:
+        """The wait a write had for its transmit (writes on a connection with several
+        responses in flight; a reply to a datagram is not a write)."""
+        if not self._flush_since:
+            return
         metrics = self._server.metrics
         if metrics is not None:
             metrics.h3_flush_delay.observe(time.perf_counter() - self._flush_since)
+        self._flush_since = 0.0
 
     def _send_written(self) -> None:
         """Send what is written and waiting for `transmit_soon` now: a stream reset takes the
@@ -191,11 +210,10 @@ class H3Protocol(QuicConnectionProtocol):
             self.transmit()
 
     def datagram_received(self, data: bytes | str, addr: NetworkAddress) -> None:
-        # As aioquic's, but the reply (acknowledgements, data the peer's credit now lets
-        # through) may go out with whatever else this turn writes.
+        # As aioquic's, but the reply goes out with whatever else this turn writes.
         self._connection.receive_datagram(cast(bytes, data), addr, now=self._event_loop.time())
         process_events(self)
-        self.transmit_soon()
+        self._reply_soon()
 
     def _unacked(self, stream_id: int) -> int:
         return unacked_bytes(self._connection, stream_id)
@@ -312,8 +330,8 @@ class H3Protocol(QuicConnectionProtocol):
             self._early.discard(stream_id)
             if not self._session.terminated:
                 self._send_written()  # before a reset that would drop it
-                session.app_finished(stream_id)
-                self.transmit()
+                if session.app_finished(stream_id):
+                    self.transmit()
 
     def app_tasks(self) -> list[asyncio.Task[None]]:
         return [e.task for e in self._exchanges.values() if e.task is not None]

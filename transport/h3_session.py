@@ -388,17 +388,21 @@ class H3Session:
                 self._finish(stream_id)
         return True
 
-    def app_finished(self, stream_id: int) -> None:
-        """The app returned; fix up a response it left incomplete."""
+    def app_finished(self, stream_id: int) -> bool:
+        """The app returned; fix up a response it left incomplete. True if that wrote
+        something to send (a 500, or a reset)."""
         req = self._requests.get(stream_id)
         if req is None:
-            return
+            return False
         if not req.response_started:
             self._respond(stream_id, 500, "internal server error")
             self._requests.pop(stream_id, None)
-        elif not req.response_done:
+            return True
+        if not req.response_done:
             self._h3.abort_stream(stream_id, ErrorCode.H3_INTERNAL_ERROR)
             self._requests.pop(stream_id, None)
+            return True
+        return False
 
     def _finish(self, stream_id: int) -> None:
         self._requests.pop(stream_id, None)
