@@ -198,7 +198,9 @@ class ServerThread:
         self._thread.join(10)
 
 
-async def drive(port: int, ca: Path, *, n: int, ticket: SessionTicket | None) -> tuple[int, int]:
+async def drive(
+    port: int, ca: Path, *, n: int, ticket: SessionTicket | None, timeout: float = 10.0
+) -> tuple[int, int]:
     """`n` connections one after another (0-RTT on each previous ticket when `ticket` is given);
     returns (answered, accepted in 0-RTT)."""
     answered = early = 0
@@ -221,7 +223,7 @@ async def drive(port: int, ca: Path, *, n: int, ticket: SessionTicket | None) ->
                 end_stream=True,
             )  # fmt: skip
             client.transmit()
-            await asyncio.wait_for(client.done.wait(), 10)
+            await asyncio.wait_for(client.done.wait(), timeout)
             for _ in range(1000):  # the next ticket comes with the handshake's end
                 if tickets:
                     break
@@ -253,28 +255,24 @@ def measure(
     return result
 
 
+async def first_ticket(port: int, ca: Path) -> SessionTicket | None:
+    """A full handshake that returns the ticket the server issued (starts a 0-RTT chain)."""
+    tickets: list[SessionTicket] = []
+    config = QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN, server_name="localhost")
+    config.load_verify_locations(str(ca))
+    async with connect(
+        "127.0.0.1", port, configuration=config, create_protocol=_Client,
+        session_ticket_handler=tickets.append,
+    ):  # fmt: skip
+        for _ in range(1000):
+            if tickets:
+                break
+            await asyncio.sleep(0.001)
+    return tickets[-1] if tickets else None
+
+
 def _first_ticket(server: ServerThread, ca: Path) -> Callable[[], SessionTicket | None]:
-    def take() -> SessionTicket | None:
-        async def one() -> SessionTicket | None:
-            tickets: list[SessionTicket] = []
-            config = QuicConfiguration(
-                is_client=True, alpn_protocols=H3_ALPN, server_name="localhost"
-            )
-            config.load_verify_locations(str(ca))
-            async with connect(
-                "127.0.0.1", server.server.port, configuration=config,
-                create_protocol=_Client, session_ticket_handler=tickets.append,
-            ) as client:  # fmt: skip
-                for _ in range(1000):
-                    if tickets:
-                        break
-                    await asyncio.sleep(0.001)
-                del client
-            return tickets[-1] if tickets else None
-
-        return asyncio.run(one())
-
-    return take
+    return lambda: asyncio.run(first_ticket(server.server.port, ca))
 
 
 def report(plain: list[Pass], profiled: list[Pass], top: int, out: Callable[[str], Any]) -> None:
