@@ -8,9 +8,10 @@ It starts one stand-in (`instant`: no simulated compute, so TTFT is network and 
 `quicedge serve` in front of it, and Caddy (`caddy run`, `GOMAXPROCS=1`, the development
 certificate, HTTP/3 on the same port) in front of the same stand-in. The edge and Caddy share the
 last CPU, the stand-in and the client the others. Each round runs `quicedge bench` once per
-(configuration, system), alternating which system goes first, each with its own in-process RTT
+(configuration, system), rotating which system goes first, each with its own in-process RTT
 relay, a new connection per request, and `--edge-pid` set to that system's process: the edge CPU
 per request is that process's user + system time from /proc over the measured requests.
+`--baseline-cwd` adds a second edge from another checkout (before/after in the same rounds).
 TTFT is reported in round trips of the relay: expected 1 for 0-RTT, 2 for H3, 3 for H2 (TLS 1.3
 over TCP); the excess over that is what the proxy, the stacks and the client add.
 Needs Debian's `caddy` (`make bench-references`). A measurement, not a test.
@@ -87,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--out", type=Path, default=Path("bench-out/h3-vs-caddy"))
     p.add_argument("--edge-cwd", default=str(REPO), help="run the edge from this checkout")
+    p.add_argument("--baseline-cwd", help="also run the edge from this checkout (`baseline`)")
     p.add_argument("--no-caddy", dest="caddy", action="store_false")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -109,19 +111,25 @@ def main(argv: list[str] | None = None) -> int:
         stack.callback(_stop, sim)
         _wait_listening(sim, sim_port)
         sim_url = f"http://127.0.0.1:{sim_port}"
-        port = _free_port()
-        h3_port = _free_port(socket.SOCK_DGRAM)
-        edge_cwd = Path(args.edge_cwd).resolve()
-        edge = _start(
-            "the edge",
-            [sys.executable, "-m", "edge.cli", "serve", "--backend", sim_url,
-             "--h3", f"127.0.0.1:{h3_port}", "--tcp", f"127.0.0.1:{port}", "--admin", "off"],
-            log=args.out / "edge.log", cpus=proxy_cpus, cwd=edge_cwd,
-            env=dict(os.environ, PYTHONPATH=str(edge_cwd)),
-        )  # fmt: skip
-        stack.callback(_stop, edge)
-        _wait_listening(edge, port)
-        systems = {"quicedge": (edge.proc.pid, h3_port, port)}
+        systems: dict[str, tuple[int, int, int]] = {}
+        edges = {"quicedge": args.edge_cwd}
+        if args.baseline_cwd:
+            edges["baseline"] = args.baseline_cwd
+        for name, where in edges.items():
+            port = _free_port()
+            h3_port = _free_port(socket.SOCK_DGRAM)
+            edge_cwd = Path(where).resolve()
+            edge = _start(
+                name,
+                [sys.executable, "-m", "edge.cli", "serve", "--backend", sim_url,
+                 "--h3", f"127.0.0.1:{h3_port}", "--tcp", f"127.0.0.1:{port}",
+                 "--admin", "off"],
+                log=args.out / f"{name}.log", cpus=proxy_cpus, cwd=edge_cwd,
+                env=dict(os.environ, PYTHONPATH=str(edge_cwd)),
+            )  # fmt: skip
+            stack.callback(_stop, edge)
+            _wait_listening(edge, port)
+            systems[name] = (edge.proc.pid, h3_port, port)
         if args.caddy:
             assert caddy is not None
             cport = _free_port()
@@ -148,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         for r in range(args.rounds):
-            order = list(systems) if r % 2 == 0 else list(reversed(systems))
+            order = list(systems)[r % len(systems) :] + list(systems)[: r % len(systems)]
             for config in args.configs:
                 for name in order:
                     pid, h3p, tcpp = systems[name]
