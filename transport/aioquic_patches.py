@@ -14,9 +14,9 @@ repeated work rather than protocol work:
   (``hash(self._name_)``); aioquic looks epochs up in dicts and sets for every packet and every
   frame (``_cryptos[epoch]``, ``_spaces[epoch]``, ``epoch in frame_epochs``), ~80 ns each more
   than an int key. Enum members are singletons compared by identity, so the identity hash is
-  exact; it is installed only if no dict or set holds an ``Epoch`` yet (a value hashed the old
-  way would not be found again), which holds when this module is imported before any connection
-  exists. *Upstream:* ``Epoch(IntEnum)``, or plain ints.
+  exact; it is installed only if no connection exists yet (a value hashed the old way would not
+  be found again), which holds when this module is imported before any connection is made:
+  `transport.h3_server` imports it first. *Upstream:* ``Epoch(IntEnum)``, or plain ints.
 - **Certificate encoding.** Every full handshake DER-encodes the certificate and its chain again
   (``x.public_bytes(Encoding.DER)`` in ``tls.Context._server_handle_hello``). `pre_encoded`
   wraps the configuration's certificates so that the encoding is done once, at load.
@@ -34,6 +34,7 @@ from typing import Any, cast
 from aioquic import tls
 from aioquic.quic import connection as quic_connection
 from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
@@ -82,12 +83,19 @@ def pre_encoded(configuration: QuicConfiguration) -> QuicConfiguration:
 
 
 def epochs_hashed(objects: Iterable[object] | None = None) -> bool:
-    """Whether any of these (default: every live object) is a dict or set holding an Epoch
-    as a key or member."""
+    """Whether any of these (default: every object the collector tracks) holds an Epoch hashed
+    the old way: a QUIC connection or TLS context (aioquic keeps its Epoch-keyed dicts there),
+    or a set of epochs. Other dicts are not looked into: walking every dict's keys would add
+    ~3x the start-up time, for containers only aioquic's own objects hold."""
+    holders = (QuicConnection, tls.Context)
+    containers: tuple[type, ...] = (frozenset, set) if objects is None else (frozenset, set, dict)
     for obj in gc.get_objects() if objects is None else objects:
-        if isinstance(obj, dict | set | frozenset):
+        kind = type(obj)
+        if kind in holders:
+            return True
+        if kind in containers:
             try:
-                if any(type(k) is tls.Epoch for k in obj):
+                if any(type(k) is tls.Epoch for k in cast(Iterable[object], obj)):
                     return True
             except RuntimeError:  # changed size while we looked: another thread's
                 return True

@@ -55,6 +55,8 @@ def test_the_guard_sees_a_container_that_holds_an_epoch() -> None:
     assert patches.epochs_hashed([{tls.Epoch.INITIAL: 1}])
     assert patches.epochs_hashed([{"a"}, frozenset({tls.Epoch.ONE_RTT})])
     assert not patches.epochs_hashed([{"a": tls.Epoch.INITIAL}, [tls.Epoch.INITIAL], {1, 2}])
+    client = QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN)
+    assert patches.epochs_hashed([quic_connection.QuicConnection(configuration=client)])
 
 
 def test_pre_encoded_certificates_encode_once_and_delegate(dev_certs: DevCertificates) -> None:
