@@ -5,6 +5,8 @@ actions, which this module executes: start an app task, feed its receive queue, 
 ``http.disconnect``. Every write (an ASGI ``send``, or the ``quicedge.body_writer`` scope
 extension's, which needs no await) goes to the session and transmits at once, so each response
 chunk leaves in its own flush. ``quicedge.on_disconnect`` calls back when a request is aborted.
+Requests started on early data are aborted the same way if their handshake is not complete by
+``H3Limits.early_data_handshake_deadline``.
 """
 
 from __future__ import annotations
