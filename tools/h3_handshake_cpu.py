@@ -56,11 +56,12 @@ from transport.tls import CertificateFiles, TlsMaterial
 T = TypeVar("T")
 
 # (layer, module path prefixes), first match wins: aioquic's packet protection lives in
-# quic/crypto.py, its TLS 1.3 state machine in tls.py (which builds its messages with
+# quic/crypto.py and _crypto.py (AEAD and header protection over `cryptography`), its TLS 1.3
+# state machine in tls.py (which builds its messages with
 # contextlib's context managers); `cryptography` is signatures, key exchange, certificates.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("TLS messages", ("aioquic/tls.py", "cryptography/", "contextlib.py")),
-    ("packet protection", ("aioquic/quic/crypto.py",)),
+    ("packet protection", ("aioquic/quic/crypto.py", "aioquic/_crypto.py")),
     ("packet building", ("aioquic/quic/packet_builder.py", "aioquic/quic/packet.py",
                          "aioquic/buffer")),
     ("QUIC connection", ("aioquic/quic/",)),

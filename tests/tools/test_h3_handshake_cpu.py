@@ -18,6 +18,7 @@ def test_modules_fall_into_their_layers() -> None:
     assert layer(f"{aioquic_root}/tls.py") == "TLS messages"
     assert layer(f"{cryptography.__file__.rsplit('/', 1)[0]}/x509/base.py") == "TLS messages"
     assert layer(f"{aioquic_root}/quic/crypto.py") == "packet protection"
+    assert layer(f"{aioquic_root}/_crypto.py") == "packet protection"
     assert layer(f"{aioquic_root}/quic/packet_builder.py") == "packet building"
     assert layer(f"{aioquic_root}/quic/connection.py") == "QUIC connection"
     assert layer(f"{aioquic_root}/h3/connection.py") == "H3"

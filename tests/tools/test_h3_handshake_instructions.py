@@ -22,7 +22,7 @@ def test_a_small_run_drives_serve_and_reads_the_counts(
         'while [ "${1#--}" != "$1" ]; do shift; done\n'
         '"$@" & child=$!\n'
         "trap 'kill -TERM $child' TERM\n"
-        'wait $child; wait $child\n'
+        "wait $child; wait $child\n"
         "echo '==1== I   refs:      1,000,000' >&2\n"
     )
     fake.chmod(0o755)
