@@ -17,6 +17,12 @@ repeated work rather than protocol work:
   exact; it is installed only if no connection exists yet (a value hashed the old way would not
   be found again), which holds when this module is imported before any connection is made:
   `transport.h3_server` imports it first. *Upstream:* ``Epoch(IntEnum)``, or plain ints.
+- **TLS message framing.** aioquic's TLS engine writes and reads every length-prefixed block,
+  extension and handshake message through ``@contextmanager`` generators (``push_block``,
+  ``pull_block``, ``push_extension``, ``push_message``: ~60 a handshake), each a generator plus
+  a ``contextlib`` wrapper. They are replaced by small classes that do the same steps, in the
+  same order, and likewise skip the closing step when the block raised.
+  *Upstream:* the same classes in ``aioquic.tls``.
 - **Certificate encoding.** Every full handshake DER-encodes the certificate and its chain again
   (``x.public_bytes(Encoding.DER)`` in ``tls.Context._server_handle_hello``). `pre_encoded`
   wraps the configuration's certificates so that the encoding is done once, at load.
@@ -32,6 +38,7 @@ from collections.abc import Iterable
 from typing import Any, cast
 
 from aioquic import tls
+from aioquic.buffer import Buffer
 from aioquic.quic import connection as quic_connection
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
@@ -39,6 +46,91 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
 log = logging.getLogger("quicedge.transport.aioquic")
+
+ORIGINAL_FRAMING = {
+    name: getattr(tls, name)
+    for name in ("pull_block", "push_block", "push_extension", "push_message")
+}
+"""aioquic's own context managers, kept for the test that compares them with ours."""
+
+
+class _PullBlock:
+    """``tls.pull_block``: read a ``capacity``-byte length, then check the block used it all."""
+
+    __slots__ = ("_buf", "_end", "_length")
+
+    def __init__(self, buf: Buffer, capacity: int) -> None:
+        self._buf = buf
+        self._length = int.from_bytes(buf.pull_bytes(capacity), byteorder="big")
+        self._end = buf.tell() + self._length
+
+    def __enter__(self) -> int:
+        return self._length
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is None and self._buf.tell() != self._end:
+            # There was trailing garbage or our parsing was bad.
+            raise tls.AlertDecodeError("extra bytes at the end of a block")
+
+
+class _PushBlock:
+    """``tls.push_block``: leave ``capacity`` bytes for the length, write it at the end."""
+
+    __slots__ = ("_buf", "_capacity", "_start")
+
+    def __init__(self, buf: Buffer, capacity: int) -> None:
+        self._buf = buf
+        self._capacity = capacity
+        self._start = buf.tell() + capacity
+        buf.seek(self._start)
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is not None:
+            return
+        buf = self._buf
+        end = buf.tell()
+        buf.seek(self._start - self._capacity)
+        buf.push_bytes((end - self._start).to_bytes(self._capacity, byteorder="big"))
+        buf.seek(end)
+
+
+class _PushExtension(_PushBlock):
+    """``tls.push_extension``: the extension type, then a 2-byte length block."""
+
+    __slots__ = ()
+
+    def __init__(self, buf: Buffer, extension_type: int) -> None:
+        buf.push_uint16(extension_type)
+        super().__init__(buf, 2)
+
+
+class _PushMessage:
+    """``tls.push_message``: add the message's bytes to the transcript hash at the end."""
+
+    __slots__ = ("_buf", "_key_schedule", "_start")
+
+    def __init__(self, key_schedule: Any, buf: Buffer) -> None:
+        self._key_schedule = key_schedule
+        self._buf = buf
+        self._start = buf.tell()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is None:
+            self._key_schedule.update_hash(self._buf.data_slice(self._start, self._buf.tell()))
+
+
+FRAMING: dict[str, type] = {
+    "pull_block": _PullBlock,
+    "push_block": _PushBlock,
+    "push_extension": _PushExtension,
+    "push_message": _PushMessage,
+}
 
 _original_epochs = quic_connection.EPOCHS
 
@@ -103,7 +195,10 @@ def epochs_hashed(objects: Iterable[object] | None = None) -> bool:
 
 
 def _apply() -> dict[str, bool]:
-    applied = {"epochs_memoized": False, "epoch_identity_hash": False}
+    applied = {"epochs_memoized": False, "epoch_identity_hash": False, "tls_framing": False}
+    for name, replacement in FRAMING.items():
+        setattr(tls, name, replacement)
+    applied["tls_framing"] = True
     if quic_connection.EPOCHS is _original_epochs:
         quic_connection.EPOCHS = functools.cache(_original_epochs)
     applied["epochs_memoized"] = True

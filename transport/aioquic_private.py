@@ -66,6 +66,10 @@ ATTRIBUTES: tuple[Private, ...] = (
 PATCHED: tuple[tuple[str, str, str], ...] = (
     ("aioquic.quic.connection", "EPOCHS", "memoized: one frozenset per epoch string, shared"),
     ("aioquic.tls", "Epoch.__hash__", "the identity hash (Epoch is a plain Enum)"),
+    ("aioquic.tls", "pull_block", "a class with the same steps, not a @contextmanager generator"),
+    ("aioquic.tls", "push_block", "as for pull_block"),
+    ("aioquic.tls", "push_extension", "as for pull_block"),
+    ("aioquic.tls", "push_message", "as for pull_block"),
     ("aioquic.tls", "Context._server_handle_hello",
      "reads certificate.public_bytes(DER): given pre-encoded certificates"),
 )  # fmt: skip

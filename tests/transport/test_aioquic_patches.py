@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from typing import Any
 
+import pytest
 from aioquic import tls
+from aioquic.buffer import Buffer
 from aioquic.h3.connection import H3_ALPN
 from aioquic.quic import connection as quic_connection
 from aioquic.quic.configuration import QuicConfiguration
@@ -20,7 +23,13 @@ from transport.tls import CertificateFiles, TlsMaterial
 
 
 def test_both_changes_are_in_force_in_a_process_that_imports_the_transport() -> None:
-    assert patches.APPLIED == {"epochs_memoized": True, "epoch_identity_hash": True}
+    assert patches.APPLIED == {
+        "epochs_memoized": True,
+        "epoch_identity_hash": True,
+        "tls_framing": True,
+    }
+    for name, replacement in patches.FRAMING.items():
+        assert getattr(tls, name) is replacement
 
 
 def test_every_patched_name_exists_on_the_installed_aioquic() -> None:
@@ -78,3 +87,49 @@ def test_pre_encoded_certificates_encode_once_and_delegate(dev_certs: DevCertifi
     assert isinstance(plain.certificate, x509.Certificate)
     again = patches.pre_encoded(config)
     assert again.certificate is config.certificate  # idempotent
+
+
+class _Transcript:
+    def __init__(self) -> None:
+        self.hashed: list[bytes] = []
+
+    def update_hash(self, data: bytes) -> None:
+        self.hashed.append(data)
+
+
+def _framed(framing: dict[str, Any], *, fail: bool = False) -> tuple[bytes, list[bytes]]:
+    buf = Buffer(data=bytes(64))  # zeroed: a failed block leaves its length unwritten
+    transcript = _Transcript()
+    try:
+        with framing["push_message"](transcript, buf):
+            buf.push_uint8(1)
+            with framing["push_block"](buf, 3):
+                with framing["push_extension"](buf, 0x2B):
+                    buf.push_bytes(b"abc")
+                with framing["push_block"](buf, 1):
+                    buf.push_bytes(b"xy")
+                    if fail:
+                        raise ValueError("the block failed")
+    except ValueError:
+        pass
+    return buf.data, transcript.hashed
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_tls_framing_writes_what_aioquics_own_writes(fail: bool) -> None:
+    ours = _framed(patches.FRAMING, fail=fail)
+    assert ours == _framed(patches.ORIGINAL_FRAMING, fail=fail)
+    if not fail:
+        assert ours[0] == bytes.fromhex("01 00000a 002b0003616263 02 7879".replace(" ", ""))
+        assert ours[1] == [ours[0]]
+
+
+@pytest.mark.parametrize("framing", [patches.FRAMING, patches.ORIGINAL_FRAMING])
+def test_tls_framing_reads_blocks_and_refuses_trailing_bytes(framing: dict[str, Any]) -> None:
+    buf = Buffer(data=bytes.fromhex("0003616263ff"))
+    with framing["pull_block"](buf, 2) as length:
+        assert (length, buf.pull_bytes(3)) == (3, b"abc")
+    assert buf.pull_uint8() == 0xFF
+    short = Buffer(data=bytes.fromhex("03616263"))
+    with pytest.raises(tls.AlertDecodeError), framing["pull_block"](short, 1):
+        short.pull_bytes(2)
