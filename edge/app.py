@@ -23,6 +23,7 @@ from edge.errors import EdgeError, MethodNotAllowed, ModelNotFound, RouteNotFoun
 from edge.exchange import Exchange, read_headers
 from edge.models import ModelCatalog
 from edge.routing.base import RoutingPolicy
+from edge.routing.breakers import Breakers
 from edge.stages.body import (
     ClientGone,
     check_content_type,
@@ -61,6 +62,7 @@ class ProxyApp:
         catalog: ModelCatalog,
         abort: Aborter,
         tracer: Tracer | None = None,
+        breakers: Breakers | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
@@ -71,7 +73,7 @@ class ProxyApp:
         self.tracer = tracer
         self.attempts = Attempts(
             config=config, pool=pool, registry=registry, policy=policy, metrics=metrics,
-            abort=abort,
+            abort=abort, breakers=breakers,
         )  # fmt: skip
 
     @property

@@ -13,8 +13,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from backends.discovery import DiscoveryConfig
+from backends.registry import parse_labels
 from edge import settings
 from edge.routing.base import POLICY_NAMES
+from edge.routing.breakers import BreakerConfig
 from edge.settings import Section
 from transport.config import EarlyDataSettings, TransportConfig
 
@@ -28,7 +30,9 @@ class ProxyConfig:
     """Proxy-core settings. Times are in seconds, sizes in bytes."""
 
     backends: list[str] = field(default_factory=list)
-    """Base URLs of the SGLang servers, e.g. `http://10.0.0.5:30000`."""
+    """Base URLs of the SGLang servers, e.g. `http://10.0.0.5:30000`, each optionally with its
+    isolation-domain labels: `http://10.0.0.5:30000#model=llama3-v2&hardware=h100&tiers=gold+silver`
+    (see docs/routing.md, "Isolation and breakers")."""
     policy: str = "ttft"
     """Routing policy: round_robin, random, least_load, power_of_two, cache_aware or ttft."""
 
@@ -89,6 +93,9 @@ class ProxyConfig:
     """Create OpenTelemetry spans. Also turned on by OTEL_TRACES_EXPORTER=console|otlp."""
     models_ttl: float = 5 * SECONDS
     """How long the merged `/v1/models` list is reused before it is fetched again, s."""
+    expose_backend_names: bool = False
+    """Name the backend (its host:port) to clients: the `x-quicedge-backend` response header and
+    the upstream detail in error messages. Off: internal addresses never leave the edge."""
 
     def validate(self, *, need_backends: bool = True) -> ProxyConfig:
         """Raise ValueError naming the first bad setting; return self for chaining.
@@ -99,6 +106,11 @@ class ProxyConfig:
         for url in self.backends:
             if not url.startswith(("http://", "https://")) or "://" == url[-3:]:
                 raise ValueError(f"proxy: backend URL must be http://HOST:PORT, got {url!r}")
+        for url in self.backends:
+            try:
+                parse_labels(url)
+            except ValueError as exc:
+                raise ValueError(f"proxy.backends: {exc}") from None
         if len(set(self.backends)) != len(self.backends):
             raise ValueError("proxy: a backend URL is listed twice")
         if self.policy not in POLICY_NAMES:
@@ -174,6 +186,12 @@ SECTIONS: tuple[Section, ...] = (
         title="0-RTT early data ([early_data])",
     ),
     Section("proxy", ProxyConfig, flags=PROXY_FLAGS, title="proxy ([proxy])"),
+    Section(
+        "breakers",
+        BreakerConfig,
+        flags={f.name: f"--breaker-{f.name.replace('_', '-')}" for f in fields(BreakerConfig)},
+        title="circuit breakers per isolation domain ([breakers])",
+    ),
     Section(
         "discovery",
         DiscoveryConfig,

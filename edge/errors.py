@@ -148,6 +148,13 @@ class NoHealthyBackend(EdgeError):
     code = "no_healthy_backend"
 
 
+class CircuitOpen(NoHealthyBackend):
+    """503: backends are up, but every one that serves the request's tier is in an isolation
+    domain whose circuit breaker is open (`edge.routing.breakers`); carries Retry-After."""
+
+    code = "circuit_open"
+
+
 class GatewayTimeout(EdgeError):
     """504: the backend did not answer within the first-byte or between-chunk timeout."""
 
@@ -161,21 +168,31 @@ POOL_BUSY_RETRY_AFTER = b"1"
 come free as streams end, so a short wait is enough."""
 
 
-def from_upstream(exc: UpstreamError) -> EdgeError:
-    """Map a `backends.errors` exception to the client-facing error (the one mapping point)."""
+def from_upstream(exc: UpstreamError, *, expose: bool = False) -> EdgeError:
+    """Map a `backends.errors` exception to the client-facing error (the one mapping point).
+
+    The exception's text names the backend's address; it is in the message only with `expose`
+    (`[proxy] expose_backend_names`), else the address reads "the backend"."""
+    text = str(exc)
+    if not expose:
+        host = exc.base_url.partition("://")[2]
+        for name in (exc.base_url, host):
+            if name:
+                text = text.replace(name, "the backend")
+    detail = f": {text}"
     if isinstance(exc, UpstreamPoolBusy):
         return NoHealthyBackend(
-            f"no upstream connection is free: {exc}",
+            f"no upstream connection is free{detail}",
             code="pool_busy",
             headers=((b"retry-after", POOL_BUSY_RETRY_AFTER),),
         )
     if isinstance(exc, UpstreamTimeout):
-        return GatewayTimeout(f"upstream timed out: {exc}")
+        return GatewayTimeout(f"upstream timed out{detail}")
     if isinstance(exc, UpstreamConnectError):
-        return BadGateway(f"could not connect to a backend: {exc}")
+        return BadGateway(f"could not connect to a backend{detail}")
     if isinstance(exc, UpstreamProtocolError):
-        return BadGateway(f"backend connection failed: {exc}")
-    return BadGateway(f"backend error: {exc}")
+        return BadGateway(f"backend connection failed{detail}")
+    return BadGateway(f"backend error{detail}")
 
 
 def stream_error_event(err: EdgeError) -> bytes:
@@ -185,6 +202,7 @@ def stream_error_event(err: EdgeError) -> bytes:
 
 __all__ = [
     "BadGateway",
+    "CircuitOpen",
     "EdgeError",
     "GatewayTimeout",
     "InvalidJSON",

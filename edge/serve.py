@@ -22,6 +22,7 @@ from backends.discovery import DiscoveryConfig, make_source
 from edge import settings, wiring
 from edge.config import SECTIONS, ProxyConfig
 from edge.fleet_metrics import FleetMetrics, FleetPlan
+from edge.routing.breakers import BreakerConfig
 from edge.settings import Settings, SettingsError
 from transport.config import EarlyDataSettings, TransportConfig
 from transport.demo import DemoApps
@@ -116,8 +117,9 @@ class ProxyApps:
     async def open(self, registry: CollectorRegistry) -> ServedApps:
         discovery = self.settings.get("discovery", DiscoveryConfig)
         built = await wiring.build(
-            self.settings.get("proxy", ProxyConfig), registry=registry, discovery=discovery
-        )
+            self.settings.get("proxy", ProxyConfig), registry=registry, discovery=discovery,
+            breakers=self.settings.get("breakers", BreakerConfig),
+        )  # fmt: skip
         await built.start()
         admin_app = built.admin_app
         fleet = FleetMetrics(self.fleet, registry) if self.fleet is not None else None

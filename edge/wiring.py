@@ -14,6 +14,7 @@ import contextlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -28,6 +29,7 @@ from edge.asgi import ASGIApp
 from edge.config import SECTIONS, ProxyConfig
 from edge.models import ModelCatalog
 from edge.routing.base import RoutingPolicy, make_policy
+from edge.routing.breakers import BreakerConfig, Breakers
 from edge.telemetry import FleetCollector, Metrics, Tracer, TracingSetup, tracer_from_env
 
 log = logging.getLogger(__name__)
@@ -67,12 +69,15 @@ class Wiring:
     catalog: ModelCatalog
     tracing: TracingSetup
     discovery: Discovery | None = None
+    breakers: Breakers | None = None
     _aborts: set[asyncio.Task[Any]] = field(default_factory=set)
     _clients: dict[str, Any] = field(default_factory=dict)
 
     async def start(self) -> None:
         """Pre-warm pools, start health checks and load polling, learn the fleet's models."""
         await self.registry.start()
+        if self.breakers is not None:
+            self.breakers.start()
         await self.catalog.refresh()
         if self.discovery is not None:
             self.discovery.start(self.registry)
@@ -81,6 +86,8 @@ class Wiring:
         """Stop checks, let in-progress aborts finish briefly, close pools, flush spans."""
         if self.discovery is not None:
             await self.discovery.aclose()
+        if self.breakers is not None:
+            await self.breakers.aclose()
         await self.registry.aclose()
         if self._aborts:
             await asyncio.wait(set(self._aborts), timeout=1.0)
@@ -117,6 +124,7 @@ async def build(
     registry: CollectorRegistry,
     tracer: Tracer | None = None,
     discovery: DiscoveryConfig | None = None,
+    breakers: BreakerConfig | None = None,
 ) -> Wiring:
     """Make the proxy's objects (nothing is started: call `Wiring.start`).
 
@@ -157,6 +165,10 @@ async def build(
     )
     policy = make_policy(config.policy)
     metrics = Metrics(registry)
+    breaker_set = Breakers(
+        (breakers or BreakerConfig()).validate(), backends.backends, registry=registry,
+        model_info=partial(_model_info, config.health_timeout),
+    )  # fmt: skip
     registry.register(FleetCollector(backends.backends, pool.stats))
     tracing = TracingSetup(tracer) if tracer is not None else tracer_from_env(force=config.tracing)
     catalog = ModelCatalog(
@@ -173,6 +185,7 @@ async def build(
         catalog=catalog,
         tracing=tracing,
         discovery=finder,
+        breakers=breaker_set,
     )
     wiring.app = ProxyApp(
         config=config,
@@ -183,9 +196,19 @@ async def build(
         catalog=catalog,
         abort=wiring.abort,
         tracer=tracing.tracer,
+        breakers=breaker_set,
     )
-    wiring.admin_app = AdminApp(registry=registry, backends=backends, pool=pool, policy=policy)
+    wiring.admin_app = AdminApp(
+        registry=registry, backends=backends, pool=pool, policy=policy, breakers=breaker_set
+    )
     return wiring
+
+
+async def _model_info(timeout: float, backend: Backend) -> Mapping[str, Any]:
+    from backends.sglang import SGLangClient
+
+    async with SGLangClient(backend.url, timeout=timeout) as client:
+        return await client.model_info()
 
 
 async def _unset_app(scope: Any, receive: Any, send: Any) -> None:  # replaced in build()
