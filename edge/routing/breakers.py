@@ -214,7 +214,9 @@ class Breaker:
             self._samples_since += 1
             # Sorting the window on every sample would cost a list per request: every 8th is
             # enough for a p99 over 100 samples.
-            if len(self._ttfts) >= c.ttft_min_samples and self._samples_since >= 8:
+            if len(self._ttfts) >= c.ttft_min_samples and self._samples_since >= min(
+                8, c.ttft_min_samples
+            ):
                 self._samples_since = 0
                 ordered = sorted(self._ttfts)
                 self.ttft_p99 = ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]

@@ -22,6 +22,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry
 
 from edge.config import ProxyConfig
+from edge.routing.breakers import BreakerConfig
 from edge.wiring import Wiring, build
 from tests.helpers import async_wait_for_tcp, free_port
 from transport.h1_server import H1Listener
@@ -104,6 +105,7 @@ async def run_edge(
     certs: Any = None,
     start: bool = True,
     listener: str = "hypercorn",
+    breakers: BreakerConfig | None = None,
 ) -> AsyncIterator[Edge]:
     """The app on hypercorn (TLS when `certs` are given), or on our own plain HTTP/1.1 listener
     (`listener="h1"`, what `quicedge serve --http` runs, where the relay writes through the
@@ -116,7 +118,7 @@ async def run_edge(
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(exporter))
         tracer = provider.get_tracer("test")
-    wiring = await build(config, registry=registry, tracer=tracer)
+    wiring = await build(config, registry=registry, tracer=tracer, breakers=breakers)
     if start:
         await wiring.start()
     try:
