@@ -93,6 +93,10 @@ class ProxyConfig:
     """Create OpenTelemetry spans. Also turned on by OTEL_TRACES_EXPORTER=console|otlp."""
     models_ttl: float = 5 * SECONDS
     """How long the merged `/v1/models` list is reused before it is fetched again, s."""
+    max_pending_aborts: int = 256
+    """`/abort_request` calls in flight at once (sent when a client leaves mid-generation); one
+    more is dropped and counted (`quicedge_abort_requests_total{outcome="dropped"}`): closing
+    the upstream connection aborts the request anyway."""
     expose_backend_names: bool = False
     """Name the backend (its host:port) to clients: the `x-quicedge-backend` response header and
     the upstream detail in error messages. Off: internal addresses never leave the edge."""
@@ -141,6 +145,10 @@ class ProxyConfig:
             raise ValueError(f"proxy: max_retries must be >= 0, got {self.max_retries}")
         if self.pool_max_waiters < 0:
             raise ValueError(f"proxy: pool_max_waiters must be >= 0, got {self.pool_max_waiters}")
+        if self.max_pending_aborts < 0:
+            raise ValueError(
+                f"proxy: max_pending_aborts must be >= 0, got {self.max_pending_aborts}"
+            )
         if self.models_ttl < 0:
             raise ValueError(f"proxy: models_ttl must be >= 0, got {self.models_ttl}")
         if not 0 <= self.pool_warm_connections <= self.pool_max_connections:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 
 from backends.discovery import Discovery, DiscoveryConfig, make_source
 from backends.pool import UpstreamPool
@@ -70,6 +70,8 @@ class Wiring:
     tracing: TracingSetup
     discovery: Discovery | None = None
     breakers: Breakers | None = None
+    abort_outcomes: Counter | None = None
+    """`quicedge_abort_requests_total{outcome}`: sent, failed, dropped (over the cap)."""
     _aborts: set[asyncio.Task[Any]] = field(default_factory=set)
     _clients: dict[str, Any] = field(default_factory=dict)
 
@@ -99,7 +101,13 @@ class Wiring:
         self.tracing.shutdown()
 
     def abort(self, backend: Backend, rid: str) -> None:
-        """Fire `/abort_request {rid}` at the backend without waiting for it (never raises)."""
+        """Fire `/abort_request {rid}` at the backend without waiting for it (never raises).
+
+        At most `max_pending_aborts` are in flight: past that one is dropped and counted (a
+        flood of departing clients must not become a flood of tasks)."""
+        if len(self._aborts) >= self.config.max_pending_aborts:
+            self._count_abort("dropped")
+            return
         task = asyncio.ensure_future(self._abort(backend, rid))
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
@@ -115,7 +123,14 @@ class Wiring:
                 )
             await client.abort(rid)
         except Exception as exc:  # best effort: the closed upstream connection aborts it too
+            self._count_abort("failed")
             log.info("abort of %s on %s failed: %s", rid, backend.name, exc)
+        else:
+            self._count_abort("sent")
+
+    def _count_abort(self, outcome: str) -> None:
+        if self.abort_outcomes is not None:
+            self.abort_outcomes.labels(outcome).inc()
 
 
 async def build(
@@ -186,7 +201,13 @@ async def build(
         tracing=tracing,
         discovery=finder,
         breakers=breaker_set,
-    )
+        abort_outcomes=Counter(
+            "quicedge_abort_requests",
+            "Fire-and-forget /abort_request calls for requests whose client left, by outcome:"
+            " sent, failed, or dropped (over max_pending_aborts)",
+            ["outcome"], registry=registry,
+        ),
+    )  # fmt: skip
     wiring.app = ProxyApp(
         config=config,
         pool=pool,

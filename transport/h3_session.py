@@ -14,7 +14,9 @@ request reordered ahead of the Finished is treated as early: the safe side.
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote_to_bytes
@@ -58,6 +60,9 @@ class H3Limits:
     """Request body size; beyond it 413 (or a stream reset once the response has started)."""
     idle_timeout: float = 60 * SECONDS
     """A connection with no traffic for this long is closed (QUIC max_idle_timeout)."""
+    request_body_timeout: float = 60 * SECONDS
+    """A request body must arrive whole within this many seconds of its head, on every
+    listener: else 408 (HTTP/3: on the stream; once a response began, a reset or a close)."""
 
     def __post_init__(self) -> None:
         for name in ("max_concurrent_streams", "max_header_bytes", "max_body_bytes"):
@@ -65,6 +70,8 @@ class H3Limits:
                 raise ValueError(f"{name} must be >= 1")
         if self.idle_timeout <= 0:
             raise ValueError("idle_timeout must be > 0")
+        if self.request_body_timeout <= 0:
+            raise ValueError("request_body_timeout must be > 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +128,7 @@ class _Request:
     pending: list[RequestBody] = field(default_factory=list)
     response_started: bool = False
     response_done: bool = False
+    body_timer: asyncio.TimerHandle | None = None
 
 
 class H3Session:
@@ -133,8 +141,12 @@ class H3Session:
         policy: EarlyDataPolicy,
         limits: H3Limits,
         server: Address | None,
+        on_overdue: Callable[[list[Action]], None] | None = None,
     ) -> None:
         self._quic = quic
+        # Runs the actions of a request whose body missed its deadline (a timer's, outside
+        # `handle`); without it no body deadline is kept (an I/O-free session in tests).
+        self._on_overdue = on_overdue
         self._h3 = StreamConfinedH3Connection(quic, max_header_bytes=limits.max_header_bytes)
         self._policy = policy
         self._limits = limits
@@ -269,6 +281,10 @@ class H3Session:
         else:
             req.started = True
             actions.append(StartRequest(stream_id, scope))
+        if not event.stream_ended and self._on_overdue is not None:
+            req.body_timer = asyncio.get_running_loop().call_later(
+                self._limits.request_body_timeout, self._overdue, stream_id
+            )
         if event.stream_ended:
             self._on_data(stream_id, b"", True, actions)
 
@@ -285,11 +301,26 @@ class H3Session:
         if not data and not ended:
             return
         req.body_done = ended
+        if ended and req.body_timer is not None:
+            req.body_timer.cancel()
+            req.body_timer = None
         piece = RequestBody(stream_id, data, not ended)
         if req.started:
             actions.append(piece)
         else:
             req.pending.append(piece)
+
+    def _overdue(self, stream_id: int) -> None:
+        """The body deadline of `stream_id` passed (a slowloris): 408, the app sees it gone."""
+        req = self._requests.get(stream_id)
+        if req is None or req.body_done or self._on_overdue is None:
+            return
+        req.body_timer = None
+        actions: list[Action] = []
+        if req.started:
+            actions.append(RequestAborted(stream_id))
+        self._refuse(stream_id, 408, "request body not received in time", actions)
+        self._on_overdue(actions)
 
     def _on_reset(self, stream_id: int, actions: list[Action]) -> None:
         req = self._requests.pop(stream_id, None)
