@@ -172,14 +172,15 @@ def from_upstream(exc: UpstreamError, *, expose: bool = False) -> EdgeError:
     """Map a `backends.errors` exception to the client-facing error (the one mapping point).
 
     The exception's text names the backend's address; it is in the message only with `expose`
-    (`[proxy] expose_backend_names`), else the address reads "the backend"."""
-    text = str(exc)
-    if not expose:
-        host = exc.base_url.partition("://")[2]
-        for name in (exc.base_url, host):
-            if name:
-                text = text.replace(name, "the backend")
-    detail = f": {text}"
+    (`[proxy] expose_backend_names`). Otherwise the pool's and the timeouts' own texts keep
+    their detail with the address read as "the backend", and the rest (which may quote an OS
+    error, address and all) say only what failed."""
+    if expose:
+        detail = f": {exc}"
+    elif isinstance(exc, UpstreamPoolBusy | UpstreamTimeout) and exc.base_url:
+        detail = ": " + str(exc).replace(exc.base_url, "the backend")
+    else:
+        detail = ""
     if isinstance(exc, UpstreamPoolBusy):
         return NoHealthyBackend(
             f"no upstream connection is free{detail}",
