@@ -138,6 +138,10 @@ def serves(backend: Backend, tier: str) -> bool:
     return tiers is None or tier in tiers.split("+")
 
 
+_UNSEEN: Any = object()
+"""A backend the per-tier table has no entry for yet."""
+
+
 class Breaker:
     """The breaker of one domain: its state and the windows that decide it."""
 
@@ -290,6 +294,12 @@ class Breakers:
         self._tables: dict[str, dict[Backend, Breaker | None]] = {t: {} for t in TIERS}
         """Per tier: backend → its breaker (None: the backend does not serve the tier)."""
         self._task: asyncio.Task[None] | None = None
+        self._not_closed = 0
+        """Breakers open or half-open: none, and `allowed` has nothing to check."""
+        self._restricted = False
+        """Some backend's `tiers` label leaves a tier out."""
+        self._known = -1
+        """How many backends the last full scan (`update_kv`) saw; another count is news."""
         self._state: Gauge | None = None
         self._transitions: Counter | None = None
         self._refused: Counter | None = None
@@ -322,6 +332,8 @@ class Breakers:
         except KeyError:
             pass
         found: Breaker | None = None
+        if "tiers" in backend.labels:
+            self._restricted = True
         if serves(backend, tier):
             model, hardware = domain_of(backend)
             found = self._domain(model, tier, hardware)
@@ -340,12 +352,17 @@ class Breakers:
     def allowed(self, candidates: list[Backend], tier: str) -> list[Backend]:
         """The candidates whose domain for `tier` takes new work (open: no; half-open: while a
         probe slot is free)."""
-        if not self.config.enabled:
-            return candidates
+        if not self.config.enabled or (
+            not self._not_closed and not self._restricted and len(self.backends) == self._known
+        ):
+            return candidates  # every breaker closed, every backend serves every tier
         out: list[Backend] | None = None
         now = 0.0
+        table = self._tables.get(tier)
         for i, backend in enumerate(candidates):
-            breaker = self._breaker(backend, tier)
+            breaker = table.get(backend, _UNSEEN) if table is not None else _UNSEEN
+            if breaker is _UNSEEN:
+                breaker = self._breaker(backend, tier)
             ok = True
             if breaker is None:
                 ok = False
@@ -435,6 +452,7 @@ class Breakers:
         if before == state:
             return
         breaker.state = state
+        self._not_closed += (state != CLOSED) - (before != CLOSED)
         breaker.reason = reason
         breaker.probes = 0
         breaker.probe_successes = 0
@@ -466,6 +484,8 @@ class Breakers:
         for tier in TIERS:
             for backend in self.backends:
                 self._breaker(backend, tier)  # domains exist before their first request
+        self._restricted = any("tiers" in b.labels for b in self.backends)
+        self._known = len(self.backends)
         for breaker in self._domains.values():
             found = usage.get((breaker.model, breaker.hardware))
             breaker.kv_usage = sum(found) / len(found) if found else None
@@ -481,6 +501,7 @@ class Breakers:
         domains no backend is in any more."""
         for table in self._tables.values():
             table.clear()
+        self._known = -1
         live = {domain_of(b) for b in self.backends}
         for key, breaker in list(self._domains.items()):
             if breaker.state == CLOSED and (breaker.model, breaker.hardware) not in live:

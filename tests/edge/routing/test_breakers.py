@@ -179,6 +179,19 @@ def test_a_backend_serves_only_the_tiers_its_label_names() -> None:
     assert breakers.allowed([gold_only, anyone], "bronze") == [anyone]
 
 
+def test_the_all_closed_shortcut_still_sees_tiers_and_new_backends() -> None:
+    anyone = backend("x")
+    breakers, _, _ = make(SMALL, anyone)
+    breakers.update_kv()  # a full scan: every breaker closed, no tier left out
+    candidates = [anyone]
+    assert breakers.allowed(candidates, "bronze") is candidates
+    gold_only = backend("g", "tiers=gold")
+    breakers.backends.append(gold_only)  # as discovery adds one, between two scans
+    assert breakers.allowed([anyone, gold_only], "bronze") == [anyone]
+    fail(breakers, anyone, "silver", 4)
+    assert breakers.allowed([anyone, gold_only], "silver") == []
+
+
 def test_disabled_breakers_pass_every_candidate() -> None:
     a = backend("a", "tiers=gold")
     breakers, _, _ = make(BreakerConfig(enabled=False, min_requests=1), a)
