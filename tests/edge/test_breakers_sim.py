@@ -38,6 +38,11 @@ async def domains(edge: Edge) -> dict[str, dict[str, Any]]:
     return {d["hardware"]: d for d in body["breakers"] if d["tier"] == "gold"}
 
 
+async def metrics_text(edge: Edge) -> str:
+    async with httpx.AsyncClient(base_url=edge.admin_url) as admin:
+        return (await admin.get("/metrics")).text
+
+
 def sim(name: str, **values: Any) -> SimServer:
     return SimServer(SimConfig(**{"name": name, "port": 0, "profile": "instant", **values}))
 
@@ -59,7 +64,7 @@ async def test_a_failing_group_opens_its_breaker_while_the_other_serves_then_clo
             [f"{bad.url}#hardware=a", f"{good.url}#hardware=b"],
             policy="round_robin", eject_after_failures=1000, max_retries=0,
         )  # fmt: skip
-        async with run_edge(config, breakers=breakers) as edge, client(edge) as http:
+        async with run_edge(config, breakers=breakers, trace=True) as edge, client(edge) as http:
             statuses = [
                 (await http.post("/v1/chat/completions", json=CHAT)).status_code for _ in range(8)
             ]
@@ -69,7 +74,7 @@ async def test_a_failing_group_opens_its_breaker_while_the_other_serves_then_clo
             assert "error rate" in state["a"]["reason"]
             for _ in range(6):
                 assert (await http.post("/v1/chat/completions", json=CHAT)).status_code == 200
-            metrics = (await httpx.AsyncClient(base_url=edge.admin_url).get("/metrics")).text
+            metrics = await metrics_text(edge)
             assert 'quicedge_breaker_state{hardware="a",model="default",tier="gold"} 2.0' in metrics
             failing["on"] = False
 
@@ -83,10 +88,17 @@ async def test_a_failing_group_opens_its_breaker_while_the_other_serves_then_clo
                 response = await http.post("/v1/chat/completions", json=CHAT)
                 assert response.status_code == 200
             assert len(inference(bad)) == before + 3  # group a takes its share again
-            assert (
-                'to="half_open"'
-                in (await httpx.AsyncClient(base_url=edge.admin_url).get("/metrics")).text
-            )
+            assert edge.spans is not None
+            routes = [
+                dict(span.attributes or {})
+                for span in edge.spans.get_finished_spans()
+                if span.name == "route"
+            ]
+            seen = {(r["quicedge.breaker.domain"], r["quicedge.breaker.state"]) for r in routes}
+            # the route span names the domain and its breaker's state when it was chosen
+            assert ("default/gold/a", "half_open") in seen
+            assert ("default/gold/a", "closed") in seen and ("default/gold/b", "closed") in seen
+            assert 'to="half_open"' in await metrics_text(edge)
 
 
 async def wait_until_async(check: Any, timeout: float = 20.0) -> None:
@@ -100,8 +112,8 @@ async def test_a_group_out_of_kv_cache_sheds_new_work_until_it_drains() -> None:
     # 2,000 tokens of KV; a long generation sent straight to the stand-in holds most of it
     breakers = BreakerConfig(kv_warn=0.3, kv_open=0.5, open_for=0.3, half_open_probes=1,
                              kv_interval=0.1)  # fmt: skip
-    async with sim("full", max_total_tokens=2000, profile="h100-llama3-8b") as full, \
-            sim("free") as free:  # fmt: skip
+    full_kv = sim("full", max_total_tokens=2000, profile="h100-llama3-8b", time_scale=3.0)
+    async with full_kv as full, sim("free") as free:
         config = fast_config([f"{full.url}#hardware=a", f"{free.url}#hardware=b"],
                              policy="round_robin", loads_interval=0.1)  # fmt: skip
         hog = {"text": "x " * 1200, "stream": True,
