@@ -140,9 +140,10 @@ class TcpListener:
         config.keep_alive_timeout = min(options.keep_alive_timeout, options.head_timeout)
         config.h11_max_incomplete_size = options.max_header_bytes
         gate_hypercorn()
-        gate = ConnectionGate(options.max_connections, options.max_connections_per_client,
-                              on_refused)  # fmt: skip
-        setattr(config, GATE_ATTRIBUTE, gate)
+        self.gate = ConnectionGate(
+            options.max_connections, options.max_connections_per_client, on_refused
+        )
+        setattr(config, GATE_ATTRIBUTE, self.gate)
         config.accesslog = None
         config.errorlog = "-"
         config.loglevel = "WARNING"

@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import ssl
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
 
+from tests.helpers import wait_until
 from tests.transport.apps import RecordingApp
 from tests.transport.conftest import H3Factory
 from tests.transport.h3client import h3_connect
@@ -20,6 +22,7 @@ from transport.caps import CLIENT_CAP, LISTENER_CAP, ConnectionGate
 from transport.h1_server import H1Listener
 from transport.h3_session import H3Limits
 from transport.tcp import TcpListener, TcpOptions
+from transport.tls import TlsMaterial
 
 HEAD = b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 50\r\n"
 SHORT = {"head_timeout": 0.6, "body_timeout": 0.6}
@@ -52,11 +55,23 @@ async def listener(kind: str, counts: Counts, **options: Any) -> AsyncIterator[s
         await served.stop()
 
 
-async def trickle(address: str, first: bytes, *, every: float = 0.1, limit: float = 15.0) -> bytes:
+async def trickle(
+    address: str,
+    first: bytes,
+    *,
+    every: float = 0.1,
+    limit: float = 15.0,
+    ssl_context: ssl.SSLContext | None = None,
+) -> bytes:
     """Send `first`, then one byte every `every` seconds until the server closes; what it
     answered (within `limit` seconds, else the test fails)."""
     host, port = address.split(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
+    if ssl_context is not None:
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", int(port), ssl=ssl_context, server_hostname=host
+        )
+    else:
+        reader, writer = await asyncio.open_connection(host, int(port))
     writer.write(first)
     answer = b""
     try:
@@ -72,9 +87,9 @@ async def trickle(address: str, first: bytes, *, every: float = 0.1, limit: floa
                 try:
                     writer.write(b"x")
                     await writer.drain()
-                except ConnectionError:
+                except (ConnectionError, ssl.SSLError):
                     return answer
-    except ConnectionError:
+    except (ConnectionError, ssl.SSLError):
         return answer
     finally:
         writer.close()
@@ -103,6 +118,50 @@ async def test_a_slowloris_is_cut_off_while_a_normal_client_is_served(
     else:
         # hypercorn's idle timer (the head deadline there) closes without an answer
         assert answer == b""
+
+
+async def test_the_tls_listener_cuts_off_a_slow_body_and_a_flood(
+    tls: TlsMaterial, dev_certs: Any
+) -> None:
+    """The same over TLS (h2 and HTTP/1.1 by ALPN; this raw client speaks HTTP/1.1)."""
+    counts = Counts()
+    context = ssl.create_default_context(cafile=str(dev_certs.ca_cert))
+    served = TcpListener(
+        RecordingApp(), host="127.0.0.1", port=0, tls=tls,
+        options=TcpOptions(max_connections_per_client=2, **SHORT),
+        on_refused=counts.refused.append, on_timeout=counts.timeouts.append,
+    )  # fmt: skip
+    await served.start()
+    try:
+        address = f"localhost:{served.port}"
+        slow = asyncio.ensure_future(trickle(address, HEAD + b"\r\n", ssl_context=context))
+        # httpx sets ALPN on the context it is given: its own, so the raw sockets speak HTTP/1.1
+        h2_context = ssl.create_default_context(cafile=str(dev_certs.ca_cert))
+        async with httpx.AsyncClient(verify=h2_context, http2=True) as client:
+            response = await client.post(f"https://{address}/echo", content=b"hello")
+            assert response.status_code == 200 and response.http_version == "HTTP/2"
+        assert (await slow).startswith(b"HTTP/1.1 408")
+        assert counts.timeouts == ["body"]
+        await wait_until(lambda: served.gate.open == 0)  # both closed connections released
+        held = [
+            await asyncio.open_connection("127.0.0.1", served.port, ssl=context,
+                                          server_hostname="localhost")
+            for _ in range(2)
+        ]  # fmt: skip
+        for reader, writer in held:
+            writer.write(b"GET /echo HTTP/1.1\r\nhost: x\r\n\r\n")
+            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", served.port, ssl=context, server_hostname="localhost"
+        )
+        with contextlib.suppress(ConnectionError, ssl.SSLError):
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+        assert counts.refused == [CLIENT_CAP]
+        for _, w in held:
+            w.close()
+    finally:
+        await served.stop()
 
 
 @pytest.mark.parametrize("kind", ["h1", "hypercorn"])
