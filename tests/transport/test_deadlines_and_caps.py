@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.helpers import wait_until
+from tests.helpers import free_port, wait_until
 from tests.transport.apps import RecordingApp
 from tests.transport.conftest import H3Factory
 from tests.transport.h3client import h3_connect
@@ -257,3 +257,32 @@ async def test_an_http3_body_that_trickles_in_gets_408(h3_server: H3Factory, dev
             ok = await c.fetch("POST", "/echo", body=b"hello")
             assert ok.status == 200
     assert await asyncio.wait_for(app.disconnects.get(), 5) == "/echo"
+
+
+async def test_quicedge_serve_counts_refused_connections_and_cut_off_requests(
+    serve_process: Any,
+) -> None:
+    """The real `quicedge serve` with `[serve]` caps and deadlines from flags: what it refuses
+    and cuts off shows in the admin listener's `/metrics`."""
+    http_port = free_port()
+    server = serve_process(
+        "--demo", "--http", f"127.0.0.1:{http_port}", "--max-connections-per-client", "2",
+        "--request-head-timeout", "0.5",
+    )  # fmt: skip
+    address = f"127.0.0.1:{http_port}"
+    assert (await trickle(address, b"GET /v1/models HTTP/1.1\r\n")).startswith(b"HTTP/1.1 408")
+    held = [await asyncio.open_connection("127.0.0.1", http_port) for _ in range(2)]
+    for reader, writer in held:
+        writer.write(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n")
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    reader, writer = await asyncio.open_connection("127.0.0.1", http_port)
+    with contextlib.suppress(ConnectionError):
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
+    async with httpx.AsyncClient() as client:
+        metrics = (await client.get(f"http://127.0.0.1:{server.admin_port}/metrics")).text
+    assert 'quicedge_connections_refused_total{listener="http",reason="client_cap"} 1.0' in metrics
+    assert 'quicedge_request_timeouts_total{listener="http",phase="head"} 1.0' in metrics
+    for _, w in held:
+        w.close()
+    assert server.stop() == 0
