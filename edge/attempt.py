@@ -103,6 +103,7 @@ class Attempts:
             able = [b for b in self.registry.candidates() if b not in tried]
             candidates = self.breakers.allowed(able, tier)
             if not candidates:
+                self._settle(retried, None)
                 if last is not None:
                     raise last.error
                 if able:
