@@ -175,3 +175,20 @@ async def test_a_slow_group_opens_on_ttft_p99_and_a_fast_group_keeps_serving() -
                 response = await http.post("/v1/chat/completions", json=CHAT)
                 assert response.status_code == 200
                 assert response.headers["x-quicedge-backend"] != slow_name
+
+
+async def test_one_bad_backend_in_a_group_does_not_open_the_groups_breaker() -> None:
+    """Its failures were retried and served in the same domain: the registry's to eject, not a
+    reason to stop the domain."""
+
+    def busy(recorded: Recorded) -> Reply:
+        return health_ok(recorded) or Reply(status=503, chunks=[b"{}"], chunked=False)
+
+    breakers = BreakerConfig(window=4, min_requests=4)
+    async with TinyUpstream(busy) as bad, sim("good") as good:
+        config = fast_config([bad.url, good.url], policy="round_robin", eject_after_failures=1000)
+        async with run_edge(config, breakers=breakers) as edge, client(edge) as http:
+            for _ in range(12):
+                assert (await http.post("/v1/chat/completions", json=CHAT)).status_code == 200
+            assert len(inference(bad)) >= 4  # enough failures to open it, had they counted
+            assert (await domains(edge))["default"]["state"] == "closed"
