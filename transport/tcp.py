@@ -7,7 +7,9 @@ carries ``Alt-Svc`` naming the HTTP/3 port (``alt_svc_port``), which is how a cl
 come back over QUIC. Without ``tls`` it serves plain HTTP through hypercorn (the tests use that);
 ``quicedge serve``'s plain-HTTP and admin listeners are ``h1_server.H1Listener`` instead.
 Shutdown: hypercorn stops accepting, closes idle HTTP/2 connections with GOAWAY and lets open
-requests finish for ``graceful_timeout`` seconds.
+requests finish for ``graceful_timeout`` seconds. A request's head deadline is hypercorn's idle
+timer, its body deadline ``transport.deadlines``'s, and the connection caps
+``transport.caps``'s (docs/transport.md, "Deadlines and caps").
 """
 
 from __future__ import annotations
