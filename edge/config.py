@@ -110,12 +110,13 @@ class ProxyConfig:
         for url in self.backends:
             if not url.startswith(("http://", "https://")) or "://" == url[-3:]:
                 raise ValueError(f"proxy: backend URL must be http://HOST:PORT, got {url!r}")
+        bare = []
         for url in self.backends:
             try:
-                parse_labels(url)
+                bare.append(parse_labels(url)[0].rstrip("/"))
             except ValueError as exc:
                 raise ValueError(f"proxy.backends: {exc}") from None
-        if len(set(self.backends)) != len(self.backends):
+        if len(set(bare)) != len(bare):
             raise ValueError("proxy: a backend URL is listed twice")
         if self.policy not in POLICY_NAMES:
             raise ValueError(
