@@ -90,10 +90,6 @@ class TransportConfig:
     """On SIGTERM, how long open requests get to finish, s."""
     loop: Literal["auto", "asyncio", "uvloop"] = "auto"
     """Event loop: asyncio, uvloop, or auto (uvloop when installed)."""
-    request_head_timeout: float = 10.0
-    """A request head must arrive whole within this many seconds of its first byte, else 408
-    and close (a slowloris holds no worker). On the TLS listener hypercorn counts it from the
-    connection's start or its last response, and it is the idle keep-alive timeout there too."""
     max_connections: int = 10000
     """Open connections per TCP listener (TLS, plain HTTP, admin); one more is closed at once
     and counted (`quicedge_connections_refused_total`). 0: no cap."""
@@ -136,10 +132,6 @@ class TransportConfig:
         resolve_loop(self.loop)  # unknown, or uvloop asked for and not installed
         if self.drain_timeout < 0:
             raise ValueError(f"serve.drain_timeout must be >= 0, got {self.drain_timeout}")
-        if not self.request_head_timeout > 0:
-            raise ValueError(
-                f"serve.request_head_timeout must be > 0, got {self.request_head_timeout!r}"
-            )
         for name in ("max_connections", "max_connections_per_client"):
             if getattr(self, name) < 0:
                 raise ValueError(f"serve.{name} must be >= 0 (0: no cap)")

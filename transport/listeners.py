@@ -74,7 +74,7 @@ class Listeners:
         await self.h3.start(*t.h3, reuse_port=self._reuse_port)
         options = TcpOptions(
             graceful_timeout=t.drain_timeout,
-            head_timeout=t.request_head_timeout,
+            head_timeout=t.limits.request_head_timeout,
             body_timeout=t.limits.request_body_timeout,
             max_connections=t.max_connections,
             max_connections_per_client=t.max_connections_per_client,

@@ -64,7 +64,7 @@ def refused(done: subprocess.CompletedProcess[str]) -> str:
             '[proxy]\nbackends = ["http://a:1#hardware=x", "http://a:1"]\n',
             "proxy: a backend URL is listed twice",
         ),
-        ("[serve]\nrequest_head_timeout = 0\n", "serve.request_head_timeout must be > 0"),
+        ("[serve]\nrequest_head_timeout = 0\n", "request_head_timeout must be > 0"),
         ("[serve]\nmax_connections = -1\n", "serve.max_connections must be >= 0"),
         ("serve = 3\n", "[serve] must be a table"),
         ("[serve\n", "--config"),

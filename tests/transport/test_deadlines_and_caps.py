@@ -13,11 +13,13 @@ from typing import Any
 
 import httpx
 import pytest
+from aioquic.buffer import encode_uint_var
+from aioquic.h3.connection import FrameType
 
 from tests.helpers import free_port, wait_until
 from tests.transport.apps import RecordingApp
 from tests.transport.conftest import H3Factory
-from tests.transport.h3client import h3_connect
+from tests.transport.h3client import Response, h3_connect
 from transport.caps import CLIENT_CAP, LISTENER_CAP, ConnectionGate
 from transport.h1_server import H1Listener
 from transport.h3_session import H3Limits
@@ -286,3 +288,23 @@ async def test_quicedge_serve_counts_refused_connections_and_cut_off_requests(
     for _, w in held:
         w.close()
     assert server.stop() == 0
+
+
+async def test_an_http3_head_that_trickles_in_gets_408(h3_server: H3Factory, dev_certs) -> None:
+    """A HEADERS frame that announces 100 bytes and sends one at a time."""
+    limits = H3Limits(request_head_timeout=0.6)
+    async with h3_server(app=RecordingApp(), limits=limits) as server:
+        async with h3_connect(server.port, dev_certs.ca_cert) as c:
+            stream_id = c.quic.get_next_available_stream_id()
+            response = c.responses[stream_id] = Response()
+            c.quic.send_stream_data(stream_id, encode_uint_var(FrameType.HEADERS) + bytes([100]))
+            c.transmit()
+            async with asyncio.timeout(15):
+                while not response.done.is_set():
+                    c.quic.send_stream_data(stream_id, b"\x00")
+                    c.transmit()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(response.done.wait(), 0.1)
+            assert response.status == 408
+            ok = await c.fetch("POST", "/echo", body=b"hello")
+            assert ok.status == 200
