@@ -143,6 +143,8 @@ class Backend:
     check_failures: int = 0
     draining: bool = False
     """Removed from the fleet (`BackendRegistry.remove`): takes no new request, finishes its own."""
+    labels: dict[str, str] = field(default_factory=dict)
+    """Isolation-domain labels (`model`, `hardware`, `tiers`) from the URL's `#…` part."""
 
     def ttft_p99(self) -> float | None:
         if not self.ttfts:
@@ -176,7 +178,32 @@ class InFlight:
 
 
 def _name_for(url: str) -> str:
-    return urlsplit(url).netloc
+    return urlsplit(url.partition("#")[0]).netloc
+
+
+LABEL_KEYS = frozenset({"model", "hardware", "tiers"})
+LABEL_TIERS = frozenset({"gold", "silver", "bronze"})
+
+
+def parse_labels(url: str) -> tuple[str, dict[str, str]]:
+    """Split `http://host:port#model=llama3-v2&hardware=h100&tiers=gold+silver` into the URL
+    and its labels; a URL without `#` has none. Raises ValueError naming a bad label."""
+    base, _, fragment = url.partition("#")
+    labels: dict[str, str] = {}
+    for pair in filter(None, fragment.split("&")):
+        key, eq, value = pair.partition("=")
+        if key not in LABEL_KEYS or not eq or not value:
+            raise ValueError(
+                f"backend {base}: label {pair!r} is not one of model=, hardware=, tiers="
+            )
+        if key in labels:
+            raise ValueError(f"backend {base}: label {key} is given twice")
+        if key == "tiers":
+            bad = sorted(set(value.split("+")) - LABEL_TIERS)
+            if bad:
+                raise ValueError(f"backend {base}: tiers has {bad[0]!r}; use gold+silver+bronze")
+        labels[key] = value
+    return base, labels
 
 
 class BackendRegistry:
@@ -227,7 +254,8 @@ class BackendRegistry:
         self._started = False
 
     def _new_backend(self, raw: str, name: str | None) -> Backend:
-        url = raw.rstrip("/")
+        bare, labels = parse_labels(raw)
+        url = bare.rstrip("/")
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname or parts.path:
             raise ValueError(f"backend URL must be http://host[:port], got {raw!r}")
@@ -235,6 +263,7 @@ class BackendRegistry:
             name=name if name is not None else _name_for(url),
             url=url,
             max_concurrency=self.max_concurrency,
+            labels=labels,
         )
         backend.ttfts = deque(maxlen=self.health.ttft_window)
         return backend
@@ -247,8 +276,9 @@ class BackendRegistry:
         """Add a backend at run time; once started, its checks and load polling start at once.
 
         Adding a URL the registry holds returns its backend (a draining one is taken back)."""
-        backend = self._by_name.get(name if name is not None else _name_for(url.rstrip("/")))
-        if backend is not None and backend.url == url.rstrip("/"):
+        bare = parse_labels(url)[0].rstrip("/")
+        backend = self._by_name.get(name if name is not None else _name_for(bare))
+        if backend is not None and backend.url == bare:
             backend.draining = False
             return backend
         backend = self._new_backend(url, name)
@@ -491,6 +521,7 @@ class BackendRegistry:
                 {
                     "name": b.name,
                     "url": b.url,
+                    "labels": dict(b.labels),
                     "healthy": b.healthy,
                     "available": self.available(b, now),
                     "draining": b.draining,
@@ -527,4 +558,5 @@ __all__ = [
     "HealthConfig",
     "InFlight",
     "LoadView",
+    "parse_labels",
 ]

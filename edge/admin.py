@@ -4,7 +4,8 @@ Served on its own (plain HTTP) listener, never on the client-facing ones.
 - `GET /health`: 200 while the process runs (liveness).
 - `GET /ready`: 200 when at least one backend is healthy, else 503 (readiness).
 - `GET /metrics`: `generate_latest(registry)` of the process's one registry.
-- `GET /backends`: JSON of `registry.snapshot()`, the routing policy and the pool's statistics.
+- `GET /backends`: JSON of `registry.snapshot()`, the routing policy, the pool's statistics and
+  every isolation domain's circuit breaker (`breakers`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from backends.registry import BackendRegistry
 from edge.asgi import Receive, Scope, Send, lifespan
 from edge.errors import EdgeError, MethodNotAllowed, RouteNotFound
 from edge.routing.base import RoutingPolicy
+from edge.routing.breakers import Breakers
 
 
 class AdminApp:
@@ -31,7 +33,9 @@ class AdminApp:
         backends: BackendRegistry,
         pool: UpstreamPool,
         policy: RoutingPolicy,
+        breakers: Breakers | None = None,
     ) -> None:
+        self.breakers = breakers
         self.registry = registry
         self.backends = backends
         self.pool = pool
@@ -81,6 +85,8 @@ class AdminApp:
         pool = dataclasses.asdict(stats)
         pool["reuse_ratio"] = round(stats.reuse_ratio, 4)
         body = {"policy": self.policy.name, "backends": self.backends.snapshot(), "pool": pool}
+        if self.breakers is not None:
+            body["breakers"] = self.breakers.snapshot()
         return 200, b"application/json", _json(body)
 
 

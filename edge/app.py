@@ -27,6 +27,7 @@ from edge.exchange import Exchange, read_headers
 from edge.models import ModelCatalog
 from edge.policy.gateway import PolicyGateway
 from edge.routing.base import RoutingPolicy
+from edge.routing.breakers import Breakers
 from edge.stages.body import (
     ClientGone,
     check_content_type,
@@ -71,6 +72,7 @@ class ProxyApp:
         admission: Admission | None = None,
         gateway: PolicyGateway | None = None,
         audit: AuditLog | None = None,
+        breakers: Breakers | None = None,
     ) -> None:
         self.config = config
         self.gateway = gateway
@@ -85,7 +87,7 @@ class ProxyApp:
         self.admission = admission or Admission(AdmissionSettings(), metrics=metrics)
         self.attempts = Attempts(
             config=config, pool=pool, registry=registry, policy=policy, metrics=metrics,
-            abort=abort, admission=self.admission, gateway=gateway,
+            abort=abort, admission=self.admission, gateway=gateway, breakers=breakers,
         )  # fmt: skip
 
     @property

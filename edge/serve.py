@@ -24,6 +24,7 @@ from edge.audit import AuditConfig
 from edge.config import SECTIONS, ProxyConfig
 from edge.fleet_metrics import FleetMetrics, FleetPlan
 from edge.policy.config import PolicyConfig
+from edge.routing.breakers import BreakerConfig
 from edge.settings import Settings, SettingsError
 from transport.config import EarlyDataSettings, TransportConfig
 from transport.demo import DemoApps
@@ -126,6 +127,7 @@ class ProxyApps:
             discovery=discovery,
             policies=self.settings.get("policy", PolicyConfig),
             audit=self.settings.get("audit", AuditConfig),
+            breakers=self.settings.get("breakers", BreakerConfig),
         )
         await built.start()
         admin_app = built.admin_app

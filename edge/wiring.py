@@ -14,9 +14,10 @@ import contextlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 
 from backends.discovery import Discovery, DiscoveryConfig, make_source
 from backends.pool import UpstreamPool
@@ -32,6 +33,7 @@ from edge.models import ModelCatalog
 from edge.policy.config import PolicyConfig
 from edge.policy.gateway import PolicyGateway
 from edge.routing.base import RoutingPolicy, make_policy
+from edge.routing.breakers import BreakerConfig, Breakers
 from edge.state.stage import StateStage
 from edge.telemetry import (
     AuditCollector,
@@ -83,12 +85,17 @@ class Wiring:
     state: StateStage | None = None
     gateway: PolicyGateway | None = None
     audit: AuditLog | None = None
+    breakers: Breakers | None = None
+    abort_outcomes: Counter | None = None
+    """`quicedge_abort_requests_total{outcome}`: sent, failed, dropped (over the cap)."""
     _aborts: set[asyncio.Task[Any]] = field(default_factory=set)
     _clients: dict[str, Any] = field(default_factory=dict)
 
     async def start(self) -> None:
         """Pre-warm pools, start health checks and load polling, learn the fleet's models."""
         await self.registry.start()
+        if self.breakers is not None:
+            self.breakers.start()
         await self.catalog.refresh()
         if self.discovery is not None:
             self.discovery.start(self.registry)
@@ -106,6 +113,8 @@ class Wiring:
         """Stop checks, let in-progress aborts finish briefly, close pools, flush spans."""
         if self.discovery is not None:
             await self.discovery.aclose()
+        if self.breakers is not None:
+            await self.breakers.aclose()
         await self.registry.aclose()
         if self._aborts:
             await asyncio.wait(set(self._aborts), timeout=1.0)
@@ -124,7 +133,13 @@ class Wiring:
         self.tracing.shutdown()
 
     def abort(self, backend: Backend, rid: str) -> None:
-        """Fire `/abort_request {rid}` at the backend without waiting for it (never raises)."""
+        """Fire `/abort_request {rid}` at the backend without waiting for it (never raises).
+
+        At most `max_pending_aborts` are in flight: past that one is dropped and counted (a
+        flood of departing clients must not become a flood of tasks)."""
+        if len(self._aborts) >= self.config.max_pending_aborts:
+            self._count_abort("dropped")
+            return
         task = asyncio.ensure_future(self._abort(backend, rid))
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
@@ -140,7 +155,14 @@ class Wiring:
                 )
             await client.abort(rid)
         except Exception as exc:  # best effort: the closed upstream connection aborts it too
+            self._count_abort("failed")
             log.info("abort of %s on %s failed: %s", rid, backend.name, exc)
+        else:
+            self._count_abort("sent")
+
+    def _count_abort(self, outcome: str) -> None:
+        if self.abort_outcomes is not None:
+            self.abort_outcomes.labels(outcome).inc()
 
 
 async def build(
@@ -151,6 +173,7 @@ async def build(
     discovery: DiscoveryConfig | None = None,
     policies: PolicyConfig | None = None,
     audit: AuditConfig | None = None,
+    breakers: BreakerConfig | None = None,
 ) -> Wiring:
     """Make the proxy's objects (nothing is started: call `Wiring.start`).
 
@@ -193,6 +216,10 @@ async def build(
     policy = make_policy(config.policy)
     metrics = Metrics(registry)
     admission = Admission(config.admission, metrics=metrics)
+    breaker_set = Breakers(
+        (breakers or BreakerConfig()).validate(), backends.backends, registry=registry,
+        model_info=partial(_model_info, config.health_timeout),
+    )  # fmt: skip
     registry.register(FleetCollector(backends.backends, pool.stats))
     tracing = TracingSetup(tracer) if tracer is not None else tracer_from_env(force=config.tracing)
     catalog = ModelCatalog(
@@ -223,7 +250,14 @@ async def build(
         admission=admission,
         gateway=gateway,
         audit=audit_log,
-    )
+        breakers=breaker_set,
+        abort_outcomes=Counter(
+            "quicedge_abort_requests",
+            "Fire-and-forget /abort_request calls for requests whose client left, by outcome:"
+            " sent, failed, or dropped (over max_pending_aborts)",
+            ["outcome"], registry=registry,
+        ),
+    )  # fmt: skip
     wiring.app = ProxyApp(
         config=config,
         pool=pool,
@@ -237,9 +271,19 @@ async def build(
         admission=admission,
         gateway=gateway,
         audit=audit_log,
+        breakers=breaker_set,
     )
-    wiring.admin_app = AdminApp(registry=registry, backends=backends, pool=pool, policy=policy)
+    wiring.admin_app = AdminApp(
+        registry=registry, backends=backends, pool=pool, policy=policy, breakers=breaker_set
+    )
     return wiring
+
+
+async def _model_info(timeout: float, backend: Backend) -> Mapping[str, Any]:
+    from backends.sglang import SGLangClient
+
+    async with SGLangClient(backend.url, timeout=timeout) as client:
+        return await client.model_info()
 
 
 async def _unset_app(scope: Any, receive: Any, send: Any) -> None:  # replaced in build()

@@ -22,6 +22,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry
 
 from edge.config import ProxyConfig
+from edge.routing.breakers import BreakerConfig
 from edge.wiring import Wiring, build
 from tests.helpers import async_wait_for_tcp, free_port
 from transport.h1_server import H1Listener
@@ -91,6 +92,8 @@ def fast_config(backends: Sequence[str], **overrides: Any) -> ProxyConfig:
         "first_byte_timeout": 10.0,
         "chunk_timeout": 10.0,
         "connect_timeout": 1.0,
+        # Tests watch where requests went through the response header; off by default in serve.
+        "expose_backend_names": True,
     }
     values.update(overrides)
     return ProxyConfig.from_mapping(values).validate()
@@ -106,6 +109,7 @@ async def run_edge(
     listener: str = "hypercorn",
     policies: Any = None,
     audit: Any = None,
+    breakers: BreakerConfig | None = None,
 ) -> AsyncIterator[Edge]:
     """The app on hypercorn (TLS when `certs` are given), or on our own plain HTTP/1.1 listener
     (`listener="h1"`, what `quicedge serve --http` runs, where the relay writes through the
@@ -118,7 +122,10 @@ async def run_edge(
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(exporter))
         tracer = provider.get_tracer("test")
-    wiring = await build(config, registry=registry, tracer=tracer, policies=policies, audit=audit)
+    wiring = await build(
+        config, registry=registry, tracer=tracer, policies=policies, audit=audit,
+        breakers=breakers,
+    )  # fmt: skip
     if start:
         await wiring.start()
     try:
