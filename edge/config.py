@@ -14,6 +14,8 @@ from typing import Any
 
 from edge import settings
 from edge.routing.base import POLICY_NAMES
+from edge.routing.fleet_view import FLEET_VIEW_FLAGS, FleetViewConfig
+from edge.routing.prewarm import PREWARM_FLAGS, PrewarmConfig
 from edge.settings import Section
 from transport.config import EarlyDataSettings, TransportConfig
 
@@ -161,6 +163,10 @@ SECTIONS: tuple[Section, ...] = (
         title="0-RTT early data ([early_data])",
     ),
     Section("proxy", ProxyConfig, flags=PROXY_FLAGS, title="proxy ([proxy])"),
+    Section("prewarm", PrewarmConfig, flags=PREWARM_FLAGS, title="pre-warming ([prewarm])"),
+    Section(
+        "fleet_view", FleetViewConfig, flags=FLEET_VIEW_FLAGS, title="fleet view ([fleet_view])"
+    ),
 )
 
 

@@ -20,6 +20,8 @@ from prometheus_client import CollectorRegistry
 
 from edge import settings, wiring
 from edge.config import SECTIONS, ProxyConfig
+from edge.routing.fleet_view import FleetViewConfig
+from edge.routing.prewarm import PrewarmConfig
 from edge.settings import Settings
 from transport.config import EarlyDataSettings, TransportConfig
 from transport.demo import DemoApps
@@ -90,7 +92,13 @@ class ProxyApps:
     settings: Settings
 
     async def open(self, registry: CollectorRegistry) -> ServedApps:
-        built = await wiring.build(self.settings.get("proxy", ProxyConfig), registry=registry)
+        built = await wiring.build(
+            self.settings.get("proxy", ProxyConfig),
+            registry=registry,
+            prewarm=self.settings.get("prewarm", PrewarmConfig),
+            fleet_view=self.settings.get("fleet_view", FleetViewConfig),
+            redis_url=self.settings.get("serve", TransportConfig).redis,
+        )
         await built.start()
         return ServedApps(built.app, built.admin_app, built.aclose)
 

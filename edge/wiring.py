@@ -27,6 +27,9 @@ from edge.asgi import ASGIApp
 from edge.config import SECTIONS, ProxyConfig
 from edge.models import ModelCatalog
 from edge.routing.base import RoutingPolicy, make_policy
+from edge.routing.fleet import FleetServices, build_fleet
+from edge.routing.fleet_view import FleetViewConfig
+from edge.routing.prewarm import PrewarmConfig
 from edge.telemetry import FleetCollector, Metrics, Tracer, TracingSetup, tracer_from_env
 
 log = logging.getLogger(__name__)
@@ -65,6 +68,7 @@ class Wiring:
     metrics: Metrics
     catalog: ModelCatalog
     tracing: TracingSetup
+    fleet: FleetServices | None = None
     _aborts: set[asyncio.Task[Any]] = field(default_factory=set)
     _clients: dict[str, Any] = field(default_factory=dict)
 
@@ -72,9 +76,13 @@ class Wiring:
         """Pre-warm pools, start health checks and load polling, learn the fleet's models."""
         await self.registry.start()
         await self.catalog.refresh()
+        if self.fleet is not None:
+            await self.fleet.start()
 
     async def aclose(self) -> None:
         """Stop checks, let in-progress aborts finish briefly, close pools, flush spans."""
+        if self.fleet is not None:
+            await self.fleet.aclose()
         await self.registry.aclose()
         if self._aborts:
             await asyncio.wait(set(self._aborts), timeout=1.0)
@@ -110,10 +118,15 @@ async def build(
     *,
     registry: CollectorRegistry,
     tracer: Tracer | None = None,
+    prewarm: PrewarmConfig | None = None,
+    fleet_view: FleetViewConfig | None = None,
+    redis_url: str | None = None,
 ) -> Wiring:
     """Make the proxy's objects (nothing is started: call `Wiring.start`).
 
-    `tracer` overrides the one from the OTEL_* environment (tests pass an in-memory one).
+    `tracer` overrides the one from the OTEL_* environment (tests pass an in-memory one);
+    `prewarm` and `fleet_view` are those sections (off when None), `redis_url` the `[serve]`
+    Redis the fleet view uses unless it names its own.
     """
     config.validate()
     pool = UpstreamPool(
@@ -148,7 +161,13 @@ async def build(
     catalog = ModelCatalog(
         backends=backends.backends, pool=pool, ttl=config.models_ttl, timeout=config.health_timeout
     )
+    fleet = build_fleet(
+        prewarm, fleet_view, redis_url=redis_url, registry=backends, pool=pool, policy=policy
+    )
+    if fleet is not None:
+        registry.register(fleet.collector())
     wiring = Wiring(
+        fleet=fleet,
         app=_unset_app,
         admin_app=_unset_app,
         config=config,
@@ -169,7 +188,9 @@ async def build(
         abort=wiring.abort,
         tracer=tracing.tracer,
     )
-    wiring.admin_app = AdminApp(registry=registry, backends=backends, pool=pool, policy=policy)
+    wiring.admin_app = AdminApp(
+        registry=registry, backends=backends, pool=pool, policy=policy, fleet=fleet
+    )
     return wiring
 
 

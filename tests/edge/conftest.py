@@ -104,10 +104,11 @@ async def run_edge(
     certs: Any = None,
     start: bool = True,
     listener: str = "hypercorn",
+    **build_options: Any,
 ) -> AsyncIterator[Edge]:
     """The app on hypercorn (TLS when `certs` are given), or on our own plain HTTP/1.1 listener
     (`listener="h1"`, what `quicedge serve --http` runs, where the relay writes through the
-    listener's body writer)."""
+    listener's body writer). `build_options` go to `edge.wiring.build` (`prewarm=`, ...)."""
     registry = CollectorRegistry()
     exporter: InMemorySpanExporter | None = None
     tracer = None
@@ -116,7 +117,7 @@ async def run_edge(
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(exporter))
         tracer = provider.get_tracer("test")
-    wiring = await build(config, registry=registry, tracer=tracer)
+    wiring = await build(config, registry=registry, tracer=tracer, **build_options)
     if start:
         await wiring.start()
     try:

@@ -1,0 +1,132 @@
+"""The fleet services one edge process runs beside routing: hot-prefix tracking, pre-warming
+and the shared view, built from the `[prewarm]` and `[fleet_view]` sections and attached to the
+`ttft` policy (the policy that feeds and reads them; other policies route without them, and
+pre-warming then warms only what `POST /prewarm` asks for)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from backends.pool import UpstreamPool
+from backends.registry import BackendRegistry
+from edge.routing.base import RoutingPolicy
+from edge.routing.fleet_view import FleetView, FleetViewConfig
+from edge.routing.hot_prefixes import HotPrefixes
+from edge.routing.prefix_blocks import BlockHasher
+from edge.routing.prewarm import PrewarmConfig, PrewarmService
+from edge.routing.ttft import TTFTPolicy
+
+
+@dataclass(eq=False)
+class FleetServices:
+    hasher: BlockHasher
+    hot: HotPrefixes
+    prewarm: PrewarmService | None
+    view: FleetView | None
+
+    async def start(self) -> None:
+        if self.view is not None:
+            await self.view.start()
+        if self.prewarm is not None:
+            await self.prewarm.start()
+
+    async def aclose(self) -> None:
+        if self.prewarm is not None:
+            await self.prewarm.aclose()
+        if self.view is not None:
+            await self.view.aclose()
+
+    def snapshot(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if self.prewarm is not None:
+            out["prewarm"] = self.prewarm.snapshot()
+        if self.view is not None:
+            out["fleet_view"] = self.view.snapshot()
+        return out
+
+    def collector(self) -> Collector:
+        return _FleetCollector(self)
+
+
+class _FleetCollector(Collector):
+    def __init__(self, services: FleetServices) -> None:
+        self._services = services
+
+    def collect(self) -> Iterator[Metric]:
+        if self._services.prewarm is not None:
+            yield from self._services.prewarm.collector().collect()
+        view = self._services.view
+        if view is not None:
+            up = GaugeMetricFamily(
+                "quicedge_fleet_view_connected", "1 while the last Redis exchange succeeded"
+            )
+            up.add_metric([], 1.0 if view.connected else 0.0)
+            peers = GaugeMetricFamily("quicedge_fleet_view_peers", "Edge processes heard from")
+            peers.add_metric([], len(view._peers))
+            yield from (up, peers)
+
+
+def build_fleet(
+    prewarm: PrewarmConfig | None,
+    fleet_view: FleetViewConfig | None,
+    *,
+    redis_url: str | None,
+    registry: BackendRegistry,
+    pool: UpstreamPool,
+    policy: RoutingPolicy,
+) -> FleetServices | None:
+    """The services the sections turn on (None when both are off)."""
+    warm = prewarm is not None and prewarm.enabled
+    share = fleet_view is not None and fleet_view.enabled
+    if not warm and not share:
+        return None
+    block_chars = prewarm.block_chars if prewarm is not None else 1024
+    hasher = BlockHasher(block_chars)
+    ttft = policy if isinstance(policy, TTFTPolicy) else None
+    hot = HotPrefixes(
+        capacity=prewarm.capacity if prewarm is not None else 256,
+        half_life_s=prewarm.half_life if prewarm is not None else 60.0,
+    )
+    view: FleetView | None = None
+    if share:
+        assert fleet_view is not None
+        url = fleet_view.redis or redis_url
+        if url is None:
+            raise ValueError("fleet_view.redis: the shared view needs a Redis URL (or --redis)")
+        view = FleetView(
+            fleet_view,
+            url=url,
+            backends=registry.backends,
+            coefficients=ttft.learned if ttft is not None else None,
+            adopt=ttft.adopt if ttft is not None else None,
+        )
+    service: PrewarmService | None = None
+    if warm:
+        assert prewarm is not None
+
+        def reset(url: str) -> None:
+            if ttft is not None:
+                ttft.forget(url)
+            elif view is not None:
+                view.forget(url)
+
+        def warmed(url: str, text: str) -> None:
+            if ttft is not None:
+                ttft.holds(url, text)
+            if view is not None:
+                view.placed(url, hasher.blocks(text).hashes)
+
+        service = PrewarmService(
+            prewarm, registry=registry, pool=pool, hot=hot, on_reset=reset, on_warmed=warmed
+        )
+    if ttft is not None:
+        ttft.attach(hasher, hot=hot if warm else None, fleet=view)
+    return FleetServices(hasher=hasher, hot=hot, prewarm=service, view=view)
+
+
+__all__ = ["FleetServices", "build_fleet"]
