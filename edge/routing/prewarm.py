@@ -11,7 +11,10 @@ partial match helps at once.
 
 Pacing keeps real traffic ahead: one warm-up request in flight per backend; before each, wait
 (up to `yield_s`) while the edge has real requests waiting for a first token there; after each,
-idle long enough that warm-up takes at most `share` of the backend's time. A backend being
+idle long enough that warm-up takes at most `share` of the backend's time, unless the backend is
+held back from routing and has no request of the edge's in flight (then warm-up runs at full
+speed: no request of ours can queue behind it, and the sooner it ends the sooner the backend
+takes its share of the load). A backend being
 warmed is not ready for routing (the registry offers it only when no ready backend can take a
 request) until its warm-up finished or `deadline` passed, whichever is first.
 """
@@ -304,8 +307,10 @@ class PrewarmService:
         if result != "ok":
             job.error = result
             return False
-        # Pacing: warm-up takes at most `share` of the backend's time.
-        await asyncio.sleep(dt * (1 - cfg.share) / cfg.share)
+        # Pacing: warm-up takes at most `share` of the backend's time, except while the backend
+        # is held back from routing and has none of the edge's requests: nothing waits then.
+        if backend.in_flight or backend.warming_until <= self._clock():
+            await asyncio.sleep(dt * (1 - cfg.share) / cfg.share)
         return True
 
     async def _watch_restarts(self) -> None:
