@@ -392,11 +392,11 @@ class ScaleRun(Run):
 
 async def run_scaleout(args: argparse.Namespace) -> list[ScaleResult]:
     out: list[ScaleResult] = []
-    for name in ("zipf", "multiturn"):
+    for name in args.workloads:
         spec = WORKLOADS[name]
         rate = INITIAL_RATE[name] * args.load_scale
         plans = make_workload(name, rate, args.duration, args.seed)
-        for n in (1, 2, 4):
+        for n in args.instances:
             for shared in (False,) if n == 1 else (False, True):
                 view = None
                 if shared:
@@ -490,8 +490,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--time-scale", type=float, default=2.0)
     parser.add_argument("--load-scale", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--workloads", default="zipf,multiturn", help="scale-out workloads")
+    parser.add_argument("--instances", default="1,2,4", help="scale-out edge instance counts")
     args = parser.parse_args(argv)
     args.argv = argv
+    args.workloads = [w for w in args.workloads.split(",") if w]
+    if not args.workloads or any(w not in WORKLOADS for w in args.workloads):
+        parser.error(f"--workloads: choose from {', '.join(WORKLOADS)}")
+    try:
+        args.instances = [int(n) for n in args.instances.split(",")]
+    except ValueError:
+        parser.error("--instances: a comma-separated list of counts")
+    if not args.instances or min(args.instances) < 1:
+        parser.error("--instances: counts must be >= 1")
     args.parts = [p for p in args.parts.split(",") if p]
     bad = [p for p in args.parts if p not in PARTS]
     if bad or not args.parts:

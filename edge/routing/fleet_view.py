@@ -135,6 +135,8 @@ class FleetView:
         self._published: dict[str, dict[int, float]] = {}
         self._peers: dict[str, _Peer] = {}
         self._remote_load: dict[str, tuple[int, int]] = {}
+        self.processes = 1
+        """Edge processes heard from within `load_ttl`, this one included."""
         self._last_id = b"0-0"
         self._task: asyncio.Task[None] | None = None
         self._redis: Any = None
@@ -222,7 +224,7 @@ class FleetView:
                 if now - self._last_warning >= self.config.warn_every:
                     self._last_warning = now
                     log.warning("fleet view: Redis at %s failed (%s); routing on local "
-                                "knowledge", self.url, exc or type(exc).__name__)  # fmt: skip
+                                "knowledge", self.url, str(exc) or type(exc).__name__)  # fmt: skip
             await asyncio.sleep(self.config.interval)
 
     async def sync_once(self) -> None:
@@ -316,15 +318,18 @@ class FleetView:
     def _sum_load(self) -> None:
         horizon = self._clock() - self.config.load_ttl
         totals: dict[str, tuple[int, int]] = {}
+        fresh = 1
         for instance, peer in list(self._peers.items()):
             if peer.seen < horizon:
                 if peer.seen < self._clock() - self.config.ttl:
                     del self._peers[instance]
                 continue
+            fresh += 1
             for url, (tokens, reqs) in peer.load.items():
                 t, r = totals.get(url, (0, 0))
                 totals[url] = (t + tokens, r + reqs)
         self._remote_load = totals
+        self.processes = fresh
 
     def _maybe_adopt(self) -> None:
         if self._coefficients is None or self._adopt is None:

@@ -277,9 +277,13 @@ class TTFTPolicy:
         queued = float(backend.in_flight_prefill_tokens)
         decoding = backend.in_flight - backend.in_prefill
         remote = 0
-        if self.fleet is not None:
-            tokens, remote = self.fleet.queued(backend.url)
-            queued += tokens
+        fleet = self.fleet
+        if fleet is not None and fleet.processes > 1:
+            # What the others reported is up to one publish interval old, and a prefill is often
+            # over by then; this process's own share, scaled by the processes sharing the
+            # traffic, is current. Take the larger estimate of the whole queue.
+            tokens, remote = fleet.queued(backend.url)
+            queued = max(queued + tokens, queued * fleet.processes)
         load = backend.load
         if load is not None:
             extra = load.num_waiting_reqs - backend.in_prefill - remote
