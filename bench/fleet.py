@@ -206,6 +206,7 @@ class RestartResult:
     rate: float
     restart_at_s: float
     window_s: float
+    restarts: int
     requests: int
     errors: int
     ttft_p50_ms: float
@@ -213,13 +214,28 @@ class RestartResult:
     ttft_max_ms: float
     restarted_share: float
     restarted_hit_rate: float
+    restarted_p99_ms: float
     baseline_p99_ms: float
+    max_loop_lag_ms: float
     warm: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
 
 
 class RestartRun(Run):
+    """Restart `restarts` backends in turn (b3, b2, ...), one every `every` simulated seconds
+    from `restart_at`; measure the arrivals of the `window` seconds after each restart."""
+
     def __init__(
-        self, *, prewarm: bool, restart_at: float, down_s: float, window: float, **kw: Any
+        self,
+        *,
+        prewarm: bool,
+        restart_at: float,
+        down_s: float,
+        window: float,
+        restarts: int = 1,
+        every: float = 8.0,
+        deadline: float = 5.0,
+        **kw: Any,
     ) -> None:
         super().__init__(**kw)
         self.prewarm, self.restart_at, self.down_s, self.window_s = (
@@ -228,14 +244,23 @@ class RestartRun(Run):
             down_s,
             window,
         )
+        self.restarts, self.every, self.deadline = restarts, every, deadline
+
+    def schedule(self) -> list[tuple[float, int]]:
+        """(simulated time, backend index) of each restart."""
+        return [(self.restart_at + k * self.every, FLEET - 1 - k % FLEET)
+                for k in range(self.restarts)]  # fmt: skip
 
     async def execute_restart(self) -> RestartResult:
         sims = _sims(self.spec.kv_tokens, self.time_scale)
         for sim in sims:
             await sim.start()
         ts = self.time_scale
-        # Quick checks, so that the registry sees the restarted backend go and come back.
+        # Quick checks, so that the registry sees the restarted backend go and come back; no
+        # passive ejection, whose length depends on how many requests happened to fail in a
+        # row and would decide, more than warm-up, how long the backend is out.
         health = HealthConfig(
+            eject_after=1_000_000,
             interval=0.1,
             failure_threshold=2,
             success_threshold=1,
@@ -243,7 +268,7 @@ class RestartRun(Run):
             degraded_token_usage=None,
         )
         prewarm = (
-            PrewarmConfig(enabled=True, deadline=5.0 * ts, restart_check_interval=None)
+            PrewarmConfig(enabled=True, deadline=self.deadline * ts, restart_check_interval=None)
             if self.prewarm
             else None
         )
@@ -251,82 +276,97 @@ class RestartRun(Run):
         t0 = time.perf_counter()
 
         async def restart() -> None:
-            await asyncio.sleep(self.restart_at * ts)
-            port = sims[3].port
-            await sims[3].stop()
-            await asyncio.sleep(self.down_s * ts)
-            fresh = _sims(self.spec.kv_tokens, ts)[3]
-            fresh.config.port = port
-            await fresh.start()
-            sims[3] = fresh
+            for at, i in self.schedule():
+                await asyncio.sleep(max(0.0, t0 + at * ts - time.perf_counter()))
+                port = sims[i].port
+                await sims[i].stop()
+                await asyncio.sleep(self.down_s * ts)
+                fresh = _sims(self.spec.kv_tokens, ts)[i]
+                fresh.config.port = port
+                await fresh.start()
+                sims[i] = fresh
 
         restarter = asyncio.create_task(restart())
+        sampler = asyncio.create_task(self._sample_busy(sims))
         try:
             await asyncio.gather(
                 *(self._session(p, t0, inst.registry, inst.pool, inst.policy) for p in self.plans)
             )
             await restarter
         finally:
-            warm = (
-                inst.fleet.prewarm.snapshot()["backends"]["b3"]
-                if (inst.fleet is not None and inst.fleet.prewarm is not None)
-                else {}
-            )
+            sampler.cancel()
+            warm = inst.fleet.prewarm.snapshot()["backends"] if (
+                inst.fleet is not None and inst.fleet.prewarm is not None) else {}  # fmt: skip
             await inst.aclose()
             for sim in sims:
                 await sim.stop()
-        start = self.restart_at
-        after = [r for r in self.results if start <= r.arrival < start + self.window_s]
-        before = [r for r in self.results if self.warmup <= r.arrival < start]
+        after: list[RequestResult] = []
+        on_restarted: list[RequestResult] = []
+        for at, i in self.schedule():
+            window = [r for r in self.results if at <= r.arrival < at + self.window_s]
+            after += window
+            on_restarted += [r for r in window if r.backend == f"b{i}" and r.error is None
+                             and r.arrival >= at + self.down_s]  # fmt: skip
+        first = self.schedule()[0][0]
+        before = [r for r in self.results if self.warmup <= r.arrival < first]
         ok = [r for r in after if r.error is None and r.ttft is not None]
         ttfts = [r.ttft * 1000 for r in ok if r.ttft is not None]
-        on3 = [r for r in ok if r.backend == "b3" and r.arrival >= start + self.down_s]
         base = [r.ttft * 1000 for r in before if r.error is None and r.ttft is not None]
+        restarted = [r.ttft * 1000 for r in on_restarted if r.ttft is not None]
         return RestartResult(
             prewarm=self.prewarm,
             rate=self.rate,
-            restart_at_s=start,
+            restart_at_s=first,
             window_s=self.window_s,
+            restarts=self.restarts,
             requests=len(after),
             errors=sum(1 for r in after if r.error),
             ttft_p50_ms=_pct(ttfts, 0.5),
             ttft_p99_ms=_pct(ttfts, 0.99),
             ttft_max_ms=max(ttfts, default=float("nan")),
-            restarted_share=len(on3) / max(1, len(ok)),
-            restarted_hit_rate=sum(r.cached_tokens for r in on3)
-            / max(1, sum(r.prompt_tokens for r in on3)),
+            restarted_share=len(on_restarted) / max(1, len(ok)),
+            restarted_hit_rate=sum(r.cached_tokens for r in on_restarted)
+            / max(1, sum(r.prompt_tokens for r in on_restarted)),
+            restarted_p99_ms=_pct(restarted, 0.99),
             baseline_p99_ms=_pct(base, 0.99),
+            max_loop_lag_ms=round(self.max_lag * 1000, 1),
             warm=warm,
         )
 
 
 async def run_restart(args: argparse.Namespace) -> list[RestartResult]:
+    """Both runs per seed, with the same arrivals; `--repeat` seeds."""
     spec = WORKLOADS["zipf"]
     rate = INITIAL_RATE["zipf"] * args.load_scale
-    duration = args.restart_at + args.window + 1.0
-    plans = make_workload("zipf", rate, duration, args.seed)
+    duration = args.restart_at + (args.restarts - 1) * args.every + args.window + 1.0
     out = []
-    for prewarm in (False, True):
-        run = RestartRun(
-            prewarm=prewarm,
-            restart_at=args.restart_at,
-            down_s=args.down,
-            window=args.window,
-            spec=spec,
-            policy="ttft",
-            plans=plans,
-            rate=rate,
-            time_scale=args.time_scale,
-            warmup=1.0,
-            duration=duration,
-        )
-        result = await run.execute_restart()
-        _log(
-            f"restart, prewarm {prewarm}: p99 {result.ttft_p99_ms:.0f} ms over "
-            f"{result.requests} requests, restarted backend's hit rate "
-            f"{result.restarted_hit_rate:.0%}"
-        )
-        out.append(result)
+    for seed in range(args.seed, args.seed + args.repeat):
+        plans = make_workload("zipf", rate, duration, seed)
+        for prewarm in (False, True):
+            run = RestartRun(
+                prewarm=prewarm,
+                restart_at=args.restart_at,
+                down_s=args.down,
+                window=args.window,
+                restarts=args.restarts,
+                every=args.every,
+                deadline=args.deadline,
+                spec=spec,
+                policy="ttft",
+                plans=plans,
+                rate=rate,
+                time_scale=args.time_scale,
+                warmup=1.0,
+                duration=duration,
+            )
+            result = await run.execute_restart()
+            result.seed = seed
+            _log(
+                f"restart seed {seed}, prewarm {prewarm}: p99 {result.ttft_p99_ms:.0f} ms over "
+                f"{result.requests} requests, restarted backend's hit rate "
+                f"{result.restarted_hit_rate:.0%}"
+            )
+            out.append(result)
     return out
 
 
@@ -435,18 +475,20 @@ def render(payload: dict[str, Any], args: argparse.Namespace) -> str:
     restart = payload.get("restart")
     if restart:
         lines += [
-            "## Restart of one of four backends (Zipf, ttft)",
+            "## Restarts (Zipf, ttft): windows after each restart",
             "",
-            "| pre-warming | requests in window | errors | TTFT p50 | p99 | max | "
-            "share on restarted | its hit rate | p99 before restart |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| seed | pre-warming | requests in window | errors | TTFT p50 | p99 | max | "
+            "share on restarted | its hit rate | its p99 | p99 before restarts | loop stall |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in restart:
             lines.append(
-                f"| {'on' if r['prewarm'] else 'off'} | {r['requests']} | {r['errors']} | "
+                f"| {r['seed']} | {'on' if r['prewarm'] else 'off'} | {r['requests']} | "
+                f"{r['errors']} | "
                 f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['ttft_max_ms']:.0f} | "
                 f"{r['restarted_share']:.0%} | {r['restarted_hit_rate']:.0%} | "
-                f"{r['baseline_p99_ms']:.0f} |"
+                f"{r['restarted_p99_ms']:.0f} | {r['baseline_p99_ms']:.0f} | "
+                f"{r['max_loop_lag_ms']:.0f} |"
             )
         lines.append("")
     scale = payload.get("scaleout")
@@ -490,6 +532,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--time-scale", type=float, default=2.0)
     parser.add_argument("--load-scale", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--repeat", type=int, default=1, help="restart: seeds to run")
+    parser.add_argument("--restarts", type=int, default=4, help="restart: backends restarted")
+    parser.add_argument(
+        "--every", type=float, default=8.0, help="restart: simulated s between restarts"
+    )
+    parser.add_argument(
+        "--deadline", type=float, default=5.0, help="restart: pre-warming deadline, simulated s"
+    )
     parser.add_argument("--workloads", default="zipf,multiturn", help="scale-out workloads")
     parser.add_argument("--instances", default="1,2,4", help="scale-out edge instance counts")
     args = parser.parse_args(argv)

@@ -7,7 +7,8 @@ a new process), and on demand (`POST /prewarm` on the admin listener). The hotte
 `max_new_tokens: 0` (SGLang accepts 0 and returns after prefill; a backend that refuses it with a
 400 gets 1 from then on). A long prefix goes in shards of `shard_tokens` (prefix up to 256
 tokens, then 512, ...), so each request prefills one shard on top of the cached ones and a
-partial match helps at once.
+partial match helps at once; while the backend is held back from routing and idle, a prefix goes
+whole (nothing could use a part of it yet, and each request has a fixed cost).
 
 Pacing keeps real traffic ahead: one warm-up request in flight per backend; before each, wait
 (up to `yield_s`) while the edge has real requests waiting for a first token there; after each,
@@ -245,7 +246,11 @@ class PrewarmService:
             while lane.jobs:
                 job = lane.jobs.pop(0)
                 start = 0
-                for end in _shards(job.text, shard_chars):
+                # Held back from routing with nothing of ours in flight: no request can use a
+                # partial prefix there yet, so one request per prefix, without a fixed cost per
+                # shard, readies the backend sooner.
+                held = backend.warming_until > self._clock() and not backend.in_flight
+                for end in _shards(job.text, len(job.text) if held else shard_chars):
                     ok = await self._send(lane, job, job.text[:end])
                     if not ok:
                         break

@@ -101,7 +101,7 @@ async def test_a_restarted_backend_is_warmed_before_it_takes_hot_traffic() -> No
                 await wait_until(lambda: prewarm_state(edge)[warm]["state"] == "ready")
                 state = prewarm_state(edge)[warm]
                 assert state["reason"] == "recovered" and state["ready"]
-                assert state["requests"].get("ok", 0) >= 2  # in shards
+                assert state["requests"].get("ok", 0) >= 1
                 assert state["tokens"] > 500
                 # Hot traffic now lands on a warm cache: with b0 out, a hot request on b1 is a hit.
                 b0.ejected_until = time.monotonic() + 60
