@@ -159,7 +159,7 @@ async def test_pacing_keeps_one_warm_up_in_flight_within_its_share_of_time() -> 
                 while not stop.is_set():
                     s = sim.scheduler
                     assert s is not None
-                    queued = [*s.waiting, *s.running, *([s.chunked] if s.chunked else [])]
+                    queued = [*s.waiting, *s.holding]  # waiting, prefilling or decoding
                     warm = sum(1 for r in queued if r.max_new_tokens == 0)
                     peak, seen = max(peak, warm), seen + (warm > 0)
                     await asyncio.sleep(0.0005)
@@ -204,3 +204,45 @@ async def test_prewarm_route_errors_are_openai_shaped() -> None:
             response = await http.post(edge.admin_url + "/prewarm", json={"text": "x"})
             assert response.status_code == 404
             assert "prewarm" in response.json()["error"]["message"]
+
+
+async def test_warm_up_waits_for_the_edges_requests_in_prefill_there() -> None:
+    rng = random.Random(4)
+    long_prompt = words(rng, 6000)  # a prefill of measurable length on a slowed GPU profile
+    async with sims(sim_config("b0", profile="h100-llama3-8b", time_scale=4.0)) as servers:
+        sim = servers[0]
+        config = fast_config([sim.url], policy="ttft")
+        prewarm = PrewarmConfig(enabled=True, yield_s=60.0, restart_check_interval=None)
+        async with run_edge(config, prewarm=prewarm) as edge, client(edge) as http:
+            backend = edge.wiring.registry.backends[0]
+            overlaps = samples = 0
+            stop = asyncio.Event()
+
+            async def sample() -> None:  # at the stand-in: a warm-up beside a real prefill?
+                nonlocal overlaps, samples
+                while not stop.is_set():
+                    s = sim.scheduler
+                    assert s is not None
+                    queued = [*s.waiting, *s.holding]  # waiting, prefilling or decoding
+                    warm = any(r.max_new_tokens == 0 for r in queued)
+                    real_in_prefill = any(  # the stand-in's own health probes aside
+                        r.max_new_tokens > 0 and r.first_token_at is None
+                        and not r.rid.startswith("HEALTH_CHECK")
+                        for r in queued
+                    )  # fmt: skip
+                    samples += 1
+                    overlaps += warm and real_in_prefill
+                    await asyncio.sleep(0.0005)
+
+            sampler = asyncio.create_task(sample())
+            real = asyncio.create_task(generate(http, long_prompt))
+            await wait_until(lambda: backend.in_prefill > 0)
+            async with httpx.AsyncClient(timeout=60) as admin:
+                warmed = await admin.post(
+                    edge.admin_url + "/prewarm", json={"text": words(rng, 400)}
+                )
+            await real
+            stop.set()
+            await sampler
+            assert warmed.status_code == 200 and samples > 0
+            assert overlaps == 0
