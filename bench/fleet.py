@@ -48,6 +48,7 @@ from bench.routing import (
     make_workload,
 )
 from edge.routing import make_policy
+from edge.routing.base import POLICY_NAMES, RoutingPolicy
 from edge.routing.fleet import FleetServices, build_fleet
 from edge.routing.fleet_view import FleetViewConfig
 from edge.routing.prewarm import PrewarmConfig
@@ -143,7 +144,7 @@ class Instance:
 
     registry: BackendRegistry
     pool: UpstreamPool
-    policy: TTFTPolicy
+    policy: RoutingPolicy
     fleet: FleetServices | None
 
     async def aclose(self) -> None:
@@ -156,6 +157,7 @@ class Instance:
 async def make_instance(
     urls: Sequence[str],
     *,
+    policy_name: str = "ttft",
     health: HealthConfig = HEALTH,
     prewarm: PrewarmConfig | None = None,
     view: FleetViewConfig | None = None,
@@ -169,12 +171,12 @@ async def make_instance(
         warm_connections=8,
         client_factory=LoadsProbe,
     )
-    policy = make_policy("ttft")
-    assert isinstance(policy, TTFTPolicy)
+    policy = make_policy(policy_name)
     fleet = build_fleet(prewarm, view, redis_url=None, registry=registry, pool=pool, policy=policy)
     await registry.start()
     if fleet is not None:
         await fleet.start()
+        policy = fleet.policy
     return Instance(registry, pool, policy, fleet)
 
 
@@ -272,7 +274,9 @@ class RestartRun(Run):
             if self.prewarm
             else None
         )
-        inst = await make_instance([s.url for s in sims], health=health, prewarm=prewarm)
+        inst = await make_instance(
+            [s.url for s in sims], policy_name=self.policy_name, health=health, prewarm=prewarm
+        )
         t0 = time.perf_counter()
 
         async def restart() -> None:
@@ -352,7 +356,7 @@ async def run_restart(args: argparse.Namespace) -> list[RestartResult]:
                 every=args.every,
                 deadline=args.deadline,
                 spec=spec,
-                policy="ttft",
+                policy=args.policy,
                 plans=plans,
                 rate=rate,
                 time_scale=args.time_scale,
@@ -475,7 +479,7 @@ def render(payload: dict[str, Any], args: argparse.Namespace) -> str:
     restart = payload.get("restart")
     if restart:
         lines += [
-            "## Restarts (Zipf, ttft): windows after each restart",
+            f"## Restarts (Zipf, {args.policy}): windows after each restart",
             "",
             "| seed | pre-warming | requests in window | errors | TTFT p50 | p99 | max | "
             "share on restarted | its hit rate | its p99 | p99 before restarts | loop stall |",
@@ -533,6 +537,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--load-scale", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--repeat", type=int, default=1, help="restart: seeds to run")
+    parser.add_argument(
+        "--policy", default="ttft", choices=POLICY_NAMES, help="restart: routing policy"
+    )
     parser.add_argument("--restarts", type=int, default=4, help="restart: backends restarted")
     parser.add_argument(
         "--every", type=float, default=8.0, help="restart: simulated s between restarts"

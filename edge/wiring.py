@@ -166,6 +166,7 @@ async def build(
     )
     if fleet is not None:
         registry.register(fleet.collector())
+        policy = fleet.policy
     wiring = Wiring(
         fleet=fleet,
         app=_unset_app,

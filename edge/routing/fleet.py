@@ -1,11 +1,11 @@
 """The fleet services one edge process runs beside routing: hot-prefix tracking, pre-warming
-and the shared view, built from the `[prewarm]` and `[fleet_view]` sections and attached to the
-`ttft` policy (the policy that feeds and reads them; other policies route without them, and
-pre-warming then warms only what `POST /prewarm` asks for)."""
+and the shared view, built from the `[prewarm]` and `[fleet_view]` sections. The `ttft` policy
+feeds and reads them itself (one hash of the prompt for both); any other policy is wrapped so that
+its routed prompts are counted for pre-warming, and routes without the shared view."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,13 +13,33 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from backends.pool import UpstreamPool
-from backends.registry import BackendRegistry
-from edge.routing.base import RoutingPolicy
+from backends.registry import Backend, BackendRegistry
+from edge.routing.base import Decision, Outcome, RequestView, RoutingPolicy
 from edge.routing.fleet_view import FleetView, FleetViewConfig
 from edge.routing.hot_prefixes import HotPrefixes
 from edge.routing.prefix_blocks import BlockHasher
 from edge.routing.prewarm import PrewarmConfig, PrewarmService
 from edge.routing.ttft import TTFTPolicy
+
+
+class CountingPolicy:
+    """A policy whose routed prompts are counted in the hot-prefix tracker; otherwise itself."""
+
+    def __init__(self, inner: RoutingPolicy, hasher: BlockHasher, hot: HotPrefixes) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self._hasher = hasher
+        self._hot = hot
+
+    def choose(self, view: RequestView, candidates: Sequence[Backend]) -> Decision:
+        self._hot.record(view.model, self._hasher.blocks(view.text))
+        return self.inner.choose(view, candidates)
+
+    def observe(self, outcome: Outcome) -> None:
+        self.inner.observe(outcome)
+
+    def __getattr__(self, name: str) -> Any:  # the inner policy's own attributes (its tree)
+        return getattr(self.inner, name)
 
 
 @dataclass(eq=False)
@@ -28,6 +48,8 @@ class FleetServices:
     hot: HotPrefixes
     prewarm: PrewarmService | None
     view: FleetView | None
+    policy: RoutingPolicy
+    """The policy to route with: the one given, or it wrapped to count its prompts."""
 
     async def start(self) -> None:
         if self.view is not None:
@@ -109,24 +131,34 @@ def build_fleet(
     if warm:
         assert prewarm is not None
 
+        tree = getattr(policy, "tree", None)  # cache_aware's, as ttft's
+
         def reset(url: str) -> None:
             if ttft is not None:
                 ttft.forget(url)
-            elif view is not None:
-                view.forget(url)
+            else:
+                if tree is not None:
+                    tree.remove_tenant(url)
+                if view is not None:
+                    view.forget(url)
 
         def warmed(url: str, text: str) -> None:
             if ttft is not None:
                 ttft.holds(url, text)
+            elif tree is not None:
+                tree.insert(text, url)
             if view is not None:
                 view.placed(url, hasher.blocks(text).hashes)
 
         service = PrewarmService(
             prewarm, registry=registry, pool=pool, hot=hot, on_reset=reset, on_warmed=warmed
         )
+    routed: RoutingPolicy = policy
     if ttft is not None:
         ttft.attach(hasher, hot=hot if warm else None, fleet=view)
-    return FleetServices(hasher=hasher, hot=hot, prewarm=service, view=view)
+    elif warm:
+        routed = CountingPolicy(policy, hasher, hot)
+    return FleetServices(hasher=hasher, hot=hot, prewarm=service, view=view, policy=routed)
 
 
-__all__ = ["FleetServices", "build_fleet"]
+__all__ = ["CountingPolicy", "FleetServices", "build_fleet"]

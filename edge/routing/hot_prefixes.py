@@ -137,12 +137,12 @@ class HotPrefixes:
     def __len__(self) -> int:
         return sum(len(e) for e in self._models.values())
 
-    def snapshot(self, n: int = 8) -> list[dict[str, object]]:
-        """The hottest prefixes for the admin JSON (length and count, not the text)."""
+    def snapshot(self, n: int = 8, *, min_count: float = 2.0) -> list[dict[str, object]]:
+        """The hot prefixes for the admin JSON (length, count and first characters)."""
         return [
             {"model": p.model or None, "chars": len(p.text), "count": round(p.count, 2),
              "key": f"{p.key:016x}", "head": p.text[:48]}
-            for p in self.top(None, n, min_count=0.0)
+            for p in self.top(None, n, min_count=min_count)
         ]  # fmt: skip
 
 

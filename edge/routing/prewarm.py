@@ -373,7 +373,7 @@ class PrewarmService:
                 }
                 for lane in self._lanes.values()
             },
-            "hot_prefixes": self.hot.snapshot(),
+            "hot_prefixes": self.hot.snapshot(self.config.top, min_count=self.config.min_count),
         }
 
     def collector(self) -> Collector:

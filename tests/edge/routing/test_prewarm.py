@@ -246,3 +246,19 @@ async def test_warm_up_waits_for_the_edges_requests_in_prefill_there() -> None:
             await sampler
             assert warmed.status_code == 200 and samples > 0
             assert overlaps == 0
+
+
+async def test_other_policies_count_hot_prefixes_too() -> None:
+    rng = random.Random(5)
+    system = words(rng, 600)
+    async with sims(sim_config("b0"), sim_config("b1")) as servers:
+        config = fast_config([s.url for s in servers], policy="cache_aware")
+        prewarm = PrewarmConfig(enabled=True, restart_check_interval=None)
+        async with run_edge(config, prewarm=prewarm) as edge, client(edge) as http:
+            for _ in range(3):
+                await generate(http, system + words(rng, 40))
+            async with httpx.AsyncClient() as admin:
+                backends = (await admin.get(edge.admin_url + "/backends")).json()
+            assert backends["policy"] == "cache_aware"
+            hot = backends["prewarm"]["hot_prefixes"]
+            assert hot and hot[0]["count"] >= 3 and system.startswith(hot[0]["head"])
