@@ -131,22 +131,19 @@ def build_fleet(
     if warm:
         assert prewarm is not None
 
-        tree = getattr(policy, "tree", None)  # cache_aware's, as ttft's
-
         def reset(url: str) -> None:
+            # `ttft` forgets what the backend held and learns each warmed prefix back. Another
+            # policy's tree is left as it was: the warm-up makes its belief (the hot prefixes
+            # live there) true again, where forgetting them would leave the backend only cold
+            # traffic for as long as the hot prefixes have other homes.
             if ttft is not None:
                 ttft.forget(url)
-            else:
-                if tree is not None:
-                    tree.remove_tenant(url)
-                if view is not None:
-                    view.forget(url)
+            elif view is not None:
+                view.forget(url)
 
         def warmed(url: str, text: str) -> None:
             if ttft is not None:
                 ttft.holds(url, text)
-            elif tree is not None:
-                tree.insert(text, url)
             if view is not None:
                 view.placed(url, hasher.blocks(text).hashes)
 
