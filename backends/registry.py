@@ -145,6 +145,9 @@ class Backend:
     """Removed from the fleet (`BackendRegistry.remove`): takes no new request, finishes its own."""
     labels: dict[str, str] = field(default_factory=dict)
     """Isolation-domain labels (`model`, `hardware`, `tiers`) from the URL's `#…` part."""
+    warming_until: float = 0.0
+    """Not ready for routing before this `clock()` time (its cache is being warmed), unless no
+    ready backend can take the request; 0 when ready."""
 
     def ttft_p99(self) -> float | None:
         if not self.ttfts:
@@ -252,6 +255,8 @@ class BackendRegistry:
         self._loops: dict[str, list[asyncio.Task[None]]] = {}
         self._clients: dict[str, BackendClient] = {}
         self._started = False
+        self.on_healthy: list[Callable[[Backend], None]] = []
+        """Called (synchronously) when a backend passes its checks again after failing them."""
 
     def _new_backend(self, raw: str, name: str | None) -> Backend:
         bare, labels = parse_labels(raw)
@@ -331,6 +336,10 @@ class BackendRegistry:
         """Backends that may take a new request: degraded ones only if nothing else can."""
         now = self._clock()
         able = [b for b in self.backends if self.available(b, now)]
+        for b in able:
+            if b.warming_until > now:  # being warmed: only if no ready backend can take it
+                able = [c for c in able if c.warming_until <= now] or able
+                break
         good = [b for b in able if not b.degraded]
         return good or able
 
@@ -416,6 +425,8 @@ class BackendRegistry:
                 log.info("backend %s is healthy again", backend.name)
                 if self.pool is not None and self.warm_connections:
                     self._spawn(self.pool.warm(backend.url, self.warm_connections))
+                for listener in self.on_healthy:
+                    listener(backend)
         else:
             backend.check_failures += 1
             backend.check_successes = 0
@@ -527,6 +538,7 @@ class BackendRegistry:
                     "draining": b.draining,
                     "degraded": b.degraded,
                     "degraded_reason": b.degraded_reason,
+                    "ready": b.warming_until <= now,
                     "ejected_for_s": round(max(0.0, b.ejected_until - now), 3),
                     "in_flight": b.in_flight,
                     "in_flight_prefill_tokens": b.in_flight_prefill_tokens,

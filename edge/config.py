@@ -20,6 +20,8 @@ from edge.audit import AUDIT_FLAGS, AuditConfig
 from edge.policy.config import POLICY_FLAGS, PolicyConfig
 from edge.routing.base import POLICY_NAMES
 from edge.routing.breakers import BreakerConfig
+from edge.routing.fleet_view import FLEET_VIEW_FLAGS, FleetViewConfig
+from edge.routing.prewarm import PREWARM_FLAGS, PrewarmConfig
 from edge.settings import Section
 from edge.state.config import StateConfig
 from transport.config import EarlyDataSettings, TransportConfig
@@ -252,6 +254,10 @@ SECTIONS: tuple[Section, ...] = (
     Section("tenants", list[TenantSettings]),
     Section("policy", PolicyConfig, flags=POLICY_FLAGS, title="policy gateway ([policy])"),
     Section("audit", AuditConfig, flags=AUDIT_FLAGS, title="audit log ([audit])"),
+    Section("prewarm", PrewarmConfig, flags=PREWARM_FLAGS, title="pre-warming ([prewarm])"),
+    Section(
+        "fleet_view", FleetViewConfig, flags=FLEET_VIEW_FLAGS, title="fleet view ([fleet_view])"
+    ),
 )
 
 

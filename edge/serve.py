@@ -25,6 +25,8 @@ from edge.config import SECTIONS, ProxyConfig
 from edge.fleet_metrics import FleetMetrics, FleetPlan
 from edge.policy.config import PolicyConfig
 from edge.routing.breakers import BreakerConfig
+from edge.routing.fleet_view import FleetViewConfig
+from edge.routing.prewarm import PrewarmConfig
 from edge.settings import Settings, SettingsError
 from transport.config import EarlyDataSettings, TransportConfig
 from transport.demo import DemoApps
@@ -128,6 +130,9 @@ class ProxyApps:
             policies=self.settings.get("policy", PolicyConfig),
             audit=self.settings.get("audit", AuditConfig),
             breakers=self.settings.get("breakers", BreakerConfig),
+            prewarm=self.settings.get("prewarm", PrewarmConfig),
+            fleet_view=self.settings.get("fleet_view", FleetViewConfig),
+            redis_url=self.settings.get("serve", TransportConfig).redis,
         )
         await built.start()
         admin_app = built.admin_app

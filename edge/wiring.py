@@ -34,6 +34,9 @@ from edge.policy.config import PolicyConfig
 from edge.policy.gateway import PolicyGateway
 from edge.routing.base import RoutingPolicy, make_policy
 from edge.routing.breakers import BreakerConfig, Breakers
+from edge.routing.fleet import FleetServices, build_fleet
+from edge.routing.fleet_view import FleetViewConfig
+from edge.routing.prewarm import PrewarmConfig
 from edge.state.stage import StateStage
 from edge.telemetry import (
     AuditCollector,
@@ -88,6 +91,7 @@ class Wiring:
     breakers: Breakers | None = None
     abort_outcomes: Counter | None = None
     """`quicedge_abort_requests_total{outcome}`: sent, failed, dropped (over the cap)."""
+    fleet: FleetServices | None = None
     _aborts: set[asyncio.Task[Any]] = field(default_factory=set)
     _clients: dict[str, Any] = field(default_factory=dict)
 
@@ -103,6 +107,8 @@ class Wiring:
             self.gateway.start()
         if self.audit is not None:
             await self.audit.start()
+        if self.fleet is not None:
+            await self.fleet.start()
 
     def reload(self) -> None:
         """SIGHUP: compile the policy modules again (requests in progress keep the old ones)."""
@@ -115,6 +121,8 @@ class Wiring:
             await self.discovery.aclose()
         if self.breakers is not None:
             await self.breakers.aclose()
+        if self.fleet is not None:
+            await self.fleet.aclose()
         await self.registry.aclose()
         if self._aborts:
             await asyncio.wait(set(self._aborts), timeout=1.0)
@@ -174,12 +182,17 @@ async def build(
     policies: PolicyConfig | None = None,
     audit: AuditConfig | None = None,
     breakers: BreakerConfig | None = None,
+    prewarm: PrewarmConfig | None = None,
+    fleet_view: FleetViewConfig | None = None,
+    redis_url: str | None = None,
 ) -> Wiring:
     """Make the proxy's objects (nothing is started: call `Wiring.start`).
 
     `tracer` overrides the one from the OTEL_* environment (tests pass an in-memory one).
     With `discovery` other than static, the first lookup's backends join the `--backend` list.
     `policies` (`[policy]`) and `audit` (`[audit]`) turn on the policy gateway and the audit log.
+    `prewarm` and `fleet_view` are those sections (off when None), `redis_url` the `[serve]`
+    Redis the fleet view uses unless it names its own.
     """
     source = make_source(discovery) if discovery is not None else None
     config.validate(need_backends=source is None)
@@ -235,7 +248,14 @@ async def build(
     audit_log = AuditLog(audit) if audit is not None and audit.path else None
     if audit_log is not None:
         registry.register(AuditCollector(audit_log))
+    fleet = build_fleet(
+        prewarm, fleet_view, redis_url=redis_url, registry=backends, pool=pool, policy=policy
+    )
+    if fleet is not None:
+        registry.register(fleet.collector())
+        policy = fleet.policy
     wiring = Wiring(
+        fleet=fleet,
         app=_unset_app,
         admin_app=_unset_app,
         config=config,
@@ -274,7 +294,12 @@ async def build(
         breakers=breaker_set,
     )
     wiring.admin_app = AdminApp(
-        registry=registry, backends=backends, pool=pool, policy=policy, breakers=breaker_set
+        registry=registry,
+        backends=backends,
+        pool=pool,
+        policy=policy,
+        breakers=breaker_set,
+        fleet=fleet,
     )
     return wiring
 

@@ -22,7 +22,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client import CollectorRegistry
 
 from edge.config import ProxyConfig
-from edge.routing.breakers import BreakerConfig
 from edge.wiring import Wiring, build
 from tests.helpers import async_wait_for_tcp, free_port
 from transport.h1_server import H1Listener
@@ -107,13 +106,11 @@ async def run_edge(
     certs: Any = None,
     start: bool = True,
     listener: str = "hypercorn",
-    policies: Any = None,
-    audit: Any = None,
-    breakers: BreakerConfig | None = None,
+    **build_options: Any,
 ) -> AsyncIterator[Edge]:
     """The app on hypercorn (TLS when `certs` are given), or on our own plain HTTP/1.1 listener
     (`listener="h1"`, what `quicedge serve --http` runs, where the relay writes through the
-    listener's body writer)."""
+    listener's body writer). `build_options` go to `edge.wiring.build` (`prewarm=`, ...)."""
     registry = CollectorRegistry()
     exporter: InMemorySpanExporter | None = None
     tracer = None
@@ -122,10 +119,7 @@ async def run_edge(
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(exporter))
         tracer = provider.get_tracer("test")
-    wiring = await build(
-        config, registry=registry, tracer=tracer, policies=policies, audit=audit,
-        breakers=breakers,
-    )  # fmt: skip
+    wiring = await build(config, registry=registry, tracer=tracer, **build_options)
     if start:
         await wiring.start()
     try:
