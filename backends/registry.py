@@ -143,12 +143,45 @@ class Backend:
     check_failures: int = 0
     draining: bool = False
     """Removed from the fleet (`BackendRegistry.remove`): takes no new request, finishes its own."""
+    labels: dict[str, str] = field(default_factory=dict)
+    """Isolation-domain labels (`model`, `hardware`, `tiers`) from the URL's `#…` part; the
+    `model` and `hardware` labels always agree with `model`, `model_version` and `hw_group`."""
+    warming_until: float = 0.0
+    """Not ready for routing before this `clock()` time (its cache is being warmed), unless no
+    ready backend can take the request; 0 when ready."""
     model: str | None = None
-    """The model it serves (its pool), from the `[models]` config or discovered; None: unknown."""
+    """The model it serves (its pool), from its `model=` label, the `[models]` config or
+    discovered; None: unknown."""
     model_version: str | None = None
-    """The version of that model (SGLang's `weight_version`, or the config's)."""
+    """The version of that model (SGLang's `weight_version`, or the label's / config's)."""
     hw_group: str = "default"
-    """Hardware group (e.g. `h100`, `a100`): the `ttft` policy learns one speed per group."""
+    """Hardware group (e.g. `h100`, `a100`): its `hardware=` label or the `[models]` config; the
+    `ttft` policy learns one speed per group, the breakers keep one domain per group."""
+
+    def __post_init__(self) -> None:
+        # The URL's labels are the operator's word: they name the model and hardware group.
+        if "model" in self.labels:
+            self.model, self.model_version = split_model_label(self.labels["model"])
+        if "hardware" in self.labels:
+            self.hw_group = self.labels["hardware"]
+        self._sync_labels()
+
+    def set_model(self, model: str | None, version: str | None) -> None:
+        """Set the model and version (the pool and its version) and the `model` label with them,
+        so that the breakers' domains and the pools see the same model."""
+        self.model, self.model_version = model, version
+        self._sync_labels()
+
+    def set_hw_group(self, group: str) -> None:
+        """Set the hardware group and the `hardware` label with it."""
+        self.hw_group = group
+        self._sync_labels()
+
+    def _sync_labels(self) -> None:
+        if self.model is not None:
+            self.labels["model"] = model_label_of(self.model, self.model_version)
+        if self.hw_group != DEFAULT_GROUP or "hardware" in self.labels:
+            self.labels["hardware"] = self.hw_group
 
     def ttft_p99(self) -> float | None:
         if not self.ttfts:
@@ -181,8 +214,49 @@ class InFlight:
             self.backend.in_prefill -= 1
 
 
+DEFAULT_GROUP = "default"
+"""The hardware group (and breaker domain) of a backend no label or config places."""
+
+
+def split_model_label(label: str) -> tuple[str, str | None]:
+    """`llama-3-8b@v2` → (`llama-3-8b`, `v2`); a label without `@` names no version."""
+    model, _, version = label.partition("@")
+    return model, version or None
+
+
+def model_label_of(model: str, version: str | None) -> str:
+    """The `model` label of a model and version: `model@version`, or `model` alone when the
+    version is unknown or SGLang's `default` (as `/get_model_info` reports it)."""
+    return model if version is None or version == "default" else f"{model}@{version}"
+
+
 def _name_for(url: str) -> str:
-    return urlsplit(url).netloc
+    return urlsplit(url.partition("#")[0]).netloc
+
+
+LABEL_KEYS = frozenset({"model", "hardware", "tiers"})
+LABEL_TIERS = frozenset({"gold", "silver", "bronze"})
+
+
+def parse_labels(url: str) -> tuple[str, dict[str, str]]:
+    """Split `http://host:port#model=llama3-v2&hardware=h100&tiers=gold+silver` into the URL
+    and its labels; a URL without `#` has none. Raises ValueError naming a bad label."""
+    base, _, fragment = url.partition("#")
+    labels: dict[str, str] = {}
+    for pair in filter(None, fragment.split("&")):
+        key, eq, value = pair.partition("=")
+        if key not in LABEL_KEYS or not eq or not value:
+            raise ValueError(
+                f"backend {base}: label {pair!r} is not one of model=, hardware=, tiers="
+            )
+        if key in labels:
+            raise ValueError(f"backend {base}: label {key} is given twice")
+        if key == "tiers":
+            bad = sorted(set(value.split("+")) - LABEL_TIERS)
+            if bad:
+                raise ValueError(f"backend {base}: tiers has {bad[0]!r}; use gold+silver+bronze")
+        labels[key] = value
+    return base, labels
 
 
 class BackendRegistry:
@@ -231,9 +305,12 @@ class BackendRegistry:
         self._loops: dict[str, list[asyncio.Task[None]]] = {}
         self._clients: dict[str, BackendClient] = {}
         self._started = False
+        self.on_healthy: list[Callable[[Backend], None]] = []
+        """Called (synchronously) when a backend passes its checks again after failing them."""
 
     def _new_backend(self, raw: str, name: str | None) -> Backend:
-        url = raw.rstrip("/")
+        bare, labels = parse_labels(raw)
+        url = bare.rstrip("/")
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname or parts.path:
             raise ValueError(f"backend URL must be http://host[:port], got {raw!r}")
@@ -241,6 +318,7 @@ class BackendRegistry:
             name=name if name is not None else _name_for(url),
             url=url,
             max_concurrency=self.max_concurrency,
+            labels=labels,
         )
         backend.ttfts = deque(maxlen=self.health.ttft_window)
         return backend
@@ -253,8 +331,9 @@ class BackendRegistry:
         """Add a backend at run time; once started, its checks and load polling start at once.
 
         Adding a URL the registry holds returns its backend (a draining one is taken back)."""
-        backend = self._by_name.get(name if name is not None else _name_for(url.rstrip("/")))
-        if backend is not None and backend.url == url.rstrip("/"):
+        bare = parse_labels(url)[0].rstrip("/")
+        backend = self._by_name.get(name if name is not None else _name_for(bare))
+        if backend is not None and backend.url == bare:
             backend.draining = False
             return backend
         backend = self._new_backend(url, name)
@@ -307,6 +386,10 @@ class BackendRegistry:
         """Backends that may take a new request: degraded ones only if nothing else can."""
         now = self._clock()
         able = [b for b in self.backends if self.available(b, now)]
+        for b in able:
+            if b.warming_until > now:  # being warmed: only if no ready backend can take it
+                able = [c for c in able if c.warming_until <= now] or able
+                break
         good = [b for b in able if not b.degraded]
         return good or able
 
@@ -392,6 +475,8 @@ class BackendRegistry:
                 log.info("backend %s is healthy again", backend.name)
                 if self.pool is not None and self.warm_connections:
                     self._spawn(self.pool.warm(backend.url, self.warm_connections))
+                for listener in self.on_healthy:
+                    listener(backend)
         else:
             backend.check_failures += 1
             backend.check_successes = 0
@@ -497,11 +582,13 @@ class BackendRegistry:
                 {
                     "name": b.name,
                     "url": b.url,
+                    "labels": dict(b.labels),
                     "healthy": b.healthy,
                     "available": self.available(b, now),
                     "draining": b.draining,
                     "degraded": b.degraded,
                     "degraded_reason": b.degraded_reason,
+                    "ready": b.warming_until <= now,
                     "ejected_for_s": round(max(0.0, b.ejected_until - now), 3),
                     "in_flight": b.in_flight,
                     "in_flight_prefill_tokens": b.in_flight_prefill_tokens,
@@ -536,4 +623,5 @@ __all__ = [
     "HealthConfig",
     "InFlight",
     "LoadView",
+    "parse_labels",
 ]

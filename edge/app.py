@@ -16,13 +16,18 @@ from typing import Any
 
 from backends.pool import UpstreamPool
 from backends.registry import BackendRegistry
+from edge.admission import Admission, AdmissionSettings
+from edge.admission.tenants import Tenant
 from edge.asgi import Receive, Scope, Send, lifespan, render_error, send_json
 from edge.attempt import Aborter, Attempts
+from edge.audit import AuditLog
 from edge.config import ProxyConfig
 from edge.errors import EdgeError, MethodNotAllowed, ModelNotFound, RouteNotFound
 from edge.exchange import Exchange, read_headers
 from edge.models import ModelCatalog, Models
+from edge.policy.gateway import PolicyGateway
 from edge.routing.base import RoutingPolicy
+from edge.routing.breakers import Breakers
 from edge.stages.body import (
     ClientGone,
     check_content_type,
@@ -39,11 +44,13 @@ from edge.stages.forward import (
 )
 from edge.stages.validate import CHAT, COMPLETIONS, GENERATE, validate
 from edge.stages.view import build_view
+from edge.state.responses import RESPONSES
+from edge.state.stage import StateStage
 from edge.telemetry import Metrics, RequestTrace, Tracer
 
 log = logging.getLogger(__name__)
 
-INFERENCE_ROUTES = (CHAT, COMPLETIONS, GENERATE)
+INFERENCE_ROUTES = (CHAT, COMPLETIONS, GENERATE, RESPONSES)
 _TRANSPORT_BY_VERSION = {"3": "h3", "2": "h2", "2.0": "h2"}
 
 
@@ -61,9 +68,16 @@ class ProxyApp:
         catalog: ModelCatalog,
         abort: Aborter,
         tracer: Tracer | None = None,
+        state: StateStage | None = None,
+        admission: Admission | None = None,
+        gateway: PolicyGateway | None = None,
+        audit: AuditLog | None = None,
+        breakers: Breakers | None = None,
         models: Models | None = None,
     ) -> None:
         self.config = config
+        self.gateway = gateway
+        self.audit = audit
         self.pool = pool
         self.registry = registry
         self.metrics = metrics
@@ -71,9 +85,12 @@ class ProxyApp:
         self.abort = abort
         self.tracer = tracer
         self.models = models
+        self.state = state
+        self.admission = admission or Admission(AdmissionSettings(), metrics=metrics)
         self.attempts = Attempts(
             config=config, pool=pool, registry=registry, policy=policy, metrics=metrics,
-            abort=abort, models=models,
+            abort=abort, admission=self.admission, gateway=gateway, breakers=breakers,
+            models=models,
         )  # fmt: skip
 
     @property
@@ -155,6 +172,7 @@ class ProxyApp:
         ex: Exchange | None = None
         try:
             request_id = request_id_from(headers.request_id)
+            tenant = self.admission.identify(headers.authorization)
             if self.tracer is not None:  # decided once: no tracer, no span objects
                 trace = RequestTrace(
                     self.tracer,
@@ -166,7 +184,8 @@ class ProxyApp:
                         "quicedge.transport": transport,
                         "quicedge.early_data": early,
                         "quicedge.request_id": request_id,
-                        "quicedge.tenant": (headers.tenant or b"default").decode("latin-1"),
+                        "quicedge.tenant": tenant.name,
+                        "quicedge.tier": tenant.tier,
                         "quicedge.policy": self.policy.name,
                     },
                 )
@@ -177,24 +196,42 @@ class ProxyApp:
                 handshake_wait=wait, request_id=request_id, headers=headers, trace=trace,
                 body_writer=ext.get("quicedge.body_writer"),
                 on_disconnect=ext.get("quicedge.on_disconnect"),
+                tenant=tenant.name, tier=tenant.tier, tier_rank=tenant.rank,
             )  # fmt: skip
             if wait > 0:
                 self.metrics.handshake_wait.observe(wait)
-            await self._parse_and_admit(ex, receive)
-            await self._forward(ex, receive, send)
+            try:
+                await self._parse_and_admit(ex, receive, tenant)
+                try:
+                    relay_send = send if ex.state is None else await ex.state.begin(send)
+                    if relay_send is not None:  # None: answered from the response cache
+                        await self._forward(ex, receive, relay_send)
+                finally:
+                    reported = ex.usage.completion_tokens if ex.usage is not None else None
+                    self.admission.finish(ex, ex.content_chunks if reported is None else reported)
+            finally:
+                if ex.state is not None:
+                    await ex.state.finish()
         except EdgeError as err:
+            if self.audit is not None and ex is not None:
+                self.audit.record_exchange(ex, ex.status if ex.started else err.status)
             if trace is not None:
                 trace.set("http.status_code", err.status)
                 trace.end(time.perf_counter(), error=err.message)
             if ex is not None:
                 request_id = ex.request_id  # the label, which the body may have given
             if ex is not None and ex.started:  # too late for an error page; the stream ended
-                log.warning("request %s failed after the response started: %s", request_id, err)
+                log.warning(
+                    "request %s (tenant %s) failed after the response started: %s",
+                    request_id, ex.tenant, err,
+                )  # fmt: skip
                 self.metrics.requests.labels(route, str(ex.status)).inc()
                 return
             err.extra_headers = (*err.extra_headers, (b"x-request-id", request_id.encode()))
             raise
         except ClientGone:
+            if self.audit is not None and ex is not None:
+                self.audit.record_exchange(ex, 499)
             self.metrics.disconnects.inc()
             self.metrics.requests.labels(route, "499").inc()
             if trace is not None:
@@ -202,36 +239,48 @@ class ProxyApp:
             return
         assert ex is not None
         status = ex.status
+        if self.audit is not None:
+            self.audit.record_exchange(ex, status)
         self.metrics.requests.labels(route, str(status)).inc()
         if trace is not None:
             trace.set("http.status_code", status)
             trace.set("quicedge.retries", ex.retries)
             trace.end(time.perf_counter(), error="client disconnected" if ex.disconnected else None)
 
-    async def _parse_and_admit(self, ex: Exchange, receive: Receive) -> None:
-        """Parse (body, JSON once) then admit (fields, model, routing view)."""
+    async def _parse_and_admit(self, ex: Exchange, receive: Receive, tenant: Tenant) -> None:
+        """Parse (body, JSON once) then admit (fields, model, routing view, tenant quota)."""
         h = ex.headers
+        if self.audit is not None:
+            self.audit.admit()  # a full audit queue may refuse new requests (`when_full`)
         check_content_type(h.content_type)
         limit = self.config.max_body_bytes
         declared_length(h.content_length, limit)
         raw = await read_body(receive, limit)
         body = parse_json_object(raw)
+        if self.state is not None:  # stored conversations, /v1/responses, the response cache
+            raw, body = await self.state.prepare(ex, raw, body)
+        elif ex.route == RESPONSES:
+            raise RouteNotFound(f"no route for POST {RESPONSES}")
         t_parsed = time.perf_counter()
         ex.stream = validate(ex.route, body)
         if self.models is not None:
             model = None if ex.route == GENERATE else body.get("model")
             route = self.models.route_now(
-                model, tenant=h.tenant, canary=h.canary, session=h.session
+                model, tenant=ex.tenant, canary=h.canary, session=h.session
             )
             if route is None:  # a name not known yet: the fleet's list decides (maybe 404)
                 route = await self.models.route(
-                    model, tenant=h.tenant, canary=h.canary, session=h.session
+                    model, tenant=ex.tenant, canary=h.canary, session=h.session
                 )
             ex.model_route = route
         elif ex.route != GENERATE:
             await self.catalog.check(body.get("model"))
+        if self.gateway is not None:
+            raw = self.gateway.stage(ex, body, raw)
         session = h.session.decode("latin-1") if h.session else None
         ex.view = build_view(ex.route, body, session)
+        if self.gateway is not None and self.gateway.judge is not None:
+            await self.gateway.judge_stage(ex)
         # The backend's rid is always the edge's own (`edge.stages.forward`); the client's id,
         # from its header or its body, is only the label. A batch's rids are derived from the
         # edge's and not aborted one by one.
@@ -254,6 +303,7 @@ class ProxyApp:
             traceparent=traceparent,
             tracestate=tracestate,
         )
+        await self.admission.admit(ex, tenant)  # last: nothing after it may fail and leak a slot
         t_admitted = time.perf_counter()
         self.metrics.stage_parse.observe(t_parsed - ex.t0)
         self.metrics.stage_admit.observe(t_admitted - t_parsed)
@@ -276,6 +326,9 @@ class ProxyApp:
         try:
             await self.attempts.run(ex, send)
         except asyncio.CancelledError:
+            if ex.judge_refused and not ex.disconnected and self.gateway is not None:
+                task.uncancel()
+                raise self.gateway.judge_refusal(ex) from None
             if not ex.disconnected:
                 raise
             task.uncancel()

@@ -13,10 +13,18 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from backends.discovery import DiscoveryConfig
+from backends.registry import parse_labels
 from edge import settings
+from edge.admission.settings import AdmissionSettings, TenantSettings
+from edge.audit import AUDIT_FLAGS, AuditConfig
 from edge.models.config import ModelsConfig
+from edge.policy.config import POLICY_FLAGS, PolicyConfig
 from edge.routing.base import POLICY_NAMES
+from edge.routing.breakers import BreakerConfig
+from edge.routing.fleet_view import FLEET_VIEW_FLAGS, FleetViewConfig
+from edge.routing.prewarm import PREWARM_FLAGS, PrewarmConfig
 from edge.settings import Section
+from edge.state.config import StateConfig
 from transport.config import EarlyDataSettings, TransportConfig
 
 SECONDS = 1.0
@@ -29,7 +37,9 @@ class ProxyConfig:
     """Proxy-core settings. Times are in seconds, sizes in bytes."""
 
     backends: list[str] = field(default_factory=list)
-    """Base URLs of the SGLang servers, e.g. `http://10.0.0.5:30000`."""
+    """Base URLs of the SGLang servers, e.g. `http://10.0.0.5:30000`, each optionally with its
+    isolation-domain labels: `http://10.0.0.5:30000#model=llama3-v2&hardware=h100&tiers=gold+silver`
+    (see docs/routing.md, "Isolation and breakers")."""
     policy: str = "ttft"
     """Routing policy: round_robin, random, least_load, power_of_two, cache_aware or ttft."""
 
@@ -90,6 +100,21 @@ class ProxyConfig:
     """Create OpenTelemetry spans. Also turned on by OTEL_TRACES_EXPORTER=console|otlp."""
     models_ttl: float = 5 * SECONDS
     """How long the merged `/v1/models` list is reused before it is fetched again, s."""
+    max_pending_aborts: int = 256
+    """`/abort_request` calls in flight at once (sent when a client leaves mid-generation); one
+    more is dropped and counted (`quicedge_abort_requests_total{outcome="dropped"}`): closing
+    the upstream connection aborts the request anyway."""
+    expose_backend_names: bool = False
+    """Name the backend (its host:port) to clients: the `x-quicedge-backend` response header and
+    the upstream detail in error messages. Off: internal addresses never leave the edge."""
+    state: StateConfig = field(default_factory=StateConfig, metadata={"load": False})
+    """Stored conversations and the response cache: the top-level `[state]` table (`edge.state`),
+    carried here for the proxy's stages; not a `[proxy]` key."""
+    admission: AdmissionSettings = field(
+        default_factory=AdmissionSettings, metadata={"load": False}
+    )
+    """Tenants, quotas and throttling: the top-level `[admission]` table and `[[tenants]]` array
+    (`edge.admission`), carried here for the proxy's stages; not `[proxy]` keys."""
 
     def validate(self, *, need_backends: bool = True) -> ProxyConfig:
         """Raise ValueError naming the first bad setting; return self for chaining.
@@ -100,7 +125,13 @@ class ProxyConfig:
         for url in self.backends:
             if not url.startswith(("http://", "https://")) or "://" == url[-3:]:
                 raise ValueError(f"proxy: backend URL must be http://HOST:PORT, got {url!r}")
-        if len(set(self.backends)) != len(self.backends):
+        bare = []
+        for url in self.backends:
+            try:
+                bare.append(parse_labels(url)[0].rstrip("/"))
+            except ValueError as exc:
+                raise ValueError(f"proxy.backends: {exc}") from None
+        if len(set(bare)) != len(bare):
             raise ValueError("proxy: a backend URL is listed twice")
         if self.policy not in POLICY_NAMES:
             raise ValueError(
@@ -130,6 +161,10 @@ class ProxyConfig:
             raise ValueError(f"proxy: max_retries must be >= 0, got {self.max_retries}")
         if self.pool_max_waiters < 0:
             raise ValueError(f"proxy: pool_max_waiters must be >= 0, got {self.pool_max_waiters}")
+        if self.max_pending_aborts < 0:
+            raise ValueError(
+                f"proxy: max_pending_aborts must be >= 0, got {self.max_pending_aborts}"
+            )
         if self.models_ttl < 0:
             raise ValueError(f"proxy: models_ttl must be >= 0, got {self.models_ttl}")
         if not 0 <= self.pool_warm_connections <= self.pool_max_connections:
@@ -142,13 +177,33 @@ class ProxyConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"proxy: {name} must be > 0, got {value!r}")
+        self.state.validate()
         return self
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> ProxyConfig:
         """From a `[proxy]`-style table, refusing unknown keys and wrong types by name (not
         validated: call `validate()`)."""
-        return settings.from_mapping(cls, values, "proxy")
+        own = {k: v for k, v in values.items() if k not in _CARRIED}
+        config = settings.from_mapping(cls, own, "proxy")
+        for name in _CARRIED.intersection(values):  # in-process callers pass these as objects
+            setattr(config, name, values[name])
+        return config
+
+    def with_features(self, loaded: settings.Settings) -> ProxyConfig:
+        """This `[proxy]` with the feature sections it carries, from `loaded`: `[state]`,
+        `[admission]` with the `[[tenants]]` array. Checks what spans sections."""
+        self.state = loaded.get("state", StateConfig)
+        admission = loaded.get("admission", AdmissionSettings)
+        admission.tenants = list(loaded.get("tenants", list))
+        admission.validate()  # tenant names and keys unique across the array
+        self.admission = admission
+        return self
+
+
+# Feature sections read from their own top-level tables and carried on `ProxyConfig` for the
+# proxy's stages (`metadata={"load": False}`: not `[proxy]` keys).
+_CARRIED = frozenset({"state", "admission"})
 
 
 # Flags whose names are not `--field-name`; every other field's flag is.
@@ -164,6 +219,12 @@ PROXY_FLAGS: dict[str, str | bool] = {
     "max_concurrency_per_backend": "--max-concurrency",
 }
 
+
+def _toml_only(kind: type) -> dict[str, str | bool]:
+    """No flag for any of `kind`'s fields: a feature's table is written in the TOML file."""
+    return {f.name: False for f in fields(kind)}
+
+
 # Every settings section of `quicedge serve`: TOML table, dataclass, flag renames. A feature adds
 # its own with one line here (see docs/architecture.md, "Settings").
 SECTIONS: tuple[Section, ...] = (
@@ -176,6 +237,12 @@ SECTIONS: tuple[Section, ...] = (
     ),
     Section("proxy", ProxyConfig, flags=PROXY_FLAGS, title="proxy ([proxy])"),
     Section(
+        "breakers",
+        BreakerConfig,
+        flags={f.name: f"--breaker-{f.name.replace('_', '-')}" for f in fields(BreakerConfig)},
+        title="circuit breakers per isolation domain ([breakers])",
+    ),
+    Section(
         "discovery",
         DiscoveryConfig,
         flags={f.name: f"--discovery-{f.name.replace('_', '-')}" for f in fields(DiscoveryConfig)},
@@ -186,6 +253,17 @@ SECTIONS: tuple[Section, ...] = (
         ModelsConfig,
         flags={"default": "--default-model", "discover": "--discover-models"},
         title="model pools and gray release ([models], docs/models.md)",
+    ),
+    Section("state", StateConfig, flags={f.name: False for f in fields(StateConfig)}),
+    Section(
+        "admission", AdmissionSettings, flags={f.name: False for f in fields(AdmissionSettings)}
+    ),
+    Section("tenants", list[TenantSettings]),
+    Section("policy", PolicyConfig, flags=POLICY_FLAGS, title="policy gateway ([policy])"),
+    Section("audit", AuditConfig, flags=AUDIT_FLAGS, title="audit log ([audit])"),
+    Section("prewarm", PrewarmConfig, flags=PREWARM_FLAGS, title="pre-warming ([prewarm])"),
+    Section(
+        "fleet_view", FleetViewConfig, flags=FLEET_VIEW_FLAGS, title="fleet view ([fleet_view])"
     ),
 )
 

@@ -20,9 +20,14 @@ from prometheus_client import CollectorRegistry
 
 from backends.discovery import DiscoveryConfig, make_source
 from edge import settings, wiring
+from edge.audit import AuditConfig
 from edge.config import SECTIONS, ProxyConfig
 from edge.fleet_metrics import FleetMetrics, FleetPlan
 from edge.models.config import ModelsConfig
+from edge.policy.config import PolicyConfig
+from edge.routing.breakers import BreakerConfig
+from edge.routing.fleet_view import FleetViewConfig
+from edge.routing.prewarm import PrewarmConfig
 from edge.settings import Settings, SettingsError
 from transport.config import EarlyDataSettings, TransportConfig
 from transport.demo import DemoApps
@@ -86,7 +91,9 @@ def load_settings(
         discovery = loaded.get("discovery", DiscoveryConfig)
         try:
             # With discovery the `--backend` list may start empty: the first lookup fills it.
-            loaded.get("proxy", ProxyConfig).validate(need_backends=discovery.mode == "static")
+            proxy = loaded.get("proxy", ProxyConfig)
+            proxy.validate(need_backends=discovery.mode == "static")
+            proxy.with_features(loaded)
             make_source(discovery)  # fails here, not in a worker: outside a cluster, say
         except SettingsError:
             raise
@@ -116,11 +123,18 @@ class ProxyApps:
 
     async def open(self, registry: CollectorRegistry) -> ServedApps:
         discovery = self.settings.get("discovery", DiscoveryConfig)
+        proxy = self.settings.get("proxy", ProxyConfig)
         built = await wiring.build(
-            self.settings.get("proxy", ProxyConfig),
+            proxy,
             registry=registry,
             discovery=discovery,
+            policies=self.settings.get("policy", PolicyConfig),
+            audit=self.settings.get("audit", AuditConfig),
+            breakers=self.settings.get("breakers", BreakerConfig),
+            prewarm=self.settings.get("prewarm", PrewarmConfig),
+            fleet_view=self.settings.get("fleet_view", FleetViewConfig),
             models=self.settings.get("models", ModelsConfig),
+            redis_url=self.settings.get("serve", TransportConfig).redis,
         )
         await built.start()
         admin_app = built.admin_app
@@ -134,7 +148,7 @@ class ProxyApps:
                 await fleet.aclose()
             await built.aclose()
 
-        return ServedApps(built.app, admin_app, aclose)
+        return ServedApps(built.app, admin_app, aclose, reload=built.reload)
 
     def describe(self) -> str:
         proxy = self.settings.get("proxy", ProxyConfig)

@@ -14,21 +14,38 @@ import contextlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 
 from backends.discovery import Discovery, DiscoveryConfig, make_source
 from backends.pool import UpstreamPool
 from backends.registry import Backend, BackendRegistry, HealthConfig
 from edge import settings
 from edge.admin import AdminApp
+from edge.admission import Admission
 from edge.app import ProxyApp
 from edge.asgi import ASGIApp
+from edge.audit import AuditConfig, AuditLog
 from edge.config import SECTIONS, ProxyConfig
 from edge.models import ModelCatalog, Models, ModelsConfig
+from edge.policy.config import PolicyConfig
+from edge.policy.gateway import PolicyGateway
 from edge.routing.base import RoutingPolicy, make_policy
-from edge.telemetry import FleetCollector, Metrics, Tracer, TracingSetup, tracer_from_env
+from edge.routing.breakers import BreakerConfig, Breakers
+from edge.routing.fleet import FleetServices, build_fleet
+from edge.routing.fleet_view import FleetViewConfig
+from edge.routing.prewarm import PrewarmConfig
+from edge.state.stage import StateStage
+from edge.telemetry import (
+    AuditCollector,
+    FleetCollector,
+    Metrics,
+    Tracer,
+    TracingSetup,
+    tracer_from_env,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,22 +83,47 @@ class Wiring:
     metrics: Metrics
     catalog: ModelCatalog
     tracing: TracingSetup
+    admission: Admission
     models: Models
     discovery: Discovery | None = None
+    state: StateStage | None = None
+    gateway: PolicyGateway | None = None
+    audit: AuditLog | None = None
+    breakers: Breakers | None = None
+    abort_outcomes: Counter | None = None
+    """`quicedge_abort_requests_total{outcome}`: sent, failed, dropped (over the cap)."""
+    fleet: FleetServices | None = None
     _aborts: set[asyncio.Task[Any]] = field(default_factory=set)
     _clients: dict[str, Any] = field(default_factory=dict)
 
     async def start(self) -> None:
         """Pre-warm pools, start health checks and load polling, learn the fleet's models."""
         await self.registry.start()
+        if self.breakers is not None:
+            self.breakers.start()
         await self.catalog.refresh()
         if self.discovery is not None:
             self.discovery.start(self.registry)
+        if self.gateway is not None:
+            self.gateway.start()
+        if self.audit is not None:
+            await self.audit.start()
+        if self.fleet is not None:
+            await self.fleet.start()
+
+    def reload(self) -> None:
+        """SIGHUP: compile the policy modules again (requests in progress keep the old ones)."""
+        if self.gateway is not None:
+            self.gateway.reload_soon()
 
     async def aclose(self) -> None:
         """Stop checks, let in-progress aborts finish briefly, close pools, flush spans."""
         if self.discovery is not None:
             await self.discovery.aclose()
+        if self.breakers is not None:
+            await self.breakers.aclose()
+        if self.fleet is not None:
+            await self.fleet.aclose()
         await self.registry.aclose()
         await self.models.aclose()
         if self._aborts:
@@ -91,10 +133,23 @@ class Wiring:
             with contextlib.suppress(Exception):
                 await client.aclose()
         await self.pool.aclose()
+        if self.state is not None:
+            await self.state.aclose()
+        await self.admission.aclose()
+        if self.gateway is not None:
+            await self.gateway.aclose()
+        if self.audit is not None:
+            await self.audit.aclose()  # after the requests: their records are written too
         self.tracing.shutdown()
 
     def abort(self, backend: Backend, rid: str) -> None:
-        """Fire `/abort_request {rid}` at the backend without waiting for it (never raises)."""
+        """Fire `/abort_request {rid}` at the backend without waiting for it (never raises).
+
+        At most `max_pending_aborts` are in flight: past that one is dropped and counted (a
+        flood of departing clients must not become a flood of tasks)."""
+        if len(self._aborts) >= self.config.max_pending_aborts:
+            self._count_abort("dropped")
+            return
         task = asyncio.ensure_future(self._abort(backend, rid))
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
@@ -110,7 +165,14 @@ class Wiring:
                 )
             await client.abort(rid)
         except Exception as exc:  # best effort: the closed upstream connection aborts it too
+            self._count_abort("failed")
             log.info("abort of %s on %s failed: %s", rid, backend.name, exc)
+        else:
+            self._count_abort("sent")
+
+    def _count_abort(self, outcome: str) -> None:
+        if self.abort_outcomes is not None:
+            self.abort_outcomes.labels(outcome).inc()
 
 
 async def build(
@@ -119,12 +181,21 @@ async def build(
     registry: CollectorRegistry,
     tracer: Tracer | None = None,
     discovery: DiscoveryConfig | None = None,
+    policies: PolicyConfig | None = None,
+    audit: AuditConfig | None = None,
+    breakers: BreakerConfig | None = None,
+    prewarm: PrewarmConfig | None = None,
+    fleet_view: FleetViewConfig | None = None,
+    redis_url: str | None = None,
     models: ModelsConfig | None = None,
 ) -> Wiring:
     """Make the proxy's objects (nothing is started: call `Wiring.start`).
 
     `tracer` overrides the one from the OTEL_* environment (tests pass an in-memory one).
     With `discovery` other than static, the first lookup's backends join the `--backend` list.
+    `policies` (`[policy]`) and `audit` (`[audit]`) turn on the policy gateway and the audit log.
+    `prewarm` and `fleet_view` are those sections (off when None), `redis_url` the `[serve]`
+    Redis the fleet view uses unless it names its own.
     """
     source = make_source(discovery) if discovery is not None else None
     config.validate(need_backends=source is None)
@@ -160,6 +231,11 @@ async def build(
     )
     policy = make_policy(config.policy)
     metrics = Metrics(registry)
+    admission = Admission(config.admission, metrics=metrics)
+    breaker_set = Breakers(
+        (breakers or BreakerConfig()).validate(), backends.backends, registry=registry,
+        model_info=partial(_model_info, config.health_timeout),
+    )  # fmt: skip
     registry.register(FleetCollector(backends.backends, pool.stats))
     tracing = TracingSetup(tracer) if tracer is not None else tracer_from_env(force=config.tracing)
     catalog = ModelCatalog(
@@ -168,7 +244,25 @@ async def build(
     pools = Models(
         models or ModelsConfig(), backends=backends, catalog=catalog, pool=pool, registry=registry
     )
+    catalog.on_relabel = breaker_set.relabel  # a learned model moves its backend's domain
+    gateway = PolicyGateway.from_config(
+        policies or PolicyConfig(),
+        on_decision=lambda rule, outcome: metrics.policy_decisions.labels(rule, outcome).inc(),
+        on_module_failure=lambda module, kind: metrics.policy_failures.labels(module, kind).inc(),
+        pool=pool,
+        on_judge=lambda verdict, seconds: metrics.policy_judge.labels(verdict).observe(seconds),
+    )
+    audit_log = AuditLog(audit) if audit is not None and audit.path else None
+    if audit_log is not None:
+        registry.register(AuditCollector(audit_log))
+    fleet = build_fleet(
+        prewarm, fleet_view, redis_url=redis_url, registry=backends, pool=pool, policy=policy
+    )
+    if fleet is not None:
+        registry.register(fleet.collector())
+        policy = fleet.policy
     wiring = Wiring(
+        fleet=fleet,
         app=_unset_app,
         admin_app=_unset_app,
         config=config,
@@ -180,7 +274,18 @@ async def build(
         tracing=tracing,
         models=pools,
         discovery=finder,
-    )
+        state=StateStage(config.state, registry=registry),
+        admission=admission,
+        gateway=gateway,
+        audit=audit_log,
+        breakers=breaker_set,
+        abort_outcomes=Counter(
+            "quicedge_abort_requests",
+            "Fire-and-forget /abort_request calls for requests whose client left, by outcome:"
+            " sent, failed, or dropped (over max_pending_aborts)",
+            ["outcome"], registry=registry,
+        ),
+    )  # fmt: skip
     wiring.app = ProxyApp(
         config=config,
         pool=pool,
@@ -190,12 +295,30 @@ async def build(
         catalog=catalog,
         abort=wiring.abort,
         tracer=tracing.tracer,
+        state=wiring.state,
+        admission=admission,
+        gateway=gateway,
+        audit=audit_log,
+        breakers=breaker_set,
         models=pools,
     )
     wiring.admin_app = AdminApp(
-        registry=registry, backends=backends, pool=pool, policy=policy, models=pools
+        registry=registry,
+        backends=backends,
+        pool=pool,
+        policy=policy,
+        breakers=breaker_set,
+        fleet=fleet,
+        models=pools,
     )
     return wiring
+
+
+async def _model_info(timeout: float, backend: Backend) -> Mapping[str, Any]:
+    from backends.sglang import SGLangClient
+
+    async with SGLangClient(backend.url, timeout=timeout) as client:
+        return await client.model_info()
 
 
 async def _unset_app(scope: Any, receive: Any, send: Any) -> None:  # replaced in build()

@@ -31,6 +31,7 @@ DEFAULT_ROUTES: dict[str, Mode] = {
     "/v1/chat/completions": Mode.ACCEPT,
     "/v1/completions": Mode.ACCEPT,
     "/generate": Mode.ACCEPT,
+    "/v1/responses": Mode.ACCEPT,
 }
 DEFAULT_MODE = Mode.DEFER
 

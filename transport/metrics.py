@@ -59,6 +59,12 @@ class TransportMetrics:
             ["action"],
             registry=registry,
         )
+        self.early_data_expired = Counter(
+            "quicedge_early_data_expired",
+            "Requests accepted in 0-RTT and cancelled because their handshake did not complete"
+            " within early_data_handshake_deadline (a replayed flight, or a vanished client)",
+            registry=registry,
+        )
         self.read_delay = Histogram(
             "quicedge_loop_read_delay_seconds",
             "How long a byte waits on a socket before this process's event loop reads it,"
@@ -83,6 +89,20 @@ class TransportMetrics:
             " the first write a transmit waited for to that transmit (a chunk's wait after the"
             " relay handed it over, which the relay delay does not include)",
             buckets=_FLUSH_DELAY_BUCKETS,
+            registry=registry,
+        )
+        self.connections_refused = Counter(
+            "quicedge_connections_refused",
+            "TCP connections closed as they were accepted: over the listener's cap"
+            " (listener_cap) or one client address's (client_cap)",
+            ["listener", "reason"],
+            registry=registry,
+        )
+        self.request_timeouts = Counter(
+            "quicedge_request_timeouts",
+            "Requests cut off (408 or a close) because their head or body did not arrive"
+            " within its deadline",
+            ["listener", "phase"],
             registry=registry,
         )
         self.stream_errors = Counter(

@@ -53,6 +53,9 @@ class ModelCatalog:
         """Learn each backend's model and version from its answers."""
         self.configure: Callable[[], None] | None = None
         """Called before each fetch: applies `[[models.backends]]` (`ModelPools.apply_config`)."""
+        self.on_relabel: Callable[[], None] | None = None
+        """Called after a fetch that changed some backend's model, version or hardware group
+        (`Breakers.relabel`: their domains follow)."""
 
     @property
     def stale(self) -> bool:
@@ -71,10 +74,11 @@ class ModelCatalog:
             raise ValueError(f"{backend.name} /v1/models has no data list")
         cards = [c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)]
         if self.discover and backend.url not in self.pinned and cards:
-            if backend.model is None:
-                backend.model = cards[0]["id"]
-            if backend.model_version is None:
-                backend.model_version = await self._version(backend)
+            model = backend.model if backend.model is not None else cards[0]["id"]
+            version = backend.model_version
+            if version is None:
+                version = await self._version(backend)
+            backend.set_model(model, version)
         return cards
 
     async def _version(self, backend: Backend) -> str | None:
@@ -105,6 +109,7 @@ class ModelCatalog:
                 self._refreshing = None
 
     async def _refresh(self) -> None:
+        before = [(b.model, b.model_version, b.hw_group) for b in self._backends]
         if self.configure is not None:  # backends discovery added meanwhile get their config
             self.configure()
         healthy = [b for b in self._backends if b.healthy]
@@ -119,6 +124,9 @@ class ModelCatalog:
             for card in result:
                 merged.setdefault(card["id"], card)
         self._fetched_at = self._clock()
+        after = [(b.model, b.model_version, b.hw_group) for b in self._backends]
+        if after != before and self.on_relabel is not None:
+            self.on_relabel()
         if answered:
             self._listing = {"object": "list", "data": list(merged.values())}
             self.known = frozenset(merged)

@@ -110,7 +110,7 @@ class RolloutConfig:
     header: str | None = "x-canary"
     """A request with this header set to `1` goes to the canary, `0` to stable; none: no rule."""
     tenants: list[str] = field(default_factory=list)
-    """Tenants (`x-tenant-id`) always sent to the canary."""
+    """Tenants (admitted by API key, `[[tenants]]` names) always sent to the canary."""
     shadow_fraction: float = 0.0
     """Share of stable requests mirrored to the canary for diff-testing, 0..1 (0: off)."""
     shadow_concurrency: int = 4

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from backends.registry import Backend
+from backends.registry import DEFAULT_GROUP, Backend
 from edge.errors import ModelNotFound, NoHealthyBackend
 from edge.models.catalog import DEFAULT_MODEL, ModelCatalog
 from edge.models.config import ModelsConfig
@@ -65,11 +65,13 @@ class ModelPools:
             entry = by_url.get(backend.url)
             if entry is None:
                 continue
-            if entry.model is not None:
-                backend.model = entry.model
-            if entry.version is not None:
-                backend.model_version = entry.version
-            backend.hw_group = entry.hardware_group
+            if entry.model is not None or entry.version is not None:
+                backend.set_model(
+                    entry.model if entry.model is not None else backend.model,
+                    entry.version if entry.version is not None else backend.model_version,
+                )
+            if entry.hardware_group != DEFAULT_GROUP:  # else its `hardware=` label, if any
+                backend.set_hw_group(entry.hardware_group)
         self.catalog.pinned = {
             url for url, e in by_url.items() if e.model is not None and e.version is not None
         }
@@ -91,7 +93,7 @@ class ModelPools:
                 return b.model
         return None
 
-    def resolve_now(self, model: Any, *, tenant: bytes | None, canary: bytes | None,
+    def resolve_now(self, model: Any, *, tenant: str | None, canary: bytes | None,
                     session: bytes | None) -> Route | None:  # fmt: skip
         """`resolve` without awaiting, for a name that is known (the hot path); None when the
         name needs the fleet's list."""
@@ -105,7 +107,7 @@ class ModelPools:
             return ANY
         return self._route(pool, tenant=tenant, canary=canary, session=session)
 
-    def _route(self, pool: str, *, tenant: bytes | None, canary: bytes | None,
+    def _route(self, pool: str, *, tenant: str | None, canary: bytes | None,
                session: bytes | None) -> Route:  # fmt: skip
         rollout = self.rollouts.get(pool)
         if rollout is None:
@@ -117,7 +119,7 @@ class ModelPools:
                                       draw=self._rng)  # fmt: skip
         return Route(pool, rollout.canary if to_canary else rollout.stable, to_canary)
 
-    async def resolve(self, model: Any, *, tenant: bytes | None, canary: bytes | None,
+    async def resolve(self, model: Any, *, tenant: str | None, canary: bytes | None,
                       session: bytes | None) -> Route:  # fmt: skip
         """The route of a request whose body names `model` (None: `/generate`, or absent).
 
@@ -156,11 +158,15 @@ class ModelPools:
         if route.version is not None:
             exact = [b for b in mine if b.model_version == route.version]
             if not exact and route.canary:
-                rollout = self.rollouts[pool]
-                route.version, route.canary = rollout.stable, False
-                exact = [b for b in mine if b.model_version == rollout.stable]
+                self.to_stable(route)
+                exact = [b for b in mine if b.model_version == route.version]
             mine = exact
         return mine
+
+    def to_stable(self, route: Route) -> None:
+        """Move a canary route to its pool's stable version."""
+        assert route.pool is not None
+        route.version, route.canary = self.rollouts[route.pool].stable, False
 
     def no_backend(self, route: Route) -> NoHealthyBackend:
         what = route.pool if route.version is None else f"{route.pool} version {route.version}"

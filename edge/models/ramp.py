@@ -59,7 +59,7 @@ class Ramp:
         self._on_transition = on_transition
         self.rollout = Rollout(
             config.model, stable=config.stable, canary=config.canary, percent=config.steps[0],
-            tenants=frozenset(t.encode() for t in config.tenants),
+            tenants=frozenset(config.tenants),
             header_rule=config.header is not None,
         )  # fmt: skip
         self.drift = DriftDetector(config.drift)

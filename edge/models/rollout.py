@@ -1,11 +1,12 @@
 """The traffic split of one pool between its stable and its canary version.
 
 `Rollout.to_canary` decides per request, in this order: the `x-canary` header (`1` canary, `0`
-stable), a tenant listed in `tenants` (canary), then the canary share. A request with a session
-id is placed by a hash of that id against the share, so every edge process places a session the
-same way and a session keeps its version while the share holds or grows (a rising share only
-moves sessions from stable to canary, never back, until a rollback). A request without one draws
-at random. The share itself is moved by `edge.models.ramp.Ramp`.
+stable), the admitted tenant (`edge.admission`, from the API key) listed in `tenants` (canary),
+then the canary share. A request with a session id is placed by a hash of that id against the
+share, so every edge process places a session the same way and a session keeps its version while
+the share holds or grows (a rising share only moves sessions from stable to canary, never back,
+until a rollback). A request without one draws at random. The share itself is moved by
+`edge.models.ramp.Ramp`.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ class Rollout:
         stable: str,
         canary: str,
         percent: float,
-        tenants: frozenset[bytes] = frozenset(),
+        tenants: frozenset[str] = frozenset(),
         header_rule: bool = True,
     ) -> None:
         self.pool = pool
@@ -48,7 +49,7 @@ class Rollout:
     def to_canary(
         self,
         *,
-        tenant: bytes | None,
+        tenant: str | None,
         header: bytes | None,
         session: bytes | None,
         draw: Callable[[], float],

@@ -68,13 +68,13 @@ class Models:
         self.metrics.canary_percent.labels(rollout.pool).set(rollout.percent)
 
     def route_now(
-        self, model: Any, *, tenant: bytes | None, canary: bytes | None, session: bytes | None
+        self, model: Any, *, tenant: str | None, canary: bytes | None, session: bytes | None
     ) -> Route | None:
         """The request's pool and version when its name is known (no await); else None."""
         return self.pools.resolve_now(model, tenant=tenant, canary=canary, session=session)
 
     async def route(
-        self, model: Any, *, tenant: bytes | None, canary: bytes | None, session: bytes | None
+        self, model: Any, *, tenant: str | None, canary: bytes | None, session: bytes | None
     ) -> Route:
         """The request's pool and version; 404 for a model the fleet does not serve."""
         return await self.pools.resolve(model, tenant=tenant, canary=canary, session=session)
@@ -83,6 +83,15 @@ class Models:
         if route is None:
             return able
         return self.pools.candidates(route, able)
+
+    def to_stable(self, route: Route, *, refused: bool) -> None:
+        """Send a canary request to the stable version. `refused`: the canary's breakers
+        turned it away, which its ramp counts as a canary error (an open breaker would
+        otherwise hide a failing canary from the rollback)."""
+        self.pools.to_stable(route)
+        ramp = self.ramps.get(route.pool) if route.pool is not None else None
+        if refused and ramp is not None:
+            ramp.observe(canary=True, error=True, ttft_s=None)
 
     def observe(
         self,

@@ -24,6 +24,7 @@ def account_stream(
         return
     usage = result.usage
     ttft = result.first_client - ex.t0 + ex.handshake_wait
+    ex.ttft = ttft
     m = metrics
     m.ttft.labels(
         ex.transport,

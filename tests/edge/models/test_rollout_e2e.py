@@ -13,6 +13,7 @@ import httpx
 
 from edge.models import ModelsConfig
 from edge.models.config import BackendModel, DriftConfig, RolloutConfig
+from edge.routing.breakers import BreakerConfig
 from tests.edge.conftest import (
     Recorded,
     Reply,
@@ -159,6 +160,35 @@ async def test_a_canary_that_errors_is_rolled_back_and_stable_serves_all() -> No
             for _ in range(20):
                 r = await http.post("/v1/chat/completions", json=chat("m"))
                 assert r.status_code == 200 and r.headers["x-quicedge-backend"] == netloc(s1)
+
+
+async def test_a_failing_canary_behind_its_open_breaker_is_still_rolled_back() -> None:
+    """The canary is its own breaker domain (m@v2): its breaker opens after a few errors and
+    hands its requests to stable, and those refusals count as canary errors for the ramp."""
+    async with sims(sim("m", model_version="v1")) as (s1,), TinyUpstream(_failing_canary) as bad:
+        models = ModelsConfig(
+            backends=[BackendModel(bad.url, model="m", version="v2")],
+            rollouts=[rollout(auto=True, step_requests=10_000, steps=[50.0, 100.0])],
+        )
+        breakers = BreakerConfig(window=10, min_requests=5, open_for=60.0)
+        config = fast_config([s1.url, bad.url], eject_after_failures=1000)
+        async with run_edge(config, models=models, breakers=breakers) as edge, \
+                client(edge) as http:  # fmt: skip
+            assert edge.wiring.breakers is not None
+            ramp = edge.wiring.models.ramps["m"]
+            statuses: Counter[int] = Counter()
+            for _ in range(400):
+                if ramp.rollout.state == "rolled_back":
+                    break
+                r = await http.post("/v1/chat/completions", json=chat("m"))
+                statuses[r.status_code] += 1
+            assert ramp.rollout.state == "rolled_back", ramp.snapshot()
+            assert "error rate" in ramp.rollout.reason
+            assert edge.wiring.breakers.state_of("m@v2", "bronze", "default") == "open"
+            assert edge.wiring.breakers.state_of("m@v1", "bronze", "default") == "closed"
+            # the clients saw the errors up to the breaker opening, not the ramp's 20
+            assert 5 <= statuses[500] < 20, statuses
+            assert set(statuses) == {200, 500}
 
 
 async def test_the_admin_api_moves_a_rollout_and_refuses_what_it_cannot_do() -> None:
