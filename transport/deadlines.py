@@ -5,7 +5,7 @@ parsed nothing bounds how long the body takes: a client that sends a byte now an
 the request, and the app's task waiting in `receive()`, for ever. `with_body_deadline` gives each
 request `timeout` seconds from its start to deliver the whole body; past it the client gets
 408 (when no response has begun) and the app gets `http.disconnect`, and whatever the app sends
-afterwards is dropped. Our own listeners (`h1_server`, `h3_session`) keep the deadline in their
+afterwards is dropped. Our own listeners (`h1_protocol`, `h3_session`) keep the deadline in their
 connection or stream timers instead, at no cost per message.
 """
 

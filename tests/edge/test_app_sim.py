@@ -151,7 +151,9 @@ async def test_plain_listener_times_the_edge_from_its_socket_reads() -> None:
     assert 0 < added < ttft
     chunks = sample(text, f"quicedge_relay_delay_seconds_count{h1}")
     assert 3 <= chunks <= 3 * 8  # one per content chunk; 8 tokens an answer
-    assert 0 < sample(text, f"quicedge_relay_delay_seconds_sum{h1}") < ttft
+    # Each chunk's relay delay is a time on the edge, not a stamp from another clock: well under
+    # a second each even on a loaded machine (their sum can pass the three TTFTs there).
+    assert 0 < sample(text, f"quicedge_relay_delay_seconds_sum{h1}") / chunks < 1.0
 
 
 async def test_models_are_merged_from_healthy_backends() -> None:

@@ -16,7 +16,8 @@ import pytest
 from tests.helpers import settled, wait_until
 from tests.transport.apps import RecordingApp, collector_finds, ok_app
 from transport.asgi import ASGIApp, Message, Receive, Scope, Send
-from transport.h1_server import H1Listener, _Cycle
+from transport.h1_cycle import _Cycle
+from transport.h1_server import H1Listener
 from transport.tcp import TcpOptions
 
 Response = tuple[int, dict[str, str], bytes]

@@ -9,7 +9,7 @@ from tests.transport.apps import RecordingApp, collector_finds, ok_app
 from tests.transport.conftest import H3Factory
 from tests.transport.h3client import h3_connect
 from transport.asgi import Receive, Scope, Send
-from transport.h3_server import _StreamChannel
+from transport.h3_protocol import _StreamChannel
 
 
 async def test_request_scope_and_body(h3_server: H3Factory, dev_certs) -> None:
