@@ -67,7 +67,7 @@ async def test_a_labelled_backend_is_its_pool_and_a_discovered_one_moves_its_dom
     async with sims(sim("alpha"), sim("beta", model_version="v2")) as (a, b):
         # `a` is labelled with another name and version than it reports: the label wins.
         config = fast_config([f"{a.url}#model=gamma@v7&hardware=h200", b.url])
-        async with run_edge(config) as edge, client(edge) as http:
+        async with run_edge(config, breakers=BreakerConfig()) as edge, client(edge) as http:
             backends = {x.name: x for x in edge.wiring.registry.backends}
             ga, gb = backends[netloc(a)], backends[netloc(b)]
             assert (ga.model, ga.model_version, ga.hw_group) == ("gamma", "v7", "h200")

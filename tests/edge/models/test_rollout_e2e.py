@@ -11,8 +11,11 @@ from typing import Any
 
 import httpx
 
+from edge.admission.settings import AdmissionSettings, TenantSettings
+from edge.admission.tenants import key_digest
 from edge.models import ModelsConfig
 from edge.models.config import BackendModel, DriftConfig, RolloutConfig
+from edge.models.rollout import session_point
 from edge.routing.breakers import BreakerConfig
 from tests.edge.conftest import (
     Recorded,
@@ -60,6 +63,28 @@ async def test_the_header_and_sessions_choose_the_version() -> None:
                 r = await http.post("/v1/chat/completions", json=chat("m"))
                 seen[r.headers["x-quicedge-backend"]] += 1
             assert set(seen) == {netloc(s1), netloc(s2)}  # 50 %: both, (1 - 2^-39)
+
+
+async def test_a_listed_tenant_gets_the_canary_by_its_api_key_not_by_a_header() -> None:
+    async with sims(sim("m", model_version="v1"), sim("m", model_version="v2")) as (s1, s2):
+        models = ModelsConfig(rollouts=[rollout(steps=[1.0, 100.0], tenants=["beta-co"])])
+        session = {"x-session-id": "s-3"}
+        assert session_point(b"s-3") > 0.5  # on its own, this session is stable's at 1 %
+        key = {"authorization": "Bearer sk-beta", **session}
+        config = fast_config([s1.url, s2.url])
+        config.admission = AdmissionSettings(tenants=[TenantSettings(
+            name="beta-co", tier="gold", api_key_sha256=[key_digest("sk-beta")],
+        )])  # fmt: skip
+        async with run_edge(config, models=models) as edge, client(edge) as http:
+            for _ in range(4):
+                beta = await http.post("/v1/chat/completions", json=chat("m"),
+                                       headers=key)  # fmt: skip
+                assert beta.status_code == 200 and beta.headers["x-quicedge-backend"] == netloc(s2)
+                # a header naming the tenant is the client's word: the share decides
+                other = await http.post("/v1/chat/completions", json=chat("m"),
+                                        headers={"x-tenant-id": "beta-co", **session})  # fmt: skip
+                assert other.status_code == 200
+                assert other.headers["x-quicedge-backend"] == netloc(s1)
 
 
 async def test_identical_versions_shadow_pairs_agree_and_the_ramp_completes() -> None:
