@@ -7,7 +7,8 @@ carries ``Alt-Svc`` naming the HTTP/3 port (``alt_svc_port``), which is how a cl
 come back over QUIC. Without ``tls`` it serves plain HTTP through hypercorn (the tests use that);
 ``quicedge serve``'s plain-HTTP and admin listeners are ``h1_server.H1Listener`` instead.
 Shutdown: hypercorn stops accepting, closes idle HTTP/2 connections with GOAWAY and lets open
-requests finish for ``graceful_timeout`` seconds.
+requests finish for ``graceful_timeout`` seconds. HTTP/2 runs on `transport.hypercorn_h2`'s
+protocol, which keeps a connection alive when the app answers before reading a request's body.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
+from transport import hypercorn_h2
 from transport.asgi import ASGIApp, Receive, Scope, Send, with_tcp_extensions
 from transport.tls import TlsMaterial
 
@@ -103,6 +105,7 @@ class TcpListener:
         options: TcpOptions | None = None,
         add_extensions: bool = True,
     ) -> None:
+        hypercorn_h2.install()
         self._app = without_lifespan(with_tcp_extensions(app) if add_extensions else app)
         sock = tcp_socket(host, port, reuse_port=reuse_port)
         name = sock.getsockname()
