@@ -14,6 +14,7 @@ import logging
 import time
 from typing import Any
 
+from backends.credentials import BackendCredentials
 from backends.pool import UpstreamPool
 from backends.registry import BackendRegistry
 from edge.asgi import Receive, Scope, Send, lifespan, render_error, send_json
@@ -61,6 +62,7 @@ class ProxyApp:
         catalog: ModelCatalog,
         abort: Aborter,
         tracer: Tracer | None = None,
+        credentials: BackendCredentials | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
@@ -71,7 +73,7 @@ class ProxyApp:
         self.tracer = tracer
         self.attempts = Attempts(
             config=config, pool=pool, registry=registry, policy=policy, metrics=metrics,
-            abort=abort,
+            abort=abort, credentials=credentials,
         )  # fmt: skip
 
     @property

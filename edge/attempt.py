@@ -15,6 +15,7 @@ from collections.abc import Callable, MutableMapping
 from functools import partial
 from typing import Any
 
+from backends.credentials import BackendCredentials
 from backends.errors import (
     UpstreamConnectError,
     UpstreamError,
@@ -67,7 +68,9 @@ class Attempts:
         policy: RoutingPolicy,
         metrics: Metrics,
         abort: Aborter,
+        credentials: BackendCredentials | None = None,
     ) -> None:
+        self.credentials = credentials or BackendCredentials()
         self.config = config
         self.pool = pool
         self.registry = registry
@@ -142,7 +145,8 @@ class Attempts:
             try:
                 response = await self.pool.request(
                     backend.url, "POST", ex.route,
-                    headers=ex.upstream_headers, body=ex.payload,
+                    headers=self.credentials.with_auth(backend.url, ex.upstream_headers),
+                    body=ex.payload,
                     first_byte_timeout=self.config.first_byte_timeout,
                     chunk_timeout=self.config.chunk_timeout, on_head=on_head,
                 )  # fmt: skip

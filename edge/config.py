@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from backends.credentials import BackendCredentials
 from backends.discovery import DiscoveryConfig
 from edge import settings
 from edge.routing.base import POLICY_NAMES
@@ -85,6 +86,13 @@ class ProxyConfig:
     degraded_queue: int | None = None
     """Waiting requests (`num_waiting_reqs`) above which a backend is degraded."""
 
+    backend_api_key_file: str | None = None
+    """File holding the API key sent to every backend as `Authorization: Bearer` (SGLang's
+    `--api-key`); none: no key. Read once at start; the client's own key is never forwarded."""
+    backend_api_key_files: dict[str, str] = field(default_factory=dict)
+    """Per backend URL, a file holding that backend's key (overrides `backend_api_key_file`);
+    TOML only: `[proxy.backend_api_key_files]` `"http://10.0.0.5:30000" = "/run/secrets/b1"`."""
+
     tracing: bool = False
     """Create OpenTelemetry spans. Also turned on by OTEL_TRACES_EXPORTER=console|otlp."""
     models_ttl: float = 5 * SECONDS
@@ -137,6 +145,8 @@ class ProxyConfig:
             raise ValueError("proxy: max_concurrency_per_backend must be >= 1")
         if self.degraded_token_usage is not None and not 0 < self.degraded_token_usage <= 1:
             raise ValueError("proxy: degraded_token_usage must be in (0, 1]")
+        # a missing or empty key file fails at start, with its setting's name
+        BackendCredentials.from_files(self.backend_api_key_file, self.backend_api_key_files)
         for name in ("degraded_ttft_p99", "degraded_queue", "loads_interval"):
             value = getattr(self, name)
             if value is not None and value <= 0:

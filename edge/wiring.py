@@ -14,13 +14,15 @@ import contextlib
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from backends.credentials import BackendCredentials
 from backends.discovery import Discovery, DiscoveryConfig, make_source
 from backends.pool import UpstreamPool
-from backends.registry import Backend, BackendRegistry, HealthConfig
+from backends.registry import Backend, BackendClient, BackendRegistry, HealthConfig
 from edge import settings
 from edge.admin import AdminApp
 from edge.app import ProxyApp
@@ -66,6 +68,7 @@ class Wiring:
     metrics: Metrics
     catalog: ModelCatalog
     tracing: TracingSetup
+    credentials: BackendCredentials = field(default_factory=BackendCredentials)
     discovery: Discovery | None = None
     _aborts: set[asyncio.Task[Any]] = field(default_factory=set)
     _clients: dict[str, Any] = field(default_factory=dict)
@@ -104,7 +107,9 @@ class Wiring:
                 from backends.sglang import SGLangClient
 
                 client = self._clients[backend.url] = SGLangClient(
-                    backend.url, timeout=self.config.health_timeout
+                    backend.url,
+                    timeout=self.config.health_timeout,
+                    api_key=self.credentials.api_key(backend.url),
                 )
             await client.abort(rid)
         except Exception as exc:  # best effort: the closed upstream connection aborts it too
@@ -125,6 +130,9 @@ async def build(
     """
     source = make_source(discovery) if discovery is not None else None
     config.validate(need_backends=source is None)
+    credentials = BackendCredentials.from_files(
+        config.backend_api_key_file, config.backend_api_key_files
+    )
     pool = UpstreamPool(
         max_connections_per_backend=config.pool_max_connections,
         idle_timeout=config.pool_idle_timeout,
@@ -154,13 +162,18 @@ async def build(
         health=health,
         max_concurrency=config.max_concurrency_per_backend,
         warm_connections=config.pool_warm_connections,
+        client_factory=partial(_sglang_client, credentials),
     )
     policy = make_policy(config.policy)
     metrics = Metrics(registry)
     registry.register(FleetCollector(backends.backends, pool.stats))
     tracing = TracingSetup(tracer) if tracer is not None else tracer_from_env(force=config.tracing)
     catalog = ModelCatalog(
-        backends=backends.backends, pool=pool, ttl=config.models_ttl, timeout=config.health_timeout
+        backends=backends.backends,
+        pool=pool,
+        ttl=config.models_ttl,
+        timeout=config.health_timeout,
+        credentials=credentials,
     )
     wiring = Wiring(
         app=_unset_app,
@@ -172,6 +185,7 @@ async def build(
         metrics=metrics,
         catalog=catalog,
         tracing=tracing,
+        credentials=credentials,
         discovery=finder,
     )
     wiring.app = ProxyApp(
@@ -183,9 +197,17 @@ async def build(
         catalog=catalog,
         abort=wiring.abort,
         tracer=tracing.tracer,
+        credentials=credentials,
     )
     wiring.admin_app = AdminApp(registry=registry, backends=backends, pool=pool, policy=policy)
     return wiring
+
+
+def _sglang_client(credentials: BackendCredentials, url: str, timeout: float) -> BackendClient:
+    """The registry's health and load client for `url`, with that backend's key."""
+    from backends.sglang import SGLangClient
+
+    return SGLangClient(url, timeout=timeout, api_key=credentials.api_key(url))
 
 
 async def _unset_app(scope: Any, receive: Any, send: Any) -> None:  # replaced in build()
