@@ -70,8 +70,10 @@ class Api(NativeRoutes, OpenAIRoutes, AdminRoutes):
     async def handle(self, request: HttpRequest, responder: Responder) -> None:
         path = request.path
         self.requests[path] += 1
-        if self._auth is not None and not _auth_exempt(request) and (
-            request.header(b"authorization") != self._auth
+        if (
+            self._auth is not None
+            and not _auth_exempt(request)
+            and (request.header(b"authorization") != self._auth)
         ):
             self.refused[path] += 1
             await responder.send(401, b'{"error":"Unauthorized"}')
