@@ -22,7 +22,7 @@ from edge.attempt import Aborter, Attempts
 from edge.config import ProxyConfig
 from edge.errors import EdgeError, MethodNotAllowed, ModelNotFound, RouteNotFound
 from edge.exchange import Exchange, read_headers
-from edge.models import ModelCatalog
+from edge.models import DEFAULT_MODEL, ModelCatalog
 from edge.routing.base import RoutingPolicy
 from edge.stages.body import (
     ClientGone,
@@ -38,13 +38,44 @@ from edge.stages.forward import (
     upstream_headers,
     upstream_rid,
 )
-from edge.stages.validate import CHAT, COMPLETIONS, GENERATE, validate
+from edge.stages.validate import (
+    CHAT,
+    COMPLETIONS,
+    DETOKENIZE,
+    EMBEDDINGS,
+    GENERATE,
+    GENERATION_ROUTES,
+    RERANK,
+    TOKENIZE,
+    validate,
+)
 from edge.stages.view import build_view
 from edge.telemetry import Metrics, RequestTrace, Tracer
 
 log = logging.getLogger(__name__)
 
-INFERENCE_ROUTES = (CHAT, COMPLETIONS, GENERATE)
+ROUTE_METHODS: dict[str, tuple[str, ...]] = {
+    CHAT: ("POST",),
+    COMPLETIONS: ("POST",),
+    GENERATE: ("POST", "PUT"),
+    EMBEDDINGS: ("POST",),
+    RERANK: ("POST",),
+    TOKENIZE: ("POST",),
+    DETOKENIZE: ("POST",),
+}
+"""The routes forwarded to a backend and the methods each takes (SGLang's: /generate takes PUT)."""
+INFERENCE_ROUTES = tuple(ROUTE_METHODS)
+MODELS_METHODS = ("GET",)
+
+
+def allowed_methods(path: str) -> tuple[str, ...] | None:
+    """The methods the proxy answers on `path`; None for a path it does not serve."""
+    methods = ROUTE_METHODS.get(path)
+    if methods is None and (path == "/v1/models" or path.startswith("/v1/models/")):
+        return MODELS_METHODS
+    return methods
+
+
 _TRANSPORT_BY_VERSION = {"3": "h3", "2": "h2", "2.0": "h2"}
 
 
@@ -94,13 +125,14 @@ class ProxyApp:
             return
         path: str = scope["path"]
         method: str = scope["method"]
-        route = path if path in INFERENCE_ROUTES else None
+        methods = ROUTE_METHODS.get(path)
+        route = path if methods is not None else None
         is_models = path == "/v1/models" or path.startswith("/v1/models/")
         label = route or ("/v1/models" if is_models else "other")
         try:
-            if route is not None:
-                if method not in ("POST", "PUT") or (method == "PUT" and route != GENERATE):
-                    allow = b"POST, PUT" if route == GENERATE else b"POST"
+            if route is not None and methods is not None:
+                if method not in methods:
+                    allow = ", ".join(methods).encode()
                     raise MethodNotAllowed(
                         f"{method} is not allowed on {path}", headers=((b"allow", allow),)
                     )
@@ -128,6 +160,8 @@ class ProxyApp:
             return
         model = path[len("/v1/models/") :]
         card = self.catalog.card(model)
+        if card is None and model == DEFAULT_MODEL:
+            card = _default_card(listing)
         if card is None:
             raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
         await send_json(send, 200, card)
@@ -219,19 +253,11 @@ class ProxyApp:
             await self.catalog.check(body.get("model"))
         session = h.session.decode("latin-1") if h.session else None
         ex.view = build_view(ex.route, body, session)
-        # The backend's rid is always the edge's own (`edge.stages.forward`); the client's id,
-        # from its header or its body, is only the label. A batch's rids are derived from the
-        # edge's and not aborted one by one.
-        rid = ex.abort_rid = upstream_rid(ex.request_id, from_client=h.request_id is not None)
-        if "rid" in body:
-            theirs = body["rid"]
-            if isinstance(theirs, list):
-                ex.abort_rid = None
-            elif h.request_id is None and (label := label_from_body(theirs)) is not None:
-                ex.request_id = label
-                if ex.trace is not None:
-                    ex.trace.set("quicedge.request_id", label)
-        ex.payload = splice_rid(raw, body, rid)
+        if ex.route in GENERATION_ROUTES:
+            _use_edge_rid(ex, raw, body)
+        else:  # answered at once and never aborted: forwarded as sent
+            ex.abort_rid = None
+            ex.payload = raw
         traceparent, tracestate = h.traceparent, h.tracestate
         if ex.trace is not None:
             traceparent, tracestate = ex.trace.upstream_context()
@@ -273,6 +299,34 @@ class ProxyApp:
                 watcher.cancel()
             elif ex.on_disconnect is not None:
                 ex.on_disconnect(None)
+
+
+def _use_edge_rid(ex: Exchange, raw: bytes, body: dict[str, Any]) -> None:
+    """The backend's rid is always the edge's own (`edge.stages.forward`); the client's id,
+    from its header or its body, is only the label. A batch's rids are derived from the
+    edge's and not aborted one by one."""
+    from_client = ex.headers.request_id is not None
+    rid = ex.abort_rid = upstream_rid(ex.request_id, from_client=from_client)
+    if "rid" in body:
+        theirs = body["rid"]
+        if isinstance(theirs, list):
+            ex.abort_rid = None
+        elif not from_client and (label := label_from_body(theirs)) is not None:
+            ex.request_id = label
+            if ex.trace is not None:
+                ex.trace.set("quicedge.request_id", label)
+    ex.payload = splice_rid(raw, body, rid)
+
+
+def _default_card(listing: dict[str, Any]) -> dict[str, Any]:
+    """`default`, which every backend serves (SGLang's `model` default): chat with it works,
+    so its card does too; `root` names the model behind it when the fleet serves one."""
+    served = [c["id"] for c in listing.get("data", []) if isinstance(c, dict)]
+    card: dict[str, Any] = {"id": DEFAULT_MODEL, "object": "model", "created": 0,
+                            "owned_by": "quicedge"}  # fmt: skip
+    if len(served) == 1:
+        card["root"] = served[0]
+    return card
 
 
 async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any], ex: Exchange) -> None:

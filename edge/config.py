@@ -15,6 +15,7 @@ from typing import Any
 from backends.credentials import BackendCredentials
 from backends.discovery import DiscoveryConfig
 from edge import settings
+from edge.cors import CorsConfig
 from edge.routing.base import POLICY_NAMES
 from edge.settings import Section
 from transport.config import EarlyDataSettings, TransportConfig
@@ -184,6 +185,12 @@ SECTIONS: tuple[Section, ...] = (
         title="0-RTT early data ([early_data])",
     ),
     Section("proxy", ProxyConfig, flags=PROXY_FLAGS, title="proxy ([proxy])"),
+    Section(
+        "cors",
+        CorsConfig,
+        flags={f.name: f"--cors-{f.name.replace('_', '-')}" for f in fields(CorsConfig)},
+        title="CORS for browsers ([cors])",
+    ),
     Section(
         "discovery",
         DiscoveryConfig,

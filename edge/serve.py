@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 from backends.discovery import DiscoveryConfig, make_source
 from edge import settings, wiring
 from edge.config import SECTIONS, ProxyConfig
+from edge.cors import CorsConfig
 from edge.fleet_metrics import FleetMetrics, FleetPlan
 from edge.settings import Settings, SettingsError
 from transport.config import EarlyDataSettings, TransportConfig
@@ -116,7 +117,10 @@ class ProxyApps:
     async def open(self, registry: CollectorRegistry) -> ServedApps:
         discovery = self.settings.get("discovery", DiscoveryConfig)
         built = await wiring.build(
-            self.settings.get("proxy", ProxyConfig), registry=registry, discovery=discovery
+            self.settings.get("proxy", ProxyConfig),
+            registry=registry,
+            discovery=discovery,
+            cors=self.settings.get("cors", CorsConfig),
         )
         await built.start()
         admin_app = built.admin_app

@@ -25,9 +25,11 @@ from backends.pool import UpstreamPool
 from backends.registry import Backend, BackendClient, BackendRegistry, HealthConfig
 from edge import settings
 from edge.admin import AdminApp
-from edge.app import ProxyApp
+from edge.app import ProxyApp, allowed_methods
 from edge.asgi import ASGIApp
 from edge.config import SECTIONS, ProxyConfig
+from edge.cors import CorsConfig
+from edge.cors import wrap as wrap_cors
 from edge.models import ModelCatalog
 from edge.routing.base import RoutingPolicy, make_policy
 from edge.telemetry import FleetCollector, Metrics, Tracer, TracingSetup, tracer_from_env
@@ -122,6 +124,7 @@ async def build(
     registry: CollectorRegistry,
     tracer: Tracer | None = None,
     discovery: DiscoveryConfig | None = None,
+    cors: CorsConfig | None = None,
 ) -> Wiring:
     """Make the proxy's objects (nothing is started: call `Wiring.start`).
 
@@ -188,7 +191,7 @@ async def build(
         credentials=credentials,
         discovery=finder,
     )
-    wiring.app = ProxyApp(
+    proxy = ProxyApp(
         config=config,
         pool=pool,
         registry=backends,
@@ -199,6 +202,7 @@ async def build(
         tracer=tracing.tracer,
         credentials=credentials,
     )
+    wiring.app = wrap_cors(proxy, cors, allowed_methods) if cors is not None else proxy
     wiring.admin_app = AdminApp(registry=registry, backends=backends, pool=pool, policy=policy)
     return wiring
 

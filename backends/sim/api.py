@@ -13,6 +13,7 @@ from backends.sim.http import HttpRequest, Responder
 from backends.sim.metrics import SimMetrics
 from backends.sim.routes_admin import AdminRoutes
 from backends.sim.routes_base import native_error, openai_error
+from backends.sim.routes_embed import EmbedRoutes
 from backends.sim.routes_native import NativeRoutes
 from backends.sim.routes_openai import OpenAIRoutes
 from backends.sim.scheduler import Scheduler
@@ -22,7 +23,7 @@ from backends.sim.wire import BadRequest
 Route = Callable[[HttpRequest, Responder], Awaitable[None]]
 
 
-class Api(NativeRoutes, OpenAIRoutes, AdminRoutes):
+class Api(NativeRoutes, OpenAIRoutes, EmbedRoutes, AdminRoutes):
     def __init__(
         self,
         config: SimConfig,
@@ -48,6 +49,12 @@ class Api(NativeRoutes, OpenAIRoutes, AdminRoutes):
             ("/v1/chat/completions", post, self.chat_completions, True),
             ("/v1/completions", post, self.completions, True),
             ("/v1/models", get, self.models, True),
+            ("/v1/embeddings", post, self.embeddings, True),
+            ("/v1/rerank", post, self.rerank, True),
+            ("/tokenize", post, self.tokenize, True),
+            ("/v1/tokenize", post, self.tokenize, True),
+            ("/detokenize", post, self.detokenize, True),
+            ("/v1/detokenize", post, self.detokenize, True),
             ("/health", get, self.health, False),
             ("/health_generate", get, self.health, False),
             ("/ping", get, self.ping, False),
