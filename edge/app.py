@@ -50,7 +50,13 @@ from edge.stages.validate import (
     validate,
 )
 from edge.stages.view import build_view
-from edge.telemetry import Metrics, RequestTrace, Tracer
+from edge.telemetry import (
+    Metrics,
+    RequestTrace,
+    Tracer,
+    genai_request_attributes,
+    server_attributes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -144,12 +150,28 @@ class ProxyApp:
                         f"{method} is not allowed on {path}", headers=((b"allow", b"GET"),)
                     )
                 await self._models(path, send)
-                self.metrics.requests.labels(label, "200").inc()
+                self.metrics.requests.labels(label, "200", NO_MODEL).inc()
                 return
             raise RouteNotFound(f"no route for {method} {path}")
         except EdgeError as err:
             await render_error(send, err)
-            self.metrics.requests.labels(label, str(err.status)).inc()
+            self.metrics.requests.labels(label, str(err.status), NO_MODEL).inc()
+
+    def _model_label(self, model: object) -> str:
+        """The `model` label: a model the fleet serves (or `default`, which every backend
+        answers to), else `other`; a body without one is `default` (SGLang's)."""
+        if model is None or model == DEFAULT_MODEL:
+            return DEFAULT_MODEL
+        known = self.catalog.known
+        return model if known is not None and model in known else OTHER_MODEL
+
+    def _served_model(self, ex: Exchange) -> str | None:
+        """The model that answered, as the backend names it: the one asked for, or the fleet's
+        only model behind `default`."""
+        if ex.model not in (DEFAULT_MODEL, OTHER_MODEL):
+            return ex.model
+        known = self.catalog.known
+        return next(iter(known)) if known is not None and len(known) == 1 else None
 
     # -- /v1/models --------------------------------------------------------------------------
 
@@ -193,7 +215,7 @@ class ProxyApp:
                     traceparent=headers.traceparent,
                     tracestate=headers.tracestate,
                     attributes={
-                        "http.route": route,
+                        **server_attributes(scope, route, transport),
                         "quicedge.transport": transport,
                         "quicedge.early_data": early,
                         "quicedge.request_id": request_id,
@@ -214,28 +236,33 @@ class ProxyApp:
             await self._parse_and_admit(ex, receive)
             await self._forward(ex, receive, send)
         except EdgeError as err:
+            model = ex.model if ex is not None else NO_MODEL
             if trace is not None:
-                trace.set("http.status_code", err.status)
+                trace.set("http.response.status_code", err.status)
+                trace.set("error.type", str(err.status) if err.status >= 500 else None)
                 trace.end(time.perf_counter(), error=err.message)
             if ex is not None:
                 request_id = ex.request_id  # the label, which the body may have given
             if ex is not None and ex.started:  # too late for an error page; the stream ended
                 log.warning("request %s failed after the response started: %s", request_id, err)
-                self.metrics.requests.labels(route, str(ex.status)).inc()
+                self.metrics.requests.labels(route, str(ex.status), model).inc()
                 return
             err.extra_headers = (*err.extra_headers, (b"x-request-id", request_id.encode()))
-            raise
+            await render_error(send, err)
+            self.metrics.requests.labels(route, str(err.status), model).inc()
+            return
         except ClientGone:
             self.metrics.disconnects.inc()
-            self.metrics.requests.labels(route, "499").inc()
+            self.metrics.requests.labels(route, "499", ex.model if ex else NO_MODEL).inc()
             if trace is not None:
                 trace.end(time.perf_counter(), error="client disconnected")
             return
         assert ex is not None
         status = ex.status
-        self.metrics.requests.labels(route, str(status)).inc()
+        self.metrics.requests.labels(route, str(status), ex.model).inc()
         if trace is not None:
-            trace.set("http.status_code", status)
+            trace.set("http.response.status_code", status)
+            trace.set("gen_ai.response.model", self._served_model(ex))
             trace.set("quicedge.retries", ex.retries)
             trace.end(time.perf_counter(), error="client disconnected" if ex.disconnected else None)
 
@@ -249,8 +276,12 @@ class ProxyApp:
         body = parse_json_object(raw)
         t_parsed = time.perf_counter()
         ex.stream = validate(ex.route, body)
+        model = body.get("model")
+        ex.model = self._model_label(model)  # what a 404 for an unknown model is counted as
         if ex.route != GENERATE:
-            await self.catalog.check(body.get("model"))
+            await self.catalog.check(model)
+            if ex.model == OTHER_MODEL:  # the check may have fetched the list just now
+                ex.model = self._model_label(model)
         session = h.session.decode("latin-1") if h.session else None
         ex.view = build_view(ex.route, body, session)
         if ex.route in GENERATION_ROUTES:
@@ -274,6 +305,8 @@ class ProxyApp:
             ex.trace.stage("parse", ex.t0, t_parsed)
             ex.trace.stage("admit", t_parsed, t_admitted)
             ex.trace.set("quicedge.stream", ex.stream)
+            for key, value in genai_request_attributes(body):
+                ex.trace.set(key, value)
             ex.trace.set("quicedge.approx_prompt_tokens", ex.view.approx_tokens)
 
     async def _forward(self, ex: Exchange, receive: Receive, send: Send) -> None:
@@ -299,6 +332,12 @@ class ProxyApp:
                 watcher.cancel()
             elif ex.on_disconnect is not None:
                 ex.on_disconnect(None)
+
+
+NO_MODEL = "none"
+"""The `model` label of a request counted before its body was read (or on a route without one)."""
+OTHER_MODEL = "other"
+"""The `model` label of a model the fleet does not list (the labels stay as few as its models)."""
 
 
 def _use_edge_rid(ex: Exchange, raw: bytes, body: dict[str, Any]) -> None:

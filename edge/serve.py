@@ -24,6 +24,7 @@ from edge.config import SECTIONS, ProxyConfig
 from edge.cors import CorsConfig
 from edge.fleet_metrics import FleetMetrics, FleetPlan
 from edge.settings import Settings, SettingsError
+from edge.telemetry import exporter_names
 from transport.config import EarlyDataSettings, TransportConfig
 from transport.demo import DemoApps
 from transport.early_data import EarlyDataPolicy
@@ -147,6 +148,8 @@ def main(argv: list[str]) -> int:
     logging.getLogger("quic").setLevel(logging.WARNING)  # aioquic logs every connection at INFO
     try:
         loaded = load_settings(args, os.environ)
+        if not args.demo:  # an exporter that is not installed: one line now, not in a worker
+            exporter_names(os.environ, force=loaded.get("proxy", ProxyConfig).tracing)
         transport = transport_config(loaded)
         # Fail early on bad TLS files; make the development certificates once, here, so
         # that workers never race to generate them.
