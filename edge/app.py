@@ -17,6 +17,7 @@ from typing import Any
 from backends.credentials import BackendCredentials
 from backends.pool import UpstreamPool
 from backends.registry import BackendRegistry
+from edge.access_log import AccessLog
 from edge.asgi import Receive, Scope, Send, lifespan, render_error, send_json
 from edge.attempt import Aborter, Attempts
 from edge.config import ProxyConfig
@@ -100,7 +101,9 @@ class ProxyApp:
         abort: Aborter,
         tracer: Tracer | None = None,
         credentials: BackendCredentials | None = None,
+        access_log: AccessLog | None = None,
     ) -> None:
+        self.access_log = access_log
         self.config = config
         self.pool = pool
         self.registry = registry
@@ -151,11 +154,40 @@ class ProxyApp:
                     )
                 await self._models(path, send)
                 self.metrics.requests.labels(label, "200", NO_MODEL).inc()
+                if self.access_log is not None:
+                    self._log_other(scope, label, 200)
                 return
             raise RouteNotFound(f"no route for {method} {path}")
         except EdgeError as err:
             await render_error(send, err)
             self.metrics.requests.labels(label, str(err.status), NO_MODEL).inc()
+            if self.access_log is not None:
+                self._log_other(scope, label, err.status, err.message)
+
+    def _log(
+        self,
+        ex: Exchange | None,
+        scope: Scope,
+        route: str,
+        status: int,
+        t0: float,
+        error: str | None = None,
+    ) -> None:
+        if self.access_log is not None:
+            self.access_log.request(
+                ex, route=route, method=scope["method"], status=status,
+                t_end=time.perf_counter(), t0=t0, error=error,
+            )  # fmt: skip
+
+    def _log_other(self, scope: Scope, label: str, status: int, error: str | None = None) -> None:
+        """A request outside the inference routes (models, unknown paths, wrong methods)."""
+        assert self.access_log is not None
+        arrived = (scope.get("extensions") or {}).get("arrived_at")
+        now = time.perf_counter()
+        self.access_log.request(
+            None, route=label, method=scope["method"], status=status, t_end=now,
+            t0=arrived or now, error=error,
+        )  # fmt: skip
 
     def _model_label(self, model: object) -> str:
         """The `model` label: a model the fleet serves (or `default`, which every backend
@@ -246,20 +278,24 @@ class ProxyApp:
             if ex is not None and ex.started:  # too late for an error page; the stream ended
                 log.warning("request %s failed after the response started: %s", request_id, err)
                 self.metrics.requests.labels(route, str(ex.status), model).inc()
+                self._log(ex, scope, route, ex.status, t0, err.message)
                 return
             err.extra_headers = (*err.extra_headers, (b"x-request-id", request_id.encode()))
             await render_error(send, err)
             self.metrics.requests.labels(route, str(err.status), model).inc()
+            self._log(ex, scope, route, err.status, t0, err.message)
             return
         except ClientGone:
             self.metrics.disconnects.inc()
             self.metrics.requests.labels(route, "499", ex.model if ex else NO_MODEL).inc()
             if trace is not None:
                 trace.end(time.perf_counter(), error="client disconnected")
+            self._log(ex, scope, route, 499, t0, "client disconnected")
             return
         assert ex is not None
         status = ex.status
         self.metrics.requests.labels(route, str(status), ex.model).inc()
+        self._log(ex, scope, route, status, t0, "client disconnected" if ex.disconnected else None)
         if trace is not None:
             trace.set("http.response.status_code", status)
             trace.set("gen_ai.response.model", self._served_model(ex))

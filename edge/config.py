@@ -15,6 +15,7 @@ from typing import Any
 from backends.credentials import BackendCredentials
 from backends.discovery import DiscoveryConfig
 from edge import settings
+from edge.access_log import AccessLogConfig
 from edge.cors import CorsConfig
 from edge.routing.base import POLICY_NAMES
 from edge.settings import Section
@@ -190,6 +191,13 @@ SECTIONS: tuple[Section, ...] = (
         CorsConfig,
         flags={f.name: f"--cors-{f.name.replace('_', '-')}" for f in fields(CorsConfig)},
         title="CORS for browsers ([cors])",
+    ),
+    Section(
+        "access_log",
+        AccessLogConfig,
+        flags={f.name: f"--access-log-{f.name.replace('_', '-')}" for f in fields(AccessLogConfig)}
+        | {"enabled": "--access-log"},
+        title="access log ([access_log])",
     ),
     Section(
         "discovery",

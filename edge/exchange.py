@@ -75,6 +75,8 @@ class Exchange:
     decision: Decision | None = None
     retries: int = 0
     usage: Usage | None = None
+    ttft: float | None = None
+    """Seconds from arrival to the first content chunk handed to the client (streams)."""
     body_writer: BodyWriter | None = None
     """The listener's `quicedge.body_writer`, when it offers one: the relay writes through it."""
     on_disconnect: OnDisconnect | None = None

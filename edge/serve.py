@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 
 from backends.discovery import DiscoveryConfig, make_source
 from edge import settings, wiring
+from edge.access_log import AccessLogConfig
 from edge.config import SECTIONS, ProxyConfig
 from edge.cors import CorsConfig
 from edge.fleet_metrics import FleetMetrics, FleetPlan
@@ -122,6 +123,7 @@ class ProxyApps:
             registry=registry,
             discovery=discovery,
             cors=self.settings.get("cors", CorsConfig),
+            access_log=self.settings.get("access_log", AccessLogConfig),
         )
         await built.start()
         admin_app = built.admin_app

@@ -24,6 +24,7 @@ from backends.discovery import Discovery, DiscoveryConfig, make_source
 from backends.pool import UpstreamPool
 from backends.registry import Backend, BackendClient, BackendRegistry, HealthConfig
 from edge import settings
+from edge.access_log import AccessLog, AccessLogConfig
 from edge.admin import AdminApp
 from edge.app import ProxyApp, allowed_methods
 from edge.asgi import ASGIApp
@@ -72,11 +73,14 @@ class Wiring:
     tracing: TracingSetup
     credentials: BackendCredentials = field(default_factory=BackendCredentials)
     discovery: Discovery | None = None
+    access_log: AccessLog | None = None
     _aborts: set[asyncio.Task[Any]] = field(default_factory=set)
     _clients: dict[str, Any] = field(default_factory=dict)
 
     async def start(self) -> None:
         """Pre-warm pools, start health checks and load polling, learn the fleet's models."""
+        if self.access_log is not None:
+            self.access_log.start()
         await self.registry.start()
         await self.catalog.refresh()
         if self.discovery is not None:
@@ -95,6 +99,8 @@ class Wiring:
                 await client.aclose()
         await self.pool.aclose()
         self.tracing.shutdown()
+        if self.access_log is not None:
+            self.access_log.stop()
 
     def abort(self, backend: Backend, rid: str) -> None:
         """Fire `/abort_request {rid}` at the backend without waiting for it (never raises)."""
@@ -125,6 +131,7 @@ async def build(
     tracer: Tracer | None = None,
     discovery: DiscoveryConfig | None = None,
     cors: CorsConfig | None = None,
+    access_log: AccessLogConfig | None = None,
 ) -> Wiring:
     """Make the proxy's objects (nothing is started: call `Wiring.start`).
 
@@ -190,6 +197,7 @@ async def build(
         tracing=tracing,
         credentials=credentials,
         discovery=finder,
+        access_log=AccessLog(access_log) if access_log and access_log.enabled else None,
     )
     proxy = ProxyApp(
         config=config,
@@ -201,6 +209,7 @@ async def build(
         abort=wiring.abort,
         tracer=tracing.tracer,
         credentials=credentials,
+        access_log=wiring.access_log,
     )
     wiring.app = wrap_cors(proxy, cors, allowed_methods) if cors is not None else proxy
     wiring.admin_app = AdminApp(registry=registry, backends=backends, pool=pool, policy=policy)
