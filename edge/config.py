@@ -67,9 +67,10 @@ class ProxyConfig:
     """Upstream keep-alive connections per backend (requests wait for a slot at the cap)."""
     pool_warm_connections: int = 8
     """Idle connections opened per backend at start, so early requests pay no TCP connect."""
-    pool_idle_timeout: float = 60 * SECONDS
-    """An idle upstream connection is closed after this long, s (SGLang's uvicorn keeps 5 s; the
-    pool notices a closed one and reconnects)."""
+    pool_idle_timeout: float = 4 * SECONDS
+    """An idle upstream connection is closed after this long, s: below SGLang's keep-alive
+    (uvicorn's 5 s), so the edge, not the backend, closes it; less where a backend's
+    `Keep-Alive: timeout=N` says so (a second below N)."""
     pool_max_waiters: int = 256
     """Requests that may wait for a free upstream connection to one backend when all
     `pool_max_connections` are in use; one more is refused at once with 503 and Retry-After
