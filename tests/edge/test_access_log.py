@@ -94,13 +94,14 @@ def test_on_by_default_and_checked() -> None:
     (section,) = [s for s in SECTIONS if s.name == "access_log"]
     defaults = section.kind()
     assert defaults.enabled and defaults.sample_rate == 1.0 and defaults.always_log_errors
-    log = AccessLog(AccessLogConfig(), handler=logging.NullHandler())
+    lines = Lines()
+    log = AccessLog(AccessLogConfig(), handler=lines)
     log.start()
     try:
-        handlers = logging.getLogger(LOGGER).handlers
-        assert any(isinstance(h, logging.handlers.QueueHandler) for h in handlers)
+        assert lines in logging.getLogger(LOGGER).handlers
+        assert log._listener._thread is not None  # type: ignore[attr-defined]
     finally:
-        log.stop()
+        log.stop()  # writes what was queued first
     try:
         AccessLogConfig(sample_rate=1.5).validate()
     except ValueError as exc:
