@@ -105,8 +105,8 @@ class BackendSlots:
         self.idle_timeout = pool.idle_timeout
         """The pool's, or less when the backend announced a shorter `Keep-Alive: timeout`."""
         self.learned_keep_alive = False
-        self.used = False
-        """A request went to this backend since the last `warm(..., if_used=True)`."""
+        self.last_request = float("-inf")
+        """`time.monotonic()` of the last request sent to this backend."""
 
     @property
     def open_count(self) -> int:
@@ -298,14 +298,12 @@ class UpstreamPool:
     async def warm(self, base_url: str, count: int, *, if_used: bool = False) -> None:
         """Open up to `count` idle connections (within the cap). Failures are logged, not raised.
 
-        `if_used`: only if a request went to this backend since the last such call. A backend
+        `if_used`: only if a request went to this backend within its idle timeout. A backend
         closes idle connections (uvicorn after 5 s), so topping them up with no traffic would
         reconnect in a loop; after a quiet spell the first request pays one connect."""
         host = self._host(base_url)
-        if if_used:
-            if not host.used:
-                return
-            host.used = False
+        if if_used and time.monotonic() - host.last_request > host.idle_timeout:
+            return
         want = min(count, self.max_connections_per_backend) - host.open_count
         if want <= 0:
             return
@@ -366,7 +364,7 @@ class UpstreamPool:
         host = self._host(base_url)
         data = encode_request(host.host_header, method, path, headers, body)
         self._requests += 1
-        host.used = True
+        host.last_request = time.monotonic()
         for attempt in (0, 1):
             conn, reused = await host.acquire()
             began: list[UpstreamResponse] = []

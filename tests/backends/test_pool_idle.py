@@ -35,11 +35,12 @@ async def test_the_pool_learns_a_shorter_keep_alive_from_the_backend() -> None:
 
 
 async def test_an_idle_fleet_does_not_reconnect_in_a_loop() -> None:
-    """The stand-in closes idle connections after 0.5 s; health checks run every 0.1 s. Once the
-    warm set has expired, many health checks later, the pool has opened nothing more."""
+    """The stand-in closes idle connections after 0.5 s, the pool after 0.3 s; health checks run
+    every 0.1 s. Once the last request is older than the idle timeout and the warm set has
+    expired, many health checks later, the pool has opened nothing more."""
     sim_config = SimConfig(name="i", port=0, profile="instant", timeout_keep_alive=0.5)
     async with SimServer(sim_config) as sim:
-        config = fast_config([sim.url], pool_warm_connections=2)
+        config = fast_config([sim.url], pool_warm_connections=2, pool_idle_timeout=0.3)
         async with run_edge(config) as edge:
             pool = edge.wiring.pool
             assert sim.api is not None
@@ -47,8 +48,16 @@ async def test_an_idle_fleet_does_not_reconnect_in_a_loop() -> None:
             async with client(edge) as http:
                 assert (await http.post("/v1/chat/completions", json=chat)).status_code == 200
             url = sim.url.rstrip("/")
-            # the warm set (topped up after that request) expires: the stand-in closes it
-            await wait_until(lambda: pool.stats().backends[url].idle == 0, timeout=20)
+            checks = sim.api.requests["/health"]
+            # ten checks (at least a second: past the 0.3 s idle timeout), then the warm set
+            # (topped up after that request) expires and no connect is under way
+            await wait_until(lambda: sim.api.requests["/health"] >= checks + 10, timeout=20)
+
+            def quiet() -> bool:
+                stats = pool.stats().backends[url]
+                return stats.idle + stats.active == 0
+
+            await wait_until(quiet, timeout=20)
             connects = pool.stats().connects
             checks = sim.api.requests["/health"]
             # every one of these checks would have reopened the warm set before
