@@ -26,6 +26,7 @@ from bench.loop import run
 from bench.rtt_relay import Forward, Link, Relay, RelayError
 from bench.runner import BenchConfig, Progress, Runner, RunPlan
 from bench.summary import format_table, summarize
+from bench.turns import by_turn, format_turns
 from bench.workloads import WORKLOADS, WorkloadError, WorkloadParams, make_workload
 
 
@@ -48,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compare", nargs="+", metavar="SPEC",
         help="several configurations in one run, interleaved: [NAME=]h3|h2|h1[+0rtt][+reuse|+new]"
-        "[@URL]",
+        "[+stored][+cache][@URL] (+stored: the edge keeps chat sessions; +cache: ask for the "
+        "response cache)",
     )  # fmt: skip
     p.add_argument("--workload", default="gsp", choices=WORKLOADS)
     p.add_argument("--num", type=int, default=16, help="requests per configuration")
@@ -68,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jitter-ms", type=float, default=0.0, help="relay jitter (with --rtt-ms)")
     p.add_argument("--loss", type=float, default=0.0, help="relay UDP loss (with --rtt-ms)")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument(
+        "--turns", type=int, nargs="+", metavar="N",
+        help="also print request bytes and TTFT at these turns (from 1) of multi-turn sessions",
+    )  # fmt: skip
     w = p.add_argument_group("workload parameters (tokens are words; see bench/workloads.py)")
     defaults = WorkloadParams()
     w.add_argument("--output-len", type=int, default=defaults.output_len)
@@ -233,8 +239,11 @@ async def _bench(plan: RunPlan, args: argparse.Namespace, link: Link | None) -> 
     )
     print(header)
     print(format_table(summary))
+    turn_rows = by_turn(records, args.turns) if args.turns else None
+    if turn_rows is not None:
+        print(format_turns(turn_rows))
     if args.summary_json:
-        document = {
+        document: dict[str, Any] = {
             "run": {
                 "url": plan.url,
                 "workload": plan.workload,
@@ -247,6 +256,8 @@ async def _bench(plan: RunPlan, args: argparse.Namespace, link: Link | None) -> 
             },
             "summary": summary,
         }
+        if turn_rows is not None:
+            document["turns"] = turn_rows
         args.summary_json.write_text(json.dumps(document, indent=2) + "\n")
     if args.plots:
         from bench.plots import write_plots

@@ -24,14 +24,19 @@ from bench.workloads import Conversation, Session, Turn, request_body
 
 @dataclass(frozen=True, slots=True)
 class BenchConfig:
-    """One client configuration: `[NAME=]TRANSPORT[+0rtt][+reuse|+new][@URL]` on the command line.
-    `+0rtt` implies a new connection per request (each one resumes) unless `+reuse` is given."""
+    """One client configuration: `[NAME=]TRANSPORT[+0rtt][+reuse|+new][+stored][+cache][@URL]`
+    on the command line. `+0rtt` implies a new connection per request (each one resumes) unless
+    `+reuse` is given. `+stored` keeps chat sessions at the edge (`x-quicedge-conversation`: each
+    turn sends only its new message); `+cache` asks for the response cache
+    (`x-quicedge-cache: use`)."""
 
     name: str
     transport: str
     zero_rtt: bool = False
     new_connection_per_request: bool = True
     url: str | None = None  # None: the run's --url
+    stored: bool = False
+    cache: bool = False
 
     @classmethod
     def parse(cls, spec: str, *, new_connection: bool = False) -> BenchConfig:
@@ -40,10 +45,11 @@ class BenchConfig:
             name, rest = "", spec
         rest, at, url = rest.partition("@")
         transport, *flags = rest.split("+")
-        unknown = [f for f in flags if f not in ("0rtt", "reuse", "new")]
+        unknown = [f for f in flags if f not in ("0rtt", "reuse", "new", "stored", "cache")]
         if transport not in ("h3", "h2", "h1") or unknown or {"reuse", "new"} <= set(flags):
             raise ClientError(
-                f"bad configuration {spec!r}: expected [NAME=]h3|h2|h1[+0rtt][+reuse|+new][@URL]"
+                f"bad configuration {spec!r}: expected "
+                "[NAME=]h3|h2|h1[+0rtt][+reuse|+new][+stored][+cache][@URL]"
             )
         if at and not url:
             raise ClientError(f"bad configuration {spec!r}: empty URL after @")
@@ -57,6 +63,8 @@ class BenchConfig:
             new_connection_per_request="reuse" not in flags
             and (new_connection or zero_rtt or "new" in flags),
             url=url if at else None,
+            stored="stored" in flags,
+            cache="cache" in flags,
         )
 
 
@@ -116,6 +124,7 @@ def record(
     session: Session,
     started: float,
     url: str,
+    request_bytes: int | None = None,
 ) -> dict[str, Any]:
     """The JSON line of one request. Times in milliseconds; `start_s` from the run's start."""
 
@@ -150,6 +159,8 @@ def record(
         "cached_tokens": result.cached_tokens,
         "cached_fraction": cached_fraction,
         "backend": result.backend,
+        "request_bytes": request_bytes,
+        "cache": result.header("x-quicedge-cache"),
     }
 
 
@@ -199,13 +210,29 @@ class Runner:
         conversation: Conversation,
         turn: Turn,
         session_key: str | None = None,
-    ) -> RequestResult:
+    ) -> tuple[RequestResult, int]:
+        """Send one turn; returns the result and the request's bytes (body and headers)."""
         target = self._target(config)
-        body = json.dumps(request_body(target.path, conversation, turn)).encode()
+        payload = request_body(target.path, conversation, turn)
         headers = [("content-type", "application/json")]
         if session_key:
             headers.append(("x-session-id", session_key))
-        return await self._client(config).request(target, method="POST", headers=headers, body=body)
+        if config.cache:
+            headers.append(("x-quicedge-cache", "use"))
+        if config.stored:
+            if not target.path.endswith("/chat/completions"):
+                raise ClientError(f"{config.name}: +stored needs a /v1/chat/completions URL")
+            # the edge holds the history: send only what it has not seen
+            payload["messages"] = conversation.messages[conversation.stored :]
+            headers.append(("x-quicedge-conversation", conversation.remote_id or "new"))
+        body = json.dumps(payload).encode()
+        size = len(body) + sum(len(k) + len(v) for k, v in headers)
+        result = await self._client(config).request(
+            target, method="POST", headers=headers, body=body
+        )
+        if config.stored and result.ok:
+            conversation.remote_id = result.header("x-quicedge-conversation")
+        return result, size
 
     async def _run_session(self, index: int, config: BenchConfig, salt: str) -> None:
         session = self.plan.sessions[index]
@@ -213,7 +240,7 @@ class Runner:
         session_key = f"{salt.strip()}{session.key}" if session.key else None
         for number, turn in enumerate(session.turns):
             conversation.add_user(turn)
-            result = await self._send(config, conversation, turn, session_key)
+            result, size = await self._send(config, conversation, turn, session_key)
             self.on_record(
                 record(
                     result,
@@ -223,6 +250,7 @@ class Runner:
                     session=session,
                     started=self.started,
                     url=config.url or self.plan.url,
+                    request_bytes=size,
                 )
             )
             if self.progress is not None:
@@ -230,6 +258,7 @@ class Runner:
             if not result.ok:
                 break  # a later turn would build on an answer we do not have
             conversation.add_answer(result.text)
+            conversation.stored = len(conversation.messages)
 
     async def warm_up(self) -> list[str]:
         """Unrecorded requests per configuration: open the path, fetch 0-RTT tickets (one per
@@ -246,7 +275,7 @@ class Runner:
             async def one(config: BenchConfig = config) -> RequestResult:
                 conversation = Conversation(salt="warmup ")
                 conversation.add_user(turn)
-                return await self._send(config, conversation, turn)
+                return (await self._send(config, conversation, turn))[0]
 
             results = await asyncio.gather(*(one() for _ in range(count)))
             errors += [f"{config.name}: {r.error or r.status}" for r in results if not r.ok]

@@ -246,6 +246,10 @@ class Conversation:
     salt: str = ""
     messages: list[dict[str, str]] = field(default_factory=list)
     text: str = ""  # the same, flattened, for the completion routes
+    remote_id: str | None = None
+    """The edge's id for this conversation, when the edge keeps it (`+stored`)."""
+    stored: int = 0
+    """How many of `messages` the edge holds (sent before, or its own answers)."""
 
     def add_user(self, turn: Turn) -> None:
         prompt = f"{self.salt}{turn.prompt}" if not self.text else turn.prompt

@@ -18,12 +18,16 @@ from backends.credentials import BackendCredentials
 from backends.pool import UpstreamPool
 from backends.registry import BackendRegistry
 from edge.access_log import AccessLog
+from edge.admission import Admission, AdmissionSettings
+from edge.admission.tenants import Tenant
 from edge.asgi import Receive, Scope, Send, lifespan, render_error, send_json
 from edge.attempt import Aborter, Attempts
+from edge.audit import AuditLog
 from edge.config import ProxyConfig
 from edge.errors import EdgeError, MethodNotAllowed, ModelNotFound, RouteNotFound
 from edge.exchange import Exchange, read_headers
 from edge.models import DEFAULT_MODEL, ModelCatalog
+from edge.policy.gateway import PolicyGateway
 from edge.routing.base import RoutingPolicy
 from edge.stages.body import (
     ClientGone,
@@ -45,12 +49,14 @@ from edge.stages.validate import (
     DETOKENIZE,
     EMBEDDINGS,
     GENERATE,
-    GENERATION_ROUTES,
     RERANK,
     TOKENIZE,
+    WHOLE_ROUTES,
     validate,
 )
 from edge.stages.view import build_view
+from edge.state.responses import RESPONSES
+from edge.state.stage import StateStage
 from edge.telemetry import (
     Metrics,
     RequestTrace,
@@ -69,6 +75,7 @@ ROUTE_METHODS: dict[str, tuple[str, ...]] = {
     RERANK: ("POST",),
     TOKENIZE: ("POST",),
     DETOKENIZE: ("POST",),
+    RESPONSES: ("POST",),
 }
 """The routes forwarded to a backend and the methods each takes (SGLang's: /generate takes PUT)."""
 INFERENCE_ROUTES = tuple(ROUTE_METHODS)
@@ -100,20 +107,28 @@ class ProxyApp:
         catalog: ModelCatalog,
         abort: Aborter,
         tracer: Tracer | None = None,
+        state: StateStage | None = None,
+        admission: Admission | None = None,
+        gateway: PolicyGateway | None = None,
+        audit: AuditLog | None = None,
         credentials: BackendCredentials | None = None,
         access_log: AccessLog | None = None,
     ) -> None:
         self.access_log = access_log
         self.config = config
+        self.gateway = gateway
+        self.audit = audit
         self.pool = pool
         self.registry = registry
         self.metrics = metrics
         self.catalog = catalog
         self.abort = abort
         self.tracer = tracer
+        self.state = state
+        self.admission = admission or Admission(AdmissionSettings(), metrics=metrics)
         self.attempts = Attempts(
             config=config, pool=pool, registry=registry, policy=policy, metrics=metrics,
-            abort=abort, credentials=credentials,
+            abort=abort, admission=self.admission, gateway=gateway, credentials=credentials,
         )  # fmt: skip
 
     @property
@@ -240,6 +255,7 @@ class ProxyApp:
         ex: Exchange | None = None
         try:
             request_id = request_id_from(headers.request_id)
+            tenant = self.admission.identify(headers.authorization)
             if self.tracer is not None:  # decided once: no tracer, no span objects
                 trace = RequestTrace(
                     self.tracer,
@@ -251,7 +267,8 @@ class ProxyApp:
                         "quicedge.transport": transport,
                         "quicedge.early_data": early,
                         "quicedge.request_id": request_id,
-                        "quicedge.tenant": (headers.tenant or b"default").decode("latin-1"),
+                        "quicedge.tenant": tenant.name,
+                        "quicedge.tier": tenant.tier,
                         "quicedge.policy": self.policy.name,
                     },
                 )
@@ -262,13 +279,26 @@ class ProxyApp:
                 handshake_wait=wait, request_id=request_id, headers=headers, trace=trace,
                 body_writer=ext.get("quicedge.body_writer"),
                 on_disconnect=ext.get("quicedge.on_disconnect"),
+                tenant=tenant.name, tier=tenant.tier, tier_rank=tenant.rank,
             )  # fmt: skip
             if wait > 0:
                 self.metrics.handshake_wait.observe(wait)
-            await self._parse_and_admit(ex, receive)
-            await self._forward(ex, receive, send)
+            try:
+                await self._parse_and_admit(ex, receive, tenant)
+                try:
+                    relay_send = send if ex.state is None else await ex.state.begin(send)
+                    if relay_send is not None:  # None: answered from the response cache
+                        await self._forward(ex, receive, relay_send)
+                finally:
+                    reported = ex.usage.completion_tokens if ex.usage is not None else None
+                    self.admission.finish(ex, ex.content_chunks if reported is None else reported)
+            finally:
+                if ex.state is not None:
+                    await ex.state.finish()
         except EdgeError as err:
             model = ex.model if ex is not None else NO_MODEL
+            if self.audit is not None and ex is not None:
+                self.audit.record_exchange(ex, ex.status if ex.started else err.status)
             if trace is not None:
                 trace.set("http.response.status_code", err.status)
                 trace.set("error.type", str(err.status) if err.status >= 500 else None)
@@ -276,7 +306,10 @@ class ProxyApp:
             if ex is not None:
                 request_id = ex.request_id  # the label, which the body may have given
             if ex is not None and ex.started:  # too late for an error page; the stream ended
-                log.warning("request %s failed after the response started: %s", request_id, err)
+                log.warning(
+                    "request %s (tenant %s) failed after the response started: %s",
+                    request_id, ex.tenant, err,
+                )  # fmt: skip
                 self.metrics.requests.labels(route, str(ex.status), model).inc()
                 self._log(ex, scope, route, ex.status, t0, err.message)
                 return
@@ -286,6 +319,8 @@ class ProxyApp:
             self._log(ex, scope, route, err.status, t0, err.message)
             return
         except ClientGone:
+            if self.audit is not None and ex is not None:
+                self.audit.record_exchange(ex, 499)
             self.metrics.disconnects.inc()
             self.metrics.requests.labels(route, "499", ex.model if ex else NO_MODEL).inc()
             if trace is not None:
@@ -294,6 +329,8 @@ class ProxyApp:
             return
         assert ex is not None
         status = ex.status
+        if self.audit is not None:
+            self.audit.record_exchange(ex, status)
         self.metrics.requests.labels(route, str(status), ex.model).inc()
         self._log(ex, scope, route, status, t0, "client disconnected" if ex.disconnected else None)
         if trace is not None:
@@ -302,14 +339,20 @@ class ProxyApp:
             trace.set("quicedge.retries", ex.retries)
             trace.end(time.perf_counter(), error="client disconnected" if ex.disconnected else None)
 
-    async def _parse_and_admit(self, ex: Exchange, receive: Receive) -> None:
-        """Parse (body, JSON once) then admit (fields, model, routing view)."""
+    async def _parse_and_admit(self, ex: Exchange, receive: Receive, tenant: Tenant) -> None:
+        """Parse (body, JSON once) then admit (fields, model, routing view, tenant quota)."""
         h = ex.headers
+        if self.audit is not None:
+            self.audit.admit()  # a full audit queue may refuse new requests (`when_full`)
         check_content_type(h.content_type)
         limit = self.config.max_body_bytes
         declared_length(h.content_length, limit)
         raw = await read_body(receive, limit)
         body = parse_json_object(raw)
+        if self.state is not None:  # stored conversations, /v1/responses, the response cache
+            raw, body = await self.state.prepare(ex, raw, body)
+        elif ex.route == RESPONSES:
+            raise RouteNotFound(f"no route for POST {RESPONSES}")
         t_parsed = time.perf_counter()
         ex.stream = validate(ex.route, body)
         model = body.get("model")
@@ -318,13 +361,17 @@ class ProxyApp:
             await self.catalog.check(model)
             if ex.model == OTHER_MODEL:  # the check may have fetched the list just now
                 ex.model = self._model_label(model)
+        if self.gateway is not None:
+            raw = self.gateway.stage(ex, body, raw)
         session = h.session.decode("latin-1") if h.session else None
         ex.view = build_view(ex.route, body, session)
-        if ex.route in GENERATION_ROUTES:
-            _use_edge_rid(ex, raw, body)
-        else:  # answered at once and never aborted: forwarded as sent
+        if self.gateway is not None and self.gateway.judge is not None:
+            await self.gateway.judge_stage(ex)
+        if ex.route in WHOLE_ROUTES:  # answered at once and never aborted: forwarded as sent
             ex.abort_rid = None
             ex.payload = raw
+        else:
+            _use_edge_rid(ex, raw, body)
         traceparent, tracestate = h.traceparent, h.tracestate
         if ex.trace is not None:
             traceparent, tracestate = ex.trace.upstream_context()
@@ -334,6 +381,7 @@ class ProxyApp:
             traceparent=traceparent,
             tracestate=tracestate,
         )
+        await self.admission.admit(ex, tenant)  # last: nothing after it may fail and leak a slot
         t_admitted = time.perf_counter()
         self.metrics.stage_parse.observe(t_parsed - ex.t0)
         self.metrics.stage_admit.observe(t_admitted - t_parsed)
@@ -358,6 +406,9 @@ class ProxyApp:
         try:
             await self.attempts.run(ex, send)
         except asyncio.CancelledError:
+            if ex.judge_refused and not ex.disconnected and self.gateway is not None:
+                task.uncancel()
+                raise self.gateway.judge_refusal(ex) from None
             if not ex.disconnected:
                 raise
             task.uncancel()

@@ -25,10 +25,12 @@ from backends.errors import (
 )
 from backends.pool import UpstreamPool, UpstreamResponse
 from backends.registry import Backend, BackendRegistry, InFlight
+from edge.admission import Admission
 from edge.asgi import Send
 from edge.config import ProxyConfig
 from edge.errors import BadGateway, EdgeError, NoHealthyBackend, TooManyRequests, from_upstream
 from edge.exchange import Exchange
+from edge.policy.gateway import PolicyGateway
 from edge.relay import RelayResult, StreamRelay, read_whole
 from edge.routing.base import Decision, Outcome, RoutingPolicy
 from edge.sse import Usage, answer_of_body
@@ -68,10 +70,14 @@ class Attempts:
         policy: RoutingPolicy,
         metrics: Metrics,
         abort: Aborter,
+        admission: Admission,
+        gateway: PolicyGateway | None = None,
         credentials: BackendCredentials | None = None,
     ) -> None:
         self.credentials = credentials or BackendCredentials()
+        self.admission = admission
         self.config = config
+        self.gateway = gateway
         self.pool = pool
         self.registry = registry
         self.policy = policy
@@ -84,7 +90,9 @@ class Attempts:
         last: _Retry | None = None
         assert ex.view is not None
         for attempt in range(self.config.max_retries + 1):
-            candidates = [b for b in self.registry.candidates() if b not in tried]
+            candidates = await self.admission.place(
+                ex, lambda: [b for b in self.registry.candidates() if b not in tried]
+            )
             if not candidates:
                 if last is not None:
                     raise last.error
@@ -189,6 +197,7 @@ class Attempts:
                 if result.first_upstream is not None:
                     upstream_ttft = result.first_upstream - t_send
                 account_stream(self.metrics, ex, backend, result, t_send, upstream_ttft)
+                ex.content_chunks = len(result.gaps) + (result.first_client is not None)
             else:
                 try:
                     body = await read_whole(response, MAX_UPSTREAM_BODY)
@@ -207,8 +216,12 @@ class Attempts:
                 error = "disconnect"
                 self.registry.record_failure(backend, "disconnect")
                 self._abort(ex, backend)
+            elif ex.judge_refused:
+                error = "refused"
+                self._abort(ex, backend)
             raise
         finally:
+            ex.error = error
             if response is not None and not response.complete:
                 await response.aclose()  # aborts the upstream request (its connection closes)
             if client_span is not None and ex.trace is not None:
@@ -263,6 +276,10 @@ class Attempts:
         ex.status = 200
         await relay.run(response, send, _start_of(ex, response, backend))
         result = relay.result
+        if result.filtered is not None:
+            self._abort(ex, backend)  # its connection is closed already; this frees the slot
+            if self.gateway is not None:
+                self.gateway.filtered(ex, result.filtered)
         if result.upstream_error is not None:
             self._upstream_failed(backend, result.upstream_error.kind)
             if isinstance(result.upstream_error, UpstreamTimeout):
@@ -321,6 +338,7 @@ def _stream_relay(ex: Exchange, in_flight: InFlight) -> StreamRelay:
     return StreamRelay(
         RelayResult(), route=ex.route, writer=ex.body_writer,
         on_first_token=in_flight.first_token, on_complete=ex.mark_responded,
+        guard=ex.stream_guard,
     )  # fmt: skip
 
 

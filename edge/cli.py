@@ -18,6 +18,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "certs": ("certs.cli", "make development certificates (CA + localhost leaf)"),
     "bench": ("bench.cli", "TTFT load generator, RTT relay and comparisons"),
     "request": ("bench.request", "send one request and print the stream and its TTFT"),
+    "audit": ("edge.audit", "audit log tools: `verify FILE` checks its hash chain"),
 }
 
 

@@ -16,9 +16,13 @@ from backends.credentials import BackendCredentials
 from backends.discovery import DiscoveryConfig
 from edge import settings
 from edge.access_log import AccessLogConfig
+from edge.admission.settings import AdmissionSettings, TenantSettings
+from edge.audit import AUDIT_FLAGS, AuditConfig
 from edge.cors import CorsConfig
+from edge.policy.config import POLICY_FLAGS, PolicyConfig
 from edge.routing.base import POLICY_NAMES
 from edge.settings import Section
+from edge.state.config import StateConfig
 from transport.config import EarlyDataSettings, TransportConfig
 
 SECONDS = 1.0
@@ -100,6 +104,14 @@ class ProxyConfig:
     """Create OpenTelemetry spans. Also turned on by OTEL_TRACES_EXPORTER=console|otlp."""
     models_ttl: float = 5 * SECONDS
     """How long the merged `/v1/models` list is reused before it is fetched again, s."""
+    state: StateConfig = field(default_factory=StateConfig, metadata={"load": False})
+    """Stored conversations and the response cache: the top-level `[state]` table (`edge.state`),
+    carried here for the proxy's stages; not a `[proxy]` key."""
+    admission: AdmissionSettings = field(
+        default_factory=AdmissionSettings, metadata={"load": False}
+    )
+    """Tenants, quotas and throttling: the top-level `[admission]` table and `[[tenants]]` array
+    (`edge.admission`), carried here for the proxy's stages; not `[proxy]` keys."""
 
     def validate(self, *, need_backends: bool = True) -> ProxyConfig:
         """Raise ValueError naming the first bad setting; return self for chaining.
@@ -154,13 +166,33 @@ class ProxyConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"proxy: {name} must be > 0, got {value!r}")
+        self.state.validate()
         return self
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> ProxyConfig:
         """From a `[proxy]`-style table, refusing unknown keys and wrong types by name (not
         validated: call `validate()`)."""
-        return settings.from_mapping(cls, values, "proxy")
+        own = {k: v for k, v in values.items() if k not in _CARRIED}
+        config = settings.from_mapping(cls, own, "proxy")
+        for name in _CARRIED.intersection(values):  # in-process callers pass these as objects
+            setattr(config, name, values[name])
+        return config
+
+    def with_features(self, loaded: settings.Settings) -> ProxyConfig:
+        """This `[proxy]` with the feature sections it carries, from `loaded`: `[state]`,
+        `[admission]` with the `[[tenants]]` array. Checks what spans sections."""
+        self.state = loaded.get("state", StateConfig)
+        admission = loaded.get("admission", AdmissionSettings)
+        admission.tenants = list(loaded.get("tenants", list))
+        admission.validate()  # tenant names and keys unique across the array
+        self.admission = admission
+        return self
+
+
+# Feature sections read from their own top-level tables and carried on `ProxyConfig` for the
+# proxy's stages (`metadata={"load": False}`: not `[proxy]` keys).
+_CARRIED = frozenset({"state", "admission"})
 
 
 # Flags whose names are not `--field-name`; every other field's flag is.
@@ -175,6 +207,12 @@ PROXY_FLAGS: dict[str, str | bool] = {
     "pool_warm_connections": "--pool-warm",
     "max_concurrency_per_backend": "--max-concurrency",
 }
+
+
+def _toml_only(kind: type) -> dict[str, str | bool]:
+    """No flag for any of `kind`'s fields: a feature's table is written in the TOML file."""
+    return {f.name: False for f in fields(kind)}
+
 
 # Every settings section of `quicedge serve`: TOML table, dataclass, flag renames. A feature adds
 # its own with one line here (see docs/architecture.md, "Settings").
@@ -206,6 +244,13 @@ SECTIONS: tuple[Section, ...] = (
         flags={f.name: f"--discovery-{f.name.replace('_', '-')}" for f in fields(DiscoveryConfig)},
         title="backend discovery ([discovery])",
     ),
+    Section("state", StateConfig, flags={f.name: False for f in fields(StateConfig)}),
+    Section(
+        "admission", AdmissionSettings, flags={f.name: False for f in fields(AdmissionSettings)}
+    ),
+    Section("tenants", list[TenantSettings]),
+    Section("policy", PolicyConfig, flags=POLICY_FLAGS, title="policy gateway ([policy])"),
+    Section("audit", AuditConfig, flags=AUDIT_FLAGS, title="audit log ([audit])"),
 )
 
 

@@ -140,6 +140,26 @@ class TooManyRequests(EdgeError):
     code = "rate_limit_exceeded"
 
 
+class Unauthorized(EdgeError):
+    """401 `invalid_api_key`: no API key where one is required, or a key that is not known."""
+
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers=((b"www-authenticate", b"Bearer"),))
+
+
+class Overloaded(EdgeError):
+    """503 `overloaded`: admission could not place the request within its deadline
+    (headers carry `retry-after`)."""
+
+    status = 503
+    type = "server_error"
+    code = "overloaded"
+
+
 class BadGateway(EdgeError):
     """502: the backend failed (connection died, garbage, or refused after all retries)."""
 
@@ -169,6 +189,100 @@ POOL_BUSY_RETRY_AFTER = b"1"
 come free as streams end, so a short wait is enough."""
 
 
+class ConversationNotFound(EdgeError):
+    """404: a stored conversation (or response) that does not exist, expired, or is another
+    tenant's; the three look the same, so an id leaks nothing."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "conversation_not_found"
+
+
+class ConversationBusy(EdgeError):
+    """409: another turn of the same conversation is in progress."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "conversation_busy"
+
+
+class StateUnavailable(EdgeError):
+    """503: the state store (Redis) did not answer in time; stateless requests go on."""
+
+    status = 503
+    type = "server_error"
+    code = "state_unavailable"
+
+
+class PolicyRefused(EdgeError):
+    """403 `policy_violation`: a policy rule or module refused the request. The message and the
+    `x-quicedge-policy-rule` header name the rule, never the text that matched."""
+
+    status = 403
+    type = "invalid_request_error"
+    code = "policy_violation"
+
+    def __init__(
+        self, rule: str, message: str, *, param: str | None = None, code: str | None = None
+    ) -> None:
+        super().__init__(
+            message, param=param, code=code, headers=((b"x-quicedge-policy-rule", rule.encode()),)
+        )
+        self.rule = rule
+
+
+class PolicyLimit(PolicyRefused):
+    """400 `policy_limit`: the request asks for more than its tier allows."""
+
+    status = 400
+    code = "policy_limit"
+
+
+class ModelNotAllowed(PolicyRefused):
+    """403 `model_not_allowed`: the tenant may not use this model."""
+
+    code = "model_not_allowed"
+
+
+class PolicyUnavailable(PolicyRefused):
+    """503 `policy_unavailable`: a policy module failed and is configured to fail closed."""
+
+    status = 503
+    type = "server_error"
+    code = "policy_unavailable"
+
+
+class StreamRefusal(PolicyRefused):
+    """A refused streaming request answered as a well-formed stream: status 200, one chunk with
+    `finish_reason: "content_filter"`, then `data: [DONE]` (`[policy] stream_refusal = "sse"`)."""
+
+    status = 200
+
+    def __init__(self, rule: str, message: str, events: bytes) -> None:
+        super().__init__(rule, message)
+        self.events = events
+
+    def body(self) -> bytes:
+        return self.events
+
+    def headers(self, *extra: tuple[bytes, bytes]) -> list[tuple[bytes, bytes]]:
+        return [
+            (b"content-type", b"text/event-stream"),
+            (b"cache-control", b"no-cache"),
+            (b"content-length", b"%d" % len(self.events)),
+            *self.extra_headers,
+            *extra,
+        ]
+
+
+class AuditBacklog(EdgeError):
+    """503 `audit_backlog`: the audit log's queue is full and is configured to refuse."""
+
+    status = 503
+    type = "server_error"
+    code = "audit_backlog"
+
+
 def from_upstream(exc: UpstreamError) -> EdgeError:
     """Map a `backends.errors` exception to the client-facing error (the one mapping point)."""
     if isinstance(exc, UpstreamPoolBusy):
@@ -192,19 +306,30 @@ def stream_error_event(err: EdgeError) -> bytes:
 
 
 __all__ = [
+    "AuditBacklog",
     "BadGateway",
+    "ConversationBusy",
+    "ConversationNotFound",
     "EdgeError",
     "GatewayTimeout",
     "InvalidJSON",
     "OriginNotAllowed",
     "InvalidRequest",
     "MethodNotAllowed",
+    "ModelNotAllowed",
     "ModelNotFound",
     "NoHealthyBackend",
+    "Overloaded",
     "PayloadTooLarge",
+    "PolicyLimit",
+    "PolicyRefused",
+    "PolicyUnavailable",
     "RouteNotFound",
+    "StateUnavailable",
+    "StreamRefusal",
     "TooEarly",
     "TooManyRequests",
+    "Unauthorized",
     "UnsupportedMediaType",
     "from_upstream",
     "stream_error_event",

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from backends.registry import Backend
 from edge.routing.base import Decision, RequestView
 from edge.sse import Usage
 from edge.telemetry import RequestTrace
 from transport.asgi import BodyWriter, OnDisconnect
+
+if TYPE_CHECKING:
+    from edge.policy.stream import StreamGuard
+    from edge.state.stage import StateRequest
 
 
 @dataclass(slots=True)
@@ -20,9 +25,11 @@ class RequestHeaders:
     content_length: bytes | None = None
     request_id: bytes | None = None
     session: bytes | None = None
-    tenant: bytes | None = None
+    authorization: bytes | None = None
     traceparent: bytes | None = None
     tracestate: bytes | None = None
+    conversation: bytes | None = None
+    cache: bytes | None = None
 
 
 _WANTED = {
@@ -30,9 +37,11 @@ _WANTED = {
     b"content-length": "content_length",
     b"x-request-id": "request_id",
     b"x-session-id": "session",
-    b"x-tenant-id": "tenant",
+    b"authorization": "authorization",
     b"traceparent": "traceparent",
     b"tracestate": "tracestate",
+    b"x-quicedge-conversation": "conversation",
+    b"x-quicedge-cache": "cache",
 }
 
 
@@ -75,12 +84,37 @@ class Exchange:
     decision: Decision | None = None
     retries: int = 0
     usage: Usage | None = None
-    ttft: float | None = None
-    """Seconds from arrival to the first content chunk handed to the client (streams)."""
     body_writer: BodyWriter | None = None
     """The listener's `quicedge.body_writer`, when it offers one: the relay writes through it."""
     on_disconnect: OnDisconnect | None = None
     """The listener's `quicedge.on_disconnect`, when it offers one: no watcher task needed."""
+    tenant: str = "anonymous"
+    """The admitted tenant (from the API key, never from a header the client names); state
+    (conversations, cache entries) and limits are kept per tenant."""
+    state: StateRequest | None = None
+    """The stored-conversation / response-cache side of this request (`edge.state`), if any."""
+    error: str | None = None
+    """How the last backend attempt failed (None: it succeeded, or none was made)."""
+    tier: str = "bronze"
+    """The tenant's tier: gold | silver | bronze."""
+    tier_rank: int = 2
+    """The tier's place in the admission queue (0 = gold, served first)."""
+    holds_slot: bool = False
+    """Admission counted this request against its tenant's `max_concurrent`."""
+    content_chunks: int = 0
+    """Content chunks relayed to the client (about one token each): the completion tokens
+    charged to the tenant when the backend reported no usage."""
+    policy_decision: str | None = None
+    """The policy gateway's decision (`allow`, `redact`, `deny`, `filtered`...); None: off."""
+    policy_rules: tuple[str, ...] = ()
+    """Ids of the policy rules and modules that matched."""
+    stream_guard: StreamGuard | None = None
+    """The stream policy's watch over this answer, when stream rules are configured."""
+    judge_refused: bool = False
+    """The guard model refused this request while it ran (`race` mode): its cancellation is
+    a refusal, not a client going away."""
+    ttft: float | None = None
+    """TTFT as the edge saw it, seconds (streamed answers)."""
 
     def mark_responded(self) -> None:
         self.responded = True

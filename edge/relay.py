@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterable, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from backends.errors import UpstreamError, UpstreamResponseTooLarge
 from backends.pool import UpstreamResponse
@@ -24,6 +24,18 @@ from edge.sse import SSEScanner, Usage
 from transport.asgi import BodyWriter
 
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+
+class Guard(Protocol):
+    """A watch over the stream (`edge.policy.stream.StreamGuard`): it sees each upstream chunk
+    before the client and says what to send instead (b"" holds it back); `cut` names the rule
+    that ended the stream, after which `feed` has returned the stream's last events."""
+
+    cut: str | None
+
+    def feed(self, chunk: bytes) -> bytes: ...
+
+    def finish(self) -> bytes: ...
 
 
 @dataclass(slots=True)
@@ -48,6 +60,8 @@ class RelayResult:
     backend_error: dict[str, Any] | None = None
     """An error event the backend itself sent mid-stream."""
     bytes_out: int = 0
+    filtered: str | None = None
+    """The stream policy rule that ended the stream (`finish_reason: "content_filter"`)."""
 
 
 class StreamRelay:
@@ -61,6 +75,7 @@ class StreamRelay:
         "began",
         "began_at",
         "ended",
+        "guard",
         "last",
         "on_complete",
         "on_first_token",
@@ -80,8 +95,10 @@ class StreamRelay:
         writer: BodyWriter | None = None,
         on_first_token: Callable[[], None] | None = None,
         on_complete: Callable[[], None] | None = None,
+        guard: Guard | None = None,
     ) -> None:
         self.scanner = SSEScanner.for_route(route)
+        self.guard = guard
         self.result = result
         self.writer = writer
         self.on_first_token = on_first_token
@@ -175,11 +192,27 @@ class StreamRelay:
 
     async def _pull(self, chunks: UpstreamResponse, send: Send) -> None:
         scanner = self.scanner
+        guard = self.guard
         async for chunk in chunks:
             arrived = chunks.arrived_at  # the socket read, not when this task got to it
+            if guard is not None:
+                chunk = guard.feed(chunk)
+                if guard.cut is not None:
+                    self.result.filtered = guard.cut
+                    chunks.abort()
+                if not chunk:
+                    continue
             content = scanner.feed(chunk)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
             self.passed(chunks, chunk, content, arrived)
+            if guard is not None and guard.cut is not None:
+                return
+        if guard is not None and guard.cut is None:
+            rest = guard.finish()
+            if rest:
+                content = scanner.feed(rest)
+                await send({"type": "http.response.body", "body": rest, "more_body": True})
+                self.passed(chunks, rest, content, chunks.arrived_at)
 
     def _take(self) -> bool:
         """The sink: pass on what the read callback parsed (`UpstreamResponse.set_sink`)."""
@@ -221,6 +254,8 @@ class StreamRelay:
         except UpstreamError:
             if self._failure is not None:
                 raise self._failure from None
+            if self.result.filtered is not None:
+                return  # the guard ended the stream and closed the upstream connection
             raise
         finally:
             chunks.set_sink(None)
@@ -258,9 +293,19 @@ def _pass_on(
 ) -> bool:
     """Write `chunk` (after the head `start`, if given) and, when the backend's body is
     complete, the stream's end, all in one write; False when the client's buffer is full."""
+    guard = relay.guard
+    cut = False
+    if guard is not None:
+        chunk, cut = _guarded(chunks, relay, guard, chunk)
     content = relay.scanner.feed(chunk) if chunk else 0
     chunks.take_end()  # all of the body was taken: the response ends here
     end = chunks.complete
+    if guard is not None and (end or cut):
+        if not cut:
+            rest = guard.finish()
+            content += relay.scanner.feed(rest) if rest else 0
+            chunk += rest
+        end = True
     if end:
         relay.complete()
     if start is not None:
@@ -272,6 +317,22 @@ def _pass_on(
     if chunk:
         relay.passed(chunks, chunk, content, chunks.arrived_at)
     return more
+
+
+def _guarded(
+    chunks: UpstreamResponse, relay: StreamRelay, guard: Guard, chunk: bytes
+) -> tuple[bytes, bool]:
+    """`chunk` as the guard lets it through; True when the guard ended the stream (the upstream
+    request is then aborted by closing its connection)."""
+    if relay.ended:
+        return b"", False
+    if chunk:
+        chunk = guard.feed(chunk)
+    if guard.cut is None:
+        return chunk, False
+    relay.result.filtered = guard.cut
+    chunks.abort()
+    return chunk, True
 
 
 async def read_whole(chunks: AsyncIterable[bytes], limit: int) -> bytes:

@@ -21,9 +21,11 @@ from prometheus_client import CollectorRegistry
 from backends.discovery import DiscoveryConfig, make_source
 from edge import settings, wiring
 from edge.access_log import AccessLogConfig
+from edge.audit import AuditConfig
 from edge.config import SECTIONS, ProxyConfig
 from edge.cors import CorsConfig
 from edge.fleet_metrics import FleetMetrics, FleetPlan
+from edge.policy.config import PolicyConfig
 from edge.settings import Settings, SettingsError
 from edge.telemetry import exporter_names
 from transport.config import EarlyDataSettings, TransportConfig
@@ -88,7 +90,9 @@ def load_settings(
         discovery = loaded.get("discovery", DiscoveryConfig)
         try:
             # With discovery the `--backend` list may start empty: the first lookup fills it.
-            loaded.get("proxy", ProxyConfig).validate(need_backends=discovery.mode == "static")
+            proxy = loaded.get("proxy", ProxyConfig)
+            proxy.validate(need_backends=discovery.mode == "static")
+            proxy.with_features(loaded)
             make_source(discovery)  # fails here, not in a worker: outside a cluster, say
         except SettingsError:
             raise
@@ -118,10 +122,13 @@ class ProxyApps:
 
     async def open(self, registry: CollectorRegistry) -> ServedApps:
         discovery = self.settings.get("discovery", DiscoveryConfig)
+        proxy = self.settings.get("proxy", ProxyConfig)
         built = await wiring.build(
-            self.settings.get("proxy", ProxyConfig),
+            proxy,
             registry=registry,
             discovery=discovery,
+            policies=self.settings.get("policy", PolicyConfig),
+            audit=self.settings.get("audit", AuditConfig),
             cors=self.settings.get("cors", CorsConfig),
             access_log=self.settings.get("access_log", AccessLogConfig),
         )
@@ -137,7 +144,7 @@ class ProxyApps:
                 await fleet.aclose()
             await built.aclose()
 
-        return ServedApps(built.app, admin_app, aclose)
+        return ServedApps(built.app, admin_app, aclose, reload=built.reload)
 
     def describe(self) -> str:
         proxy = self.settings.get("proxy", ProxyConfig)

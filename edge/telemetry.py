@@ -22,7 +22,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -140,6 +140,53 @@ class Metrics:
             "Clients that went away before their answer was complete (upstream aborted)",
             registry=registry,
         )
+        self.tenant_requests = LightCounter(
+            "quicedge_tenant_requests",
+            "Requests admitted, by tenant and tier",
+            ["tenant", "tier"],
+            registry=registry,
+        )
+        self.tenant_tokens = LightCounter(
+            "quicedge_tenant_tokens",
+            "Tokens charged to each tenant: prompt (estimated at admission) and completion "
+            "(reported by the backend)",
+            ["tenant", "kind"],
+            registry=registry,
+        )
+        self.admission_rejections = LightCounter(
+            "quicedge_admission_rejections",
+            "Requests refused by admission, by tenant (`-` when unknown) and reason "
+            "(unauthorized, requests, tokens, concurrency)",
+            ["tenant", "reason"],
+            registry=registry,
+        )
+        self.admission_local = LightCounter(
+            "quicedge_admission_local_decisions",
+            "Rate-limit decisions taken by this process's fallback buckets while Redis was "
+            "unavailable, by tenant",
+            ["tenant"],
+            registry=registry,
+        )
+        self.admission_queue_wait = LightHistogram(
+            "quicedge_admission_queue_wait_seconds",
+            "Time requests spent in the admission queue, by tier and outcome (placed, refused)",
+            ["tier", "outcome"],
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.redis_state = Gauge(
+            "quicedge_redis_breaker_state",
+            "Breaker of a Redis-backed feature: 0 closed (in use), 1 half-open (probing), "
+            "2 open (local fallback)",
+            ["store"],
+            registry=registry,
+        )
+        self.redis_trips = LightCounter(
+            "quicedge_redis_breaker_trips",
+            "Times a Redis-backed feature's breaker opened",
+            ["store"],
+            registry=registry,
+        )
         self.stage = LightHistogram(
             "quicedge_stage_seconds",
             "Time spent in each edge stage (parse, admit, route)",
@@ -150,6 +197,26 @@ class Metrics:
         self.handshake_wait = LightHistogram(
             "quicedge_early_data_handshake_wait_seconds",
             "How long deferred 0-RTT requests waited for the handshake to complete",
+            buckets=TTFT_BUCKETS,
+            registry=registry,
+        )
+        self.policy_decisions = LightCounter(
+            "quicedge_policy_decisions",
+            "Policy gateway decisions by rule (or module) and outcome: allow, redact, deny, "
+            "filtered (stream cut), error, allow_on_error; rule `-`: a request no rule matched",
+            ["rule", "outcome"],
+            registry=registry,
+        )
+        self.policy_failures = LightCounter(
+            "quicedge_policy_module_failures",
+            "WebAssembly policy module failures by module and kind (trap, fuel, memory, abi, load)",
+            ["module", "kind"],
+            registry=registry,
+        )
+        self.policy_judge = LightHistogram(
+            "quicedge_policy_judge_seconds",
+            "Time the guard model took to answer, by verdict (safe, unsafe, error)",
+            ["verdict"],
             buckets=TTFT_BUCKETS,
             registry=registry,
         )
@@ -218,6 +285,27 @@ class FleetCollector(Collector):
             conns.add_metric([name, "idle"], host.idle)
             conns.add_metric([name, "active"], host.active)
         yield from (reuse, connects, urgent, conns)
+
+
+class AuditCollector(Collector):
+    """Read-at-scrape audit log gauges and counters: queue depth, lines written, drops."""
+
+    def __init__(self, audit: Any) -> None:
+        self._audit = audit
+
+    def collect(self) -> Iterator[Metric]:
+        depth = GaugeMetricFamily(
+            "quicedge_audit_queue_depth", "Audit records waiting to be written"
+        )
+        depth.add_metric([], self._audit.depth)
+        written = CounterMetricFamily("quicedge_audit_written", "Audit lines written")
+        written.add_metric([], self._audit.written)
+        dropped = CounterMetricFamily(
+            "quicedge_audit_dropped",
+            'Audit records dropped: the queue was full (`when_full = "drop"`) or a write failed',
+        )
+        dropped.add_metric([], self._audit.dropped)
+        yield from (depth, written, dropped)
 
 
 # -- tracing ---------------------------------------------------------------------------------
@@ -449,6 +537,7 @@ class RequestTrace:
 
 
 __all__ = [
+    "AuditCollector",
     "GENAI_OPERATIONS",
     "FleetCollector",
     "Metrics",

@@ -26,14 +26,26 @@ from backends.registry import Backend, BackendClient, BackendRegistry, HealthCon
 from edge import settings
 from edge.access_log import AccessLog, AccessLogConfig
 from edge.admin import AdminApp
+from edge.admission import Admission
 from edge.app import ProxyApp, allowed_methods
 from edge.asgi import ASGIApp
+from edge.audit import AuditConfig, AuditLog
 from edge.config import SECTIONS, ProxyConfig
 from edge.cors import CorsConfig
 from edge.cors import wrap as wrap_cors
 from edge.models import ModelCatalog
+from edge.policy.config import PolicyConfig
+from edge.policy.gateway import PolicyGateway
 from edge.routing.base import RoutingPolicy, make_policy
-from edge.telemetry import FleetCollector, Metrics, Tracer, TracingSetup, tracer_from_env
+from edge.state.stage import StateStage
+from edge.telemetry import (
+    AuditCollector,
+    FleetCollector,
+    Metrics,
+    Tracer,
+    TracingSetup,
+    tracer_from_env,
+)
 
 log = logging.getLogger(__name__)
 
@@ -71,8 +83,12 @@ class Wiring:
     metrics: Metrics
     catalog: ModelCatalog
     tracing: TracingSetup
+    admission: Admission
     credentials: BackendCredentials = field(default_factory=BackendCredentials)
     discovery: Discovery | None = None
+    state: StateStage | None = None
+    gateway: PolicyGateway | None = None
+    audit: AuditLog | None = None
     access_log: AccessLog | None = None
     _aborts: set[asyncio.Task[Any]] = field(default_factory=set)
     _clients: dict[str, Any] = field(default_factory=dict)
@@ -85,6 +101,15 @@ class Wiring:
         await self.catalog.refresh()
         if self.discovery is not None:
             self.discovery.start(self.registry)
+        if self.gateway is not None:
+            self.gateway.start()
+        if self.audit is not None:
+            await self.audit.start()
+
+    def reload(self) -> None:
+        """SIGHUP: compile the policy modules again (requests in progress keep the old ones)."""
+        if self.gateway is not None:
+            self.gateway.reload_soon()
 
     async def aclose(self) -> None:
         """Stop checks, let in-progress aborts finish briefly, close pools, flush spans."""
@@ -98,6 +123,13 @@ class Wiring:
             with contextlib.suppress(Exception):
                 await client.aclose()
         await self.pool.aclose()
+        if self.state is not None:
+            await self.state.aclose()
+        await self.admission.aclose()
+        if self.gateway is not None:
+            await self.gateway.aclose()
+        if self.audit is not None:
+            await self.audit.aclose()  # after the requests: their records are written too
         self.tracing.shutdown()
         if self.access_log is not None:
             self.access_log.stop()
@@ -130,6 +162,8 @@ async def build(
     registry: CollectorRegistry,
     tracer: Tracer | None = None,
     discovery: DiscoveryConfig | None = None,
+    policies: PolicyConfig | None = None,
+    audit: AuditConfig | None = None,
     cors: CorsConfig | None = None,
     access_log: AccessLogConfig | None = None,
 ) -> Wiring:
@@ -137,6 +171,7 @@ async def build(
 
     `tracer` overrides the one from the OTEL_* environment (tests pass an in-memory one).
     With `discovery` other than static, the first lookup's backends join the `--backend` list.
+    `policies` (`[policy]`) and `audit` (`[audit]`) turn on the policy gateway and the audit log.
     """
     source = make_source(discovery) if discovery is not None else None
     config.validate(need_backends=source is None)
@@ -176,6 +211,7 @@ async def build(
     )
     policy = make_policy(config.policy)
     metrics = Metrics(registry)
+    admission = Admission(config.admission, metrics=metrics)
     registry.register(FleetCollector(backends.backends, pool.stats))
     tracing = TracingSetup(tracer) if tracer is not None else tracer_from_env(force=config.tracing)
     catalog = ModelCatalog(
@@ -185,6 +221,16 @@ async def build(
         timeout=config.health_timeout,
         credentials=credentials,
     )
+    gateway = PolicyGateway.from_config(
+        policies or PolicyConfig(),
+        on_decision=lambda rule, outcome: metrics.policy_decisions.labels(rule, outcome).inc(),
+        on_module_failure=lambda module, kind: metrics.policy_failures.labels(module, kind).inc(),
+        pool=pool,
+        on_judge=lambda verdict, seconds: metrics.policy_judge.labels(verdict).observe(seconds),
+    )
+    audit_log = AuditLog(audit) if audit is not None and audit.path else None
+    if audit_log is not None:
+        registry.register(AuditCollector(audit_log))
     wiring = Wiring(
         app=_unset_app,
         admin_app=_unset_app,
@@ -197,6 +243,10 @@ async def build(
         tracing=tracing,
         credentials=credentials,
         discovery=finder,
+        state=StateStage(config.state, registry=registry),
+        admission=admission,
+        gateway=gateway,
+        audit=audit_log,
         access_log=AccessLog(access_log) if access_log and access_log.enabled else None,
     )
     proxy = ProxyApp(
@@ -208,6 +258,10 @@ async def build(
         catalog=catalog,
         abort=wiring.abort,
         tracer=tracing.tracer,
+        state=wiring.state,
+        admission=admission,
+        gateway=gateway,
+        audit=audit_log,
         credentials=credentials,
         access_log=wiring.access_log,
     )

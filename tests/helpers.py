@@ -53,14 +53,15 @@ async def async_wait_for_tcp(host: str, port: int, timeout: float = 10.0) -> Non
 class RedisServer:
     """A redis-server of our own on a free loopback port; stopping it tests Redis going away."""
 
-    def __init__(self) -> None:
+    def __init__(self, port: int | None = None) -> None:
+        """Start one on `port` (None: a free one; the old port restarts a stopped server)."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError(
                 "no redis-server: run `make test`, or install redis-server, "
                 "or set QUICEDGE_TEST_REDIS_URL"
             )
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc = subprocess.Popen(
             [

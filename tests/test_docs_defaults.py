@@ -58,6 +58,8 @@ def proxy_table() -> list[dict[str, str]]:
 def code_defaults() -> dict[str, Any]:
     out = {}
     for f in fields(ProxyConfig):
+        if not f.metadata.get("load", True):
+            continue  # a feature section carried on ProxyConfig, documented with its feature
         out[f.name] = f.default_factory() if f.default is MISSING else f.default  # type: ignore[misc]
     return out
 

@@ -36,6 +36,7 @@ DEFAULT_ROUTES: dict[str, Mode] = {
     "/v1/rerank": Mode.ACCEPT,
     "/tokenize": Mode.ACCEPT,
     "/detokenize": Mode.ACCEPT,
+    "/v1/responses": Mode.ACCEPT,
 }
 DEFAULT_MODE = Mode.DEFER
 

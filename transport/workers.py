@@ -42,6 +42,8 @@ class ServedApps:
     app: ASGIApp
     admin_app: ASGIApp
     aclose: Callable[[], Awaitable[None]]
+    reload: Callable[[], None] | None = None
+    """SIGHUP: what the apps reload besides the certificate (the policy modules)."""
 
 
 class AppFactory(Protocol):
@@ -54,6 +56,17 @@ class AppFactory(Protocol):
     def for_worker(self, index: int) -> AppFactory:
         """The factory as worker `index` of several runs it (itself when that changes nothing)."""
         ...
+
+
+def _reloader(tls: TlsMaterial, apps: ServedApps) -> Callable[[], None]:
+    """SIGHUP: the certificate, then whatever the apps reload."""
+
+    def reload() -> None:
+        tls.reload()
+        if apps.reload is not None:
+            apps.reload()
+
+    return reload
 
 
 @dataclass
@@ -106,7 +119,7 @@ async def run_worker(plan: Plan, *, announce: Announce, stop: asyncio.Event | No
         lines.append(f"app    {plan.apps.describe()}")
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        loop.add_signal_handler(signal.SIGHUP, tls.reload)
+        loop.add_signal_handler(signal.SIGHUP, _reloader(tls, apps))
         prepare_collector()
         probe.start()
         gc_pauses.start()  # after the freeze's own full collection

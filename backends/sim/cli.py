@@ -40,7 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="multiply every simulated duration (0.01: 100x faster)",
     )
     p.add_argument("--max-running-requests", type=int, default=None)
-    p.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens")
+    p.add_argument(
+        "--max-total-tokens", "--kv-tokens", dest="max_total_tokens", type=int, default=None,
+        help="KV pool size in tokens",
+    )  # fmt: skip
+    p.add_argument(
+        "--new-token-ratio", type=float, default=None,
+        help="share of max_new_tokens reserved at admission (SGLang starts at 0.7); requests "
+        "that outgrow the KV pool are then retracted and re-queued (default: reserve all)",
+    )  # fmt: skip
     p.add_argument("--page-size", type=int, default=d.page_size)
     p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
     p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
@@ -113,6 +121,7 @@ def config_from(args: argparse.Namespace) -> SimConfig:
         time_scale=args.time_scale,
         max_running_requests=args.max_running_requests,
         max_total_tokens=args.max_total_tokens,
+        new_token_ratio=args.new_token_ratio,
         page_size=args.page_size,
         max_prefill_tokens=args.max_prefill_tokens,
         chunked_prefill_size=args.chunked_prefill_size,

@@ -23,7 +23,11 @@ class SimConfig:
     max_running_requests: int | None = None
     """Cap on requests in the running batch (`--max-running-requests`); None: the profile's."""
     max_total_tokens: int | None = None
-    """KV pool size in tokens (`--max-total-tokens`); None: the profile's."""
+    """KV pool size in tokens (`--max-total-tokens`, `--kv-tokens`); None: the profile's."""
+    new_token_ratio: float | None = None
+    """Share of a request's `max_new_tokens` reserved in the KV pool at admission, as SGLang's
+    `new_token_ratio` estimate (0.7 at its start); running requests that then outgrow the pool
+    are retracted and re-queued. None reserves all of it (nothing is ever retracted)."""
     page_size: int = 1
     max_prefill_tokens: int = 16384
     """New (uncached) tokens one prefill batch may take."""
@@ -76,6 +80,10 @@ class SimConfig:
                 "natural_output_len must be (lo, hi) with 1 <= lo <= hi",
             ),
             (self.startup_delay >= 0, "startup_delay must be >= 0"),
+            (
+                self.new_token_ratio is None or 0 < self.new_token_ratio <= 1,
+                "new_token_ratio must be in (0, 1]",
+            ),
             (self.timeout_keep_alive > 0, "timeout_keep_alive must be > 0"),
             (self.max_body_bytes >= 1024, "max_body_bytes must be >= 1024"),
             (self.record_timings >= 0, "record_timings must be >= 0"),

@@ -78,6 +78,11 @@ class SimCollector(Collector):
             "Number of requests aborted",
             st.num_aborted_requests_total,
         )
+        yield self._gauge(
+            "sglang:num_retracted_reqs",
+            "Requests retracted since start for lack of KV room (cumulative in the stand-in)",
+            st.num_retracted_reqs_total,
+        )
         yield self._histogram(
             "sglang:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",

@@ -46,6 +46,8 @@ class SimRequest:
     own_tokens: int = 0
     """KV tokens this request holds outside the radix tree."""
     reserved_tokens: int = 0
+    retractions: int = 0
+    """Times the scheduler retracted this request (SGLang's `total_retractions`)."""
     """KV tokens set aside for the rest of its decoding."""
     created_at: float = 0.0
     admitted_at: float | None = None

@@ -119,6 +119,7 @@ class AdminRoutes(RouteContext):
             "gen_throughput": s.gen_throughput(),
             "cache_hit_rate": s.stats.last_cache_hit_rate,
             "num_waiting_uncached_tokens": sum(r.prompt_tokens for r in s.waiting),
+            "num_retracted_reqs": s.stats.num_retracted_reqs_total,
         }
 
     async def loads(self, request: HttpRequest, responder: Responder) -> None:

@@ -18,7 +18,7 @@ class NativeRoutes(RouteContext):
             "finish_reason": req.finish_reason,
             "prompt_tokens": req.prompt_tokens,
             "weight_version": "default",
-            "total_retractions": 0,
+            "total_retractions": req.retractions,
             "completion_tokens": req.completion_tokens,
             "cached_tokens": req.cached_tokens,
             "cached_tokens_details": None,

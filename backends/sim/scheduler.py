@@ -17,6 +17,14 @@ the queue blocks the rest (FCFS).
 KV accounting: used = tokens in the radix tree + tokens requests hold outside it; a request's
 prompt goes into the tree once prefilled (so concurrent requests can share it) and its
 prompt + output when it finishes, when its lock on the tree is released.
+
+Retraction (SGLang's `retract_decode`): with `new_token_ratio` set, admission reserves only that
+share of each request's `max_new_tokens`, so running requests can outgrow the pool. Before each
+decode step the scheduler checks that every running request has room for one more token; if not
+(even after evicting unlocked cache), it retracts the running request with the fewest output
+tokens (ties: the longest prompt), frees its KV and puts it back at the head of the queue, where
+it is prefilled again (prompt and output so far) and continues. A request that cannot fit even
+alone is aborted.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 
 from backends.sim.clock import Clock
 from backends.sim.config import SimConfig
@@ -167,9 +176,10 @@ class Scheduler:
                 await self._advance(self.profile.prefill_time(chunks))
                 self._finish_prefill(batch)
             elif self.running:
-                context = sum(r.prompt_tokens + r.completion_tokens for r in self.running)
-                await self._advance(self.profile.decode_time(len(self.running), context))
-                self._decode_step()
+                if self._make_decode_room():
+                    context = sum(r.prompt_tokens + r.completion_tokens for r in self.running)
+                    await self._advance(self.profile.decode_time(len(self.running), context))
+                    self._decode_step()
             else:
                 # Queued work that cannot be admitted although nothing runs: it never will.
                 req = self.waiting[0]
@@ -233,12 +243,17 @@ class Scheduler:
         extend = req.prompt_tokens - prefix_len
         if extend > rem_input and not first:
             return False
+        done = req.completion_tokens  # a retracted request recomputes its output's KV too
         # SGLang reserves decode room only up to clip_max_new_tokens_estimation (4096).
         reserve = min(
-            req.max_new_tokens, _RESERVE_CAP, max(0, self.max_total_tokens - req.prompt_tokens)
+            req.max_new_tokens - done,
+            _RESERVE_CAP,
+            max(0, self.max_total_tokens - req.prompt_tokens - done),
         )
+        if self.config.new_token_ratio is not None:
+            reserve = math.ceil(reserve * self.config.new_token_ratio)
         self.cache.inc_lock(node)
-        need = extend + reserve
+        need = extend + done + reserve
         free = self._free_tokens()
         if free < need:
             free += self.cache.evict(need - free)
@@ -249,10 +264,12 @@ class Scheduler:
         req.prefix_len = prefix_len
         req.cached_tokens = prefix_len
         req.computed = prefix_len
-        req.own_tokens = extend
+        req.own_tokens = extend + done
         req.reserved_tokens = reserve
         req.state = State.PREFILL
         self.holding.add(req)
+        if req.admitted_at is not None:  # re-admitted after a retraction: counted once
+            return True
         req.admitted_at = self.clock.now()
         if req.log_metrics:
             self.stats.queue_time.observe(req.admitted_at - req.created_at)
@@ -276,13 +293,15 @@ class Scheduler:
             if req is self.chunked:
                 self.chunked = None
             req.state = State.RUNNING
-            req.first_token_at = now
             self.running.append(req)
             if req.max_new_tokens == 0:  # prefill only: nothing to sample
+                req.first_token_at = now
                 req.finish_reason = {"type": "length", "length": 0}
                 continue
-            if req.log_metrics:
-                self.stats.ttft.observe(now - req.created_at)
+            if req.first_token_at is None:
+                req.first_token_at = now
+                if req.log_metrics:
+                    self.stats.ttft.observe(now - req.created_at)
             self._emit_token(req, now)
         if new_tokens + cached:
             self.stats.last_cache_hit_rate = cached / (new_tokens + cached)
@@ -311,6 +330,38 @@ class Scheduler:
         req.prefix_len = aligned
 
     # -- decode --------------------------------------------------------------------------------
+
+    def _make_decode_room(self) -> bool:
+        """Room for one more token per running request, retracting some if needed; False when
+        nothing is left to decode."""
+        need = sum(1 for r in self.running if r.reserved_tokens == 0)
+        while True:
+            free = self._free_tokens()
+            if free < need:
+                free += self.cache.evict(need - free)
+            if free >= need:
+                return bool(self.running)
+            if len(self.running) == 1:
+                req = self.running[0]
+                log.warning("request %s outgrew the whole KV pool; aborting it", req.rid)
+                self.abort(req, "The request does not fit in the KV cache pool.")
+                return False
+            # SGLang keeps the requests with the most output (and, on ties, shorter prompts)
+            victim = min(self.running, key=lambda r: (r.completion_tokens, -r.prompt_tokens))
+            need -= victim.reserved_tokens == 0
+            self._retract(victim)
+
+    def _retract(self, req: SimRequest) -> None:
+        """Free a running request's KV and queue it again at the head (its output is kept)."""
+        self.running.remove(req)
+        self._release(req)
+        req.state = State.WAITING
+        req.computed = 0
+        req.prefix_len = 0
+        req.retractions += 1
+        self.stats.num_retracted_reqs_total += 1
+        self.waiting.appendleft(req)
+        log.info("retracted request %s (KV pool full)", req.rid)
 
     def _decode_step(self) -> None:
         now = self.clock.now()

@@ -67,6 +67,8 @@ class Stats:
     cached_tokens_total: int = 0
     num_requests_total: int = 0
     num_aborted_requests_total: int = 0
+    num_retracted_reqs_total: int = 0
+    """Running requests retracted (freed and re-queued) because decode ran out of KV room."""
     last_cache_hit_rate: float = 0.0
     """Hit rate of the last prefill batch: cached / (cached + new), as SGLang logs it."""
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))

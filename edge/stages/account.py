@@ -23,7 +23,8 @@ def account_stream(
     if result.first_client is None or result.first_upstream is None or upstream_ttft is None:
         return
     usage = result.usage
-    ttft = ex.ttft = result.first_client - ex.t0 + ex.handshake_wait
+    ttft = result.first_client - ex.t0 + ex.handshake_wait
+    ex.ttft = ttft
     m = metrics
     m.ttft.labels(
         ex.transport,

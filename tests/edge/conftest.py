@@ -104,6 +104,8 @@ async def run_edge(
     certs: Any = None,
     start: bool = True,
     listener: str = "hypercorn",
+    policies: Any = None,
+    audit: Any = None,
 ) -> AsyncIterator[Edge]:
     """The app on hypercorn (TLS when `certs` are given), or on our own plain HTTP/1.1 listener
     (`listener="h1"`, what `quicedge serve --http` runs, where the relay writes through the
@@ -116,7 +118,7 @@ async def run_edge(
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(exporter))
         tracer = provider.get_tracer("test")
-    wiring = await build(config, registry=registry, tracer=tracer)
+    wiring = await build(config, registry=registry, tracer=tracer, policies=policies, audit=audit)
     if start:
         await wiring.start()
     try:

@@ -72,7 +72,7 @@ async def test_one_json_line_per_request() -> None:
     assert first["early_data"] is False and first["stream"] is True
     assert first["ttft_ms"] > 0 and first["duration_ms"] >= first["ttft_ms"]
     assert first["completion_tokens"] == 3 and first["prompt_tokens"] > 0
-    assert "tenant" in first and first["tenant"] is None  # admission sets it when it knows one
+    assert first["tenant"] == "anonymous"  # the admitted tenant: no API key here
     assert second["status"] == 400 and "messages" in second["error"]
     assert third == {**third, "status": 404, "route": "other", "method": "GET"}
     assert fourth["route"] == "/v1/models" and fourth["status"] == 200

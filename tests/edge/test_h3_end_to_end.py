@@ -90,7 +90,8 @@ CHAT_STREAM = {
     "model": "default", "stream": True, "max_tokens": 16, "ignore_eos": True,
     "messages": [{"role": "user", "content": "Say hello"}],
 }  # fmt: skip
-PACED = SimConfig(name="s", port=0, profile="h100-llama3-8b", time_scale=0.2)
+# Tokens ~15 ms apart: a loaded machine's stalls merge a few of them, not most.
+PACED = SimConfig(name="s", port=0, profile="h100-llama3-8b", time_scale=2.0)
 
 
 async def test_a_stream_is_relayed_token_by_token_over_http3(dev_certs: Any) -> None:
@@ -106,7 +107,7 @@ async def test_a_stream_is_relayed_token_by_token_over_http3(dev_certs: Any) -> 
         events = [e for e in r.body.split(b"\n\n") if e.startswith(b"data: {")]
         texts = [json.loads(e[6:])["choices"][0]["delta"].get("content") for e in events]
         assert len([t for t in texts if t]) == 16 and r.body.endswith(b"data: [DONE]\n\n")
-        assert len(r.chunks) > 8  # paced: the tokens did not come as one block
+        assert len(r.chunks) >= 4  # paced: the tokens did not come as one block
         assert wiring.registry.backends[0].in_flight == 0
 
 

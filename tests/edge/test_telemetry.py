@@ -86,7 +86,7 @@ async def test_a_streamed_request_has_a_span_per_stage_with_attributes() -> None
     assert attrs["quicedge.backend"] == backend
     assert attrs["quicedge.policy"] == "round_robin"
     assert attrs["quicedge.request_id"] == "t-1"
-    assert attrs["quicedge.tenant"] == "acme"
+    assert attrs["quicedge.tenant"] == "anonymous"  # the admitted tenant, not x-tenant-id
     prompt = attrs["gen_ai.usage.input_tokens"]
     assert isinstance(prompt, int) and prompt > 0
     assert 0 < attrs["quicedge.cached_tokens"] < prompt

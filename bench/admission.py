@@ -1,0 +1,433 @@
+"""Admission benchmarks: the noisy neighbour, the overload comparison, and what admission costs.
+
+Each scenario starts its own stand-ins (`python -m backends.sim`, the H100 profile) and one edge
+(`quicedge serve --http`, a TOML file with the tenants), then drives them from this process with
+lean raw-socket HTTP/1.1 clients that stream `/v1/completions`. TTFT is the client's: from its
+connect to the first `data:` event. Numbers go to `bench-out/admission/report.{json,md}`.
+
+    python -m bench.admission [--duration 20] [--redis redis://127.0.0.1:6379/0]
+
+- **noisy**: a gold tenant at a steady rate, alone and then with a bronze tenant sending 10x its
+  quota (from a second client process); gold's TTFT p50/p99 in both phases, and what bronze got.
+- **overload**: 100 closed-loop clients against two stand-ins with a small KV pool that retract
+  when running requests outgrow it; the token bucket alone against the bucket plus the
+  queue-depth throttle and the admission queue: TTFT p50/p99, statuses, retractions.
+- **cost**: `Admission.admit` in-process for a limited tenant, memory store (and Redis when
+  `--redis` is given): p50/p99 per call.
+
+A benchmark, not a test: it reports numbers and asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import multiprocessing
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+WORDS = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
+    "november oscar papa quebec romeo sierra tango uniform victor whiskey xray"
+).split()
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_tcp(port: int, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"child exited with {proc.returncode} before listening on {port}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.5):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listening on {port} after {timeout}s")
+
+
+@dataclass
+class Fleet:
+    """Stand-ins and one edge, as child processes."""
+
+    edge_port: int
+    admin_port: int
+    sims: list[int]
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def fleet(out: Path, toml: str, *, sims: int, sim_args: Sequence[str]) -> Iterator[Fleet]:
+    procs: list[subprocess.Popen[bytes]] = []
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    try:
+        ports = []
+        for i in range(sims):
+            port = _free_port()
+            cmd = [sys.executable, "-m", "backends.sim", "--port", str(port), "--name", f"s{i}",
+                   "--profile", "h100-llama3-8b", "--enable-metrics", *sim_args]  # fmt: skip
+            log = (logs / f"sim{i}.log").open("wb")
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+            ports.append(port)
+        for port, proc in zip(ports, procs, strict=True):
+            _wait_tcp(port, proc)
+        config = out / "edge.toml"
+        config.write_text(toml)
+        edge, admin = _free_port(), _free_port()
+        cmd = [sys.executable, "-m", "edge.cli", "serve", "--http", f"127.0.0.1:{edge}",
+               "--admin", f"127.0.0.1:{admin}", "--tcp", "off", "--h3", f"127.0.0.1:{_free_port()}",
+               "--config", str(config), "--policy", "least_load", "--loads-interval", "0.1",
+               *(x for p in ports for x in ("--backend", f"http://127.0.0.1:{p}"))]  # fmt: skip
+        log = (logs / "edge.log").open("wb")
+        procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+        _wait_tcp(edge, procs[-1])
+        time.sleep(0.5)  # first health checks and load polls
+        yield Fleet(edge, admin, ports, procs)
+    finally:
+        for proc in reversed(procs):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@dataclass
+class Result:
+    status: int
+    ttft: float | None
+    total: float
+
+
+def _body(rng: random.Random, words: int, max_tokens: int) -> bytes:
+    prompt = " ".join(rng.choice(WORDS) for _ in range(words))
+    return json.dumps({"model": "default", "prompt": prompt, "max_tokens": max_tokens,
+                       "ignore_eos": True, "stream": True}).encode()  # fmt: skip
+
+
+async def request(port: int, body: bytes, key: str | None, timeout: float = 120.0) -> Result:
+    """One streamed completion on a fresh connection; TTFT at the first `data:` event."""
+    t0 = time.perf_counter()
+    auth = f"authorization: Bearer {key}\r\n" if key else ""
+    head = (f"POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n{auth}\r\n").encode()  # fmt: skip
+    ttft = None
+    status = 0
+    try:
+        async with asyncio.timeout(timeout):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            try:
+                writer.write(head + body)
+                raw = await reader.readuntil(b"\r\n\r\n")
+                status = int(raw[9:12])
+                tail = b""
+                while True:
+                    chunk = await reader.read(65536)
+                    if not chunk:
+                        break
+                    if status == 200 and ttft is None and b"data: " in chunk:
+                        ttft = time.perf_counter() - t0
+                    tail = (tail + chunk)[-64:]
+                    if b"[DONE]" in tail or (status != 200 and b"}}" in tail):
+                        break
+            finally:
+                writer.close()
+    except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError):
+        status = status or -1
+    return Result(status, ttft, time.perf_counter() - t0)
+
+
+async def open_loop(
+    port: int, key: str | None, rate: float, duration: float, *, seed: int, words: int,
+    max_tokens: int,
+) -> list[Result]:  # fmt: skip
+    rng = random.Random(seed)
+    start = time.perf_counter()
+    tasks = []
+    for i in range(int(rate * duration)):
+        delay = start + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.ensure_future(request(port, _body(rng, words, max_tokens), key)))
+    return list(await asyncio.gather(*tasks))
+
+
+def _open_loop_process(
+    port: int, key: str, rate: float, duration: float, seed: int, shape: dict[str, int]
+) -> list[Result]:
+    return asyncio.run(open_loop(port, key, rate, duration, seed=seed, **shape))
+
+
+async def closed_loop(
+    port: int, key: str | None, clients: int, duration: float, *, words: int, max_tokens: int
+) -> list[Result]:
+    deadline = time.perf_counter() + duration
+    results: list[Result] = []
+
+    async def client(i: int) -> None:
+        rng = random.Random(i)
+        while time.perf_counter() < deadline:
+            r = await request(port, _body(rng, words, max_tokens), key)
+            results.append(r)
+            if r.status != 200:
+                await asyncio.sleep(0.2)  # a refused client backs off a little, then retries
+
+    await asyncio.gather(*(client(i) for i in range(clients)))
+    return results
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, int(round(q * len(ordered))) - 1))]
+
+
+def summary(results: list[Result]) -> dict[str, Any]:
+    ttfts = [r.ttft for r in results if r.ttft is not None]
+    statuses: dict[str, int] = {}
+    for r in results:
+        statuses[str(r.status)] = statuses.get(str(r.status), 0) + 1
+    ms = 1000.0
+    return {
+        "requests": len(results),
+        "statuses": dict(sorted(statuses.items())),
+        "ttft_p50_ms": None if not ttfts else round(statistics.median(ttfts) * ms, 1),
+        "ttft_p99_ms": None if not ttfts else round((_pct(ttfts, 0.99) or 0) * ms, 1),
+    }
+
+
+def _loads(port: int) -> dict[str, Any]:
+    import httpx
+
+    return dict(httpx.get(f"http://127.0.0.1:{port}/v1/loads", timeout=5).json()["loads"][0])
+
+
+TENANTS = """
+[[tenants]]
+name = "gold"
+tier = "gold"
+api_key_sha256 = ["{gold}"]
+
+[[tenants]]
+name = "bronze"
+tier = "bronze"
+api_key_sha256 = ["{bronze}"]
+requests_per_second = {bronze_rps}
+burst = {bronze_burst}
+"""
+
+
+def _digest(key: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+async def noisy(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    toml = "[admission.anonymous]\nenabled = false\n" + TENANTS.format(
+        gold=_digest("sk-gold"), bronze=_digest("sk-bronze"), bronze_rps=args.bronze_rps,
+        bronze_burst=int(args.bronze_rps),
+    )  # fmt: skip
+    shape = {"words": 40, "max_tokens": 32}
+    with fleet(out / "noisy", toml, sims=2, sim_args=[]) as f:
+        alone = await open_loop(f.edge_port, "sk-gold", args.gold_rps, args.duration, seed=1,
+                                **shape)  # fmt: skip
+        # The neighbour is another client machine: its load comes from a process of its own,
+        # so that its connections do not slow this process's gold clients.
+        with multiprocessing.get_context("spawn").Pool(1) as pool:
+            pending = pool.apply_async(
+                _open_loop_process,
+                (
+                    f.edge_port,
+                    "sk-bronze",
+                    args.bronze_rps * args.bronze_times,
+                    args.duration,
+                    3,
+                    shape,
+                ),
+            )
+            gold = await open_loop(f.edge_port, "sk-gold", args.gold_rps, args.duration, seed=2,
+                                   **shape)  # fmt: skip
+            bronze = await asyncio.get_running_loop().run_in_executor(None, pending.get, 600)
+    a, g = summary(alone), summary(gold)
+    ratio = None
+    if a["ttft_p99_ms"] and g["ttft_p99_ms"]:
+        ratio = round(g["ttft_p99_ms"] / a["ttft_p99_ms"], 3)
+    return {
+        "gold_alone": a,
+        "gold_with_neighbour": g,
+        "bronze": summary(bronze),
+        "gold_p99_ratio": ratio,
+        "gold_rps": args.gold_rps,
+        "bronze_quota_rps": args.bronze_rps,
+        "bronze_times": args.bronze_times,
+    }
+
+
+async def overload(args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    base = (
+        '[admission.anonymous]\nenabled = false\n[[tenants]]\nname = "load"\ntier = "silver"\n'
+        f'api_key_sha256 = ["{_digest("sk-load")}"]\n'
+        f"requests_per_second = {args.bucket_rps}\nburst = {int(args.bucket_rps)}\n"
+    )
+    throttle = (
+        f'[admission.throttle]\nmax_queue_depth = {args.max_depth}\ndepth = "in_flight"\n'
+        f"queue_size = {args.queue_size}\nqueue_timeout_s = {args.queue_timeout}\n"
+    )
+    sim_args = ["--kv-tokens", str(args.kv_tokens), "--new-token-ratio", "0.7"]
+    shape = {"words": 60, "max_tokens": 128}
+    runs: dict[str, Any] = {}
+    for name, toml in (("bucket_alone", base), ("both_tracks", throttle + base)):
+        with fleet(out / name, toml, sims=2, sim_args=sim_args) as f:
+            results = await closed_loop(f.edge_port, "sk-load", args.clients, args.duration,
+                                        **shape)  # fmt: skip
+            loads = [_loads(p) for p in f.sims]
+        retractions = sum(int(x.get("num_retracted_reqs", 0)) for x in loads)
+        runs[name] = {**summary(results), "retractions": retractions}
+    return {"clients": args.clients, "kv_tokens": args.kv_tokens, "bucket_rps": args.bucket_rps,
+            "max_depth": args.max_depth, "queue_size": args.queue_size,
+            "queue_timeout": args.queue_timeout, **runs}  # fmt: skip
+
+
+async def cost(args: argparse.Namespace) -> dict[str, Any]:
+    from backends.registry import Backend
+    from edge.admission import Admission
+    from edge.admission.settings import AdmissionSettings, RedisSettings, TenantSettings
+    from edge.exchange import Exchange, RequestHeaders
+    from edge.routing.base import RequestView
+    from edge.telemetry import Metrics
+
+    del Backend
+    out: dict[str, Any] = {}
+    stores = [("memory", None)] + ([("redis", args.redis)] if args.redis else [])
+    for name, url in stores:
+        settings = AdmissionSettings(
+            redis=RedisSettings(url=url, timeout_ms=50.0, slow_ms=50.0),
+            tenants=[TenantSettings(name="t", tier="gold", api_key_sha256=[_digest("k")],
+                                    requests_per_second=1e9, burst=10**9,
+                                    tokens_per_minute=10**12)],
+        )  # fmt: skip
+        admission = Admission(settings, metrics=Metrics(CollectorRegistry()))
+        tenant = admission.identify(b"Bearer k")
+        view = RequestView(route="/v1/completions", text="x", approx_tokens=100)
+        times = []
+        for _ in range(args.cost_calls):
+            ex = Exchange(route="/v1/completions", t0=0.0, transport="h1", early_data=False,
+                          handshake_wait=0.0, request_id="r", headers=RequestHeaders(),
+                          trace=None, view=view)  # fmt: skip
+            t = time.perf_counter()
+            who = admission.identify(b"Bearer k")
+            await admission.admit(ex, who)
+            admission.finish(ex, 10)
+            times.append(time.perf_counter() - t)
+        await admission.aclose()
+        del tenant
+        us = 1e6
+        out[name] = {"calls": len(times), "p50_us": round(statistics.median(times) * us, 1),
+                     "p99_us": round((_pct(times, 0.99) or 0) * us, 1)}  # fmt: skip
+    return out
+
+
+def markdown(report: dict[str, Any]) -> str:
+    lines = ["# Admission benchmark", "", f"Command: `{report['command']}`", ""]
+    n = report.get("noisy")
+    if n:
+        lines += ["## Noisy neighbour", "",
+                  f"gold at {n['gold_rps']} req/s; bronze quota {n['bronze_quota_rps']} req/s, "
+                  f"sent at {n['bronze_times']}x.", "",
+                  "| phase | requests | statuses | TTFT p50 ms | TTFT p99 ms |",
+                  "| --- | --- | --- | --- | --- |"]  # fmt: skip
+        for key in ("gold_alone", "gold_with_neighbour", "bronze"):
+            s = n[key]
+            lines.append(f"| {key} | {s['requests']} | {s['statuses']} | {s['ttft_p50_ms']} | "
+                         f"{s['ttft_p99_ms']} |")  # fmt: skip
+        lines += ["", f"gold p99 with / without the neighbour: {n['gold_p99_ratio']}", ""]
+    o = report.get("overload")
+    if o:
+        lines += ["## Overload", "",
+                  f"{o['clients']} closed-loop clients, 2 stand-ins with {o['kv_tokens']} KV "
+                  f"tokens each (new_token_ratio 0.7), bucket {o['bucket_rps']} req/s; "
+                  f"throttle: in-flight depth max {o['max_depth']} per backend, admission queue "
+                  f"{o['queue_size']} deep with a {o['queue_timeout']} s deadline.", "",
+                  "| run | requests | statuses | TTFT p50 ms | TTFT p99 ms | retractions |",
+                  "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        for key in ("bucket_alone", "both_tracks"):
+            s = o[key]
+            lines.append(f"| {key} | {s['requests']} | {s['statuses']} | {s['ttft_p50_ms']} | "
+                         f"{s['ttft_p99_ms']} | {s['retractions']} |")  # fmt: skip
+        lines.append("")
+    c = report.get("cost")
+    if c:
+        lines += ["## Cost of identify + admit + finish (in-process)", "",
+                  "| store | calls | p50 µs | p99 µs |", "| --- | --- | --- | --- |"]  # fmt: skip
+        for key, s in c.items():
+            lines.append(f"| {key} | {s['calls']} | {s['p50_us']} | {s['p99_us']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    out = Path(args.out)
+    report: dict[str, Any] = {"command": " ".join(["python -m bench.admission", *sys.argv[1:]])}
+    if "cost" in args.scenarios:
+        report["cost"] = await cost(args)
+    if "noisy" in args.scenarios:
+        report["noisy"] = await noisy(args, out)
+    if "overload" in args.scenarios:
+        report["overload"] = await overload(args, out)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / "report.md").write_text(markdown(report))
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m bench.admission", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--scenarios", nargs="+", default=["cost", "noisy", "overload"],
+                   choices=["cost", "noisy", "overload"])  # fmt: skip
+    p.add_argument("--duration", type=float, default=20.0, help="seconds per phase (20)")
+    p.add_argument("--gold-rps", type=float, default=8.0)
+    p.add_argument("--bronze-rps", type=float, default=5.0, help="bronze quota; it sends 10x")
+    p.add_argument("--bronze-times", type=float, default=10.0,
+                   help="bronze sends this many times its quota (10)")  # fmt: skip
+    p.add_argument("--clients", type=int, default=100)
+    p.add_argument("--kv-tokens", type=int, default=4000)
+    p.add_argument("--bucket-rps", type=float, default=60.0)
+    p.add_argument("--max-depth", type=int, default=20, help="throttle depth per backend (20)")
+    p.add_argument("--queue-size", type=int, default=256, help="admission queue bound (256)")
+    p.add_argument("--queue-timeout", type=float, default=30.0, help="queue deadline, s (30)")
+    p.add_argument("--cost-calls", type=int, default=5000)
+    p.add_argument("--redis", default=os.environ.get("QUICEDGE_BENCH_REDIS_URL"))
+    p.add_argument("--out", default="bench-out/admission")
+    args = p.parse_args(argv)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    report = asyncio.run(main_async(args))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

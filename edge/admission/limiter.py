@@ -1,0 +1,97 @@
+"""Per-tenant rate limits: a requests bucket and a tokens bucket, shared through Redis when one
+is configured, with per-process buckets at `fallback_share` of each quota while it is not.
+
+Prompt tokens are charged at admission from the request's approximate count. Completion tokens
+are debited once, when the answer ends, from the usage the backend reported (or, when it
+reported none, the content chunks relayed, about one token each): one store call per
+request rather than one per streamed chunk, which for Redis would be a round trip per token.
+The bucket goes into debt for them, so a long answer slows the tenant's next requests rather
+than cutting the current one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+from edge.admission.buckets import ALLOWED, Charge, MemoryBuckets, RedisBuckets, Verdict
+from edge.admission.redis_guard import RedisGuard, RedisUnavailable
+from edge.admission.tenants import Tenant
+
+REASONS = ("requests", "tokens")
+"""Which bucket refused, by charge index."""
+
+
+class RateLimiter:
+    def __init__(
+        self,
+        *,
+        guard: RedisGuard | None,
+        prefix: str,
+        fallback_share: float,
+        on_local: Callable[[str], None] | None = None,
+    ) -> None:
+        self.guard = guard
+        self.shared = RedisBuckets(guard, prefix) if guard is not None else None
+        self.local = MemoryBuckets()
+        self.share = fallback_share
+        self._on_local = on_local
+        self._debits: set[asyncio.Task[None]] = set()
+
+    async def take(self, tenant: Tenant, prompt_tokens: int) -> tuple[Verdict, str]:
+        """Charge one request and its prompt; (verdict, the refusing bucket's reason)."""
+        charges: list[Charge] = []
+        reasons: list[str] = []
+        if tenant.requests is not None:
+            charges.append((tenant.name + ":requests", tenant.requests, 1.0))
+            reasons.append("requests")
+        if tenant.tokens is not None:
+            charges.append((tenant.name + ":tokens", tenant.tokens, float(prompt_tokens)))
+            reasons.append("tokens")
+        if not charges:
+            return ALLOWED, ""
+        verdict = await self._take(tenant, charges)
+        return verdict, (reasons[verdict.refused] if not verdict.allowed else "")
+
+    async def _take(self, tenant: Tenant, charges: list[Charge]) -> Verdict:
+        if self.shared is None:
+            return self.local.take_now(charges)
+        assert self.guard is not None
+        if self.guard.usable:
+            with contextlib.suppress(RedisUnavailable):
+                return await self.shared.take(charges)
+        if self._on_local is not None:
+            self._on_local(tenant.name)
+        return self.local.take_now([(k, b.scaled(self.share), c) for k, b, c in charges])
+
+    def debit(self, tenant: Tenant, tokens: int) -> None:
+        """Debit completion tokens; never waits (a Redis debit runs as its own bounded task)."""
+        bucket = tenant.tokens
+        if bucket is None or tokens <= 0:
+            return
+        key = tenant.name + ":tokens"
+        if self.shared is None:
+            self.local.debit_now(key, bucket, tokens)
+            return
+        assert self.guard is not None
+        if not self.guard.usable:
+            self.local.debit_now(key, bucket.scaled(self.share), tokens)
+            return
+        task = asyncio.get_running_loop().create_task(self._debit(key, tenant, tokens))
+        self._debits.add(task)
+        task.add_done_callback(self._debits.discard)
+
+    async def _debit(self, key: str, tenant: Tenant, tokens: int) -> None:
+        assert self.shared is not None and tenant.tokens is not None
+        try:
+            await self.shared.debit(key, tenant.tokens, tokens)
+        except RedisUnavailable:
+            self.local.debit_now(key, tenant.tokens.scaled(self.share), tokens)
+
+    async def aclose(self) -> None:
+        if self._debits:
+            await asyncio.wait(set(self._debits), timeout=1.0)
+
+
+__all__ = ["REASONS", "RateLimiter"]

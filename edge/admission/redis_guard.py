@@ -1,0 +1,148 @@
+"""One guarded Redis client: every call has a deadline of a few ms, and a breaker keeps a Redis
+that is dead *or slow* off the request path.
+
+States: `closed` (calls go to Redis), `open` (calls fail at once with `RedisUnavailable`, the
+caller uses its local fallback), `half_open` (one background probe is asking Redis). The breaker
+opens after `failures_to_open` calls in a row that failed, timed out, or answered slower than
+`slow_ms`. While open, a background task probes with PING after `backoff_s`, doubling up to
+`backoff_max_s`; the first fast answer closes it. Requests never wait for a probe. Warnings are
+logged at most once per `warn_interval_s`; the state is a gauge (0 closed, 1 half-open, 2 open)
+and trips are counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from edge.admission.settings import RedisSettings
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+STATES = {"closed": 0, "half_open": 1, "open": 2}
+
+
+class RedisUnavailable(Exception):
+    """Redis did not answer in time, failed, or its breaker is open."""
+
+
+class RedisGuard:
+    def __init__(
+        self,
+        settings: RedisSettings,
+        *,
+        name: str = "admission",
+        on_state: Callable[[str, str, str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if settings.url is None:
+            raise ValueError("admission.redis.url: needed for a Redis guard")
+        self.settings = settings
+        self.name = name
+        timeout = settings.timeout_ms / 1000
+        # redis-py's own timeouts only bound connect and socket reads; the asyncio deadline in
+        # `run` bounds the whole call, including waiting for a pooled connection.
+        self.client: Any = aioredis.Redis.from_url(
+            settings.url,
+            socket_connect_timeout=max(timeout, 0.05),
+            socket_timeout=max(timeout * 4, 0.05),
+            max_connections=64,
+            retry_on_timeout=False,
+        )
+        self.state = "closed"
+        self.trips = 0
+        self._streak = 0
+        self._backoff = settings.backoff_s
+        self._clock = clock
+        self._last_warning = -1e18
+        self._on_state = on_state
+        self._probe: asyncio.Task[None] | None = None
+
+    @property
+    def usable(self) -> bool:
+        return self.state == "closed"
+
+    async def run(self, call: Callable[[], Awaitable[T]]) -> T:
+        """`await call()` within the deadline; RedisUnavailable when it cannot be had."""
+        if self.state != "closed":
+            raise RedisUnavailable(f"redis breaker {self.state}")
+        start = time.perf_counter()
+        try:
+            async with asyncio.timeout(self.settings.timeout_ms / 1000):
+                result = await call()
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._failed(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+            raise RedisUnavailable(str(exc) or type(exc).__name__) from exc
+        elapsed = time.perf_counter() - start
+        if elapsed * 1000 > self.settings.slow_ms:
+            self._failed(f"slow answer ({elapsed * 1000:.1f} ms)")
+        else:
+            self._streak = 0
+        return result
+
+    def _failed(self, why: str) -> None:
+        self._streak += 1
+        if self.state == "closed" and self._streak >= self.settings.failures_to_open:
+            self._set("open")
+            self.trips += 1
+            self._warn(f"redis ({self.name}) breaker opened after {self._streak} bad calls: {why}")
+            self._start_probe()
+
+    def _warn(self, message: str) -> None:
+        now = self._clock()
+        if now - self._last_warning >= self.settings.warn_interval_s:
+            self._last_warning = now
+            log.warning("%s", message)
+
+    def _set(self, state: str) -> None:
+        if state != self.state:
+            old, self.state = self.state, state
+            if self._on_state is not None:
+                self._on_state(self.name, old, state)
+            log.info("redis (%s) breaker %s -> %s", self.name, old, state)
+
+    def _start_probe(self) -> None:
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.get_running_loop().create_task(self._probe_loop())
+
+    async def _probe_loop(self) -> None:
+        """Ping with backoff until Redis answers fast again; then close the breaker."""
+        s = self.settings
+        self._backoff = s.backoff_s
+        while True:
+            await asyncio.sleep(self._backoff)
+            self._set("half_open")
+            start = time.perf_counter()
+            try:
+                async with asyncio.timeout(s.timeout_ms / 1000):
+                    await self.client.ping()
+                fast = (time.perf_counter() - start) * 1000 <= s.slow_ms
+            except (RedisError, OSError, TimeoutError) as exc:
+                fast = False
+                self._warn(f"redis ({self.name}) still unavailable: {exc or type(exc).__name__}")
+            if fast:
+                self._streak = 0
+                self._set("closed")
+                log.warning("redis (%s) answers again; shared state back in use", self.name)
+                return
+            self._set("open")
+            self._backoff = min(s.backoff_max_s, self._backoff * 2)
+
+    async def aclose(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe
+        with contextlib.suppress(Exception):
+            await self.client.aclose()
+
+
+__all__ = ["STATES", "RedisGuard", "RedisUnavailable"]

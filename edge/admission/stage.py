@@ -1,0 +1,145 @@
+"""The admission stage: who the tenant is, whether its quota admits the request, and on which
+backends it may be placed now. `edge.app` calls `identify` on the headers, `admit` after parsing,
+`place` for the candidates of each attempt and `finish` when the request ends.
+
+A tenant refused for its requests bucket cannot pass before that bucket refills (other edges only
+take from it), so until then `identify` refuses its requests at once: before their body is read,
+and without asking the store again. A flood of over-quota requests costs a header lookup each."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+from backends.registry import Backend
+from edge.admission.limiter import RateLimiter
+from edge.admission.redis_guard import STATES, RedisGuard
+from edge.admission.settings import AdmissionSettings
+from edge.admission.tenants import Tenant, TenantDirectory
+from edge.admission.throttle import AdmissionQueue, Throttle
+from edge.errors import TooManyRequests, Unauthorized
+from edge.exchange import Exchange
+from edge.telemetry import Metrics
+
+
+class Admission:
+    def __init__(self, settings: AdmissionSettings, *, metrics: Metrics) -> None:
+        settings.validate()
+        self.settings = settings
+        self.metrics = metrics
+        self.directory = TenantDirectory(settings)
+        self._by_name = {t.name: t for t in self.directory.tenants}
+        if self.directory.anonymous is not None:
+            self._by_name[self.directory.anonymous.name] = self.directory.anonymous
+        self.guard: RedisGuard | None = None
+        if settings.redis.url is not None:
+            self.guard = RedisGuard(settings.redis, on_state=self._redis_state)
+            metrics.redis_state.labels("admission").set(0)
+        self.limiter = RateLimiter(
+            guard=self.guard,
+            prefix=settings.redis.prefix,
+            fallback_share=settings.redis.fallback_share,
+            on_local=lambda name: metrics.admission_local.labels(name).inc(),
+        )
+        self.queue: AdmissionQueue | None = None
+        if settings.throttle.max_queue_depth is not None:
+            self.queue = AdmissionQueue(
+                settings.throttle, Throttle(settings.throttle), on_wait=self._queued
+            )
+        self._in_flight: dict[str, int] = {}
+        self._refused_until: dict[str, float] = {}
+        """Tenant → when its requests bucket holds a request again (monotonic seconds)."""
+
+    def _redis_state(self, name: str, old: str, state: str) -> None:
+        self.metrics.redis_state.labels(name).set(STATES[state])
+        if "closed" in (old, state):  # the buckets now come from elsewhere: refusals are void
+            self._refused_until.clear()
+        if old == "closed":
+            self.metrics.redis_trips.labels(name).inc()
+
+    def _queued(self, tier: str, waited: float, placed: bool) -> None:
+        self.metrics.admission_queue_wait.labels(tier, "placed" if placed else "refused").observe(
+            waited
+        )
+
+    def identify(self, authorization: bytes | None) -> Tenant:
+        try:
+            tenant = self.directory.identify(authorization)
+        except Unauthorized:
+            self.metrics.admission_rejections.labels("-", "unauthorized").inc()
+            raise
+        if self._refused_until:
+            until = self._refused_until.get(tenant.name)
+            if until is not None:
+                wait = until - time.monotonic()
+                if wait > 0:
+                    self._reject(tenant.name, "requests")
+                    raise self._over_quota(tenant.name, "requests", wait)
+                del self._refused_until[tenant.name]
+        return tenant
+
+    @staticmethod
+    def _over_quota(name: str, reason: str, wait: float) -> TooManyRequests:
+        after = max(1, math.ceil(wait))
+        what = "requests per second" if reason == "requests" else "tokens per minute"
+        return TooManyRequests(
+            f"Rate limit reached for tenant {name} on {what}; retry in {after}s.",
+            headers=((b"retry-after", str(after).encode()),),
+        )
+
+    async def admit(self, ex: Exchange, tenant: Tenant) -> None:
+        """Charge the tenant's buckets for the request; 429 with Retry-After when over quota."""
+        assert ex.view is not None
+        name = tenant.name
+        cap = tenant.max_concurrent
+        if cap is not None and self._in_flight.get(name, 0) >= cap:
+            self._reject(name, "concurrency")
+            raise TooManyRequests(
+                f"tenant {name} has {cap} requests in flight, its maximum; retry when one ends",
+                headers=((b"retry-after", b"1"),),
+            )
+        prompt = ex.view.approx_tokens
+        if tenant.limited:
+            verdict, reason = await self.limiter.take(tenant, prompt)
+            if not verdict.allowed:
+                self._reject(name, reason)
+                if reason == "requests":
+                    self._refused_until[name] = time.monotonic() + verdict.retry_after
+                raise self._over_quota(name, reason, verdict.retry_after)
+        if cap is not None:
+            self._in_flight[name] = self._in_flight.get(name, 0) + 1
+            ex.holds_slot = True
+        self.metrics.tenant_requests.labels(name, tenant.tier).inc()
+        self.metrics.tenant_tokens.labels(name, "prompt").inc(prompt)
+
+    def _reject(self, name: str, reason: str) -> None:
+        self.metrics.admission_rejections.labels(name, reason).inc()
+
+    async def place(self, ex: Exchange, candidates: Callable[[], list[Backend]]) -> list[Backend]:
+        """The backends this attempt may use (waiting in the admission queue when all are full)."""
+        if self.queue is None:
+            return candidates()
+        return await self.queue.place(ex.tier_rank, ex.tier, candidates)
+
+    def finish(self, ex: Exchange, completion_tokens: int | None) -> None:
+        """The request ended (any way): free its slot, debit its answer, wake the queue."""
+        name = ex.tenant
+        if ex.holds_slot:
+            ex.holds_slot = False
+            self._in_flight[name] -= 1
+        if completion_tokens:
+            self.metrics.tenant_tokens.labels(name, "completion").inc(completion_tokens)
+            tenant = self._by_name.get(name)
+            if tenant is not None:
+                self.limiter.debit(tenant, completion_tokens)
+        if self.queue is not None:
+            self.queue.wake()
+
+    async def aclose(self) -> None:
+        await self.limiter.aclose()
+        if self.guard is not None:
+            await self.guard.aclose()
+
+
+__all__ = ["Admission"]

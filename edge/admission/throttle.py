@@ -1,0 +1,169 @@
+"""The second track: throttle by backend queue depth, and the bounded priority queue.
+
+A backend's depth (`depth = "waiting"`) is the larger of what it last reported
+(`num_waiting_reqs` from `/v1/loads`, up to one poll old) and this edge's own requests on it that
+have no first token yet (exact, and fresh between polls). With `depth = "in_flight"` it is every
+request this edge has on the backend: that also bounds the backend's running batch, which is
+what keeps its KV pool from overflowing (a backend retracts when running requests outgrow it).
+Below `start_fraction × max_queue_depth` it takes every request; from there
+the chance that it takes one falls linearly to zero at `max_queue_depth` (the design's rule: a
+smooth slope rather than a cliff, so several edges do not all stop and start together).
+
+A request that no backend takes waits in the admission queue: gold before silver before bronze,
+FIFO within a tier. Only the head looks for a backend; it looks again when a request ends here
+(`wake`) and every `recheck_s` (a load poll may have freed room). A full queue or a wait past
+`queue_timeout_s` is 503 `overloaded` with Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import math
+import random
+import time
+from collections.abc import Callable
+
+from backends.registry import Backend
+from edge.admission.settings import ThrottleSettings
+from edge.errors import Overloaded
+
+
+class Throttle:
+    def __init__(
+        self, settings: ThrottleSettings, rng: Callable[[], float] = random.random
+    ) -> None:
+        assert settings.max_queue_depth is not None
+        self.max_depth = settings.max_queue_depth
+        self.start = settings.start_fraction * self.max_depth
+        self._rng = rng
+        self._in_flight = settings.depth == "in_flight"
+
+    def depth(self, backend: Backend) -> int:
+        if self._in_flight:
+            return backend.in_flight
+        load = backend.load
+        reported = load.num_waiting_reqs if load is not None else 0
+        return max(reported, backend.in_prefill)
+
+    def share(self, backend: Backend) -> float:
+        """The share of new requests the backend takes now, 0..1."""
+        depth = self.depth(backend)
+        if depth < self.start:
+            return 1.0
+        if depth >= self.max_depth:
+            return 0.0
+        return (self.max_depth - depth) / (self.max_depth - self.start)
+
+    def admits(self, backend: Backend) -> bool:
+        share = self.share(backend)
+        return share >= 1.0 or (share > 0.0 and self._rng() < share)
+
+
+class _Waiter:
+    __slots__ = ("turn",)
+
+    def __init__(self) -> None:
+        self.turn = asyncio.Event()
+
+
+class AdmissionQueue:
+    """Places requests on backends the throttle allows, queueing those it cannot place."""
+
+    def __init__(
+        self,
+        settings: ThrottleSettings,
+        throttle: Throttle,
+        *,
+        on_wait: Callable[[str, float, bool], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.throttle = throttle
+        self._heap: list[tuple[int, int, _Waiter]] = []
+        self._seq = itertools.count()
+        self._on_wait = on_wait
+        self.retry_after = str(max(1, math.ceil(settings.queue_timeout_s))).encode()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._heap)
+
+    def _fit(self, candidates: list[Backend]) -> list[Backend]:
+        return [b for b in candidates if self.throttle.admits(b)]
+
+    async def place(
+        self, rank: int, tier: str, candidates: Callable[[], list[Backend]]
+    ) -> list[Backend]:
+        """Backends that may take this request now, waiting in the queue if needed.
+
+        Returns [] only when there are no candidates at all (every backend down, or at its
+        `--max-concurrency` cap): the app's usual 503 says which."""
+        found = candidates()
+        if not found:
+            return found
+        fit = self._fit(found)
+        if fit and (not self._heap or rank < self._heap[0][0]):
+            return fit
+        if len(self._heap) >= self.settings.queue_size:
+            self._report(tier, 0.0, False)
+            raise Overloaded(
+                "every backend is saturated and the admission queue is full; retry later",
+                headers=((b"retry-after", self.retry_after),),
+            )
+        entry = (rank, next(self._seq), _Waiter())
+        heapq.heappush(self._heap, entry)
+        start = time.monotonic()
+        deadline = start + self.settings.queue_timeout_s
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                if self._heap[0] is entry:
+                    found = candidates()
+                    fit = self._fit(found)
+                    if fit or not found:
+                        self._leave(entry)
+                        self._report(tier, time.monotonic() - start, True)
+                        return fit
+                    wait = min(self.settings.recheck_s, remaining)
+                else:
+                    wait = remaining
+                entry[2].turn.clear()
+                try:
+                    async with asyncio.timeout(wait):
+                        await entry[2].turn.wait()
+                except TimeoutError:
+                    pass
+        except BaseException:
+            self._leave(entry)
+            raise
+        self._leave(entry)
+        self._report(tier, time.monotonic() - start, False)
+        raise Overloaded(
+            f"no backend could take the request within {self.settings.queue_timeout_s:g}s; "
+            "retry later",
+            headers=((b"retry-after", self.retry_after),),
+        )
+
+    def _leave(self, entry: tuple[int, int, _Waiter]) -> None:
+        """Take the entry out of the queue and hand the turn to the new head."""
+        if entry in self._heap:
+            was_head = self._heap[0] is entry
+            self._heap.remove(entry)
+            heapq.heapify(self._heap)
+            if was_head:
+                self.wake()
+
+    def wake(self) -> None:
+        """Room may have been freed: let the head look again."""
+        if self._heap:
+            self._heap[0][2].turn.set()
+
+    def _report(self, tier: str, waited: float, placed: bool) -> None:
+        if self._on_wait is not None:
+            self._on_wait(tier, waited, placed)
+
+
+__all__ = ["AdmissionQueue", "Throttle"]

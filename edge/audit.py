@@ -1,0 +1,387 @@
+"""The audit log: one hash-chained JSON line per request, written off the request path.
+
+Each line is a JSON object with the request's facts (time, request id, tenant, route, model,
+backend, transport, early data, policy decision and rule ids, token counts, TTFT, status) and two
+chain members: `prev`, the previous line's hash, and `hash`, the SHA-256 (hex) of `prev` followed
+by the line's canonical form (the object without `hash`, keys sorted, compact). Editing, removing
+or reordering a line breaks the chain at that line; `quicedge audit verify FILE...` names it.
+
+Prompts are never written unless `include_prompts` is on: the line carries `prompt_sha256`
+(an HMAC-SHA256 with `hash_key` when one is set, so short prompts cannot be guessed by hashing).
+
+Writes: `record` appends to a bounded queue (no I/O, no hashing); a background task takes what
+is queued and writes it as one batch in a thread (`asyncio.to_thread`). When the queue is full,
+`when_full` decides: `drop` (the record is dropped and counted) or `refuse` (`admit` raises 503
+`audit_backlog` for new requests until the queue has room; requests already admitted are still
+recorded). Rotation by size: the file is renamed `PATH.1`, `PATH.2`, ... (the next free number)
+and a new one begun, whose first line's `prev` is the last hash of the old one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import fcntl
+import hashlib
+import hmac
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import orjson
+
+from edge import settings
+from edge.errors import AuditBacklog
+
+if TYPE_CHECKING:
+    from edge.exchange import Exchange
+
+log = logging.getLogger(__name__)
+
+GENESIS = "0" * 64
+"""`prev` of the very first line of a log."""
+MiB = 1024 * 1024
+
+
+@dataclass
+class AuditConfig:
+    """The audit log (`[audit]`). Off unless `path` is set."""
+
+    path: str | None = None
+    """The JSON-lines file; None: no audit log (default). `{pid}` in it is replaced by the
+    process id, which gives each of `--workers N` its own chain (one writer per file: a second
+    process that opens the same log is refused at start)."""
+    max_bytes: int = 100 * MiB
+    """Size past which the file is rotated (100 MiB)."""
+    queue_size: int = 10_000
+    """Records waiting to be written, at most (10000)."""
+    when_full: Literal["drop", "refuse"] = "drop"
+    """A full queue: `drop` the record and count it, or `refuse` new requests (503)."""
+    include_prompts: bool = False
+    """Write the prompt text itself (off: only its hash)."""
+    hash_key: str | None = None
+    """Key of the HMAC-SHA256 over prompts; None: plain SHA-256."""
+    fsync: bool = False
+    """fsync after each batch (durable across a power loss; slower)."""
+
+    def validate(self) -> None:
+        if self.max_bytes < 4096:
+            raise ValueError("audit.max_bytes: must be >= 4096")
+        if self.queue_size < 1:
+            raise ValueError("audit.queue_size: must be >= 1")
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> AuditConfig:
+        """From an `[audit]`-style table (tests, in-process callers), validated."""
+        config = settings.from_mapping(cls, values, "audit")
+        config.validate()
+        return config
+
+
+AUDIT_FLAGS: dict[str, str | bool] = {
+    "path": "--audit-log",
+    "max_bytes": "--audit-max-bytes",
+    "queue_size": "--audit-queue-size",
+    "when_full": "--audit-when-full",
+    "include_prompts": "--audit-prompts",
+    "hash_key": "--audit-hash-key",
+    "fsync": "--audit-fsync",
+}
+"""Flags of the `[audit]` settings (the field names alone would collide with others')."""
+
+
+def canonical(record: Mapping[str, Any]) -> bytes:
+    """The bytes a line's hash covers: the record without `hash`, keys sorted, compact JSON."""
+    return orjson.dumps(
+        {k: v for k, v in record.items() if k != "hash"}, option=orjson.OPT_SORT_KEYS
+    )
+
+
+def chain_hash(prev: str, record: Mapping[str, Any]) -> str:
+    return hashlib.sha256(prev.encode() + canonical(record)).hexdigest()
+
+
+class AuditLog:
+    """The writer: `record` from the request path, one background task draining to the file."""
+
+    def __init__(self, config: AuditConfig) -> None:
+        assert config.path is not None
+        self.config = config
+        self.path = config.path.replace("{pid}", str(os.getpid()))
+        self._lock: int | None = None
+        self._queue: collections.deque[dict[str, Any]] = collections.deque()
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        """Set while nothing is queued or being written."""
+        self._idle.set()
+        self._closing = False
+        self._task: asyncio.Task[None] | None = None
+        self.dropped = 0
+        self.written = 0
+        self._prev = GENESIS
+        self._key = config.hash_key.encode() if config.hash_key else None
+
+    @property
+    def depth(self) -> int:
+        return len(self._queue)
+
+    def admit(self) -> None:
+        """Refuse a new request while the queue is full (`when_full = "refuse"`)."""
+        if self.config.when_full == "refuse" and len(self._queue) >= self.config.queue_size:
+            raise AuditBacklog("the audit log is behind; retry shortly")
+
+    def record(self, entry: dict[str, Any]) -> bool:
+        """Queue one request's record; False when it was dropped (full queue, `drop`)."""
+        if self.config.when_full == "drop" and len(self._queue) >= self.config.queue_size:
+            self.dropped += 1
+            return False
+        self._queue.append(entry)
+        if not self._wake.is_set():
+            self._wake.set()
+            self._idle.clear()
+        return True
+
+    def record_exchange(self, ex: Exchange, status: int) -> bool:
+        """The record of one finished request (the prompt is hashed in the writer's thread)."""
+        usage = ex.usage
+        backend = ex.backend
+        entry: dict[str, Any] = {
+            "ts": round(time.time(), 6),
+            "request_id": ex.request_id,
+            "tenant": ex.tenant,
+            "route": ex.route,
+            "model": ex.view.model if ex.view is not None else None,
+            "backend": backend.name if backend is not None else None,
+            "transport": ex.transport,
+            "early_data": ex.early_data,
+            "decision": ex.policy_decision,
+            "rules": list(ex.policy_rules),
+            "prompt_tokens": usage.prompt_tokens if usage is not None else None,
+            "completion_tokens": usage.completion_tokens if usage is not None else None,
+            "cached_tokens": usage.cached_tokens if usage is not None else None,
+            "ttft_ms": round(ex.ttft * 1000, 3) if ex.ttft is not None else None,
+            "status": status,
+            "_prompt": ex.view.text if ex.view is not None else None,
+        }
+        return self.record(entry)
+
+    # -- the writer --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Take the log's lock (one writer per chain), read its last hash, start writing."""
+        self._lock = os.open(self.path + ".lock", os.O_CREAT | os.O_RDWR, 0o644)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock)
+            self._lock = None
+            raise ValueError(
+                f"audit.path: another process writes {self.path} (with --workers N, put "
+                "{pid} in the path)"
+            ) from None
+        self._prev = await asyncio.to_thread(last_hash, self.path)
+        self._task = asyncio.get_running_loop().create_task(self._drain())
+
+    async def aclose(self) -> None:
+        """Write what is queued, then stop (one writer at a time: the chain has one end)."""
+        if self._task is not None:
+            self._closing = True
+            self._wake.set()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        elif self._queue:
+            await asyncio.to_thread(self._write, self._take())
+        if self._lock is not None:
+            os.close(self._lock)  # and with it the lock
+            self._lock = None
+
+    async def flush(self) -> None:
+        """Wait until everything queued so far is written (tests, shutdown)."""
+        await self._idle.wait()
+
+    def _take(self) -> list[dict[str, Any]]:
+        queue = self._queue
+        batch = list(queue)
+        queue.clear()
+        return batch
+
+    async def _drain(self) -> None:
+        while True:
+            await self._wake.wait()
+            batch = self._take()
+            self._wake.clear()
+            try:
+                await asyncio.to_thread(self._write, batch)
+            except Exception:  # a full disk must not kill the writer: the lines are counted
+                log.exception("audit log: writing %d lines to %s failed", len(batch), self.path)
+                self.dropped += len(batch)
+            if not self._queue:
+                self._idle.set()
+                if self._closing:
+                    return
+            else:
+                self._wake.set()
+
+    def _write(self, batch: list[dict[str, Any]]) -> None:
+        """Serialise, chain and append a batch (in a thread); rotate past `max_bytes`."""
+        lines = []
+        prev = self._prev
+        for entry in batch:
+            prompt = entry.pop("_prompt", None)
+            if prompt is not None:
+                if self.config.include_prompts:
+                    entry["prompt"] = prompt
+                else:
+                    entry["prompt_sha256"] = self._digest(prompt)
+            entry["prev"] = prev
+            prev = chain_hash(prev, entry)
+            entry["hash"] = prev
+            lines.append(orjson.dumps(entry) + b"\n")
+        data = b"".join(lines)
+        self._rotate_if_needed(len(data))
+        with open(self.path, "ab") as f:
+            f.write(data)
+            if self.config.fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        self._prev = prev
+        self.written += len(batch)
+
+    def _digest(self, prompt: str) -> str:
+        raw = prompt.encode("utf-8", "surrogatepass")
+        if self._key is not None:
+            return hmac.new(self._key, raw, hashlib.sha256).hexdigest()
+        return hashlib.sha256(raw).hexdigest()
+
+    def _rotate_if_needed(self, incoming: int) -> None:
+        try:
+            size = os.path.getsize(self.path)
+        except OSError:
+            return
+        if size == 0 or size + incoming <= self.config.max_bytes:
+            return
+        n = 1
+        while os.path.exists(f"{self.path}.{n}"):
+            n += 1
+        os.replace(self.path, f"{self.path}.{n}")
+
+
+def last_hash(path: str) -> str:
+    """The `hash` of the last line of the log at `path` (or of its latest rotated file)."""
+    candidates = [path]
+    n = 1
+    while os.path.exists(f"{path}.{n}"):
+        n += 1
+    candidates += [f"{path}.{i}" for i in range(n - 1, 0, -1)]
+    for name in candidates:
+        try:
+            with open(name, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - 65536))
+                tail = f.read().rstrip(b"\n")
+        except OSError:
+            continue
+        if tail:
+            line = tail.rsplit(b"\n", 1)[-1]
+            try:
+                value = orjson.loads(line).get("hash")
+            except (orjson.JSONDecodeError, AttributeError):
+                raise ValueError(f"{name}: the last line is not an audit record") from None
+            if isinstance(value, str):
+                return value
+    return GENESIS
+
+
+# -- verification ----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class VerifyResult:
+    ok: bool
+    lines: int
+    """Lines checked (all of them when ok)."""
+    error: str | None = None
+    """Where and why the chain broke: `FILE:LINE: reason`."""
+    last: str | None = None
+    """The last hash checked: compare it with one kept elsewhere to catch a cut-off tail."""
+
+
+def verify(paths: Sequence[str], *, start: str | None = None) -> VerifyResult:
+    """Check the chain through `paths` in order (oldest rotated file first). `start` is the
+    `prev` the first line must carry (default: whatever it carries; GENESIS for a whole log)."""
+    prev = start
+    count = 0
+    for path in paths:
+        with open(path, "rb") as f:
+            for number, line in enumerate(f, 1):
+                where = f"{path}:{number}"
+                try:
+                    record = orjson.loads(line)
+                except orjson.JSONDecodeError:
+                    return VerifyResult(False, count, f"{where}: not JSON", prev)
+                if not isinstance(record, dict) or not isinstance(record.get("hash"), str):
+                    return VerifyResult(False, count, f"{where}: no hash", prev)
+                if prev is not None and record.get("prev") != prev:
+                    return VerifyResult(
+                        False, count, f"{where}: prev does not match the line before it "
+                        "(a line was removed, reordered or inserted)", prev,
+                    )  # fmt: skip
+                if not isinstance(record.get("prev"), str):
+                    return VerifyResult(False, count, f"{where}: no prev", prev)
+                if chain_hash(record["prev"], record) != record["hash"]:
+                    return VerifyResult(False, count, f"{where}: hash mismatch (edited)", prev)
+                prev = record["hash"]
+                count += 1
+    return VerifyResult(True, count, None, prev)
+
+
+def ordered_files(path: str) -> list[str]:
+    """`PATH.1`, `PATH.2`, ... then `PATH`: a rotated log's files, oldest first."""
+    rotated = []
+    n = 1
+    while os.path.exists(f"{path}.{n}"):
+        rotated.append(f"{path}.{n}")
+        n += 1
+    return [*rotated, path] if os.path.exists(path) else rotated
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    """`quicedge audit verify FILE...`: 0 when the chain holds, 1 naming the first bad line."""
+    parser = argparse.ArgumentParser(prog="quicedge audit", description="audit log tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("verify", help="check a log's hash chain")
+    check.add_argument("files", nargs="+", help="log files, oldest first (or one PATH: its "
+                       "rotated files PATH.1, PATH.2, ... are checked before it)")  # fmt: skip
+    check.add_argument("--from-genesis", action="store_true",
+                       help="the first line must be the log's first (prev = 0...0)")  # fmt: skip
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    files = args.files if len(args.files) > 1 else ordered_files(args.files[0]) or args.files
+    try:
+        result = verify(files, start=GENESIS if args.from_genesis else None)
+    except OSError as exc:
+        print(f"quicedge audit verify: {exc}", file=sys.stderr)
+        return 2
+    if not result.ok:
+        print(f"FAIL {result.error}")
+        return 1
+    print(f"OK {result.lines} lines in {len(files)} file(s); last hash {result.last}")
+    return 0
+
+
+__all__ = [
+    "AUDIT_FLAGS",
+    "AuditConfig",
+    "AuditLog",
+    "GENESIS",
+    "VerifyResult",
+    "canonical",
+    "verify",
+]

@@ -1,0 +1,1 @@
+"""Example policy modules: WebAssembly text sources and their prebuilt `.wasm` copies."""

@@ -1,0 +1,280 @@
+"""The policy gateway: the request stage (rules, then WebAssembly modules) and the stream rules.
+
+Built only when `[policy]` configures something (`PolicyGateway.from_config` returns None
+otherwise), so an edge without policies runs exactly the code it ran before. `stage` runs once per
+request on the body the app already parsed; it returns the bytes to forward: the original ones,
+or the body serialised again when a rule or a module redacted something.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from backends.pool import UpstreamPool
+from edge.errors import PolicyRefused, PolicyUnavailable, StreamRefusal
+from edge.policy.config import PolicyConfig
+from edge.policy.judge import Judge
+from edge.policy.rules import RequestRules, apply_spans, requested_tokens, text_slots
+from edge.policy.stream import StreamRules, final_events
+from edge.policy.wasm import ModuleFailed, WasmPolicy
+
+if TYPE_CHECKING:
+    from edge.exchange import Exchange
+
+Counter = Callable[[str, str], None]
+"""(rule or module id, outcome) -> None: a metric the gateway reports into."""
+
+REDACTED = "[REDACTED]"
+"""What replaces a span a module asked to redact."""
+
+
+@dataclass(slots=True)
+class PolicyOutcome:
+    decision: str = "allow"
+    """`allow`, `redact`, or `allow_on_error` (a failing module configured to fail open)."""
+    rules: list[str] = field(default_factory=list)
+    """Ids of the rules and modules that matched, in order."""
+    redacted: bool = False
+
+
+class PolicyGateway:
+    """Request rules, WebAssembly modules and stream rules of one `PolicyConfig`."""
+
+    def __init__(
+        self,
+        config: PolicyConfig,
+        *,
+        on_decision: Counter | None = None,
+        on_module_failure: Counter | None = None,
+        pool: UpstreamPool | None = None,
+        on_judge: Callable[[str, float], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.rules = (
+            RequestRules(config) if (config.rules or config.tenant_models or config.tiers) else None
+        )
+        self.modules = [WasmPolicy(c, on_failure=on_module_failure) for c in config.wasm]
+        self.stream = StreamRules.from_config(config)
+        self._count = on_decision or (lambda rule, outcome: None)
+        self._reloads: set[asyncio.Task[bool]] = set()
+        self.judge = (
+            Judge(config.judge, pool, observe=on_judge)
+            if config.judge.backends and pool is not None
+            else None
+        )
+        self._judging: set[asyncio.Task[Any]] = set()
+
+    @classmethod
+    def from_config(cls, config: PolicyConfig, **kwargs: Any) -> PolicyGateway | None:
+        if not (config.request_enabled or config.stream_enabled):
+            return None
+        return cls(config, **kwargs)
+
+    # -- the request stage -------------------------------------------------------------------
+
+    def check(
+        self,
+        route: str,
+        body: MutableMapping[str, Any],
+        *,
+        tenant: str,
+        tier: str,
+        stream: bool,
+    ) -> PolicyOutcome:
+        """Pass (maybe redacting in `body`) or raise the refusal the client gets."""
+        outcome = PolicyOutcome()
+        if self.rules is None and not self.modules:
+            return outcome
+        slots = text_slots(route, body)
+        try:
+            if self.rules is not None:
+                verdict = self.rules.check(route, body, tenant=tenant, tier=tier, slots=slots)
+                for rule, result in verdict.fired:
+                    outcome.rules.append(rule)
+                    self._count(rule, result)
+                outcome.redacted = verdict.redacted
+            view: bytes | None = None
+            for module in self.modules:
+                if view is None:
+                    view = _view(route, body, tenant, tier, stream, slots)
+                try:
+                    answer = module.check(view)
+                except ModuleFailed as exc:
+                    if module.config.on_error == "closed":
+                        raise PolicyUnavailable(
+                            module.id, f"policy module `{module.id}` failed ({exc.kind})"
+                        ) from None
+                    outcome.decision = "allow_on_error"
+                    outcome.rules.append(module.id)
+                    self._count(module.id, "allow_on_error")
+                    continue
+                if answer.action == "deny":
+                    reason = f": {answer.reason}" if answer.reason else ""
+                    raise PolicyRefused(
+                        module.id, f"the request was refused by policy module `{module.id}`{reason}"
+                    )
+                if answer.action == "redact" and answer.spans:
+                    if apply_spans(slots, answer.spans, REDACTED):
+                        outcome.redacted = True
+                        outcome.rules.append(module.id)
+                        self._count(module.id, "redact")
+                        view = None  # the next module sees the redacted prompt
+        except PolicyRefused as err:
+            self._count(err.rule, "error" if isinstance(err, PolicyUnavailable) else "deny")
+            if stream and self.config.stream_refusal == "sse" and err.status in (400, 403):
+                model = body.get("model")
+                events = final_events(route, None, model if isinstance(model, str) else None)
+                raise StreamRefusal(err.rule, err.message, events) from None
+            raise
+        if outcome.redacted and outcome.decision == "allow":
+            outcome.decision = "redact"
+        if not outcome.rules:
+            self._count("-", "allow")
+        return outcome
+
+    def stage(self, ex: Exchange, body: MutableMapping[str, Any], raw: bytes) -> bytes:
+        """The request stage: check, note the outcome on the exchange and its span, ready the
+        stream guard; the bytes to forward."""
+        try:
+            outcome = self.check(ex.route, body, tenant=ex.tenant, tier=ex.tier, stream=ex.stream)
+        except PolicyRefused as err:
+            ex.policy_decision = "deny" if not isinstance(err, PolicyUnavailable) else "error"
+            ex.policy_rules = (err.rule,)
+            if ex.trace is not None:
+                ex.trace.set("quicedge.policy.decision", ex.policy_decision)
+                ex.trace.set("quicedge.policy.rules", [err.rule])
+            raise
+        ex.policy_decision = outcome.decision
+        ex.policy_rules = tuple(outcome.rules)
+        if ex.trace is not None:
+            ex.trace.set("quicedge.policy.decision", outcome.decision)
+            ex.trace.set("quicedge.policy.rules", outcome.rules)
+        if ex.stream and self.stream is not None:
+            ex.stream_guard = self.stream.guard(ex.route)
+        return orjson.dumps(body) if outcome.redacted else raw
+
+    async def judge_stage(self, ex: Exchange) -> None:
+        """The model-judged track (`edge.policy.judge`): `hold` waits for the verdict here;
+        `race` asks in parallel and cancels the request if `unsafe` comes before its response
+        has started (`ex.judge_refused`; the app turns that cancellation into the refusal)."""
+        judge = self.judge
+        if judge is None or not judge.applies(ex.route) or ex.view is None:
+            return
+        if judge.config.mode == "hold":
+            self._judged(ex, await judge.ask(ex.view.text))
+            return
+        request = asyncio.current_task()
+        assert request is not None
+        task = asyncio.get_running_loop().create_task(judge.ask(ex.view.text))
+        self._judging.add(task)
+        task.add_done_callback(lambda t: self._raced(ex, request, t))
+
+    def _raced(self, ex: Exchange, request: asyncio.Task[Any], task: asyncio.Task[Any]) -> None:
+        self._judging.discard(task)
+        if task.cancelled() or task.exception() is not None:
+            return
+        verdict = task.result()
+        late = ex.started or ex.responded or request.done()
+        if verdict == "unsafe" and not late:
+            ex.judge_refused = True
+            request.cancel()
+        elif verdict == "error" and not late and self.config.judge.on_error == "closed":
+            ex.judge_refused = True
+            ex.policy_decision = "error"
+            request.cancel()
+        else:
+            self._count("judge", f"{verdict}_late" if late else verdict)
+
+    def _judged(self, ex: Exchange, verdict: str) -> None:
+        try:
+            if verdict == "unsafe":
+                raise PolicyRefused("judge", "the request was refused by the guard model")
+            if verdict == "error" and self.config.judge.on_error == "closed":
+                raise PolicyUnavailable("judge", "the guard model did not answer")
+        except PolicyRefused as err:
+            ex.policy_decision = "error" if isinstance(err, PolicyUnavailable) else "deny"
+            ex.policy_rules = (*ex.policy_rules, "judge")
+            raise self._refusal(ex, err) from None
+        self._count("judge", verdict)
+
+    def judge_refusal(self, ex: Exchange) -> PolicyRefused:
+        """The refusal a `race` cancellation becomes (called by the app)."""
+        if ex.policy_decision == "error":
+            err: PolicyRefused = PolicyUnavailable("judge", "the guard model did not answer")
+        else:
+            ex.policy_decision = "deny"
+            err = PolicyRefused("judge", "the request was refused by the guard model")
+        ex.policy_rules = (*ex.policy_rules, "judge")
+        return self._refusal(ex, err)
+
+    def _refusal(self, ex: Exchange, err: PolicyRefused) -> PolicyRefused:
+        self._count("judge", "error" if isinstance(err, PolicyUnavailable) else "deny")
+        if ex.trace is not None:
+            ex.trace.set("quicedge.policy.decision", ex.policy_decision)
+            ex.trace.set("quicedge.policy.rules", list(ex.policy_rules))
+        if ex.stream and self.config.stream_refusal == "sse" and err.status in (400, 403):
+            return StreamRefusal(err.rule, err.message, final_events(ex.route, None, None))
+        return err
+
+    def filtered(self, ex: Exchange, rule: str) -> None:
+        """A stream rule ended the answer: note it for the audit log, the span and the metric."""
+        ex.policy_decision = "filtered"
+        ex.policy_rules = (*ex.policy_rules, rule)
+        self._count(rule, "filtered")
+        if ex.trace is not None:
+            ex.trace.set("quicedge.policy.decision", "filtered")
+            ex.trace.set("quicedge.policy.rules", list(ex.policy_rules))
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        for module in self.modules:
+            module.start()
+
+    def reload(self) -> None:
+        """Compile every module again, now."""
+        for module in self.modules:
+            module.reload()
+
+    def reload_soon(self) -> None:
+        """SIGHUP: compile every module again in a thread; each is swapped in when ready."""
+        loop = asyncio.get_running_loop()
+        for module in self.modules:
+            task = loop.create_task(module.reload_async())
+            self._reloads.add(task)
+            task.add_done_callback(self._reloads.discard)
+
+    async def aclose(self) -> None:
+        for module in self.modules:
+            await module.aclose()
+
+
+def _view(
+    route: str,
+    body: MutableMapping[str, Any],
+    tenant: str,
+    tier: str,
+    stream: bool,
+    slots: list[Any],
+) -> bytes:
+    """The JSON a module reads (docs/policy.md, "The ABI")."""
+    model = body.get("model")
+    return orjson.dumps(
+        {
+            "route": route,
+            "model": model if isinstance(model, str) else None,
+            "tenant": tenant,
+            "tier": tier,
+            "stream": stream,
+            "max_tokens": requested_tokens(body),
+            "prompt": "\n".join(c[k] for c, k in slots),
+        }
+    )
+
+
+__all__ = ["PolicyGateway", "PolicyOutcome"]

@@ -1,0 +1,379 @@
+"""Stored conversations: the edge keeps each conversation's messages, the client sends one turn.
+
+Two conventions reach the same store:
+
+- `/v1/responses` with `previous_response_id` / `store` (OpenAI's Responses API), translated to
+  an upstream `/v1/chat/completions` request by `edge.state.responses`;
+- `/v1/chat/completions` with the header `x-quicedge-conversation: new` (start one) or
+  `x-quicedge-conversation: conv_…` (continue it); `messages` then holds only the new turn.
+
+Either way the edge rebuilds the whole prompt and forwards an ordinary request, so backends see
+nothing new. The history is serialised the same way every turn (the stored message objects, in
+order, by one JSON encoder), so turn N+1's prompt starts with turn N's prompt and reply byte for
+byte, and the backend's radix cache and the `ttft` policy's prefix tree both hit.
+
+Safety: keys carry the tenant, so another tenant's id is simply not found (404, like an unknown or
+expired id). A turn holds a lease on its conversation (`SET NX PX` in Redis) from before it reads
+the history until it commits the reply; a second turn meanwhile gets 409 `conversation_busy`, and a
+commit is written only while its lease still holds (a Lua compare-and-set), so a history is never
+interleaved. The reply is appended only when its stream completed; a failed or cut turn leaves the
+conversation as it was.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import orjson
+from cachetools import TTLCache
+
+from edge.errors import ConversationBusy, ConversationNotFound, PayloadTooLarge
+from edge.state.config import ConversationConfig
+from edge.state.redis_store import RedisState
+
+CONVERSATION_HEADER = "x-quicedge-conversation"
+NEW = "new"
+_CONV_ID = re.compile(r"conv_([0-9a-f]{24})")
+_RESP_ID = re.compile(r"resp_([0-9a-f]{24})([0-9a-f]{8})")
+_PINNED_ROLES = frozenset({"system", "developer"})
+
+
+def new_conversation_id() -> str:
+    return os.urandom(12).hex()
+
+
+def conversation_name(cid: str) -> str:
+    """The id a chat client sees (`conv_` + 24 hex digits)."""
+    return f"conv_{cid}"
+
+
+def response_id(cid: str, turn: int) -> str:
+    """A Responses API id that names its conversation and turn (`resp_` + 32 hex digits)."""
+    return f"resp_{cid}{turn:08x}"
+
+
+def parse_conversation_name(value: str) -> str:
+    """The conversation in `conv_…`; 404 for anything else (a malformed id exists nowhere)."""
+    match = _CONV_ID.fullmatch(value)
+    if match is None:
+        raise ConversationNotFound(
+            f"Conversation with id '{value[:80]}' not found.", param=CONVERSATION_HEADER
+        )
+    return match.group(1)
+
+
+def parse_response_id(value: str) -> tuple[str, int]:
+    """(conversation, turn) of a response id; 404 `previous_response_not_found` otherwise."""
+    match = _RESP_ID.fullmatch(value)
+    if match is None:
+        raise previous_not_found(value)
+    return match.group(1), int(match.group(2), 16)
+
+
+def previous_not_found(value: str) -> ConversationNotFound:
+    return ConversationNotFound(
+        f"Previous response with id '{value[:80]}' not found.",
+        param="previous_response_id",
+        code="previous_response_not_found",
+    )
+
+
+@dataclass(slots=True)
+class History:
+    """One conversation as stored: pinned system messages, then whole turns.
+
+    `turns[i]` is where kept turn i ends in `messages`; turns are numbered from 1, and the kept
+    ones are `count - len(turns) + 1 .. count` (truncation drops the oldest)."""
+
+    pinned: list[dict[str, Any]] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    turns: list[int] = field(default_factory=list)
+    count: int = 0
+
+    def encode(self) -> bytes:
+        return orjson.dumps(
+            {"p": self.pinned, "m": self.messages, "t": self.turns, "c": self.count}
+        )
+
+    @classmethod
+    def decode(cls, blob: bytes) -> History:
+        obj = orjson.loads(blob)
+        return cls(obj["p"], obj["m"], obj["t"], obj["c"])
+
+    @property
+    def first_kept(self) -> int:
+        return self.count - len(self.turns) + 1
+
+    def upto(self, turn: int) -> History | None:
+        """The history as it was after `turn` (None when truncation dropped it)."""
+        if turn == self.count:
+            return self
+        if not self.first_kept <= turn < self.count:
+            return None
+        kept = turn - self.first_kept + 1
+        end = self.turns[kept - 1]
+        return History(list(self.pinned), self.messages[:end], self.turns[:kept], turn)
+
+    def prompt(self, new: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [*self.pinned, *self.messages, *new]
+
+    def append(self, new: list[dict[str, Any]], reply: dict[str, Any]) -> None:
+        if self.count == 0 and not self.messages:
+            # the first turn's leading system messages stay when older turns are dropped
+            lead = 0
+            while lead < len(new) and new[lead].get("role") in _PINNED_ROLES:
+                lead += 1
+            self.pinned, new = list(new[:lead]), new[lead:]
+        self.messages.extend(new)
+        self.messages.append(reply)
+        self.turns.append(len(self.messages))
+        self.count += 1
+
+    def drop_oldest(self) -> bool:
+        """Drop the oldest kept turn; False when none is left to drop."""
+        if not self.turns:
+            return False
+        end = self.turns[0]
+        self.messages = self.messages[end:]
+        self.turns = [t - end for t in self.turns[1:]]
+        return True
+
+
+def messages_size(messages: list[dict[str, Any]]) -> int:
+    return len(orjson.dumps(messages))
+
+
+def _trim(history: History, new: list[dict[str, Any]], limit: int, *, keep: int) -> bool:
+    """Drop the oldest turns until pinned + kept turns + `new` fit in `limit` bytes of JSON, or
+    only `keep` turns are left; each message is measured once. True when any was dropped."""
+    sizes = [len(orjson.dumps(m)) for m in history.messages]
+    parts = len(history.pinned) + len(sizes) + len(new)
+    fixed = sum(len(orjson.dumps(m)) for m in (*history.pinned, *new))
+    total = 2 + fixed + sum(sizes) + max(parts - 1, 0)
+    start = dropped = 0
+    while total > limit and len(history.turns) - dropped > keep:
+        end = history.turns[dropped]
+        total -= sum(sizes[start:end]) + (end - start)
+        start, dropped = end, dropped + 1
+    for _ in range(dropped):
+        history.drop_oldest()
+    return dropped > 0
+
+
+class ConversationStore(Protocol):
+    """Where histories live: `load` refreshes the TTL; a lease is a token under its own key."""
+
+    async def load(self, tenant: str, cid: str) -> bytes | None: ...
+    async def create(self, tenant: str, cid: str, token: bytes) -> None: ...
+    async def lease(self, tenant: str, cid: str, token: bytes) -> bool: ...
+    async def commit(self, tenant: str, cid: str, token: bytes, blob: bytes) -> bool: ...
+    async def release(self, tenant: str, cid: str, token: bytes) -> None: ...
+
+
+class MemoryConversations:
+    """One process's conversations: a TTL cache (LRU past its size) and leases with deadlines."""
+
+    def __init__(self, config: ConversationConfig, *, clock: Any = time.monotonic) -> None:
+        self._ttl = config.ttl
+        self._lease_s = config.lease
+        self._clock = clock
+        self._data: TTLCache[tuple[str, str], bytes] = TTLCache(
+            maxsize=config.memory_max_conversations, ttl=config.ttl, timer=clock
+        )
+        self._leases: dict[tuple[str, str], tuple[bytes, float]] = {}
+
+    async def load(self, tenant: str, cid: str) -> bytes | None:
+        key = (tenant, cid)
+        blob = self._data.get(key)
+        if blob is not None:
+            self._data[key] = blob  # setting again restarts its TTL: refreshed on use
+        return blob
+
+    async def create(self, tenant: str, cid: str, token: bytes) -> None:
+        self._leases[(tenant, cid)] = (token, self._clock() + self._lease_s)
+
+    async def lease(self, tenant: str, cid: str, token: bytes) -> bool:
+        key = (tenant, cid)
+        held = self._leases.get(key)
+        if held is not None and held[1] > self._clock():
+            return False
+        self._leases[key] = (token, self._clock() + self._lease_s)
+        return True
+
+    def _holds(self, key: tuple[str, str], token: bytes) -> bool:
+        held = self._leases.get(key)
+        return held is not None and held[0] == token and held[1] > self._clock()
+
+    async def commit(self, tenant: str, cid: str, token: bytes, blob: bytes) -> bool:
+        key = (tenant, cid)
+        if not self._holds(key, token):
+            return False
+        self._data[key] = blob
+        del self._leases[key]
+        return True
+
+    async def release(self, tenant: str, cid: str, token: bytes) -> None:
+        key = (tenant, cid)
+        held = self._leases.get(key)
+        if held is not None and held[0] == token:
+            del self._leases[key]
+
+
+class RedisConversations:
+    """Conversations in Redis: `{prefix}conv:{tenant}:{id}` and its lease `…conv-lease:…`."""
+
+    def __init__(self, redis: RedisState, config: ConversationConfig) -> None:
+        self._redis = redis
+        self._ttl_ms = int(config.ttl * 1000)
+        self._lease_ms = int(config.lease * 1000)
+
+    def _key(self, tenant: str, cid: str) -> str:
+        return f"{self._redis.prefix}conv:{tenant}:{cid}"
+
+    def _lease_key(self, tenant: str, cid: str) -> str:
+        return f"{self._redis.prefix}conv-lease:{tenant}:{cid}"
+
+    async def load(self, tenant: str, cid: str) -> bytes | None:
+        return await self._redis.get_refresh(self._key(tenant, cid), self._ttl_ms)
+
+    async def create(self, tenant: str, cid: str, token: bytes) -> None:
+        await self._redis.set(self._lease_key(tenant, cid), token, self._lease_ms)
+
+    async def lease(self, tenant: str, cid: str, token: bytes) -> bool:
+        return await self._redis.set_new(self._lease_key(tenant, cid), token, self._lease_ms)
+
+    async def commit(self, tenant: str, cid: str, token: bytes, blob: bytes) -> bool:
+        return await self._redis.commit(
+            self._lease_key(tenant, cid), token, self._key(tenant, cid), blob, self._ttl_ms
+        )
+
+    async def release(self, tenant: str, cid: str, token: bytes) -> None:
+        await self._redis.release(self._lease_key(tenant, cid), token)
+
+
+@dataclass(slots=True)
+class Turn:
+    """One turn in progress: the prompt to send, and what to commit once the reply completed."""
+
+    tenant: str
+    cid: str
+    number: int
+    """This turn's number in its conversation (from 1)."""
+    history: History
+    new: list[dict[str, Any]]
+    token: bytes | None
+    """The lease held, or None when the turn is not stored (Responses `store: false`)."""
+    truncated: bool = False
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        return self.history.prompt(self.new)
+
+
+class Conversations:
+    """Opens, commits and releases turns on a `ConversationStore`, within the size limit."""
+
+    def __init__(self, store: ConversationStore, config: ConversationConfig) -> None:
+        self.store = store
+        self.config = config
+
+    async def start(self, tenant: str, new: list[dict[str, Any]], *, store: bool = True) -> Turn:
+        """Turn 1 of a new conversation."""
+        cid = new_conversation_id()
+        token = os.urandom(12) if store else None
+        turn = Turn(tenant, cid, 1, History(), new, token)
+        self._fit(turn)
+        if token is not None:
+            await self.store.create(tenant, cid, token)
+        return turn
+
+    async def resume(
+        self,
+        tenant: str,
+        cid: str,
+        new: list[dict[str, Any]],
+        *,
+        after: int | None = None,
+        store: bool = True,
+        missing: ConversationNotFound,
+    ) -> Turn:
+        """The next turn after turn `after` (None: the latest). Continuing an earlier turn forks a
+        new conversation from it (the Responses API lets any stored response be continued)."""
+        token = os.urandom(12) if store else None
+        if token is not None and not await self.store.lease(tenant, cid, token):
+            raise ConversationBusy(
+                "another turn of this conversation is in progress; retry when it completed"
+            )
+        try:
+            blob = await self.store.load(tenant, cid)
+            if blob is None:
+                raise missing
+            history = History.decode(blob)
+            base = history if after is None else history.upto(after)
+            if base is None:
+                raise missing
+            if base is not history:  # a fork: the original stays as it is
+                if token is not None:
+                    await self.store.release(tenant, cid, token)
+                    cid = new_conversation_id()
+                    await self.store.create(tenant, cid, token)
+            turn = Turn(tenant, cid, base.count + 1, base, new, token)
+            self._fit(turn)
+        except BaseException:
+            if token is not None:
+                await self.store.release(tenant, cid, token)
+            raise
+        return turn
+
+    def _fit(self, turn: Turn) -> None:
+        """Apply the size limit to the prompt this turn sends: drop the oldest turns, or 413."""
+        limit = self.config.max_bytes
+        if messages_size(turn.messages) <= limit:
+            return
+        if self.config.overflow == "truncate":
+            history = History(
+                list(turn.history.pinned), list(turn.history.messages),
+                list(turn.history.turns), turn.history.count,
+            )  # fmt: skip
+            turn.truncated = _trim(history, turn.new, limit, keep=0)
+            turn.history = history
+            if messages_size(turn.messages) <= limit:
+                return
+        raise PayloadTooLarge(
+            f"the conversation would exceed {limit} bytes of messages"
+            + ("" if self.config.overflow == "truncate" else "; start a new one"),
+            code="conversation_too_large",
+        )
+
+    async def commit(self, turn: Turn, reply: dict[str, Any]) -> bool:
+        """Append the turn and its reply; False when the lease was lost (nothing written)."""
+        if turn.token is None:
+            return True
+        history = turn.history
+        history.append(list(turn.new), reply)
+        if self.config.overflow == "truncate":
+            _trim(history, [], self.config.max_bytes, keep=1)
+        return await self.store.commit(turn.tenant, turn.cid, turn.token, history.encode())
+
+    async def release(self, turn: Turn) -> None:
+        if turn.token is not None:
+            await self.store.release(turn.tenant, turn.cid, turn.token)
+
+
+__all__ = [
+    "CONVERSATION_HEADER",
+    "ConversationStore",
+    "Conversations",
+    "History",
+    "MemoryConversations",
+    "RedisConversations",
+    "Turn",
+    "conversation_name",
+    "parse_conversation_name",
+    "parse_response_id",
+    "response_id",
+]

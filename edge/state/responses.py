@@ -1,0 +1,322 @@
+"""The Responses API (`POST /v1/responses`) over an upstream `/v1/chat/completions` request.
+
+The request's `input` (a string, or message items with text parts) becomes chat messages,
+`instructions` a leading system message of this request only (as OpenAI does, they are not carried
+to the next turn), `max_output_tokens` `max_tokens`. The answer comes back in the Responses shape:
+a `response` object, or, streaming, the semantic SSE events `response.created`,
+`response.in_progress`, `response.output_item.added`, `response.content_part.added`,
+`response.output_text.delta`…, `response.output_text.done`, `response.content_part.done`,
+`response.output_item.done` and `response.completed` (or `response.incomplete` when the token
+budget ended it, `response.failed` when the backend failed); there is no `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from edge.errors import InvalidRequest
+
+RESPONSES = "/v1/responses"
+
+# Request fields with a chat equivalent (or none needed); anything else is refused by name
+# rather than silently dropped.
+_PASSED = {"temperature": "temperature", "top_p": "top_p", "max_output_tokens": "max_tokens",
+           "user": "user", "seed": "seed"}  # fmt: skip
+_ACCEPTED = {"model", "input", "instructions", "previous_response_id", "store", "stream",
+             "metadata", "parallel_tool_calls", "truncation", "text", *_PASSED}  # fmt: skip
+_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+
+
+def _invalid(param: str, what: str) -> InvalidRequest:
+    return InvalidRequest(f"'{param}' is invalid: {what}", param=param, code="invalid_value")
+
+
+@dataclass(slots=True)
+class ResponsesRequest:
+    """What a `/v1/responses` body asks for, in chat terms."""
+
+    new: list[dict[str, Any]]
+    """The new turn's messages (without the instructions)."""
+    instructions: str | None
+    previous: str | None
+    store: bool
+    stream: bool
+    model: str | None
+    chat: dict[str, Any]
+    """The chat body's other members (sampling, stream, model)."""
+    echo: dict[str, Any] = field(default_factory=dict)
+    """Request fields echoed in the response object."""
+
+    def chat_body(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        lead = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        return {**self.chat, "messages": [*lead, *messages]}
+
+
+def _text_of(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _invalid(where, "must be a string or a list of text parts")
+    texts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
+            raise _invalid(f"{where}[{i}]", "only input_text/output_text parts are supported")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise _invalid(f"{where}[{i}].text", "must be a string")
+        texts.append(text)
+    return "".join(texts)
+
+
+def _messages(value: Any) -> list[dict[str, Any]]:
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise _invalid("input", "must be a string or a non-empty list of messages")
+    out = []
+    for i, item in enumerate(value):
+        where = f"input[{i}]"
+        if not isinstance(item, dict) or item.get("type", "message") != "message":
+            raise _invalid(where, "only message items are supported")
+        role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
+        if role is None:
+            raise _invalid(f"{where}.role", "must be user, assistant, system or developer")
+        out.append({"role": role, "content": _text_of(item.get("content"), f"{where}.content")})
+    return out
+
+
+def parse_request(body: dict[str, Any]) -> ResponsesRequest:
+    """Check a `/v1/responses` body and translate it; 400 naming the field otherwise."""
+    unknown = sorted(set(body) - _ACCEPTED)
+    if unknown:
+        raise InvalidRequest(
+            f"'{unknown[0]}' is not supported by this endpoint",
+            param=unknown[0],
+            code="unsupported_parameter",
+        )
+    if "input" not in body:
+        raise InvalidRequest("'input' is required", param="input", code="missing_field")
+    new = _messages(body["input"])
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise _invalid("instructions", "must be a string")
+    previous = body.get("previous_response_id")
+    if previous is not None and not isinstance(previous, str):
+        raise _invalid("previous_response_id", "must be a string")
+    store, stream = body.get("store", True), body.get("stream", False)
+    for name, value in (("store", store), ("stream", stream)):
+        if not isinstance(value, bool):
+            raise _invalid(name, "must be true or false")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _invalid("model", "must be a string")
+    if body.get("truncation", "disabled") != "disabled":
+        raise _invalid("truncation", "only 'disabled' is supported")
+    chat: dict[str, Any] = {}
+    if model is not None:
+        chat["model"] = model
+    for source, target in _PASSED.items():
+        if body.get(source) is not None:
+            chat[target] = body[source]
+    chat["stream"] = stream
+    if stream:
+        chat["stream_options"] = {"include_usage": True}
+    echo = {
+        "instructions": instructions,
+        "max_output_tokens": body.get("max_output_tokens"),
+        "metadata": body.get("metadata") or {},
+        "previous_response_id": previous,
+        "store": store,
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "user": body.get("user"),
+    }
+    return ResponsesRequest(new, instructions, previous, store, stream, model, chat, echo)
+
+
+def _usage(usage: Any) -> dict[str, Any] | None:
+    if not isinstance(usage, dict):
+        return None
+    prompt = usage.get("prompt_tokens") or 0
+    output = usage.get("completion_tokens") or 0
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached or 0},
+        "output_tokens": output,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + output,
+    }
+
+
+class ResponseBuilder:
+    """The `response` object of one answer, and its streamed events."""
+
+    def __init__(self, request: ResponsesRequest, response_id: str, model: str) -> None:
+        self.request = request
+        self.id = response_id
+        self.message_id = "msg_" + os.urandom(16).hex()
+        self.model = model
+        self.created = int(time.time())
+        self._sequence = 0
+        self._text: list[str] = []
+        self._usage: dict[str, Any] | None = None
+        self._finish: str | None = None
+        self._buffer = b""
+        self.began = False
+        self.ended = False
+        self.failed: dict[str, Any] | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self._text)
+
+    def _message(self, status: str) -> dict[str, Any]:
+        content = [{"type": "output_text", "text": self.text, "annotations": []}]
+        return {"type": "message", "id": self.message_id, "status": status,
+                "role": "assistant", "content": content}  # fmt: skip
+
+    def response(self, status: str) -> dict[str, Any]:
+        done = status != "in_progress"
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "error": self.failed,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete"
+            else None,
+            "model": self.model,
+            "output": [self._message("completed" if status == "completed" else status)]
+            if done and self.failed is None else [],
+            "parallel_tool_calls": True,
+            "text": {"format": {"type": "text"}},
+            "tool_choice": "auto",
+            "tools": [],
+            "truncation": "disabled",
+            "usage": self._usage if done else None,
+            **self.request.echo,
+        }  # fmt: skip
+
+    def _status(self) -> str:
+        if self.failed is not None:
+            return "failed"
+        return "incomplete" if self._finish == "length" else "completed"
+
+    # -- a whole (non-streaming) answer ----------------------------------------------------
+
+    def from_chat_body(self, body: bytes) -> bytes | None:
+        """The response object for a chat.completion body (None when it is not one)."""
+        try:
+            obj = orjson.loads(body)
+            choice = obj["choices"][0]
+            text = choice["message"]["content"] or ""
+        except (ValueError, KeyError, IndexError, TypeError):
+            return None
+        self._text = [text]
+        self._finish = choice.get("finish_reason")
+        self._usage = _usage(obj.get("usage"))
+        if isinstance(obj.get("model"), str):
+            self.model = obj["model"]
+        self.ended = True
+        return orjson.dumps(self.response(self._status()))
+
+    # -- a stream --------------------------------------------------------------------------
+
+    def _event(self, kind: str, **payload: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self._sequence, **payload}
+        self._sequence += 1
+        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+    def _part(self) -> dict[str, Any]:
+        return {"type": "output_text", "text": self.text, "annotations": []}
+
+    def _begin(self) -> bytes:
+        self.began = True
+        return b"".join((
+            self._event("response.created", response=self.response("in_progress")),
+            self._event("response.in_progress", response=self.response("in_progress")),
+            self._event("response.output_item.added", output_index=0,
+                        item={**self._message("in_progress"), "content": []}),
+            self._event("response.content_part.added", item_id=self.message_id,
+                        output_index=0, content_index=0,
+                        part={"type": "output_text", "text": "", "annotations": []}),
+        ))  # fmt: skip
+
+    def feed(self, chunk: bytes) -> bytes:
+        """Responses events for a piece of the upstream chat stream."""
+        out = [] if self.began else [self._begin()]
+        data = self._buffer + chunk
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._buffer = data
+            return b"".join(out)
+        self._buffer = data[end + 2 :]
+        for event in data[:end].split(b"\n\n"):
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    out.append(self._data(line[5:].strip()))
+        return b"".join(out)
+
+    def _data(self, payload: bytes) -> bytes:
+        if self.ended:
+            return b""
+        if payload == b"[DONE]":
+            return self.finish()
+        try:
+            obj = orjson.loads(payload)
+        except ValueError:
+            return b""
+        if not isinstance(obj, dict):
+            return b""
+        if "error" in obj:
+            err = obj["error"] if isinstance(obj["error"], dict) else {"message": str(obj["error"])}
+            self.failed = {"code": str(err.get("code") or "server_error"),
+                           "message": str(err.get("message") or "backend error")}  # fmt: skip
+            return self.finish()
+        if obj.get("usage"):
+            self._usage = _usage(obj["usage"])
+        if isinstance(obj.get("model"), str):
+            self.model = obj["model"]
+        choices = obj.get("choices")
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            return b""
+        choice = choices[0]
+        if choice.get("finish_reason"):
+            self._finish = choice["finish_reason"]
+        delta = choice.get("delta")
+        text = delta.get("content") if isinstance(delta, dict) else None
+        if not isinstance(text, str) or not text:
+            return b""
+        self._text.append(text)
+        return self._event("response.output_text.delta", item_id=self.message_id,
+                           output_index=0, content_index=0, delta=text, logprobs=[])  # fmt: skip
+
+    def finish(self) -> bytes:
+        """The closing events (once): the text, the part, the item, then the final response."""
+        if self.ended:
+            return b""
+        self.ended = True
+        status = self._status()
+        out = [] if self.began else [self._begin()]
+        if self.failed is None:
+            out += [
+                self._event("response.output_text.done", item_id=self.message_id,
+                            output_index=0, content_index=0, text=self.text, logprobs=[]),
+                self._event("response.content_part.done", item_id=self.message_id,
+                            output_index=0, content_index=0, part=self._part()),
+                self._event("response.output_item.done", output_index=0,
+                            item=self._message("completed" if status == "completed" else status)),
+            ]  # fmt: skip
+        out.append(self._event(f"response.{status}", response=self.response(status)))
+        return b"".join(out)
+
+
+__all__ = ["RESPONSES", "ResponseBuilder", "ResponsesRequest", "parse_request"]

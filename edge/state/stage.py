@@ -1,0 +1,394 @@
+"""The state stage: between parsing and routing, it rebuilds a stored conversation's prompt or
+finds a cached answer; around the relay, it sees the answer go by to commit or store it.
+
+`StateStage.prepare` runs once the body is parsed. For a request that uses no state (no
+conversation, no cache opt-in, not `/v1/responses`) it returns at once and nothing else of this
+module runs. Otherwise it sets `ex.state` to a `StateRequest`, whose `begin` answers a cache hit
+or wraps the client's `send`, and whose `finish` (always called, in the app's `finally`) commits
+the turn or stores the answer only when the response completed, and releases the lease otherwise.
+The relay goes through `send` for these requests (not the listener's body writer), so the
+wrapper sees every chunk.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from prometheus_client import CollectorRegistry, Counter
+
+from edge.errors import ConversationNotFound, EdgeError, InvalidRequest, StateUnavailable
+from edge.sse import SSEScanner, answer_of_body
+from edge.stages.validate import CHAT, COMPLETIONS, GENERATE
+from edge.state.cache import CACHE_HEADER, CacheTier, Entry, RedisTier, ResponseCache, deterministic
+from edge.state.cache import weight_version_of as _weight_version
+from edge.state.config import StateConfig
+from edge.state.conversations import (
+    CONVERSATION_HEADER,
+    NEW,
+    Conversations,
+    ConversationStore,
+    MemoryConversations,
+    RedisConversations,
+    Turn,
+    conversation_name,
+    parse_conversation_name,
+    parse_response_id,
+    previous_not_found,
+    response_id,
+)
+from edge.state.redis_store import RedisState
+from edge.state.responses import RESPONSES, ResponseBuilder, parse_request
+
+if TYPE_CHECKING:
+    from edge.exchange import Exchange
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+CACHEABLE_ROUTES = frozenset({CHAT, COMPLETIONS, GENERATE})
+_CONV_HEADER = CONVERSATION_HEADER.encode()
+_CACHE_HEADER = CACHE_HEADER.encode()
+
+
+class StateStage:
+    """Stored conversations and the response cache, for one edge process."""
+
+    def __init__(self, config: StateConfig, *, registry: CollectorRegistry) -> None:
+        config.validate()
+        self.config = config
+        self.redis: RedisState | None = None
+        if config.store == "redis":
+            assert config.redis_url is not None
+            self.redis = RedisState(
+                config.redis_url, timeout=config.redis_timeout, prefix=config.key_prefix
+            )
+        store: ConversationStore = (
+            RedisConversations(self.redis, config.conversations)
+            if self.redis is not None
+            else MemoryConversations(config.conversations)
+        )
+        self.conversations: Conversations | None = (
+            Conversations(store, config.conversations) if config.conversations.enabled else None
+        )
+        self.cache: ResponseCache | None = None
+        if config.cache.enabled:
+            tiers: list[CacheTier] = []
+            if self.redis is not None and config.cache.l2:
+                tiers.append(RedisTier(self.redis, config.cache.ttl))
+            self.cache = ResponseCache(config.cache, tiers=tiers, registry=registry)
+        self.turns = Counter(
+            "quicedge_conversation_turns_total",
+            "Stored-conversation turns by outcome (committed, failed, lost, busy, not_found, "
+            "too_large, unavailable)",
+            ["outcome"],
+            registry=registry,
+        )
+
+    async def aclose(self) -> None:
+        if self.redis is not None:
+            await self.redis.aclose()
+
+    async def prepare(
+        self, ex: Exchange, raw: bytes, body: dict[str, Any]
+    ) -> tuple[bytes, dict[str, Any]]:
+        """The body to forward (rebuilt for a conversation or `/v1/responses`), and `ex.state`."""
+        try:
+            if ex.route == RESPONSES:
+                return await self._responses(ex, body)
+            if ex.headers.conversation is not None:
+                return await self._chat_conversation(ex, body, ex.headers.conversation)
+        except EdgeError as err:
+            self.turns.labels(_outcome_of(err)).inc()
+            raise
+        cache = self.cache
+        if cache is not None and ex.route in CACHEABLE_ROUTES:
+            opt = ex.headers.cache
+            wanted = opt == b"use" or (opt != b"off" and ex.route in cache.config.routes)
+            if wanted and cache.config.allows(ex.tenant) and deterministic(ex.route, body):
+                model = body.get("model")
+                request = StateRequest(self, ex)
+                request.cache_model = model if isinstance(model, str) else ""
+                request.normalised = cache.normalise(body)
+                request.cache_key = cache.key(
+                    ex.tenant, ex.route, request.cache_model, request.normalised
+                )
+                ex.state = request
+        return raw, body
+
+    def _conversations(self) -> Conversations:
+        if self.conversations is None:
+            raise InvalidRequest(
+                "stored conversations are turned off on this edge",
+                code="conversations_disabled",
+            )
+        return self.conversations
+
+    async def _responses(self, ex: Exchange, body: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+        request = parse_request(body)
+        turn: Turn | None = None
+        if request.previous is not None:
+            cid, number = parse_response_id(request.previous)
+            turn = await self._conversations().resume(
+                ex.tenant, cid, request.new, after=number, store=request.store,
+                missing=previous_not_found(request.previous),
+            )  # fmt: skip
+        elif request.store and self.conversations is not None:
+            turn = await self.conversations.start(ex.tenant, request.new)
+        if turn is not None and turn.token is not None:
+            rid = response_id(turn.cid, turn.number)
+        else:
+            rid = "resp_" + os.urandom(16).hex()  # not stored: nothing can continue it
+        state = StateRequest(self, ex, turn=turn)
+        state.builder = ResponseBuilder(request, rid, request.model or "default")
+        ex.state = state
+        ex.route = CHAT
+        chat = request.chat_body(turn.messages if turn is not None else request.new)
+        return orjson.dumps(chat), chat
+
+    async def _chat_conversation(
+        self, ex: Exchange, body: dict[str, Any], header: bytes
+    ) -> tuple[bytes, dict[str, Any]]:
+        if ex.route != CHAT:
+            raise InvalidRequest(
+                f"{CONVERSATION_HEADER} is only for /v1/chat/completions",
+                param=CONVERSATION_HEADER,
+            )
+        new = body.get("messages")
+        if not isinstance(new, list) or not new or not all(isinstance(m, dict) for m in new):
+            raise InvalidRequest(
+                "'messages' must be a non-empty list of the new turn's messages",
+                param="messages",
+            )
+        conversations = self._conversations()
+        value = header.decode("latin-1").strip()
+        if value == NEW:
+            turn = await conversations.start(ex.tenant, new)
+        else:
+            turn = await conversations.resume(
+                ex.tenant, parse_conversation_name(value), new,
+                missing=ConversationNotFound(
+                    f"Conversation with id '{value[:80]}' not found.", param=CONVERSATION_HEADER
+                ),
+            )  # fmt: skip
+        ex.state = StateRequest(self, ex, turn=turn)
+        messages = turn.messages
+        # the messages member keeps its place: the body differs from the client's only there
+        rebuilt = {k: (messages if k == "messages" else v) for k, v in body.items()}
+        return orjson.dumps(rebuilt), rebuilt
+
+
+def _outcome_of(err: EdgeError) -> str:
+    return {404: "not_found", 409: "busy", 413: "too_large", 503: "unavailable"}.get(
+        err.status, "invalid"
+    )
+
+
+class StateRequest:
+    """The state side of one request: the turn it holds, the cache key, the answer going by."""
+
+    __slots__ = (
+        "builder",
+        "content_type",
+        "cache_key",
+        "cache_model",
+        "captured",
+        "captured_size",
+        "ended",
+        "ex",
+        "held",
+        "normalised",
+        "scanner",
+        "stage",
+        "status",
+        "turn",
+        "whole",
+        "_send",
+    )
+
+    def __init__(self, stage: StateStage, ex: Exchange, *, turn: Turn | None = None) -> None:
+        self.stage = stage
+        self.ex = ex
+        self.turn = turn
+        self.builder: ResponseBuilder | None = None
+        self.cache_key: str | None = None
+        self.cache_model = ""
+        self.normalised = b""
+        self.captured: list[bytes] | None = None
+        self.captured_size = 0
+        self.scanner: SSEScanner | None = None
+        self.status = 0
+        self.content_type = b"application/json"
+        self.ended = False
+        self.held: MutableMapping[str, Any] | None = None
+        self.whole: list[bytes] = []
+        self._send: Send | None = None
+
+    async def begin(self, send: Send) -> Send | None:
+        """Answer from the cache (None: answered), or the `send` the relay should use."""
+        ex, cache = self.ex, self.stage.cache
+        if self.cache_key is not None and cache is not None:
+            found = await cache.get(self.cache_key)
+            if found is not None:
+                entry, tier = found
+                await self._replay(send, entry, tier)
+                return None
+            self.captured = []
+        ex.body_writer = None  # relay through `send`, where this request sees the answer
+        if ex.stream and self.builder is None:
+            self.scanner = SSEScanner.for_route(ex.route)
+        self._send = send
+        return self.send
+
+    async def _replay(self, send: Send, entry: Entry, tier: str) -> None:
+        ex, stream, body = self.ex, entry.stream, entry.body
+        headers = [
+            (b"content-type", entry.content_type),
+            (b"x-request-id", ex.request_id.encode()),
+            (_CACHE_HEADER, b"hit-" + tier.encode()),
+        ]
+        if not stream:
+            headers.append((b"content-length", b"%d" % len(body)))
+        ex.started = True
+        ex.status = 200
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        ex.responded = True
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    def _extra_headers(self) -> list[tuple[bytes, bytes]]:
+        extra = []
+        if self.captured is not None:
+            extra.append((_CACHE_HEADER, b"miss"))
+        turn = self.turn
+        if turn is not None and self.builder is None:
+            extra.append((_CONV_HEADER, conversation_name(turn.cid).encode()))
+            if turn.truncated:
+                extra.append((b"x-quicedge-conversation-truncated", b"true"))
+        return extra
+
+    async def send(self, message: MutableMapping[str, Any]) -> None:
+        """The relay's `send`: watch (and for `/v1/responses` translate) the answer."""
+        assert self._send is not None
+        kind = message["type"]
+        if kind == "http.response.start":
+            self.status = message["status"]
+            for name, value in message["headers"]:
+                if name == b"content-type":
+                    self.content_type = value
+            if self.status == 200:
+                message = {**message, "headers": [*message["headers"], *self._extra_headers()]}
+                if self.builder is not None and not self.ex.stream:
+                    self.held = message  # its content-length changes with the translation
+                    return
+            await self._send(message)
+            return
+        if kind != "http.response.body":
+            await self._send(message)
+            return
+        body: bytes = message.get("body", b"")
+        more = bool(message.get("more_body", False))
+        if self.status == 200:
+            body = self._watch(body, more)
+            if self.held is not None:
+                if more:
+                    return
+                start, self.held = self.held, None
+                start["headers"] = [
+                    (k, v) for k, v in start["headers"] if k != b"content-length"
+                ] + [(b"content-length", b"%d" % len(body))]
+                await self._send(start)
+        if not more:
+            self.ended = True
+        await self._send({**message, "body": body, "more_body": more})
+
+    def _watch(self, body: bytes, more: bool) -> bytes:
+        """Record one chunk of a 200 answer; return what the client gets for it."""
+        captured = self.captured
+        if captured is not None and body:
+            self.captured_size += len(body)
+            if self.captured_size <= self.stage.config.cache.max_entry_bytes:
+                captured.append(body)
+            else:
+                self.captured = None  # too large to store: relayed only
+        if self.scanner is not None and body:
+            self.scanner.feed(body)
+        builder = self.builder
+        if builder is None:
+            if not self.ex.stream and self.turn is not None:
+                self.whole.append(body)
+            return body
+        if not self.ex.stream:
+            self.whole.append(body)
+            if more:
+                return b""
+            whole = b"".join(self.whole)
+            return builder.from_chat_body(whole) or whole
+        out = builder.feed(body)
+        if not more and not builder.ended:
+            builder.failed = {"code": "stream_cut", "message": "the backend's stream ended early"}
+            out += builder.finish()
+        return out
+
+    def _complete(self) -> bool:
+        """The client got a whole, successful answer (a stream that reached its end cleanly)."""
+        ex = self.ex
+        if self.status != 200 or not self.ended or ex.error is not None or ex.disconnected:
+            return False
+        if self.builder is not None:
+            return self.builder.ended and self.builder.failed is None
+        if self.scanner is not None:
+            return self.scanner.done and self.scanner.error is None
+        return True
+
+    def _reply_text(self) -> str | None:
+        if self.builder is not None:
+            return self.builder.text
+        if self.scanner is not None:
+            return self.scanner.final()[1]
+        return answer_of_body(b"".join(self.whole))[1]
+
+    async def finish(self) -> None:
+        """Commit the turn or release it; store a complete answer. Never raises."""
+        stage, turn = self.stage, self.turn
+        complete = self._complete()
+        try:
+            if turn is not None and stage.conversations is not None:
+                text = self._reply_text() if complete else None
+                if text is not None:
+                    reply = {"role": "assistant", "content": text}
+                    committed = await stage.conversations.commit(turn, reply)
+                    stage.turns.labels("committed" if committed else "lost").inc()
+                else:
+                    await stage.conversations.release(turn)
+                    stage.turns.labels("failed").inc()
+        except StateUnavailable as err:
+            stage.turns.labels("unavailable").inc()
+            log.warning("request %s: its turn was not stored: %s", self.ex.request_id, err)
+        cache = stage.cache
+        if cache is None or self.cache_key is None or self.status == 0:
+            return  # not cached, answered from the cache, or failed before any answer
+        if not complete or self.captured is None:
+            if self.status == 200:
+                cache.stores.labels("incomplete" if not complete else "too_large").inc()
+            return
+        body = b"".join(self.captured)
+        version = self._reported_version(body)
+        key = self.cache_key
+        if version is not None and version != cache.version(self.cache_model):
+            cache.learn(self.cache_model, version)
+            key = cache.key(self.ex.tenant, self.ex.route, self.cache_model, self.normalised)
+        await cache.put(key, stream=self.ex.stream, body=body, content_type=self.content_type)
+
+    def _reported_version(self, body: bytes) -> str | None:
+        if not self.ex.stream:
+            return _weight_version(self.ex.route, body)
+        if self.scanner is not None and self.ex.route == GENERATE:
+            last = self.scanner.last_data
+            return _weight_version(GENERATE, last) if last is not None else None
+        return None
+
+
+__all__ = ["StateRequest", "StateStage"]

@@ -1,0 +1,214 @@
+"""Admission through the whole app over real sockets: 401 and 429 in OpenAI's shape, tenants in
+metrics and spans, the client's Authorization never forwarded, per-tenant concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from backends.sim import SimServer
+from edge.admission.settings import AdmissionSettings, AnonymousSettings, TenantSettings
+from edge.admission.tenants import key_digest
+from edge.config import ProxyConfig
+from tests.edge.conftest import (
+    Recorded,
+    Reply,
+    TinyUpstream,
+    client,
+    fast_config,
+    health_ok,
+    run_edge,
+    sse_reply,
+)
+from tests.edge.test_app_sim import metrics_text, sim_config
+from tests.helpers import wait_until
+
+CHAT = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def tenant(name: str, tier: str, key: str, **limits: Any) -> TenantSettings:
+    return TenantSettings(name=name, tier=tier, api_key_sha256=[key_digest(key)], **limits)  # type: ignore[arg-type]
+
+
+def with_admission(config: ProxyConfig, **values: Any) -> ProxyConfig:
+    config.admission = AdmissionSettings(**values)  # the wiring validates it
+    return config
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+async def test_401_for_unknown_keys_and_for_no_key_when_anonymous_is_off() -> None:
+    async with SimServer(sim_config("b1")) as sim:
+        config = with_admission(
+            fast_config([sim.url]),
+            anonymous=AnonymousSettings(enabled=False),
+            tenants=[tenant("acme", "gold", "sk-acme")],
+        )
+        async with run_edge(config) as edge, client(edge) as http:
+            for headers in ({}, bearer("sk-wrong"), {"authorization": "Basic eDp5"}):
+                r = await http.post("/v1/chat/completions", json=CHAT, headers=headers)
+                assert r.status_code == 401, headers
+                error = r.json()["error"]
+                assert error["code"] == "invalid_api_key"
+                assert error["type"] == "invalid_request_error"
+                assert r.headers["www-authenticate"] == "Bearer"
+                assert r.headers["x-request-id"]
+            ok = await http.post("/v1/chat/completions", json=CHAT, headers=bearer("sk-acme"))
+            assert ok.status_code == 200
+            text = await metrics_text(edge)
+            assert (
+                'quicedge_admission_rejections_total{reason="unauthorized",tenant="-"} 3.0' in text
+            )
+            assert 'quicedge_tenant_requests_total{tenant="acme",tier="gold"} 1.0' in text
+
+
+async def test_429_with_retry_after_once_the_burst_is_spent() -> None:
+    async with SimServer(sim_config("b1")) as sim:
+        config = with_admission(
+            fast_config([sim.url]),
+            tenants=[tenant("slow", "bronze", "sk-slow", requests_per_second=0.05, burst=2)],
+        )
+        async with run_edge(config) as edge, client(edge) as http:
+            codes = []
+            for _ in range(4):
+                r = await http.post("/v1/chat/completions", json=CHAT, headers=bearer("sk-slow"))
+                codes.append(r.status_code)
+            assert codes == [200, 200, 429, 429]
+            assert r.json()["error"]["code"] == "rate_limit_exceeded"
+            assert r.json()["error"]["type"] == "rate_limit_error"
+            assert 1 <= int(r.headers["retry-after"]) <= 20  # one request per 20 s refills
+            # the anonymous tenant has no limits by default: it is not held back by `slow`
+            anon = await http.post("/v1/chat/completions", json=CHAT)
+            assert anon.status_code == 200
+            text = await metrics_text(edge)
+            assert (
+                'quicedge_admission_rejections_total{reason="requests",tenant="slow"} 2.0' in text
+            )
+            assert 'quicedge_tenant_requests_total{tenant="anonymous",tier="bronze"} 1.0' in text
+
+
+async def test_tokens_per_minute_counts_prompt_and_completion() -> None:
+    async with SimServer(sim_config("b1")) as sim:
+        config = with_admission(
+            fast_config([sim.url]),
+            tenants=[tenant("tok", "silver", "sk-tok", tokens_per_minute=40)],
+        )
+        body = {**CHAT, "max_tokens": 30, "ignore_eos": True}
+        async with run_edge(config) as edge, client(edge) as http:
+            first = await http.post("/v1/chat/completions", json=body, headers=bearer("sk-tok"))
+            assert first.status_code == 200
+            assert first.json()["usage"]["completion_tokens"] == 30
+            # prompt (a few tokens) + 30 completion tokens leave less than the next prompt needs
+            second = await http.post("/v1/chat/completions", json=body, headers=bearer("sk-tok"))
+            assert second.status_code == 429
+            assert "tokens per minute" in second.json()["error"]["message"]
+            text = await metrics_text(edge)
+            assert 'quicedge_tenant_tokens_total{kind="completion",tenant="tok"} 30.0' in text
+            assert 'quicedge_admission_rejections_total{reason="tokens",tenant="tok"} 1.0' in text
+
+
+async def test_tenant_on_the_span_and_authorization_never_forwarded() -> None:
+    def answer(recorded: Recorded) -> Reply:
+        return health_ok(recorded) or sse_reply(["ok"])
+
+    async with TinyUpstream(answer) as up:
+        config = with_admission(
+            fast_config([up.url]), tenants=[tenant("acme", "gold", "sk-acme-secret")]
+        )
+        async with run_edge(config, trace=True) as edge, client(edge) as http:
+            body = {"model": "tiny-model", "prompt": "Hello", "stream": True}
+            headers = {**bearer("sk-acme-secret"), "x-tenant-id": "someone-else"}
+            r = await http.post("/v1/completions", json=body, headers=headers)
+            assert r.status_code == 200
+            sent = [x for x in up.requests if x.path == "/v1/completions"]
+            assert len(sent) == 1
+            assert "authorization" not in sent[0].headers
+            assert b"sk-acme-secret" not in sent[0].body
+            assert edge.spans is not None
+            roots = [s for s in edge.spans.get_finished_spans() if s.name == "quicedge.request"]
+            assert roots and roots[-1].attributes is not None
+            assert roots[-1].attributes["quicedge.tenant"] == "acme"
+            assert roots[-1].attributes["quicedge.tier"] == "gold"
+
+
+async def test_max_concurrent_refuses_the_extra_request_and_frees_its_slot() -> None:
+    release = asyncio.Event()
+
+    async def answer(recorded: Recorded) -> Reply:
+        reply = health_ok(recorded)
+        if reply is not None:
+            return reply
+        await release.wait()
+        return sse_reply(["ok"])
+
+    async with TinyUpstream(answer) as up:
+        config = with_admission(
+            fast_config([up.url]), tenants=[tenant("one", "gold", "sk-one", max_concurrent=1)]
+        )
+        body = {"model": "tiny-model", "prompt": "Hello", "stream": True}
+        async with run_edge(config) as edge, client(edge) as http:
+            first = asyncio.ensure_future(
+                http.post("/v1/completions", json=body, headers=bearer("sk-one"))
+            )
+            await wait_until(lambda: any(x.path == "/v1/completions" for x in up.requests))
+            second = await http.post("/v1/completions", json=body, headers=bearer("sk-one"))
+            assert second.status_code == 429
+            assert "in flight" in second.json()["error"]["message"]
+            assert second.headers["retry-after"] == "1"
+            release.set()
+            assert (await first).status_code == 200
+            third = await http.post("/v1/completions", json=body, headers=bearer("sk-one"))
+            assert third.status_code == 200
+            assert json.loads(third.content.split(b"\n\n")[0][6:])["choices"][0]["text"] == "ok"
+
+
+async def test_the_default_edge_admits_anonymous_requests_as_before() -> None:
+    async with SimServer(sim_config("b1")) as sim:
+        async with run_edge(fast_config([sim.url])) as edge, client(edge) as http:
+            r = await http.post("/v1/chat/completions", json=CHAT)
+            assert r.status_code == 200
+            r = await http.post("/v1/chat/completions", json=CHAT, headers=bearer("sk-any"))
+            assert r.status_code == 401  # a key nobody configured is unknown, not ignored
+
+
+async def test_a_stream_without_usage_is_charged_its_relayed_chunks() -> None:
+    async with SimServer(sim_config("b1", profile="h100-llama3-8b")) as sim:
+        config = with_admission(
+            fast_config([sim.url]),
+            tenants=[tenant("tok", "silver", "sk-tok", tokens_per_minute=100000)],
+        )
+        body = {**CHAT, "max_tokens": 12, "ignore_eos": True, "stream": True}
+        async with run_edge(config) as edge, client(edge) as http:
+            r = await http.post("/v1/chat/completions", json=body, headers=bearer("sk-tok"))
+            assert r.status_code == 200 and b'"usage"' not in r.content
+            text = await metrics_text(edge)
+            charged = [
+                float(x.split()[-1]) for x in text.splitlines()
+                if x.startswith('quicedge_tenant_tokens_total{kind="completion",tenant="tok"}')
+            ]  # fmt: skip
+            # chunks read together count once: a lower bound on the 12 tokens, never above them
+            assert charged and 1 <= charged[0] <= 12
+
+
+async def test_a_tenant_over_its_request_rate_is_refused_before_its_body_is_read() -> None:
+    async with SimServer(sim_config("b1")) as sim:
+        config = with_admission(
+            fast_config([sim.url]),
+            tenants=[tenant("slow", "bronze", "sk-slow", requests_per_second=0.05, burst=1)],
+        )
+        async with run_edge(config) as edge, client(edge) as http:
+            ok = await http.post("/v1/chat/completions", json=CHAT, headers=bearer("sk-slow"))
+            assert ok.status_code == 200
+            refused = await http.post("/v1/chat/completions", json=CHAT, headers=bearer("sk-slow"))
+            assert refused.status_code == 429
+            # from now on the body is not even parsed: broken JSON gets the 429, not a 400
+            headers = {**bearer("sk-slow"), "content-type": "application/json"}
+            r = await http.post("/v1/chat/completions", content=b"{not json", headers=headers)
+            assert r.status_code == 429
+            assert r.json()["error"]["code"] == "rate_limit_exceeded"
+            assert 1 <= int(r.headers["retry-after"]) <= 20
+            # another tenant is not affected
+            assert (await http.post("/v1/chat/completions", json=CHAT)).status_code == 200

@@ -1,0 +1,81 @@
+"""Token buckets: the memory store and the Redis store (a real Redis) agree on the rules."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from edge.admission.buckets import MemoryBuckets, RedisBuckets
+from edge.admission.redis_guard import RedisGuard
+from edge.admission.settings import RedisSettings
+from edge.admission.tenants import Bucket
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_memory_bucket_burst_refill_and_retry_after() -> None:
+    clock = FakeClock()
+    store = MemoryBuckets(clock)
+    rps = Bucket(rate=2.0, capacity=3.0)
+    for _ in range(3):
+        assert store.take_now([("t", rps, 1)]).allowed
+    refused = store.take_now([("t", rps, 1)])
+    assert not refused.allowed and refused.refused == 0
+    assert refused.retry_after == pytest.approx(0.5)
+    clock.now += 0.5
+    assert store.take_now([("t", rps, 1)]).allowed
+
+
+def test_memory_take_is_all_or_nothing_and_debt_is_paid_back() -> None:
+    clock = FakeClock()
+    store = MemoryBuckets(clock)
+    rps = Bucket(rate=1.0, capacity=5.0)
+    tpm = Bucket(rate=10.0, capacity=100.0)
+    verdict = store.take_now([("r", rps, 1), ("k", tpm, 150)])  # bigger than the bucket: full
+    assert verdict.allowed
+    assert store.level("k") == -50
+    refused = store.take_now([("r", rps, 1), ("k", tpm, 10)])
+    assert not refused.allowed and refused.refused == 1
+    assert refused.retry_after == pytest.approx(6.0)  # from -50 to 10 at 10/s
+    assert store.level("r") == 4  # nothing was taken from the requests bucket
+    store.debit_now("k", tpm, 40)
+    assert store.level("k") == -90
+
+
+@pytest.fixture
+async def guard(redis_url: str) -> AsyncIterator[RedisGuard]:
+    # generous deadlines: this test is about the script, not about Redis being slow
+    g = RedisGuard(RedisSettings(url=redis_url, timeout_ms=2000, slow_ms=2000))
+    yield g
+    await g.aclose()
+
+
+async def test_redis_buckets_share_state_across_clients(
+    redis_url: str, redis_prefix: str, guard: RedisGuard
+) -> None:
+    other = RedisGuard(RedisSettings(url=redis_url, timeout_ms=2000, slow_ms=2000))
+    try:
+        a, b = RedisBuckets(guard, redis_prefix), RedisBuckets(other, redis_prefix)
+        rps = Bucket(rate=0.001, capacity=4.0)  # no refill to speak of during the test
+        results = [await (a if i % 2 else b).take([("t:req", rps, 1)]) for i in range(6)]
+        assert [v.allowed for v in results] == [True] * 4 + [False] * 2
+        assert results[-1].retry_after == pytest.approx(1000, rel=0.01)
+        tpm = Bucket(rate=1.0, capacity=100.0)
+        assert (await a.take([("t:req2", Bucket(1.0, 9.0), 1), ("t:tok", tpm, 60)])).allowed
+        refused = await b.take([("t:req2", Bucket(1.0, 9.0), 1), ("t:tok", tpm, 60)])
+        assert not refused.allowed and refused.refused == 1
+        assert refused.retry_after == pytest.approx(20, abs=0.5)
+        await a.debit("t:tok", tpm, 100)
+        level = float(await guard.client.hget(redis_prefix + "t:tok", "l"))
+        assert level == pytest.approx(-60, abs=1)
+        ttl = await guard.client.pttl(redis_prefix + "t:tok")
+        assert 0 < ttl <= 162_000  # time to refill from the debt, plus a second
+    finally:
+        await other.aclose()

@@ -1,0 +1,95 @@
+"""The queue-depth throttle's slope, and the admission queue's order, bound and deadline."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from backends.registry import Backend
+from backends.sglang import LoadSnapshot
+from edge.admission.settings import ThrottleSettings
+from edge.admission.throttle import AdmissionQueue, Throttle
+from edge.errors import Overloaded
+from tests.helpers import wait_until
+
+
+def load(waiting: int) -> LoadSnapshot:
+    return LoadSnapshot(
+        num_running_reqs=1, num_waiting_reqs=waiting, num_total_tokens=0, token_usage=0.0,
+        max_total_tokens=None,
+    )  # fmt: skip
+
+
+def test_share_falls_linearly_from_80_percent_to_zero_at_the_maximum() -> None:
+    throttle = Throttle(ThrottleSettings(max_queue_depth=10))
+    backend = Backend(name="b", url="http://b:1")
+    shares = []
+    for waiting in (0, 7, 8, 9, 10, 15):
+        backend.load = load(waiting)
+        shares.append(throttle.share(backend))
+    assert shares == [1.0, 1.0, 1.0, pytest.approx(0.5), 0.0, 0.0]
+    backend.load = load(0)
+    backend.in_prefill = 10  # the edge's own requests without a first token count too
+    assert throttle.share(backend) == 0.0
+    by_flight = Throttle(ThrottleSettings(max_queue_depth=10, depth="in_flight"))
+    backend.in_prefill, backend.in_flight = 0, 9  # decoding requests count too
+    assert by_flight.share(backend) == pytest.approx(0.5)
+
+
+def test_admits_by_the_share() -> None:
+    draws = iter([0.2, 0.7])
+    throttle = Throttle(ThrottleSettings(max_queue_depth=10), rng=lambda: next(draws))
+    backend = Backend(name="b", url="http://b:1", load=load(9))  # share 0.5
+    assert throttle.admits(backend)
+    assert not throttle.admits(backend)
+
+
+def settings(**values: float) -> ThrottleSettings:
+    base = {"max_queue_depth": 1, "queue_size": 8, "queue_timeout_s": 20.0, "recheck_s": 5.0}
+    base.update(values)
+    return ThrottleSettings(**base)  # type: ignore[arg-type]
+
+
+async def test_gold_before_silver_before_bronze_fifo_within_a_tier() -> None:
+    backend = Backend(name="b", url="http://b:1", in_prefill=1)  # full: depth 1 of 1
+    queue = AdmissionQueue(settings(), Throttle(settings()))
+    order: list[str] = []
+
+    async def request(name: str, rank: int) -> None:
+        placed = await queue.place(rank, "tier", lambda: [backend])
+        assert placed == [backend]
+        order.append(name)
+        backend.in_prefill += 1  # it takes the room it was given
+
+    arrivals = [("bronze-1", 2), ("silver-1", 1), ("bronze-2", 2), ("gold-1", 0), ("gold-2", 0)]
+    tasks = []
+    for name, rank in arrivals:
+        tasks.append(asyncio.ensure_future(request(name, rank)))
+        await wait_until(lambda: queue.waiting == len(tasks))
+    for placed in range(len(arrivals)):
+        backend.in_prefill = 0  # one request ended: room for one
+        queue.wake()
+        await wait_until(lambda n=placed: len(order) > n)  # type: ignore[misc]
+    await asyncio.gather(*tasks)
+    assert order == ["gold-1", "gold-2", "silver-1", "bronze-1", "bronze-2"]
+
+
+async def test_a_full_queue_and_a_deadline_are_503_with_retry_after() -> None:
+    backend = Backend(name="b", url="http://b:1", in_prefill=1)
+    s = settings(queue_size=1, queue_timeout_s=0.2, recheck_s=0.05)
+    queue = AdmissionQueue(s, Throttle(s))
+    waiting = asyncio.ensure_future(queue.place(2, "bronze", lambda: [backend]))
+    await wait_until(lambda: queue.waiting == 1)
+    with pytest.raises(Overloaded, match="queue is full") as full:
+        await queue.place(0, "gold", lambda: [backend])
+    assert full.value.status == 503 and (b"retry-after", b"1") in full.value.extra_headers
+    with pytest.raises(Overloaded, match="within 0.2s"):
+        await waiting
+    assert queue.waiting == 0
+
+
+async def test_no_candidates_at_all_is_not_queued() -> None:
+    queue = AdmissionQueue(settings(), Throttle(settings()))
+    assert await queue.place(0, "gold", lambda: []) == []
+    assert queue.waiting == 0

@@ -1,0 +1,115 @@
+"""`[policy]` and `[audit]` in the config file, read by `quicedge serve`'s settings loader, reach
+the wiring; bad values are named; the flags exist."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from edge.audit import AuditConfig
+from edge.config import ProxyConfig
+from edge.policy.config import PolicyConfig
+from edge.serve import build_parser, load_settings
+from edge.wiring import build
+
+EXAMPLE = Path(__file__).parents[3] / "edge" / "policy" / "examples" / "deny_keyword.wasm"
+
+
+def loaded(tmp_path: Path, text: str, *argv: str, env: dict[str, str] | None = None) -> Any:
+    path = tmp_path / "quicedge.toml"
+    path.write_text('[proxy]\nbackends = ["http://127.0.0.1:9"]\n' + text)
+    args = build_parser().parse_args(["--config", str(path), *argv])
+    return load_settings(args, env or {})
+
+
+async def test_toml_tables_build_the_gateway_and_the_audit_log(tmp_path: Path) -> None:
+    settings = loaded(
+        tmp_path,
+        f"""
+[policy]
+stream_lookbehind = 64
+
+[[policy.rules]]
+id = "no-secrets"
+patterns = ["password"]
+
+[[policy.wasm]]
+id = "kw"
+path = "{EXAMPLE}"
+on_error = "open"
+
+[[policy.stream_rules]]
+id = "leak"
+patterns = ["BEGIN PRIVATE KEY"]
+literal = true
+
+[policy.judge]
+backends = ["http://127.0.0.1:9"]
+mode = "race"
+
+[audit]
+path = "{tmp_path / "audit.jsonl"}"
+when_full = "refuse"
+""",
+    )
+    policy, audit = settings.get("policy", PolicyConfig), settings.get("audit", AuditConfig)
+    assert [r.id for r in policy.rules] == ["no-secrets"]
+    assert policy.wasm[0].on_error == "open" and policy.judge.mode == "race"
+    assert audit.when_full == "refuse"
+    wiring = await build(
+        settings.get("proxy", ProxyConfig), registry=CollectorRegistry(), policies=policy,
+        audit=audit,
+    )  # fmt: skip
+    try:
+        assert wiring.gateway is not None and len(wiring.gateway.modules) == 1
+        assert wiring.gateway.stream is not None and wiring.gateway.stream.lookbehind == 64
+        assert wiring.gateway.judge is not None
+        assert wiring.audit is not None
+    finally:
+        await wiring.aclose()
+
+
+def test_flags_and_environment(tmp_path: Path) -> None:
+    log = str(tmp_path / "a.jsonl")
+    env = {"QUICEDGE_AUDIT_WHEN_FULL": "refuse"}
+    settings = loaded(tmp_path, "", "--audit-log", log, "--policy-stream-hold", env=env)
+    assert settings.get("audit", AuditConfig).path == str(tmp_path / "a.jsonl")
+    assert settings.get("audit", AuditConfig).when_full == "refuse"
+    assert settings.get("policy", PolicyConfig).stream_hold is True
+
+
+async def test_no_tables_build_nothing(tmp_path: Path) -> None:
+    settings = loaded(tmp_path, "")
+    wiring = await build(
+        settings.get("proxy", ProxyConfig), registry=CollectorRegistry(),
+        policies=settings.get("policy", PolicyConfig), audit=settings.get("audit", AuditConfig),
+    )  # fmt: skip
+    try:
+        assert wiring.gateway is None and wiring.audit is None
+    finally:
+        await wiring.aclose()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[[policy.rules]]\nid = "x"\npatterns = ["("]\n', "policy.rules.patterns"),
+        ('[[policy.wasm]]\nid = "m"\n', "policy.wasm.path"),
+        ("[audit]\nqueue_size = 0\n", "audit.queue_size"),
+        ('[[policy.rules]]\nid = "x"\npatterns = ["a"]\ncolour = 1\n', "colour"),
+        ('[policy.judge]\nmode = "maybe"\n', "policy.judge.mode"),
+    ],
+)
+def test_bad_tables_are_named(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        loaded(tmp_path, text)
+
+
+def test_example_toml_in_the_docs_loads() -> None:
+    docs = (Path(__file__).parents[3] / "docs" / "policy.md").read_text()
+    block = docs.split("```toml\n", 1)[1].split("```", 1)[0]
+    PolicyConfig.from_mapping(tomllib.loads(block)["policy"])

@@ -1,0 +1,131 @@
+"""The model-judged track against a scripted guard model: `hold` refuses before routing, `race`
+cancels a request whose response has not started, a late verdict is only counted, and a guard
+that fails goes open or closed as configured."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from edge.policy.config import PolicyConfig
+from edge.policy.judge import verdict_of
+from tests.edge.conftest import (
+    Recorded,
+    Reply,
+    TinyUpstream,
+    client,
+    fast_config,
+    health_ok,
+    run_edge,
+    sse_reply,
+)
+from tests.helpers import wait_until
+
+
+def guard(delay: float = 0.0) -> Any:
+    """A guard that answers `unsafe` for prompts that mention an attack, else `safe`."""
+
+    async def answer(recorded: Recorded) -> Reply:
+        if recorded.path != "/v1/chat/completions":
+            return health_ok(recorded) or Reply(status=404)
+        await asyncio.sleep(delay)
+        prompt = json.loads(recorded.body)["messages"][0]["content"]
+        text = "unsafe\nS2" if "attack" in prompt else "safe"
+        body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]}
+        return Reply(chunks=[json.dumps(body).encode()], chunked=False,
+                     headers=[("content-type", "application/json")])  # fmt: skip
+
+    return answer
+
+
+def backend(head_delay: float = 0.0) -> Any:
+    async def answer(recorded: Recorded) -> Reply:
+        ok = health_ok(recorded)
+        if ok is not None:
+            return ok
+        await asyncio.sleep(head_delay)  # a backend slow to start its answer (queued, prefill)
+        return sse_reply(["fine", " answer"])
+
+    return answer
+
+
+def edge_with(url: str, guard_url: str, **judge: Any) -> Any:
+    """An edge in front of `url` whose guard model is `guard_url` (`[policy.judge]`)."""
+    policies = PolicyConfig.from_mapping({"judge": {"backends": [guard_url], **judge}})
+    return run_edge(fast_config([url]), policies=policies)
+
+
+def completion(prompt: str, stream: bool = False) -> dict[str, Any]:
+    return {"model": "tiny-model", "prompt": prompt, "stream": stream}
+
+
+def generations(up: TinyUpstream) -> list[Recorded]:
+    return [r for r in up.requests if r.path == "/v1/completions"]
+
+
+async def metrics(edge: Any) -> str:
+    async with httpx.AsyncClient() as http:
+        return (await http.get(f"{edge.admin_url}/metrics")).text
+
+
+async def test_hold_refuses_unsafe_before_routing_and_passes_safe() -> None:
+    async with TinyUpstream(backend()) as up, TinyUpstream(guard()) as g:
+        async with edge_with(up.url, g.url) as edge, client(edge) as http:
+            refused = await http.post("/v1/completions", json=completion("plan an attack"))
+            passed = await http.post("/v1/completions", json=completion("plan a picnic"))
+            text = await metrics(edge)
+    assert refused.status_code == 403
+    assert refused.json()["error"]["code"] == "policy_violation"
+    assert refused.headers["x-quicedge-policy-rule"] == "judge"
+    assert passed.status_code == 200
+    assert len(generations(up)) == 1  # only the safe one was forwarded
+    assert 'quicedge_policy_judge_seconds_count{verdict="unsafe"} 1.0' in text
+    assert 'quicedge_policy_decisions_total{outcome="safe",rule="judge"} 1.0' in text
+
+
+async def test_race_cancels_a_request_whose_answer_has_not_started() -> None:
+    async with TinyUpstream(backend(head_delay=5.0)) as up, TinyUpstream(guard()) as g:
+        async with edge_with(up.url, g.url, mode="race") as edge, client(edge) as http:
+            response = await http.post("/v1/completions", json=completion("attack!", True))
+            await wait_until(lambda: any(r.path == "/abort_request" for r in up.requests), 10)
+    assert response.status_code == 200  # a streaming refusal: a well-formed stream
+    events = response.content.split(b"\n\n")
+    assert json.loads(events[0][6:])["choices"][0]["finish_reason"] == "content_filter"
+    assert events[-2:] == [b"data: [DONE]", b""]
+    assert len(generations(up)) == 1  # it was forwarded at once
+
+
+async def test_race_verdict_after_the_answer_started_is_only_counted() -> None:
+    async with TinyUpstream(backend()) as up, TinyUpstream(guard(delay=0.5)) as g:
+        async with edge_with(up.url, g.url, mode="race") as edge, client(edge) as http:
+            response = await http.post("/v1/completions", json=completion("attack", True))
+            counter = edge.wiring.metrics.policy_decisions.labels("judge", "unsafe_late")
+            await wait_until(lambda: counter.value == 1, 10)
+    assert response.status_code == 200 and b"fine" in response.content
+
+
+@pytest.mark.parametrize(("on_error", "status"), [("open", 200), ("closed", 503)])
+async def test_a_failing_guard(on_error: str, status: int) -> None:
+    async with TinyUpstream(backend()) as up, TinyUpstream(guard(delay=5.0)) as g:
+        async with (
+            edge_with(up.url, g.url, timeout=0.2, on_error=on_error) as edge,
+            client(edge) as http,
+        ):
+            response = await http.post("/v1/completions", json=completion("hello"))
+    assert response.status_code == status
+    if status == 503:
+        assert response.json()["error"]["code"] == "policy_unavailable"
+
+
+@pytest.mark.parametrize(
+    ("text", "verdict"),
+    [("safe", "safe"), ("Unsafe\nS1", "unsafe"), (" SAFE.", "safe"), ("maybe", "error")],
+)
+def test_verdict_of_the_first_word(text: str, verdict: str) -> None:
+    raw = json.dumps({"choices": [{"message": {"content": text}}]}).encode()
+    assert verdict_of(raw) == verdict
+    assert verdict_of(b"not json") == "error"

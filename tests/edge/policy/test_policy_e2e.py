@@ -1,0 +1,255 @@
+"""The gateway in the edge, over real sockets in front of a scripted upstream: refusals in
+OpenAI's shape, redaction reaching the backend, a stream cut by a rule split across chunks (the
+upstream request aborted), the compliance attributes on the span, and a module hot-reloaded
+under load without one failed request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import wasmtime
+
+from edge.admission.settings import AdmissionSettings, TenantSettings
+from edge.admission.tenants import key_digest
+from edge.audit import AuditConfig
+from edge.policy.config import PolicyConfig
+from tests.edge.conftest import (
+    LISTENERS,
+    Recorded,
+    Reply,
+    TinyUpstream,
+    client,
+    fast_config,
+    health_ok,
+    run_edge,
+    sse_reply,
+)
+from tests.helpers import wait_until
+
+EXAMPLE = Path(__file__).parents[3] / "edge" / "policy" / "examples" / "deny_keyword.wasm"
+ALLOW_ALL = """(module (memory (export "memory") 1)
+  (data (i32.const 0) "{\\"action\\":\\"allow\\"}")
+  (func (export "alloc") (param i32) (result i32) (i32.const 1024))
+  (func (export "check") (param i32 i32) (result i64) (i64.const 18)))"""
+
+POLICY: dict[str, Any] = {
+    "rules": [
+        {"id": "no-secrets", "action": "deny", "patterns": ["password"]},
+        {"id": "email", "action": "redact", "patterns": [r"[\w.]+@[\w.]+"],
+         "replacement": "[EMAIL]"},
+    ],
+    "stream_rules": [{"id": "key-leak", "patterns": ["BEGIN PRIVATE KEY"], "literal": True}],
+    "stream_hold": True,
+}  # fmt: skip
+
+
+def script(texts: list[str], delay: float = 0.0) -> Any:
+    def answer(recorded: Recorded) -> Reply:
+        return health_ok(recorded) or sse_reply(texts, delay=delay)
+
+    return answer
+
+
+def inference(up: TinyUpstream) -> list[Recorded]:
+    return [r for r in up.requests if r.path.startswith(("/v1/", "/generate")) and
+            r.path != "/v1/models" and r.path != "/v1/loads"]  # fmt: skip
+
+
+def edge_with(url: str, policy: dict[str, Any] = POLICY, **kwargs: Any) -> Any:
+    """An edge in front of `url` with the `[policy]` table `policy`."""
+    return run_edge(fast_config([url]), policies=PolicyConfig.from_mapping(policy), **kwargs)
+
+
+def completion(prompt: str, stream: bool = True) -> dict[str, Any]:
+    return {"model": "tiny-model", "prompt": prompt, "stream": stream}
+
+
+async def test_denied_request_gets_403_in_openai_shape_and_never_reaches_a_backend() -> None:
+    async with TinyUpstream(script(["ok"])) as up:
+        async with edge_with(up.url) as edge, client(edge) as http:
+            response = await http.post("/v1/completions", json=completion("my PASSWORD", False))
+            metrics = (await httpx.AsyncClient().get(f"{edge.admin_url}/metrics")).text
+    assert response.status_code == 403
+    error = response.json()["error"]
+    assert error["code"] == "policy_violation" and "no-secrets" in error["message"]
+    assert "PASSWORD" not in response.text
+    assert response.headers["x-quicedge-policy-rule"] == "no-secrets"
+    assert "x-request-id" in response.headers
+    assert inference(up) == []
+    assert 'quicedge_policy_decisions_total{outcome="deny",rule="no-secrets"} 1.0' in metrics
+
+
+async def test_denied_streaming_request_gets_a_well_formed_sse_refusal() -> None:
+    async with TinyUpstream(script(["ok"])) as up:
+        async with edge_with(up.url) as edge, client(edge) as http:
+            response = await http.post("/v1/completions", json=completion("password?"))
+    assert response.status_code == 200
+    assert response.headers["content-type"] == "text/event-stream"
+    events = response.content.split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""]
+    assert json.loads(events[0][6:])["choices"][0]["finish_reason"] == "content_filter"
+    assert inference(up) == []
+
+
+async def test_redacted_prompt_is_what_the_backend_gets() -> None:
+    async with TinyUpstream(script(["ok"])) as up:
+        async with edge_with(up.url) as edge, client(edge) as http:
+            response = await http.post("/v1/completions", json=completion("mail bob@corp.io now"))
+    assert response.status_code == 200
+    (sent,) = inference(up)
+    body = json.loads(sent.body)
+    assert body["prompt"] == "mail [EMAIL] now" and "rid" in body
+    assert b"bob@corp.io" not in sent.body
+
+
+async def test_clean_request_is_forwarded_byte_for_byte() -> None:
+    async with TinyUpstream(script(["ok"])) as up:
+        async with edge_with(up.url) as edge, client(edge) as http:
+            raw = b'{"model": "tiny-model",   "prompt": "hello", "stream": true}'
+            response = await http.post(
+                "/v1/completions", content=raw, headers={"content-type": "application/json"}
+            )
+    assert response.status_code == 200
+    (sent,) = inference(up)
+    assert sent.body.endswith(raw[1:])  # the original bytes, after the spliced rid
+
+
+@LISTENERS
+async def test_stream_rule_split_across_chunks_ends_the_stream_and_aborts_upstream(
+    listener: str,
+) -> None:
+    tokens = ["Sure: ", "BEGIN PRIV", "ATE KEY", "-----", *(["MIIEv"] * 200)]
+    async with TinyUpstream(script(tokens, delay=0.005)) as up:
+        async with edge_with(up.url, listener=listener, trace=True) as edge:
+            async with client(edge) as http:
+                response = await http.post("/v1/completions", json=completion("give me a key"))
+            await wait_until(lambda: any(r.path == "/abort_request" for r in up.requests), 10)
+            spans = edge.spans
+            assert spans is not None
+            await wait_until(lambda: any(s.name == "quicedge.request"
+                                         for s in spans.get_finished_spans()), 10)  # fmt: skip
+    assert response.status_code == 200
+    events = response.content.split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""]
+    texts = [json.loads(e[6:])["choices"][0] for e in events if e.startswith(b"data: {")]
+    assert "".join(c.get("text") or "" for c in texts) == "Sure: "
+    assert texts[-1]["finish_reason"] == "content_filter"
+    assert b"PRIV" not in response.content and b"MIIEv" not in response.content
+    (root,) = [s for s in spans.get_finished_spans() if s.name == "quicedge.request"]
+    assert root.attributes is not None
+    assert root.attributes["quicedge.policy.decision"] == "filtered"
+    assert tuple(root.attributes["quicedge.policy.rules"]) == ("key-leak",)
+
+
+@LISTENERS
+async def test_stream_with_no_match_is_relayed_whole(listener: str) -> None:
+    tokens = ["begin ", "private ", "lessons ", *(["word "] * 20)]
+    async with TinyUpstream(script(tokens)) as up:
+        async with edge_with(up.url, listener=listener) as edge, client(edge) as http:
+            response = await http.post("/v1/completions", json=completion("hello"))
+    texts = [json.loads(e[6:])["choices"][0]["text"]
+             for e in response.content.split(b"\n\n") if e.startswith(b"data: {")]  # fmt: skip
+    assert "".join(texts) == "".join(tokens)
+    assert response.content.endswith(b"data: [DONE]\n\n")
+
+
+async def test_module_hot_reload_under_load_fails_no_request(tmp_path: Path) -> None:
+    live = tmp_path / "policy.wasm"
+    live.write_bytes(wasmtime.wat2wasm(ALLOW_ALL))
+    policy = {"wasm": [{"id": "kw", "path": str(live), "poll_interval": 0.05}]}
+    results: list[int] = []
+    stop = asyncio.Event()
+
+    async def load(http: httpx.AsyncClient) -> None:
+        while not stop.is_set():
+            response = await http.post("/v1/completions", json=completion("an ordinary prompt"))
+            assert response.content.endswith(b"data: [DONE]\n\n")
+            results.append(response.status_code)
+
+    async with TinyUpstream(script(["a", "b", "c"])) as up:
+        async with edge_with(up.url, policy) as edge, client(edge) as http:
+            module = edge.wiring.app.gateway.modules[0]  # type: ignore[attr-defined]
+            workers = [asyncio.ensure_future(load(http)) for _ in range(8)]
+            try:
+                await wait_until(lambda: len(results) >= 20, 30)
+                for generation, source in ((2, EXAMPLE.read_bytes()),
+                                           (3, wasmtime.wat2wasm(ALLOW_ALL)),
+                                           (4, EXAMPLE.read_bytes())):  # fmt: skip
+                    staged = tmp_path / "staged.wasm"
+                    staged.write_bytes(source)
+                    os.replace(staged, live)
+                    await wait_until(lambda g=generation: module.generation >= g, 30)  # type: ignore[misc]
+                    done = len(results)
+                    await wait_until(lambda d=done: len(results) >= d + 20, 30)  # type: ignore[misc]
+            finally:
+                stop.set()
+                await asyncio.gather(*workers)
+            refused = await http.post("/v1/completions", json=completion("forbidden", False))
+    assert refused.status_code == 403 and refused.json()["error"]["code"] == "policy_violation"
+    assert len(results) >= 80
+    assert set(results) == {200}
+
+
+@pytest.mark.parametrize("on_error", ["closed", "open"])
+async def test_failing_module_in_the_edge(tmp_path: Path, on_error: str) -> None:
+    bad = tmp_path / "bad.wasm"
+    bad.write_bytes(wasmtime.wat2wasm(ALLOW_ALL.replace("(i64.const 18)", "unreachable")))
+    policy = {"wasm": [{"id": "bad", "path": str(bad), "on_error": on_error}]}
+    async with TinyUpstream(script(["ok"])) as up:
+        async with edge_with(up.url, policy) as edge, client(edge) as http:
+            response = await http.post("/v1/completions", json=completion("hi", False))
+            metrics = (await httpx.AsyncClient().get(f"{edge.admin_url}/metrics")).text
+    assert 'quicedge_policy_module_failures_total{kind="trap",module="bad"} 1.0' in metrics
+    if on_error == "closed":
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "policy_unavailable"
+    else:
+        assert response.status_code == 200
+
+
+async def test_admitted_tenant_and_tier_choose_the_rules_and_the_audit_records_them(
+    tmp_path: Path,
+) -> None:
+    """The tenant comes from the API key (admission), not from anything the client names."""
+    policy = {
+        "tenant_models": [{"tenant": "free-co", "models": ["small-*"]}],
+        "tiers": [{"tier": "bronze", "max_tokens": 16}],
+    }
+    async with TinyUpstream(script(["ok"])) as up:
+        cfg = fast_config([up.url])
+        cfg.admission = AdmissionSettings(tenants=[
+            TenantSettings(name="free-co", tier="bronze", api_key_sha256=[key_digest("sk-free")]),
+            TenantSettings(name="big-co", tier="gold", api_key_sha256=[key_digest("sk-big")]),
+        ])  # fmt: skip
+        audit = AuditConfig(path=str(tmp_path / "audit.jsonl"))
+        async with run_edge(cfg, policies=PolicyConfig.from_mapping(policy), audit=audit) as edge:
+            async with client(edge) as http:
+                body = {"model": "tiny-model", "prompt": "hi", "max_tokens": 64}
+
+                async def post(key: str, **extra: Any) -> httpx.Response:
+                    headers = {"authorization": f"Bearer {key}", "x-tenant-id": "big-co"}
+                    return await http.post("/v1/completions", json={**body, **extra},
+                                           headers=headers)  # fmt: skip
+
+                model = await post("sk-free")  # the x-tenant-id header changes nothing
+                limit = await post("sk-big", max_tokens=64)
+                anonymous = await http.post("/v1/completions", json=body)
+            assert edge.wiring.audit is not None
+            await edge.wiring.audit.flush()
+    assert model.status_code == 403 and model.json()["error"]["code"] == "model_not_allowed"
+    assert model.headers["x-quicedge-policy-rule"] == "models:free-co"
+    assert limit.status_code == 200  # gold has no limit
+    assert anonymous.status_code == 400  # anonymous is bronze: max_tokens 64 > 16
+    assert anonymous.headers["x-quicedge-policy-rule"] == "tier:bronze:max_tokens"
+    lines = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
+    assert [(r["tenant"], r["decision"], r["rules"], r["status"]) for r in lines] == [
+        ("free-co", "deny", ["models:free-co"], 403),
+        ("big-co", "allow", [], 200),
+        ("anonymous", "deny", ["tier:bronze:max_tokens"], 400),
+    ]

@@ -1,0 +1,223 @@
+"""Request rules on parsed bodies: deny/allow/redact, case and Unicode look-alikes, tenants' model
+lists, tier limits, and refusals that name the rule but never the matched text."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import pytest
+
+from edge.errors import ModelNotAllowed, PolicyLimit, PolicyRefused, StreamRefusal
+from edge.policy.config import PolicyConfig
+from edge.policy.gateway import PolicyGateway
+from edge.policy.normalize import fold
+
+CHAT = "/v1/chat/completions"
+
+CONFIG: dict[str, Any] = {
+    "rules": [
+        {"id": "no-secrets", "action": "deny", "patterns": [r"api[_ -]?key", "password"]},
+        {"id": "reset-ok", "action": "allow", "patterns": ["password reset"]},
+        {"id": "email", "action": "redact", "patterns": [r"[\w.+-]+@[\w-]+\.[\w.]+"],
+         "replacement": "[EMAIL]"},
+        {"id": "acme-only", "action": "deny", "patterns": ["competitor"], "tenants": ["acme"]},
+        {"id": "literal", "action": "deny", "patterns": ["a.b*c"], "literal": True},
+    ],
+    "tenant_models": [{"tenant": "free-co", "models": ["small-*"]}],
+    "tiers": [{"tier": "free", "max_tokens": 100, "max_prompt_chars": 50}],
+}  # fmt: skip
+
+
+def gateway(**overrides: Any) -> PolicyGateway:
+    values = copy.deepcopy(CONFIG)
+    values.update(overrides)
+    gw = PolicyGateway.from_config(PolicyConfig.from_mapping(values))
+    assert gw is not None
+    return gw
+
+
+def chat(text: str, **extra: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": text}], **extra}
+
+
+def refused_rule(gw: PolicyGateway, body: dict[str, Any], **kw: Any) -> str:
+    with pytest.raises(PolicyRefused) as info:
+        gw.check(CHAT, body, tenant=kw.get("tenant", "t"), tier=kw.get("tier", "pro"),
+                 stream=kw.get("stream", False))  # fmt: skip
+    return info.value.rule
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "my PASSWORD is hunter2",  # case
+        "my ｐａｓｓｗｏｒｄ is x",  # full-width (NFKC)
+        "my 𝐩𝐚𝐬𝐬𝐰𝐨𝐫𝐝 is x",  # mathematical bold (NFKC)
+        "my раѕѕwоrd is x",  # Cyrillic а, ѕ, о
+        "my pass\u200bword is x",  # zero-width space inside the word
+        "my pa\u00adss\u2060word",  # soft hyphen, word joiner
+        "the Api-Key is x",
+        "the ΑΡΙ_ΚΕΥ is x",  # Greek capitals
+    ],
+)
+def test_deny_catches_case_and_lookalike_spellings(text: str) -> None:
+    assert refused_rule(gateway(), chat(text)) == "no-secrets"
+
+
+def test_refusal_names_the_rule_in_openai_shape_never_the_text() -> None:
+    gw = gateway()
+    with pytest.raises(PolicyRefused) as info:
+        gw.check(CHAT, chat("the password is hunter2"), tenant="t", tier="pro", stream=False)
+    err = info.value
+    assert err.status == 403
+    payload = json.loads(err.body())
+    assert payload["error"]["code"] == "policy_violation"
+    assert payload["error"]["type"] == "invalid_request_error"
+    assert "no-secrets" in payload["error"]["message"]
+    assert b"hunter2" not in err.body() and b"password" not in err.body()
+    assert (b"x-quicedge-policy-rule", b"no-secrets") in err.headers()
+
+
+def test_streaming_refusal_is_a_well_formed_sse_stream() -> None:
+    gw = gateway()
+    with pytest.raises(StreamRefusal) as info:
+        gw.check(CHAT, chat("password"), tenant="t", tier="pro", stream=True)
+    err = info.value
+    assert err.status == 200
+    assert (b"content-type", b"text/event-stream") in err.headers()
+    events = err.body().split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""]
+    chunk = json.loads(events[0].removeprefix(b"data: "))
+    assert chunk["object"] == "chat.completion.chunk"
+    assert chunk["choices"][0]["finish_reason"] == "content_filter"
+
+
+def test_streaming_refusal_as_json_when_configured() -> None:
+    gw = gateway(stream_refusal="json")
+    with pytest.raises(PolicyRefused) as info:
+        gw.check(CHAT, chat("password"), tenant="t", tier="pro", stream=True)
+    assert not isinstance(info.value, StreamRefusal) and info.value.status == 403
+
+
+def test_allow_rule_exempts_from_deny_rules() -> None:
+    outcome = gateway().check(CHAT, chat("help with a Password Reset"), tenant="t",
+                              tier="pro", stream=False)  # fmt: skip
+    assert outcome.decision == "allow" and outcome.rules == ["reset-ok"]
+
+
+def test_clean_request_passes_untouched() -> None:
+    body = chat("what is the capital of France?")
+    before = copy.deepcopy(body)
+    outcome = gateway().check(CHAT, body, tenant="t", tier="pro", stream=False)
+    assert outcome.decision == "allow" and outcome.rules == [] and not outcome.redacted
+    assert body == before
+
+
+def test_redaction_rewrites_every_prompt_part_and_nothing_else() -> None:
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "contact ops@example.com"},
+            {"role": "user", "content": [{"type": "text", "text": "I am bob@corp.io, hi"}]},
+        ],
+    }
+    outcome = gateway().check(CHAT, body, tenant="t", tier="pro", stream=False)
+    assert outcome.decision == "redact" and outcome.rules == ["email"] and outcome.redacted
+    assert body["messages"][0]["content"] == "contact [EMAIL]"
+    assert body["messages"][1]["content"][0]["text"] == "I am [EMAIL], hi"
+    assert body["model"] == "m"
+
+
+def test_completions_and_generate_prompts_are_checked() -> None:
+    gw = gateway()
+    for route, body in (
+        ("/v1/completions", {"model": "m", "prompt": ["ok", "my api key"]}),
+        ("/generate", {"text": "the APIKEY"}),
+    ):
+        with pytest.raises(PolicyRefused):
+            gw.check(route, body, tenant="t", tier="pro", stream=False)
+
+
+def test_tenant_scoped_rule_applies_only_to_its_tenants() -> None:
+    gw = gateway()
+    assert refused_rule(gw, chat("about the competitor"), tenant="acme") == "acme-only"
+    gw.check(CHAT, chat("about the competitor"), tenant="other", tier="pro", stream=False)
+
+
+def test_literal_patterns_are_not_regular_expressions() -> None:
+    gw = gateway()
+    assert refused_rule(gw, chat("x a.b*c y")) == "literal"
+    gw.check(CHAT, chat("abbbc"), tenant="t", tier="pro", stream=False)
+
+
+def test_model_allow_list_per_tenant() -> None:
+    gw = gateway()
+    gw.check(CHAT, chat("hi", model="small-1"), tenant="free-co", tier="pro", stream=False)
+    with pytest.raises(ModelNotAllowed) as info:
+        gw.check(CHAT, chat("hi", model="large-1"), tenant="free-co", tier="pro", stream=False)
+    assert info.value.status == 403 and info.value.rule == "models:free-co"
+    assert json.loads(info.value.body())["error"]["param"] == "model"
+    gw.check(CHAT, chat("hi", model="large-1"), tenant="rich-co", tier="pro", stream=False)
+
+
+@pytest.mark.parametrize(
+    ("body", "rule"),
+    [
+        (chat("hi", max_tokens=101), "tier:free:max_tokens"),
+        (chat("hi", max_completion_tokens=500), "tier:free:max_tokens"),
+        (chat("x" * 51), "tier:free:max_prompt_chars"),
+    ],
+)
+def test_tier_limits(body: dict[str, Any], rule: str) -> None:
+    gw = gateway()
+    with pytest.raises(PolicyLimit) as info:
+        gw.check(CHAT, body, tenant="t", tier="free", stream=False)
+    assert info.value.status == 400 and info.value.rule == rule
+    assert json.loads(info.value.body())["error"]["code"] == "policy_limit"
+    gw.check(CHAT, body, tenant="t", tier="pro", stream=False)  # another tier: no limit
+
+
+def test_generate_max_new_tokens_is_limited() -> None:
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 1000}}
+    with pytest.raises(PolicyLimit):
+        gateway().check("/generate", body, tenant="t", tier="free", stream=False)
+
+
+def test_decisions_are_counted_by_rule_and_outcome() -> None:
+    seen: list[tuple[str, str]] = []
+    config = PolicyConfig.from_mapping(copy.deepcopy(CONFIG))
+    gw = PolicyGateway(config, on_decision=lambda r, o: seen.append((r, o)))
+    gw.check(CHAT, chat("fine"), tenant="t", tier="pro", stream=False)
+    gw.check(CHAT, chat("mail a@b.co"), tenant="t", tier="pro", stream=False)
+    with pytest.raises(PolicyRefused):
+        gw.check(CHAT, chat("password"), tenant="t", tier="pro", stream=False)
+    assert seen == [("-", "allow"), ("email", "redact"), ("no-secrets", "deny")]
+
+
+def test_fold_keeps_ascii_as_is_and_folds_the_rest() -> None:
+    assert fold("Plain ASCII") == "Plain ASCII"
+    assert fold("ｐаѕѕ\u200b") == "pass"
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"rules": [{"id": "x", "patterns": ["("]}]}, "bad regular expression"),
+        ({"rules": [{"id": "x", "patterns": []}]}, "has no pattern"),
+        ({"rules": [{"patterns": ["a"]}]}, "needs an id"),
+        ({"rules": [{"id": "x", "patterns": ["a"], "colour": 1}]}, "unknown setting"),
+        ({"rules": [{"id": "x", "action": "maybe", "patterns": ["a"]}]}, "expected one of"),
+        ({"rules": [{"id": "x", "patterns": ["a"]}, {"id": "x", "patterns": ["b"]}]}, "twice"),
+        ({"tiers": [{"tier": "f", "max_tokens": 0}]}, "max_tokens"),
+        ({"bogus": 1}, "unknown setting"),
+    ],
+)
+def test_bad_config_is_named(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        PolicyConfig.from_mapping(values)
+
+
+def test_no_config_builds_no_gateway() -> None:
+    assert PolicyGateway.from_config(PolicyConfig()) is None

@@ -1,0 +1,166 @@
+"""Stream rules over SSE chunks: a match split anywhere across chunks is caught before any part
+of it reaches the client; text that never nears a pattern passes at once and unchanged."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from edge.policy.config import PolicyConfig
+from edge.policy.stream import StreamGuard, StreamRules
+
+SECRET = "BEGIN PRIVATE KEY"
+
+
+def rules(**overrides: Any) -> StreamRules:
+    values: dict[str, Any] = {
+        "stream_rules": [
+            {"id": "key-leak", "patterns": [SECRET], "literal": True},
+            {"id": "card", "patterns": [r"\b4\d{3}([ -]?\d{4}){3}\b"]},
+        ],
+        "stream_hold": True,
+    }
+    values.update(overrides)
+    built = StreamRules.from_config(PolicyConfig.from_mapping(values))
+    assert built is not None
+    return built
+
+
+def chat_event(text: str) -> bytes:
+    choice = {"index": 0, "delta": {"content": text}, "finish_reason": None}
+    chunk = {"id": "c1", "object": "chat.completion.chunk", "model": "m", "choices": [choice]}
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+def run(guard: StreamGuard, chunks: list[bytes]) -> tuple[bytes, list[bytes]]:
+    """Everything the client gets, and what it got after each chunk."""
+    outs = [guard.feed(c) for c in chunks]
+    outs.append(guard.finish())
+    return b"".join(outs), outs
+
+
+def delta_text(stream: bytes) -> str:
+    text = ""
+    for event in stream.split(b"\n\n"):
+        if event.startswith(b"data: {"):
+            obj = json.loads(event[6:])
+            text += obj["choices"][0].get("delta", {}).get("content") or ""
+    return text
+
+
+@pytest.mark.parametrize("split", range(1, len(SECRET)))
+def test_a_match_split_at_any_point_is_caught_and_none_of_it_leaks(split: int) -> None:
+    guard = rules().guard("/v1/chat/completions")
+    chunks = [chat_event("Here you go: "), chat_event(SECRET[:split]),
+              chat_event(SECRET[split:]), chat_event(" MIIE..."), b"data: [DONE]\n\n"]  # fmt: skip
+    out, _ = run(guard, chunks)
+    assert guard.cut == "key-leak"
+    assert delta_text(out) == "Here you go: "  # nothing of the match reached the client
+    events = out.split(b"\n\n")
+    assert events[-2:] == [b"data: [DONE]", b""]
+    final = json.loads(events[-3][6:])
+    assert final["choices"][0]["finish_reason"] == "content_filter"
+    assert final["id"] == "c1" and final["object"] == "chat.completion.chunk"
+
+
+def test_a_match_split_inside_an_sse_event_and_across_tcp_reads() -> None:
+    """Chunks are TCP reads, not events: an event may arrive in pieces."""
+    guard = rules().guard("/v1/chat/completions")
+    stream = (
+        chat_event("ok ") + chat_event("begin priv") + chat_event("ate key") + b"data: [DONE]\n\n"
+    )
+    chunks = [stream[i : i + 7] for i in range(0, len(stream), 7)]
+    out, _ = run(guard, chunks)
+    assert guard.cut == "key-leak" and delta_text(out) == "ok "
+
+
+def test_case_and_lookalikes_across_chunks() -> None:
+    guard = rules().guard("/v1/chat/completions")
+    out, _ = run(guard, [chat_event("bеgin"), chat_event(" ＰＲＩＶＡＴＥ"), chat_event(" kеy")])
+    assert guard.cut == "key-leak" and delta_text(out) == ""
+
+
+def test_regex_rule_across_chunks() -> None:
+    guard = rules().guard("/v1/chat/completions")
+    out, _ = run(guard, [chat_event("card 4111 1111"), chat_event(" 1111 1111 ok")])
+    assert guard.cut == "card" and "4111" not in delta_text(out)
+
+
+def test_text_far_from_any_pattern_passes_at_once_and_unchanged() -> None:
+    guard = rules().guard("/v1/chat/completions")
+    chunks = [chat_event(w) for w in ("The ", "quick ", "brown ", "fox.")] + [b"data: [DONE]\n\n"]
+    out, outs = run(guard, chunks)
+    assert outs[:-1] == chunks  # each chunk went out as it came, nothing held back
+    assert out == b"".join(chunks) and guard.cut is None
+
+
+def test_a_possible_start_is_held_then_released_when_it_does_not_match() -> None:
+    guard = rules().guard("/v1/chat/completions")
+    a, b, c = chat_event("we begin "), chat_event("private "), chat_event("lessons")
+    assert guard.feed(a) == b""  # "begin " may start the secret: held
+    assert guard.feed(b) == b""  # "begin private " still may
+    assert guard.feed(c) == a + b + c  # "lessons": not the secret, all of it goes, in order
+    assert guard.cut is None
+
+
+def test_held_events_are_released_at_the_end_of_the_stream() -> None:
+    guard = rules().guard("/v1/chat/completions")
+    a = chat_event("to begin")
+    assert guard.feed(a) == b""
+    assert guard.feed(b"data: [DONE]\n\n") == b""  # after a held event, order is kept
+    assert guard.finish() == a + b"data: [DONE]\n\n"
+
+
+def test_completions_stream() -> None:
+    guard = rules().guard("/v1/completions")
+
+    def ev(t: str) -> bytes:
+        return b"data: " + json.dumps({"id": "x", "choices": [{"text": t}]}).encode() + b"\n\n"
+
+    out, _ = run(guard, [ev("a BEGIN PRIV"), ev("ATE KEY b")])
+    assert guard.cut == "key-leak"
+    final = json.loads(out.split(b"\n\n")[-3][6:])
+    assert final["object"] == "text_completion"
+    assert final["choices"][0]["finish_reason"] == "content_filter"
+
+
+def test_generate_stream_with_cumulative_text() -> None:
+    guard = rules().guard("/generate")
+
+    def ev(t: str) -> bytes:
+        return b"data: " + json.dumps({"text": t, "meta_info": {"id": "g"}}).encode() + b"\n\n"
+
+    out, outs = run(guard, [ev("Sure. "), ev("Sure. BEGIN"), ev("Sure. BEGIN PRIVATE KEY")])
+    assert outs[0] == ev("Sure. ") and guard.cut == "key-leak"
+    final = json.loads(out.split(b"\n\n")[-3][6:])
+    assert final["text"] == "Sure. "  # the text the client had, nothing of the match
+    assert final["meta_info"]["finish_reason"]["type"] == "content_filter"
+
+
+def test_a_match_longer_than_the_lookbehind_is_out_of_reach() -> None:
+    guard = rules(stream_lookbehind=8).guard("/v1/chat/completions")
+    out, _ = run(guard, [chat_event(c) for c in SECRET])
+    assert guard.cut is None and delta_text(out) == SECRET  # documented limit
+
+
+@pytest.mark.parametrize("split", [1, 5, 11, 16])
+def test_by_default_nothing_is_held_and_the_completing_chunk_is_cut(split: int) -> None:
+    guard = rules(stream_hold=False).guard("/v1/chat/completions")
+    first, second = chat_event("x " + SECRET[:split]), chat_event(SECRET[split:] + " MIIE")
+    assert guard.feed(first) == first  # at once: nothing waits for what may follow
+    out = guard.feed(second)
+    assert guard.cut == "key-leak"
+    assert delta_text(out) == "" and out.endswith(b"data: [DONE]\n\n")
+    assert guard.feed(chat_event("more")) == b"" and guard.finish() == b""
+
+
+def test_by_default_every_chunk_passes_as_it_comes() -> None:
+    guard = rules(stream_hold=False).guard("/v1/chat/completions")
+    chunks = [chat_event(w) for w in ("to ", "begin ", "private ", "lessons")]
+    assert [guard.feed(c) for c in chunks] == chunks
+
+
+def test_no_stream_rules_builds_no_guard() -> None:
+    assert StreamRules.from_config(PolicyConfig()) is None

@@ -1,0 +1,210 @@
+"""WebAssembly policies: the shipped example, and modules that trap, loop, eat memory or break
+the ABI, each failing closed or open as configured and counted; reloads keep the old module
+until the new one compiles."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import wasmtime
+
+from edge.errors import PolicyRefused, PolicyUnavailable
+from edge.policy.config import PolicyConfig, WasmConfig
+from edge.policy.examples.build import build
+from edge.policy.gateway import PolicyGateway
+from edge.policy.wasm import ModuleFailed, WasmPolicy
+from tests.helpers import wait_until
+
+EXAMPLES = Path(__file__).parents[3] / "edge" / "policy" / "examples"
+CHAT = "/v1/chat/completions"
+
+# alloc hands out one buffer at 1024; each module differs only in `check`
+HEAD = """(module (memory (export "memory") 1)
+  (data (i32.const 0) "{\\"action\\":\\"allow\\"}")
+  (func (export "alloc") (param i32) (result i32) (i32.const 1024))
+"""
+TRAPS = HEAD + '(func (export "check") (param i32 i32) (result i64) unreachable))'
+LOOPS = (
+    HEAD + '(func (export "check") (param i32 i32) (result i64) (loop $l (br $l)) (i64.const 0)))'
+)
+HUNGRY = (
+    HEAD
+    + """(func (export "check") (param i32 i32) (result i64)
+    (drop (memory.grow (i32.const 1024)))            ;; 64 MiB more: refused by the limit
+    (i32.store (i32.const 50000000) (i32.const 1))   ;; so this is out of bounds: a trap
+    (i64.const 18)))"""
+)
+BIG_MEMORY = """(module (memory (export "memory") 1024)
+  (func (export "alloc") (param i32) (result i32) (i32.const 1024))
+  (func (export "check") (param i32 i32) (result i64) (i64.const 0)))"""
+GARBAGE = """(module (memory (export "memory") 1)
+  (data (i32.const 0) "not json")
+  (func (export "alloc") (param i32) (result i32) (i32.const 1024))
+  (func (export "check") (param i32 i32) (result i64) (i64.const 8)))"""
+REDACT = """(module (memory (export "memory") 1)
+  (data (i32.const 0) "{\\"action\\":\\"redact\\",\\"spans\\":[[6,11]]}")
+  (func (export "alloc") (param i32) (result i32) (i32.const 1024))
+  (func (export "check") (param i32 i32) (result i64) (i64.const 36)))"""
+
+
+def module_file(tmp_path: Path, name: str, wat: str) -> str:
+    path = tmp_path / f"{name}.wasm"
+    path.write_bytes(wasmtime.wat2wasm(wat))
+    return str(path)
+
+
+def chat(text: str) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": text}]}
+
+
+def gateway(path: str, **wasm: Any) -> tuple[PolicyGateway, list[tuple[str, str]]]:
+    failures: list[tuple[str, str]] = []
+    config = PolicyConfig(wasm=[WasmConfig(id="mod", path=path, **wasm)])
+    config.validate()
+    gw = PolicyGateway(config, on_module_failure=lambda m, k: failures.append((m, k)))
+    return gw, failures
+
+
+def check(gw: PolicyGateway, text: str) -> Any:
+    return gw.check(CHAT, chat(text), tenant="t", tier="pro", stream=False)
+
+
+def test_prebuilt_example_matches_its_source() -> None:
+    shipped = (EXAMPLES / "deny_keyword.wasm").read_bytes()
+    built = wasmtime.wat2wasm((EXAMPLES / "deny_keyword.wat").read_text())
+    assert shipped == built
+
+
+def test_build_recipe_writes_the_module(tmp_path: Path) -> None:
+    source = tmp_path / "m.wat"
+    source.write_text((EXAMPLES / "deny_keyword.wat").read_text())
+    assert build(source).read_bytes() == (EXAMPLES / "deny_keyword.wasm").read_bytes()
+
+
+def test_example_module_denies_its_keyword_in_any_case() -> None:
+    gw, failures = gateway(str(EXAMPLES / "deny_keyword.wasm"))
+    assert check(gw, "a perfectly normal request").decision == "allow"
+    for text in ("this is forbidden", "FORBIDDEN", "ForBiDdEn fruit"):
+        with pytest.raises(PolicyRefused) as info:
+            check(gw, text)
+        assert info.value.rule == "mod" and info.value.status == 403
+        assert "keyword" in info.value.message
+    assert failures == []
+
+
+def test_example_module_serves_many_requests_and_large_prompts() -> None:
+    gw, failures = gateway(str(EXAMPLES / "deny_keyword.wasm"))
+    for n in (10, 100_000, 10, 200_000):  # buffer grows, then is reused
+        assert check(gw, "x" * n).decision == "allow"
+    with pytest.raises(PolicyRefused):
+        check(gw, "y" * 150_000 + "forbidden")
+    assert failures == []
+
+
+@pytest.mark.parametrize(
+    ("wat", "kind"),
+    [
+        (TRAPS, "trap"),
+        (LOOPS, "fuel"),
+        (HUNGRY, "trap"),
+        (BIG_MEMORY, "memory"),
+        (GARBAGE, "abi"),
+    ],  # fmt: skip
+    ids=["traps", "loops", "memory-hungry", "memory-too-big", "garbage-answer"],
+)
+def test_failing_module_fails_closed_and_is_counted(tmp_path: Path, wat: str, kind: str) -> None:
+    gw, failures = gateway(module_file(tmp_path, "bad", wat), fuel=100_000)
+    for _ in range(2):  # and again on a fresh instance
+        with pytest.raises(PolicyUnavailable) as info:
+            check(gw, "hello")
+        assert info.value.status == 503 and info.value.rule == "mod"
+        assert json.loads(info.value.body())["error"]["code"] == "policy_unavailable"
+    assert failures == [("mod", kind), ("mod", kind)]
+
+
+def test_failing_module_fails_open_when_configured(tmp_path: Path) -> None:
+    gw, failures = gateway(module_file(tmp_path, "loop", LOOPS), fuel=100_000, on_error="open")
+    outcome = check(gw, "hello")
+    assert outcome.decision == "allow_on_error" and outcome.rules == ["mod"]
+    assert failures == [("mod", "fuel")]
+
+
+def test_memory_limit_is_what_stops_the_hungry_module(tmp_path: Path) -> None:
+    path = module_file(tmp_path, "hungry", HUNGRY)
+    policy = WasmPolicy(WasmConfig(id="m", path=path, memory_bytes=128 * 1024 * 1024))
+    # with room for the growth, the store succeeds and the module answers
+    assert policy.check(b"{}").action == "allow"
+    tight = WasmPolicy(WasmConfig(id="m", path=path, memory_bytes=16 * 1024 * 1024))
+    with pytest.raises(ModuleFailed):
+        tight.check(b"{}")
+
+
+def test_redact_spans_rewrite_the_prompt(tmp_path: Path) -> None:
+    gw, _ = gateway(module_file(tmp_path, "redact", REDACT))
+    body = chat("hello world, all")
+    outcome = gw.check(CHAT, body, tenant="t", tier="pro", stream=False)
+    assert outcome.decision == "redact" and outcome.redacted
+    assert body["messages"][0]["content"] == "hello [REDACTED], all"
+
+
+def test_reload_swaps_the_module_and_keeps_the_old_on_a_bad_file(tmp_path: Path) -> None:
+    path = tmp_path / "live.wasm"
+    path.write_bytes((EXAMPLES / "deny_keyword.wasm").read_bytes())
+    gw, failures = gateway(str(path))
+    with pytest.raises(PolicyRefused):
+        check(gw, "forbidden")
+    path.write_bytes(b"\0asm broken")
+    gw.reload()
+    with pytest.raises(PolicyRefused):  # the old module still runs
+        check(gw, "forbidden")
+    assert failures == [("mod", "load")]
+    path.write_bytes(wasmtime.wat2wasm(HEAD + '(func (export "check") (param i32 i32) '
+                                       "(result i64) (i64.const 18)))"))  # fmt: skip
+    gw.reload()
+    assert check(gw, "forbidden").decision == "allow"
+
+
+async def test_changed_file_is_reloaded_by_the_poller(tmp_path: Path) -> None:
+    path = tmp_path / "live.wasm"
+    path.write_bytes(wasmtime.wat2wasm(HEAD + '(func (export "check") (param i32 i32) '
+                                       "(result i64) (i64.const 18)))"))  # fmt: skip
+    gw, _ = gateway(str(path), poll_interval=0.05)
+    module = gw.modules[0]
+    gw.start()
+    try:
+        assert check(gw, "forbidden").decision == "allow"
+        fresh = tmp_path / "next.wasm"
+        fresh.write_bytes((EXAMPLES / "deny_keyword.wasm").read_bytes())
+        os.replace(fresh, path)  # how an operator should deploy: one atomic rename
+        await wait_until(lambda: module.generation == 2, timeout=10)
+        with pytest.raises(PolicyRefused):
+            check(gw, "forbidden")
+    finally:
+        await gw.aclose()
+    await asyncio.sleep(0)
+
+
+async def test_sighup_reload_compiles_in_a_thread_and_swaps(tmp_path: Path) -> None:
+    path = tmp_path / "live.wasm"
+    path.write_bytes(wasmtime.wat2wasm(HEAD + '(func (export "check") (param i32 i32) '
+                                       "(result i64) (i64.const 18)))"))  # fmt: skip
+    gw, _ = gateway(str(path), poll_interval=None)
+    assert check(gw, "forbidden").decision == "allow"
+    path.write_bytes((EXAMPLES / "deny_keyword.wasm").read_bytes())
+    gw.reload_soon()  # what Wiring.reload does on SIGHUP
+    await wait_until(lambda: gw.modules[0].generation == 2, timeout=10)
+    with pytest.raises(PolicyRefused):
+        check(gw, "forbidden")
+
+
+def test_the_direct_call_path_is_in_use() -> None:
+    """The installed wasmtime exposes the C API calls `wasm.py` makes directly; without them it
+    falls back to the bindings' own (slower) calls, which this test would flag."""
+    from edge.policy import wasm
+
+    assert wasm._UNCHECKED is not None

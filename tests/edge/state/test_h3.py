@@ -1,0 +1,65 @@
+"""Stored conversations and the response cache over HTTP/3 (aioquic client, our H3 listener),
+where the relay goes through the stage's `send` instead of the listener's body writer."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from backends.sim import SimServer
+from edge.wiring import build
+from tests.edge.conftest import fast_config
+from tests.edge.state.helpers import sse_events, state
+from tests.edge.test_app_sim import sim_config
+from tests.transport.h3client import h3_connect
+from transport.h3_server import H3Server
+from transport.tickets import MemoryTicketStore
+from transport.tls import CertificateFiles, TlsMaterial
+
+JSON = [(b"content-type", b"application/json")]
+
+
+async def test_responses_stream_then_continue_and_a_cache_hit_over_http3(dev_certs: Any) -> None:
+    async with SimServer(sim_config("b1")) as sim:
+        config = fast_config([sim.url], state=state(cache={"allow_tenants": ["*"]}))
+        wiring = await build(config, registry=CollectorRegistry())
+        await wiring.start()
+        tls = TlsMaterial(CertificateFiles(dev_certs.cert, dev_certs.key))
+        server = H3Server(wiring.app, tls=tls, tickets=MemoryTicketStore())
+        await server.start("127.0.0.1", 0)
+        try:
+            async with h3_connect(server.port, dev_certs.ca_cert) as client:
+                first = await client.fetch("POST", "/v1/responses", headers=JSON, body=json.dumps(
+                    {"input": "Hello over QUIC", "stream": True, "max_output_tokens": 6}
+                ).encode())  # fmt: skip
+                assert first.status == 200
+                events = sse_events(first.body)
+                assert events[0][0] == "response.created"
+                assert events[-1][0] in ("response.completed", "response.incomplete")
+                rid = events[-1][1]["response"]["id"]
+                second = await client.fetch("POST", "/v1/responses", headers=JSON, body=json.dumps(
+                    {"input": "Go on", "previous_response_id": rid, "max_output_tokens": 4}
+                ).encode())  # fmt: skip
+                assert second.status == 200
+                answer = json.loads(second.body)
+                assert answer["previous_response_id"] == rid
+                assert answer["usage"]["input_tokens_details"]["cached_tokens"] > 0
+                chat = json.dumps(
+                    {
+                        "messages": [{"role": "user", "content": "same"}],
+                        "temperature": 0,
+                        "max_tokens": 4,
+                        "stream": True,
+                    }
+                ).encode()
+                cached = [(b"x-quicedge-cache", b"use"), *JSON]
+                miss = await client.fetch("POST", "/v1/chat/completions", headers=cached, body=chat)
+                hit = await client.fetch("POST", "/v1/chat/completions", headers=cached, body=chat)
+                assert miss.header(b"x-quicedge-cache") == b"miss"
+                assert hit.header(b"x-quicedge-cache") == b"hit-l1"
+                assert hit.body == miss.body and hit.body.endswith(b"data: [DONE]\n\n")
+        finally:
+            await server.aclose()
+            await wiring.aclose()

@@ -1,0 +1,186 @@
+"""The state's parts alone: histories and truncation, the memory store's TTL refresh and leases,
+the Responses translation, settings."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from edge.errors import ConversationBusy, ConversationNotFound, PayloadTooLarge
+from edge.state.config import ConversationConfig, StateConfig
+from edge.state.conversations import (
+    Conversations,
+    History,
+    MemoryConversations,
+    parse_response_id,
+    response_id,
+)
+from edge.state.responses import ResponseBuilder, parse_request
+from tests.edge.state.helpers import chat_chunks
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+MISSING = ConversationNotFound("gone")
+
+
+async def test_memory_ttl_is_refreshed_by_use_and_leases_expire() -> None:
+    clock = Clock()
+    config = ConversationConfig(ttl=10.0, lease=5.0)
+    store = MemoryConversations(config, clock=clock)
+    conversations = Conversations(store, config)
+    turn = await conversations.start("t", user("hi"))
+    assert await conversations.commit(turn, {"role": "assistant", "content": "hello"})
+    for _ in range(3):  # used every 8 s: it outlives its 10 s TTL
+        clock.now += 8
+        assert await store.load("t", turn.cid) is not None
+    clock.now += 11  # unused past its TTL: gone
+    assert await store.load("t", turn.cid) is None
+
+    second = await conversations.start("t", user("again"))
+    assert await conversations.commit(second, {"role": "assistant", "content": "ok"})
+    held = await conversations.resume("t", second.cid, user("one"), missing=MISSING)
+    with pytest.raises(ConversationBusy):
+        await conversations.resume("t", second.cid, user("two"), missing=MISSING)
+    clock.now += 6  # the first turn's lease ran out; another turn takes the conversation
+    late = await conversations.resume("t", second.cid, user("three"), missing=MISSING)
+    assert not await conversations.commit(held, {"role": "assistant", "content": "stale"})
+    assert await conversations.commit(late, {"role": "assistant", "content": "fresh"})
+    blob = await store.load("t", second.cid)
+    assert blob is not None
+    contents = [m["content"] for m in History.decode(blob).messages]
+    assert contents == ["again", "ok", "three", "fresh"]
+
+
+async def test_continuing_an_earlier_response_forks_and_leaves_the_original() -> None:
+    config = ConversationConfig()
+    conversations = Conversations(MemoryConversations(config), config)
+    one = await conversations.start("t", user("q1"))
+    await conversations.commit(one, {"role": "assistant", "content": "a1"})
+    two = await conversations.resume("t", one.cid, user("q2"), missing=MISSING)
+    await conversations.commit(two, {"role": "assistant", "content": "a2"})
+    fork = await conversations.resume("t", one.cid, user("q2'"), after=1, missing=MISSING)
+    assert fork.cid != one.cid and fork.number == 2
+    assert [m["content"] for m in fork.messages] == ["q1", "a1", "q2'"]
+    await conversations.commit(fork, {"role": "assistant", "content": "a2'"})
+    latest = await conversations.resume("t", one.cid, user("q3"), missing=MISSING)
+    assert [m["content"] for m in latest.messages] == ["q1", "a1", "q2", "a2", "q3"]
+    await conversations.release(latest)
+    with pytest.raises(ConversationNotFound):
+        await conversations.resume("t", one.cid, user("x"), after=7, missing=MISSING)
+
+
+def test_truncation_keeps_pinned_system_and_whole_recent_turns() -> None:
+    history = History()
+    history.append(
+        [{"role": "system", "content": "S"}, *user("u1")], {"role": "assistant", "content": "a1"}
+    )
+    for n in (2, 3, 4):
+        history.append(user(f"u{n}"), {"role": "assistant", "content": f"a{n}"})
+    assert history.pinned == [{"role": "system", "content": "S"}]
+    assert history.upto(2) is not None
+    assert history.drop_oldest() and history.first_kept == 2
+    assert [m["content"] for m in history.prompt([])] == ["S", "u2", "a2", "u3", "a3", "u4", "a4"]
+    assert history.upto(1) is None  # dropped: cannot be continued
+
+
+async def test_reject_mode_is_413_and_truncate_mode_fits() -> None:
+    for overflow in ("reject", "truncate"):
+        config = ConversationConfig(max_bytes=1024, overflow=overflow)  # type: ignore[arg-type]
+        conversations = Conversations(MemoryConversations(config), config)
+        turn = await conversations.start("t", user("a" * 600))
+        await conversations.commit(turn, {"role": "assistant", "content": "ok"})
+        if overflow == "reject":
+            with pytest.raises(PayloadTooLarge):
+                await conversations.resume("t", turn.cid, user("b" * 600), missing=MISSING)
+        else:
+            nxt = await conversations.resume("t", turn.cid, user("b" * 600), missing=MISSING)
+            assert nxt.truncated and len(orjson.dumps(nxt.messages)) <= 1024
+        with pytest.raises(PayloadTooLarge):  # a single turn over the limit cannot fit at all
+            await conversations.start("t", user("c" * 2000))
+
+
+def test_response_ids_name_their_conversation_and_turn() -> None:
+    rid = response_id("ab" * 12, 300)
+    assert parse_response_id(rid) == ("ab" * 12, 300)
+    with pytest.raises(ConversationNotFound):
+        parse_response_id("resp_" + "z" * 32)
+
+
+def test_the_responses_stream_translation() -> None:
+    request = parse_request({"input": "hi", "stream": True, "instructions": "Be kind."})
+    assert request.chat_body(request.new)["messages"][0] == {
+        "role": "system",
+        "content": "Be kind.",
+    }
+    builder = ResponseBuilder(request, "resp_x", "m")
+    raw = b"".join(chat_chunks(["Hel", "lo"]))
+    out = b"".join(builder.feed(raw[i : i + 7]) for i in range(0, len(raw), 7))  # any split
+    events = [orjson.loads(line[6:]) for line in out.split(b"\n") if line.startswith(b"data: ")]
+    types = [e["type"] for e in events]
+    assert types[0] == "response.created" and types[-1] == "response.completed"
+    assert [e["delta"] for e in events if e["type"] == "response.output_text.delta"] == [
+        "Hel", "lo"]  # fmt: skip
+    assert events[-1]["response"]["output"][0]["content"][0]["text"] == "Hello"
+    assert builder.ended and builder.failed is None
+
+    failing = ResponseBuilder(request, "resp_y", "m")
+    out = failing.feed(b'data: {"error":{"message":"boom","code":500}}\n\ndata: [DONE]\n\n')
+    assert b"response.failed" in out and failing.failed is not None
+
+
+def test_settings_reject_unknown_keys_and_bad_values() -> None:
+    with pytest.raises(ValueError, match="state: unknown setting"):
+        StateConfig.from_mapping({"stor": "redis"})
+    with pytest.raises(ValueError, match="state.redis_url"):
+        StateConfig.from_mapping({"store": "redis"})
+    with pytest.raises(ValueError, match="state.conversations.ttl"):
+        StateConfig.from_mapping({"conversations": {"ttl": 0}})
+    with pytest.raises(ValueError, match="state.cache.model_versions"):
+        StateConfig.from_mapping({"cache": {"model_versions": ["nover"]}})
+    config = StateConfig.from_mapping(
+        {"store": "redis", "redis_url": "redis://127.0.0.1:1/0",
+         "cache": {"allow_tenants": ["*"], "ttl": 5}, "conversations": {"overflow": "reject"}}
+    )  # fmt: skip
+    assert config.cache.enabled and config.cache.allows("anyone")
+    assert config.conversations.overflow == "reject"
+
+
+def test_the_state_table_is_read_from_toml() -> None:
+    from edge import serve
+    from edge.config import ProxyConfig
+
+    args = serve.build_parser().parse_args([])
+    toml = {"proxy": {"backends": ["http://127.0.0.1:1"]},
+            "state": {"cache": {"allow_tenants": ["a"]}}}  # fmt: skip
+    loaded = serve.load_settings(args, {}, toml=toml)
+    proxy = loaded.get("proxy", ProxyConfig).with_features(loaded)
+    assert proxy.state.cache.allow_tenants == ["a"]
+    with pytest.raises(ValueError, match=r"state\.cache.*allow"):
+        serve.load_settings(args, {}, toml={**toml, "state": {"cache": {"allow": ["a"]}}})
+
+
+async def test_an_unstored_turn_reads_the_history_and_writes_nothing() -> None:
+    config = ConversationConfig()
+    store = MemoryConversations(config)
+    conversations = Conversations(store, config)
+    one = await conversations.start("t", user("q1"))
+    await conversations.commit(one, {"role": "assistant", "content": "a1"})
+    peek = await conversations.resume("t", one.cid, user("aside"), store=False, missing=MISSING)
+    assert peek.token is None and [m["content"] for m in peek.messages] == ["q1", "a1", "aside"]
+    held = await conversations.resume("t", one.cid, user("q2"), missing=MISSING)  # no lease taken
+    assert await conversations.commit(peek, {"role": "assistant", "content": "ignored"})
+    assert await conversations.commit(held, {"role": "assistant", "content": "a2"})
+    blob = await store.load("t", one.cid)
+    assert blob is not None
+    assert [m["content"] for m in History.decode(blob).messages] == ["q1", "a1", "q2", "a2"]

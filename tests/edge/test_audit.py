@@ -1,0 +1,228 @@
+"""The audit log: hash-chained lines that `quicedge audit verify` checks (failing on an edited,
+removed or reordered line), rotation that keeps the chain, a full queue's two behaviours, and a
+burst through the edge written without a drop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from edge.audit import GENESIS, AuditConfig, AuditLog, ordered_files, verify
+from edge.cli import main as cli
+from edge.errors import AuditBacklog
+from tests.edge.conftest import (
+    Recorded,
+    Reply,
+    TinyUpstream,
+    client,
+    fast_config,
+    health_ok,
+    run_edge,
+    sse_reply,
+)
+
+
+def entry(i: int) -> dict[str, Any]:
+    return {"request_id": f"r{i}", "status": 200, "tenant": "t", "_prompt": f"secret prompt {i}"}
+
+
+async def write_log(path: Path, n: int, **config: Any) -> AuditLog:
+    log = AuditLog(AuditConfig(path=str(path), **config))
+    await log.start()
+    for i in range(n):
+        log.record(entry(i))
+    await log.flush()
+    await log.aclose()
+    return log
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text().splitlines(keepends=True)
+
+
+async def test_lines_are_chained_and_hold_no_prompt(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    await write_log(path, 5)
+    records = [json.loads(line) for line in lines(path)]
+    assert [r["request_id"] for r in records] == [f"r{i}" for i in range(5)]
+    assert records[0]["prev"] == GENESIS
+    assert all(b["prev"] == a["hash"] for a, b in zip(records, records[1:], strict=False))
+    assert "secret prompt" not in path.read_text()
+    assert all(len(r["prompt_sha256"]) == 64 for r in records)
+    assert verify([str(path)], start=GENESIS).ok
+
+
+async def test_prompts_only_when_the_operator_turns_them_on(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    await write_log(path, 1, include_prompts=True)
+    assert json.loads(path.read_text())["prompt"] == "secret prompt 0"
+
+
+async def test_keyed_prompt_hash_differs_from_the_plain_one(tmp_path: Path) -> None:
+    plain, keyed = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    await write_log(plain, 1)
+    await write_log(keyed, 1, hash_key="k")
+    assert (json.loads(plain.read_text())["prompt_sha256"]
+            != json.loads(keyed.read_text())["prompt_sha256"])  # fmt: skip
+
+
+def tamper(path: Path, how: str) -> int:
+    """Tamper with the log; the 1-based line number verify must name."""
+    text = lines(path)
+    if how == "edited":
+        record = json.loads(text[3])
+        record["status"] = 500
+        text[3] = json.dumps(record) + "\n"
+        bad = 4
+    elif how == "removed":
+        del text[3]
+        bad = 4  # the line after the gap
+    elif how == "reordered":
+        text[3], text[4] = text[4], text[3]
+        bad = 4
+    else:
+        raise AssertionError(how)
+    path.write_text("".join(text))
+    return bad
+
+
+@pytest.mark.parametrize("how", ["edited", "removed", "reordered"])
+async def test_verify_names_the_first_bad_line(
+    tmp_path: Path, how: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "audit.jsonl"
+    await write_log(path, 8)
+    assert cli(["audit", "verify", str(path)]) == 0
+    assert "OK 8 lines" in capsys.readouterr().out
+    bad = tamper(path, how)
+    assert cli(["audit", "verify", str(path)]) == 1
+    assert f"FAIL {path}:{bad}:" in capsys.readouterr().out
+
+
+async def test_removing_the_first_line_fails_from_genesis(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    await write_log(path, 3)
+    path.write_text("".join(lines(path)[1:]))
+    assert verify([str(path)]).ok  # on its own, a tail of a log is consistent...
+    result = verify([str(path)], start=GENESIS)  # ...but not the start of one
+    assert not result.ok and result.error is not None and ":1:" in result.error
+
+
+async def test_rotation_continues_the_chain_across_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(AuditConfig(path=str(path), max_bytes=4096))
+    await log.start()
+    for i in range(60):  # ~300 bytes a line: several files
+        log.record(entry(i))
+        await log.flush()
+    await log.aclose()
+    rotated = ordered_files(str(path))[:-1]
+    assert len(rotated) >= 2
+    first_of_new = json.loads(lines(path)[0])
+    last_of_old = json.loads(lines(Path(f"{path}.{len(rotated)}"))[-1])
+    assert first_of_new["prev"] == last_of_old["hash"]
+    assert cli(["audit", "verify", "--from-genesis", str(path)]) == 0
+    assert "OK 60 lines" in capsys.readouterr().out
+    # the rotated files alone, in the wrong order, do not verify
+    assert not verify([f"{path}.2", f"{path}.1"]).ok
+
+
+async def test_a_restarted_writer_continues_the_chain(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    await write_log(path, 3)
+    await write_log(path, 3)
+    result = verify([str(path)], start=GENESIS)
+    assert result.ok and result.lines == 6
+
+
+async def test_full_queue_drops_and_counts() -> None:
+    log = AuditLog(AuditConfig(path="/nonexistent/never-written", queue_size=4))
+    # not started: nothing drains, so the queue fills deterministically
+    kept = [log.record(entry(i)) for i in range(10)]
+    assert kept == [True] * 4 + [False] * 6
+    assert log.dropped == 6 and log.depth == 4
+
+
+async def test_full_queue_refuses_new_requests_when_configured() -> None:
+    log = AuditLog(AuditConfig(path="/nonexistent/never-written", queue_size=2,
+                               when_full="refuse"))  # fmt: skip
+    log.admit()
+    assert log.record(entry(0)) and log.record(entry(1))
+    with pytest.raises(AuditBacklog) as info:
+        log.admit()
+    assert info.value.status == 503 and info.value.payload()["error"]["code"] == "audit_backlog"
+    assert log.record(entry(2))  # an admitted request is still recorded
+    assert log.dropped == 0
+
+
+def test_bad_audit_config_is_named() -> None:
+    with pytest.raises(ValueError, match="audit.when_full"):
+        AuditConfig.from_mapping({"path": "x", "when_full": "panic"})
+    with pytest.raises(ValueError, match="unknown setting"):
+        AuditConfig.from_mapping({"file": "x"})
+
+
+async def test_burst_through_the_edge_is_audited_without_a_drop(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    total, concurrency = 400, 32
+
+    def answer(recorded: Recorded) -> Reply:
+        return health_ok(recorded) or sse_reply(["a", "b"])
+
+    async with TinyUpstream(answer) as up:
+        cfg = fast_config([up.url], pool_max_connections=64)
+        audit = AuditConfig(path=str(path), queue_size=256)
+        async with run_edge(cfg, audit=audit) as edge, client(edge) as http:
+            todo = iter(range(total))
+
+            async def worker() -> None:
+                for i in todo:
+                    body = {"model": "tiny-model", "prompt": f"p{i}", "stream": True}
+                    response = await http.post("/v1/completions", json=body,
+                                               headers={"x-request-id": f"b{i}"})  # fmt: skip
+                    assert response.status_code == 200
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            bad = await http.post("/v1/completions", content=b"{nope",
+                                  headers={"content-type": "application/json"})  # fmt: skip
+            assert bad.status_code == 400
+            audit = edge.wiring.audit
+            assert audit is not None
+            await audit.flush()
+            metrics = (await httpx.AsyncClient().get(f"{edge.admin_url}/metrics")).text
+    assert audit.dropped == 0
+    assert "quicedge_audit_dropped_total 0.0" in metrics
+    records = [json.loads(line) for line in lines(path)]
+    assert len(records) == total + 1
+    assert {r["request_id"] for r in records[:-1] if r["status"] == 200} >= {
+        f"b{i}" for i in range(total)
+    }
+    sample = next(r for r in records if r["status"] == 200)
+    assert sample["transport"] == "h1" and sample["early_data"] is False
+    assert sample["backend"] and sample["model"] == "tiny-model" and sample["ttft_ms"] > 0
+    assert records[-1]["status"] == 400
+    assert verify([str(path)], start=GENESIS).ok
+
+
+async def test_one_writer_per_log(tmp_path: Path) -> None:
+    path = str(tmp_path / "audit-{pid}.jsonl")
+    first = AuditLog(AuditConfig(path=path))
+    await first.start()
+    try:
+        assert first.path.endswith(f"audit-{os.getpid()}.jsonl")
+        second = AuditLog(AuditConfig(path=path))
+        with pytest.raises(ValueError, match="another process writes"):
+            await second.start()
+    finally:
+        await first.aclose()
+    third = AuditLog(AuditConfig(path=path))  # the lock went with the first writer
+    await third.start()
+    await third.aclose()
