@@ -15,6 +15,7 @@ from backends.credentials import BackendCredentials
 from backends.sim import SimConfig, SimServer
 from edge.config import ProxyConfig
 from tests.edge.conftest import client, fast_config, run_edge
+from tests.edge.tls_edge import with_client_keys
 from tests.helpers import wait_until
 
 KEY = "sk-backend-7f3a"
@@ -73,7 +74,8 @@ async def test_without_a_key_the_client_key_is_not_forwarded() -> None:
     """A client presenting the backend's own key gets nothing through an edge that has none:
     the edge never forwards a client's `Authorization`."""
     async with keyed_sim() as sim:
-        async with run_edge(fast_config([sim.url])) as edge, client(edge) as http:
+        config = with_client_keys(fast_config([sim.url]), KEY)  # the edge admits the client
+        async with run_edge(config) as edge, client(edge) as http:
             r = await http.post(
                 "/v1/chat/completions", json=CHAT, headers={"authorization": f"Bearer {KEY}"}
             )

@@ -26,7 +26,7 @@ from backends.sim import SimConfig, SimServer
 from certs.dev import DevCertificates
 from edge.cors import CorsConfig
 from tests.edge.conftest import fast_config
-from tests.edge.tls_edge import tls_edge
+from tests.edge.tls_edge import tls_edge, with_client_keys
 from transport.h1_server import H1Listener
 from transport.h3_server import H3Server
 from transport.tickets import MemoryTicketStore
@@ -114,7 +114,8 @@ async def test_a_page_on_another_origin_streams_through_the_edge(
         page_listener = H1Listener(server, host="127.0.0.1", port=0)
         origin = f"http://127.0.0.1:{page_listener.address[1]}"
         cors = CorsConfig(origins=[origin])
-        async with tls_edge(fast_config([sim.url]), dev_certs, cors=cors) as edge:
+        config = with_client_keys(fast_config([sim.url]), "page-key")
+        async with tls_edge(config, dev_certs, cors=cors) as edge:
             h3: H3Server | None = None
             # the development CA is not in Chromium's trust store: accept the leaf by its key
             pin = spki_hash(dev_certs.cert.read_bytes())

@@ -12,12 +12,15 @@ from openai import AsyncOpenAI
 from backends.sim import SimConfig, SimServer
 from certs.dev import DevCertificates
 from tests.edge.conftest import fast_config
-from tests.edge.tls_edge import tls_edge
+from tests.edge.tls_edge import tls_edge, with_client_keys
 
 
 async def test_the_openai_sdk_over_http2_with_retries_off(dev_certs: DevCertificates) -> None:
     config = SimConfig(name="o", port=0, profile="instant", served_model_name="llama-8b")
-    async with SimServer(config) as sim, tls_edge(fast_config([sim.url]), dev_certs) as edge:
+    async with (
+        SimServer(config) as sim,
+        tls_edge(with_client_keys(fast_config([sim.url]), "sk-client"), dev_certs) as edge,
+    ):
         opened: list[str] = []
 
         async def on_request(request: httpx.Request) -> None:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry
 
 from certs.dev import DevCertificates
+from edge.admission.settings import AdmissionSettings, TenantSettings
+from edge.admission.tenants import key_digest
 from edge.config import ProxyConfig
 from edge.wiring import Wiring, build
 from transport.tcp import TcpListener
@@ -43,3 +45,14 @@ async def tls_edge(
     finally:
         await listener.stop()
         await wiring.aclose()
+
+
+def with_client_keys(config: ProxyConfig, *keys: str) -> ProxyConfig:
+    """`config` with one tenant per API key: admission refuses a key it does not know, and
+    clients such as the OpenAI SDK always send one."""
+    tenants = [
+        TenantSettings(name=f"client{i}", api_key_sha256=[key_digest(key)])
+        for i, key in enumerate(keys)
+    ]
+    config.admission = AdmissionSettings(tenants=tenants)
+    return config
