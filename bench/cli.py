@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
-from bench import relay_cli
+from bench import edge_cpu, relay_cli
 from bench.clients import ClientError, ClientOptions, Target
 from bench.loop import run
 from bench.rtt_relay import Forward, Link, Relay, RelayError
@@ -73,6 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--turns", type=int, nargs="+", metavar="N",
         help="also print request bytes and TTFT at these turns (from 1) of multi-turn sessions",
+    )  # fmt: skip
+    p.add_argument(
+        "--edge-pid", type=int, action="append", metavar="PID",
+        help="report the CPU per request of this edge process (repeat for workers); default: "
+        "the processes holding the target's port, when the target is on this machine",
+    )  # fmt: skip
+    p.add_argument(
+        "--edge-cpu", action=argparse.BooleanOptionalAction, default=True,
+        help="read the edge's CPU time from /proc (default: on)",
     )  # fmt: skip
     w = p.add_argument_group("workload parameters (tokens are words; see bench/workloads.py)")
     defaults = WorkloadParams()
@@ -203,7 +213,25 @@ async def _start_relay(plan: RunPlan, link: Link, server_name: str | None) -> tu
     return relay, replace(plan, targets=relayed)
 
 
+def _edge_cpu(plan: RunPlan, args: argparse.Namespace) -> edge_cpu.EdgeCpu | None:
+    """The edge's processes, given or found by the targets' ports; None when not on this host."""
+    if not args.edge_cpu:
+        return None
+    if args.edge_pid:
+        return edge_cpu.EdgeCpu(sorted(set(args.edge_pid)))
+    pids: set[int] = set()
+    for config in plan.configs:
+        target = Target.parse(config.url or plan.url)
+        if not edge_cpu.is_local(target.host):
+            return None
+        kind = "udp" if config.transport == "h3" else "tcp"
+        pids.update(edge_cpu.find_edge(target.port, [kind]))
+    pids.discard(os.getpid())
+    return edge_cpu.EdgeCpu(sorted(pids)) if pids else None
+
+
 async def _bench(plan: RunPlan, args: argparse.Namespace, link: Link | None) -> int:
+    edge = _edge_cpu(plan, args)
     relay: Relay | None = None
     if link is not None:
         relay, plan = await _start_relay(plan, link, args.server_name)
@@ -222,7 +250,11 @@ async def _bench(plan: RunPlan, args: argparse.Namespace, link: Link | None) -> 
     try:
         for error in await runner.warm_up():
             print(f"warm-up failed: {error}", file=sys.stderr)
+        if edge is not None:
+            edge.start()
         await runner.run()
+        if edge is not None:
+            edge.stop()
     finally:
         progress.close()
         await runner.aclose()
@@ -242,6 +274,9 @@ async def _bench(plan: RunPlan, args: argparse.Namespace, link: Link | None) -> 
     turn_rows = by_turn(records, args.turns) if args.turns else None
     if turn_rows is not None:
         print(format_turns(turn_rows))
+    cpu = None if edge is None else edge.report(len(records))
+    if cpu is not None:
+        print(edge_cpu.describe(cpu))
     if args.summary_json:
         document: dict[str, Any] = {
             "run": {
@@ -258,6 +293,8 @@ async def _bench(plan: RunPlan, args: argparse.Namespace, link: Link | None) -> 
         }
         if turn_rows is not None:
             document["turns"] = turn_rows
+        if cpu is not None:
+            document["edge_cpu"] = cpu
         args.summary_json.write_text(json.dumps(document, indent=2) + "\n")
     if args.plots:
         from bench.plots import write_plots

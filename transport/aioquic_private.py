@@ -7,6 +7,9 @@ through the functions here, `pyproject.toml` pins aioquic to the minor version t
 against, and `tests/transport/test_aioquic_private.py` checks each name in `ATTRIBUTES` on the
 installed aioquic, so an upgrade that renames one fails there, in one test, rather than deep
 inside a request. Each entry says what an upstream API would replace it with.
+
+`aioquic_patches.py` changes a few of aioquic's own objects, once, to cut per-connection and
+per-packet work; `PATCHED` lists them, and `tests/transport/test_aioquic_patches.py` checks them.
 """
 
 from __future__ import annotations
@@ -59,6 +62,18 @@ ATTRIBUTES: tuple[Private, ...] = (
     Private(H3Stream, "sending_ended", "H3Connection resetting a stream itself"),
     Private(H3Stream, "receiving_ended", "as for H3Stream.buffer"),
 )  # fmt: skip
+
+PATCHED: tuple[tuple[str, str, str], ...] = (
+    ("aioquic.quic.connection", "EPOCHS", "memoized: one frozenset per epoch string, shared"),
+    ("aioquic.tls", "Epoch.__hash__", "the identity hash (Epoch is a plain Enum)"),
+    ("aioquic.tls", "pull_block", "a class with the same steps, not a @contextmanager generator"),
+    ("aioquic.tls", "push_block", "as for pull_block"),
+    ("aioquic.tls", "push_extension", "as for pull_block"),
+    ("aioquic.tls", "push_message", "as for pull_block"),
+    ("aioquic.tls", "Context._server_handle_hello",
+     "reads certificate.public_bytes(DER): given pre-encoded certificates"),
+)  # fmt: skip
+"""What `aioquic_patches` changes: (module, name, how)."""
 
 H3_HOOK_PARAMETERS: dict[str, tuple[str, ...]] = {
     "_receive_request_or_push_data": ("self", "stream", "data", "stream_ended"),

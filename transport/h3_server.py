@@ -5,6 +5,8 @@ actions, which this module executes: start an app task, feed its receive queue, 
 ``http.disconnect``. Every write (an ASGI ``send``, or the ``quicedge.body_writer`` scope
 extension's, which needs no await) goes to the session and transmits at once, so each response
 chunk leaves in its own flush. ``quicedge.on_disconnect`` calls back when a request is aborted.
+Requests started on early data are aborted the same way if their handshake is not complete by
+``H3Limits.early_data_handshake_deadline``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from aioquic.quic.events import HandshakeCompleted, QuicEvent
 from aioquic.quic.packet import pull_quic_header
 from aioquic.tls import SessionTicket
 
+from transport import aioquic_patches  # noqa: F401  (before any connection: see the module)
 from transport.aioquic_private import (
     has_connection,
     process_events,
@@ -123,6 +126,8 @@ class H3Protocol(QuicConnectionProtocol):
         self._writable: dict[int, asyncio.Future[None]] = {}
         self._flush: asyncio.Handle | None = None
         self._flush_since = 0.0  # when the write the pending flush is for was made
+        self._early: set[int] = set()  # started in 0-RTT, handshake not yet complete
+        self._early_deadline: asyncio.TimerHandle | None = None
         # Our own references: aioquic's (`_quic`, `_loop`) are private.
         self._connection = quic
         self._event_loop = asyncio.get_running_loop()
@@ -139,10 +144,12 @@ class H3Protocol(QuicConnectionProtocol):
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, HandshakeCompleted):
             self._server.handshake_completed(event, self._event_loop.time() - self._started_at)
+            self._stop_early_watch()
         for action in self._session.handle(event, self._event_loop.time()):
             self._execute(action)
         if self._session.terminated:
             self._release_writers(everyone=True)
+            self._stop_early_watch()
 
     def transmit(self) -> None:
         if self._flush is not None:  # this one sends what it was scheduled for
@@ -166,8 +173,21 @@ class H3Protocol(QuicConnectionProtocol):
         and its chunks leave at once."""
         if len(self._channels) <= 1:
             self.transmit()
-        elif self._flush is None:
+            return
+        if not self._flush_since:
             self._flush_since = time.perf_counter()
+        if self._flush is None:
+            self._flush = self._event_loop.call_soon(self._flush_now)
+
+    def _reply_soon(self) -> None:
+        """Send the reply to what arrived (acknowledgements, the handshake's next flight, data
+        the peer's credit now lets through) once the callbacks that are ready now have run.
+
+        A client's flight comes as several datagrams read in one loop turn, and an early
+        request's app task is ready in the same turn: they share one transmit, and where they
+        fit, datagrams (a transmit that finds nothing to send still walks every packet number
+        space and stream)."""
+        if self._flush is None:
             self._flush = self._event_loop.call_soon(self._flush_now)
 
     def _flush_now(self) -> None:
@@ -176,9 +196,14 @@ class H3Protocol(QuicConnectionProtocol):
         self.transmit()
 
     def _flushed(self) -> None:
+        """The wait a write had for its transmit (writes on a connection with several
+        responses in flight; a reply to a datagram is not a write)."""
+        if not self._flush_since:
+            return
         metrics = self._server.metrics
         if metrics is not None:
             metrics.h3_flush_delay.observe(time.perf_counter() - self._flush_since)
+        self._flush_since = 0.0
 
     def _send_written(self) -> None:
         """Send what is written and waiting for `transmit_soon` now: a stream reset takes the
@@ -187,11 +212,10 @@ class H3Protocol(QuicConnectionProtocol):
             self.transmit()
 
     def datagram_received(self, data: bytes | str, addr: NetworkAddress) -> None:
-        # As aioquic's, but the reply (acknowledgements, data the peer's credit now lets
-        # through) may go out with whatever else this turn writes.
+        # As aioquic's, but the reply goes out with whatever else this turn writes.
         self._connection.receive_datagram(cast(bytes, data), addr, now=self._event_loop.time())
         process_events(self)
-        self.transmit_soon()
+        self._reply_soon()
 
     def _unacked(self, stream_id: int) -> int:
         return unacked_bytes(self._connection, stream_id)
@@ -231,6 +255,8 @@ class H3Protocol(QuicConnectionProtocol):
             channel.task = self._event_loop.create_task(
                 self._run_app(action.stream_id, action.scope, channel)
             )
+            if extensions["early_data"] and not self._session.handshake_complete:
+                self._watch_early(action.stream_id)
         elif isinstance(action, RequestAborted):
             channel = self._channels.get(action.stream_id)
             if channel is not None:
@@ -242,6 +268,39 @@ class H3Protocol(QuicConnectionProtocol):
             self._server.request_refused(action)
         elif isinstance(action, EarlyRequest):
             self._server.early_request(action)
+
+    def _watch_early(self, stream_id: int) -> None:
+        """A request runs on early data: unless the handshake completes within the deadline,
+        it is cancelled. A replayed first flight never completes one, nor does a client that
+        vanished, and their generation would otherwise run until the idle timeout."""
+        self._early.add(stream_id)
+        if self._early_deadline is None:
+            self._early_deadline = self._event_loop.call_later(
+                self._server.limits.early_data_handshake_deadline, self._early_data_expired
+            )
+
+    def _stop_early_watch(self) -> None:
+        self._early.clear()
+        if self._early_deadline is not None:
+            self._early_deadline.cancel()
+            self._early_deadline = None
+
+    def _early_data_expired(self) -> None:
+        self._early_deadline = None
+        if self._session.handshake_complete or self._session.terminated:
+            return
+        expired = [(sid, self._channels[sid]) for sid in self._early if sid in self._channels]
+        self._early.clear()
+        if not expired:
+            return
+        self._send_written()
+        for stream_id, channel in expired:
+            self._session.cancel(stream_id)
+            # As for a client's reset: `http.disconnect`, and the `quicedge.on_disconnect`
+            # callback, with which the proxy cancels its task and so the upstream request.
+            channel.gone()
+        self._server.early_data_expired(len(expired))
+        self.transmit()
 
     async def _run_app(
         self, stream_id: int, scope: dict[str, Any], channel: _StreamChannel
@@ -272,10 +331,11 @@ class H3Protocol(QuicConnectionProtocol):
             log.exception("ASGI app failed on %s %s", scope["method"], scope["path"])
         finally:
             self._channels.pop(stream_id, None)
+            self._early.discard(stream_id)
             if not self._session.terminated:
                 self._send_written()  # before a reset that would drop it
-                session.app_finished(stream_id)
-                self.transmit()
+                if session.app_finished(stream_id):
+                    self.transmit()
 
     def app_tasks(self) -> list[asyncio.Task[None]]:
         return [e.task for e in self._channels.values() if e.task is not None]
@@ -425,6 +485,11 @@ class H3Server:
         if self.metrics is not None:
             self.metrics.stream_errors.labels(str(action.status or "reset")).inc()
         log.debug("stream %d refused: %s", action.stream_id, action.reason)
+
+    def early_data_expired(self, requests: int) -> None:
+        log.debug("%d early-data request(s) cancelled: handshake past its deadline", requests)
+        if self.metrics is not None:
+            self.metrics.early_data_expired.inc(requests)
 
     def early_request(self, action: EarlyRequest) -> None:
         if self.metrics is not None:

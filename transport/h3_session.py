@@ -58,6 +58,10 @@ class H3Limits:
     """Request body size; beyond it 413 (or a stream reset once the response has started)."""
     idle_timeout: float = 60 * SECONDS
     """A connection with no traffic for this long is closed (QUIC max_idle_timeout)."""
+    early_data_handshake_deadline: float = 2 * SECONDS
+    """Seconds a request accepted in 0-RTT may run before its handshake completes; past it the
+    request is cancelled (a replayed first flight, or a client that vanished, never completes
+    it). Default 2 s: a handshake takes one round trip after the server's first flight."""
 
     def __post_init__(self) -> None:
         for name in ("max_concurrent_streams", "max_header_bytes", "max_body_bytes"):
@@ -65,6 +69,8 @@ class H3Limits:
                 raise ValueError(f"{name} must be >= 1")
         if self.idle_timeout <= 0:
             raise ValueError("idle_timeout must be > 0")
+        if self.early_data_handshake_deadline <= 0:
+            raise ValueError("early_data_handshake_deadline must be > 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -382,17 +388,21 @@ class H3Session:
                 self._finish(stream_id)
         return True
 
-    def app_finished(self, stream_id: int) -> None:
-        """The app returned; fix up a response it left incomplete."""
+    def app_finished(self, stream_id: int) -> bool:
+        """The app returned; fix up a response it left incomplete. True if that wrote
+        something to send (a 500, or a reset)."""
         req = self._requests.get(stream_id)
         if req is None:
-            return
+            return False
         if not req.response_started:
             self._respond(stream_id, 500, "internal server error")
             self._requests.pop(stream_id, None)
-        elif not req.response_done:
+            return True
+        if not req.response_done:
             self._h3.abort_stream(stream_id, ErrorCode.H3_INTERNAL_ERROR)
             self._requests.pop(stream_id, None)
+            return True
+        return False
 
     def _finish(self, stream_id: int) -> None:
         self._requests.pop(stream_id, None)

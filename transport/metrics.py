@@ -59,6 +59,12 @@ class TransportMetrics:
             ["action"],
             registry=registry,
         )
+        self.early_data_expired = Counter(
+            "quicedge_early_data_expired",
+            "Requests accepted in 0-RTT and cancelled because their handshake did not complete"
+            " within early_data_handshake_deadline (a replayed flight, or a vanished client)",
+            registry=registry,
+        )
         self.read_delay = Histogram(
             "quicedge_loop_read_delay_seconds",
             "How long a byte waits on a socket before this process's event loop reads it,"

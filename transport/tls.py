@@ -19,6 +19,8 @@ from aioquic.quic.configuration import QuicConfiguration
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import load_pem_private_key
 
+from transport.aioquic_patches import pre_encoded
+
 log = logging.getLogger("quicedge.transport.tls")
 
 TCP_ALPN = ["h2", "http/1.1"]
@@ -84,7 +86,7 @@ class TlsMaterial:
             idle_timeout=idle_timeout,
         )
         config.load_cert_chain(self.files.cert, self.files.key)
-        return config
+        return pre_encoded(config)  # DER-encoded once, not at every full handshake
 
     def ssl_context(self) -> ssl.SSLContext:
         """The shared server context for TLS over TCP (ALPN h2, http/1.1; TLS >= 1.2)."""

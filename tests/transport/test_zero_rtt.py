@@ -13,7 +13,9 @@ from tests.transport.apps import RecordingApp
 from tests.transport.conftest import H3Factory
 from tests.transport.h3client import fresh_ticket, h3_connect
 from tests.transport.udp_holdback import UdpHoldback
+from transport.config import TransportConfig
 from transport.early_data import EarlyDataPolicy, Mode
+from transport.h3_session import H3Limits
 from transport.metrics import TransportMetrics
 from transport.tickets import MemoryTicketStore, RedisTicketStore
 
@@ -221,3 +223,69 @@ async def test_default_policy_accepts_inference_routes(
         ) as client:
             r = await client.fetch("POST", path, body=b"{}")
     assert json.loads(r.body)["early_data"] is True
+
+
+DEADLINE = H3Limits(early_data_handshake_deadline=0.5)
+HOLD_EARLY = EarlyDataPolicy({"/hold": Mode.ACCEPT, "/stream": Mode.ACCEPT})
+
+
+async def test_early_request_cancelled_when_the_handshake_never_completes(
+    h3_server: H3Factory, dev_certs
+) -> None:
+    """A client that sends its request in 0-RTT and then goes silent (the relay drops all it
+    sends after the server's first reply) never completes the handshake: past the deadline the
+    app sees `http.disconnect` and the client a reset stream."""
+    app = RecordingApp()
+    async with h3_server(app=app, policy=HOLD_EARLY, limits=DEADLINE) as server:
+        ticket = await fresh_ticket(server.port, dev_certs.ca_cert)
+        earlier = set(server.connections())
+        relay = UdpHoldback(server.port, hold_after_reply=True)
+        port = await relay.start()
+        try:
+            async with h3_connect(
+                port, dev_certs.ca_cert, ticket=ticket, wait_connected=False
+            ) as client:
+                sid = client.request("GET", "/hold")
+                client.send_now()
+                assert await asyncio.wait_for(app.disconnects.get(), 10) == "/hold"
+                r = await client.wait(sid)
+                assert r.reset_code == 0x10C  # H3_REQUEST_CANCELLED
+                (silent,) = [p for p in server.connections() if p not in earlier]
+                assert not silent.session.handshake_complete
+                assert relay.holding.is_set()
+        finally:
+            relay.close()
+    assert app.seen[-1].extensions["early_data"] is True
+    assert server.metrics is not None
+    assert server.metrics.early_data_expired._value.get() == 1
+
+
+async def test_early_request_outlives_the_deadline_once_the_handshake_completes(
+    h3_server: H3Factory, dev_certs
+) -> None:
+    app = RecordingApp()
+    async with h3_server(app=app, policy=HOLD_EARLY, limits=DEADLINE) as server:
+        ticket = await fresh_ticket(server.port, dev_certs.ca_cert)
+        async with h3_connect(
+            server.port, dev_certs.ca_cert, ticket=ticket, wait_connected=False
+        ) as client:
+            sid = client.request("GET", "/stream?n=2")
+            client.send_now()
+            await asyncio.wait_for(client.handshake_done.wait(), 10)
+            app.release.put_nowait(None)
+            await asyncio.wait_for(client.responses[sid].first_data.wait(), 10)
+            # Well past the deadline: a request whose handshake completed is not cancelled.
+            await asyncio.sleep(4 * DEADLINE.early_data_handshake_deadline)
+            app.release.put_nowait(None)
+            r = await client.wait(sid)
+    assert (r.status, r.body, r.reset_code) == (200, b"0;1;", None)
+    assert app.seen[-1].extensions["early_data"] is True
+    assert server.metrics is not None
+    assert server.metrics.early_data_expired._value.get() == 0
+
+
+def test_the_deadline_is_a_serve_setting() -> None:
+    config = TransportConfig.from_mapping({"early_data_handshake_deadline": 0.75}, {})
+    assert config.limits.early_data_handshake_deadline == 0.75
+    with pytest.raises(ValueError, match="early_data_handshake_deadline must be > 0"):
+        TransportConfig.from_mapping({"early_data_handshake_deadline": 0}, {})
