@@ -143,6 +143,11 @@ class Backend:
     check_failures: int = 0
     draining: bool = False
     """Removed from the fleet (`BackendRegistry.remove`): takes no new request, finishes its own."""
+    labels: dict[str, str] = field(default_factory=dict)
+    """Isolation-domain labels (`model`, `hardware`, `tiers`) from the URL's `#…` part."""
+    warming_until: float = 0.0
+    """Not ready for routing before this `clock()` time (its cache is being warmed), unless no
+    ready backend can take the request; 0 when ready."""
 
     def ttft_p99(self) -> float | None:
         if not self.ttfts:
@@ -176,7 +181,32 @@ class InFlight:
 
 
 def _name_for(url: str) -> str:
-    return urlsplit(url).netloc
+    return urlsplit(url.partition("#")[0]).netloc
+
+
+LABEL_KEYS = frozenset({"model", "hardware", "tiers"})
+LABEL_TIERS = frozenset({"gold", "silver", "bronze"})
+
+
+def parse_labels(url: str) -> tuple[str, dict[str, str]]:
+    """Split `http://host:port#model=llama3-v2&hardware=h100&tiers=gold+silver` into the URL
+    and its labels; a URL without `#` has none. Raises ValueError naming a bad label."""
+    base, _, fragment = url.partition("#")
+    labels: dict[str, str] = {}
+    for pair in filter(None, fragment.split("&")):
+        key, eq, value = pair.partition("=")
+        if key not in LABEL_KEYS or not eq or not value:
+            raise ValueError(
+                f"backend {base}: label {pair!r} is not one of model=, hardware=, tiers="
+            )
+        if key in labels:
+            raise ValueError(f"backend {base}: label {key} is given twice")
+        if key == "tiers":
+            bad = sorted(set(value.split("+")) - LABEL_TIERS)
+            if bad:
+                raise ValueError(f"backend {base}: tiers has {bad[0]!r}; use gold+silver+bronze")
+        labels[key] = value
+    return base, labels
 
 
 class BackendRegistry:
@@ -225,9 +255,12 @@ class BackendRegistry:
         self._loops: dict[str, list[asyncio.Task[None]]] = {}
         self._clients: dict[str, BackendClient] = {}
         self._started = False
+        self.on_healthy: list[Callable[[Backend], None]] = []
+        """Called (synchronously) when a backend passes its checks again after failing them."""
 
     def _new_backend(self, raw: str, name: str | None) -> Backend:
-        url = raw.rstrip("/")
+        bare, labels = parse_labels(raw)
+        url = bare.rstrip("/")
         parts = urlsplit(url)
         if parts.scheme != "http" or not parts.hostname or parts.path:
             raise ValueError(f"backend URL must be http://host[:port], got {raw!r}")
@@ -235,6 +268,7 @@ class BackendRegistry:
             name=name if name is not None else _name_for(url),
             url=url,
             max_concurrency=self.max_concurrency,
+            labels=labels,
         )
         backend.ttfts = deque(maxlen=self.health.ttft_window)
         return backend
@@ -247,8 +281,9 @@ class BackendRegistry:
         """Add a backend at run time; once started, its checks and load polling start at once.
 
         Adding a URL the registry holds returns its backend (a draining one is taken back)."""
-        backend = self._by_name.get(name if name is not None else _name_for(url.rstrip("/")))
-        if backend is not None and backend.url == url.rstrip("/"):
+        bare = parse_labels(url)[0].rstrip("/")
+        backend = self._by_name.get(name if name is not None else _name_for(bare))
+        if backend is not None and backend.url == bare:
             backend.draining = False
             return backend
         backend = self._new_backend(url, name)
@@ -301,6 +336,10 @@ class BackendRegistry:
         """Backends that may take a new request: degraded ones only if nothing else can."""
         now = self._clock()
         able = [b for b in self.backends if self.available(b, now)]
+        for b in able:
+            if b.warming_until > now:  # being warmed: only if no ready backend can take it
+                able = [c for c in able if c.warming_until <= now] or able
+                break
         good = [b for b in able if not b.degraded]
         return good or able
 
@@ -386,6 +425,8 @@ class BackendRegistry:
                 log.info("backend %s is healthy again", backend.name)
                 if self.pool is not None and self.warm_connections:
                     self._spawn(self.pool.warm(backend.url, self.warm_connections))
+                for listener in self.on_healthy:
+                    listener(backend)
         else:
             backend.check_failures += 1
             backend.check_successes = 0
@@ -492,11 +533,13 @@ class BackendRegistry:
                 {
                     "name": b.name,
                     "url": b.url,
+                    "labels": dict(b.labels),
                     "healthy": b.healthy,
                     "available": self.available(b, now),
                     "draining": b.draining,
                     "degraded": b.degraded,
                     "degraded_reason": b.degraded_reason,
+                    "ready": b.warming_until <= now,
                     "ejected_for_s": round(max(0.0, b.ejected_until - now), 3),
                     "in_flight": b.in_flight,
                     "in_flight_prefill_tokens": b.in_flight_prefill_tokens,
@@ -528,4 +571,5 @@ __all__ = [
     "HealthConfig",
     "InFlight",
     "LoadView",
+    "parse_labels",
 ]

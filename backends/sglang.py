@@ -124,6 +124,16 @@ class SGLangClient:
             raise SGLangError(f"{self.base_url}: /v1/models is not a JSON object")
         return out
 
+    async def model_info(self) -> dict[str, Any]:
+        """GET /get_model_info: `model_path`, `weight_version` and the model's kind."""
+        status, body = await self._request("GET", "/get_model_info")
+        if status != 200:
+            raise SGLangError(f"{self.base_url}: /get_model_info answered {status}")
+        out = _json(body, self.base_url)
+        if not isinstance(out, dict):
+            raise SGLangError(f"{self.base_url}: /get_model_info is not a JSON object")
+        return out
+
     async def aclose(self) -> None:
         async with self._lock:
             self._drop()

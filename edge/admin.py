@@ -4,7 +4,11 @@ Served on its own (plain HTTP) listener, never on the client-facing ones.
 - `GET /health`: 200 while the process runs (liveness).
 - `GET /ready`: 200 when at least one backend is healthy, else 503 (readiness).
 - `GET /metrics`: `generate_latest(registry)` of the process's one registry.
-- `GET /backends`: JSON of `registry.snapshot()`, the routing policy and the pool's statistics.
+- `GET /backends`: JSON of `registry.snapshot()`, the routing policy, the pool's statistics,
+  every isolation domain's circuit breaker (`breakers`) and, with pre-warming or the shared view
+  on, their state too.
+- `POST /prewarm` `{"text": "...", "backends": ["name", ...]}` (backends optional: all): warm
+  that prefix now (`edge.routing.prewarm`); answers with what each backend did.
 """
 
 from __future__ import annotations
@@ -19,8 +23,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from backends.pool import UpstreamPool
 from backends.registry import BackendRegistry
 from edge.asgi import Receive, Scope, Send, lifespan
-from edge.errors import EdgeError, MethodNotAllowed, RouteNotFound
+from edge.errors import (
+    EdgeError,
+    InvalidJSON,
+    InvalidRequest,
+    MethodNotAllowed,
+    PayloadTooLarge,
+    RouteNotFound,
+)
 from edge.routing.base import RoutingPolicy
+from edge.routing.breakers import Breakers
+from edge.routing.fleet import FleetServices
+
+MAX_PREWARM_BODY = 8 * 1024 * 1024
 
 
 class AdminApp:
@@ -31,7 +46,11 @@ class AdminApp:
         backends: BackendRegistry,
         pool: UpstreamPool,
         policy: RoutingPolicy,
+        breakers: Breakers | None = None,
+        fleet: FleetServices | None = None,
     ) -> None:
+        self.breakers = breakers
+        self.fleet = fleet
         self.registry = registry
         self.backends = backends
         self.pool = pool
@@ -48,6 +67,9 @@ class AdminApp:
             await lifespan(receive, send)
             return
         if scope["type"] != "http":
+            return
+        if scope["path"] == "/prewarm":
+            await self._prewarm(scope, receive, send)
             return
         try:
             handler = self._routes.get(scope["path"])
@@ -81,7 +103,63 @@ class AdminApp:
         pool = dataclasses.asdict(stats)
         pool["reuse_ratio"] = round(stats.reuse_ratio, 4)
         body = {"policy": self.policy.name, "backends": self.backends.snapshot(), "pool": pool}
+        if self.breakers is not None:
+            body["breakers"] = self.breakers.snapshot()
+        if self.fleet is not None:
+            body |= self.fleet.snapshot()
         return 200, b"application/json", _json(body)
+
+    async def _prewarm(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            if scope["method"] != "POST":
+                raise MethodNotAllowed("/prewarm is POST only", headers=((b"allow", b"POST"),))
+            service = self.fleet.prewarm if self.fleet is not None else None
+            if service is None:
+                raise RouteNotFound("pre-warming is off (enable [prewarm])")
+            raw = await _read_body(receive)
+            try:
+                request = json.loads(raw)
+            except (UnicodeDecodeError, ValueError):
+                raise InvalidJSON("the body is not valid JSON") from None
+            if not isinstance(request, dict):
+                raise InvalidJSON("the body must be a JSON object")
+            text = request.get("text")
+            if not isinstance(text, str) or not text:
+                raise InvalidRequest("'text' must be a non-empty string", param="text")
+            names = request.get("backends")
+            chosen = None
+            if names is not None:
+                if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+                    raise InvalidRequest("'backends' must be a list of names", param="backends")
+                chosen = []
+                for name in names:
+                    backend = self.backends.get(name)
+                    if backend is None:
+                        raise InvalidRequest(f"no backend named {name!r}", param="backends")
+                    chosen.append(backend)
+            results = await service.warm_text(text, chosen)
+            status, body = 200, _json({"chars": len(text), "backends": results})
+        except EdgeError as err:
+            status, body = err.status, err.body()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+async def _read_body(receive: Receive) -> bytes:
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise InvalidRequest("the client went away before its body arrived")
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > MAX_PREWARM_BODY:
+            raise PayloadTooLarge(f"a /prewarm body is at most {MAX_PREWARM_BODY} bytes")
+        parts.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(parts)
 
 
 def _json(obj: Any) -> bytes:

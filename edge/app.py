@@ -29,6 +29,7 @@ from edge.exchange import Exchange, read_headers
 from edge.models import DEFAULT_MODEL, ModelCatalog
 from edge.policy.gateway import PolicyGateway
 from edge.routing.base import RoutingPolicy
+from edge.routing.breakers import Breakers
 from edge.stages.body import (
     ClientGone,
     check_content_type,
@@ -111,6 +112,7 @@ class ProxyApp:
         admission: Admission | None = None,
         gateway: PolicyGateway | None = None,
         audit: AuditLog | None = None,
+        breakers: Breakers | None = None,
         credentials: BackendCredentials | None = None,
         access_log: AccessLog | None = None,
     ) -> None:
@@ -128,7 +130,8 @@ class ProxyApp:
         self.admission = admission or Admission(AdmissionSettings(), metrics=metrics)
         self.attempts = Attempts(
             config=config, pool=pool, registry=registry, policy=policy, metrics=metrics,
-            abort=abort, admission=self.admission, gateway=gateway, credentials=credentials,
+            abort=abort, admission=self.admission, gateway=gateway, breakers=breakers,
+            credentials=credentials,
         )  # fmt: skip
 
     @property

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Callable, MutableMapping
 from functools import partial
@@ -28,11 +29,19 @@ from backends.registry import Backend, BackendRegistry, InFlight
 from edge.admission import Admission
 from edge.asgi import Send
 from edge.config import ProxyConfig
-from edge.errors import BadGateway, EdgeError, NoHealthyBackend, TooManyRequests, from_upstream
+from edge.errors import (
+    BadGateway,
+    CircuitOpen,
+    EdgeError,
+    NoHealthyBackend,
+    TooManyRequests,
+    from_upstream,
+)
 from edge.exchange import Exchange
 from edge.policy.gateway import PolicyGateway
 from edge.relay import RelayResult, StreamRelay, read_whole
 from edge.routing.base import Decision, Outcome, RoutingPolicy
+from edge.routing.breakers import STATE_NAMES, Breaker, BreakerConfig, Breakers
 from edge.sse import Usage, answer_of_body
 from edge.stages.account import account_cache, account_stream
 from edge.stages.forward import response_headers
@@ -45,6 +54,8 @@ RETRY_STATUSES = frozenset({429, 502, 503})
 """Upstream answers worth another backend while nothing reached the client (overloaded/down)."""
 MAX_UPSTREAM_BODY = 64 * 1024 * 1024
 """Largest non-streaming backend answer the edge holds (64 MiB)."""
+_RETRY_KINDS = {"429": "429", "502": "5xx", "503": "5xx"}
+"""A retry's reason (a status or an UpstreamError kind) as an outcome kind."""
 _RETRY_BEFORE_SEND = (UpstreamConnectError, UpstreamProtocolError, UpstreamPoolBusy)
 """Failures before the response head that another backend may not share."""
 
@@ -72,6 +83,7 @@ class Attempts:
         abort: Aborter,
         admission: Admission,
         gateway: PolicyGateway | None = None,
+        breakers: Breakers | None = None,
         credentials: BackendCredentials | None = None,
     ) -> None:
         self.credentials = credentials or BackendCredentials()
@@ -83,46 +95,77 @@ class Attempts:
         self.policy = policy
         self.metrics = metrics
         self.abort = abort
+        self.breakers = breakers or Breakers(BreakerConfig(enabled=False), registry.backends)
+        self.expose = config.expose_backend_names
+
+    def _allowed(self, tried: list[Backend], tier: str) -> list[Backend]:
+        """The backends not yet tried whose domain's breaker lets a request of `tier` through."""
+        return self.breakers.allowed(
+            [b for b in self.registry.candidates() if b not in tried], tier
+        )
 
     async def run(self, ex: Exchange, send: Send) -> None:
         """Serve `ex` from the first backend that answers; raise the last error if none does."""
         tried: list[Backend] = []
         last: _Retry | None = None
+        # A failed attempt that was retried counts against its domain only when the request was
+        # not then served in that same domain (a bad backend there is the registry's to eject).
+        retried: list[tuple[Breaker, str]] = []
         assert ex.view is not None
+        tier = ex.tier
         for attempt in range(self.config.max_retries + 1):
-            candidates = await self.admission.place(
-                ex, lambda: [b for b in self.registry.candidates() if b not in tried]
-            )
+            candidates = await self.admission.place(ex, partial(self._allowed, tried, tier))
             if not candidates:
+                self._settle(retried, None)
                 if last is not None:
                     raise last.error
+                if any(b not in tried for b in self.registry.candidates()):
+                    raise self._circuit_open(tier)
                 raise self._no_candidate()
             t_route = time.perf_counter()
             decision = self.policy.choose(ex.view, candidates)
             t_routed = time.perf_counter()
             backend = decision.backend
             tried.append(backend)
+            breaker = self.breakers.started(backend, tier)
             self.metrics.stage_route.observe(t_routed - t_route)
             self.metrics.decisions.labels(self.policy.name, decision.reason).inc()
             if ex.trace is not None:
-                ex.trace.stage(
-                    "route", t_route, t_routed,
-                    {"quicedge.backend": backend.name, "quicedge.reason": decision.reason,
-                     "quicedge.predicted_cached_tokens": decision.predicted_cached_tokens},
-                )  # fmt: skip
+                attributes = {
+                    "quicedge.backend": backend.name, "quicedge.reason": decision.reason,
+                    "quicedge.predicted_cached_tokens": decision.predicted_cached_tokens,
+                }  # fmt: skip
+                if breaker is not None:
+                    attributes["quicedge.breaker.domain"] = "/".join(breaker.key)
+                    attributes["quicedge.breaker.state"] = STATE_NAMES[breaker.state]
+                ex.trace.stage("route", t_route, t_routed, attributes)
             prefill = ex.view.approx_tokens - decision.predicted_cached_tokens
             # the last try relays whatever the backend answers: no other backend is left to ask
             last_try = attempt == self.config.max_retries or len(candidates) == 1
             try:
                 with self.registry.track(backend, prefill_tokens=prefill) as in_flight:
-                    await self._one(ex, backend, decision, in_flight, send, last_try=last_try)
+                    await self._one(
+                        ex, backend, decision, in_flight, send, last_try=last_try, breaker=breaker
+                    )
+                self._settle(retried, breaker)
                 return
             except _Retry as retry:
                 last = retry
                 ex.retries += 1
                 self.metrics.retries.labels(retry.reason).inc()
+                if breaker is not None:
+                    retried.append((breaker, retry.reason))
+            except BaseException:
+                self._settle(retried, breaker)
+                raise
+        self._settle(retried, None)
         assert last is not None
         raise last.error
+
+    def _settle(self, retried: list[tuple[Breaker, str]], served_by: Breaker | None) -> None:
+        for breaker, reason in retried:
+            if breaker is not served_by:
+                self.breakers.ended(breaker, _RETRY_KINDS.get(reason, reason), None, held=False)
 
     async def _one(
         self,
@@ -133,6 +176,7 @@ class Attempts:
         send: Send,
         *,
         last_try: bool,
+        breaker: Breaker | None = None,
     ) -> None:
         """One backend: send, then relay; observe the outcome exactly once, whatever happens."""
         assert ex.view is not None
@@ -147,7 +191,8 @@ class Attempts:
         if ex.stream and ex.body_writer is not None:
             # The head and the first token go on from the read callback that brings them.
             relay = _stream_relay(ex, in_flight)
-            on_head = partial(_begin_relay, ex, backend, relay)
+            on_head = partial(_begin_relay, ex, backend, self.expose, relay)
+        retrying = False
         headers = self.credentials.with_auth(backend.url, ex.upstream_headers)
         t_send = time.perf_counter()
         client_span = None
@@ -172,8 +217,8 @@ class Attempts:
                 if isinstance(exc, UpstreamTimeout | UpstreamProtocolError):
                     self._abort(ex, backend)  # it may have reached the backend
                 if isinstance(exc, _RETRY_BEFORE_SEND) and not last_try:
-                    raise _Retry(from_upstream(exc), exc.kind) from None
-                raise from_upstream(exc) from None
+                    raise _Retry(from_upstream(exc, expose=self.expose), exc.kind) from None
+                raise from_upstream(exc, expose=self.expose) from None
             t_head = relay.began_at if relay is not None and relay.began_at else time.perf_counter()
             self.metrics.upstream_requests.labels(
                 backend.name, "true" if response.reused else "false"
@@ -189,7 +234,9 @@ class Attempts:
                     await response.read()  # small error body: keeps the connection reusable
                 error = "429" if status == 429 else "5xx"
                 self._upstream_failed(backend, error)
-                raise _Retry(_retry_error(backend, status), reason=str(status)) from None
+                raise _Retry(
+                    _retry_error(backend, status, expose=self.expose), reason=str(status)
+                ) from None
             if ex.stream and status == 200:
                 result = await self._relay(ex, response, backend, in_flight, send, t_head, relay)
                 usage, completion = result.usage, result.text
@@ -204,13 +251,16 @@ class Attempts:
                 except UpstreamError as exc:
                     error = exc.kind
                     self._upstream_failed(backend, exc.kind)
-                    raise from_upstream(exc) from None
+                    raise from_upstream(exc, expose=self.expose) from None
                 usage, completion, error = await self._send_whole(ex, response, body, send)
             if error is None:
                 self.registry.record_success(backend, ttft_s=upstream_ttft)
             elif error == "4xx":
                 self.registry.record_failure(backend, "4xx")
             account_cache(self.metrics, ex, decision, usage)
+        except _Retry:
+            retrying = True
+            raise
         except asyncio.CancelledError:
             if ex.disconnected:
                 error = "disconnect"
@@ -234,6 +284,12 @@ class Attempts:
                     completion_text=completion, error=error,
                 )
             )  # fmt: skip
+            if breaker is not None:
+                if retrying:
+                    self.breakers.release(breaker)  # `run` settles it with the request
+                else:
+                    uncached = (usage.prompt_tokens or 0) - (usage.cached_tokens or 0)
+                    self.breakers.ended(breaker, error, upstream_ttft, uncached)
 
     async def _send_whole(
         self, ex: Exchange, response: UpstreamResponse, body: bytes, send: Send
@@ -245,8 +301,9 @@ class Attempts:
         status = response.status
         ex.started = True
         out = response_headers(
-            response.headers, request_id=ex.request_id, backend_name=backend.name
-        )
+            response.headers, request_id=ex.request_id,
+            backend_name=backend.name if self.expose else None,
+        )  # fmt: skip
         out.append((b"content-length", b"%d" % len(body)))
         await send({"type": "http.response.start", "status": status, "headers": out})
         ex.responded = True
@@ -274,7 +331,7 @@ class Attempts:
             relay = _stream_relay(ex, in_flight)
         ex.started = True
         ex.status = 200
-        await relay.run(response, send, _start_of(ex, response, backend))
+        await relay.run(response, send, _start_of(ex, response, backend, self.expose))
         result = relay.result
         if result.filtered is not None:
             self._abort(ex, backend)  # its connection is closed already; this frees the slot
@@ -294,6 +351,14 @@ class Attempts:
             trace.stage("stream_end", result.first_client, result.end,
                         {"quicedge.chunks": len(result.gaps) + 1})  # fmt: skip
         return result
+
+    def _circuit_open(self, tier: str) -> EdgeError:
+        """503: backends are up, but every domain of this tier is behind an open breaker."""
+        wait = self.breakers.refused(tier)
+        return CircuitOpen(
+            f"every backend serving tier {tier} is behind an open circuit breaker; retry later",
+            headers=((b"retry-after", b"%d" % math.ceil(wait)),),
+        )
 
     def _no_candidate(self) -> EdgeError:
         """503, saying whether the fleet is down or only full (every backend at its cap)."""
@@ -316,14 +381,14 @@ class Attempts:
 
 
 def _begin_relay(
-    ex: Exchange, backend: Backend, relay: StreamRelay, response: UpstreamResponse
+    ex: Exchange, backend: Backend, expose: bool, relay: StreamRelay, response: UpstreamResponse
 ) -> None:
     """`on_head`: a streamed 200 starts at once (anything else waits for the task, which
     may retry it elsewhere)."""
     if response.status == 200:
         ex.started = True
         ex.status = 200
-        relay.begin(response, _start_of(ex, response, backend))
+        relay.begin(response, _start_of(ex, response, backend, expose))
 
 
 def _stream_error(result: RelayResult) -> str | None:
@@ -343,20 +408,23 @@ def _stream_relay(ex: Exchange, in_flight: InFlight) -> StreamRelay:
 
 
 def _start_of(
-    ex: Exchange, response: UpstreamResponse, backend: Backend
+    ex: Exchange, response: UpstreamResponse, backend: Backend, expose: bool
 ) -> MutableMapping[str, Any]:
     """The client's `http.response.start` for a relayed 200."""
     return {
         "type": "http.response.start",
         "status": 200,
         "headers": response_headers(
-            response.headers, request_id=ex.request_id, backend_name=backend.name
-        ),
+            response.headers,
+            request_id=ex.request_id,
+            backend_name=backend.name if expose else None,
+        ),  # fmt: skip
     }
 
 
-def _retry_error(backend: Backend, status: int) -> EdgeError:
-    message = f"backend {backend.name} answered {status}"
+def _retry_error(backend: Backend, status: int, *, expose: bool) -> EdgeError:
+    who = f"backend {backend.name}" if expose else "a backend"
+    message = f"{who} answered {status}"
     if status == 429:
         return TooManyRequests(message)
     if status == 503:

@@ -14,6 +14,7 @@ from typing import Any
 
 from backends.credentials import BackendCredentials
 from backends.discovery import DiscoveryConfig
+from backends.registry import parse_labels
 from edge import settings
 from edge.access_log import AccessLogConfig
 from edge.admission.settings import AdmissionSettings, TenantSettings
@@ -21,6 +22,9 @@ from edge.audit import AUDIT_FLAGS, AuditConfig
 from edge.cors import CorsConfig
 from edge.policy.config import POLICY_FLAGS, PolicyConfig
 from edge.routing.base import POLICY_NAMES
+from edge.routing.breakers import BreakerConfig
+from edge.routing.fleet_view import FLEET_VIEW_FLAGS, FleetViewConfig
+from edge.routing.prewarm import PREWARM_FLAGS, PrewarmConfig
 from edge.settings import Section
 from edge.state.config import StateConfig
 from transport.config import EarlyDataSettings, TransportConfig
@@ -35,7 +39,9 @@ class ProxyConfig:
     """Proxy-core settings. Times are in seconds, sizes in bytes."""
 
     backends: list[str] = field(default_factory=list)
-    """Base URLs of the SGLang servers, e.g. `http://10.0.0.5:30000`."""
+    """Base URLs of the SGLang servers, e.g. `http://10.0.0.5:30000`, each optionally with its
+    isolation-domain labels: `http://10.0.0.5:30000#model=llama3-v2&hardware=h100&tiers=gold+silver`
+    (see docs/routing.md, "Isolation and breakers")."""
     policy: str = "ttft"
     """Routing policy: round_robin, random, least_load, power_of_two, cache_aware or ttft."""
 
@@ -104,6 +110,13 @@ class ProxyConfig:
     """Create OpenTelemetry spans. Also turned on by OTEL_TRACES_EXPORTER=console|otlp."""
     models_ttl: float = 5 * SECONDS
     """How long the merged `/v1/models` list is reused before it is fetched again, s."""
+    max_pending_aborts: int = 256
+    """`/abort_request` calls in flight at once (sent when a client leaves mid-generation); one
+    more is dropped and counted (`quicedge_abort_requests_total{outcome="dropped"}`): closing
+    the upstream connection aborts the request anyway."""
+    expose_backend_names: bool = False
+    """Name the backend (its host:port) to clients: the `x-quicedge-backend` response header and
+    the upstream detail in error messages. Off: internal addresses never leave the edge."""
     state: StateConfig = field(default_factory=StateConfig, metadata={"load": False})
     """Stored conversations and the response cache: the top-level `[state]` table (`edge.state`),
     carried here for the proxy's stages; not a `[proxy]` key."""
@@ -122,7 +135,13 @@ class ProxyConfig:
         for url in self.backends:
             if not url.startswith(("http://", "https://")) or "://" == url[-3:]:
                 raise ValueError(f"proxy: backend URL must be http://HOST:PORT, got {url!r}")
-        if len(set(self.backends)) != len(self.backends):
+        bare = []
+        for url in self.backends:
+            try:
+                bare.append(parse_labels(url)[0].rstrip("/"))
+            except ValueError as exc:
+                raise ValueError(f"proxy.backends: {exc}") from None
+        if len(set(bare)) != len(bare):
             raise ValueError("proxy: a backend URL is listed twice")
         if self.policy not in POLICY_NAMES:
             raise ValueError(
@@ -152,6 +171,10 @@ class ProxyConfig:
             raise ValueError(f"proxy: max_retries must be >= 0, got {self.max_retries}")
         if self.pool_max_waiters < 0:
             raise ValueError(f"proxy: pool_max_waiters must be >= 0, got {self.pool_max_waiters}")
+        if self.max_pending_aborts < 0:
+            raise ValueError(
+                f"proxy: max_pending_aborts must be >= 0, got {self.max_pending_aborts}"
+            )
         if self.models_ttl < 0:
             raise ValueError(f"proxy: models_ttl must be >= 0, got {self.models_ttl}")
         if not 0 <= self.pool_warm_connections <= self.pool_max_connections:
@@ -226,6 +249,12 @@ SECTIONS: tuple[Section, ...] = (
     ),
     Section("proxy", ProxyConfig, flags=PROXY_FLAGS, title="proxy ([proxy])"),
     Section(
+        "breakers",
+        BreakerConfig,
+        flags={f.name: f"--breaker-{f.name.replace('_', '-')}" for f in fields(BreakerConfig)},
+        title="circuit breakers per isolation domain ([breakers])",
+    ),
+    Section(
         "cors",
         CorsConfig,
         flags={f.name: f"--cors-{f.name.replace('_', '-')}" for f in fields(CorsConfig)},
@@ -251,6 +280,10 @@ SECTIONS: tuple[Section, ...] = (
     Section("tenants", list[TenantSettings]),
     Section("policy", PolicyConfig, flags=POLICY_FLAGS, title="policy gateway ([policy])"),
     Section("audit", AuditConfig, flags=AUDIT_FLAGS, title="audit log ([audit])"),
+    Section("prewarm", PrewarmConfig, flags=PREWARM_FLAGS, title="pre-warming ([prewarm])"),
+    Section(
+        "fleet_view", FleetViewConfig, flags=FLEET_VIEW_FLAGS, title="fleet view ([fleet_view])"
+    ),
 )
 
 

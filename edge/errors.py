@@ -176,6 +176,13 @@ class NoHealthyBackend(EdgeError):
     code = "no_healthy_backend"
 
 
+class CircuitOpen(NoHealthyBackend):
+    """503: backends are up, but every one that serves the request's tier is in an isolation
+    domain whose circuit breaker is open (`edge.routing.breakers`); carries Retry-After."""
+
+    code = "circuit_open"
+
+
 class GatewayTimeout(EdgeError):
     """504: the backend did not answer within the first-byte or between-chunk timeout."""
 
@@ -283,21 +290,32 @@ class AuditBacklog(EdgeError):
     code = "audit_backlog"
 
 
-def from_upstream(exc: UpstreamError) -> EdgeError:
-    """Map a `backends.errors` exception to the client-facing error (the one mapping point)."""
+def from_upstream(exc: UpstreamError, *, expose: bool = False) -> EdgeError:
+    """Map a `backends.errors` exception to the client-facing error (the one mapping point).
+
+    The exception's text names the backend's address; it is in the message only with `expose`
+    (`[proxy] expose_backend_names`). Otherwise the pool's and the timeouts' own texts keep
+    their detail with the address read as "the backend", and the rest (which may quote an OS
+    error, address and all) say only what failed."""
+    if expose:
+        detail = f": {exc}"
+    elif isinstance(exc, UpstreamPoolBusy | UpstreamTimeout) and exc.base_url:
+        detail = ": " + str(exc).replace(exc.base_url, "the backend")
+    else:
+        detail = ""
     if isinstance(exc, UpstreamPoolBusy):
         return NoHealthyBackend(
-            f"no upstream connection is free: {exc}",
+            f"no upstream connection is free{detail}",
             code="pool_busy",
             headers=((b"retry-after", POOL_BUSY_RETRY_AFTER),),
         )
     if isinstance(exc, UpstreamTimeout):
-        return GatewayTimeout(f"upstream timed out: {exc}")
+        return GatewayTimeout(f"upstream timed out{detail}")
     if isinstance(exc, UpstreamConnectError):
-        return BadGateway(f"could not connect to a backend: {exc}")
+        return BadGateway(f"could not connect to a backend{detail}")
     if isinstance(exc, UpstreamProtocolError):
-        return BadGateway(f"backend connection failed: {exc}")
-    return BadGateway(f"backend error: {exc}")
+        return BadGateway(f"backend connection failed{detail}")
+    return BadGateway(f"backend error{detail}")
 
 
 def stream_error_event(err: EdgeError) -> bytes:
@@ -310,6 +328,7 @@ __all__ = [
     "BadGateway",
     "ConversationBusy",
     "ConversationNotFound",
+    "CircuitOpen",
     "EdgeError",
     "GatewayTimeout",
     "InvalidJSON",

@@ -26,6 +26,9 @@ from edge.config import SECTIONS, ProxyConfig
 from edge.cors import CorsConfig
 from edge.fleet_metrics import FleetMetrics, FleetPlan
 from edge.policy.config import PolicyConfig
+from edge.routing.breakers import BreakerConfig
+from edge.routing.fleet_view import FleetViewConfig
+from edge.routing.prewarm import PrewarmConfig
 from edge.settings import Settings, SettingsError
 from edge.telemetry import exporter_names
 from transport.config import EarlyDataSettings, TransportConfig
@@ -129,6 +132,10 @@ class ProxyApps:
             discovery=discovery,
             policies=self.settings.get("policy", PolicyConfig),
             audit=self.settings.get("audit", AuditConfig),
+            breakers=self.settings.get("breakers", BreakerConfig),
+            prewarm=self.settings.get("prewarm", PrewarmConfig),
+            fleet_view=self.settings.get("fleet_view", FleetViewConfig),
+            redis_url=self.settings.get("serve", TransportConfig).redis,
             cors=self.settings.get("cors", CorsConfig),
             access_log=self.settings.get("access_log", AccessLogConfig),
         )

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Counter
 
 from backends.credentials import BackendCredentials
 from backends.discovery import Discovery, DiscoveryConfig, make_source
@@ -37,6 +37,10 @@ from edge.models import ModelCatalog
 from edge.policy.config import PolicyConfig
 from edge.policy.gateway import PolicyGateway
 from edge.routing.base import RoutingPolicy, make_policy
+from edge.routing.breakers import BreakerConfig, Breakers
+from edge.routing.fleet import FleetServices, build_fleet
+from edge.routing.fleet_view import FleetViewConfig
+from edge.routing.prewarm import PrewarmConfig
 from edge.state.stage import StateStage
 from edge.telemetry import (
     AuditCollector,
@@ -89,6 +93,10 @@ class Wiring:
     state: StateStage | None = None
     gateway: PolicyGateway | None = None
     audit: AuditLog | None = None
+    breakers: Breakers | None = None
+    abort_outcomes: Counter | None = None
+    """`quicedge_abort_requests_total{outcome}`: sent, failed, dropped (over the cap)."""
+    fleet: FleetServices | None = None
     access_log: AccessLog | None = None
     _aborts: set[asyncio.Task[Any]] = field(default_factory=set)
     _clients: dict[str, Any] = field(default_factory=dict)
@@ -98,6 +106,8 @@ class Wiring:
         if self.access_log is not None:
             self.access_log.start()
         await self.registry.start()
+        if self.breakers is not None:
+            self.breakers.start()
         await self.catalog.refresh()
         if self.discovery is not None:
             self.discovery.start(self.registry)
@@ -105,6 +115,8 @@ class Wiring:
             self.gateway.start()
         if self.audit is not None:
             await self.audit.start()
+        if self.fleet is not None:
+            await self.fleet.start()
 
     def reload(self) -> None:
         """SIGHUP: compile the policy modules again (requests in progress keep the old ones)."""
@@ -115,6 +127,10 @@ class Wiring:
         """Stop checks, let in-progress aborts finish briefly, close pools, flush spans."""
         if self.discovery is not None:
             await self.discovery.aclose()
+        if self.breakers is not None:
+            await self.breakers.aclose()
+        if self.fleet is not None:
+            await self.fleet.aclose()
         await self.registry.aclose()
         if self._aborts:
             await asyncio.wait(set(self._aborts), timeout=1.0)
@@ -135,7 +151,13 @@ class Wiring:
             self.access_log.stop()
 
     def abort(self, backend: Backend, rid: str) -> None:
-        """Fire `/abort_request {rid}` at the backend without waiting for it (never raises)."""
+        """Fire `/abort_request {rid}` at the backend without waiting for it (never raises).
+
+        At most `max_pending_aborts` are in flight: past that one is dropped and counted (a
+        flood of departing clients must not become a flood of tasks)."""
+        if len(self._aborts) >= self.config.max_pending_aborts:
+            self._count_abort("dropped")
+            return
         task = asyncio.ensure_future(self._abort(backend, rid))
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
@@ -153,7 +175,14 @@ class Wiring:
                 )
             await client.abort(rid)
         except Exception as exc:  # best effort: the closed upstream connection aborts it too
+            self._count_abort("failed")
             log.info("abort of %s on %s failed: %s", rid, backend.name, exc)
+        else:
+            self._count_abort("sent")
+
+    def _count_abort(self, outcome: str) -> None:
+        if self.abort_outcomes is not None:
+            self.abort_outcomes.labels(outcome).inc()
 
 
 async def build(
@@ -164,6 +193,10 @@ async def build(
     discovery: DiscoveryConfig | None = None,
     policies: PolicyConfig | None = None,
     audit: AuditConfig | None = None,
+    breakers: BreakerConfig | None = None,
+    prewarm: PrewarmConfig | None = None,
+    fleet_view: FleetViewConfig | None = None,
+    redis_url: str | None = None,
     cors: CorsConfig | None = None,
     access_log: AccessLogConfig | None = None,
 ) -> Wiring:
@@ -172,6 +205,8 @@ async def build(
     `tracer` overrides the one from the OTEL_* environment (tests pass an in-memory one).
     With `discovery` other than static, the first lookup's backends join the `--backend` list.
     `policies` (`[policy]`) and `audit` (`[audit]`) turn on the policy gateway and the audit log.
+    `prewarm` and `fleet_view` are those sections (off when None), `redis_url` the `[serve]`
+    Redis the fleet view uses unless it names its own.
     """
     source = make_source(discovery) if discovery is not None else None
     config.validate(need_backends=source is None)
@@ -212,6 +247,10 @@ async def build(
     policy = make_policy(config.policy)
     metrics = Metrics(registry)
     admission = Admission(config.admission, metrics=metrics)
+    breaker_set = Breakers(
+        (breakers or BreakerConfig()).validate(), backends.backends, registry=registry,
+        model_info=partial(_model_info, config.health_timeout, credentials),
+    )  # fmt: skip
     registry.register(FleetCollector(backends.backends, pool.stats))
     tracing = TracingSetup(tracer) if tracer is not None else tracer_from_env(force=config.tracing)
     catalog = ModelCatalog(
@@ -231,7 +270,14 @@ async def build(
     audit_log = AuditLog(audit) if audit is not None and audit.path else None
     if audit_log is not None:
         registry.register(AuditCollector(audit_log))
+    fleet = build_fleet(
+        prewarm, fleet_view, redis_url=redis_url, registry=backends, pool=pool, policy=policy
+    )
+    if fleet is not None:
+        registry.register(fleet.collector())
+        policy = fleet.policy
     wiring = Wiring(
+        fleet=fleet,
         app=_unset_app,
         admin_app=_unset_app,
         config=config,
@@ -247,8 +293,15 @@ async def build(
         admission=admission,
         gateway=gateway,
         audit=audit_log,
+        breakers=breaker_set,
+        abort_outcomes=Counter(
+            "quicedge_abort_requests",
+            "Fire-and-forget /abort_request calls for requests whose client left, by outcome:"
+            " sent, failed, or dropped (over max_pending_aborts)",
+            ["outcome"], registry=registry,
+        ),
         access_log=AccessLog(access_log) if access_log and access_log.enabled else None,
-    )
+    )  # fmt: skip
     proxy = ProxyApp(
         config=config,
         pool=pool,
@@ -262,11 +315,19 @@ async def build(
         admission=admission,
         gateway=gateway,
         audit=audit_log,
+        breakers=breaker_set,
         credentials=credentials,
         access_log=wiring.access_log,
     )
     wiring.app = wrap_cors(proxy, cors, allowed_methods) if cors is not None else proxy
-    wiring.admin_app = AdminApp(registry=registry, backends=backends, pool=pool, policy=policy)
+    wiring.admin_app = AdminApp(
+        registry=registry,
+        backends=backends,
+        pool=pool,
+        policy=policy,
+        breakers=breaker_set,
+        fleet=fleet,
+    )
     return wiring
 
 
@@ -275,6 +336,16 @@ def _sglang_client(credentials: BackendCredentials, url: str, timeout: float) ->
     from backends.sglang import SGLangClient
 
     return SGLangClient(url, timeout=timeout, api_key=credentials.api_key(url))
+
+
+async def _model_info(
+    timeout: float, credentials: BackendCredentials, backend: Backend
+) -> Mapping[str, Any]:
+    from backends.sglang import SGLangClient
+
+    key = credentials.api_key(backend.url)
+    async with SGLangClient(backend.url, timeout=timeout, api_key=key) as client:
+        return await client.model_info()
 
 
 async def _unset_app(scope: Any, receive: Any, send: Any) -> None:  # replaced in build()

@@ -90,6 +90,13 @@ class TransportConfig:
     """On SIGTERM, how long open requests get to finish, s."""
     loop: Literal["auto", "asyncio", "uvloop"] = "auto"
     """Event loop: asyncio, uvloop, or auto (uvloop when installed)."""
+    max_connections: int = 10000
+    """Open connections per TCP listener (TLS, plain HTTP, admin); one more is closed at once
+    and counted (`quicedge_connections_refused_total`). 0: no cap."""
+    max_connections_per_client: int = 256
+    """Open connections from one client IP address per TCP listener; one more is closed at once
+    and counted. Behind a load balancer that does not keep client addresses, raise it or set 0
+    (no cap)."""
     limits: H3Limits = field(
         default_factory=H3Limits,
         metadata={
@@ -125,6 +132,9 @@ class TransportConfig:
         resolve_loop(self.loop)  # unknown, or uvloop asked for and not installed
         if self.drain_timeout < 0:
             raise ValueError(f"serve.drain_timeout must be >= 0, got {self.drain_timeout}")
+        for name in ("max_connections", "max_connections_per_client"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"serve.{name} must be >= 0 (0: no cap)")
         if self.redis_timeout <= 0:
             raise ValueError(f"serve.redis_timeout must be > 0, got {self.redis_timeout}")
         if self.quic_retry and self.workers > 1 and not self.quic_retry_secret:

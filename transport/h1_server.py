@@ -14,8 +14,9 @@ in a queue, and reading pauses while a request's unread body or a pipelined requ
 buffered. A bad request behind good ones is answered (400, and close) after them. llhttp sets
 no limit on the size of a head: it is summed from the callbacks and, while the head is
 incomplete, from the bytes fed. Parsing stops after a request that ends the connection
-(``Connection: close``, HTTP/1.0, an upgrade): nothing after it is read. The idle timeout is
-one lazily re-armed timer per connection.
+(``Connection: close``, HTTP/1.0, an upgrade): nothing after it is read. The idle timeout and
+the request head and body deadlines (a slowloris gets 408 and a close) are one lazily re-armed
+timer per connection; connections over the listener's or one client's cap are reset at once.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from urllib.parse import unquote
 import httptools
 
 from transport.asgi import ASGIApp, Message
+from transport.caps import ConnectionGate
 from transport.tcp import TcpOptions, tcp_socket
 
 log = logging.getLogger("quicedge.h1")
@@ -266,6 +268,10 @@ class H1Protocol(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._client: tuple[str, int] | None = None
         self._local: tuple[str, int] | None = None
+        self.host: str | None = None  # the client's address
+        self.admitted = False  # counted by the listener's gate
+        self._head_since = 0.0  # perf_counter() of the first read of the head being parsed
+        self._body_since = 0.0  # perf_counter() of the read that completed the reading head
 
     # asyncio callbacks
 
@@ -279,9 +285,16 @@ class H1Protocol(asyncio.Protocol):
         local = transport.get_extra_info("sockname")
         self._client = (str(peer[0]), int(peer[1])) if peer else None
         self._local = (str(local[0]), int(local[1])) if local else None
+        self.host = self._client[0] if self._client else None
+        if self.server.gate.admit(self.host) is not None:
+            # Over a cap: closed at once (a reset, so that no buffer is kept for it).
+            self._closed = True
+            transport.abort()  # type: ignore[attr-defined]
+            return
+        self.admitted = True
         self.server.connections.add(self)
         self._idle_since = self.loop.time()
-        self._timer = self.loop.call_later(self.server.options.keep_alive_timeout, self._on_timer)
+        self._timer = self.loop.call_later(self.server.timer_period, self._on_timer)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
@@ -313,6 +326,8 @@ class H1Protocol(asyncio.Protocol):
         cycle = self._cycle
         was_complete = cycle is not None and cycle.complete
         if self._in_head:
+            if not self._head_fed:
+                self._head_since = self._read_at  # the head deadline runs from here
             self._head_fed += len(data)
         try:
             self._parser.feed_data(data)
@@ -403,6 +418,7 @@ class H1Protocol(asyncio.Protocol):
         scope["extensions"]["quicedge.on_disconnect"] = cycle.notify_disconnect
         cycle.expect_100 = expect_100
         self._reading = cycle
+        self._body_since = self._read_at  # the body deadline runs from here
         if self._cycle is None:
             self._cycle = cycle
             self.server.spawn(self._run(cycle), self.loop)
@@ -560,18 +576,39 @@ class H1Protocol(asyncio.Protocol):
         return self._cycle is None
 
     def _on_timer(self) -> None:
+        """Idle keep-alive, and the head and body deadlines, checked every `timer_period`.
+
+        The deadlines start from a read's clock (no clock read or timer per request), so a
+        deadline is noticed at the first check after it passed: within a quarter of the
+        shortest timeout."""
         self._timer = None
         if self._closed:
             return
-        timeout = self.server.options.keep_alive_timeout
+        options = self.server.options
+        period = self.server.timer_period
         if self._cycle is None:
-            left = self._idle_since + timeout - self.loop.time()
-            if left <= 0:
-                self.close()
+            if self._head_fed:  # a head is arriving
+                if time.perf_counter() - self._head_since > options.head_timeout:
+                    self._timed_out("head")
+                    return
+            else:
+                left = self._idle_since + options.keep_alive_timeout - self.loop.time()
+                if left <= 0:
+                    self.close()
+                    return
+                period = min(period, left)
+        elif self._reading is self._cycle and not self._cycle.complete:  # its body is arriving
+            if time.perf_counter() - self._body_since > options.body_timeout:
+                self._timed_out("body")
                 return
-        else:
-            left = timeout
-        self._timer = self.loop.call_later(left, self._on_timer)
+        self._timer = self.loop.call_later(period, self._on_timer)
+
+    def _timed_out(self, phase: str) -> None:
+        """A head or body past its deadline: 408 (or a close, once a response began)."""
+        self.server.timed_out(phase)
+        self._halt = 408
+        self._reading = None
+        self._refuse(408)
 
 
 class H1Listener:
@@ -593,6 +630,14 @@ class H1Listener:
         self.address = (str(name[0]), int(name[1]))
         self.scheme = "http"
         self.connections: set[H1Protocol] = set()
+        self.gate = ConnectionGate(
+            self.options.max_connections, self.options.max_connections_per_client
+        )
+        """Connection caps; its `on_refused` is called for each connection closed at once."""
+        self.on_timeout: Callable[[str], None] | None = None
+        """Called with `head` / `body` for each request cut off by its deadline."""
+        o = self.options
+        self.timer_period = min(o.keep_alive_timeout, o.head_timeout, o.body_timeout) / 4
         self.draining = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._server: asyncio.AbstractServer | None = None
@@ -623,7 +668,14 @@ class H1Listener:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def timed_out(self, phase: str) -> None:
+        if self.on_timeout is not None:
+            self.on_timeout(phase)
+
     def forget(self, conn: H1Protocol) -> None:
+        if conn.admitted:
+            conn.admitted = False
+            self.gate.release(conn.host)
         self.connections.discard(conn)
         if not self.connections and self._empty is not None:
             self._empty.set()

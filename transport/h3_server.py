@@ -121,7 +121,10 @@ class H3Protocol(QuicConnectionProtocol):
         # the number of concurrent request streams (RFC 9000 §4.6).
         set_max_streams_bidi(quic, limits.max_concurrent_streams)
         self._server = server
-        self._session = H3Session(quic, policy=server.policy, limits=limits, server=server.address)
+        self._session = H3Session(
+            quic, policy=server.policy, limits=limits, server=server.address,
+            on_overdue=self._run_actions,
+        )  # fmt: skip
         self._channels: dict[int, _StreamChannel] = {}
         self._writable: dict[int, asyncio.Future[None]] = {}
         self._flush: asyncio.Handle | None = None
@@ -150,6 +153,12 @@ class H3Protocol(QuicConnectionProtocol):
         if self._session.terminated:
             self._release_writers(everyone=True)
             self._stop_early_watch()
+
+    def _run_actions(self, actions: list[Action]) -> None:
+        """Actions the session took outside an event (a request's body deadline)."""
+        for action in actions:
+            self._execute(action)
+        self.transmit()
 
     def transmit(self) -> None:
         if self._flush is not None:  # this one sends what it was scheduled for

@@ -14,7 +14,9 @@ request reordered ahead of the Finished is treated as early: the safe side.
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote_to_bytes
@@ -27,6 +29,7 @@ from aioquic.quic.events import (
     HandshakeCompleted,
     QuicEvent,
     StopSendingReceived,
+    StreamDataReceived,
     StreamReset,
 )
 
@@ -62,6 +65,14 @@ class H3Limits:
     """Seconds a request accepted in 0-RTT may run before its handshake completes; past it the
     request is cancelled (a replayed first flight, or a client that vanished, never completes
     it). Default 2 s: a handshake takes one round trip after the server's first flight."""
+    request_head_timeout: float = 10 * SECONDS
+    """A request head must arrive whole within this many seconds of its first byte, else 408
+    and close (a slowloris holds no worker); HTTP/3: 408 on the stream. On the TLS listener
+    hypercorn counts it from the connection's start or its last response, and it is the idle
+    keep-alive timeout there too."""
+    request_body_timeout: float = 60 * SECONDS
+    """A request body must arrive whole within this many seconds of its head, on every
+    listener: else 408 (HTTP/3: on the stream; once a response began, a reset or a close)."""
 
     def __post_init__(self) -> None:
         for name in ("max_concurrent_streams", "max_header_bytes", "max_body_bytes"):
@@ -71,6 +82,9 @@ class H3Limits:
             raise ValueError("idle_timeout must be > 0")
         if self.early_data_handshake_deadline <= 0:
             raise ValueError("early_data_handshake_deadline must be > 0")
+        for name in ("request_head_timeout", "request_body_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +141,7 @@ class _Request:
     pending: list[RequestBody] = field(default_factory=list)
     response_started: bool = False
     response_done: bool = False
+    body_timer: asyncio.TimerHandle | None = None
 
 
 class H3Session:
@@ -139,8 +154,14 @@ class H3Session:
         policy: EarlyDataPolicy,
         limits: H3Limits,
         server: Address | None,
+        on_overdue: Callable[[list[Action]], None] | None = None,
     ) -> None:
         self._quic = quic
+        # Runs the actions of a request whose body missed its deadline (a timer's, outside
+        # `handle`); without it no body deadline is kept (an I/O-free session in tests).
+        self._on_overdue = on_overdue
+        self._heads: dict[int, asyncio.TimerHandle] = {}
+        """Request streams whose HEADERS are arriving in pieces → their deadline."""
         self._h3 = StreamConfinedH3Connection(quic, max_header_bytes=limits.max_header_bytes)
         self._policy = policy
         self._limits = limits
@@ -177,12 +198,21 @@ class H3Session:
                     actions.append(RequestAborted(stream_id))
             self._requests.clear()
             self._deferred.clear()
+            for timer in self._heads.values():
+                timer.cancel()
+            self._heads.clear()
             return actions
         for h3_event in self._h3.handle_event(event):
             if isinstance(h3_event, HeadersReceived):
                 self._on_headers(h3_event, now, actions)
             elif isinstance(h3_event, DataReceived):
                 self._on_data(h3_event.stream_id, h3_event.data, h3_event.stream_ended, actions)
+        if (
+            isinstance(event, StreamDataReceived)
+            and event.stream_id > self._max_seen_id
+            and self._on_overdue is not None
+        ):
+            self._head_arriving(event)
         if isinstance(event, StreamReset | StopSendingReceived):
             self._on_reset(event.stream_id, actions)
         if self._h3.failed_streams:
@@ -191,8 +221,32 @@ class H3Session:
             self._h3.failed_streams.clear()
         return actions
 
+    def _head_arriving(self, event: StreamDataReceived) -> None:
+        """Data on a request stream newer than any whose HEADERS were read: its head is still
+        coming (the usual request brings it whole in one event, and no timer is armed)."""
+        stream_id = event.stream_id
+        if stream_id % 4 or event.end_stream or stream_id in self._heads:
+            return  # not a client request stream, or already timed
+        self._heads[stream_id] = asyncio.get_running_loop().call_later(
+            self._limits.request_head_timeout, self._head_overdue, stream_id
+        )
+
+    def _head_overdue(self, stream_id: int) -> None:
+        """A request head missed its deadline: 408, and the rest of the stream is not read."""
+        self._heads.pop(stream_id, None)
+        if stream_id <= self._max_seen_id or self._on_overdue is None or self.terminated:
+            return  # its HEADERS arrived meanwhile (or the connection is gone)
+        self._max_seen_id = stream_id  # what still arrives on it is no new head
+        actions: list[Action] = []
+        self._respond(stream_id, 408, "request head not received in time")
+        actions.append(RequestRefused(stream_id, 408, "request head not received in time"))
+        self._on_overdue(actions)
+
     def _on_headers(self, event: HeadersReceived, now: float, actions: list[Action]) -> None:
         stream_id = event.stream_id
+        head_timer = self._heads.pop(stream_id, None) if self._heads else None
+        if head_timer is not None:
+            head_timer.cancel()
         req = self._requests.get(stream_id)
         if req is not None:
             # Trailers (RFC 9114 §4.1): dropped; they can only end the body.
@@ -275,6 +329,10 @@ class H3Session:
         else:
             req.started = True
             actions.append(StartRequest(stream_id, scope))
+        if not event.stream_ended and self._on_overdue is not None:
+            req.body_timer = asyncio.get_running_loop().call_later(
+                self._limits.request_body_timeout, self._overdue, stream_id
+            )
         if event.stream_ended:
             self._on_data(stream_id, b"", True, actions)
 
@@ -291,11 +349,26 @@ class H3Session:
         if not data and not ended:
             return
         req.body_done = ended
+        if ended and req.body_timer is not None:
+            req.body_timer.cancel()
+            req.body_timer = None
         piece = RequestBody(stream_id, data, not ended)
         if req.started:
             actions.append(piece)
         else:
             req.pending.append(piece)
+
+    def _overdue(self, stream_id: int) -> None:
+        """The body deadline of `stream_id` passed (a slowloris): 408, the app sees it gone."""
+        req = self._requests.get(stream_id)
+        if req is None or req.body_done or self._on_overdue is None:
+            return
+        req.body_timer = None
+        actions: list[Action] = []
+        if req.started:
+            actions.append(RequestAborted(stream_id))
+        self._refuse(stream_id, 408, "request body not received in time", actions)
+        self._on_overdue(actions)
 
     def _on_reset(self, stream_id: int, actions: list[Action]) -> None:
         req = self._requests.pop(stream_id, None)

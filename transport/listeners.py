@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+from functools import partial
 
 from transport.asgi import ASGIApp
 from transport.config import TransportConfig, format_address
@@ -51,6 +52,7 @@ class Listeners:
         self._admin_app = admin_app
         self._tls = tls
         self._reuse_port = reuse_port
+        self._metrics = metrics
         secret = config.quic_retry_secret.encode() if config.quic_retry_secret else None
         if config.quic_retry and secret is None:
             secret = os.urandom(32)  # one process: a random key is as good as a shared one
@@ -70,33 +72,55 @@ class Listeners:
         """Bind and start every listener; the lines that say where each one is."""
         t = self._config
         await self.h3.start(*t.h3, reuse_port=self._reuse_port)
-        options = TcpOptions(graceful_timeout=t.drain_timeout)
+        options = TcpOptions(
+            graceful_timeout=t.drain_timeout,
+            head_timeout=t.limits.request_head_timeout,
+            body_timeout=t.limits.request_body_timeout,
+            max_connections=t.max_connections,
+            max_connections_per_client=t.max_connections_per_client,
+        )
         lines = [f"h3     https://{format_address(self.h3.address or t.h3)} (QUIC, UDP)"]
         if t.tcp is not None:
             self._proxies.append(
                 TcpListener(
                     self._app, host=t.tcp[0], port=t.tcp[1], tls=self._tls,
                     alt_svc_port=self.h3.port, reuse_port=self._reuse_port, options=options,
+                    on_refused=partial(self._refused, "tcp"),
+                    on_timeout=partial(self._timed_out, "tcp"),
                 )
             )  # fmt: skip
             alt_svc = f"alt-svc h3 :{self.h3.port}"
             lines.append(f"tcp    {self._proxies[-1].url} (h2, http/1.1; {alt_svc})")
         if t.http is not None:
-            self._proxies.append(
+            self._proxies.append(self._watched(
                 H1Listener(
                     self._app, host=t.http[0], port=t.http[1], reuse_port=self._reuse_port,
                     options=options,
-                )
-            )  # fmt: skip
+                ), "http",
+            ))  # fmt: skip
             lines.append(f"http   {self._proxies[-1].url} (plain HTTP/1.1)")
         if t.admin is not None:
-            self._admin = H1Listener(
-                self._admin_app, host=t.admin[0], port=t.admin[1], reuse_port=self._reuse_port
-            )
+            self._admin = self._watched(
+                H1Listener(
+                    self._admin_app, host=t.admin[0], port=t.admin[1],
+                    reuse_port=self._reuse_port, options=options,
+                ), "admin",
+            )  # fmt: skip
             lines.append(f"admin  {self._admin.url} (/health /ready /metrics)")
         for listener in [*self._proxies, *([self._admin] if self._admin else [])]:
             await listener.start()
         return lines
+
+    def _watched(self, listener: H1Listener, name: str) -> H1Listener:
+        listener.gate.on_refused = partial(self._refused, name)
+        listener.on_timeout = partial(self._timed_out, name)
+        return listener
+
+    def _refused(self, listener: str, reason: str) -> None:
+        self._metrics.connections_refused.labels(listener, reason).inc()
+
+    def _timed_out(self, listener: str, phase: str) -> None:
+        self._metrics.request_timeouts.labels(listener, phase).inc()
 
     async def drain(self) -> None:
         """Stop accepting; let open requests finish for up to `drain_timeout` seconds. The admin

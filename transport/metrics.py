@@ -91,6 +91,20 @@ class TransportMetrics:
             buckets=_FLUSH_DELAY_BUCKETS,
             registry=registry,
         )
+        self.connections_refused = Counter(
+            "quicedge_connections_refused",
+            "TCP connections closed as they were accepted: over the listener's cap"
+            " (listener_cap) or one client address's (client_cap)",
+            ["listener", "reason"],
+            registry=registry,
+        )
+        self.request_timeouts = Counter(
+            "quicedge_request_timeouts",
+            "Requests cut off (408 or a close) because their head or body did not arrive"
+            " within its deadline",
+            ["listener", "phase"],
+            registry=registry,
+        )
         self.stream_errors = Counter(
             "quicedge_h3_stream_errors",
             "HTTP/3 requests refused by the transport",

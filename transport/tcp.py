@@ -7,8 +7,11 @@ carries ``Alt-Svc`` naming the HTTP/3 port (``alt_svc_port``), which is how a cl
 come back over QUIC. Without ``tls`` it serves plain HTTP through hypercorn (the tests use that);
 ``quicedge serve``'s plain-HTTP and admin listeners are ``h1_server.H1Listener`` instead.
 Shutdown: hypercorn stops accepting, closes idle HTTP/2 connections with GOAWAY and lets open
-requests finish for ``graceful_timeout`` seconds. HTTP/2 runs on `transport.hypercorn_h2`'s
-protocol, which keeps a connection alive when the app answers before reading a request's body.
+requests finish for ``graceful_timeout`` seconds. A request's head deadline is hypercorn's idle
+timer, its body deadline ``transport.deadlines``'s, and the connection caps
+``transport.caps``'s (docs/transport.md, "Deadlines and caps"). HTTP/2 runs on
+`transport.hypercorn_h2`'s protocol, which keeps a connection alive when the app answers before
+reading a request's body.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import asyncio
 import os
 import socket
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hypercorn.asyncio import serve
@@ -24,6 +28,8 @@ from hypercorn.config import Config
 
 from transport import hypercorn_h2
 from transport.asgi import ASGIApp, Receive, Scope, Send, with_tcp_extensions
+from transport.caps import GATE_ATTRIBUTE, ConnectionGate, gate_hypercorn
+from transport.deadlines import with_body_deadline
 from transport.tls import TlsMaterial
 
 ALT_SVC_MAX_AGE = 86400  # one day, as NGINX's documented example
@@ -88,6 +94,16 @@ class TcpOptions:
     """Idle keep-alive connections are closed after this long."""
     max_header_bytes: int = 16 * 1024
     """HTTP/1.1 request line + headers (h11 max incomplete event size)."""
+    head_timeout: float = 10.0
+    """A request head must arrive whole within this many seconds of its first byte (or, on
+    hypercorn, of the connection going idle): else 408 and close."""
+    body_timeout: float = 60.0
+    """A request body must arrive whole within this many seconds of its head: else 408 (or a
+    close, once the response began)."""
+    max_connections: int = 0
+    """Open connections this listener keeps; one more is closed at once (0: no cap)."""
+    max_connections_per_client: int = 0
+    """Open connections from one client IP address; one more is closed at once (0: no cap)."""
 
 
 class TcpListener:
@@ -104,8 +120,12 @@ class TcpListener:
         reuse_port: bool = False,
         options: TcpOptions | None = None,
         add_extensions: bool = True,
+        on_refused: Callable[[str], None] | None = None,
+        on_timeout: Callable[[str], None] | None = None,
     ) -> None:
         hypercorn_h2.install()
+        options = options or TcpOptions()
+        app = with_body_deadline(app, options.body_timeout, on_timeout)
         self._app = without_lifespan(with_tcp_extensions(app) if add_extensions else app)
         sock = tcp_socket(host, port, reuse_port=reuse_port)
         name = sock.getsockname()
@@ -113,14 +133,23 @@ class TcpListener:
         # hypercorn takes over the descriptor (it wraps ``fd://N`` in its own socket object).
         self._fd: int | None = sock.detach()
         self.scheme = "https" if tls is not None else "http"
-        options = options or TcpOptions()
         config = _Config(tls.ssl_context() if tls is not None else None)
         config.bind = [f"fd://{self._fd}"]
         config.alt_svc_headers = [alt_svc_value(alt_svc_port)] if alt_svc_port else []
         config.include_server_header = False
         config.graceful_timeout = options.graceful_timeout
-        config.keep_alive_timeout = options.keep_alive_timeout
+        # hypercorn's idle timer runs from a connection's start (or its last response) until a
+        # whole request head is parsed, and data does not re-arm it: it is the head deadline
+        # too. Its `read_timeout` bounds each read, which would also cut a long response the
+        # client listens to in silence, so it stays off; the body deadline is
+        # `transport.deadlines`'s, at the ASGI seam.
+        config.keep_alive_timeout = min(options.keep_alive_timeout, options.head_timeout)
         config.h11_max_incomplete_size = options.max_header_bytes
+        gate_hypercorn()
+        self.gate = ConnectionGate(
+            options.max_connections, options.max_connections_per_client, on_refused
+        )
+        setattr(config, GATE_ATTRIBUTE, self.gate)
         config.accesslog = None
         config.errorlog = "-"
         config.loglevel = "WARNING"

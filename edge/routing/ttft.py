@@ -22,6 +22,11 @@ really held (an engine evicts leaves first, so nothing deeper survived) and shri
 of that backend's cache size, evicting its least recently used entries. Backends that report
 as much as predicted let the estimate grow back.
 
+With a shared fleet view attached (`attach`), a backend the tree has no match for is looked up
+there (the blocks other edge processes placed on it), and the in-flight prefill work other
+processes report counts as queued; such a remote match is a hint, never used to trim the tree.
+With a hot-prefix tracker attached, every routed prompt is counted there.
+
 A session key is only a tie-breaker: the session's previous backend wins if its prediction is
 within `session_slack` (relative) + `session_slack_s` of the best, so load always wins.
 """
@@ -36,6 +41,9 @@ from operator import mul
 from backends.registry import Backend
 from edge.routing.base import Decision, Outcome, RequestView, register_policy, usable
 from edge.routing.cache_aware import chars_to_tokens
+from edge.routing.fleet_view import FleetView
+from edge.routing.hot_prefixes import HotPrefixes
+from edge.routing.prefix_blocks import BlockHasher, PrefixBlocks
 from edge.routing.prefix_tree import DEFAULT_MAX_CHARS, PrefixTree
 
 # Feature scaling keeps the least-squares problem well conditioned: seconds per 1k tokens,
@@ -225,6 +233,39 @@ class TTFTPolicy:
         self._tokens_per_char = 0.25
         self._capacity_cap: dict[str, int] = {}
         self.trims = 0
+        self._hasher: BlockHasher | None = None
+        self.hot: HotPrefixes | None = None
+        self.fleet: FleetView | None = None
+
+    def attach(
+        self, hasher: BlockHasher, *, hot: HotPrefixes | None = None, fleet: FleetView | None = None
+    ) -> None:
+        """Count routed prompts in `hot` and consult / feed the shared `fleet` view."""
+        self._hasher = hasher if hot is not None or fleet is not None else None
+        self.hot = hot
+        self.fleet = fleet
+
+    def forget(self, url: str) -> None:
+        """The backend lost its cache (it restarted): drop what the tree says it holds."""
+        self.tree.remove_tenant(url)
+        if self.fleet is not None:
+            self.fleet.forget(url)
+
+    def holds(self, url: str, text: str) -> None:
+        """The backend has this text cached now (it was warmed with it)."""
+        self.tree.insert(text, url)
+
+    def learned(self) -> tuple[list[float], int]:
+        """The model's raw coefficients and how many responses taught them (for the fleet)."""
+        return list(self.model.theta), self.model.updates
+
+    def adopt(self, theta: list[float]) -> None:
+        """Take coefficients learned elsewhere, within this model's bounds."""
+        if len(theta) == len(self.model.theta):
+            self.model.theta = [
+                max(low, min(high, t))
+                for t, (low, high) in zip(theta, self.model.bounds, strict=True)
+            ]
 
     # -- prediction ------------------------------------------------------------------------
     def coefficients(self) -> tuple[float, ...]:
@@ -235,9 +276,17 @@ class TTFTPolicy:
         uncached = max(0, view.approx_tokens - cached)
         queued = float(backend.in_flight_prefill_tokens)
         decoding = backend.in_flight - backend.in_prefill
+        remote = 0
+        fleet = self.fleet
+        if fleet is not None and fleet.processes > 1:
+            # What the others reported is up to one publish interval old, and a prefill is often
+            # over by then; this process's own share, scaled by the processes sharing the
+            # traffic, is current. Take the larger estimate of the whole queue.
+            tokens, remote = fleet.queued(backend.url)
+            queued = max(queued + tokens, queued * fleet.processes)
         load = backend.load
         if load is not None:
-            extra = load.num_waiting_reqs - backend.in_prefill
+            extra = load.num_waiting_reqs - backend.in_prefill - remote
             if extra > 0:  # work the edge did not send (another edge, a direct client)
                 queued += extra * self._mean_uncached
             decoding = max(decoding, load.num_running_reqs - backend.in_prefill)
@@ -250,6 +299,15 @@ class TTFTPolicy:
     def choose(self, view: RequestView, candidates: Sequence[Backend]) -> Decision:
         pool = usable(candidates)
         match = self.tree.match(view.text)
+        hashes: tuple[int, ...] = ()
+        block_chars = 0
+        if self._hasher is not None:
+            blocks: PrefixBlocks = self._hasher.blocks(view.text)
+            hashes, block_chars = blocks.hashes, blocks.block_chars
+            if self.hot is not None:
+                self.hot.record(view.model, blocks)
+        fleet = self.fleet if hashes else None
+        remote_hit = False
         self._turn += 1
         n = len(pool)
         best: tuple[float, int, int, int] | None = None
@@ -259,6 +317,11 @@ class TTFTPolicy:
         for i, b in enumerate(pool):
             self._learn_capacity(b)
             chars = match.chars.get(b.url, 0)
+            if fleet is not None and chars < block_chars:
+                depth = fleet.depth(b.url, hashes)
+                if depth:  # another edge process placed this prefix there
+                    chars = depth * block_chars
+                    remote_hit = True
             cached = chars_to_tokens(chars, view)
             x = self.features(b, cached, view)
             pred = self._predict(x)
@@ -288,7 +351,11 @@ class TTFTPolicy:
         # A match that rests on an insert whose request is still in flight is not yet in the
         # backend's cache (it may still be queued): a shortfall then is no sign of eviction.
         confirmed = match.stamps.get(backend.url, 0) not in self._open
+        if remote_hit and chars != match.chars.get(backend.url, 0):
+            confirmed = False  # a hint from the fleet is not this process's knowledge
         stamp = self.tree.insert(view.text, backend.url)
+        if fleet is not None:
+            fleet.placed(backend.url, hashes)
         self._open[stamp] = None
         while len(self._open) > self.max_sessions:  # observe() never came for the oldest
             del self._open[next(iter(self._open))]

@@ -113,10 +113,12 @@ DROP_RESPONSE_HEADERS = frozenset(
 
 
 def response_headers(
-    upstream: list[tuple[bytes, bytes]], *, request_id: str, backend_name: str
+    upstream: list[tuple[bytes, bytes]], *, request_id: str, backend_name: str | None
 ) -> list[tuple[bytes, bytes]]:
-    """The backend's response headers for the client, plus the request id and the backend."""
+    """The backend's response headers for the client, plus the request id and, when
+    `backend_name` is given (`[proxy] expose_backend_names`), the backend."""
     out = [(k, v) for k, v in upstream if k not in DROP_RESPONSE_HEADERS and k != b"x-request-id"]
     out.append((b"x-request-id", request_id.encode()))
-    out.append((b"x-quicedge-backend", backend_name.encode()))
+    if backend_name is not None:
+        out.append((b"x-quicedge-backend", backend_name.encode()))
     return out

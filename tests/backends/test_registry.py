@@ -406,3 +406,31 @@ async def test_default_client_checks_a_stand_in_that_dies_and_returns() -> None:
     finally:
         await registry.aclose()
         await sim.stop()
+
+
+def test_a_backend_being_warmed_is_used_only_when_no_ready_one_can_take_it() -> None:
+    registry, clock = make()
+    a, b, c = registry.backends
+    a.warming_until = clock.now + 5
+    assert registry.candidates() == [b, c]
+    assert [s["ready"] for s in registry.snapshot()] == [False, True, True]
+    b.healthy = c.healthy = False
+    assert registry.candidates() == [a]  # nothing ready is left: the warming one serves
+    b.healthy = True
+    assert registry.candidates() == [b]
+    clock.now += 5  # the readiness deadline passed
+    assert registry.candidates() == [a, b]
+
+
+def test_listeners_hear_when_a_backend_is_healthy_again() -> None:
+    registry, _ = make(health=HealthConfig(failure_threshold=1, success_threshold=2))
+    heard: list[str] = []
+    registry.on_healthy.append(lambda backend: heard.append(backend.url))
+    b = registry.backends[1]
+    registry.record_check(b, True)
+    assert heard == []  # it never failed
+    registry.record_check(b, False)
+    registry.record_check(b, True)
+    assert heard == []
+    registry.record_check(b, True)
+    assert heard == [b.url]

@@ -22,7 +22,8 @@ async def edge_urls(dev_certs: DevCertificates) -> AsyncIterator[tuple[str, str,
     """(H3 URL, TLS TCP URL, backend name) of an edge in front of one stand-in."""
     config = SimConfig(name="b1", port=0, profile="instant", enable_cache_report=True, seed=0)
     async with SimServer(config) as sim:
-        wiring = await build(fast_config([sim.url]), registry=CollectorRegistry())
+        proxy = fast_config([sim.url], expose_backend_names=True)  # the records name it
+        wiring = await build(proxy, registry=CollectorRegistry())
         await wiring.start()
         try:
             async with edge_h3(dev_certs, wiring.app) as h3, edge_tcp(dev_certs, wiring.app) as tcp:

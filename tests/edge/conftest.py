@@ -91,6 +91,8 @@ def fast_config(backends: Sequence[str], **overrides: Any) -> ProxyConfig:
         "first_byte_timeout": 10.0,
         "chunk_timeout": 10.0,
         "connect_timeout": 1.0,
+        # Tests watch where requests went through the response header; off by default in serve.
+        "expose_backend_names": True,
     }
     values.update(overrides)
     return ProxyConfig.from_mapping(values).validate()
@@ -104,12 +106,11 @@ async def run_edge(
     certs: Any = None,
     start: bool = True,
     listener: str = "hypercorn",
-    policies: Any = None,
-    audit: Any = None,
+    **build_options: Any,
 ) -> AsyncIterator[Edge]:
     """The app on hypercorn (TLS when `certs` are given), or on our own plain HTTP/1.1 listener
     (`listener="h1"`, what `quicedge serve --http` runs, where the relay writes through the
-    listener's body writer)."""
+    listener's body writer). `build_options` go to `edge.wiring.build` (`prewarm=`, ...)."""
     registry = CollectorRegistry()
     exporter: InMemorySpanExporter | None = None
     tracer = None
@@ -118,7 +119,7 @@ async def run_edge(
         provider = TracerProvider()
         provider.add_span_processor(SimpleSpanProcessor(exporter))
         tracer = provider.get_tracer("test")
-    wiring = await build(config, registry=registry, tracer=tracer, policies=policies, audit=audit)
+    wiring = await build(config, registry=registry, tracer=tracer, **build_options)
     if start:
         await wiring.start()
     try:

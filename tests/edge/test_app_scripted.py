@@ -47,7 +47,8 @@ def in_flight(edge: Edge) -> list[int]:
 
 async def test_forwards_body_with_rid_and_headers_and_names_the_backend() -> None:
     async with TinyUpstream(script(lambda r: sse_reply(["Hi", " there"]))) as up:
-        async with run_edge(fast_config([up.url])) as edge, client(edge) as http:
+        config = fast_config([up.url], expose_backend_names=True)
+        async with run_edge(config) as edge, client(edge) as http:
             traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
             response = await http.post(
                 "/v1/completions",
@@ -170,7 +171,10 @@ async def test_the_end_of_a_whole_response_is_not_a_client_going_away() -> None:
 async def test_503_is_retried_on_the_other_backend() -> None:
     busy = script(lambda r: Reply(status=503, chunks=[b'{"error":"busy"}'], chunked=False))
     async with TinyUpstream(busy) as bad, TinyUpstream(script(lambda r: sse_reply(["x"]))) as good:
-        config = fast_config([bad.url, good.url], policy="round_robin", eject_after_failures=100)
+        config = fast_config(
+            [bad.url, good.url], policy="round_robin", eject_after_failures=100,
+            expose_backend_names=True,
+        )  # fmt: skip
         async with run_edge(config) as edge, client(edge) as http:
             for _ in range(4):
                 response = await http.post("/v1/completions", json=COMPLETION)

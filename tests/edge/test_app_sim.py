@@ -57,7 +57,10 @@ async def metrics_text(edge: Edge) -> str:
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "whole"])
 async def test_every_route_streams_and_answers_whole(route: str, stream: bool) -> None:
     async with sims(sim_config("b1"), sim_config("b2")) as servers:
-        async with run_edge(fast_config([s.url for s in servers])) as edge, client(edge) as http:
+        async with (
+            run_edge(fast_config([s.url for s in servers], expose_backend_names=True)) as edge,
+            client(edge) as http,
+        ):
             body = {**BODIES[route], "stream": stream}
             response = await http.post(route, json=body, headers={"x-request-id": "rq-1"})
             assert response.status_code == 200, response.text
@@ -257,7 +260,7 @@ async def test_a_busy_pool_is_503_with_retry_after(bound: dict[str, Any], says: 
 
 async def test_health_ejection_and_return() -> None:
     async with sims(sim_config("b1"), sim_config("b2")) as (one, two):
-        config = fast_config([one.url, two.url], policy="round_robin")
+        config = fast_config([one.url, two.url], policy="round_robin", expose_backend_names=True)
         async with run_edge(config) as edge, client(edge) as http:
             first, second = edge.wiring.registry.backends
             port = two.port

@@ -29,7 +29,7 @@ async def test_zero_rtt_request_reaches_the_backend_marked_early_data(dev_certs:
 
     async with TinyUpstream(answer) as up:
         registry = CollectorRegistry()
-        wiring = await build(fast_config([up.url]), registry=registry)
+        wiring = await build(fast_config([up.url], expose_backend_names=True), registry=registry)
         await wiring.start()
         tls = TlsMaterial(CertificateFiles(dev_certs.cert, dev_certs.key))
         server = H3Server(wiring.app, tls=tls, tickets=MemoryTicketStore())
@@ -74,7 +74,9 @@ async def test_zero_rtt_request_reaches_the_backend_marked_early_data(dev_certs:
 @contextlib.asynccontextmanager
 async def h3_edge(dev_certs: Any, sim: SimServer) -> AsyncIterator[tuple[Any, H3Server]]:
     """The proxy on the HTTP/3 listener in front of one stand-in; yields (wiring, server)."""
-    wiring = await build(fast_config([sim.url]), registry=CollectorRegistry())
+    wiring = await build(
+        fast_config([sim.url], expose_backend_names=True), registry=CollectorRegistry()
+    )
     await wiring.start()
     tls = TlsMaterial(CertificateFiles(dev_certs.cert, dev_certs.key))
     server = H3Server(wiring.app, tls=tls, tickets=MemoryTicketStore())

@@ -13,7 +13,6 @@ from tests.transport.apps import RecordingApp
 from tests.transport.conftest import H3Factory
 from tests.transport.h3client import fresh_ticket, h3_connect
 from tests.transport.udp_holdback import UdpHoldback
-from transport.config import TransportConfig
 from transport.early_data import EarlyDataPolicy, Mode
 from transport.h3_session import H3Limits
 from transport.metrics import TransportMetrics
@@ -285,7 +284,10 @@ async def test_early_request_outlives_the_deadline_once_the_handshake_completes(
 
 
 def test_the_deadline_is_a_serve_setting() -> None:
-    config = TransportConfig.from_mapping({"early_data_handshake_deadline": 0.75}, {})
-    assert config.limits.early_data_handshake_deadline == 0.75
-    with pytest.raises(ValueError, match="early_data_handshake_deadline must be > 0"):
-        TransportConfig.from_mapping({"early_data_handshake_deadline": 0}, {})
+    from edge import serve
+
+    args = serve.build_parser().parse_args(["--demo"])
+    loaded = serve.load_settings(args, {}, toml={"serve": {"early_data_handshake_deadline": 0.75}})
+    assert serve.transport_config(loaded).limits.early_data_handshake_deadline == 0.75
+    with pytest.raises(ValueError, match="early_data_handshake_deadline"):
+        serve.load_settings(args, {}, toml={"serve": {"early_data_handshake_deadline": 0}})

@@ -1,0 +1,149 @@
+"""Hot prefixes: a bounded, decaying count of the prompt prefixes the edge routes, per model.
+
+Each routed request adds one (decayed) count to every whole block of its prefix chain
+(`prefix_blocks`): a system prompt, a few-shot block or a long shared document is counted by
+every request that starts with it, a request's own tail only once. Counts decay exponentially
+with `half_life_s`, done the cheap way: a count added at time t weighs 2^(t / half_life), so old
+counts need no update (weights are rescaled when they grow large). Each model keeps at most
+`capacity` entries; past twice that, the lowest-scored half is dropped at once, so the cost of
+pruning is amortised to O(log capacity) per new entry. An entry keeps a reference to the text of
+the request that created it (no copy); the prefix is cut from it only when it is warmed.
+
+`top(model, n)` gives the deepest hot prefix of each lineage (an entry whose deeper block is
+also hot is covered by it), hottest first: what pre-warming sends.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from edge.routing.prefix_blocks import PrefixBlocks
+
+_RESCALE_AT = 2.0**40
+
+
+@dataclass(frozen=True, slots=True)
+class HotPrefix:
+    model: str
+    text: str
+    """The prefix itself (whole blocks)."""
+    key: int
+    """The hash of its deepest block."""
+    count: float
+    """Decayed count, in requests (one request now counts 1)."""
+
+
+class _Entry:
+    __slots__ = ("end", "parent", "score", "source")
+
+    def __init__(self, source: str, end: int, parent: int | None, score: float) -> None:
+        self.source = source
+        self.end = end
+        self.parent = parent
+        self.score = score
+
+
+class HotPrefixes:
+    def __init__(
+        self,
+        *,
+        capacity: int = 256,
+        half_life_s: float = 60.0,
+        max_models: int = 64,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        if not half_life_s > 0:
+            raise ValueError("half_life_s must be > 0")
+        self.capacity = capacity
+        self.half_life_s = half_life_s
+        self.max_models = max_models
+        self._clock = clock
+        self._origin = clock()
+        self._models: dict[str, dict[int, _Entry]] = {}
+
+    def _weight(self) -> float:
+        w = 2.0 ** ((self._clock() - self._origin) / self.half_life_s)
+        if w > _RESCALE_AT:  # keep the numbers in range: rebase every score on now
+            for entries in self._models.values():
+                for e in entries.values():
+                    e.score /= w
+            self._origin = self._clock()
+            w = 1.0
+        return w
+
+    def record(self, model: str | None, blocks: PrefixBlocks) -> None:
+        """Count one routed request. Cheap: a dict update per whole block of its prompt."""
+        hashes = blocks.hashes
+        if not hashes:
+            return
+        name = model or ""
+        entries = self._models.get(name)
+        if entries is None:
+            if len(self._models) >= self.max_models:  # one model too many: forget the smallest
+                smallest = min(self._models, key=lambda m: len(self._models[m]))
+                del self._models[smallest]
+            entries = self._models[name] = {}
+        w = self._weight()
+        parent: int | None = None
+        size = blocks.block_chars
+        get = entries.get
+        for k, h in enumerate(hashes):
+            e = get(h)
+            if e is None:
+                entries[h] = _Entry(blocks.text, (k + 1) * size, parent, w)
+            else:
+                e.score += w
+            parent = h
+        if len(entries) > 2 * self.capacity:
+            keep = sorted(entries.items(), key=lambda kv: kv[1].score, reverse=True)
+            self._models[name] = dict(keep[: self.capacity])
+
+    def count(self, model: str | None, key: int) -> float:
+        e = self._models.get(model or "", {}).get(key)
+        return 0.0 if e is None else e.score / self._weight()
+
+    def top(self, model: str | None, n: int, *, min_count: float = 2.0) -> list[HotPrefix]:
+        """Up to `n` hot prefixes of `model` (None: every model), deepest per lineage, hottest
+        first; only those counted at least `min_count` (decayed) times."""
+        w = self._weight()
+        names = list(self._models) if model is None else [model]
+        out: list[HotPrefix] = []
+        floor = min_count * w
+        for name in names:
+            entries = self._models.get(name)
+            if not entries:
+                continue
+            hot = {h: e for h, e in entries.items() if e.score >= floor}
+            covered: set[int] = set()
+            for e in hot.values():
+                p = e.parent
+                while p is not None and p not in covered:
+                    covered.add(p)
+                    parent = entries.get(p)
+                    p = parent.parent if parent is not None else None
+            for h, e in hot.items():
+                if h not in covered:
+                    out.append(HotPrefix(name, e.source[: e.end], h, e.score / w))
+        out.sort(key=lambda p: p.count, reverse=True)
+        return out[:n]
+
+    def models(self) -> list[str]:
+        return list(self._models)
+
+    def __len__(self) -> int:
+        return sum(len(e) for e in self._models.values())
+
+    def snapshot(self, n: int = 8, *, min_count: float = 2.0) -> list[dict[str, object]]:
+        """The hot prefixes for the admin JSON (length, count and first characters)."""
+        return [
+            {"model": p.model or None, "chars": len(p.text), "count": round(p.count, 2),
+             "key": f"{p.key:016x}", "head": p.text[:48]}
+            for p in self.top(None, n, min_count=min_count)
+        ]  # fmt: skip
+
+
+__all__ = ["HotPrefix", "HotPrefixes"]

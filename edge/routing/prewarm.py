@@ -1,0 +1,413 @@
+"""Pre-warming: fill a backend's prefix cache with the fleet's hot prefixes before it takes traffic.
+
+A backend is warmed when it joins (the service starts), when it comes back healthy after failing
+its checks, when it restarted without failing them (its `/metrics` request counter went down:
+a new process), and on demand (`POST /prewarm` on the admin listener). The hottest prefixes
+(`HotPrefixes.top`) are sent as prefill-only requests: SGLang's native `/generate` with
+`max_new_tokens: 0` (SGLang accepts 0 and returns after prefill; a backend that refuses it with a
+400 gets 1 from then on). A long prefix goes in shards of `shard_tokens` (prefix up to 256
+tokens, then 512, ...), so each request prefills one shard on top of the cached ones and a
+partial match helps at once; while the backend is held back from routing and idle, a prefix goes
+whole (nothing could use a part of it yet, and each request has a fixed cost).
+
+Pacing keeps real traffic ahead: one warm-up request in flight per backend; before each, wait
+(up to `yield_s`) while the edge has real requests waiting for a first token there; after each,
+idle long enough that warm-up takes at most `share` of the backend's time, unless the backend is
+held back from routing and has no request of the edge's in flight (then warm-up runs at full
+speed: no request of ours can queue behind it, and the sooner it ends the sooner the backend
+takes its share of the load). A backend being
+warmed is not ready for routing (the registry offers it only when no ready backend can take a
+request) until its warm-up finished or `deadline` passed, whichever is first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from backends.errors import UpstreamError
+from backends.pool import UpstreamPool
+from backends.registry import Backend, BackendRegistry
+from edge.routing.hot_prefixes import HotPrefixes
+from edge.stages.view import CHARS_PER_TOKEN
+
+log = logging.getLogger(__name__)
+
+STATES = ("idle", "warming", "ready")
+
+
+@dataclass(slots=True)
+class PrewarmConfig:
+    """`[prewarm]`: hot-prefix tracking and warming backends that lost (or never had) them."""
+
+    enabled: bool = False
+    """Track hot prefixes and warm backends. Off by default: it sends requests of its own to
+    the backends (which may be shared with other clients, or billed), and holds a restarted
+    backend back from routing for up to `deadline`; an operator opts in."""
+    top: int = 8
+    """Hot prefixes sent per warm-up, hottest first."""
+    min_count: float = 2.0
+    """Decayed request count that makes a prefix hot."""
+    half_life: float = 60.0
+    """Half-life of the hot-prefix counts, s."""
+    capacity: int = 256
+    """Prefixes tracked per model."""
+    block_chars: int = 1024
+    """Prefix granularity, characters (about 256 tokens)."""
+    shard_tokens: int = 256
+    """Tokens prefilled per warm-up request: a long prefix goes in steps of this many."""
+    max_tokens: int = 65536
+    """Tokens (estimated) sent to one backend per warm-up at most."""
+    share: float = 0.25
+    """Share of a backend's time warm-up may take (it idles (1 - share) / share of each request's
+    duration after it)."""
+    yield_s: float = 1.0
+    """Longest wait, s, for the edge's real requests in prefill there to get their first token
+    before a warm-up request is sent anyway."""
+    deadline: float = 5.0
+    """A backend being warmed counts as ready for routing after this many seconds at most."""
+    restart_check_interval: float | None = 2.0
+    """Period, s, of the `/metrics` poll that notices a restart its health checks missed; none:
+    off."""
+    request_timeout: float = 10.0
+    """Deadline of one warm-up request, s."""
+
+    def validate(self) -> None:
+        for name in ("top", "capacity", "shard_tokens", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"prewarm.{name}: must be >= 1, got {getattr(self, name)!r}")
+        if self.block_chars < 16:
+            raise ValueError(f"prewarm.block_chars: must be >= 16, got {self.block_chars}")
+        if not 0 < self.share <= 1:
+            raise ValueError(f"prewarm.share: must be in (0, 1], got {self.share}")
+        for name in ("half_life", "deadline", "request_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"prewarm.{name}: must be > 0, got {getattr(self, name)!r}")
+        if self.min_count < 0 or self.yield_s < 0:
+            raise ValueError("prewarm.min_count and prewarm.yield_s: must be >= 0")
+        if self.restart_check_interval is not None and not self.restart_check_interval > 0:
+            raise ValueError("prewarm.restart_check_interval: must be > 0 or none")
+
+
+# Flags carry the section's name (`--prewarm-deadline`); `enabled` is `--prewarm`.
+PREWARM_FLAGS: dict[str, str | bool] = {
+    f.name: "--prewarm" if f.name == "enabled" else "--prewarm-" + f.name.replace("_", "-")
+    for f in dataclasses.fields(PrewarmConfig)
+}
+
+
+@dataclass(slots=True)
+class _Job:
+    text: str
+    done: asyncio.Future[dict[str, Any]] | None = None
+    requests: int = 0
+    tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class _Lane:
+    """One backend's warm-up queue, worked by at most one task (one request in flight)."""
+
+    backend: Backend
+    jobs: list[_Job] = field(default_factory=list)
+    task: asyncio.Task[None] | None = None
+    state: str = "idle"
+    reason: str | None = None
+    requests: dict[str, int] = field(default_factory=dict)
+    tokens: int = 0
+    busy_s: float = 0.0
+    warmups: int = 0
+    max_new_tokens: int = 0
+    last_counter: float | None = None
+
+
+def _shards(text: str, shard_chars: int) -> Iterator[int]:
+    """End offsets of the shards of `text`: every `shard_chars`, then the whole text."""
+    end = shard_chars
+    while end < len(text):
+        yield end
+        end += shard_chars
+    yield len(text)
+
+
+class PrewarmService:
+    def __init__(
+        self,
+        config: PrewarmConfig,
+        *,
+        registry: BackendRegistry,
+        pool: UpstreamPool,
+        hot: HotPrefixes,
+        on_reset: Callable[[str], None] | None = None,
+        on_warmed: Callable[[str, str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        config.validate()
+        self.config = config
+        self.registry = registry
+        self.pool = pool
+        self.hot = hot
+        self._on_reset = on_reset
+        self._on_warmed = on_warmed
+        self._clock = clock
+        self._lanes = {b.url: _Lane(b) for b in registry.backends}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closed = False
+
+    # -- triggers --------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.registry.on_healthy.append(self._healthy_again)
+        for lane in self._lanes.values():
+            self.warm_hot(lane.backend, reason="join")
+        if self.config.restart_check_interval is not None:
+            self._spawn(self._watch_restarts())
+
+    async def aclose(self) -> None:
+        self._closed = True
+        with contextlib.suppress(ValueError):
+            self.registry.on_healthy.remove(self._healthy_again)
+        tasks = [*self._tasks, *(lane.task for lane in self._lanes.values() if lane.task)]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for lane in self._lanes.values():
+            for job in lane.jobs:
+                if job.done is not None and not job.done.done():
+                    job.done.cancel()
+
+    def _healthy_again(self, backend: Backend) -> None:
+        self.warm_hot(backend, reason="recovered", reset=True)
+
+    def warm_hot(self, backend: Backend, *, reason: str, reset: bool = False) -> int:
+        """Queue the hot prefixes for `backend`; it is not ready until they are warm or the
+        deadline passed. Returns how many prefixes were queued."""
+        lane = self._lanes.get(backend.url)
+        if lane is None or self._closed:
+            return 0
+        if reset and self._on_reset is not None:
+            self._on_reset(backend.url)
+        prefixes = self.hot.top(None, self.config.top, min_count=self.config.min_count)
+        budget = self.config.max_tokens * CHARS_PER_TOKEN
+        queued = 0
+        for p in prefixes:
+            if len(p.text) > budget:
+                continue
+            budget -= len(p.text)
+            lane.jobs.append(_Job(p.text))
+            queued += 1
+        if queued:
+            backend.warming_until = self._clock() + self.config.deadline
+            lane.reason = reason
+            lane.warmups += 1
+            log.info("prewarm: %s (%s): %d hot prefixes", backend.name, reason, queued)
+            self._kick(lane)
+        return queued
+
+    async def warm_text(
+        self, text: str, backends: Sequence[Backend] | None = None
+    ) -> dict[str, dict[str, Any]]:
+        """Warm `text` on the given backends (all by default) now; wait for the results."""
+        loop = asyncio.get_running_loop()
+        waits: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        for b in backends if backends is not None else self.registry.backends:
+            lane = self._lanes.get(b.url)
+            if lane is None:
+                continue
+            job = _Job(text, done=loop.create_future())
+            lane.jobs.append(job)
+            lane.reason = lane.reason or "admin"
+            assert job.done is not None
+            waits[b.name] = job.done
+            self._kick(lane)
+        return {name: await fut for name, fut in waits.items()}
+
+    # -- the work --------------------------------------------------------------------------
+    def _kick(self, lane: _Lane) -> None:
+        if lane.task is None or lane.task.done():
+            lane.task = asyncio.get_running_loop().create_task(self._work(lane))
+
+    async def _work(self, lane: _Lane) -> None:
+        lane.state = "warming"
+        backend = lane.backend
+        shard_chars = self.config.shard_tokens * CHARS_PER_TOKEN
+        try:
+            while lane.jobs:
+                job = lane.jobs.pop(0)
+                start = 0
+                # Held back from routing with nothing of ours in flight: no request can use a
+                # partial prefix there yet, so one request per prefix, without a fixed cost per
+                # shard, readies the backend sooner.
+                held = backend.warming_until > self._clock() and not backend.in_flight
+                for end in _shards(job.text, len(job.text) if held else shard_chars):
+                    ok = await self._send(lane, job, job.text[:end])
+                    if not ok:
+                        break
+                    start = end
+                if start and self._on_warmed is not None:
+                    self._on_warmed(backend.url, job.text[:start])
+                if job.done is not None and not job.done.done():
+                    job.done.set_result({"requests": job.requests, "tokens": job.tokens,
+                                         "chars": start, "error": job.error})  # fmt: skip
+        finally:
+            backend.warming_until = 0.0
+            lane.state = "ready"
+
+    async def _send(self, lane: _Lane, job: _Job, text: str) -> bool:
+        cfg = self.config
+        backend = lane.backend
+        waited = self._clock() + cfg.yield_s
+        # Real requests go first. Polled: the registry has no event for "first token came".
+        while backend.in_prefill > 0 and self._clock() < waited:  # noqa: ASYNC110
+            await asyncio.sleep(0.005)
+        body = orjson.dumps({
+            "text": text,
+            "sampling_params": {"max_new_tokens": lane.max_new_tokens, "temperature": 0.0},
+            "stream": False,
+            "rid": f"prewarm-{uuid.uuid4().hex}",
+        })  # fmt: skip
+        t0 = self._clock()
+        result = "ok"
+        try:
+            response = await self.pool.request(
+                backend.url,
+                "POST",
+                "/generate",
+                headers=[(b"content-type", b"application/json")],
+                body=body,
+                first_byte_timeout=cfg.request_timeout,
+                chunk_timeout=cfg.request_timeout,
+            )
+            raw = await response.read()
+            if response.status == 400 and lane.max_new_tokens == 0:
+                lane.max_new_tokens = 1  # this backend wants a token to sample: give it one
+                result = "refused"
+            elif response.status != 200:
+                result = f"{response.status // 100}xx"
+            else:
+                meta = orjson.loads(raw).get("meta_info", {})
+                prompt = int(meta.get("prompt_tokens") or 0)
+                fresh = max(0, prompt - int(meta.get("cached_tokens") or 0))
+                job.tokens += fresh
+                lane.tokens += fresh
+        except (UpstreamError, orjson.JSONDecodeError, AttributeError, ValueError) as exc:
+            result = getattr(exc, "kind", "protocol")
+        dt = self._clock() - t0
+        lane.busy_s += dt
+        lane.requests[result] = lane.requests.get(result, 0) + 1
+        job.requests += 1
+        if result == "refused":
+            return await self._send(lane, job, text)
+        if result != "ok":
+            job.error = result
+            return False
+        # Pacing: warm-up takes at most `share` of the backend's time, except while the backend
+        # is held back from routing and has none of the edge's requests: nothing waits then.
+        if backend.in_flight or backend.warming_until <= self._clock():
+            await asyncio.sleep(dt * (1 - cfg.share) / cfg.share)
+        return True
+
+    async def _watch_restarts(self) -> None:
+        """Poll `/metrics`; a request counter that went down means a new server process."""
+        interval = self.config.restart_check_interval
+        assert interval is not None
+        while True:
+            await asyncio.sleep(interval)
+            for lane in list(self._lanes.values()):
+                value = await self._request_counter(lane.backend)
+                if value is None:
+                    continue
+                if lane.last_counter is not None and value < lane.last_counter:
+                    log.info("prewarm: %s restarted (request counter reset)", lane.backend.name)
+                    self.warm_hot(lane.backend, reason="restart", reset=True)
+                lane.last_counter = value
+
+    async def _request_counter(self, backend: Backend) -> float | None:
+        try:
+            response = await self.pool.request(
+                backend.url, "GET", "/metrics", headers=[], body=b"",
+                first_byte_timeout=self.registry.health.timeout,
+            )  # fmt: skip
+            raw = await response.read()
+        except UpstreamError:
+            return None
+        if response.status != 200:
+            return None
+        total: float | None = None
+        for line in raw.split(b"\n"):
+            if line.startswith(b"sglang:num_requests_total"):
+                with contextlib.suppress(ValueError, IndexError):
+                    total = (total or 0.0) + float(line.rsplit(b" ", 1)[1])
+        return total
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- reporting ---------------------------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        now = self._clock()
+        return {
+            "backends": {
+                lane.backend.name: {
+                    "state": lane.state,
+                    "ready": lane.backend.warming_until <= now,
+                    "reason": lane.reason,
+                    "warmups": lane.warmups,
+                    "queued": len(lane.jobs),
+                    "requests": dict(lane.requests),
+                    "tokens": lane.tokens,
+                    "busy_s": round(lane.busy_s, 4),
+                }
+                for lane in self._lanes.values()
+            },
+            "hot_prefixes": self.hot.snapshot(self.config.top, min_count=self.config.min_count),
+        }
+
+    def collector(self) -> Collector:
+        return _PrewarmCollector(self)
+
+
+class _PrewarmCollector(Collector):
+    """`quicedge_prewarm_*`, read when scraped (warm-up pays nothing for its metrics)."""
+
+    def __init__(self, service: PrewarmService) -> None:
+        self._service = service
+
+    def collect(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily(
+            "quicedge_prewarm_requests", "Warm-up requests sent", labels=["backend", "result"]
+        )
+        tokens = CounterMetricFamily(
+            "quicedge_prewarm_tokens", "Prompt tokens prefilled by warm-up", labels=["backend"]
+        )
+        state = GaugeMetricFamily(
+            "quicedge_prewarm_state",
+            "1 for the backend's warm-up state",
+            labels=["backend", "state"],
+        )
+        hot = GaugeMetricFamily("quicedge_hot_prefixes", "Prefix blocks tracked")
+        for lane in self._service._lanes.values():
+            name = lane.backend.name
+            for result, n in lane.requests.items():
+                requests.add_metric([name, result], n)
+            tokens.add_metric([name], lane.tokens)
+            for s in STATES:
+                state.add_metric([name, s], 1.0 if lane.state == s else 0.0)
+        hot.add_metric([], len(self._service.hot))
+        yield from (requests, tokens, state, hot)
+
+
+__all__ = ["PREWARM_FLAGS", "PrewarmConfig", "PrewarmService"]

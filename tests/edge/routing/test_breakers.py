@@ -1,0 +1,212 @@
+"""The breaker state machine per isolation domain, driven with a settable clock: what opens a
+breaker, what it stops (only its own domain), how half-open probes are bounded, how it closes.
+The end-to-end tests with stand-ins are in tests/edge/test_breakers_sim.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from backends.registry import Backend, BackendRegistry, LoadView, parse_labels
+from edge.routing.breakers import BreakerConfig, Breakers
+
+
+@dataclass
+class Clock:
+    now: float = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def backend(name: str, fragment: str = "") -> Backend:
+    url, labels = parse_labels(f"http://{name}:1#{fragment}")
+    return Backend(name=name, url=url, labels=labels)
+
+
+def make(config: BreakerConfig, *backends: Backend) -> tuple[Breakers, Clock, CollectorRegistry]:
+    clock = Clock()
+    registry = CollectorRegistry()
+    return (
+        Breakers(config.validate(), list(backends), registry=registry, clock=clock),
+        clock,
+        registry,
+    )
+
+
+def fail(breakers: Breakers, b: Backend, tier: str, n: int, kind: str | None = "5xx") -> None:
+    for _ in range(n):
+        breaker = breakers.started(b, tier)
+        assert breaker is not None
+        breakers.ended(breaker, kind, None)
+
+
+SMALL = BreakerConfig(window=10, min_requests=4, error_rate=0.5, open_for=2.0, half_open_probes=2)
+
+
+def test_labels_parse_and_bad_labels_are_named() -> None:
+    url, labels = parse_labels("http://h:1#model=llama-v2&hardware=h100&tiers=gold+silver")
+    assert url == "http://h:1"
+    assert labels == {"model": "llama-v2", "hardware": "h100", "tiers": "gold+silver"}
+    assert parse_labels("http://h:1") == ("http://h:1", {})
+    for bad, says in [("colour=red", "colour=red"), ("tiers=platinum", "platinum"),
+                      ("model=a&model=b", "twice"), ("model=", "model=")]:  # fmt: skip
+        with pytest.raises(ValueError, match=says):
+            parse_labels(f"http://h:1#{bad}")
+    registry = BackendRegistry(["http://127.0.0.1:9#hardware=a100"], pool=None)
+    assert registry.backends[0].url == "http://127.0.0.1:9"
+    assert registry.backends[0].labels == {"hardware": "a100"}
+    assert registry.snapshot()[0]["labels"] == {"hardware": "a100"}
+
+
+def test_errors_open_only_their_tier_and_hardware_group() -> None:
+    a1, a2 = backend("a1", "hardware=a"), backend("a2", "hardware=a")
+    b1 = backend("b1", "hardware=b")
+    breakers, _, registry = make(SMALL, a1, a2, b1)
+    everyone = [a1, a2, b1]
+    fail(breakers, a1, "bronze", 4)
+    assert breakers.state_of("default", "bronze", "a") == "open"
+    # bronze is kept off hardware group a; gold on the same backends, and bronze on b, flow
+    assert breakers.allowed(everyone, "bronze") == [b1]
+    assert breakers.allowed(everyone, "gold") == everyone
+    assert breakers.state_of("default", "gold", "a") == "closed"
+    gauge = registry.get_sample_value(
+        "quicedge_breaker_state", {"model": "default", "tier": "bronze", "hardware": "a"}
+    )
+    assert gauge == 2
+    opened = registry.get_sample_value(
+        "quicedge_breaker_transitions_total",
+        {"model": "default", "tier": "bronze", "hardware": "a", "to": "open"},
+    )
+    assert opened == 1
+
+
+def test_client_errors_and_disconnects_do_not_open_a_breaker() -> None:
+    a = backend("a")
+    breakers, _, _ = make(SMALL, a)
+    fail(breakers, a, "gold", 10, kind="4xx")
+    fail(breakers, a, "gold", 10, kind="disconnect")
+    assert breakers.state_of("default", "gold", "default") == "closed"
+
+
+def test_half_open_lets_a_bounded_number_of_probes_through_then_closes() -> None:
+    a, b = backend("a", "hardware=a"), backend("b", "hardware=b")
+    breakers, clock, _ = make(SMALL, a, b)
+    fail(breakers, a, "gold", 4)
+    assert breakers.allowed([a, b], "gold") == [b]
+    clock.now += 2.5
+    assert breakers.allowed([a, b], "gold") == [a, b]
+    assert breakers.state_of("default", "gold", "a") == "half_open"
+    probes = [breakers.started(a, "gold"), breakers.started(a, "gold")]
+    assert breakers.allowed([a, b], "gold") == [b]  # both probe slots are taken
+    for probe in probes:
+        assert probe is not None
+        breakers.ended(probe, None, 0.01)
+    assert breakers.state_of("default", "gold", "a") == "closed"
+    assert breakers.allowed([a, b], "gold") == [a, b]
+
+
+def test_a_failed_probe_opens_again_for_longer() -> None:
+    a = backend("a")
+    breakers, clock, _ = make(SMALL, a)
+    fail(breakers, a, "gold", 4)
+    clock.now += 2.5
+    assert breakers.allowed([a], "gold") == [a]
+    fail(breakers, a, "gold", 1)
+    assert breakers.state_of("default", "gold", "default") == "open"
+    clock.now += 2.5  # the open period doubled to 4 s
+    assert breakers.allowed([a], "gold") == []
+    clock.now += 2.0
+    assert breakers.allowed([a], "gold") == [a]
+
+
+def test_slow_ttft_opens_and_the_prefill_allowance_is_taken_off() -> None:
+    config = BreakerConfig(ttft_window=10, ttft_min_samples=8, ttft_open_p99=0.2,
+                           ttft_per_prompt_token=0.001)  # fmt: skip
+    a, b = backend("a", "hardware=a"), backend("b", "hardware=b")
+    breakers, _, _ = make(config, a, b)
+    for _ in range(8):
+        # 0.5 s, of which 0.4 s is the allowed prefill of 400 uncached tokens
+        breaker = breakers.started(a, "gold")
+        assert breaker is not None
+        breakers.ended(breaker, None, 0.5, 400)
+    assert breakers.state_of("default", "gold", "a") == "closed"
+    for _ in range(8):
+        breaker = breakers.started(b, "gold")
+        assert breaker is not None
+        breakers.ended(breaker, None, 0.5, 0)
+    assert breakers.state_of("default", "gold", "b") == "open"
+    assert breakers.allowed([a, b], "gold") == [a]
+
+
+def test_kv_usage_past_the_threshold_sheds_its_group_until_it_drains() -> None:
+    config = BreakerConfig(kv_warn=0.6, kv_open=0.85, open_for=1.0, half_open_probes=1)
+    a, b = backend("a", "hardware=a"), backend("b", "hardware=b")
+    breakers, clock, _ = make(config, a, b)
+
+    def load(usage: float) -> LoadView:
+        return LoadView(num_running_reqs=1, num_waiting_reqs=0, num_total_tokens=0,
+                        token_usage=usage, max_total_tokens=1000)  # fmt: skip
+
+    a.load, b.load = load(0.7), load(0.1)
+    breakers.update_kv()
+    snapshot = {(d["tier"], d["hardware"]): d for d in breakers.snapshot()}
+    assert snapshot[("gold", "a")]["health"] == "warning"
+    assert snapshot[("gold", "b")]["health"] == "healthy"
+    a.load = load(0.9)
+    breakers.update_kv()
+    for tier in ("gold", "silver", "bronze"):
+        assert breakers.allowed([a, b], tier) == [b]
+    clock.now += 1.5
+    assert breakers.allowed([a, b], "gold") == [b]  # still full: no probe is worth sending
+    a.load = load(0.2)
+    breakers.update_kv()
+    clock.now += 1.5
+    assert breakers.allowed([a, b], "gold") == [a, b]
+    probe = breakers.started(a, "gold")
+    assert probe is not None
+    breakers.ended(probe, None, 0.01)
+    assert breakers.state_of("default", "gold", "a") == "closed"
+
+
+def test_a_backend_serves_only_the_tiers_its_label_names() -> None:
+    gold_only = backend("g", "tiers=gold")
+    anyone = backend("x")
+    breakers, _, _ = make(BreakerConfig(), gold_only, anyone)
+    assert breakers.allowed([gold_only, anyone], "gold") == [gold_only, anyone]
+    assert breakers.allowed([gold_only, anyone], "bronze") == [anyone]
+
+
+def test_the_all_closed_shortcut_still_sees_tiers_and_new_backends() -> None:
+    anyone = backend("x")
+    breakers, _, _ = make(SMALL, anyone)
+    breakers.update_kv()  # a full scan: every breaker closed, no tier left out
+    candidates = [anyone]
+    assert breakers.allowed(candidates, "bronze") is candidates
+    gold_only = backend("g", "tiers=gold")
+    breakers.backends.append(gold_only)  # as discovery adds one, between two scans
+    assert breakers.allowed([anyone, gold_only], "bronze") == [anyone]
+    fail(breakers, anyone, "silver", 4)
+    assert breakers.allowed([anyone, gold_only], "silver") == []
+
+
+def test_disabled_breakers_pass_every_candidate() -> None:
+    a = backend("a", "tiers=gold")
+    breakers, _, _ = make(BreakerConfig(enabled=False, min_requests=1), a)
+    candidates = [a]
+    assert breakers.started(a, "gold") is None
+    assert breakers.allowed(candidates, "bronze") is candidates
+
+
+@pytest.mark.parametrize(
+    ("values", "says"),
+    [({"kv_warn": 0.9, "kv_open": 0.8}, "kv_warn"), ({"window": 0}, "breakers.window"),
+     ({"ttft_warn_p99": 0.3}, "ttft_warn_p99"), ({"error_rate": 0}, "error_rate")],
+)  # fmt: skip
+def test_bad_settings_are_named(values: dict[str, float], says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        BreakerConfig.from_mapping(values).validate()
+    with pytest.raises(ValueError, match="unknown"):
+        BreakerConfig.from_mapping({"windw": 3})

@@ -1,0 +1,88 @@
+"""Hot-prefix tracking and the block hashes it counts by."""
+
+from __future__ import annotations
+
+import random
+
+from edge.routing.hot_prefixes import HotPrefixes
+from edge.routing.prefix_blocks import BlockHasher
+
+WORDS = ["alpha ", "beta ", "gamma ", "delta ", "epsilon ", "zeta ", "eta ", "theta "]
+
+
+def words(rng: random.Random, chars: int) -> str:
+    out = ""
+    while len(out) < chars:
+        out += rng.choice(WORDS)
+    return out[:chars]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_blocks_share_hashes_exactly_as_far_as_the_texts_share_blocks() -> None:
+    hasher = BlockHasher(64)
+    rng = random.Random(1)
+    shared = words(rng, 64 * 3)
+    a = hasher.blocks(shared + words(rng, 200)).hashes
+    b = hasher.blocks(shared + words(rng, 200)).hashes
+    assert len(a) == len(b) == (64 * 3 + 200) // 64
+    assert a[:3] == b[:3]
+    assert a[3] != b[3]
+    # Non-ASCII text hashes by the same rule, and identically in a second hasher.
+    text = "é" * 200
+    assert BlockHasher(64).blocks(text).hashes == hasher.blocks(text).hashes
+    assert len(hasher.blocks(text).hashes) == 3
+
+
+def test_the_shared_system_prompt_is_the_hot_prefix_and_unique_tails_are_not() -> None:
+    clock = Clock()
+    hot = HotPrefixes(capacity=64, half_life_s=60, clock=clock)
+    hasher = BlockHasher(64)
+    rng = random.Random(2)
+    system = words(rng, 64 * 4)
+    for _ in range(20):
+        hot.record("m", hasher.blocks(system + words(rng, 300)))
+        clock.now += 0.1
+    top = hot.top("m", 4, min_count=2)
+    assert [p.text for p in top] == [system]  # the deepest shared block, once per lineage
+    assert 19 < top[0].count <= 20
+    assert hot.top("other", 4) == []
+
+
+def test_counts_decay_with_the_half_life_and_lineages_rank_by_count() -> None:
+    clock = Clock()
+    hot = HotPrefixes(capacity=64, half_life_s=10, clock=clock)
+    hasher = BlockHasher(64)
+    rng = random.Random(3)
+    first, second = words(rng, 128), words(rng, 192)
+    for _ in range(8):
+        hot.record(None, hasher.blocks(first + words(rng, 70)))
+    clock.now += 10  # one half-life: 8 counts weigh 4
+    for _ in range(6):
+        hot.record(None, hasher.blocks(second + words(rng, 70)))
+    top = hot.top(None, 5)
+    assert [p.text for p in top] == [second, first]
+    assert abs(top[1].count - 4.0) < 1e-6
+    clock.now += 30
+    assert [round(p.count, 3) for p in hot.top(None, 5, min_count=0.2)] == [0.75, 0.5]
+    assert hot.top(None, 5, min_count=1) == []
+
+
+def test_memory_stays_bounded_and_the_hot_prefix_survives_pruning() -> None:
+    clock = Clock()
+    hot = HotPrefixes(capacity=50, clock=clock)
+    hasher = BlockHasher(32)
+    rng = random.Random(4)
+    system = words(rng, 64)
+    for i in range(2000):
+        text = (system if i % 4 == 0 else "") + words(rng, 32 * 6)
+        hot.record("m", hasher.blocks(text))
+        clock.now += 0.01
+        assert len(hot) <= 2 * 50 + 8
+    assert hot.top("m", 1)[0].text == system

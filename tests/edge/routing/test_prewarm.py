@@ -1,0 +1,264 @@
+"""Pre-warming end to end: the edge (hypercorn) in front of real stand-ins, warm-up requests over
+the real pool, restarts of real stand-in processes' servers, and the admin `/prewarm` route."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from backends.sim import SimConfig, SimServer
+from backends.sim.textgen import WORDS
+from edge.routing.prewarm import PrewarmConfig
+from tests.edge.conftest import Edge, client, fast_config, run_edge
+from tests.helpers import wait_until
+
+
+def sim_config(name: str, **overrides: Any) -> SimConfig:
+    values: dict[str, Any] = {
+        "name": name,
+        "host": "127.0.0.1",
+        "port": 0,
+        "profile": "instant",
+        "enable_metrics": True,
+        "enable_cache_report": True,
+        "seed": 0,
+    }
+    values.update(overrides)
+    return SimConfig(**values)
+
+
+def words(rng: random.Random, n: int) -> str:
+    return "".join(rng.choices(WORDS, k=n))
+
+
+@contextlib.asynccontextmanager
+async def sims(*configs: SimConfig) -> AsyncIterator[list[SimServer]]:
+    async with contextlib.AsyncExitStack() as stack:
+        yield [await stack.enter_async_context(SimServer(c)) for c in configs]
+
+
+async def generate(http: httpx.AsyncClient, text: str) -> tuple[str, dict[str, Any]]:
+    response = await http.post(
+        "/generate", json={"text": text, "sampling_params": {"max_new_tokens": 2}}
+    )
+    assert response.status_code == 200, response.text
+    return response.headers["x-quicedge-backend"], response.json()["meta_info"]
+
+
+async def direct_cached(url: str, text: str) -> int:
+    """The stand-in's own answer: how many tokens of `text` it has cached."""
+    async with httpx.AsyncClient(base_url=url) as http:
+        body = {"text": text, "sampling_params": {"max_new_tokens": 0}}
+        response = await http.post("/generate", json=body)
+        assert response.status_code == 200
+        return int(response.json()["meta_info"]["cached_tokens"])
+
+
+def name(server: SimServer) -> str:
+    """The edge names a backend by its host:port."""
+    return f"127.0.0.1:{server.port}"
+
+
+def prewarm_state(edge: Edge) -> dict[str, Any]:
+    assert edge.wiring.fleet is not None and edge.wiring.fleet.prewarm is not None
+    return edge.wiring.fleet.prewarm.snapshot()["backends"]
+
+
+async def restart(server: SimServer) -> SimServer:
+    """Stop a stand-in and start a fresh one (empty cache) on the same port."""
+    port = server.port
+    await server.stop()
+    fresh = SimServer(sim_config(server.config.name, port=port))
+    await fresh.start()
+    return fresh
+
+
+async def test_a_restarted_backend_is_warmed_before_it_takes_hot_traffic() -> None:
+    rng = random.Random(1)
+    system = words(rng, 900)  # a few thousand characters: several blocks and shards
+    async with sims(sim_config("b0"), sim_config("b1")) as servers:
+        config = fast_config([s.url for s in servers], policy="ttft")
+        prewarm = PrewarmConfig(enabled=True, deadline=60.0, restart_check_interval=None)
+        async with run_edge(config, prewarm=prewarm) as edge, client(edge) as http:
+            for _ in range(6):
+                await generate(http, system + words(rng, 40))
+            registry = edge.wiring.registry
+            b0, b1 = registry.get(name(servers[0])), registry.get(name(servers[1]))
+            assert b0 is not None and b1 is not None
+            warm = name(servers[1])
+            await servers[1].stop()
+            await wait_until(lambda: not b1.healthy)
+            fresh = SimServer(sim_config("b1", port=servers[1].port))
+            await fresh.start()
+            try:
+                await wait_until(lambda: prewarm_state(edge)[warm]["warmups"] >= 1)
+                await wait_until(lambda: prewarm_state(edge)[warm]["state"] == "ready")
+                state = prewarm_state(edge)[warm]
+                assert state["reason"] == "recovered" and state["ready"]
+                assert state["requests"].get("ok", 0) >= 1
+                assert state["tokens"] > 500
+                # Hot traffic now lands on a warm cache: with b0 out, a hot request on b1 is a hit.
+                b0.ejected_until = time.monotonic() + 60
+                chosen, meta = await generate(http, system + words(rng, 40))
+                assert chosen == warm
+                assert meta["cached_tokens"] > 0.6 * meta["prompt_tokens"]
+                backends = (await httpx.AsyncClient().get(edge.admin_url + "/backends")).json()
+                assert backends["prewarm"]["backends"][warm]["state"] == "ready"
+                assert backends["prewarm"]["hot_prefixes"][0]["count"] >= 6
+                metrics = (await httpx.AsyncClient().get(edge.admin_url + "/metrics")).text
+                assert f'quicedge_prewarm_requests_total{{backend="{warm}",result="ok"}}' in metrics
+                assert f'quicedge_prewarm_state{{backend="{warm}",state="ready"}} 1.0' in metrics
+            finally:
+                await fresh.stop()
+
+
+async def test_a_restart_the_health_checks_missed_is_found_by_the_request_counter() -> None:
+    rng = random.Random(2)
+    system = words(rng, 600)
+    async with sims(sim_config("b0")) as servers:
+        # Checks too rare to notice a quick restart: only the `/metrics` counter can.
+        config = fast_config([servers[0].url], policy="ttft", health_interval=60.0)
+        prewarm = PrewarmConfig(enabled=True, restart_check_interval=0.1)
+        async with run_edge(config, prewarm=prewarm) as edge, client(edge) as http:
+            for _ in range(4):
+                await generate(http, system + words(rng, 30))
+            service = edge.wiring.fleet.prewarm  # type: ignore[union-attr]
+            assert service is not None
+            await wait_until(lambda: (service._lanes[servers[0].url].last_counter or 0) >= 4)
+            fresh = await restart(servers[0])
+            try:
+                only = name(fresh)
+                await wait_until(lambda: prewarm_state(edge)[only]["reason"] == "restart")
+                await wait_until(lambda: prewarm_state(edge)[only]["state"] == "ready")
+                assert await direct_cached(fresh.url, system) > 0.6 * len(system.split())
+            finally:
+                await fresh.stop()
+
+
+async def test_pacing_keeps_one_warm_up_in_flight_within_its_share_of_time() -> None:
+    rng = random.Random(3)
+    text = words(rng, 3000)  # about a dozen shards of 256 tokens
+    share = 0.25
+    # A real-speed GPU profile slowed 4x, so each shard takes measurable time.
+    async with sims(sim_config("b0", profile="h100-llama3-8b", time_scale=4.0)) as servers:
+        sim = servers[0]
+        config = fast_config([sim.url], policy="ttft")
+        prewarm = PrewarmConfig(enabled=True, share=share, restart_check_interval=None)
+        async with run_edge(config, prewarm=prewarm) as edge:
+            peak = seen = 0
+            stop = asyncio.Event()
+
+            async def sample() -> None:  # counted at the stand-in itself
+                nonlocal peak, seen
+                while not stop.is_set():
+                    s = sim.scheduler
+                    assert s is not None
+                    queued = [*s.waiting, *s.holding]  # waiting, prefilling or decoding
+                    warm = sum(1 for r in queued if r.max_new_tokens == 0)
+                    peak, seen = max(peak, warm), seen + (warm > 0)
+                    await asyncio.sleep(0.0005)
+
+            sampler = asyncio.create_task(sample())
+            t0 = time.monotonic()
+            async with httpx.AsyncClient(timeout=60) as http:
+                response = await http.post(edge.admin_url + "/prewarm", json={"text": text})
+            span = time.monotonic() - t0
+            stop.set()
+            await sampler
+            assert response.status_code == 200, response.text
+            result = response.json()["backends"][name(sim)]
+            assert result["error"] is None and result["requests"] >= 8
+            assert result["chars"] == len(text)
+            assert seen > 0 and peak == 1
+            busy = prewarm_state(edge)[name(sim)]["busy_s"]
+            assert busy / span <= share * 1.2
+            assert await direct_cached(sim.url, text) > 0.9 * len(text.split())
+
+
+async def test_prewarm_route_errors_are_openai_shaped() -> None:
+    async with sims(sim_config("b0")) as servers:
+        config = fast_config([servers[0].url], policy="ttft")
+        prewarm = PrewarmConfig(enabled=True, restart_check_interval=None)
+        async with run_edge(config, prewarm=prewarm) as edge, httpx.AsyncClient() as http:
+            url = edge.admin_url + "/prewarm"
+            cases = [
+                (await http.post(url, content=b"{nope"), 400, "invalid_json"),
+                (await http.post(url, json=["text"]), 400, "invalid_json"),
+                (await http.post(url, json={"text": ""}), 400, "invalid_request"),
+                (await http.post(url, json={"text": "x", "backends": ["b9"]}), 400, None),
+                (await http.get(url), 405, None),
+            ]
+            for response, status, code in cases:
+                assert response.status_code == status, response.text
+                error = response.json()["error"]
+                assert error["message"]
+                if code is not None:
+                    assert error["code"] == code
+        async with run_edge(config) as edge, httpx.AsyncClient() as http:
+            response = await http.post(edge.admin_url + "/prewarm", json={"text": "x"})
+            assert response.status_code == 404
+            assert "prewarm" in response.json()["error"]["message"]
+
+
+async def test_warm_up_waits_for_the_edges_requests_in_prefill_there() -> None:
+    rng = random.Random(4)
+    long_prompt = words(rng, 6000)  # a prefill of measurable length on a slowed GPU profile
+    async with sims(sim_config("b0", profile="h100-llama3-8b", time_scale=4.0)) as servers:
+        sim = servers[0]
+        config = fast_config([sim.url], policy="ttft")
+        prewarm = PrewarmConfig(enabled=True, yield_s=60.0, restart_check_interval=None)
+        async with run_edge(config, prewarm=prewarm) as edge, client(edge) as http:
+            backend = edge.wiring.registry.backends[0]
+            overlaps = samples = 0
+            stop = asyncio.Event()
+
+            async def sample() -> None:  # at the stand-in: a warm-up beside a real prefill?
+                nonlocal overlaps, samples
+                while not stop.is_set():
+                    s = sim.scheduler
+                    assert s is not None
+                    queued = [*s.waiting, *s.holding]  # waiting, prefilling or decoding
+                    warm = any(r.max_new_tokens == 0 for r in queued)
+                    real_in_prefill = any(  # the stand-in's own health probes aside
+                        r.max_new_tokens > 0 and r.first_token_at is None
+                        and not r.rid.startswith("HEALTH_CHECK")
+                        for r in queued
+                    )  # fmt: skip
+                    samples += 1
+                    overlaps += warm and real_in_prefill
+                    await asyncio.sleep(0.0005)
+
+            sampler = asyncio.create_task(sample())
+            real = asyncio.create_task(generate(http, long_prompt))
+            await wait_until(lambda: backend.in_prefill > 0)
+            async with httpx.AsyncClient(timeout=60) as admin:
+                warmed = await admin.post(
+                    edge.admin_url + "/prewarm", json={"text": words(rng, 400)}
+                )
+            await real
+            stop.set()
+            await sampler
+            assert warmed.status_code == 200 and samples > 0
+            assert overlaps == 0
+
+
+async def test_other_policies_count_hot_prefixes_too() -> None:
+    rng = random.Random(5)
+    system = words(rng, 600)
+    async with sims(sim_config("b0"), sim_config("b1")) as servers:
+        config = fast_config([s.url for s in servers], policy="cache_aware")
+        prewarm = PrewarmConfig(enabled=True, restart_check_interval=None)
+        async with run_edge(config, prewarm=prewarm) as edge, client(edge) as http:
+            for _ in range(3):
+                await generate(http, system + words(rng, 40))
+            async with httpx.AsyncClient() as admin:
+                backends = (await admin.get(edge.admin_url + "/backends")).json()
+            assert backends["policy"] == "cache_aware"
+            hot = backends["prewarm"]["hot_prefixes"]
+            assert hot and hot[0]["count"] >= 3 and system.startswith(hot[0]["head"])

@@ -1,0 +1,310 @@
+"""Deadlines and caps at the door, over real sockets: a slowloris (a byte every so often) on each
+listener is cut off by its head or body deadline while a normal client on the same listener is
+served; a connection flood from one address is capped while another address is served."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from aioquic.buffer import encode_uint_var
+from aioquic.h3.connection import FrameType
+
+from tests.helpers import free_port, wait_until
+from tests.transport.apps import RecordingApp
+from tests.transport.conftest import H3Factory
+from tests.transport.h3client import Response, h3_connect
+from transport.caps import CLIENT_CAP, LISTENER_CAP, ConnectionGate
+from transport.h1_server import H1Listener
+from transport.h3_session import H3Limits
+from transport.tcp import TcpListener, TcpOptions
+from transport.tls import TlsMaterial
+
+HEAD = b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 50\r\n"
+SHORT = {"head_timeout": 0.6, "body_timeout": 0.6}
+
+
+class Counts:
+    def __init__(self) -> None:
+        self.refused: list[str] = []
+        self.timeouts: list[str] = []
+
+
+@contextlib.asynccontextmanager
+async def listener(kind: str, counts: Counts, **options: Any) -> AsyncIterator[str]:
+    """Our HTTP/1.1 listener or hypercorn's (plain TCP), serving `RecordingApp`."""
+    opts = TcpOptions(**options)
+    served: H1Listener | TcpListener
+    if kind == "h1":
+        served = H1Listener(RecordingApp(), host="127.0.0.1", port=0, options=opts)
+        served.gate.on_refused = counts.refused.append
+        served.on_timeout = counts.timeouts.append
+    else:
+        served = TcpListener(
+            RecordingApp(), host="127.0.0.1", port=0, options=opts,
+            on_refused=counts.refused.append, on_timeout=counts.timeouts.append,
+        )  # fmt: skip
+    await served.start()
+    try:
+        yield f"127.0.0.1:{served.port}"
+    finally:
+        await served.stop()
+
+
+async def trickle(
+    address: str,
+    first: bytes,
+    *,
+    every: float = 0.1,
+    limit: float = 15.0,
+    ssl_context: ssl.SSLContext | None = None,
+) -> bytes:
+    """Send `first`, then one byte every `every` seconds until the server closes; what it
+    answered (within `limit` seconds, else the test fails)."""
+    host, port = address.split(":")
+    if ssl_context is not None:
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", int(port), ssl=ssl_context, server_hostname=host
+        )
+    else:
+        reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(first)
+    answer = b""
+    try:
+        async with asyncio.timeout(limit):
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(every):
+                        data = await reader.read(65536)
+                        if not data:
+                            return answer
+                        answer += data
+                        continue
+                try:
+                    writer.write(b"x")
+                    await writer.drain()
+                except (ConnectionError, ssl.SSLError):
+                    return answer
+    except (ConnectionError, ssl.SSLError):
+        return answer
+    finally:
+        writer.close()
+
+
+async def normal_request(address: str) -> int:
+    async with httpx.AsyncClient() as client:
+        return (await client.post(f"http://{address}/echo", content=b"hello")).status_code
+
+
+@pytest.mark.parametrize("kind", ["h1", "hypercorn"])
+@pytest.mark.parametrize("phase", ["head", "body"])
+async def test_a_slowloris_is_cut_off_while_a_normal_client_is_served(
+    kind: str, phase: str
+) -> None:
+    counts = Counts()
+    first = b"POST /echo HTTP/1.1\r\nhost: x\r\n" if phase == "head" else HEAD + b"\r\n"
+    async with listener(kind, counts, **SHORT) as address:
+        slow = asyncio.ensure_future(trickle(address, first))
+        for _ in range(3):
+            assert await normal_request(address) == 200
+        answer = await slow
+    if phase == "body" or kind == "h1":
+        assert answer.startswith(b"HTTP/1.1 408"), answer
+        assert counts.timeouts == [phase]
+    else:
+        # hypercorn's idle timer (the head deadline there) closes without an answer
+        assert answer == b""
+
+
+async def test_the_tls_listener_cuts_off_a_slow_body_and_a_flood(
+    tls: TlsMaterial, dev_certs: Any
+) -> None:
+    """The same over TLS (h2 and HTTP/1.1 by ALPN; this raw client speaks HTTP/1.1)."""
+    counts = Counts()
+    context = ssl.create_default_context(cafile=str(dev_certs.ca_cert))
+    served = TcpListener(
+        RecordingApp(), host="127.0.0.1", port=0, tls=tls,
+        options=TcpOptions(max_connections_per_client=2, **SHORT),
+        on_refused=counts.refused.append, on_timeout=counts.timeouts.append,
+    )  # fmt: skip
+    await served.start()
+    try:
+        address = f"localhost:{served.port}"
+        slow = asyncio.ensure_future(trickle(address, HEAD + b"\r\n", ssl_context=context))
+        # httpx sets ALPN on the context it is given: its own, so the raw sockets speak HTTP/1.1
+        h2_context = ssl.create_default_context(cafile=str(dev_certs.ca_cert))
+        async with httpx.AsyncClient(verify=h2_context, http2=True) as client:
+            response = await client.post(f"https://{address}/echo", content=b"hello")
+            assert response.status_code == 200 and response.http_version == "HTTP/2"
+        assert (await slow).startswith(b"HTTP/1.1 408")
+        assert counts.timeouts == ["body"]
+        await wait_until(lambda: served.gate.open == 0)  # both closed connections released
+        held = [
+            await asyncio.open_connection("127.0.0.1", served.port, ssl=context,
+                                          server_hostname="localhost")
+            for _ in range(2)
+        ]  # fmt: skip
+        for reader, writer in held:
+            writer.write(b"GET /echo HTTP/1.1\r\nhost: x\r\n\r\n")
+            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", served.port, ssl=context, server_hostname="localhost"
+        )
+        with contextlib.suppress(ConnectionError, ssl.SSLError):
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+        assert counts.refused == [CLIENT_CAP]
+        for _, w in held:
+            w.close()
+    finally:
+        await served.stop()
+
+
+@pytest.mark.parametrize("kind", ["h1", "hypercorn"])
+async def test_a_connection_flood_from_one_address_is_capped(kind: str) -> None:
+    counts = Counts()
+    async with listener(kind, counts, max_connections_per_client=3) as address:
+        host, port = address.split(":")
+        held = [await asyncio.open_connection(host, int(port)) for _ in range(3)]
+        # the three are counted once the listener has seen them: one request on each
+        for reader, writer in held:
+            writer.write(b"GET /echo HTTP/1.1\r\nhost: x\r\n\r\n")
+            assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(
+                b"HTTP/1.1 200"
+            )
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(b"GET /echo HTTP/1.1\r\nhost: x\r\n\r\n")
+        with contextlib.suppress(ConnectionError):
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # closed, not answered
+        writer.close()
+        assert counts.refused == [CLIENT_CAP]
+        # another address (127.0.0.2 is loopback too) is served
+        other = await asyncio.get_running_loop().run_in_executor(None, get_from, "127.0.0.2", port)
+        assert other.startswith(b"HTTP/1.1 200")
+        for _, w in held:
+            w.close()
+
+
+def get_from(source: str, port: str) -> bytes:
+    with socket.create_connection(
+        ("127.0.0.1", int(port)), timeout=5, source_address=(source, 0)
+    ) as s:
+        s.sendall(b"GET /echo HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+        return s.recv(65536)
+
+
+async def test_the_listener_cap_closes_one_more_connection_at_once() -> None:
+    counts = Counts()
+    async with listener("h1", counts, max_connections=2) as address:
+        host, port = address.split(":")
+        held = [await asyncio.open_connection(host, int(port)) for _ in range(2)]
+        for reader, writer in held:
+            writer.write(b"GET /echo HTTP/1.1\r\nhost: x\r\n\r\n")
+            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        with contextlib.suppress(ConnectionError):
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+        assert counts.refused == [LISTENER_CAP]
+        for _, w in held:
+            w.close()
+        await asyncio.gather(*(w.wait_closed() for _, w in held), return_exceptions=True)
+
+        async def served() -> bool:
+            try:
+                return await normal_request(address) == 200
+            except httpx.HTTPError:
+                return False
+
+        async with asyncio.timeout(10):
+            while not await served():  # the server sees the closes a moment later  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+
+
+def test_the_gate_counts_and_forgets_per_address() -> None:
+    gate = ConnectionGate(max_connections=3, max_per_client=2)
+    assert gate.admit("a") is None and gate.admit("a") is None
+    assert gate.admit("a") == CLIENT_CAP
+    assert gate.admit("b") is None
+    assert gate.admit("c") == LISTENER_CAP
+    gate.release("a")
+    assert gate.admit("a") is None
+    for host in ("a", "a", "b"):
+        gate.release(host)
+    assert gate.open == 0 and gate.per_client == {}
+
+
+async def test_an_http3_body_that_trickles_in_gets_408(h3_server: H3Factory, dev_certs) -> None:
+    app = RecordingApp()
+    limits = H3Limits(request_body_timeout=0.6)
+    async with h3_server(app=app, limits=limits) as server:
+        async with h3_connect(server.port, dev_certs.ca_cert) as c:
+            stream_id = c.request("POST", "/echo", body=b"x", end=False)
+            c.transmit()
+            response = c.responses[stream_id]
+            async with asyncio.timeout(15):
+                while not response.done.is_set():
+                    c.h3.send_data(stream_id, b"x", end_stream=False)
+                    c.transmit()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(response.done.wait(), 0.1)
+            assert response.status == 408
+            # the same connection still serves a normal request
+            ok = await c.fetch("POST", "/echo", body=b"hello")
+            assert ok.status == 200
+    assert await asyncio.wait_for(app.disconnects.get(), 5) == "/echo"
+
+
+async def test_quicedge_serve_counts_refused_connections_and_cut_off_requests(
+    serve_process: Any,
+) -> None:
+    """The real `quicedge serve` with `[serve]` caps and deadlines from flags: what it refuses
+    and cuts off shows in the admin listener's `/metrics`."""
+    http_port = free_port()
+    server = serve_process(
+        "--demo", "--http", f"127.0.0.1:{http_port}", "--max-connections-per-client", "2",
+        "--request-head-timeout", "0.5",
+    )  # fmt: skip
+    address = f"127.0.0.1:{http_port}"
+    assert (await trickle(address, b"GET /v1/models HTTP/1.1\r\n")).startswith(b"HTTP/1.1 408")
+    held = [await asyncio.open_connection("127.0.0.1", http_port) for _ in range(2)]
+    for reader, writer in held:
+        writer.write(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n")
+        await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    reader, writer = await asyncio.open_connection("127.0.0.1", http_port)
+    with contextlib.suppress(ConnectionError):
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
+    async with httpx.AsyncClient() as client:
+        metrics = (await client.get(f"http://127.0.0.1:{server.admin_port}/metrics")).text
+    assert 'quicedge_connections_refused_total{listener="http",reason="client_cap"} 1.0' in metrics
+    assert 'quicedge_request_timeouts_total{listener="http",phase="head"} 1.0' in metrics
+    for _, w in held:
+        w.close()
+    assert server.stop() == 0
+
+
+async def test_an_http3_head_that_trickles_in_gets_408(h3_server: H3Factory, dev_certs) -> None:
+    """A HEADERS frame that announces 100 bytes and sends one at a time."""
+    limits = H3Limits(request_head_timeout=0.6)
+    async with h3_server(app=RecordingApp(), limits=limits) as server:
+        async with h3_connect(server.port, dev_certs.ca_cert) as c:
+            stream_id = c.quic.get_next_available_stream_id()
+            response = c.responses[stream_id] = Response()
+            c.quic.send_stream_data(stream_id, encode_uint_var(FrameType.HEADERS) + bytes([100]))
+            c.transmit()
+            async with asyncio.timeout(15):
+                while not response.done.is_set():
+                    c.quic.send_stream_data(stream_id, b"\x00")
+                    c.transmit()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(response.done.wait(), 0.1)
+            assert response.status == 408
+            ok = await c.fetch("POST", "/echo", body=b"hello")
+            assert ok.status == 200

@@ -1,0 +1,100 @@
+"""Connection caps per listener and per client address.
+
+`ConnectionGate` counts a listener's open connections, in total and per client IP address;
+`admit` says which cap a new one is over (it is then closed at once and counted by the
+listener's `on_refused`), `release` forgets one that closed. `h1_server.H1Listener` asks it in
+`connection_made`. hypercorn (the TLS listener) accepts its connections itself;
+`gate_hypercorn` makes its per-connection server ask the gate set on its config, before the
+connection reads anything (the TLS handshake has happened by then: asyncio's `start_server`
+does it before the callback).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from hypercorn.asyncio import run as hypercorn_run
+from hypercorn.asyncio.tcp_server import TCPServer
+
+LISTENER_CAP = "listener_cap"
+CLIENT_CAP = "client_cap"
+
+
+class ConnectionGate:
+    """Open connections of one listener, in total and per client address."""
+
+    __slots__ = ("max_connections", "max_per_client", "on_refused", "open", "per_client")
+
+    def __init__(
+        self,
+        max_connections: int = 0,
+        max_per_client: int = 0,
+        on_refused: Callable[[str], None] | None = None,
+    ) -> None:
+        self.max_connections = max_connections
+        """0: no cap."""
+        self.max_per_client = max_per_client
+        """0: no cap (and no table per address is kept)."""
+        self.on_refused = on_refused
+        self.open = 0
+        self.per_client: dict[str, int] = {}
+
+    def admit(self, host: str | None) -> str | None:
+        """Count a new connection from `host`; or return the cap it is over (not counted)."""
+        if self.max_connections and self.open >= self.max_connections:
+            return self._refuse(LISTENER_CAP)
+        if self.max_per_client and host is not None:
+            count = self.per_client.get(host, 0)
+            if count >= self.max_per_client:
+                return self._refuse(CLIENT_CAP)
+            self.per_client[host] = count + 1
+        self.open += 1
+        return None
+
+    def release(self, host: str | None) -> None:
+        """An admitted connection from `host` closed."""
+        self.open -= 1
+        if self.max_per_client and host is not None:
+            left = self.per_client.get(host, 1) - 1
+            if left > 0:
+                self.per_client[host] = left
+            else:
+                self.per_client.pop(host, None)
+
+    def _refuse(self, reason: str) -> str:
+        if self.on_refused is not None:
+            self.on_refused(reason)
+        return reason
+
+
+GATE_ATTRIBUTE = "quicedge_gate"
+"""The hypercorn `Config` attribute that holds a listener's `ConnectionGate`."""
+
+
+class _GatedTCPServer(TCPServer):
+    """hypercorn's per-connection server, asking its config's gate first (if it has one)."""
+
+    async def run(self) -> None:
+        gate: ConnectionGate | None = getattr(self.config, GATE_ATTRIBUTE, None)
+        if gate is None:
+            await super().run()
+            return
+        peer: Any = self.writer.get_extra_info("peername")
+        host = str(peer[0]) if peer else None
+        if gate.admit(host) is not None:
+            self.writer.transport.abort()  # at once, and no TLS close_notify to wait for
+            return
+        try:
+            await super().run()
+        finally:
+            gate.release(host)
+
+
+def gate_hypercorn() -> None:
+    """Have hypercorn's asyncio worker serve connections through `_GatedTCPServer`; a config
+    without a gate is served exactly as before. Idempotent."""
+    hypercorn_run.TCPServer = _GatedTCPServer  # type: ignore[misc]
+
+
+__all__ = ["CLIENT_CAP", "GATE_ATTRIBUTE", "LISTENER_CAP", "ConnectionGate", "gate_hypercorn"]
