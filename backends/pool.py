@@ -69,6 +69,21 @@ class PoolStats:
         return self.reused / self.requests if self.requests else 0.0
 
 
+def keep_alive_timeout(headers: Sequence[tuple[bytes, bytes]]) -> float | None:
+    """The `timeout=N` of a `Keep-Alive` response header, seconds; None if absent or bad."""
+    for name, value in headers:
+        if name.lower() == b"keep-alive":
+            for part in value.split(b","):
+                key, _, number = part.strip().partition(b"=")
+                if key.strip().lower() == b"timeout":
+                    try:
+                        seconds = float(number.strip())
+                    except ValueError:
+                        return None
+                    return seconds if seconds > 0 else None
+    return None
+
+
 class BackendSlots:
     """The connections of one backend: idle ones (LIFO), the active count and the waiters."""
 
@@ -87,6 +102,11 @@ class BackendSlots:
         self.active = 0
         self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self.all: set[Connection] = set()
+        self.idle_timeout = pool.idle_timeout
+        """The pool's, or less when the backend announced a shorter `Keep-Alive: timeout`."""
+        self.learned_keep_alive = False
+        self.last_request = float("-inf")
+        """`time.monotonic()` of the last request sent to this backend."""
 
     @property
     def open_count(self) -> int:
@@ -204,14 +224,25 @@ class BackendSlots:
         conn.on_head = None
         conn.not_urgent()
         if response.keep_alive and not response.extra and not conn.eof:
+            if not self.learned_keep_alive:
+                self._learn_keep_alive(response.headers)
             self._keep(conn)
         else:
             conn.close()
 
+    def _learn_keep_alive(self, headers: list[tuple[bytes, bytes]]) -> None:
+        """`Keep-Alive: timeout=N` (RFC 9112 appendix C.2.2, as nginx and Apache send it): close
+        idle connections a second before the backend would, so a request never races its
+        close. Read once per backend; uvicorn (SGLang) sends none and the pool's default holds."""
+        self.learned_keep_alive = True
+        timeout = keep_alive_timeout(headers)
+        if timeout is not None:
+            self.idle_timeout = max(min(self.pool.idle_timeout, timeout - 1.0), timeout / 2)
+
     def _keep(self, conn: Connection) -> None:
         self.active -= 1
         self.idle.append(conn)
-        conn.idle_handle = conn.loop.call_later(self.pool.idle_timeout, conn.close)
+        conn.idle_handle = conn.loop.call_later(self.idle_timeout, conn.close)
         self.wake_one()
 
     def stats(self) -> BackendPoolStats:
@@ -225,7 +256,7 @@ class UpstreamPool:
         self,
         *,
         max_connections_per_backend: int = 128,
-        idle_timeout: float = 60.0,
+        idle_timeout: float = 4.0,
         connect_timeout: float = 2.0,
         max_waiters_per_backend: int = 256,
         acquire_timeout: float = 5.0,
@@ -264,9 +295,15 @@ class UpstreamPool:
             host = self._hosts[base_url] = BackendSlots(self, base_url.rstrip("/"))
         return host
 
-    async def warm(self, base_url: str, count: int) -> None:
-        """Open up to `count` idle connections (within the cap). Failures are logged, not raised."""
+    async def warm(self, base_url: str, count: int, *, if_used: bool = False) -> None:
+        """Open up to `count` idle connections (within the cap). Failures are logged, not raised.
+
+        `if_used`: only if a request went to this backend within its idle timeout. A backend
+        closes idle connections (uvicorn after 5 s), so topping them up with no traffic would
+        reconnect in a loop; after a quiet spell the first request pays one connect."""
         host = self._host(base_url)
+        if if_used and time.monotonic() - host.last_request > host.idle_timeout:
+            return
         want = min(count, self.max_connections_per_backend) - host.open_count
         if want <= 0:
             return
@@ -280,7 +317,7 @@ class UpstreamPool:
                     continue  # its slot was already freed by on_connection_lost
                 host.active -= 1
                 host.idle.append(result)
-                result.idle_handle = loop.call_later(self.idle_timeout, result.close)
+                result.idle_handle = loop.call_later(host.idle_timeout, result.close)
             else:
                 host.active -= 1
                 log.warning("warming %s: %s", base_url, result)
@@ -327,6 +364,7 @@ class UpstreamPool:
         host = self._host(base_url)
         data = encode_request(host.host_header, method, path, headers, body)
         self._requests += 1
+        host.last_request = time.monotonic()
         for attempt in (0, 1):
             conn, reused = await host.acquire()
             began: list[UpstreamResponse] = []

@@ -530,8 +530,9 @@ class BackendRegistry:
             healthy = await self.check_once(backend)
             if healthy and backend.healthy and self.pool is not None and self.warm_connections:
                 # Backends close idle keep-alive connections (uvicorn: after 5 s): top the
-                # warm set up again so the next request does not pay a connect.
-                await self.pool.warm(backend.url, self.warm_connections)
+                # warm set up again so the next request does not pay a connect, but only while
+                # it has traffic (an idle fleet would reconnect every few seconds for nothing).
+                await self.pool.warm(backend.url, self.warm_connections, if_used=True)
             await asyncio.sleep(self.health.interval)
 
     async def _load_loop(self, backend: Backend, interval: float) -> None:

@@ -61,7 +61,7 @@ def launch_command(
 
 
 class SGLangClient:
-    def __init__(self, base_url: str, *, timeout: float = 2.0) -> None:
+    def __init__(self, base_url: str, *, timeout: float = 2.0, api_key: str | None = None) -> None:
         parts = urlsplit(base_url)
         if parts.scheme != "http" or not parts.hostname:
             raise ValueError(f"expected an http://host:port URL, got {base_url!r}")
@@ -73,6 +73,8 @@ class SGLangClient:
         self._authority = parts.netloc.encode("ascii")
         self._prefix = parts.path.rstrip("/")
         self._timeout = timeout
+        # SGLang's `--api-key`: every route but /health* and /metrics wants it.
+        self._auth = [(b"authorization", f"Bearer {api_key}".encode())] if api_key else []
         self._lock = asyncio.Lock()
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -173,7 +175,7 @@ class SGLangClient:
             self._conn = h11.Connection(h11.CLIENT)
         assert self._reader is not None and self._conn is not None
         conn, reader, writer = self._conn, self._reader, self._writer
-        headers = [(b"host", self._authority), (b"accept", b"*/*")]
+        headers = [(b"host", self._authority), (b"accept", b"*/*"), *self._auth]
         if method != "GET":
             headers += [(b"content-type", b"application/json"),
                         (b"content-length", b"%d" % len(body))]  # fmt: skip

@@ -90,7 +90,9 @@ def _merge_ms(workers: int) -> float:
     for backend in range(8):
         for transport in ("h3", "h2", "h1"):
             for cache in ("hit", "partial", "miss"):
-                child = metrics.ttft.labels(transport, "false", cache, f"10.0.0.{backend}:30000")
+                child = metrics.ttft.labels(
+                    transport, "false", cache, f"10.0.0.{backend}:30000", "default"
+                )
                 child.observe(0.05)
         metrics.upstream_ttft.labels(f"10.0.0.{backend}:30000").observe(0.04)
         metrics.itl.labels(f"10.0.0.{backend}:30000").observe(0.01)

@@ -14,8 +14,10 @@ import logging
 import time
 from typing import Any
 
+from backends.credentials import BackendCredentials
 from backends.pool import UpstreamPool
 from backends.registry import BackendRegistry
+from edge.access_log import AccessLog
 from edge.admission import Admission, AdmissionSettings
 from edge.admission.tenants import Tenant
 from edge.asgi import Receive, Scope, Send, lifespan, render_error, send_json
@@ -24,7 +26,7 @@ from edge.audit import AuditLog
 from edge.config import ProxyConfig
 from edge.errors import EdgeError, MethodNotAllowed, ModelNotFound, RouteNotFound
 from edge.exchange import Exchange, read_headers
-from edge.models import ModelCatalog, Models
+from edge.models import DEFAULT_MODEL, ModelCatalog, Models
 from edge.policy.gateway import PolicyGateway
 from edge.routing.base import RoutingPolicy
 from edge.routing.breakers import Breakers
@@ -42,15 +44,53 @@ from edge.stages.forward import (
     upstream_headers,
     upstream_rid,
 )
-from edge.stages.validate import CHAT, COMPLETIONS, GENERATE, validate
+from edge.stages.validate import (
+    CHAT,
+    COMPLETIONS,
+    DETOKENIZE,
+    EMBEDDINGS,
+    GENERATE,
+    RERANK,
+    TOKENIZE,
+    WHOLE_ROUTES,
+    validate,
+)
 from edge.stages.view import build_view
 from edge.state.responses import RESPONSES
 from edge.state.stage import StateStage
-from edge.telemetry import Metrics, RequestTrace, Tracer
+from edge.telemetry import (
+    Metrics,
+    RequestTrace,
+    Tracer,
+    genai_request_attributes,
+    server_attributes,
+)
 
 log = logging.getLogger(__name__)
 
-INFERENCE_ROUTES = (CHAT, COMPLETIONS, GENERATE, RESPONSES)
+ROUTE_METHODS: dict[str, tuple[str, ...]] = {
+    CHAT: ("POST",),
+    COMPLETIONS: ("POST",),
+    GENERATE: ("POST", "PUT"),
+    EMBEDDINGS: ("POST",),
+    RERANK: ("POST",),
+    TOKENIZE: ("POST",),
+    DETOKENIZE: ("POST",),
+    RESPONSES: ("POST",),
+}
+"""The routes forwarded to a backend and the methods each takes (SGLang's: /generate takes PUT)."""
+INFERENCE_ROUTES = tuple(ROUTE_METHODS)
+MODELS_METHODS = ("GET",)
+
+
+def allowed_methods(path: str) -> tuple[str, ...] | None:
+    """The methods the proxy answers on `path`; None for a path it does not serve."""
+    methods = ROUTE_METHODS.get(path)
+    if methods is None and (path == "/v1/models" or path.startswith("/v1/models/")):
+        return MODELS_METHODS
+    return methods
+
+
 _TRANSPORT_BY_VERSION = {"3": "h3", "2": "h2", "2.0": "h2"}
 
 
@@ -73,8 +113,11 @@ class ProxyApp:
         gateway: PolicyGateway | None = None,
         audit: AuditLog | None = None,
         breakers: Breakers | None = None,
+        credentials: BackendCredentials | None = None,
+        access_log: AccessLog | None = None,
         models: Models | None = None,
     ) -> None:
+        self.access_log = access_log
         self.config = config
         self.gateway = gateway
         self.audit = audit
@@ -90,6 +133,7 @@ class ProxyApp:
         self.attempts = Attempts(
             config=config, pool=pool, registry=registry, policy=policy, metrics=metrics,
             abort=abort, admission=self.admission, gateway=gateway, breakers=breakers,
+            credentials=credentials,
             models=models,
         )  # fmt: skip
 
@@ -111,13 +155,14 @@ class ProxyApp:
             return
         path: str = scope["path"]
         method: str = scope["method"]
-        route = path if path in INFERENCE_ROUTES else None
+        methods = ROUTE_METHODS.get(path)
+        route = path if methods is not None else None
         is_models = path == "/v1/models" or path.startswith("/v1/models/")
         label = route or ("/v1/models" if is_models else "other")
         try:
-            if route is not None:
-                if method not in ("POST", "PUT") or (method == "PUT" and route != GENERATE):
-                    allow = b"POST, PUT" if route == GENERATE else b"POST"
+            if route is not None and methods is not None:
+                if method not in methods:
+                    allow = ", ".join(methods).encode()
                     raise MethodNotAllowed(
                         f"{method} is not allowed on {path}", headers=((b"allow", allow),)
                     )
@@ -129,12 +174,57 @@ class ProxyApp:
                         f"{method} is not allowed on {path}", headers=((b"allow", b"GET"),)
                     )
                 await self._models(path, send)
-                self.metrics.requests.labels(label, "200").inc()
+                self.metrics.requests.labels(label, "200", NO_MODEL).inc()
+                if self.access_log is not None:
+                    self._log_other(scope, label, 200)
                 return
             raise RouteNotFound(f"no route for {method} {path}")
         except EdgeError as err:
             await render_error(send, err)
-            self.metrics.requests.labels(label, str(err.status)).inc()
+            self.metrics.requests.labels(label, str(err.status), NO_MODEL).inc()
+            if self.access_log is not None:
+                self._log_other(scope, label, err.status, err.message)
+
+    def _log(
+        self,
+        ex: Exchange | None,
+        scope: Scope,
+        route: str,
+        status: int,
+        t0: float,
+        error: str | None = None,
+    ) -> None:
+        if self.access_log is not None:
+            self.access_log.request(
+                ex, route=route, method=scope["method"], status=status,
+                t_end=time.perf_counter(), t0=t0, error=error,
+            )  # fmt: skip
+
+    def _log_other(self, scope: Scope, label: str, status: int, error: str | None = None) -> None:
+        """A request outside the inference routes (models, unknown paths, wrong methods)."""
+        assert self.access_log is not None
+        arrived = (scope.get("extensions") or {}).get("arrived_at")
+        now = time.perf_counter()
+        self.access_log.request(
+            None, route=label, method=scope["method"], status=status, t_end=now,
+            t0=arrived or now, error=error,
+        )  # fmt: skip
+
+    def _model_label(self, model: object) -> str:
+        """The `model` label: a model the fleet serves (or `default`, which every backend
+        answers to), else `other`; a body without one is `default` (SGLang's)."""
+        if model is None or model == DEFAULT_MODEL:
+            return DEFAULT_MODEL
+        known = self.catalog.known
+        return model if known is not None and model in known else OTHER_MODEL
+
+    def _served_model(self, ex: Exchange) -> str | None:
+        """The model that answered, as the backend names it: the one asked for, or the fleet's
+        only model behind `default`."""
+        if ex.model not in (DEFAULT_MODEL, OTHER_MODEL):
+            return ex.model
+        known = self.catalog.known
+        return next(iter(known)) if known is not None and len(known) == 1 else None
 
     # -- /v1/models --------------------------------------------------------------------------
 
@@ -148,6 +238,8 @@ class ProxyApp:
             return
         model = path[len("/v1/models/") :]
         card = next((c for c in listing["data"] if c["id"] == model), None)
+        if card is None and model == DEFAULT_MODEL:
+            card = _default_card(listing)
         if card is None:
             raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
         await send_json(send, 200, card)
@@ -180,7 +272,7 @@ class ProxyApp:
                     traceparent=headers.traceparent,
                     tracestate=headers.tracestate,
                     attributes={
-                        "http.route": route,
+                        **server_attributes(scope, route, transport),
                         "quicedge.transport": transport,
                         "quicedge.early_data": early,
                         "quicedge.request_id": request_id,
@@ -213,10 +305,12 @@ class ProxyApp:
                 if ex.state is not None:
                     await ex.state.finish()
         except EdgeError as err:
+            model = ex.model if ex is not None else NO_MODEL
             if self.audit is not None and ex is not None:
                 self.audit.record_exchange(ex, ex.status if ex.started else err.status)
             if trace is not None:
-                trace.set("http.status_code", err.status)
+                trace.set("http.response.status_code", err.status)
+                trace.set("error.type", str(err.status) if err.status >= 500 else None)
                 trace.end(time.perf_counter(), error=err.message)
             if ex is not None:
                 request_id = ex.request_id  # the label, which the body may have given
@@ -225,25 +319,32 @@ class ProxyApp:
                     "request %s (tenant %s) failed after the response started: %s",
                     request_id, ex.tenant, err,
                 )  # fmt: skip
-                self.metrics.requests.labels(route, str(ex.status)).inc()
+                self.metrics.requests.labels(route, str(ex.status), model).inc()
+                self._log(ex, scope, route, ex.status, t0, err.message)
                 return
             err.extra_headers = (*err.extra_headers, (b"x-request-id", request_id.encode()))
-            raise
+            await render_error(send, err)
+            self.metrics.requests.labels(route, str(err.status), model).inc()
+            self._log(ex, scope, route, err.status, t0, err.message)
+            return
         except ClientGone:
             if self.audit is not None and ex is not None:
                 self.audit.record_exchange(ex, 499)
             self.metrics.disconnects.inc()
-            self.metrics.requests.labels(route, "499").inc()
+            self.metrics.requests.labels(route, "499", ex.model if ex else NO_MODEL).inc()
             if trace is not None:
                 trace.end(time.perf_counter(), error="client disconnected")
+            self._log(ex, scope, route, 499, t0, "client disconnected")
             return
         assert ex is not None
         status = ex.status
         if self.audit is not None:
             self.audit.record_exchange(ex, status)
-        self.metrics.requests.labels(route, str(status)).inc()
+        self.metrics.requests.labels(route, str(status), ex.model).inc()
+        self._log(ex, scope, route, status, t0, "client disconnected" if ex.disconnected else None)
         if trace is not None:
-            trace.set("http.status_code", status)
+            trace.set("http.response.status_code", status)
+            trace.set("gen_ai.response.model", self._served_model(ex))
             trace.set("quicedge.retries", ex.retries)
             trace.end(time.perf_counter(), error="client disconnected" if ex.disconnected else None)
 
@@ -263,37 +364,35 @@ class ProxyApp:
             raise RouteNotFound(f"no route for POST {RESPONSES}")
         t_parsed = time.perf_counter()
         ex.stream = validate(ex.route, body)
+        model = body.get("model")
+        ex.model = self._model_label(model)  # what a 404 for an unknown model is counted as
         if self.models is not None:
-            model = None if ex.route == GENERATE else body.get("model")
+            name = None if ex.route == GENERATE else model
             route = self.models.route_now(
-                model, tenant=ex.tenant, canary=h.canary, session=h.session
+                name, tenant=ex.tenant, canary=h.canary, session=h.session
             )
             if route is None:  # a name not known yet: the fleet's list decides (maybe 404)
                 route = await self.models.route(
-                    model, tenant=ex.tenant, canary=h.canary, session=h.session
+                    name, tenant=ex.tenant, canary=h.canary, session=h.session
                 )
+                if ex.model == OTHER_MODEL:  # the check may have fetched the list just now
+                    ex.model = self._model_label(model)
             ex.model_route = route
         elif ex.route != GENERATE:
-            await self.catalog.check(body.get("model"))
+            await self.catalog.check(model)
+            if ex.model == OTHER_MODEL:  # the check may have fetched the list just now
+                ex.model = self._model_label(model)
         if self.gateway is not None:
             raw = self.gateway.stage(ex, body, raw)
         session = h.session.decode("latin-1") if h.session else None
         ex.view = build_view(ex.route, body, session)
         if self.gateway is not None and self.gateway.judge is not None:
             await self.gateway.judge_stage(ex)
-        # The backend's rid is always the edge's own (`edge.stages.forward`); the client's id,
-        # from its header or its body, is only the label. A batch's rids are derived from the
-        # edge's and not aborted one by one.
-        rid = ex.abort_rid = upstream_rid(ex.request_id, from_client=h.request_id is not None)
-        if "rid" in body:
-            theirs = body["rid"]
-            if isinstance(theirs, list):
-                ex.abort_rid = None
-            elif h.request_id is None and (label := label_from_body(theirs)) is not None:
-                ex.request_id = label
-                if ex.trace is not None:
-                    ex.trace.set("quicedge.request_id", label)
-        ex.payload = splice_rid(raw, body, rid)
+        if ex.route in WHOLE_ROUTES:  # answered at once and never aborted: forwarded as sent
+            ex.abort_rid = None
+            ex.payload = raw
+        else:
+            _use_edge_rid(ex, raw, body)
         traceparent, tracestate = h.traceparent, h.tracestate
         if ex.trace is not None:
             traceparent, tracestate = ex.trace.upstream_context()
@@ -311,6 +410,8 @@ class ProxyApp:
             ex.trace.stage("parse", ex.t0, t_parsed)
             ex.trace.stage("admit", t_parsed, t_admitted)
             ex.trace.set("quicedge.stream", ex.stream)
+            for key, value in genai_request_attributes(body):
+                ex.trace.set(key, value)
             ex.trace.set("quicedge.approx_prompt_tokens", ex.view.approx_tokens)
 
     async def _forward(self, ex: Exchange, receive: Receive, send: Send) -> None:
@@ -339,6 +440,40 @@ class ProxyApp:
                 watcher.cancel()
             elif ex.on_disconnect is not None:
                 ex.on_disconnect(None)
+
+
+NO_MODEL = "none"
+"""The `model` label of a request counted before its body was read (or on a route without one)."""
+OTHER_MODEL = "other"
+"""The `model` label of a model the fleet does not list (the labels stay as few as its models)."""
+
+
+def _use_edge_rid(ex: Exchange, raw: bytes, body: dict[str, Any]) -> None:
+    """The backend's rid is always the edge's own (`edge.stages.forward`); the client's id,
+    from its header or its body, is only the label. A batch's rids are derived from the
+    edge's and not aborted one by one."""
+    from_client = ex.headers.request_id is not None
+    rid = ex.abort_rid = upstream_rid(ex.request_id, from_client=from_client)
+    if "rid" in body:
+        theirs = body["rid"]
+        if isinstance(theirs, list):
+            ex.abort_rid = None
+        elif not from_client and (label := label_from_body(theirs)) is not None:
+            ex.request_id = label
+            if ex.trace is not None:
+                ex.trace.set("quicedge.request_id", label)
+    ex.payload = splice_rid(raw, body, rid)
+
+
+def _default_card(listing: dict[str, Any]) -> dict[str, Any]:
+    """`default`, which every backend serves (SGLang's `model` default): chat with it works,
+    so its card does too; `root` names the model behind it when the fleet serves one."""
+    served = [c["id"] for c in listing.get("data", []) if isinstance(c, dict)]
+    card: dict[str, Any] = {"id": DEFAULT_MODEL, "object": "model", "created": 0,
+                            "owned_by": "quicedge"}  # fmt: skip
+    if len(served) == 1:
+        card["root"] = served[0]
+    return card
 
 
 async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any], ex: Exchange) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Callable, MutableMapping
 from functools import partial
 from typing import Any
 
+from backends.credentials import BackendCredentials
 from backends.errors import (
     UpstreamConnectError,
     UpstreamError,
@@ -85,8 +86,10 @@ class Attempts:
         admission: Admission,
         gateway: PolicyGateway | None = None,
         breakers: Breakers | None = None,
+        credentials: BackendCredentials | None = None,
         models: Models | None = None,
     ) -> None:
+        self.credentials = credentials or BackendCredentials()
         self.admission = admission
         self.models = models
         self.config = config
@@ -216,12 +219,17 @@ class Attempts:
             relay = _stream_relay(ex, in_flight)
             on_head = partial(_begin_relay, ex, backend, self.expose, relay)
         retrying = False
+        headers = self.credentials.with_auth(backend.url, ex.upstream_headers)
         t_send = time.perf_counter()
+        client_span = None
+        if ex.trace is not None:  # the attempt as a CLIENT span, the backend's parent
+            client_span, headers = ex.trace.upstream(
+                backend.url, ex.route, backend.name, t_send, headers
+            )
         try:
             try:
                 response = await self.pool.request(
-                    backend.url, "POST", ex.route,
-                    headers=ex.upstream_headers, body=ex.payload,
+                    backend.url, "POST", ex.route, headers=headers, body=ex.payload,
                     first_byte_timeout=self.config.first_byte_timeout,
                     chunk_timeout=self.config.chunk_timeout, on_head=on_head,
                 )  # fmt: skip
@@ -292,6 +300,9 @@ class Attempts:
             ex.error = error
             if response is not None and not response.complete:
                 await response.aclose()  # aborts the upstream request (its connection closes)
+            if client_span is not None and ex.trace is not None:
+                answered = response.status if response is not None else None
+                ex.trace.end_upstream(client_span, time.perf_counter(), answered, error)
             self.policy.observe(
                 Outcome(
                     backend=backend, view=ex.view, decision=decision, ttft_s=upstream_ttft,

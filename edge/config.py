@@ -12,11 +12,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from backends.credentials import BackendCredentials
 from backends.discovery import DiscoveryConfig
 from backends.registry import parse_labels
 from edge import settings
+from edge.access_log import AccessLogConfig
 from edge.admission.settings import AdmissionSettings, TenantSettings
 from edge.audit import AUDIT_FLAGS, AuditConfig
+from edge.cors import CorsConfig
 from edge.models.config import ModelsConfig
 from edge.policy.config import POLICY_FLAGS, PolicyConfig
 from edge.routing.base import POLICY_NAMES
@@ -75,9 +78,10 @@ class ProxyConfig:
     """Upstream keep-alive connections per backend (requests wait for a slot at the cap)."""
     pool_warm_connections: int = 8
     """Idle connections opened per backend at start, so early requests pay no TCP connect."""
-    pool_idle_timeout: float = 60 * SECONDS
-    """An idle upstream connection is closed after this long, s (SGLang's uvicorn keeps 5 s; the
-    pool notices a closed one and reconnects)."""
+    pool_idle_timeout: float = 4 * SECONDS
+    """An idle upstream connection is closed after this long, s: below SGLang's keep-alive
+    (uvicorn's 5 s), so the edge, not the backend, closes it; less where a backend's
+    `Keep-Alive: timeout=N` says so (a second below N)."""
     pool_max_waiters: int = 256
     """Requests that may wait for a free upstream connection to one backend when all
     `pool_max_connections` are in use; one more is refused at once with 503 and Retry-After
@@ -95,6 +99,13 @@ class ProxyConfig:
     """KV-cache usage (`token_usage`, 0..1) above which a backend is degraded."""
     degraded_queue: int | None = None
     """Waiting requests (`num_waiting_reqs`) above which a backend is degraded."""
+
+    backend_api_key_file: str | None = None
+    """File holding the API key sent to every backend as `Authorization: Bearer` (SGLang's
+    `--api-key`); none: no key. Read once at start; the client's own key is never forwarded."""
+    backend_api_key_files: dict[str, str] = field(default_factory=dict)
+    """Per backend URL, a file holding that backend's key (overrides `backend_api_key_file`);
+    TOML only: `[proxy.backend_api_key_files]` `"http://10.0.0.5:30000" = "/run/secrets/b1"`."""
 
     tracing: bool = False
     """Create OpenTelemetry spans. Also turned on by OTEL_TRACES_EXPORTER=console|otlp."""
@@ -173,6 +184,8 @@ class ProxyConfig:
             raise ValueError("proxy: max_concurrency_per_backend must be >= 1")
         if self.degraded_token_usage is not None and not 0 < self.degraded_token_usage <= 1:
             raise ValueError("proxy: degraded_token_usage must be in (0, 1]")
+        # a missing or empty key file fails at start, with its setting's name
+        BackendCredentials.from_files(self.backend_api_key_file, self.backend_api_key_files)
         for name in ("degraded_ttft_p99", "degraded_queue", "loads_interval"):
             value = getattr(self, name)
             if value is not None and value <= 0:
@@ -241,6 +254,19 @@ SECTIONS: tuple[Section, ...] = (
         BreakerConfig,
         flags={f.name: f"--breaker-{f.name.replace('_', '-')}" for f in fields(BreakerConfig)},
         title="circuit breakers per isolation domain ([breakers])",
+    ),
+    Section(
+        "cors",
+        CorsConfig,
+        flags={f.name: f"--cors-{f.name.replace('_', '-')}" for f in fields(CorsConfig)},
+        title="CORS for browsers ([cors])",
+    ),
+    Section(
+        "access_log",
+        AccessLogConfig,
+        flags={f.name: f"--access-log-{f.name.replace('_', '-')}" for f in fields(AccessLogConfig)}
+        | {"enabled": "--access-log"},
+        title="access log ([access_log])",
     ),
     Section(
         "discovery",

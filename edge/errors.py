@@ -76,6 +76,14 @@ class InvalidJSON(InvalidRequest):
     code = "invalid_json"
 
 
+class OriginNotAllowed(EdgeError):
+    """403: a CORS preflight from an origin that `[cors] origins` does not list."""
+
+    status = 403
+    type = "invalid_request_error"
+    code = "origin_not_allowed"
+
+
 class RouteNotFound(EdgeError):
     """404: no such route on this proxy."""
 
@@ -324,6 +332,7 @@ __all__ = [
     "EdgeError",
     "GatewayTimeout",
     "InvalidJSON",
+    "OriginNotAllowed",
     "InvalidRequest",
     "MethodNotAllowed",
     "ModelNotAllowed",

@@ -81,6 +81,8 @@ class Exchange:
     is its end, not a client going away."""
     disconnected: bool = False
     status: int = 0
+    model: str = "none"
+    """The `model` metric label (`edge.app`): a served model, `default`, `other` or `none`."""
     backend: Backend | None = None
     decision: Decision | None = None
     retries: int = 0

@@ -20,8 +20,10 @@ from prometheus_client import CollectorRegistry
 
 from backends.discovery import DiscoveryConfig, make_source
 from edge import settings, wiring
+from edge.access_log import AccessLogConfig
 from edge.audit import AuditConfig
 from edge.config import SECTIONS, ProxyConfig
+from edge.cors import CorsConfig
 from edge.fleet_metrics import FleetMetrics, FleetPlan
 from edge.models.config import ModelsConfig
 from edge.policy.config import PolicyConfig
@@ -29,6 +31,7 @@ from edge.routing.breakers import BreakerConfig
 from edge.routing.fleet_view import FleetViewConfig
 from edge.routing.prewarm import PrewarmConfig
 from edge.settings import Settings, SettingsError
+from edge.telemetry import exporter_names
 from transport.config import EarlyDataSettings, TransportConfig
 from transport.demo import DemoApps
 from transport.early_data import EarlyDataPolicy
@@ -135,6 +138,8 @@ class ProxyApps:
             fleet_view=self.settings.get("fleet_view", FleetViewConfig),
             models=self.settings.get("models", ModelsConfig),
             redis_url=self.settings.get("serve", TransportConfig).redis,
+            cors=self.settings.get("cors", CorsConfig),
+            access_log=self.settings.get("access_log", AccessLogConfig),
         )
         await built.start()
         admin_app = built.admin_app
@@ -161,6 +166,8 @@ def main(argv: list[str]) -> int:
     logging.getLogger("quic").setLevel(logging.WARNING)  # aioquic logs every connection at INFO
     try:
         loaded = load_settings(args, os.environ)
+        if not args.demo:  # an exporter that is not installed: one line now, not in a worker
+            exporter_names(os.environ, force=loaded.get("proxy", ProxyConfig).tracing)
         transport = transport_config(loaded)
         # Fail early on bad TLS files; make the development certificates once, here, so
         # that workers never race to generate them.

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
@@ -61,7 +62,7 @@ class Metrics:
             "quicedge_ttft_seconds",
             "Time to first token seen by the edge: request arrival (plus any deferred-0-RTT "
             "handshake wait) to the first content chunk handed to the client transport",
-            ["transport", "early_data", "cache", "backend"],
+            ["transport", "early_data", "cache", "backend", "model"],
             buckets=TTFT_BUCKETS,
             registry=registry,
         )
@@ -97,8 +98,9 @@ class Metrics:
         )
         self.requests = LightCounter(
             "quicedge_requests",
-            "Requests by route and the status the client got",
-            ["route", "status"],
+            "Requests by route, the status the client got and the model asked for (a model the"
+            " fleet does not serve counts as `other`; none before the body is read)",
+            ["route", "status", "model"],
             registry=registry,
         )
         self.decisions = LightCounter(
@@ -261,7 +263,7 @@ class FleetCollector(Collector):
             "Share of upstream requests sent on an already open keep-alive connection",
         )
         reuse.add_metric([], stats.reuse_ratio)
-        connects = GaugeMetricFamily(
+        connects = CounterMetricFamily(
             "quicedge_upstream_connects", "TCP connections the pool has opened"
         )
         connects.add_metric([], stats.connects)
@@ -276,9 +278,12 @@ class FleetCollector(Collector):
             "Upstream connections by backend and state",
             labels=["backend", "state"],
         )
+        # `backend` is the backend's name here too, as on every other metric
+        names = {b.url: b.name for b in self._backends}
         for url, host in stats.backends.items():
-            conns.add_metric([url, "idle"], host.idle)
-            conns.add_metric([url, "active"], host.active)
+            name = names.get(url, url)
+            conns.add_metric([name, "idle"], host.idle)
+            conns.add_metric([name, "active"], host.active)
         yield from (reuse, connects, urgent, conns)
 
 
@@ -327,10 +332,7 @@ def tracer_from_env(*, force: bool = False, environ: dict[str, str] | None = Non
     the SDK reads them itself.
     """
     env = os.environ if environ is None else environ
-    names = [n.strip().lower() for n in env.get("OTEL_TRACES_EXPORTER", "none").split(",")]
-    names = [n for n in names if n and n != "none"]
-    if not names and force:
-        names = ["console"]
+    names = exporter_names(env, force=force)
     if not names:
         return TracingSetup(None)
     resource = Resource.create({"service.name": env.get("OTEL_SERVICE_NAME", "quicedge")})
@@ -338,22 +340,93 @@ def tracer_from_env(*, force: bool = False, environ: dict[str, str] | None = Non
     for name in names:
         if name == "console":
             provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
-        elif name == "otlp":
-            try:
-                from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
-                    OTLPSpanExporter,
-                )
-            except ImportError:
-                raise ValueError(
-                    "OTEL_TRACES_EXPORTER=otlp needs `pip install quicedge[otlp]`"
-                ) from None
-            provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
         else:
-            raise ValueError(f"OTEL_TRACES_EXPORTER: unknown exporter {name!r} (console, otlp)")
+            provider.add_span_processor(BatchSpanProcessor(_otlp_exporter()()))
     return TracingSetup(provider.get_tracer("quicedge.edge"), provider)
 
 
+def exporter_names(env: Mapping[str, str], *, force: bool = False) -> list[str]:
+    """The span exporters `OTEL_TRACES_EXPORTER` names (`console` when only `force`d); a
+    ValueError, one line, for a name this build cannot export to."""
+    names = [n.strip().lower() for n in env.get("OTEL_TRACES_EXPORTER", "none").split(",")]
+    names = [n for n in names if n and n != "none"]
+    if not names and force:
+        names = ["console"]
+    for name in names:
+        if name == "otlp":
+            _otlp_exporter()
+        elif name != "console":
+            raise ValueError(f"OTEL_TRACES_EXPORTER: unknown exporter {name!r} (console, otlp)")
+    return names
+
+
+def _otlp_exporter() -> Any:
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    except ImportError:
+        raise ValueError(
+            "OTEL_TRACES_EXPORTER=otlp needs the OTLP exporter: pip install 'quicedge[otlp]'"
+        ) from None
+    return OTLPSpanExporter
+
+
 _PROPAGATOR = TraceContextTextMapPropagator()
+
+# OpenTelemetry semantic conventions: HTTP (stable) and GenAI (development; the names of
+# semconv 1.37+, where `gen_ai.system` became `gen_ai.provider.name`).
+GENAI_OPERATIONS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "text_completion",
+    "/generate": "generate_content",
+    "/v1/embeddings": "embeddings",
+    "/v1/rerank": "rerank",
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+}
+GENAI_PROVIDER = "sglang"
+_PROTOCOL_VERSIONS = {"h3": "3", "h2": "2", "h1": "1.1"}
+
+
+def server_attributes(scope: Mapping[str, Any], route: str, transport: str) -> dict[str, Any]:
+    """The HTTP server span's attributes (semconv names) and the GenAI operation."""
+    attributes: dict[str, Any] = {
+        "http.request.method": scope.get("method", "POST"),
+        "http.route": route,
+        "url.path": scope.get("path", route),
+        "url.scheme": scope.get("scheme", "http"),
+        "network.protocol.version": _PROTOCOL_VERSIONS.get(transport, "1.1"),
+        "gen_ai.operation.name": GENAI_OPERATIONS.get(route, route),
+        "gen_ai.provider.name": GENAI_PROVIDER,
+    }
+    server = scope.get("server")
+    if server:
+        attributes["server.address"] = server[0]
+        if server[1] is not None:
+            attributes["server.port"] = server[1]
+    client = scope.get("client")
+    if client:
+        attributes["client.address"] = client[0]
+    return attributes
+
+
+def genai_request_attributes(body: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    """`gen_ai.request.*` from a request body (OpenAI fields, or SGLang's `sampling_params`)."""
+    params = body.get("sampling_params")
+    sampling: Mapping[str, Any] = params if isinstance(params, Mapping) else body
+    model = body.get("model")
+    if isinstance(model, str):
+        yield "gen_ai.request.model", model
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    if limit is None:
+        limit = sampling.get("max_new_tokens")
+    for key, value in (
+        ("gen_ai.request.max_tokens", limit),
+        ("gen_ai.request.temperature", sampling.get("temperature")),
+        ("gen_ai.request.top_p", sampling.get("top_p")),
+        ("gen_ai.request.seed", sampling.get("seed")),
+    ):
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            yield key, value
 
 
 class RequestTrace:
@@ -417,6 +490,41 @@ class RequestTrace:
         if value is not None:
             self._root.set_attribute(key, value)
 
+    def upstream(
+        self, url: str, route: str, backend: str, start: float, headers: list[tuple[bytes, bytes]]
+    ) -> tuple[Any, list[tuple[bytes, bytes]]]:
+        """A CLIENT span for one upstream attempt, started at `start`, and `headers` with its
+        `traceparent`, so the backend's spans hang under this attempt; end it with
+        `end_upstream`."""
+        parts = urlsplit(url)
+        span = self._tracer.start_span(
+            f"POST {route}",
+            context=self._ctx,
+            kind=SpanKind.CLIENT,
+            start_time=self._ns(start),
+            attributes={
+                "http.request.method": "POST",
+                "server.address": parts.hostname or "",
+                "server.port": parts.port or 80,
+                "url.full": url.rstrip("/") + route,
+                "network.protocol.version": "1.1",
+                "quicedge.backend": backend,
+            },
+        )
+        carrier: dict[str, str] = {}
+        _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+        out = [(k, v) for k, v in headers if k not in (b"traceparent", b"tracestate")]
+        out.extend((k.encode(), v.encode()) for k, v in carrier.items())
+        return span, out
+
+    def end_upstream(self, span: Any, end: float, status: int | None, error: str | None) -> None:
+        if status:
+            span.set_attribute("http.response.status_code", status)
+        if error is not None:
+            span.set_attribute("error.type", error)
+            span.set_status(Status(StatusCode.ERROR, error))
+        span.end(end_time=self._ns(end))
+
     def end(self, end: float, error: str | None = None) -> None:
         tracer, ctx, ns = self._tracer, self._ctx, self._ns
         for name, start, stop, attributes in self._stages:
@@ -430,10 +538,14 @@ class RequestTrace:
 
 __all__ = [
     "AuditCollector",
+    "GENAI_OPERATIONS",
     "FleetCollector",
     "Metrics",
     "RequestTrace",
     "TracingSetup",
     "cache_label",
+    "exporter_names",
+    "genai_request_attributes",
+    "server_attributes",
     "tracer_from_env",
 ]

@@ -19,16 +19,20 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
+from backends.credentials import BackendCredentials
 from backends.discovery import Discovery, DiscoveryConfig, make_source
 from backends.pool import UpstreamPool
-from backends.registry import Backend, BackendRegistry, HealthConfig
+from backends.registry import Backend, BackendClient, BackendRegistry, HealthConfig
 from edge import settings
+from edge.access_log import AccessLog, AccessLogConfig
 from edge.admin import AdminApp
 from edge.admission import Admission
-from edge.app import ProxyApp
+from edge.app import ProxyApp, allowed_methods
 from edge.asgi import ASGIApp
 from edge.audit import AuditConfig, AuditLog
 from edge.config import SECTIONS, ProxyConfig
+from edge.cors import CorsConfig
+from edge.cors import wrap as wrap_cors
 from edge.models import ModelCatalog, Models, ModelsConfig
 from edge.policy.config import PolicyConfig
 from edge.policy.gateway import PolicyGateway
@@ -85,6 +89,7 @@ class Wiring:
     tracing: TracingSetup
     admission: Admission
     models: Models
+    credentials: BackendCredentials = field(default_factory=BackendCredentials)
     discovery: Discovery | None = None
     state: StateStage | None = None
     gateway: PolicyGateway | None = None
@@ -93,11 +98,14 @@ class Wiring:
     abort_outcomes: Counter | None = None
     """`quicedge_abort_requests_total{outcome}`: sent, failed, dropped (over the cap)."""
     fleet: FleetServices | None = None
+    access_log: AccessLog | None = None
     _aborts: set[asyncio.Task[Any]] = field(default_factory=set)
     _clients: dict[str, Any] = field(default_factory=dict)
 
     async def start(self) -> None:
         """Pre-warm pools, start health checks and load polling, learn the fleet's models."""
+        if self.access_log is not None:
+            self.access_log.start()
         await self.registry.start()
         if self.breakers is not None:
             self.breakers.start()
@@ -141,6 +149,8 @@ class Wiring:
         if self.audit is not None:
             await self.audit.aclose()  # after the requests: their records are written too
         self.tracing.shutdown()
+        if self.access_log is not None:
+            self.access_log.stop()
 
     def abort(self, backend: Backend, rid: str) -> None:
         """Fire `/abort_request {rid}` at the backend without waiting for it (never raises).
@@ -161,7 +171,9 @@ class Wiring:
                 from backends.sglang import SGLangClient
 
                 client = self._clients[backend.url] = SGLangClient(
-                    backend.url, timeout=self.config.health_timeout
+                    backend.url,
+                    timeout=self.config.health_timeout,
+                    api_key=self.credentials.api_key(backend.url),
                 )
             await client.abort(rid)
         except Exception as exc:  # best effort: the closed upstream connection aborts it too
@@ -187,6 +199,8 @@ async def build(
     prewarm: PrewarmConfig | None = None,
     fleet_view: FleetViewConfig | None = None,
     redis_url: str | None = None,
+    cors: CorsConfig | None = None,
+    access_log: AccessLogConfig | None = None,
     models: ModelsConfig | None = None,
 ) -> Wiring:
     """Make the proxy's objects (nothing is started: call `Wiring.start`).
@@ -199,6 +213,9 @@ async def build(
     """
     source = make_source(discovery) if discovery is not None else None
     config.validate(need_backends=source is None)
+    credentials = BackendCredentials.from_files(
+        config.backend_api_key_file, config.backend_api_key_files
+    )
     pool = UpstreamPool(
         max_connections_per_backend=config.pool_max_connections,
         idle_timeout=config.pool_idle_timeout,
@@ -228,22 +245,28 @@ async def build(
         health=health,
         max_concurrency=config.max_concurrency_per_backend,
         warm_connections=config.pool_warm_connections,
+        client_factory=partial(_sglang_client, credentials),
     )
     policy = make_policy(config.policy)
     metrics = Metrics(registry)
     admission = Admission(config.admission, metrics=metrics)
     breaker_set = Breakers(
         (breakers or BreakerConfig()).validate(), backends.backends, registry=registry,
-        model_info=partial(_model_info, config.health_timeout),
+        model_info=partial(_model_info, config.health_timeout, credentials),
     )  # fmt: skip
     registry.register(FleetCollector(backends.backends, pool.stats))
     tracing = TracingSetup(tracer) if tracer is not None else tracer_from_env(force=config.tracing)
     catalog = ModelCatalog(
-        backends=backends.backends, pool=pool, ttl=config.models_ttl, timeout=config.health_timeout
+        backends=backends.backends,
+        pool=pool,
+        ttl=config.models_ttl,
+        timeout=config.health_timeout,
+        credentials=credentials,
     )
     pools = Models(
-        models or ModelsConfig(), backends=backends, catalog=catalog, pool=pool, registry=registry
-    )
+        models or ModelsConfig(), backends=backends, catalog=catalog, pool=pool,
+        registry=registry, credentials=credentials,
+    )  # fmt: skip
     catalog.on_relabel = breaker_set.relabel  # a learned model moves its backend's domain
     gateway = PolicyGateway.from_config(
         policies or PolicyConfig(),
@@ -272,6 +295,7 @@ async def build(
         metrics=metrics,
         catalog=catalog,
         tracing=tracing,
+        credentials=credentials,
         models=pools,
         discovery=finder,
         state=StateStage(config.state, registry=registry),
@@ -285,8 +309,9 @@ async def build(
             " sent, failed, or dropped (over max_pending_aborts)",
             ["outcome"], registry=registry,
         ),
+        access_log=AccessLog(access_log) if access_log and access_log.enabled else None,
     )  # fmt: skip
-    wiring.app = ProxyApp(
+    proxy = ProxyApp(
         config=config,
         pool=pool,
         registry=backends,
@@ -300,8 +325,11 @@ async def build(
         gateway=gateway,
         audit=audit_log,
         breakers=breaker_set,
+        credentials=credentials,
+        access_log=wiring.access_log,
         models=pools,
     )
+    wiring.app = wrap_cors(proxy, cors, allowed_methods) if cors is not None else proxy
     wiring.admin_app = AdminApp(
         registry=registry,
         backends=backends,
@@ -314,10 +342,20 @@ async def build(
     return wiring
 
 
-async def _model_info(timeout: float, backend: Backend) -> Mapping[str, Any]:
+def _sglang_client(credentials: BackendCredentials, url: str, timeout: float) -> BackendClient:
+    """The registry's health and load client for `url`, with that backend's key."""
     from backends.sglang import SGLangClient
 
-    async with SGLangClient(backend.url, timeout=timeout) as client:
+    return SGLangClient(url, timeout=timeout, api_key=credentials.api_key(url))
+
+
+async def _model_info(
+    timeout: float, credentials: BackendCredentials, backend: Backend
+) -> Mapping[str, Any]:
+    from backends.sglang import SGLangClient
+
+    key = credentials.api_key(backend.url)
+    async with SGLangClient(backend.url, timeout=timeout, api_key=key) as client:
         return await client.model_info()
 
 

@@ -28,6 +28,8 @@ def parse_default(text: str) -> Any:
         return text == "true"
     if text == "`[]`":
         return []
+    if text == "`{}`":
+        return {}
     if text.startswith("`") and text.endswith("`"):
         return text[1:-1]
     match = _VALUE.fullmatch(text)

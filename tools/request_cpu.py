@@ -183,7 +183,7 @@ async def _run(loop: asyncio.AbstractEventLoop, clients: list[Client], requests:
 
 
 def _ok(wiring: Any) -> int:
-    counter = wiring.metrics.requests.labels("/v1/chat/completions", "200")
+    counter = wiring.metrics.requests.labels("/v1/chat/completions", "200", "default")
     return int(counter.value)
 
 

@@ -26,11 +26,16 @@ class Mode(enum.StrEnum):
 MODES: tuple[str, ...] = tuple(m.value for m in Mode)
 
 # Inference routes are worth a round trip of TTFT and are protected by single-use tickets;
-# everything else (admin-like or unknown) waits for the handshake.
+# embeddings, rerank and (de)tokenize change nothing on the backend, so a replay costs only the
+# compute. Everything else (admin-like or unknown) waits for the handshake.
 DEFAULT_ROUTES: dict[str, Mode] = {
     "/v1/chat/completions": Mode.ACCEPT,
     "/v1/completions": Mode.ACCEPT,
     "/generate": Mode.ACCEPT,
+    "/v1/embeddings": Mode.ACCEPT,
+    "/v1/rerank": Mode.ACCEPT,
+    "/tokenize": Mode.ACCEPT,
+    "/detokenize": Mode.ACCEPT,
     "/v1/responses": Mode.ACCEPT,
 }
 DEFAULT_MODE = Mode.DEFER

@@ -9,7 +9,9 @@ come back over QUIC. Without ``tls`` it serves plain HTTP through hypercorn (the
 Shutdown: hypercorn stops accepting, closes idle HTTP/2 connections with GOAWAY and lets open
 requests finish for ``graceful_timeout`` seconds. A request's head deadline is hypercorn's idle
 timer, its body deadline ``transport.deadlines``'s, and the connection caps
-``transport.caps``'s (docs/transport.md, "Deadlines and caps").
+``transport.caps``'s (docs/transport.md, "Deadlines and caps"). HTTP/2 runs on
+`transport.hypercorn_h2`'s protocol, which keeps a connection alive when the app answers before
+reading a request's body.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
+from transport import hypercorn_h2
 from transport.asgi import ASGIApp, Receive, Scope, Send, with_tcp_extensions
 from transport.caps import GATE_ATTRIBUTE, ConnectionGate, gate_hypercorn
 from transport.deadlines import with_body_deadline
@@ -120,6 +123,7 @@ class TcpListener:
         on_refused: Callable[[str], None] | None = None,
         on_timeout: Callable[[str], None] | None = None,
     ) -> None:
+        hypercorn_h2.install()
         options = options or TcpOptions()
         app = with_body_deadline(app, options.body_timeout, on_timeout)
         self._app = without_lifespan(with_tcp_extensions(app) if add_extensions else app)

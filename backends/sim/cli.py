@@ -86,6 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout-keep-alive", type=float, default=d.timeout_keep_alive)
     p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
     p.add_argument(
+        "--api-key",
+        default=None,
+        help="as SGLang: require 'Authorization: Bearer KEY' on every route but /health*, "
+        "/metrics and OPTIONS (401 otherwise)",
+    )
+    p.add_argument(
         "--record-timings",
         type=int,
         default=d.record_timings,
@@ -144,6 +150,7 @@ def config_from(args: argparse.Namespace) -> SimConfig:
         timeout_keep_alive=args.timeout_keep_alive,
         max_body_bytes=args.max_body_bytes,
         record_timings=args.record_timings,
+        api_key=args.api_key,
     )
 
 

@@ -55,6 +55,9 @@ class SimConfig:
     """Idle keep-alive connections are closed after this many seconds (uvicorn in SGLang: 5)."""
     max_body_bytes: int = 32 * MiB
     """Request bodies above this get 413."""
+    api_key: str | None = None
+    """SGLang's `--api-key`: every request but `OPTIONS`, `/health*` and `/metrics` needs
+    `Authorization: Bearer KEY`, else 401 `{"error": "Unauthorized"}`; None: open."""
     record_timings: int = 0
     """Keep the `perf_counter()` stamps of this many most recent generation requests, served
     at `/debug/timings` for benchmarks; 0: off."""

@@ -26,6 +26,7 @@ class SimServer:
         self.clock = clock or LoopClock()
         self.tokenizer = Tokenizer()
         self.scheduler: Scheduler | None = None
+        self.api: Api | None = None
         self._server: asyncio.Server | None = None
         self._loop_task: asyncio.Task[None] | None = None
         self._connections: set[HttpProtocol] = set()
@@ -55,6 +56,7 @@ class SimServer:
             metrics=SimMetrics(scheduler, cfg.model_name),
             is_ready=self._is_ready,
         )
+        self.api = api
         self._ready_at = self.clock.now() + cfg.startup_delay * cfg.time_scale
         loop = asyncio.get_running_loop()
         self._loop_task = loop.create_task(scheduler.run(), name=f"sim-scheduler-{cfg.name}")

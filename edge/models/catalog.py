@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from backends.credentials import BackendCredentials
 from backends.pool import UpstreamPool
 from backends.registry import Backend
 from edge.errors import ModelNotFound
@@ -36,12 +37,14 @@ class ModelCatalog:
         ttl: float,
         timeout: float,
         clock: Callable[[], float] = time.monotonic,
+        credentials: BackendCredentials | None = None,
     ) -> None:
         self._backends = backends
         self._pool = pool
         self._ttl = ttl
         self._timeout = timeout
         self._clock = clock
+        self._credentials = credentials or BackendCredentials()
         self._fetched_at = float("-inf")
         self._listing: dict[str, Any] = {"object": "list", "data": []}
         self.known: frozenset[str] | None = None
@@ -63,7 +66,8 @@ class ModelCatalog:
 
     async def _fetch(self, backend: Backend) -> list[dict[str, Any]]:
         response = await self._pool.request(
-            backend.url, "GET", "/v1/models", headers=(), body=b"",
+            backend.url, "GET", "/v1/models", headers=self._credentials.with_auth(backend.url, []),
+            body=b"",
             first_byte_timeout=self._timeout, chunk_timeout=self._timeout,
         )  # fmt: skip
         body = await response.read()
@@ -85,7 +89,8 @@ class ModelCatalog:
         """SGLang's `weight_version` (`/get_model_info`), None when it has none."""
         try:
             response = await self._pool.request(
-                backend.url, "GET", "/get_model_info", headers=(), body=b"",
+                backend.url, "GET", "/get_model_info",
+                headers=self._credentials.with_auth(backend.url, []), body=b"",
                 first_byte_timeout=self._timeout, chunk_timeout=self._timeout,
             )  # fmt: skip
             body = await response.read()

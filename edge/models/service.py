@@ -15,6 +15,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from backends.credentials import BackendCredentials
 from backends.pool import UpstreamPool
 from backends.registry import Backend, BackendRegistry
 from edge.models.catalog import ModelCatalog
@@ -37,6 +38,7 @@ class Models:
         registry: CollectorRegistry,
         clock: Callable[[], float] = time.monotonic,
         rng: Callable[[], float] = random.random,
+        credentials: BackendCredentials | None = None,
     ) -> None:
         self.config = config
         self.metrics = ModelMetrics(registry)
@@ -53,6 +55,7 @@ class Models:
                 metrics=self.metrics,
                 rng=rng,
                 clock=clock,
+                credentials=credentials,
             )  # fmt: skip
             for r in config.rollouts
         }

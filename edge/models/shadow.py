@@ -29,6 +29,7 @@ from typing import Any
 
 import orjson
 
+from backends.credentials import BackendCredentials
 from backends.pool import UpstreamPool
 from backends.registry import Backend, BackendRegistry
 from edge.models.config import RolloutConfig
@@ -207,8 +208,11 @@ class Shadow:
         metrics: ModelMetrics,
         rng: Callable[[], float] = random.random,
         clock: Callable[[], float] = time.monotonic,
+        credentials: BackendCredentials | None = None,
     ) -> None:
         self.config = config
+        self.credentials = credentials or BackendCredentials()
+        """Backend keys: a mirror carries its backend's key as every other call does."""
         self.ramp = ramp
         self.pool = pool
         self.registry = registry
@@ -252,7 +256,9 @@ class Shadow:
         with self.registry.track(backend, prefill_tokens=0):
             response = await self.pool.request(
                 backend.url, "POST", route,
-                headers=[(b"content-type", b"application/json")], body=body,
+                headers=self.credentials.with_auth(
+                    backend.url, [(b"content-type", b"application/json")]
+                ), body=body,
                 first_byte_timeout=self.config.shadow_timeout,
                 chunk_timeout=self.config.shadow_timeout,
             )  # fmt: skip

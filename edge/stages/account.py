@@ -31,6 +31,7 @@ def account_stream(
         "0rtt" if ex.early_data else "1rtt",
         cache_label(usage.prompt_tokens, usage.cached_tokens),
         backend.name,
+        ex.model,
     ).observe(ttft)
     m.upstream_ttft.labels(backend.name).observe(upstream_ttft)
     added = (t_send - ex.t0) + (result.first_client - result.first_upstream)
@@ -57,6 +58,6 @@ def account_cache(metrics: Metrics, ex: Exchange, decision: Decision, usage: Usa
     if trace is not None:
         trace.set("quicedge.backend", decision.backend.name)
         trace.set("quicedge.reason", decision.reason)
-        trace.set("quicedge.prompt_tokens", usage.prompt_tokens)
+        trace.set("gen_ai.usage.input_tokens", usage.prompt_tokens)
+        trace.set("gen_ai.usage.output_tokens", usage.completion_tokens)
         trace.set("quicedge.cached_tokens", usage.cached_tokens)
-        trace.set("quicedge.completion_tokens", usage.completion_tokens)

@@ -14,6 +14,15 @@ from edge.errors import InvalidRequest
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 GENERATE = "/generate"
+EMBEDDINGS = "/v1/embeddings"
+RERANK = "/v1/rerank"
+TOKENIZE = "/tokenize"
+DETOKENIZE = "/detokenize"
+
+GENERATION_ROUTES = frozenset({CHAT, COMPLETIONS, GENERATE})
+"""Routes that generate tokens: they stream, carry the edge's `rid` and are aborted by it."""
+WHOLE_ROUTES = frozenset({EMBEDDINGS, RERANK, TOKENIZE, DETOKENIZE})
+"""Routes answered in one piece (no `stream`), forwarded as the client sent them."""
 
 
 def _missing(field: str, what: str) -> InvalidRequest:
@@ -80,10 +89,46 @@ def _check_generate(body: dict[str, Any]) -> None:
         raise _invalid("sampling_params", "must be an object")
 
 
+def _check_embeddings(body: dict[str, Any]) -> None:
+    if "input" not in body:
+        raise _missing("input", "a string, a list of strings or token ids")
+    if not _is_prompt(body["input"]):
+        raise _invalid("input", "must be a string, a list of strings or token ids")
+
+
+def _check_rerank(body: dict[str, Any]) -> None:
+    if not isinstance(body.get("query"), str):
+        raise _missing("query", "a string")
+    documents = body.get("documents")
+    if not isinstance(documents, list) or not all(isinstance(d, str) for d in documents):
+        raise _invalid("documents", "must be a list of strings")
+
+
+def _check_tokenize(body: dict[str, Any]) -> None:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise _missing("prompt", "a string or a list of strings")
+    if not (isinstance(prompt, str) or (
+        isinstance(prompt, list) and all(isinstance(p, str) for p in prompt)
+    )):  # fmt: skip
+        raise _invalid("prompt", "must be a string or a list of strings")
+
+
+def _check_detokenize(body: dict[str, Any]) -> None:
+    if "tokens" not in body:
+        raise _missing("tokens", "a list of token ids")
+    if not _is_token_ids(body["tokens"]):
+        raise _invalid("tokens", "must be a list of token ids")
+
+
 VALIDATORS: dict[str, Callable[[dict[str, Any]], None]] = {
     CHAT: _check_chat,
     COMPLETIONS: _check_completions,
     GENERATE: _check_generate,
+    EMBEDDINGS: _check_embeddings,
+    RERANK: _check_rerank,
+    TOKENIZE: _check_tokenize,
+    DETOKENIZE: _check_detokenize,
 }
 
 
@@ -93,6 +138,8 @@ def validate(route: str, body: dict[str, Any]) -> bool:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _invalid("stream", "must be true or false")
+    if stream and route in WHOLE_ROUTES:
+        raise _invalid("stream", f"{route} answers in one piece; leave stream unset or false")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _invalid("model", "must be a string")

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from edge.routing.base import RequestView
-from edge.stages.validate import CHAT, COMPLETIONS
+from edge.stages.validate import CHAT, COMPLETIONS, GENERATE, RERANK
 
 CHARS_PER_TOKEN = 4
 """Rough characters per token of English text for BPE tokenizers (OpenAI's rule of thumb)."""
@@ -57,9 +57,13 @@ def build_view(route: str, body: Mapping[str, Any], session_header: str | None) 
         text, tokens = render_chat(body["messages"]), None
     elif route == COMPLETIONS:
         text, tokens = _prompt_text(body["prompt"])
-    else:  # /generate: text, else input_ids
+    elif route == GENERATE:  # text, else input_ids
         source = body.get("text")
         text, tokens = _prompt_text(source if source is not None else body.get("input_ids"))
+    elif route == RERANK:
+        text, tokens = "\n".join([body["query"], *body["documents"]]), None
+    else:  # embeddings, tokenize, detokenize
+        text, tokens = _prompt_text(body.get("input", body.get("prompt", body.get("tokens"))))
     if tokens is None:
         tokens = len(text) // CHARS_PER_TOKEN + 1
     user = body.get("user")

@@ -30,8 +30,8 @@ def test_merge_labels_every_sample_with_its_worker_and_marks_a_silent_one_down()
         registry = CollectorRegistry()
         metrics = Metrics(registry)
         for _ in range(count):
-            metrics.requests.labels("/v1/completions", "200").inc()
-            metrics.ttft.labels("h3", "false", "hit", "b").observe(0.02)
+            metrics.requests.labels("/v1/completions", "200", "default").inc()
+            metrics.ttft.labels("h3", "false", "hit", "b", "default").observe(0.02)
         texts[index] = generate_latest(registry)
     texts[2] = None
     merged = merge_expositions(texts).decode()

@@ -103,13 +103,13 @@ async def test_h2_over_tls_and_metric_labels(dev_certs: Any) -> None:
     name = edge.wiring.registry.backends[0].name
     assert (
         f'quicedge_ttft_seconds_count{{backend="{name}",cache="miss",early_data="1rtt",'
-        f'transport="h2"}} 1.0' in text
+        f'model="default",transport="h2"}} 1.0' in text
     )
-    assert 'cache="partial",early_data="1rtt",transport="h2"' in text
+    assert 'cache="partial",early_data="1rtt",model="default",transport="h2"' in text
     assert f'quicedge_upstream_ttft_seconds_count{{backend="{name}"}} 2.0' in text
     assert 'quicedge_edge_added_seconds_count{transport="h2"} 2.0' in text
     assert f'quicedge_inter_token_seconds_count{{backend="{name}"}}' in text
-    assert 'quicedge_requests_total{route="/generate",status="200"} 2.0' in text
+    assert 'quicedge_requests_total{model="default",route="/generate",status="200"} 2.0' in text
     assert 'quicedge_routing_decisions_total{policy="round_robin"' in text
     assert 'quicedge_prefix_hit_ratio_count{kind="reported"} 2.0' in text
     assert 'quicedge_prefix_hit_ratio_count{kind="predicted"} 2.0' in text

@@ -62,7 +62,8 @@ async def test_zero_rtt_request_reaches_the_backend_marked_early_data(dev_certs:
         first.header("x-request-id"),
         second.header("x-request-id"),
     ]
-    labels = {"transport": "h3", "cache": "unknown", "backend": f"127.0.0.1:{up.port}"}
+    labels = {"transport": "h3", "cache": "unknown", "backend": f"127.0.0.1:{up.port}",
+              "model": "default"}  # fmt: skip
     for early, count in (("1rtt", 1.0), ("0rtt", 1.0)):
         value = registry.get_sample_value(
             "quicedge_ttft_seconds_count", {**labels, "early_data": early}

@@ -86,7 +86,9 @@ async def test_32_streams_in_bursts_arrive_whole(stand_in: str, loop: str) -> No
                 assert [a[0] for a in answers] == rids
                 assert all(tokens == TOKENS for _, tokens in answers), answers
         served = STREAMS * ROUNDS
-        requests = 'quicedge_requests_total{route="/v1/chat/completions",status="200"}'
+        requests = (
+            'quicedge_requests_total{model="default",route="/v1/chat/completions",status="200"}'
+        )
         assert serve.metric(requests) == served
         backend = stand_in.removeprefix("http://")  # a backend is named by its host:port
         assert serve.metric(f'quicedge_backend_in_flight{{backend="{backend}"}}') == 0

@@ -32,6 +32,7 @@ STAGES = {
     "upstream_first_byte",
     "first_byte_to_client",
     "stream_end",
+    "POST /v1/chat/completions",  # the upstream attempt, a CLIENT span
 }
 
 
@@ -86,10 +87,30 @@ async def test_a_streamed_request_has_a_span_per_stage_with_attributes() -> None
     assert attrs["quicedge.policy"] == "round_robin"
     assert attrs["quicedge.request_id"] == "t-1"
     assert attrs["quicedge.tenant"] == "anonymous"  # the admitted tenant, not x-tenant-id
-    assert isinstance(attrs["quicedge.prompt_tokens"], int) and attrs["quicedge.prompt_tokens"] > 0
-    assert 0 < attrs["quicedge.cached_tokens"] < attrs["quicedge.prompt_tokens"]
-    assert attrs["http.status_code"] == 200
+    prompt = attrs["gen_ai.usage.input_tokens"]
+    assert isinstance(prompt, int) and prompt > 0
+    assert 0 < attrs["quicedge.cached_tokens"] < prompt
+    assert attrs["gen_ai.usage.output_tokens"] == 4
+    # OpenTelemetry's HTTP and GenAI semantic conventions
+    assert attrs["http.response.status_code"] == 200
+    assert attrs["http.request.method"] == "POST"
+    assert attrs["http.route"] == attrs["url.path"] == "/v1/chat/completions"
+    assert attrs["network.protocol.version"] == "1.1"
+    assert attrs["server.address"] == "127.0.0.1" and isinstance(attrs["server.port"], int)
+    assert attrs["gen_ai.operation.name"] == "chat"
+    assert attrs["gen_ai.provider.name"] == "sglang"
+    assert attrs["gen_ai.request.model"] == "default"
+    assert attrs["gen_ai.request.max_tokens"] == 4
+    assert attrs["gen_ai.response.model"] == config.model_name
+    assert "http.status_code" not in attrs
     by_name = {s.name: s for s in children}
+    upstream = by_name["POST /v1/chat/completions"]
+    assert upstream.kind is SpanKind.CLIENT
+    up = dict(upstream.attributes or {})
+    assert up["http.response.status_code"] == 200
+    assert up["server.address"] == "127.0.0.1" and up["server.port"] == server.port
+    assert up["url.full"] == f"{server.url}/v1/chat/completions"
+    assert upstream.start_time <= by_name["upstream_connect"].end_time
     assert dict(by_name["upstream_connect"].attributes or {})["quicedge.reused"] in (True, False)
     assert dict(by_name["route"].attributes or {})["quicedge.backend"] == backend
 
@@ -112,7 +133,10 @@ async def test_traceparent_sent_upstream_continues_the_clients_trace() -> None:
     assert (version, trace_id, flags) == ("00", TRACE_ID, "01")
     assert edge.spans is not None
     (root,) = [s for s in edge.spans.get_finished_spans() if s.name == "quicedge.request"]
-    assert span_id == format(root.context.span_id, "016x") != PARENT_ID
+    (attempt,) = [s for s in edge.spans.get_finished_spans() if s.kind is SpanKind.CLIENT]
+    # the backend's parent is the edge's attempt, itself a child of the request
+    assert span_id == format(attempt.context.span_id, "016x") != PARENT_ID
+    assert attempt.parent is not None and attempt.parent.span_id == root.context.span_id
 
 
 async def test_deferred_early_data_wait_is_a_span_and_a_metric() -> None:

@@ -133,4 +133,5 @@ async def test_a_request_no_backend_takes_in_time_gets_503_with_retry_after() ->
             assert not long.done(), "the long request must outlast the refused one"
             assert (await long).status_code == 200
             text = await metrics_text(edge)
-            assert 'quicedge_requests_total{route="/v1/chat/completions",status="503"} 1.0' in text
+            refused = 'model="default",route="/v1/chat/completions",status="503"'
+            assert f"quicedge_requests_total{{{refused}}} 1.0" in text

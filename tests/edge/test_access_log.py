@@ -1,0 +1,110 @@
+"""The access log: one JSON line per request, written by a thread off the event loop, sampled
+as configured with errors always kept; on by default in `quicedge serve`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import logging.handlers
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from prometheus_client import CollectorRegistry
+
+from backends.sim import SimConfig, SimServer
+from edge.access_log import LOGGER, AccessLog, AccessLogConfig
+from edge.config import SECTIONS
+from edge.wiring import build
+from tests.edge.conftest import fast_config, hypercorn_app
+from tests.helpers import wait_until
+
+CHAT = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+
+
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[dict[str, Any]] = []
+        self.threads: set[str] = set()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        import threading
+
+        self.threads.add(threading.current_thread().name)
+        self.lines.append(json.loads(record.getMessage()))
+
+
+@contextlib.asynccontextmanager
+async def logged_edge(config: AccessLogConfig) -> AsyncIterator[tuple[str, Lines]]:
+    async with SimServer(SimConfig(name="s", port=0, profile="instant")) as sim:
+        wiring = await build(fast_config([sim.url]), registry=CollectorRegistry(),
+                             access_log=config)  # fmt: skip
+        assert wiring.access_log is not None
+        lines = Lines()
+        wiring.access_log = AccessLog(config, handler=lines)  # capture what it writes
+        wiring.app.access_log = wiring.access_log  # type: ignore[attr-defined]
+        await wiring.start()
+        try:
+            async with hypercorn_app(wiring.app) as url:
+                yield url, lines
+        finally:
+            await wiring.aclose()
+
+
+async def test_one_json_line_per_request() -> None:
+    async with logged_edge(AccessLogConfig()) as (url, lines):
+        async with httpx.AsyncClient(base_url=url) as http:
+            streamed = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+            ok = await http.post(
+                "/v1/chat/completions", json=streamed, headers={"x-request-id": "acc-1"}
+            )
+            bad = await http.post("/v1/chat/completions", json={"messages": []})
+            missing = await http.get("/nope")
+            await http.get("/v1/models")
+        await wait_until(lambda: len(lines.lines) == 4)
+    assert ok.status_code == 200 and bad.status_code == 400 and missing.status_code == 404
+    first, second, third, fourth = lines.lines
+    assert first["request_id"] == "acc-1"
+    assert first["status"] == 200 and first["route"] == "/v1/chat/completions"
+    assert first["model"] == "default" and first["backend"] and first["transport"] == "h1"
+    assert first["early_data"] is False and first["stream"] is True
+    assert first["ttft_ms"] > 0 and first["duration_ms"] >= first["ttft_ms"]
+    assert first["completion_tokens"] == 3 and first["prompt_tokens"] > 0
+    assert first["tenant"] == "anonymous"  # the admitted tenant: no API key here
+    assert second["status"] == 400 and "messages" in second["error"]
+    assert third == {**third, "status": 404, "route": "other", "method": "GET"}
+    assert fourth["route"] == "/v1/models" and fourth["status"] == 200
+    # written by the listener's thread, not the event loop's
+    assert lines.threads and "MainThread" not in lines.threads
+
+
+async def test_sampling_keeps_errors() -> None:
+    async with logged_edge(AccessLogConfig(sample_rate=0.0)) as (url, lines):
+        async with httpx.AsyncClient(base_url=url) as http:
+            for _ in range(3):
+                assert (await http.post("/v1/chat/completions", json=CHAT)).status_code == 200
+            assert (await http.post("/v1/chat/completions", json={})).status_code == 400
+        await wait_until(lambda: len(lines.lines) >= 1)
+    assert [line["status"] for line in lines.lines] == [400]
+
+
+def test_on_by_default_and_checked() -> None:
+    (section,) = [s for s in SECTIONS if s.name == "access_log"]
+    defaults = section.kind()
+    assert defaults.enabled and defaults.sample_rate == 1.0 and defaults.always_log_errors
+    lines = Lines()
+    log = AccessLog(AccessLogConfig(), handler=lines)
+    log.start()
+    try:
+        assert lines in logging.getLogger(LOGGER).handlers
+        assert log._listener._thread is not None  # type: ignore[attr-defined]
+    finally:
+        log.stop()  # writes what was queued first
+    try:
+        AccessLogConfig(sample_rate=1.5).validate()
+    except ValueError as exc:
+        assert "access_log.sample_rate" in str(exc)
+    else:
+        raise AssertionError("a sample rate above 1 was accepted")

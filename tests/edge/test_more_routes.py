@@ -1,0 +1,111 @@
+"""Embeddings, rerank, (de)tokenize and a model's card through the edge, against stand-ins:
+the same routing, limits and errors as chat; every unknown route in OpenAI's error shape."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from backends.sim import SimConfig, SimServer
+from tests.edge.conftest import client, fast_config, run_edge
+
+ROUTES: dict[str, dict[str, Any]] = {
+    "/v1/embeddings": {"model": "default", "input": ["the cat sat", "the cat sat"]},
+    "/v1/rerank": {"query": "cats", "documents": ["dogs bark", "cats purr", "cats"]},
+    "/tokenize": {"model": "default", "prompt": "Hello edge"},
+    "/detokenize": {"model": "default", "tokens": [1, 2, 3]},
+}
+
+
+def stand_in(name: str) -> SimServer:
+    return SimServer(SimConfig(name=name, port=0, profile="instant"))
+
+
+async def test_each_route_is_forwarded_and_answered_in_sglangs_shape() -> None:
+    async with stand_in("a") as a, stand_in("b") as b:
+        async with run_edge(fast_config([a.url, b.url])) as edge, client(edge) as http:
+            answers = {path: await http.post(path, json=body) for path, body in ROUTES.items()}
+            again = await http.post("/v1/embeddings", json=ROUTES["/v1/embeddings"])
+            tokens = (await http.post("/tokenize", json=ROUTES["/tokenize"])).json()["tokens"]
+            text = await http.post("/detokenize", json={"tokens": tokens})
+            names = {b.name for b in edge.wiring.registry.backends}
+    for path, r in answers.items():
+        assert r.status_code == 200, (path, r.text)
+        assert r.headers["x-quicedge-backend"] in names
+        assert r.headers["x-request-id"]
+    emb = answers["/v1/embeddings"].json()
+    assert emb["object"] == "list" and [d["index"] for d in emb["data"]] == [0, 1]
+    vectors = [d["embedding"] for d in emb["data"]]
+    assert vectors[0] == vectors[1] and len(vectors[0]) == 64
+    assert again.json()["data"][0]["embedding"] == vectors[0]  # deterministic, any backend
+    assert emb["usage"]["prompt_tokens"] > 0
+    ranked = answers["/v1/rerank"].json()
+    assert [r["index"] for r in ranked][0] == 2  # "cats" is closest to "cats"
+    assert ranked == sorted(ranked, key=lambda r: -r["score"])
+    assert answers["/tokenize"].json()["count"] == len(tokens)
+    assert text.json()["text"] == "Hello edge"
+    # both backends served: the same routing as chat (round robin in these tests)
+    assert a.api is not None and b.api is not None
+    served = [s.api.requests for s in (a, b)]
+    assert all(sum(c[p] for p in ROUTES) > 0 for c in served)
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/embeddings", {"model": "default"}, "input"),
+        ("/v1/embeddings", {"input": "x", "stream": True}, "stream"),
+        ("/v1/rerank", {"query": "q", "documents": "not a list"}, "documents"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/detokenize", {"tokens": ["a"]}, "tokens"),
+        ("/v1/embeddings", {"model": "no-such-model", "input": "x"}, "model"),
+    ],
+)
+async def test_bad_bodies_get_openai_errors_from_the_edge(
+    path: str, body: dict[str, Any], param: str
+) -> None:
+    async with stand_in("a") as a:
+        async with run_edge(fast_config([a.url])) as edge, client(edge) as http:
+            r = await http.post(path, json=body)
+    assert r.status_code in (400, 404)
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"] and error["type"]
+    assert a.api is not None and a.api.requests[path] == 0  # never reached the backend
+
+
+async def test_limits_and_methods_apply_to_the_new_routes() -> None:
+    async with stand_in("a") as a:
+        config = fast_config([a.url], max_body_bytes=1024)
+        async with run_edge(config) as edge, client(edge) as http:
+            big = await http.post("/v1/embeddings", json={"input": "x" * 4096})
+            wrong_type = await http.post(
+                "/v1/rerank", content=b"{}", headers={"content-type": "text/plain"}
+            )
+            get = await http.get("/tokenize")
+            unknown = await http.post("/v1/audio/speech", json={})
+    assert big.status_code == 413
+    assert wrong_type.status_code == 415
+    assert get.status_code == 405 and get.headers["allow"] == "POST"
+    assert unknown.status_code == 404
+    for r in (big, wrong_type, get, unknown):
+        assert set(r.json()["error"]) >= {"message", "type", "param", "code"}
+        assert r.headers["x-request-id"]
+
+
+async def test_model_cards_including_default() -> None:
+    async with stand_in("a") as a:
+        async with run_edge(fast_config([a.url])) as edge, client(edge) as http:
+            listing = (await http.get("/v1/models")).json()
+            served = listing["data"][0]["id"]
+            card = await http.get(f"/v1/models/{served}")
+            default = await http.get("/v1/models/default")
+            chat = await http.post("/v1/chat/completions", json={
+                "model": "default", "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2})  # fmt: skip
+            missing = await http.get("/v1/models/nope")
+    assert card.status_code == 200 and card.json()["id"] == served
+    assert chat.status_code == 200
+    assert default.status_code == 200
+    assert default.json()["id"] == "default" and default.json()["root"] == served
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"

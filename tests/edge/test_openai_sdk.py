@@ -1,0 +1,75 @@
+"""Acceptance: the official OpenAI Python SDK, retries off, over HTTP/2 through the edge's TLS
+listener, against stand-ins: chat (streamed and not), completions, embeddings and models, with
+a 404 in the middle; every call answers on the same connection, none fails to connect."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+from backends.sim import SimConfig, SimServer
+from certs.dev import DevCertificates
+from tests.edge.conftest import fast_config
+from tests.edge.tls_edge import tls_edge, with_client_keys
+
+
+async def test_the_openai_sdk_over_http2_with_retries_off(dev_certs: DevCertificates) -> None:
+    config = SimConfig(name="o", port=0, profile="instant", served_model_name="llama-8b")
+    async with (
+        SimServer(config) as sim,
+        tls_edge(with_client_keys(fast_config([sim.url]), "sk-client"), dev_certs) as edge,
+    ):
+        opened: list[str] = []
+
+        async def on_request(request: httpx.Request) -> None:
+            opened.append(request.url.path)
+
+        http = httpx.AsyncClient(
+            http2=True, verify=edge.ssl_context, event_hooks={"request": [on_request]}
+        )
+        sdk = AsyncOpenAI(
+            base_url=edge.url + "/v1", api_key="sk-client", max_retries=0, http_client=http
+        )
+        async with http:
+            chat = await sdk.chat.completions.create(
+                model="llama-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            )
+            assert chat.choices[0].message.content
+            assert chat.usage is not None and chat.usage.completion_tokens == 4
+            with pytest.raises(openai.NotFoundError) as missing:
+                await sdk.images.generate(prompt="a cat", model="llama-8b")
+            assert missing.value.status_code == 404
+            stream = await sdk.chat.completions.create(
+                model="default",
+                messages=[{"role": "user", "content": "tell me more"}],
+                max_tokens=32,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            parts = [c async for c in stream]
+            text = "".join(c.choices[0].delta.content or "" for c in parts if c.choices)
+            assert text and parts[-1].usage is not None
+            completion = await sdk.completions.create(
+                model="llama-8b", prompt="Once upon a time", max_tokens=4
+            )
+            assert completion.choices[0].text
+            embedding = await sdk.embeddings.create(model="llama-8b", input=["a", "b c"])
+            assert [len(e.embedding) for e in embedding.data] == [64, 64]
+            models = [m.id async for m in sdk.models.list()]
+            assert models == ["llama-8b"]
+            assert (await sdk.models.retrieve("llama-8b")).id == "llama-8b"
+            assert (await sdk.models.retrieve("default")).id == "default"
+            with pytest.raises(openai.NotFoundError):
+                await sdk.models.retrieve("gpt-4o")
+            again = await sdk.chat.completions.create(
+                model="llama-8b", messages=[{"role": "user", "content": "still there?"}],
+                max_tokens=2,
+            )  # fmt: skip
+            assert again.choices[0].message.content
+            pool = http._transport._pool  # type: ignore[attr-defined]
+            connections = list(pool.connections)
+    assert len(opened) == 10
+    # one HTTP/2 connection carried all of it, the 404s included
+    assert len(connections) == 1

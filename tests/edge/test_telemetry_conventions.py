@@ -1,0 +1,81 @@
+"""Metrics in the ecosystem's conventions: a bounded `model` label on TTFT and request counts,
+counters typed as counters, one spelling of `backend`; and an exporter that is not installed is
+one line from `quicedge serve`, not a traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from backends.sim import SimConfig, SimServer
+from tests.edge.conftest import client, fast_config, run_edge
+from tests.edge.test_app_sim import metrics_text
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
+
+
+async def test_ttft_and_requests_carry_a_bounded_model_label() -> None:
+    config = SimConfig(name="m", port=0, profile="instant", served_model_name="llama-8b")
+    async with SimServer(config) as sim:
+        async with run_edge(fast_config([sim.url])) as edge, client(edge) as http:
+            for model in ("llama-8b", "default", None):
+                body = CHAT if model is None else {**CHAT, "model": model}
+                assert (await http.post("/v1/chat/completions", json=body)).status_code == 200
+            for i in range(3):  # models nobody serves: one label between them
+                r = await http.post("/v1/chat/completions", json={**CHAT, "model": f"x{i}"})
+                assert r.status_code == 404
+            assert (await http.get("/nowhere")).status_code == 404
+            text = await metrics_text(edge)
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    requests = {
+        (s.labels["route"], s.labels["status"], s.labels["model"]): s.value
+        for s in families["quicedge_requests"].samples
+    }
+    assert requests[("/v1/chat/completions", "200", "llama-8b")] == 1
+    assert requests[("/v1/chat/completions", "200", "default")] == 2  # named, and unnamed
+    assert requests[("/v1/chat/completions", "404", "other")] == 3
+    assert requests[("other", "404", "none")] == 1
+    ttft = {
+        s.labels["model"]: s.value
+        for s in families["quicedge_ttft_seconds"].samples
+        if s.name.endswith("_count")
+    }
+    assert ttft == {"llama-8b": 1, "default": 2}
+
+
+async def test_counters_are_counters_and_backend_is_the_backends_name() -> None:
+    async with SimServer(SimConfig(name="c", port=0, profile="instant")) as sim:
+        async with run_edge(fast_config([sim.url])) as edge, client(edge) as http:
+            assert (await http.post("/v1/chat/completions", json=CHAT)).status_code == 200
+            text = await metrics_text(edge)
+            name = edge.wiring.registry.backends[0].name
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    assert families["quicedge_upstream_connects"].type == "counter"
+    assert families["quicedge_upstream_connects"].samples[0].value >= 1
+    backends = {
+        s.labels["backend"]
+        for f in families.values()
+        for s in f.samples
+        if "backend" in s.labels and f.name.startswith("quicedge_")
+    }
+    assert backends == {name}
+
+
+def test_an_exporter_that_is_not_installed_is_one_line() -> None:
+    # Stands for an install without the `otlp` extra: the import of the exporter fails.
+    code = (
+        "import sys; sys.modules['opentelemetry.exporter.otlp.proto.http.trace_exporter'] = None;"
+        "from edge.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
+    env = {**os.environ, "OTEL_TRACES_EXPORTER": "otlp"}
+    done = subprocess.run(
+        [sys.executable, "-c", code, "serve", "--backend", "http://127.0.0.1:9"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "OTEL_TRACES_EXPORTER=otlp" in lines[0] and "quicedge[otlp]" in lines[0]

@@ -1,0 +1,69 @@
+"""hypercorn's HTTP/2 protocol, kept alive when request data arrives for a stream it closed.
+
+When the app answers before reading the request body (a 404, 405, 413 or 415 from the edge),
+hypercorn closes the stream while the client is still sending that body. hypercorn 0.18's
+`H2Protocol._handle_events` then looks the stream up for the next DATA frame
+(`self.streams[event.stream_id]`) and the `KeyError` ends the whole connection: every other
+stream on it is cut and the client's next request fails. Upstream reports:
+pgjones/hypercorn#329 (issue), #312 and #334 (the same one-line guard, not merged as of 0.18.0).
+
+`GuardedH2Protocol` handles DATA for an unknown stream itself: it discards the bytes and returns
+them to the stream's and the connection's flow-control windows, so the client can finish its
+upload and the other streams keep their credit. It does not reset the stream (RFC 9113 §8.1
+allows RST_STREAM NO_ERROR after a complete response): httpx/httpcore then waits for a response
+it already has until its read timeout. Every other event goes to hypercorn unchanged.
+
+`install()` swaps it in where hypercorn's `ProtocolWrapper` looks the class up, once per
+process; `transport.tcp` calls it. The override is tied to hypercorn's internals
+(`streams`, `connection`, `_handle_events`), so `pyproject.toml` pins hypercorn's minor version
+and `install()` refuses another one.
+"""
+
+from __future__ import annotations
+
+import h2.events
+import hypercorn
+import hypercorn.protocol
+from hypercorn.protocol.h2 import H2Protocol
+
+TESTED_MINOR = "0.18"
+"""hypercorn version whose `H2Protocol` this override was written and tested against."""
+
+
+class GuardedH2Protocol(H2Protocol):
+    """`H2Protocol` that survives request data for a stream it already closed."""
+
+    async def _handle_events(self, events: list[h2.events.Event]) -> None:
+        # One event at a time: a stream can close while hypercorn awaits an earlier event of
+        # the same batch, so checking the whole batch up front would not be enough.
+        for event in events:
+            if isinstance(event, h2.events.DataReceived) and event.stream_id not in self.streams:
+                self._discard(event)
+                await self._flush()
+            else:
+                await super()._handle_events([event])
+
+    def _discard(self, event: h2.events.DataReceived) -> None:
+        stream_id = event.stream_id
+        assert stream_id is not None
+        # h2 still tracks the stream (half-closed on our side); it ignores a stream it forgot.
+        self.connection.acknowledge_received_data(event.flow_controlled_length, stream_id)
+
+
+def install() -> None:
+    """Make hypercorn's HTTP/2 connections use `GuardedH2Protocol` (idempotent)."""
+    version = getattr(hypercorn, "__version__", None)
+    if version is None:
+        from importlib.metadata import version as dist_version
+
+        version = dist_version("hypercorn")
+    if not (version == TESTED_MINOR or version.startswith(TESTED_MINOR + ".")):
+        raise RuntimeError(
+            f"transport.hypercorn_h2 is written for hypercorn {TESTED_MINOR}.x, found {version}: "
+            "check whether upstream fixed data on a closed stream (pgjones/hypercorn#329) and "
+            "re-test before moving the pin"
+        )
+    hypercorn.protocol.H2Protocol = GuardedH2Protocol  # type: ignore[misc]
+
+
+__all__ = ["TESTED_MINOR", "GuardedH2Protocol", "install"]
