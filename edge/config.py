@@ -233,6 +233,11 @@ PROXY_FLAGS: dict[str, str | bool] = {
 }
 
 
+def _prefixed(kind: type, prefix: str) -> dict[str, str | bool]:
+    """Every field of `kind` as `PREFIX-field-name`: a feature's flags say whose they are."""
+    return {f.name: f"{prefix}-{f.name.replace('_', '-')}" for f in fields(kind)}
+
+
 def _toml_only(kind: type) -> dict[str, str | bool]:
     """No flag for any of `kind`'s fields: a feature's table is written in the TOML file."""
     return {f.name: False for f in fields(kind)}
@@ -252,26 +257,25 @@ SECTIONS: tuple[Section, ...] = (
     Section(
         "breakers",
         BreakerConfig,
-        flags={f.name: f"--breaker-{f.name.replace('_', '-')}" for f in fields(BreakerConfig)},
+        flags=_prefixed(BreakerConfig, "--breaker"),
         title="circuit breakers per isolation domain ([breakers])",
     ),
     Section(
         "cors",
         CorsConfig,
-        flags={f.name: f"--cors-{f.name.replace('_', '-')}" for f in fields(CorsConfig)},
+        flags=_prefixed(CorsConfig, "--cors"),
         title="CORS for browsers ([cors])",
     ),
     Section(
         "access_log",
         AccessLogConfig,
-        flags={f.name: f"--access-log-{f.name.replace('_', '-')}" for f in fields(AccessLogConfig)}
-        | {"enabled": "--access-log"},
+        flags=_prefixed(AccessLogConfig, "--access-log") | {"enabled": "--access-log"},
         title="access log ([access_log])",
     ),
     Section(
         "discovery",
         DiscoveryConfig,
-        flags={f.name: f"--discovery-{f.name.replace('_', '-')}" for f in fields(DiscoveryConfig)},
+        flags=_prefixed(DiscoveryConfig, "--discovery"),
         title="backend discovery ([discovery])",
     ),
     Section(
