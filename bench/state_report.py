@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.loop import run
-from bench.transport_report import _free_port, _process, _stub
+from bench.transport_report import free_port, spawn_module, stand_in, stub_listener
 from bench.turns import _percentile
 from certs import DevCertificates, ensure_dev_certificates
 
@@ -82,31 +82,16 @@ async def _main(args: argparse.Namespace) -> int:
         )
     toml.write_text(table)
     async with AsyncExitStack() as stack:
-        ready, _ = await stack.enter_async_context(
-            _process(
-                [
-                    "backends.sim",
-                    "--port",
-                    "0",
-                    "--name",
-                    "b1",
-                    "--profile",
-                    args.sim_profile,
-                    "--enable-cache-report",
-                ],
-                "the stand-in",
-            )  # fmt: skip
-        )
-        sim_url = ready.split()[1]
+        sim_url = await stand_in(stack, args.sim_profile)
         edges = []
         for _ in range(2 if args.redis else 1):
-            h3, tcp, admin = _free_port(), _free_port(), _free_port()
+            h3, tcp, admin = free_port(), free_port(), free_port()
             serve = ["edge.cli", "serve", "--h3", f"127.0.0.1:{h3}", "--tcp", f"127.0.0.1:{tcp}",
                      "--admin", f"127.0.0.1:{admin}", "--backend", sim_url, "--cert",
                      str(certs.cert), "--key", str(certs.key), "--config", str(toml)]  # fmt: skip
-            await stack.enter_async_context(_process(serve, "the edge"))
+            await stack.enter_async_context(spawn_module(serve, "the edge"))
             edges.append(f"https://localhost:{h3}{ROUTE}")
-        stub_h3, _ = await stack.enter_async_context(_stub(certs))
+        stub_h3, _ = await stack.enter_async_context(stub_listener(certs))
         edge = edges[0]
         stub = f"https://localhost:{stub_h3}{ROUTE}"
         turns = None if args.no_turns else await _bench(

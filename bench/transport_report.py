@@ -83,7 +83,7 @@ async def _read_ready(proc: asyncio.subprocess.Process, what: str, timeout: floa
 
 
 @asynccontextmanager
-async def _process(args: list[str], what: str) -> AsyncIterator[tuple[str, Any]]:
+async def spawn_module(args: list[str], what: str) -> AsyncIterator[tuple[str, Any]]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -113,7 +113,19 @@ async def _drain(proc: asyncio.subprocess.Process) -> None:
         pass
 
 
-def _free_port() -> int:
+async def stand_in(stack: AsyncExitStack, profile: str, *extra: str) -> str:
+    """A `quicedge sim` process with its cache report on, stopped with `stack`: its base URL."""
+    ready, _ = await stack.enter_async_context(
+        spawn_module(
+            ["backends.sim", "--port", "0", "--name", "b1", "--profile", profile,
+             "--enable-cache-report", *extra],
+            "the stand-in",
+        )
+    )  # fmt: skip
+    return str(ready.split()[1])
+
+
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:
@@ -122,7 +134,7 @@ def _free_port() -> int:
 
 
 @asynccontextmanager
-async def _stub(certs: DevCertificates) -> AsyncIterator[tuple[int, int]]:
+async def stub_listener(certs: DevCertificates) -> AsyncIterator[tuple[int, int]]:
     """The edge's listeners serving the instant stub app: H3 port and TLS TCP port."""
     from transport.h3_server import H3Server
     from transport.tcp import TcpListener
@@ -277,27 +289,11 @@ async def _main(args: argparse.Namespace) -> int:
     certs = ensure_dev_certificates(Path(tempfile.mkdtemp(prefix="quicedge-report-")))
     results: dict[str, dict[str, Any]] = {}
     async with AsyncExitStack() as stack:
-        ready, _ = await stack.enter_async_context(
-            _process(
-                [
-                    "backends.sim",
-                    "--port",
-                    "0",
-                    "--name",
-                    "b1",
-                    "--profile",
-                    args.sim_profile,
-                    "--enable-cache-report",
-                    "--enable-metrics",
-                ],
-                "the stand-in",
-            )  # fmt: skip
-        )
-        sim_url = ready.split()[1]
-        ports = {name: _free_port() for name in ("h3", "tcp", "http", "admin")}
+        sim_url = await stand_in(stack, args.sim_profile, "--enable-metrics")
+        ports = {name: free_port() for name in ("h3", "tcp", "http", "admin")}
         if not args.no_edge:
             await stack.enter_async_context(
-                _process(
+                spawn_module(
                     [
                         "edge.cli",
                         "serve",
@@ -321,7 +317,7 @@ async def _main(args: argparse.Namespace) -> int:
             )
         stub_h3, stub_tcp = 0, 0
         if not args.no_stub:
-            stub_h3, stub_tcp = await stack.enter_async_context(_stub(certs))
+            stub_h3, stub_tcp = await stack.enter_async_context(stub_listener(certs))
         ep = Endpoints(
             edge_h3=f"https://localhost:{ports['h3']}{ROUTE}",
             edge_tcp=f"https://localhost:{ports['tcp']}{ROUTE}",
