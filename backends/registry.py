@@ -19,14 +19,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
+from backends.backend import Backend, InFlight, LoadView
+from backends.labels import name_for, parse_labels
 from backends.pool import UpstreamPool
 
 log = logging.getLogger(__name__)
@@ -34,17 +35,6 @@ log = logging.getLogger(__name__)
 # Failure kinds `record_failure` accepts; the first four count towards passive ejection.
 EJECTING_KINDS = frozenset({"connect", "timeout", "protocol", "upstream", "5xx"})
 FAILURE_KINDS = EJECTING_KINDS | {"429", "4xx", "disconnect"}
-
-
-@dataclass(frozen=True, slots=True)
-class LoadView:
-    """The fields of `backends.sglang.LoadSnapshot` the registry reads."""
-
-    num_running_reqs: int
-    num_waiting_reqs: int
-    num_total_tokens: int
-    token_usage: float
-    max_total_tokens: int | None
 
 
 class BackendClient(Protocol):
@@ -114,151 +104,6 @@ class HealthConfig:
             raise ValueError("health.degraded_queue must be >= 0")
 
 
-@dataclass(eq=False)
-class Backend:
-    """One backend and the edge's view of it. Identity, not value, makes two backends equal."""
-
-    name: str
-    url: str
-    healthy: bool = True
-    degraded: bool = False
-    ejected_until: float = 0.0
-    in_flight: int = 0
-    """Requests the edge has in flight on this backend (changed only by `track`)."""
-    in_flight_prefill_tokens: int = 0
-    """Predicted uncached prompt tokens of requests not yet past their first token."""
-    in_prefill: int = 0
-    """Requests not yet past their first token."""
-    load: Any = None
-    """The last `/v1/loads` answer (a LoadSnapshot), None until one arrived."""
-    max_concurrency: int | None = None
-    degraded_reason: str | None = None
-    requests: int = 0
-    successes: int = 0
-    failures: dict[str, int] = field(default_factory=dict)
-    consecutive_failures: int = 0
-    ejections_in_a_row: int = 0
-    ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=256))
-    check_successes: int = 0
-    check_failures: int = 0
-    draining: bool = False
-    """Removed from the fleet (`BackendRegistry.remove`): takes no new request, finishes its own."""
-    labels: dict[str, str] = field(default_factory=dict)
-    """Isolation-domain labels (`model`, `hardware`, `tiers`) from the URL's `#…` part; the
-    `model` and `hardware` labels always agree with `model`, `model_version` and `hw_group`."""
-    warming_until: float = 0.0
-    """Not ready for routing before this `clock()` time (its cache is being warmed), unless no
-    ready backend can take the request; 0 when ready."""
-    model: str | None = None
-    """The model it serves (its pool), from its `model=` label, the `[models]` config or
-    discovered; None: unknown."""
-    model_version: str | None = None
-    """The version of that model (SGLang's `weight_version`, or the label's / config's)."""
-    hw_group: str = "default"
-    """Hardware group (e.g. `h100`, `a100`): its `hardware=` label or the `[models]` config; the
-    `ttft` policy learns one speed per group, the breakers keep one domain per group."""
-
-    def __post_init__(self) -> None:
-        # The URL's labels are the operator's word: they name the model and hardware group.
-        if "model" in self.labels:
-            self.model, self.model_version = split_model_label(self.labels["model"])
-        if "hardware" in self.labels:
-            self.hw_group = self.labels["hardware"]
-        self._sync_labels()
-
-    def set_model(self, model: str | None, version: str | None) -> None:
-        """Set the model and version (the pool and its version) and the `model` label with them,
-        so that the breakers' domains and the pools see the same model."""
-        self.model, self.model_version = model, version
-        self._sync_labels()
-
-    def set_hw_group(self, group: str) -> None:
-        """Set the hardware group and the `hardware` label with it."""
-        self.hw_group = group
-        self._sync_labels()
-
-    def _sync_labels(self) -> None:
-        if self.model is not None:
-            self.labels["model"] = model_label_of(self.model, self.model_version)
-        if self.hw_group != DEFAULT_GROUP or "hardware" in self.labels:
-            self.labels["hardware"] = self.hw_group
-
-    def ttft_p99(self) -> float | None:
-        if not self.ttfts:
-            return None
-        ordered = sorted(self.ttfts)
-        return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)]
-
-    def __repr__(self) -> str:
-        return (
-            f"<Backend {self.name} healthy={self.healthy} degraded={self.degraded} "
-            f"in_flight={self.in_flight} prefill_tokens={self.in_flight_prefill_tokens}>"
-        )
-
-
-class InFlight:
-    """One request in flight on a backend, as handed out by `BackendRegistry.track`."""
-
-    __slots__ = ("_in_prefill", "backend", "prefill_tokens")
-
-    def __init__(self, backend: Backend, prefill_tokens: int) -> None:
-        self.backend = backend
-        self.prefill_tokens = prefill_tokens
-        self._in_prefill = True
-
-    def first_token(self) -> None:
-        """The first token arrived: this request no longer queues prefill work. Idempotent."""
-        if self._in_prefill:
-            self._in_prefill = False
-            self.backend.in_flight_prefill_tokens -= self.prefill_tokens
-            self.backend.in_prefill -= 1
-
-
-DEFAULT_GROUP = "default"
-"""The hardware group (and breaker domain) of a backend no label or config places."""
-
-
-def split_model_label(label: str) -> tuple[str, str | None]:
-    """`llama-3-8b@v2` → (`llama-3-8b`, `v2`); a label without `@` names no version."""
-    model, _, version = label.partition("@")
-    return model, version or None
-
-
-def model_label_of(model: str, version: str | None) -> str:
-    """The `model` label of a model and version: `model@version`, or `model` alone when the
-    version is unknown or SGLang's `default` (as `/get_model_info` reports it)."""
-    return model if version is None or version == "default" else f"{model}@{version}"
-
-
-def _name_for(url: str) -> str:
-    return urlsplit(url.partition("#")[0]).netloc
-
-
-LABEL_KEYS = frozenset({"model", "hardware", "tiers"})
-LABEL_TIERS = frozenset({"gold", "silver", "bronze"})
-
-
-def parse_labels(url: str) -> tuple[str, dict[str, str]]:
-    """Split `http://host:port#model=llama3-v2&hardware=h100&tiers=gold+silver` into the URL
-    and its labels; a URL without `#` has none. Raises ValueError naming a bad label."""
-    base, _, fragment = url.partition("#")
-    labels: dict[str, str] = {}
-    for pair in filter(None, fragment.split("&")):
-        key, eq, value = pair.partition("=")
-        if key not in LABEL_KEYS or not eq or not value:
-            raise ValueError(
-                f"backend {base}: label {pair!r} is not one of model=, hardware=, tiers="
-            )
-        if key in labels:
-            raise ValueError(f"backend {base}: label {key} is given twice")
-        if key == "tiers":
-            bad = sorted(set(value.split("+")) - LABEL_TIERS)
-            if bad:
-                raise ValueError(f"backend {base}: tiers has {bad[0]!r}; use gold+silver+bronze")
-        labels[key] = value
-    return base, labels
-
-
 class BackendRegistry:
     """Every backend, their health, and the edge's in-flight accounting."""
 
@@ -315,7 +160,7 @@ class BackendRegistry:
         if parts.scheme != "http" or not parts.hostname or parts.path:
             raise ValueError(f"backend URL must be http://host[:port], got {raw!r}")
         backend = Backend(
-            name=name if name is not None else _name_for(url),
+            name=name if name is not None else name_for(url),
             url=url,
             max_concurrency=self.max_concurrency,
             labels=labels,
@@ -332,7 +177,7 @@ class BackendRegistry:
 
         Adding a URL the registry holds returns its backend (a draining one is taken back)."""
         bare = parse_labels(url)[0].rstrip("/")
-        backend = self._by_name.get(name if name is not None else _name_for(bare))
+        backend = self._by_name.get(name if name is not None else name_for(bare))
         if backend is not None and backend.url == bare:
             backend.draining = False
             return backend

@@ -14,7 +14,7 @@ from typing import Any
 
 from backends.credentials import BackendCredentials
 from backends.discovery import DiscoveryConfig
-from backends.registry import parse_labels
+from backends.labels import parse_labels
 from edge import settings
 from edge.access_log import AccessLogConfig
 from edge.admission.settings import AdmissionSettings, TenantSettings

@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from backends.registry import DEFAULT_GROUP, Backend
+from backends.backend import Backend
+from backends.labels import DEFAULT_GROUP
 from edge.errors import ModelNotFound, NoHealthyBackend
 from edge.models.catalog import DEFAULT_MODEL, ModelCatalog
 from edge.models.config import ModelsConfig

@@ -7,7 +7,8 @@ from __future__ import annotations
 import httpx
 from prometheus_client import CollectorRegistry
 
-from backends.registry import Backend, model_label_of, parse_labels, split_model_label
+from backends.backend import Backend
+from backends.labels import model_label_of, parse_labels, split_model_label
 from edge.models import ModelsConfig
 from edge.models.catalog import ModelCatalog
 from edge.models.config import BackendModel
