@@ -58,13 +58,8 @@ from edge.stages.validate import (
 from edge.stages.view import build_view
 from edge.state.responses import RESPONSES
 from edge.state.stage import StateStage
-from edge.telemetry import (
-    Metrics,
-    RequestTrace,
-    Tracer,
-    genai_request_attributes,
-    server_attributes,
-)
+from edge.telemetry import Metrics
+from edge.tracing import RequestTrace, Tracer, genai_request_attributes, server_attributes
 
 log = logging.getLogger(__name__)
 

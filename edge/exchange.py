@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from backends.registry import Backend
 from edge.routing.base import Decision, RequestView
 from edge.sse import Usage
-from edge.telemetry import RequestTrace
+from edge.tracing import RequestTrace
 from transport.asgi import BodyWriter, OnDisconnect
 
 if TYPE_CHECKING:

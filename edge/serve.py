@@ -31,7 +31,7 @@ from edge.routing.breakers import BreakerConfig
 from edge.routing.fleet_view import FleetViewConfig
 from edge.routing.prewarm import PrewarmConfig
 from edge.settings import Settings, SettingsError
-from edge.telemetry import exporter_names
+from edge.tracing import exporter_names
 from transport.config import EarlyDataSettings, TransportConfig
 from transport.demo import DemoApps
 from transport.early_data import EarlyDataPolicy

@@ -42,14 +42,8 @@ from edge.routing.fleet import FleetServices, build_fleet
 from edge.routing.fleet_view import FleetViewConfig
 from edge.routing.prewarm import PrewarmConfig
 from edge.state.stage import StateStage
-from edge.telemetry import (
-    AuditCollector,
-    FleetCollector,
-    Metrics,
-    Tracer,
-    TracingSetup,
-    tracer_from_env,
-)
+from edge.telemetry import AuditCollector, FleetCollector, Metrics
+from edge.tracing import Tracer, TracingSetup, tracer_from_env
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry
 
 from backends.sim import SimConfig, SimServer
 from edge.config import ProxyConfig
-from edge.telemetry import RequestTrace
+from edge.tracing import RequestTrace
 from edge.wiring import Wiring, build
 
 

@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from edge.config import ProxyConfig
-from edge.telemetry import cache_label, tracer_from_env
+from edge.telemetry import cache_label
+from edge.tracing import tracer_from_env
 from edge.wiring import add_arguments, config_from
 
 

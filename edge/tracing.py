@@ -1,0 +1,259 @@
+"""OpenTelemetry spans per request stage, and the tracer `serve` builds from `OTEL_*` variables.
+
+Tracing is decided once per request: with no tracer the app creates no span objects at all, and a
+request costs only the `time.perf_counter()` reads that the metrics need anyway. Stage spans are
+emitted when the request ends, with the start and end times recorded as it ran, so the hot path
+does no span bookkeeping.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+
+@dataclass(slots=True)
+class TracingSetup:
+    """A tracer and the provider to flush at shutdown (None when this module built neither)."""
+
+    tracer: Tracer | None
+    provider: TracerProvider | None = None
+
+    def shutdown(self) -> None:
+        if self.provider is not None:
+            self.provider.shutdown()
+
+
+def tracer_from_env(*, force: bool = False, environ: dict[str, str] | None = None) -> TracingSetup:
+    """A tracer whose exporters follow `OTEL_TRACES_EXPORTER` (none by default; console; otlp).
+
+    `force` (the `tracing` setting) turns tracing on with the console exporter when the variable
+    names none. Sampling follows `OTEL_TRACES_SAMPLER`, resource attributes `OTEL_SERVICE_NAME` /
+    `OTEL_RESOURCE_ATTRIBUTES`, and the OTLP exporter its own `OTEL_EXPORTER_OTLP_*` variables:
+    the SDK reads them itself.
+    """
+    env = os.environ if environ is None else environ
+    names = exporter_names(env, force=force)
+    if not names:
+        return TracingSetup(None)
+    resource = Resource.create({"service.name": env.get("OTEL_SERVICE_NAME", "quicedge")})
+    provider = TracerProvider(resource=resource)
+    for name in names:
+        if name == "console":
+            provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+        else:
+            provider.add_span_processor(BatchSpanProcessor(_otlp_exporter()()))
+    return TracingSetup(provider.get_tracer("quicedge.edge"), provider)
+
+
+def exporter_names(env: Mapping[str, str], *, force: bool = False) -> list[str]:
+    """The span exporters `OTEL_TRACES_EXPORTER` names (`console` when only `force`d); a
+    ValueError, one line, for a name this build cannot export to."""
+    names = [n.strip().lower() for n in env.get("OTEL_TRACES_EXPORTER", "none").split(",")]
+    names = [n for n in names if n and n != "none"]
+    if not names and force:
+        names = ["console"]
+    for name in names:
+        if name == "otlp":
+            _otlp_exporter()
+        elif name != "console":
+            raise ValueError(f"OTEL_TRACES_EXPORTER: unknown exporter {name!r} (console, otlp)")
+    return names
+
+
+def _otlp_exporter() -> Any:
+    try:
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    except ImportError:
+        raise ValueError(
+            "OTEL_TRACES_EXPORTER=otlp needs the OTLP exporter: pip install 'quicedge[otlp]'"
+        ) from None
+    return OTLPSpanExporter
+
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+# OpenTelemetry semantic conventions: HTTP (stable) and GenAI (development; the names of
+# semconv 1.37+, where `gen_ai.system` became `gen_ai.provider.name`).
+GENAI_OPERATIONS = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "text_completion",
+    "/generate": "generate_content",
+    "/v1/embeddings": "embeddings",
+    "/v1/rerank": "rerank",
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+}
+GENAI_PROVIDER = "sglang"
+_PROTOCOL_VERSIONS = {"h3": "3", "h2": "2", "h1": "1.1"}
+
+
+def server_attributes(scope: Mapping[str, Any], route: str, transport: str) -> dict[str, Any]:
+    """The HTTP server span's attributes (semconv names) and the GenAI operation."""
+    attributes: dict[str, Any] = {
+        "http.request.method": scope.get("method", "POST"),
+        "http.route": route,
+        "url.path": scope.get("path", route),
+        "url.scheme": scope.get("scheme", "http"),
+        "network.protocol.version": _PROTOCOL_VERSIONS.get(transport, "1.1"),
+        "gen_ai.operation.name": GENAI_OPERATIONS.get(route, route),
+        "gen_ai.provider.name": GENAI_PROVIDER,
+    }
+    server = scope.get("server")
+    if server:
+        attributes["server.address"] = server[0]
+        if server[1] is not None:
+            attributes["server.port"] = server[1]
+    client = scope.get("client")
+    if client:
+        attributes["client.address"] = client[0]
+    return attributes
+
+
+def genai_request_attributes(body: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    """`gen_ai.request.*` from a request body (OpenAI fields, or SGLang's `sampling_params`)."""
+    params = body.get("sampling_params")
+    sampling: Mapping[str, Any] = params if isinstance(params, Mapping) else body
+    model = body.get("model")
+    if isinstance(model, str):
+        yield "gen_ai.request.model", model
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    if limit is None:
+        limit = sampling.get("max_new_tokens")
+    for key, value in (
+        ("gen_ai.request.max_tokens", limit),
+        ("gen_ai.request.temperature", sampling.get("temperature")),
+        ("gen_ai.request.top_p", sampling.get("top_p")),
+        ("gen_ai.request.seed", sampling.get("seed")),
+    ):
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            yield key, value
+
+
+class RequestTrace:
+    """The spans of one traced request: a SERVER root span and one child per stage.
+
+    Times are `time.perf_counter()` seconds, converted to the epoch nanoseconds OpenTelemetry
+    wants by one offset taken at the start. Stage spans are made when the request ends, so
+    tracing adds nothing between the request's arrival and its first token but the root span.
+    """
+
+    __slots__ = ("_ctx", "_offset_ns", "_root", "_stages", "_tracer")
+
+    def __init__(
+        self,
+        tracer: Tracer,
+        *,
+        start: float,
+        traceparent: bytes | None,
+        tracestate: bytes | None,
+        attributes: dict[str, Any],
+    ) -> None:
+        self._tracer = tracer
+        self._stages: list[tuple[str, float, float, dict[str, Any] | None]] = []
+        self._offset_ns = time.time_ns() - int(time.perf_counter() * 1e9)
+        carrier: dict[str, str] = {}
+        if traceparent is not None:  # W3C Trace Context: continue the client's trace
+            carrier["traceparent"] = traceparent.decode("latin-1")
+            if tracestate is not None:
+                carrier["tracestate"] = tracestate.decode("latin-1")
+        parent = _PROPAGATOR.extract(carrier) if carrier else None
+        self._root = tracer.start_span(
+            "quicedge.request",
+            context=parent,
+            kind=SpanKind.SERVER,
+            start_time=self._ns(start),
+            attributes=attributes,
+        )
+        self._ctx = trace.set_span_in_context(self._root)
+
+    def _ns(self, t: float) -> int:
+        return self._offset_ns + int(t * 1e9)
+
+    def upstream_context(self) -> tuple[bytes | None, bytes | None]:
+        """`traceparent`/`tracestate` for the backend: this request's span as the parent."""
+        carrier: dict[str, str] = {}
+        _PROPAGATOR.inject(carrier, context=self._ctx)
+        parent = carrier.get("traceparent")
+        state = carrier.get("tracestate")
+        return (
+            parent.encode() if parent else None,
+            state.encode() if state else None,
+        )
+
+    def stage(
+        self, name: str, start: float, end: float, attributes: dict[str, Any] | None = None
+    ) -> None:
+        """Record a stage; its span is created in `end()`, off the path to the first token."""
+        self._stages.append((name, start, end, attributes))
+
+    def set(self, key: str, value: Any) -> None:
+        if value is not None:
+            self._root.set_attribute(key, value)
+
+    def upstream(
+        self, url: str, route: str, backend: str, start: float, headers: list[tuple[bytes, bytes]]
+    ) -> tuple[Any, list[tuple[bytes, bytes]]]:
+        """A CLIENT span for one upstream attempt, started at `start`, and `headers` with its
+        `traceparent`, so the backend's spans hang under this attempt; end it with
+        `end_upstream`."""
+        parts = urlsplit(url)
+        span = self._tracer.start_span(
+            f"POST {route}",
+            context=self._ctx,
+            kind=SpanKind.CLIENT,
+            start_time=self._ns(start),
+            attributes={
+                "http.request.method": "POST",
+                "server.address": parts.hostname or "",
+                "server.port": parts.port or 80,
+                "url.full": url.rstrip("/") + route,
+                "network.protocol.version": "1.1",
+                "quicedge.backend": backend,
+            },
+        )
+        carrier: dict[str, str] = {}
+        _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+        out = [(k, v) for k, v in headers if k not in (b"traceparent", b"tracestate")]
+        out.extend((k.encode(), v.encode()) for k, v in carrier.items())
+        return span, out
+
+    def end_upstream(self, span: Any, end: float, status: int | None, error: str | None) -> None:
+        if status:
+            span.set_attribute("http.response.status_code", status)
+        if error is not None:
+            span.set_attribute("error.type", error)
+            span.set_status(Status(StatusCode.ERROR, error))
+        span.end(end_time=self._ns(end))
+
+    def end(self, end: float, error: str | None = None) -> None:
+        tracer, ctx, ns = self._tracer, self._ctx, self._ns
+        for name, start, stop, attributes in self._stages:
+            span = tracer.start_span(name, context=ctx, start_time=ns(start), attributes=attributes)
+            span.end(end_time=ns(stop))
+        self._stages.clear()
+        if error is not None:
+            self._root.set_status(Status(StatusCode.ERROR, error))
+        self._root.end(end_time=ns(end))
+
+
+__all__ = [
+    "GENAI_OPERATIONS",
+    "RequestTrace",
+    "TracingSetup",
+    "exporter_names",
+    "genai_request_attributes",
+    "server_attributes",
+    "tracer_from_env",
+]
