@@ -69,6 +69,10 @@ class BreakerConfig:
     """Longest open period, s: each failed probe doubles the last one up to this."""
     half_open_probes: int = 3
     """Trial requests let through at once while half-open; as many successes in a row close it."""
+    slow_last_resort: bool = True
+    """When every domain that could serve a request is open, send it to those open on their
+    TTFT alone rather than refuse it: a slow answer beats a 503 when there is nowhere faster.
+    Domains open on errors or KV usage never serve this way."""
     kv_interval: float = 0.5
     """How often the domains' KV usage is read from the backends' last `/v1/loads`, s."""
     learn_model: bool = False
@@ -141,6 +145,7 @@ class Breaker:
         "probe_successes",
         "reason",
         "reopen_at",
+        "slow",
         "state",
         "tier",
         "ttft_p99",
@@ -151,6 +156,8 @@ class Breaker:
         self.config = config
         self.state = CLOSED
         self.reason: str | None = None
+        self.slow = False
+        """Open on its TTFT alone (not errors, not KV usage): `slow_last_resort` may use it."""
         self.opened_at = 0.0
         self.reopen_at = 0.0
         self.open_s = config.open_for
@@ -225,6 +232,7 @@ class Breaker:
             "state": STATE_NAMES[self.state],
             "health": self.health(),
             "reason": self.reason,
+            "slow_only": self.slow if self.state == OPEN else False,
             "open_for_s": round(max(0.0, self.reopen_at - now), 3) if self.state == OPEN else 0.0,
             "error_rate": None if rate is None else round(rate, 4),
             "outcomes": len(self._errors),

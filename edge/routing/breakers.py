@@ -92,6 +92,7 @@ class Breakers:
         self._state: Gauge | None = None
         self._transitions: Counter | None = None
         self._refused: Counter | None = None
+        self._last_resort: Counter | None = None
         if registry is not None:
             labels = ("model", "tier", "hardware")
             self._state = Gauge(
@@ -108,6 +109,12 @@ class Breakers:
                 "quicedge_breaker_refused_requests",
                 "Requests refused with 503 circuit_open: every backend of their tier was behind "
                 "an open breaker.",
+                ("tier",), registry=registry,
+            )  # fmt: skip
+            self._last_resort = Counter(
+                "quicedge_breaker_last_resort_requests",
+                "Requests sent to a domain open on its TTFT alone, because every domain of their "
+                "tier was open (breakers.slow_last_resort).",
                 ("tier",), registry=registry,
             )  # fmt: skip
 
@@ -163,7 +170,23 @@ class Breakers:
                 out = candidates[:i]
             elif ok and out is not None:
                 out.append(backend)
-        return candidates if out is None else out
+        if out is None:
+            return candidates
+        if not out and self.config.slow_last_resort:
+            return self._slow_only(candidates, tier)
+        return out
+
+    def _slow_only(self, candidates: list[Backend], tier: str) -> list[Backend]:
+        """The candidates whose domain opened on its TTFT alone, when no domain takes work: a
+        slow answer beats a refusal when there is nowhere faster to go."""
+        out = []
+        for backend in candidates:
+            breaker = self._breaker(backend, tier)
+            if breaker is not None and breaker.state != CLOSED and breaker.slow:
+                out.append(backend)
+        if out and self._last_resort is not None:
+            self._last_resort.labels(tier).inc()
+        return out
 
     def _admits(self, breaker: Breaker, now: float) -> bool:
         if breaker.state == OPEN:
@@ -210,7 +233,7 @@ class Breakers:
             if failed or slow:
                 breaker.open_s = min(self.config.open_max, breaker.open_s * 2)
                 reason = "probe failed" if failed else f"probe ttft {ttft * 1000:.0f}ms"  # type: ignore[operator]
-                self._open(breaker, reason)
+                self._open(breaker, reason, slow=not failed)
                 return
             breaker.probe_successes += 1
             if breaker.probe_successes >= self.config.half_open_probes:
@@ -222,7 +245,7 @@ class Breakers:
             return  # an attempt that began before it opened
         why = breaker.record(failed, ttft)
         if why is not None:
-            self._open(breaker, why)
+            self._open(breaker, why, slow=why.startswith("ttft"))
 
     def release(self, breaker: Breaker) -> None:
         """Give back the probe slot `started` took (the outcome comes later, or never)."""
@@ -230,8 +253,9 @@ class Breakers:
             breaker.probes -= 1
 
     # -- state changes ----------------------------------------------------------------------
-    def _open(self, breaker: Breaker, reason: str) -> None:
+    def _open(self, breaker: Breaker, reason: str, *, slow: bool = False) -> None:
         now = self._clock()
+        breaker.slow = slow
         breaker.opened_at = now
         breaker.reopen_at = now + breaker.open_s
         self._move(breaker, OPEN, reason)

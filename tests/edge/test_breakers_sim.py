@@ -190,6 +190,28 @@ async def test_a_slow_group_opens_on_ttft_p99_and_a_fast_group_keeps_serving() -
                 assert response.headers["x-quicedge-backend"] != slow_name
 
 
+async def test_a_fleet_of_one_slow_domain_keeps_serving_through_its_open_breaker() -> None:
+    # the slow group is the only one: its breaker opens on TTFT, and every request is still
+    # answered (the slow last resort) instead of refused with 503 circuit_open
+    breakers = BreakerConfig(ttft_window=4, ttft_min_samples=4, ttft_warn_p99=0.15,
+                             ttft_open_p99=0.2, ttft_per_prompt_token=0.0,
+                             open_for=60.0)  # fmt: skip
+    async with sim("slow", profile="h100-llama3-8b", time_scale=40.0) as slow:
+        config = fast_config([f"{slow.url}#hardware=a"], policy="round_robin")
+        async with run_edge(config, breakers=breakers) as edge, client(edge) as http:
+            for _ in range(10):
+                response = await http.post("/v1/chat/completions", json=CHAT)
+                assert response.status_code == 200
+            state = await domains(edge)
+            assert state["a"]["state"] == "open" and state["a"]["slow_only"] is True, state
+            metrics = await metrics_text(edge)
+            served = [
+                line for line in metrics.splitlines()
+                if line.startswith('quicedge_breaker_last_resort_requests_total{tier="bronze"}')
+            ]  # fmt: skip
+            assert served and float(served[0].split()[-1]) >= 1, served
+
+
 async def test_one_bad_backend_in_a_group_does_not_open_the_groups_breaker() -> None:
     """Its failures were retried and served in the same domain: the registry's to eject, not a
     reason to stop the domain."""

@@ -141,6 +141,53 @@ def test_slow_ttft_opens_and_the_prefill_allowance_is_taken_off() -> None:
     assert breakers.allowed([a, b], "gold") == [a]
 
 
+def slow(breakers: Breakers, b: Backend, n: int, ttft: float = 0.5) -> None:
+    for _ in range(n):
+        breaker = breakers.started(b, "gold")
+        assert breaker is not None
+        breakers.ended(breaker, None, ttft, 0)
+
+
+def test_a_domain_open_on_its_ttft_alone_still_serves_when_nowhere_else_can() -> None:
+    config = BreakerConfig(ttft_window=10, ttft_min_samples=8, ttft_open_p99=0.2, open_for=2.0,
+                           window=10, min_requests=4, half_open_probes=1)  # fmt: skip
+    a, b = backend("a", "hardware=a"), backend("b", "hardware=b")
+    breakers, clock, registry = make(config, a, b)
+    slow(breakers, a, 8)
+    assert breakers.state_of("default", "gold", "a") == "open"
+    assert breakers.allowed([a, b], "gold") == [b]  # somewhere faster: the slow one is shed
+    slow(breakers, b, 8)
+    assert breakers.state_of("default", "gold", "b") == "open"
+    # every domain open, both on latency alone: serve slowly rather than refuse
+    assert breakers.allowed([a, b], "gold") == [a, b]
+    assert breakers.snapshot()[0]["slow_only"] is True
+    served = registry.get_sample_value(
+        "quicedge_breaker_last_resort_requests_total", {"tier": "gold"}
+    )
+    assert served == 1
+    # a domain open on errors is never a last resort
+    fail(breakers, a, "silver", 4)
+    assert breakers.allowed([a], "silver") == []
+    # once half-open with its probe slot taken, the slow domain is still the last resort
+    clock.now += 2.0
+    assert breakers.allowed([a], "gold") == [a]
+    probe = breakers.started(a, "gold")
+    assert probe is not None
+    assert breakers.allowed([a], "gold") == [a]
+    breakers.ended(probe, None, 0.01)
+    assert breakers.state_of("default", "gold", "a") == "closed"
+
+
+def test_the_last_resort_can_be_turned_off() -> None:
+    config = BreakerConfig(ttft_window=10, ttft_min_samples=8, ttft_open_p99=0.2,
+                           slow_last_resort=False)  # fmt: skip
+    a = backend("a")
+    breakers, _, _ = make(config, a)
+    slow(breakers, a, 8)
+    assert breakers.state_of("default", "gold", "default") == "open"
+    assert breakers.allowed([a], "gold") == []
+
+
 def test_kv_usage_past_the_threshold_sheds_its_group_until_it_drains() -> None:
     config = BreakerConfig(kv_warn=0.6, kv_open=0.85, open_for=1.0, half_open_probes=1)
     a, b = backend("a", "hardware=a"), backend("b", "hardware=b")
