@@ -4,6 +4,7 @@ the edge and SGLang export, and a real Prometheus scraping a running edge."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import shutil
@@ -161,10 +162,25 @@ def prometheus(targets: list[str]) -> Iterator[str]:
         )  # fmt: skip
         try:
             wait_for_tcp("127.0.0.1", port, timeout=60)
-            yield f"http://127.0.0.1:{port}"
+            url = f"http://127.0.0.1:{port}"
+            wait_ready_prometheus(url, proc)
+            yield url
         finally:
             proc.terminate()
             proc.wait(30)
+
+
+def wait_ready_prometheus(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    """Wait for `/-/ready`: Prometheus listens before it has opened its storage, and answers
+    every query 503 until then."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, f"prometheus exited with {proc.returncode}"
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/-/ready", timeout=5).status_code == 200:
+                return
+        assert time.monotonic() < deadline, "prometheus did not become ready in 60 s"
+        time.sleep(0.2)
 
 
 def query(url: str, expr: str) -> list[dict[str, Any]]:
