@@ -36,16 +36,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from aioquic.asyncio.client import connect
-from aioquic.asyncio.protocol import QuicConnectionProtocol
-from aioquic.h3.connection import H3_ALPN, H3Connection
-from aioquic.h3.events import DataReceived, HeadersReceived
+from aioquic.h3.connection import H3_ALPN
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.connection import QuicConnection
-from aioquic.quic.events import HandshakeCompleted, QuicEvent
 from aioquic.tls import SessionTicket
 from prometheus_client import CollectorRegistry
 
 from certs import ensure_dev_certificates
+from tools.handshakes import H3Client
 from transport.demo import demo_app
 from transport.h3_server import H3Server
 from transport.loop import loop_factory, resolve
@@ -135,22 +132,6 @@ def split_by_layer(stats: pstats.Stats) -> tuple[dict[str, float], list[tuple[fl
     return dict(layers), top
 
 
-class _Client(QuicConnectionProtocol):
-    def __init__(self, quic: QuicConnection, *args: Any, **kwargs: Any) -> None:
-        super().__init__(quic, *args, **kwargs)
-        self.quic = quic  # aioquic's own reference (`_quic`) is private
-        self.h3 = H3Connection(quic)
-        self.done = asyncio.Event()
-        self.early = False
-
-    def quic_event_received(self, event: QuicEvent) -> None:
-        if isinstance(event, HandshakeCompleted):
-            self.early = event.early_data_accepted
-        for e in self.h3.handle_event(event):
-            if isinstance(e, HeadersReceived | DataReceived) and e.stream_ended:
-                self.done.set()
-
-
 class ServerThread:
     """The H3 listener on its own loop in a thread; `call` runs a coroutine there."""
 
@@ -212,10 +193,10 @@ async def drive(
         config.load_verify_locations(str(ca))
         config.session_ticket = ticket if resume else None
         async with connect(
-            "127.0.0.1", port, configuration=config, create_protocol=_Client,
+            "127.0.0.1", port, configuration=config, create_protocol=H3Client,
             session_ticket_handler=tickets.append, wait_connected=not resume,
         ) as client:  # fmt: skip
-            assert isinstance(client, _Client)
+            assert isinstance(client, H3Client)
             sid = client.quic.get_next_available_stream_id()
             client.h3.send_headers(
                 sid,
@@ -262,7 +243,7 @@ async def first_ticket(port: int, ca: Path) -> SessionTicket | None:
     config = QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN, server_name="localhost")
     config.load_verify_locations(str(ca))
     async with connect(
-        "127.0.0.1", port, configuration=config, create_protocol=_Client,
+        "127.0.0.1", port, configuration=config, create_protocol=H3Client,
         session_ticket_handler=tickets.append,
     ):  # fmt: skip
         for _ in range(1000):

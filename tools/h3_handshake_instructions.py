@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import os
 import re
-import selectors
 import shutil
 import signal
 import socket
@@ -30,14 +29,9 @@ from pathlib import Path
 
 from certs import ensure_dev_certificates
 from tools.h3_handshake_cpu import drive, first_ticket
+from tools.handshakes import free_port, wait_for_ready
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def _free_udp() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def count(kind: str, connections: int, *, cwd: Path, ca: Path) -> tuple[int, int]:
@@ -47,7 +41,7 @@ def count(kind: str, connections: int, *, cwd: Path, ca: Path) -> tuple[int, int
     valgrind = shutil.which("valgrind")
     if valgrind is None:
         raise SystemExit("needs valgrind (apt-get install valgrind)")
-    port = _free_udp()
+    port = free_port(socket.SOCK_DGRAM)
     command = [
         valgrind, "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
         sys.executable, "-m", "edge.cli", "serve", "--demo", "--h3", f"127.0.0.1:{port}",
@@ -58,18 +52,8 @@ def count(kind: str, connections: int, *, cwd: Path, ca: Path) -> tuple[int, int
             command, cwd=cwd, stdout=subprocess.PIPE, stderr=err,
             env=dict(os.environ, PYTHONPATH=str(cwd)),
         )  # fmt: skip
-        assert proc.stdout is not None
         try:
-            with selectors.DefaultSelector() as sel:
-                sel.register(proc.stdout, selectors.EVENT_READ)
-                seen = b""
-                while b"ready\n" not in seen:
-                    if not sel.select(timeout=300):
-                        raise RuntimeError("serve did not start under valgrind")
-                    chunk = os.read(proc.stdout.fileno(), 4096)
-                    if not chunk:
-                        raise RuntimeError("serve exited under valgrind")
-                    seen += chunk
+            wait_for_ready(proc, timeout=300, what="serve under valgrind")
             ticket = asyncio.run(first_ticket(port, ca)) if kind == "0-RTT" else None
             _answered, early = asyncio.run(
                 drive(port, ca, n=connections, ticket=ticket, timeout=120)

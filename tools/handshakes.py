@@ -43,7 +43,10 @@ from certs import ensure_dev_certificates
 from transport.tickets import MemoryTicketStore, RedisTicketStore, TicketStore
 
 
-class _Client(QuicConnectionProtocol):
+class H3Client(QuicConnectionProtocol):
+    """An aioquic client connection that notes whether 0-RTT was accepted and sets `done` when
+    a response has ended (one request per connection)."""
+
     def __init__(self, quic: QuicConnection, *args: Any, **kwargs: Any) -> None:
         super().__init__(quic, *args, **kwargs)
         self.quic = quic  # aioquic's own reference (`_quic`) is private
@@ -67,7 +70,8 @@ class Result:
     server_cpu: float
 
 
-def _free(kind: int) -> int:
+def free_port(kind: int) -> int:
+    """A free loopback port for `kind` (socket.SOCK_DGRAM or SOCK_STREAM)."""
     with socket.socket(socket.AF_INET, kind) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -78,24 +82,30 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def wait_for_ready(proc: subprocess.Popen[bytes], *, timeout: float, what: str) -> None:
+    """Read `proc`'s stdout until `serve` prints its `ready` line; RuntimeError, naming `what`,
+    when it exits first or stays silent for `timeout` s."""
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        seen = b""
+        while b"ready\n" not in seen:
+            if not sel.select(timeout=timeout):
+                raise RuntimeError(f"{what} did not start")
+            chunk = os.read(proc.stdout.fileno(), 4096)
+            if not chunk:
+                raise RuntimeError(f"{what} exited")
+            seen += chunk
+
+
 @contextlib.contextmanager
 def _serve(*args: str) -> Iterator[tuple[int, subprocess.Popen[bytes]]]:
-    port = _free(socket.SOCK_DGRAM)
+    port = free_port(socket.SOCK_DGRAM)
     cmd = [sys.executable, "-m", "edge.cli", "serve", "--demo", "--h3", f"127.0.0.1:{port}"]
     cmd += ["--tcp", "off", "--admin", "off", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
-    assert proc.stdout is not None
     try:
-        with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            seen = b""
-            while b"ready\n" not in seen:
-                if not sel.select(timeout=30):
-                    raise RuntimeError("quicedge serve did not start")
-                chunk = os.read(proc.stdout.fileno(), 4096)
-                if not chunk:
-                    raise RuntimeError("quicedge serve exited")
-                seen += chunk
+        wait_for_ready(proc, timeout=30, what="quicedge serve")
         yield port, proc
     finally:
         proc.terminate()
@@ -119,10 +129,10 @@ async def _drive(
         config.session_ticket = ticket
         try:
             async with connect(
-                "127.0.0.1", port, configuration=config, create_protocol=_Client,
+                "127.0.0.1", port, configuration=config, create_protocol=H3Client,
                 session_ticket_handler=tickets.append, wait_connected=ticket is None,
             ) as client:  # fmt: skip
-                assert isinstance(client, _Client)
+                assert isinstance(client, H3Client)
                 sid = client.quic.get_next_available_stream_id()
                 client.h3.send_headers(
                     sid,
@@ -200,7 +210,7 @@ def _redis(url: str | None) -> Iterator[str]:
     binary = shutil.which("redis-server")
     if binary is None:
         raise SystemExit("no --redis URL and no redis-server binary")
-    port = _free(socket.SOCK_STREAM)
+    port = free_port(socket.SOCK_STREAM)
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""],
         stdout=subprocess.DEVNULL,
