@@ -66,7 +66,6 @@ import selectors
 import shlex
 import signal
 import socket
-import subprocess
 import sys
 import time
 from array import array
@@ -78,9 +77,17 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from bench import edge_histograms, legs, reference_proxies
+from bench.children import (
+    REPO,
+    free_port,
+    split_cpus,
+    start,
+    start_stand_in,
+    stop,
+    wait_listening,
+)
 
 _CONTENT = re.compile(rb'"(?:content|text)"\s*:\s*"[^"]')
-REPO = Path(__file__).resolve().parents[1]
 
 
 @dataclass
@@ -694,68 +701,6 @@ def _legs_table(runs: list[dict[str, Any]]) -> list[str]:
 # --- --spawn: the stand-in and the edge as child processes ---
 
 
-def _free_port(kind: int = socket.SOCK_STREAM) -> int:
-    """A port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, kind) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Child:
-    name: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-
-
-def _start(
-    name: str, cmd: list[str], *, log: Path, cpus: set[int] | None, cwd: Path | None = None,
-    env: dict[str, str] | None = None,
-) -> Child:  # fmt: skip
-    """Start a child with its output in `log`; pinned to `cpus` by setting our own affinity
-    first (a child inherits it from the fork on, before it can start a thread)."""
-    if cpus:
-        os.sched_setaffinity(0, cpus)
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd, env=env)
-    return Child(name, proc, log)
-
-
-def _wait_listening(child: Child, port: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if child.proc.poll() is not None:
-            raise RuntimeError(
-                f"{child.name} exited with {child.proc.returncode}: {_tail(child.log)}"
-            )
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"{child.name} not listening on :{port} after {timeout}s"
-                ) from None
-            time.sleep(0.05)
-
-
-def _tail(log: Path) -> str:
-    text = log.read_text(errors="replace").strip().splitlines()
-    return " / ".join(text[-5:]) or "(no output)"
-
-
-def _stop(child: Child) -> None:
-    """SIGTERM (both drain and exit), SIGKILL if it does not exit in time; always reaped."""
-    proc = child.proc
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @dataclass
 class Spawned:
     sim_url: str
@@ -771,47 +716,38 @@ class Spawned:
 @contextmanager
 def spawned(args: argparse.Namespace, out: Path) -> Iterator[Spawned]:
     """A stand-in and an edge in front of it, listening; both stopped on the way out."""
-    cpus = sorted(os.sched_getaffinity(0))
-    pin = args.pin and len(cpus) >= 2
-    edge_cpus, others = ({cpus[-1]}, set(cpus[:-1])) if pin else (None, None)
+    edge_cpus, others = split_cpus(args.pin)
     with ExitStack() as stack:
-        stack.callback(os.sched_setaffinity, 0, set(cpus))
-        sim_port = _free_port()
-        sim = _start(
-            "the stand-in",
-            [sys.executable, "-m", "backends.sim", "--port", str(sim_port), "--name", "s1",
-             "--profile", args.sim_profile, "--time-scale", str(args.sim_time_scale),
-             "--record-timings", str(_requests_sent(args))],
-            log=out / "sim.log", cpus=others, cwd=REPO,
+        sim, sim_url = start_stand_in(
+            stack, log=out / "sim.log", cpus=others, profile=args.sim_profile,
+            extra=["--time-scale", str(args.sim_time_scale),
+                   "--record-timings", str(_requests_sent(args))],
         )  # fmt: skip
-        stack.callback(_stop, sim)
-        _wait_listening(sim, sim_port)
-        sim_url = f"http://127.0.0.1:{sim_port}"
-        http, admin = _free_port(), _free_port()
+        http, admin = free_port(), free_port()
         edge_cmd = [
             args.edge_python, "-m", "edge.cli", "serve", "--backend", sim_url,
-            "--http", f"127.0.0.1:{http}", "--h3", f"127.0.0.1:{_free_port(socket.SOCK_DGRAM)}",
-            "--tcp", f"127.0.0.1:{_free_port()}", "--admin", f"127.0.0.1:{admin}",
+            "--http", f"127.0.0.1:{http}", "--h3", f"127.0.0.1:{free_port(socket.SOCK_DGRAM)}",
+            "--tcp", f"127.0.0.1:{free_port()}", "--admin", f"127.0.0.1:{admin}",
             *args.edge_arg,
         ]  # fmt: skip
         edge_cwd = Path(args.edge_cwd).resolve()
-        edge = _start(
+        edge = start(
             "the edge", edge_cmd, log=out / "edge.log", cpus=edge_cpus, cwd=edge_cwd,
             env=dict(os.environ, PYTHONPATH=str(edge_cwd)),
         )  # fmt: skip
-        stack.callback(_stop, edge)
-        _wait_listening(edge, http)
+        stack.callback(stop, edge)
+        wait_listening(edge, http)
         references: dict[str, str] = {}
         pids = {"sim": sim.proc.pid, "edge": edge.proc.pid, "client": os.getpid()}
         for name in args.reference:
-            port = _free_port()
+            port = free_port()
             ref = reference_proxies.reference(name, port, sim_url, out / name)
-            child = _start(
+            child = start(
                 name, ref.command, log=out / f"{name}.log", cpus=edge_cpus,
                 env=dict(os.environ, **ref.env),
             )  # fmt: skip
-            stack.callback(_stop, child)
-            _wait_listening(child, port)
+            stack.callback(stop, child)
+            wait_listening(child, port)
             references[name] = f"http://127.0.0.1:{port}"
             pids[name] = child.proc.pid
         if others:

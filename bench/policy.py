@@ -34,16 +34,8 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from bench.edge_latency import (
-    REPO,
-    _free_port,
-    _start,
-    _stop,
-    _target,
-    _wait_listening,
-    measure,
-    summarize,
-)
+from bench.children import REPO, free_port, split_cpus, start, start_stand_in, stop, wait_listening
+from bench.edge_latency import _target, measure, summarize
 
 EXAMPLE = REPO / "edge" / "policy" / "examples" / "deny_keyword.wasm"
 
@@ -103,41 +95,31 @@ def phase(
     concurrency: list[int],
 ) -> list[dict[str, Any]]:
     """Start a stand-in and one edge per config (None: no config file), measure, stop."""
-    cpus = sorted(os.sched_getaffinity(0))
-    pin = len(cpus) >= 2
-    edge_cpus, others = ({cpus[-1]}, set(cpus[:-1])) if pin else (None, None)
+    edge_cpus, others = split_cpus(True)
     runs = []
     with ExitStack() as stack:
-        stack.callback(os.sched_setaffinity, 0, set(cpus))
-        sim_port = _free_port()
-        sim = _start(
-            "the stand-in",
-            [sys.executable, "-m", "backends.sim", "--port", str(sim_port), "--name", "s1",
-             "--profile", profile],
-            log=out / f"{name}-sim.log", cpus=others, cwd=REPO,
-        )  # fmt: skip
-        stack.callback(_stop, sim)
-        _wait_listening(sim, sim_port)
-        sim_url = f"http://127.0.0.1:{sim_port}"
+        sim, sim_url = start_stand_in(
+            stack, log=out / f"{name}-sim.log", cpus=others, profile=profile
+        )
         urls: dict[str, str] = {"direct": sim_url} if direct else {}
         admins: dict[str, str] = {}
         pids = {"sim": sim.proc.pid}
         for edge_name, toml in edges.items():
-            http, admin = _free_port(), _free_port()
+            http, admin = free_port(), free_port()
             cmd = [
                 sys.executable, "-m", "edge.cli", "serve", "--backend", sim_url,
                 "--http", f"127.0.0.1:{http}",
-                "--h3", f"127.0.0.1:{_free_port(socket.SOCK_DGRAM)}",
-                "--tcp", f"127.0.0.1:{_free_port()}", "--admin", f"127.0.0.1:{admin}",
+                "--h3", f"127.0.0.1:{free_port(socket.SOCK_DGRAM)}",
+                "--tcp", f"127.0.0.1:{free_port()}", "--admin", f"127.0.0.1:{admin}",
             ]  # fmt: skip
             if toml is not None:
                 path = out / f"{name}-{edge_name}.toml"
                 path.write_text(toml)
                 cmd += ["--config", str(path)]
-            child = _start(edge_name, cmd, log=out / f"{name}-{edge_name}.log", cpus=edge_cpus,
+            child = start(edge_name, cmd, log=out / f"{name}-{edge_name}.log", cpus=edge_cpus,
                            cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))  # fmt: skip
-            stack.callback(_stop, child)
-            _wait_listening(child, http)
+            stack.callback(stop, child)
+            wait_listening(child, http)
             urls[edge_name] = f"http://127.0.0.1:{http}"
             admins[edge_name] = f"http://127.0.0.1:{admin}/metrics"
             pids[edge_name] = child.proc.pid

@@ -31,10 +31,9 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from bench.edge_latency import _free_port, _start, _stop, _wait_listening
+from bench.children import REPO, free_port, split_cpus, start, start_stand_in, stop, wait_listening
 from certs import ensure_dev_certificates
 
-REPO = Path(__file__).resolve().parent.parent
 ROUTE = "/v1/chat/completions"
 CONFIGS = {"h3+0rtt": 1, "h3": 2, "h2": 3}
 """Configuration → round trips before the first token with a new connection."""
@@ -96,30 +95,19 @@ def main(argv: list[str] | None = None) -> int:
     caddy = shutil.which("caddy")
     if args.caddy and caddy is None:
         raise SystemExit("caddy is not installed (make bench-references)")
-    cpus = sorted(os.sched_getaffinity(0))
-    proxy_cpus, others = ({cpus[-1]}, set(cpus[:-1])) if len(cpus) >= 2 else (None, None)
+    proxy_cpus, others = split_cpus(True)
     rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
     with ExitStack() as stack:
-        stack.callback(os.sched_setaffinity, 0, set(cpus))
-        sim_port = _free_port()
-        sim = _start(
-            "the stand-in",
-            [sys.executable, "-m", "backends.sim", "--port", str(sim_port), "--name", "s1",
-             "--profile", "instant"],
-            log=args.out / "sim.log", cpus=others, cwd=REPO,
-        )  # fmt: skip
-        stack.callback(_stop, sim)
-        _wait_listening(sim, sim_port)
-        sim_url = f"http://127.0.0.1:{sim_port}"
+        sim, sim_url = start_stand_in(stack, log=args.out / "sim.log", cpus=others)
         systems: dict[str, tuple[int, int, int]] = {}
         edges = {"quicedge": args.edge_cwd}
         if args.baseline_cwd:
             edges["baseline"] = args.baseline_cwd
         for name, where in edges.items():
-            port = _free_port()
-            h3_port = _free_port(socket.SOCK_DGRAM)
+            port = free_port()
+            h3_port = free_port(socket.SOCK_DGRAM)
             edge_cwd = Path(where).resolve()
-            edge = _start(
+            edge = start(
                 name,
                 [sys.executable, "-m", "edge.cli", "serve", "--backend", sim_url,
                  "--h3", f"127.0.0.1:{h3_port}", "--tcp", f"127.0.0.1:{port}",
@@ -127,26 +115,26 @@ def main(argv: list[str] | None = None) -> int:
                 log=args.out / f"{name}.log", cpus=proxy_cpus, cwd=edge_cwd,
                 env=dict(os.environ, PYTHONPATH=str(edge_cwd)),
             )  # fmt: skip
-            stack.callback(_stop, edge)
-            _wait_listening(edge, port)
+            stack.callback(stop, edge)
+            wait_listening(edge, port)
             systems[name] = (edge.proc.pid, h3_port, port)
         if args.caddy:
             assert caddy is not None
-            cport = _free_port()
+            cport = free_port()
             workdir = args.out / "caddy"
             workdir.mkdir(exist_ok=True)
             (workdir / "Caddyfile").write_text(
                 caddy_h3_config(cport, sim_url, certs.cert, certs.key)
             )
-            child = _start(
+            child = start(
                 "caddy", [caddy, "run", "--config", str(workdir / "Caddyfile"),
                           "--adapter", "caddyfile"],
                 log=args.out / "caddy.log", cpus=proxy_cpus,
                 env=dict(os.environ, GOMAXPROCS="1", XDG_DATA_HOME=str(workdir),
                          XDG_CONFIG_HOME=str(workdir)),
             )  # fmt: skip
-            stack.callback(_stop, child)
-            _wait_listening(child, cport)
+            stack.callback(stop, child)
+            wait_listening(child, cport)
             systems["caddy"] = (child.proc.pid, cport, cport)
         if others:
             os.sched_setaffinity(0, others)
