@@ -300,10 +300,16 @@ class AuditLog:
                 os.fsync(f.fileno())
         self._prev = prev
         self.written += len(batch)
-        export = self.export
-        if export is not None:  # only lines the file holds: each copy names its line's hash
+        if self.export is not None:  # only lines the file holds: each copy names its line's hash
+            self._export_batch(self.export, batch, lines)
+
+    @staticmethod
+    def _export_batch(export: AuditExport, batch: list[dict[str, Any]], lines: list[bytes]) -> None:
+        try:
             for entry, line in zip(batch, lines, strict=True):
                 export.emit(entry, line[:-1].decode())
+        except Exception:  # the copy must never cost the file its lines: they are written
+            log.exception("audit log: exporting a batch as OpenTelemetry logs failed")
 
     def _digest(self, prompt: str) -> str:
         raw = prompt.encode("utf-8", "surrogatepass")

@@ -182,16 +182,22 @@ class AuditExport:
             if value is not None:
                 attributes[name] = value
         ts = record.get("ts")
-        self._logger.emit(
-            LogRecord(
-                timestamp=int(ts * 1e9) if isinstance(ts, int | float) else None,
-                severity_number=SeverityNumber.INFO,
-                severity_text="INFO",
-                body=line,
-                attributes=attributes,
-                event_name=EVENT_NAME,
+        try:
+            self._logger.emit(
+                LogRecord(
+                    timestamp=int(ts * 1e9) if isinstance(ts, int | float) else None,
+                    severity_number=SeverityNumber.INFO,
+                    severity_text="INFO",
+                    body=line,
+                    attributes=attributes,
+                    event_name=EVENT_NAME,
+                )
             )
-        )
+        except Exception:
+            with self._lock:
+                self._pending -= 1
+                self.dropped_failed += 1
+            raise
         return True
 
     def close(self, grace: float) -> None:
