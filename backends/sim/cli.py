@@ -105,9 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
         " 'unsafe\\nS<n>' when the messages match a --guard-unsafe pattern",
     )  # fmt: skip
     p.add_argument(
-        "--guard-unsafe", action="append", default=[], metavar="[S<n>=]REGEX",
-        help="guard mode: a conversation matching REGEX (case-insensitive) is unsafe, category"
-        " S<n> (default S1); repeatable, the first match decides",
+        "--guard-unsafe", action="append", default=[], metavar="PATTERN",
+        help="guard mode: S<n>=REGEX or REGEX; a conversation matching REGEX (case-insensitive)"
+        " is unsafe, category S<n> (S1 without one); repeatable, the first match decides",
     )  # fmt: skip
     p.add_argument("--log-level", default="warning")
     p.add_argument(
