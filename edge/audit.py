@@ -15,6 +15,10 @@ is queued and writes it as one batch in a thread (`asyncio.to_thread`). When the
 `audit_backlog` for new requests until the queue has room; requests already admitted are still
 recorded). Rotation by size: the file is renamed `PATH.1`, `PATH.2`, ... (the next free number)
 and a new one begun, whose first line's `prev` is the last hash of the old one.
+
+With `otlp` on, each written line is also handed to `edge.audit_export`, which exports it as an
+OpenTelemetry log record from the SDK's own thread (dropping, never waiting, when it falls
+behind).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import orjson
 
 from edge import settings
+from edge.audit_export import AuditExport, otlp_exporter_class
 from edge.errors import AuditBacklog
 
 if TYPE_CHECKING:
@@ -69,12 +74,34 @@ class AuditConfig:
     """Key of the HMAC-SHA256 over prompts; None: plain SHA-256."""
     fsync: bool = False
     """fsync after each batch (durable across a power loss; slower)."""
+    otlp: bool = False
+    """Also export each written line as an OpenTelemetry log record over OTLP/HTTP (off); the
+    file stays the record of truth, the export may drop (counted) but never delays it."""
+    otlp_endpoint: str | None = None
+    """The collector's OTLP/HTTP logs URL (`http://collector:4318/v1/logs`); None (default):
+    `OTEL_EXPORTER_OTLP_LOGS_ENDPOINT`, else `OTEL_EXPORTER_OTLP_ENDPOINT` + `/v1/logs` (where
+    the spans go), else `http://localhost:4318/v1/logs`."""
+    otlp_queue_size: int = 2048
+    """Records waiting for export, at most (2048); past that new ones are dropped and counted."""
+    otlp_batch_delay: float = 1.0
+    """Seconds between exports while fewer than a batch (512) are waiting (1 s)."""
+    otlp_timeout: float = 10.0
+    """Seconds one batch's export may take, retries included (10 s); then it is dropped and
+    counted. At shutdown, what is queued gets this long to go out."""
 
     def validate(self) -> None:
         if self.max_bytes < 4096:
             raise ValueError("audit.max_bytes: must be >= 4096")
         if self.queue_size < 1:
             raise ValueError("audit.queue_size: must be >= 1")
+        if self.otlp_queue_size < 1:
+            raise ValueError("audit.otlp_queue_size: must be >= 1")
+        if not self.otlp_batch_delay > 0:
+            raise ValueError("audit.otlp_batch_delay: must be > 0")
+        if not self.otlp_timeout > 0:
+            raise ValueError("audit.otlp_timeout: must be > 0")
+        if self.otlp:
+            otlp_exporter_class()  # a missing `otlp` extra is named at start, not at first write
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> AuditConfig:
@@ -92,6 +119,11 @@ AUDIT_FLAGS: dict[str, str | bool] = {
     "include_prompts": "--audit-prompts",
     "hash_key": "--audit-hash-key",
     "fsync": "--audit-fsync",
+    "otlp": "--audit-otlp",
+    "otlp_endpoint": "--audit-otlp-endpoint",
+    "otlp_queue_size": "--audit-otlp-queue-size",
+    "otlp_batch_delay": "--audit-otlp-batch-delay",
+    "otlp_timeout": "--audit-otlp-timeout",
 }
 """Flags of the `[audit]` settings (the field names alone would collide with others')."""
 
@@ -126,6 +158,17 @@ class AuditLog:
         self.written = 0
         self._prev = GENESIS
         self._key = config.hash_key.encode() if config.hash_key else None
+        self.export = (
+            AuditExport(
+                endpoint=config.otlp_endpoint,
+                queue_size=config.otlp_queue_size,
+                batch_delay=config.otlp_batch_delay,
+                timeout=config.otlp_timeout,
+            )
+            if config.otlp
+            else None
+        )
+        """The OpenTelemetry copy of each written line (`otlp`); None when off."""
 
     @property
     def depth(self) -> int:
@@ -186,6 +229,8 @@ class AuditLog:
                 "{pid} in the path)"
             ) from None
         self._prev = await asyncio.to_thread(last_hash, self.path)
+        if self.export is not None:
+            self.export.start()
         self._task = asyncio.get_running_loop().create_task(self._drain())
 
     async def aclose(self) -> None:
@@ -198,6 +243,8 @@ class AuditLog:
             self._task = None
         elif self._queue:
             await asyncio.to_thread(self._write, self._take())
+        if self.export is not None:
+            await asyncio.to_thread(self.export.close, self.config.otlp_timeout)
         if self._lock is not None:
             os.close(self._lock)  # and with it the lock
             self._lock = None
@@ -253,6 +300,16 @@ class AuditLog:
                 os.fsync(f.fileno())
         self._prev = prev
         self.written += len(batch)
+        if self.export is not None:  # only lines the file holds: each copy names its line's hash
+            self._export_batch(self.export, batch, lines)
+
+    @staticmethod
+    def _export_batch(export: AuditExport, batch: list[dict[str, Any]], lines: list[bytes]) -> None:
+        try:
+            for entry, line in zip(batch, lines, strict=True):
+                export.emit(entry, line[:-1].decode())
+        except Exception:  # the copy must never cost the file its lines: they are written
+            log.exception("audit log: exporting a batch as OpenTelemetry logs failed")
 
     def _digest(self, prompt: str) -> str:
         raw = prompt.encode("utf-8", "surrogatepass")

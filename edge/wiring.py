@@ -272,6 +272,8 @@ async def build(
     audit_log = AuditLog(audit) if audit is not None and audit.path else None
     if audit_log is not None:
         registry.register(AuditCollector(audit_log))
+        if audit_log.export is not None:
+            registry.register(audit_log.export.collector())
     fleet = build_fleet(
         prewarm, fleet_view, redis_url=redis_url, registry=backends, pool=pool, policy=policy
     )

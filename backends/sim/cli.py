@@ -99,6 +99,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="for benchmarks: keep the perf_counter() times of the request read and of the first"
         " token's write for the last N generation requests, at GET /debug/timings (0: off)",
     )
+    p.add_argument(
+        "--guard", action="store_true",
+        help="answer /v1/chat/completions as a Llama-Guard-style safety classifier: 'safe', or"
+        " 'unsafe\\nS<n>' when the messages match a --guard-unsafe pattern",
+    )  # fmt: skip
+    p.add_argument(
+        "--guard-unsafe", action="append", default=[], metavar="PATTERN",
+        help="guard mode: S<n>=REGEX or REGEX; a conversation matching REGEX (case-insensitive)"
+        " is unsafe, category S<n> (S1 without one); repeatable, the first match decides",
+    )  # fmt: skip
     p.add_argument("--log-level", default="warning")
     p.add_argument(
         "--loop",
@@ -151,6 +161,8 @@ def config_from(args: argparse.Namespace) -> SimConfig:
         max_body_bytes=args.max_body_bytes,
         record_timings=args.record_timings,
         api_key=args.api_key,
+        guard=args.guard,
+        guard_unsafe=tuple(args.guard_unsafe),
     )
 
 

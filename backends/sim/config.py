@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from backends.sim.guard import parse_rules
 from backends.sim.profiles import Profile, get_profile
 
 MiB = 1024 * 1024
@@ -61,6 +62,12 @@ class SimConfig:
     record_timings: int = 0
     """Keep the `perf_counter()` stamps of this many most recent generation requests, served
     at `/debug/timings` for benchmarks; 0: off."""
+    guard: bool = False
+    """Answer `/v1/chat/completions` as a Llama-Guard-style safety classifier: `safe`, or
+    `unsafe\nS<n>` when the messages match a `guard_unsafe` pattern (backends/sim/guard.py)."""
+    guard_unsafe: tuple[str, ...] = ()
+    """Guard mode's patterns: `S<n>=REGEX` or `REGEX` (category S1), Python regular
+    expressions searched case-insensitively in the messages' text; the first match decides."""
 
     def __post_init__(self) -> None:
         get_profile(self.profile)  # raises ValueError for an unknown name
@@ -96,10 +103,12 @@ class SimConfig:
             (self.record_timings >= 0, "record_timings must be >= 0"),
             (self.variant in ("none", "text", "long", "flat"), "variant: none|text|long|flat"),
             (bool(self.model_version), "model_version must not be empty"),
+            (self.guard or not self.guard_unsafe, "guard_unsafe needs guard mode (--guard)"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        parse_rules(self.guard_unsafe)  # raises ValueError naming a pattern that does not compile
 
     @property
     def timing(self) -> Profile:

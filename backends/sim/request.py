@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backends.sim.radix import Node
-from backends.sim.textgen import OutputPlan
+from backends.sim.textgen import TokenPlan
 
 
 class State(enum.Enum):
@@ -23,7 +23,7 @@ class SimRequest:
     rid: str
     input_ids: list[int]
     max_new_tokens: int
-    plan: OutputPlan
+    plan: TokenPlan
     ignore_eos: bool = False
     min_new_tokens: int = 0
     stop: tuple[str, ...] = ()

@@ -17,12 +17,13 @@ from http import HTTPStatus
 from typing import Any
 
 from backends.sim.config import SimConfig
+from backends.sim.guard import Guard
 from backends.sim.http import HttpRequest, Responder
 from backends.sim.logprobs import LogprobSource
 from backends.sim.metrics import SimMetrics
 from backends.sim.request import SimRequest
 from backends.sim.scheduler import Scheduler
-from backends.sim.textgen import OutputPlan
+from backends.sim.textgen import OutputPlan, TokenPlan
 from backends.sim.tokenizer import Tokenizer
 from backends.sim.wire import BadRequest, GenParams
 
@@ -90,8 +91,10 @@ class RouteContext:
         self.timings: deque[Timing] | None = (
             deque(maxlen=config.record_timings) if config.record_timings else None
         )
+        self.guard = Guard(config.guard_unsafe) if config.guard else None
+        """Guard mode's classifier (chat completions answer a verdict); None: a plain model."""
 
-    def _new_request(self, params: GenParams) -> SimRequest:
+    def _new_request(self, params: GenParams, plan: TokenPlan | None = None) -> SimRequest:
         n = len(params.input_ids)
         ctx = self.config.effective_context_length
         if n == 0:
@@ -118,13 +121,14 @@ class RouteContext:
             raise BadRequest(f"Duplicate request ID: {rid}")
         cfg = self.config
         lo, hi = cfg.natural_output_len
-        plan = OutputPlan(
-            self.tokenizer,
-            params.input_ids,
-            # `text`: another stream for the same prompt; `long`: answers twice as long
-            seed=cfg.seed ^ 0x5EED if cfg.variant == "text" else cfg.seed,
-            natural_len=(2 * lo, 2 * hi) if cfg.variant == "long" else (lo, hi),
-        )
+        if plan is None:
+            plan = OutputPlan(
+                self.tokenizer,
+                params.input_ids,
+                # `text`: another stream for the same prompt; `long`: answers twice as long
+                seed=cfg.seed ^ 0x5EED if cfg.variant == "text" else cfg.seed,
+                natural_len=(2 * lo, 2 * hi) if cfg.variant == "long" else (lo, hi),
+            )
         return SimRequest(
             rid=rid,
             input_ids=params.input_ids,
@@ -150,8 +154,10 @@ class RouteContext:
             return req.pieces
         return [self.tokenizer.decode([i]) for i in req.output_ids]
 
-    def _submit(self, params: GenParams, responder: Responder) -> SimRequest:
-        req = self._new_request(params)
+    def _submit(
+        self, params: GenParams, responder: Responder, plan: TokenPlan | None = None
+    ) -> SimRequest:
+        req = self._new_request(params, plan)
         self.scheduler.submit(req)
         scheduler = self.scheduler
         # A client that goes away aborts its request and frees its slot (SGLang's abort task).

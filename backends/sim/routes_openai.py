@@ -51,7 +51,9 @@ class OpenAIRoutes(RouteContext):
         self._require_json(request)
         obj = parse_json(request.body)
         params = parse_chat(obj, self.tokenizer)
-        req = self._submit(params, responder)
+        # Guard mode: the answer is the verdict on the messages (validated by parse_chat).
+        plan = self.guard.plan(obj["messages"], self.tokenizer) if self.guard else None
+        req = self._submit(params, responder, plan)
         timing = self._timing(request, req, responder)
         model = params.model or self.config.model_name
         created = int(time.time())

@@ -8,6 +8,7 @@ same ids, so a follow-up turn that quotes the answer hits the radix cache on it.
 from __future__ import annotations
 
 import random
+from typing import Protocol
 
 from backends.sim.tokenizer import EOS_ID, EOS_TOKEN, Tokenizer, fingerprint
 
@@ -28,6 +29,12 @@ def _build_words(count: int = 1024) -> tuple[str, ...]:
 
 WORDS = _build_words()
 _PUNCT = (",", ".")
+
+
+class TokenPlan(Protocol):
+    """What the scheduler asks of an answer: its token at each position."""
+
+    def next_token(self, index: int, *, ignore_eos: bool) -> tuple[int, str]: ...
 
 
 class OutputPlan:
@@ -66,4 +73,4 @@ class OutputPlan:
         return self._tokenizer.piece_id(piece), piece
 
 
-__all__ = ["EOS_ID", "EOS_TOKEN", "WORDS", "OutputPlan"]
+__all__ = ["EOS_ID", "EOS_TOKEN", "WORDS", "OutputPlan", "TokenPlan"]

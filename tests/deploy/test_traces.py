@@ -1,15 +1,19 @@
-"""The edge exports its spans over OTLP/HTTP to OTEL_EXPORTER_OTLP_ENDPOINT, as the compose
-stack's collector receives them (a stand-in collector here: an HTTP server that records)."""
+"""The edge exports its spans, and with `--audit-otlp` its audit records as log records, over
+OTLP/HTTP to OTEL_EXPORTER_OTLP_ENDPOINT, as the compose stack's collector receives them (a
+stand-in collector here: an HTTP server that records)."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
+from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 from tests.deploy.processes import completion, sim_process, wait_ready
@@ -77,3 +81,45 @@ def test_serve_exports_request_spans_to_the_otlp_endpoint(
             assert services == {"quicedge-under-test"}
         finally:
             assert server.stop() == 0
+
+
+def test_serve_exports_audit_records_where_the_spans_go(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`--audit-otlp` without an endpoint of its own uses OTEL_EXPORTER_OTLP_ENDPOINT, as the
+    spans do: both reach the one collector, and each log record names its line's hash."""
+    http_port = free_port()
+    path = tmp_path / "audit.jsonl"
+    with collector() as (endpoint, received), sim_process() as backend:
+        monkeypatch.setenv("OTEL_TRACES_EXPORTER", "otlp")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint)
+        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "200")  # ms: export soon
+        server = ServeProcess("--backend", backend, "--http", f"127.0.0.1:{http_port}",
+                              "--audit-log", str(path), "--audit-otlp",
+                              "--audit-otlp-batch-delay", "0.2")  # fmt: skip
+        try:
+            wait_ready(server.admin_port)
+            assert completion(f"http://127.0.0.1:{http_port}", stream=True) == 200
+            deadline = time.monotonic() + 30
+            hashes: set[str] = set()
+            while (
+                not (path.exists() and path.read_text().strip())
+                or not hashes
+                or not any(p == "/v1/traces" for p, _ in list(received))
+            ):
+                assert time.monotonic() < deadline, f"not exported: {[p for p, _ in received]}"
+                time.sleep(0.1)
+                for p, body in list(received):
+                    if p == "/v1/logs":
+                        for resource in ExportLogsServiceRequest.FromString(body).resource_logs:
+                            for scope in resource.scope_logs:
+                                hashes.update(
+                                    a.value.string_value
+                                    for record in scope.log_records
+                                    for a in record.attributes
+                                    if a.key == "quicedge.audit.hash"
+                                )
+        finally:
+            assert server.stop() == 0
+    (line,) = path.read_text().splitlines()
+    assert json.loads(line)["hash"] in hashes

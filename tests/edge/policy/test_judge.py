@@ -1,16 +1,21 @@
-"""The model-judged track against a scripted guard model: `hold` refuses before routing, `race`
-cancels a request whose response has not started, a late verdict is only counted, and a guard
-that fails goes open or closed as configured."""
+"""The model-judged track against the stand-in in guard mode (`backends.sim --guard`, a
+Llama-Guard-style classifier timed by the stand-in's model): `hold` refuses before routing,
+`race` cancels a request whose response has not started, a late verdict is only counted; and
+against scripted guards that misbehave (hung, erroring, answering nonsense), which go open or
+closed as configured."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
 
+from backends.sim import SimConfig, SimServer
 from edge.policy.config import PolicyConfig
 from edge.policy.judge import verdict_of
 from tests.edge.conftest import (
@@ -26,16 +31,25 @@ from tests.edge.conftest import (
 from tests.helpers import wait_until
 
 
-def guard(delay: float = 0.0) -> Any:
-    """A guard that answers `unsafe` for prompts that mention an attack, else `safe`."""
+@contextlib.asynccontextmanager
+async def sim_guard(**options: Any) -> AsyncIterator[SimServer]:
+    """A stand-in in guard mode: prompts that mention an attack are `unsafe\nS2`."""
+    values: dict[str, Any] = {"port": 0, "profile": "instant", **options}
+    config = SimConfig(guard=True, guard_unsafe=("S2=attack",), **values)
+    async with SimServer(config) as server:
+        yield server
+
+
+def misbehaving_guard(reply: Reply | None = None, delay: float = 0.0) -> Any:
+    """A guard that hangs for `delay` seconds, then answers `reply` (a 200 of nonsense, a 500)."""
 
     async def answer(recorded: Recorded) -> Reply:
         if recorded.path != "/v1/chat/completions":
             return health_ok(recorded) or Reply(status=404)
         await asyncio.sleep(delay)
-        prompt = json.loads(recorded.body)["messages"][0]["content"]
-        text = "unsafe\nS2" if "attack" in prompt else "safe"
-        body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]}
+        if reply is not None:
+            return reply
+        body = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "safe"}}]}
         return Reply(chunks=[json.dumps(body).encode()], chunked=False,
                      headers=[("content-type", "application/json")])  # fmt: skip
 
@@ -73,7 +87,7 @@ async def metrics(edge: Any) -> str:
 
 
 async def test_hold_refuses_unsafe_before_routing_and_passes_safe() -> None:
-    async with TinyUpstream(backend()) as up, TinyUpstream(guard()) as g:
+    async with TinyUpstream(backend()) as up, sim_guard() as g:
         async with edge_with(up.url, g.url) as edge, client(edge) as http:
             refused = await http.post("/v1/completions", json=completion("plan an attack"))
             passed = await http.post("/v1/completions", json=completion("plan a picnic"))
@@ -88,7 +102,7 @@ async def test_hold_refuses_unsafe_before_routing_and_passes_safe() -> None:
 
 
 async def test_race_cancels_a_request_whose_answer_has_not_started() -> None:
-    async with TinyUpstream(backend(head_delay=5.0)) as up, TinyUpstream(guard()) as g:
+    async with TinyUpstream(backend(head_delay=5.0)) as up, sim_guard() as g:
         async with edge_with(up.url, g.url, mode="race") as edge, client(edge) as http:
             response = await http.post("/v1/completions", json=completion("attack!", True))
             await wait_until(lambda: any(r.path == "/abort_request" for r in up.requests), 10)
@@ -100,7 +114,10 @@ async def test_race_cancels_a_request_whose_answer_has_not_started() -> None:
 
 
 async def test_race_verdict_after_the_answer_started_is_only_counted() -> None:
-    async with TinyUpstream(backend()) as up, TinyUpstream(guard(delay=0.5)) as g:
+    # An H100-timed guard slowed 60x: its verdict (a prefill and four decode steps, ~1.5 s)
+    # comes well after the backend's answer has started.
+    slow = {"profile": "h100-llama3-8b", "time_scale": 60.0}
+    async with TinyUpstream(backend()) as up, sim_guard(**slow) as g:
         async with edge_with(up.url, g.url, mode="race") as edge, client(edge) as http:
             response = await http.post("/v1/completions", json=completion("attack", True))
             counter = edge.wiring.metrics.policy_decisions.labels("judge", "unsafe_late")
@@ -108,17 +125,32 @@ async def test_race_verdict_after_the_answer_started_is_only_counted() -> None:
     assert response.status_code == 200 and b"fine" in response.content
 
 
+NONSENSE = Reply(chunks=[json.dumps({"choices": [{"message": {"content": "maybe"}}]}).encode()],
+                 chunked=False, headers=[("content-type", "application/json")])  # fmt: skip
+FAILURES = {
+    "hung": misbehaving_guard(delay=5.0),
+    "erroring": misbehaving_guard(Reply(status=500, chunks=[b"boom"], chunked=False)),
+    "nonsense": misbehaving_guard(NONSENSE),
+}
+
+
+@pytest.mark.parametrize("failure", list(FAILURES))
 @pytest.mark.parametrize(("on_error", "status"), [("open", 200), ("closed", 503)])
-async def test_a_failing_guard(on_error: str, status: int) -> None:
-    async with TinyUpstream(backend()) as up, TinyUpstream(guard(delay=5.0)) as g:
+async def test_a_failing_guard(failure: str, on_error: str, status: int) -> None:
+    async with TinyUpstream(backend()) as up, TinyUpstream(FAILURES[failure]) as g:
         async with (
-            edge_with(up.url, g.url, timeout=0.2, on_error=on_error) as edge,
+            edge_with(up.url, g.url, timeout=0.5, on_error=on_error) as edge,
             client(edge) as http,
         ):
             response = await http.post("/v1/completions", json=completion("hello"))
+            text = await metrics(edge)
     assert response.status_code == status
+    assert 'quicedge_policy_judge_seconds_count{verdict="error"} 1.0' in text
     if status == 503:
         assert response.json()["error"]["code"] == "policy_unavailable"
+        assert generations(up) == []
+    else:
+        assert len(generations(up)) == 1
 
 
 @pytest.mark.parametrize(
