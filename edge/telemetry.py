@@ -38,6 +38,10 @@ def cache_label(prompt_tokens: int | None, cached_tokens: int | None) -> str:
     return "hit" if cached_tokens >= HIT_RATIO * prompt_tokens else "partial"
 
 
+REDIS_STATES = {"closed": 0, "half_open": 1, "open": 2}
+"""A `RedisGuard` state → the value of `quicedge_redis_breaker_state`."""
+
+
 class Metrics:
     """The app's metrics (transport registers its own on the same registry).
 
@@ -211,6 +215,13 @@ class Metrics:
         self.stage_parse = self.stage.labels("parse")
         self.stage_admit = self.stage.labels("admit")
         self.stage_route = self.stage.labels("route")
+
+    def redis_breaker(self, store: str, old: str, state: str) -> None:
+        """A `RedisGuard`'s state change (its `on_state`): the gauge, and a trip when it opens.
+        (closed → closed only sets the gauge, so that it shows before the first trouble.)"""
+        self.redis_state.labels(store).set(REDIS_STATES[state])
+        if old == "closed" and state != "closed":
+            self.redis_trips.labels(store).inc()
 
 
 class FleetCollector(Collector):

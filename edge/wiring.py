@@ -294,7 +294,7 @@ async def build(
         credentials=credentials,
         models=pools,
         discovery=finder,
-        state=StateStage(config.state, registry=registry),
+        state=StateStage(config.state, registry=registry, on_redis_state=metrics.redis_breaker),
         admission=admission,
         gateway=gateway,
         audit=audit_log,

@@ -23,11 +23,12 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from edge.admission.settings import RedisSettings
+from edge.telemetry import REDIS_STATES
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-STATES = {"closed": 0, "half_open": 1, "open": 2}
+STATES = REDIS_STATES
 
 
 class RedisUnavailable(Exception):

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from backends.registry import Backend
 from edge.admission.limiter import RateLimiter
-from edge.admission.redis_guard import STATES, RedisGuard
+from edge.admission.redis_guard import RedisGuard
 from edge.admission.settings import AdmissionSettings
 from edge.admission.tenants import Tenant, TenantDirectory
 from edge.admission.throttle import AdmissionQueue, Throttle
@@ -52,11 +52,9 @@ class Admission:
         """Tenant → when its requests bucket holds a request again (monotonic seconds)."""
 
     def _redis_state(self, name: str, old: str, state: str) -> None:
-        self.metrics.redis_state.labels(name).set(STATES[state])
+        self.metrics.redis_breaker(name, old, state)
         if "closed" in (old, state):  # the buckets now come from elsewhere: refusals are void
             self._refused_until.clear()
-        if old == "closed":
-            self.metrics.redis_trips.labels(name).inc()
 
     def _queued(self, tier: str, waited: float, placed: bool) -> None:
         self.metrics.admission_queue_wait.labels(tier, "placed" if placed else "refused").observe(

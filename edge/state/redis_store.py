@@ -2,19 +2,20 @@
 
 A call that times out or fails raises `StateUnavailable` (503 `state_unavailable`), so a request
 that needs the state gets a clear answer and a request that does not (the response cache treats it
-as a miss) goes on. The client is `redis.asyncio` with its own socket timeouts as well, so a dead
-server costs at most `timeout` per call, never a hang.
+as a miss) goes on. Calls go through the same `RedisGuard` as admission's buckets: a dead or hung
+server costs at most `timeout` per call for the first few calls, then the guard's breaker opens
+and calls fail at once, without a round trip, until a background PING finds Redis answering.
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
+from edge.admission.redis_guard import RedisGuard, RedisUnavailable
+from edge.admission.settings import RedisSettings
 from edge.errors import StateUnavailable
 
 T = TypeVar("T")
@@ -37,57 +38,72 @@ return 0
 """
 
 
-class RedisState:
-    """A `redis.asyncio` client whose every call ends within `timeout` seconds."""
+FAILURES_TO_OPEN = 3
+"""Failed or timed-out calls in a row that open the state store's breaker."""
 
-    def __init__(self, url: str, *, timeout: float, prefix: str) -> None:
+
+class RedisState:
+    """A guarded `redis.asyncio` client: every call ends within `timeout` seconds, and none is
+    sent while the guard's breaker is open."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float,
+        prefix: str,
+        on_state: Callable[[str, str, str], None] | None = None,
+    ) -> None:
         self.prefix = prefix
         self.timeout = timeout
-        self.client: aioredis.Redis = aioredis.Redis.from_url(
-            url,
-            socket_timeout=timeout,
-            socket_connect_timeout=timeout,
-            retry_on_timeout=False,
+        timeout_ms = timeout * 1000
+        # Only failures trip it: a slow answer within `timeout` is still an answer worth having.
+        settings = RedisSettings(
+            url=url, timeout_ms=timeout_ms, slow_ms=timeout_ms, failures_to_open=FAILURES_TO_OPEN
         )
+        self.guard = RedisGuard(settings, name="state", on_state=on_state)
+        self.client: aioredis.Redis = self.guard.client
         self._commit = self.client.register_script(_COMMIT)
         self._release = self.client.register_script(_RELEASE)
 
-    async def _call(self, what: str, call: Awaitable[T]) -> T:
+    async def _call(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         try:
-            return await asyncio.wait_for(call, self.timeout)
-        except (TimeoutError, RedisError, OSError) as exc:
+            return await self.guard.run(call)
+        except RedisUnavailable as exc:
             raise StateUnavailable(
-                f"the state store did not answer ({what}): {type(exc).__name__}; retry shortly"
+                f"the state store did not answer ({what}): {exc}; retry shortly"
             ) from None
 
     async def get(self, key: str) -> bytes | None:
-        value: Any = await self._call("get", self.client.get(key))
+        value: Any = await self._call("get", lambda: self.client.get(key))
         return value if isinstance(value, bytes) else None
 
     async def get_refresh(self, key: str, ttl_ms: int) -> bytes | None:
         """GET that also restarts the key's TTL (GETEX PX), in one round trip."""
-        value: Any = await self._call("getex", self.client.getex(key, px=ttl_ms))
+        value: Any = await self._call("getex", lambda: self.client.getex(key, px=ttl_ms))
         return value if isinstance(value, bytes) else None
 
     async def set(self, key: str, value: bytes, ttl_ms: int) -> None:
-        await self._call("set", self.client.set(key, value, px=ttl_ms))
+        await self._call("set", lambda: self.client.set(key, value, px=ttl_ms))
 
     async def set_new(self, key: str, value: bytes, ttl_ms: int) -> bool:
         """SET NX PX: True when the key did not exist (a lease taken)."""
-        return bool(await self._call("set nx", self.client.set(key, value, nx=True, px=ttl_ms)))
+        return bool(
+            await self._call("set nx", lambda: self.client.set(key, value, nx=True, px=ttl_ms))
+        )
 
     async def commit(self, lease: str, token: bytes, key: str, value: bytes, ttl_ms: int) -> bool:
         """Write `key` and drop `lease` only while `lease` still holds `token`."""
         done = await self._call(
-            "commit", self._commit(keys=[lease, key], args=[token, value, ttl_ms])
+            "commit", lambda: self._commit(keys=[lease, key], args=[token, value, ttl_ms])
         )
         return bool(done)
 
     async def release(self, lease: str, token: bytes) -> None:
-        await self._call("release", self._release(keys=[lease], args=[token]))
+        await self._call("release", lambda: self._release(keys=[lease], args=[token]))
 
     async def aclose(self) -> None:
-        await self.client.aclose()
+        await self.guard.aclose()
 
 
 __all__ = ["RedisState"]

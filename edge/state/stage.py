@@ -57,15 +57,26 @@ _CACHE_HEADER = CACHE_HEADER.encode()
 class StateStage:
     """Stored conversations and the response cache, for one edge process."""
 
-    def __init__(self, config: StateConfig, *, registry: CollectorRegistry) -> None:
+    def __init__(
+        self,
+        config: StateConfig,
+        *,
+        registry: CollectorRegistry,
+        on_redis_state: Callable[[str, str, str], None] | None = None,
+    ) -> None:
         config.validate()
         self.config = config
         self.redis: RedisState | None = None
         if config.store == "redis":
             assert config.redis_url is not None
             self.redis = RedisState(
-                config.redis_url, timeout=config.redis_timeout, prefix=config.key_prefix
+                config.redis_url,
+                timeout=config.redis_timeout,
+                prefix=config.key_prefix,
+                on_state=on_redis_state,
             )
+            if on_redis_state is not None:
+                on_redis_state("state", "closed", "closed")
         store: ConversationStore = (
             RedisConversations(self.redis, config.conversations)
             if self.redis is not None
