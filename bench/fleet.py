@@ -4,7 +4,9 @@ what both cost on the request path.
     python -m bench.fleet --out DIR [--parts cost,restart,scaleout] [--duration S]
 
 - **cost**: CPU per `ttft` choice with and without the fleet hooks (hot-prefix counting, the
-  shared view's lookups), on Zipf-workload prompts and four backends; and each hook alone.
+  shared view's lookups, three other processes' load figures), on Zipf-workload prompts and four
+  backends; each hook alone; and the load channel's own work (a look at the counts, one message
+  taken in).
 - **restart**: four stand-ins under the Zipf workload (`bench.routing`), one restarted mid-run
   (stopped, started again empty on the same port); TTFT p99 of the requests that arrive in the
   next `--window` seconds, with and without pre-warming (`edge.routing.prewarm`).
@@ -31,6 +33,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 from backends.pool import UpstreamPool
 from backends.registry import BackendRegistry, HealthConfig
@@ -105,6 +109,16 @@ def measure_cost(redis_url: str | None) -> dict[str, Any]:
         view._held.setdefault(backends[i % FLEET].url, {}).update(
             dict.fromkeys(hasher.blocks(t).hashes, time.monotonic())
         )
+    # Three other processes' load figures on every backend, as the load channel keeps them.
+    peers = [
+        orjson.dumps(
+            {"i": f"peer{k}", "l": [[b.url, 512 * (k + 1), k + 1, 2 * k + 3] for b in backends]}
+        )  # fmt: skip
+        for k in range(3)
+    ]
+    for raw in peers:
+        view._apply_load(raw)
+    assert view.processes == 4
     hooked.attach(hasher, hot=hot, fleet=view)
     choose_all(hooked)()
     blocks = [BlockHasher().blocks(t) for t in texts]
@@ -123,6 +137,20 @@ def measure_cost(redis_url: str | None) -> dict[str, Any]:
             for b in backends:
                 view.depth(b.url, k.hashes)
 
+    def apply_all() -> None:  # per message taken in
+        for i in range(len(views)):
+            view._apply_load(peers[i % 3])
+
+    for b in backends:  # the counts a busy process has, looked at per `load_interval`
+        b.in_flight, b.in_prefill, b.in_flight_prefill_tokens = 3, 1, 700
+
+    def look_all() -> None:
+        last = None
+        for _ in views:
+            state = view._load_state()
+            if state != last:
+                last = state
+
     out = {
         "prompt_chars_mean": round(statistics.fmean(len(t) for t in texts)),
         "choose_us": round(rounds(choose_all(plain)), 2),
@@ -130,6 +158,8 @@ def measure_cost(redis_url: str | None) -> dict[str, Any]:
         "block_hashes_us": round(rounds(hash_all), 2),
         "hot_record_us": round(rounds(record_all), 2),
         "view_depth_4_backends_us": round(rounds(depth_all), 2),
+        "load_look_us": round(rounds(look_all), 2),
+        "load_message_in_us": round(rounds(apply_all), 2),
     }
     out["added_us"] = round(out["choose_with_hot_and_view_us"] - out["choose_us"], 2)
     return out
