@@ -419,6 +419,7 @@ class ScaleResult:
     ttft_p50_ms: float
     ttft_p99_ms: float
     max_loop_lag_ms: float
+    seed: int = 0
 
 
 class ScaleRun(Run):
@@ -466,16 +467,23 @@ class ScaleRun(Run):
 
 async def run_scaleout(args: argparse.Namespace) -> list[ScaleResult]:
     out: list[ScaleResult] = []
-    for name in args.workloads:
+    for seed, name in ((s, w) for s in range(args.seed, args.seed + args.repeat)
+                       for w in args.workloads):  # fmt: skip
         spec = WORKLOADS[name]
         rate = INITIAL_RATE[name] * args.load_scale
-        plans = make_workload(name, rate, args.duration, args.seed)
+        plans = make_workload(name, rate, args.duration, seed)
         for n in args.instances:
             for shared in (False,) if n == 1 else (False, True):
                 view = None
                 if shared:
                     key = f"quicedge-bench:{uuid.uuid4().hex[:8]}:fv"
-                    view = FleetViewConfig(enabled=True, redis=args.redis, key=key, interval=0.1)
+                    view = FleetViewConfig(
+                        enabled=True,
+                        redis=args.redis,
+                        key=key,
+                        interval=args.view_interval,
+                        load_interval=args.load_interval,
+                    )
                 run = ScaleRun(
                     instances=n,
                     view=view,
@@ -488,9 +496,11 @@ async def run_scaleout(args: argparse.Namespace) -> list[ScaleResult]:
                     duration=args.duration,
                 )
                 result = await run.execute_scale()
+                result.seed = seed
                 _log(
-                    f"scaleout {name} x{n} shared={shared}: hit {result.hit_rate:.1%}, "
-                    f"p99 {result.ttft_p99_ms:.0f} ms"
+                    f"scaleout {name} seed {seed} x{n} shared={shared}: hit "
+                    f"{result.hit_rate:.1%}, p99 {result.ttft_p99_ms:.0f} ms, loop stall "
+                    f"{result.max_loop_lag_ms:.0f} ms"
                 )
                 out.append(result)
     return out
@@ -530,14 +540,16 @@ def render(payload: dict[str, Any], args: argparse.Namespace) -> str:
         lines += [
             "## Scale-out (ttft)",
             "",
-            "| workload | instances | shared view | hit rate | TTFT p50 | p99 | errors |",
-            "|---|---|---|---|---|---|---|",
+            "| workload | seed | instances | shared view | hit rate | TTFT p50 | p99 | errors | "
+            "loop stall |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in scale:
             lines.append(
-                f"| {r['workload']} | {r['instances']} | {'yes' if r['shared'] else 'no'} | "
+                f"| {r['workload']} | {r['seed']} | {r['instances']} | "
+                f"{'yes' if r['shared'] else 'no'} | "
                 f"{r['hit_rate']:.1%} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
-                f"{r['errors']} |"
+                f"{r['errors']} | {r['max_loop_lag_ms']:.0f} |"
             )
         lines.append("")
     return "\n".join(lines)
@@ -566,7 +578,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--time-scale", type=float, default=2.0)
     parser.add_argument("--load-scale", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--repeat", type=int, default=1, help="restart: seeds to run")
+    parser.add_argument("--repeat", type=int, default=1, help="seeds to run")
+    parser.add_argument(
+        "--view-interval", type=float, default=0.1, help="scale-out: fleet_view.interval, s"
+    )
+    parser.add_argument(
+        "--load-interval", type=float, default=0.01, help="scale-out: fleet_view.load_interval, s"
+    )
     parser.add_argument(
         "--policy", default="ttft", choices=POLICY_NAMES, help="restart: routing policy"
     )
