@@ -160,6 +160,7 @@ class FleetView:
         self._load_tasks: list[asyncio.Task[None]] = []
         self._redis: Any = None
         self._subscriber: Any = None
+        self._closing = False
         self._last_warning = -1e9
         self.connected = False
         self.published = 0
@@ -233,12 +234,14 @@ class FleetView:
         ]
 
     async def aclose(self) -> None:
+        self._closing = True
         tasks = [t for t in (self._task, *self._load_tasks) if t is not None]
         for task in tasks:
             task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # Bounded: a cancellation that meets a Redis timeout can be lost (asyncio.timeout on
+        # Python 3.11 turns it into a TimeoutError), and the loops then end on `_closing`.
+        if tasks:
+            await asyncio.wait(tasks, timeout=max(1.0, self.config.interval * 2))
         self._task, self._load_tasks = None, []
         for client in (self._redis, self._subscriber):
             if client is not None:
@@ -247,7 +250,7 @@ class FleetView:
         self._redis = self._subscriber = None
 
     async def _run(self) -> None:
-        while True:
+        while not self._closing:
             try:
                 await self.sync_once()
                 self.connected = True
@@ -276,7 +279,7 @@ class FleetView:
         cfg = self.config
         last: tuple[tuple[str, int, int, int], ...] | None = None
         last_at = retry_at = -1e18
-        while True:
+        while not self._closing:
             await asyncio.sleep(cfg.load_interval)
             self._sum_load()  # peers that went quiet drop out here
             state = self._load_state()
@@ -299,12 +302,12 @@ class FleetView:
     async def _listen_loads(self) -> None:
         """Take the other processes' load figures as they are published."""
         cfg = self.config
-        while True:
+        while not self._closing:
             pubsub = self._subscriber.pubsub(ignore_subscribe_messages=True)
             try:
                 async with asyncio.timeout(cfg.timeout * 10):
                     await pubsub.subscribe(self._channel)
-                while True:
+                while not self._closing:
                     message = await pubsub.get_message(timeout=cfg.load_ttl)
                     if message is not None and message.get("type") == "message":
                         self._apply_load(message["data"])
