@@ -273,7 +273,8 @@ class PrewarmService:
                 sent: list[dict[str, Any]] | None = None
                 for end in _shards(job.text, len(job.text) if held else shard_chars):
                     if job.chat is None:
-                        ok = await self._send(lane, job, "/generate", {"text": job.text[:end]})
+                        prompt = {"text": job.text[:end]}
+                        ok = await self._send(lane, job, "/generate", prompt, end - start)
                     else:
                         messages = job.chat.cut(end) or []
                         if not messages:  # the shard ends inside the first role marker
@@ -282,9 +283,8 @@ class PrewarmService:
                             start = end
                             continue
                         sent = messages
-                        ok = await self._send(
-                            lane, job, CHAT_ROUTE, self._chat_body(job.chat, messages)
-                        )
+                        prompt = self._chat_body(job.chat, messages)
+                        ok = await self._send(lane, job, CHAT_ROUTE, prompt, end - start)
                     if not ok:
                         break
                     start = end
@@ -304,9 +304,11 @@ class PrewarmService:
             body["model"] = prefix.model
         return body
 
-    async def _send(self, lane: _Lane, job: _Job, route: str, prompt: dict[str, Any]) -> bool:
+    async def _send(
+        self, lane: _Lane, job: _Job, route: str, prompt: dict[str, Any], fresh_chars: int
+    ) -> bool:
         """One prefill-only request: `prompt` is the body's prompt part (`text` for /generate,
-        `messages` and `model` for chat)."""
+        `messages` and `model` for chat); `fresh_chars` of it are not cached there yet."""
         cfg = self.config
         backend = lane.backend
         waited = self._clock() + cfg.yield_s
@@ -323,17 +325,20 @@ class PrewarmService:
         body = orjson.dumps({**prompt, **fields, "rid": rid})
         t0 = self._clock()
         result = "ok"
+        # Tracked like a real request: its prefill is work queued on that backend, which the
+        # `ttft` policy then weighs (here and, through the load channel, in other processes).
         try:
-            response = await self.pool.request(
-                backend.url,
-                "POST",
-                route,
-                headers=[(b"content-type", b"application/json")],
-                body=body,
-                first_byte_timeout=cfg.request_timeout,
-                chunk_timeout=cfg.request_timeout,
-            )
-            raw = await response.read()
+            with self.registry.track(backend, prefill_tokens=fresh_chars // CHARS_PER_TOKEN):
+                response = await self.pool.request(
+                    backend.url,
+                    "POST",
+                    route,
+                    headers=[(b"content-type", b"application/json")],
+                    body=body,
+                    first_byte_timeout=cfg.request_timeout,
+                    chunk_timeout=cfg.request_timeout,
+                )
+                raw = await response.read()
             if response.status == 400 and lane.max_new_tokens == 0:
                 lane.max_new_tokens = 1  # this backend wants a token to sample: give it one
                 result = "refused"
@@ -351,7 +356,7 @@ class PrewarmService:
         lane.requests[result] = lane.requests.get(result, 0) + 1
         job.requests += 1
         if result == "refused":
-            return await self._send(lane, job, route, prompt)
+            return await self._send(lane, job, route, prompt, fresh_chars)
         if result != "ok":
             job.error = result
             return False
