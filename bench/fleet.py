@@ -4,7 +4,9 @@ what both cost on the request path.
     python -m bench.fleet --out DIR [--parts cost,restart,scaleout] [--duration S]
 
 - **cost**: CPU per `ttft` choice with and without the fleet hooks (hot-prefix counting, the
-  shared view's lookups), on Zipf-workload prompts and four backends; and each hook alone.
+  shared view's lookups, three other processes' load figures), on Zipf-workload prompts and four
+  backends; each hook alone; and the load channel's own work (a look at the counts, one message
+  taken in).
 - **restart**: four stand-ins under the Zipf workload (`bench.routing`), one restarted mid-run
   (stopped, started again empty on the same port); TTFT p99 of the requests that arrive in the
   next `--window` seconds, with and without pre-warming (`edge.routing.prewarm`).
@@ -31,6 +33,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import orjson
 
 from backends.pool import UpstreamPool
 from backends.registry import BackendRegistry, HealthConfig
@@ -105,6 +109,16 @@ def measure_cost(redis_url: str | None) -> dict[str, Any]:
         view._held.setdefault(backends[i % FLEET].url, {}).update(
             dict.fromkeys(hasher.blocks(t).hashes, time.monotonic())
         )
+    # Three other processes' load figures on every backend, as the load channel keeps them.
+    peers = [
+        orjson.dumps(
+            {"i": f"peer{k}", "l": [[b.url, 512 * (k + 1), k + 1, 2 * k + 3] for b in backends]}
+        )  # fmt: skip
+        for k in range(3)
+    ]
+    for raw in peers:
+        view._apply_load(raw)
+    assert view.processes == 4
     hooked.attach(hasher, hot=hot, fleet=view)
     choose_all(hooked)()
     blocks = [BlockHasher().blocks(t) for t in texts]
@@ -123,6 +137,20 @@ def measure_cost(redis_url: str | None) -> dict[str, Any]:
             for b in backends:
                 view.depth(b.url, k.hashes)
 
+    def apply_all() -> None:  # per message taken in
+        for i in range(len(views)):
+            view._apply_load(peers[i % 3])
+
+    for b in backends:  # the counts a busy process has, looked at per `load_interval`
+        b.in_flight, b.in_prefill, b.in_flight_prefill_tokens = 3, 1, 700
+
+    def look_all() -> None:
+        last = None
+        for _ in views:
+            state = view._load_state()
+            if state != last:
+                last = state
+
     out = {
         "prompt_chars_mean": round(statistics.fmean(len(t) for t in texts)),
         "choose_us": round(rounds(choose_all(plain)), 2),
@@ -130,6 +158,8 @@ def measure_cost(redis_url: str | None) -> dict[str, Any]:
         "block_hashes_us": round(rounds(hash_all), 2),
         "hot_record_us": round(rounds(record_all), 2),
         "view_depth_4_backends_us": round(rounds(depth_all), 2),
+        "load_look_us": round(rounds(look_all), 2),
+        "load_message_in_us": round(rounds(apply_all), 2),
     }
     out["added_us"] = round(out["choose_with_hot_and_view_us"] - out["choose_us"], 2)
     return out
@@ -389,6 +419,7 @@ class ScaleResult:
     ttft_p50_ms: float
     ttft_p99_ms: float
     max_loop_lag_ms: float
+    seed: int = 0
 
 
 class ScaleRun(Run):
@@ -436,16 +467,23 @@ class ScaleRun(Run):
 
 async def run_scaleout(args: argparse.Namespace) -> list[ScaleResult]:
     out: list[ScaleResult] = []
-    for name in args.workloads:
+    for seed, name in ((s, w) for s in range(args.seed, args.seed + args.repeat)
+                       for w in args.workloads):  # fmt: skip
         spec = WORKLOADS[name]
         rate = INITIAL_RATE[name] * args.load_scale
-        plans = make_workload(name, rate, args.duration, args.seed)
+        plans = make_workload(name, rate, args.duration, seed)
         for n in args.instances:
             for shared in (False,) if n == 1 else (False, True):
                 view = None
                 if shared:
                     key = f"quicedge-bench:{uuid.uuid4().hex[:8]}:fv"
-                    view = FleetViewConfig(enabled=True, redis=args.redis, key=key, interval=0.1)
+                    view = FleetViewConfig(
+                        enabled=True,
+                        redis=args.redis,
+                        key=key,
+                        interval=args.view_interval,
+                        load_interval=args.load_interval,
+                    )
                 run = ScaleRun(
                     instances=n,
                     view=view,
@@ -458,9 +496,11 @@ async def run_scaleout(args: argparse.Namespace) -> list[ScaleResult]:
                     duration=args.duration,
                 )
                 result = await run.execute_scale()
+                result.seed = seed
                 _log(
-                    f"scaleout {name} x{n} shared={shared}: hit {result.hit_rate:.1%}, "
-                    f"p99 {result.ttft_p99_ms:.0f} ms"
+                    f"scaleout {name} seed {seed} x{n} shared={shared}: hit "
+                    f"{result.hit_rate:.1%}, p99 {result.ttft_p99_ms:.0f} ms, loop stall "
+                    f"{result.max_loop_lag_ms:.0f} ms"
                 )
                 out.append(result)
     return out
@@ -500,14 +540,16 @@ def render(payload: dict[str, Any], args: argparse.Namespace) -> str:
         lines += [
             "## Scale-out (ttft)",
             "",
-            "| workload | instances | shared view | hit rate | TTFT p50 | p99 | errors |",
-            "|---|---|---|---|---|---|---|",
+            "| workload | seed | instances | shared view | hit rate | TTFT p50 | p99 | errors | "
+            "loop stall |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in scale:
             lines.append(
-                f"| {r['workload']} | {r['instances']} | {'yes' if r['shared'] else 'no'} | "
+                f"| {r['workload']} | {r['seed']} | {r['instances']} | "
+                f"{'yes' if r['shared'] else 'no'} | "
                 f"{r['hit_rate']:.1%} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
-                f"{r['errors']} |"
+                f"{r['errors']} | {r['max_loop_lag_ms']:.0f} |"
             )
         lines.append("")
     return "\n".join(lines)
@@ -536,7 +578,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--time-scale", type=float, default=2.0)
     parser.add_argument("--load-scale", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--repeat", type=int, default=1, help="restart: seeds to run")
+    parser.add_argument("--repeat", type=int, default=1, help="seeds to run")
+    parser.add_argument(
+        "--view-interval", type=float, default=0.1, help="scale-out: fleet_view.interval, s"
+    )
+    parser.add_argument(
+        "--load-interval", type=float, default=0.01, help="scale-out: fleet_view.load_interval, s"
+    )
     parser.add_argument(
         "--policy", default="ttft", choices=POLICY_NAMES, help="restart: routing policy"
     )

@@ -37,6 +37,9 @@ class RequestView:
     session_key: str | None = None
     """x-session-id header or the body's "user" field."""
     model: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    """Chat: the body's messages (not copied), which pre-warming sends back through the chat
+    endpoint, so that the backend's own template renders them; None for other routes."""
 
 
 @dataclass(slots=True)

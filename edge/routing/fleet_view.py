@@ -2,10 +2,17 @@
 
 Each process batches what it learned every `interval` (200 ms by default) into one stream entry
 (`XADD ... MAXLEN ~ max_entries`): the prefix blocks (`prefix_blocks` hashes) it placed on each
-backend since the last batch, its own in-flight prefill work per backend, and its `ttft`
-coefficients with their update count. Each process reads the entries after the last one it saw
-(`XREAD`, not blocking) and keeps a local mirror, so routing never waits on Redis: a lookup is a
-few dict reads (see `depth`).
+backend since the last batch, and its `ttft` coefficients with their update count. Each process
+reads the entries after the last one it saw (`XREAD`, not blocking) and keeps a local mirror, so
+routing never waits on Redis: a lookup is a few dict reads (see `depth`).
+
+Queues change faster than a batch: a prefill is often over within one interval. So each process
+also looks at its own in-flight counts per backend every `load_interval` (10 ms) and, when they
+changed (or `load_ttl / 4` passed), publishes them on a pub/sub channel (`{key}:load`) that every
+process subscribes to; what arrives replaces that process's figures, and the sums per backend
+(`queued`) are what the `ttft` policy adds to its own queue estimate. Pub/sub fits this part: the
+figures are absolute and ephemeral (a lost message is corrected by the next), it pushes without
+polling, and nothing needs to be kept in Redis.
 
 Why a stream rather than pub/sub or hashes: a stream is bounded in Redis (MAXLEN), keeps order,
 costs one round trip to publish and one to read for the whole fleet's news, and lets a process
@@ -15,8 +22,9 @@ backend per poll and give no "what changed" cursor.
 
 Bounds: per backend at most `max_blocks_per_backend` block hashes (oldest dropped first), each
 forgotten `ttl` seconds after it was last published; at most `max_hashes_per_batch` hashes per
-entry; remote load figures older than `load_ttl` are ignored. Loss and delay only make the view
-staler: it is a hint, corrected by the local prefix tree as soon as this process routes there.
+entry; a process's load figures are dropped `load_ttl` after its last message. Loss and delay
+only make the view staler: it is a hint, corrected by the local prefix tree as soon as this
+process routes there.
 
 When Redis is slow or gone, every call is bounded by `timeout`, the failure is logged as a
 warning at most once per `warn_every` seconds, remote knowledge ages out, and routing goes on
@@ -45,6 +53,8 @@ from backends.registry import Backend
 
 log = logging.getLogger(__name__)
 
+_NO_LOAD = (0, 0, 0)
+
 
 @dataclass(slots=True)
 class FleetViewConfig:
@@ -63,8 +73,13 @@ class FleetViewConfig:
     """Deadline of one Redis call, s."""
     ttl: float = 120.0
     """Seconds a published placement is believed without being published again."""
+    load_interval: float = 0.01
+    """Seconds between looks at this process's in-flight counts per backend; a change is
+    published to the other processes at once (pub/sub), so each sees the fleet's queues this
+    late at most, plus a Redis round trip."""
     load_ttl: float = 1.0
-    """Seconds another process's in-flight figures are used."""
+    """Seconds another process's in-flight figures are used without news from it (each process
+    repeats unchanged figures every `load_ttl / 4`)."""
     max_blocks_per_backend: int = 65536
     """Block hashes kept per backend (oldest dropped first)."""
     max_hashes_per_batch: int = 4096
@@ -82,7 +97,7 @@ class FleetViewConfig:
             ("redis://", "rediss://", "unix://")
         ):
             raise ValueError(f"fleet_view.redis: expected a redis:// URL, got {self.redis!r}")
-        for name in ("interval", "timeout", "ttl", "load_ttl", "warn_every"):
+        for name in ("interval", "timeout", "ttl", "load_interval", "load_ttl", "warn_every"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"fleet_view.{name}: must be > 0, got {getattr(self, name)!r}")
         for name in ("max_blocks_per_backend", "max_hashes_per_batch", "max_entries"):
@@ -102,7 +117,9 @@ FLEET_VIEW_FLAGS: dict[str, str | bool] = {
 @dataclass(slots=True)
 class _Peer:
     seen: float
-    load: dict[str, tuple[int, int]] = field(default_factory=dict)
+    load: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    """backend url -> (prefill tokens, requests in prefill, requests in flight)."""
+    load_seen: float = -1e18
     theta: list[float] | None = None
     updates: int = 0
 
@@ -134,16 +151,22 @@ class FleetView:
         self._pending: dict[str, dict[int, None]] = {}
         self._published: dict[str, dict[int, float]] = {}
         self._peers: dict[str, _Peer] = {}
-        self._remote_load: dict[str, tuple[int, int]] = {}
+        self._remote_load: dict[str, tuple[int, int, int]] = {}
         self.processes = 1
-        """Edge processes heard from within `load_ttl`, this one included."""
+        """Edge processes whose load figures are fresh (within `load_ttl`), this one included."""
         self._last_id = b"0-0"
+        self._channel = (config.key + ":load").encode()
         self._task: asyncio.Task[None] | None = None
+        self._load_tasks: list[asyncio.Task[None]] = []
         self._redis: Any = None
+        self._subscriber: Any = None
+        self._closing = False
         self._last_warning = -1e9
         self.connected = False
         self.published = 0
         self.received = 0
+        self.loads_published = 0
+        self.loads_received = 0
         self.errors = 0
 
     # -- the request path (synchronous, local) ---------------------------------------------
@@ -175,9 +198,10 @@ class FleetView:
                     continue
             pending[h] = None
 
-    def queued(self, backend_url: str) -> tuple[int, int]:
-        """(prefill tokens, requests) other processes have waiting for a first token there."""
-        return self._remote_load.get(backend_url, (0, 0))
+    def queued(self, backend_url: str) -> tuple[int, int, int]:
+        """What other processes have on that backend: (prefill tokens and requests waiting for
+        a first token, requests in flight)."""
+        return self._remote_load.get(backend_url, _NO_LOAD)
 
     def forget(self, backend_url: str) -> None:
         """The backend restarted: nothing anyone placed there before is cached any more."""
@@ -197,21 +221,36 @@ class FleetView:
         # A new process reads the last `ttl` seconds of the fleet's news.
         since = int((time.time() - cfg.ttl) * 1000)
         self._last_id = f"{max(0, since)}-0".encode()
-        self._task = asyncio.get_running_loop().create_task(self._run())
+        # Subscribing holds a connection in a blocking read: a client of its own, whose reads
+        # wait as long as `get_message` says rather than `timeout`.
+        self._subscriber = aioredis.Redis.from_url(
+            self.url, socket_connect_timeout=cfg.timeout, retry=Retry(NoBackoff(), 0)
+        )
+        loop = asyncio.get_running_loop()
+        self._task = loop.create_task(self._run())
+        self._load_tasks = [
+            loop.create_task(self._publish_loads()),
+            loop.create_task(self._listen_loads()),
+        ]
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        if self._redis is not None:
-            with contextlib.suppress(Exception):
-                await self._redis.aclose()
-            self._redis = None
+        self._closing = True
+        tasks = [t for t in (self._task, *self._load_tasks) if t is not None]
+        for task in tasks:
+            task.cancel()
+        # Bounded: a cancellation that meets a Redis timeout can be lost (asyncio.timeout on
+        # Python 3.11 turns it into a TimeoutError), and the loops then end on `_closing`.
+        if tasks:
+            await asyncio.wait(tasks, timeout=max(1.0, self.config.interval * 2))
+        self._task, self._load_tasks = None, []
+        for client in (self._redis, self._subscriber):
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    await client.aclose()
+        self._redis = self._subscriber = None
 
     async def _run(self) -> None:
-        while True:
+        while not self._closing:
             try:
                 await self.sync_once()
                 self.connected = True
@@ -219,13 +258,85 @@ class FleetView:
                 raise
             except Exception as exc:  # Redis down, slow or odd: carry on with local knowledge
                 self.connected = False
-                self.errors += 1
-                now = self._clock()
-                if now - self._last_warning >= self.config.warn_every:
-                    self._last_warning = now
-                    log.warning("fleet view: Redis at %s failed (%s); routing on local "
-                                "knowledge", self.url, str(exc) or type(exc).__name__)  # fmt: skip
+                self._failed(exc)
             await asyncio.sleep(self.config.interval)
+
+    def _failed(self, exc: BaseException) -> None:
+        self.errors += 1
+        now = self._clock()
+        if now - self._last_warning >= self.config.warn_every:
+            self._last_warning = now
+            log.warning("fleet view: Redis at %s failed (%s); routing on local knowledge",
+                        self.url, str(exc) or type(exc).__name__)  # fmt: skip
+
+    def _load_state(self) -> tuple[tuple[str, int, int, int], ...]:
+        return tuple((b.url, b.in_flight_prefill_tokens, b.in_prefill, b.in_flight)
+                     for b in self._backends if b.in_flight)  # fmt: skip
+
+    async def _publish_loads(self) -> None:
+        """Publish this process's in-flight figures whenever they change (looked at every
+        `load_interval`), and at least every `load_ttl / 4` so that the others keep them."""
+        cfg = self.config
+        last: tuple[tuple[str, int, int, int], ...] | None = None
+        last_at = retry_at = -1e18
+        while not self._closing:
+            await asyncio.sleep(cfg.load_interval)
+            self._sum_load()  # peers that went quiet drop out here
+            state = self._load_state()
+            now = self._clock()
+            if (state == last and now - last_at < cfg.load_ttl / 4) or now < retry_at:
+                continue
+            payload = orjson.dumps({"i": self.instance, "l": state})
+            try:
+                async with asyncio.timeout(cfg.timeout):
+                    await self._redis.publish(self._channel, payload)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._failed(exc)
+                retry_at = now + cfg.interval  # not every `load_interval` while Redis is down
+                continue
+            last, last_at = state, now
+            self.loads_published += 1
+
+    async def _listen_loads(self) -> None:
+        """Take the other processes' load figures as they are published."""
+        cfg = self.config
+        while not self._closing:
+            pubsub = self._subscriber.pubsub(ignore_subscribe_messages=True)
+            try:
+                async with asyncio.timeout(cfg.timeout * 10):
+                    await pubsub.subscribe(self._channel)
+                while not self._closing:
+                    message = await pubsub.get_message(timeout=cfg.load_ttl)
+                    if message is not None and message.get("type") == "message":
+                        self._apply_load(message["data"])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # gone: the figures age out; subscribe again shortly
+                self._failed(exc)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+            await asyncio.sleep(cfg.interval)
+
+    def _apply_load(self, raw: bytes) -> None:
+        try:
+            msg = orjson.loads(raw)
+            instance = str(msg["i"])
+            rows = msg["l"]
+            load = {str(r[0]): (int(r[1]), int(r[2]), int(r[3])) for r in rows}
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, IndexError):
+            return  # not ours to understand: skip it
+        if instance == self.instance:
+            return
+        now = self._clock()
+        peer = self._peers.get(instance)
+        if peer is None:
+            peer = self._peers[instance] = _Peer(seen=now)
+        peer.load, peer.load_seen = load, now
+        self.loads_received += 1
+        self._sum_load()
 
     async def sync_once(self) -> None:
         """One publish and one read, each bounded by `timeout`."""
@@ -246,7 +357,6 @@ class FleetView:
                 raw = fields.get(b"p")
                 if raw is not None:
                     self._apply(raw)
-        self._sum_load()
 
     def _batch(self) -> bytes | None:
         """The next entry: pending placements (bounded), this process's load and coefficients."""
@@ -267,9 +377,7 @@ class FleetView:
                 published[h] = now
             while len(published) > self.config.max_blocks_per_backend:
                 del published[next(iter(published))]
-        load = {b.url: [b.in_flight_prefill_tokens, b.in_prefill] for b in self._backends
-                if b.in_prefill}  # fmt: skip
-        body: dict[str, Any] = {"i": self.instance, "placed": placed, "load": load}
+        body: dict[str, Any] = {"i": self.instance, "placed": placed}
         if self._coefficients is not None:
             theta, updates = self._coefficients()
             body["theta"], body["n"] = theta, updates
@@ -304,30 +412,25 @@ class FleetView:
         if peer is None:
             peer = self._peers[instance] = _Peer(seen=now)
         peer.seen = now
-        load = msg.get("load")
-        peer.load = {}
-        if isinstance(load, dict):
-            for url, pair in load.items():
-                if isinstance(pair, list) and len(pair) == 2:
-                    peer.load[url] = (int(pair[0]), int(pair[1]))
         theta = msg.get("theta")
         if isinstance(theta, list) and all(isinstance(v, float | int) for v in theta):
             peer.theta, peer.updates = [float(v) for v in theta], int(msg.get("n", 0))
         self._maybe_adopt()
 
     def _sum_load(self) -> None:
-        horizon = self._clock() - self.config.load_ttl
-        totals: dict[str, tuple[int, int]] = {}
+        now = self._clock()
+        horizon = now - self.config.load_ttl
+        totals: dict[str, tuple[int, int, int]] = {}
         fresh = 1
         for instance, peer in list(self._peers.items()):
-            if peer.seen < horizon:
-                if peer.seen < self._clock() - self.config.ttl:
+            if peer.load_seen < horizon:
+                if max(peer.seen, peer.load_seen) < now - self.config.ttl:
                     del self._peers[instance]
                 continue
             fresh += 1
-            for url, (tokens, reqs) in peer.load.items():
-                t, r = totals.get(url, (0, 0))
-                totals[url] = (t + tokens, r + reqs)
+            for url, (tokens, reqs, flying) in peer.load.items():
+                t, r, f = totals.get(url, _NO_LOAD)
+                totals[url] = (t + tokens, r + reqs, f + flying)
         self._remote_load = totals
         self.processes = fresh
 
@@ -350,6 +453,9 @@ class FleetView:
             "peers": len(self._peers),
             "published": self.published,
             "received": self.received,
+            "loads_published": self.loads_published,
+            "loads_received": self.loads_received,
+            "processes": self.processes,
             "errors": self.errors,
             "remote_blocks": {url: len(h) for url, h in self._held.items()},
         }

@@ -7,7 +7,8 @@ with `half_life_s`, done the cheap way: a count added at time t weighs 2^(t / ha
 counts need no update (weights are rescaled when they grow large). Each model keeps at most
 `capacity` entries; past twice that, the lowest-scored half is dropped at once, so the cost of
 pruning is amortised to O(log capacity) per new entry. An entry keeps a reference to the text of
-the request that created it (no copy); the prefix is cut from it only when it is warmed.
+the request that created it (no copy), and for a chat request to its messages; the prefix is cut
+from them only when it is warmed.
 
 `top(model, n)` gives the deepest hot prefix of each lineage (an entry whose deeper block is
 also hot is covered by it), hottest first: what pre-warming sends.
@@ -18,8 +19,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from edge.routing.prefix_blocks import PrefixBlocks
+from edge.stages.view import chat_prefix
 
 _RESCALE_AT = 2.0**40
 
@@ -33,16 +36,30 @@ class HotPrefix:
     """The hash of its deepest block."""
     count: float
     """Decayed count, in requests (one request now counts 1)."""
+    messages: list[dict[str, Any]] | None = None
+    """Chat: the conversation cut where the prefix ends (`chat_prefix`); None otherwise."""
+
+    def cut(self, chars: int) -> list[dict[str, Any]] | None:
+        """The conversation up to the prefix's first `chars` characters (a warm-up shard)."""
+        return None if self.messages is None else chat_prefix(self.messages, chars)
 
 
 class _Entry:
-    __slots__ = ("end", "parent", "score", "source")
+    __slots__ = ("end", "messages", "parent", "score", "source")
 
-    def __init__(self, source: str, end: int, parent: int | None, score: float) -> None:
+    def __init__(
+        self,
+        source: str,
+        end: int,
+        parent: int | None,
+        score: float,
+        messages: list[dict[str, Any]] | None,
+    ) -> None:
         self.source = source
         self.end = end
         self.parent = parent
         self.score = score
+        self.messages = messages
 
 
 class HotPrefixes:
@@ -75,8 +92,14 @@ class HotPrefixes:
             w = 1.0
         return w
 
-    def record(self, model: str | None, blocks: PrefixBlocks) -> None:
-        """Count one routed request. Cheap: a dict update per whole block of its prompt."""
+    def record(
+        self,
+        model: str | None,
+        blocks: PrefixBlocks,
+        messages: list[dict[str, Any]] | None = None,
+    ) -> None:
+        """Count one routed request (`messages`: a chat request's, which `blocks` were hashed
+        from). Cheap: a dict update per whole block of its prompt."""
         hashes = blocks.hashes
         if not hashes:
             return
@@ -94,7 +117,7 @@ class HotPrefixes:
         for k, h in enumerate(hashes):
             e = get(h)
             if e is None:
-                entries[h] = _Entry(blocks.text, (k + 1) * size, parent, w)
+                entries[h] = _Entry(blocks.text, (k + 1) * size, parent, w, messages)
             else:
                 e.score += w
             parent = h
@@ -127,7 +150,8 @@ class HotPrefixes:
                     p = parent.parent if parent is not None else None
             for h, e in hot.items():
                 if h not in covered:
-                    out.append(HotPrefix(name, e.source[: e.end], h, e.score / w))
+                    cut = None if e.messages is None else chat_prefix(e.messages, e.end)
+                    out.append(HotPrefix(name, e.source[: e.end], h, e.score / w, cut))
         out.sort(key=lambda p: p.count, reverse=True)
         return out[:n]
 

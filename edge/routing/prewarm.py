@@ -5,10 +5,14 @@ its checks, when it restarted without failing them (its `/metrics` request count
 a new process), and on demand (`POST /prewarm` on the admin listener). The hottest prefixes
 (`HotPrefixes.top`) are sent as prefill-only requests: SGLang's native `/generate` with
 `max_new_tokens: 0` (SGLang accepts 0 and returns after prefill; a backend that refuses it with a
-400 gets 1 from then on). A long prefix goes in shards of `shard_tokens` (prefix up to 256
-tokens, then 512, ...), so each request prefills one shard on top of the cached ones and a
-partial match helps at once; while the backend is held back from routing and idle, a prefix goes
-whole (nothing could use a part of it yet, and each request has a fixed cost).
+400 gets 1 from then on). A prefix of chat requests goes to `/v1/chat/completions` as the
+conversation cut where the prefix ends, with `max_tokens: 0`: the backend renders it with its
+own chat template, so the tokens it caches are the ones the real requests bring (the routing
+view's role markers are not the model's template). A long prefix goes in shards of
+`shard_tokens` (prefix up to 256 tokens, then 512, ...), so each request prefills one shard on
+top of the cached ones and a partial match helps at once; while the backend is held back from
+routing and idle, a prefix goes whole (nothing could use a part of it yet, and each request has
+a fixed cost).
 
 Pacing keeps real traffic ahead: one warm-up request in flight per backend; before each, wait
 (up to `yield_s`) while the edge has real requests waiting for a first token there; after each,
@@ -39,7 +43,7 @@ from prometheus_client.registry import Collector
 from backends.errors import UpstreamError
 from backends.pool import UpstreamPool
 from backends.registry import Backend, BackendRegistry
-from edge.routing.hot_prefixes import HotPrefixes
+from edge.routing.hot_prefixes import HotPrefix, HotPrefixes
 from edge.stages.view import CHARS_PER_TOKEN
 
 log = logging.getLogger(__name__)
@@ -111,6 +115,8 @@ PREWARM_FLAGS: dict[str, str | bool] = {
 class _Job:
     text: str
     done: asyncio.Future[dict[str, Any]] | None = None
+    chat: HotPrefix | None = None
+    """A chat prefix: warmed through the chat endpoint with its conversation."""
     requests: int = 0
     tokens: int = 0
     error: str | None = None
@@ -131,6 +137,20 @@ class _Lane:
     warmups: int = 0
     max_new_tokens: int = 0
     last_counter: float | None = None
+
+
+CHAT_ROUTE = "/v1/chat/completions"
+
+
+def _usage(answer: Any) -> tuple[int, int]:
+    """(prompt tokens, cached tokens) of a `/generate` answer (`meta_info`) or an OpenAI one
+    (`usage`, `prompt_tokens_details.cached_tokens`)."""
+    meta = answer.get("meta_info")
+    if isinstance(meta, dict):
+        return int(meta.get("prompt_tokens") or 0), int(meta.get("cached_tokens") or 0)
+    usage = answer.get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    return int(usage.get("prompt_tokens") or 0), int(details.get("cached_tokens") or 0)
 
 
 def _shards(text: str, shard_chars: int) -> Iterator[int]:
@@ -205,7 +225,7 @@ class PrewarmService:
             if len(p.text) > budget:
                 continue
             budget -= len(p.text)
-            lane.jobs.append(_Job(p.text))
+            lane.jobs.append(_Job(p.text, chat=p if p.messages else None))
             queued += 1
         if queued:
             backend.warming_until = self._clock() + self.config.deadline
@@ -250,8 +270,21 @@ class PrewarmService:
                 # partial prefix there yet, so one request per prefix, without a fixed cost per
                 # shard, readies the backend sooner.
                 held = backend.warming_until > self._clock() and not backend.in_flight
+                sent: list[dict[str, Any]] | None = None
                 for end in _shards(job.text, len(job.text) if held else shard_chars):
-                    ok = await self._send(lane, job, job.text[:end])
+                    if job.chat is None:
+                        prompt = {"text": job.text[:end]}
+                        ok = await self._send(lane, job, "/generate", prompt, end - start)
+                    else:
+                        messages = job.chat.cut(end) or []
+                        if not messages:  # the shard ends inside the first role marker
+                            continue
+                        if messages == sent:  # it ends inside a role marker: sent already
+                            start = end
+                            continue
+                        sent = messages
+                        prompt = self._chat_body(job.chat, messages)
+                        ok = await self._send(lane, job, CHAT_ROUTE, prompt, end - start)
                     if not ok:
                         break
                     start = end
@@ -264,41 +297,56 @@ class PrewarmService:
             backend.warming_until = 0.0
             lane.state = "ready"
 
-    async def _send(self, lane: _Lane, job: _Job, text: str) -> bool:
+    @staticmethod
+    def _chat_body(prefix: HotPrefix, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        body: dict[str, Any] = {"messages": messages}
+        if prefix.model:  # the name the real requests use, so the backend serves the same model
+            body["model"] = prefix.model
+        return body
+
+    async def _send(
+        self, lane: _Lane, job: _Job, route: str, prompt: dict[str, Any], fresh_chars: int
+    ) -> bool:
+        """One prefill-only request: `prompt` is the body's prompt part (`text` for /generate,
+        `messages` and `model` for chat); `fresh_chars` of it are not cached there yet."""
         cfg = self.config
         backend = lane.backend
         waited = self._clock() + cfg.yield_s
         # Real requests go first. Polled: the registry has no event for "first token came".
         while backend.in_prefill > 0 and self._clock() < waited:  # noqa: ASYNC110
             await asyncio.sleep(0.005)
-        body = orjson.dumps({
-            "text": text,
-            "sampling_params": {"max_new_tokens": lane.max_new_tokens, "temperature": 0.0},
-            "stream": False,
-            "rid": f"prewarm-{uuid.uuid4().hex}",
-        })  # fmt: skip
+        rid = f"prewarm-{uuid.uuid4().hex}"
+        fields: dict[str, Any]
+        if route == CHAT_ROUTE:
+            fields = {"max_tokens": lane.max_new_tokens, "temperature": 0.0, "stream": False}
+        else:
+            sampling = {"max_new_tokens": lane.max_new_tokens, "temperature": 0.0}
+            fields = {"sampling_params": sampling, "stream": False}
+        body = orjson.dumps({**prompt, **fields, "rid": rid})
         t0 = self._clock()
         result = "ok"
+        # Tracked like a real request: its prefill is work queued on that backend, which the
+        # `ttft` policy then weighs (here and, through the load channel, in other processes).
         try:
-            response = await self.pool.request(
-                backend.url,
-                "POST",
-                "/generate",
-                headers=[(b"content-type", b"application/json")],
-                body=body,
-                first_byte_timeout=cfg.request_timeout,
-                chunk_timeout=cfg.request_timeout,
-            )
-            raw = await response.read()
+            with self.registry.track(backend, prefill_tokens=fresh_chars // CHARS_PER_TOKEN):
+                response = await self.pool.request(
+                    backend.url,
+                    "POST",
+                    route,
+                    headers=[(b"content-type", b"application/json")],
+                    body=body,
+                    first_byte_timeout=cfg.request_timeout,
+                    chunk_timeout=cfg.request_timeout,
+                )
+                raw = await response.read()
             if response.status == 400 and lane.max_new_tokens == 0:
                 lane.max_new_tokens = 1  # this backend wants a token to sample: give it one
                 result = "refused"
             elif response.status != 200:
                 result = f"{response.status // 100}xx"
             else:
-                meta = orjson.loads(raw).get("meta_info", {})
-                prompt = int(meta.get("prompt_tokens") or 0)
-                fresh = max(0, prompt - int(meta.get("cached_tokens") or 0))
+                prompt_tokens, cached = _usage(orjson.loads(raw))
+                fresh = max(0, prompt_tokens - cached)
                 job.tokens += fresh
                 lane.tokens += fresh
         except (UpstreamError, orjson.JSONDecodeError, AttributeError, ValueError) as exc:
@@ -308,7 +356,7 @@ class PrewarmService:
         lane.requests[result] = lane.requests.get(result, 0) + 1
         job.requests += 1
         if result == "refused":
-            return await self._send(lane, job, text)
+            return await self._send(lane, job, route, prompt, fresh_chars)
         if result != "ok":
             job.error = result
             return False

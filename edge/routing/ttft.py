@@ -295,11 +295,11 @@ class TTFTPolicy:
         remote = 0
         fleet = self.fleet
         if fleet is not None and fleet.processes > 1:
-            # What the others reported is up to one publish interval old, and a prefill is often
-            # over by then; this process's own share, scaled by the processes sharing the
-            # traffic, is current. Take the larger estimate of the whole queue.
-            tokens, remote = fleet.queued(backend.url)
-            queued = max(queued + tokens, queued * fleet.processes)
+            # The other edge processes' requests there, as they published them a load interval
+            # ago at most: the queue and the decoding batch are the whole fleet's.
+            tokens, remote, flying = fleet.queued(backend.url)
+            queued += tokens
+            decoding += flying - remote
         load = backend.load
         if load is not None:
             extra = load.num_waiting_reqs - backend.in_prefill - remote
@@ -321,7 +321,7 @@ class TTFTPolicy:
             blocks: PrefixBlocks = self._hasher.blocks(view.text)
             hashes, block_chars = blocks.hashes, blocks.block_chars
             if self.hot is not None:
-                self.hot.record(view.model, blocks)
+                self.hot.record(view.model, blocks, view.messages)
         fleet = self.fleet if hashes else None
         remote_hit = False
         self._turn += 1
@@ -329,7 +329,12 @@ class TTFTPolicy:
         best: tuple[float, int, int, int] | None = None
         best_i = 0
         scored: list[tuple[float, int, list[float], int, float]] = []
-        mean_in_flight = sum(b.in_flight for b in pool) / n + 1
+        shared = self.fleet
+        if shared is not None and shared.processes > 1:  # the whole fleet's requests there
+            flights = [b.in_flight + shared.queued(b.url)[2] for b in pool]
+        else:
+            flights = [b.in_flight for b in pool]
+        mean_in_flight = sum(flights) / n + 1
         for i, b in enumerate(pool):
             self._learn_capacity(b)
             chars = match.chars.get(b.url, 0)
@@ -346,11 +351,11 @@ class TTFTPolicy:
             # will queue behind it there (a cache miss delays them all): `miss_penalty`, times
             # how many arrive there relative to elsewhere (Little's law: in-flight ~ rate).
             uncached = max(0, view.approx_tokens - cached) * _SCALES[1]
-            behind = (b.in_flight + 1) / mean_in_flight
+            behind = (flights[i] + 1) / mean_in_flight
             score = pred + self.miss_penalty * rls.theta[1] * uncached * behind
             scored.append((score, cached, x, chars, pred))
             # Ties (an idle fleet, nothing cached) rotate, so they spread like least_load.
-            key = (score, -cached, b.in_flight, (i - self._turn) % n)
+            key = (score, -cached, flights[i], (i - self._turn) % n)
             if best is None or key < best:
                 best, best_i = key, i
         reason = "ttft"

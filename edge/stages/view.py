@@ -36,6 +36,27 @@ def render_chat(messages: list[dict[str, Any]]) -> str:
     return "".join(parts)
 
 
+def chat_prefix(messages: list[dict[str, Any]], chars: int) -> list[dict[str, Any]]:
+    """The messages whose `render_chat` text covers its first `chars` characters: every message
+    rendered whole within them, as it came, then the next one's content cut where they end
+    (if they end inside its content). Sent to a backend, the list renders with the backend's
+    own chat template to the same tokens as the conversation, up to the cut."""
+    out: list[dict[str, Any]] = []
+    pos = 0
+    for m in messages:
+        head = len(m["role"]) + 5  # "<|role|>\n"
+        content = _content_text(m.get("content"))
+        end = pos + head + len(content) + 1
+        if end <= chars:
+            out.append(m)
+            pos = end
+            continue
+        if chars - pos > head:
+            out.append({**m, "content": content[: chars - pos - head]})
+        break
+    return out
+
+
 def _prompt_text(prompt: Any) -> tuple[str, int | None]:
     """(text, exact token count if the prompt is token ids) for a completions/generate prompt."""
     if isinstance(prompt, str):
@@ -53,7 +74,9 @@ def _prompt_text(prompt: Any) -> tuple[str, int | None]:
 def build_view(route: str, body: Mapping[str, Any], session_header: str | None) -> RequestView:
     """The routing view of a validated body."""
     tokens: int | None
+    messages: list[dict[str, Any]] | None = None
     if route == CHAT:
+        messages = body["messages"]
         text, tokens = render_chat(body["messages"]), None
     elif route == COMPLETIONS:
         text, tokens = _prompt_text(body["prompt"])
@@ -75,4 +98,5 @@ def build_view(route: str, body: Mapping[str, Any], session_header: str | None) 
         approx_tokens=tokens,
         session_key=session,
         model=model if isinstance(model, str) else None,
+        messages=messages,
     )

@@ -105,3 +105,55 @@ async def test_an_edge_starts_and_serves_when_its_redis_is_not_there(redis_prefi
                 await generate(http, words(random.Random(7), 300))
             await wait_until(lambda: view_of(edge).errors >= 2)
             assert not view_of(edge).connected
+
+
+async def test_each_process_sees_the_others_in_flight_work_as_it_changes(
+    redis_prefix: str,
+) -> None:
+    from backends.pool import UpstreamPool
+    from backends.registry import BackendRegistry
+    from edge.routing.base import RequestView
+    from edge.routing.ttft import TTFTPolicy
+
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]  # never connected to
+    redis = RedisServer()
+    pools = [UpstreamPool(), UpstreamPool()]
+    a, b = (BackendRegistry(urls, pool=pool) for pool in pools)
+    # A publish interval far beyond the test: only the load channel can carry the figures.
+    config = FleetViewConfig(
+        enabled=True, redis=redis.url, key=redis_prefix + "fv", interval=30.0, timeout=5.0
+    )
+    view_a = FleetView(config, url=redis.url, backends=a.backends)
+    view_b = FleetView(config, url=redis.url, backends=b.backends)
+    await view_a.start()
+    await view_b.start()
+    try:
+        await wait_until(lambda: view_b.processes == 2 and view_a.processes == 2)
+        hot = b.backends[0].url
+        with (
+            a.track(a.backends[0], prefill_tokens=3000) as first,
+            a.track(a.backends[0], prefill_tokens=2000),
+        ):
+            await wait_until(lambda: view_b.queued(hot) == (5000, 2, 2))
+            # B's `ttft` policy counts A's queue there as its own.
+            policy = TTFTPolicy()
+            policy.attach(BlockHasher(), fleet=view_b)
+            request = RequestView(route="/generate", text="x" * 400, approx_tokens=100)
+            assert policy.choose(request, b.backends).backend.url != hot
+            busy, idle = (policy.features(k, 0, request) for k in b.backends)
+            assert busy[1] - idle[1] == pytest.approx(5000 * 1e-3)
+            first.first_token()  # its prefill is over: decoding now
+            await wait_until(lambda: view_b.queued(hot) == (2000, 1, 2))
+        await wait_until(lambda: view_b.queued(hot) == (0, 0, 0))
+        # Redis gone: what A said ages out and B routes on its own counts alone.
+        with a.track(a.backends[1], prefill_tokens=700):
+            await wait_until(lambda: view_b.queued(b.backends[1].url) == (700, 1, 1))
+            redis.stop()
+            await wait_until(lambda: view_b.processes == 1 and view_b.errors > 0)
+            assert view_b.queued(b.backends[1].url) == (0, 0, 0)
+    finally:
+        await view_a.aclose()
+        await view_b.aclose()
+        for pool in pools:
+            await pool.aclose()
+        redis.stop()

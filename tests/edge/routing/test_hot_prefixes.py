@@ -86,3 +86,45 @@ def test_memory_stays_bounded_and_the_hot_prefix_survives_pruning() -> None:
         clock.now += 0.01
         assert len(hot) <= 2 * 50 + 8
     assert hot.top("m", 1)[0].text == system
+
+
+def test_a_chat_prefix_is_the_conversation_cut_where_the_prefix_ends() -> None:
+    from edge.stages.view import chat_prefix, render_chat
+
+    system = {"role": "system", "content": "s" * 40, "name": "ops"}
+    user = {"role": "user", "content": [{"type": "text", "text": "u" * 30}]}
+    messages = [system, user, {"role": "assistant", "content": "a" * 50}]
+    text = render_chat(messages)
+    head = len("<|system|>\n")
+    # Inside the first role marker: nothing; inside its content: the content cut there.
+    assert chat_prefix(messages, head - 1) == []
+    assert chat_prefix(messages, head + 10) == [{**system, "content": "s" * 10}]
+    # A whole message goes as it came (content parts and other fields untouched).
+    end_system = head + 40 + 1
+    assert chat_prefix(messages, end_system) == [system]
+    cut = chat_prefix(messages, end_system + len("<|user|>\n") + 7)
+    assert cut == [system, {**user, "content": "u" * 7}]
+    assert chat_prefix(messages, len(text)) == messages
+    # Rendered again, the cut is the view's text up to the cut (and then its own ending).
+    n = end_system + 20
+    assert render_chat(chat_prefix(messages, n)).startswith(text[:n])
+
+
+def test_hot_chat_prefixes_carry_their_conversation_cut_at_the_prefix() -> None:
+    from edge.stages.view import render_chat
+
+    hasher = BlockHasher(64)
+    hot = HotPrefixes(clock=Clock())
+    rng = random.Random(7)
+    shared = [{"role": "system", "content": words(rng, 150)}]
+    for _ in range(3):
+        messages = [*shared, {"role": "user", "content": words(rng, 100)}]
+        hot.record("m", hasher.blocks(render_chat(messages)), messages)
+    top = hot.top("m", 1)[0]
+    assert top.count == 3 and len(top.text) == 128  # two whole blocks, inside the system prompt
+    assert top.messages == [{"role": "system", "content": shared[0]["content"][: 128 - 11]}]
+    assert top.cut(64) == [{"role": "system", "content": shared[0]["content"][: 64 - 11]}]
+    plain = HotPrefixes(clock=Clock())
+    for _ in range(2):
+        plain.record(None, hasher.blocks("x" * 200))
+    assert plain.top(None, 1)[0].messages is None

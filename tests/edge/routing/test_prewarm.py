@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
+import pytest
 
 from backends.sim import SimConfig, SimServer
 from backends.sim.textgen import WORDS
@@ -262,3 +263,62 @@ async def test_other_policies_count_hot_prefixes_too() -> None:
             assert backends["policy"] == "cache_aware"
             hot = backends["prewarm"]["hot_prefixes"]
             assert hot and hot[0]["count"] >= 3 and system.startswith(hot[0]["head"])
+
+
+async def chat(http: httpx.AsyncClient, messages: list[dict[str, Any]]) -> dict[str, Any]:
+    body = {"model": "quicedge/sim-instant", "messages": messages, "max_tokens": 2}
+    response = await http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    usage: dict[str, Any] = response.json()["usage"]
+    return usage
+
+
+@pytest.mark.parametrize("held", [True, False], ids=["whole", "in-shards"])
+async def test_a_chat_warm_up_is_a_cache_hit_for_the_chat_requests_it_warms_for(
+    held: bool,
+) -> None:
+    rng = random.Random(6)
+    # A conversation several blocks long that every request continues with its own question;
+    # the hot prefix ends inside the assistant's answer, so the warm-up sends whole messages
+    # and one cut short.
+    shared = [
+        {"role": "system", "content": words(rng, 500)},
+        {"role": "user", "content": words(rng, 300)},
+        {"role": "assistant", "content": words(rng, 300)},
+    ]
+    async with sims(sim_config("b0")) as servers:
+        config = fast_config([servers[0].url], policy="ttft")
+        prewarm = PrewarmConfig(enabled=True, deadline=60.0, restart_check_interval=None)
+        async with (
+            run_edge(config, prewarm=prewarm) as edge,
+            client(edge) as http,
+            contextlib.AsyncExitStack() as busy,
+        ):
+            for _ in range(4):
+                await chat(http, [*shared, {"role": "user", "content": words(rng, 30)}])
+            backend = edge.wiring.registry.backends[0]
+            if not held:
+                # With a request of the edge's in flight there (decoding: past its first
+                # token), each prefix goes in shards of 256 tokens, each a conversation cut a
+                # shard further, instead of whole.
+                busy.enter_context(
+                    edge.wiring.registry.track(backend, prefill_tokens=0)
+                ).first_token()
+            only = name(servers[0])
+            await servers[0].stop()
+            await wait_until(lambda: not backend.healthy)
+            fresh = SimServer(sim_config("b0", port=servers[0].port))
+            await fresh.start()
+            try:
+                await wait_until(lambda: prewarm_state(edge)[only]["warmups"] >= 1)
+                await wait_until(lambda: prewarm_state(edge)[only]["state"] == "ready")
+                state = prewarm_state(edge)[only]
+                assert state["requests"].get("ok", 0) >= (1 if held else 4), state
+                assert state["tokens"] > 500
+                # The first real request after the restart finds the conversation cached: the
+                # backend rendered the warm-up with its own chat template.
+                usage = await chat(http, [*shared, {"role": "user", "content": words(rng, 30)}])
+                cached = (usage["prompt_tokens_details"] or {}).get("cached_tokens", 0)
+                assert cached > 0.6 * usage["prompt_tokens"], usage
+            finally:
+                await fresh.stop()
