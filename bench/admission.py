@@ -120,7 +120,7 @@ class Result:
     total: float
 
 
-def _body(rng: random.Random, words: int, max_tokens: int) -> bytes:
+def completion_body(rng: random.Random, words: int, max_tokens: int) -> bytes:
     prompt = " ".join(rng.choice(WORDS) for _ in range(words))
     return json.dumps({"model": "default", "prompt": prompt, "max_tokens": max_tokens,
                        "ignore_eos": True, "stream": True}).encode()  # fmt: skip
@@ -169,7 +169,9 @@ async def open_loop(
         delay = start + i / rate - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.ensure_future(request(port, _body(rng, words, max_tokens), key)))
+        tasks.append(
+            asyncio.ensure_future(request(port, completion_body(rng, words, max_tokens), key))
+        )
     return list(await asyncio.gather(*tasks))
 
 
@@ -188,7 +190,7 @@ async def closed_loop(
     async def client(i: int) -> None:
         rng = random.Random(i)
         while time.perf_counter() < deadline:
-            r = await request(port, _body(rng, words, max_tokens), key)
+            r = await request(port, completion_body(rng, words, max_tokens), key)
             results.append(r)
             if r.status != 200:
                 await asyncio.sleep(0.2)  # a refused client backs off a little, then retries
@@ -197,7 +199,7 @@ async def closed_loop(
     return results
 
 
-def _pct(values: list[float], q: float) -> float | None:
+def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
@@ -214,7 +216,7 @@ def summary(results: list[Result]) -> dict[str, Any]:
         "requests": len(results),
         "statuses": dict(sorted(statuses.items())),
         "ttft_p50_ms": None if not ttfts else round(statistics.median(ttfts) * ms, 1),
-        "ttft_p99_ms": None if not ttfts else round((_pct(ttfts, 0.99) or 0) * ms, 1),
+        "ttft_p99_ms": None if not ttfts else round((percentile(ttfts, 0.99) or 0) * ms, 1),
     }
 
 
@@ -346,7 +348,7 @@ async def cost(args: argparse.Namespace) -> dict[str, Any]:
         del tenant
         us = 1e6
         out[name] = {"calls": len(times), "p50_us": round(statistics.median(times) * us, 1),
-                     "p99_us": round((_pct(times, 0.99) or 0) * us, 1)}  # fmt: skip
+                     "p99_us": round((percentile(times, 0.99) or 0) * us, 1)}  # fmt: skip
     return out
 
 
