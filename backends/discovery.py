@@ -9,6 +9,13 @@ Three modes (TOML `[discovery]`, `DiscoveryConfig`):
 - `kubernetes`: the EndpointSlices of a headless Service, listed from the API server with the
   pod's service account every `interval`; only endpoints whose `ready` condition holds count.
 
+Each name may carry isolation labels after `#`, as a `--backend` URL does
+(`_sglang._tcp.fleet#hardware=h100&tiers=gold+silver`, `inference/llama#model=llama-3-8b`): every
+backend it finds gets them, so it lands in its model pool and breaker domain. An EndpointSlice
+also carries its Service's labels (the EndpointSlice controller copies them), read as
+`quicedge.io/model`, `quicedge.io/model-version`, `quicedge.io/hardware` and `quicedge.io/tiers`;
+a label the name gives wins. A backend's labels are read when it joins the fleet.
+
 A periodic list over plain HTTPS (h11, already a dependency) rather than the official client's
 watch: the client is synchronous and large, a watch needs its own thread and reconnect logic,
 and one small GET per interval (RBAC: `list` on `endpointslices`) feeds the same reconcile step
@@ -34,7 +41,7 @@ from urllib.parse import quote, urlsplit
 
 import h11
 
-from backends.registry import BackendRegistry
+from backends.registry import LABEL_TIERS, BackendRegistry, parse_labels
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +58,8 @@ class DiscoveryConfig:
     """`static` (the `--backend` list), `dns` or `kubernetes`. Default `static`."""
     names: list[str] = field(default_factory=list)
     """dns: `HOST:PORT` (A/AAAA) or `_service._proto.DOMAIN` (SRV). kubernetes: headless Service
-    names, `NAME` or `NAMESPACE/NAME`. Default empty (needed by dns and kubernetes)."""
+    names, `NAME` or `NAMESPACE/NAME`. Each may end in `#model=..&hardware=..&tiers=..`, the
+    labels of every backend it finds. Default empty (needed by dns and kubernetes)."""
     interval: float = 10.0
     """Seconds between two lookups. Default 10."""
     timeout: float = 2.0
@@ -82,10 +90,13 @@ class DiscoveryConfig:
                 raise ValueError(f"discovery.{name}: must be > 0, got {getattr(self, name)!r}")
         if self.drain_timeout < 0:
             raise ValueError(f"discovery.drain_timeout: must be >= 0, got {self.drain_timeout}")
+        for name in self.names:
+            split_name(name)  # raises with the name in the message
         if self.mode == "dns":
             for name in self.names:
-                if not name.startswith("_"):
-                    _name(name)  # raises with the name in the message
+                bare = split_name(name)[0]
+                if not bare.startswith("_"):
+                    _name(bare)
             ports = {_nameserver(server)[1] for server in self.nameservers}
             if len(ports) > 1:
                 raise ValueError("discovery.nameservers: give every server the same port")
@@ -135,6 +146,65 @@ def _name(text: str) -> tuple[str, int]:
     if found is None:
         raise ValueError(f"discovery.names: {text!r} is not HOST:PORT or _service._proto.DOMAIN")
     return found
+
+
+def split_name(name: str) -> tuple[str, dict[str, str]]:
+    """A discovery name and the labels after its `#` (none without one)."""
+    try:
+        return parse_labels(name)
+    except ValueError as exc:
+        raise ValueError(f"discovery.names: {name!r}: {str(exc).partition(': ')[2]}") from None
+
+
+def labelled(url: str, labels: Mapping[str, str]) -> str:
+    """`url` with `labels` after `#`, as `backends.registry.parse_labels` reads them."""
+    if not labels:
+        return url
+    return url + "#" + "&".join(f"{key}={labels[key]}" for key in sorted(labels))
+
+
+LABEL_PREFIX = "quicedge.io/"
+"""Kubernetes labels (on the Service, copied to its EndpointSlices) that carry a backend's."""
+
+
+def slice_labels(item: Mapping[str, Any]) -> dict[str, str]:
+    """The isolation labels an EndpointSlice's own labels give its endpoints.
+
+    Kubernetes label values allow neither `@` nor `+`, so the version is a label of its own
+    (`quicedge.io/model-version`), and tiers are separated by `.`, `-` or `_`
+    (`quicedge.io/tiers: gold-silver`). An unknown tier drops that label (with a warning): a
+    backend is not left out of the fleet for a typo."""
+    metadata = item.get("metadata") or {}
+    given: Mapping[str, Any] = metadata.get("labels") or {}
+    labels: dict[str, str] = {}
+    model = given.get(f"{LABEL_PREFIX}model")
+    if model:
+        version = given.get(f"{LABEL_PREFIX}model-version")
+        labels["model"] = f"{model}@{version}" if version else str(model)
+    hardware = given.get(f"{LABEL_PREFIX}hardware")
+    if hardware:
+        labels["hardware"] = str(hardware)
+    tiers = given.get(f"{LABEL_PREFIX}tiers")
+    if tiers:
+        named = str(tiers).replace("-", ".").replace("_", ".").split(".")
+        if set(named) <= LABEL_TIERS:
+            labels["tiers"] = "+".join(named)
+        else:
+            _warn_once(
+                f"EndpointSlice {metadata.get('name')}: {LABEL_PREFIX}tiers {tiers!r} names a "
+                f"tier other than {', '.join(sorted(LABEL_TIERS))}; ignored"
+            )
+    return labels
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """A bad label is seen every interval: say so once per process."""
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("discovery: %s", message)
 
 
 def _nameserver(text: str) -> tuple[str, int]:
@@ -190,15 +260,18 @@ class DnsSource:
         import dns.exception
         import dns.resolver
 
+        bare, labels = split_name(name)
         try:
-            if name.startswith("_"):
-                answer = await self.resolver.resolve(name, "SRV")
+            if bare.startswith("_"):
+                answer = await self.resolver.resolve(bare, "SRV")
                 targets = [(r.target.to_text(omit_final_dot=True), int(r.port)) for r in answer]
             else:
-                targets = [_name(name)]
+                targets = [_name(bare)]
             urls: set[str] = set()
             for host, port in targets:
-                urls.update(backend_url(a, port) for a in await self._addresses(host))
+                urls.update(
+                    labelled(backend_url(a, port), labels) for a in await self._addresses(host)
+                )
             return urls
         except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
             return set()  # the name is authoritatively empty: its backends go
@@ -254,7 +327,8 @@ class KubernetesSource:
         return dict(zip(self.config.names, results, strict=True))
 
     async def _one(self, name: str) -> set[str] | None:
-        namespace, service = self._service(name)
+        bare, labels = split_name(name)
+        namespace, service = self._service(bare)
         selector = quote(f"kubernetes.io/service-name={service}", safe="")
         path = (
             f"/apis/discovery.k8s.io/v1/namespaces/{quote(namespace)}/endpointslices"
@@ -265,7 +339,7 @@ class KubernetesSource:
                 status, body = await self._get(path)
             if status != 200:
                 raise OSError(f"HTTP {status}: {body[:200]!r}")
-            return ready_endpoints(json.loads(body), self.config.port_name)
+            return ready_endpoints(json.loads(body), self.config.port_name, labels)
         except (OSError, TimeoutError, ValueError, h11.ProtocolError) as exc:
             log.warning("discovery: listing slices of %s failed (%s); keeping them", name, exc)
             return None
@@ -300,10 +374,14 @@ class KubernetesSource:
             writer.close()
 
 
-def ready_endpoints(slices: Mapping[str, Any], port_name: str | None) -> set[str]:
-    """Backend URLs of the ready endpoints in an `EndpointSliceList`."""
+def ready_endpoints(
+    slices: Mapping[str, Any], port_name: str | None, labels: Mapping[str, str] | None = None
+) -> set[str]:
+    """Backend URLs of the ready endpoints in an `EndpointSliceList`, each with its slice's
+    labels (`slice_labels`) overridden by `labels` (the name's) after `#`."""
     urls: set[str] = set()
     for item in slices.get("items") or []:
+        found = {**slice_labels(item), **(labels or {})}
         ports = item.get("ports") or []
         chosen = [p for p in ports if port_name is None or p.get("name") == port_name]
         if not chosen or chosen[0].get("port") is None:
@@ -313,8 +391,16 @@ def ready_endpoints(slices: Mapping[str, Any], port_name: str | None) -> set[str
             conditions = endpoint.get("conditions") or {}
             if conditions.get("ready") is False:  # absent means ready (API docs)
                 continue
-            urls.update(backend_url(a, port) for a in endpoint.get("addresses") or [])
+            urls.update(
+                labelled(backend_url(a, port), found) for a in endpoint.get("addresses") or []
+            )
     return urls
+
+
+def _trimmed(url: str) -> str:
+    """A `--backend` URL without a trailing `/` before its labels, as the registry keeps it."""
+    bare, hash_, fragment = url.partition("#")
+    return bare.rstrip("/") + hash_ + fragment
 
 
 def _read(path: str) -> str | None:
@@ -343,15 +429,24 @@ class Discovery:
         self._task: asyncio.Task[None] | None = None
         self._drains: set[asyncio.Task[None]] = set()
 
-    def _wanted(self) -> set[str]:
-        return set().union(*self._known.values()) if self._known else set()
+    def _wanted(self) -> dict[str, str]:
+        """Every backend wanted: its bare URL → the URL with its labels. A URL two names find
+        takes the labels of the first (the `--backend` list, then the names in order)."""
+        wanted: dict[str, str] = {}
+        for urls in self._known.values():
+            for url in sorted(urls):
+                bare = url.partition("#")[0]
+                held = wanted.setdefault(bare, url)
+                if held != url:
+                    _warn_once(f"{bare} is found with labels {held!r} and {url!r}; the first hold")
+        return wanted
 
     async def initial(self, static: list[str]) -> list[str]:
         """The backends to build the registry with: the `static` list (kept for good) and the
         first lookup's URLs (a failed lookup gives none; the next interval tries again)."""
-        self._known[""] = {url.rstrip("/") for url in static}
+        self._known[""] = {_trimmed(url) for url in static}
         await self._lookup()
-        return sorted(self._wanted())
+        return sorted(self._wanted().values())
 
     async def _lookup(self) -> None:
         for name, urls in (await self.source.lookup()).items():
@@ -359,13 +454,13 @@ class Discovery:
                 self._known[name] = urls
 
     async def refresh(self, registry: BackendRegistry) -> None:
-        """One lookup, then add what is new and drain what is gone."""
+        """One lookup, then add what is new (with its labels) and drain what is gone."""
         await self._lookup()
         wanted = self._wanted()
         current = {b.url: b for b in registry.backends if not b.draining}
-        for url in sorted(wanted - current.keys()):
-            registry.add(url)
-        for url in sorted(current.keys() - wanted):
+        for bare in sorted(wanted.keys() - current.keys()):
+            registry.add(wanted[bare])
+        for url in sorted(current.keys() - wanted.keys()):
             task = asyncio.ensure_future(
                 registry.remove(current[url].name, drain_timeout=self.config.drain_timeout)
             )
@@ -397,7 +492,11 @@ __all__ = [
     "DiscoveryConfig",
     "DnsSource",
     "KubernetesSource",
+    "LABEL_PREFIX",
     "backend_url",
+    "labelled",
     "make_source",
     "ready_endpoints",
+    "slice_labels",
+    "split_name",
 ]

@@ -120,7 +120,7 @@ class Result:
     total: float
 
 
-def _body(rng: random.Random, words: int, max_tokens: int) -> bytes:
+def completion_body(rng: random.Random, words: int, max_tokens: int) -> bytes:
     prompt = " ".join(rng.choice(WORDS) for _ in range(words))
     return json.dumps({"model": "default", "prompt": prompt, "max_tokens": max_tokens,
                        "ignore_eos": True, "stream": True}).encode()  # fmt: skip
@@ -169,14 +169,102 @@ async def open_loop(
         delay = start + i / rate - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        tasks.append(asyncio.ensure_future(request(port, _body(rng, words, max_tokens), key)))
+        tasks.append(
+            asyncio.ensure_future(request(port, completion_body(rng, words, max_tokens), key))
+        )
     return list(await asyncio.gather(*tasks))
 
 
 def _open_loop_process(
     port: int, key: str, rate: float, duration: float, seed: int, shape: dict[str, int]
-) -> list[Result]:
-    return asyncio.run(open_loop(port, key, rate, duration, seed=seed, **shape))
+) -> tuple[list[Result], float]:
+    """The results, and the CPU seconds this client process spent."""
+    cpu = time.process_time()
+    results = asyncio.run(open_loop(port, key, rate, duration, seed=seed, **shape))
+    return results, time.process_time() - cpu
+
+
+def _ready() -> None:
+    """Called once in the neighbour's process, so that it has imported this module."""
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process so far (`/proc/PID/stat`)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def buckets(port: int, name: str) -> dict[float, float]:
+    """A histogram's cumulative bucket counts from the edge's `/metrics`, summed over labels."""
+    import httpx
+
+    found: dict[float, float] = {}
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    for line in text.splitlines():
+        if line.startswith(f"{name}_bucket{{"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            bound = float("inf") if le == "+Inf" else float(le)
+            found[bound] = found.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def bucket_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float:
+    """The upper bound of the bucket that holds quantile `q` of what was observed between two
+    snapshots (seconds; inf past the last bound)."""
+    bounds = sorted(after)
+    counts = [after[b] - before.get(b, 0.0) for b in bounds]
+    total = counts[-1] if counts else 0.0
+    for bound, count in zip(bounds, counts, strict=True):
+        if total and count >= q * total:
+            return bound
+    return float("nan")
+
+
+@dataclass
+class Watched:
+    """CPU of the fleet's processes and the edge's loop delay, between two moments."""
+
+    edge_pid: int
+    sim_pids: list[int]
+    admin_port: int
+    t: float = 0.0
+    cpu: dict[str, float] = field(default_factory=dict)
+    read_delay: dict[float, float] = field(default_factory=dict)
+    edge_added: dict[float, float] = field(default_factory=dict)
+
+    def mark(self) -> Watched:
+        here = Watched(self.edge_pid, self.sim_pids, self.admin_port, time.perf_counter())
+        here.cpu = {
+            "edge": cpu_seconds(self.edge_pid),
+            "stand_ins": sum(cpu_seconds(p) for p in self.sim_pids),
+            "gold_client": time.process_time(),
+        }
+        here.read_delay = buckets(self.admin_port, "quicedge_loop_read_delay_seconds")
+        here.edge_added = buckets(self.admin_port, "quicedge_edge_added_seconds")
+        return here
+
+    def add_since(self, start: Watched, into: dict[str, Any]) -> None:
+        """Add what happened between `start` and this mark to a phase's totals."""
+        into["seconds"] = into.get("seconds", 0.0) + self.t - start.t
+        cpu = into.setdefault("cpu", {})
+        for key, value in self.cpu.items():
+            cpu[key] = cpu.get(key, 0.0) + value - start.cpu[key]
+        for name in ("read_delay", "edge_added"):
+            counts = into.setdefault(name, {})
+            now, then = getattr(self, name), getattr(start, name)
+            for bound, value in now.items():
+                counts[bound] = counts.get(bound, 0.0) + value - then.get(bound, 0.0)
+
+
+def phase_report(totals: dict[str, Any]) -> dict[str, Any]:
+    seconds = totals["seconds"]
+    ms = 1000.0
+    return {
+        "cpu_per_s": {k: round(v / seconds, 3) for k, v in totals["cpu"].items()},
+        "edge_cpu_s": round(totals["cpu"]["edge"], 2),
+        "loop_read_delay_p99_ms_at_most": bucket_quantile({}, totals["read_delay"], 0.99) * ms,
+        "edge_added_p99_ms_at_most": bucket_quantile({}, totals["edge_added"], 0.99) * ms,
+    }
 
 
 async def closed_loop(
@@ -188,7 +276,7 @@ async def closed_loop(
     async def client(i: int) -> None:
         rng = random.Random(i)
         while time.perf_counter() < deadline:
-            r = await request(port, _body(rng, words, max_tokens), key)
+            r = await request(port, completion_body(rng, words, max_tokens), key)
             results.append(r)
             if r.status != 200:
                 await asyncio.sleep(0.2)  # a refused client backs off a little, then retries
@@ -197,7 +285,7 @@ async def closed_loop(
     return results
 
 
-def _pct(values: list[float], q: float) -> float | None:
+def percentile(values: list[float], q: float) -> float | None:
     if not values:
         return None
     ordered = sorted(values)
@@ -214,7 +302,7 @@ def summary(results: list[Result]) -> dict[str, Any]:
         "requests": len(results),
         "statuses": dict(sorted(statuses.items())),
         "ttft_p50_ms": None if not ttfts else round(statistics.median(ttfts) * ms, 1),
-        "ttft_p99_ms": None if not ttfts else round((_pct(ttfts, 0.99) or 0) * ms, 1),
+        "ttft_p99_ms": None if not ttfts else round((percentile(ttfts, 0.99) or 0) * ms, 1),
     }
 
 
@@ -251,26 +339,51 @@ async def noisy(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         bronze_burst=int(args.bronze_rps),
     )  # fmt: skip
     shape = {"words": 40, "max_tokens": 32}
+    rate = args.bronze_rps * args.bronze_times
+    block = args.duration / args.blocks
+    alone: list[Result] = []
+    gold: list[Result] = []
+    bronze: list[Result] = []
+    bronze_cpu = 0.0
+    totals: dict[str, dict[str, Any]] = {"alone": {}, "with_neighbour": {}}
     with fleet(out / "noisy", toml, sims=2, sim_args=[]) as f:
-        alone = await open_loop(f.edge_port, "sk-gold", args.gold_rps, args.duration, seed=1,
-                                **shape)  # fmt: skip
+        mark = Watched(f.procs[-1].pid, [p.pid for p in f.procs[:-1]], f.admin_port).mark()
         # The neighbour is another client machine: its load comes from a process of its own,
         # so that its connections do not slow this process's gold clients.
         with multiprocessing.get_context("spawn").Pool(1) as pool:
-            pending = pool.apply_async(
-                _open_loop_process,
-                (
-                    f.edge_port,
-                    "sk-bronze",
-                    args.bronze_rps * args.bronze_times,
-                    args.duration,
-                    3,
-                    shape,
-                ),
-            )
-            gold = await open_loop(f.edge_port, "sk-gold", args.gold_rps, args.duration, seed=2,
-                                   **shape)  # fmt: skip
-            bronze = await asyncio.get_running_loop().run_in_executor(None, pending.get, 600)
+            # The worker starts (a Python process importing this module: a CPU burst that
+            # would land on the first gold requests beside it) before anything is measured.
+            pool.apply(_ready)
+            # The phases alternate in blocks (alone, neighbour, neighbour, alone, ...), so that
+            # the shared machine's load, which drifts over minutes, weighs on both alike.
+            for i in range(args.blocks):
+                order = ("alone", "with_neighbour")[:: 1 if i % 2 == 0 else -1]
+                for phase in order:
+                    seed = 2 * i + (phase == "with_neighbour")
+                    if phase == "alone":
+                        alone += await open_loop(f.edge_port, "sk-gold", args.gold_rps, block,
+                                                 seed=seed, **shape)  # fmt: skip
+                    else:
+                        pending = pool.apply_async(
+                            _open_loop_process,
+                            (f.edge_port, "sk-bronze", rate, block, 100 + i, shape),
+                        )
+                        gold += await open_loop(f.edge_port, "sk-gold", args.gold_rps, block,
+                                                seed=seed, **shape)  # fmt: skip
+                        got, cpu = await asyncio.get_running_loop().run_in_executor(
+                            None, pending.get, 600
+                        )
+                        bronze += got
+                        bronze_cpu += cpu
+                    here = mark.mark()
+                    here.add_since(mark, totals[phase])
+                    mark = here
+    phases = {name: phase_report(t) for name, t in totals.items()}
+    phases["with_neighbour"]["cpu_per_s"]["bronze_client"] = round(
+        bronze_cpu / totals["with_neighbour"]["seconds"], 3
+    )
+    refused = sum(1 for r in bronze if r.status == 429)
+    extra = phases["with_neighbour"]["edge_cpu_s"] - phases["alone"]["edge_cpu_s"]
     a, g = summary(alone), summary(gold)
     ratio = None
     if a["ttft_p99_ms"] and g["ttft_p99_ms"]:
@@ -280,9 +393,13 @@ async def noisy(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         "gold_with_neighbour": g,
         "bronze": summary(bronze),
         "gold_p99_ratio": ratio,
+        "phases": phases,
+        "edge_cpu_ms_per_bronze_request": round(1000 * extra / max(1, len(bronze)), 3),
+        "bronze_refused": refused,
         "gold_rps": args.gold_rps,
         "bronze_quota_rps": args.bronze_rps,
         "bronze_times": args.bronze_times,
+        "blocks": args.blocks,
     }
 
 
@@ -346,7 +463,7 @@ async def cost(args: argparse.Namespace) -> dict[str, Any]:
         del tenant
         us = 1e6
         out[name] = {"calls": len(times), "p50_us": round(statistics.median(times) * us, 1),
-                     "p99_us": round((_pct(times, 0.99) or 0) * us, 1)}  # fmt: skip
+                     "p99_us": round((percentile(times, 0.99) or 0) * us, 1)}  # fmt: skip
     return out
 
 
@@ -356,14 +473,22 @@ def markdown(report: dict[str, Any]) -> str:
     if n:
         lines += ["## Noisy neighbour", "",
                   f"gold at {n['gold_rps']} req/s; bronze quota {n['bronze_quota_rps']} req/s, "
-                  f"sent at {n['bronze_times']}x.", "",
+                  f"sent at {n['bronze_times']}x; the phases alternate in {n['blocks']} blocks "
+                  "each.", "",
                   "| phase | requests | statuses | TTFT p50 ms | TTFT p99 ms |",
                   "| --- | --- | --- | --- | --- |"]  # fmt: skip
         for key in ("gold_alone", "gold_with_neighbour", "bronze"):
             s = n[key]
             lines.append(f"| {key} | {s['requests']} | {s['statuses']} | {s['ttft_p50_ms']} | "
                          f"{s['ttft_p99_ms']} |")  # fmt: skip
-        lines += ["", f"gold p99 with / without the neighbour: {n['gold_p99_ratio']}", ""]
+        lines += ["", f"gold p99 with / without the neighbour: {n['gold_p99_ratio']}", "",
+                  "| phase | CPU s/s per process | edge loop read delay p99 ≤ ms | "
+                  "edge-added p99 ≤ ms |", "| --- | --- | --- | --- |"]  # fmt: skip
+        for key, ph in n["phases"].items():
+            lines.append(f"| {key} | {ph['cpu_per_s']} | {ph['loop_read_delay_p99_ms_at_most']} "
+                         f"| {ph['edge_added_p99_ms_at_most']} |")  # fmt: skip
+        lines += ["", "Edge CPU per bronze request (the neighbour phase's extra edge CPU over "
+                  f"bronze's requests): {n['edge_cpu_ms_per_bronze_request']} ms.", ""]  # fmt: skip
     o = report.get("overload")
     if o:
         lines += ["## Overload", "",
@@ -413,6 +538,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bronze-rps", type=float, default=5.0, help="bronze quota; it sends 10x")
     p.add_argument("--bronze-times", type=float, default=10.0,
                    help="bronze sends this many times its quota (10)")  # fmt: skip
+    p.add_argument("--blocks", type=int, default=6,
+                   help="noisy: alternate the two phases in this many blocks each (6)")  # fmt: skip
     p.add_argument("--clients", type=int, default=100)
     p.add_argument("--kv-tokens", type=int, default=4000)
     p.add_argument("--bucket-rps", type=float, default=60.0)

@@ -20,7 +20,7 @@ from backends.registry import BackendRegistry
 from edge.access_log import AccessLog
 from edge.admission import Admission, AdmissionSettings
 from edge.admission.tenants import Tenant
-from edge.asgi import Receive, Scope, Send, lifespan, render_error, send_json
+from edge.asgi import Receive, Scope, Send, body_writer, lifespan, render_error, send_json
 from edge.attempt import Aborter, Attempts
 from edge.audit import AuditLog
 from edge.config import ProxyConfig
@@ -175,7 +175,7 @@ class ProxyApp:
                 return
             raise RouteNotFound(f"no route for {method} {path}")
         except EdgeError as err:
-            await render_error(send, err)
+            await render_error(send, err, body_writer(scope))
             self.metrics.requests.labels(label, str(err.status), NO_MODEL).inc()
             if self.access_log is not None:
                 self._log_other(scope, label, err.status, err.message)
@@ -318,7 +318,7 @@ class ProxyApp:
                 self._log(ex, scope, route, ex.status, t0, err.message)
                 return
             err.extra_headers = (*err.extra_headers, (b"x-request-id", request_id.encode()))
-            await render_error(send, err)
+            await render_error(send, err, body_writer(scope))
             self.metrics.requests.labels(route, str(err.status), model).inc()
             self._log(ex, scope, route, err.status, t0, err.message)
             return

@@ -8,6 +8,7 @@ from typing import Any
 
 from edge.errors import JSON_HEADERS, EdgeError
 from edge.stages.forward import new_request_id
+from transport.asgi import BodyWriter
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -16,19 +17,32 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
-async def render_error(send: Send, err: EdgeError) -> None:
+async def render_error(send: Send, err: EdgeError, writer: BodyWriter | None = None) -> None:
     """The one place an `EdgeError` becomes a response.
 
     Every error carries an `x-request-id`, so that a client can quote it: an inference route
     has set the request's own; elsewhere (an unknown route, a refused method, `/v1/models`), or
-    where the client's id was malformed (`-`), the error gets a new one."""
+    where the client's id was malformed (`-`), the error gets a new one. With the listener's
+    body writer (`quicedge.body_writer`) head and body leave in one write: a flood of refusals
+    (429s) then costs one system call each, not two."""
     body = err.body()
-    headers = err.headers()
+    headers = err.headers(length=len(body))
     if not any(k == b"x-request-id" and v != b"-" for k, v in headers):
         headers = [(k, v) for k, v in headers if k != b"x-request-id"]
         headers.append((b"x-request-id", new_request_id().encode()))
-    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    start = {"type": "http.response.start", "status": err.status, "headers": headers}
+    if writer is not None:
+        if not writer.write_head(start, body, more=False):
+            await writer.drained()
+        return
+    await send(start)
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+def body_writer(scope: Scope) -> BodyWriter | None:
+    """The listener's `quicedge.body_writer`, if it offers one."""
+    extensions = scope.get("extensions")
+    return extensions.get("quicedge.body_writer") if extensions else None
 
 
 async def send_json(send: Send, status: int, obj: Any) -> None:

@@ -57,8 +57,11 @@ class EdgeError(Exception):
     def body(self) -> bytes:
         return json.dumps(self.payload(), separators=(",", ":")).encode()
 
-    def headers(self, *extra: tuple[bytes, bytes]) -> list[tuple[bytes, bytes]]:
-        body_len = str(len(self.body())).encode()
+    def headers(
+        self, *extra: tuple[bytes, bytes], length: int | None = None
+    ) -> list[tuple[bytes, bytes]]:
+        """The response headers; `length` is the body's, when the caller has encoded it."""
+        body_len = b"%d" % (len(self.body()) if length is None else length)
         return [*JSON_HEADERS, (b"content-length", body_len), *self.extra_headers, *extra]
 
 
@@ -272,7 +275,9 @@ class StreamRefusal(PolicyRefused):
     def body(self) -> bytes:
         return self.events
 
-    def headers(self, *extra: tuple[bytes, bytes]) -> list[tuple[bytes, bytes]]:
+    def headers(
+        self, *extra: tuple[bytes, bytes], length: int | None = None
+    ) -> list[tuple[bytes, bytes]]:
         return [
             (b"content-type", b"text/event-stream"),
             (b"cache-control", b"no-cache"),

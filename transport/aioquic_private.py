@@ -125,6 +125,11 @@ def has_connection(server: QuicServer, connection_id: bytes) -> bool:
     return connection_id in server._protocols
 
 
+def connection_for(server: QuicServer, connection_id: bytes) -> QuicConnectionProtocol | None:
+    """The connection a datagram for this destination connection ID goes to, if any."""
+    return server._protocols.get(connection_id)
+
+
 def server_configuration(server: QuicServer) -> QuicConfiguration:
     """The configuration new connections get."""
     return server._configuration

@@ -6,7 +6,8 @@ listener's `on_refused`), `release` forgets one that closed. `h1_server.H1Listen
 `connection_made`. hypercorn (the TLS listener) accepts its connections itself;
 `gate_hypercorn` makes its per-connection server ask the gate set on its config, before the
 connection reads anything (the TLS handshake has happened by then: asyncio's `start_server`
-does it before the callback).
+does it before the callback). The QUIC listener (`h3_server`) asks it for a client's first
+Initial datagram, before any connection state or TLS work (`h3_caps`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,11 @@ class ConnectionGate:
         self.on_refused = on_refused
         self.open = 0
         self.per_client: dict[str, int] = {}
+
+    @property
+    def active(self) -> bool:
+        """Whether any cap is set (without one, a listener need not count)."""
+        return bool(self.max_connections or self.max_per_client)
 
     def admit(self, host: str | None) -> str | None:
         """Count a new connection from `host`; or return the cap it is over (not counted)."""

@@ -91,10 +91,11 @@ class TransportConfig:
     loop: Literal["auto", "asyncio", "uvloop"] = "auto"
     """Event loop: asyncio, uvloop, or auto (uvloop when installed)."""
     max_connections: int = 10000
-    """Open connections per TCP listener (TLS, plain HTTP, admin); one more is closed at once
-    and counted (`quicedge_connections_refused_total`). 0: no cap."""
+    """Open connections per listener (QUIC, TLS, plain HTTP, admin); one more is closed at once
+    (QUIC: refused with CONNECTION_REFUSED) and counted (`quicedge_connections_refused_total`).
+    0: no cap."""
     max_connections_per_client: int = 256
-    """Open connections from one client IP address per TCP listener; one more is closed at once
+    """Open connections from one client IP address per listener; one more is closed at once
     and counted. Behind a load balancer that does not keep client addresses, raise it or set 0
     (no cap)."""
     limits: H3Limits = field(

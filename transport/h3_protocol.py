@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.quic.connection import NetworkAddress, QuicConnection
-from aioquic.quic.events import HandshakeCompleted, QuicEvent
+from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, QuicEvent
 
 from transport.aioquic_private import process_events, set_max_streams_bidi, unacked_bytes
 from transport.asgi import Message
@@ -118,6 +118,8 @@ class H3Protocol(QuicConnectionProtocol):
         self._connection = quic
         self._event_loop = asyncio.get_running_loop()
         self._started_at = self._event_loop.time()
+        self.on_closed: Callable[[], None] | None = None
+        """Called once, when the connection has ended (the listener's gate forgets it)."""
 
     @property
     def session(self) -> H3Session:
@@ -131,6 +133,9 @@ class H3Protocol(QuicConnectionProtocol):
         if isinstance(event, HandshakeCompleted):
             self._server.handshake_completed(event, self._event_loop.time() - self._started_at)
             self._stop_early_watch()
+        elif isinstance(event, ConnectionTerminated) and self.on_closed is not None:
+            on_closed, self.on_closed = self.on_closed, None
+            on_closed()
         for action in self._session.handle(event, self._event_loop.time()):
             self._execute(action)
         if self._session.terminated:

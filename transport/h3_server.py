@@ -2,8 +2,9 @@
 
 The connection's protocol, with its per-stream channels, flushes, back-pressure and early-data
 deadline, is ``h3_protocol.H3Protocol``; here are aioquic's endpoint (`_Endpoint`, which stops
-admitting connections while draining and swaps its configuration on a certificate reload) and
-``H3Server``: the socket, session tickets, metrics hooks, drain and close.
+admitting connections while draining, refuses those past the connection caps and swaps its
+configuration on a certificate reload) and ``H3Server``: the socket, session tickets, metrics
+hooks, drain and close.
 """
 
 from __future__ import annotations
@@ -12,16 +13,18 @@ import asyncio
 import logging
 import socket
 from functools import partial
+from typing import Any, cast
 
 from aioquic.asyncio.server import QuicServer
 from aioquic.buffer import Buffer
 from aioquic.quic.connection import NetworkAddress
 from aioquic.quic.events import HandshakeCompleted
-from aioquic.quic.packet import pull_quic_header
+from aioquic.quic.packet import QuicHeader, QuicPacketType, pull_quic_header
 from aioquic.tls import SessionTicket
 
 from transport import aioquic_patches  # noqa: F401  (before any connection: see the module)
 from transport.aioquic_private import (
+    connection_for,
     has_connection,
     server_configuration,
     server_protocols,
@@ -29,7 +32,9 @@ from transport.aioquic_private import (
     set_server_configuration,
 )
 from transport.asgi import ASGIApp
+from transport.caps import ConnectionGate
 from transport.early_data import EarlyDataPolicy
+from transport.h3_caps import may_open, refusal
 from transport.h3_protocol import SEND_HIGH_WATER, SEND_LOW_WATER, H3Protocol
 from transport.h3_session import EarlyRequest, H3Limits, RequestRefused
 from transport.metrics import TransportMetrics
@@ -43,22 +48,68 @@ log = logging.getLogger("quicedge.transport.h3")
 
 
 class _Endpoint(QuicServer):
-    """aioquic's QuicServer that can stop admitting new connections and swap its config."""
+    """aioquic's QuicServer that can stop admitting new connections, caps them through a
+    `ConnectionGate`, and swaps its config."""
 
     draining = False
 
+    def __init__(self, *, gate: ConnectionGate, retry: bool, **kwargs: Any) -> None:
+        super().__init__(retry=retry, **kwargs)
+        self.gate = gate
+        self.retry = retry
+        self._socket: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._socket = cast(asyncio.DatagramTransport, transport)
+
     def datagram_received(self, data: bytes | str, addr: NetworkAddress) -> None:
+        raw = data if isinstance(data, bytes) else data.encode()
         if self.draining:
-            try:
-                header = pull_quic_header(
-                    Buffer(data=data if isinstance(data, bytes) else data.encode()),
-                    host_cid_length=server_configuration(self).connection_id_length,
-                )
-            except ValueError:
-                return
-            if not has_connection(self, header.destination_cid):
+            header = self._header(raw)
+            if header is None or not has_connection(self, header.destination_cid):
                 return  # no new connections while draining
+        elif self.gate.active and may_open(raw):
+            header = self._header(raw)
+            if header is None:
+                return
+            if self._opens(header):
+                self._open(raw, addr, header)
+                return
         super().datagram_received(data, addr)
+
+    def _header(self, data: bytes) -> QuicHeader | None:
+        try:
+            return pull_quic_header(
+                Buffer(data=data), host_cid_length=server_configuration(self).connection_id_length
+            )
+        except ValueError:
+            return None
+
+    def _opens(self, header: QuicHeader) -> bool:
+        """Whether aioquic would make a connection for this datagram (rather than answer with a
+        Retry or a version negotiation, or drop it)."""
+        return (
+            header.packet_type == QuicPacketType.INITIAL
+            and header.version in server_configuration(self).supported_versions
+            and not has_connection(self, header.destination_cid)
+            and (not self.retry or bool(header.token))
+        )
+
+    def _open(self, data: bytes, addr: NetworkAddress, header: QuicHeader) -> None:
+        """A new connection, counted by the gate until it ends; past a cap, refused without
+        any state."""
+        host = str(addr[0])
+        if self.gate.admit(host) is not None:
+            assert self._socket is not None
+            self._socket.sendto(refusal(header), addr)
+            return
+        super().datagram_received(data, addr)
+        protocol = connection_for(self, header.destination_cid)
+        if isinstance(protocol, H3Protocol):
+            protocol.on_closed = partial(self.gate.release, host)
+        else:
+            self.gate.release(host)  # none was made: a Retry token that did not validate
 
     def protocols(self) -> list[H3Protocol]:
         unique = {id(p): p for p in server_protocols(self) if isinstance(p, H3Protocol)}
@@ -78,6 +129,8 @@ class H3Server:
         limits: H3Limits | None = None,
         retry_secret: bytes | None = None,
         metrics: TransportMetrics | None = None,
+        max_connections: int = 0,
+        max_connections_per_client: int = 0,
     ) -> None:
         self.app = app
         self.tls = tls
@@ -86,6 +139,8 @@ class H3Server:
         self.limits = limits or H3Limits()
         self.retry_secret = retry_secret
         self.metrics = metrics
+        self.gate = ConnectionGate(max_connections, max_connections_per_client)
+        """Connection caps (0: none); its `on_refused` is called for each connection refused."""
         self.address: tuple[str, int] | None = None
         self._endpoint: _Endpoint | None = None
         self._transport: asyncio.DatagramTransport | None = None
@@ -111,6 +166,7 @@ class H3Server:
         handler = self._keep_ticket if self.tickets is not None else None
         transport, endpoint = await loop.create_datagram_endpoint(
             lambda: _Endpoint(
+                gate=self.gate,
                 configuration=configuration,
                 create_protocol=partial(H3Protocol, server=self),
                 session_ticket_fetcher=fetcher,

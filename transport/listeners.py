@@ -64,7 +64,10 @@ class Listeners:
             limits=config.limits,
             retry_secret=secret if config.quic_retry else None,
             metrics=metrics,
+            max_connections=config.max_connections,
+            max_connections_per_client=config.max_connections_per_client,
         )
+        self.h3.gate.on_refused = partial(self._refused, "h3")
         self._proxies: list[TcpListener | H1Listener] = []
         self._admin: H1Listener | None = None
 

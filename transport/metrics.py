@@ -93,8 +93,9 @@ class TransportMetrics:
         )
         self.connections_refused = Counter(
             "quicedge_connections_refused",
-            "TCP connections closed as they were accepted: over the listener's cap"
-            " (listener_cap) or one client address's (client_cap)",
+            "connections refused as they opened (TCP: closed as accepted; QUIC:"
+            " CONNECTION_REFUSED): over the listener's cap (listener_cap) or one client"
+            " address's (client_cap)",
             ["listener", "reason"],
             registry=registry,
         )

@@ -295,3 +295,140 @@ def test_serve_says_at_once_that_kubernetes_discovery_needs_a_cluster(
     config.write_text('[discovery]\nmode = "kubernetes"\nnames = ["sglang"]\n')
     assert main(["--config", str(config)]) == 2
     assert "discovery.api_url: not in a cluster" in capsys.readouterr().err
+
+
+async def test_a_names_labels_go_with_every_backend_it_finds() -> None:
+    with dns_server() as (zone, server):
+        zone.set("sglang.fleet.test", "A", ["127.0.0.1", "127.0.0.2"])
+        zone.set(SRV_NAME, "SRV", [(30001, "a.fleet.test")])
+        zone.set("a.fleet.test", "A", ["127.0.0.3"])
+        plain = "sglang.fleet.test:30000#hardware=h100&tiers=gold+silver"
+        srv = f"{SRV_NAME}#model=llama@v2"
+        found = await DnsSource(dns_config(server, plain, srv)).lookup()
+    assert found == {
+        plain: {
+            "http://127.0.0.1:30000#hardware=h100&tiers=gold+silver",
+            "http://127.0.0.2:30000#hardware=h100&tiers=gold+silver",
+        },
+        srv: {"http://127.0.0.3:30001#model=llama@v2"},
+    }
+
+
+def test_bad_labels_on_a_name_are_refused_by_name() -> None:
+    with pytest.raises(ValueError, match=r"discovery.names: 'a:1#zone=x': label 'zone=x'"):
+        DiscoveryConfig.from_mapping({"mode": "dns", "names": ["a:1#zone=x"]})
+    with pytest.raises(ValueError, match="discovery.names: 'svc#tiers=gold\\+iron': tiers"):
+        DiscoveryConfig.from_mapping({"mode": "kubernetes", "names": ["svc#tiers=gold+iron"]})
+
+
+def labelled_slices(labels: dict[str, str], *addresses: str) -> dict[str, Any]:
+    listed = slices(*((a, True) for a in addresses))
+    listed["items"][0]["metadata"] = {"name": "sglang-abc12", "labels": labels}
+    return listed
+
+
+def test_a_slices_service_labels_are_its_endpoints_labels() -> None:
+    service = {
+        "kubernetes.io/service-name": "sglang",
+        "app": "sglang",
+        "quicedge.io/model": "llama-3-8b",
+        "quicedge.io/model-version": "v2",
+        "quicedge.io/hardware": "h100",
+        "quicedge.io/tiers": "gold-silver",
+    }
+    listed = labelled_slices(service, "10.0.0.1")
+    assert ready_endpoints(listed, "http") == {
+        "http://10.0.0.1:30000#hardware=h100&model=llama-3-8b@v2&tiers=gold+silver"
+    }
+    # The name's own labels win over the slice's.
+    assert ready_endpoints(listed, "http", {"hardware": "a100"}) == {
+        "http://10.0.0.1:30000#hardware=a100&model=llama-3-8b@v2&tiers=gold+silver"
+    }
+    # A tier Kubernetes names that the edge does not know: that label only is dropped.
+    odd = labelled_slices({"quicedge.io/tiers": "gold.iron", "quicedge.io/hardware": "h200"}, "b")
+    assert ready_endpoints(odd, None) == {"http://b:30000#hardware=h200"}
+
+
+async def test_discovered_labels_place_backends_in_their_pools_tiers_and_domains() -> None:
+    """Through the edge: a DNS name labelled `model=gamma@v7&hardware=h200` and an EndpointSlice
+    whose Service says `quicedge.io/model: beta` and `quicedge.io/tiers: gold` (the name adds
+    `hardware=a100`). Each backend is
+    in its model pool and breaker domain; the gold-only one serves a gold tenant, never bronze."""
+    from edge.admission.settings import AdmissionSettings, TenantSettings
+    from edge.admission.tenants import key_digest
+    from edge.routing.breakers import BreakerConfig
+    from tests.edge.conftest import client, run_edge
+    from tests.edge.models.test_pools_e2e import chat, netloc, sim, sims
+
+    async with sims(sim("alpha"), sim("beta")) as (a, b):
+
+        def api(recorded: Recorded) -> Reply:
+            service = {"quicedge.io/model": "beta", "quicedge.io/tiers": "gold"}
+            listed = labelled_slices(service, "127.0.0.1")
+            listed["items"][0]["ports"][0]["port"] = b.port
+            return Reply(chunks=[json.dumps(listed).encode()], chunked=False,
+                         headers=[("content-type", "application/json")])  # fmt: skip
+
+        async with TinyUpstream(api) as k8s:
+            with dns_server() as (zone, server):
+                zone.set("one.fleet.test", "A", ["127.0.0.1"])
+                dns = dns_config(server, f"one.fleet.test:{a.port}#model=gamma@v7&hardware=h200")
+                kube = DiscoveryConfig.from_mapping(
+                    {"mode": "kubernetes", "names": ["inference/sglang#hardware=a100"],
+                     "api_url": k8s.url, "token_file": "/nonexistent"}
+                )  # fmt: skip
+                # Two sources feed one registry: the DNS one builds the edge, the slice is
+                # added as discovery adds it at run time.
+                config = fast_config(["http://127.0.0.1:1"])
+                config.backends = []
+                config.admission = AdmissionSettings(tenants=[TenantSettings(
+                    name="acme", tier="gold", api_key_sha256=[key_digest("sk-gold")]
+                )])  # fmt: skip
+                async with run_edge(config, discovery=dns, breakers=BreakerConfig()) as edge:
+                    registry = edge.wiring.registry
+                    sliced = Discovery(kube, KubernetesSource(kube))
+                    for url in await sliced.initial([]):
+                        registry.add(url)
+                    backends = {x.name: x for x in registry.backends}
+                    ga, gb = backends[netloc(a)], backends[netloc(b)]
+                    assert (ga.model, ga.model_version, ga.hw_group) == ("gamma", "v7", "h200")
+                    assert (gb.model, gb.hw_group, gb.labels["tiers"]) == ("beta", "a100", "gold")
+                    async with client(edge) as http:
+                        r = await http.post("/v1/chat/completions", json=chat("gamma"))
+                        assert r.status_code == 200, r.text
+                        assert r.headers["x-quicedge-backend"] == netloc(a)
+                        gold = {"authorization": "Bearer sk-gold"}
+                        r = await http.post("/v1/chat/completions", json=chat("beta"), headers=gold)
+                        assert r.status_code == 200, r.text
+                        assert r.headers["x-quicedge-backend"] == netloc(b)
+                        bronze = await http.post("/v1/chat/completions", json=chat("beta"))
+                        assert bronze.status_code == 503, bronze.text
+                        assert gb.requests == 1  # the gold one only
+                    breakers = edge.wiring.breakers
+                    assert breakers is not None
+                    assert breakers.state_of("gamma@v7", "bronze", "h200") == "closed"
+                    assert breakers.state_of("beta", "gold", "a100") == "closed"
+                    assert breakers.state_of("beta", "bronze", "a100") is None
+
+
+async def test_a_labelled_backend_url_stays_when_discovery_runs_beside_it() -> None:
+    """A `--backend` URL with labels beside a discovery mode is kept for good (it is compared
+    by its URL, not by its labels), and a discovered one keeps its labels."""
+    with dns_server() as (zone, server):
+        zone.set("sglang.fleet.test", "A", ["127.0.0.2"])
+        config = dns_config(server, "sglang.fleet.test:30000#tiers=gold")
+        discovery = Discovery(config, DnsSource(config))
+        static = ["http://127.0.0.1:30000/#model=m&hardware=h100"]
+        urls = await discovery.initial(static)
+        assert urls == [
+            "http://127.0.0.1:30000#model=m&hardware=h100",
+            "http://127.0.0.2:30000#tiers=gold",
+        ]
+        registry = BackendRegistry(urls, pool=None)
+        await discovery.refresh(registry)
+    assert not any(b.draining for b in registry.backends)
+    labels = {b.url: b.labels for b in registry.backends}
+    assert labels == {
+        "http://127.0.0.1:30000": {"model": "m", "hardware": "h100"},
+        "http://127.0.0.2:30000": {"tiers": "gold"},
+    }

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from aioquic.asyncio.client import connect
 from aioquic.asyncio.protocol import QuicConnectionProtocol
@@ -153,6 +154,26 @@ async def h3_connect(
     ) as client:
         assert isinstance(client, H3Client)
         yield client
+
+
+@asynccontextmanager
+async def h3_connect_from(source: str, port: int, ca_cert: Any) -> AsyncIterator[H3Client]:
+    """Connect to 127.0.0.1 from the loopback address `source` (aioquic's `connect` always
+    binds the wildcard address, so the server would see 127.0.0.1)."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind((source, 0))
+    quic = QuicConnection(configuration=client_config(ca_cert))
+    transport, protocol = await loop.create_datagram_endpoint(lambda: H3Client(quic), sock=sock)
+    client = cast(H3Client, protocol)
+    try:
+        client.connect(("127.0.0.1", port))
+        await client.wait_connected()
+        yield client
+    finally:
+        client.close()
+        await client.wait_closed()
+        transport.close()
 
 
 async def fresh_ticket(port: int, ca_cert: Any, host: str = "127.0.0.1") -> SessionTicket:

@@ -15,13 +15,16 @@ import httpx
 import pytest
 from aioquic.buffer import encode_uint_var
 from aioquic.h3.connection import FrameType
+from aioquic.quic.packet import QuicErrorCode
 
+from certs import ensure_dev_certificates
 from tests.helpers import free_port, wait_until
 from tests.transport.apps import RecordingApp
 from tests.transport.conftest import H3Factory
-from tests.transport.h3client import Response, h3_connect
+from tests.transport.h3client import Response, h3_connect, h3_connect_from
 from transport.caps import CLIENT_CAP, LISTENER_CAP, ConnectionGate
 from transport.h1_server import H1Listener
+from transport.h3_caps import REASON
 from transport.h3_session import H3Limits
 from transport.tcp import TcpListener, TcpOptions
 from transport.tls import TlsMaterial
@@ -281,9 +284,15 @@ async def test_quicedge_serve_counts_refused_connections_and_cut_off_requests(
     with contextlib.suppress(ConnectionError):
         assert await asyncio.wait_for(reader.read(), 5) == b""
     writer.close()
+    ca = ensure_dev_certificates().ca_cert  # what `--demo` serves
+    async with h3_connect(server.h3_port, ca) as one, h3_connect(server.h3_port, ca) as two:
+        for client in (one, two):
+            assert (await client.fetch("GET", "/v1/models")).status == 200
+        assert await refused_h3(server.h3_port, ca) == QuicErrorCode.CONNECTION_REFUSED
     async with httpx.AsyncClient() as client:
         metrics = (await client.get(f"http://127.0.0.1:{server.admin_port}/metrics")).text
     assert 'quicedge_connections_refused_total{listener="http",reason="client_cap"} 1.0' in metrics
+    assert 'quicedge_connections_refused_total{listener="h3",reason="client_cap"} 1.0' in metrics
     assert 'quicedge_request_timeouts_total{listener="http",phase="head"} 1.0' in metrics
     for _, w in held:
         w.close()
@@ -308,3 +317,67 @@ async def test_an_http3_head_that_trickles_in_gets_408(h3_server: H3Factory, dev
             assert response.status == 408
             ok = await c.fetch("POST", "/echo", body=b"hello")
             assert ok.status == 200
+
+
+async def refused_h3(port: int, ca_cert: Any, host: str = "127.0.0.1") -> int | None:
+    """Open an HTTP/3 connection expecting a refusal: the error code it was closed with, within
+    10 s (None if its handshake completed instead)."""
+    async with h3_connect(port, ca_cert, wait_connected=False, host=host) as client:
+        client.transmit()  # the first flight (`wait_connected=False` leaves it unsent)
+        async with asyncio.timeout(10):  # aioquic's own handshake timeout would be 60 s
+            while client.terminated is None and client.handshake is None:  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+        if client.terminated is None:
+            return None
+        assert client.terminated.reason_phrase == REASON.decode()
+        return client.terminated.error_code
+
+
+@pytest.mark.parametrize("retry", [False, True], ids=["plain", "retry"])
+async def test_http3_connections_past_the_listener_cap_are_refused(
+    h3_server: H3Factory, dev_certs: Any, retry: bool
+) -> None:
+    """Over real QUIC: two connections under a cap of two are served; a third is refused with
+    CONNECTION_REFUSED before its handshake while the two keep working; once one of them has
+    closed, a new one is served. With Retry, the refusal answers the Initial that carries the
+    token."""
+    secret = b"r" * 32 if retry else None
+    async with h3_server(max_connections=2, retry_secret=secret) as server:
+        refused: list[str] = []
+        server.gate.on_refused = refused.append
+        async with h3_connect(server.port, dev_certs.ca_cert) as first:
+            async with h3_connect(server.port, dev_certs.ca_cert) as second:
+                for client in (first, second):
+                    assert (await client.fetch("POST", "/echo", body=b"a")).status == 200
+                code = await refused_h3(server.port, dev_certs.ca_cert)
+                assert code == QuicErrorCode.CONNECTION_REFUSED
+                assert refused == [LISTENER_CAP]
+                assert server.gate.open == 2  # the refusal made no connection
+                for client in (first, second):
+                    assert (await client.fetch("POST", "/echo", body=b"b")).status == 200
+            # `second` sent CONNECTION_CLOSE; the server forgets it after its draining period
+            await wait_until(lambda: server.gate.open == 1, timeout=10)
+            async with h3_connect(server.port, dev_certs.ca_cert) as third:
+                assert (await third.fetch("POST", "/echo", body=b"c")).status == 200
+                assert (await first.fetch("POST", "/echo", body=b"d")).status == 200
+    assert refused == [LISTENER_CAP]
+
+
+async def test_http3_connections_past_one_address_cap_are_refused(
+    h3_server: H3Factory, dev_certs: Any
+) -> None:
+    """The per-address cap: a second connection from 127.0.0.1 is refused, one from 127.0.0.2
+    (loopback too) is served; connections that end are forgotten."""
+    async with h3_server(max_connections_per_client=1) as server:
+        refused: list[str] = []
+        server.gate.on_refused = refused.append
+        async with h3_connect(server.port, dev_certs.ca_cert) as held:
+            assert (await held.fetch("POST", "/echo", body=b"a")).status == 200
+            code = await refused_h3(server.port, dev_certs.ca_cert)
+            assert code == QuicErrorCode.CONNECTION_REFUSED
+            assert refused == [CLIENT_CAP]
+            async with h3_connect_from("127.0.0.2", server.port, dev_certs.ca_cert) as other:
+                assert (await other.fetch("POST", "/echo", body=b"b")).status == 200
+            assert (await held.fetch("POST", "/echo", body=b"c")).status == 200
+        await wait_until(lambda: server.gate.open == 0, timeout=10)
+        assert server.gate.per_client == {}
