@@ -41,7 +41,8 @@ from urllib.parse import quote, urlsplit
 
 import h11
 
-from backends.registry import LABEL_TIERS, BackendRegistry, parse_labels
+from backends.labels import LABEL_TIERS, parse_labels
+from backends.registry import BackendRegistry
 
 log = logging.getLogger(__name__)
 
