@@ -43,6 +43,7 @@ from edge.models.service import Models
 from edge.policy.gateway import PolicyGateway
 from edge.relay import RelayResult, StreamRelay, read_whole
 from edge.routing.base import Decision, Outcome, RoutingPolicy
+from edge.routing.breaker import serves
 from edge.routing.breakers import STATE_NAMES, Breaker, BreakerConfig, Breakers
 from edge.sse import Usage, answer_of_body
 from edge.stages.account import account_cache, account_stream
@@ -139,8 +140,9 @@ class Attempts:
                 self._settle(retried, None)
                 if last is not None:
                     raise last.error
-                if any(b not in tried for b in self._in_pool(ex.model_route)):
-                    raise self._circuit_open(tier)
+                untried = [b for b in self._in_pool(ex.model_route) if b not in tried]
+                if untried:
+                    raise self._circuit_open(tier, untried)
                 if self.models is not None and ex.model_route is not None:
                     if self.registry.candidates():  # others can, not this pool: 503 naming it
                         raise self.models.pools.no_backend(ex.model_route)
@@ -383,8 +385,14 @@ class Attempts:
                         {"quicedge.chunks": len(result.gaps) + 1})  # fmt: skip
         return result
 
-    def _circuit_open(self, tier: str) -> EdgeError:
-        """503: backends are up, but every domain of this tier is behind an open breaker."""
+    def _circuit_open(self, tier: str, untried: list[Backend]) -> EdgeError:
+        """503: backends are up, but every domain of this tier is behind an open breaker, or
+        none of them serves the tier at all (their `tiers` labels leave it out)."""
+        if not any(serves(b, tier) for b in untried):
+            return NoHealthyBackend(
+                f"no backend serves tier {tier} (their tiers labels leave it out)",
+                code="tier_not_served",
+            )
         wait = self.breakers.refused(tier)
         return CircuitOpen(
             f"every backend serving tier {tier} is behind an open circuit breaker; retry later",

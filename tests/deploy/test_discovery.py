@@ -403,6 +403,7 @@ async def test_discovered_labels_place_backends_in_their_pools_tiers_and_domains
                         assert r.headers["x-quicedge-backend"] == netloc(b)
                         bronze = await http.post("/v1/chat/completions", json=chat("beta"))
                         assert bronze.status_code == 503, bronze.text
+                        assert bronze.json()["error"]["code"] == "tier_not_served"
                         assert gb.requests == 1  # the gold one only
                     breakers = edge.wiring.breakers
                     assert breakers is not None
