@@ -43,6 +43,13 @@ class ModelMetrics:
             ["model", "result"],
             registry=registry,
         )
+        self.shadow_cancelled = Counter(
+            "quicedge_shadow_cancelled",
+            "Shadow requests cancelled in flight, by reason: degraded, queue, breaker (the "
+            "canary became overloaded) or rollout (paused, rolled back or promoted).",
+            ["model", "reason"],
+            registry=registry,
+        )
         self.shadow_agree = Counter(
             "quicedge_shadow_agreement",
             "Shadow pair checks (exact: greedy requests only; finish) by whether both agreed.",

@@ -25,6 +25,11 @@ from edge.models.pools import ModelPools, Route
 from edge.models.ramp import Ramp, Transition
 from edge.models.rollout import Rollout
 from edge.models.shadow import Shadow
+from edge.routing.breakers import Breakers
+
+STOPS_TESTING = frozenset({"pause", "rollback", "promoted"})
+"""Transitions that cancel the mirrors in flight: a paused canary may be slow, and after a
+rollback or a promotion their answers compare nothing."""
 
 
 class Models:
@@ -39,6 +44,7 @@ class Models:
         clock: Callable[[], float] = time.monotonic,
         rng: Callable[[], float] = random.random,
         credentials: BackendCredentials | None = None,
+        breakers: Breakers | None = None,
     ) -> None:
         self.config = config
         self.metrics = ModelMetrics(registry)
@@ -56,6 +62,7 @@ class Models:
                 rng=rng,
                 clock=clock,
                 credentials=credentials,
+                breakers=breakers,
             )  # fmt: skip
             for r in config.rollouts
         }
@@ -66,9 +73,18 @@ class Models:
         for name, ramp in self.ramps.items():
             self.metrics.canary_percent.labels(name).set(ramp.rollout.percent)
 
+    def set_aborter(self, abort: Callable[[Backend, str], None]) -> None:
+        """How a cancelled mirror is aborted on its canary (`/abort_request` by rid)."""
+        for shadow in self.shadows.values():
+            shadow.abort = abort
+
     def _transition(self, rollout: Rollout, transition: Transition) -> None:
         self.metrics.transitions.labels(rollout.pool, transition.action).inc()
         self.metrics.canary_percent.labels(rollout.pool).set(rollout.percent)
+        if transition.action in STOPS_TESTING:
+            shadow = self.shadows.get(rollout.pool)
+            if shadow is not None:
+                shadow.cancel_all("rollout")
 
     def route_now(
         self, model: Any, *, tenant: str | None, canary: bytes | None, session: bytes | None

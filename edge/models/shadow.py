@@ -4,7 +4,10 @@ After a stable request succeeded, `Shadow.mirror` decides in O(1) whether to mir
 (`shadow_fraction`); a mirror starts only while fewer than `shadow_concurrency` are in flight,
 the rate bucket (`shadow_rate` per second) has a token, and the canary is not overloaded
 (degraded, at its cap or queueing). Otherwise it is dropped and counted. A mirror is a detached
-task: the client's answer never waits for it.
+task: the client's answer never waits for it. A mirror in flight is cancelled, its upstream
+request closed and aborted by rid, as soon as the canary becomes overloaded (degraded or
+unhealthy, queueing in `/v1/loads`, a breaker of its domain open) or the rollout stops testing
+(paused, rolled back, promoted): the canary's capacity goes to its clients first.
 
 Each mirror sends the request, not streamed and with logprobs asked for, to one stable and one
 canary backend at once (the client's own stream is relayed as it comes, never held or parsed for
@@ -37,6 +40,7 @@ from edge.models.drift import Sample
 from edge.models.metrics import ModelMetrics
 from edge.models.ramp import Ramp
 from edge.relay import read_whole
+from edge.routing.breakers import TIERS, Breakers, domain_of
 from edge.stages.validate import CHAT, COMPLETIONS, GENERATE
 
 log = logging.getLogger(__name__)
@@ -46,6 +50,12 @@ TOP_K = 5
 MAX_COMPARED_WORDS = 2000
 """Words of each text the edit similarity looks at (it is quadratic in the worst case)."""
 MAX_SHADOW_BODY = 8 * 1024 * 1024
+WATCH_INTERVAL = 0.05
+"""How often the mirrors in flight are checked against their canary's load, s (the queue is
+known from `/v1/loads` polls, every `proxy.loads_interval`, so this adds little to that)."""
+
+Aborter = Callable[[Backend, str], None]
+"""Fire-and-forget `/abort_request` for (backend, rid) (`edge.wiring.Wiring.abort`)."""
 
 
 @dataclass(slots=True)
@@ -187,12 +197,34 @@ class _Bucket:
 
 
 def overloaded(backend: Backend) -> bool:
-    load = backend.load
+    """Too busy for a new mirror: degraded, at its concurrency cap or queueing."""
     return (
-        backend.degraded
-        or (backend.max_concurrency is not None and backend.in_flight >= backend.max_concurrency)
-        or (load is not None and load.num_waiting_reqs > 0)
-    )
+        backend.max_concurrency is not None and backend.in_flight >= backend.max_concurrency
+    ) or strained(backend, None) is not None
+
+
+def strained(backend: Backend, breakers: Breakers | None) -> str | None:
+    """Why a mirror in flight on `backend` should give way (None: it need not): `degraded`
+    (or unhealthy), `queue` (requests waiting in its `/v1/loads`) or `breaker` (a breaker of its
+    domain is open). The concurrency cap is not a reason: the mirror itself counts against it."""
+    if backend.degraded or not backend.healthy:
+        return "degraded"
+    load = backend.load
+    if load is not None and load.num_waiting_reqs > 0:
+        return "queue"
+    if breakers is not None and breakers.config.enabled:
+        model, hardware = domain_of(backend)
+        if any(breakers.state_of(model, tier, hardware) == "open" for tier in TIERS):
+            return "breaker"
+    return None
+
+
+@dataclass(slots=True)
+class _Mirror:
+    """One mirror in flight: the canary it occupies and the rid it goes by there."""
+
+    canary: Backend
+    rid: str
 
 
 class Shadow:
@@ -209,6 +241,8 @@ class Shadow:
         rng: Callable[[], float] = random.random,
         clock: Callable[[], float] = time.monotonic,
         credentials: BackendCredentials | None = None,
+        breakers: Breakers | None = None,
+        abort: Aborter | None = None,
     ) -> None:
         self.config = config
         self.credentials = credentials or BackendCredentials()
@@ -217,9 +251,13 @@ class Shadow:
         self.pool = pool
         self.registry = registry
         self.metrics = metrics
+        self.breakers = breakers
+        self.abort = abort
+        """Aborts a cancelled mirror by rid, as SGLang may notice a closed connection late."""
         self._rng = rng
         self._bucket = _Bucket(config.shadow_rate, clock)
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: dict[asyncio.Task[None], _Mirror] = {}
+        self._watcher: asyncio.Task[None] | None = None
         self.compared = 0
         self.last: Comparison | None = None
 
@@ -242,15 +280,53 @@ class Shadow:
             return
         canary = self._pick(self.config.canary)
         stable = self._pick(self.config.stable)
-        if canary is None or stable is None or overloaded(canary):
+        if (
+            canary is None or stable is None or overloaded(canary)
+            or strained(canary, self.breakers) is not None
+        ):  # fmt: skip
             self._count("canary_busy")
             return
         if not self._bucket.take():
             self._count("dropped_rate")
             return
         task = asyncio.ensure_future(self._pair(route, payload, rid, stable, canary))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks[task] = _Mirror(canary, rid + "-shadow-c")
+        task.add_done_callback(self._done)
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.ensure_future(self._watch())
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.pop(task, None)
+
+    # -- giving way -----------------------------------------------------------------------
+    async def _watch(self) -> None:
+        """While mirrors are in flight, check their canaries every `WATCH_INTERVAL`."""
+        while self._tasks:
+            await asyncio.sleep(WATCH_INTERVAL)
+            self.check()
+
+    def check(self) -> None:
+        """Cancel each mirror in flight whose canary is strained now (`strained`)."""
+        for task, mirror in list(self._tasks.items()):
+            reason = strained(mirror.canary, self.breakers)
+            if reason is not None:
+                self._cancel(task, mirror, reason)
+
+    def cancel_all(self, reason: str) -> int:
+        """Cancel every mirror in flight (the rollout stopped testing); how many."""
+        current = asyncio.current_task()  # a mirror whose own pair moved the ramp is finishing
+        mirrors = [(t, m) for t, m in self._tasks.items() if t is not current]
+        for task, mirror in mirrors:
+            self._cancel(task, mirror, reason)
+        return len(mirrors)
+
+    def _cancel(self, task: asyncio.Task[None], mirror: _Mirror, reason: str) -> None:
+        if task.done() or self._tasks.pop(task, None) is None:
+            return
+        task.cancel()  # `_ask` closes the upstream connection on its way out
+        self.metrics.shadow_cancelled.labels(self.config.model, reason).inc()
+        if self.abort is not None:
+            self.abort(mirror.canary, mirror.rid)
 
     async def _ask(self, backend: Backend, route: str, body: bytes) -> Answer:
         with self.registry.track(backend, prefill_tokens=0):
@@ -308,10 +384,14 @@ class Shadow:
 
     async def aclose(self) -> None:
         tasks = list(self._tasks)
+        if self._watcher is not None:
+            tasks.append(self._watcher)
         for task in tasks:
             task.cancel()
         with contextlib.suppress(Exception):
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-__all__ = ["Answer", "Comparison", "Shadow", "compare", "parse_answer", "shadow_body"]
+__all__ = [
+    "Answer", "Comparison", "Shadow", "compare", "parse_answer", "shadow_body", "strained",
+]  # fmt: skip
