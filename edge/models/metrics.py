@@ -39,7 +39,8 @@ class ModelMetrics:
         )
         self.shadow = Counter(
             "quicedge_shadow_requests",
-            "Shadow pairs by result: compared, error, dropped_full, dropped_rate, canary_busy.",
+            "Shadow pairs by result: compared, error, unreadable, dropped_full, dropped_rate, "
+            "canary_busy.",
             ["model", "result"],
             registry=registry,
         )
