@@ -15,7 +15,9 @@ Writes OUT/rollout.md and OUT/rollout.json.
 3. **Shadow cost**: a real edge (our HTTP/1.1 listener, in this process with the client) in
    front of a stable and a canary stand-in (each its own process, `h100-llama3-8b` timing at
    `--time-scale`), streamed chat requests one after another, TTFT measured at the client:
-   shadowing 0 % and 10 % of stable traffic, runs interleaved.
+   shadowing off, shadowing 10 %, and two controls with shadowing off: the canary, or the
+   stable stand-in, given the mirrors' load by the benchmark itself; in rounds whose order
+   rotates, with paired per-round differences against "off".
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import random
 import re
 import statistics
@@ -42,6 +45,7 @@ from edge.config import ProxyConfig
 from edge.models.config import DriftConfig, ModelsConfig, RolloutConfig
 from edge.models.drift import Sample
 from edge.models.ramp import Ramp
+from edge.routing.breakers import BreakerConfig
 from edge.wiring import build
 from transport.h1_server import H1Listener
 
@@ -126,14 +130,27 @@ def _quantile(values: list[float], q: float) -> float:
 # -- shadow cost ----------------------------------------------------------------------------
 
 
-async def _ttfts(url: str, n: int, seed: int) -> tuple[list[float], int]:
+SETTINGS = ("0", "0.1", "busy", "stable-busy")
+"""Shadowing off; shadowing 10 %; off with the canary kept as busy by the benchmark itself (the
+same share of requests sent to it directly: the control that tells the edge's mirrors apart
+from what a busier machine does); off with the *stable* stand-in given that load (what mirrors
+cost when each asked the stable version again)."""
+
+
+def _body(tag: str, i: int) -> dict[str, Any]:
+    prompt = f"question {tag}-{i} " + "context " * 40  # unique per round, setting and request
+    return {"model": "m", "stream": True, "max_tokens": 16,
+            "messages": [{"role": "user", "content": prompt}]}  # fmt: skip
+
+
+async def _ttfts(
+    url: str, n: int, tag: str, side: Callable[[dict[str, Any]], None] | None = None
+) -> tuple[list[float], int]:
     out: list[float] = []
     errors = 0
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
         for i in range(n):
-            prompt = f"question {seed}-{i} " + "context " * 40
-            body = {"model": "m", "stream": True, "max_tokens": 16,
-                    "messages": [{"role": "user", "content": prompt}]}  # fmt: skip
+            body = _body(tag, i)
             t0 = time.perf_counter()
             first = None
             async with http.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -146,7 +163,41 @@ async def _ttfts(url: str, n: int, seed: int) -> tuple[list[float], int]:
                         first = time.perf_counter() - t0
             if first is not None:
                 out.append(first)
+            if side is not None:
+                side(body)
     return out, errors
+
+
+class _SideLoad:
+    """A control's load on one stand-in: after a request, with probability `fraction`, the
+    same request, not streamed and with logprobs, sent there by the benchmark (at most `limit`
+    at once, as the shadow's concurrency), never waited for."""
+
+    def __init__(self, canary_url: str, fraction: float, seed: int, limit: int = 4) -> None:
+        self.http = httpx.AsyncClient(base_url=canary_url, timeout=30)
+        self.fraction = fraction
+        self.rng = random.Random(seed)
+        self.limit = limit
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.sent = 0
+
+    def __call__(self, body: dict[str, Any]) -> None:
+        if self.rng.random() >= self.fraction or len(self.tasks) >= self.limit:
+            return
+        side = {**body, "stream": False, "logprobs": True, "top_logprobs": 5}
+        task = asyncio.ensure_future(self._send(side))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _send(self, body: dict[str, Any]) -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            await self.http.post("/v1/chat/completions", json=body)
+            self.sent += 1
+
+    async def aclose(self) -> None:
+        if self.tasks:
+            await asyncio.wait(set(self.tasks), timeout=30)
+        await self.http.aclose()
 
 
 @contextlib.asynccontextmanager
@@ -169,46 +220,89 @@ async def _sim_process(version: str, time_scale: float) -> AsyncIterator[str]:
         await proc.wait()
 
 
+async def _one_run(
+    setting: str, stable_url: str, canary_url: str, requests: int, tag: str, seed: int
+) -> dict[str, Any]:
+    """One setting's requests through a fresh edge; TTFTs and what reached the canary."""
+    proxy = ProxyConfig.from_mapping(
+        {"backends": [stable_url, canary_url], "policy": "round_robin"}
+    ).validate()
+    fraction = 0.1 if setting == "0.1" else 0.0
+    # canary share 0 % (steps below any real share): only shadows reach the canary
+    rollout = RolloutConfig(model="m", stable="v1", canary="v2", steps=[1e-9], auto=False,
+                            shadow_fraction=fraction, shadow_rate=1000.0)  # fmt: skip
+    # no breakers: one stall on this loaded machine can open a domain on its TTFT p99, and
+    # this measures the mirrors, not what a breaker does with a stall
+    wiring = await build(proxy, registry=CollectorRegistry(), breakers=BreakerConfig(enabled=False),
+                         models=ModelsConfig(rollouts=[rollout]))  # fmt: skip
+    await wiring.start()
+    listener = H1Listener(wiring.app, host="127.0.0.1", port=0)
+    await listener.start()
+    side = None
+    if setting in ("busy", "stable-busy"):
+        side = _SideLoad(canary_url if setting == "busy" else stable_url, 0.1, seed)
+    try:
+        ttfts, errors = await _ttfts(listener.url, requests, tag, side)
+        shadow = wiring.models.shadows["m"]
+        await asyncio.sleep(0)
+        if shadow._tasks:
+            await asyncio.wait(set(shadow._tasks), timeout=30)
+        return {"ttfts": ttfts, "errors": errors, "pairs": shadow.compared,
+                "side": side.sent if side is not None else 0}  # fmt: skip
+    finally:
+        if side is not None:
+            await side.aclose()
+        await listener.stop()
+        await wiring.aclose()
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"min": round(min(values), 3), "max": round(max(values), 3),
+            "sd": round(statistics.stdev(values), 3) if len(values) > 1 else 0.0}  # fmt: skip
+
+
 async def shadow_cost(*, requests: int, rounds: int, time_scale: float) -> dict[str, Any]:
-    results: dict[str, list[float]] = {"0": [], "0.1": []}
-    shadowed: dict[str, float] = {}
-    per_round: dict[str, list[tuple[float, float]]] = {}
+    """`rounds` rounds; in each, every setting once, their order rotated round by round (a
+    Latin square: each setting runs first, second and third equally often), prompts new in
+    every run. Per setting: pooled p50/p99, each round's, and the paired per-round difference
+    against shadowing off (same round, same machine state), with the rounds' spread."""
+    ttfts: dict[str, list[float]] = {s: [] for s in SETTINGS}
+    per_round: dict[str, list[tuple[float, float]]] = {s: [] for s in SETTINGS}
+    counts: dict[str, dict[str, int]] = {s: {"pairs": 0, "side": 0, "errors": 0}
+                                         for s in SETTINGS}  # fmt: skip
     async with contextlib.AsyncExitStack() as stack:
         stable_url = await stack.enter_async_context(_sim_process("v1", time_scale))
         canary_url = await stack.enter_async_context(_sim_process("v2", time_scale))
+        await _one_run("0", stable_url, canary_url, 20, "warm", 0)  # warm the stand-ins
         for r in range(rounds):
-            for fraction in ("0", "0.1") if r % 2 == 0 else ("0.1", "0"):
-                proxy = ProxyConfig.from_mapping(
-                    {"backends": [stable_url, canary_url], "policy": "round_robin"}
-                ).validate()
-                # canary share 0 % (steps below any real share): only shadows reach the canary
-                rollout = RolloutConfig(model="m", stable="v1", canary="v2", steps=[1e-9],
-                                        auto=False, shadow_fraction=float(fraction),
-                                        shadow_rate=1000.0)  # fmt: skip
-                wiring = await build(proxy, registry=CollectorRegistry(),
-                                     models=ModelsConfig(rollouts=[rollout]))  # fmt: skip
-                await wiring.start()
-                listener = H1Listener(wiring.app, host="127.0.0.1", port=0)
-                await listener.start()
-                try:
-                    ttfts, _ = await _ttfts(listener.url, requests, seed=r)
-                    results[fraction].extend(ttfts)
-                    per_round.setdefault(fraction, []).append(
-                        (statistics.median(ttfts) * 1000, _quantile(ttfts, 0.99) * 1000)
-                    )
-                    shadow = wiring.models.shadows["m"]
-                    shadowed[fraction] = shadowed.get(fraction, 0) + shadow.compared
-                finally:
-                    await listener.stop()
-                    await wiring.aclose()
+            k = r % len(SETTINGS)
+            for setting in SETTINGS[k:] + SETTINGS[:k]:
+                run = await _one_run(setting, stable_url, canary_url, requests,
+                                     f"{r}-{setting}", seed=r)  # fmt: skip
+                values = run["ttfts"]
+                ttfts[setting].extend(values)
+                per_round[setting].append(
+                    (statistics.median(values) * 1000, _quantile(values, 0.99) * 1000)
+                )
+                for key in ("pairs", "side", "errors"):
+                    counts[setting][key] += run[key]
     out: dict[str, Any] = {}
-    for fraction, values in results.items():
-        out[fraction] = {
-            "n": len(values), "pairs_compared": shadowed.get(fraction, 0),
+    base = per_round["0"]
+    for setting in SETTINGS:
+        values = ttfts[setting]
+        rows = per_round[setting]
+        d50 = [a[0] - b[0] for a, b in zip(rows, base, strict=True)]
+        d99 = [a[1] - b[1] for a, b in zip(rows, base, strict=True)]
+        out[setting] = {
+            "n": len(values), **counts[setting],
             "p50_ms": round(statistics.median(values) * 1000, 3),
             "p99_ms": round(_quantile(values, 0.99) * 1000, 3),
-            "rounds_p50_ms": [round(p50, 3) for p50, _ in per_round[fraction]],
-            "rounds_p99_ms": [round(p99, 3) for _, p99 in per_round[fraction]],
+            "rounds_p50_ms": [round(p50, 3) for p50, _ in rows],
+            "rounds_p99_ms": [round(p99, 3) for _, p99 in rows],
+            "rounds_p50_spread": _spread([p50 for p50, _ in rows]),
+            "rounds_p99_spread": _spread([p99 for _, p99 in rows]),
+            "paired_p50_diff_ms": {"mean": round(statistics.mean(d50), 3), **_spread(d50)},
+            "paired_p99_diff_ms": {"mean": round(statistics.mean(d99), 3), **_spread(d99)},
         }  # fmt: skip
     return out
 
@@ -257,12 +351,19 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", f"False alarms in {fa['pairs_per_trial']} identical pairs (window 200, alpha "
               f"0.001), per trial: {fa['alarms']}", "",
               f"Full ramp, identical versions: {report['full_ramp']}", "",
-              "| shadow | n | pairs | TTFT p50 ms | p99 ms | p50 per round | p99 per round |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
-    for fraction in ("0", "0.1"):
-        d = report["shadow"][fraction]
-        lines.append(f"| {fraction} | {d['n']} | {d['pairs_compared']} | {d['p50_ms']} | "
-                     f"{d['p99_ms']} | {d['rounds_p50_ms']} | {d['rounds_p99_ms']} |")  # fmt: skip
+              "| setting | n | pairs | side requests | TTFT p50 ms | p99 ms | p50 per round (sd) | "
+              "p99 per round (sd) | p50 − off, paired (mean ± sd) | p99 − off, paired |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for setting in SETTINGS:
+        d = report["shadow"][setting]
+        p50d, p99d = d["paired_p50_diff_ms"], d["paired_p99_diff_ms"]
+        lines.append(
+            f"| {setting} | {d['n']} | {d['pairs']} | {d['side']} | {d['p50_ms']} | "
+            f"{d['p99_ms']} | {d['rounds_p50_ms']} ({d['rounds_p50_spread']['sd']}) | "
+            f"{d['rounds_p99_ms']} ({d['rounds_p99_spread']['sd']}) | "
+            f"{p50d['mean']} ± {p50d['sd']} | {p99d['mean']} ± {p99d['sd']} |"
+        )
+    lines += ["", f"load average at the end: {os.getloadavg()}"]
     (args.out / "rollout.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from backends.credentials import BackendCredentials
@@ -383,11 +384,14 @@ class ProxyApp:
         ex.view = build_view(ex.route, body, session)
         if self.gateway is not None and self.gateway.judge is not None:
             await self.gateway.judge_stage(ex)
+        sent: Mapping[str, Any] = body
+        if self.models is not None:  # an alias's pool name, a shadow's logprobs
+            raw, sent = self.models.prepare(ex, raw, body)
         if ex.route in WHOLE_ROUTES:  # answered at once and never aborted: forwarded as sent
             ex.abort_rid = None
             ex.payload = raw
         else:
-            _use_edge_rid(ex, raw, body)
+            _use_edge_rid(ex, raw, sent)
         traceparent, tracestate = h.traceparent, h.tracestate
         if ex.trace is not None:
             traceparent, tracestate = ex.trace.upstream_context()
@@ -443,7 +447,7 @@ OTHER_MODEL = "other"
 """The `model` label of a model the fleet does not list (the labels stay as few as its models)."""
 
 
-def _use_edge_rid(ex: Exchange, raw: bytes, body: dict[str, Any]) -> None:
+def _use_edge_rid(ex: Exchange, raw: bytes, body: Mapping[str, Any]) -> None:
     """The backend's rid is always the edge's own (`edge.stages.forward`); the client's id,
     from its header or its body, is only the label. A batch's rids are derived from the
     edge's and not aborted one by one."""

@@ -280,6 +280,8 @@ class Attempts:
                     error = exc.kind
                     self._upstream_failed(backend, exc.kind)
                     raise from_upstream(exc, expose=self.expose) from None
+                if ex.shadow_tap is not None and response.status == 200:
+                    body = ex.shadow_tap.whole(body)  # a sampled request: its shadow's half
                 usage, completion, error = await self._send_whole(ex, response, body, send)
             if error is None:
                 self.registry.record_success(backend, ttft_s=upstream_ttft)
@@ -314,9 +316,8 @@ class Attempts:
             )  # fmt: skip
             if self.models is not None:
                 self.models.observe(
-                    ex.model_route, backend, ttft_s=upstream_ttft, error=error,
-                    request=(ex.route, ex.payload, ex.abort_rid or ex.request_id),
-                )  # fmt: skip
+                    ex.model_route, backend, ttft_s=upstream_ttft, error=error, ex=ex
+                )
             if breaker is not None:
                 if retrying:
                     self.breakers.release(breaker)  # `run` settles it with the request

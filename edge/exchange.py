@@ -14,7 +14,8 @@ from transport.asgi import BodyWriter, OnDisconnect
 
 if TYPE_CHECKING:
     from edge.models.pools import Route
-    from edge.policy.stream import StreamGuard
+    from edge.models.tap import ShadowTap
+    from edge.relay import Guard
     from edge.state.stage import StateRequest
 
 
@@ -88,6 +89,8 @@ class Exchange:
     retries: int = 0
     model_route: Route | None = None
     """The model pool and version (`edge.models`); None: any backend."""
+    shadow_tap: ShadowTap | None = None
+    """Reads the stable reply of a request sampled for shadowing (`edge.models.tap`)."""
     usage: Usage | None = None
     body_writer: BodyWriter | None = None
     """The listener's `quicedge.body_writer`, when it offers one: the relay writes through it."""
@@ -113,8 +116,9 @@ class Exchange:
     """The policy gateway's decision (`allow`, `redact`, `deny`, `filtered`...); None: off."""
     policy_rules: tuple[str, ...] = ()
     """Ids of the policy rules and modules that matched."""
-    stream_guard: StreamGuard | None = None
-    """The stream policy's watch over this answer, when stream rules are configured."""
+    stream_guard: Guard | None = None
+    """The stream policy's watch over this answer, when stream rules are configured (or a
+    shadow's tap in front of it, `edge.models.tap`)."""
     judge_refused: bool = False
     """The guard model refused this request while it ran (`race` mode): its cancellation is
     a refusal, not a client going away."""

@@ -259,7 +259,7 @@ async def build(
     )
     pools = Models(
         models or ModelsConfig(), backends=backends, catalog=catalog, pool=pool,
-        registry=registry, credentials=credentials,
+        registry=registry, credentials=credentials, breakers=breaker_set,
     )  # fmt: skip
     catalog.on_relabel = breaker_set.relabel  # a learned model moves its backend's domain
     gateway = PolicyGateway.from_config(
@@ -307,6 +307,7 @@ async def build(
         ),
         access_log=AccessLog(access_log) if access_log and access_log.enabled else None,
     )  # fmt: skip
+    pools.set_aborter(wiring.abort)
     proxy = ProxyApp(
         config=config,
         pool=pool,

@@ -151,7 +151,8 @@ class ModelsConfig:
     pool, named by what the backends report."""
 
     default: str | None = None
-    """Pool for `/generate` and for model `default`; none: the first pool found."""
+    """Pool for `/generate` and for model `default`; none: the only pool (with several, a
+    request that names none gets 400 `model_required`)."""
     discover: bool = True
     """Ask each backend (`/v1/models`, `/get_model_info`) for what the config leaves open."""
     backends: list[BackendModel] = field(default_factory=list)

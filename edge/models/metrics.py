@@ -39,8 +39,16 @@ class ModelMetrics:
         )
         self.shadow = Counter(
             "quicedge_shadow_requests",
-            "Shadow pairs by result: compared, error, dropped_full, dropped_rate, canary_busy.",
+            "Shadow pairs by result: compared, error, unreadable, dropped_full, dropped_rate, "
+            "canary_busy.",
             ["model", "result"],
+            registry=registry,
+        )
+        self.shadow_cancelled = Counter(
+            "quicedge_shadow_cancelled",
+            "Shadow requests cancelled in flight, by reason: degraded, queue, breaker (the "
+            "canary became overloaded) or rollout (paused, rolled back or promoted).",
+            ["model", "reason"],
             registry=registry,
         )
         self.shadow_agree = Counter(

@@ -17,7 +17,7 @@ from typing import Any
 
 from backends.backend import Backend
 from backends.labels import DEFAULT_GROUP
-from edge.errors import ModelNotFound, NoHealthyBackend
+from edge.errors import InvalidRequest, ModelNotFound, NoHealthyBackend
 from edge.models.catalog import DEFAULT_MODEL, ModelCatalog
 from edge.models.config import ModelsConfig
 from edge.models.rollout import Rollout
@@ -87,19 +87,40 @@ class ModelPools:
         return out
 
     def default_pool(self) -> str | None:
+        """The pool of a request that names no model (or `default`): `[models] default`, else
+        the only pool; None when no pool or several are known (see `_default`)."""
         if self.config.default is not None:
             return self.config.default
+        only: str | None = None
         for b in self.backends:
-            if b.model is not None:
-                return b.model
-        return None
+            if b.model is not None and b.model != only:
+                if only is not None:
+                    return None  # a second pool
+                only = b.model
+        return only
+
+    def _default(self) -> str | None:
+        """`default_pool`, or 400 when several pools are served and none is the default: the
+        edge will not pick one for the client (which one is "first" is an accident of the
+        backend list)."""
+        pool = self.default_pool()
+        if pool is None and self.config.default is None:
+            served = self.pools()
+            if len(served) > 1:
+                raise InvalidRequest(
+                    "this endpoint serves several models and none is the default: name one as "
+                    "`model`: " + ", ".join(sorted({*served, *self.aliases})),
+                    param="model",
+                    code="model_required",
+                )
+        return pool
 
     def resolve_now(self, model: Any, *, tenant: str | None, canary: bytes | None,
                     session: bytes | None) -> Route | None:  # fmt: skip
         """`resolve` without awaiting, for a name that is known (the hot path); None when the
         name needs the fleet's list."""
         if model is None or model == DEFAULT_MODEL:
-            pool = self.default_pool()
+            pool = self._default()
         else:
             pool = self.aliases.get(model, model)
             if not self._known(pool):
@@ -127,7 +148,7 @@ class ModelPools:
         Raises ModelNotFound (404) for a name that is neither a pool nor an alias, once the
         fleet's models are known."""
         if model is None or model == DEFAULT_MODEL:
-            pool = self.default_pool()
+            pool = self._default()
         else:
             pool = self.aliases.get(model, model)
             if not self._known(pool):

@@ -1,18 +1,20 @@
 """`Models`: what the app and the attempts call: pools, rollouts, shadows and their metrics.
 
-Three calls on the request path, each O(1) or O(backends): `route` (after parsing: the body's
-`model` to a pool and version), `candidates` (before the policy: the registry's candidates
-narrowed to them) and `observe` (after each attempt: per-pool metrics, the ramp's SLO window and
-maybe a shadow mirror).
+Four calls on the request path, each O(1) or O(backends): `route` (after parsing: the body's
+`model` to a pool and version), `prepare` (before forwarding: an alias becomes its pool's name,
+and a request sampled for shadowing asks for logprobs and carries a tap), `candidates` (before
+the policy: the registry's candidates narrowed to them) and `observe` (after each attempt:
+per-pool metrics, the ramp's SLO window and maybe a shadow mirror).
 """
 
 from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
+import orjson
 from prometheus_client import CollectorRegistry
 
 from backends.credentials import BackendCredentials
@@ -25,6 +27,14 @@ from edge.models.pools import ModelPools, Route
 from edge.models.ramp import Ramp, Transition
 from edge.models.rollout import Rollout
 from edge.models.shadow import Shadow
+
+if TYPE_CHECKING:
+    from edge.exchange import Exchange
+from edge.routing.breakers import Breakers
+
+STOPS_TESTING = frozenset({"pause", "rollback", "promoted"})
+"""Transitions that cancel the mirrors in flight: a paused canary may be slow, and after a
+rollback or a promotion their answers compare nothing."""
 
 
 class Models:
@@ -39,6 +49,7 @@ class Models:
         clock: Callable[[], float] = time.monotonic,
         rng: Callable[[], float] = random.random,
         credentials: BackendCredentials | None = None,
+        breakers: Breakers | None = None,
     ) -> None:
         self.config = config
         self.metrics = ModelMetrics(registry)
@@ -56,6 +67,7 @@ class Models:
                 rng=rng,
                 clock=clock,
                 credentials=credentials,
+                breakers=breakers,
             )  # fmt: skip
             for r in config.rollouts
         }
@@ -66,9 +78,18 @@ class Models:
         for name, ramp in self.ramps.items():
             self.metrics.canary_percent.labels(name).set(ramp.rollout.percent)
 
+    def set_aborter(self, abort: Callable[[Backend, str], None]) -> None:
+        """How a cancelled mirror is aborted on its canary (`/abort_request` by rid)."""
+        for shadow in self.shadows.values():
+            shadow.abort = abort
+
     def _transition(self, rollout: Rollout, transition: Transition) -> None:
         self.metrics.transitions.labels(rollout.pool, transition.action).inc()
         self.metrics.canary_percent.labels(rollout.pool).set(rollout.percent)
+        if transition.action in STOPS_TESTING:
+            shadow = self.shadows.get(rollout.pool)
+            if shadow is not None:
+                shadow.cancel_all("rollout")
 
     def route_now(
         self, model: Any, *, tenant: str | None, canary: bytes | None, session: bytes | None
@@ -96,6 +117,34 @@ class Models:
         if refused and ramp is not None:
             ramp.observe(canary=True, error=True, ttft_s=None)
 
+    def prepare(
+        self, ex: Exchange, raw: bytes, body: Mapping[str, Any]
+    ) -> tuple[bytes, Mapping[str, Any]]:
+        """The body to forward, bytes and decoded: an alias is sent as its pool's name, and a
+        stable request sampled for shadowing asks for the logprobs its tap reads (re-encoded
+        from `body` once, only then). Sets `ex.shadow_tap` (and the stream's guard)."""
+        route = ex.model_route
+        if route is None or route.pool is None:
+            return raw, body
+        sent = body
+        model = body.get("model")
+        if isinstance(model, str) and model != route.pool and model in self.pools.aliases:
+            sent = {**body, "model": route.pool}
+        shadow = self.shadows.get(route.pool) if not route.canary else None
+        if shadow is not None:
+            inner = ex.stream_guard if ex.stream else None
+            picked = shadow.sample(ex.route, sent, stream=ex.stream, inner=inner)
+            if picked is not None:
+                tap, fields = picked
+                ex.shadow_tap = tap
+                if ex.stream:
+                    ex.stream_guard = tap
+                if fields:
+                    sent = {**sent, **fields}
+        if sent is body:
+            return raw, body
+        return orjson.dumps(sent), sent
+
     def observe(
         self,
         route: Route | None,
@@ -103,10 +152,10 @@ class Models:
         *,
         ttft_s: float | None,
         error: str | None,
-        request: tuple[str, bytes, str] | None,
+        ex: Exchange | None = None,
     ) -> None:
-        """One attempt's outcome. `request` (route, payload, rid) lets a successful stable
-        request be mirrored."""
+        """One attempt's outcome; a stable reply read by a shadow tap (`ex.shadow_tap`) that
+        succeeded is mirrored to the canary."""
         if route is None or route.pool is None:
             self.metrics.attempt(backend.model, backend.model_version, error, None)
             return
@@ -119,8 +168,10 @@ class Models:
             return
         canary = backend.model_version == ramp.rollout.canary
         ramp.observe(canary=canary, error=error is not None, ttft_s=ttft_s)
-        if not canary and error is None and request is not None:
-            self.shadows[route.pool].mirror(*request)
+        tap = ex.shadow_tap if ex is not None else None
+        if tap is not None and not canary and error is None:
+            assert ex is not None
+            self.shadows[route.pool].start(ex.route, ex.payload, ex.abort_rid or ex.request_id, tap)
 
     # -- admin ----------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:

@@ -5,6 +5,7 @@ healthy backend, per-pool metrics and spans."""
 from __future__ import annotations
 
 import contextlib
+import json
 from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
@@ -135,3 +136,67 @@ async def test_versions_are_discovered_and_config_pins_model_version_and_group()
             assert b1 is not None and b2 is not None
             assert (b1.model, b1.model_version, b1.hw_group) == ("alpha", "v1", "default")
             assert (b2.model, b2.model_version, b2.hw_group) == ("alpha", "v9", "a100")
+
+
+async def test_an_alias_is_forwarded_as_its_pools_name() -> None:
+    """SGLang echoes the request's `model` (the stand-in does too), and reads `base:adapter` as
+    a LoRA adapter: the backend gets the pool's name, never the alias."""
+    async with sims(sim("alpha"), sim("beta")) as (a1, b1):
+        models = ModelsConfig(default="beta", aliases=[Alias("team:small", "alpha")])
+        async with (
+            run_edge(fast_config([a1.url, b1.url]), models=models) as edge,
+            client(edge) as http,
+        ):
+            r = await http.post("/v1/chat/completions", json={**chat("team:small"), "rid": "x1"})
+            assert r.status_code == 200 and r.json()["model"] == "alpha"
+            assert r.headers["x-request-id"] == "x1"  # the client's rid stays its label
+            streamed = await http.post(
+                "/v1/completions",
+                json={"model": "team:small", "prompt": "hi", "max_tokens": 3, "stream": True},
+            )
+            assert streamed.status_code == 200
+            chunks = [json.loads(line[6:]) for line in streamed.text.splitlines()
+                      if line.startswith("data: {")]  # fmt: skip
+            assert chunks and {c["model"] for c in chunks} == {"alpha"}
+            r = await http.post("/v1/chat/completions", json=chat("alpha"))  # not an alias
+            assert r.json()["model"] == "alpha"
+            r = await http.post("/v1/chat/completions", json=chat("default"))  # SGLang's own
+            assert r.json()["model"] == "default" and r.headers["x-quicedge-backend"] == netloc(b1)
+
+
+async def test_no_model_and_several_pools_without_a_default_is_a_400_listing_them() -> None:
+    async with sims(sim("alpha"), sim("beta")) as (a1, b1):
+        models = ModelsConfig(aliases=[Alias("small", "alpha")])
+        async with (
+            run_edge(fast_config([a1.url, b1.url]), models=models) as edge,
+            client(edge) as http,
+        ):
+            for body in (chat(None), chat("default")):
+                r = await http.post("/v1/chat/completions", json=body)
+                assert r.status_code == 400, r.text
+                error = r.json()["error"]
+                assert error["code"] == "model_required" and error["param"] == "model"
+                assert error["type"] == "invalid_request_error"
+                assert "alpha, beta, small" in error["message"]
+            r = await http.post(
+                "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+            )
+            assert r.status_code == 400 and r.json()["error"]["code"] == "model_required"
+            assert (await http.post("/v1/chat/completions", json=chat("beta"))).status_code == 200
+            assert a1.scheduler is not None and a1.scheduler.stats.num_requests_total == 0
+            async with httpx.AsyncClient() as admin:
+                assert (await admin.get(edge.admin_url + "/rollouts")).json()["default"] is None
+
+
+async def test_with_one_pool_a_request_without_a_model_goes_to_it() -> None:
+    async with sims(sim("alpha"), sim("alpha")) as (a1, a2):
+        async with run_edge(fast_config([a1.url, a2.url])) as edge, client(edge) as http:
+            for body in (chat(None), chat("default")):
+                r = await http.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200
+            r = await http.post(
+                "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+            )
+            assert r.status_code == 200
+            async with httpx.AsyncClient() as admin:
+                assert (await admin.get(edge.admin_url + "/rollouts")).json()["default"] == "alpha"
