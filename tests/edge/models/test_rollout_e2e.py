@@ -259,7 +259,10 @@ async def test_a_flatter_canary_pauses_at_the_first_step_on_its_top1_probability
             ramp = edge.wiring.models.ramps["m"]
             shadow = edge.wiring.models.shadows["m"]
             for i in range(1500):
-                if ramp.rollout.state != "ramping":
+                # A flatter canary may also shift the entropy, which holds the ramp (share kept)
+                # a window earlier on a loaded machine; pairs go on, and the top-1 shift then
+                # pauses it.
+                if ramp.rollout.state not in ("ramping", "held"):
                     break
                 body = {"model": "m", "max_tokens": 16, "temperature": 0,
                         "messages": [{"role": "user", "content": f"question {i}"}]}  # fmt: skip
