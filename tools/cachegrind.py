@@ -14,6 +14,10 @@ import subprocess
 import sys
 
 
+VALGRIND_TIMEOUT_S = 1200.0
+"""Longest one valgrind run may take, s (a few minutes on a quiet machine)."""
+
+
 def instructions(module_args: list[str]) -> int:
     """Instructions executed by `python -m MODULE ARGS...` (module_args[0] is the module)."""
     valgrind = shutil.which("valgrind")
@@ -23,7 +27,14 @@ def instructions(module_args: list[str]) -> int:
         valgrind, "--tool=cachegrind", "--cache-sim=no", "--cachegrind-out-file=/dev/null",
         sys.executable, "-m", *module_args,
     ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, check=False, timeout=VALGRIND_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(
+            f"valgrind run did not finish in {VALGRIND_TIMEOUT_S:.0f} s: {' '.join(module_args)}"
+        ) from None
     found = re.search(r"I\s+refs:\s+([\d,]+)", done.stderr)
     if done.returncode != 0 or found is None:
         raise RuntimeError(f"valgrind run failed: {done.stderr.strip()[-500:]}")

@@ -118,6 +118,10 @@ class Client(NullTransport):
         self.proto.data_received(wire)
 
 
+RUN_TIMEOUT_S = 300.0
+"""Longest one run of requests may take, s."""
+
+
 class Bench:
     def __init__(self, loop: asyncio.AbstractEventLoop, requests: int) -> None:
         self.loop = loop
@@ -179,7 +183,14 @@ async def _run(loop: asyncio.AbstractEventLoop, clients: list[Client], requests:
         bench.left -= 1
         bench.pending += 1
         client.send()
-    await bench.done
+    try:
+        # Generous for valgrind's ~50x slowdown; a lost answer must end the run, not hang it.
+        await asyncio.wait_for(asyncio.shield(bench.done), RUN_TIMEOUT_S)
+    except TimeoutError:
+        raise RuntimeError(
+            f"{bench.pending} requests unanswered after {RUN_TIMEOUT_S:.0f} s "
+            f"({bench.left} not sent)"
+        ) from None
 
 
 def _ok(wiring: Any) -> int:
