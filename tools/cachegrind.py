@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 
-
 VALGRIND_TIMEOUT_S = 1200.0
 """Longest one valgrind run may take, s (a few minutes on a quiet machine)."""
 
