@@ -126,36 +126,60 @@ def completion_body(rng: random.Random, words: int, max_tokens: int) -> bytes:
                        "ignore_eos": True, "stream": True}).encode()  # fmt: skip
 
 
-async def request(port: int, body: bytes, key: str | None, timeout: float = 120.0) -> Result:
-    """One streamed completion on a fresh connection; TTFT at the first `data:` event."""
+@dataclass
+class Streamed:
+    """What one streamed completion came back with, as far as it got."""
+
+    status: int = 0
+    ttft: float | None = None
+    whole: bool = False
+    """A 200 whose stream ended with `[DONE]`."""
+    error: bytes = b""
+    """The first 4 KiB of an answer that was not 200."""
+
+
+async def stream_completion(
+    port: int, body: bytes, key: str | None, into: Streamed, *, source: str | None = None
+) -> None:
+    """POST a streamed `/v1/completions` on a fresh connection (from `source`, an address of
+    this host, when given), filling `into` as it goes so that a caller's timeout keeps what came;
+    TTFT runs from the call to the first `data:` event. Raises what the socket raises."""
     t0 = time.perf_counter()
     auth = f"authorization: Bearer {key}\r\n" if key else ""
     head = (f"POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n{auth}\r\n").encode()  # fmt: skip
-    ttft = None
-    status = 0
+    local = (source, 0) if source else None
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=local)
+    try:
+        writer.write(head + body)
+        raw = await reader.readuntil(b"\r\n\r\n")
+        into.status = int(raw[9:12])
+        tail = b""
+        while chunk := await reader.read(65536):
+            if into.status != 200:
+                if len(into.error) < 4096:
+                    into.error += chunk
+                continue
+            if into.ttft is None and b"data: " in chunk:
+                into.ttft = time.perf_counter() - t0
+            tail = (tail + chunk)[-64:]
+            if b"[DONE]" in tail:
+                into.whole = True
+                return
+    finally:
+        writer.close()
+
+
+async def request(port: int, body: bytes, key: str | None, timeout: float = 120.0) -> Result:
+    """One streamed completion on a fresh connection; TTFT at the first `data:` event."""
+    t0 = time.perf_counter()
+    got = Streamed()
     try:
         async with asyncio.timeout(timeout):
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            try:
-                writer.write(head + body)
-                raw = await reader.readuntil(b"\r\n\r\n")
-                status = int(raw[9:12])
-                tail = b""
-                while True:
-                    chunk = await reader.read(65536)
-                    if not chunk:
-                        break
-                    if status == 200 and ttft is None and b"data: " in chunk:
-                        ttft = time.perf_counter() - t0
-                    tail = (tail + chunk)[-64:]
-                    if b"[DONE]" in tail or (status != 200 and b"}}" in tail):
-                        break
-            finally:
-                writer.close()
+            await stream_completion(port, body, key, got)
     except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError):
-        status = status or -1
-    return Result(status, ttft, time.perf_counter() - t0)
+        got.status = got.status or -1
+    return Result(got.status, got.ttft, time.perf_counter() - t0)
 
 
 async def open_loop(

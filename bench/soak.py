@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.admission import completion_body, fleet, percentile
+from bench.admission import Streamed, completion_body, fleet, percentile, stream_completion
 
 OUTCOMES = ("2xx", "429", "503", "other", "missed_deadline")
 SOURCES = [f"127.0.0.{i}" for i in range(2, 66)]
@@ -65,37 +65,15 @@ async def request(
 ) -> Ended:
     """One streamed completion on its own connection, given up after `deadline` seconds."""
     t0 = time.perf_counter()
-    head = (f"POST /v1/completions HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n"
-            f"authorization: Bearer {key}\r\n\r\n").encode()  # fmt: skip
-    status, ttft, whole, error = 0, None, False, b""
+    got = Streamed()
     try:
         async with asyncio.timeout(deadline):
-            local = (source, 0) if source else None
-            reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=local)
-            try:
-                writer.write(head + body)
-                raw = await reader.readuntil(b"\r\n\r\n")
-                status = int(raw[9:12])
-                tail = b""
-                while True:
-                    chunk = await reader.read(65536)
-                    if not chunk:
-                        break
-                    if ttft is None and status == 200 and b"data: " in chunk:
-                        ttft = time.perf_counter() - t0
-                    tail = (tail + chunk)[-64:]
-                    if status == 200 and b"[DONE]" in tail:
-                        whole = True
-                        break
-                    if status != 200 and len(error) < 4096:
-                        error += chunk
-            finally:
-                writer.close()
+            await stream_completion(port, body, key, got, source=source)
     except TimeoutError:
-        return Ended("missed_deadline", time.perf_counter() - t0, ttft, status)
+        return Ended("missed_deadline", time.perf_counter() - t0, got.ttft, got.status)
     except (OSError, asyncio.IncompleteReadError, ValueError):
         pass
+    status, whole, error, ttft = got.status, got.whole, got.error, got.ttft
     seconds = time.perf_counter() - t0
     if 200 <= status < 300:
         outcome = "2xx" if whole else "other"
