@@ -31,6 +31,10 @@ T = TypeVar("T")
 STATES = REDIS_STATES
 
 
+MAX_CONNECTIONS = 64
+"""Connections to Redis per guard; calls past that wait (within their deadline) for one."""
+
+
 class RedisUnavailable(Exception):
     """Redis did not answer in time, failed, or its breaker is open."""
 
@@ -50,14 +54,18 @@ class RedisGuard:
         self.name = name
         timeout = settings.timeout_ms / 1000
         # redis-py's own timeouts only bound connect and socket reads; the asyncio deadline in
-        # `run` bounds the whole call, including waiting for a pooled connection.
-        self.client: Any = aioredis.Redis.from_url(
+        # `run` bounds the whole call, including waiting for a pooled connection. The pool
+        # makes a burst past its size wait for a connection (redis-py's default pool fails
+        # such calls at once, which would open the breaker on a healthy Redis).
+        pool = aioredis.BlockingConnectionPool.from_url(
             settings.url,
+            max_connections=MAX_CONNECTIONS,
+            timeout=max(timeout, 0.05),
             socket_connect_timeout=max(timeout, 0.05),
             socket_timeout=max(timeout * 4, 0.05),
-            max_connections=64,
             retry_on_timeout=False,
         )
+        self.client: Any = aioredis.Redis(connection_pool=pool)
         self.state = "closed"
         self.trips = 0
         self._streak = 0
@@ -143,7 +151,7 @@ class RedisGuard:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._probe
         with contextlib.suppress(Exception):
-            await self.client.aclose()
+            await self.client.aclose(close_connection_pool=True)
 
 
 __all__ = ["STATES", "RedisGuard", "RedisUnavailable"]

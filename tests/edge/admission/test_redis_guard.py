@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from edge.admission.redis_guard import RedisGuard, RedisUnavailable
+from edge.admission.redis_guard import MAX_CONNECTIONS, RedisGuard, RedisUnavailable
 from edge.admission.settings import RedisSettings
 from tests.helpers import RedisServer, wait_until
 
@@ -49,5 +49,21 @@ async def test_a_dead_redis_warns_once_per_interval(caplog: pytest.LogCaptureFix
         assert len(warnings) == 1
         assert "breaker opened" in warnings[0].getMessage()
         assert guard.state in ("open", "half_open")
+    finally:
+        await guard.aclose()
+
+
+async def test_a_burst_past_the_pool_size_waits_for_connections_and_keeps_the_breaker_shut(
+    redis_url: str,
+) -> None:
+    # A generous deadline and slow threshold: what is checked is that a call beyond the pool's
+    # size waits for a connection instead of failing (which would open the breaker).
+    guard = RedisGuard(RedisSettings(url=redis_url, timeout_ms=10_000, slow_ms=10_000))
+    try:
+        answers = await asyncio.gather(
+            *(guard.run(guard.client.ping) for _ in range(MAX_CONNECTIONS * 3))
+        )
+        assert all(answers)
+        assert guard.state == "closed" and guard.trips == 0
     finally:
         await guard.aclose()
