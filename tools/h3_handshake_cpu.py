@@ -36,13 +36,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from aioquic.asyncio.client import connect
-from aioquic.h3.connection import H3_ALPN
-from aioquic.quic.configuration import QuicConfiguration
 from aioquic.tls import SessionTicket
 from prometheus_client import CollectorRegistry
 
 from certs import ensure_dev_certificates
-from tools.handshakes import H3Client
+from tools.handshakes import H3Client, client_config
 from transport.demo import demo_app
 from transport.h3_server import H3Server
 from transport.loop import loop_factory, resolve
@@ -189,22 +187,13 @@ async def drive(
     resume = ticket is not None
     for _ in range(n):
         tickets: list[SessionTicket] = []
-        config = QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN, server_name="localhost")
-        config.load_verify_locations(str(ca))
-        config.session_ticket = ticket if resume else None
+        config = client_config(ca, ticket if resume else None)
         async with connect(
             "127.0.0.1", port, configuration=config, create_protocol=H3Client,
             session_ticket_handler=tickets.append, wait_connected=not resume,
         ) as client:  # fmt: skip
             assert isinstance(client, H3Client)
-            sid = client.quic.get_next_available_stream_id()
-            client.h3.send_headers(
-                sid,
-                [(b":method", b"POST"), (b":scheme", b"https"),
-                 (b":authority", b"localhost"), (b":path", b"/generate")],
-                end_stream=True,
-            )  # fmt: skip
-            client.transmit()
+            client.post_empty()
             await asyncio.wait_for(client.done.wait(), timeout)
             for _ in range(1000):  # the next ticket comes with the handshake's end
                 if tickets:
@@ -240,8 +229,7 @@ def measure(
 async def first_ticket(port: int, ca: Path) -> SessionTicket | None:
     """A full handshake that returns the ticket the server issued (starts a 0-RTT chain)."""
     tickets: list[SessionTicket] = []
-    config = QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN, server_name="localhost")
-    config.load_verify_locations(str(ca))
+    config = client_config(ca, None)
     async with connect(
         "127.0.0.1", port, configuration=config, create_protocol=H3Client,
         session_ticket_handler=tickets.append,

@@ -54,6 +54,17 @@ class H3Client(QuicConnectionProtocol):
         self.done = asyncio.Event()
         self.early = False
 
+    def post_empty(self) -> None:
+        """Send one bodiless `POST /generate` (the request each measured connection makes)."""
+        sid = self.quic.get_next_available_stream_id()
+        self.h3.send_headers(
+            sid,
+            [(b":method", b"POST"), (b":scheme", b"https"),
+             (b":authority", b"localhost"), (b":path", b"/generate")],
+            end_stream=True,
+        )  # fmt: skip
+        self.transmit()
+
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, HandshakeCompleted):
             self.early = event.early_data_accepted
@@ -68,6 +79,14 @@ class Result:
     early: int
     seconds: float
     server_cpu: float
+
+
+def client_config(ca: Path, ticket: SessionTicket | None) -> QuicConfiguration:
+    """An HTTP/3 client configuration trusting `ca`, resuming with `ticket` when given."""
+    config = QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN, server_name="localhost")
+    config.load_verify_locations(str(ca))
+    config.session_ticket = ticket
+    return config
 
 
 def free_port(kind: int) -> int:
@@ -124,23 +143,14 @@ async def _drive(
         ticket: SessionTicket | None, answered: asyncio.Future[SessionTicket | None]
     ) -> None:
         tickets: list[SessionTicket] = []
-        config = QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN, server_name="localhost")
-        config.load_verify_locations(str(ca))
-        config.session_ticket = ticket
+        config = client_config(ca, ticket)
         try:
             async with connect(
                 "127.0.0.1", port, configuration=config, create_protocol=H3Client,
                 session_ticket_handler=tickets.append, wait_connected=ticket is None,
             ) as client:  # fmt: skip
                 assert isinstance(client, H3Client)
-                sid = client.quic.get_next_available_stream_id()
-                client.h3.send_headers(
-                    sid,
-                    [(b":method", b"POST"), (b":scheme", b"https"),
-                     (b":authority", b"localhost"), (b":path", b"/generate")],
-                    end_stream=True,
-                )  # fmt: skip
-                client.transmit()
+                client.post_empty()
                 await asyncio.wait_for(client.done.wait(), 10)
                 for _ in range(100):  # the next ticket comes with the handshake's end
                     if tickets:
