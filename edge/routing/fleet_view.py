@@ -197,6 +197,8 @@ class FleetView:
                 if t is not None and t > fresh:  # told the fleet recently enough
                     continue
             pending[h] = None
+        while len(pending) > self.config.max_blocks_per_backend:  # Redis away: oldest go
+            del pending[next(iter(pending))]
 
     def queued(self, backend_url: str) -> tuple[int, int, int]:
         """What other processes have on that backend: (prefill tokens and requests waiting for
@@ -341,14 +343,17 @@ class FleetView:
     async def sync_once(self) -> None:
         """One publish and one read, each bounded by `timeout`."""
         cfg = self.config
-        payload = self._batch()
-        if payload is not None:
+        payload, placed = self._batch()
+        try:
             async with asyncio.timeout(cfg.timeout):
                 pipe = self._redis.pipeline(transaction=False)
                 pipe.xadd(cfg.key, {b"p": payload}, maxlen=cfg.max_entries, approximate=True)
                 pipe.expire(cfg.key, int(cfg.ttl * 2) + 1)
                 await pipe.execute()
-            self.published += 1
+        except BaseException:
+            self._unsend(placed)  # told no one (or perhaps told): the next batch carries them
+            raise
+        self.published += 1
         async with asyncio.timeout(cfg.timeout):
             answer = await self._redis.xread({cfg.key: self._last_id}, count=500)
         for _stream, entries in answer or ():
@@ -358,8 +363,9 @@ class FleetView:
                 if raw is not None:
                     self._apply(raw)
 
-    def _batch(self) -> bytes | None:
-        """The next entry: pending placements (bounded), this process's load and coefficients."""
+    def _batch(self) -> tuple[bytes, dict[str, list[int]]]:
+        """The next entry (pending placements, bounded, and this process's coefficients) and
+        the placements it carries."""
         now = self._clock()
         placed: dict[str, list[int]] = {}
         budget = self.config.max_hashes_per_batch
@@ -381,7 +387,18 @@ class FleetView:
         if self._coefficients is not None:
             theta, updates = self._coefficients()
             body["theta"], body["n"] = theta, updates
-        return orjson.dumps(body)
+        return orjson.dumps(body), placed
+
+    def _unsend(self, placed: dict[str, list[int]]) -> None:
+        """A batch that did not go out: its placements are pending again, not marked as told."""
+        for url, hashes in placed.items():
+            published = self._published.get(url, {})
+            pending = self._pending.setdefault(url, {})
+            for h in hashes:
+                published.pop(h, None)
+                pending[h] = None
+            while len(pending) > self.config.max_blocks_per_backend:
+                del pending[next(iter(pending))]
 
     def _apply(self, raw: bytes) -> None:
         try:

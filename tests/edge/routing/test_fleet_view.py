@@ -3,6 +3,7 @@ real stand-ins; and what happens when that Redis goes away."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 
@@ -151,6 +152,41 @@ async def test_each_process_sees_the_others_in_flight_work_as_it_changes(
             redis.stop()
             await wait_until(lambda: view_b.processes == 1 and view_b.errors > 0)
             assert view_b.queued(b.backends[1].url) == (0, 0, 0)
+    finally:
+        await view_a.aclose()
+        await view_b.aclose()
+        for pool in pools:
+            await pool.aclose()
+        redis.stop()
+
+
+async def test_placements_made_while_redis_is_gone_reach_the_fleet_when_it_returns(
+    redis_prefix: str,
+) -> None:
+    from backends.pool import UpstreamPool
+    from backends.registry import BackendRegistry
+
+    url = f"http://127.0.0.1:{free_port()}"  # never connected to
+    redis = RedisServer()
+    pools = [UpstreamPool(), UpstreamPool()]
+    a, b = (BackendRegistry([url], pool=pool) for pool in pools)
+    config = FleetViewConfig(
+        enabled=True, redis=redis.url, key=redis_prefix + "fv", interval=0.05, timeout=0.5
+    )
+    view_a = FleetView(config, url=redis.url, backends=a.backends)
+    view_b = FleetView(config, url=redis.url, backends=b.backends)
+    await view_a.start()
+    await view_b.start()
+    try:
+        view_a.placed(url, [1, 2])
+        await wait_until(lambda: view_b.depth(url, [1, 2]) == 2)
+        redis.stop()
+        await wait_until(lambda: not view_a.connected)
+        view_a.placed(url, [3, 4, 5])
+        await asyncio.sleep(config.interval * 6)  # Redis stays away for several publishes
+        redis = RedisServer(port=redis.port)  # back, empty
+        await wait_until(lambda: view_b.depth(url, [3, 4, 5]) == 3)
+        assert view_a.connected
     finally:
         await view_a.aclose()
         await view_b.aclose()
