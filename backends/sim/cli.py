@@ -100,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
         " token's write for the last N generation requests, at GET /debug/timings (0: off)",
     )
     p.add_argument(
+        "--kv-events-config", default=None, metavar="JSON",
+        help="as SGLang: publish the radix cache's changes as KV-cache events, e.g."
+        ' \'{"publisher":"zmq","endpoint":"tcp://*:5557"}\'',
+    )  # fmt: skip
+    p.add_argument(
         "--guard", action="store_true",
         help="answer /v1/chat/completions as a Llama-Guard-style safety classifier: 'safe', or"
         " 'unsafe\\nS<n>' when the messages match a --guard-unsafe pattern",
@@ -163,6 +168,7 @@ def config_from(args: argparse.Namespace) -> SimConfig:
         api_key=args.api_key,
         guard=args.guard,
         guard_unsafe=tuple(args.guard_unsafe),
+        kv_events_config=args.kv_events_config,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Literal
 
@@ -68,6 +69,10 @@ class SimConfig:
     guard_unsafe: tuple[str, ...] = ()
     """Guard mode's patterns: `S<n>=REGEX` or `REGEX` (category S1), Python regular
     expressions searched case-insensitively in the messages' text; the first match decides."""
+    kv_events_config: str | None = None
+    """SGLang's `--kv-events-config` JSON, e.g. `{"publisher": "zmq", "endpoint":
+    "tcp://*:5557"}`: publish the radix cache's changes as KV-cache events (`topic` too);
+    None or publisher `null`: nothing is published."""
 
     def __post_init__(self) -> None:
         get_profile(self.profile)  # raises ValueError for an unknown name
@@ -109,6 +114,28 @@ class SimConfig:
             if not ok:
                 raise ValueError(message)
         parse_rules(self.guard_unsafe)  # raises ValueError naming a pattern that does not compile
+        self.kv_events  # noqa: B018 (raises ValueError for a bad --kv-events-config)
+
+    @property
+    def kv_events(self) -> tuple[str, str] | None:
+        """(endpoint, topic) of the KV-event publisher, or None when there is none."""
+        if self.kv_events_config is None:
+            return None
+        try:
+            raw = json.loads(self.kv_events_config)
+        except ValueError as exc:
+            raise ValueError(f"kv_events_config: not JSON: {exc}") from None
+        if not isinstance(raw, dict):
+            raise ValueError("kv_events_config: expected a JSON object")
+        publisher = raw.get("publisher", "null")
+        if publisher == "null":
+            return None
+        if publisher != "zmq":
+            raise ValueError(f"kv_events_config: unknown publisher {publisher!r} (zmq, null)")
+        endpoint, topic = raw.get("endpoint", "tcp://*:5557"), raw.get("topic", "")
+        if not isinstance(endpoint, str) or not isinstance(topic, str):
+            raise ValueError("kv_events_config: endpoint and topic must be strings")
+        return endpoint, topic
 
     @property
     def timing(self) -> Profile:

@@ -7,19 +7,24 @@ Semantics follow `sglang/srt/mem_cache/radix_cache.py`:
 - nodes on the path of an in-flight request are locked (`inc_lock`/`dec_lock`) and never evicted;
 - `evict(n)` removes unlocked leaves, least recently used first, until n tokens are freed.
 Values (KV-pool slots) are not modelled; only token counts are, which is all the scheduler needs.
+
+With an `events` sink, the tree reports its changes as SGLang's KV-cache events do (wire form,
+`backends.kv_events`): `BlockStored` for each new node's pages, `BlockRemoved` for the pages of
+evicted nodes, `AllBlocksCleared` on reset. A page's hash chains its parent's (splits keep them).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 Key = int | tuple[int, ...]
 
 
 class Node:
-    __slots__ = ("children", "key", "last_access", "lock_ref", "parent", "uid")
+    __slots__ = ("children", "hashes", "key", "last_access", "lock_ref", "parent", "uid")
 
     def __init__(self, key: list[int], parent: Node | None, uid: int) -> None:
         self.children: dict[Key, Node] = {}
@@ -28,22 +33,30 @@ class Node:
         self.lock_ref = 0
         self.last_access = 0
         self.uid = uid
+        self.hashes: list[int] = []
+        """One per page of `key`, when the tree reports events."""
 
     def __repr__(self) -> str:
         return f"Node(len={len(self.key)}, lock={self.lock_ref}, children={len(self.children)})"
 
 
 class RadixCache:
-    def __init__(self, page_size: int = 1) -> None:
+    def __init__(
+        self, page_size: int = 1, *, events: Callable[[list[list[Any]]], None] | None = None
+    ) -> None:
         if page_size < 1:
             raise ValueError("page_size must be >= 1")
         self.page_size = page_size
         self._uids = itertools.count()
         self._tick = 0
+        self._events: Callable[[list[list[Any]]], None] | None = None
         self.reset()
+        self._events = events
 
     def reset(self) -> None:
         """Drop everything (SGLang's /flush_cache). Callers make sure nothing is locked."""
+        if self._events is not None:
+            self._events([["AllBlocksCleared"]])
         self.root = Node([], None, next(self._uids))
         self.root.lock_ref = 1  # the root is never evicted
         self.total_size = 0
@@ -98,6 +111,8 @@ class RadixCache:
         parent = child.parent
         assert parent is not None and 0 < at < len(child.key)
         upper = Node(child.key[:at], parent, next(self._uids))
+        pages = at // self.page_size
+        upper.hashes, child.hashes = child.hashes[:pages], child.hashes[pages:]
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
         parent.children[self._head(child.key, 0)] = upper
@@ -120,6 +135,8 @@ class RadixCache:
                 new = Node(list(key[pos:end]), node, next(self._uids))
                 new.last_access = tick
                 node.children[head] = new
+                if self._events is not None:
+                    self._stored(new)
                 added = end - pos
                 self.total_size += added
                 self.evictable_size += added
@@ -153,17 +170,32 @@ class RadixCache:
         heap = [(n.last_access, n.uid, n) for n in self._nodes() if self._evictable_leaf(n)]
         heapq.heapify(heap)
         freed = 0
+        removed: list[int] = []
         while freed < num_tokens and heap:
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             assert parent is not None
             del parent.children[self._head(node.key, 0)]
+            removed += node.hashes
             freed += len(node.key)
             self.total_size -= len(node.key)
             self.evictable_size -= len(node.key)
             if self._evictable_leaf(parent):
                 heapq.heappush(heap, (parent.last_access, parent.uid, parent))
+        if removed and self._events is not None:
+            self._events([["BlockRemoved", removed]])
         return freed
+
+    def _stored(self, node: Node) -> None:
+        assert node.parent is not None
+        size = self.page_size
+        parent = node.parent.hashes[-1] if node.parent.hashes else None
+        previous = parent
+        for start in range(0, len(node.key), size):
+            previous = hash((previous, tuple(node.key[start : start + size]))) & (2**63 - 1)
+            node.hashes.append(previous)
+        assert self._events is not None
+        self._events([["BlockStored", node.hashes, parent, node.key, size, None]])
 
     def _evictable_leaf(self, node: Node) -> bool:
         return node is not self.root and not node.children and node.lock_ref == 0

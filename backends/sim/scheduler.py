@@ -33,6 +33,8 @@ import asyncio
 import collections
 import logging
 import math
+from collections.abc import Callable
+from typing import Any
 
 from backends.sim.clock import Clock
 from backends.sim.config import SimConfig
@@ -50,12 +52,19 @@ _GEN_WINDOW_S = 5
 
 
 class Scheduler:
-    def __init__(self, config: SimConfig, *, clock: Clock, stats: Stats | None = None) -> None:
+    def __init__(
+        self,
+        config: SimConfig,
+        *,
+        clock: Clock,
+        stats: Stats | None = None,
+        kv_events: Callable[[list[list[Any]]], None] | None = None,
+    ) -> None:
         self.config = config
         self.profile = config.timing
         self.clock = clock
         self.stats = stats or Stats()
-        self.cache = RadixCache(config.page_size)
+        self.cache = RadixCache(config.page_size, events=kv_events)
         self.max_running = config.effective_max_running_requests
         self.max_total_tokens = config.effective_max_total_tokens
         self.waiting: collections.deque[SimRequest] = collections.deque()

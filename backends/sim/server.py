@@ -7,6 +7,7 @@ import contextlib
 import logging
 from types import TracebackType
 
+from backends.kv_events import KvEventPublisher
 from backends.sim.api import Api
 from backends.sim.clock import Clock, LoopClock
 from backends.sim.config import SimConfig
@@ -31,6 +32,7 @@ class SimServer:
         self._loop_task: asyncio.Task[None] | None = None
         self._connections: set[HttpProtocol] = set()
         self._ready_at = 0.0
+        self._publisher: KvEventPublisher | None = None
         self.port = 0
 
     @property
@@ -47,7 +49,12 @@ class SimServer:
         if self._server is not None:
             raise RuntimeError("SimServer already started")
         cfg = self.config
-        scheduler = Scheduler(cfg, clock=self.clock)
+        events = cfg.kv_events
+        if events is not None:
+            self._publisher = KvEventPublisher(*events)
+        scheduler = Scheduler(
+            cfg, clock=self.clock, kv_events=self._publisher.publish if self._publisher else None
+        )
         self.scheduler = scheduler
         api = Api(
             cfg,
@@ -90,6 +97,9 @@ class SimServer:
                 await self._loop_task
         await self._server.wait_closed()
         self._server = None
+        if self._publisher is not None:
+            self._publisher.close()
+            self._publisher = None
 
     async def __aenter__(self) -> SimServer:
         await self.start()
