@@ -25,6 +25,7 @@ from edge.policy.config import POLICY_FLAGS, PolicyConfig
 from edge.routing.base import POLICY_NAMES
 from edge.routing.breakers import BreakerConfig
 from edge.routing.fleet_view import FLEET_VIEW_FLAGS, FleetViewConfig
+from edge.routing.kv_events import KV_EVENTS_FLAGS, KvEventsConfig
 from edge.routing.prewarm import PREWARM_FLAGS, PrewarmConfig
 from edge.settings import Section
 from edge.state.config import StateConfig
@@ -295,6 +296,12 @@ SECTIONS: tuple[Section, ...] = (
     Section(
         "fleet_view", FleetViewConfig, flags=FLEET_VIEW_FLAGS, title="fleet view ([fleet_view])"
     ),
+    Section(
+        "kv_events",
+        KvEventsConfig,
+        flags=KV_EVENTS_FLAGS,
+        title="KV-cache events from the backends ([kv_events])",
+    ),  # fmt: skip
 )
 
 

@@ -29,6 +29,7 @@ from edge.models.config import ModelsConfig
 from edge.policy.config import PolicyConfig
 from edge.routing.breakers import BreakerConfig
 from edge.routing.fleet_view import FleetViewConfig
+from edge.routing.kv_events import KvEventsConfig
 from edge.routing.prewarm import PrewarmConfig
 from edge.settings import Settings, SettingsError
 from edge.tracing import exporter_names
@@ -136,6 +137,7 @@ class ProxyApps:
             breakers=self.settings.get("breakers", BreakerConfig),
             prewarm=self.settings.get("prewarm", PrewarmConfig),
             fleet_view=self.settings.get("fleet_view", FleetViewConfig),
+            kv_events=self.settings.get("kv_events", KvEventsConfig),
             models=self.settings.get("models", ModelsConfig),
             redis_url=self.settings.get("serve", TransportConfig).redis,
             cors=self.settings.get("cors", CorsConfig),

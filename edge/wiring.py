@@ -40,6 +40,7 @@ from edge.routing.base import RoutingPolicy, make_policy
 from edge.routing.breakers import BreakerConfig, Breakers
 from edge.routing.fleet import FleetServices, build_fleet
 from edge.routing.fleet_view import FleetViewConfig
+from edge.routing.kv_events import KvEventsConfig
 from edge.routing.prewarm import PrewarmConfig
 from edge.state.stage import StateStage
 from edge.telemetry import AuditCollector, FleetCollector, Metrics
@@ -192,6 +193,7 @@ async def build(
     breakers: BreakerConfig | None = None,
     prewarm: PrewarmConfig | None = None,
     fleet_view: FleetViewConfig | None = None,
+    kv_events: KvEventsConfig | None = None,
     redis_url: str | None = None,
     cors: CorsConfig | None = None,
     access_log: AccessLogConfig | None = None,
@@ -202,8 +204,8 @@ async def build(
     `tracer` overrides the one from the OTEL_* environment (tests pass an in-memory one).
     With `discovery` other than static, the first lookup's backends join the `--backend` list.
     `policies` (`[policy]`) and `audit` (`[audit]`) turn on the policy gateway and the audit log.
-    `prewarm` and `fleet_view` are those sections (off when None), `redis_url` the `[serve]`
-    Redis the fleet view uses unless it names its own.
+    `prewarm`, `fleet_view` and `kv_events` are those sections (off when None), `redis_url` the
+    `[serve]` Redis the fleet view uses unless it names its own.
     """
     source = make_source(discovery) if discovery is not None else None
     config.validate(need_backends=source is None)
@@ -275,8 +277,9 @@ async def build(
         if audit_log.export is not None:
             registry.register(audit_log.export.collector())
     fleet = build_fleet(
-        prewarm, fleet_view, redis_url=redis_url, registry=backends, pool=pool, policy=policy
-    )
+        prewarm, fleet_view, redis_url=redis_url, registry=backends, pool=pool, policy=policy,
+        kv_events=kv_events,
+    )  # fmt: skip
     if fleet is not None:
         registry.register(fleet.collector())
         policy = fleet.policy

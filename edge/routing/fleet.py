@@ -1,5 +1,6 @@
-"""The fleet services one edge process runs beside routing: hot-prefix tracking, pre-warming
-and the shared view, built from the `[prewarm]` and `[fleet_view]` sections. The `ttft` policy
+"""The fleet services one edge process runs beside routing: hot-prefix tracking, pre-warming,
+the shared view and the backends' KV-cache events, built from the `[prewarm]`, `[fleet_view]`
+and `[kv_events]` sections. The `ttft` policy
 feeds and reads them itself (one hash of the prompt for both); any other policy is wrapped so that
 its routed prompts are counted for pre-warming, and routes without the shared view."""
 
@@ -17,6 +18,7 @@ from backends.registry import Backend, BackendRegistry
 from edge.routing.base import Decision, Outcome, RequestView, RoutingPolicy
 from edge.routing.fleet_view import FleetView, FleetViewConfig
 from edge.routing.hot_prefixes import HotPrefixes
+from edge.routing.kv_events import KvEvents, KvEventsConfig
 from edge.routing.prefix_blocks import BlockHasher
 from edge.routing.prewarm import PrewarmConfig, PrewarmService
 from edge.routing.ttft import TTFTPolicy
@@ -50,14 +52,19 @@ class FleetServices:
     view: FleetView | None
     policy: RoutingPolicy
     """The policy to route with: the one given, or it wrapped to count its prompts."""
+    kv_events: KvEvents | None = None
 
     async def start(self) -> None:
         if self.view is not None:
             await self.view.start()
         if self.prewarm is not None:
             await self.prewarm.start()
+        if self.kv_events is not None:
+            await self.kv_events.start()
 
     async def aclose(self) -> None:
+        if self.kv_events is not None:
+            await self.kv_events.aclose()
         if self.prewarm is not None:
             await self.prewarm.aclose()
         if self.view is not None:
@@ -69,6 +76,8 @@ class FleetServices:
             out["prewarm"] = self.prewarm.snapshot()
         if self.view is not None:
             out["fleet_view"] = self.view.snapshot()
+        if self.kv_events is not None:
+            out["kv_events"] = self.kv_events.snapshot()
         return out
 
     def collector(self) -> Collector:
@@ -91,6 +100,8 @@ class _FleetCollector(Collector):
             peers = GaugeMetricFamily("quicedge_fleet_view_peers", "Edge processes heard from")
             peers.add_metric([], len(view._peers))
             yield from (up, peers)
+        if self._services.kv_events is not None:
+            yield from self._services.kv_events.collect()
 
 
 def build_fleet(
@@ -101,11 +112,13 @@ def build_fleet(
     registry: BackendRegistry,
     pool: UpstreamPool,
     policy: RoutingPolicy,
+    kv_events: KvEventsConfig | None = None,
 ) -> FleetServices | None:
-    """The services the sections turn on (None when both are off)."""
+    """The services the sections turn on (None when all are off)."""
     warm = prewarm is not None and prewarm.enabled
     share = fleet_view is not None and fleet_view.enabled
-    if not warm and not share:
+    events = kv_events is not None and kv_events.enabled
+    if not warm and not share and not events:
         return None
     block_chars = prewarm.block_chars if prewarm is not None else 1024
     hasher = BlockHasher(block_chars)
@@ -150,12 +163,31 @@ def build_fleet(
         service = PrewarmService(
             prewarm, registry=registry, pool=pool, hot=hot, on_reset=reset, on_warmed=warmed
         )
+    listener: KvEvents | None = None
+    if events:
+        assert kv_events is not None
+
+        def cleared(backend: Backend) -> None:
+            # The engine's own word that its cache is empty: what a restart found by the
+            # request counter or a failed health check does, without waiting for either.
+            if service is not None:
+                service.warm_hot(backend, reason="cache cleared", reset=True)
+                return
+            tree = getattr(policy, "tree", None)
+            if tree is not None:  # ttft, cache_aware: nothing is cached there any more
+                tree.remove_tenant(backend.url)
+            if view is not None:
+                view.forget(backend.url)
+
+        listener = KvEvents(kv_events, backends=registry.backends, on_cleared=cleared)
     routed: RoutingPolicy = policy
-    if ttft is not None:
+    if ttft is not None and (warm or share):
         ttft.attach(hasher, hot=hot if warm else None, fleet=view)
     elif warm:
         routed = CountingPolicy(policy, hasher, hot)
-    return FleetServices(hasher=hasher, hot=hot, prewarm=service, view=view, policy=routed)
+    return FleetServices(
+        hasher=hasher, hot=hot, prewarm=service, view=view, policy=routed, kv_events=listener
+    )
 
 
 __all__ = ["CountingPolicy", "FleetServices", "build_fleet"]
