@@ -4,12 +4,18 @@ real stand-ins; and what happens when that Redis goes away."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import pytest
 
+from backends.pool import UpstreamPool
+from backends.registry import BackendRegistry
 from edge.routing.fleet_view import FleetView, FleetViewConfig
 from edge.routing.prefix_blocks import BlockHasher
 from tests.edge.conftest import Edge, client, fast_config, run_edge
@@ -26,6 +32,42 @@ def url_of(edge: Edge, name: str) -> str:
     backend = edge.wiring.registry.get(name)
     assert backend is not None
     return backend.url
+
+
+@dataclass
+class TwoViews:
+    """Two processes' views of one real Redis, over registries of the same backend URLs."""
+
+    redis: RedisServer
+    config: FleetViewConfig
+    a: BackendRegistry
+    b: BackendRegistry
+    view_a: FleetView
+    view_b: FleetView
+
+
+@contextlib.asynccontextmanager
+async def two_views(urls: list[str], redis_prefix: str, **options: Any) -> AsyncIterator[TwoViews]:
+    """Both views started; everything (and whichever Redis `redis` is then) stopped after."""
+    redis = RedisServer()
+    pools = [UpstreamPool(), UpstreamPool()]
+    a, b = (BackendRegistry(urls, pool=pool) for pool in pools)
+    config = FleetViewConfig(enabled=True, redis=redis.url, key=redis_prefix + "fv", **options)
+    both = TwoViews(
+        redis, config, a, b,
+        FleetView(config, url=redis.url, backends=a.backends),
+        FleetView(config, url=redis.url, backends=b.backends),
+    )  # fmt: skip
+    try:
+        await both.view_a.start()
+        await both.view_b.start()
+        yield both
+    finally:
+        await both.view_a.aclose()
+        await both.view_b.aclose()
+        for pool in pools:
+            await pool.aclose()
+        both.redis.stop()
 
 
 async def test_an_instance_routes_a_prefix_where_another_instance_placed_it(
@@ -111,24 +153,13 @@ async def test_an_edge_starts_and_serves_when_its_redis_is_not_there(redis_prefi
 async def test_each_process_sees_the_others_in_flight_work_as_it_changes(
     redis_prefix: str,
 ) -> None:
-    from backends.pool import UpstreamPool
-    from backends.registry import BackendRegistry
     from edge.routing.base import RequestView
     from edge.routing.ttft import TTFTPolicy
 
     urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]  # never connected to
-    redis = RedisServer()
-    pools = [UpstreamPool(), UpstreamPool()]
-    a, b = (BackendRegistry(urls, pool=pool) for pool in pools)
     # A publish interval far beyond the test: only the load channel can carry the figures.
-    config = FleetViewConfig(
-        enabled=True, redis=redis.url, key=redis_prefix + "fv", interval=30.0, timeout=5.0
-    )
-    view_a = FleetView(config, url=redis.url, backends=a.backends)
-    view_b = FleetView(config, url=redis.url, backends=b.backends)
-    await view_a.start()
-    await view_b.start()
-    try:
+    async with two_views(urls, redis_prefix, interval=30.0, timeout=5.0) as views:
+        a, b, view_a, view_b = views.a, views.b, views.view_a, views.view_b
         await wait_until(lambda: view_b.processes == 2 and view_a.processes == 2)
         hot = b.backends[0].url
         with (
@@ -149,47 +180,23 @@ async def test_each_process_sees_the_others_in_flight_work_as_it_changes(
         # Redis gone: what A said ages out and B routes on its own counts alone.
         with a.track(a.backends[1], prefill_tokens=700):
             await wait_until(lambda: view_b.queued(b.backends[1].url) == (700, 1, 1))
-            redis.stop()
+            views.redis.stop()
             await wait_until(lambda: view_b.processes == 1 and view_b.errors > 0)
             assert view_b.queued(b.backends[1].url) == (0, 0, 0)
-    finally:
-        await view_a.aclose()
-        await view_b.aclose()
-        for pool in pools:
-            await pool.aclose()
-        redis.stop()
 
 
 async def test_placements_made_while_redis_is_gone_reach_the_fleet_when_it_returns(
     redis_prefix: str,
 ) -> None:
-    from backends.pool import UpstreamPool
-    from backends.registry import BackendRegistry
-
     url = f"http://127.0.0.1:{free_port()}"  # never connected to
-    redis = RedisServer()
-    pools = [UpstreamPool(), UpstreamPool()]
-    a, b = (BackendRegistry([url], pool=pool) for pool in pools)
-    config = FleetViewConfig(
-        enabled=True, redis=redis.url, key=redis_prefix + "fv", interval=0.05, timeout=0.5
-    )
-    view_a = FleetView(config, url=redis.url, backends=a.backends)
-    view_b = FleetView(config, url=redis.url, backends=b.backends)
-    await view_a.start()
-    await view_b.start()
-    try:
+    async with two_views([url], redis_prefix, interval=0.05, timeout=0.5) as views:
+        view_a, view_b = views.view_a, views.view_b
         view_a.placed(url, [1, 2])
         await wait_until(lambda: view_b.depth(url, [1, 2]) == 2)
-        redis.stop()
+        views.redis.stop()
         await wait_until(lambda: not view_a.connected)
         view_a.placed(url, [3, 4, 5])
-        await asyncio.sleep(config.interval * 6)  # Redis stays away for several publishes
-        redis = RedisServer(port=redis.port)  # back, empty
+        await asyncio.sleep(views.config.interval * 6)  # Redis stays away for several publishes
+        views.redis = RedisServer(port=views.redis.port)  # back, empty
         await wait_until(lambda: view_b.depth(url, [3, 4, 5]) == 3)
         assert view_a.connected
-    finally:
-        await view_a.aclose()
-        await view_b.aclose()
-        for pool in pools:
-            await pool.aclose()
-        redis.stop()
