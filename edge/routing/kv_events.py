@@ -114,13 +114,15 @@ class BackendEvents:
     malformed: int = 0
     last_seq: int | None = None
     last_at: float | None = None
+    error: str | None = None
+    """Why the socket could not be opened (an address ZMQ refuses), if it could not."""
 
     def snapshot(self) -> dict[str, Any]:
         return {
             "endpoint": self.endpoint, "blocks": self.blocks,
             "tokens": self.blocks * self.block_size, "stored": self.stored,
             "removed": self.removed, "cleared": self.cleared, "restarts": self.restarts,
-            "gaps": self.gaps, "malformed": self.malformed,
+            "gaps": self.gaps, "malformed": self.malformed, "error": self.error,
             "last_event_age_s": None if self.last_at is None
             else round(time.monotonic() - self.last_at, 3),
         }  # fmt: skip
@@ -185,7 +187,12 @@ class KvEvents:
         try:
             socket.setsockopt(zmq.LINGER, 0)
             socket.setsockopt(zmq.SUBSCRIBE, self.config.topic.encode())
-            socket.connect(state.endpoint)  # ZMQ connects (and reconnects) in the background
+            try:
+                socket.connect(state.endpoint)  # ZMQ connects (and reconnects) in the background
+            except zmq.ZMQError as exc:
+                state.error = f"{state.endpoint}: {exc.strerror}"
+                log.warning("kv events: cannot subscribe to %s (%s)", backend.name, state.error)
+                return
             while True:
                 parts = await socket.recv_multipart()
                 self.take(backend, state, parts)

@@ -165,3 +165,14 @@ async def test_a_malformed_message_or_a_silent_backend_costs_nothing_but_a_count
                 assert seen(edge)[b0]["malformed"] > 0 and seen(edge)[b0]["stored"] == 0
             finally:
                 junk.close(linger=0)
+
+
+async def test_an_address_zmq_refuses_is_reported_and_the_edge_serves_on() -> None:
+    async with sims(sim_config("b0")) as servers:
+        config = fast_config([servers[0].url], policy="ttft")
+        events = KvEventsConfig(enabled=True, endpoints={servers[0].url: "tcp://127.0.0.1:nope"})
+        async with run_edge(config, kv_events=events) as edge, client(edge) as http:
+            b0 = name(servers[0])
+            await wait_until(lambda: seen(edge)[b0]["error"] is not None)
+            assert "Invalid argument" in seen(edge)[b0]["error"]
+            await generate(http, words(random.Random(6), 20))
