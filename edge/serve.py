@@ -33,6 +33,7 @@ from edge.routing.kv_events import KvEventsConfig
 from edge.routing.prewarm import PrewarmConfig
 from edge.settings import Settings, SettingsError
 from edge.tracing import exporter_names
+from edge.worker_admin import WorkerAdmin
 from transport.config import EarlyDataSettings, TransportConfig
 from transport.demo import DemoApps
 from transport.early_data import EarlyDataPolicy
@@ -146,11 +147,15 @@ class ProxyApps:
         await built.start()
         admin_app = built.admin_app
         fleet = FleetMetrics(self.fleet, registry) if self.fleet is not None else None
-        if fleet is not None:
-            admin_app = fleet.wrap(admin_app)
+        workers = WorkerAdmin(self.fleet, admin_app) if self.fleet is not None else None
+        if fleet is not None and workers is not None:
+            admin_app = fleet.wrap(workers.wrap(admin_app))
             await fleet.start()
+            await workers.start()
 
         async def aclose() -> None:
+            if workers is not None:
+                await workers.aclose()
             if fleet is not None:
                 await fleet.aclose()
             await built.aclose()

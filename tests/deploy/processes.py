@@ -14,12 +14,14 @@ from tests.helpers import free_port, wait_for_tcp
 
 
 @contextmanager
-def sim_process(name: str = "sim", profile: str = "instant") -> Iterator[str]:
-    """`quicedge sim` in a child process on a free port; yields its base URL."""
+def sim_process(name: str = "sim", profile: str = "instant", *extra: str) -> Iterator[str]:
+    """`quicedge sim` in a child process on a free port (`extra`: more of its flags); yields
+    its base URL."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "backends.sim", "--host", "127.0.0.1", "--port", str(port),
-         "--name", name, "--profile", profile, "--enable-metrics", "--enable-cache-report"],
+         "--name", name, "--profile", profile, "--enable-metrics", "--enable-cache-report",
+         *extra],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:

@@ -1,0 +1,134 @@
+"""Admin actions that reach every worker of `quicedge serve --workers N`.
+
+The admin listener is shared by the workers (SO_REUSEPORT), so a `POST /rollouts/{model}/
+rollback` reaches one of them; each worker runs its own rollout from the same configuration, so
+without this the action would move a 1/N share of the traffic. The worker that takes the action
+hands it to every other worker over a private Unix socket of theirs (`worker-<i>.admin.sock`
+beside the metrics sockets of `edge.fleet_metrics`), each running it in its own admin app, then
+runs it itself. Its answer is its own, with `x-quicedge-workers: K/N`: how many workers (itself
+included) answered below 400. A worker that does not answer within `PEER_TIMEOUT_S` is counted
+out; the action is not retried.
+
+Only the rollout actions go to every worker: `/prewarm` warms the backends, which one worker does
+for all, and every other admin route only reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from typing import Any
+
+import orjson
+
+from edge.fleet_metrics import PEER_TIMEOUT_S, FleetPlan
+
+HEADER = b"x-quicedge-workers"
+_MAX_LINE = 64 * 1024
+
+
+def _fanned(scope: Any) -> bool:
+    return bool(
+        scope["type"] == "http"
+        and scope["method"] == "POST"
+        and scope["path"].startswith("/rollouts/")
+    )
+
+
+async def call(app: Any, method: str, path: str) -> tuple[int, bytes]:
+    """Run one bodiless admin request through the ASGI `app`: (status, body)."""
+    scope = {"type": "http", "method": method, "path": path, "query_string": b"",
+             "headers": [], "asgi": {"version": "3.0"}}  # fmt: skip
+    status, chunks = 500, []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict[str, Any]) -> None:
+        nonlocal status
+        if message["type"] == "http.response.start":
+            status = int(message["status"])
+        elif message["type"] == "http.response.body":
+            chunks.append(message.get("body", b""))
+
+    await app(scope, receive, send)
+    return status, b"".join(chunks)
+
+
+class WorkerAdmin:
+    """A worker's side: runs the actions other workers hand it; hands them its own."""
+
+    def __init__(self, plan: FleetPlan, admin_app: Any) -> None:
+        self.plan = plan
+        self.inner = admin_app
+        self._server: asyncio.AbstractServer | None = None
+
+    def path(self, index: int) -> str:
+        return os.path.join(self.plan.directory, f"worker-{index}.admin.sock")
+
+    async def start(self) -> None:
+        path = self.path(self.plan.index)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # left by a worker of the same index that died
+        self._server = await asyncio.start_unix_server(self._serve, path=path, limit=_MAX_LINE)
+
+    async def aclose(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 2)
+            self._server = None
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(PEER_TIMEOUT_S):
+                request = orjson.loads(await reader.readline())
+                path = request["path"]
+                if not isinstance(path, str) or not _fanned({**request, "type": "http"}):
+                    raise ValueError("not an action for every worker")
+                status, _ = await call(self.inner, "POST", path)
+            writer.write(orjson.dumps({"status": status}) + b"\n")
+            await writer.drain()
+        except (OSError, TimeoutError, ValueError, KeyError, TypeError):
+            pass  # the asking worker counts this one out
+        finally:
+            writer.close()
+
+    async def _ask(self, index: int, path: str) -> bool:
+        try:
+            async with asyncio.timeout(PEER_TIMEOUT_S):
+                reader, writer = await asyncio.open_unix_connection(self.path(index))
+                try:
+                    writer.write(orjson.dumps({"method": "POST", "path": path}) + b"\n")
+                    await writer.drain()
+                    answer = orjson.loads(await reader.readline())
+                finally:
+                    writer.close()
+            return int(answer["status"]) < 400
+        except (OSError, TimeoutError, ValueError, KeyError, TypeError):
+            return False
+
+    def wrap(self, admin_app: Any) -> Any:
+        """The admin ASGI app whose rollout actions reach every worker."""
+
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            if not _fanned(scope):
+                await admin_app(scope, receive, send)
+                return
+            others = [i for i in range(self.plan.workers) if i != self.plan.index]
+            answers = await asyncio.gather(*(self._ask(i, scope["path"]) for i in others))
+
+            async def counted(message: dict[str, Any]) -> None:
+                if message["type"] == "http.response.start":
+                    done = sum(answers) + (message["status"] < 400)
+                    tally = b"%d/%d" % (done, self.plan.workers)
+                    message = {**message, "headers": [*message.get("headers", []), (HEADER, tally)]}
+                await send(message)
+
+            await admin_app(scope, receive, counted)
+
+        return app
+
+
+__all__ = ["HEADER", "WorkerAdmin", "call"]

@@ -1,0 +1,98 @@
+"""A rollout action taken on the shared admin listener of `quicedge serve --workers 2` moves the
+rollout of both workers, not only of the one that took the request."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from tests.deploy.processes import sim_process, wait_ready
+from tests.deploy.test_fleet_metrics import samples
+from tests.helpers import free_port
+from tests.transport.conftest import ServeProcess
+
+ROLLOUT = """
+[[models.rollouts]]
+model = "m"
+stable = "v1"
+canary = "v2"
+steps = [50.0]
+auto = false
+"""
+
+
+def canary_percent(admin: str) -> dict[str, float]:
+    fleet = httpx.get(f"{admin}/metrics", timeout=10).text
+    return {
+        labels["worker"]: value
+        for labels, value in samples(fleet, "quicedge_rollout_canary_percent")
+        if labels["model"] == "m"
+    }
+
+
+def test_a_rollback_reaches_every_worker(redis_url: str, tmp_path: Path) -> None:
+    config = tmp_path / "edge.toml"
+    config.write_text(ROLLOUT)
+    with (
+        sim_process("s1", "instant", "--served-model-name", "m", "--model-version", "v1") as s1,
+        sim_process("s2", "instant", "--served-model-name", "m", "--model-version", "v2") as s2,
+    ):
+        server = ServeProcess(
+            "--workers", "2", "--redis", redis_url, "--backend", s1, "--backend", s2,
+            "--http", f"127.0.0.1:{free_port()}", "--config", str(config),
+        )  # fmt: skip
+        try:
+            wait_ready(server.admin_port)
+            admin = f"http://127.0.0.1:{server.admin_port}"
+            assert canary_percent(admin) == {"0": 50.0, "1": 50.0}
+            answer = httpx.post(f"{admin}/rollouts/m/rollback", timeout=10)
+            assert answer.status_code == 200, answer.text
+            assert answer.headers["x-quicedge-workers"] == "2/2"
+            assert canary_percent(admin) == {"0": 0.0, "1": 0.0}
+            # Every worker refuses a promotion now (a rolled-back rollout restarts only from its
+            # configuration), and the count says so.
+            again = httpx.post(f"{admin}/rollouts/m/promote", timeout=10)
+            assert again.status_code == 400 and again.headers["x-quicedge-workers"] == "0/2"
+            assert httpx.get(f"{admin}/rollouts", timeout=10).status_code == 200
+        finally:
+            server.stop()
+
+
+async def test_a_worker_that_does_not_answer_is_counted_out(tmp_path: Path) -> None:
+    from typing import Any
+
+    from edge.fleet_metrics import FleetPlan
+    from edge.worker_admin import WorkerAdmin
+
+    taken: list[str] = []
+
+    async def admin_app(scope: Any, receive: Any, send: Any) -> None:
+        taken.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    plan = FleetPlan(str(tmp_path), workers=3)
+    here, there = WorkerAdmin(plan, admin_app), WorkerAdmin(plan.for_worker(1), admin_app)
+    await here.start()
+    await there.start()  # worker 2 never started: no socket
+    try:
+        heads: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                heads.append(message)
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        scope = {"type": "http", "method": "POST", "path": "/rollouts/m/pause", "headers": []}
+        await here.wrap(admin_app)(scope, receive, send)
+        assert dict(heads[0]["headers"])[b"x-quicedge-workers"] == b"2/3"
+        assert taken == ["/rollouts/m/pause", "/rollouts/m/pause"]  # worker 1, then itself
+        # A read goes to the worker that took it only.
+        await here.wrap(admin_app)({**scope, "method": "GET", "path": "/rollouts"}, receive, send)
+        assert taken[-1] == "/rollouts" and len(taken) == 3
+    finally:
+        await here.aclose()
+        await there.aclose()
