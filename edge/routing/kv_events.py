@@ -45,6 +45,8 @@ from backends.registry import Backend
 
 log = logging.getLogger(__name__)
 
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
 
 @dataclass(slots=True)
 class KvEventsConfig:
@@ -186,6 +188,10 @@ class KvEvents:
         socket = self._context.socket(zmq.SUB)
         try:
             socket.setsockopt(zmq.LINGER, 0)
+            # Bounded: ZMQ drops the connection of a peer that sends a larger message (SGLang's
+            # batches are a few blocks; a long prompt's at page size 1 a few MiB), and at most
+            # RCVHWM (1000) messages wait to be read.
+            socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             socket.setsockopt(zmq.SUBSCRIBE, self.config.topic.encode())
             try:
                 socket.connect(state.endpoint)  # ZMQ connects (and reconnects) in the background
