@@ -40,17 +40,13 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from bench.children import free_port
+
 WORDS = (
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
     "november oscar papa quebec romeo sierra tango uniform victor whiskey xray"
 ).split()
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _wait_tcp(port: int, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
@@ -82,7 +78,7 @@ def fleet(out: Path, toml: str, *, sims: int, sim_args: Sequence[str]) -> Iterat
     try:
         ports = []
         for i in range(sims):
-            port = _free_port()
+            port = free_port()
             cmd = [sys.executable, "-m", "backends.sim", "--port", str(port), "--name", f"s{i}",
                    "--profile", "h100-llama3-8b", "--enable-metrics", *sim_args]  # fmt: skip
             log = (logs / f"sim{i}.log").open("wb")
@@ -92,9 +88,9 @@ def fleet(out: Path, toml: str, *, sims: int, sim_args: Sequence[str]) -> Iterat
             _wait_tcp(port, proc)
         config = out / "edge.toml"
         config.write_text(toml)
-        edge, admin = _free_port(), _free_port()
+        edge, admin = free_port(), free_port()
         cmd = [sys.executable, "-m", "edge.cli", "serve", "--http", f"127.0.0.1:{edge}",
-               "--admin", f"127.0.0.1:{admin}", "--tcp", "off", "--h3", f"127.0.0.1:{_free_port()}",
+               "--admin", f"127.0.0.1:{admin}", "--tcp", "off", "--h3", f"127.0.0.1:{free_port()}",
                "--config", str(config), "--policy", "least_load", "--loads-interval", "0.1",
                *(x for p in ports for x in ("--backend", f"http://127.0.0.1:{p}"))]  # fmt: skip
         log = (logs / "edge.log").open("wb")

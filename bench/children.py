@@ -4,6 +4,7 @@ CPUs, logging to a file, waited for until it listens and always stopped on the w
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -15,9 +16,34 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default range starts here
+
+
+_EPHEMERAL_LOW = _ephemeral_low()
+_picks = random.Random()
+
+
 def free_port(kind: int = socket.SOCK_STREAM) -> int:
-    """A port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, kind) as s:
+    """A port on 127.0.0.1 that was free a moment ago (TCP by default, SOCK_DGRAM for UDP).
+
+    Taken below the kernel's ephemeral range: a port from inside it (what binding port 0 gives)
+    can be handed to any process's outgoing connection between this check and the bind that
+    needs it, which made a test's server fail with "Address already in use"."""
+    low, high = max(1024, _EPHEMERAL_LOW - 16384), _EPHEMERAL_LOW - 1
+    for _ in range(100 if high - low >= 1024 else 0):
+        port = _picks.randint(low, high)
+        with socket.socket(socket.AF_INET, kind) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, kind) as s:  # no room below the range: the kernel's pick
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.children import free_port
 from bench.loop import run
 from bench.stub_app import stub_app as _stub_app
 from certs import DevCertificates, ensure_dev_certificates
@@ -123,14 +124,6 @@ async def stand_in(stack: AsyncExitStack, profile: str, *extra: str) -> str:
         )
     )  # fmt: skip
     return str(ready.split()[1])
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @asynccontextmanager

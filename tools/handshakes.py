@@ -39,6 +39,7 @@ from aioquic.quic.connection import QuicConnection
 from aioquic.quic.events import HandshakeCompleted, QuicEvent
 from aioquic.tls import CipherSuite, SessionTicket
 
+from bench.children import free_port
 from certs import ensure_dev_certificates
 from transport.tickets import MemoryTicketStore, RedisTicketStore, TicketStore
 
@@ -87,13 +88,6 @@ def client_config(ca: Path, ticket: SessionTicket | None) -> QuicConfiguration:
     config.load_verify_locations(str(ca))
     config.session_ticket = ticket
     return config
-
-
-def free_port(kind: int) -> int:
-    """A free loopback port for `kind` (socket.SOCK_DGRAM or SOCK_STREAM)."""
-    with socket.socket(socket.AF_INET, kind) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _cpu_seconds(pid: int) -> float:
