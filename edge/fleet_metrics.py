@@ -21,6 +21,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 from urllib.parse import parse_qs
@@ -57,6 +58,23 @@ class FleetPlan:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
+async def listen_unix(
+    path: str, handler: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+) -> asyncio.AbstractServer:
+    """A worker's private socket at `path`; one left there by a worker of the same index that
+    died is replaced."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return await asyncio.start_unix_server(handler, path=path)
+
+
+async def close_server(server: asyncio.AbstractServer | None) -> None:
+    if server is not None:
+        server.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(server.wait_closed(), 2)
+
+
 class FleetMetrics:
     """A worker's side: serves its exposition on its socket, merges all workers' on `/metrics`."""
 
@@ -66,17 +84,11 @@ class FleetMetrics:
         self._server: asyncio.AbstractServer | None = None
 
     async def start(self) -> None:
-        path = self.plan.socket_path(self.plan.index)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)  # left by a worker of the same index that died
-        self._server = await asyncio.start_unix_server(self._serve_peer, path=path)
+        self._server = await listen_unix(self.plan.socket_path(self.plan.index), self._serve_peer)
 
     async def aclose(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 2)
-            self._server = None
+        await close_server(self._server)
+        self._server = None
 
     async def _serve_peer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

@@ -16,16 +16,14 @@ for all, and every other admin route only reads.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 from typing import Any
 
 import orjson
 
-from edge.fleet_metrics import PEER_TIMEOUT_S, FleetPlan
+from edge.fleet_metrics import PEER_TIMEOUT_S, FleetPlan, close_server, listen_unix
 
 HEADER = b"x-quicedge-workers"
-_MAX_LINE = 64 * 1024
 
 
 def _fanned(scope: Any) -> bool:
@@ -68,17 +66,11 @@ class WorkerAdmin:
         return os.path.join(self.plan.directory, f"worker-{index}.admin.sock")
 
     async def start(self) -> None:
-        path = self.path(self.plan.index)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)  # left by a worker of the same index that died
-        self._server = await asyncio.start_unix_server(self._serve, path=path, limit=_MAX_LINE)
+        self._server = await listen_unix(self.path(self.plan.index), self._serve)
 
     async def aclose(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 2)
-            self._server = None
+        await close_server(self._server)
+        self._server = None
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
