@@ -64,7 +64,12 @@ async def test_an_idle_fleet_does_not_reconnect_in_a_loop() -> None:
             await wait_until(lambda: sim.api.requests["/health"] >= checks + 10, timeout=20)
             assert pool.stats().connects == connects
             assert edge.wiring.registry.backends[0].healthy
+            reused = pool.stats().reused
             async with client(edge) as http:  # and the next request still works
                 r = await http.post("/v1/chat/completions", json=chat)
             assert r.status_code == 200
-            assert pool.stats().connects == connects + 1  # the one connect it pays
+            # It paid a connect of its own (nothing warm was left to reuse); the warm set it
+            # tops up afterwards may already be open too, and is at most its two.
+            after = pool.stats()
+            assert after.reused == reused
+            assert connects + 1 <= after.connects <= connects + 1 + 2
