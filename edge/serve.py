@@ -147,7 +147,9 @@ class ProxyApps:
         await built.start()
         admin_app = built.admin_app
         fleet = FleetMetrics(self.fleet, registry) if self.fleet is not None else None
-        workers = WorkerAdmin(self.fleet, admin_app) if self.fleet is not None else None
+        workers = None
+        if self.fleet is not None:
+            workers = WorkerAdmin(self.fleet, admin_app, models=built.models)
         if fleet is not None and workers is not None:
             admin_app = fleet.wrap(workers.wrap(admin_app))
             await fleet.start()

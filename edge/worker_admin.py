@@ -11,19 +11,35 @@ out; the action is not retried.
 
 Only the rollout actions go to every worker: `/prewarm` warms the backends, which one worker does
 for all, and every other admin route only reads.
+
+A rollback or a pause that a worker's own ramp decides (its share of the canary's errors, TTFT or
+drift) is handed to the others the same way, so that one worker's evidence stops the canary
+everywhere; each records it with the reason and the worker it came from. Advances are not
+handed over: each worker advances on its own share of requests.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import logging
 import os
 from typing import Any
 
 import orjson
 
 from edge.fleet_metrics import PEER_TIMEOUT_S, FleetPlan, close_server, listen_unix
+from edge.models import Models
+from edge.models.ramp import Transition
+from edge.models.rollout import Rollout
+
+log = logging.getLogger(__name__)
 
 HEADER = b"x-quicedge-workers"
+HANDED_OVER = frozenset({"rollback", "pause"})
+"""A worker's own transitions that every other worker takes too."""
+# Set while this worker runs an action every worker runs (so its transition is not handed on).
+_everywhere: contextvars.ContextVar[bool] = contextvars.ContextVar("everywhere", default=False)
 
 
 def _fanned(scope: Any) -> bool:
@@ -57,10 +73,14 @@ async def call(app: Any, method: str, path: str) -> tuple[int, bytes]:
 class WorkerAdmin:
     """A worker's side: runs the actions other workers hand it; hands them its own."""
 
-    def __init__(self, plan: FleetPlan, admin_app: Any) -> None:
+    def __init__(self, plan: FleetPlan, admin_app: Any, models: Models | None = None) -> None:
         self.plan = plan
         self.inner = admin_app
+        self.models = models
         self._server: asyncio.AbstractServer | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        if models is not None:
+            models.on_transition.append(self._transitioned)
 
     def path(self, index: int) -> str:
         return os.path.join(self.plan.directory, f"worker-{index}.admin.sock")
@@ -71,15 +91,25 @@ class WorkerAdmin:
     async def aclose(self) -> None:
         await close_server(self._server)
         self._server = None
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             async with asyncio.timeout(PEER_TIMEOUT_S):
                 request = orjson.loads(await reader.readline())
-                path = request["path"]
-                if not isinstance(path, str) or not _fanned({**request, "type": "http"}):
-                    raise ValueError("not an action for every worker")
-                status, _ = await call(self.inner, "POST", path)
+                token = _everywhere.set(True)
+                try:
+                    if "rollout" in request:
+                        status = self._take(request)
+                    else:
+                        path = request["path"]
+                        if not isinstance(path, str) or not _fanned({**request, "type": "http"}):
+                            raise ValueError("not an action for every worker")
+                        status, _ = await call(self.inner, "POST", path)
+                finally:
+                    _everywhere.reset(token)
             writer.write(orjson.dumps({"status": status}) + b"\n")
             await writer.drain()
         except (OSError, TimeoutError, ValueError, KeyError, TypeError):
@@ -87,12 +117,38 @@ class WorkerAdmin:
         finally:
             writer.close()
 
-    async def _ask(self, index: int, path: str) -> bool:
+    def _take(self, request: dict[str, Any]) -> int:
+        """Another worker's own rollback or pause, taken here too."""
+        ramp = self.models.ramps.get(request["rollout"]) if self.models is not None else None
+        action = request["action"]
+        if ramp is None or action not in HANDED_OVER:
+            return 404
+        reason = f"worker {int(request['worker'])}: {request['reason']}"
+        (ramp.rollback if action == "rollback" else ramp.pause)(reason)
+        return 200
+
+    def _transitioned(self, rollout: Rollout, transition: Transition) -> None:
+        if transition.action not in HANDED_OVER or _everywhere.get():
+            return
+        message = {"rollout": rollout.pool, "action": transition.action,
+                   "reason": transition.reason, "worker": self.plan.index}  # fmt: skip
+        task = asyncio.get_running_loop().create_task(self._hand_over(message))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _hand_over(self, message: dict[str, Any]) -> None:
+        others = [i for i in range(self.plan.workers) if i != self.plan.index]
+        answers = await asyncio.gather(*(self._ask(i, message) for i in others))
+        if not all(answers):
+            log.warning("rollout %s: %s reached %d of %d other workers", message["rollout"],
+                        message["action"], sum(answers), len(others))  # fmt: skip
+
+    async def _ask(self, index: int, message: dict[str, Any]) -> bool:
         try:
             async with asyncio.timeout(PEER_TIMEOUT_S):
                 reader, writer = await asyncio.open_unix_connection(self.path(index))
                 try:
-                    writer.write(orjson.dumps({"method": "POST", "path": path}) + b"\n")
+                    writer.write(orjson.dumps(message) + b"\n")
                     await writer.drain()
                     answer = orjson.loads(await reader.readline())
                 finally:
@@ -109,7 +165,8 @@ class WorkerAdmin:
                 await admin_app(scope, receive, send)
                 return
             others = [i for i in range(self.plan.workers) if i != self.plan.index]
-            answers = await asyncio.gather(*(self._ask(i, scope["path"]) for i in others))
+            message = {"method": "POST", "path": scope["path"]}
+            answers = await asyncio.gather(*(self._ask(i, message) for i in others))
 
             async def counted(message: dict[str, Any]) -> None:
                 if message["type"] == "http.response.start":
@@ -118,7 +175,11 @@ class WorkerAdmin:
                     message = {**message, "headers": [*message.get("headers", []), (HEADER, tally)]}
                 await send(message)
 
-            await admin_app(scope, receive, counted)
+            token = _everywhere.set(True)  # the others run it already
+            try:
+                await admin_app(scope, receive, counted)
+            finally:
+                _everywhere.reset(token)
 
         return app
 

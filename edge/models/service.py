@@ -77,6 +77,8 @@ class Models:
         )  # fmt: skip
         for name, ramp in self.ramps.items():
             self.metrics.canary_percent.labels(name).set(ramp.rollout.percent)
+        self.on_transition: list[Callable[[Rollout, Transition], None]] = []
+        """Also told of every transition (the other workers hear of a rollback this way)."""
 
     def set_aborter(self, abort: Callable[[Backend, str], None]) -> None:
         """How a cancelled mirror is aborted on its canary (`/abort_request` by rid)."""
@@ -90,6 +92,8 @@ class Models:
             shadow = self.shadows.get(rollout.pool)
             if shadow is not None:
                 shadow.cancel_all("rollout")
+        for listener in self.on_transition:
+            listener(rollout, transition)
 
     def route_now(
         self, model: Any, *, tenant: str | None, canary: bytes | None, session: bytes | None

@@ -3,6 +3,7 @@ rollout of both workers, not only of the one that took the request."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -55,6 +56,46 @@ def test_a_rollback_reaches_every_worker(redis_url: str, tmp_path: Path) -> None
             again = httpx.post(f"{admin}/rollouts/m/promote", timeout=10)
             assert again.status_code == 400 and again.headers["x-quicedge-workers"] == "0/2"
             assert httpx.get(f"{admin}/rollouts", timeout=10).status_code == 200
+        finally:
+            server.stop()
+
+
+def test_a_rollback_one_worker_decides_reaches_the_other(redis_url: str, tmp_path: Path) -> None:
+    config = tmp_path / "edge.toml"
+    config.write_text(ROLLOUT)
+    with (
+        sim_process("s1", "instant", "--served-model-name", "m", "--model-version", "v1") as s1,
+        # The canary answers 401 to the edge (it holds no key): every canary request fails.
+        sim_process("s2", "instant", "--served-model-name", "m", "--api-key", "k") as s2,
+    ):
+        http_port = free_port()
+        server = ServeProcess(
+            "--workers", "2", "--redis", redis_url, "--backend", s1 + "#model=m@v1",
+            "--backend", s2 + "#model=m@v2", "--http", f"127.0.0.1:{http_port}",
+            "--config", str(config),
+        )  # fmt: skip
+        try:
+            wait_ready(server.admin_port)
+            admin = f"http://127.0.0.1:{server.admin_port}"
+            assert canary_percent(admin) == {"0": 50.0, "1": 50.0}
+            chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            # One kept-alive connection: one worker sees every canary request, the other none.
+            with httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=10) as http:
+                for _ in range(40):
+                    http.post("/v1/chat/completions", json=chat, headers={"x-canary": "1"})
+                    if 0.0 in canary_percent(admin).values():
+                        break
+            deadline = time.monotonic() + 10
+            while canary_percent(admin) != {"0": 0.0, "1": 0.0}:
+                assert time.monotonic() < deadline, canary_percent(admin)
+                time.sleep(0.05)
+            fleet = httpx.get(f"{admin}/metrics", timeout=10).text
+            rollbacks = {
+                labels["worker"]: value
+                for labels, value in samples(fleet, "quicedge_rollout_transitions_total")
+                if labels["action"] == "rollback"
+            }
+            assert rollbacks == {"0": 1.0, "1": 1.0}
         finally:
             server.stop()
 
