@@ -34,6 +34,7 @@ from edge.config import SECTIONS, ProxyConfig
 from edge.cors import CorsConfig
 from edge.cors import wrap as wrap_cors
 from edge.models import ModelCatalog, Models, ModelsConfig
+from edge.models.rollout_sync import RolloutSync
 from edge.policy.config import PolicyConfig
 from edge.policy.gateway import PolicyGateway
 from edge.routing.base import RoutingPolicy, make_policy
@@ -94,6 +95,7 @@ class Wiring:
     """`quicedge_abort_requests_total{outcome}`: sent, failed, dropped (over the cap)."""
     fleet: FleetServices | None = None
     access_log: AccessLog | None = None
+    rollout_sync: RolloutSync | None = None
     _aborts: set[asyncio.Task[Any]] = field(default_factory=set)
     _clients: dict[str, Any] = field(default_factory=dict)
 
@@ -113,6 +115,8 @@ class Wiring:
             await self.audit.start()
         if self.fleet is not None:
             await self.fleet.start()
+        if self.rollout_sync is not None:
+            await self.rollout_sync.start()
 
     def reload(self) -> None:
         """SIGHUP: compile the policy modules again (requests in progress keep the old ones)."""
@@ -128,6 +132,8 @@ class Wiring:
         if self.fleet is not None:
             await self.fleet.aclose()
         await self.registry.aclose()
+        if self.rollout_sync is not None:
+            await self.rollout_sync.aclose()
         await self.models.aclose()
         if self._aborts:
             await asyncio.wait(set(self._aborts), timeout=1.0)
@@ -264,6 +270,11 @@ async def build(
         registry=registry, credentials=credentials, breakers=breaker_set,
     )  # fmt: skip
     catalog.on_relabel = breaker_set.relabel  # a learned model moves its backend's domain
+    sync = None
+    if models is not None and models.share_stops and models.rollouts:
+        if redis_url is None:
+            raise ValueError("models.share_stops: sharing rollbacks needs a Redis (--redis)")
+        sync = RolloutSync(pools, url=redis_url, key=models.share_key)
     gateway = PolicyGateway.from_config(
         policies or PolicyConfig(),
         on_decision=lambda rule, outcome: metrics.policy_decisions.labels(rule, outcome).inc(),
@@ -309,6 +320,7 @@ async def build(
             ["outcome"], registry=registry,
         ),
         access_log=AccessLog(access_log) if access_log and access_log.enabled else None,
+        rollout_sync=sync,
     )  # fmt: skip
     pools.set_aborter(wiring.abort)
     proxy = ProxyApp(

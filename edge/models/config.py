@@ -161,6 +161,12 @@ class ModelsConfig:
     """`[[models.aliases]]`: public names for pools."""
     rollouts: list[RolloutConfig] = field(default_factory=list)
     """`[[models.rollouts]]`: stable and canary version per pool."""
+    share_stops: bool = False
+    """Share every rollback and pause with the other edges on the `[serve]` Redis (`--redis`),
+    which take it too (`edge/models/rollout_sync.py`); off: each edge keeps its own ramp."""
+    share_key: str = "quicedge:rollouts"
+    """The pub/sub channel of those stops; edge fleets with different rollouts use different
+    keys."""
 
     def validate(self) -> None:
         urls = [b.url.rstrip("/") for b in self.backends]

@@ -1,0 +1,153 @@
+"""Rollbacks and pauses shared by every edge that shares a Redis (`[models] share_stops`).
+
+Each edge process runs its own ramp from the same configuration; `edge.worker_admin` carries
+actions between the workers of one `serve`, and this carries the two that stop a canary between
+machines: a rollback or a pause, whether an operator or the process's own ramp took it, is
+published on a pub/sub channel (`{share_key}`), and every other process that hears it takes the
+same action with the reason and the process it came from. Both actions are idempotent (a second
+rollback or pause changes nothing), so hearing one twice, through the workers' sockets and
+through Redis, is harmless; promotions and advances are not shared, as taking one twice would
+advance twice.
+
+Pub/sub fits: a stop matters now, to whoever is running; an edge that starts later starts from
+its configuration, as it would after a restart anyway. When Redis is slow or gone, publishes and
+the subscription are bounded by `timeout`, failures are logged at most every 30 s, and each
+process keeps its own ramp; routing never waits on Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import logging
+import os
+import time
+import uuid
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from edge.models.ramp import Transition
+from edge.models.rollout import Rollout
+from edge.models.service import Models
+
+log = logging.getLogger(__name__)
+
+SHARED = frozenset({"rollback", "pause"})
+WARN_EVERY_S = 30.0
+# Set while this process takes an action it heard of (so it is not published again).
+_heard: contextvars.ContextVar[bool] = contextvars.ContextVar("heard", default=False)
+
+
+class RolloutSync:
+    def __init__(self, models: Models, *, url: str, key: str, timeout: float = 0.5) -> None:
+        self.models = models
+        self.url = url
+        self.channel = key.encode()
+        self.timeout = timeout
+        self.instance = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.published = self.received = self.errors = 0
+        self._redis: Any = None
+        self._subscriber: Any = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._listener: asyncio.Task[None] | None = None
+        self._last_warning = -1e18
+        self.subscribed = asyncio.Event()
+        models.on_transition.append(self._transitioned)
+
+    async def start(self) -> None:
+        connect, retry = self.timeout, Retry(NoBackoff(), 0)
+        self._redis = aioredis.Redis.from_url(
+            self.url, socket_timeout=self.timeout, socket_connect_timeout=connect, retry=retry
+        )
+        # The subscriber waits on messages as long as it likes: no socket timeout of its own.
+        self._subscriber = aioredis.Redis.from_url(
+            self.url, socket_connect_timeout=connect, retry=retry
+        )
+        self._listener = asyncio.get_running_loop().create_task(self._listen())
+
+    async def aclose(self) -> None:
+        tasks = [*self._tasks, *([self._listener] if self._listener else [])]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for client in (self._redis, self._subscriber):
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    await client.aclose()
+
+    def _failed(self, what: str, exc: BaseException) -> None:
+        self.errors += 1
+        now = time.monotonic()
+        if now - self._last_warning >= WARN_EVERY_S:
+            self._last_warning = now
+            log.warning("rollout sync: Redis at %s: %s failed (%s); each edge keeps its own ramp",
+                        self.url, what, str(exc) or type(exc).__name__)  # fmt: skip
+
+    # -- out --------------------------------------------------------------------------------
+    def _transitioned(self, rollout: Rollout, transition: Transition) -> None:
+        if transition.action not in SHARED or _heard.get():
+            return
+        fields = {"i": self.instance, "model": rollout.pool, "action": transition.action,
+                  "reason": transition.reason}  # fmt: skip
+        message = orjson.dumps(fields)
+        task = asyncio.get_running_loop().create_task(self._publish(message))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _publish(self, message: bytes) -> None:
+        try:
+            async with asyncio.timeout(self.timeout):
+                await self._redis.publish(self.channel, message)
+            self.published += 1
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._failed("a publish", exc)
+
+    # -- in ---------------------------------------------------------------------------------
+    async def _listen(self) -> None:
+        while True:
+            pubsub = self._subscriber.pubsub(ignore_subscribe_messages=True)
+            try:
+                async with asyncio.timeout(self.timeout * 10):
+                    await pubsub.subscribe(self.channel)
+                self.subscribed.set()
+                while True:
+                    message = await pubsub.get_message(timeout=60.0)
+                    if message is not None and message.get("type") == "message":
+                        self.take(message["data"])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # gone: subscribe again shortly
+                self.subscribed.clear()
+                self._failed("the subscription", exc)
+            finally:
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+            await asyncio.sleep(1.0)
+
+    def take(self, raw: bytes) -> None:
+        """Another process's rollback or pause, taken here too (anything else is skipped)."""
+        try:
+            msg = orjson.loads(raw)
+            instance, model, action = str(msg["i"]), str(msg["model"]), str(msg["action"])
+            reason = str(msg.get("reason", ""))
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            return
+        ramp = self.models.ramps.get(model)
+        if instance == self.instance or ramp is None or action not in SHARED:
+            return
+        self.received += 1
+        token = _heard.set(True)
+        try:
+            (ramp.rollback if action == "rollback" else ramp.pause)(f"edge {instance}: {reason}")
+        finally:
+            _heard.reset(token)
+
+
+__all__ = ["SHARED", "RolloutSync"]

@@ -1,0 +1,80 @@
+"""Rollbacks and pauses shared by two edges through a real Redis (`[models] share_stops`), and
+an edge that goes on with its own ramp when that Redis goes away."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from edge.models import ModelsConfig
+from edge.wiring import build
+from tests.edge.conftest import Edge, fast_config, run_edge
+from tests.edge.models.test_pools_e2e import sim, sims
+from tests.edge.models.test_rollout_e2e import rollout
+from tests.helpers import RedisServer, wait_until
+
+
+def ramp_state(edge: Edge) -> tuple[str, str]:
+    r = edge.wiring.models.ramps["m"].rollout
+    return r.state, r.reason
+
+
+async def subscribed(*edges: Edge) -> None:
+    for edge in edges:
+        sync = edge.wiring.rollout_sync
+        assert sync is not None
+        await wait_until(sync.subscribed.is_set)
+
+
+async def test_a_pause_and_a_rollback_on_one_edge_are_taken_by_the_other(
+    redis_url: str, redis_prefix: str
+) -> None:
+    async with sims(sim("m", model_version="v1"), sim("m", model_version="v2")) as (s1, s2):
+        config = fast_config([s1.url, s2.url])
+        models = ModelsConfig(rollouts=[rollout()], share_stops=True, share_key=redis_prefix + "r")
+        async with (
+            run_edge(config, models=models, redis_url=redis_url) as a,
+            run_edge(config, models=models, redis_url=redis_url) as b,
+            httpx.AsyncClient() as admin,
+        ):
+            await subscribed(a, b)
+            assert (await admin.post(a.admin_url + "/rollouts/m/pause")).status_code == 200
+            await wait_until(lambda: ramp_state(b)[0] == "paused")
+            assert ramp_state(b)[1].startswith("edge ") and ramp_state(b)[1].endswith("operator")
+            # And back the other way, once: the edge that took it does not hear its own.
+            assert (await admin.post(b.admin_url + "/rollouts/m/rollback")).status_code == 200
+            await wait_until(lambda: ramp_state(a)[0] == "rolled_back")
+            assert [t.action for t in a.wiring.models.ramps["m"].history] == ["pause", "rollback"]
+            assert [t.action for t in b.wiring.models.ramps["m"].history] == ["pause", "rollback"]
+            assert a.wiring.rollout_sync.received == 1  # type: ignore[union-attr]
+            assert b.wiring.rollout_sync.received == 1  # type: ignore[union-attr]
+
+
+async def test_without_redis_each_edge_keeps_its_own_ramp(redis_prefix: str) -> None:
+    redis = RedisServer()
+    try:
+        async with sims(sim("m", model_version="v1"), sim("m", model_version="v2")) as (s1, s2):
+            config = fast_config([s1.url, s2.url])
+            models = ModelsConfig(
+                rollouts=[rollout()], share_stops=True, share_key=redis_prefix + "r"
+            )
+            async with run_edge(config, models=models, redis_url=redis.url) as edge:
+                await subscribed(edge)
+                redis.stop()
+                sync = edge.wiring.rollout_sync
+                assert sync is not None
+                async with httpx.AsyncClient() as admin:
+                    answer = await admin.post(edge.admin_url + "/rollouts/m/rollback")
+                assert answer.status_code == 200 and ramp_state(edge)[0] == "rolled_back"
+                await wait_until(lambda: sync.errors > 0)  # the publish failed, boundedly
+    finally:
+        redis.stop()
+
+
+async def test_sharing_stops_without_a_redis_is_refused() -> None:
+    from prometheus_client import CollectorRegistry
+
+    models = ModelsConfig(rollouts=[rollout()], share_stops=True)
+    with pytest.raises(ValueError, match="share_stops: sharing rollbacks needs a Redis"):
+        await build(fast_config(["http://127.0.0.1:9"]), registry=CollectorRegistry(),
+                    models=models)  # fmt: skip
