@@ -3,7 +3,9 @@ rollout of both workers, not only of the one that took the request."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -32,41 +34,15 @@ def canary_percent(admin: str) -> dict[str, float]:
     }
 
 
-def test_a_rollback_reaches_every_worker(redis_url: str, tmp_path: Path) -> None:
+@contextlib.contextmanager
+def two_workers(redis_url: str, tmp_path: Path, *canary: str) -> Iterator[tuple[str, int]]:
+    """`serve --workers 2` with the rollout above, over a stable (v1) and a canary (v2, with the
+    stand-in's `canary` flags): (the admin URL, the plain HTTP port)."""
     config = tmp_path / "edge.toml"
     config.write_text(ROLLOUT)
     with (
         sim_process("s1", "instant", "--served-model-name", "m", "--model-version", "v1") as s1,
-        sim_process("s2", "instant", "--served-model-name", "m", "--model-version", "v2") as s2,
-    ):
-        server = ServeProcess(
-            "--workers", "2", "--redis", redis_url, "--backend", s1, "--backend", s2,
-            "--http", f"127.0.0.1:{free_port()}", "--config", str(config),
-        )  # fmt: skip
-        try:
-            wait_ready(server.admin_port)
-            admin = f"http://127.0.0.1:{server.admin_port}"
-            assert canary_percent(admin) == {"0": 50.0, "1": 50.0}
-            answer = httpx.post(f"{admin}/rollouts/m/rollback", timeout=10)
-            assert answer.status_code == 200, answer.text
-            assert answer.headers["x-quicedge-workers"] == "2/2"
-            assert canary_percent(admin) == {"0": 0.0, "1": 0.0}
-            # Every worker refuses a promotion now (a rolled-back rollout restarts only from its
-            # configuration), and the count says so.
-            again = httpx.post(f"{admin}/rollouts/m/promote", timeout=10)
-            assert again.status_code == 400 and again.headers["x-quicedge-workers"] == "0/2"
-            assert httpx.get(f"{admin}/rollouts", timeout=10).status_code == 200
-        finally:
-            server.stop()
-
-
-def test_a_rollback_one_worker_decides_reaches_the_other(redis_url: str, tmp_path: Path) -> None:
-    config = tmp_path / "edge.toml"
-    config.write_text(ROLLOUT)
-    with (
-        sim_process("s1", "instant", "--served-model-name", "m", "--model-version", "v1") as s1,
-        # The canary answers 401 to the edge (it holds no key): every canary request fails.
-        sim_process("s2", "instant", "--served-model-name", "m", "--api-key", "k") as s2,
+        sim_process("s2", "instant", "--served-model-name", "m", *canary) as s2,
     ):
         http_port = free_port()
         server = ServeProcess(
@@ -76,28 +52,47 @@ def test_a_rollback_one_worker_decides_reaches_the_other(redis_url: str, tmp_pat
         )  # fmt: skip
         try:
             wait_ready(server.admin_port)
-            admin = f"http://127.0.0.1:{server.admin_port}"
-            assert canary_percent(admin) == {"0": 50.0, "1": 50.0}
-            chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-            # One kept-alive connection: one worker sees every canary request, the other none.
-            with httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=10) as http:
-                for _ in range(40):
-                    http.post("/v1/chat/completions", json=chat, headers={"x-canary": "1"})
-                    if 0.0 in canary_percent(admin).values():
-                        break
-            deadline = time.monotonic() + 10
-            while canary_percent(admin) != {"0": 0.0, "1": 0.0}:
-                assert time.monotonic() < deadline, canary_percent(admin)
-                time.sleep(0.05)
-            fleet = httpx.get(f"{admin}/metrics", timeout=10).text
-            rollbacks = {
-                labels["worker"]: value
-                for labels, value in samples(fleet, "quicedge_rollout_transitions_total")
-                if labels["action"] == "rollback"
-            }
-            assert rollbacks == {"0": 1.0, "1": 1.0}
+            yield f"http://127.0.0.1:{server.admin_port}", http_port
         finally:
             server.stop()
+
+
+def test_a_rollback_reaches_every_worker(redis_url: str, tmp_path: Path) -> None:
+    with two_workers(redis_url, tmp_path, "--model-version", "v2") as (admin, _):
+        assert canary_percent(admin) == {"0": 50.0, "1": 50.0}
+        answer = httpx.post(f"{admin}/rollouts/m/rollback", timeout=10)
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["x-quicedge-workers"] == "2/2"
+        assert canary_percent(admin) == {"0": 0.0, "1": 0.0}
+        # Every worker refuses a promotion now (a rolled-back rollout restarts only from its
+        # configuration), and the count says so.
+        again = httpx.post(f"{admin}/rollouts/m/promote", timeout=10)
+        assert again.status_code == 400 and again.headers["x-quicedge-workers"] == "0/2"
+        assert httpx.get(f"{admin}/rollouts", timeout=10).status_code == 200
+
+
+def test_a_rollback_one_worker_decides_reaches_the_other(redis_url: str, tmp_path: Path) -> None:
+    # The canary answers 401 to the edge (it holds no key): every canary request fails.
+    with two_workers(redis_url, tmp_path, "--api-key", "k") as (admin, http_port):
+        assert canary_percent(admin) == {"0": 50.0, "1": 50.0}
+        chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        # One kept-alive connection: one worker sees every canary request, the other none.
+        with httpx.Client(base_url=f"http://127.0.0.1:{http_port}", timeout=10) as http:
+            for _ in range(40):
+                http.post("/v1/chat/completions", json=chat, headers={"x-canary": "1"})
+                if 0.0 in canary_percent(admin).values():
+                    break
+        deadline = time.monotonic() + 10
+        while canary_percent(admin) != {"0": 0.0, "1": 0.0}:
+            assert time.monotonic() < deadline, canary_percent(admin)
+            time.sleep(0.05)
+        fleet = httpx.get(f"{admin}/metrics", timeout=10).text
+        rollbacks = {
+            labels["worker"]: value
+            for labels, value in samples(fleet, "quicedge_rollout_transitions_total")
+            if labels["action"] == "rollback"
+        }
+        assert rollbacks == {"0": 1.0, "1": 1.0}
 
 
 async def test_a_worker_that_does_not_answer_is_counted_out(tmp_path: Path) -> None:
