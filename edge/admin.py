@@ -5,12 +5,13 @@ Served on its own (plain HTTP) listener, never on the client-facing ones.
 - `GET /ready`: 200 when at least one backend is healthy, else 503 (readiness).
 - `GET /metrics`: `generate_latest(registry)` of the process's one registry.
 - `GET /backends`: JSON of `registry.snapshot()`, the routing policy, the pool's statistics,
-  every isolation domain's circuit breaker (`breakers`) and, with pre-warming or the shared view
-  on, their state too.
+  every isolation domain's circuit breaker (`breakers`) and, with pre-warming, the shared view
+  or the KV-cache events on, their state too.
 - `POST /prewarm` `{"text": "...", "backends": ["name", ...]}` (backends optional: all): warm
   that prefix now (`edge.routing.prewarm`); answers with what each backend did.
 - `GET /rollouts`: model pools, aliases and each rollout's state, tests and transitions.
-- `POST /rollouts/{model}/promote|pause|rollback`: move a rollout by hand (docs/models.md).
+- `POST /rollouts/{model}/promote|pause|rollback`: move a rollout by hand (docs/models.md); with
+  several workers every worker takes it (`edge.worker_admin`, `x-quicedge-workers: K/N`).
 """
 
 from __future__ import annotations
