@@ -124,7 +124,7 @@ class WorkerAdmin:
         if ramp is None or action not in HANDED_OVER:
             return 404
         reason = f"worker {int(request['worker'])}: {request['reason']}"
-        (ramp.rollback if action == "rollback" else ramp.pause)(reason)
+        ramp.stop(action, reason)
         return 200
 
     def _transitioned(self, rollout: Rollout, transition: Transition) -> None:

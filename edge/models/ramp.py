@@ -191,6 +191,10 @@ class Ramp:
         if self.rollout.state != "rolled_back":
             self._move("rollback", reason)
 
+    def stop(self, action: str, reason: str) -> None:
+        """`rollback` or `pause` by name: a stop another process took, taken here too."""
+        (self.rollback if action == "rollback" else self.pause)(reason)
+
     def snapshot(self) -> dict[str, Any]:
         r = self.rollout
         now = self._clock()

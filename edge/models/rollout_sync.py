@@ -145,7 +145,7 @@ class RolloutSync:
         self.received += 1
         token = _heard.set(True)
         try:
-            (ramp.rollback if action == "rollback" else ramp.pause)(f"edge {instance}: {reason}")
+            ramp.stop(action, f"edge {instance}: {reason}")
         finally:
             _heard.reset(token)
 
