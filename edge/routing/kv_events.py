@@ -4,10 +4,13 @@ With `[kv_events] enabled`, the edge subscribes to each backend's event socket (
 with `--kv-events-config '{"publisher":"zmq","endpoint":"tcp://*:5557"}'`; the wire format is
 in `backends.kv_events`) and keeps, per backend, the blocks it says it holds. Two events act:
 
-- `AllBlocksCleared`, and a sequence number that starts again from below the last one seen (a
-  new server process, whose cache is empty): the backend's cache is empty now. The edge does
+- `AllBlocksCleared`, and a new server process, whose cache is empty: a sequence number that
+  starts again from below the last one seen, or, after the connection broke, one that does not
+  go on from it (SGLang numbers from 0 per process, so a new server that sent more messages
+  before the edge reconnected than its predecessor ever did numbers past it). The edge does
   what it does for a restart found any other way: the routing tree forgets what it believed
-  was cached there and, with pre-warming on, the hot prefixes are warmed there again.
+  was cached there and, with pre-warming on, the hot prefixes are warmed there again. A
+  connection that breaks and goes on with the next number is the same process.
 - `BlockStored` / `BlockRemoved` keep the count of cached blocks (and tokens) per backend, on
   `/backends` and in metrics. Their hashes are of token blocks, which the edge (routing on text,
   without the model's tokenizer) cannot match against a request: they are counted, not matched.
@@ -113,6 +116,10 @@ class BackendEvents:
     """Sequence numbers that started again: a new server process."""
     gaps: int = 0
     """Messages missed (a jump in the sequence numbers)."""
+    disconnects: int = 0
+    """Times the connection to the publisher broke (ZMQ reconnects by itself)."""
+    broken: bool = False
+    """The connection broke since the last message: the next one may be a new process's."""
     malformed: int = 0
     last_seq: int | None = None
     last_at: float | None = None
@@ -124,7 +131,8 @@ class BackendEvents:
             "endpoint": self.endpoint, "blocks": self.blocks,
             "tokens": self.blocks * self.block_size, "stored": self.stored,
             "removed": self.removed, "cleared": self.cleared, "restarts": self.restarts,
-            "gaps": self.gaps, "malformed": self.malformed, "error": self.error,
+            "gaps": self.gaps, "disconnects": self.disconnects, "malformed": self.malformed,
+            "last_seq": self.last_seq, "error": self.error,
             "last_event_age_s": None if self.last_at is None
             else round(time.monotonic() - self.last_at, 3),
         }  # fmt: skip
@@ -186,6 +194,7 @@ class KvEvents:
     async def _listen(self, backend: Backend, state: BackendEvents) -> None:
         assert self._context is not None
         socket = self._context.socket(zmq.SUB)
+        monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             socket.setsockopt(zmq.LINGER, 0)
             # Bounded: ZMQ drops the connection of a peer that sends a larger message (SGLang's
@@ -199,10 +208,23 @@ class KvEvents:
                 state.error = f"{state.endpoint}: {exc.strerror}"
                 log.warning("kv events: cannot subscribe to %s (%s)", backend.name, state.error)
                 return
+            poller = zmq.asyncio.Poller()
+            poller.register(socket, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
             while True:
-                parts = await socket.recv_multipart()
-                self.take(backend, state, parts)
+                ready = dict(await poller.poll())
+                # The break is queued long before a new connection's first message (ZMQ waits
+                # its reconnect interval), so taken first it is never read after that message.
+                if monitor in ready:
+                    await monitor.recv_multipart()
+                    state.disconnects += 1
+                    state.broken = True
+                if socket in ready:
+                    self.take(backend, state, await socket.recv_multipart())
         finally:
+            with contextlib.suppress(zmq.ZMQError):
+                socket.disable_monitor()
+            monitor.close(linger=0)
             socket.close(linger=0)
 
     def take(self, backend: Backend, state: BackendEvents, parts: Sequence[bytes]) -> None:
@@ -215,11 +237,14 @@ class KvEvents:
                 log.warning("kv events from %s: %s (counted, not logged again)", backend.name, exc)
             return
         state.last_at = time.monotonic()
-        last = state.last_seq
-        state.last_seq = seq
+        last, broken = state.last_seq, state.broken
+        state.last_seq, state.broken = seq, False
         if last is not None and seq <= last:  # numbered from 0 again: a new server process
             state.restarts += 1
             self._empty(backend, state, "its event numbers started again")
+        elif last is not None and broken and seq != last + 1:
+            state.restarts += 1
+            self._empty(backend, state, "a new connection's event numbers do not go on")
         elif last is not None and seq > last + 1:
             state.gaps += seq - last - 1
         for event in events:

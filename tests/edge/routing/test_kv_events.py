@@ -10,7 +10,9 @@ from typing import Any
 
 import httpx
 import zmq
+import zmq.asyncio
 
+from backends.kv_events import encode_batch
 from backends.sim import SimConfig, SimServer
 from edge.routing.kv_events import KvEventsConfig
 from edge.routing.prewarm import PrewarmConfig
@@ -176,3 +178,44 @@ async def test_an_address_zmq_refuses_is_reported_and_the_edge_serves_on() -> No
             await wait_until(lambda: seen(edge)[b0]["error"] is not None)
             assert "Invalid argument" in seen(edge)[b0]["error"]
             await generate(http, words(random.Random(6), 20))
+
+
+async def subscribed(xpub: zmq.asyncio.Socket) -> None:
+    """Until the edge's subscription has reached this publisher (XPUB hands it over)."""
+    async with asyncio.timeout(10):
+        assert (await xpub.recv())[:1] == b"\x01"
+
+
+def stored(seq: int) -> list[bytes]:
+    return [b"", seq.to_bytes(8, "big"), encode_batch([["BlockStored", [seq], None, [1], 1]])]
+
+
+async def test_a_new_process_that_numbered_past_the_last_message_seen_is_a_restart() -> None:
+    """SGLang numbers from 0 per process, so a new server that sent more messages before the
+    edge reconnected than its predecessor ever did looks like a gap; the broken connection
+    between them says otherwise. A connection that breaks and goes on where it was is not."""
+    port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    context = zmq.asyncio.Context()
+    async with sims(sim_config("b0")) as servers:
+        config = fast_config([servers[0].url], policy="ttft")
+        events = KvEventsConfig(enabled=True, endpoints={servers[0].url: endpoint})
+        async with run_edge(config, kv_events=events) as edge:
+            b0 = name(servers[0])
+            sequences = ((0, 1, 2), (3,), (10,))  # the first process, a blip, a new process
+            for run, seqs in enumerate(sequences):
+                xpub = context.socket(zmq.XPUB)
+                try:
+                    xpub.bind(endpoint)
+                    await subscribed(xpub)
+                    for seq in seqs:
+                        await xpub.send_multipart(stored(seq))
+                    await wait_until(lambda seqs=seqs: seen(edge)[b0]["last_seq"] == seqs[-1])
+                finally:
+                    xpub.close(linger=0)
+                await wait_until(lambda run=run: seen(edge)[b0]["disconnects"] == run + 1)
+                if run == 1:
+                    assert seen(edge)[b0]["restarts"] == 0, "went on where it was: no restart"
+            state = seen(edge)[b0]
+            assert state["restarts"] == 1 and state["gaps"] == 0, str(state)
+    context.destroy(linger=0)
