@@ -271,10 +271,12 @@ async def build(
     )  # fmt: skip
     catalog.on_relabel = breaker_set.relabel  # a learned model moves its backend's domain
     sync = None
-    if models is not None and models.share_stops and models.rollouts:
+    if models is not None and (models.share_stops or models.share_advances) and models.rollouts:
         if redis_url is None:
-            raise ValueError("models.share_stops: sharing rollbacks needs a Redis (--redis)")
-        sync = RolloutSync(pools, url=redis_url, key=models.share_key)
+            which = "share_stops" if models.share_stops else "share_advances"
+            raise ValueError(f"models.{which}: sharing rollouts needs a Redis (--redis)")
+        sync = RolloutSync(pools, url=redis_url, key=models.share_key,
+                           stops=models.share_stops, advances=models.share_advances)  # fmt: skip
     gateway = PolicyGateway.from_config(
         policies or PolicyConfig(),
         on_decision=lambda rule, outcome: metrics.policy_decisions.labels(rule, outcome).inc(),

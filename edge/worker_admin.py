@@ -14,8 +14,9 @@ for all, and every other admin route only reads.
 
 A rollback or a pause that a worker's own ramp decides (its share of the canary's errors, TTFT or
 drift) is handed to the others the same way, so that one worker's evidence stops the canary
-everywhere; each records it with the reason and the worker it came from. Advances are not
-handed over: each worker advances on its own share of requests.
+everywhere; each records it with the reason and the worker it came from. So is an advance (or
+the promotion at the end), with the step it reached: a worker that is behind goes to that step
+(`Ramp.follow`), so the workers ramp as one instead of each on its own share of the requests.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from edge.models.rollout import Rollout
 log = logging.getLogger(__name__)
 
 HEADER = b"x-quicedge-workers"
-HANDED_OVER = frozenset({"rollback", "pause"})
+STOPS = frozenset({"rollback", "pause"})
+ADVANCES = frozenset({"advance", "promoted"})
+HANDED_OVER = STOPS | ADVANCES
 """A worker's own transitions that every other worker takes too."""
 # Set while this worker runs an action every worker runs (so its transition is not handed on).
 _everywhere: contextvars.ContextVar[bool] = contextvars.ContextVar("everywhere", default=False)
@@ -118,19 +121,22 @@ class WorkerAdmin:
             writer.close()
 
     def _take(self, request: dict[str, Any]) -> int:
-        """Another worker's own rollback or pause, taken here too."""
+        """Another worker's own transition, taken here too."""
         ramp = self.models.ramps.get(request["rollout"]) if self.models is not None else None
         action = request["action"]
         if ramp is None or action not in HANDED_OVER:
             return 404
         reason = f"worker {int(request['worker'])}: {request['reason']}"
-        ramp.stop(action, reason)
+        if action in ADVANCES:
+            ramp.follow(int(request["step"]), reason)
+        else:
+            ramp.stop(action, reason)
         return 200
 
     def _transitioned(self, rollout: Rollout, transition: Transition) -> None:
         if transition.action not in HANDED_OVER or _everywhere.get():
             return
-        message = {"rollout": rollout.pool, "action": transition.action,
+        message = {"rollout": rollout.pool, "action": transition.action, "step": transition.step,
                    "reason": transition.reason, "worker": self.plan.index}  # fmt: skip
         task = asyncio.get_running_loop().create_task(self._hand_over(message))
         self._tasks.add(task)

@@ -164,8 +164,11 @@ class ModelsConfig:
     share_stops: bool = False
     """Share every rollback and pause with the other edges on the `[serve]` Redis (`--redis`),
     which take it too (`edge/models/rollout_sync.py`); off: each edge keeps its own ramp."""
+    share_advances: bool = False
+    """Share every advance and promotion the same way: an edge whose ramp is behind goes to the
+    step another reached, so the edges ramp as one; off: each advances on its own requests."""
     share_key: str = "quicedge:rollouts"
-    """The pub/sub channel of those stops; edge fleets with different rollouts use different
+    """The pub/sub channel of what is shared; edge fleets with different rollouts use different
     keys."""
 
     def validate(self) -> None:

@@ -13,6 +13,11 @@ found nothing. Otherwise:
 `promote`, `pause` and `rollback` do the same by hand (the admin API). Every transition is logged
 with its reason, counted in `quicedge_rollout_transitions_total{model,action}`, and kept (the
 last 50) for `GET /rollouts`.
+
+Several processes (workers, edges) each run a ramp from the same configuration. `stop` takes a
+rollback or pause another one took, and `follow` an advance: a ramp that is still ramping moves
+to the step another one reached, if it is behind, so that the processes ramp as one, at the pace
+of the first whose share of the canary's requests completes a step.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ class Transition:
     """advance, promoted, pause, hold, rollback, resume."""
     percent: float
     reason: str
+    step: int = 0
+    """The step the ramp is at after it; the number of steps once promoted."""
 
 
 class Ramp:
@@ -166,7 +173,8 @@ class Ramp:
         elif action in ("advance", "resume"):
             r.state = "ramping"
         r.reason = reason
-        transition = Transition(self._clock(), action, r.percent, reason)
+        step = len(self.config.steps) if r.state == "promoted" else self.step
+        transition = Transition(self._clock(), action, r.percent, reason, step)
         self.history.append(transition)
         log.warning("rollout %s: %s at %.4g %% (%s)", r.pool, action, r.percent, reason)
         if self._on_transition is not None:
@@ -194,6 +202,25 @@ class Ramp:
     def stop(self, action: str, reason: str) -> None:
         """`rollback` or `pause` by name: a stop another process took, taken here too."""
         (self.rollback if action == "rollback" else self.pause)(reason)
+
+    def follow(self, step: int, reason: str) -> None:
+        """Another process's ramp reached `step` (`len(steps)`: promoted); go there if behind.
+
+        Only a ramping ramp follows: a pause or hold here is this process's own evidence, and a
+        rollback or promotion is final. Idempotent, so hearing one advance twice is harmless."""
+        steps = self.config.steps
+        if self.rollout.state != "ramping" or not self.step < step <= len(steps):
+            return
+        if step == len(steps):
+            self.rollout.percent = 100.0
+            self._move("promoted", reason)
+            return
+        self.step = step
+        self._start_step()
+        self.rollout.percent = steps[step]
+        self._move("advance", reason)
+        if self.rollout.percent >= 100:
+            self._move("promoted", "reached 100 %")
 
     def snapshot(self) -> dict[str, Any]:
         r = self.rollout

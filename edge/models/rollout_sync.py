@@ -1,13 +1,15 @@
-"""Rollbacks and pauses shared by every edge that shares a Redis (`[models] share_stops`).
+"""Rollbacks, pauses and advances shared by every edge that shares a Redis (`[models]
+share_stops`, `share_advances`).
 
 Each edge process runs its own ramp from the same configuration; `edge.worker_admin` carries
-actions between the workers of one `serve`, and this carries the two that stop a canary between
-machines: a rollback or a pause, whether an operator or the process's own ramp took it, is
-published on a pub/sub channel (`{share_key}`), and every other process that hears it takes the
-same action with the reason and the process it came from. Both actions are idempotent (a second
-rollback or pause changes nothing), so hearing one twice, through the workers' sockets and
-through Redis, is harmless; promotions and advances are not shared, as taking one twice would
-advance twice.
+actions between the workers of one `serve`, and this carries them between machines: a rollback
+or a pause (`share_stops`), whether an operator or the process's own ramp took it, is published
+on a pub/sub channel (`{share_key}`), and every other process that hears it takes the same
+action with the reason and the process it came from. With `share_advances`, so is an advance
+or a promotion, with the step it reached, which a process that is behind goes to
+(`Ramp.follow`). Every one is idempotent (a second rollback changes nothing; an advance names
+its step, not "one more"), so hearing one twice, through the workers' sockets and through
+Redis, is harmless. A resume (a promote of a paused ramp) stays on the edge that took it.
 
 Pub/sub fits: a stop matters now, to whoever is running; an edge that starts later starts from
 its configuration, as it would after a restart anyway. When Redis is slow or gone, publishes and
@@ -37,15 +39,27 @@ from edge.models.service import Models
 
 log = logging.getLogger(__name__)
 
-SHARED = frozenset({"rollback", "pause"})
+STOPS = frozenset({"rollback", "pause"})
+ADVANCES = frozenset({"advance", "promoted"})
 WARN_EVERY_S = 30.0
 # Set while this process takes an action it heard of (so it is not published again).
 _heard: contextvars.ContextVar[bool] = contextvars.ContextVar("heard", default=False)
 
 
 class RolloutSync:
-    def __init__(self, models: Models, *, url: str, key: str, timeout: float = 0.5) -> None:
+    def __init__(
+        self,
+        models: Models,
+        *,
+        url: str,
+        key: str,
+        stops: bool = True,
+        advances: bool = False,
+        timeout: float = 0.5,
+    ) -> None:
         self.models = models
+        self.shared = (STOPS if stops else frozenset()) | (ADVANCES if advances else frozenset())
+        """The transitions published and taken."""
         self.url = url
         self.channel = key.encode()
         self.timeout = timeout
@@ -90,10 +104,10 @@ class RolloutSync:
 
     # -- out --------------------------------------------------------------------------------
     def _transitioned(self, rollout: Rollout, transition: Transition) -> None:
-        if transition.action not in SHARED or _heard.get():
+        if transition.action not in self.shared or _heard.get():
             return
         fields = {"i": self.instance, "model": rollout.pool, "action": transition.action,
-                  "reason": transition.reason}  # fmt: skip
+                  "step": transition.step, "reason": transition.reason}  # fmt: skip
         message = orjson.dumps(fields)
         task = asyncio.get_running_loop().create_task(self._publish(message))
         self._tasks.add(task)
@@ -132,22 +146,26 @@ class RolloutSync:
             await asyncio.sleep(1.0)
 
     def take(self, raw: bytes) -> None:
-        """Another process's rollback or pause, taken here too (anything else is skipped)."""
+        """Another process's shared transition, taken here too (anything else is skipped)."""
         try:
             msg = orjson.loads(raw)
             instance, model, action = str(msg["i"]), str(msg["model"]), str(msg["action"])
             reason = str(msg.get("reason", ""))
-        except (orjson.JSONDecodeError, KeyError, TypeError):
+            step = int(msg.get("step", 0))
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
             return
         ramp = self.models.ramps.get(model)
-        if instance == self.instance or ramp is None or action not in SHARED:
+        if instance == self.instance or ramp is None or action not in self.shared:
             return
         self.received += 1
         token = _heard.set(True)
         try:
-            ramp.stop(action, f"edge {instance}: {reason}")
+            if action in ADVANCES:
+                ramp.follow(step, f"edge {instance}: {reason}")
+            else:
+                ramp.stop(action, f"edge {instance}: {reason}")
         finally:
             _heard.reset(token)
 
 
-__all__ = ["SHARED", "RolloutSync"]
+__all__ = ["ADVANCES", "STOPS", "RolloutSync"]

@@ -1,5 +1,6 @@
 """A rollout action taken on the shared admin listener of `quicedge serve --workers 2` moves the
-rollout of both workers, not only of the one that took the request."""
+rollout of both workers, not only of the one that took the request; so does a rollback or an
+advance that one worker's ramp decides."""
 
 from __future__ import annotations
 
@@ -35,11 +36,13 @@ def canary_percent(admin: str) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def two_workers(redis_url: str, tmp_path: Path, *canary: str) -> Iterator[tuple[str, int]]:
-    """`serve --workers 2` with the rollout above, over a stable (v1) and a canary (v2, with the
-    stand-in's `canary` flags): (the admin URL, the plain HTTP port)."""
+def two_workers(
+    redis_url: str, tmp_path: Path, *canary: str, rollout: str = ROLLOUT
+) -> Iterator[tuple[str, int]]:
+    """`serve --workers 2` with the `rollout` (the one above), over a stable (v1) and a canary
+    (v2, with the stand-in's `canary` flags): (the admin URL, the plain HTTP port)."""
     config = tmp_path / "edge.toml"
-    config.write_text(ROLLOUT)
+    config.write_text(rollout)
     with (
         sim_process("s1", "instant", "--served-model-name", "m", "--model-version", "v1") as s1,
         sim_process("s2", "instant", "--served-model-name", "m", *canary) as s2,
@@ -93,6 +96,33 @@ def test_a_rollback_one_worker_decides_reaches_the_other(redis_url: str, tmp_pat
             if labels["action"] == "rollback"
         }
         assert rollbacks == {"0": 1.0, "1": 1.0}
+
+
+def test_an_advance_one_worker_decides_is_followed_by_the_other(
+    redis_url: str, tmp_path: Path
+) -> None:
+    ramping = ROLLOUT.replace("steps = [50.0]\nauto = false", "steps = [10.0, 50.0]\n"
+                              "step_requests = 3\nstep_seconds = 0")  # fmt: skip
+    with two_workers(redis_url, tmp_path, "--model-version", "v2", rollout=ramping) as served:
+        admin, port = served
+        assert canary_percent(admin) == {"0": 10.0, "1": 10.0}
+        chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        # One kept-alive connection: one worker serves all three, the other none.
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
+            for _ in range(3):
+                r = http.post("/v1/chat/completions", json=chat, headers={"x-canary": "1"})
+                assert r.status_code == 200, r.text
+        deadline = time.monotonic() + 10
+        while canary_percent(admin) != {"0": 50.0, "1": 50.0}:
+            assert time.monotonic() < deadline, canary_percent(admin)
+            time.sleep(0.05)
+        fleet = httpx.get(f"{admin}/metrics", timeout=10).text
+        advances = {
+            labels["worker"]: value
+            for labels, value in samples(fleet, "quicedge_rollout_transitions_total")
+            if labels["action"] == "advance"
+        }
+        assert advances == {"0": 1.0, "1": 1.0}
 
 
 async def test_a_worker_that_does_not_answer_is_counted_out(tmp_path: Path) -> None:

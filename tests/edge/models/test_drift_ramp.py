@@ -122,6 +122,33 @@ def test_operator_actions() -> None:
     assert all(t.reason == "operator" for t in ramp.history)
 
 
+def test_a_ramp_follows_a_step_another_process_reached_only_forward_and_while_ramping() -> None:
+    config = RolloutConfig(model="m", stable="v1", canary="v2", steps=[1.0, 5.0, 25.0])
+    leader, follower = Ramp(config, clock=FakeClock()), Ramp(config, clock=FakeClock())
+    for _ in range(config.step_requests):
+        follower.observe(canary=True, error=False, ttft_s=0.01)  # part of its step, then lost
+    leader.promote()
+    leader.promote()
+    assert [t.step for t in leader.history] == [1, 2]
+    follower.follow(2, "edge a: step done")
+    assert follower.step == 2 and follower.rollout.percent == 25
+    assert follower.step_requests == 0 and follower.rollout.reason == "edge a: step done"
+    follower.follow(1, "late")  # heard out of order, or twice: nothing
+    follower.follow(2, "twice")
+    assert [(t.action, t.step) for t in follower.history] == [("advance", 2)]
+    leader.promote()  # past the last step
+    assert leader.history[-1].action == "promoted" and leader.history[-1].step == 3
+    follower.follow(3, "edge a: promoted")
+    assert follower.rollout.state == "promoted" and follower.rollout.percent == 100
+    # A pause here is this process's own evidence; a rolled-back ramp stays rolled back.
+    paused, rolled = Ramp(config, clock=FakeClock()), Ramp(config, clock=FakeClock())
+    paused.pause()
+    rolled.rollback()
+    for ramp in (paused, rolled):
+        ramp.follow(1, "edge a")
+        assert ramp.step == 0 and len(ramp.history) == 1
+
+
 def test_the_split_by_header_tenant_weight_and_session() -> None:
     r = Rollout("m", stable="v1", canary="v2", percent=25, tenants=frozenset({"beta"}))
     never, always = (lambda: 0.99), (lambda: 0.0)

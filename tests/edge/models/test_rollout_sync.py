@@ -1,5 +1,5 @@
-"""Rollbacks and pauses shared by two edges through a real Redis (`[models] share_stops`), and
-an edge that goes on with its own ramp when that Redis goes away."""
+"""Rollbacks and pauses shared by two edges through a real Redis (`[models] share_stops`), so are
+advances (`share_advances`), and an edge goes on with its own ramp when that Redis goes away."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 
 from edge.models import ModelsConfig
 from edge.wiring import build
-from tests.edge.conftest import Edge, fast_config, run_edge
-from tests.edge.models.test_pools_e2e import sim, sims
+from tests.edge.conftest import Edge, client, fast_config, run_edge
+from tests.edge.models.test_pools_e2e import chat, sim, sims
 from tests.edge.models.test_rollout_e2e import rollout
 from tests.helpers import RedisServer, wait_until
 
@@ -50,6 +50,40 @@ async def test_a_pause_and_a_rollback_on_one_edge_are_taken_by_the_other(
             assert b.wiring.rollout_sync.received == 1  # type: ignore[union-attr]
 
 
+async def test_an_advance_on_one_edge_is_followed_by_the_other_at_that_step(
+    redis_url: str, redis_prefix: str
+) -> None:
+    async with sims(sim("m", model_version="v1"), sim("m", model_version="v2")) as (s1, s2):
+        config = fast_config([s1.url, s2.url])
+        ramp = rollout(steps=[5.0, 50.0, 100.0], auto=True, step_requests=3, step_seconds=0)
+        models = ModelsConfig(rollouts=[ramp], share_advances=True, share_key=redis_prefix + "r")
+        async with (
+            run_edge(config, models=models, redis_url=redis_url) as a,
+            run_edge(config, models=models, redis_url=redis_url) as b,
+            client(a) as http,
+        ):
+            await subscribed(a, b)
+            for _ in range(3):  # canary requests to `a` only: its step is done, `b` saw none
+                r = await http.post("/v1/chat/completions", json=chat("m"),
+                                    headers={"x-canary": "1"})  # fmt: skip
+                assert r.status_code == 200
+            follower = b.wiring.models.ramps["m"]
+            await wait_until(lambda: follower.rollout.percent == 50.0)
+            assert follower.step == 1 and follower.step_requests == 0
+            assert ramp_state(b) == ("ramping", ramp_state(b)[1])
+            assert ramp_state(b)[1].startswith("edge ") and "step done" in ramp_state(b)[1]
+            # An operator's promotion on `b` takes `a` to the end too; nothing comes back twice.
+            async with httpx.AsyncClient() as admin:
+                assert (await admin.post(b.admin_url + "/rollouts/m/promote")).status_code == 200
+            await wait_until(lambda: ramp_state(a)[0] == "promoted")
+            assert [t.action for t in follower.history] == ["advance", "advance", "promoted"]
+            # `a` hears b's advance to 100 % and the promotion, in either order (two publishes).
+            actions = [t.action for t in a.wiring.models.ramps["m"].history]
+            assert actions[0] == "advance" and actions[-1] == "promoted", actions
+            assert actions.count("promoted") == 1
+            assert b.wiring.rollout_sync.received == 1  # type: ignore[union-attr]
+
+
 async def test_without_redis_each_edge_keeps_its_own_ramp(redis_prefix: str) -> None:
     redis = RedisServer()
     try:
@@ -75,6 +109,6 @@ async def test_sharing_stops_without_a_redis_is_refused() -> None:
     from prometheus_client import CollectorRegistry
 
     models = ModelsConfig(rollouts=[rollout()], share_stops=True)
-    with pytest.raises(ValueError, match="share_stops: sharing rollbacks needs a Redis"):
+    with pytest.raises(ValueError, match="share_stops: sharing rollouts needs a Redis"):
         await build(fast_config(["http://127.0.0.1:9"]), registry=CollectorRegistry(),
                     models=models)  # fmt: skip
