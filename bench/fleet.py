@@ -13,7 +13,9 @@ what both cost on the request path.
 - **scaleout**: the Zipf-hot and multi-turn workloads through 1, 2 and 4 edge instances, each
   with its own registry, pool and `ttft` policy (as separate processes have), clients spread
   over them in turn, with and without the shared view through a real Redis (`--redis URL`).
-  The instances run in this one process so that the CPU they share is the same in every run.
+  The instances run in this one process so that the CPU they share is the same in every run;
+  with `--processes` each runs in a process of its own (`bench.fleet_processes`), as separate
+  edges do, the stand-ins staying here.
 
 Routing is done in-process exactly as the edge app does it (`bench.routing.Run`). Times are the
 stand-ins' simulated milliseconds (`--time-scale`). Writes DIR/fleet.md and DIR/fleet.json.
@@ -39,6 +41,7 @@ import orjson
 from backends.pool import UpstreamPool
 from backends.registry import BackendRegistry, HealthConfig
 from backends.sim import SimConfig, SimServer
+from bench.fleet_processes import ChildPlan, run_children
 from bench.routing import (
     FLEET,
     HEALTH,
@@ -324,7 +327,7 @@ class RestartRun(Run):
         sampler = asyncio.create_task(self._sample_busy(sims))
         try:
             await asyncio.gather(
-                *(self._session(p, t0, inst.registry, inst.pool, inst.policy) for p in self.plans)
+                *(self.session(p, t0, inst.registry, inst.pool, inst.policy) for p in self.plans)
             )
             await restarter
         finally:
@@ -420,32 +423,43 @@ class ScaleResult:
     ttft_p99_ms: float
     max_loop_lag_ms: float
     seed: int = 0
+    processes: bool = False
+    """Each instance in a process of its own (`--processes`)."""
 
 
 class ScaleRun(Run):
-    def __init__(self, *, instances: int, view: FleetViewConfig | None, **kw: Any) -> None:
+    def __init__(
+        self,
+        *,
+        instances: int,
+        view: FleetViewConfig | None,
+        processes: bool = False,
+        seed: int = 0,
+        **kw: Any,
+    ) -> None:
         super().__init__(**kw)
-        self.instances, self.view = instances, view
+        self.instances, self.view, self.processes, self.seed = instances, view, processes, seed
+        self.duration = float(kw["duration"])
 
     async def execute_scale(self) -> ScaleResult:
         sims = _sims(self.spec.kv_tokens, self.time_scale)
         for sim in sims:
             await sim.start()
         urls = [s.url for s in sims]
-        fleet = [await make_instance(urls, view=self.view) for _ in range(self.instances)]
         sampler = asyncio.create_task(self._sample_busy(sims))
-        t0 = time.perf_counter()
         try:
-            await asyncio.gather(
-                *(
-                    self._session(p, t0, i.registry, i.pool, i.policy)
-                    for p, i in ((p, fleet[k % len(fleet)]) for k, p in enumerate(self.plans))
-                )
-            )
+            if self.processes:
+                plans = [
+                    ChildPlan(urls, self.spec.name, self.rate, self.duration,
+                              self.seed, i, self.instances, self.time_scale, self.view)
+                    for i in range(self.instances)
+                ]  # fmt: skip
+                self.results, lag = await run_children(plans)
+                self.max_lag = max(self.max_lag, lag)
+            else:
+                await self._in_process(urls)
         finally:
             sampler.cancel()
-            for inst in fleet:
-                await inst.aclose()
             for sim in sims:
                 await sim.stop()
         measured = [r for r in self.results if r.arrival >= self.warmup]
@@ -462,7 +476,22 @@ class ScaleRun(Run):
             ttft_p50_ms=_pct(ttfts, 0.5),
             ttft_p99_ms=_pct(ttfts, 0.99),
             max_loop_lag_ms=round(self.max_lag * 1000, 1),
+            processes=self.processes,
         )
+
+    async def _in_process(self, urls: list[str]) -> None:
+        fleet = [await make_instance(urls, view=self.view) for _ in range(self.instances)]
+        t0 = time.perf_counter()
+        try:
+            await asyncio.gather(
+                *(
+                    self.session(p, t0, i.registry, i.pool, i.policy)
+                    for p, i in ((p, fleet[k % len(fleet)]) for k, p in enumerate(self.plans))
+                )
+            )
+        finally:
+            for inst in fleet:
+                await inst.aclose()
 
 
 async def run_scaleout(args: argparse.Namespace) -> list[ScaleResult]:
@@ -487,6 +516,8 @@ async def run_scaleout(args: argparse.Namespace) -> list[ScaleResult]:
                 run = ScaleRun(
                     instances=n,
                     view=view,
+                    processes=args.processes,
+                    seed=seed,
                     spec=spec,
                     policy="ttft",
                     plans=plans,
@@ -498,7 +529,8 @@ async def run_scaleout(args: argparse.Namespace) -> list[ScaleResult]:
                 result = await run.execute_scale()
                 result.seed = seed
                 _log(
-                    f"scaleout {name} seed {seed} x{n} shared={shared}: hit "
+                    f"scaleout {name} seed {seed} x{n} shared={shared} "
+                    f"processes={args.processes}: hit "
                     f"{result.hit_rate:.1%}, p99 {result.ttft_p99_ms:.0f} ms, loop stall "
                     f"{result.max_loop_lag_ms:.0f} ms"
                 )
@@ -546,7 +578,8 @@ def render(payload: dict[str, Any], args: argparse.Namespace) -> str:
         ]
         for r in scale:
             lines.append(
-                f"| {r['workload']} | {r['seed']} | {r['instances']} | "
+                f"| {r['workload']} | {r['seed']} | {r['instances']}"
+                f"{' processes' if r.get('processes') else ''} | "
                 f"{'yes' if r['shared'] else 'no'} | "
                 f"{r['hit_rate']:.1%} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
                 f"{r['errors']} | {r['max_loop_lag_ms']:.0f} |"
@@ -597,6 +630,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--workloads", default="zipf,multiturn", help="scale-out workloads")
     parser.add_argument("--instances", default="1,2,4", help="scale-out edge instance counts")
+    parser.add_argument(
+        "--processes", action="store_true",
+        help="scale-out: each instance in a process of its own (bench/fleet_processes.py)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     args.argv = argv
     args.workloads = [w for w in args.workloads.split(",") if w]

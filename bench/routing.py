@@ -295,9 +295,7 @@ class Run:
         sampler = asyncio.create_task(self._sample_busy(sims))
         t0 = time.perf_counter()
         try:
-            await asyncio.gather(
-                *(self._session(p, t0, registry, pool, policy) for p in self.plans)
-            )
+            await asyncio.gather(*(self.session(p, t0, registry, pool, policy) for p in self.plans))
         finally:
             wall = time.perf_counter() - t0
             sampler.cancel()
@@ -325,7 +323,7 @@ class Run:
                 assert sim.scheduler is not None
                 self.busy_hits += not sim.scheduler.idle
 
-    async def _session(
+    async def session(
         self,
         plan: SessionPlan,
         t0: float,

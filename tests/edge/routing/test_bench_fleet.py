@@ -24,3 +24,25 @@ def test_the_cost_part_writes_its_report(tmp_path: Path) -> None:
     cost = json.loads((tmp_path / "fleet.json").read_text())["cost"]
     assert cost["choose_with_hot_and_view_us"] > 0 and cost["block_hashes_us"] > 0
     assert "Request-path cost" in (tmp_path / "fleet.md").read_text()
+
+
+def test_scale_out_with_an_instance_per_process_runs_every_session(
+    tmp_path: Path, redis_url: str
+) -> None:
+    argv = ["--out", str(tmp_path), "--parts", "scaleout", "--redis", redis_url, "--duration",
+            "1", "--instances", "2", "--workloads", "zipf", "--processes"]  # fmt: skip
+    assert main(argv) == 0
+    runs = json.loads((tmp_path / "fleet.json").read_text())["scaleout"]
+    assert [(r["instances"], r["shared"], r["processes"]) for r in runs] == [
+        (2, False, True),
+        (2, True, True),
+    ]
+    # Both children's requests came back: every arrival after the warm-up (a fifth of the run),
+    # give or take one at its edge, not the half that one child made.
+    from bench.routing import INITIAL_RATE, make_workload
+
+    sessions = make_workload("zipf", INITIAL_RATE["zipf"], 1.0, 1)
+    expected = sum(len(p.turns) for p in sessions if p.start >= 0.2)
+    for r in runs:
+        assert r["errors"] == 0 and abs(r["requests"] - expected) <= 2, (r, expected)
+    assert "2 processes" in (tmp_path / "fleet.md").read_text()
