@@ -8,7 +8,10 @@ counts need no update (weights are rescaled when they grow large). Each model ke
 `capacity` entries; past twice that, the lowest-scored half is dropped at once, so the cost of
 pruning is amortised to O(log capacity) per new entry. An entry keeps a reference to the text of
 the request that created it (no copy), and for a chat request to its messages; the prefix is cut
-from them only when it is warmed.
+from them only when it is warmed. A prompt that runs on for more than `KEEP_PAST` characters
+past its hashed blocks (`max_blocks` of them) is cut to those first, once per request that adds
+an entry, so that entries never keep long prompts alive for the part past them (otherwise up
+to 2 × `capacity` prompts of `max_body_bytes` each); shorter ones are kept as they are, at no cost.
 
 `top(model, n)` gives the deepest hot prefix of each lineage (an entry whose deeper block is
 also hot is covered by it), hottest first: what pre-warming sends.
@@ -25,6 +28,8 @@ from edge.routing.prefix_blocks import PrefixBlocks
 from edge.stages.view import chat_prefix
 
 _RESCALE_AT = 2.0**40
+KEEP_PAST = 16 * 1024
+"""Characters past the hashed blocks an entry may keep alive rather than cut the prompt."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,11 +118,15 @@ class HotPrefixes:
         w = self._weight()
         parent: int | None = None
         size = blocks.block_chars
+        source, span = blocks.text, len(hashes) * size
         get = entries.get
         for k, h in enumerate(hashes):
             e = get(h)
             if e is None:
-                entries[h] = _Entry(blocks.text, (k + 1) * size, parent, w, messages)
+                if len(source) > span + KEEP_PAST:  # keep what the hashes cover, no more
+                    source = source[:span]
+                    messages = None if messages is None else chat_prefix(messages, span)
+                entries[h] = _Entry(source, (k + 1) * size, parent, w, messages)
             else:
                 e.score += w
             parent = h
@@ -170,4 +179,4 @@ class HotPrefixes:
         ]  # fmt: skip
 
 
-__all__ = ["HotPrefix", "HotPrefixes"]
+__all__ = ["KEEP_PAST", "HotPrefix", "HotPrefixes"]

@@ -128,3 +128,33 @@ def test_hot_chat_prefixes_carry_their_conversation_cut_at_the_prefix() -> None:
     for _ in range(2):
         plain.record(None, hasher.blocks("x" * 200))
     assert plain.top(None, 1)[0].messages is None
+
+
+def test_entries_keep_only_the_hashed_part_of_a_long_prompt() -> None:
+    """Only `max_blocks` blocks are hashed, so an entry needs no more of its request than that:
+    many long prompts that each add one new entry must not keep every prompt alive."""
+    import tracemalloc
+
+    from edge.stages.view import render_chat
+
+    hasher = BlockHasher(64, max_blocks=4)  # 256 characters hashed
+    hot = HotPrefixes(capacity=256, clock=Clock())
+    shared = "s" * 192  # three blocks every prompt shares; the fourth is its own
+    tail = 256 * 1024
+    tracemalloc.start()
+    try:
+        for i in range(100):  # each a fresh 256 KiB prompt (one new entry), dropped after
+            own = f"{i:03d}" + "-" * 61  # where the fourth block starts, with or without a role
+            text = shared + own + "t" * tail
+            hot.record("m", hasher.blocks(text))
+            messages = [{"role": "user", "content": shared + own + "t" * tail}]
+            hot.record("chat", hasher.blocks(render_chat(messages)), messages)
+        del text, messages
+        kept, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert kept < 2 * 1024 * 1024, kept  # 200 prompts of 256 KiB: 50 MiB if each were kept
+    top = hot.top("m", 1)[0]
+    assert top.text == shared and top.count == 100
+    chat = [p for p in hot.top("chat", 300, min_count=1.0) if len(p.text) == 256]
+    assert len(chat) == 100 and all(len(p.messages[0]["content"]) == 256 - 9 for p in chat)
