@@ -71,7 +71,16 @@ class Fleet:
 
 
 @contextlib.contextmanager
-def fleet(out: Path, toml: str, *, sims: int, sim_args: Sequence[str]) -> Iterator[Fleet]:
+def fleet(
+    out: Path,
+    toml: str,
+    *,
+    sims: int,
+    sim_args: Sequence[str],
+    tiers: Sequence[str] = (),
+) -> Iterator[Fleet]:
+    """`sims` stand-ins and one edge; `tiers[i]`, when given, is the tiers stand-in i serves
+    (its backend URL's `#tiers=`)."""
     procs: list[subprocess.Popen[bytes]] = []
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -92,7 +101,8 @@ def fleet(out: Path, toml: str, *, sims: int, sim_args: Sequence[str]) -> Iterat
         cmd = [sys.executable, "-m", "edge.cli", "serve", "--http", f"127.0.0.1:{edge}",
                "--admin", f"127.0.0.1:{admin}", "--tcp", "off", "--h3", f"127.0.0.1:{free_port()}",
                "--config", str(config), "--policy", "least_load", "--loads-interval", "0.1",
-               *(x for p in ports for x in ("--backend", f"http://127.0.0.1:{p}"))]  # fmt: skip
+               *(x for i, p in enumerate(ports)
+                 for x in ("--backend", f"http://127.0.0.1:{p}" + _tiers(tiers, i)))]  # fmt: skip
         log = (logs / "edge.log").open("wb")
         procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
         _wait_tcp(edge, procs[-1])
@@ -107,6 +117,10 @@ def fleet(out: Path, toml: str, *, sims: int, sim_args: Sequence[str]) -> Iterat
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def _tiers(tiers: Sequence[str], i: int) -> str:
+    return f"#tiers={tiers[i]}" if i < len(tiers) and tiers[i] else ""
 
 
 @dataclass
@@ -366,7 +380,10 @@ async def noisy(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     bronze: list[Result] = []
     bronze_cpu = 0.0
     totals: dict[str, dict[str, Any]] = {"alone": {}, "with_neighbour": {}}
-    with fleet(out / "noisy", toml, sims=2, sim_args=[]) as f:
+    # With --tier-backends, the isolation domains' way: gold's two stand-ins serve gold only,
+    # and bronze gets a third of its own.
+    tiers = ("gold", "gold", "bronze") if args.tier_backends else ()
+    with fleet(out / "noisy", toml, sims=len(tiers) or 2, sim_args=[], tiers=tiers) as f:
         mark = Watched(f.procs[-1].pid, [p.pid for p in f.procs[:-1]], f.admin_port).mark()
         # The neighbour is another client machine: its load comes from a process of its own,
         # so that its connections do not slow this process's gold clients.
@@ -420,6 +437,7 @@ async def noisy(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         "bronze_quota_rps": args.bronze_rps,
         "bronze_times": args.bronze_times,
         "blocks": args.blocks,
+        "tier_backends": args.tier_backends,
     }
 
 
@@ -494,7 +512,8 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["## Noisy neighbour", "",
                   f"gold at {n['gold_rps']} req/s; bronze quota {n['bronze_quota_rps']} req/s, "
                   f"sent at {n['bronze_times']}x; the phases alternate in {n['blocks']} blocks "
-                  "each.", "",
+                  "each" + ("; gold on two stand-ins of its own, bronze on a third"
+                            if n.get("tier_backends") else "") + ".", "",
                   "| phase | requests | statuses | TTFT p50 ms | TTFT p99 ms |",
                   "| --- | --- | --- | --- | --- |"]  # fmt: skip
         for key in ("gold_alone", "gold_with_neighbour", "bronze"):
@@ -560,6 +579,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="bronze sends this many times its quota (10)")  # fmt: skip
     p.add_argument("--blocks", type=int, default=6,
                    help="noisy: alternate the two phases in this many blocks each (6)")  # fmt: skip
+    p.add_argument("--tier-backends", action="store_true",
+                   help="noisy: gold's two stand-ins serve gold only; bronze has one")  # fmt: skip
     p.add_argument("--clients", type=int, default=100)
     p.add_argument("--kv-tokens", type=int, default=4000)
     p.add_argument("--bucket-rps", type=float, default=60.0)

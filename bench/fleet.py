@@ -577,9 +577,11 @@ def render(payload: dict[str, Any], args: argparse.Namespace) -> str:
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in scale:
+            where = ""
+            if r.get("processes"):
+                where = " processes" if r["instances"] > 1 else " process"
             lines.append(
-                f"| {r['workload']} | {r['seed']} | {r['instances']}"
-                f"{' processes' if r.get('processes') else ''} | "
+                f"| {r['workload']} | {r['seed']} | {r['instances']}{where} | "
                 f"{'yes' if r['shared'] else 'no'} | "
                 f"{r['hit_rate']:.1%} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
                 f"{r['errors']} | {r['max_loop_lag_ms']:.0f} |"
