@@ -35,6 +35,24 @@ def canary_percent(admin: str) -> dict[str, float]:
     }
 
 
+def both_at(admin: str, percent: float, timeout: float = 10.0) -> None:
+    """Until both workers' canary share is `percent`."""
+    deadline = time.monotonic() + timeout
+    while canary_percent(admin) != {"0": percent, "1": percent}:
+        assert time.monotonic() < deadline, canary_percent(admin)
+        time.sleep(0.05)
+
+
+def transitions(admin: str, action: str) -> dict[str, float]:
+    """Each worker's count of rollout transitions of one kind."""
+    fleet = httpx.get(f"{admin}/metrics", timeout=10).text
+    return {
+        labels["worker"]: value
+        for labels, value in samples(fleet, "quicedge_rollout_transitions_total")
+        if labels["action"] == action
+    }
+
+
 @contextlib.contextmanager
 def two_workers(
     redis_url: str, tmp_path: Path, *canary: str, rollout: str = ROLLOUT
@@ -85,17 +103,8 @@ def test_a_rollback_one_worker_decides_reaches_the_other(redis_url: str, tmp_pat
                 http.post("/v1/chat/completions", json=chat, headers={"x-canary": "1"})
                 if 0.0 in canary_percent(admin).values():
                     break
-        deadline = time.monotonic() + 10
-        while canary_percent(admin) != {"0": 0.0, "1": 0.0}:
-            assert time.monotonic() < deadline, canary_percent(admin)
-            time.sleep(0.05)
-        fleet = httpx.get(f"{admin}/metrics", timeout=10).text
-        rollbacks = {
-            labels["worker"]: value
-            for labels, value in samples(fleet, "quicedge_rollout_transitions_total")
-            if labels["action"] == "rollback"
-        }
-        assert rollbacks == {"0": 1.0, "1": 1.0}
+        both_at(admin, 0.0)
+        assert transitions(admin, "rollback") == {"0": 1.0, "1": 1.0}
 
 
 def test_an_advance_one_worker_decides_is_followed_by_the_other(
@@ -112,17 +121,8 @@ def test_an_advance_one_worker_decides_is_followed_by_the_other(
             for _ in range(3):
                 r = http.post("/v1/chat/completions", json=chat, headers={"x-canary": "1"})
                 assert r.status_code == 200, r.text
-        deadline = time.monotonic() + 10
-        while canary_percent(admin) != {"0": 50.0, "1": 50.0}:
-            assert time.monotonic() < deadline, canary_percent(admin)
-            time.sleep(0.05)
-        fleet = httpx.get(f"{admin}/metrics", timeout=10).text
-        advances = {
-            labels["worker"]: value
-            for labels, value in samples(fleet, "quicedge_rollout_transitions_total")
-            if labels["action"] == "advance"
-        }
-        assert advances == {"0": 1.0, "1": 1.0}
+        both_at(admin, 50.0)
+        assert transitions(admin, "advance") == {"0": 1.0, "1": 1.0}
 
 
 async def test_a_worker_that_does_not_answer_is_counted_out(tmp_path: Path) -> None:
