@@ -13,6 +13,10 @@ HTTP/1.1, so that the client costs less than what is measured):
 2. ITL: the `h100-llama3-8b` stand-in (a real decode rhythm), `--itl-tokens` tokens; targets
    `off` and `stream` (an edge with one stream rule that never matches the stand-in's text).
    The figure is `stream` - `off` at inter-token p99.
+3. Audit: the `instant` stand-in, `max_tokens` 1, `--audit-streams` closed-loop connections
+   (as fast as one worker answers); targets `off` and `audit` (an edge writing the audit log).
+   The figures: requests per second of each, and the audit edge's lines written, dropped, and
+   found in its file by `quicedge audit verify`.
 
 Edges run on the last CPU, the stand-in and the client on the others (as `bench.edge_latency
 --spawn` does). Writes OUT/policy.md and OUT/policy.json.
@@ -26,6 +30,7 @@ import os
 import platform
 import shlex
 import socket
+import subprocess
 import sys
 import time
 import tomllib
@@ -75,6 +80,10 @@ def rules_toml() -> str:
                    f"patterns = {_toml_list(patterns)}\n")  # fmt: skip
     out.append(f'[[policy.wasm]]\nid = "deny-keyword"\npath = "{EXAMPLE}"\n')
     return "\n".join(out)
+
+
+def audit_toml(out: Path) -> str:
+    return f'[audit]\npath = "{out / "audit-{pid}.jsonl"}"\n'
 
 
 STREAM_TOML = """[[policy.stream_rules]]
@@ -140,6 +149,9 @@ def phase(
 _COUNTED = (
     "quicedge_policy_decisions_total",
     "quicedge_policy_module_failures",
+    "quicedge_audit_written_total",
+    "quicedge_audit_dropped_total",
+    "quicedge_requests_total",
     'quicedge_stage_seconds_sum{stage="admit"}',
     'quicedge_stage_seconds_count{stage="admit"}',
 )
@@ -206,6 +218,25 @@ def in_process(samples: int = 2000) -> dict[str, float]:
             "module_only_us": module_us, "stream_guard_per_chunk_us": chunk_us}  # fmt: skip
 
 
+def audit_phase(out: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Requests per second with and without the audit log, and what the log holds after."""
+    for old in out.glob("audit-*.jsonl*"):
+        old.unlink()
+    args.pause_ms = 0.0  # back to back: the worker's full rate
+    args.per_round = args.audit_per_round
+    runs = phase(out, "audit", profile="instant", direct=False,
+                 edges={"off": None, "audit": audit_toml(out)}, args=args, max_tokens=1,
+                 concurrency=args.audit_streams)  # fmt: skip
+    files = sorted(out.glob("audit-*.jsonl"))
+    lines = sum(sum(1 for _ in f.open("rb")) for f in files)
+    verified = bool(files) and all(
+        subprocess.run([sys.executable, "-m", "edge.cli", "audit", "verify", str(f)], cwd=REPO,
+                       capture_output=True).returncode == 0
+        for f in files
+    )  # fmt: skip
+    return [{**run, "audit_lines": lines, "audit_verified": verified} for run in runs]
+
+
 def _row(run: dict[str, Any], name: str) -> dict[str, Any]:
     return next(t for t in run["targets"] if t["name"] == name)
 
@@ -254,6 +285,21 @@ def markdown(result: dict[str, Any]) -> str:
             f"| {st['itl_ms']['p50']:.3f} | {st['itl_ms']['p99']:.3f} "
             f"| {_f(_d(st, off, 'itl_ms', 'p99'))} |"
         )
+    for run in result.get("audit") or []:
+        off, audit = _row(run, "off"), _row(run, "audit")
+        counts = run["policy_counts"]["audit"]
+        # Everything the edge answered, the warm-up included, as the log records it.
+        served = sum(v for k, v in counts.items() if k.startswith("quicedge_requests_total"))
+        lines += ["", f"Audit log, {run['concurrency']} closed-loop streams, `instant` stand-in:",
+                  "", "| edge | req/s | requests answered | lines written | dropped "
+                  "| lines in the file | `quicedge audit verify` |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+                  f"| off | {off['req_per_s']:.0f} | {off['requests']} | | | | |",
+                  f"| audit | {audit['req_per_s']:.0f} | {served:.0f} "
+                  f"| {counts.get('quicedge_audit_written_total', 0):.0f} "
+                  f"| {counts.get('quicedge_audit_dropped_total', 0):.0f} "
+                  f"| {run['audit_lines']} "
+                  f"| {'ok' if run['audit_verified'] else 'FAILED'} |"]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -270,7 +316,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--itl-tokens", type=int, default=32)
     p.add_argument("--itl-per-round", type=int, default=16,
                    help="requests per target and round, ITL phase (each is long)")  # fmt: skip
-    p.add_argument("--skip-itl", action="store_true", help="the TTFT phase only")
+    p.add_argument("--skip-itl", action="store_true", help="no ITL phase")
+    p.add_argument("--audit-per-round", type=int, default=3200,
+                   help="requests per target and round, audit phase")  # fmt: skip
+    p.add_argument("--audit-streams", type=int, nargs="*", default=[32],
+                   help="audit phase: connections per level (none: skip it)")  # fmt: skip
     return p
 
 
@@ -288,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         itl = phase(out, "itl", profile="h100-llama3-8b", direct=False,
                     edges={"off": None, "stream": STREAM_TOML}, args=args,
                     max_tokens=args.itl_tokens, concurrency=args.concurrency)  # fmt: skip
+    audit = audit_phase(out, args) if args.audit_streams else None
     result = {
         "command": shlex.join(["python", "-m", "bench.policy", *argv]),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
@@ -297,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         "in_process": in_process(),
         "ttft": ttft,
         "itl": itl,
+        "audit": audit,
     }
     (out / "policy.json").write_text(json.dumps(result, indent=2) + "\n")
     text = markdown(result)
