@@ -166,7 +166,17 @@ class ProxyApps:
 
     def describe(self) -> str:
         proxy = self.settings.get("proxy", ProxyConfig)
-        return f"proxy, policy {proxy.policy}, backends {' '.join(proxy.backends)}"
+        text = f"proxy, policy {proxy.policy}, backends {' '.join(proxy.backends)}"
+        gateway = self.settings.get("policy", PolicyConfig)
+        counted = [(len(gateway.rules), "rule"), (len(gateway.wasm), "module"),
+                   (len(gateway.stream_rules), "stream rule")]  # fmt: skip
+        parts = [f"{n} {name}{'s' if n > 1 else ''}" for n, name in counted if n]
+        if parts:  # what an operator checks first when a request is refused
+            text += "; gateway " + ", ".join(parts)
+        audit = self.settings.get("audit", AuditConfig)
+        if audit.path:
+            text += f"; audit log {audit.path}"
+        return text
 
 
 def main(argv: list[str]) -> int:

@@ -47,6 +47,8 @@ path = "{audit}"
 """)
     serve = ServeProcess("--backend", stand_in, "--config", str(config))
     try:
+        banner = next(line for line in serve.lines if line.startswith("quicedge serve: app"))
+        assert banner.endswith(f"; gateway 1 module; audit log {audit}"), banner
         ctx = ssl.create_default_context(cafile=str(ensure_dev_certificates().ca_cert))
         url = f"https://localhost:{serve.tcp_port}/v1/chat/completions"
         sent = 0
