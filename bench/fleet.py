@@ -324,7 +324,7 @@ class RestartRun(Run):
                 sims[i] = fresh
 
         restarter = asyncio.create_task(restart())
-        sampler = asyncio.create_task(self._sample_busy(sims))
+        sampler = asyncio.create_task(self.sample_busy(sims))
         try:
             await asyncio.gather(
                 *(self.session(p, t0, inst.registry, inst.pool, inst.policy) for p in self.plans)
@@ -446,7 +446,7 @@ class ScaleRun(Run):
         for sim in sims:
             await sim.start()
         urls = [s.url for s in sims]
-        sampler = asyncio.create_task(self._sample_busy(sims))
+        sampler = asyncio.create_task(self.sample_busy(sims))
         try:
             if self.processes:
                 plans = [

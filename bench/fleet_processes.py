@@ -116,7 +116,7 @@ async def child(args: argparse.Namespace) -> None:
         sys.stdout.flush()
         start_at = float(await loop.run_in_executor(None, sys.stdin.readline))
         t0 = time.perf_counter() + (start_at - time.time())
-        sampler = loop.create_task(_stalls(run))
+        sampler = loop.create_task(run.sample_busy([]))  # its loop's stalls; no stand-ins here
         try:
             await asyncio.gather(
                 *(
@@ -131,16 +131,6 @@ async def child(args: argparse.Namespace) -> None:
     payload = {"results": [asdict(r) for r in run.results], "max_lag": run.max_lag}
     sys.stdout.write(json.dumps(payload) + "\n")
     sys.stdout.flush()
-
-
-async def _stalls(run: Run) -> None:
-    """How late this child's event loop wakes up (`Run.max_lag`, as the in-process runs keep)."""
-    last = time.perf_counter()
-    while True:
-        await asyncio.sleep(0.005)
-        now = time.perf_counter()
-        run.max_lag = max(run.max_lag, now - last - 0.005)
-        last = now
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -292,7 +292,7 @@ class Run:
             **({"seed": 0} if self.policy_name in ("random", "power_of_two") else {}),
         )
         await registry.start()
-        sampler = asyncio.create_task(self._sample_busy(sims))
+        sampler = asyncio.create_task(self.sample_busy(sims))
         t0 = time.perf_counter()
         try:
             await asyncio.gather(*(self.session(p, t0, registry, pool, policy) for p in self.plans))
@@ -306,7 +306,7 @@ class Run:
                 await sim.stop()
         return self._summarize(wall, stats.reuse_ratio, policy)
 
-    async def _sample_busy(self, sims: list[SimServer]) -> None:
+    async def sample_busy(self, sims: list[SimServer]) -> None:
         """Sample whether each stand-in has work, and how late the event loop wakes us up (a
         stall of the whole process — another program taking the CPU — delays every request
         at once, whatever the routing)."""

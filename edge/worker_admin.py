@@ -31,14 +31,12 @@ import orjson
 
 from edge.fleet_metrics import PEER_TIMEOUT_S, FleetPlan, close_server, listen_unix
 from edge.models import Models
-from edge.models.ramp import Transition
+from edge.models.ramp import ADVANCES, STOPS, Transition
 from edge.models.rollout import Rollout
 
 log = logging.getLogger(__name__)
 
 HEADER = b"x-quicedge-workers"
-STOPS = frozenset({"rollback", "pause"})
-ADVANCES = frozenset({"advance", "promoted"})
 HANDED_OVER = STOPS | ADVANCES
 """A worker's own transitions that every other worker takes too."""
 # Set while this worker runs an action every worker runs (so its transition is not handed on).
@@ -127,10 +125,7 @@ class WorkerAdmin:
         if ramp is None or action not in HANDED_OVER:
             return 404
         reason = f"worker {int(request['worker'])}: {request['reason']}"
-        if action in ADVANCES:
-            ramp.follow(int(request["step"]), reason)
-        else:
-            ramp.stop(action, reason)
+        ramp.take(action, int(request["step"]), reason)
         return 200
 
     def _transitioned(self, rollout: Rollout, transition: Transition) -> None:

@@ -14,10 +14,11 @@ found nothing. Otherwise:
 with its reason, counted in `quicedge_rollout_transitions_total{model,action}`, and kept (the
 last 50) for `GET /rollouts`.
 
-Several processes (workers, edges) each run a ramp from the same configuration. `stop` takes a
-rollback or pause another one took, and `follow` an advance: a ramp that is still ramping moves
-to the step another one reached, if it is behind, so that the processes ramp as one, at the pace
-of the first whose share of the canary's requests completes a step.
+Several processes (workers, edges) each run a ramp from the same configuration. `take` applies
+a transition another one took: a rollback or pause (`STOPS`) as it is, an advance or promotion
+(`ADVANCES`) by going to the step it reached if this ramp is still ramping and behind, so that
+the processes ramp as one, at the pace of the first whose share of the canary's requests
+completes a step.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ from edge.models.drift import DriftDetector, Sample, TestResult
 from edge.models.rollout import Rollout
 
 log = logging.getLogger(__name__)
+
+STOPS = frozenset({"rollback", "pause"})
+ADVANCES = frozenset({"advance", "promoted"})
+"""The transitions other processes take too (`Ramp.take`)."""
 
 MIN_ERROR_SAMPLES = 20
 """Canary requests seen before its error rate may roll it back (one early error is not a rate)."""
@@ -145,17 +150,21 @@ class Ramp:
         self._advance("step done: " + done)
 
     def _advance(self, reason: str) -> None:
+        self._go_to(self.step + 1, reason)
+
+    def _go_to(self, step: int, reason: str) -> None:
+        """Start step `step`; past the last one, promote."""
         steps = self.config.steps
-        if self.step + 1 < len(steps):
-            self.step += 1
-            self._start_step()
-            self.rollout.percent = steps[self.step]
-            self._move("advance", reason)
-            if self.rollout.percent >= 100:
-                self._move("promoted", "reached 100 %")
-        else:
+        if step >= len(steps):
             self.rollout.percent = 100.0
             self._move("promoted", reason)
+            return
+        self.step = step
+        self._start_step()
+        self.rollout.percent = steps[step]
+        self._move("advance", reason)
+        if self.rollout.percent >= 100:
+            self._move("promoted", "reached 100 %")
 
     def _start_step(self) -> None:
         self.step_started = self._clock()
@@ -199,28 +208,22 @@ class Ramp:
         if self.rollout.state != "rolled_back":
             self._move("rollback", reason)
 
-    def stop(self, action: str, reason: str) -> None:
-        """`rollback` or `pause` by name: a stop another process took, taken here too."""
-        (self.rollback if action == "rollback" else self.pause)(reason)
+    def take(self, action: str, step: int, reason: str) -> None:
+        """A transition another process's ramp took (one of `STOPS` or `ADVANCES`), here too."""
+        if action in ADVANCES:
+            self.follow(step, reason)
+        elif action == "rollback":
+            self.rollback(reason)
+        elif action == "pause":
+            self.pause(reason)
 
     def follow(self, step: int, reason: str) -> None:
         """Another process's ramp reached `step` (`len(steps)`: promoted); go there if behind.
 
         Only a ramping ramp follows: a pause or hold here is this process's own evidence, and a
         rollback or promotion is final. Idempotent, so hearing one advance twice is harmless."""
-        steps = self.config.steps
-        if self.rollout.state != "ramping" or not self.step < step <= len(steps):
-            return
-        if step == len(steps):
-            self.rollout.percent = 100.0
-            self._move("promoted", reason)
-            return
-        self.step = step
-        self._start_step()
-        self.rollout.percent = steps[step]
-        self._move("advance", reason)
-        if self.rollout.percent >= 100:
-            self._move("promoted", "reached 100 %")
+        if self.rollout.state == "ramping" and self.step < step <= len(self.config.steps):
+            self._go_to(step, reason)
 
     def snapshot(self) -> dict[str, Any]:
         r = self.rollout
@@ -247,4 +250,4 @@ class Ramp:
         }  # fmt: skip
 
 
-__all__ = ["MIN_ERROR_SAMPLES", "Ramp", "Transition"]
+__all__ = ["ADVANCES", "MIN_ERROR_SAMPLES", "STOPS", "Ramp", "Transition"]

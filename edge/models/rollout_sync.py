@@ -33,14 +33,12 @@ import redis.asyncio as aioredis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from edge.models.ramp import Transition
+from edge.models.ramp import ADVANCES, STOPS, Transition
 from edge.models.rollout import Rollout
 from edge.models.service import Models
 
 log = logging.getLogger(__name__)
 
-STOPS = frozenset({"rollback", "pause"})
-ADVANCES = frozenset({"advance", "promoted"})
 WARN_EVERY_S = 30.0
 # Set while this process takes an action it heard of (so it is not published again).
 _heard: contextvars.ContextVar[bool] = contextvars.ContextVar("heard", default=False)
@@ -160,12 +158,9 @@ class RolloutSync:
         self.received += 1
         token = _heard.set(True)
         try:
-            if action in ADVANCES:
-                ramp.follow(step, f"edge {instance}: {reason}")
-            else:
-                ramp.stop(action, f"edge {instance}: {reason}")
+            ramp.take(action, step, f"edge {instance}: {reason}")
         finally:
             _heard.reset(token)
 
 
-__all__ = ["ADVANCES", "STOPS", "RolloutSync"]
+__all__ = ["RolloutSync"]
