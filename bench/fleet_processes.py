@@ -26,6 +26,8 @@ from edge.routing.fleet_view import FleetViewConfig
 READY = b"ready\n"
 START_TIMEOUT_S = 60.0
 """Longest a child may take to import, start its instance and say it is ready."""
+FINISH_SLACK_S = 120.0
+"""Longest a child may take past its run's own length to finish and report."""
 
 
 @dataclass(slots=True)
@@ -79,9 +81,12 @@ async def run_children(plans: Sequence[ChildPlan]) -> tuple[list[RequestResult],
             await proc.stdin.drain()
         results: list[RequestResult] = []
         lag = 0.0
+        finish = max(p.duration * p.time_scale for p in plans) + FINISH_SLACK_S
+        deadline = asyncio.get_running_loop().time() + finish
         for proc in procs:
             assert proc.stdout is not None
-            out, _ = await proc.communicate()
+            async with asyncio.timeout_at(deadline):  # a hung child fails the run, boundedly
+                out, _ = await proc.communicate()
             if proc.returncode != 0:
                 raise RuntimeError(f"a scale-out child exited with {proc.returncode}")
             got = json.loads(out.splitlines()[-1])
