@@ -166,7 +166,7 @@ class ProxyApps:
 
     def describe(self) -> str:
         proxy = self.settings.get("proxy", ProxyConfig)
-        text = f"proxy, policy {proxy.policy}, backends {' '.join(proxy.backends)}"
+        text = f"proxy, routing {proxy.policy}, backends {' '.join(proxy.backends)}"
         gateway = self.settings.get("policy", PolicyConfig)
         counted = [(len(gateway.rules), "rule"), (len(gateway.wasm), "module"),
                    (len(gateway.stream_rules), "stream rule")]  # fmt: skip

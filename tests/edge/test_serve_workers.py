@@ -23,7 +23,7 @@ async def test_spawned_workers_serve_the_proxy(
     serve = ServeProcess("--workers", "2", "--redis", redis_url)
     try:
         assert any(line.startswith("quicedge serve: workers 2") for line in serve.lines)
-        assert f"quicedge serve: app    proxy, policy ttft, backends {stand_in}" in serve.lines
+        assert f"quicedge serve: app    proxy, routing ttft, backends {stand_in}" in serve.lines
         ctx = ssl.create_default_context(cafile=str(ensure_dev_certificates().ca_cert))
         async with httpx.AsyncClient(verify=ctx, timeout=30) as client:
             for _ in range(4):
