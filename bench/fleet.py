@@ -425,6 +425,11 @@ class ScaleResult:
     seed: int = 0
     processes: bool = False
     """Each instance in a process of its own (`--processes`)."""
+    misses: int = 0
+    """Requests the backend had under a tenth of the prompt cached for."""
+    unforeseen_misses: int = 0
+    """Of those, the ones the policy had predicted half the prompt or more cached for: a whole
+    prefill that the requests routed behind it did not count on."""
 
 
 class ScaleRun(Run):
@@ -465,6 +470,7 @@ class ScaleRun(Run):
         measured = [r for r in self.results if r.arrival >= self.warmup]
         ok = [r for r in measured if r.error is None and r.ttft is not None]
         ttfts = [r.ttft * 1000 for r in ok if r.ttft is not None]
+        missed = [r for r in ok if r.cached_tokens * 10 < r.prompt_tokens]
         return ScaleResult(
             workload=self.spec.name,
             instances=self.instances,
@@ -477,6 +483,8 @@ class ScaleRun(Run):
             ttft_p99_ms=_pct(ttfts, 0.99),
             max_loop_lag_ms=round(self.max_lag * 1000, 1),
             processes=self.processes,
+            misses=len(missed),
+            unforeseen_misses=sum(1 for r in missed if r.predicted_cached * 2 >= r.prompt_tokens),
         )
 
     async def _in_process(self, urls: list[str]) -> None:
@@ -531,7 +539,8 @@ async def run_scaleout(args: argparse.Namespace) -> list[ScaleResult]:
                 _log(
                     f"scaleout {name} seed {seed} x{n} shared={shared} "
                     f"processes={args.processes}: hit "
-                    f"{result.hit_rate:.1%}, p99 {result.ttft_p99_ms:.0f} ms, loop stall "
+                    f"{result.hit_rate:.1%} ({result.unforeseen_misses} of {result.misses} "
+                    f"misses unforeseen), p99 {result.ttft_p99_ms:.0f} ms, loop stall "
                     f"{result.max_loop_lag_ms:.0f} ms"
                 )
                 out.append(result)
@@ -572,9 +581,9 @@ def render(payload: dict[str, Any], args: argparse.Namespace) -> str:
         lines += [
             "## Scale-out (ttft)",
             "",
-            "| workload | seed | instances | shared view | hit rate | TTFT p50 | p99 | errors | "
-            "loop stall |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "| workload | seed | instances | shared view | hit rate | misses (unforeseen) | "
+            "TTFT p50 | p99 | errors | loop stall |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in scale:
             where = ""
@@ -583,7 +592,8 @@ def render(payload: dict[str, Any], args: argparse.Namespace) -> str:
             lines.append(
                 f"| {r['workload']} | {r['seed']} | {r['instances']}{where} | "
                 f"{'yes' if r['shared'] else 'no'} | "
-                f"{r['hit_rate']:.1%} | {r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
+                f"{r['hit_rate']:.1%} | {r['misses']} ({r['unforeseen_misses']}) | "
+                f"{r['ttft_p50_ms']:.0f} | {r['ttft_p99_ms']:.0f} | "
                 f"{r['errors']} | {r['max_loop_lag_ms']:.0f} |"
             )
         lines.append("")

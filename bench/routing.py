@@ -174,6 +174,9 @@ class RequestResult:
     completion_tokens: int
     finished: float
     error: str | None = None
+    predicted_cached: int = 0
+    """The prompt tokens the policy expected the backend to have cached (its own estimate of
+    the token count, so comparable with `cached_tokens` only roughly)."""
 
 
 class LoadsProbe:
@@ -430,6 +433,7 @@ class Run:
                 completion_tokens=int(meta.get("completion_tokens") or 0),
                 finished=(time.perf_counter() - t0) / self.time_scale,
                 error=error,
+                predicted_cached=decision.predicted_cached_tokens,
             )
         )
         return None if error else text
