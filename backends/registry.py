@@ -152,6 +152,9 @@ class BackendRegistry:
         self._started = False
         self.on_healthy: list[Callable[[Backend], None]] = []
         """Called (synchronously) when a backend passes its checks again after failing them."""
+        self.on_track: Callable[[], None] | None = None
+        """Called (synchronously) as each request is counted in flight: the shared fleet view
+        tells the other edge processes at once."""
 
     def _new_backend(self, raw: str, name: str | None) -> Backend:
         bare, labels = parse_labels(raw)
@@ -252,6 +255,8 @@ class BackendRegistry:
         backend.in_prefill += 1
         backend.in_flight_prefill_tokens += tokens
         backend.requests += 1
+        if self.on_track is not None:
+            self.on_track()
         try:
             yield in_flight
         finally:

@@ -140,6 +140,7 @@ def build_fleet(
             coefficients=ttft.learned if ttft is not None else None,
             adopt=ttft.adopt if ttft is not None else None,
         )
+        registry.on_track = view.nudge
     service: PrewarmService | None = None
     if warm:
         assert prewarm is not None

@@ -4,11 +4,15 @@ Each process batches what it learned every `interval` (200 ms by default) into o
 (`XADD ... MAXLEN ~ max_entries`): the prefix blocks (`prefix_blocks` hashes) it placed on each
 backend since the last batch, and its `ttft` coefficients with their update count. Each process
 reads the entries after the last one it saw (`XREAD`, not blocking) and keeps a local mirror, so
-routing never waits on Redis: a lookup is a few dict reads (see `depth`).
+routing never waits on Redis: a lookup is a few dict reads (see `depth`). The mirror holds the
+whole fleet's placements, this process's too, in one recency order per backend, bounded by the
+backend's KV pool (`set_capacity`): what fell off the old end, the backend has evicted. No
+process's own prefix tree can tell that, since each sees only its own share of the traffic.
 
 Queues change faster than a batch: a prefill is often over within one interval. So each process
-also looks at its own in-flight counts per backend every `load_interval` (10 ms) and, when they
-changed (or `load_ttl / 4` passed), publishes them on a pub/sub channel (`{key}:load`) that every
+also publishes its own in-flight counts per backend when a request starts (`nudge`, at most one
+message per `load_min_gap`) and when a look every `load_interval` (10 ms) finds them
+changed (or `load_ttl / 4` passed), on a pub/sub channel (`{key}:load`) that every
 process subscribes to; what arrives replaces that process's figures, and the sums per backend
 (`queued`) are what the `ttft` policy adds to its own queue estimate. Pub/sub fits this part: the
 figures are absolute and ephemeral (a lost message is corrected by the next), it pushes without
@@ -73,10 +77,17 @@ class FleetViewConfig:
     """Deadline of one Redis call, s."""
     ttl: float = 120.0
     """Seconds a published placement is believed without being published again."""
+    refresh: float = 0.5
+    """Seconds after which a block placed again is published again. Every process keeps the
+    fleet's placements in one recency order per backend, which says what the backend's cache
+    has evicted; a hot prefix told only once would drift to the old end of that order."""
     load_interval: float = 0.01
-    """Seconds between looks at this process's in-flight counts per backend; a change is
-    published to the other processes at once (pub/sub), so each sees the fleet's queues this
-    late at most, plus a Redis round trip."""
+    """Seconds between looks at this process's in-flight counts per backend for changes no
+    request start announced (first tokens, ends); a change is published to the other processes
+    at once (pub/sub)."""
+    load_min_gap: float = 0.002
+    """Seconds between two load publishes at least. A request start publishes at once unless
+    one went out this recently, so bursts cost at most one message per gap."""
     load_ttl: float = 1.0
     """Seconds another process's in-flight figures are used without news from it (each process
     repeats unchanged figures every `load_ttl / 4`)."""
@@ -97,9 +108,15 @@ class FleetViewConfig:
             ("redis://", "rediss://", "unix://")
         ):
             raise ValueError(f"fleet_view.redis: expected a redis:// URL, got {self.redis!r}")
+        if not 0 < self.refresh <= self.ttl / 2:
+            raise ValueError(
+                f"fleet_view.refresh: must be > 0 and <= ttl / 2, got {self.refresh!r}"
+            )
         for name in ("interval", "timeout", "ttl", "load_interval", "load_ttl", "warn_every"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"fleet_view.{name}: must be > 0, got {getattr(self, name)!r}")
+        if self.load_min_gap < 0:
+            raise ValueError(f"fleet_view.load_min_gap: must be >= 0, got {self.load_min_gap!r}")
         for name in ("max_blocks_per_backend", "max_hashes_per_batch", "max_entries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"fleet_view.{name}: must be >= 1")
@@ -145,8 +162,10 @@ class FleetView:
         self._coefficients = coefficients
         self._adopt = adopt
         self._clock = clock
-        # remote placements: backend url -> {block hash: local time it was last heard of}
+        # the fleet's placements, this process's included: backend url -> {block hash: local
+        # time it was last placed or heard of}, least recent first, bounded by `_capacity`
         self._held: dict[str, dict[int, float]] = {}
+        self._capacity: dict[str, int] = {}
         # what this process will publish next, and when it last published each hash
         self._pending: dict[str, dict[int, None]] = {}
         self._published: dict[str, dict[int, float]] = {}
@@ -158,11 +177,14 @@ class FleetView:
         self._channel = (config.key + ":load").encode()
         self._task: asyncio.Task[None] | None = None
         self._load_tasks: list[asyncio.Task[None]] = []
+        self._nudged = asyncio.Event()
         self._redis: Any = None
         self._subscriber: Any = None
         self._closing = False
         self._last_warning = -1e9
         self.connected = False
+        self.listening = False
+        """Subscribed to the other processes' load figures."""
         self.published = 0
         self.received = 0
         self.loads_published = 0
@@ -171,7 +193,8 @@ class FleetView:
 
     # -- the request path (synchronous, local) ---------------------------------------------
     def depth(self, backend_url: str, hashes: Sequence[int]) -> int:
-        """How many leading blocks of a prompt other processes placed on this backend."""
+        """How many leading blocks of a prompt the fleet (this process included) placed on this
+        backend recently enough to be still in its cache (see `set_capacity`)."""
         held = self._held.get(backend_url)
         if not held:
             return 0
@@ -190,8 +213,14 @@ class FleetView:
         if pending is None:
             pending = self._pending[backend_url] = {}
         published = self._published.get(backend_url)
-        fresh = self._clock() - self.config.ttl / 2
+        held = self._held.get(backend_url)
+        if held is None:
+            held = self._held[backend_url] = {}
+        now = self._clock()
+        fresh = now - self.config.refresh
         for h in hashes:
+            held.pop(h, None)  # the most recent placement last, as the backend's cache has it
+            held[h] = now
             if published is not None:
                 t = published.get(h)
                 if t is not None and t > fresh:  # told the fleet recently enough
@@ -199,11 +228,32 @@ class FleetView:
             pending[h] = None
         while len(pending) > self.config.max_blocks_per_backend:  # Redis away: oldest go
             del pending[next(iter(pending))]
+        self._bound(backend_url, held)
+
+    def set_capacity(self, backend_url: str, blocks: int) -> None:
+        """The backend's KV cache holds about this many blocks: the blocks placed there before
+        the last `blocks` placed by the whole fleet are taken as evicted (least recently used
+        first, as SGLang's radix cache evicts)."""
+        self._capacity[backend_url] = max(1, blocks)
+        held = self._held.get(backend_url)
+        if held is not None:
+            self._bound(backend_url, held)
+
+    def _bound(self, backend_url: str, held: dict[int, float]) -> None:
+        cap = self._capacity.get(backend_url, self.config.max_blocks_per_backend)
+        cap = min(cap, self.config.max_blocks_per_backend)
+        while len(held) > cap:
+            del held[next(iter(held))]
 
     def queued(self, backend_url: str) -> tuple[int, int, int]:
         """What other processes have on that backend: (prefill tokens and requests waiting for
         a first token, requests in flight)."""
         return self._remote_load.get(backend_url, _NO_LOAD)
+
+    def nudge(self) -> None:
+        """A request was just counted in flight here: publish the load without waiting for the
+        next look (`BackendRegistry.on_track`)."""
+        self._nudged.set()
 
     def forget(self, backend_url: str) -> None:
         """The backend restarted: nothing anyone placed there before is cached any more."""
@@ -276,13 +326,19 @@ class FleetView:
                      for b in self._backends if b.in_flight)  # fmt: skip
 
     async def _publish_loads(self) -> None:
-        """Publish this process's in-flight figures whenever they change (looked at every
+        """Publish this process's in-flight figures whenever they change (at once after a
+        request starts, `load_min_gap` apart at least; other changes are looked for every
         `load_interval`), and at least every `load_ttl / 4` so that the others keep them."""
         cfg = self.config
         last: tuple[tuple[str, int, int, int], ...] | None = None
         last_at = retry_at = -1e18
+        nudged = self._nudged
         while not self._closing:
-            await asyncio.sleep(cfg.load_interval)
+            if not nudged.is_set():
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(cfg.load_interval):
+                        await nudged.wait()
+            nudged.clear()
             self._sum_load()  # peers that went quiet drop out here
             state = self._load_state()
             now = self._clock()
@@ -300,6 +356,8 @@ class FleetView:
                 continue
             last, last_at = state, now
             self.loads_published += 1
+            if cfg.load_min_gap:
+                await asyncio.sleep(cfg.load_min_gap)
 
     async def _listen_loads(self) -> None:
         """Take the other processes' load figures as they are published."""
@@ -309,6 +367,7 @@ class FleetView:
             try:
                 async with asyncio.timeout(cfg.timeout * 10):
                     await pubsub.subscribe(self._channel)
+                self.listening = True
                 while not self._closing:
                     message = await pubsub.get_message(timeout=cfg.load_ttl)
                     if message is not None and message.get("type") == "message":
@@ -318,6 +377,7 @@ class FleetView:
             except Exception as exc:  # gone: the figures age out; subscribe again shortly
                 self._failed(exc)
             finally:
+                self.listening = False
                 with contextlib.suppress(Exception):
                     await pubsub.aclose()
             await asyncio.sleep(cfg.interval)
@@ -410,7 +470,6 @@ class FleetView:
             return
         self.received += 1
         now = self._clock()
-        cap = self.config.max_blocks_per_backend
         placed = msg.get("placed")
         if isinstance(placed, dict):
             for url, hashes in placed.items():
@@ -423,8 +482,7 @@ class FleetView:
                     if isinstance(h, int):
                         held.pop(h, None)  # re-inserted at the end: the order is by recency
                         held[h] = now
-                while len(held) > cap:
-                    del held[next(iter(held))]
+                self._bound(url, held)
         peer = self._peers.get(instance)
         if peer is None:
             peer = self._peers[instance] = _Peer(seen=now)
@@ -466,6 +524,7 @@ class FleetView:
     def snapshot(self) -> dict[str, Any]:
         return {
             "connected": self.connected,
+            "listening": self.listening,
             "instance": self.instance,
             "peers": len(self._peers),
             "published": self.published,

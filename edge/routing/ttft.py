@@ -27,6 +27,8 @@ as much as predicted let the estimate grow back.
 With a shared fleet view attached (`attach`), a backend the tree has no match for is looked up
 there (the blocks other edge processes placed on it), and the in-flight prefill work other
 processes report counts as queued; such a remote match is a hint, never used to trim the tree.
+While other processes are heard from, a local match is believed only as far as the view still
+holds its blocks: the tree sees this process's traffic only, the view the whole fleet's.
 With a hot-prefix tracker attached, every routed prompt is counted there.
 
 A session key is only a tie-breaker: the session's previous backend wins if its prediction is
@@ -338,11 +340,18 @@ class TTFTPolicy:
         for i, b in enumerate(pool):
             self._learn_capacity(b)
             chars = match.chars.get(b.url, 0)
-            if fleet is not None and chars < block_chars:
-                depth = fleet.depth(b.url, hashes)
-                if depth:  # another edge process placed this prefix there
-                    chars = depth * block_chars
-                    remote_hit = True
+            if fleet is not None:
+                if chars < block_chars:
+                    depth = fleet.depth(b.url, hashes)
+                    if depth:  # another edge process placed this prefix there
+                        chars = depth * block_chars
+                        remote_hit = True
+                elif fleet.processes > 1:
+                    # This tree sees this process's traffic only, so it keeps prefixes that
+                    # the whole fleet's placements have pushed out of the backend since.
+                    depth = fleet.depth(b.url, hashes)
+                    if depth < len(hashes) and depth + 1 < chars // block_chars:
+                        chars = depth * block_chars
             cached = chars_to_tokens(chars, view)
             x = self.features(b, cached, view)
             rls = self.groups.get(b.hw_group) or self.group_model(b.hw_group)
@@ -409,6 +418,8 @@ class TTFTPolicy:
         if old is not None and abs(cap - old) <= 0.1 * old:
             return
         self._capacity_cap[backend.url] = cap
+        if self.fleet is not None and self._hasher is not None:
+            self.fleet.set_capacity(backend.url, cap // self._hasher.block_chars)
         limit = self.tree.limit(backend.url)
         if limit is None or old is None or limit >= old or limit > cap:
             self.tree.set_limit(backend.url, cap)  # follow the cap unless feedback lowered it

@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+import redis.asyncio as aioredis
 
 from backends.pool import UpstreamPool
 from backends.registry import BackendRegistry
@@ -102,6 +103,8 @@ async def test_an_instance_routes_a_prefix_where_another_instance_placed_it(
                 assert meta["cached_tokens"] > 0.6 * meta["prompt_tokens"]
             backends = (await httpx.AsyncClient().get(b.admin_url + "/backends")).json()
             assert backends["fleet_view"]["connected"] and backends["fleet_view"]["peers"] == 1
+            # A request start tells the fleet at once (below: what that buys).
+            assert b.wiring.registry.on_track == view.nudge
             # Each shares its coefficients too: both report the other's.
             assert view_of(a).received > 0 and view.received > 0
 
@@ -183,6 +186,92 @@ async def test_each_process_sees_the_others_in_flight_work_as_it_changes(
             views.redis.stop()
             await wait_until(lambda: view_b.processes == 1 and view_b.errors > 0)
             assert view_b.queued(b.backends[1].url) == (0, 0, 0)
+
+
+async def test_a_request_start_reaches_the_other_processes_without_waiting_for_a_look(
+    redis_prefix: str,
+) -> None:
+    """Requests that arrive together at different processes are routed before any look: a
+    start publishes at once (`nudge`), at most one message per `load_min_gap`."""
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    # Looks and batches far beyond the test: only a nudge can carry the figures in time.
+    options = {"interval": 30.0, "load_interval": 30.0, "load_ttl": 120.0, "timeout": 5.0,
+               "load_min_gap": 0.05}  # fmt: skip
+    async with two_views(urls, redis_prefix, **options) as views:
+        a, view_a, view_b = views.a, views.view_a, views.view_b
+        a.on_track = view_a.nudge
+        await wait_until(lambda: view_b.listening)
+        async with aioredis.Redis.from_url(views.redis.url) as redis:  # Redis has B on the list
+            channel = views.config.key + ":load"
+            for _ in range(100):
+                if (await redis.pubsub_numsub(channel))[0][1] == 2:
+                    break
+                await asyncio.sleep(0.02)
+        hot = a.backends[0].url
+        with a.track(a.backends[0], prefill_tokens=3000):
+            await wait_until(lambda: view_b.queued(hot) == (3000, 1, 1), timeout=5.0)
+        # A burst of starts: every figure gets through, but in few messages.
+        before, loop = view_a.loads_published, asyncio.get_running_loop()
+        started = loop.time()
+        with contextlib.ExitStack() as stack:
+            for _ in range(40):
+                stack.enter_context(a.track(a.backends[1], prefill_tokens=10))
+                await asyncio.sleep(0.005)
+            await wait_until(lambda: view_b.queued(a.backends[1].url) == (400, 40, 40), 5.0)
+            elapsed = loop.time() - started
+        assert view_a.loads_published - before <= elapsed / 0.05 + 1
+
+
+def test_the_view_forgets_what_the_fleet_has_pushed_out_of_a_backends_cache() -> None:
+    """Placements of every process, this one's included, in one recency order per backend:
+    past the backend's capacity the oldest are taken as evicted, as its radix cache evicts."""
+    view = FleetView(FleetViewConfig(enabled=True), url="redis://127.0.0.1:1/0", backends=[])
+    url = "http://b0"
+    view.placed(url, [1, 2, 3])
+    assert view.depth(url, [1, 2, 3, 4]) == 3
+    view.set_capacity(url, 6)
+    view.placed(url, [10, 11])
+    view.placed(url, [1])  # used again: the most recent now
+    view.placed(url, [12, 13, 14])
+    assert view.depth(url, [1, 2, 3]) == 1  # 2 and 3 are the oldest: gone
+    assert view.depth(url, [10, 11, 12, 13, 14]) == 5
+    view.set_capacity(url, 2)
+    assert view.depth(url, [13, 14]) == 2 and view.depth(url, [12]) == 0
+
+
+def test_a_process_does_not_trust_its_own_tree_for_what_the_fleet_has_evicted() -> None:
+    """Each process's prefix tree sees only its own traffic. With other processes sending
+    prompts to the same backend, a prefix this process placed long ago is gone there although
+    its tree still holds it: the shared view's recency order says so, and the policy predicts
+    a miss."""
+    from edge.routing.base import RequestView
+    from edge.routing.ttft import TTFTPolicy
+
+    registry = BackendRegistry(["http://127.0.0.1:1", "http://127.0.0.1:2"], pool=UpstreamPool())
+    a = registry.backends[0]
+    view = FleetView(
+        FleetViewConfig(enabled=True), url="redis://127.0.0.1:1/0", backends=registry.backends
+    )
+    hasher = BlockHasher()
+    policy = TTFTPolicy()
+    policy.attach(hasher, fleet=view)
+    rng = random.Random(3)
+    system = words(rng, 2000)
+
+    def request() -> RequestView:
+        text = system + words(rng, 40)
+        return RequestView(route="/generate", text=text, approx_tokens=len(text) // 4)
+
+    policy.holds(a.url, system)
+    view.placed(a.url, hasher.blocks(system).hashes)
+    view.set_capacity(a.url, 40)
+    view.processes = 2  # another process routes to the same backends
+    assert policy.choose(request(), [a]).predicted_cached_tokens > 1500
+    for _ in range(5):  # the other process's prompts fill the backend's cache
+        view.placed(a.url, hasher.blocks(words(rng, 2000)).hashes)
+    assert policy.choose(request(), [a]).predicted_cached_tokens == 0
+    view.processes = 1  # alone, the tree sees every request: it is trusted as it was
+    assert policy.choose(request(), [a]).predicted_cached_tokens > 1500
 
 
 async def test_placements_made_while_redis_is_gone_reach_the_fleet_when_it_returns(
