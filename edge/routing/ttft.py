@@ -343,7 +343,7 @@ class TTFTPolicy:
             if fleet is not None:
                 if chars < block_chars:
                     depth = fleet.depth(b.url, hashes)
-                    if depth:  # another edge process placed this prefix there
+                    if depth:  # placed there by another process (or past this tree's bound)
                         chars = depth * block_chars
                         remote_hit = True
                 elif fleet.processes > 1:

@@ -207,6 +207,8 @@ async def test_a_request_start_reaches_the_other_processes_without_waiting_for_a
                 if (await redis.pubsub_numsub(channel))[0][1] == 2:
                     break
                 await asyncio.sleep(0.02)
+            else:
+                raise AssertionError("both views did not subscribe in time")
         hot = a.backends[0].url
         with a.track(a.backends[0], prefill_tokens=3000):
             await wait_until(lambda: view_b.queued(hot) == (3000, 1, 1), timeout=5.0)
