@@ -15,7 +15,8 @@ what both cost on the request path.
   over them in turn, with and without the shared view through a real Redis (`--redis URL`).
   The instances run in this one process so that the CPU they share is the same in every run;
   with `--processes` each runs in a process of its own (`bench.fleet_processes`), as separate
-  edges do, the stand-ins staying here.
+  edges do, the stand-ins staying here. `--views none|shared` keeps one kind of run of more
+  than one instance. With `--repeat`, a last table pools every seed's requests (`pooled`).
 
 Routing is done in-process exactly as the edge app does it (`bench.routing.Run`). Times are the
 stand-ins' simulated milliseconds (`--time-scale`). Writes DIR/fleet.md and DIR/fleet.json.
@@ -430,6 +431,10 @@ class ScaleResult:
     unforeseen_misses: int = 0
     """Of those, the ones the policy had predicted half the prompt or more cached for: a whole
     prefill that the requests routed behind it did not count on."""
+    ttfts_ms: list[float] = field(default_factory=list, repr=False)
+    """Every measured TTFT, for the pooled figures over seeds (left out of the JSON)."""
+    cached_tokens: int = 0
+    prompt_tokens: int = 0
 
 
 class ScaleRun(Run):
@@ -485,6 +490,9 @@ class ScaleRun(Run):
             processes=self.processes,
             misses=len(missed),
             unforeseen_misses=sum(1 for r in missed if r.predicted_cached * 2 >= r.prompt_tokens),
+            ttfts_ms=ttfts,
+            cached_tokens=sum(r.cached_tokens for r in ok),
+            prompt_tokens=sum(r.prompt_tokens for r in ok),
         )
 
     async def _in_process(self, urls: list[str]) -> None:
@@ -510,7 +518,7 @@ async def run_scaleout(args: argparse.Namespace) -> list[ScaleResult]:
         rate = INITIAL_RATE[name] * args.load_scale
         plans = make_workload(name, rate, args.duration, seed)
         for n in args.instances:
-            for shared in (False,) if n == 1 else (False, True):
+            for shared in (False,) if n == 1 else args.views:
                 view = None
                 if shared:
                     key = f"quicedge-bench:{uuid.uuid4().hex[:8]}:fv"
@@ -545,6 +553,43 @@ async def run_scaleout(args: argparse.Namespace) -> list[ScaleResult]:
                 )
                 out.append(result)
     return out
+
+
+def pooled(results: Sequence[ScaleResult], *, resamples: int = 2000) -> list[dict[str, Any]]:
+    """Each configuration's p99 and hit rate over every seed's requests together, and its p99
+    against one instance's on the same seeds, with a 90 % interval from resampling the seeds.
+
+    One run's p99 rests on its ~20 slowest requests and moves by tens of percent between runs of
+    one seed (which sessions fall into step); pooling the seeds puts it on a hundred or more."""
+    groups: dict[tuple[str, int, bool], dict[int, ScaleResult]] = {}
+    for r in results:
+        groups.setdefault((r.workload, r.instances, r.shared), {})[r.seed] = r
+    rng = random.Random(0)
+    rows: list[dict[str, Any]] = []
+    for (workload, instances, shared), by_seed in sorted(groups.items()):
+        one = groups.get((workload, 1, False), {})
+        seeds = sorted(set(by_seed) & set(one)) if instances > 1 or shared else sorted(by_seed)
+
+        def p99(runs: dict[int, ScaleResult], picks: Sequence[int]) -> float:
+            return _pct([t for s in picks for t in runs[s].ttfts_ms], 0.99)
+
+        row: dict[str, Any] = {
+            "workload": workload, "instances": instances, "shared": shared,
+            "seeds": sorted(by_seed),
+            "ttft_p99_ms": p99(by_seed, sorted(by_seed)),
+            "hit_rate": sum(r.cached_tokens for r in by_seed.values())
+            / max(1, sum(r.prompt_tokens for r in by_seed.values())),
+        }  # fmt: skip
+        if seeds and (instances > 1 or shared):
+            row["ratio"] = p99(by_seed, seeds) / p99(one, seeds)
+            draws = sorted(
+                p99(by_seed, picks) / p99(one, picks)
+                for picks in ([rng.choice(seeds) for _ in seeds] for _ in range(resamples))
+            )
+            row["ratio_low"] = draws[int(0.05 * resamples)]
+            row["ratio_high"] = draws[int(0.95 * resamples) - 1]
+        rows.append(row)
+    return rows
 
 
 # -- report -------------------------------------------------------------------------------------
@@ -597,6 +642,29 @@ def render(payload: dict[str, Any], args: argparse.Namespace) -> str:
                 f"{r['errors']} | {r['max_loop_lag_ms']:.0f} |"
             )
         lines.append("")
+    pool = payload.get("scaleout_pooled")
+    if pool:
+        lines += [
+            "## Scale-out over all seeds",
+            "",
+            "TTFT p99 of every seed's requests together; against one instance on the same seeds,",
+            "with a 90 % interval from resampling the seeds.",
+            "",
+            "| workload | instances | shared view | seeds | hit rate | TTFT p99 | p99 / one | "
+            "90 % interval |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in pool:
+            ratio = interval = ""
+            if "ratio" in r:
+                ratio = f"{r['ratio']:.2f}x"
+                interval = f"{r['ratio_low']:.2f}–{r['ratio_high']:.2f}x"
+            lines.append(
+                f"| {r['workload']} | {r['instances']} | {'yes' if r['shared'] else 'no'} | "
+                f"{len(r['seeds'])} | {r['hit_rate']:.1%} | {r['ttft_p99_ms']:.0f} | "
+                f"{ratio} | {interval} |"
+            )
+        lines.append("")
     return "\n".join(lines)
 
 
@@ -643,6 +711,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--workloads", default="zipf,multiturn", help="scale-out workloads")
     parser.add_argument("--instances", default="1,2,4", help="scale-out edge instance counts")
     parser.add_argument(
+        "--views", default="none,shared",
+        help="scale-out: runs of more than one instance without the shared view (none), with it "
+        "(shared), or both",
+    )  # fmt: skip
+    parser.add_argument(
         "--processes", action="store_true",
         help="scale-out: each instance in a process of its own (bench/fleet_processes.py)",
     )  # fmt: skip
@@ -657,6 +730,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--instances: a comma-separated list of counts")
     if not args.instances or min(args.instances) < 1:
         parser.error("--instances: counts must be >= 1")
+    views = {"none": False, "shared": True}
+    names = [v for v in args.views.split(",") if v]
+    if not names or any(v not in views for v in names):
+        parser.error("--views: none, shared or both")
+    args.views = [views[v] for v in names]
     args.parts = [p for p in args.parts.split(",") if p]
     bad = [p for p in args.parts if p not in PARTS]
     if bad or not args.parts:
@@ -675,7 +753,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     if "restart" in args.parts:
         payload["restart"] = [asdict(r) for r in await run_restart(args)]
     if "scaleout" in args.parts:
-        payload["scaleout"] = [asdict(r) for r in await run_scaleout(args)]
+        results = await run_scaleout(args)
+        payload["scaleout"] = [
+            {k: v for k, v in asdict(r).items() if k != "ttfts_ms"} for r in results
+        ]
+        payload["scaleout_pooled"] = pooled(results)
     return payload
 
 
