@@ -39,6 +39,13 @@ HUNGRY = (
     (i32.store (i32.const 50000000) (i32.const 1))   ;; so this is out of bounds: a trap
     (i64.const 18)))"""
 )
+GROWS = (
+    HEAD
+    + """(func (export "check") (param i32 i32) (result i64)
+    (drop (memory.grow (i32.const 1)))                          ;; a second page
+    (memory.copy (i32.const 65536) (i32.const 0) (i32.const 18)) ;; the answer, moved into it
+    (i64.const 281474976710674)))"""  # (65536 << 32) | 18
+)
 BIG_MEMORY = """(module (memory (export "memory") 1024)
   (func (export "alloc") (param i32) (result i32) (i32.const 1024))
   (func (export "check") (param i32 i32) (result i64) (i64.const 0)))"""
@@ -142,6 +149,14 @@ def test_memory_limit_is_what_stops_the_hungry_module(tmp_path: Path) -> None:
     tight = WasmPolicy(WasmConfig(id="m", path=path, memory_bytes=16 * 1024 * 1024))
     with pytest.raises(ModuleFailed):
         tight.check(b"{}")
+
+
+def test_an_answer_in_memory_grown_during_the_call_is_read(tmp_path: Path) -> None:
+    """The host's view of the module's memory is taken once; a call that grows the memory and
+    answers from the new part is still read, not refused as outside memory."""
+    policy = WasmPolicy(WasmConfig(id="m", path=module_file(tmp_path, "grows", GROWS)))
+    for _ in range(3):  # growing again on each call, the answer always in the second page
+        assert policy.check(b"{}").action == "allow"
 
 
 def test_redact_spans_rewrite_the_prompt(tmp_path: Path) -> None:
