@@ -27,6 +27,13 @@ repeated work rather than protocol work:
   (``x.public_bytes(Encoding.DER)`` in ``tls.Context._server_handle_hello``). `pre_encoded`
   wraps the configuration's certificates so that the encoding is done once, at load.
   *Upstream:* ``QuicConfiguration`` keeping the chain's DER.
+- **Connection IDs issued.** aioquic issues as many connection IDs as the peer accepts, up to 8,
+  and accepts 8: with an aioquic client, 7 NEW_CONNECTION_ID frames each way per connection,
+  each parsed, checked and acknowledged, and each issued one an event and a routing entry in the
+  server. ``QuicConnection._replenish_connection_ids`` issues no more than the connection's own
+  ``active_connection_id_limit`` either (`aioquic_private.set_active_connection_id_limit` lowers
+  it per connection), which leaves aioquic's behaviour as it was where that limit is its default.
+  *Upstream:* a ``QuicConfiguration.active_connection_id_limit`` for both directions.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from __future__ import annotations
 import functools
 import gc
 import logging
+import os
 from collections.abc import Iterable
 from typing import Any, cast
 
@@ -41,7 +49,7 @@ from aioquic import tls
 from aioquic.buffer import Buffer
 from aioquic.quic import connection as quic_connection
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.connection import QuicConnection
+from aioquic.quic.connection import QuicConnection, QuicConnectionId
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
@@ -194,14 +202,39 @@ def epochs_hashed(objects: Iterable[object] | None = None) -> bool:
     return False
 
 
+ORIGINAL_REPLENISH = QuicConnection._replenish_connection_ids
+"""aioquic's own, kept for the test that compares it with ours."""
+
+
+def _replenish_connection_ids(self: QuicConnection) -> None:
+    """aioquic's own loop, bounded by our limit as well as the peer's."""
+    limit = min(8, self._remote_active_connection_id_limit, self._local_active_connection_id_limit)
+    while len(self._host_cids) < limit:
+        self._host_cids.append(
+            QuicConnectionId(
+                cid=os.urandom(self._configuration.connection_id_length),
+                sequence_number=self._host_cid_seq,
+                stateless_reset_token=os.urandom(16),
+            )
+        )
+        self._host_cid_seq += 1
+
+
 def _apply() -> dict[str, bool]:
-    applied = {"epochs_memoized": False, "epoch_identity_hash": False, "tls_framing": False}
+    applied = {
+        "epochs_memoized": False,
+        "epoch_identity_hash": False,
+        "tls_framing": False,
+        "connection_ids_bounded": False,
+    }
     for name, replacement in FRAMING.items():
         setattr(tls, name, replacement)
     applied["tls_framing"] = True
     if quic_connection.EPOCHS is _original_epochs:
         quic_connection.EPOCHS = functools.cache(_original_epochs)
     applied["epochs_memoized"] = True
+    cast(Any, QuicConnection)._replenish_connection_ids = _replenish_connection_ids
+    applied["connection_ids_bounded"] = True
     if cast(Any, tls.Epoch).__hash__ is object.__hash__:
         applied["epoch_identity_hash"] = True
     elif epochs_hashed():

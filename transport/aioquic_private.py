@@ -39,6 +39,11 @@ class Private:
 ATTRIBUTES: tuple[Private, ...] = (
     Private(QuicConnection, "_local_max_streams_bidi",
             "a QuicConfiguration field for the initial MAX_STREAMS (bidi) credit"),
+    Private(QuicConnection, "_local_active_connection_id_limit",
+            "a QuicConfiguration field for active_connection_id_limit"),
+    Private(QuicConnection, "_remote_active_connection_id_limit", "as above"),
+    Private(QuicConnection, "_host_cids", "as above"),
+    Private(QuicConnection, "_host_cid_seq", "as above"),
     Private(QuicConnection, "_streams", "a per-stream query of unacknowledged send bytes"),
     Private(QuicConnection, "_retry_count", "HandshakeCompleted saying whether Retry happened"),
     Private(QuicStream, "sender", "as for QuicConnection._streams"),
@@ -70,6 +75,8 @@ PATCHED: tuple[tuple[str, str, str], ...] = (
     ("aioquic.tls", "push_block", "as for pull_block"),
     ("aioquic.tls", "push_extension", "as for pull_block"),
     ("aioquic.tls", "push_message", "as for pull_block"),
+    ("aioquic.quic.connection", "QuicConnection._replenish_connection_ids",
+     "issues no more connection IDs than the connection's own active_connection_id_limit"),
     ("aioquic.tls", "Context._server_handle_hello",
      "reads certificate.public_bytes(DER): given pre-encoded certificates"),
 )  # fmt: skip
@@ -91,6 +98,12 @@ def set_max_streams_bidi(quic: QuicConnection, limit: int) -> None:
     """The initial MAX_STREAMS (bidi) credit, before the transport parameters are sent."""
     quic._local_max_streams_bidi.value = limit
     quic._local_max_streams_bidi.sent = limit
+
+
+def set_active_connection_id_limit(quic: QuicConnection, limit: int) -> None:
+    """How many connection IDs the peer may have us hold, and (with `aioquic_patches`) how many
+    we issue to it, at most: set before the transport parameters are sent (RFC 9000 §5.1.1)."""
+    quic._local_active_connection_id_limit = limit
 
 
 def unacked_bytes(quic: QuicConnection, stream_id: int) -> int:

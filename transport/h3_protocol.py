@@ -23,7 +23,12 @@ from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.quic.connection import NetworkAddress, QuicConnection
 from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, QuicEvent
 
-from transport.aioquic_private import process_events, set_max_streams_bidi, unacked_bytes
+from transport.aioquic_private import (
+    process_events,
+    set_active_connection_id_limit,
+    set_max_streams_bidi,
+    unacked_bytes,
+)
 from transport.asgi import Message
 from transport.h3_session import (
     Action,
@@ -103,6 +108,7 @@ class H3Protocol(QuicConnectionProtocol):
         # transport parameters are sent. Credit returns as streams finish, so this bounds
         # the number of concurrent request streams (RFC 9000 §4.6).
         set_max_streams_bidi(quic, limits.max_concurrent_streams)
+        set_active_connection_id_limit(quic, limits.active_connection_ids)
         self._server = server
         self._session = H3Session(
             quic, policy=server.policy, limits=limits, server=server.address,

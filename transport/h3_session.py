@@ -59,6 +59,10 @@ class H3Limits:
     """Request field section size, counted as in RFC 9114 §4.2.2 (name + value + 32 each); 431."""
     max_body_bytes: int = 8 * MiB
     """Request body size; beyond it 413 (or a stream reset once the response has started)."""
+    active_connection_ids: int = 4
+    """Connection IDs each side holds for the other (QUIC active_connection_id_limit, RFC 9000
+    §5.1.1): the spares a client moves to when its address changes. 2 to 8; aioquic's own 8
+    costs 14 NEW_CONNECTION_ID frames a connection where 4 costs 6 (docs/transport.md)."""
     idle_timeout: float = 60 * SECONDS
     """A connection with no traffic for this long is closed (QUIC max_idle_timeout)."""
     early_data_handshake_deadline: float = 2 * SECONDS
@@ -78,6 +82,10 @@ class H3Limits:
         for name in ("max_concurrent_streams", "max_header_bytes", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if not 2 <= self.active_connection_ids <= 8:
+            raise ValueError(
+                f"active_connection_ids must be from 2 to 8, got {self.active_connection_ids}"
+            )
         if self.idle_timeout <= 0:
             raise ValueError("idle_timeout must be > 0")
         if self.early_data_handshake_deadline <= 0:

@@ -27,6 +27,7 @@ def test_both_changes_are_in_force_in_a_process_that_imports_the_transport() -> 
         "epochs_memoized": True,
         "epoch_identity_hash": True,
         "tls_framing": True,
+        "connection_ids_bounded": True,
     }
     for name, replacement in patches.FRAMING.items():
         assert getattr(tls, name) is replacement
@@ -42,6 +43,9 @@ def test_every_patched_name_exists_on_the_installed_aioquic() -> None:
     source = inspect.getsource(tls.Context._server_handle_hello)
     assert "x.public_bytes(Encoding.DER)" in source
     assert "[self.certificate] + self.certificate_chain" in source
+    # aioquic's issuing loop is the one the patch copies, with its own bound added.
+    source = inspect.getsource(patches.ORIGINAL_REPLENISH)
+    assert "while len(self._host_cids) < min(8, self._remote_active_connection_id_limit):" in source
 
 
 def test_memoized_epochs_are_the_same_sets_each_time() -> None:
@@ -133,3 +137,29 @@ def test_tls_framing_reads_blocks_and_refuses_trailing_bytes(framing: dict[str, 
     short = Buffer(data=bytes.fromhex("03616263"))
     with pytest.raises(tls.AlertDecodeError), framing["pull_block"](short, 1):
         short.pull_bytes(2)
+
+
+@pytest.mark.parametrize(
+    ("remote", "local", "issued"), [(8, 8, 8), (3, 8, 3), (12, 8, 8), (8, 4, 4), (2, 4, 2)]
+)
+def test_connection_ids_issued_are_bounded_by_both_limits(
+    remote: int, local: int, issued: int
+) -> None:
+    def connection() -> quic_connection.QuicConnection:
+        quic = quic_connection.QuicConnection(
+            configuration=QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN)
+        )
+        quic._remote_active_connection_id_limit = remote
+        private.set_active_connection_id_limit(quic, local)
+        return quic
+
+    ours = connection()
+    ours._replenish_connection_ids()
+    assert len(ours._host_cids) == issued
+    assert [c.sequence_number for c in ours._host_cids] == list(range(issued))
+    assert len({c.cid for c in ours._host_cids}) == issued
+    assert len({c.stateless_reset_token for c in ours._host_cids}) == issued
+    if local == 8:  # aioquic's default: exactly what aioquic itself issues
+        theirs = connection()
+        patches.ORIGINAL_REPLENISH(theirs)
+        assert len(theirs._host_cids) == issued

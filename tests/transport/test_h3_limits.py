@@ -7,7 +7,7 @@ import asyncio
 import pytest
 from aioquic.h3.connection import ErrorCode
 
-from tests.helpers import settled
+from tests.helpers import settled, wait_until
 from tests.transport.apps import RecordingApp
 from tests.transport.conftest import H3Factory
 from tests.transport.h3client import H3Client, h3_connect
@@ -52,6 +52,30 @@ async def test_malformed_request_is_a_stream_error(
         assert c.terminated is None
         await _connection_still_serves(c)
     assert [s.path for s in app.seen] == ["/hold", "/echo"]
+
+
+@pytest.mark.parametrize("limit", [2, 4])
+async def test_connection_ids_are_bounded_both_ways(
+    h3_server: H3Factory, dev_certs, limit: int
+) -> None:
+    """The listener advertises its active_connection_id_limit and issues no more connection IDs
+    than it, though the aioquic client would accept 8."""
+    async with h3_server(limits=H3Limits(active_connection_ids=limit)) as server:
+        async with h3_connect(server.port, dev_certs.ca_cert) as c:
+            await _connection_still_serves(c)
+            quic = c.quic
+            assert quic._remote_active_connection_id_limit == limit
+            # the handshake's connection ID plus the spares the server sent
+            await wait_until(lambda: len(quic._peer_cid_available) == limit - 1)
+            await _connection_still_serves(c)
+            assert len(quic._peer_cid_available) == limit - 1
+            assert c.terminated is None
+
+
+@pytest.mark.parametrize("value", [1, 9])
+def test_connection_id_limit_out_of_range_is_refused(value: int) -> None:
+    with pytest.raises(ValueError, match="active_connection_ids must be from 2 to 8"):
+        H3Limits(active_connection_ids=value)
 
 
 async def test_non_origin_form_target_is_400(h3_server: H3Factory, dev_certs) -> None:
