@@ -10,6 +10,7 @@ hooks, drain and close.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import socket
 from functools import partial
@@ -17,6 +18,7 @@ from typing import Any, cast
 
 from aioquic.asyncio.server import QuicServer
 from aioquic.buffer import Buffer
+from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import NetworkAddress
 from aioquic.quic.events import HandshakeCompleted
 from aioquic.quic.packet import QuicHeader, QuicPacketType, pull_quic_header
@@ -49,7 +51,14 @@ log = logging.getLogger("quicedge.transport.h3")
 
 class _Endpoint(QuicServer):
     """aioquic's QuicServer that can stop admitting new connections, caps them through a
-    `ConnectionGate`, and swaps its config."""
+    `ConnectionGate`, and swaps its config.
+
+    Each new connection gets the configuration with only its Initial's QUIC version: aioquic
+    derives Initial keys for every supported version when a connection starts (for compatible
+    version negotiation, RFC 9368), which is 2 of the 8 packet-key setups a first datagram pays
+    for, ~4 % of a connection's instructions (docs/transport.md, "Handshake CPU: where it goes,
+    what was cut"). A client that starts in v2 still gets v2; one that starts in v1 stays in
+    v1, which aioquic's server chooses anyway unless the client prefers another version first."""
 
     draining = False
 
@@ -58,6 +67,7 @@ class _Endpoint(QuicServer):
         self.gate = gate
         self.retry = retry
         self._socket: asyncio.DatagramTransport | None = None
+        self._versioned: dict[int, tuple[QuicConfiguration, QuicConfiguration]] = {}
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -69,7 +79,7 @@ class _Endpoint(QuicServer):
             header = self._header(raw)
             if header is None or not has_connection(self, header.destination_cid):
                 return  # no new connections while draining
-        elif self.gate.active and may_open(raw):
+        elif may_open(raw):
             header = self._header(raw)
             if header is None:
                 return
@@ -97,19 +107,38 @@ class _Endpoint(QuicServer):
         )
 
     def _open(self, data: bytes, addr: NetworkAddress, header: QuicHeader) -> None:
-        """A new connection, counted by the gate until it ends; past a cap, refused without
-        any state."""
+        """A new connection, on its version's configuration; counted by the gate until it ends
+        when a cap is set, and past a cap refused without any state."""
         host = str(addr[0])
-        if self.gate.admit(host) is not None:
+        counted = self.gate.active
+        if counted and self.gate.admit(host) is not None:
             assert self._socket is not None
             self._socket.sendto(refusal(header), addr)
             return
-        super().datagram_received(data, addr)
+        base, version = server_configuration(self), header.version
+        assert version is not None  # `_opens` found it among the supported versions
+        set_server_configuration(self, self._version_only(base, version))
+        try:
+            super().datagram_received(data, addr)
+        finally:
+            set_server_configuration(self, base)
+        if not counted:
+            return
         protocol = connection_for(self, header.destination_cid)
         if isinstance(protocol, H3Protocol):
             protocol.on_closed = partial(self.gate.release, host)
         else:
             self.gate.release(host)  # none was made: a Retry token that did not validate
+
+    def _version_only(self, base: QuicConfiguration, version: int) -> QuicConfiguration:
+        """`base` with `version` as its only supported version (made once per base)."""
+        cached = self._versioned.get(version)
+        if cached is None or cached[0] is not base:
+            cached = self._versioned[version] = (
+                base,
+                dataclasses.replace(base, supported_versions=[version]),
+            )
+        return cached[1]
 
     def protocols(self) -> list[H3Protocol]:
         unique = {id(p): p for p in server_protocols(self) if isinstance(p, H3Protocol)}
