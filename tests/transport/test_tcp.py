@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import http.client
 import json
+import socket
 import ssl
 
 import httpx
 import pytest
 
+from certs import DevCertificates
 from tests.transport.apps import RecordingApp
 from transport.tcp import TcpListener, alt_svc_value
 from transport.tls import TlsMaterial
@@ -57,3 +61,47 @@ async def test_listener_never_started_releases_its_port() -> None:
     await listener.stop()
     again = TcpListener(RecordingApp(), host="127.0.0.1", port=port)
     await again.stop()
+
+
+def _get(port: int, ctx: ssl.SSLContext, session: ssl.SSLSession | None) -> ssl.SSLSocket:
+    """One HTTP/1.1 request over a new TLS connection, its response read to the end (the
+    session tickets come after the handshake)."""
+    sock = ctx.wrap_socket(
+        socket.create_connection(("127.0.0.1", port), timeout=10),
+        server_hostname="localhost",
+        session=session,
+    )
+    sock.sendall(b"GET /echo HTTP/1.1\r\nhost: localhost\r\n\r\n")
+    response = http.client.HTTPResponse(sock)
+    response.begin()
+    assert response.status == 200 and response.read()
+    return sock
+
+
+async def test_tls_listener_issues_one_ticket_and_resumes_with_it(
+    tls: TlsMaterial, dev_certs: DevCertificates
+) -> None:
+    """TLS 1.3 over TCP: one session ticket per connection (OpenSSL's default is two), and a
+    new connection that presents it is resumed."""
+    tickets: list[object] = []
+
+    def on_message(conn: object, direction: str, version: object, kind: object, msg: object,
+                   data: bytes) -> None:  # fmt: skip
+        if direction == "read" and msg == ssl._TLSMessageType.NEWSESSION_TICKET:  # type: ignore[attr-defined]
+            tickets.append(msg)
+
+    ctx = ssl.create_default_context(cafile=str(dev_certs.ca_cert))
+    ctx.set_alpn_protocols(["http/1.1"])
+    ctx._msg_callback = on_message  # type: ignore[attr-defined]
+    listener = TcpListener(RecordingApp(), host="127.0.0.1", port=0, tls=tls)
+    await listener.start()
+    try:
+        first = await asyncio.to_thread(_get, listener.port, ctx, None)
+        assert first.version() == "TLSv1.3" and not first.session_reused
+        assert len(tickets) == 1
+        second = await asyncio.to_thread(_get, listener.port, ctx, first.session)
+        assert second.session_reused
+        second.close()
+    finally:
+        first.close()
+        await listener.stop()
