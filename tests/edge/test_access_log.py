@@ -4,13 +4,16 @@ as configured with errors always kept; on by default in `quicedge serve`."""
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import logging
 import logging.handlers
-from collections.abc import AsyncIterator
+import sys
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
+import pytest
 from prometheus_client import CollectorRegistry
 
 from backends.sim import SimConfig, SimServer
@@ -99,7 +102,7 @@ def test_on_by_default_and_checked() -> None:
     log.start()
     try:
         assert lines in logging.getLogger(LOGGER).handlers
-        assert log._listener._thread is not None  # type: ignore[attr-defined]
+        assert log._writer is not None and log._writer.is_alive()
     finally:
         log.stop()  # writes what was queued first
     try:
@@ -108,3 +111,60 @@ def test_on_by_default_and_checked() -> None:
         assert "access_log.sample_rate" in str(exc)
     else:
         raise AssertionError("a sample rate above 1 was accepted")
+
+
+def _log_many(log: AccessLog, first: int, count: int) -> None:
+    for i in range(first, first + count):
+        log.request(None, route=f"/r{i}", method="GET", status=200, t_end=1.0, t0=0.0)
+
+
+def test_every_line_is_written_in_order_and_stop_flushes_the_rest() -> None:
+    """A burst is written in order off the caller's thread; lines appended just before `stop`
+    are written by it, and a stopped log starts again."""
+    lines = Lines()
+    log = AccessLog(AccessLogConfig(), handler=lines)
+    log.start()
+    try:
+        _log_many(log, 0, 5000)
+    finally:
+        log.stop()
+    assert [line["route"] for line in lines.lines] == [f"/r{i}" for i in range(5000)]
+    assert lines.threads == {"quicedge-access-log"}
+    log.start()
+    try:
+        _log_many(log, 5000, 1)
+    finally:
+        log.stop()
+    assert lines.lines[-1]["route"] == "/r5000"
+
+
+async def test_a_line_after_a_quiet_spell_is_written_within_the_interval() -> None:
+    lines = Lines()
+    log = AccessLog(AccessLogConfig(), handler=lines)
+
+    def written(count: int) -> Callable[[], bool]:
+        return lambda: len(lines.lines) == count
+
+    log.start()
+    try:
+        for n in range(1, 4):
+            _log_many(log, n, 1)
+            await wait_until(written(n), timeout=2)
+    finally:
+        log.stop()
+
+
+def test_the_default_handler_gets_each_line_on_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With only its own stderr handler, the writer writes a batch in one go: the same text as
+    one record per line would give."""
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    log = AccessLog(AccessLogConfig())
+    log.start()
+    try:
+        _log_many(log, 0, 300)
+    finally:
+        log.stop()
+    written = err.getvalue().splitlines()
+    assert [json.loads(line)["route"] for line in written] == [f"/r{i}" for i in range(300)]
+    assert err.getvalue().endswith("}\n")
