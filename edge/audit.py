@@ -9,8 +9,9 @@ or reordering a line breaks the chain at that line; `quicedge audit verify FILE.
 Prompts are never written unless `include_prompts` is on: the line carries `prompt_sha256`
 (an HMAC-SHA256 with `hash_key` when one is set, so short prompts cannot be guessed by hashing).
 
-Writes: `record` appends to a bounded queue (no I/O, no hashing); a background task takes what
-is queued and writes it as one batch in a thread (`asyncio.to_thread`). When the queue is full,
+Writes: `record` appends to a bounded queue (no I/O, no hashing); a background task wakes for
+the first record after a quiet spell, waits `WRITE_INTERVAL` for more, and writes what is queued
+as one batch in a thread (`asyncio.to_thread`). When the queue is full,
 `when_full` decides: `drop` (the record is dropped and counted) or `refuse` (`admit` raises 503
 `audit_backlog` for new requests until the queue has room; requests already admitted are still
 recorded). Rotation by size: the file is renamed `PATH.1`, `PATH.2`, ... (the next free number)
@@ -52,6 +53,8 @@ log = logging.getLogger(__name__)
 GENESIS = "0" * 64
 """`prev` of the very first line of a log."""
 MiB = 1024 * 1024
+WRITE_INTERVAL = 0.05
+"""Seconds the writer gathers records for before it writes them as one batch."""
 
 
 @dataclass
@@ -262,6 +265,10 @@ class AuditLog:
     async def _drain(self) -> None:
         while True:
             await self._wake.wait()
+            if not self._closing:
+                # Gather what this interval brings: a batch per record made the loop hand each
+                # one to a thread, and then to the disk, on its own.
+                await asyncio.sleep(WRITE_INTERVAL)
             batch = self._take()
             self._wake.clear()
             try:

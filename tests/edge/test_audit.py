@@ -58,6 +58,31 @@ async def test_lines_are_chained_and_hold_no_prompt(tmp_path: Path) -> None:
     assert verify([str(path)], start=GENESIS).ok
 
 
+async def test_records_of_one_interval_are_written_as_one_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records that arrive one by one, with the loop turning between them, still go to the
+    writer's thread together: one hand-off and one write per interval, not per request."""
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(AuditConfig(path=str(path)))
+    batches: list[int] = []
+    write = log._write
+
+    def counted(batch: list[dict[str, Any]]) -> None:
+        batches.append(len(batch))
+        write(batch)
+
+    monkeypatch.setattr(log, "_write", counted)
+    await log.start()
+    for i in range(10):
+        log.record(entry(i))
+        await asyncio.sleep(0.002)  # time for the writer to take the queue and write it
+    await log.flush()
+    await log.aclose()
+    assert sum(batches) == 10 and len(batches) <= 2, batches
+    assert verify([str(path)], start=GENESIS).ok
+
+
 async def test_prompts_only_when_the_operator_turns_them_on(tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"
     await write_log(path, 1, include_prompts=True)
