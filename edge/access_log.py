@@ -16,7 +16,9 @@ on its own, as a record and a write of its own, took the GIL from the event loop
 request: about 0.25 ms on the edge's added TTFT p50 at 32 streams (docs/benchmarks.md,
 "Edge-added latency"). Lines go to stderr unless the caller hands in its own handler, and a
 handler added to the `quicedge.access` logger gets one record per line. The logger does not
-propagate: access lines stay out of the application log.
+propagate: access lines stay out of the application log. At most `max_pending` lines wait for
+the writer (a stalled stderr); past that a line is dropped and counted, and a handler that fails
+is logged without ending the writer.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from edge import settings
 from edge.exchange import Exchange
 
 LOGGER = "quicedge.access"
+_log = logging.getLogger(__name__)
 WRITE_INTERVAL = 0.05
 """Seconds the writer gathers lines for before it writes them (at most this late on screen)."""
 
@@ -52,10 +55,15 @@ class AccessLogConfig:
     """Share of successful requests logged, 0..1 (1: every one)."""
     always_log_errors: bool = True
     """Log every request answered with 4xx/5xx (or left by its client) whatever the sample rate."""
+    max_pending: int = 100_000
+    """Lines waiting for the writer at most (a stalled stderr); past it a line is dropped and
+    counted in `quicedge_access_log_dropped_total`."""
 
     def validate(self) -> None:
         if not 0.0 <= self.sample_rate <= 1.0:
             raise ValueError(f"access_log.sample_rate: must be in 0..1, got {self.sample_rate}")
+        if self.max_pending < 1:
+            raise ValueError(f"access_log.max_pending: must be >= 1, got {self.max_pending}")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> AccessLogConfig:
@@ -80,6 +88,8 @@ class AccessLog:
         self._plain = plain
         self._writer: _Writer | None = None
         self._started = False
+        self.dropped = 0
+        """Lines dropped because `max_pending` lines were waiting."""
 
     def start(self) -> None:
         if not self._started:
@@ -96,6 +106,11 @@ class AccessLog:
             self._writer = None
             self.logger.removeHandler(self._handler)
             self._started = False
+
+    @property
+    def pending(self) -> int:
+        """Lines waiting for the writer."""
+        return len(self._lines)
 
     def wanted(self, status: int) -> bool:
         if status >= 400 and self.config.always_log_errors:
@@ -116,6 +131,9 @@ class AccessLog:
     ) -> None:
         """Log one request (`ex` is None when it failed before its state existed)."""
         if not self.wanted(status):
+            return
+        if len(self._lines) >= self.config.max_pending:
+            self.dropped += 1
             return
         line: dict[str, Any] = {
             "ts": round(time.time(), 3),
@@ -169,10 +187,15 @@ class _Writer(threading.Thread):
             if not self._stopping:
                 time.sleep(WRITE_INTERVAL)  # let the lines of this interval gather
             # Cleared before the deque is emptied: a line appended after the last pop sets it
-            # again, so none waits for a line after it.
+            # again, so none waits for a line after it. `stop` is read after the clear: a
+            # `stop` that comes later sets `woken` again and gets one more round.
             self.woken.clear()
-            self._write_all()
-            if self._stopping:
+            stopping = self._stopping
+            try:
+                self._write_all()
+            except Exception:  # a broken handler must not end the writer: later lines still go
+                _log.exception("access log: a handler failed; the lines of that batch are lost")
+            if stopping:
                 return
 
     def _write_all(self) -> None:

@@ -306,4 +306,23 @@ class AuditCollector(Collector):
         yield from (depth, written, dropped)
 
 
-__all__ = ["AuditCollector", "FleetCollector", "Metrics", "cache_label"]
+class AccessLogCollector(Collector):
+    """Read-at-scrape access log figures: lines waiting for the writer, lines dropped."""
+
+    def __init__(self, access_log: Any) -> None:
+        self._log = access_log
+
+    def collect(self) -> Iterator[Metric]:
+        pending = GaugeMetricFamily(
+            "quicedge_access_log_pending", "Access log lines waiting for the writer thread"
+        )
+        pending.add_metric([], self._log.pending)
+        dropped = CounterMetricFamily(
+            "quicedge_access_log_dropped",
+            "Access log lines dropped: `max_pending` lines were waiting (a stalled stderr)",
+        )
+        dropped.add_metric([], self._log.dropped)
+        yield from (pending, dropped)
+
+
+__all__ = ["AccessLogCollector", "AuditCollector", "FleetCollector", "Metrics", "cache_label"]

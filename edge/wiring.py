@@ -44,7 +44,7 @@ from edge.routing.fleet_view import FleetViewConfig
 from edge.routing.kv_events import KvEventsConfig
 from edge.routing.prewarm import PrewarmConfig
 from edge.state.stage import StateStage
-from edge.telemetry import AuditCollector, FleetCollector, Metrics
+from edge.telemetry import AccessLogCollector, AuditCollector, FleetCollector, Metrics
 from edge.tracing import Tracer, TracingSetup, tracer_from_env
 
 log = logging.getLogger(__name__)
@@ -284,6 +284,9 @@ async def build(
         pool=pool,
         on_judge=lambda verdict, seconds: metrics.policy_judge.labels(verdict).observe(seconds),
     )
+    access = AccessLog(access_log) if access_log and access_log.enabled else None
+    if access is not None:
+        registry.register(AccessLogCollector(access))
     audit_log = AuditLog(audit) if audit is not None and audit.path else None
     if audit_log is not None:
         registry.register(AuditCollector(audit_log))
@@ -321,7 +324,7 @@ async def build(
             " sent, failed, or dropped (over max_pending_aborts)",
             ["outcome"], registry=registry,
         ),
-        access_log=AccessLog(access_log) if access_log and access_log.enabled else None,
+        access_log=access,
         rollout_sync=sync,
     )  # fmt: skip
     pools.set_aborter(wiring.abort)

@@ -9,6 +9,7 @@ import json
 import logging
 import logging.handlers
 import sys
+import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from backends.sim import SimConfig, SimServer
 from edge.access_log import LOGGER, AccessLog, AccessLogConfig
 from edge.config import SECTIONS
+from edge.telemetry import AccessLogCollector
 from edge.wiring import build
 from tests.edge.conftest import fast_config, hypercorn_app
 from tests.helpers import wait_until
@@ -168,3 +170,72 @@ def test_the_default_handler_gets_each_line_on_its_own(monkeypatch: pytest.Monke
     written = err.getvalue().splitlines()
     assert [json.loads(line)["route"] for line in written] == [f"/r{i}" for i in range(300)]
     assert err.getvalue().endswith("}\n")
+
+
+class Stalled(logging.Handler):
+    """A handler whose writes block until released, as a stderr nobody reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.unblock = threading.Event()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.entered.set()
+        self.unblock.wait(10)
+        self.lines.append(record.getMessage())
+
+
+def test_a_stalled_handler_bounds_the_waiting_lines_and_counts_the_rest() -> None:
+    handler = Stalled()
+    log = AccessLog(AccessLogConfig(max_pending=10), handler=handler)
+    registry = CollectorRegistry()
+    registry.register(AccessLogCollector(log))
+    log.start()
+    try:
+        _log_many(log, 0, 1)
+        assert handler.entered.wait(5)  # the writer is stuck in the first write
+        _log_many(log, 1, 25)
+        assert registry.get_sample_value("quicedge_access_log_pending") == 10
+        assert registry.get_sample_value("quicedge_access_log_dropped_total") == 15
+    finally:
+        handler.unblock.set()
+        log.stop()
+    routes = [json.loads(line)["route"] for line in handler.lines]
+    assert routes == [f"/r{i}" for i in range(11)]  # the first, then the ten that waited
+    assert registry.get_sample_value("quicedge_access_log_pending") == 0
+
+
+def test_max_pending_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="access_log.max_pending"):
+        AccessLogConfig(max_pending=0).validate()
+
+
+class BreaksOnce(Lines):
+    """A handler that fails outside `emit` once (where `logging` does not catch it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.broken = True
+
+    def handle(self, record: logging.LogRecord) -> bool:
+        if self.broken:
+            self.broken = False
+            raise RuntimeError("handler broke")
+        return super().handle(record)
+
+
+async def test_a_failing_handler_does_not_end_the_writer(caplog: pytest.LogCaptureFixture) -> None:
+    handler = BreaksOnce()
+    log = AccessLog(AccessLogConfig(), handler=handler)
+    log.start()
+    try:
+        _log_many(log, 0, 1)
+        await wait_until(lambda: not handler.broken, timeout=2)
+        _log_many(log, 1, 1)
+        await wait_until(lambda: len(handler.lines) == 1, timeout=2)
+    finally:
+        log.stop()
+    assert handler.lines[0]["route"] == "/r1"
+    assert "a handler failed" in caplog.text
