@@ -23,7 +23,6 @@ is logged without ending the writer.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import random
 import sys
@@ -43,6 +42,8 @@ LOGGER = "quicedge.access"
 _log = logging.getLogger(__name__)
 WRITE_INTERVAL = 0.05
 """Seconds the writer gathers lines for before it writes them (at most this late on screen)."""
+STOP_TIMEOUT = 5.0
+"""Seconds `stop` waits for the writer to write what is left (a stalled stderr never ends)."""
 
 
 @dataclass(slots=True)
@@ -87,25 +88,23 @@ class AccessLog:
         self._handler = handler
         self._plain = plain
         self._writer: _Writer | None = None
-        self._started = False
+        """The running writer: set between `start` and `stop`."""
         self.dropped = 0
         """Lines dropped because `max_pending` lines were waiting."""
 
     def start(self) -> None:
-        if not self._started:
+        if self._writer is None:
             self.logger.addHandler(self._handler)
             self._writer = _Writer(self._lines, self.logger, self._plain)
             self._writer.start()
-            self._started = True
 
-    def stop(self) -> None:
-        """Write what is queued, then stop the thread."""
-        if self._started:
-            assert self._writer is not None
-            self._writer.stop()
+    def stop(self, timeout: float = STOP_TIMEOUT) -> None:
+        """Write what is queued, then stop the thread; after `timeout` seconds stop waiting
+        (the thread is a daemon: a handler stuck for good does not keep the process alive)."""
+        if self._writer is not None:
+            self._writer.stop(timeout)
             self._writer = None
             self.logger.removeHandler(self._handler)
-            self._started = False
 
     @property
     def pending(self) -> int:
@@ -160,10 +159,10 @@ class AccessLog:
             )
         if error is not None:
             line["error"] = error
-        if self._started:
+        writer = self._writer
+        if writer is not None:
             self._lines.append(orjson.dumps(line).decode())
-            writer = self._writer
-            if writer is not None and not writer.woken.is_set():
+            if not writer.woken.is_set():
                 writer.woken.set()
 
 
@@ -209,18 +208,25 @@ class _Writer(threading.Thread):
         if plain is not None and logger.handlers == [plain]:
             # Only the default handler: what it would write, in one write. Each line's own
             # record and write took the GIL from the event loop once per request.
-            with plain.lock or contextlib.nullcontext():
+            plain.acquire()
+            try:
                 plain.stream.write("\n".join(batch) + "\n")
-                plain.flush()
+                plain.stream.flush()
+            finally:
+                plain.release()
             return
         for text in batch:
             logger.handle(logger.makeRecord(LOGGER, logging.INFO, __file__, 0, text, (), None))
 
-    def stop(self) -> None:
-        """Write every line appended before this call, then end the thread."""
+    def stop(self, timeout: float) -> None:
+        """Write every line appended before this call, then end the thread (waiting at most
+        `timeout` seconds; a writer still stuck then is logged and left)."""
         self._stopping = True
         self.woken.set()
-        self.join()
+        self.join(timeout)
+        if self.is_alive():
+            _log.warning("access log: the writer is stuck in a handler; %d lines unwritten",
+                         len(self._lines))  # fmt: skip
 
 
 __all__ = ["LOGGER", "AccessLog", "AccessLogConfig"]

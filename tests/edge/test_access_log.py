@@ -10,6 +10,7 @@ import logging
 import logging.handlers
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -239,3 +240,17 @@ async def test_a_failing_handler_does_not_end_the_writer(caplog: pytest.LogCaptu
         log.stop()
     assert handler.lines[0]["route"] == "/r1"
     assert "a handler failed" in caplog.text
+
+
+def test_stop_gives_up_on_a_handler_stuck_for_good(caplog: pytest.LogCaptureFixture) -> None:
+    handler = Stalled()
+    log = AccessLog(AccessLogConfig(), handler=handler)
+    log.start()
+    _log_many(log, 0, 1)
+    assert handler.entered.wait(5)
+    _log_many(log, 1, 3)
+    started = time.monotonic()
+    log.stop(timeout=0.2)
+    assert time.monotonic() - started < 2
+    assert "the writer is stuck in a handler; 3 lines unwritten" in caplog.text
+    handler.unblock.set()  # let the daemon thread end
