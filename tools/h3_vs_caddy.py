@@ -1,8 +1,9 @@
 """quicedge against Caddy over HTTP/3 (and HTTP/2), new connection per request, through one RTT
-relay: server CPU per request and TTFT in round trips; prints a Markdown table.
+relay: server CPU per request, TTFT in round trips and the whole answer's time; prints a
+Markdown table.
 
     .venv/bin/python -m tools.h3_vs_caddy [--rtt-ms 40] [--num 150] [--rounds 2] [--out DIR]
-        [--edge-cwd OTHER_CHECKOUT]
+        [--output-len 4] [--edge-cwd OTHER_CHECKOUT]
 
 It starts one stand-in (`instant`: no simulated compute, so TTFT is network and proxy time),
 `quicedge serve` in front of it, and Caddy (`caddy run`, `GOMAXPROCS=1`, the development
@@ -13,7 +14,9 @@ relay, a new connection per request, and `--edge-pid` set to that system's proce
 per request is that process's user + system time from /proc over the measured requests.
 `--baseline-cwd` adds a second edge from another checkout (before/after in the same rounds).
 TTFT is reported in round trips of the relay: expected 1 for 0-RTT, 2 for H3, 3 for H2 (TLS 1.3
-over TCP); the excess over that is what the proxy, the stacks and the client add.
+over TCP); the excess over that is what the proxy, the stacks and the client add. The whole
+answer's time (the client's latency to the last token, `--output-len` tokens the stand-in writes
+at once) shows what a new connection's congestion window and pacing let through.
 Needs Debian's `caddy` (`make bench-references`). A measurement, not a test.
 """
 
@@ -161,25 +164,27 @@ def main(argv: list[str] | None = None) -> int:
                     cpu = doc.get("edge_cpu") or {}
                     rows.setdefault((name, config), []).append(
                         {"ttft_p50": s["ttft_ms"]["p50"], "ttft_p90": s["ttft_ms"]["p90"],
-                         "cpu_ms": cpu.get("cpu_ms_per_request"), "completed": s["completed"],
+                         "answer_p50": s["latency_ms"]["p50"], "cpu_ms": cpu.get("cpu_ms_per_request"), "completed": s["completed"],
                          "early": s["early_data_accepted"], "requests": s["requests"]}
                     )  # fmt: skip
                     last = rows[(name, config)][-1]
                     print(f"  round {r + 1} {name:<9} {config:<8} {json.dumps(last)}", flush=True)
     print(f"\nload average {os.getloadavg()[0]:.1f} at the end\n")
     print("| system | config | server CPU / request (ms), per round | TTFT p50 (ms) | "
-          "TTFT p50 in RTT | excess over the expected RTTs | 0-RTT accepted |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "TTFT p50 in RTT | excess over the expected RTTs | whole answer p50 (ms) | "
+          "0-RTT accepted |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     result: dict[str, Any] = {}
     for (name, config), runs in rows.items():
         cpus_ = [r["cpu_ms"] for r in runs if r["cpu_ms"] is not None]
         ttft = statistics.median(r["ttft_p50"] for r in runs if r["ttft_p50"] is not None)
         rtts = ttft / args.rtt_ms
         excess = rtts - CONFIGS[config]
+        answer = statistics.median(r["answer_p50"] for r in runs)
         early = f"{sum(r['early'] for r in runs)}/{sum(r['requests'] for r in runs)}"
         print(
             f"| {name} | {config} | {', '.join(f'{c:.2f}' for c in cpus_)} | {ttft:.1f} | "
-            f"{rtts:.3f} | {excess:+.3f} | {early} |"
+            f"{rtts:.3f} | {excess:+.3f} | {answer:.1f} | {early} |"
         )
         result[f"{name}/{config}"] = {"runs": runs, "ttft_p50_rtt": rtts, "excess_rtt": excess}
     (args.out / "h3_vs_caddy.json").write_text(json.dumps(result, indent=2) + "\n")

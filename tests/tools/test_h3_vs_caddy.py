@@ -29,4 +29,5 @@ def test_a_small_run_measures_the_edge(tmp_path: Path, capsys: pytest.CaptureFix
     assert early["completed"] == full["completed"] == 8
     assert early["early"] == 8 and full["early"] == 0
     assert early["cpu_ms"] > 0 and full["cpu_ms"] > 0  # new QUIC connections cost ticks
+    assert full["answer_p50"] >= full["ttft_p50"] > 0
     assert "| quicedge | h3+0rtt |" in capsys.readouterr().out
