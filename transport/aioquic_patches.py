@@ -1,7 +1,7 @@
-"""Changes to aioquic's per-connection and per-packet work, made once when this module is
-imported, for the aioquic version `pyproject.toml` pins (`aioquic_private.py` lists what they
-touch, and `tests/transport/test_aioquic_patches.py` checks that each still applies and keeps
-aioquic's behaviour).
+"""Changes to aioquic's per-connection and per-packet work, and to its pacer, made once when
+this module is imported, for the aioquic version `pyproject.toml` pins (`aioquic_private.py`
+lists what they touch, and `tests/transport/test_aioquic_patches.py` checks that each still
+applies and keeps aioquic's behaviour).
 
 ``tools.h3_handshake_cpu`` showed where a handshake's CPU goes; these remove the part of it that is
 repeated work rather than protocol work:
@@ -34,6 +34,17 @@ repeated work rather than protocol work:
   ``active_connection_id_limit`` either (`aioquic_private.set_active_connection_id_limit` lowers
   it per connection), which leaves aioquic's behaviour as it was where that limit is its default.
   *Upstream:* a ``QuicConfiguration.active_connection_id_limit`` for both directions.
+- **Pacing by the bytes sent.** aioquic's pacer charges every packet a full datagram's time and
+  lets at most two full datagrams (or a quarter of the congestion window) go at once. A token
+  stream is a packet per token of ~100–250 bytes, so at a new connection's window (12,000
+  bytes) and a 40 ms RTT it let out one packet per ~4 ms; uvloop's clock, which moves in whole
+  milliseconds, refills the bucket only between milliseconds, so tokens written together
+  waited (docs/transport.md, "Pacing and the first round trip"). `BytePacer` charges each
+  packet for its bytes, paces at 1.25 times the window per RTT and lets a burst of up to the
+  initial window (10 datagrams) go, as RFC 9002 §7.7 describes and quic-go does.
+  ``QuicConnection._write_application`` tells it the packet builder, whose current packet it
+  measures.
+  *Upstream:* ``QuicPacketPacer.update_after_send(now, size)`` and that burst.
 """
 
 from __future__ import annotations
@@ -48,8 +59,10 @@ from typing import Any, cast
 from aioquic import tls
 from aioquic.buffer import Buffer
 from aioquic.quic import connection as quic_connection
+from aioquic.quic import recovery
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.connection import QuicConnection, QuicConnectionId
+from aioquic.quic.connection import QuicConnection, QuicConnectionId, QuicNetworkPath
+from aioquic.quic.packet_builder import QuicPacketBuilder
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
@@ -220,12 +233,72 @@ def _replenish_connection_ids(self: QuicConnection) -> None:
         self._host_cid_seq += 1
 
 
+PACING_GAIN = 1.25
+"""Pacing rate over the congestion window per smoothed RTT (RFC 9002 §7.7's N, quic-go's 5/4):
+a little above the window's rate, so that pacing does not leave the window unused."""
+BURST_DATAGRAMS = 10
+"""Datagrams' worth of bytes that may leave at once: RFC 9002 §7.7 asks that bursts stay
+within the initial congestion window, which is 10 datagrams (§7.2); quic-go's burst too."""
+AEAD_TAG_BYTES = 16
+"""Bytes packet protection adds to a packet (AES-GCM and ChaCha20-Poly1305)."""
+
+ORIGINAL_PACER = recovery.QuicPacketPacer
+ORIGINAL_WRITE_APPLICATION = QuicConnection._write_application
+"""aioquic's own, kept for the tests that compare them with ours."""
+
+
+class BytePacer(ORIGINAL_PACER):
+    """aioquic's leaky bucket, charged by each packet's size and holding a larger burst."""
+
+    def __init__(self, *, max_datagram_size: int) -> None:
+        super().__init__(max_datagram_size=max_datagram_size)
+        self.builder: QuicPacketBuilder | None = None
+        """The builder of the transmit in progress (`_write_application` sets it)."""
+
+    def update_after_send(self, now: float) -> None:
+        packet_time = self.packet_time
+        if packet_time is None:
+            return
+        self.update_bucket(now=now)
+        full = self._max_datagram_size
+        builder = self.builder
+        size = full
+        if builder is not None:  # its packet is not ended yet: header and frames so far
+            size = min(full, builder._buffer.tell() - builder._packet_start + AEAD_TAG_BYTES)
+        self.bucket_time = max(0.0, self.bucket_time - packet_time * size / full)
+
+    def update_rate(self, congestion_window: int, smoothed_rtt: float) -> None:
+        full = self._max_datagram_size
+        rate = PACING_GAIN * congestion_window / max(smoothed_rtt, recovery.K_MICRO_SECOND)
+        self.packet_time = max(recovery.K_MICRO_SECOND, min(full / rate, recovery.K_SECOND))
+        burst = max(BURST_DATAGRAMS * full, min(congestion_window // 4, 16 * full))
+        self.bucket_max = burst / rate
+        if self.bucket_time > self.bucket_max:
+            self.bucket_time = self.bucket_max
+
+
+def _write_application(
+    self: QuicConnection, builder: QuicPacketBuilder, network_path: QuicNetworkPath, now: float
+) -> None:
+    """aioquic's own, with the pacer told which builder's packets it is charged for."""
+    pacer = self._loss._pacer
+    if not isinstance(pacer, BytePacer):  # a connection made before the patch
+        ORIGINAL_WRITE_APPLICATION(self, builder, network_path, now)
+        return
+    pacer.builder = builder
+    try:
+        ORIGINAL_WRITE_APPLICATION(self, builder, network_path, now)
+    finally:
+        pacer.builder = None
+
+
 def _apply() -> dict[str, bool]:
     applied = {
         "epochs_memoized": False,
         "epoch_identity_hash": False,
         "tls_framing": False,
         "connection_ids_bounded": False,
+        "pacing_by_bytes": False,
     }
     for name, replacement in FRAMING.items():
         setattr(tls, name, replacement)
@@ -235,6 +308,10 @@ def _apply() -> dict[str, bool]:
     applied["epochs_memoized"] = True
     cast(Any, QuicConnection)._replenish_connection_ids = _replenish_connection_ids
     applied["connection_ids_bounded"] = True
+    # A connection's pacer is made with it: connections made before this keep aioquic's.
+    recovery.QuicPacketPacer = BytePacer  # type: ignore[misc]
+    cast(Any, QuicConnection)._write_application = _write_application
+    applied["pacing_by_bytes"] = True
     if cast(Any, tls.Epoch).__hash__ is object.__hash__:
         applied["epoch_identity_hash"] = True
     elif epochs_hashed():

@@ -21,6 +21,8 @@ from aioquic.asyncio.server import QuicServer
 from aioquic.h3.connection import H3Connection, H3Stream
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
+from aioquic.quic.packet_builder import QuicPacketBuilder
+from aioquic.quic.recovery import QuicPacketRecovery
 from aioquic.quic.retry import QuicRetryTokenHandler
 from aioquic.quic.stream import QuicStream, QuicStreamSender
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -46,6 +48,11 @@ ATTRIBUTES: tuple[Private, ...] = (
     Private(QuicConnection, "_host_cid_seq", "as above"),
     Private(QuicConnection, "_streams", "a per-stream query of unacknowledged send bytes"),
     Private(QuicConnection, "_retry_count", "HandshakeCompleted saying whether Retry happened"),
+    Private(QuicConnection, "_loss", "a QuicConfiguration field for the initial congestion window"),
+    Private(QuicPacketRecovery, "_cc", "as for QuicConnection._loss"),
+    Private(QuicPacketRecovery, "_pacer", "QuicPacketPacer.update_after_send taking the size"),
+    Private(QuicPacketBuilder, "_buffer", "as for QuicPacketRecovery._pacer"),
+    Private(QuicPacketBuilder, "_packet_start", "as for QuicPacketRecovery._pacer"),
     Private(QuicStream, "sender", "as for QuicConnection._streams"),
     Private(QuicStreamSender, "_buffer", "as for QuicConnection._streams"),
     Private(QuicConnectionProtocol, "_process_events",
@@ -79,6 +86,10 @@ PATCHED: tuple[tuple[str, str, str], ...] = (
      "issues no more connection IDs than the connection's own active_connection_id_limit"),
     ("aioquic.tls", "Context._server_handle_hello",
      "reads certificate.public_bytes(DER): given pre-encoded certificates"),
+    ("aioquic.quic.recovery", "QuicPacketPacer",
+     "BytePacer: charged by each packet's bytes, a burst of up to 10 datagrams"),
+    ("aioquic.quic.connection", "QuicConnection._write_application",
+     "aioquic's own, with the pacer told the packet builder"),
 )  # fmt: skip
 """What `aioquic_patches` changes: (module, name, how)."""
 
@@ -104,6 +115,12 @@ def set_active_connection_id_limit(quic: QuicConnection, limit: int) -> None:
     """How many connection IDs the peer may have us hold, and (with `aioquic_patches`) how many
     we issue to it, at most: set before the transport parameters are sent (RFC 9000 §5.1.1)."""
     quic._local_active_connection_id_limit = limit
+
+
+def set_initial_congestion_window(quic: QuicConnection, datagrams: int) -> None:
+    """The congestion window a connection starts with, in datagrams of its size: set before it
+    sends (aioquic starts every connection at 10)."""
+    quic._loss._cc.congestion_window = datagrams * quic.configuration.max_datagram_size
 
 
 def unacked_bytes(quic: QuicConnection, stream_id: int) -> int:

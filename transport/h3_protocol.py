@@ -26,6 +26,7 @@ from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, QuicEv
 from transport.aioquic_private import (
     process_events,
     set_active_connection_id_limit,
+    set_initial_congestion_window,
     set_max_streams_bidi,
     unacked_bytes,
 )
@@ -109,6 +110,7 @@ class H3Protocol(QuicConnectionProtocol):
         # the number of concurrent request streams (RFC 9000 §4.6).
         set_max_streams_bidi(quic, limits.max_concurrent_streams)
         set_active_connection_id_limit(quic, limits.active_connection_ids)
+        set_initial_congestion_window(quic, limits.initial_congestion_window)
         self._server = server
         self._session = H3Session(
             quic, policy=server.policy, limits=limits, server=server.address,

@@ -63,6 +63,12 @@ class H3Limits:
     """Connection IDs each side holds for the other (QUIC active_connection_id_limit, RFC 9000
     §5.1.1): the spares a client moves to when its address changes. 2 to 8; aioquic's own 8
     costs 14 NEW_CONNECTION_ID frames a connection where 4 costs 6 (docs/transport.md)."""
+    initial_congestion_window: int = 32
+    """Datagrams a connection may have in flight before its first acknowledgement: an answer a
+    backend (or the response cache) writes at once leaves in the first round trip up to this
+    much (~38 KB). quic-go (Caddy) starts at 32 too; RFC 9002 §7.2 suggests 10, aioquic's own,
+    with which a 64-token answer waited a round trip more (docs/transport.md, "Pacing and the
+    first round trip"). 2 to 64."""
     idle_timeout: float = 60 * SECONDS
     """A connection with no traffic for this long is closed (QUIC max_idle_timeout)."""
     early_data_handshake_deadline: float = 2 * SECONDS
@@ -85,6 +91,11 @@ class H3Limits:
         if not 2 <= self.active_connection_ids <= 8:
             raise ValueError(
                 f"active_connection_ids must be from 2 to 8, got {self.active_connection_ids}"
+            )
+        if not 2 <= self.initial_congestion_window <= 64:
+            raise ValueError(
+                "initial_congestion_window must be from 2 to 64 datagrams, got "
+                f"{self.initial_congestion_window}"
             )
         if self.idle_timeout <= 0:
             raise ValueError("idle_timeout must be > 0")

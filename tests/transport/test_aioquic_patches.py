@@ -22,12 +22,13 @@ from transport import aioquic_private as private
 from transport.tls import CertificateFiles, TlsMaterial
 
 
-def test_both_changes_are_in_force_in_a_process_that_imports_the_transport() -> None:
+def test_every_change_is_in_force_in_a_process_that_imports_the_transport() -> None:
     assert patches.APPLIED == {
         "epochs_memoized": True,
         "epoch_identity_hash": True,
         "tls_framing": True,
         "connection_ids_bounded": True,
+        "pacing_by_bytes": True,
     }
     for name, replacement in patches.FRAMING.items():
         assert getattr(tls, name) is replacement
@@ -46,6 +47,10 @@ def test_every_patched_name_exists_on_the_installed_aioquic() -> None:
     # aioquic's issuing loop is the one the patch copies, with its own bound added.
     source = inspect.getsource(patches.ORIGINAL_REPLENISH)
     assert "while len(self._host_cids) < min(8, self._remote_active_connection_id_limit):" in source
+    # The pacer is charged once per packet built, while that packet is the builder's current one.
+    source = inspect.getsource(patches.ORIGINAL_WRITE_APPLICATION)
+    assert source.count("self._loss._pacer.update_after_send(now=now)") == 1
+    assert source.index("builder.start_packet(") < source.index("update_after_send")
 
 
 def test_memoized_epochs_are_the_same_sets_each_time() -> None:

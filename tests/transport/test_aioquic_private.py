@@ -16,6 +16,8 @@ from aioquic.asyncio.server import QuicServer
 from aioquic.h3.connection import H3_ALPN, H3Connection, H3Stream
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
+from aioquic.quic.packet_builder import QuicPacketBuilder
+from aioquic.quic.recovery import QuicPacketRecovery
 from aioquic.quic.retry import QuicRetryTokenHandler
 from aioquic.quic.stream import QuicStream, QuicStreamSender
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -43,6 +45,14 @@ async def test_every_listed_attribute_exists_on_the_installed_aioquic() -> None:
         QuicRetryTokenHandler: QuicRetryTokenHandler(),
         H3Connection: H3Connection(_client()),
         H3Stream: H3Stream(0),
+        QuicPacketRecovery: quic._loss,
+        QuicPacketBuilder: QuicPacketBuilder(
+            host_cid=b"",
+            peer_cid=b"",
+            version=quic.configuration.supported_versions[0],
+            is_client=True,
+            max_datagram_size=quic.configuration.max_datagram_size,
+        ),
     }
     missing = [
         f"{entry.owner.__module__}.{entry.owner.__qualname__}.{entry.name}"
