@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                     cpu = doc.get("edge_cpu") or {}
                     rows.setdefault((name, config), []).append(
                         {"ttft_p50": s["ttft_ms"]["p50"], "ttft_p90": s["ttft_ms"]["p90"],
-                         "answer_p50": s["latency_ms"]["p50"], "cpu_ms": cpu.get("cpu_ms_per_request"), "completed": s["completed"],
+                         "answer_p50": s["latency_ms"]["p50"],
+                         "cpu_ms": cpu.get("cpu_ms_per_request"), "completed": s["completed"],
                          "early": s["early_data_accepted"], "requests": s["requests"]}
                     )  # fmt: skip
                     last = rows[(name, config)][-1]
