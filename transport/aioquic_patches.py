@@ -45,6 +45,11 @@ repeated work rather than protocol work:
   ``QuicConnection._write_application`` tells it the packet builder, whose current packet it
   measures.
   *Upstream:* ``QuicPacketPacer.update_after_send(now, size)`` and that burst.
+- **NEW_TOKEN.** aioquic's server sends no address-validation token (RFC 9000 §8.1.3).
+  `send_new_token` gives a server connection one; ``_write_handshake_done_frame`` writes it as
+  a NEW_TOKEN frame beside HANDSHAKE_DONE, in the same packet, so that a lost packet sends both
+  again (`transport.address_tokens`).
+  *Upstream:* a server-side token API on ``QuicConnection``.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ import functools
 import gc
 import logging
 import os
+import weakref
 from collections.abc import Iterable
 from typing import Any, cast
 
@@ -62,7 +68,8 @@ from aioquic.quic import connection as quic_connection
 from aioquic.quic import recovery
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection, QuicConnectionId, QuicNetworkPath
-from aioquic.quic.packet_builder import QuicPacketBuilder
+from aioquic.quic.packet import QuicFrameType
+from aioquic.quic.packet_builder import QuicDeliveryState, QuicPacketBuilder, QuicPacketBuilderStop
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
@@ -292,6 +299,48 @@ def _write_application(
         pacer.builder = None
 
 
+ORIGINAL_WRITE_HANDSHAKE_DONE = QuicConnection._write_handshake_done_frame
+_NEW_TOKENS: weakref.WeakKeyDictionary[QuicConnection, bytes] = weakref.WeakKeyDictionary()
+"""Server connections and the address token each sends, until the client acknowledges it."""
+
+
+def send_new_token(quic: QuicConnection, token: bytes) -> None:
+    """Send `token` to the client in a NEW_TOKEN frame once the handshake is complete (with
+    HANDSHAKE_DONE); a server connection only."""
+    _NEW_TOKENS[quic] = token
+
+
+def new_token_pending(quic: QuicConnection) -> bool:
+    """Whether the connection's token is still to be sent or acknowledged."""
+    return quic in _NEW_TOKENS
+
+
+def _on_new_token_delivery(delivery: QuicDeliveryState, quic: QuicConnection) -> None:
+    # A lost packet lost HANDSHAKE_DONE too, which aioquic sends again, and the token with it.
+    if delivery == QuicDeliveryState.ACKED:
+        _NEW_TOKENS.pop(quic, None)
+
+
+def _write_handshake_done_frame(self: QuicConnection, builder: QuicPacketBuilder) -> None:
+    """aioquic's own, then the connection's NEW_TOKEN frame, if it has one, in the same packet."""
+    ORIGINAL_WRITE_HANDSHAKE_DONE(self, builder)
+    token = _NEW_TOKENS.get(self)
+    if token is None:
+        return
+    try:
+        buf = builder.start_frame(
+            QuicFrameType.NEW_TOKEN,
+            capacity=2 + len(token) + 2,  # type, length (up to 2 bytes for ours), token
+            handler=_on_new_token_delivery,
+            handler_args=(self,),
+        )
+    except QuicPacketBuilderStop:  # no room left: the client does without a token
+        _NEW_TOKENS.pop(self, None)
+        return
+    buf.push_uint_var(len(token))
+    buf.push_bytes(token)
+
+
 def _apply() -> dict[str, bool]:
     applied = {
         "epochs_memoized": False,
@@ -299,6 +348,7 @@ def _apply() -> dict[str, bool]:
         "tls_framing": False,
         "connection_ids_bounded": False,
         "pacing_by_bytes": False,
+        "new_token": False,
     }
     for name, replacement in FRAMING.items():
         setattr(tls, name, replacement)
@@ -312,6 +362,8 @@ def _apply() -> dict[str, bool]:
     recovery.QuicPacketPacer = BytePacer  # type: ignore[misc]
     cast(Any, QuicConnection)._write_application = _write_application
     applied["pacing_by_bytes"] = True
+    cast(Any, QuicConnection)._write_handshake_done_frame = _write_handshake_done_frame
+    applied["new_token"] = True
     if cast(Any, tls.Epoch).__hash__ is object.__hash__:
         applied["epoch_identity_hash"] = True
     elif epochs_hashed():

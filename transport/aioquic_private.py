@@ -15,6 +15,7 @@ per-packet work; `PATCHED` lists them, and `tests/transport/test_aioquic_patches
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, cast
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.asyncio.server import QuicServer
@@ -53,6 +54,7 @@ ATTRIBUTES: tuple[Private, ...] = (
     Private(QuicPacketRecovery, "_pacer", "QuicPacketPacer.update_after_send taking the size"),
     Private(QuicPacketBuilder, "_buffer", "as for QuicPacketRecovery._pacer"),
     Private(QuicPacketBuilder, "_packet_start", "as for QuicPacketRecovery._pacer"),
+    Private(QuicConnection, "_network_paths", "a server-side NEW_TOKEN validation API"),
     Private(QuicStream, "sender", "as for QuicConnection._streams"),
     Private(QuicStreamSender, "_buffer", "as for QuicConnection._streams"),
     Private(QuicConnectionProtocol, "_process_events",
@@ -90,6 +92,8 @@ PATCHED: tuple[tuple[str, str, str], ...] = (
      "BytePacer: charged by each packet's bytes, a burst of up to 10 datagrams"),
     ("aioquic.quic.connection", "QuicConnection._write_application",
      "aioquic's own, with the pacer told the packet builder"),
+    ("aioquic.quic.connection", "QuicConnection._write_handshake_done_frame",
+     "aioquic's own, then a NEW_TOKEN frame where the connection has a token to send"),
 )  # fmt: skip
 """What `aioquic_patches` changes: (module, name, how)."""
 
@@ -170,9 +174,21 @@ def set_server_configuration(server: QuicServer, configuration: QuicConfiguratio
     server._configuration = configuration
 
 
-def set_retry_handler(server: QuicServer, handler: QuicRetryTokenHandler) -> None:
-    """Mint and check Retry tokens with `handler` (the server must be created with retry=True)."""
-    server._retry = handler
+def set_retry_handler(server: QuicServer, handler: QuicRetryTokenHandler | None) -> None:
+    """Mint and check Retry tokens with `handler` (the server must be created with retry=True);
+    None: no Retry for the connections made until it is set again."""
+    cast(Any, server)._retry = handler
+
+
+def retry_handler(server: QuicServer) -> QuicRetryTokenHandler | None:
+    """The server's Retry token handler (None: Retry is off)."""
+    return server._retry
+
+
+def mark_address_validated(quic: QuicConnection) -> None:
+    """The client's address is proven (a valid address token): no anti-amplification limit on
+    the connection's path. Call it after the first datagram, before the first transmit."""
+    quic._network_paths[0].is_validated = True
 
 
 def set_retry_key(handler: QuicRetryTokenHandler, aead: AESGCM) -> None:

@@ -82,8 +82,8 @@ class TransportConfig:
     quic_retry: bool = False
     """Validate client addresses with a Retry round trip before the handshake (RFC 9000 8.1.2)."""
     quic_retry_secret: str | None = field(default=None, metadata=_SECRET)
-    """Secret the Retry token key is derived from; at least 16 bytes, the same on every worker
-    and machine."""
+    """Secret the keys of Retry tokens and of address tokens (NEW_TOKEN) are derived from; at
+    least 16 bytes, the same on every worker and machine."""
     workers: int = 1
     """Processes sharing the UDP and TCP ports (SO_REUSEPORT); above 1 needs --redis."""
     drain_timeout: float = 10.0

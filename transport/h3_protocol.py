@@ -130,6 +130,11 @@ class H3Protocol(QuicConnectionProtocol):
         """Called once, when the connection has ended (the listener's gate forgets it)."""
 
     @property
+    def quic(self) -> QuicConnection:
+        """The connection's QUIC state (aioquic's own)."""
+        return self._connection
+
+    @property
     def session(self) -> H3Session:
         return self._session
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import socket
 from functools import partial
 from typing import Any, cast
@@ -21,13 +22,16 @@ from aioquic.buffer import Buffer
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import NetworkAddress
 from aioquic.quic.events import HandshakeCompleted
-from aioquic.quic.packet import QuicHeader, QuicPacketType, pull_quic_header
+from aioquic.quic.packet import QuicHeader, QuicPacketType, encode_quic_retry, pull_quic_header
 from aioquic.tls import SessionTicket
 
-from transport import aioquic_patches  # noqa: F401  (before any connection: see the module)
+from transport import aioquic_patches  # (before any connection: see the module)
+from transport.address_tokens import MARK, TOKEN_BYTES, AddressTokens
 from transport.aioquic_private import (
     connection_for,
     has_connection,
+    mark_address_validated,
+    retry_handler,
     server_configuration,
     server_protocols,
     set_retry_handler,
@@ -62,10 +66,21 @@ class _Endpoint(QuicServer):
 
     draining = False
 
-    def __init__(self, *, gate: ConnectionGate, retry: bool, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        gate: ConnectionGate,
+        retry: bool,
+        tokens: AddressTokens | None,
+        metrics: TransportMetrics | None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(retry=retry, **kwargs)
         self.gate = gate
         self.retry = retry
+        self.tokens = tokens
+        """Address tokens issued and accepted (None: none, as aioquic's own server)."""
+        self._metrics = metrics
         self._socket: asyncio.DatagramTransport | None = None
         self._versioned: dict[int, tuple[QuicConfiguration, QuicConfiguration]] = {}
 
@@ -115,20 +130,79 @@ class _Endpoint(QuicServer):
             assert self._socket is not None
             self._socket.sendto(refusal(header), addr)
             return
+        validated = self._token_outcome(header, host)
+        if validated is None:  # an address token that is not good where Retry is on
+            self._send_retry(header, addr)
+            if counted:
+                self.gate.release(host)
+            return
         base, version = server_configuration(self), header.version
         assert version is not None  # `_opens` found it among the supported versions
         set_server_configuration(self, self._version_only(base, version))
+        # The token proves the address as a Retry would: no Retry for this connection.
+        handler = retry_handler(self) if validated else None
+        if handler is not None:
+            set_retry_handler(self, None)
         try:
             super().datagram_received(data, addr)
         finally:
             set_server_configuration(self, base)
+            if handler is not None:
+                set_retry_handler(self, handler)
+        protocol = connection_for(self, header.destination_cid)
+        if isinstance(protocol, H3Protocol):
+            if validated:  # before the reply, which `_reply_soon` sends at the turn's end
+                mark_address_validated(protocol.quic)
+            if self.tokens is not None:
+                aioquic_patches.send_new_token(protocol.quic, self.tokens.issue(host))
         if not counted:
             return
-        protocol = connection_for(self, header.destination_cid)
         if isinstance(protocol, H3Protocol):
             protocol.on_closed = partial(self.gate.release, host)
         else:
             self.gate.release(host)  # none was made: a Retry token that did not validate
+
+    def _token_outcome(self, header: QuicHeader, host: str) -> bool | None:
+        """True: the Initial carries a good address token, now used up. False: no token to
+        consider (none, or, where Retry is on, one aioquic checks as a Retry token). None: an
+        address token that is not good (used, expired, another address or key) where Retry is
+        on, so the client is sent a Retry, as if it had no token (RFC 9000 §8.1.3)."""
+        token = header.token
+        if not token or self.tokens is None:
+            return False
+        outcome = self.tokens.accept(token, host)
+        if outcome == "accepted":
+            self._count_token(outcome)
+            return True
+        shaped = len(token) == TOKEN_BYTES and token.startswith(MARK)
+        if shaped or not self.retry:
+            self._count_token(outcome)
+        return None if shaped and self.retry else False
+
+    def _count_token(self, outcome: str) -> None:
+        if self._metrics is not None:
+            self._metrics.address_tokens.labels(outcome).inc()
+
+    def _send_retry(self, header: QuicHeader, addr: NetworkAddress) -> None:
+        """A Retry for this Initial, as aioquic's server sends one to an Initial without a
+        token."""
+        handler = retry_handler(self)
+        assert handler is not None and self._socket is not None and header.version is not None
+        source_cid = os.urandom(8)
+        token = handler.create_token(
+            address=addr,
+            original_destination_connection_id=header.destination_cid,
+            retry_source_connection_id=source_cid,
+            now=asyncio.get_running_loop().time(),
+        )
+        packet = encode_quic_retry(
+            version=header.version,
+            source_cid=source_cid,
+            destination_cid=header.source_cid,
+            original_destination_cid=header.destination_cid,
+            retry_token=token,
+        )
+        self._socket.sendto(packet, addr)
 
     def _version_only(self, base: QuicConfiguration, version: int) -> QuicConfiguration:
         """`base` with `version` as its only supported version (made once per base)."""
@@ -157,6 +231,8 @@ class H3Server:
         policy: EarlyDataPolicy | None = None,
         limits: H3Limits | None = None,
         retry_secret: bytes | None = None,
+        token_secret: bytes | None = None,
+        address_tokens: bool = True,
         metrics: TransportMetrics | None = None,
         max_connections: int = 0,
         max_connections_per_client: int = 0,
@@ -167,6 +243,9 @@ class H3Server:
         self.policy = policy or EarlyDataPolicy()
         self.limits = limits or H3Limits()
         self.retry_secret = retry_secret
+        self.address_tokens = AddressTokens(token_secret) if address_tokens else None
+        """Tokens for returning clients (NEW_TOKEN): keyed from `token_secret`, which every
+        worker and machine should share, else a random key of this process's."""
         self.metrics = metrics
         self.gate = ConnectionGate(max_connections, max_connections_per_client)
         """Connection caps (0: none); its `on_refused` is called for each connection refused."""
@@ -201,6 +280,8 @@ class H3Server:
                 session_ticket_fetcher=fetcher,
                 session_ticket_handler=handler,
                 retry=self.retry_secret is not None,
+                tokens=self.address_tokens,
+                metrics=self.metrics,
             ),
             sock=sock,
         )

@@ -54,7 +54,7 @@ class Listeners:
         self._reuse_port = reuse_port
         self._metrics = metrics
         secret = config.quic_retry_secret.encode() if config.quic_retry_secret else None
-        if config.quic_retry and secret is None:
+        if secret is None:
             secret = os.urandom(32)  # one process: a random key is as good as a shared one
         self.h3 = H3Server(
             app,
@@ -63,6 +63,7 @@ class Listeners:
             policy=config.early_data,
             limits=config.limits,
             retry_secret=secret if config.quic_retry else None,
+            token_secret=secret,
             metrics=metrics,
             max_connections=config.max_connections,
             max_connections_per_client=config.max_connections_per_client,

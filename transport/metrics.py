@@ -53,6 +53,16 @@ class TransportMetrics:
             ["op"],
             registry=registry,
         )
+        self.address_tokens = Counter(
+            "quicedge_quic_address_tokens",
+            "Address-validation tokens (NEW_TOKEN) in new connections' Initials: accepted (the"
+            " address is validated at once), replayed (accepted before) or invalid (expired,"
+            " another address or key)",
+            ["outcome"],
+            registry=registry,
+        )
+        for outcome in ("accepted", "replayed", "invalid"):
+            self.address_tokens.labels(outcome)
         self.early_requests = Counter(
             "quicedge_early_requests",
             "Requests received in 0-RTT, by the early-data policy applied",

@@ -172,7 +172,7 @@ def run_workers(plan: Plan, *, announce: Announce = print_ready) -> int:
         admin=_concrete(t.admin, socket.SOCK_STREAM),
         http=_concrete(t.http, socket.SOCK_STREAM),
     )
-    if t.quic_retry and t.quic_retry_secret is None:
+    if t.quic_retry_secret is None:  # one key for every worker's Retry and address tokens
         t = replace(t, quic_retry_secret=os.urandom(24).hex())
     plan = replace(plan, transport=t, reuse_port=True)
     ctx = multiprocessing.get_context("spawn")

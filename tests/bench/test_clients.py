@@ -7,6 +7,7 @@ import json
 import pytest
 
 from bench.clients import ClientError, ClientOptions, Target, TicketStore, make_client
+from bench.clients.h3 import H3Client
 from bench.stub_app import WORDS
 from certs import DevCertificates
 from tests.bench.conftest import Servers
@@ -93,6 +94,8 @@ async def test_h3_zero_rtt_resumes_with_single_use_tickets(
         assert result.header("x-stub-early-data") == "1"  # the app saw it as early data
         assert result.connect_s is None  # sent before any handshake completed
     assert len(tickets) == 1  # each ticket used once; the last connection's is left
+    # The listener's address token (NEW_TOKEN) is kept and presented on the next connection.
+    assert isinstance(client, H3Client) and set(client.address_tokens) == {"localhost"}
 
 
 async def test_h3_ticket_reused_twice_falls_back_to_full_handshake(

@@ -125,10 +125,13 @@ class H3Client(QuicConnectionProtocol):
         return r
 
 
-def client_config(ca_cert: Any, ticket: SessionTicket | None = None) -> QuicConfiguration:
+def client_config(
+    ca_cert: Any, ticket: SessionTicket | None = None, token: bytes = b""
+) -> QuicConfiguration:
     config = QuicConfiguration(is_client=True, alpn_protocols=H3_ALPN, server_name="localhost")
     config.load_verify_locations(str(ca_cert))
     config.session_ticket = ticket
+    config.token = token  # an address token from an earlier connection's NEW_TOKEN
     return config
 
 
@@ -141,15 +144,20 @@ async def h3_connect(
     tickets: list[SessionTicket] | None = None,
     wait_connected: bool = True,
     host: str = "127.0.0.1",
+    token: bytes = b"",
+    tokens: list[bytes] | None = None,
 ) -> AsyncIterator[H3Client]:
-    """Connect; with ``ticket`` and ``wait_connected=False`` requests go out in 0-RTT."""
+    """Connect; with ``ticket`` and ``wait_connected=False`` requests go out in 0-RTT. Address
+    tokens the server sends (NEW_TOKEN) go to ``tokens``; ``token`` is presented."""
     sink = tickets if tickets is not None else []
+    token_sink = tokens if tokens is not None else []
     async with connect(
         host,
         port,
-        configuration=client_config(ca_cert, ticket),
+        configuration=client_config(ca_cert, ticket, token),
         create_protocol=H3Client,
         session_ticket_handler=sink.append,
+        token_handler=token_sink.append,
         wait_connected=wait_connected,
     ) as client:
         assert isinstance(client, H3Client)

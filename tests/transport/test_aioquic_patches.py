@@ -29,6 +29,7 @@ def test_every_change_is_in_force_in_a_process_that_imports_the_transport() -> N
         "tls_framing": True,
         "connection_ids_bounded": True,
         "pacing_by_bytes": True,
+        "new_token": True,
     }
     for name, replacement in patches.FRAMING.items():
         assert getattr(tls, name) is replacement
@@ -51,6 +52,9 @@ def test_every_patched_name_exists_on_the_installed_aioquic() -> None:
     source = inspect.getsource(patches.ORIGINAL_WRITE_APPLICATION)
     assert source.count("self._loss._pacer.update_after_send(now=now)") == 1
     assert source.index("builder.start_packet(") < source.index("update_after_send")
+    # HANDSHAKE_DONE is written once, into a packet in progress, and again only if lost.
+    source = inspect.getsource(quic_connection.QuicConnection._on_handshake_done_delivery)
+    assert "self._handshake_done_pending = True" in source
 
 
 def test_memoized_epochs_are_the_same_sets_each_time() -> None:
