@@ -16,7 +16,7 @@ import pytest
 
 from certs import ensure_dev_certificates
 from edge.serve import build_parser, load_settings, main, transport_config
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_until
 from tests.transport.conftest import ServeProcess
 from tests.transport.h3client import fresh_ticket, h3_connect
 from transport.early_data import Mode
@@ -187,6 +187,37 @@ async def test_workers_share_ports_and_tickets(serve_process, redis_url: str) ->
     assert accepted.count(True) == 1 and accepted[0] is True
     assert server.stop() == 0
     assert len(pids) >= 1
+
+
+def _sample(metrics: str, sample: str) -> float:
+    for line in metrics.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"no sample {sample}")
+
+
+async def test_workers_accept_each_others_address_tokens(serve_process, redis_url: str) -> None:
+    """The parent gives every worker one key: a token from either is good at either. The
+    kernel spreads new client ports over the workers, so with a key per worker some tokens
+    would reach the other one and be refused there."""
+    ca = ensure_dev_certificates().ca_cert
+    server: ServeProcess = serve_process("--demo", "--workers", "2", "--redis", redis_url)
+    tokens: list[bytes] = []
+    for i in range(8):
+        async with h3_connect(server.h3_port, ca, tokens=tokens) as c:
+            assert (await c.fetch("POST", "/generate", body=b"{}")).status == 200
+            await wait_until(lambda: len(tokens) > i)  # noqa: B023 (awaited at once)
+    for token in list(tokens):
+        async with h3_connect(server.h3_port, ca, token=token) as c:
+            assert (await c.fetch("POST", "/generate", body=b"{}")).status == 200
+    # The demo's /metrics is the answering worker's own; each scrape is a new connection,
+    # which the kernel hands to either worker.
+    name = "quicedge_quic_address_tokens_total{outcome=%s}"
+    scrapes = [server.metrics() for _ in range(12)]
+    assert all(_sample(m, name % '"invalid"') == 0 for m in scrapes)
+    accepted = {_sample(m, name % '"accepted"') for m in scrapes}
+    assert max(accepted) > 0 and sum(accepted) <= 8
+    assert server.stop() == 0
 
 
 async def test_serve_listeners_alt_svc_and_sighup(serve_process) -> None:
