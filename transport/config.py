@@ -81,6 +81,10 @@ class TransportConfig:
     early_data: EarlyDataPolicy = field(default_factory=EarlyDataPolicy, metadata={"load": False})
     quic_retry: bool = False
     """Validate client addresses with a Retry round trip before the handshake (RFC 9000 8.1.2)."""
+    quic_address_tokens: bool = True
+    """Give each client an address token (NEW_TOKEN, RFC 9000 8.1.3) that proves its address on
+    its next connection, which then sends its first flight and a 0-RTT answer at once; off: a
+    client carries nothing from one connection to the next but its session ticket."""
     quic_retry_secret: str | None = field(default=None, metadata=_SECRET)
     """Secret the keys of Retry tokens and of address tokens (NEW_TOKEN) are derived from; at
     least 16 bytes, the same on every worker and machine."""

@@ -64,6 +64,7 @@ class Listeners:
             limits=config.limits,
             retry_secret=secret if config.quic_retry else None,
             token_secret=secret,
+            address_tokens=config.quic_address_tokens,
             metrics=metrics,
             max_connections=config.max_connections,
             max_connections_per_client=config.max_connections_per_client,

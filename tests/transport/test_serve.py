@@ -220,6 +220,20 @@ async def test_workers_accept_each_others_address_tokens(serve_process, redis_ur
     assert server.stop() == 0
 
 
+async def test_address_tokens_can_be_turned_off(serve_process) -> None:
+    ca = ensure_dev_certificates().ca_cert
+    for flag, expected in (("--quic-address-tokens", 1), ("--no-quic-address-tokens", 0)):
+        server: ServeProcess = serve_process("--demo", flag)
+        tokens: list[bytes] = []
+        async with h3_connect(server.h3_port, ca, tokens=tokens) as c:
+            assert (await c.fetch("POST", "/generate", body=b"{}")).status == 200
+            # The flight a token comes in (with HANDSHAKE_DONE) came before the answer's end.
+            await asyncio.wait_for(c.handshake_done.wait(), 10)
+            await asyncio.sleep(0.1)
+        assert len(tokens) == expected
+        assert server.stop() == 0
+
+
 async def test_serve_listeners_alt_svc_and_sighup(serve_process) -> None:
     http_port = free_port()
     server: ServeProcess = serve_process("--demo", "--http", f"127.0.0.1:{http_port}")
