@@ -3,7 +3,7 @@ relay: server CPU per request, TTFT in round trips and the whole answer's time; 
 Markdown table.
 
     .venv/bin/python -m tools.h3_vs_caddy [--rtt-ms 40] [--num 150] [--rounds 2] [--out DIR]
-        [--output-len 4] [--edge-cwd OTHER_CHECKOUT]
+        [--output-len 4] [--sim-profile instant] [--edge-cwd OTHER_CHECKOUT]
 
 It starts one stand-in (`instant`: no simulated compute, so TTFT is network and proxy time),
 `quicedge serve` in front of it, and Caddy (`caddy run`, `GOMAXPROCS=1`, the development
@@ -34,6 +34,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from backends.sim.profiles import PROFILES
 from bench.children import REPO, free_port, split_cpus, start, start_stand_in, stop, wait_listening
 from certs import ensure_dev_certificates
 
@@ -87,6 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num", type=int, default=150, help="requests per system, config and round")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--output-len", type=int, default=4)
+    p.add_argument(
+        "--sim-profile",
+        default="instant",
+        choices=sorted(PROFILES),
+        help="the stand-in's profile: instant (no compute) or one paced like a GPU",
+    )
     p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--out", type=Path, default=Path("bench-out/h3-vs-caddy"))
     p.add_argument("--edge-cwd", default=str(REPO), help="run the edge from this checkout")
@@ -101,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     proxy_cpus, others = split_cpus(True)
     rows: dict[tuple[str, str], list[dict[str, Any]]] = {}
     with ExitStack() as stack:
-        sim, sim_url = start_stand_in(stack, log=args.out / "sim.log", cpus=others)
+        sim, sim_url = start_stand_in(
+            stack, log=args.out / "sim.log", cpus=others, profile=args.sim_profile
+        )
         systems: dict[str, tuple[int, int, int]] = {}
         edges = {"quicedge": args.edge_cwd}
         if args.baseline_cwd:
@@ -164,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
                     cpu = doc.get("edge_cpu") or {}
                     rows.setdefault((name, config), []).append(
                         {"ttft_p50": s["ttft_ms"]["p50"], "ttft_p90": s["ttft_ms"]["p90"],
-                         "answer_p50": s["latency_ms"]["p50"],
+                         "answer_p50": s["latency_ms"]["p50"], "itl_p99": s["itl_ms"]["p99"],
                          "cpu_ms": cpu.get("cpu_ms_per_request"), "completed": s["completed"],
                          "early": s["early_data_accepted"], "requests": s["requests"]}
                     )  # fmt: skip
