@@ -37,11 +37,12 @@ repeated work rather than protocol work:
 - **Pacing by the bytes sent.** aioquic's pacer charges every packet a full datagram's time and
   lets at most two full datagrams (or a quarter of the congestion window) go at once. A token
   stream is a packet per token of ~100–250 bytes, so at a new connection's window (12,000
-  bytes) and a 40 ms RTT it let out one packet per ~4 ms; uvloop's clock, which moves in whole
-  milliseconds, refills the bucket only between milliseconds, so tokens written together
-  waited (docs/transport.md, "Pacing and the first round trip"). `BytePacer` charges each
-  packet for its bytes, paces at 1.25 times the window per RTT and lets a burst of up to the
-  initial window (10 datagrams) go, as RFC 9002 §7.7 describes and quic-go does.
+  bytes) and a 40 ms RTT, of the tokens written within one millisecond (uvloop's clock moves
+  in whole milliseconds, and the bucket refills only when it moves) it let two or three out
+  and held the rest ~4 ms (docs/transport.md, "Pacing and the first round trip").
+  `BytePacer` charges each packet for its bytes, paces at 1.25 times the window per RTT and
+  lets a burst of up to the initial window (10 datagrams) go, as RFC 9002 §7.7 describes and
+  quic-go does.
   ``QuicConnection._write_application`` tells it the packet builder, whose current packet it
   measures.
   *Upstream:* ``QuicPacketPacer.update_after_send(now, size)`` and that burst.
