@@ -88,6 +88,16 @@ routes = { "/v1/embeddings" = "accept" }
     assert t.early_data.mode_for("/generate") is Mode.DEFER
 
 
+def test_new_connection_settings_from_flags_and_toml(tmp_path: Path) -> None:
+    config = tmp_path / "edge.toml"
+    config.write_text("[serve]\ninitial_congestion_window = 10\nquic_address_tokens = false\n")
+    t = _transport(build_parser().parse_args(["--demo", "--config", str(config)]))
+    assert t.limits.initial_congestion_window == 10 and t.quic_address_tokens is False
+    args = build_parser().parse_args(["--demo", "--initial-congestion-window", "16"])
+    t = _transport(args)
+    assert t.limits.initial_congestion_window == 16 and t.quic_address_tokens is True
+
+
 def _transport(args, environ: dict[str, str] | None = None):
     return transport_config(load_settings(args, environ or {}))
 
