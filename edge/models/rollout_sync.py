@@ -30,8 +30,8 @@ from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from edge.models.ramp import ADVANCES, STOPS, Transition
 from edge.models.rollout import Rollout
