@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import shutil
 import signal
@@ -19,6 +20,7 @@ from edge.serve import build_parser, load_settings, main, transport_config
 from tests.helpers import free_port, wait_until
 from tests.transport.conftest import ServeProcess
 from tests.transport.h3client import fresh_ticket, h3_connect
+from transport.address_tokens import AddressTokens
 from transport.early_data import Mode
 
 ZERO_RTT = 'quicedge_zero_rtt_total{result="%s"}'
@@ -156,6 +158,23 @@ def test_gtlsclient_resumes_with_0rtt_and_the_replayed_ticket_is_refused(
     assert server.metric(ZERO_RTT % "accepted") == 1
     assert server.metric(ZERO_RTT % "replay_refused") == 1
     assert server.stop() == 0  # SIGTERM: drained and exited cleanly
+
+
+def test_gtlsclient_takes_the_address_token_from_the_new_token_frame(
+    serve_process, tmp_path: Path
+) -> None:
+    """Another QUIC stack (ngtcp2) parses the NEW_TOKEN frame and keeps the token it carries:
+    the one this server issued to it. (ngtcp2 0.12's client then fails to read its own token
+    file back, "Could not read token", so the next connection does not present it.)"""
+    secret = "a secret of the edge's own, 16+ bytes"
+    server: ServeProcess = serve_process("--demo", "--quic-retry-secret", secret)
+    token_file = tmp_path / "token"
+    _gtls(server.h3_port, tmp_path, f"--token-file={token_file}")
+    pem = token_file.read_text().split()
+    assert pem[:3] == ["-----BEGIN", "QUIC", "TOKEN-----"]
+    token = base64.b64decode(pem[3])
+    assert AddressTokens(secret.encode()).valid(token, "127.0.0.1")
+    assert server.stop() == 0
 
 
 async def test_two_processes_sharing_redis_accept_a_ticket_once(
