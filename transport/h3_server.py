@@ -2,9 +2,9 @@
 
 The connection's protocol, with its per-stream channels, flushes, back-pressure and early-data
 deadline, is ``h3_protocol.H3Protocol``; here are aioquic's endpoint (`_Endpoint`, which stops
-admitting connections while draining, refuses those past the connection caps and swaps its
-configuration on a certificate reload) and ``H3Server``: the socket, session tickets, metrics
-hooks, drain and close.
+admitting connections while draining, refuses those past the connection caps, checks and
+issues address tokens and swaps its configuration on a certificate reload) and ``H3Server``:
+the socket, session tickets, metrics hooks, drain and close.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ log = logging.getLogger("quicedge.transport.h3")
 
 class _Endpoint(QuicServer):
     """aioquic's QuicServer that can stop admitting new connections, caps them through a
-    `ConnectionGate`, and swaps its config.
+    `ConnectionGate`, validates a returning client's address by its token
+    (`transport.address_tokens`), and swaps its config.
 
     Each new connection gets the configuration with only its Initial's QUIC version: aioquic
     derives Initial keys for every supported version when a connection starts (for compatible
