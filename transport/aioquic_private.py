@@ -187,8 +187,10 @@ def retry_handler(server: QuicServer) -> QuicRetryTokenHandler | None:
 
 def mark_address_validated(quic: QuicConnection) -> None:
     """The client's address is proven (a valid address token): no anti-amplification limit on
-    the connection's path. Call it after the first datagram, before the first transmit."""
-    quic._network_paths[0].is_validated = True
+    the connection's path. Call it after the first datagram, before the first transmit; a first
+    datagram aioquic dropped before it made the path leaves nothing to validate."""
+    for path in quic._network_paths[:1]:
+        path.is_validated = True
 
 
 def set_retry_key(handler: QuicRetryTokenHandler, aead: AESGCM) -> None:

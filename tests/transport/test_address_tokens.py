@@ -18,7 +18,7 @@ from tests.transport.udp_holdback import UdpHoldback
 from transport import address_tokens
 from transport import aioquic_patches as patches
 from transport.address_tokens import CLOCK_SKEW, LIFETIME, MARK, TOKEN_BYTES, AddressTokens
-from transport.aioquic_private import retry_count
+from transport.aioquic_private import mark_address_validated, retry_count
 from transport.asgi import Receive, Scope, Send
 from transport.early_data import EarlyDataPolicy, Mode
 from transport.metrics import TransportMetrics
@@ -100,6 +100,12 @@ def test_an_altered_token_is_refused(where: int) -> None:
 @pytest.mark.parametrize("token", [b"", MARK, b"\x00" * TOKEN_BYTES, MARK * (TOKEN_BYTES + 1)])
 def test_what_is_not_a_token_is_refused(token: bytes) -> None:
     assert not AddressTokens(SECRET).valid(token, HOST)
+
+
+def test_validating_a_connection_without_a_path_is_harmless(dev_certs: Any) -> None:
+    quic = QuicConnection(configuration=client_config(dev_certs.ca_cert))
+    mark_address_validated(quic)  # no datagram yet, so no path: nothing to mark
+    assert quic._network_paths == []
 
 
 def test_a_token_stays_to_be_sent_until_it_is_acknowledged(dev_certs: Any) -> None:
