@@ -51,6 +51,16 @@ repeated work rather than protocol work:
   a NEW_TOKEN frame beside HANDSHAKE_DONE, in the same packet, so that a lost packet sends both
   again (`transport.address_tokens`).
   *Upstream:* a server-side token API on ``QuicConnection``.
+- **Stateless resets.** aioquic gives every connection ID a random reset token and neither
+  sends nor recognises a stateless reset (RFC 9000 §10.3). `derive_reset_tokens` gives a server
+  connection's IDs the tokens of `transport.stateless_reset` (the handshake's ID at once, before
+  the transport parameters are written; the rest as ``_replenish_connection_ids`` issues them),
+  so that a restarted listener can compute them again. ``QuicConnection.receive_datagram``
+  first checks whether a short-header datagram ends with the token of the connection ID in use,
+  and if so, enters the draining period and sends nothing more (§10.3.1): a client of ours
+  learns at once that its server lost the connection, instead of after its idle timeout.
+  *Upstream:* a reset-token generator on ``QuicConfiguration``, and the receiving side in
+  ``receive_datagram``.
 """
 
 from __future__ import annotations
@@ -60,7 +70,7 @@ import gc
 import logging
 import os
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 from aioquic import tls
@@ -68,11 +78,20 @@ from aioquic.buffer import Buffer
 from aioquic.quic import connection as quic_connection
 from aioquic.quic import recovery
 from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.connection import QuicConnection, QuicConnectionId, QuicNetworkPath
+from aioquic.quic.connection import (
+    END_STATES,
+    QuicConnection,
+    QuicConnectionId,
+    QuicErrorCode,
+    QuicNetworkPath,
+)
+from aioquic.quic.events import ConnectionTerminated
 from aioquic.quic.packet import QuicFrameType
 from aioquic.quic.packet_builder import QuicDeliveryState, QuicPacketBuilder, QuicPacketBuilderStop
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
+
+from transport.stateless_reset import looks_like_reset
 
 log = logging.getLogger("quicedge.transport.aioquic")
 
@@ -227,18 +246,57 @@ ORIGINAL_REPLENISH = QuicConnection._replenish_connection_ids
 """aioquic's own, kept for the test that compares it with ours."""
 
 
+ResetToken = Callable[[bytes], bytes]
+"""A connection ID's stateless reset token."""
+_RESET_TOKENS: weakref.WeakKeyDictionary[QuicConnection, ResetToken] = weakref.WeakKeyDictionary()
+"""Server connections whose IDs get derived reset tokens, and how each token is derived."""
+
+
+def derive_reset_tokens(quic: QuicConnection, token: ResetToken) -> None:
+    """Give the connection's IDs the tokens `token` derives, the one it has now and those it
+    issues later; call it before the connection sends its transport parameters."""
+    _RESET_TOKENS[quic] = token
+    for connection_id in quic._host_cids:
+        connection_id.stateless_reset_token = token(connection_id.cid)
+
+
 def _replenish_connection_ids(self: QuicConnection) -> None:
-    """aioquic's own loop, bounded by our limit as well as the peer's."""
+    """aioquic's own loop, bounded by our limit as well as the peer's, with derived tokens
+    where the connection has them."""
     limit = min(8, self._remote_active_connection_id_limit, self._local_active_connection_id_limit)
+    token = _RESET_TOKENS.get(self)
     while len(self._host_cids) < limit:
+        cid = os.urandom(self._configuration.connection_id_length)
         self._host_cids.append(
             QuicConnectionId(
-                cid=os.urandom(self._configuration.connection_id_length),
+                cid=cid,
                 sequence_number=self._host_cid_seq,
-                stateless_reset_token=os.urandom(16),
+                stateless_reset_token=token(cid) if token is not None else os.urandom(16),
             )
         )
         self._host_cid_seq += 1
+
+
+ORIGINAL_RECEIVE_DATAGRAM = QuicConnection.receive_datagram
+STATELESS_RESET = "stateless reset"
+"""The reason a connection ended by a stateless reset gives in its ConnectionTerminated."""
+
+
+def _receive_datagram(self: QuicConnection, data: bytes, addr: Any, now: float) -> None:
+    """aioquic's own, after a check for a stateless reset (RFC 9000 §10.3.1)."""
+    if (
+        data
+        and not data[0] & 0x80
+        and looks_like_reset(data, self._peer_cid.stateless_reset_token)
+        and self._state not in END_STATES
+    ):
+        log.debug("stateless reset received on connection %s", self.host_cid.hex())
+        self._close_event = ConnectionTerminated(
+            error_code=QuicErrorCode.NO_ERROR, frame_type=None, reason_phrase=STATELESS_RESET
+        )
+        self._close_begin(is_initiator=False, now=now)  # draining: nothing more is sent
+        return
+    ORIGINAL_RECEIVE_DATAGRAM(self, data, addr, now)
 
 
 PACING_GAIN = 1.25
@@ -350,6 +408,7 @@ def _apply() -> dict[str, bool]:
         "connection_ids_bounded": False,
         "pacing_by_bytes": False,
         "new_token": False,
+        "stateless_reset": False,
     }
     for name, replacement in FRAMING.items():
         setattr(tls, name, replacement)
@@ -365,6 +424,8 @@ def _apply() -> dict[str, bool]:
     applied["pacing_by_bytes"] = True
     cast(Any, QuicConnection)._write_handshake_done_frame = _write_handshake_done_frame
     applied["new_token"] = True
+    cast(Any, QuicConnection).receive_datagram = _receive_datagram
+    applied["stateless_reset"] = True
     if cast(Any, tls.Epoch).__hash__ is object.__hash__:
         applied["epoch_identity_hash"] = True
     elif epochs_hashed():

@@ -55,6 +55,11 @@ ATTRIBUTES: tuple[Private, ...] = (
     Private(QuicPacketBuilder, "_buffer", "as for QuicPacketRecovery._pacer"),
     Private(QuicPacketBuilder, "_packet_start", "as for QuicPacketRecovery._pacer"),
     Private(QuicConnection, "_network_paths", "a server-side NEW_TOKEN validation API"),
+    Private(QuicConnection, "_peer_cid",
+            "stateless reset detection in receive_datagram (RFC 9000 §10.3.1)"),
+    Private(QuicConnection, "_state", "as for QuicConnection._peer_cid"),
+    Private(QuicConnection, "_close_event", "as for QuicConnection._peer_cid"),
+    Private(QuicConnection, "_close_begin", "as for QuicConnection._peer_cid"),
     Private(QuicStream, "sender", "as for QuicConnection._streams"),
     Private(QuicStreamSender, "_buffer", "as for QuicConnection._streams"),
     Private(QuicConnectionProtocol, "_process_events",
@@ -94,6 +99,8 @@ PATCHED: tuple[tuple[str, str, str], ...] = (
      "aioquic's own, with the pacer told the packet builder"),
     ("aioquic.quic.connection", "QuicConnection._write_handshake_done_frame",
      "aioquic's own, then a NEW_TOKEN frame where the connection has a token to send"),
+    ("aioquic.quic.connection", "QuicConnection.receive_datagram",
+     "aioquic's own, after a check for a stateless reset (draining if it is one)"),
 )  # fmt: skip
 """What `aioquic_patches` changes: (module, name, how)."""
 

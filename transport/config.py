@@ -85,9 +85,13 @@ class TransportConfig:
     """Give each client an address token (NEW_TOKEN, RFC 9000 8.1.3) that proves its address on
     its next connection, which then sends its first flight and a 0-RTT answer at once; off: a
     client carries nothing from one connection to the next but its session ticket."""
+    quic_stateless_reset: bool = True
+    """Answer a datagram of a connection this listener does not have (one it closed, or one of
+    the process before a restart with the same --quic-retry-secret) with a stateless reset
+    (RFC 9000 10.3), so that its client knows at once rather than after its idle timeout."""
     quic_retry_secret: str | None = field(default=None, metadata=_SECRET)
-    """Secret the keys of Retry tokens and of address tokens (NEW_TOKEN) are derived from; at
-    least 16 bytes, the same on every worker and machine."""
+    """Secret the keys of Retry tokens, address tokens (NEW_TOKEN) and stateless reset tokens
+    are derived from; at least 16 bytes, the same on every worker and machine."""
     workers: int = 1
     """Processes sharing the UDP and TCP ports (SO_REUSEPORT); above 1 needs --redis."""
     drain_timeout: float = 10.0

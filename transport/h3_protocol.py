@@ -23,6 +23,7 @@ from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.quic.connection import NetworkAddress, QuicConnection
 from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, QuicEvent
 
+from transport import aioquic_patches
 from transport.aioquic_private import (
     process_events,
     set_active_connection_id_limit,
@@ -111,6 +112,8 @@ class H3Protocol(QuicConnectionProtocol):
         set_max_streams_bidi(quic, limits.max_concurrent_streams)
         set_active_connection_id_limit(quic, limits.active_connection_ids)
         set_initial_congestion_window(quic, limits.initial_congestion_window)
+        if server.stateless_resets is not None:  # before the transport parameters are written
+            aioquic_patches.derive_reset_tokens(quic, server.stateless_resets.token)
         self._server = server
         self._session = H3Session(
             quic, policy=server.policy, limits=limits, server=server.address,

@@ -3,7 +3,8 @@
 The connection's protocol, with its per-stream channels, flushes, back-pressure and early-data
 deadline, is ``h3_protocol.H3Protocol``; here are aioquic's endpoint (`_Endpoint`, which stops
 admitting connections while draining, refuses those past the connection caps, checks and
-issues address tokens and swaps its configuration on a certificate reload) and ``H3Server``:
+issues address tokens, answers a datagram of a connection it does not know with a stateless
+reset, and swaps its configuration on a certificate reload) and ``H3Server``:
 the socket, session tickets, metrics hooks, drain and close.
 """
 
@@ -45,6 +46,7 @@ from transport.h3_protocol import SEND_HIGH_WATER, SEND_LOW_WATER, H3Protocol
 from transport.h3_session import EarlyRequest, H3Limits, RequestRefused
 from transport.metrics import TransportMetrics
 from transport.retry import SharedRetryTokenHandler
+from transport.stateless_reset import StatelessResets
 from transport.tickets import TicketStore, TicketStoreError
 from transport.tls import TlsMaterial
 
@@ -56,7 +58,8 @@ log = logging.getLogger("quicedge.transport.h3")
 class _Endpoint(QuicServer):
     """aioquic's QuicServer that can stop admitting new connections, caps them through a
     `ConnectionGate`, validates a returning client's address by its token
-    (`transport.address_tokens`), and swaps its config.
+    (`transport.address_tokens`), answers a short-header datagram of a connection ID it does
+    not know with a stateless reset (`transport.stateless_reset`), and swaps its config.
 
     Each new connection gets the configuration with only its Initial's QUIC version: aioquic
     derives Initial keys for every supported version when a connection starts (for compatible
@@ -73,6 +76,7 @@ class _Endpoint(QuicServer):
         gate: ConnectionGate,
         retry: bool,
         tokens: AddressTokens | None,
+        resets: StatelessResets | None,
         metrics: TransportMetrics | None,
         **kwargs: Any,
     ) -> None:
@@ -81,6 +85,8 @@ class _Endpoint(QuicServer):
         self.retry = retry
         self.tokens = tokens
         """Address tokens issued and accepted (None: none, as aioquic's own server)."""
+        self.resets = resets
+        """Stateless resets for unknown connections (None: none, as aioquic's own server)."""
         self._metrics = metrics
         self._socket: asyncio.DatagramTransport | None = None
         self._versioned: dict[int, tuple[QuicConfiguration, QuicConfiguration]] = {}
@@ -91,7 +97,12 @@ class _Endpoint(QuicServer):
 
     def datagram_received(self, data: bytes | str, addr: NetworkAddress) -> None:
         raw = data if isinstance(data, bytes) else data.encode()
-        if self.draining:
+        if raw and not raw[0] & 0x80:  # a short header: only ever a known connection's
+            cid_length = server_configuration(self).connection_id_length
+            if not has_connection(self, raw[1 : 1 + cid_length]):
+                self._reset(raw, addr, cid_length)
+                return
+        elif self.draining:
             header = self._header(raw)
             if header is None or not has_connection(self, header.destination_cid):
                 return  # no new connections while draining
@@ -103,6 +114,18 @@ class _Endpoint(QuicServer):
                 self._open(raw, addr, header)
                 return
         super().datagram_received(data, addr)
+
+    def _reset(self, data: bytes, addr: NetworkAddress, cid_length: int) -> None:
+        """A stateless reset for a datagram of a connection this listener does not have (one it
+        closed, or one of a process before it), within the reset rate; counted either way."""
+        if self.resets is None or self._socket is None:
+            return
+        reply = self.resets.reply(data, cid_length)
+        if reply is not None:
+            self._socket.sendto(reply, addr)
+        if self._metrics is not None:
+            outcome = "sent" if reply is not None else "not_sent"
+            self._metrics.stateless_resets.labels(outcome).inc()
 
     def _header(self, data: bytes) -> QuicHeader | None:
         try:
@@ -234,6 +257,7 @@ class H3Server:
         retry_secret: bytes | None = None,
         token_secret: bytes | None = None,
         address_tokens: bool = True,
+        stateless_resets: StatelessResets | None = None,
         metrics: TransportMetrics | None = None,
         max_connections: int = 0,
         max_connections_per_client: int = 0,
@@ -247,6 +271,8 @@ class H3Server:
         self.address_tokens = AddressTokens(token_secret) if address_tokens else None
         """Tokens for returning clients (NEW_TOKEN): keyed from `token_secret`, which every
         worker and machine should share, else a random key of this process's."""
+        self.stateless_resets = stateless_resets
+        """Tokens of this listener's connection IDs and the resets it sends (None: neither)."""
         self.metrics = metrics
         self.gate = ConnectionGate(max_connections, max_connections_per_client)
         """Connection caps (0: none); its `on_refused` is called for each connection refused."""
@@ -282,6 +308,7 @@ class H3Server:
                 session_ticket_handler=handler,
                 retry=self.retry_secret is not None,
                 tokens=self.address_tokens,
+                resets=self.stateless_resets,
                 metrics=self.metrics,
             ),
             sock=sock,

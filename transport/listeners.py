@@ -18,6 +18,7 @@ from transport.config import TransportConfig, format_address
 from transport.h1_server import H1Listener
 from transport.h3_server import H3Server
 from transport.metrics import TransportMetrics
+from transport.stateless_reset import StatelessResets, instance_label
 from transport.tcp import TcpListener, TcpOptions
 from transport.tickets import MemoryTicketStore, RedisTicketStore, TicketStore
 from transport.tls import TlsMaterial
@@ -46,6 +47,7 @@ class Listeners:
         tickets: TicketStore,
         metrics: TransportMetrics,
         reuse_port: bool,
+        worker: int = 0,
     ) -> None:
         self._config = config
         self._app = app
@@ -54,6 +56,11 @@ class Listeners:
         self._reuse_port = reuse_port
         self._metrics = metrics
         secret = config.quic_retry_secret.encode() if config.quic_retry_secret else None
+        resets = (
+            StatelessResets(secret, instance=instance_label(worker))
+            if config.quic_stateless_reset
+            else None
+        )
         if secret is None:
             secret = os.urandom(32)  # one process: a random key is as good as a shared one
         self.h3 = H3Server(
@@ -65,6 +72,7 @@ class Listeners:
             retry_secret=secret if config.quic_retry else None,
             token_secret=secret,
             address_tokens=config.quic_address_tokens,
+            stateless_resets=resets,
             metrics=metrics,
             max_connections=config.max_connections,
             max_connections_per_client=config.max_connections_per_client,

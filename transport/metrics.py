@@ -63,6 +63,15 @@ class TransportMetrics:
         )
         for outcome in ("accepted", "replayed", "invalid"):
             self.address_tokens.labels(outcome)
+        self.stateless_resets = Counter(
+            "quicedge_quic_stateless_resets",
+            "Short-header datagrams of a connection this listener does not have: sent (answered"
+            " with a stateless reset) or not_sent (too short to answer, or over the reset rate)",
+            ["outcome"],
+            registry=registry,
+        )
+        for outcome in ("sent", "not_sent"):
+            self.stateless_resets.labels(outcome)
         self.early_requests = Counter(
             "quicedge_early_requests",
             "Requests received in 0-RTT, by the early-data policy applied",

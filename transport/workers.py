@@ -76,6 +76,8 @@ class Plan:
     transport: TransportConfig
     apps: AppFactory
     reuse_port: bool = False
+    worker: int = 0
+    """This worker's index among the processes of one serve (its stateless reset key's)."""
 
 
 def print_ready(lines: list[str]) -> None:
@@ -103,6 +105,7 @@ async def run_worker(plan: Plan, *, announce: Announce, stop: asyncio.Event | No
         tickets=tickets,
         metrics=metrics,
         reuse_port=plan.reuse_port,
+        worker=plan.worker,
     )
     probe = ReadDelayProbe(metrics.read_delay)
     gc_pauses = GcPauseProbe(metrics.gc_pauses)
@@ -139,7 +142,7 @@ async def run_worker(plan: Plan, *, announce: Announce, stop: asyncio.Event | No
 def _worker_entry(plan: Plan, index: int, ready: Any) -> None:
     """A spawned worker: run, and report its listening lines once up (or why it failed)."""
     logging.basicConfig(level=logging.WARNING, format=f"worker {index}: %(message)s")
-    plan = replace(plan, apps=plan.apps.for_worker(index))
+    plan = replace(plan, apps=plan.apps.for_worker(index), worker=index)
     # SIGTERM/SIGINT (from the parent, or a terminal's Ctrl-C to the process group) drain;
     # a second one while draining changes nothing.
     try:

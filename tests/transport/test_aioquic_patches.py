@@ -30,6 +30,7 @@ def test_every_change_is_in_force_in_a_process_that_imports_the_transport() -> N
         "connection_ids_bounded": True,
         "pacing_by_bytes": True,
         "new_token": True,
+        "stateless_reset": True,
     }
     for name, replacement in patches.FRAMING.items():
         assert getattr(tls, name) is replacement
