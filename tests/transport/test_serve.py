@@ -92,12 +92,19 @@ routes = { "/v1/embeddings" = "accept" }
 
 def test_new_connection_settings_from_flags_and_toml(tmp_path: Path) -> None:
     config = tmp_path / "edge.toml"
-    config.write_text("[serve]\ninitial_congestion_window = 10\nquic_address_tokens = false\n")
+    config.write_text(
+        "[serve]\ninitial_congestion_window = 10\nquic_address_tokens = false\n"
+        "quic_stateless_reset = false\n"
+    )
     t = _transport(build_parser().parse_args(["--demo", "--config", str(config)]))
     assert t.limits.initial_congestion_window == 10 and t.quic_address_tokens is False
+    assert t.quic_stateless_reset is False
     args = build_parser().parse_args(["--demo", "--initial-congestion-window", "16"])
     t = _transport(args)
     assert t.limits.initial_congestion_window == 16 and t.quic_address_tokens is True
+    assert t.quic_stateless_reset is True
+    args = build_parser().parse_args(["--demo", "--no-quic-stateless-reset"])
+    assert _transport(args).quic_stateless_reset is False
 
 
 def _transport(args, environ: dict[str, str] | None = None):

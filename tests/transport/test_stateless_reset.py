@@ -157,15 +157,24 @@ async def test_the_listener_answers_an_unknown_connection_with_a_reset(
     assert metrics.stateless_resets.labels("sent")._value.get() == 1
 
 
-async def test_no_resets_when_turned_off(h3_server: H3Factory) -> None:
-    metrics = TransportMetrics(CollectorRegistry())
-    async with h3_server(metrics=metrics) as server:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            sock.settimeout(0.5)
-            sock.sendto(_short(100), ("127.0.0.1", server.port))
-            with pytest.raises(TimeoutError):
-                sock.recv(2048)
-    assert metrics.stateless_resets.labels("sent")._value.get() == 0
+def _answer(port: int) -> bytes | None:
+    """What a `quicedge serve` sends back to a 1-RTT-looking datagram of no connection."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(1.0)
+        sock.sendto(_short(100), ("127.0.0.1", port))
+        try:
+            return sock.recv(2048)
+        except TimeoutError:
+            return None
+
+
+def test_serve_sends_resets_unless_turned_off(serve_process: Any) -> None:
+    on = serve_process("--demo")
+    reply = _answer(on.h3_port)
+    assert reply is not None and len(reply) < 100
+    off = serve_process("--demo", "--no-quic-stateless-reset")
+    assert _answer(off.h3_port) is None
+    assert off.metric('quicedge_quic_stateless_resets_total{outcome="sent"}') == 0
 
 
 @asynccontextmanager
