@@ -6,7 +6,9 @@
 
 With `--ticket FILE` (HTTP/3 only) the session ticket the server sends is saved to FILE (mode
 0600); the next call resumes with it and sends the request in 0-RTT early data. Each ticket is
-used once, since quicedge accepts a ticket only once.
+used once, since quicedge accepts a ticket only once. The server's address token (NEW_TOKEN) is
+saved beside it and presented on the next call, so that the server may send the whole answer
+before the handshake completes.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
         group.add_argument(
             f"--{name}", dest="transport", action="store_const", const=name, help=f"use {label}"
         )
-    parser.add_argument("--ticket", type=Path, help="session ticket file: save, then resume 0-RTT")
+    parser.add_argument(
+        "--ticket", type=Path, help="session ticket and address token file: save, then resume 0-RTT"
+    )
     parser.add_argument("--cacert", help="CA certificate to verify the server with")
     parser.add_argument("--insecure", action="store_true", help="do not verify the certificate")
     parser.add_argument("--server-name", help="TLS name, when it differs from the URL host")

@@ -4,7 +4,9 @@ optional 0-RTT resumption from saved session tickets (RFC 9001 §4.6, RFC 8446 �
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import json
 import os
 import socket
 import ssl
@@ -30,14 +32,21 @@ TICKET_WAIT_S = 5.0  # how long a 0-RTT client waits for the next ticket after a
 
 
 class TicketStore:
-    """Session tickets the server gave us, each used at most once (servers that protect 0-RTT
-    against replay accept a ticket only once, RFC 8446 §8.1). Optionally mirrored to a file."""
+    """What a client keeps from one connection to the next: the session tickets the server gave
+    us, each used at most once (servers that protect 0-RTT against replay accept a ticket only
+    once, RFC 8446 §8.1), and each server's newest address token (NEW_TOKEN, RFC 9000 §8.1.3),
+    presented once. Optionally mirrored to a file."""
 
     def __init__(self, path: Path | None = None) -> None:
         self._tickets: deque[SessionTicket] = deque()
+        self.tokens: dict[str, bytes] = {}
+        """The newest address token from each server (by server name), presented once, on the
+        next connection to it, as browsers do: it spares the server's limit of three times the
+        bytes received before the address is validated."""
         self._path = path
         if path is not None and path.exists():
-            self._tickets.extend(load_tickets(path))
+            tickets, self.tokens = load_tickets(path)
+            self._tickets.extend(tickets)
 
     def add(self, ticket: SessionTicket) -> None:
         self._tickets.append(ticket)
@@ -54,8 +63,8 @@ class TicketStore:
         return len(self._tickets)
 
     def save(self) -> None:
-        """Write the unused tickets to the file, one JSON line each (mode 0600: a ticket holds a
-        resumption secret)."""
+        """Write the unused tickets and the tokens to the file, one JSON line each (mode 0600:
+        a ticket holds a resumption secret)."""
         if self._path is None:
             return
         fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -63,12 +72,35 @@ class TicketStore:
         with os.fdopen(fd, "wb") as handle:
             for ticket in self._tickets:
                 handle.write(encode_ticket(ticket) + b"\n")
+            for server_name, token in self.tokens.items():
+                handle.write(_encode_token(server_name, token) + b"\n")
 
 
-def load_tickets(path: Path) -> list[SessionTicket]:
-    """Tickets saved by `TicketStore.save`; ValueError for a file that is not one."""
-    lines = [line for line in path.read_bytes().splitlines() if line.strip()]
-    return [decode_ticket(line) for line in lines]
+_TOKEN_KEY = "address_token"
+
+
+def _encode_token(server_name: str, token: bytes) -> bytes:
+    line = {_TOKEN_KEY: base64.b64encode(token).decode(), "server_name": server_name}
+    return json.dumps(line, separators=(",", ":")).encode()
+
+
+def load_tickets(path: Path) -> tuple[list[SessionTicket], dict[str, bytes]]:
+    """The tickets and address tokens saved by `TicketStore.save`; ValueError for a file that
+    is not one."""
+    tickets: list[SessionTicket] = []
+    tokens: dict[str, bytes] = {}
+    for line in path.read_bytes().splitlines():
+        if not line.strip():
+            continue
+        if _TOKEN_KEY.encode() not in line:
+            tickets.append(decode_ticket(line))
+            continue
+        try:
+            entry = json.loads(line)
+            tokens[str(entry["server_name"])] = base64.b64decode(entry[_TOKEN_KEY], validate=True)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed stored address token: {exc}") from None
+    return tickets, tokens
 
 
 class _H3Protocol(QuicConnectionProtocol):
@@ -115,10 +147,6 @@ class H3Client(StreamingClient):
     def __init__(self, options: ClientOptions, *, tickets: TicketStore | None = None) -> None:
         self._options = options
         self.tickets = tickets if tickets is not None else TicketStore()
-        self.address_tokens: dict[str, bytes] = {}
-        """The newest address token (NEW_TOKEN, RFC 9000 §8.1.3) from each server, presented
-        once, on the next connection to it, as browsers do: it spares the server's limit of
-        three times the bytes received before the address is validated."""
         self._shared: tuple[_H3Protocol, asyncio.DatagramTransport] | None = None
         self._shared_early = False
         self._lock = asyncio.Lock()
@@ -133,7 +161,7 @@ class H3Client(StreamingClient):
             config.load_verify_locations(self._options.cacert)
         if self._options.zero_rtt:
             config.session_ticket = self.tickets.take(target.server_name)
-        config.token = self.address_tokens.pop(target.server_name, b"")
+        config.token = self.tickets.tokens.pop(target.server_name, b"")
         return config
 
     async def _open(self, target: Target) -> tuple[_H3Protocol, asyncio.DatagramTransport, bool]:
@@ -154,7 +182,7 @@ class H3Client(StreamingClient):
                 ticket_received.set_result(None)
 
         def keep_token(token: bytes) -> None:
-            self.address_tokens[target.server_name] = token
+            self.tickets.tokens[target.server_name] = token
 
         quic = QuicConnection(
             configuration=config, session_ticket_handler=keep_ticket, token_handler=keep_token

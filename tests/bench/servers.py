@@ -12,6 +12,7 @@ from bench.stub_app import stub_app
 from certs import DevCertificates
 from tests.helpers import async_wait_for_tcp
 from transport.h3_server import H3Server
+from transport.metrics import TransportMetrics
 from transport.tcp import TcpListener
 from transport.tickets import MemoryTicketStore
 from transport.tls import CertificateFiles, TlsMaterial
@@ -32,10 +33,12 @@ async def edge_tcp(certs: DevCertificates | None, app: Any = None) -> AsyncItera
 
 
 @asynccontextmanager
-async def edge_h3(certs: DevCertificates, app: Any = None) -> AsyncIterator[H3Server]:
+async def edge_h3(
+    certs: DevCertificates, app: Any = None, metrics: TransportMetrics | None = None
+) -> AsyncIterator[H3Server]:
     """The edge's own HTTP/3 listener (single-use tickets in memory) serving `stub_app`."""
     tls = TlsMaterial(CertificateFiles(certs.cert, certs.key))
-    server = H3Server(app or stub_app, tls=tls, tickets=MemoryTicketStore())
+    server = H3Server(app or stub_app, tls=tls, tickets=MemoryTicketStore(), metrics=metrics)
     await server.start("127.0.0.1", 0)
     try:
         yield server

@@ -95,7 +95,7 @@ async def test_h3_zero_rtt_resumes_with_single_use_tickets(
         assert result.connect_s is None  # sent before any handshake completed
     assert len(tickets) == 1  # each ticket used once; the last connection's is left
     # The listener's address token (NEW_TOKEN) is kept and presented on the next connection.
-    assert isinstance(client, H3Client) and set(client.address_tokens) == {"localhost"}
+    assert isinstance(client, H3Client) and set(tickets.tokens) == {"localhost"}
 
 
 async def test_h3_ticket_reused_twice_falls_back_to_full_handshake(

@@ -7,12 +7,17 @@ import stat
 from pathlib import Path
 
 import pytest
+from prometheus_client import CollectorRegistry
 
+from bench.clients import TicketStore
+from bench.clients.h3 import load_tickets
 from bench.request import main as request_main
 from bench.stub_app import WORDS
 from certs import DevCertificates
 from tests.bench.conftest import Servers, run_command
+from tests.bench.servers import edge_h3
 from tests.helpers import free_port
+from transport.metrics import TransportMetrics
 
 CHAT = json.dumps({"messages": [{"role": "user", "content": "hi"}], "prompt_tokens": 5})
 
@@ -64,6 +69,38 @@ async def test_request_ticket_file_resumes_in_zero_rtt(
         assert again.returncode == 0, again.stderr
         assert _fields(again.stdout)["early data"] == "accepted (0-RTT)"
         assert again.stdout.startswith("".join(WORDS))
+
+
+async def test_request_ticket_file_keeps_the_address_token(
+    dev_certs: DevCertificates, tmp_path: Path
+) -> None:
+    """The server's address token (NEW_TOKEN) goes to the ticket file beside the ticket, and
+    the next call presents it: its address is validated at once, its answer not held to three
+    times the bytes the server received (RFC 9000 §8.1)."""
+    metrics = TransportMetrics(CollectorRegistry())
+    ticket = tmp_path / "session.ticket"
+    async with edge_h3(dev_certs, metrics=metrics) as server:
+        url = f"https://localhost:{server.port}/v1/chat/completions"
+        args = ("bench.request", url, "--json", CHAT, "--h3", "--cacert", str(dev_certs.ca_cert))
+        first = await run_command(*args, "--ticket", str(ticket))
+        assert first.returncode == 0, first.stderr
+        _, saved = load_tickets(ticket)
+        assert set(saved) == {"localhost"}
+        assert server.address_tokens is not None
+        assert server.address_tokens.valid(saved["localhost"], "127.0.0.1")
+        again = await run_command(*args, "--ticket", str(ticket))
+        assert again.returncode == 0, again.stderr
+        assert _fields(again.stdout)["early data"] == "accepted (0-RTT)"
+    assert metrics.address_tokens.labels("accepted")._value.get() == 1
+    _, resaved = load_tickets(ticket)
+    assert resaved["localhost"] != saved["localhost"]  # used once; the new one is kept
+
+
+def test_a_malformed_token_line_is_a_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "session.ticket"
+    bad.write_text('{"address_token": "not base64!", "server_name": "localhost"}\n')
+    with pytest.raises(ValueError, match="malformed stored address token"):
+        TicketStore(bad)
 
 
 @pytest.mark.parametrize(
