@@ -55,10 +55,14 @@ repeated work rather than protocol work:
   sends nor recognises a stateless reset (RFC 9000 §10.3). `derive_reset_tokens` gives a server
   connection's IDs the tokens of `transport.stateless_reset` (the handshake's ID at once, before
   the transport parameters are written; the rest as ``_replenish_connection_ids`` issues them),
-  so that a restarted listener can compute them again. ``QuicConnection.receive_datagram``
-  first checks whether a short-header datagram ends with the token of the connection ID in use,
-  and if so, enters the draining period and sends nothing more (§10.3.1): a client of ours
-  learns at once that its server lost the connection, instead of after its idle timeout.
+  so that a restarted listener can compute them again. Each new ID is also handed to the
+  listener's routing as it is made: aioquic routes it only once the event that the frame
+  carrying it was written is processed, at the connection's next datagram or timer, and a
+  client that moves to it before then must not find it unknown and get a reset.
+  ``QuicConnection.receive_datagram`` first checks whether a short-header datagram ends with
+  the token of the connection ID in use, and if so, enters the draining period and sends
+  nothing more (§10.3.1): a client of ours learns at once that its server lost the connection,
+  instead of after its idle timeout.
   *Upstream:* a reset-token generator on ``QuicConfiguration``, and the receiving side in
   ``receive_datagram``.
 """
@@ -248,14 +252,20 @@ ORIGINAL_REPLENISH = QuicConnection._replenish_connection_ids
 
 ResetToken = Callable[[bytes], bytes]
 """A connection ID's stateless reset token."""
-_RESET_TOKENS: weakref.WeakKeyDictionary[QuicConnection, ResetToken] = weakref.WeakKeyDictionary()
-"""Server connections whose IDs get derived reset tokens, and how each token is derived."""
+Route = Callable[[bytes], None]
+"""Makes a listener send the datagrams of a connection ID to its connection."""
+_RESET_TOKENS: weakref.WeakKeyDictionary[QuicConnection, tuple[ResetToken, Route]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Server connections whose IDs get derived reset tokens: how each token is derived, and how
+a new ID is routed."""
 
 
-def derive_reset_tokens(quic: QuicConnection, token: ResetToken) -> None:
+def derive_reset_tokens(quic: QuicConnection, token: ResetToken, route: Route) -> None:
     """Give the connection's IDs the tokens `token` derives, the one it has now and those it
-    issues later; call it before the connection sends its transport parameters."""
-    _RESET_TOKENS[quic] = token
+    issues later, and `route` each later one as it is made, before any frame carries it; call
+    it before the connection sends its transport parameters."""
+    _RESET_TOKENS[quic] = (token, route)
     for connection_id in quic._host_cids:
         connection_id.stateless_reset_token = token(connection_id.cid)
 
@@ -264,17 +274,19 @@ def _replenish_connection_ids(self: QuicConnection) -> None:
     """aioquic's own loop, bounded by our limit as well as the peer's, with derived tokens
     where the connection has them."""
     limit = min(8, self._remote_active_connection_id_limit, self._local_active_connection_id_limit)
-    token = _RESET_TOKENS.get(self)
+    derived = _RESET_TOKENS.get(self)
     while len(self._host_cids) < limit:
         cid = os.urandom(self._configuration.connection_id_length)
         self._host_cids.append(
             QuicConnectionId(
                 cid=cid,
                 sequence_number=self._host_cid_seq,
-                stateless_reset_token=token(cid) if token is not None else os.urandom(16),
+                stateless_reset_token=derived[0](cid) if derived is not None else os.urandom(16),
             )
         )
         self._host_cid_seq += 1
+        if derived is not None:
+            derived[1](cid)
 
 
 ORIGINAL_RECEIVE_DATAGRAM = QuicConnection.receive_datagram

@@ -62,6 +62,8 @@ ATTRIBUTES: tuple[Private, ...] = (
     Private(QuicConnection, "_close_begin", "as for QuicConnection._peer_cid"),
     Private(QuicStream, "sender", "as for QuicConnection._streams"),
     Private(QuicStreamSender, "_buffer", "as for QuicConnection._streams"),
+    Private(QuicConnectionProtocol, "_connection_id_issued_handler",
+            "connection IDs routed by the server as they are made, not once their frame is sent"),
     Private(QuicConnectionProtocol, "_process_events",
             "a hook to choose when datagram_received transmits (it always transmits at once)"),
     Private(QuicServer, "_protocols", "a public view of the server's connections"),
@@ -90,7 +92,8 @@ PATCHED: tuple[tuple[str, str, str], ...] = (
     ("aioquic.tls", "push_extension", "as for pull_block"),
     ("aioquic.tls", "push_message", "as for pull_block"),
     ("aioquic.quic.connection", "QuicConnection._replenish_connection_ids",
-     "issues no more connection IDs than the connection's own active_connection_id_limit"),
+     "issues no more connection IDs than the connection's own active_connection_id_limit;"
+     " derived reset tokens, and each ID routed as it is made, where the connection has them"),
     ("aioquic.tls", "Context._server_handle_hello",
      "reads certificate.public_bytes(DER): given pre-encoded certificates"),
     ("aioquic.quic.recovery", "QuicPacketPacer",
@@ -159,6 +162,12 @@ def process_events(protocol: QuicConnectionProtocol) -> None:
 def server_protocols(server: QuicServer) -> list[QuicConnectionProtocol]:
     """The server's connection protocols, one entry per connection ID (so repeats)."""
     return list(server._protocols.values())
+
+
+def route_connection_id(protocol: QuicConnectionProtocol, connection_id: bytes) -> None:
+    """Have the server send this connection's datagrams for `connection_id` to `protocol` (what
+    aioquic does when it processes the ConnectionIdIssued event, later)."""
+    protocol._connection_id_issued_handler(connection_id)
 
 
 def has_connection(server: QuicServer, connection_id: bytes) -> bool:

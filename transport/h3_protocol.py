@@ -17,6 +17,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol
@@ -26,6 +27,7 @@ from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, QuicEv
 from transport import aioquic_patches
 from transport.aioquic_private import (
     process_events,
+    route_connection_id,
     set_active_connection_id_limit,
     set_initial_congestion_window,
     set_max_streams_bidi,
@@ -113,7 +115,9 @@ class H3Protocol(QuicConnectionProtocol):
         set_active_connection_id_limit(quic, limits.active_connection_ids)
         set_initial_congestion_window(quic, limits.initial_congestion_window)
         if server.stateless_resets is not None:  # before the transport parameters are written
-            aioquic_patches.derive_reset_tokens(quic, server.stateless_resets.token)
+            aioquic_patches.derive_reset_tokens(
+                quic, server.stateless_resets.token, partial(route_connection_id, self)
+            )
         self._server = server
         self._session = H3Session(
             quic, policy=server.policy, limits=limits, server=server.address,

@@ -123,12 +123,17 @@ def test_a_server_connection_gets_derived_tokens_for_every_id_it_issues(dev_cert
     config = QuicConfiguration(is_client=False)
     config.load_cert_chain(dev_certs.cert, dev_certs.key)
     quic = QuicConnection(configuration=config, original_destination_connection_id=CID)
-    patches.derive_reset_tokens(quic, resets.token)
+    routed: list[bytes] = []
+    patches.derive_reset_tokens(quic, resets.token, routed.append)
     quic._remote_active_connection_id_limit = 4
     quic._replenish_connection_ids()
     assert len(quic._host_cids) == 4
     for connection_id in quic._host_cids:
         assert connection_id.stateless_reset_token == resets.token(connection_id.cid)
+    # Routed as they are made, before a NEW_CONNECTION_ID frame carries them: a client that
+    # moves to one at once must reach its connection, not get a reset.
+    assert routed == [c.cid for c in quic._host_cids[1:]]
+    assert not any(c.was_sent for c in quic._host_cids[1:])
 
 
 async def test_the_listener_answers_an_unknown_connection_with_a_reset(
@@ -154,6 +159,14 @@ async def test_the_listener_answers_an_unknown_connection_with_a_reset(
             assert (await client.fetch("GET", "/echo")).status == 200
             peer = client.quic._peer_cid
             assert peer.stateless_reset_token == resets.token(peer.cid)
+            # A client that moves to another of the IDs it was given is still answered.
+            await wait_until(lambda: bool(client.quic._peer_cid_available))
+            client.quic.change_connection_id()
+            assert (await client.fetch("GET", "/echo")).status == 200
+            moved = client.quic._peer_cid
+            assert moved.cid != peer.cid
+            assert moved.stateless_reset_token == resets.token(moved.cid)
+            assert client.terminated is None
     assert metrics.stateless_resets.labels("sent")._value.get() == 1
 
 
