@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast
@@ -100,6 +101,13 @@ class _StreamChannel:
             callback()
 
 
+def _route(protocol: weakref.ref[QuicConnectionProtocol], connection_id: bytes) -> None:
+    """Route a connection ID the connection just made to it, while it is alive."""
+    alive = protocol()
+    if alive is not None:
+        route_connection_id(alive, connection_id)
+
+
 class H3Protocol(QuicConnectionProtocol):
     """One QUIC connection: feeds events to its ``H3Session`` and runs the app per request."""
 
@@ -115,8 +123,10 @@ class H3Protocol(QuicConnectionProtocol):
         set_active_connection_id_limit(quic, limits.active_connection_ids)
         set_initial_congestion_window(quic, limits.initial_congestion_window)
         if server.stateless_resets is not None:  # before the transport parameters are written
+            # A weak reference: the patches hold this per connection for as long as the
+            # connection lives, and a strong one to the protocol would keep both forever.
             aioquic_patches.derive_reset_tokens(
-                quic, server.stateless_resets.token, partial(route_connection_id, self)
+                quic, server.stateless_resets.token, partial(_route, weakref.ref(self))
             )
         self._server = server
         self._session = H3Session(

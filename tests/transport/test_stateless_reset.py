@@ -5,6 +5,7 @@ learning at once that its connection is gone, over real sockets with aioquic cli
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import re
 import shutil
@@ -26,6 +27,7 @@ from tests.helpers import wait_until
 from tests.transport.conftest import H3Factory, ServeProcess
 from tests.transport.h3client import H3Client, h3_connect
 from transport import aioquic_patches as patches
+from transport.demo import demo_app
 from transport.metrics import TransportMetrics
 from transport.stateless_reset import (
     MIN_RESET_BYTES,
@@ -168,6 +170,18 @@ async def test_the_listener_answers_an_unknown_connection_with_a_reset(
             assert moved.stateless_reset_token == resets.token(moved.cid)
             assert client.terminated is None
     assert metrics.stateless_resets.labels("sent")._value.get() == 1
+
+
+async def test_a_closed_connection_leaves_nothing_behind(
+    h3_server: H3Factory, dev_certs: Any
+) -> None:
+    """The per-connection entry the reset tokens need goes with its connection."""
+    async with h3_server(app=demo_app, stateless_resets=StatelessResets(SECRET)) as server:
+        for _ in range(3):
+            async with h3_connect(server.port, dev_certs.ca_cert) as client:
+                assert (await client.fetch("GET", "/echo")).status == 200
+        await wait_until(lambda: not server.connections())
+        await wait_until(lambda: (gc.collect(), len(patches._RESET_TOKENS))[1] == 0)
 
 
 def _answer(port: int) -> bytes | None:
