@@ -14,6 +14,7 @@ from certs.dev import dev_certificates_refusal
 from transport.early_data import DEFAULT_MODE, EarlyDataPolicy, Mode
 from transport.h3_session import H3Limits
 from transport.loop import resolve as resolve_loop
+from transport.qlog import check_directory
 
 Address = tuple[str, int]
 
@@ -89,6 +90,9 @@ class TransportConfig:
     """Answer a datagram of a connection this listener does not have (one it closed, or one of
     the process before a restart with the same --quic-retry-secret) with a stateless reset
     (RFC 9000 10.3), so that its client knows at once rather than after its idle timeout."""
+    qlog_dir: str | None = field(default=None, metadata={"metavar": "DIR"})
+    """Write a qlog trace of each QUIC connection into this directory when it ends (for
+    debugging: docs/transport.md, "qlog traces"); none: no traces."""
     quic_retry_secret: str | None = field(default=None, metadata=_SECRET)
     """Secret the keys of Retry tokens, address tokens (NEW_TOKEN) and stateless reset tokens
     are derived from; at least 16 bytes, the same on every worker and machine."""
@@ -144,6 +148,8 @@ class TransportConfig:
         for name in ("max_connections", "max_connections_per_client"):
             if getattr(self, name) < 0:
                 raise ValueError(f"serve.{name} must be >= 0 (0: no cap)")
+        if self.qlog_dir is not None:
+            check_directory(self.qlog_dir)
         if self.redis_timeout <= 0:
             raise ValueError(f"serve.redis_timeout must be > 0, got {self.redis_timeout}")
         if self.quic_retry and self.workers > 1 and not self.quic_retry_secret:

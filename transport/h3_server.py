@@ -45,6 +45,7 @@ from transport.h3_caps import may_open, refusal
 from transport.h3_protocol import SEND_HIGH_WATER, SEND_LOW_WATER, H3Protocol
 from transport.h3_session import EarlyRequest, H3Limits, RequestRefused
 from transport.metrics import TransportMetrics
+from transport.qlog import QlogWriter
 from transport.retry import SharedRetryTokenHandler
 from transport.stateless_reset import StatelessResets
 from transport.tickets import TicketStore, TicketStoreError
@@ -258,6 +259,7 @@ class H3Server:
         token_secret: bytes | None = None,
         address_tokens: bool = True,
         stateless_resets: StatelessResets | None = None,
+        qlog: QlogWriter | None = None,
         metrics: TransportMetrics | None = None,
         max_connections: int = 0,
         max_connections_per_client: int = 0,
@@ -273,6 +275,8 @@ class H3Server:
         worker and machine should share, else a random key of this process's."""
         self.stateless_resets = stateless_resets
         """Tokens of this listener's connection IDs and the resets it sends (None: neither)."""
+        self.qlog = qlog
+        """Where each connection's qlog trace goes (None: no traces)."""
         self.metrics = metrics
         self.gate = ConnectionGate(max_connections, max_connections_per_client)
         """Connection caps (0: none); its `on_refused` is called for each connection refused."""
@@ -296,7 +300,7 @@ class H3Server:
             # Workers share the port; the kernel spreads clients by 4-tuple hash.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
-        configuration = self.tls.quic_configuration(idle_timeout=self.limits.idle_timeout)
+        configuration = self._configuration()
         fetcher = self._take_ticket if self.tickets is not None else None
         handler = self._keep_ticket if self.tickets is not None else None
         transport, endpoint = await loop.create_datagram_endpoint(
@@ -321,12 +325,16 @@ class H3Server:
         self.address = (str(name[0]), int(name[1]))
         self.tls.on_reload(self._reload)
 
+    def _configuration(self) -> QuicConfiguration:
+        """The configuration new connections get, from the current certificate."""
+        configuration = self.tls.quic_configuration(idle_timeout=self.limits.idle_timeout)
+        configuration.quic_logger = self.qlog
+        return configuration
+
     def _reload(self) -> None:
         if self._endpoint is not None:
             # New connections take the new certificate; live ones keep theirs.
-            set_server_configuration(
-                self._endpoint, self.tls.quic_configuration(idle_timeout=self.limits.idle_timeout)
-            )
+            set_server_configuration(self._endpoint, self._configuration())
 
     # session tickets: called synchronously by aioquic's TLS engine
 

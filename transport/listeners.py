@@ -18,6 +18,7 @@ from transport.config import TransportConfig, format_address
 from transport.h1_server import H1Listener
 from transport.h3_server import H3Server
 from transport.metrics import TransportMetrics
+from transport.qlog import QlogWriter, check_directory
 from transport.stateless_reset import StatelessResets, instance_label
 from transport.tcp import TcpListener, TcpOptions
 from transport.tickets import MemoryTicketStore, RedisTicketStore, TicketStore
@@ -63,6 +64,11 @@ class Listeners:
         )
         if secret is None:
             secret = os.urandom(32)  # one process: a random key is as good as a shared one
+        self.qlog = (
+            QlogWriter(check_directory(config.qlog_dir), outcome=self._count_trace)
+            if config.qlog_dir is not None
+            else None
+        )
         self.h3 = H3Server(
             app,
             tls=tls,
@@ -73,6 +79,7 @@ class Listeners:
             token_secret=secret,
             address_tokens=config.quic_address_tokens,
             stateless_resets=resets,
+            qlog=self.qlog,
             metrics=metrics,
             max_connections=config.max_connections,
             max_connections_per_client=config.max_connections_per_client,
@@ -132,6 +139,9 @@ class Listeners:
     def _refused(self, listener: str, reason: str) -> None:
         self._metrics.connections_refused.labels(listener, reason).inc()
 
+    def _count_trace(self, outcome: str) -> None:
+        self._metrics.qlog_traces.labels(outcome).inc()
+
     def _timed_out(self, listener: str, phase: str) -> None:
         self._metrics.request_timeouts.labels(listener, phase).inc()
 
@@ -147,6 +157,8 @@ class Listeners:
     async def aclose(self) -> None:
         """Close whatever is still open (after a drain, or a start that failed half-way)."""
         await self.h3.aclose()
+        if self.qlog is not None:
+            self.qlog.close()
         for listener in [*self._proxies, *([self._admin] if self._admin else [])]:
             with contextlib.suppress(Exception):
                 await listener.stop()

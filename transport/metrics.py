@@ -72,6 +72,15 @@ class TransportMetrics:
         )
         for outcome in ("sent", "not_sent"):
             self.stateless_resets.labels(outcome)
+        self.qlog_traces = Counter(
+            "quicedge_qlog_traces",
+            "qlog traces of ended QUIC connections (--qlog-dir): written, dropped (too many"
+            " waiting for the writer) or failed (the write raised)",
+            ["outcome"],
+            registry=registry,
+        )
+        for outcome in ("written", "dropped", "failed"):
+            self.qlog_traces.labels(outcome)
         self.early_requests = Counter(
             "quicedge_early_requests",
             "Requests received in 0-RTT, by the early-data policy applied",
