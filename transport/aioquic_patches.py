@@ -65,6 +65,10 @@ repeated work rather than protocol work:
   instead of after its idle timeout.
   *Upstream:* a reset-token generator on ``QuicConfiguration``, and the receiving side in
   ``receive_datagram``.
+- **Connection IDs that name their worker.** With several workers, a connection's IDs carry
+  its worker's index (`transport.steering`). `make_connection_ids` replaces the handshake's ID
+  before aioquic's server routes it and has ``_replenish_connection_ids`` make the rest the same
+  way. *Upstream:* a connection-ID generator on ``QuicConfiguration``.
 """
 
 from __future__ import annotations
@@ -270,13 +274,33 @@ def derive_reset_tokens(quic: QuicConnection, token: ResetToken, route: Route) -
         connection_id.stateless_reset_token = token(connection_id.cid)
 
 
+NewConnectionId = Callable[[int], bytes]
+"""A new connection ID of the given length."""
+_CID_MAKERS: weakref.WeakKeyDictionary[QuicConnection, NewConnectionId] = (
+    weakref.WeakKeyDictionary()
+)
+"""Server connections whose IDs are not aioquic's random bytes, and what makes them."""
+
+
+def make_connection_ids(quic: QuicConnection, new: NewConnectionId) -> None:
+    """Make the connection's IDs with `new`: the handshake's one at once (call this before the
+    server routes it and before any packet is sent), and those it issues later."""
+    _CID_MAKERS[quic] = new
+    first = quic._host_cids[0]
+    first.cid = new(len(first.cid))
+    quic.host_cid = first.cid
+    quic._local_initial_source_connection_id = first.cid
+
+
 def _replenish_connection_ids(self: QuicConnection) -> None:
-    """aioquic's own loop, bounded by our limit as well as the peer's, with derived tokens
-    where the connection has them."""
+    """aioquic's own loop, bounded by our limit as well as the peer's, with the connection's
+    own IDs and derived tokens where it has them."""
     limit = min(8, self._remote_active_connection_id_limit, self._local_active_connection_id_limit)
     derived = _RESET_TOKENS.get(self)
+    maker = _CID_MAKERS.get(self)
+    length = self._configuration.connection_id_length
     while len(self._host_cids) < limit:
-        cid = os.urandom(self._configuration.connection_id_length)
+        cid = maker(length) if maker is not None else os.urandom(length)
         self._host_cids.append(
             QuicConnectionId(
                 cid=cid,

@@ -55,6 +55,8 @@ ATTRIBUTES: tuple[Private, ...] = (
     Private(QuicPacketBuilder, "_buffer", "as for QuicPacketRecovery._pacer"),
     Private(QuicPacketBuilder, "_packet_start", "as for QuicPacketRecovery._pacer"),
     Private(QuicConnection, "_network_paths", "a server-side NEW_TOKEN validation API"),
+    Private(QuicConnection, "_local_initial_source_connection_id",
+            "a connection-ID generator on QuicConfiguration"),
     Private(QuicConnection, "_peer_cid",
             "stateless reset detection in receive_datagram (RFC 9000 §10.3.1)"),
     Private(QuicConnection, "_state", "as for QuicConnection._peer_cid"),
@@ -93,7 +95,7 @@ PATCHED: tuple[tuple[str, str, str], ...] = (
     ("aioquic.tls", "push_message", "as for pull_block"),
     ("aioquic.quic.connection", "QuicConnection._replenish_connection_ids",
      "issues no more connection IDs than the connection's own active_connection_id_limit;"
-     " derived reset tokens, and each ID routed as it is made, where the connection has them"),
+     " the connection's own IDs and derived reset tokens, each ID routed as it is made"),
     ("aioquic.tls", "Context._server_handle_hello",
      "reads certificate.public_bytes(DER): given pre-encoded certificates"),
     ("aioquic.quic.recovery", "QuicPacketPacer",

@@ -90,6 +90,10 @@ class TransportConfig:
     """Answer a datagram of a connection this listener does not have (one it closed, or one of
     the process before a restart with the same --quic-retry-secret) with a stateless reset
     (RFC 9000 10.3), so that its client knows at once rather than after its idle timeout."""
+    quic_worker_steering: bool = True
+    """With several workers, route each QUIC datagram to its connection's worker by the
+    connection ID (a BPF program on the shared port), so that a client whose address changes
+    mid-connection stays connected; off: the kernel spreads datagrams by client address."""
     qlog_dir: str | None = field(default=None, metadata={"metavar": "DIR"})
     """Write a qlog trace of each QUIC connection into this directory when it ends (for
     debugging: docs/transport.md, "qlog traces"); none: no traces."""

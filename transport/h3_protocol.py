@@ -122,6 +122,8 @@ class H3Protocol(QuicConnectionProtocol):
         set_max_streams_bidi(quic, limits.max_concurrent_streams)
         set_active_connection_id_limit(quic, limits.active_connection_ids)
         set_initial_congestion_window(quic, limits.initial_congestion_window)
+        if server.connection_ids is not None:  # before the server routes the first one
+            aioquic_patches.make_connection_ids(quic, server.connection_ids.new)
         if server.stateless_resets is not None:  # before the transport parameters are written
             # A weak reference: the patches hold this per connection for as long as the
             # connection lives, and a strong one to the protocol would keep both forever.

@@ -48,6 +48,7 @@ from transport.metrics import TransportMetrics
 from transport.qlog import QlogWriter
 from transport.retry import SharedRetryTokenHandler
 from transport.stateless_reset import StatelessResets
+from transport.steering import WorkerConnectionIds
 from transport.tickets import TicketStore, TicketStoreError
 from transport.tls import TlsMaterial
 
@@ -260,6 +261,7 @@ class H3Server:
         address_tokens: bool = True,
         stateless_resets: StatelessResets | None = None,
         qlog: QlogWriter | None = None,
+        connection_ids: WorkerConnectionIds | None = None,
         metrics: TransportMetrics | None = None,
         max_connections: int = 0,
         max_connections_per_client: int = 0,
@@ -277,6 +279,8 @@ class H3Server:
         """Tokens of this listener's connection IDs and the resets it sends (None: neither)."""
         self.qlog = qlog
         """Where each connection's qlog trace goes (None: no traces)."""
+        self.connection_ids = connection_ids
+        """Makes connection IDs that name this worker (`transport.steering`; None: aioquic's)."""
         self.metrics = metrics
         self.gate = ConnectionGate(max_connections, max_connections_per_client)
         """Connection caps (0: none); its `on_refused` is called for each connection refused."""
@@ -293,13 +297,24 @@ class H3Server:
         assert self.address is not None, "not started"
         return self.address[1]
 
-    async def start(self, host: str, port: int, *, reuse_port: bool = False) -> None:
+    async def start(
+        self,
+        host: str,
+        port: int,
+        *,
+        reuse_port: bool = False,
+        sock: socket.socket | None = None,
+    ) -> None:
+        """Listen on `host:port`, or on `sock`, a UDP socket already bound (a worker's socket
+        of the group its parent bound, `transport.steering`)."""
         loop = asyncio.get_running_loop()
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM)
-        if reuse_port:
-            # Workers share the port; the kernel spreads clients by 4-tuple hash.
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        sock.bind((host, port))
+        if sock is None:
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            sock = socket.socket(family, socket.SOCK_DGRAM)
+            if reuse_port:
+                # Workers share the port; the kernel spreads clients by 4-tuple hash.
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((host, port))
         configuration = self._configuration()
         fetcher = self._take_ticket if self.tickets is not None else None
         handler = self._keep_ticket if self.tickets is not None else None

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 from functools import partial
 
 from transport.asgi import ASGIApp
@@ -20,6 +21,7 @@ from transport.h3_server import H3Server
 from transport.metrics import TransportMetrics
 from transport.qlog import QlogWriter, check_directory
 from transport.stateless_reset import StatelessResets, instance_label
+from transport.steering import WorkerConnectionIds
 from transport.tcp import TcpListener, TcpOptions
 from transport.tickets import MemoryTicketStore, RedisTicketStore, TicketStore
 from transport.tls import TlsMaterial
@@ -49,12 +51,14 @@ class Listeners:
         metrics: TransportMetrics,
         reuse_port: bool,
         worker: int = 0,
+        h3_socket: socket.socket | None = None,
     ) -> None:
         self._config = config
         self._app = app
         self._admin_app = admin_app
         self._tls = tls
         self._reuse_port = reuse_port
+        self._h3_socket = h3_socket
         self._metrics = metrics
         secret = config.quic_retry_secret.encode() if config.quic_retry_secret else None
         resets = (
@@ -80,6 +84,7 @@ class Listeners:
             address_tokens=config.quic_address_tokens,
             stateless_resets=resets,
             qlog=self.qlog,
+            connection_ids=WorkerConnectionIds(worker, config.workers) if h3_socket else None,
             metrics=metrics,
             max_connections=config.max_connections,
             max_connections_per_client=config.max_connections_per_client,
@@ -91,7 +96,7 @@ class Listeners:
     async def start(self) -> list[str]:
         """Bind and start every listener; the lines that say where each one is."""
         t = self._config
-        await self.h3.start(*t.h3, reuse_port=self._reuse_port)
+        await self.h3.start(*t.h3, reuse_port=self._reuse_port, sock=self._h3_socket)
         options = TcpOptions(
             graceful_timeout=t.drain_timeout,
             head_timeout=t.limits.request_head_timeout,

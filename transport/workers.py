@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
 
+from transport import steering
 from transport.asgi import ASGIApp
 from transport.collector import prepare_collector
 from transport.config import TransportConfig
@@ -31,6 +32,8 @@ from transport.loop import running_loop_name
 from transport.metrics import TransportMetrics
 from transport.read_delay import ReadDelayProbe
 from transport.tls import TlsMaterial, resolve_files
+
+log = logging.getLogger("quicedge.serve")
 
 Announce = Callable[[list[str]], None]
 
@@ -87,8 +90,15 @@ def print_ready(lines: list[str]) -> None:
     print("ready", flush=True)
 
 
-async def run_worker(plan: Plan, *, announce: Announce, stop: asyncio.Event | None = None) -> None:
-    """Run the listeners until SIGTERM/SIGINT (or `stop`), then drain and close."""
+async def run_worker(
+    plan: Plan,
+    *,
+    announce: Announce,
+    stop: asyncio.Event | None = None,
+    h3_socket: socket.socket | None = None,
+) -> None:
+    """Run the listeners until SIGTERM/SIGINT (or `stop`), then drain and close. `h3_socket`:
+    this worker's UDP socket of the group its parent bound (`transport.steering`)."""
     t = plan.transport
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
@@ -106,6 +116,7 @@ async def run_worker(plan: Plan, *, announce: Announce, stop: asyncio.Event | No
         metrics=metrics,
         reuse_port=plan.reuse_port,
         worker=plan.worker,
+        h3_socket=h3_socket,
     )
     probe = ReadDelayProbe(metrics.read_delay)
     gc_pauses = GcPauseProbe(metrics.gc_pauses)
@@ -139,7 +150,7 @@ async def run_worker(plan: Plan, *, announce: Announce, stop: asyncio.Event | No
         tickets.close()
 
 
-def _worker_entry(plan: Plan, index: int, ready: Any) -> None:
+def _worker_entry(plan: Plan, index: int, ready: Any, h3_socket: socket.socket | None) -> None:
     """A spawned worker: run, and report its listening lines once up (or why it failed)."""
     logging.basicConfig(level=logging.WARNING, format=f"worker {index}: %(message)s")
     plan = replace(plan, apps=plan.apps.for_worker(index), worker=index)
@@ -147,7 +158,7 @@ def _worker_entry(plan: Plan, index: int, ready: Any) -> None:
     # a second one while draining changes nothing.
     try:
         run_on_loop(
-            run_worker(plan, announce=lambda lines: ready.put((index, lines))),
+            run_worker(plan, announce=lambda lines: ready.put((index, lines)), h3_socket=h3_socket),
             plan.transport.loop,
         )
     except Exception as exc:  # report, so the parent does not wait forever
@@ -178,10 +189,15 @@ def run_workers(plan: Plan, *, announce: Announce = print_ready) -> int:
     if t.quic_retry_secret is None:  # one key for every worker's Retry and address tokens
         t = replace(t, quic_retry_secret=os.urandom(24).hex())
     plan = replace(plan, transport=t, reuse_port=True)
+    group = _steered_sockets(t)
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Queue()
     procs = [
-        ctx.Process(target=_worker_entry, args=(plan, i, ready), name=f"quicedge-worker-{i}")
+        ctx.Process(
+            target=_worker_entry,
+            args=(plan, i, ready, group[i] if group else None),
+            name=f"quicedge-worker-{i}",
+        )
         for i in range(t.workers)
     ]
     for proc in procs:
@@ -209,10 +225,27 @@ def run_workers(plan: Plan, *, announce: Announce = print_ready) -> int:
             forward(signal.SIGTERM, None)
             break
     else:
-        announce([*reported[0], f"workers {t.workers} (pids {[p.pid for p in procs]})"])
+        spread = "connection ID" if group else "client address"
+        pids = [p.pid for p in procs]
+        announce([*reported[0], f"workers {t.workers} (pids {pids}; QUIC by {spread})"])
     for proc in procs:
         proc.join()
+    for sock in group:  # kept open until now, so the group's order never changes
+        sock.close()
     return max((p.exitcode or 0) for p in procs) if reported else 1
+
+
+def _steered_sockets(t: TransportConfig) -> list[socket.socket]:
+    """One UDP socket per worker with the connection-ID steering program, bound here in worker
+    order (`transport.steering`); none where steering is off or the kernel refuses it (then
+    each worker binds its own and the kernel spreads clients by address)."""
+    if not t.quic_worker_steering:
+        return []
+    try:
+        return steering.bind_group(t.h3[0], t.h3[1], t.workers)
+    except OSError as exc:
+        log.warning("HTTP/3 datagrams spread by client address, not by connection ID: %s", exc)
+        return []
 
 
 def serve(plan: Plan, *, announce: Announce = print_ready) -> int:

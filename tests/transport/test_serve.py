@@ -105,6 +105,10 @@ def test_new_connection_settings_from_flags_and_toml(tmp_path: Path) -> None:
     assert t.quic_stateless_reset is True
     args = build_parser().parse_args(["--demo", "--no-quic-stateless-reset"])
     assert _transport(args).quic_stateless_reset is False
+    assert _transport(build_parser().parse_args(["--demo"])).quic_worker_steering is True
+    config.write_text("[serve]\nquic_worker_steering = false\n")
+    args = build_parser().parse_args(["--demo", "--config", str(config)])
+    assert _transport(args).quic_worker_steering is False
 
 
 def _transport(args, environ: dict[str, str] | None = None):
