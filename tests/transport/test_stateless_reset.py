@@ -5,10 +5,13 @@ learning at once that its connection is gone, over real sockets with aioquic cli
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
+import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -288,3 +291,46 @@ def test_an_independent_client_recognises_the_reset(serve_process: Any, tmp_path
     assert received.group(1) == given.group(1)
     assert "ERR_DRAINING" in out
     assert elapsed < 20, f"the client took {elapsed:.1f} s"
+
+
+def _kill_with_workers(server: ServeProcess) -> None:
+    """SIGKILL a serve and its workers: a crash, no CONNECTION_CLOSE from anyone."""
+    children = subprocess.run(
+        ["pgrep", "-P", str(server.proc.pid)], capture_output=True, text=True, check=False
+    ).stdout.split()
+    server.proc.kill()
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+    server.proc.wait()
+
+
+async def test_every_client_of_a_restarted_multi_worker_serve_gets_a_reset_it_knows(
+    serve_process: Any, redis_url: str
+) -> None:
+    """Keys are per worker; connection-ID steering takes each client's packets to the worker
+    with its old index after the restart, so each gets a token it knows."""
+    args = ("--demo", "--workers", "2", "--redis", redis_url, "--quic-retry-secret")
+    first = await asyncio.to_thread(serve_process, *args, SECRET.decode())
+    ca = ensure_dev_certificates().ca_cert
+    async with contextlib.AsyncExitStack() as stack:
+        clients: list[H3Client] = []
+        per_worker: dict[int, int] = {}
+        while len(per_worker) < 2 or min(per_worker.values()) < 3:  # both workers' clients
+            assert len(clients) < 60, f"clients reached one worker only: {per_worker}"
+            client = await stack.enter_async_context(h3_connect(first.h3_port, ca))
+            response = await client.fetch("POST", "/x", body=b"{}")
+            pid = json.loads(response.body)["pid"]
+            per_worker[pid] = per_worker.get(pid, 0) + 1
+            clients.append(client)
+        await asyncio.to_thread(_kill_with_workers, first)
+        await asyncio.to_thread(
+            serve_process, *args, SECRET.decode(), "--h3", f"127.0.0.1:{first.h3_port}"
+        )
+        for client in clients:
+            client.quic.send_ping(1)
+            client.transmit()
+        await wait_until(lambda: all(c.terminated is not None for c in clients), timeout=5)
+        assert {c.terminated.reason_phrase for c in clients if c.terminated} == {
+            patches.STATELESS_RESET
+        }
