@@ -41,6 +41,7 @@ _JSET = 0x45  # BPF_JMP | BPF_JSET | BPF_K: A & k ? jt : jf
 _JA = 0x05  # BPF_JMP | BPF_JA: skip k
 _MOD = 0x94  # BPF_ALU | BPF_MOD | BPF_K: A %= k
 _RET_A = 0x16  # BPF_RET | BPF_A: return A
+_RET_K = 0x06  # BPF_RET | BPF_K: return k
 _INSTRUCTION = struct.Struct("HBBI")
 
 SHORT_HEADER_CID_OFFSET = 1
@@ -69,13 +70,22 @@ def worker_for(datagram: bytes, workers: int) -> int:
 
 def attach(sock: socket.socket, workers: int) -> None:
     """Attach the steering program to `sock`'s reuseport group."""
-    instructions = program(workers)
+    _load(sock, program(workers))
+
+
+def _load(sock: socket.socket, instructions: list[tuple[int, int, int, int]]) -> None:
     raw = b"".join(_INSTRUCTION.pack(*i) for i in instructions)
     buffer = ctypes.create_string_buffer(raw, len(raw))
     # struct sock_fprog { unsigned short len; struct sock_filter *filter; }: the kernel copies
     # the instructions during the call, so the buffer only has to outlive it.
     fprog = struct.pack("HL", len(instructions), ctypes.addressof(buffer))
     sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_REUSEPORT_CBPF, fprog)
+
+
+def spread_by_address(sock: socket.socket) -> None:
+    """Replace the group's program with one that names no socket, so that the kernel goes back
+    to its hash of the client's address (every kernel that has the option does that)."""
+    _load(sock, [(_RET_K, 0, 0, 0xFFFFFFFF)])
 
 
 def bind_group(host: str, port: int, workers: int) -> list[socket.socket]:

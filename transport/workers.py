@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import socket
@@ -203,7 +204,11 @@ def run_workers(plan: Plan, *, announce: Announce = print_ready) -> int:
     for proc in procs:
         proc.start()
 
+    stopping: list[int] = []  # the signals that stop the workers, once one came
+
     def forward(signum: int, _frame: Any) -> None:
+        if signum != signal.SIGHUP:
+            stopping.append(signum)
         for proc in procs:
             if proc.is_alive() and proc.pid is not None:
                 os.kill(proc.pid, signum)
@@ -228,11 +233,30 @@ def run_workers(plan: Plan, *, announce: Announce = print_ready) -> int:
         spread = "connection ID" if group else "client address"
         pids = [p.pid for p in procs]
         announce([*reported[0], f"workers {t.workers} (pids {pids}; QUIC by {spread})"])
-    for proc in procs:
-        proc.join()
-    for sock in group:  # kept open until now, so the group's order never changes
-        sock.close()
+    _wait_for(procs, group, stopping)
     return max((p.exitcode or 0) for p in procs) if reported else 1
+
+
+def _wait_for(procs: list[Any], group: list[socket.socket], stopping: list[int]) -> None:
+    """Wait until every worker has ended. The parent holds the steered sockets until then, so
+    the group's order never changes; but once a worker has ended, the datagrams its index
+    named would wait on its socket for nobody, so the group goes back to the address hash (its
+    socket closed: the others take its new clients; its connections were lost with it)."""
+    alive = list(procs)
+    while alive:
+        ended = multiprocessing.connection.wait([p.sentinel for p in alive])
+        for proc in [p for p in alive if p.sentinel in ended]:
+            proc.join()
+            alive.remove(proc)
+            if group and alive and not stopping:  # a worker that died, not one told to stop
+                log.warning(
+                    "worker %s ended (exit %s): HTTP/3 datagrams spread by client address now",
+                    proc.name, proc.exitcode,
+                )  # fmt: skip
+                steering.spread_by_address(group[procs.index(alive[0])])
+                group[procs.index(proc)].close()
+    for sock in group:
+        sock.close()
 
 
 def _steered_sockets(t: TransportConfig) -> list[socket.socket]:

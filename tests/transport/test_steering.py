@@ -8,6 +8,7 @@ import asyncio
 import json
 import os
 import select
+import signal
 import socket
 from typing import Any
 
@@ -22,6 +23,7 @@ from transport.steering import (
     WorkerConnectionIds,
     bind_group,
     program,
+    spread_by_address,
     worker_for,
 )
 
@@ -58,6 +60,19 @@ def test_the_kernel_gives_each_datagram_to_the_worker_its_connection_id_names(
             assert _receiver(group, _long(first)) == first % workers
             assert worker_for(_short(first), workers) == first % workers
             assert worker_for(_long(first), workers) == first % workers
+    finally:
+        for sock in group:
+            sock.close()
+
+
+def test_spread_by_address_gives_up_the_connection_id() -> None:
+    group = bind_group("127.0.0.1", 0, 3)
+    try:
+        assert {_receiver(group, _short(0)) for _ in range(6)} == {0}
+        spread_by_address(group[1])  # any socket of the group sets it for all
+        # By the hash of each client's port now: twelve clients all on socket 0 would be a
+        # one-in-half-a-million chance.
+        assert len({_receiver(group, _short(0)) for _ in range(12)}) > 1
     finally:
         for sock in group:
             sock.close()
@@ -167,3 +182,34 @@ async def test_a_client_whose_address_changes_stays_with_its_worker(
     finally:
         relay.close()
     assert len(pids) == 1
+    assert await asyncio.to_thread(server.stop) == 0
+    assert "spread by client address" not in server.errors()  # stopped, none died
+
+
+async def test_new_clients_are_served_after_a_worker_dies(
+    serve_process: Any, redis_url: str
+) -> None:
+    """Steered by connection ID, half of the new clients would go on reaching the dead
+    worker's socket; the parent closes it and goes back to the address hash."""
+    server: ServeProcess = await asyncio.to_thread(
+        serve_process, "--demo", "--workers", "2", "--redis", redis_url
+    )
+    workers = _worker_pids(server)
+    assert len(workers) == 2, server.lines
+    os.kill(workers[0], signal.SIGKILL)
+    ca = ensure_dev_certificates().ca_cert
+    await asyncio.sleep(0.5)  # the parent notices
+    pids = set()
+    for _ in range(8):
+        async with h3_connect(server.h3_port, ca) as client:
+            response = await client.fetch("POST", "/x", body=b"{}", timeout=5)
+            assert response.status == 200
+            pids.add(json.loads(response.body)["pid"])
+    assert pids == {workers[1]}
+    assert "spread by client address now" in server.errors()
+
+
+def _worker_pids(server: ServeProcess) -> list[int]:
+    """The workers' pids, from the line `serve` prints once they are all up."""
+    line = next(line for line in server.lines if "(pids [" in line)
+    return [int(pid) for pid in line.split("(pids [", 1)[1].split("]", 1)[0].split(", ")]
