@@ -99,7 +99,7 @@ from aioquic.quic.packet_builder import QuicDeliveryState, QuicPacketBuilder, Qu
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
-from transport.stateless_reset import looks_like_reset
+from transport.stateless_reset import STATELESS_RESET, looks_like_reset
 
 log = logging.getLogger("quicedge.transport.aioquic")
 
@@ -314,8 +314,6 @@ def _replenish_connection_ids(self: QuicConnection) -> None:
 
 
 ORIGINAL_RECEIVE_DATAGRAM = QuicConnection.receive_datagram
-STATELESS_RESET = "stateless reset"
-"""The reason a connection ended by a stateless reset gives in its ConnectionTerminated."""
 
 
 def _receive_datagram(self: QuicConnection, data: bytes, addr: Any, now: float) -> None:

@@ -145,6 +145,12 @@ def unacked_bytes(quic: QuicConnection, stream_id: int) -> int:
     return len(stream.sender._buffer) if stream is not None else 0
 
 
+def peer_reset_token(quic: QuicConnection) -> bytes | None:
+    """The stateless reset token of the connection ID this connection sends to (None: the peer
+    gave none), for a client that checks for resets itself (RFC 9000 §10.3.1)."""
+    return quic._peer_cid.stateless_reset_token
+
+
 def retry_count(quic: QuicConnection) -> int:
     """How many Retry packets a client connection answered."""
     return quic._retry_count

@@ -51,6 +51,8 @@ SPREAD_BYTES = 64
 its trigger), so that its length says little about the trigger's."""
 DEFAULT_RATE = 100
 """Resets a listener sends per second at most, by default."""
+STATELESS_RESET = "stateless reset"
+"""The reason a connection ended by a stateless reset gives in its ConnectionTerminated."""
 
 
 def instance_label(worker: int = 0, host: str | None = None) -> bytes:

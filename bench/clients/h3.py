@@ -25,9 +25,10 @@ from aioquic.tls import SessionTicket
 
 from bench.clients.base import ClientOptions, StreamingClient, Target
 from bench.stream import RequestResult, StreamParser, TextCallback
+from transport.aioquic_private import peer_reset_token
+from transport.stateless_reset import STATELESS_RESET, looks_like_reset
 from transport.tickets import decode_ticket, encode_ticket
 
-_END = object()  # queued when the connection dies
 TICKET_WAIT_S = 5.0  # how long a 0-RTT client waits for the next ticket after an answer
 
 
@@ -118,6 +119,19 @@ class _H3Protocol(QuicConnectionProtocol):
         self.handshake = asyncio.get_running_loop().create_future()
         self.terminated = False
 
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        # aioquic as it is does not recognise a stateless reset (RFC 9000 §10.3.1): a request on
+        # a connection the server no longer has (it restarted) would wait out the timeout.
+        if isinstance(data, bytes) and looks_like_reset(data, peer_reset_token(self.quic)):
+            if not self.terminated:
+                self.quic_event_received(
+                    ConnectionTerminated(
+                        error_code=0, frame_type=None, reason_phrase=STATELESS_RESET
+                    )
+                )
+            return
+        super().datagram_received(data, addr)
+
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, HandshakeCompleted) and not self.handshake.done():
             self.handshake.set_result(event.early_data_accepted)
@@ -129,7 +143,7 @@ class _H3Protocol(QuicConnectionProtocol):
                 )
                 self.handshake.exception()  # retrieved: nobody may be waiting on it
             for queue in self.queues.values():
-                queue.put_nowait(_END)
+                queue.put_nowait(event)
         elif isinstance(event, StreamReset) and event.stream_id in self.queues:
             self.queues[event.stream_id].put_nowait(event)
         for h3_event in self.h3.handle_event(event):
@@ -283,8 +297,9 @@ class H3Client(StreamingClient):
         while True:
             event = await queue.get()
             now = time.perf_counter() - start
-            if event is _END:
-                raise ConnectionError("connection closed before the response ended")
+            if isinstance(event, ConnectionTerminated):
+                why = f" ({event.reason_phrase})" if event.reason_phrase else ""
+                raise ConnectionError(f"connection closed before the response ended{why}")
             if isinstance(event, StreamReset):
                 raise ConnectionError(f"stream reset by server (error {event.error_code})")
             if isinstance(event, HeadersReceived):

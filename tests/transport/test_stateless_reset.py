@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -334,3 +335,61 @@ async def test_every_client_of_a_restarted_multi_worker_serve_gets_a_reset_it_kn
         assert {c.terminated.reason_phrase for c in clients if c.terminated} == {
             patches.STATELESS_RESET
         }
+
+
+_BENCH_CLIENT = """
+import asyncio, sys, time
+from bench.clients import ClientOptions, Target, make_client
+
+async def main() -> None:
+    options = ClientOptions(cacert=sys.argv[2], timeout=30.0, new_connection_per_request=False)
+    client = make_client("h3", options)
+    target = Target.parse(f"https://localhost:{sys.argv[1]}/x")
+    for _ in range(3):
+        started = time.monotonic()
+        result = await client.request(target, method="POST", headers=[], body=b"{}")
+        print(result.status, round(time.monotonic() - started, 2), result.error, flush=True)
+        await asyncio.to_thread(sys.stdin.readline)  # the test restarts the serve meanwhile
+    await client.aclose()
+    # The check is the client's own: aioquic is not patched in this process.
+    print("patched" if "transport.aioquic_patches" in sys.modules else "unpatched", flush=True)
+
+asyncio.run(main())
+"""
+
+
+def test_quicedge_bench_fails_a_request_on_a_reset_connection_at_once(
+    serve_process: Any,
+) -> None:
+    """`quicedge bench`'s client keeps one connection; after the serve restarts, that
+    connection meets a reset and the client knows it at once: its next request fails at once
+    or goes on a new connection, never waits out the 30 s timeout; the one after is served."""
+    args = ("--demo", "--quic-retry-secret", SECRET.decode())
+    first = serve_process(*args)
+    client = subprocess.Popen(
+        [sys.executable, "-c", _BENCH_CLIENT, str(first.h3_port),
+         str(ensure_dev_certificates().ca_cert)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert client.stdin is not None and client.stdout is not None
+    try:
+        assert client.stdout.readline().split()[0] == "200"
+        first.proc.kill()
+        first.proc.wait()
+        serve_process(*args, "--h3", f"127.0.0.1:{first.h3_port}")
+        client.stdin.write("\n")
+        client.stdin.flush()
+        status, seconds, error = client.stdout.readline().strip().split(" ", 2)
+        # Failed by the reset, or (where the client's own packets met a reset while it waited)
+        # served on a new connection; on the dead one it would have waited 30 s.
+        assert float(seconds) < 5, (status, seconds, error)
+        assert (status, error) == ("200", "None") or "stateless reset" in error
+        client.stdin.write("\n")
+        client.stdin.flush()
+        assert client.stdout.readline().split()[0] == "200"  # a new connection
+        client.stdin.write("\n")
+        client.stdin.flush()
+        assert client.stdout.readline().strip() == "unpatched"
+    finally:
+        client.kill()
+        client.wait()
