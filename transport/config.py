@@ -8,6 +8,7 @@ types, docstrings and metadata here. `validate()` checks what one field's type c
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Literal
 
 from certs.dev import dev_certificates_refusal
@@ -94,6 +95,10 @@ class TransportConfig:
     """With several workers, route each QUIC datagram to its connection's worker by the
     connection ID (a BPF program on the shared port), so that a client whose address changes
     mid-connection stays connected; off: the kernel spreads datagrams by client address."""
+    tls_keylog: str | None = field(default=None, metadata={"metavar": "FILE"})
+    """Append the TLS secrets of every QUIC and TLS-over-TCP connection to FILE (the key log
+    format Wireshark reads), to decrypt packet captures while debugging; whoever can read it
+    can decrypt the traffic. Created owner-only; none: no key log."""
     qlog_dir: str | None = field(default=None, metadata={"metavar": "DIR"})
     """Write a qlog trace of each QUIC connection into this directory when it ends (for
     debugging: docs/transport.md, "qlog traces"); none: no traces."""
@@ -154,6 +159,8 @@ class TransportConfig:
                 raise ValueError(f"serve.{name} must be >= 0 (0: no cap)")
         if self.qlog_dir is not None:
             check_directory(self.qlog_dir)
+        if self.tls_keylog is not None and not Path(self.tls_keylog).parent.is_dir():
+            raise ValueError(f"--tls-keylog {self.tls_keylog}: its directory does not exist")
         if self.redis_timeout <= 0:
             raise ValueError(f"serve.redis_timeout must be > 0, got {self.redis_timeout}")
         if self.quic_retry and self.workers > 1 and not self.quic_retry_secret:

@@ -4,15 +4,23 @@ One ``TlsMaterial`` serves both stacks: it builds a fresh ``QuicConfiguration`` 
 endpoint (each new connection takes the endpoint's current one) and keeps *one* ``ssl.SSLContext``
 for hypercorn, whose ``load_cert_chain`` swaps the certificate for new handshakes in place.
 Established connections keep the certificate they were set up with: a reload drops nothing.
+
+With a key log file (`--tls-keylog FILE`), both stacks append every connection's TLS secrets to
+it in the NSS key log format that Wireshark reads (the SSLKEYLOGFILE convention), so that a
+packet capture of QUIC or TLS can be decrypted while debugging. Anyone who can read that file
+can decrypt the traffic it covers: it is created readable by its owner only, and `serve` says
+on start-up that it is on.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from aioquic.h3.connection import H3_ALPN
 from aioquic.quic.configuration import QuicConfiguration
@@ -68,12 +76,22 @@ def check_files(files: CertificateFiles) -> None:
         raise TlsError(f"key {files.key} does not match certificate {files.cert}")
 
 
+def open_keylog(path: Path) -> TextIO:
+    """`path` opened for appending key log lines, one write each (it is made owner-only when
+    created); OSError naming what is wrong."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    return open(fd, "a", buffering=1, encoding="ascii")
+
+
 class TlsMaterial:
     """The current certificate for all listeners, with reload and change notification."""
 
-    def __init__(self, files: CertificateFiles) -> None:
+    def __init__(self, files: CertificateFiles, *, keylog: Path | None = None) -> None:
         check_files(files)
         self.files = files
+        self.keylog = keylog
+        """Where both stacks append TLS secrets (None: nowhere)."""
+        self._keylog_file: TextIO | None = open_keylog(keylog) if keylog is not None else None
         self._ssl: ssl.SSLContext | None = None
         self._listeners: list[Callable[[], None]] = []
         self.generation = 0
@@ -86,6 +104,7 @@ class TlsMaterial:
             idle_timeout=idle_timeout,
         )
         config.load_cert_chain(self.files.cert, self.files.key)
+        config.secrets_log_file = self._keylog_file
         return pre_encoded(config)  # DER-encoded once, not at every full handshake
 
     def ssl_context(self) -> ssl.SSLContext:
@@ -99,6 +118,8 @@ class TlsMaterial:
             # step the client's first request waits behind, and a client resumes with one.
             ctx.num_tickets = 1
             ctx.load_cert_chain(self.files.cert, self.files.key)
+            if self.keylog is not None:
+                ctx.keylog_filename = str(self.keylog)
             self._ssl = ctx
         return self._ssl
 

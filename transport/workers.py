@@ -18,6 +18,7 @@ import socket
 import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
@@ -105,7 +106,8 @@ async def run_worker(
     stop = stop or asyncio.Event()
     registry = CollectorRegistry()
     metrics = TransportMetrics(registry)
-    tls = TlsMaterial(resolve_files(t.cert, t.key))
+    keylog = Path(t.tls_keylog) if t.tls_keylog else None
+    tls = TlsMaterial(resolve_files(t.cert, t.key), keylog=keylog)
     apps = await plan.apps.open(registry)
     tickets = ticket_store(t)
     listeners = Listeners(
@@ -129,6 +131,11 @@ async def run_worker(
             else "memory (this process only)"
         )
         lines.append(f"tickets {store}; retry {'on' if t.quic_retry else 'off'}")
+        if keylog is not None:
+            lines.append(
+                f"TLS keylog {keylog}: every connection's secrets; whoever reads it can decrypt"
+                " this edge's traffic (debugging only)"
+            )
         lines.append(f"early data: {t.early_data.describe()}")
         lines.append(f"loop   {running_loop_name()}")
         lines.append(f"app    {plan.apps.describe()}")
