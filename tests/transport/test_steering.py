@@ -17,6 +17,7 @@ import pytest
 from certs import ensure_dev_certificates
 from tests.transport.conftest import ServeProcess
 from tests.transport.h3client import h3_connect
+from tests.transport.udp_holdback import UdpHoldback
 from transport import aioquic_patches as patches
 from transport.steering import (
     MAX_WORKERS,
@@ -109,57 +110,6 @@ def test_a_connection_makes_all_its_ids_with_its_worker(dev_certs: Any) -> None:
     assert all(c.cid[0] % 3 == 1 for c in quic._host_cids)
 
 
-class RebindingRelay(asyncio.DatagramProtocol):
-    """A UDP relay between one client and the server whose server-facing port changes on
-    `rebind()`, as a NAT's mapping does."""
-
-    def __init__(self, server_port: int) -> None:
-        self.server = ("127.0.0.1", server_port)
-        self.client: Any = None
-        self._down: asyncio.DatagramTransport | None = None
-        self._up: asyncio.DatagramTransport | None = None
-
-    async def start(self) -> int:
-        loop = asyncio.get_running_loop()
-        self._down, _ = await loop.create_datagram_endpoint(
-            lambda: self, local_addr=("127.0.0.1", 0)
-        )
-        await self.rebind()
-        return int(self._down.get_extra_info("sockname")[1])
-
-    async def rebind(self) -> None:
-        """A new source port toward the server; the old mapping is gone."""
-        old = self._up
-        loop = asyncio.get_running_loop()
-        self._up, _ = await loop.create_datagram_endpoint(
-            lambda: _Upstream(self), remote_addr=self.server
-        )
-        if old is not None:
-            old.close()
-
-    def datagram_received(self, data: bytes, addr: Any) -> None:
-        self.client = addr
-        assert self._up is not None
-        self._up.sendto(data)
-
-    def to_client(self, data: bytes) -> None:
-        if self._down is not None and self.client is not None:
-            self._down.sendto(data, self.client)
-
-    def close(self) -> None:
-        for transport in (self._up, self._down):
-            if transport is not None:
-                transport.close()
-
-
-class _Upstream(asyncio.DatagramProtocol):
-    def __init__(self, relay: RebindingRelay) -> None:
-        self.relay = relay
-
-    def datagram_received(self, data: bytes, addr: Any) -> None:
-        self.relay.to_client(data)
-
-
 async def test_a_client_whose_address_changes_stays_with_its_worker(
     serve_process: Any, redis_url: str
 ) -> None:
@@ -169,7 +119,7 @@ async def test_a_client_whose_address_changes_stays_with_its_worker(
         serve_process, "--demo", "--workers", "2", "--redis", redis_url
     )
     assert any("QUIC by connection ID" in line for line in server.lines), server.lines
-    relay = RebindingRelay(server.h3_port)
+    relay = UdpHoldback(server.h3_port)
     port = await relay.start()
     pids = set()
     try:

@@ -1,4 +1,5 @@
-"""A UDP relay between one QUIC client and the server that can hold the client's later flights.
+"""A UDP relay between one QUIC client and the server that can hold the client's later flights,
+and change its source port toward the server (`rebind`), as a NAT's mapping does.
 
 With ``hold_after_reply`` set, every client datagram sent after the server's first reply is held
 back. The client's first flight (Initial + 0-RTT) passes; its Finished does not, so the server's
@@ -69,6 +70,15 @@ class UdpHoldback(asyncio.DatagramProtocol):
         self.bytes_down += len(data)
         if self._down is not None and self.client is not None:
             self._down.sendto(data, self.client)
+
+    async def rebind(self) -> None:
+        """Send on from a new source port; the old mapping is gone."""
+        old = self._up
+        self._up, _ = await asyncio.get_running_loop().create_datagram_endpoint(
+            lambda: _Upstream(self), remote_addr=self.server
+        )
+        assert old is not None
+        old.close()
 
     def release(self) -> None:
         """Stop holding and pass on everything held."""
