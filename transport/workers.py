@@ -16,6 +16,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -183,9 +184,40 @@ def _concrete(addr: tuple[str, int] | None, kind: int) -> tuple[str, int] | None
         return addr[0], int(s.getsockname()[1])
 
 
+RESTARTS = 5
+"""A worker that dies is started again, at most this many times within `RESTART_WINDOW`."""
+RESTART_WINDOW = 60.0
+"""Seconds over which `RESTARTS` are counted; past the budget a dead worker stays dead."""
+
+
+class RestartBudget:
+    """At most `limit` restarts within any `window` seconds: a worker that dies at once every
+    time it starts is left dead rather than restarted in a loop."""
+
+    def __init__(
+        self,
+        limit: int = RESTARTS,
+        window: float = RESTART_WINDOW,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._limit = limit
+        self._window = window
+        self._clock = clock
+        self._times: list[float] = []
+
+    def take(self) -> bool:
+        now = self._clock()
+        self._times = [t for t in self._times if now - t < self._window]
+        if len(self._times) >= self._limit:
+            return False
+        self._times.append(now)
+        return True
+
+
 def run_workers(plan: Plan, *, announce: Announce = print_ready) -> int:
-    """Spawn `workers` processes on the same ports; forward SIGTERM/SIGINT/SIGHUP to them.
-    The exit status is the worst of theirs (1 if one failed before reporting)."""
+    """Spawn `workers` processes on the same ports; forward SIGTERM/SIGINT/SIGHUP to them;
+    start one that dies again (`RestartBudget`). The exit status is the worst of theirs (1 if
+    one failed before reporting)."""
     t = plan.transport
     t = replace(
         t,
@@ -197,73 +229,113 @@ def run_workers(plan: Plan, *, announce: Announce = print_ready) -> int:
     if t.quic_retry_secret is None:  # one key for every worker's Retry and address tokens
         t = replace(t, quic_retry_secret=os.urandom(24).hex())
     plan = replace(plan, transport=t, reuse_port=True)
-    group = _steered_sockets(t)
-    ctx = multiprocessing.get_context("spawn")
-    ready = ctx.Queue()
-    procs = [
-        ctx.Process(
-            target=_worker_entry,
-            args=(plan, i, ready, group[i] if group else None),
-            name=f"quicedge-worker-{i}",
-        )
-        for i in range(t.workers)
-    ]
-    for proc in procs:
-        proc.start()
-
-    stopping: list[int] = []  # the signals that stop the workers, once one came
-
-    def forward(signum: int, _frame: Any) -> None:
-        if signum != signal.SIGHUP:
-            stopping.append(signum)
-        for proc in procs:
-            if proc.is_alive() and proc.pid is not None:
-                os.kill(proc.pid, signum)
-
+    workers = _Workers(plan, _steered_sockets(t))
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, forward)
+        signal.signal(sig, workers.forward)
     reported: dict[int, Any] = {}
-    while len(reported) < len(procs):
+    while len(reported) < len(workers.procs):
         try:
-            index, lines = ready.get(timeout=0.5)
+            index, lines = workers.ready.get(timeout=0.5)
         except Exception:  # queue.Empty: check that nobody died before reporting
-            if any(not p.is_alive() for p in procs):
-                forward(signal.SIGTERM, None)
+            if any(not p.is_alive() for p in workers.procs):
+                workers.forward(signal.SIGTERM, None)
                 break
             continue
         reported[index] = lines
         if isinstance(lines, str):
             print(f"quicedge serve: worker {index} {lines}", file=sys.stderr)
-            forward(signal.SIGTERM, None)
+            workers.forward(signal.SIGTERM, None)
             break
     else:
-        spread = "connection ID" if group else "client address"
-        pids = [p.pid for p in procs]
+        spread = "connection ID" if workers.group else "client address"
+        pids = [p.pid for p in workers.procs]
         announce([*reported[0], f"workers {t.workers} (pids {pids}; QUIC by {spread})"])
-    _wait_for(procs, group, stopping)
-    return max((p.exitcode or 0) for p in procs) if reported else 1
+        workers.supervise()
+    workers.wait()
+    return max((p.exitcode or 0) for p in workers.procs) if reported else 1
 
 
-def _wait_for(procs: list[Any], group: list[socket.socket], stopping: list[int]) -> None:
-    """Wait until every worker has ended. The parent holds the steered sockets until then, so
-    the group's order never changes; but once a worker has ended, the datagrams its index
-    named would wait on its socket for nobody, so the group goes back to the address hash (its
-    socket closed: the others take its new clients; its connections were lost with it)."""
-    alive = list(procs)
-    while alive:
-        ended = multiprocessing.connection.wait([p.sentinel for p in alive])
-        for proc in [p for p in alive if p.sentinel in ended]:
+class _Workers:
+    """The worker processes of one serve, and the steered sockets the parent holds for them
+    (`group`, by worker index; empty without steering)."""
+
+    def __init__(self, plan: Plan, group: list[socket.socket]) -> None:
+        self.plan = plan
+        self.group = group
+        self._ctx = multiprocessing.get_context("spawn")
+        self.ready = self._ctx.Queue()
+        """(index, lines) from each worker once it is up, or (index, why) if it failed."""
+        self.stopping: list[int] = []
+        """The signals that stop the workers, once one came."""
+        self.budget = RestartBudget()
+        self.procs: list[Any] = []
+        for index in range(plan.transport.workers):
+            self.procs.append(self._spawn(index))
+
+    def _spawn(self, index: int) -> Any:
+        sock = self.group[index] if self.group else None
+        proc = self._ctx.Process(
+            target=_worker_entry,
+            args=(self.plan, index, self.ready, sock),
+            name=f"quicedge-worker-{index}",
+        )
+        proc.start()
+        return proc
+
+    def forward(self, signum: int, _frame: Any) -> None:
+        if signum != signal.SIGHUP:
+            self.stopping.append(signum)
+        for proc in self.procs:
+            if proc.is_alive() and proc.pid is not None:
+                os.kill(proc.pid, signum)
+
+    def supervise(self) -> None:
+        """Until told to stop: start a worker that dies again, with its index and its steered
+        socket, so that its clients' datagrams reach it (and a client of the dead one gets a
+        stateless reset it recognises: same index, same key). Past the budget a dead worker
+        stays dead, and with steering the group goes back to the address hash (its socket
+        closed), so that the others take its new clients."""
+        while not self.stopping:
+            alive = [p for p in self.procs if p.is_alive()]
+            if not alive:
+                return
+            ended = multiprocessing.connection.wait([p.sentinel for p in alive])
+            if self.stopping:
+                return
+            for proc in alive:
+                if proc.sentinel not in ended:
+                    continue
+                proc.join()
+                index = self.procs.index(proc)
+                if self.budget.take():
+                    self.procs[index] = self._spawn(index)
+                    log.warning(
+                        "worker %d ended (exit %s): started again (pid %s)",
+                        index, proc.exitcode, self.procs[index].pid,
+                    )  # fmt: skip
+                else:
+                    log.error(
+                        "worker %d ended (exit %s) and is not started again: %d restarts "
+                        "within %.0f s", index, proc.exitcode, RESTARTS, RESTART_WINDOW,
+                    )  # fmt: skip
+                    self._give_up(index)
+
+    def _give_up(self, index: int) -> None:
+        if not self.group or self.group[index].fileno() < 0:
+            return
+        others = [i for i, p in enumerate(self.procs) if i != index and p.is_alive()]
+        if others:
+            log.warning("HTTP/3 datagrams spread by client address now")
+            steering.spread_by_address(self.group[others[0]])
+        self.group[index].close()
+
+    def wait(self) -> None:
+        """Wait until every worker has ended, then close the steered sockets (held until now,
+        so the group's order never changes)."""
+        for proc in self.procs:
             proc.join()
-            alive.remove(proc)
-            if group and alive and not stopping:  # a worker that died, not one told to stop
-                log.warning(
-                    "worker %s ended (exit %s): HTTP/3 datagrams spread by client address now",
-                    proc.name, proc.exitcode,
-                )  # fmt: skip
-                steering.spread_by_address(group[procs.index(alive[0])])
-                group[procs.index(proc)].close()
-    for sock in group:
-        sock.close()
+        for sock in self.group:
+            sock.close()
 
 
 def _steered_sockets(t: TransportConfig) -> list[socket.socket]:

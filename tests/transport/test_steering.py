@@ -5,8 +5,10 @@ whose address changes mid-connection (a NAT rebinding) staying with its worker."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -15,6 +17,7 @@ from typing import Any
 import pytest
 
 from certs import ensure_dev_certificates
+from tests.helpers import wait_until
 from tests.transport.conftest import ServeProcess
 from tests.transport.h3client import h3_connect
 from tests.transport.udp_holdback import UdpHoldback
@@ -27,6 +30,7 @@ from transport.steering import (
     spread_by_address,
     worker_for,
 )
+from transport.workers import RESTARTS, RestartBudget
 
 
 def _short(first_cid_byte: int) -> bytes:
@@ -77,6 +81,16 @@ def test_spread_by_address_gives_up_the_connection_id() -> None:
     finally:
         for sock in group:
             sock.close()
+
+
+def test_restarts_are_bounded_per_window() -> None:
+    now = [0.0]
+    budget = RestartBudget(limit=3, window=60.0, clock=lambda: now[0])
+    assert [budget.take() for _ in range(4)] == [True, True, True, False]
+    now[0] = 59.0
+    assert not budget.take()
+    now[0] = 60.5  # the first three are out of the window
+    assert budget.take()
 
 
 def test_each_worker_makes_ids_that_name_it_and_still_vary() -> None:
@@ -136,27 +150,84 @@ async def test_a_client_whose_address_changes_stays_with_its_worker(
     assert "spread by client address" not in server.errors()  # stopped, none died
 
 
-async def test_new_clients_are_served_after_a_worker_dies(
-    serve_process: Any, redis_url: str
-) -> None:
-    """Steered by connection ID, half of the new clients would go on reaching the dead
-    worker's socket; the parent closes it and goes back to the address hash."""
-    server: ServeProcess = await asyncio.to_thread(
-        serve_process, "--demo", "--workers", "2", "--redis", redis_url
-    )
-    workers = _worker_pids(server)
-    assert len(workers) == 2, server.lines
-    os.kill(workers[0], signal.SIGKILL)
+async def _restarted(server: ServeProcess, count: int) -> int:
+    """The pid of the `count`th worker the parent started again (once it is up)."""
+    pattern = re.compile(r"started again \(pid (\d+)\)")
+    for _ in range(300):
+        found = pattern.findall(server.errors())
+        if len(found) >= count:
+            # Datagrams for it wait in its socket, which the parent holds, until it reads them.
+            return int(found[count - 1])
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no restart {count}: {server.errors()[-2000:]}")
+
+
+async def _served_by(port: int, clients: int) -> set[int]:
+    """The worker pids that answered `clients` new connections."""
     ca = ensure_dev_certificates().ca_cert
-    await asyncio.sleep(0.5)  # the parent notices
     pids = set()
-    for _ in range(8):
-        async with h3_connect(server.h3_port, ca) as client:
+    for _ in range(clients):
+        async with h3_connect(port, ca) as client:
             response = await client.fetch("POST", "/x", body=b"{}", timeout=5)
             assert response.status == 200
             pids.add(json.loads(response.body)["pid"])
-    assert pids == {workers[1]}
-    assert "spread by client address now" in server.errors()
+    return pids
+
+
+async def test_a_worker_that_dies_is_started_again_and_its_clients_told(
+    serve_process: Any, redis_url: str
+) -> None:
+    """The new worker gets the dead one's index, socket and key: new clients reach it, and a
+    client of the dead one gets a stateless reset it recognises, at once."""
+    server: ServeProcess = await asyncio.to_thread(
+        serve_process, "--demo", "--workers", "2", "--redis", redis_url
+    )
+    first, second = _worker_pids(server)
+    ca = ensure_dev_certificates().ca_cert
+    async with contextlib.AsyncExitStack() as stack:
+        orphan = None
+        for _ in range(60):  # a client of the first worker
+            client = await stack.enter_async_context(h3_connect(server.h3_port, ca))
+            response = await client.fetch("POST", "/x", body=b"{}")
+            if json.loads(response.body)["pid"] == first:
+                orphan = client
+                break
+        assert orphan is not None
+        os.kill(first, signal.SIGKILL)
+        again = await _restarted(server, 1)
+        orphan.quic.send_ping(1)
+        orphan.transmit()
+        await wait_until(lambda: orphan.terminated is not None, timeout=15)
+        assert orphan.terminated is not None
+        assert orphan.terminated.reason_phrase == patches.STATELESS_RESET
+    seen: set[int] = set()
+    for _ in range(5):  # by connection ID, each new client reaches either worker
+        seen |= await _served_by(server.h3_port, 8)
+        if seen == {again, second}:
+            break
+    assert seen == {again, second}
+
+
+async def test_a_worker_that_keeps_dying_is_left_dead_and_the_others_serve(
+    serve_process: Any, redis_url: str
+) -> None:
+    """Past its restart budget a worker stays dead; steered by connection ID, half of the
+    new clients would go on reaching its socket, so the parent closes it and goes back to the
+    address hash: every new client reaches the other worker."""
+    server: ServeProcess = await asyncio.to_thread(
+        serve_process, "--demo", "--workers", "2", "--redis", redis_url
+    )
+    dying, survivor = _worker_pids(server)
+    for restart in range(1, RESTARTS + 1):
+        os.kill(dying, signal.SIGKILL)
+        dying = await _restarted(server, restart)
+    os.kill(dying, signal.SIGKILL)
+    for _ in range(50):
+        if "spread by client address now" in server.errors():
+            break
+        await asyncio.sleep(0.1)
+    assert "is not started again" in server.errors()
+    assert await _served_by(server.h3_port, 8) == {survivor}
 
 
 def _worker_pids(server: ServeProcess) -> list[int]:
