@@ -13,6 +13,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import queue
 import signal
 import socket
 import sys
@@ -300,6 +301,7 @@ class _Workers:
             if not alive:
                 return
             ended = multiprocessing.connection.wait([p.sentinel for p in alive])
+            self._read_reports()
             if self.stopping:
                 return
             for proc in alive:
@@ -319,6 +321,17 @@ class _Workers:
                         "within %.0f s", index, proc.exitcode, RESTARTS, RESTART_WINDOW,
                     )  # fmt: skip
                     self._give_up(index)
+
+    def _read_reports(self) -> None:
+        """What restarted workers said once up (or why they failed): read, so the queue holds
+        at most what came since the last death."""
+        while True:
+            try:
+                index, lines = self.ready.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(lines, str):
+                log.error("worker %d did not start again: %s", index, lines)
 
     def _give_up(self, index: int) -> None:
         if not self.group or self.group[index].fileno() < 0:
