@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import os
+import queue
 import re
 import select
 import signal
@@ -30,7 +31,7 @@ from transport.steering import (
     spread_by_address,
     worker_for,
 )
-from transport.workers import RESTARTS, RestartBudget
+from transport.workers import RESTARTS, RestartBudget, _Workers
 
 
 def _short(first_cid_byte: int) -> bytes:
@@ -234,3 +235,18 @@ def _worker_pids(server: ServeProcess) -> list[int]:
     """The workers' pids, from the line `serve` prints once they are all up."""
     line = next(line for line in server.lines if "(pids [" in line)
     return [int(pid) for pid in line.split("(pids [", 1)[1].split("]", 1)[0].split(", ")]
+
+
+def test_the_parent_reads_every_report_of_a_restarted_worker(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Unread, one report per restart would fill the pipe, and a worker would then hang at exit
+    on its last report."""
+    workers = object.__new__(_Workers)
+    workers.ready = queue.Queue()  # type: ignore[assignment]
+    workers.ready.put((0, ["h3 ..."]))
+    workers.ready.put((1, "failed: [Errno 98] address in use"))
+    with caplog.at_level("ERROR", logger="quicedge.serve"):
+        workers._read_reports()
+    assert workers.ready.empty()
+    assert "worker 1 did not start again: failed: [Errno 98]" in caplog.text
