@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # Handshakes on loopback take ~1 ms; across the Internet 1-3 RTT (10-300 ms).
 _HANDSHAKE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -111,6 +111,12 @@ class TransportMetrics:
         )
         for generation in ("0", "1", "2"):
             self.gc_pauses.labels(generation)
+        self.worker_starts = Gauge(
+            "quicedge_worker_starts",
+            "Times this worker's place among the serve's workers has been started: above 1, a"
+            " worker there died and was started again",
+            registry=registry,
+        )
         self.h3_flush_delay = Histogram(
             "quicedge_h3_flush_delay_seconds",
             "HTTP/3 connections with several responses in flight send once per loop turn: from"

@@ -85,6 +85,8 @@ class Plan:
     reuse_port: bool = False
     worker: int = 0
     """This worker's index among the processes of one serve (its stateless reset key's)."""
+    starts: int = 1
+    """How many times a worker with this index has been started (above 1: restarted)."""
 
 
 def print_ready(lines: list[str]) -> None:
@@ -108,6 +110,7 @@ async def run_worker(
     stop = stop or asyncio.Event()
     registry = CollectorRegistry()
     metrics = TransportMetrics(registry)
+    metrics.worker_starts.set(plan.starts)
     keylog = Path(t.tls_keylog) if t.tls_keylog else None
     tls = TlsMaterial(resolve_files(t.cert, t.key), keylog=keylog)
     apps = await plan.apps.open(registry)
@@ -269,15 +272,18 @@ class _Workers:
         self.stopping: list[int] = []
         """The signals that stop the workers, once one came."""
         self.budget = RestartBudget()
+        self._starts: dict[int, int] = {}
         self.procs: list[Any] = []
         for index in range(plan.transport.workers):
             self.procs.append(self._spawn(index))
 
     def _spawn(self, index: int) -> Any:
         sock = self.group[index] if self.group else None
+        self._starts[index] = self._starts.get(index, 0) + 1
+        plan = replace(self.plan, starts=self._starts[index])
         proc = self._ctx.Process(
             target=_worker_entry,
-            args=(self.plan, index, self.ready, sock),
+            args=(plan, index, self.ready, sock),
             name=f"quicedge-worker-{index}",
         )
         proc.start()

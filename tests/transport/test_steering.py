@@ -201,6 +201,14 @@ async def test_a_worker_that_dies_is_started_again_and_its_clients_told(
         await wait_until(lambda: orphan.terminated is not None, timeout=15)
         assert orphan.terminated is not None
         assert orphan.terminated.reason_phrase == patches.STATELESS_RESET
+    # Each scrape of the demo's /metrics is answered by either worker: the new one says so.
+    starts: set[float] = set()
+    for _ in range(100):
+        starts.add(_sample(await asyncio.to_thread(server.metrics)))
+        if starts == {1.0, 2.0}:
+            break
+        await asyncio.sleep(0.05)
+    assert starts == {1.0, 2.0}
     seen: set[int] = set()
     for _ in range(5):  # by connection ID, each new client reaches either worker
         seen |= await _served_by(server.h3_port, 8)
@@ -229,6 +237,12 @@ async def test_a_worker_that_keeps_dying_is_left_dead_and_the_others_serve(
         await asyncio.sleep(0.1)
     assert "is not started again" in server.errors()
     assert await _served_by(server.h3_port, 8) == {survivor}
+
+
+def _sample(metrics: str) -> float:
+    """`quicedge_worker_starts` in one worker's exposition."""
+    line = next(line for line in metrics.splitlines() if line.startswith("quicedge_worker_starts "))
+    return float(line.split()[-1])
 
 
 def _worker_pids(server: ServeProcess) -> list[int]:
