@@ -318,10 +318,12 @@ ORIGINAL_RECEIVE_DATAGRAM = QuicConnection.receive_datagram
 
 def _receive_datagram(self: QuicConnection, data: bytes, addr: Any, now: float) -> None:
     """aioquic's own, after a check for a stateless reset (RFC 9000 §10.3.1)."""
+    token = self._peer_cid.stateless_reset_token  # None for most a server holds: first
     if (
-        data
+        token is not None
+        and data
         and not data[0] & 0x80
-        and looks_like_reset(data, self._peer_cid.stateless_reset_token)
+        and looks_like_reset(data, token)
         and self._state not in END_STATES
     ):
         log.debug("stateless reset received on connection %s", self.host_cid.hex())

@@ -100,11 +100,16 @@ class _Endpoint(QuicServer):
     def datagram_received(self, data: bytes | str, addr: NetworkAddress) -> None:
         raw = data if isinstance(data, bytes) else data.encode()
         if raw and not raw[0] & 0x80:  # a short header: only ever a known connection's
+            # Straight to the connection, which parses the packet anyway: aioquic's endpoint
+            # would parse its header once more only to look up the same connection ID.
             cid_length = server_configuration(self).connection_id_length
-            if not has_connection(self, raw[1 : 1 + cid_length]):
+            protocol = connection_for(self, raw[1 : 1 + cid_length])
+            if protocol is None:
                 self._reset(raw, addr, cid_length)
-                return
-        elif self.draining:
+            else:
+                protocol.datagram_received(raw, addr)
+            return
+        if self.draining:
             header = self._header(raw)
             if header is None or not has_connection(self, header.destination_cid):
                 return  # no new connections while draining
