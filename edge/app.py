@@ -133,6 +133,11 @@ class ProxyApp:
             models=models,
         )  # fmt: skip
 
+    def set_gateway(self, gateway: PolicyGateway | None) -> None:
+        """A reloaded `[policy]`'s gateway, for the requests that start next (those in progress
+        keep the one they started with)."""
+        self.gateway = self.attempts.gateway = gateway
+
     @property
     def policy(self) -> RoutingPolicy:
         """The routing policy (the one `attempts` asks; setting it swaps it there)."""

@@ -119,6 +119,9 @@ class ProxyConfig:
     expose_backend_names: bool = False
     """Name the backend (its host:port) to clients: the `x-quicedge-backend` response header and
     the upstream detail in error messages. Off: internal addresses never leave the edge."""
+    config_poll_interval: float | None = None
+    """Seconds between checks of the `--config` file: when it changed, it is reloaded as on
+    SIGHUP (docs/configuration.md, "Reloading the config"); none: on SIGHUP only."""
     state: StateConfig = field(default_factory=StateConfig, metadata={"load": False})
     """Stored conversations and the response cache: the top-level `[state]` table (`edge.state`),
     carried here for the proxy's stages; not a `[proxy]` key."""
@@ -187,7 +190,8 @@ class ProxyConfig:
             raise ValueError("proxy: degraded_token_usage must be in (0, 1]")
         # a missing or empty key file fails at start, with its setting's name
         BackendCredentials.from_files(self.backend_api_key_file, self.backend_api_key_files)
-        for name in ("degraded_ttft_p99", "degraded_queue", "loads_interval"):
+        for name in ("degraded_ttft_p99", "degraded_queue", "loads_interval",
+                     "config_poll_interval"):  # fmt: skip
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"proxy: {name} must be > 0, got {value!r}")

@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -27,6 +27,7 @@ from edge.cors import CorsConfig
 from edge.fleet_metrics import FleetMetrics, FleetPlan
 from edge.models.config import ModelsConfig
 from edge.policy.config import PolicyConfig
+from edge.reload import Reloader
 from edge.routing.breakers import BreakerConfig
 from edge.routing.fleet_view import FleetViewConfig
 from edge.routing.kv_events import KvEventsConfig
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
             "handshake\ncompletes; reject: 425 Too Early. Change per route in the TOML "
             "[early_data] table\n(default = MODE, routes = {PATH = MODE}); --early-data "
             "overrides every route.\n\nSignals: SIGTERM/SIGINT drain, SIGHUP reloads the "
-            "certificate."
+            'certificate and the config\nfile (docs/configuration.md, "Reloading the config").'
         ),
     )
     parser.add_argument(
@@ -113,6 +114,23 @@ def transport_config(loaded: Settings) -> TransportConfig:
     return early.applied_to(loaded.get("serve", TransportConfig))
 
 
+@dataclass(frozen=True)
+class SettingsSource:
+    """How the running settings were read, to read them again on a reload: the same flags and
+    `QUICEDGE_*` variables over the `--config` file as it is now."""
+
+    args: argparse.Namespace
+    environ: dict[str, str]
+
+    @classmethod
+    def of(cls, args: argparse.Namespace, environ: Mapping[str, str]) -> SettingsSource:
+        own = {k: v for k, v in environ.items() if k.startswith(settings.ENV_PREFIX)}
+        return cls(args, own)
+
+    def load(self) -> Settings:
+        return load_settings(self.args, self.environ)
+
+
 @dataclass
 class ProxyApps:
     """`transport.workers.AppFactory` of the proxy: built and started inside each worker."""
@@ -120,6 +138,9 @@ class ProxyApps:
     settings: Settings
     fleet: FleetPlan | None = None
     """With several workers: where they serve their metrics to each other (edge.fleet_metrics)."""
+    source: SettingsSource | None = None
+    """Where a reload (SIGHUP, `config_poll_interval`) reads the settings again; None: a
+    reload only compiles the policy modules again."""
 
     def for_worker(self, index: int) -> ProxyApps:
         if self.fleet is None:
@@ -145,6 +166,15 @@ class ProxyApps:
             access_log=self.settings.get("access_log", AccessLogConfig),
         )
         await built.start()
+        reload: Callable[[], None] = built.reload
+        reloader = None
+        if self.source is not None:
+            reloader = Reloader(
+                self.source.load, self.settings, built,
+                path=self.source.args.config, poll_interval=proxy.config_poll_interval,
+            )  # fmt: skip
+            reloader.start()
+            reload = reloader.reload
         admin_app = built.admin_app
         fleet = FleetMetrics(self.fleet, registry) if self.fleet is not None else None
         workers = None
@@ -156,13 +186,15 @@ class ProxyApps:
             await workers.start()
 
         async def aclose() -> None:
+            if reloader is not None:
+                await reloader.aclose()
             if workers is not None:
                 await workers.aclose()
             if fleet is not None:
                 await fleet.aclose()
             await built.aclose()
 
-        return ServedApps(built.app, admin_app, aclose, reload=built.reload)
+        return ServedApps(built.app, admin_app, aclose, reload=reload)
 
     def describe(self) -> str:
         proxy = self.settings.get("proxy", ProxyConfig)
@@ -197,7 +229,11 @@ def main(argv: list[str]) -> int:
         print(f"quicedge serve: {exc}", file=sys.stderr)
         return 2
     fleet = FleetPlan.create(transport.workers) if transport.workers > 1 else None
-    apps: AppFactory = DemoApps() if args.demo else ProxyApps(loaded, fleet=fleet)
+    apps: AppFactory = (
+        DemoApps()
+        if args.demo
+        else ProxyApps(loaded, fleet=fleet, source=SettingsSource.of(args, os.environ))
+    )
     try:
         return serve(Plan(transport=transport, apps=apps))
     finally:
@@ -205,4 +241,11 @@ def main(argv: list[str]) -> int:
             fleet.cleanup()
 
 
-__all__ = ["ProxyApps", "build_parser", "load_settings", "main", "transport_config"]
+__all__ = [
+    "ProxyApps",
+    "SettingsSource",
+    "build_parser",
+    "load_settings",
+    "main",
+    "transport_config",
+]

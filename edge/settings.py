@@ -436,6 +436,9 @@ class Settings:
     def __getitem__(self, name: str) -> Any:
         return self._values[name]
 
+    def names(self) -> list[str]:
+        return list(self._values)
+
     def get(self, name: str, kind: type[T]) -> T:
         value = self._values[name]
         if not isinstance(value, kind):

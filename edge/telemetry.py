@@ -204,6 +204,27 @@ class Metrics:
             ["module", "kind"],
             registry=registry,
         )
+        self.config_reloads = LightCounter(
+            "quicedge_config_reloads",
+            "Reloads of the config file (SIGHUP, or a change seen with config_poll_interval),"
+            " by outcome: applied (a live section changed), unchanged, refused (the file did"
+            " not load or validate; nothing changed)",
+            ["outcome"],
+            registry=registry,
+        )
+        self.config_reload_ok = Gauge(
+            "quicedge_config_last_reload_successful",
+            "0 when the last reload of the config file was refused (the running settings"
+            " stayed), else 1",
+            registry=registry,
+        )
+        self.config_reload_ok.set(1)
+        self.config_restart_pending = Gauge(
+            "quicedge_config_restart_pending",
+            "1 while the config file, as last reloaded, differs from the running settings in a"
+            " section that takes effect only on a restart",
+            registry=registry,
+        )
         self.policy_judge = LightHistogram(
             "quicedge_policy_judge_seconds",
             "Time the guard model took to answer, by verdict (safe, unsafe, error)",

@@ -96,6 +96,8 @@ class Wiring:
     fleet: FleetServices | None = None
     access_log: AccessLog | None = None
     rollout_sync: RolloutSync | None = None
+    proxy: ProxyApp | None = None
+    """The proxy app inside `app` (which may be it wrapped for CORS)."""
     _aborts: set[asyncio.Task[Any]] = field(default_factory=set)
     _clients: dict[str, Any] = field(default_factory=dict)
 
@@ -122,6 +124,17 @@ class Wiring:
         """SIGHUP: compile the policy modules again (requests in progress keep the old ones)."""
         if self.gateway is not None:
             self.gateway.reload_soon()
+
+    async def swap_gateway(self, gateway: PolicyGateway | None) -> None:
+        """Serve the requests that start from now on with `gateway` (a reloaded `[policy]`),
+        then stop the old one's module watchers. Requests in progress keep what they hold."""
+        old, self.gateway = self.gateway, gateway
+        if self.proxy is not None:
+            self.proxy.set_gateway(gateway)
+        if gateway is not None:
+            gateway.start()
+        if old is not None:
+            await old.aclose()
 
     async def aclose(self) -> None:
         """Stop checks, let in-progress aborts finish briefly, close pools, flush spans."""
@@ -277,13 +290,7 @@ async def build(
             raise ValueError(f"models.{which}: sharing rollouts needs a Redis (--redis)")
         sync = RolloutSync(pools, url=redis_url, key=models.share_key,
                            stops=models.share_stops, advances=models.share_advances)  # fmt: skip
-    gateway = PolicyGateway.from_config(
-        policies or PolicyConfig(),
-        on_decision=lambda rule, outcome: metrics.policy_decisions.labels(rule, outcome).inc(),
-        on_module_failure=lambda module, kind: metrics.policy_failures.labels(module, kind).inc(),
-        pool=pool,
-        on_judge=lambda verdict, seconds: metrics.policy_judge.labels(verdict).observe(seconds),
-    )
+    gateway = make_gateway(policies or PolicyConfig(), metrics=metrics, pool=pool)
     access = AccessLog(access_log) if access_log and access_log.enabled else None
     if access is not None:
         registry.register(AccessLogCollector(access))
@@ -346,6 +353,7 @@ async def build(
         access_log=wiring.access_log,
         models=pools,
     )
+    wiring.proxy = proxy
     wiring.app = wrap_cors(proxy, cors, allowed_methods) if cors is not None else proxy
     wiring.admin_app = AdminApp(
         registry=registry,
@@ -357,6 +365,20 @@ async def build(
         models=pools,
     )
     return wiring
+
+
+def make_gateway(
+    policies: PolicyConfig, *, metrics: Metrics, pool: UpstreamPool
+) -> PolicyGateway | None:
+    """The policy gateway of `policies` reporting into `metrics` (None when it configures
+    nothing). Compiles the WebAssembly modules: no event loop needed, so it may run in a thread."""
+    return PolicyGateway.from_config(
+        policies,
+        on_decision=lambda rule, outcome: metrics.policy_decisions.labels(rule, outcome).inc(),
+        on_module_failure=lambda module, kind: metrics.policy_failures.labels(module, kind).inc(),
+        pool=pool,
+        on_judge=lambda verdict, seconds: metrics.policy_judge.labels(verdict).observe(seconds),
+    )
 
 
 def _sglang_client(credentials: BackendCredentials, url: str, timeout: float) -> BackendClient:
@@ -380,4 +402,4 @@ async def _unset_app(scope: Any, receive: Any, send: Any) -> None:  # replaced i
     raise RuntimeError("wiring not built")
 
 
-__all__ = ["Wiring", "add_arguments", "build", "config_from"]
+__all__ = ["Wiring", "add_arguments", "build", "config_from", "make_gateway"]

@@ -29,9 +29,7 @@ class Admission:
         self.settings = settings
         self.metrics = metrics
         self.directory = TenantDirectory(settings)
-        self._by_name = {t.name: t for t in self.directory.tenants}
-        if self.directory.anonymous is not None:
-            self._by_name[self.directory.anonymous.name] = self.directory.anonymous
+        self._by_name = self._names(self.directory)
         self.guard: RedisGuard | None = None
         if settings.redis.url is not None:
             self.guard = RedisGuard(settings.redis, on_state=self._redis_state)
@@ -50,6 +48,24 @@ class Admission:
         self._in_flight: dict[str, int] = {}
         self._refused_until: dict[str, float] = {}
         """Tenant → when its requests bucket holds a request again (monotonic seconds)."""
+
+    @staticmethod
+    def _names(directory: TenantDirectory) -> dict[str, Tenant]:
+        by_name = {t.name: t for t in directory.tenants}
+        if directory.anonymous is not None:
+            by_name[directory.anonymous.name] = directory.anonymous
+        return by_name
+
+    def set_tenants(self, settings: AdmissionSettings) -> None:
+        """A reloaded config's tenants and anonymous tenant, for the requests that come next.
+
+        Requests already admitted keep their slots (counted by tenant name) and are debited
+        with the new shapes when they end; remembered refusals are dropped, since a tenant's
+        quota may have grown. The other `[admission]` settings need a restart."""
+        settings.validate()
+        directory = TenantDirectory(settings)
+        self.directory, self._by_name = directory, self._names(directory)
+        self._refused_until.clear()
 
     def _redis_state(self, name: str, old: str, state: str) -> None:
         self.metrics.redis_breaker(name, old, state)

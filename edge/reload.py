@@ -1,0 +1,188 @@
+"""Reloading the config file while serving (docs/configuration.md, "Reloading the config").
+
+On SIGHUP, or when the `--config` file changes (with `config_poll_interval` set), the settings
+are read again exactly as at start (the same flags and `QUICEDGE_*` variables over the file) and
+validated. A file that does not load or validate changes nothing. Otherwise:
+
+- `[[tenants]]` and `[admission.anonymous]` (API keys, tiers, quotas) and `[policy]` (rules,
+  modules, stream rules, the guard model) apply to the requests that start from then on;
+  requests in progress finish as they began. A new policy gateway is built (its modules
+  compiled) in a thread, so the loop keeps serving meanwhile.
+- Any other section that differs from what the process started with is named in a warning and
+  in `quicedge_config_restart_pending`: those shape listeners, pools and background tasks that
+  are built once, and take effect on a restart (or a rolling update).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import fields
+from typing import Any
+
+from edge.admission.settings import AdmissionSettings
+from edge.config import ProxyConfig
+from edge.policy.config import PolicyConfig
+from edge.settings import Settings
+from edge.wiring import Wiring, make_gateway
+
+log = logging.getLogger("quicedge.reload")
+
+Stamp = tuple[int, int, int]
+
+LIVE = ("tenants", "admission.anonymous", "policy")
+"""What a reload applies while serving; every other difference waits for a restart."""
+
+_CARRIED = {"proxy": ("admission", "state"), "admission": ("anonymous", "tenants")}
+"""Fields a section carries that are compared on their own (`ProxyConfig.with_features` puts
+the `[admission]` and `[state]` sections into `[proxy]`, and `[[tenants]]` into `[admission]`)."""
+
+
+def file_stamp(path: str) -> Stamp | None:
+    """What tells that a file changed: inode, modification time and size (a Kubernetes
+    ConfigMap or Secret volume swaps a symlink to a new file, so the inode changes too)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+def _fields(value: Any, leave_out: tuple[str, ...]) -> Any:
+    if not leave_out:
+        return value
+    return {f.name: getattr(value, f.name) for f in fields(value) if f.name not in leave_out}
+
+
+def differences(old: Settings, new: Settings) -> tuple[list[str], list[str]]:
+    """(the live parts that differ, the other sections that differ), by name."""
+    live: list[str] = []
+    if old["tenants"] != new["tenants"]:
+        live.append("tenants")
+    old_admission = old.get("admission", AdmissionSettings)
+    if old_admission.anonymous != new.get("admission", AdmissionSettings).anonymous:
+        live.append("admission.anonymous")
+    if old["policy"] != new["policy"]:
+        live.append("policy")
+    restart = [
+        name
+        for name in old.names()
+        if name not in LIVE
+        and _fields(old[name], _CARRIED.get(name, ())) != _fields(new[name], _CARRIED.get(name, ()))
+    ]
+    return live, restart
+
+
+class Reloader:
+    """Reads the settings again and applies what can change live to one worker's `Wiring`."""
+
+    def __init__(
+        self,
+        load: Callable[[], Settings],
+        running: Settings,
+        wiring: Wiring,
+        *,
+        path: str | None = None,
+        poll_interval: float | None = None,
+    ) -> None:
+        self._load = load
+        self._started = running
+        """What the process started with: the sections a reload cannot change stay these."""
+        self._applied = running
+        """The live sections as last applied."""
+        self.wiring = wiring
+        self.path = path
+        self.poll_interval = poll_interval
+        self._stamp = file_stamp(path) if path is not None else None
+        self._task: asyncio.Task[None] | None = None
+        self._again = False
+        self._again_signal = False
+        self._poller: asyncio.Task[None] | None = None
+        self.reloads = wiring.metrics.config_reloads
+        self.restart_pending = wiring.metrics.config_restart_pending
+
+    def start(self) -> None:
+        if self.path is not None and self.poll_interval is not None:
+            self._poller = asyncio.get_running_loop().create_task(self._poll())
+
+    def reload(self) -> None:
+        """SIGHUP: reload soon, policy modules included."""
+        self._schedule(signal=True)
+
+    def _schedule(self, *, signal: bool) -> None:
+        """One reload at a time; a request during one runs another after it."""
+        self._again_signal |= signal
+        if self._task is not None and not self._task.done():
+            self._again = True
+            return
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        self._again = True
+        while self._again:
+            signal, self._again, self._again_signal = self._again_signal, False, False
+            await self.reload_now(signal=signal)
+
+    async def reload_now(self, *, signal: bool = False) -> str:
+        """Read the settings again and apply them; the outcome counted. `signal`: also compile
+        unchanged policy modules again (SIGHUP's meaning for them)."""
+        if self.path is not None:
+            self._stamp = file_stamp(self.path)
+        try:
+            new = await asyncio.to_thread(self._load)
+            live, restart = differences(self._applied, new)
+            _, pending = differences(self._started, new)
+            gateway = None
+            if "policy" in live:
+                gateway = await asyncio.to_thread(
+                    make_gateway,
+                    new.get("policy", PolicyConfig),
+                    metrics=self.wiring.metrics,
+                    pool=self.wiring.pool,
+                )
+        except Exception as exc:  # a file that does not load keeps the running settings
+            self.reloads.labels("refused").inc()
+            self.wiring.metrics.config_reload_ok.set(0)
+            log.error("config reload refused, the running settings stay: %s", exc)
+            return "refused"
+        if "tenants" in live or "admission.anonymous" in live:
+            self.wiring.admission.set_tenants(new.get("proxy", ProxyConfig).admission)
+        if "policy" in live:
+            await self.wiring.swap_gateway(gateway)
+        elif signal:
+            self.wiring.reload()
+        self._applied = new
+        self.wiring.metrics.config_reload_ok.set(1)
+        self.restart_pending.set(1 if pending else 0)
+        if pending and restart:
+            log.warning(
+                "config reload: %s changed; that takes effect on a restart",
+                ", ".join(f"[{name}]" for name in pending),
+            )
+        outcome = "applied" if live else "unchanged"
+        self.reloads.labels(outcome).inc()
+        log.info("config reload %s%s", outcome, f": {', '.join(live)}" if live else "")
+        return outcome
+
+    async def _poll(self) -> None:
+        assert self.path is not None and self.poll_interval is not None
+        while True:
+            await asyncio.sleep(self.poll_interval)
+            stamp = file_stamp(self.path)
+            if stamp is not None and stamp != self._stamp:
+                self._stamp = stamp
+                self._schedule(signal=False)
+
+    async def aclose(self) -> None:
+        for task in (self._poller, self._task):
+            if task is not None and not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._poller = self._task = None
+
+
+__all__ = ["LIVE", "Reloader", "differences", "file_stamp"]

@@ -1,0 +1,237 @@
+"""Reloading the config file while serving (edge/reload.py): a real `quicedge serve`, its
+config file rewritten, then SIGHUP or the file poll; requests over real sockets before and after."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from edge.reload import differences, file_stamp
+from edge.serve import build_parser, load_settings
+from tests.deploy.processes import sim_process
+from tests.edge.test_many_streams import stand_in  # noqa: F401  (the fixture)
+from tests.helpers import free_port
+from tests.transport.conftest import ServeProcess
+
+APPLIED = 'quicedge_config_reloads_total{outcome="applied"}'
+REFUSED = 'quicedge_config_reloads_total{outcome="refused"}'
+PENDING = "quicedge_config_restart_pending"
+OK = "quicedge_config_last_reload_successful"
+
+
+def digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def tenants_toml(*names: str, rule: str | None = None, extra: str = "") -> str:
+    """Anonymous requests refused, one tenant per name with the key `key-NAME`, and maybe a
+    deny rule on the word `rule`."""
+    text = f"{extra}\n[admission.anonymous]\nenabled = false\n"
+    for name in names:
+        text += f'[[tenants]]\nname = "{name}"\napi_key_sha256 = ["{digest("key-" + name)}"]\n'
+    if rule is not None:
+        text += f'[[policy.rules]]\nid = "no-{rule}"\npatterns = ["{rule}"]\n'
+    return text
+
+
+def body(text: str, **more: Any) -> dict[str, Any]:
+    return {"model": "default", "max_tokens": 2,
+            "messages": [{"role": "user", "content": text}], **more}  # fmt: skip
+
+
+async def status(http: httpx.AsyncClient, key: str, text: str = "hello") -> int:
+    response = await http.post(
+        "/v1/chat/completions", json=body(text), headers={"authorization": f"Bearer {key}"}
+    )
+    return response.status_code
+
+
+def serve(config: Path, backend: str, *more: str) -> tuple[ServeProcess, str]:
+    port = free_port()
+    proc = ServeProcess(
+        "--backend", backend, "--config", str(config), "--http", f"127.0.0.1:{port}", *more
+    )
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def total(proc: ServeProcess, sample: str) -> float:
+    """`sample` summed over the workers (several add a `worker` label to each sample)."""
+    name, _, labels = sample.partition("{")
+    want = [part for part in labels.rstrip("}").split(",") if part]
+    found = 0.0
+    for line in proc.metrics().splitlines():
+        head, _, value = line.rpartition(" ")
+        got_name, _, got_labels = head.partition("{")
+        if got_name == name and all(w in got_labels.rstrip("}").split(",") for w in want):
+            found += float(value)
+    return found
+
+
+async def wait_metric(proc: ServeProcess, sample: str, at_least: float) -> None:
+    deadline = asyncio.get_running_loop().time() + 30
+    while await asyncio.to_thread(total, proc, sample) < at_least:
+        assert asyncio.get_running_loop().time() < deadline, f"{sample} stayed under {at_least}"
+        await asyncio.sleep(0.1)
+
+
+# -- what a reload compares ----------------------------------------------------------------------
+
+
+def settings_of(tmp_path: Path, text: str) -> Any:
+    path = tmp_path / "quicedge.toml"
+    path.write_text(text)
+    args = build_parser().parse_args(["--config", str(path), "--backend", "http://127.0.0.1:9"])
+    return load_settings(args, {})
+
+
+def test_tenants_anonymous_and_policy_are_live_every_other_section_waits(tmp_path: Path) -> None:
+    base = settings_of(tmp_path, tenants_toml("a"))
+    assert differences(base, settings_of(tmp_path, tenants_toml("a"))) == ([], [])
+    assert differences(base, settings_of(tmp_path, tenants_toml("a", "b"))) == (["tenants"], [])
+    anonymous_on = tenants_toml("a").replace("enabled = false", "enabled = true")
+    assert differences(base, settings_of(tmp_path, anonymous_on)) == (["admission.anonymous"], [])
+    assert differences(base, settings_of(tmp_path, tenants_toml("a", rule="x"))) == (["policy"], [])
+    retries = tenants_toml("a", extra="[proxy]\nmax_retries = 0")
+    assert differences(base, settings_of(tmp_path, retries)) == ([], ["proxy"])
+    throttle = tenants_toml("a", extra="[admission.throttle]\nmax_queue_depth = 4")
+    assert differences(base, settings_of(tmp_path, throttle)) == ([], ["admission"])
+    both = tenants_toml("b", extra="[state.cache]\nttl = 60.0")
+    assert differences(base, settings_of(tmp_path, both)) == (["tenants"], ["state"])
+
+
+def test_the_file_stamp_sees_a_swapped_file_of_the_same_size_and_time(tmp_path: Path) -> None:
+    """Kubernetes updates a mounted ConfigMap by pointing a symlink at a new file."""
+    first, second, link = tmp_path / "a", tmp_path / "b", tmp_path / "config.toml"
+    first.write_text("x = 1")
+    second.write_text("x = 2")
+    st = first.stat()
+    os.utime(second, ns=(st.st_atime_ns, st.st_mtime_ns))
+    link.symlink_to(first)
+    before = file_stamp(str(link))
+    link.unlink()
+    link.symlink_to(second)
+    assert before is not None and file_stamp(str(link)) not in (None, before)
+    assert file_stamp(str(tmp_path / "missing")) is None
+
+
+# -- a running edge -------------------------------------------------------------------------------
+
+
+async def test_sighup_applies_tenants_and_policy_and_keeps_them_on_a_broken_file(
+    stand_in: str,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "quicedge.toml"
+    config.write_text(tenants_toml("one"))
+    proc, url = serve(config, stand_in)
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            assert await status(http, "key-one") == 200
+            assert await status(http, "key-two") == 401
+            assert await status(http, "key-one", "forbidden words") == 200
+
+            config.write_text(tenants_toml("two", rule="forbidden"))
+            proc.proc.send_signal(signal.SIGHUP)
+            await wait_metric(proc, APPLIED, 1)
+            assert await status(http, "key-one") == 401  # a key taken out stops at once
+            assert await status(http, "key-two") == 200
+            assert await status(http, "key-two", "forbidden words") == 403
+            assert total(proc, PENDING) == 0
+
+            config.write_text("[[tenants]\nname = ")  # half-written: not TOML
+            proc.proc.send_signal(signal.SIGHUP)
+            await wait_metric(proc, REFUSED, 1)
+            config.write_text(tenants_toml("two") + '[[tenants]]\nname = "two"\n')  # a duplicate
+            proc.proc.send_signal(signal.SIGHUP)
+            await wait_metric(proc, REFUSED, 2)
+            assert total(proc, OK) == 0
+            assert await status(http, "key-two") == 200  # the running settings stayed
+            assert await status(http, "key-two", "forbidden words") == 403
+            assert await status(http, "key-one") == 401
+
+            config.write_text(tenants_toml("two", extra="[proxy]\nmax_retries = 0"))
+            proc.proc.send_signal(signal.SIGHUP)
+            await wait_metric(proc, PENDING, 1)
+            assert total(proc, OK) == 1
+            assert total(proc, APPLIED) == 2  # the rule went away: a live change too
+            assert await status(http, "key-two", "forbidden words") == 200
+    finally:
+        assert proc.stop() == 0, proc.errors()
+    errors = proc.errors()
+    assert "config reload refused, the running settings stay: --config" in errors
+    assert "tenants[1].name: 'two' is taken" in errors
+    assert "config reload: [proxy] changed; that takes effect on a restart" in errors
+
+
+async def test_a_changed_file_is_reloaded_without_a_signal_when_polled(
+    stand_in: str,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    poll = "[proxy]\nconfig_poll_interval = 0.2"
+    config = tmp_path / "quicedge.toml"
+    config.write_text(tenants_toml("one", extra=poll))
+    proc, url = serve(config, stand_in)
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            assert await status(http, "key-two") == 401
+            config.write_text(tenants_toml("one", "two", extra=poll))
+            await wait_metric(proc, APPLIED, 1)
+            assert await status(http, "key-two") == 200
+            assert await status(http, "key-one") == 200
+    finally:
+        assert proc.stop() == 0, proc.errors()
+
+
+@pytest.fixture
+def slow_stand_in() -> Iterator[str]:
+    """A stand-in paced like a GPU: a 300-token answer takes a few seconds."""
+    with sim_process("s1", "h100-llama3-8b") as url:
+        yield url
+
+
+async def test_an_answer_in_progress_finishes_after_its_tenant_is_removed(
+    slow_stand_in: str, redis_url: str, tmp_path: Path
+) -> None:
+    """Its stream rule goes too: an answer keeps the gateway it started with."""
+    config = tmp_path / "quicedge.toml"
+    stream_rule = '\n[[policy.stream_rules]]\nid = "never"\npatterns = ["zzzqqq"]\n'
+    slot = f'api_key_sha256 = ["{digest("key-one")}"]\nmax_concurrent = 2\n'
+    one = tenants_toml("one").replace(f'api_key_sha256 = ["{digest("key-one")}"]\n', slot)
+    assert "max_concurrent = 2" in one  # its slot is freed after the tenant is gone
+    config.write_text(one + stream_rule)
+    proc, url = serve(config, slow_stand_in, "--workers", "2", "--redis", redis_url)
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            request = body("tell a long story", stream=True, max_tokens=300)
+            headers = {"authorization": "Bearer key-one"}
+            async with http.stream(
+                "POST", "/v1/chat/completions", json=request, headers=headers
+            ) as response:
+                assert response.status_code == 200
+                lines = response.aiter_lines()
+                first = await anext(lines)
+                assert first.startswith("data: ")
+                config.write_text(tenants_toml("two"))
+                proc.proc.send_signal(signal.SIGHUP)  # the parent passes it to both workers
+                await wait_metric(proc, APPLIED, 2)  # summed over the workers' samples
+                assert await status(http, "key-one") == 401
+                events = [first] + [line async for line in lines if line]
+            assert events[-1] == "data: [DONE]"
+            finish = json.loads(events[-2][len("data: ") :])["choices"][0]["finish_reason"]
+            assert finish == "length"
+            assert sum('"content"' in e for e in events) >= 300
+            for _ in range(6):  # both workers answer new connections with the new tenants
+                async with httpx.AsyncClient(base_url=url, timeout=30) as fresh:
+                    assert await status(fresh, "key-two") == 200
+                    assert await status(fresh, "key-one") == 401
+    finally:
+        assert proc.stop() == 0, proc.errors()
