@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
@@ -28,10 +27,9 @@ from edge.config import ProxyConfig
 from edge.policy.config import PolicyConfig
 from edge.settings import Settings
 from edge.wiring import Wiring, make_gateway
+from transport.file_watch import FileWatch
 
 log = logging.getLogger("quicedge.reload")
-
-Stamp = tuple[int, int, int]
 
 LIVE = ("tenants", "admission.anonymous", "policy")
 """What a reload applies while serving; every other difference waits for a restart."""
@@ -39,16 +37,6 @@ LIVE = ("tenants", "admission.anonymous", "policy")
 _CARRIED = {"proxy": ("admission", "state"), "admission": ("anonymous", "tenants")}
 """Fields a section carries that are compared on their own (`ProxyConfig.with_features` puts
 the `[admission]` and `[state]` sections into `[proxy]`, and `[[tenants]]` into `[admission]`)."""
-
-
-def file_stamp(path: str) -> Stamp | None:
-    """What tells that a file changed: inode, modification time and size (a Kubernetes
-    ConfigMap or Secret volume swaps a symlink to a new file, so the inode changes too)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def _fields(value: Any, leave_out: tuple[str, ...]) -> Any:
@@ -94,19 +82,20 @@ class Reloader:
         self._applied = running
         """The live sections as last applied."""
         self.wiring = wiring
-        self.path = path
-        self.poll_interval = poll_interval
-        self._stamp = file_stamp(path) if path is not None else None
         self._task: asyncio.Task[None] | None = None
         self._again = False
         self._again_signal = False
-        self._poller: asyncio.Task[None] | None = None
+        self._watch = (
+            FileWatch([path], poll_interval, lambda: self._schedule(signal=False))
+            if path is not None and poll_interval is not None
+            else None
+        )
         self.reloads = wiring.metrics.config_reloads
         self.restart_pending = wiring.metrics.config_restart_pending
 
     def start(self) -> None:
-        if self.path is not None and self.poll_interval is not None:
-            self._poller = asyncio.get_running_loop().create_task(self._poll())
+        if self._watch is not None:
+            self._watch.start()
 
     def reload(self) -> None:
         """SIGHUP: reload soon, policy modules included."""
@@ -129,8 +118,8 @@ class Reloader:
     async def reload_now(self, *, signal: bool = False) -> str:
         """Read the settings again and apply them; the outcome counted. `signal`: also compile
         unchanged policy modules again (SIGHUP's meaning for them)."""
-        if self.path is not None:
-            self._stamp = file_stamp(self.path)
+        if self._watch is not None:
+            self._watch.seen()
         try:
             new = await asyncio.to_thread(self._load)
             live, restart = differences(self._applied, new)
@@ -167,22 +156,14 @@ class Reloader:
         log.info("config reload %s%s", outcome, f": {', '.join(live)}" if live else "")
         return outcome
 
-    async def _poll(self) -> None:
-        assert self.path is not None and self.poll_interval is not None
-        while True:
-            await asyncio.sleep(self.poll_interval)
-            stamp = file_stamp(self.path)
-            if stamp is not None and stamp != self._stamp:
-                self._stamp = stamp
-                self._schedule(signal=False)
-
     async def aclose(self) -> None:
-        for task in (self._poller, self._task):
-            if task is not None and not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-        self._poller = self._task = None
+        if self._watch is not None:
+            await self._watch.aclose()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self._task = None
 
 
-__all__ = ["LIVE", "Reloader", "differences", "file_stamp"]
+__all__ = ["LIVE", "Reloader", "differences"]
