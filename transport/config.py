@@ -70,6 +70,9 @@ class TransportConfig:
     """PEM certificate chain file; with --key."""
     key: str | None = field(default=None, metadata={"metavar": "FILE"})
     """PEM private key file for --cert."""
+    cert_poll_interval: float | None = None
+    """Seconds between checks of the --cert and --key files: when either changed, the
+    certificate is reloaded as on SIGHUP (a renewal lands without a signal); none: SIGHUP only."""
     dev_certs: bool = False
     """Without --cert/--key, serve the generated development certificates even on a listener
     that is not loopback (on loopback they are used without it)."""
@@ -161,6 +164,8 @@ class TransportConfig:
             check_directory(self.qlog_dir)
         if self.tls_keylog is not None and not Path(self.tls_keylog).parent.is_dir():
             raise ValueError(f"--tls-keylog {self.tls_keylog}: its directory does not exist")
+        if self.cert_poll_interval is not None and self.cert_poll_interval <= 0:
+            raise ValueError(f"serve.cert_poll_interval must be > 0, got {self.cert_poll_interval}")
         if self.redis_timeout <= 0:
             raise ValueError(f"serve.redis_timeout must be > 0, got {self.redis_timeout}")
         if self.quic_retry and self.workers > 1 and not self.quic_retry_secret:

@@ -33,6 +33,20 @@ class TransportMetrics:
         )
         for result in ("accepted", "rejected", "replay_refused"):
             self.zero_rtt.labels(result)
+        self.cert_expiry = Gauge(
+            "quicedge_tls_certificate_expiry_timestamp_seconds",
+            "When the served certificate (the chain's leaf) expires, Unix seconds",
+            registry=registry,
+        )
+        self.cert_reloads = Counter(
+            "quicedge_tls_reloads",
+            "Certificate reloads (SIGHUP, or changed files with cert_poll_interval) by outcome:"
+            " applied, or refused (the files did not load; the old certificate stays)",
+            ["outcome"],
+            registry=registry,
+        )
+        for outcome in ("applied", "refused"):
+            self.cert_reloads.labels(outcome)
         self.handshake_seconds = Histogram(
             "quicedge_handshake_seconds",
             "QUIC handshake duration, first datagram to handshake completion (server side)",

@@ -1,4 +1,5 @@
-"""TLS material for every listener: PEM certificate chain and key, reloadable on SIGHUP.
+"""TLS material for every listener: PEM certificate chain and key, reloadable on SIGHUP (or
+when the files change, with `[serve] cert_poll_interval`).
 
 One ``TlsMaterial`` serves both stacks: it builds a fresh ``QuicConfiguration`` for the QUIC
 endpoint (each new connection takes the endpoint's current one) and keeps *one* ``ssl.SSLContext``
@@ -58,8 +59,9 @@ def resolve_files(cert: str | Path | None, key: str | Path | None) -> Certificat
     return CertificateFiles(Path(cert), Path(key))
 
 
-def check_files(files: CertificateFiles) -> None:
-    """Parse both files and check the key matches the leaf; raise ``TlsError`` with the reason."""
+def check_files(files: CertificateFiles) -> float:
+    """Parse both files and check the key matches the leaf; raise ``TlsError`` with the reason.
+    Returns when the leaf expires (its notAfter, Unix seconds)."""
     try:
         chain = x509.load_pem_x509_certificates(files.cert.read_bytes())
     except OSError as exc:
@@ -74,6 +76,7 @@ def check_files(files: CertificateFiles) -> None:
         raise TlsError(f"key {files.key} is not an unencrypted PEM private key: {exc}") from None
     if chain[0].public_key() != key.public_key():
         raise TlsError(f"key {files.key} does not match certificate {files.cert}")
+    return chain[0].not_valid_after_utc.timestamp()
 
 
 def open_keylog(path: Path) -> TextIO:
@@ -87,7 +90,8 @@ class TlsMaterial:
     """The current certificate for all listeners, with reload and change notification."""
 
     def __init__(self, files: CertificateFiles, *, keylog: Path | None = None) -> None:
-        check_files(files)
+        self.expires_at = check_files(files)
+        """When the certificate in use expires (Unix seconds)."""
         self.files = files
         self.keylog = keylog
         """Where both stacks append TLS secrets (None: nowhere)."""
@@ -129,13 +133,14 @@ class TlsMaterial:
     def reload(self) -> bool:
         """Re-read the files; on any error keep serving the old certificate and return False."""
         try:
-            check_files(self.files)
+            expires_at = check_files(self.files)
             if self._ssl is not None:
                 self._ssl.load_cert_chain(self.files.cert, self.files.key)
         except (TlsError, ssl.SSLError, OSError) as exc:
             log.error("TLS reload failed, keeping the current certificate: %s", exc)
             return False
         self.generation += 1
+        self.expires_at = expires_at
         for callback in self._listeners:
             callback()
         log.info("TLS certificate reloaded from %s", self.files.cert)

@@ -29,6 +29,7 @@ from transport import steering
 from transport.asgi import ASGIApp
 from transport.collector import prepare_collector
 from transport.config import TransportConfig
+from transport.file_watch import FileWatch
 from transport.gc_pauses import GcPauseProbe
 from transport.listeners import Listeners, ticket_store
 from transport.loop import run as run_on_loop
@@ -65,11 +66,18 @@ class AppFactory(Protocol):
         ...
 
 
-def _reloader(tls: TlsMaterial, apps: ServedApps) -> Callable[[], None]:
+def reload_certificate(tls: TlsMaterial, metrics: TransportMetrics) -> None:
+    """Re-read the certificate (the old one stays if the files are broken); counted."""
+    applied = tls.reload()
+    metrics.cert_reloads.labels("applied" if applied else "refused").inc()
+    metrics.cert_expiry.set(tls.expires_at)
+
+
+def _reloader(tls: TlsMaterial, metrics: TransportMetrics, apps: ServedApps) -> Callable[[], None]:
     """SIGHUP: the certificate, then whatever the apps reload."""
 
     def reload() -> None:
-        tls.reload()
+        reload_certificate(tls, metrics)
         if apps.reload is not None:
             apps.reload()
 
@@ -113,6 +121,13 @@ async def run_worker(
     metrics.worker_starts.set(plan.starts)
     keylog = Path(t.tls_keylog) if t.tls_keylog else None
     tls = TlsMaterial(resolve_files(t.cert, t.key), keylog=keylog)
+    metrics.cert_expiry.set(tls.expires_at)
+    cert_watch = None
+    if t.cert_poll_interval is not None:
+        paths = [str(tls.files.cert), str(tls.files.key)]
+        cert_watch = FileWatch(
+            paths, t.cert_poll_interval, lambda: reload_certificate(tls, metrics)
+        )
     apps = await plan.apps.open(registry)
     tickets = ticket_store(t)
     listeners = Listeners(
@@ -146,7 +161,9 @@ async def run_worker(
         lines.append(f"app    {plan.apps.describe()}")
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        loop.add_signal_handler(signal.SIGHUP, _reloader(tls, apps))
+        loop.add_signal_handler(signal.SIGHUP, _reloader(tls, metrics, apps))
+        if cert_watch is not None:
+            cert_watch.start()
         prepare_collector()
         probe.start()
         gc_pauses.start()  # after the freeze's own full collection
@@ -156,6 +173,8 @@ async def run_worker(
     finally:
         probe.stop()
         gc_pauses.stop()
+        if cert_watch is not None:
+            await cert_watch.aclose()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
         await listeners.aclose()
