@@ -8,6 +8,7 @@ The listeners, workers and signals are `transport.workers`; the proxy is `edge.w
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import logging
 import os
 import sys
@@ -27,6 +28,7 @@ from edge.cors import CorsConfig
 from edge.fleet_metrics import FleetMetrics, FleetPlan
 from edge.models.config import ModelsConfig
 from edge.policy.config import PolicyConfig
+from edge.policy.wasm import WasmPolicy
 from edge.reload import Reloader
 from edge.routing.breakers import BreakerConfig
 from edge.routing.fleet_view import FleetViewConfig
@@ -63,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--config", metavar="FILE", help="TOML file with [serve], [early_data] and [proxy] tables"
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="check the settings, the certificate and the policy modules, say what would be "
+        "served, and exit without listening (status 0: usable, 2: the first problem found)",
     )
     parser.add_argument(
         "--demo",
@@ -211,6 +219,36 @@ class ProxyApps:
         return text
 
 
+def check_modules(loaded: Settings) -> None:
+    """Compile each policy module once, as a worker will: a missing or broken one stops
+    `serve` here with its id and path (ValueError), not in a worker."""
+    for module in loaded.get("policy", PolicyConfig).wasm:
+        try:
+            WasmPolicy(module)
+        except Exception as exc:  # whatever the module's loading raises is the answer
+            first = (str(exc).splitlines() or [type(exc).__name__])[
+                0
+            ]  # wasmtime's errors span lines
+            raise ValueError(f"policy.wasm {module.id!r} ({module.path}): {first}") from None
+
+
+def check(args: argparse.Namespace, loaded: Settings, tls: TlsMaterial) -> int:
+    """`serve --check`: print what would be served (the caller checked the settings, the
+    certificate and the modules)."""
+    lines = []
+    if not args.demo:
+        lines.append(f"app    {ProxyApps(loaded).describe()}")
+        admission = loaded.get("proxy", ProxyConfig).admission
+        anonymous = "on" if admission.anonymous.enabled else "off"
+        lines.append(f"tenants {len(admission.tenants)}, anonymous {anonymous}")
+    expires = dt.datetime.fromtimestamp(tls.expires_at, dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    lines.append(f"tls    {tls.files.cert}, expires {expires}")
+    for line in lines:
+        print(f"quicedge serve: {line}")
+    print("quicedge serve: config OK (--check: nothing started)")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -219,12 +257,15 @@ def main(argv: list[str]) -> int:
         loaded = load_settings(args, os.environ)
         if not args.demo:  # an exporter that is not installed: one line now, not in a worker
             exporter_names(os.environ, force=loaded.get("proxy", ProxyConfig).tracing)
+            check_modules(loaded)
         transport = transport_config(loaded)
         # Fail early on bad TLS files; make the development certificates once, here, so
         # that workers never race to generate them.
         files = resolve_files(transport.cert, transport.key)
-        TlsMaterial(files)
+        tls = TlsMaterial(files)
         transport = replace(transport, cert=str(files.cert), key=str(files.key))
+        if args.check:
+            return check(args, loaded, tls)
     except (ValueError, TlsError) as exc:
         print(f"quicedge serve: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,66 @@
+"""`quicedge serve --check`: the whole start-up's checks and nothing started, through the real
+command; and a broken policy module stops a real start with the same line."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from edge.admission.tenants import key_digest
+from tests.edge.test_settings import quicedge, refused
+
+MODULE = Path(__file__).parents[2] / "edge" / "policy" / "examples" / "deny_keyword.wasm"
+
+
+def test_a_usable_config_is_described_and_nothing_listens(tmp_path: Path) -> None:
+    config = tmp_path / "quicedge.toml"
+    config.write_text(f"""
+[[tenants]]
+name = "acme"
+api_key_sha256 = ["{key_digest("k")}"]
+
+[[policy.wasm]]
+id = "kw"
+path = "{MODULE}"
+""")
+    with socket.socket() as held:  # `serve` could not bind it: --check must not try
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        done = quicedge(
+            "serve", "--check", "--config", str(config), "--backend", "http://10.0.0.5:30000",
+            "--tcp", f"127.0.0.1:{port}",
+        )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    app = "proxy, routing ttft, backends http://10.0.0.5:30000; gateway 1 module"
+    assert lines[0] == f"quicedge serve: app    {app}"
+    assert lines[1] == "quicedge serve: tenants 1, anonymous on"
+    assert lines[2].startswith("quicedge serve: tls    ") and " expires 20" in lines[2]
+    assert lines[-1] == "quicedge serve: config OK (--check: nothing started)"
+
+
+def test_a_broken_module_is_named_by_check_and_by_a_real_start(tmp_path: Path) -> None:
+    not_wasm = tmp_path / "policy.wasm"
+    not_wasm.write_text("not a module")
+    config = tmp_path / "quicedge.toml"
+    config.write_text(f'[[policy.wasm]]\nid = "kw"\npath = "{not_wasm}"\n')
+    for extra in (["--check"], []):
+        line = refused(
+            quicedge("serve", *extra, "--config", str(config), "--backend", "http://10.0.0.5:1")
+        )
+        assert line == f"quicedge serve: policy.wasm 'kw' ({not_wasm}): expected `(`", line
+    missing = tmp_path / "gone.wasm"
+    config.write_text(f'[[policy.wasm]]\nid = "kw"\npath = "{missing}"\n')
+    line = refused(quicedge("serve", "--check", "--config", str(config), "--backend", "http://a:1"))
+    assert line == (
+        f"quicedge serve: policy.wasm 'kw' ({missing}): [Errno 2] No such file or directory:"
+        f" '{missing}'"
+    )
+
+
+def test_a_bad_setting_fails_the_check_with_its_name(tmp_path: Path) -> None:
+    config = tmp_path / "quicedge.toml"
+    config.write_text("[proxy]\nmax_retries = -1\n")
+    line = refused(quicedge("serve", "--check", "--config", str(config), "--backend", "http://a:1"))
+    assert line == "quicedge serve: proxy: max_retries must be >= 0, got -1"
