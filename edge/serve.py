@@ -226,9 +226,8 @@ def check_modules(loaded: Settings) -> None:
         try:
             WasmPolicy(module)
         except Exception as exc:  # whatever the module's loading raises is the answer
-            first = (str(exc).splitlines() or [type(exc).__name__])[
-                0
-            ]  # wasmtime's errors span lines
+            # wasmtime's errors run over several lines: the first says what is wrong
+            first = (str(exc).splitlines() or [type(exc).__name__])[0]
             raise ValueError(f"policy.wasm {module.id!r} ({module.path}): {first}") from None
 
 
