@@ -34,7 +34,7 @@ import json
 import logging
 import os
 import ssl
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, Protocol
 from urllib.parse import quote, urlsplit
@@ -420,6 +420,30 @@ def make_source(config: DiscoveryConfig) -> Source | None:
     return None
 
 
+def apply_membership(
+    registry: BackendRegistry,
+    wanted: Mapping[str, str],
+    drain_timeout: float,
+    drains: set[asyncio.Task[None]],
+) -> None:
+    """Make the registry's backends `wanted` (bare URL → URL with its labels): add what is new,
+    drain what is gone (each drain a task in `drains` until it ends)."""
+    current = {b.url: b for b in registry.backends if not b.draining}
+    for bare in sorted(wanted.keys() - current.keys()):
+        registry.add(wanted[bare])
+    for url in sorted(current.keys() - wanted.keys()):
+        task = asyncio.ensure_future(
+            registry.remove(current[url].name, drain_timeout=drain_timeout)
+        )
+        drains.add(task)
+        task.add_done_callback(drains.discard)
+
+
+def wanted_urls(urls: Iterable[str]) -> dict[str, str]:
+    """A `--backend` list as `apply_membership` wants it: bare URL → URL with its labels."""
+    return {url.partition("#")[0]: url for url in map(_trimmed, urls)}
+
+
 class Discovery:
     """Keeps the registry's backends equal to what the source finds, every `interval`."""
 
@@ -443,11 +467,16 @@ class Discovery:
         return wanted
 
     async def initial(self, static: list[str]) -> list[str]:
-        """The backends to build the registry with: the `static` list (kept for good) and the
-        first lookup's URLs (a failed lookup gives none; the next interval tries again)."""
-        self._known[""] = {_trimmed(url) for url in static}
+        """The backends to build the registry with: the `static` list (kept until a reload
+        changes it) and the first lookup's URLs (a failed lookup gives none; the next interval
+        tries again)."""
+        self.set_static(static)
         await self._lookup()
         return sorted(self._wanted().values())
+
+    def set_static(self, static: list[str]) -> None:
+        """The `--backend` list (a reloaded config's); the next refresh applies it."""
+        self._known[""] = {_trimmed(url) for url in static}
 
     async def _lookup(self) -> None:
         for name, urls in (await self.source.lookup()).items():
@@ -457,16 +486,7 @@ class Discovery:
     async def refresh(self, registry: BackendRegistry) -> None:
         """One lookup, then add what is new (with its labels) and drain what is gone."""
         await self._lookup()
-        wanted = self._wanted()
-        current = {b.url: b for b in registry.backends if not b.draining}
-        for bare in sorted(wanted.keys() - current.keys()):
-            registry.add(wanted[bare])
-        for url in sorted(current.keys() - wanted.keys()):
-            task = asyncio.ensure_future(
-                registry.remove(current[url].name, drain_timeout=self.config.drain_timeout)
-            )
-            self._drains.add(task)
-            task.add_done_callback(self._drains.discard)
+        apply_membership(registry, self._wanted(), self.config.drain_timeout, self._drains)
 
     async def _run(self, registry: BackendRegistry) -> None:
         while True:
@@ -494,10 +514,12 @@ __all__ = [
     "DnsSource",
     "KubernetesSource",
     "LABEL_PREFIX",
+    "apply_membership",
     "backend_url",
     "labelled",
     "make_source",
     "ready_endpoints",
     "slice_labels",
     "split_name",
+    "wanted_urls",
 ]

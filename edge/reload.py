@@ -8,6 +8,9 @@ validated. A file that does not load or validate changes nothing. Otherwise:
   modules, stream rules, the guard model) apply to the requests that start from then on;
   requests in progress finish as they began. A new policy gateway is built (its modules
   compiled) in a thread, so the loop keeps serving meanwhile.
+- `[proxy] backends`: a new URL joins the registry at once, a removed one drains (no new
+  requests, those in flight finish, up to `[discovery] drain_timeout`) and leaves, as backend
+  discovery does it. A kept backend's labels (its isolation domain) wait for a restart.
 - Any other section that differs from what the process started with is named in a warning and
   in `quicedge_config_restart_pending`: those shape listeners, pools and background tasks that
   are built once, and take effect on a restart (or a rolling update).
@@ -22,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
+from backends.discovery import DiscoveryConfig, wanted_urls
 from edge.admission.settings import AdmissionSettings
 from edge.config import ProxyConfig
 from edge.policy.config import PolicyConfig
@@ -31,10 +35,13 @@ from transport.file_watch import FileWatch
 
 log = logging.getLogger("quicedge.reload")
 
-LIVE = ("tenants", "admission.anonymous", "policy")
+LIVE = ("tenants", "admission.anonymous", "policy", "proxy.backends")
 """What a reload applies while serving; every other difference waits for a restart."""
 
-_CARRIED = {"proxy": ("admission", "state"), "admission": ("anonymous", "tenants")}
+_CARRIED = {
+    "proxy": ("admission", "state", "backends"),
+    "admission": ("anonymous", "tenants"),
+}
 """Fields a section carries that are compared on their own (`ProxyConfig.with_features` puts
 the `[admission]` and `[state]` sections into `[proxy]`, and `[[tenants]]` into `[admission]`)."""
 
@@ -55,12 +62,19 @@ def differences(old: Settings, new: Settings) -> tuple[list[str], list[str]]:
         live.append("admission.anonymous")
     if old["policy"] != new["policy"]:
         live.append("policy")
+    before = wanted_urls(old.get("proxy", ProxyConfig).backends)
+    after = wanted_urls(new.get("proxy", ProxyConfig).backends)
+    if before.keys() != after.keys():
+        live.append("proxy.backends")
     restart = [
         name
         for name in old.names()
         if name not in LIVE
         and _fields(old[name], _CARRIED.get(name, ())) != _fields(new[name], _CARRIED.get(name, ()))
     ]
+    relabelled = any(before[url] != after[url] for url in before.keys() & after.keys())
+    if relabelled and "proxy" not in restart:  # a backend's domain is fixed while it serves
+        restart.insert(0, "proxy")
     return live, restart
 
 
@@ -139,6 +153,9 @@ class Reloader:
             return "refused"
         if "tenants" in live or "admission.anonymous" in live:
             self.wiring.admission.set_tenants(new.get("proxy", ProxyConfig).admission)
+        if "proxy.backends" in live:
+            drain = new.get("discovery", DiscoveryConfig).drain_timeout
+            await self.wiring.set_backends(new.get("proxy", ProxyConfig).backends, drain)
         if "policy" in live:
             await self.wiring.swap_gateway(gateway)
         elif signal:

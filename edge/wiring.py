@@ -20,7 +20,13 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter
 
 from backends.credentials import BackendCredentials
-from backends.discovery import Discovery, DiscoveryConfig, make_source
+from backends.discovery import (
+    Discovery,
+    DiscoveryConfig,
+    apply_membership,
+    make_source,
+    wanted_urls,
+)
 from backends.pool import UpstreamPool
 from backends.registry import Backend, BackendClient, BackendRegistry, HealthConfig
 from edge import settings
@@ -99,6 +105,8 @@ class Wiring:
     proxy: ProxyApp | None = None
     """The proxy app inside `app` (which may be it wrapped for CORS)."""
     _aborts: set[asyncio.Task[Any]] = field(default_factory=set)
+    _drains: set[asyncio.Task[None]] = field(default_factory=set)
+    """Backends a reload took out, draining."""
     _clients: dict[str, Any] = field(default_factory=dict)
 
     async def start(self) -> None:
@@ -125,6 +133,15 @@ class Wiring:
         if self.gateway is not None:
             self.gateway.reload_soon()
 
+    async def set_backends(self, urls: list[str], drain_timeout: float) -> None:
+        """A reloaded `--backend` list: new backends join now, gone ones drain (up to
+        `drain_timeout` s) and leave. With discovery it is the list kept beside what is found."""
+        if self.discovery is not None:
+            self.discovery.set_static(urls)
+            await self.discovery.refresh(self.registry)
+            return
+        apply_membership(self.registry, wanted_urls(urls), drain_timeout, self._drains)
+
     async def swap_gateway(self, gateway: PolicyGateway | None) -> None:
         """Serve the requests that start from now on with `gateway` (a reloaded `[policy]`),
         then stop the old one's module watchers. Requests in progress keep what they hold."""
@@ -140,6 +157,9 @@ class Wiring:
         """Stop checks, let in-progress aborts finish briefly, close pools, flush spans."""
         if self.discovery is not None:
             await self.discovery.aclose()
+        for task in self._drains:
+            task.cancel()
+        await asyncio.gather(*self._drains, return_exceptions=True)
         if self.breakers is not None:
             await self.breakers.aclose()
         if self.fleet is not None:

@@ -433,3 +433,23 @@ async def test_a_labelled_backend_url_stays_when_discovery_runs_beside_it() -> N
         "http://127.0.0.1:30000": {"model": "m", "hardware": "h100"},
         "http://127.0.0.2:30000": {"tiers": "gold"},
     }
+
+
+async def test_a_reloaded_backend_list_changes_beside_what_discovery_finds() -> None:
+    """`Wiring.set_backends` with discovery on: the listed URL that went drains, the new one
+    joins, and what DNS finds stays."""
+    with dns_server() as (zone, server):
+        zone.set("sglang.fleet.test", "A", ["127.0.0.2"])
+        config = dns_config(server, "sglang.fleet.test:30000")
+        wiring = await build(
+            fast_config(["http://127.0.0.1:30000"]), registry=CollectorRegistry(),
+            discovery=config,
+        )  # fmt: skip
+        try:
+            await wiring.set_backends(["http://127.0.0.3:30000"], drain_timeout=0.0)
+            await wait_until(
+                lambda: {b.url for b in wiring.registry.backends}
+                == {"http://127.0.0.2:30000", "http://127.0.0.3:30000"}
+            )
+        finally:
+            await wiring.aclose()

@@ -54,11 +54,10 @@ async def status(http: httpx.AsyncClient, key: str, text: str = "hello") -> int:
     return response.status_code
 
 
-def serve(config: Path, backend: str, *more: str) -> tuple[ServeProcess, str]:
+def serve(config: Path, *more: str) -> tuple[ServeProcess, str]:
+    """`quicedge serve --config CONFIG MORE...` with a plain-HTTP listener; it and its URL."""
     port = free_port()
-    proc = ServeProcess(
-        "--backend", backend, "--config", str(config), "--http", f"127.0.0.1:{port}", *more
-    )
+    proc = ServeProcess("--config", str(config), "--http", f"127.0.0.1:{port}", *more)
     return proc, f"http://127.0.0.1:{port}"
 
 
@@ -85,11 +84,11 @@ async def wait_metric(proc: ServeProcess, sample: str, at_least: float) -> None:
 # -- what a reload compares ----------------------------------------------------------------------
 
 
-def settings_of(tmp_path: Path, text: str) -> Any:
+def settings_of(tmp_path: Path, text: str, backend: str | None = "http://127.0.0.1:9") -> Any:
     path = tmp_path / "quicedge.toml"
     path.write_text(text)
-    args = build_parser().parse_args(["--config", str(path), "--backend", "http://127.0.0.1:9"])
-    return load_settings(args, {})
+    flags = ["--backend", backend] if backend is not None else []
+    return load_settings(build_parser().parse_args(["--config", str(path), *flags]), {})
 
 
 def test_tenants_anonymous_and_policy_are_live_every_other_section_waits(tmp_path: Path) -> None:
@@ -107,6 +106,17 @@ def test_tenants_anonymous_and_policy_are_live_every_other_section_waits(tmp_pat
     assert differences(base, settings_of(tmp_path, both)) == (["tenants"], ["state"])
 
 
+def test_the_backend_list_is_live_a_kept_backends_labels_are_not(tmp_path: Path) -> None:
+    one = '[proxy]\nbackends = ["http://10.0.0.1:30000#model=m@v1"]'
+    two = '[proxy]\nbackends = ["http://10.0.0.1:30000/#model=m@v1", "http://10.0.0.2:30000"]'
+    relabelled = '[proxy]\nbackends = ["http://10.0.0.1:30000#model=m@v2"]'
+    base = settings_of(tmp_path, tenants_toml("a", extra=one), backend=None)
+    grown = settings_of(tmp_path, tenants_toml("a", extra=two), backend=None)
+    assert differences(base, grown) == (["proxy.backends"], [])
+    moved = settings_of(tmp_path, tenants_toml("a", extra=relabelled), backend=None)
+    assert differences(base, moved) == ([], ["proxy"])
+
+
 # -- a running edge -------------------------------------------------------------------------------
 
 
@@ -116,7 +126,7 @@ async def test_sighup_applies_tenants_and_policy_and_keeps_them_on_a_broken_file
 ) -> None:
     config = tmp_path / "quicedge.toml"
     config.write_text(tenants_toml("one"))
-    proc, url = serve(config, stand_in)
+    proc, url = serve(config, "--backend", stand_in)
     try:
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
             assert await status(http, "key-one") == 200
@@ -163,7 +173,7 @@ async def test_a_changed_file_is_reloaded_without_a_signal_when_polled(
     poll = "[proxy]\nconfig_poll_interval = 0.2"
     config = tmp_path / "quicedge.toml"
     config.write_text(tenants_toml("one", extra=poll))
-    proc, url = serve(config, stand_in)
+    proc, url = serve(config, "--backend", stand_in)
     try:
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
             assert await status(http, "key-two") == 401
@@ -192,7 +202,7 @@ async def test_an_answer_in_progress_finishes_after_its_tenant_is_removed(
     one = tenants_toml("one").replace(f'api_key_sha256 = ["{digest("key-one")}"]\n', slot)
     assert "max_concurrent = 2" in one  # its slot is freed after the tenant is gone
     config.write_text(one + stream_rule)
-    proc, url = serve(config, slow_stand_in, "--workers", "2", "--redis", redis_url)
+    proc, url = serve(config, "--backend", slow_stand_in, "--workers", "2", "--redis", redis_url)
     try:
         async with httpx.AsyncClient(base_url=url, timeout=60) as http:
             request = body("tell a long story", stream=True, max_tokens=300)
@@ -219,3 +229,43 @@ async def test_an_answer_in_progress_finishes_after_its_tenant_is_removed(
                     assert await status(fresh, "key-one") == 401
     finally:
         assert proc.stop() == 0, proc.errors()
+
+
+async def test_a_backend_added_serves_and_one_removed_drains_its_answer_first(
+    tmp_path: Path,
+) -> None:
+    with sim_process("s1", "h100-llama3-8b") as first, sim_process("s2", "instant") as second:
+        config = tmp_path / "quicedge.toml"
+        head = '[proxy]\nexpose_backend_names = true\nbackends = ["{}"]\n'
+        config.write_text(head.format(first))
+        proc, url = serve(config)  # a --backend flag would pin the list over the file's
+        try:
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                request = body("tell a long story", stream=True, max_tokens=300)
+                async with http.stream("POST", "/v1/chat/completions", json=request) as answer:
+                    assert answer.headers["x-quicedge-backend"] == first.rpartition("/")[2]
+                    lines = answer.aiter_lines()
+                    events = [await anext(lines)]
+                    config.write_text(head.format(second))
+                    proc.proc.send_signal(signal.SIGHUP)
+                    await wait_metric(proc, APPLIED, 1)
+                    for _ in range(3):  # the new backend takes every new request at once
+                        response = await http.post("/v1/chat/completions", json=body("hi"))
+                        assert response.status_code == 200
+                        assert response.headers["x-quicedge-backend"] == second.rpartition("/")[2]
+                    events += [line async for line in lines if line]
+                assert events[-1] == "data: [DONE]"  # the removed one finished its answer
+                assert sum('"content"' in e for e in events) >= 300
+                names = {b["name"] for b in (await http.get(admin(proc))).json()["backends"]}
+                deadline = asyncio.get_running_loop().time() + 30
+                while first.rpartition("/")[2] in names:  # gone once its answer ended
+                    assert asyncio.get_running_loop().time() < deadline, names
+                    await asyncio.sleep(0.1)
+                    names = {b["name"] for b in (await http.get(admin(proc))).json()["backends"]}
+                assert names == {second.rpartition("/")[2]}
+        finally:
+            assert proc.stop() == 0, proc.errors()
+
+
+def admin(proc: ServeProcess) -> str:
+    return f"http://127.0.0.1:{proc.admin_port}/backends"
