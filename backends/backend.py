@@ -54,6 +54,9 @@ class Backend:
     check_failures: int = 0
     draining: bool = False
     """Removed from the fleet (`BackendRegistry.remove`): takes no new request, finishes its own."""
+    held: bool = False
+    """Drained by an operator (`POST /backends/{name}/drain`): takes no new request, finishes
+    its own, and stays in the fleet (checks go on) until `/undrain`. Discovery leaves it so."""
     labels: dict[str, str] = field(default_factory=dict)
     """Isolation-domain labels (`model`, `hardware`, `tiers`) from the URL's `#…` part; the
     `model` and `hardware` labels always agree with `model`, `model_version` and `hw_group`."""

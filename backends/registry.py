@@ -226,6 +226,7 @@ class BackendRegistry:
         return (
             backend.healthy
             and not backend.draining
+            and not backend.held
             and backend.ejected_until <= now
             and (backend.max_concurrency is None or backend.in_flight < backend.max_concurrency)
         )
@@ -437,6 +438,7 @@ class BackendRegistry:
                     "healthy": b.healthy,
                     "available": self.available(b, now),
                     "draining": b.draining,
+                    "held": b.held,
                     "degraded": b.degraded,
                     "degraded_reason": b.degraded_reason,
                     "ready": b.warming_until <= now,

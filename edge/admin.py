@@ -2,7 +2,7 @@
 
 Served on its own (plain HTTP) listener, never on the client-facing ones.
 - `GET /health`: 200 while the process runs (liveness).
-- `GET /ready`: 200 when at least one backend is healthy, else 503 (readiness).
+- `GET /ready`: 200 when at least one backend is healthy and not drained, else 503 (readiness).
 - `GET /metrics`: `generate_latest(registry)` of the process's one registry.
 - `GET /backends`: JSON of `registry.snapshot()`, the routing policy, the pool's statistics,
   every isolation domain's circuit breaker (`breakers`) and, with pre-warming, the shared view
@@ -12,6 +12,8 @@ Served on its own (plain HTTP) listener, never on the client-facing ones.
 - `GET /rollouts`: model pools, aliases and each rollout's state, tests and transitions.
 - `POST /rollouts/{model}/promote|pause|rollback`: move a rollout by hand (docs/models.md); with
   several workers every worker takes it (`edge.worker_admin`, `x-quicedge-workers: K/N`).
+- `POST /backends/{name}/drain|undrain`: hold a backend out of routing for maintenance (its
+  requests in flight finish) and let it back; every worker takes it, as above.
 """
 
 from __future__ import annotations
@@ -83,20 +85,26 @@ class AdminApp:
         try:
             path: str = scope["path"]
             handler = self._routes.get(path)
-            if handler is None and path.startswith("/rollouts/"):
+            if handler is None and path.startswith(("/rollouts/", "/backends/")):
                 if scope["method"] != "POST":
                     raise MethodNotAllowed(
-                        "rollout actions are POST only", headers=((b"allow", b"POST"),)
+                        "admin actions are POST only", headers=((b"allow", b"POST"),)
                     )
-                handler = self._rollout_action(path)
+                if path.startswith("/rollouts/"):
+                    handler = self._rollout_action(path)
+                else:
+                    handler = self._backend_action(path)
             elif handler is None:
                 raise RouteNotFound(f"no admin route {scope['path']}")
             elif scope["method"] not in ("GET", "HEAD"):
                 raise MethodNotAllowed("admin routes are GET only", headers=((b"allow", b"GET"),))
             status, content_type, body = handler()
+            extra: tuple[tuple[bytes, bytes], ...] = ()
         except EdgeError as err:
             status, content_type, body = err.status, b"application/json", err.body()
-        headers = [(b"content-type", content_type), (b"content-length", b"%d" % len(body))]
+            extra = err.extra_headers  # `allow` of a 405
+        headers = [(b"content-type", content_type), (b"content-length", b"%d" % len(body)),
+                   *extra]  # fmt: skip
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send(
             {"type": "http.response.body", "body": body if scope["method"] != "HEAD" else b""}
@@ -106,7 +114,7 @@ class AdminApp:
         return 200, b"application/json", b'{"status":"ok"}'
 
     def _ready(self) -> tuple[int, bytes, bytes]:
-        healthy = sum(1 for b in self.backends.backends if b.healthy)
+        healthy = sum(1 for b in self.backends.backends if b.healthy and not b.held)
         body = {"ready": healthy > 0, "healthy_backends": healthy,
                 "backends": len(self.backends.backends)}  # fmt: skip
         return (200 if healthy else 503), b"application/json", _json(body)
@@ -128,6 +136,23 @@ class AdminApp:
     def _rollouts(self) -> tuple[int, bytes, bytes]:
         body = self.models.snapshot() if self.models is not None else {"rollouts": []}
         return 200, b"application/json", _json(body)
+
+    def _backend_action(self, path: str) -> Callable[[], tuple[int, bytes, bytes]]:
+        """`/backends/{name}/drain` and `/undrain`: hold a backend out of routing (its
+        requests in flight finish) and let it back, for maintenance."""
+        name, _, action = path[len("/backends/") :].rpartition("/")
+        backend = self.backends.get(name)
+        if backend is None:
+            raise RouteNotFound(f"no backend {name!r}; GET /backends lists them")
+        if action not in ("drain", "undrain"):
+            raise RouteNotFound(f"unknown backend action {action!r}; use drain or undrain")
+
+        def act() -> tuple[int, bytes, bytes]:
+            backend.held = action == "drain"
+            snapshot = next(b for b in self.backends.snapshot() if b["name"] == name)
+            return 200, b"application/json", _json(snapshot)
+
+        return act
 
     def _rollout_action(self, path: str) -> Callable[[], tuple[int, bytes, bytes]]:
         """`/rollouts/{model}/{action}`; the model may contain slashes (`org/name`)."""

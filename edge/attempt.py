@@ -409,6 +409,8 @@ class Attempts:
             return NoHealthyBackend(
                 "every backend is at its concurrency cap; retry shortly", code="at_capacity"
             )
+        if healthy and all(b.held for b in healthy):
+            return NoHealthyBackend("every healthy backend is drained for maintenance; retry later")
         return NoHealthyBackend("no healthy backend can take the request now")
 
     def _upstream_failed(self, backend: Backend, kind: str) -> None:

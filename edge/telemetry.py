@@ -270,12 +270,18 @@ class FleetCollector(Collector):
         degraded = GaugeMetricFamily(
             "quicedge_backend_degraded", "1 when the backend is degraded", labels=["backend"]
         )
+        held = GaugeMetricFamily(
+            "quicedge_backend_held",
+            "1 while an operator holds the backend out of routing (POST /backends/NAME/drain)",
+            labels=["backend"],
+        )
         for b in self._backends:
             in_flight.add_metric([b.name], b.in_flight)
             prefill.add_metric([b.name], b.in_flight_prefill_tokens)
             healthy.add_metric([b.name], 1.0 if b.healthy else 0.0)
             degraded.add_metric([b.name], 1.0 if b.degraded else 0.0)
-        yield from (in_flight, prefill, healthy, degraded)
+            held.add_metric([b.name], 1.0 if b.held else 0.0)
+        yield from (in_flight, prefill, healthy, degraded, held)
         stats = self._pool_stats()
         reuse = GaugeMetricFamily(
             "quicedge_upstream_reuse_ratio",

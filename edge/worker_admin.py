@@ -9,8 +9,9 @@ runs it itself. Its answer is its own, with `x-quicedge-workers: K/N`: how many 
 included) answered below 400. A worker that does not answer within `PEER_TIMEOUT_S` is counted
 out; the action is not retried.
 
-Only the rollout actions go to every worker: `/prewarm` warms the backends, which one worker does
-for all, and every other admin route only reads.
+Only the rollout and backend actions (`/backends/{name}/drain`, `/undrain`) go to every worker:
+`/prewarm` warms the backends, which one worker does for all, and every other admin route only
+reads.
 
 A rollback or a pause that a worker's own ramp decides (its share of the canary's errors, TTFT or
 drift) is handed to the others the same way, so that one worker's evidence stops the canary
@@ -47,7 +48,7 @@ def _fanned(scope: Any) -> bool:
     return bool(
         scope["type"] == "http"
         and scope["method"] == "POST"
-        and scope["path"].startswith("/rollouts/")
+        and scope["path"].startswith(("/rollouts/", "/backends/"))
     )
 
 

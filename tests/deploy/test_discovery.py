@@ -448,8 +448,10 @@ async def test_a_reloaded_backend_list_changes_beside_what_discovery_finds() -> 
         try:
             await wiring.set_backends(["http://127.0.0.3:30000"], drain_timeout=0.0)
             await wait_until(
-                lambda: {b.url for b in wiring.registry.backends}
-                == {"http://127.0.0.2:30000", "http://127.0.0.3:30000"}
+                lambda: (
+                    {b.url for b in wiring.registry.backends}
+                    == {"http://127.0.0.2:30000", "http://127.0.0.3:30000"}
+                )
             )
         finally:
             await wiring.aclose()

@@ -42,6 +42,17 @@ def tenants_toml(*names: str, rule: str | None = None, extra: str = "") -> str:
     return text
 
 
+USAGE = {"include_usage": True}
+LONG = {"stream": True, "max_tokens": 300, "ignore_eos": True, "stream_options": USAGE}
+"""A streamed answer of 300 tokens exactly (the stand-in ends at a random length otherwise)."""
+
+
+def completion_tokens(events: list[str]) -> int:
+    """The usage chunk's count of a streamed answer read whole (its events, `[DONE]` last)."""
+    assert events[-1] == "data: [DONE]"
+    return int(json.loads(events[-2][len("data: ") :])["usage"]["completion_tokens"])
+
+
 def body(text: str, **more: Any) -> dict[str, Any]:
     return {"model": "default", "max_tokens": 2,
             "messages": [{"role": "user", "content": text}], **more}  # fmt: skip
@@ -205,7 +216,7 @@ async def test_an_answer_in_progress_finishes_after_its_tenant_is_removed(
     proc, url = serve(config, "--backend", slow_stand_in, "--workers", "2", "--redis", redis_url)
     try:
         async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-            request = body("tell a long story", stream=True, max_tokens=300)
+            request = body("tell a long story", **LONG)
             headers = {"authorization": "Bearer key-one"}
             async with http.stream(
                 "POST", "/v1/chat/completions", json=request, headers=headers
@@ -219,10 +230,9 @@ async def test_an_answer_in_progress_finishes_after_its_tenant_is_removed(
                 await wait_metric(proc, APPLIED, 2)  # summed over the workers' samples
                 assert await status(http, "key-one") == 401
                 events = [first] + [line async for line in lines if line]
-            assert events[-1] == "data: [DONE]"
-            finish = json.loads(events[-2][len("data: ") :])["choices"][0]["finish_reason"]
+            finish = json.loads(events[-3][len("data: ") :])["choices"][0]["finish_reason"]
             assert finish == "length"
-            assert sum('"content"' in e for e in events) >= 300
+            assert completion_tokens(events) == 300
             for _ in range(6):  # both workers answer new connections with the new tenants
                 async with httpx.AsyncClient(base_url=url, timeout=30) as fresh:
                     assert await status(fresh, "key-two") == 200
@@ -241,7 +251,9 @@ async def test_a_backend_added_serves_and_one_removed_drains_its_answer_first(
         proc, url = serve(config)  # a --backend flag would pin the list over the file's
         try:
             async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-                request = body("tell a long story", stream=True, max_tokens=300)
+                request = body(
+                    "tell a long story", stream=True, max_tokens=300, stream_options=USAGE
+                )
                 async with http.stream("POST", "/v1/chat/completions", json=request) as answer:
                     assert answer.headers["x-quicedge-backend"] == first.rpartition("/")[2]
                     lines = answer.aiter_lines()
@@ -255,7 +267,7 @@ async def test_a_backend_added_serves_and_one_removed_drains_its_answer_first(
                         assert response.headers["x-quicedge-backend"] == second.rpartition("/")[2]
                     events += [line async for line in lines if line]
                 assert events[-1] == "data: [DONE]"  # the removed one finished its answer
-                assert sum('"content"' in e for e in events) >= 300
+                assert completion_tokens(events) == 300
                 names = {b["name"] for b in (await http.get(admin(proc))).json()["backends"]}
                 deadline = asyncio.get_running_loop().time() + 30
                 while first.rpartition("/")[2] in names:  # gone once its answer ended

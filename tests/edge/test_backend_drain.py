@@ -1,0 +1,113 @@
+"""`POST /backends/{name}/drain|undrain` on a real `quicedge serve --workers 2`: a held backend
+takes no new request on any worker, finishes the answer it holds, and comes back."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+
+from tests.deploy.processes import sim_process, wait_ready
+from tests.edge.test_config_reload import LONG, completion_tokens
+from tests.helpers import free_port
+from tests.transport.conftest import ServeProcess
+
+CHAT = {"model": "default", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+
+
+@contextmanager
+def edge(redis_url: str) -> Iterator[tuple[ServeProcess, str, str, str]]:
+    """Two workers over a slow (`s1`, GPU-paced) and an instant (`s2`) stand-in, round robin:
+    (the process, its proxy URL, s1's name, s2's name)."""
+    with (
+        sim_process("s1", "h100-llama3-8b", "--served-model-name", "m") as s1,
+        sim_process("s2", "instant", "--served-model-name", "m") as s2,
+    ):
+        port = free_port()
+        proc = ServeProcess(
+            "--workers", "2", "--redis", redis_url, "--backend", s1, "--backend", s2,
+            "--policy", "round_robin", "--expose-backend-names", "--http", f"127.0.0.1:{port}",
+        )  # fmt: skip
+        try:
+            wait_ready(proc.admin_port)
+            yield proc, f"http://127.0.0.1:{port}", s1.rpartition("/")[2], s2.rpartition("/")[2]
+        finally:
+            assert proc.stop() == 0, proc.errors()
+
+
+async def served_by(url: str, times: int) -> set[str]:
+    """Which backends `times` requests on new connections (so on both workers) reached."""
+    names = set()
+    for _ in range(times):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            response = await http.post("/v1/chat/completions", json=CHAT)
+            assert response.status_code == 200, response.text
+            names.add(response.headers["x-quicedge-backend"])
+    return names
+
+
+def held(proc: ServeProcess) -> dict[str, float]:
+    """`quicedge_backend_held` summed over the workers, by backend."""
+    out: dict[str, float] = {}
+    for line in proc.metrics().splitlines():
+        if line.startswith("quicedge_backend_held{"):
+            name = line.split('backend="')[1].split('"')[0]
+            out[name] = out.get(name, 0.0) + float(line.rpartition(" ")[2])
+    return out
+
+
+async def test_a_drained_backend_finishes_its_answer_and_takes_no_new_one(redis_url: str) -> None:
+    with edge(redis_url) as (proc, url, s1, s2):
+        admin = f"http://127.0.0.1:{proc.admin_port}"
+        assert await served_by(url, 8) == {s1, s2}
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            story = CHAT | LONG
+            while True:  # an answer in progress on s1 (round robin: at most two tries)
+                async with http.stream("POST", "/v1/chat/completions", json=story) as answer:
+                    if answer.headers["x-quicedge-backend"] != s1:
+                        await answer.aread()
+                        continue
+                    lines = answer.aiter_lines()
+                    events = [await anext(lines)]
+                    drained = await http.post(f"{admin}/backends/{s1}/drain")
+                    assert drained.status_code == 200, drained.text
+                    assert drained.headers["x-quicedge-workers"] == "2/2"
+                    assert drained.json()["held"] is True
+                    assert drained.json()["available"] is False
+                    assert await served_by(url, 8) == {s2}
+                    events += [line async for line in lines if line]
+                    break
+        assert events[-1] == "data: [DONE]"
+        assert completion_tokens(events) == 300
+        assert held(proc) == {s1: 2.0, s2: 0.0}
+        async with httpx.AsyncClient(base_url=admin, timeout=10) as http:
+            listed = {
+                b["name"]: b["held"] for b in (await http.get("/backends")).json()["backends"]
+            }
+            undrained = await http.post(f"/backends/{s1}/undrain")
+        assert listed == {s1: True, s2: False}
+        assert undrained.status_code == 200 and undrained.headers["x-quicedge-workers"] == "2/2"
+        assert await served_by(url, 8) == {s1, s2}
+        assert held(proc) == {s1: 0.0, s2: 0.0}
+
+
+async def test_every_backend_drained_is_a_clear_503_and_not_ready(redis_url: str) -> None:
+    with edge(redis_url) as (proc, url, s1, s2):
+        admin = httpx.AsyncClient(base_url=f"http://127.0.0.1:{proc.admin_port}", timeout=10)
+        async with admin:
+            for name in (s1, s2):
+                assert (await admin.post(f"/backends/{name}/drain")).status_code == 200
+            async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+                refused = await http.post("/v1/chat/completions", json=CHAT)
+            assert refused.status_code == 503
+            assert refused.json()["error"]["code"] == "no_healthy_backend"
+            assert "drained for maintenance" in refused.json()["error"]["message"]
+            assert (await admin.get("/ready")).status_code == 503
+
+            unknown = await admin.post("/backends/10.9.9.9:1/drain")
+            assert unknown.status_code == 404 and "GET /backends lists them" in unknown.text
+            wrong = await admin.post(f"/backends/{s1}/reboot")
+            assert wrong.status_code == 404 and "use drain or undrain" in wrong.text
+            get = await admin.get(f"/backends/{s1}/drain")
+            assert get.status_code == 405 and get.headers["allow"] == "POST"
