@@ -40,8 +40,6 @@ SGLANG_METRICS = {
                                   "e2e_request_latency_seconds", "queue_time_seconds")
       for s in ("bucket", "count", "sum")),
 }  # fmt: skip
-PENDING = {"quicedge_admission_rejections_total", "quicedge_breaker_state"}
-"""Metrics being added by other work (admission control, breakers): their panels say so."""
 PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and",
                 "or", "unless", "offset", "le", "inf", "nan"}  # fmt: skip
 
@@ -118,9 +116,7 @@ def test_every_metric_the_dashboard_queries_is_exported() -> None:
         names = metric_names(expr)
         assert names, f"{title}: no metric found in {expr}"
         used |= names
-        for name in names - exported:
-            assert name in PENDING, f"{title}: {name} is exported by neither the edge nor SGLang"
-            assert "pending" in title.lower(), f"{title}: queries pending {name}, say so"
+        assert names <= exported, f"{title}: {names - exported} exported by neither"
     needed = {"quicedge_ttft_seconds_bucket", "quicedge_upstream_errors_total",
               "sglang:num_queue_reqs", "sglang:token_usage",
               "sglang:cached_tokens_total"}  # fmt: skip
