@@ -79,11 +79,29 @@ INFERENCE_ROUTES = tuple(ROUTE_METHODS)
 MODELS_METHODS = ("GET",)
 
 
+STORED_ROUTES: dict[str, tuple[str, ...]] = {
+    RESPONSES + "/": ("GET", "DELETE"),
+    "/v1/conversations/": ("DELETE",),
+}
+"""Stored objects by id (`edge.state`): a response to read back or delete, a conversation to
+delete. Answered by the edge, never forwarded."""
+
+
+def stored_route(path: str) -> tuple[str, tuple[str, ...]] | None:
+    """(the route's label, its methods) for a stored object's path; None for another path."""
+    for prefix, methods in STORED_ROUTES.items():
+        if path.startswith(prefix) and len(path) > len(prefix):
+            return prefix + "{id}", methods
+    return None
+
+
 def allowed_methods(path: str) -> tuple[str, ...] | None:
     """The methods the proxy answers on `path`; None for a path it does not serve."""
     methods = ROUTE_METHODS.get(path)
     if methods is None and (path == "/v1/models" or path.startswith("/v1/models/")):
         return MODELS_METHODS
+    if methods is None and (stored := stored_route(path)) is not None:
+        return stored[1]
     return methods
 
 
@@ -159,7 +177,8 @@ class ProxyApp:
         methods = ROUTE_METHODS.get(path)
         route = path if methods is not None else None
         is_models = path == "/v1/models" or path.startswith("/v1/models/")
-        label = route or ("/v1/models" if is_models else "other")
+        stored = stored_route(path) if route is None and not is_models else None
+        label = route or ("/v1/models" if is_models else stored[0] if stored else "other")
         try:
             if route is not None and methods is not None:
                 if method not in methods:
@@ -175,6 +194,17 @@ class ProxyApp:
                         f"{method} is not allowed on {path}", headers=((b"allow", b"GET"),)
                     )
                 await self._models(path, send)
+                self.metrics.requests.labels(label, "200", NO_MODEL).inc()
+                if self.access_log is not None:
+                    self._log_other(scope, label, 200)
+                return
+            if stored is not None:
+                if method not in stored[1]:
+                    raise MethodNotAllowed(
+                        f"{method} is not allowed on {path}",
+                        headers=((b"allow", ", ".join(stored[1]).encode()),),
+                    )
+                await self._stored(scope, send, path, method)
                 self.metrics.requests.labels(label, "200", NO_MODEL).inc()
                 if self.access_log is not None:
                     self._log_other(scope, label, 200)
@@ -244,6 +274,20 @@ class ProxyApp:
         if card is None:
             raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
         await send_json(send, 200, card)
+
+    # -- stored responses and conversations --------------------------------------------------
+
+    async def _stored(self, scope: Scope, send: Send, path: str, method: str) -> None:
+        """Read back or delete what `edge.state` stored for the caller's tenant; another
+        tenant's id is not found, as an unknown one."""
+        tenant = self.admission.identify(read_headers(scope["headers"]).authorization)
+        name = path.rpartition("/")[2]
+        if self.state is None:
+            raise RouteNotFound(f"no route for {method} {path}")
+        if method == "GET":
+            await send_json(send, 200, await self.state.retrieve(tenant.name, name))
+        else:
+            await send_json(send, 200, await self.state.delete(tenant.name, name))
 
     # -- inference ---------------------------------------------------------------------------
 

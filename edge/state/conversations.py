@@ -93,16 +93,36 @@ class History:
     messages: list[dict[str, Any]] = field(default_factory=list)
     turns: list[int] = field(default_factory=list)
     count: int = 0
+    meta: list[dict[str, Any]] = field(default_factory=list)
+    """Per kept turn, what `GET /v1/responses/{id}` gives back besides the reply's text (its
+    time, model, usage, status and echoed fields); `{}` for a chat conversation's turn. Never
+    part of the prompt."""
 
     def encode(self) -> bytes:
         return orjson.dumps(
-            {"p": self.pinned, "m": self.messages, "t": self.turns, "c": self.count}
-        )
+            {"p": self.pinned, "m": self.messages, "t": self.turns, "c": self.count,
+             "u": self.meta}
+        )  # fmt: skip
 
     @classmethod
     def decode(cls, blob: bytes) -> History:
         obj = orjson.loads(blob)
-        return cls(obj["p"], obj["m"], obj["t"], obj["c"])
+        turns = obj["t"]
+        meta = obj.get("u") or []  # a blob stored before turns kept theirs
+        return cls(obj["p"], obj["m"], turns, obj["c"], [{}] * (len(turns) - len(meta)) + meta)
+
+    def copy(self) -> History:
+        return History(
+            list(self.pinned), list(self.messages), list(self.turns), self.count, list(self.meta)
+        )
+
+    def reply(self, turn: int) -> tuple[str, dict[str, Any]] | None:
+        """Turn `turn`'s reply text and metadata; None when it is not kept (or not a turn)."""
+        if not self.first_kept <= turn <= self.count:
+            return None
+        kept = turn - self.first_kept
+        content = self.messages[self.turns[kept] - 1].get("content")
+        return (content if isinstance(content, str) else ""), self.meta[kept]
 
     @property
     def first_kept(self) -> int:
@@ -116,12 +136,16 @@ class History:
             return None
         kept = turn - self.first_kept + 1
         end = self.turns[kept - 1]
-        return History(list(self.pinned), self.messages[:end], self.turns[:kept], turn)
+        return History(
+            list(self.pinned), self.messages[:end], self.turns[:kept], turn, self.meta[:kept]
+        )
 
     def prompt(self, new: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [*self.pinned, *self.messages, *new]
 
-    def append(self, new: list[dict[str, Any]], reply: dict[str, Any]) -> None:
+    def append(
+        self, new: list[dict[str, Any]], reply: dict[str, Any], meta: dict[str, Any] | None = None
+    ) -> None:
         if self.count == 0 and not self.messages:
             # the first turn's leading system messages stay when older turns are dropped
             lead = 0
@@ -131,6 +155,7 @@ class History:
         self.messages.extend(new)
         self.messages.append(reply)
         self.turns.append(len(self.messages))
+        self.meta.append(meta or {})
         self.count += 1
 
     def drop_oldest(self) -> bool:
@@ -140,6 +165,7 @@ class History:
         end = self.turns[0]
         self.messages = self.messages[end:]
         self.turns = [t - end for t in self.turns[1:]]
+        self.meta = self.meta[1:]
         return True
 
 
@@ -172,6 +198,7 @@ class ConversationStore(Protocol):
     async def lease(self, tenant: str, cid: str, token: bytes) -> bool: ...
     async def commit(self, tenant: str, cid: str, token: bytes, blob: bytes) -> bool: ...
     async def release(self, tenant: str, cid: str, token: bytes) -> None: ...
+    async def delete(self, tenant: str, cid: str) -> bool: ...
 
 
 class MemoryConversations:
@@ -222,6 +249,11 @@ class MemoryConversations:
         if held is not None and held[0] == token:
             del self._leases[key]
 
+    async def delete(self, tenant: str, cid: str) -> bool:
+        key = (tenant, cid)
+        self._leases.pop(key, None)  # a turn in progress then fails to commit: nothing returns
+        return self._data.pop(key, None) is not None
+
 
 class RedisConversations:
     """Conversations in Redis: `{prefix}conv:{tenant}:{id}` and its lease `…conv-lease:…`."""
@@ -253,6 +285,12 @@ class RedisConversations:
 
     async def release(self, tenant: str, cid: str, token: bytes) -> None:
         await self._redis.release(self._lease_key(tenant, cid), token)
+
+    async def delete(self, tenant: str, cid: str) -> bool:
+        # The lease goes first: a turn in progress then fails its compare-and-set commit, and
+        # cannot write the conversation back between the two deletes.
+        await self._redis.delete(self._lease_key(tenant, cid))
+        return await self._redis.delete(self._key(tenant, cid)) > 0
 
 
 @dataclass(slots=True)
@@ -335,10 +373,7 @@ class Conversations:
         if messages_size(turn.messages) <= limit:
             return
         if self.config.overflow == "truncate":
-            history = History(
-                list(turn.history.pinned), list(turn.history.messages),
-                list(turn.history.turns), turn.history.count,
-            )  # fmt: skip
+            history = turn.history.copy()
             turn.truncated = _trim(history, turn.new, limit, keep=0)
             turn.history = history
             if messages_size(turn.messages) <= limit:
@@ -349,12 +384,15 @@ class Conversations:
             code="conversation_too_large",
         )
 
-    async def commit(self, turn: Turn, reply: dict[str, Any]) -> bool:
-        """Append the turn and its reply; False when the lease was lost (nothing written)."""
+    async def commit(
+        self, turn: Turn, reply: dict[str, Any], meta: dict[str, Any] | None = None
+    ) -> bool:
+        """Append the turn, its reply and `meta` (see `History.meta`); False when the lease
+        was lost (nothing written)."""
         if turn.token is None:
             return True
         history = turn.history
-        history.append(list(turn.new), reply)
+        history.append(list(turn.new), reply, meta)
         if self.config.overflow == "truncate":
             _trim(history, [], self.config.max_bytes, keep=1)
         return await self.store.commit(turn.tenant, turn.cid, turn.token, history.encode())
@@ -362,6 +400,15 @@ class Conversations:
     async def release(self, turn: Turn) -> None:
         if turn.token is not None:
             await self.store.release(turn.tenant, turn.cid, turn.token)
+
+    async def reply(self, tenant: str, cid: str, turn: int) -> tuple[str, dict[str, Any]] | None:
+        """A stored turn's reply text and metadata (None: unknown, expired or dropped)."""
+        blob = await self.store.load(tenant, cid)
+        return None if blob is None else History.decode(blob).reply(turn)
+
+    async def delete(self, tenant: str, cid: str) -> bool:
+        """Forget a conversation, every turn of it; False when there was none."""
+        return await self.store.delete(tenant, cid)
 
 
 __all__ = [

@@ -102,6 +102,11 @@ class RedisState:
     async def release(self, lease: str, token: bytes) -> None:
         await self._call("release", lambda: self._release(keys=[lease], args=[token]))
 
+    async def delete(self, *keys: str) -> int:
+        """Delete `keys`; how many existed."""
+        count: Any = await self._call("del", lambda: self.client.delete(*keys))
+        return int(count)
+
     async def aclose(self) -> None:
         await self.guard.aclose()
 

@@ -159,8 +159,9 @@ def _usage(usage: Any) -> dict[str, Any] | None:
 class ResponseBuilder:
     """The `response` object of one answer, and its streamed events."""
 
-    def __init__(self, request: ResponsesRequest, response_id: str, model: str) -> None:
-        self.request = request
+    def __init__(self, echo: dict[str, Any], response_id: str, model: str) -> None:
+        self.echo = echo
+        """The request's fields the response object repeats (`ResponsesRequest.echo`)."""
         self.id = response_id
         self.message_id = "msg_" + os.urandom(16).hex()
         self.model = model
@@ -202,8 +203,28 @@ class ResponseBuilder:
             "tools": [],
             "truncation": "disabled",
             "usage": self._usage if done else None,
-            **self.request.echo,
+            **self.echo,
         }  # fmt: skip
+
+    def stored(self) -> dict[str, Any]:
+        """What a stored turn keeps of this answer to give it back (`History.meta`)."""
+        return {"id": self.message_id, "created_at": self.created, "model": self.model,
+                "status": self._status(), "usage": self._usage, "echo": self.echo}  # fmt: skip
+
+    @classmethod
+    def restored(cls, response_id: str, text: str, meta: dict[str, Any]) -> ResponseBuilder:
+        """The answer of a stored turn, from its text and `stored()` (`GET /v1/responses/ID`).
+        A turn stored without them gets a time of 0 and no model or usage."""
+        echo = meta.get("echo")
+        builder = cls(echo if isinstance(echo, dict) else {}, response_id,
+                      str(meta.get("model") or "default"))  # fmt: skip
+        builder.message_id = str(meta.get("id") or builder.message_id)
+        builder.created = int(meta.get("created_at") or 0)
+        builder._text = [text]
+        builder._usage = meta.get("usage")
+        builder._finish = "length" if meta.get("status") == "incomplete" else "stop"
+        builder.began = builder.ended = True
+        return builder
 
     def _status(self) -> str:
         if self.failed is not None:

@@ -12,6 +12,7 @@ wrapper sees every chunk.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -130,6 +131,35 @@ class StateStage:
                 ex.state = request
         return raw, body
 
+    # -- stored objects: GET and DELETE ------------------------------------------------------
+
+    async def retrieve(self, tenant: str, rid: str) -> dict[str, Any]:
+        """`GET /v1/responses/{rid}`: a stored response object, as it was answered."""
+        found = None
+        if rid.startswith("resp_") and self.conversations is not None:
+            with contextlib.suppress(ConversationNotFound):
+                cid, number = parse_response_id(rid)
+                found = await self.conversations.reply(tenant, cid, number)
+        if found is None:
+            raise _not_found("Response", rid, "response_not_found")
+        return ResponseBuilder.restored(rid, *found).response(found[1].get("status") or "completed")
+
+    async def delete(self, tenant: str, name: str) -> dict[str, Any]:
+        """`DELETE /v1/responses/{id}` or `/v1/conversations/{id}`: forget the conversation,
+        every turn of it (a response's turns are its conversation's: the later ones were built
+        on it). The answer is OpenAI's deletion object."""
+        conversations = self._conversations()
+        response = name.startswith("resp_")
+        cid = None
+        with contextlib.suppress(ConversationNotFound):
+            cid = parse_response_id(name)[0] if response else parse_conversation_name(name)
+        if cid is None or not await conversations.delete(tenant, cid):
+            what, code = ("Response", "response_not_found") if response else (
+                "Conversation", "conversation_not_found")  # fmt: skip
+            raise _not_found(what, name, code)
+        kind = "response" if response else "conversation.deleted"
+        return {"id": name, "object": kind, "deleted": True}
+
     def _conversations(self) -> Conversations:
         if self.conversations is None:
             raise InvalidRequest(
@@ -154,7 +184,7 @@ class StateStage:
         else:
             rid = "resp_" + os.urandom(16).hex()  # not stored: nothing can continue it
         state = StateRequest(self, ex, turn=turn)
-        state.builder = ResponseBuilder(request, rid, request.model or "default")
+        state.builder = ResponseBuilder(request.echo, rid, request.model or "default")
         ex.state = state
         ex.route = CHAT
         chat = request.chat_body(turn.messages if turn is not None else request.new)
@@ -190,6 +220,10 @@ class StateStage:
         # the messages member keeps its place: the body differs from the client's only there
         rebuilt = {k: (messages if k == "messages" else v) for k, v in body.items()}
         return orjson.dumps(rebuilt), rebuilt
+
+
+def _not_found(what: str, name: str, code: str) -> ConversationNotFound:
+    return ConversationNotFound(f"{what} with id '{name[:80]}' not found.", code=code)
 
 
 def _outcome_of(err: EdgeError) -> str:
@@ -370,7 +404,8 @@ class StateRequest:
                 text = self._reply_text() if complete else None
                 if text is not None:
                     reply = {"role": "assistant", "content": text}
-                    committed = await stage.conversations.commit(turn, reply)
+                    meta = self.builder.stored() if self.builder is not None else None
+                    committed = await stage.conversations.commit(turn, reply, meta)
                     stage.turns.labels("committed" if committed else "lost").inc()
                 else:
                     await stage.conversations.release(turn)

@@ -123,7 +123,7 @@ def test_the_responses_stream_translation() -> None:
         "role": "system",
         "content": "Be kind.",
     }
-    builder = ResponseBuilder(request, "resp_x", "m")
+    builder = ResponseBuilder(request.echo, "resp_x", "m")
     raw = b"".join(chat_chunks(["Hel", "lo"]))
     out = b"".join(builder.feed(raw[i : i + 7]) for i in range(0, len(raw), 7))  # any split
     events = [orjson.loads(line[6:]) for line in out.split(b"\n") if line.startswith(b"data: ")]
@@ -134,7 +134,7 @@ def test_the_responses_stream_translation() -> None:
     assert events[-1]["response"]["output"][0]["content"][0]["text"] == "Hello"
     assert builder.ended and builder.failed is None
 
-    failing = ResponseBuilder(request, "resp_y", "m")
+    failing = ResponseBuilder(request.echo, "resp_y", "m")
     out = failing.feed(b'data: {"error":{"message":"boom","code":500}}\n\ndata: [DONE]\n\n')
     assert b"response.failed" in out and failing.failed is not None
 
