@@ -10,7 +10,15 @@ import pytest
 from openai import AsyncOpenAI
 
 from backends.sim import SimServer
-from edge.state.conversations import History
+from edge.errors import ConversationNotFound
+from edge.state.config import ConversationConfig
+from edge.state.conversations import (
+    Conversations,
+    History,
+    MemoryConversations,
+    RedisConversations,
+)
+from edge.state.redis_store import RedisState
 from tests.edge.conftest import client, fast_config, run_edge
 from tests.edge.state.helpers import CHAT, as_tenant, state, tenants
 from tests.edge.test_app_sim import sim_config
@@ -102,3 +110,27 @@ def test_a_history_stored_before_turns_kept_their_metadata_reads_back() -> None:
     history.append([{"role": "user", "content": "c"}], {"role": "assistant", "content": "d"},
                    {"model": "m"})  # fmt: skip
     assert History.decode(history.encode()).reply(2) == ("d", {"model": "m"})
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_a_turn_in_progress_stores_nothing_once_its_conversation_is_deleted(
+    kind: str, redis_url: str, redis_prefix: str
+) -> None:
+    config = ConversationConfig()
+    redis = RedisState(redis_url, timeout=1.0, prefix=redis_prefix) if kind == "redis" else None
+    store = RedisConversations(redis, config) if redis else MemoryConversations(config)
+    conversations = Conversations(store, config)
+    try:
+        first = await conversations.start("t", [{"role": "user", "content": "a"}])
+        assert await conversations.commit(first, {"role": "assistant", "content": "b"})
+        second = await conversations.resume(
+            "t", first.cid, [{"role": "user", "content": "c"}],
+            missing=ConversationNotFound("gone"),
+        )  # fmt: skip
+        assert await conversations.delete("t", first.cid)
+        assert not await conversations.commit(second, {"role": "assistant", "content": "d"})
+        assert await conversations.reply("t", first.cid, 1) is None
+        assert not await conversations.delete("t", first.cid)
+    finally:
+        if redis is not None:
+            await redis.aclose()
