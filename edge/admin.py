@@ -19,6 +19,7 @@ Served on its own (plain HTTP) listener, never on the client-facing ones.
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import json
 from collections.abc import Callable
 from typing import Any
@@ -27,8 +28,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from backends.pool import UpstreamPool
 from backends.registry import BackendRegistry
-from edge.asgi import Receive, Scope, Send, lifespan
+from edge.asgi import ASGIApp, Receive, Scope, Send, lifespan, render_error
 from edge.errors import (
+    AdminUnauthorized,
     EdgeError,
     InvalidJSON,
     InvalidRequest,
@@ -44,6 +46,27 @@ from edge.routing.fleet import FleetServices
 MAX_PREWARM_BODY = 8 * 1024 * 1024
 
 _ROLLOUT_ACTIONS = ("promote", "pause", "rollback")
+
+
+def guard_actions(app: ASGIApp, token: bytes | None) -> ASGIApp:
+    """`app` whose actions (POST) need `Authorization: Bearer TOKEN` (401 otherwise); reads
+    pass. Wraps the outermost admin app, so that an action is refused before any worker is
+    asked to take it (their private sockets are not the listener's)."""
+    if token is None:
+        return app
+    expected = b"Bearer " + token
+
+    async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] not in ("GET", "HEAD"):
+            given = next((v for k, v in scope["headers"] if k.lower() == b"authorization"), b"")
+            if not hmac.compare_digest(given.strip(), expected):
+                await render_error(send, AdminUnauthorized(
+                    "admin actions need `Authorization: Bearer <token>` (proxy.admin_token_file)"
+                ))  # fmt: skip
+                return
+        await app(scope, receive, send)
+
+    return guarded
 
 
 class AdminApp:

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from backends.credentials import BackendCredentials
+from backends.credentials import BackendCredentials, read_key
 from backends.discovery import DiscoveryConfig
 from backends.labels import parse_labels
 from edge import settings
@@ -119,6 +119,10 @@ class ProxyConfig:
     expose_backend_names: bool = False
     """Name the backend (its host:port) to clients: the `x-quicedge-backend` response header and
     the upstream detail in error messages. Off: internal addresses never leave the edge."""
+    admin_token_file: str | None = None
+    """File holding the token the admin listener's actions (every POST: drains, rollouts,
+    pre-warming) require as `Authorization: Bearer TOKEN`; reads (health, metrics, state) stay
+    open for probes and scrapers. None: actions are open too. Read once at start."""
     config_poll_interval: float | None = None
     """Seconds between checks of the `--config` file: when it changed, it is reloaded as on
     SIGHUP (docs/configuration.md, "Reloading the config"); none: on SIGHUP only."""
@@ -190,6 +194,7 @@ class ProxyConfig:
             raise ValueError("proxy: degraded_token_usage must be in (0, 1]")
         # a missing or empty key file fails at start, with its setting's name
         BackendCredentials.from_files(self.backend_api_key_file, self.backend_api_key_files)
+        self.admin_token()
         for name in ("degraded_ttft_p99", "degraded_queue", "loads_interval",
                      "config_poll_interval"):  # fmt: skip
             value = getattr(self, name)
@@ -197,6 +202,12 @@ class ProxyConfig:
                 raise ValueError(f"proxy: {name} must be > 0, got {value!r}")
         self.state.validate()
         return self
+
+    def admin_token(self) -> bytes | None:
+        """The admin actions' token from `admin_token_file` (ValueError naming the setting)."""
+        if self.admin_token_file is None:
+            return None
+        return read_key(self.admin_token_file, "proxy.admin_token_file")
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> ProxyConfig:

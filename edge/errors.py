@@ -143,6 +143,17 @@ class TooManyRequests(EdgeError):
     code = "rate_limit_exceeded"
 
 
+class AdminUnauthorized(EdgeError):
+    """401 `invalid_admin_token`: an admin action without the admin token."""
+
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_admin_token"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers=((b"www-authenticate", b"Bearer"),))
+
+
 class Unauthorized(EdgeError):
     """401 `invalid_api_key`: no API key where one is required, or a key that is not known."""
 
@@ -329,6 +340,7 @@ def stream_error_event(err: EdgeError) -> bytes:
 
 
 __all__ = [
+    "AdminUnauthorized",
     "AuditBacklog",
     "BadGateway",
     "ConversationBusy",

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 from backends.discovery import DiscoveryConfig, make_source
 from edge import settings, wiring
 from edge.access_log import AccessLogConfig
+from edge.admin import guard_actions
 from edge.audit import AuditConfig
 from edge.config import SECTIONS, ProxyConfig
 from edge.cors import CorsConfig
@@ -192,6 +193,7 @@ class ProxyApps:
             admin_app = fleet.wrap(workers.wrap(admin_app))
             await fleet.start()
             await workers.start()
+        admin_app = guard_actions(admin_app, proxy.admin_token())
 
         async def aclose() -> None:
             if reloader is not None:

@@ -145,6 +145,24 @@ def config_toml(docs: list[dict[str, Any]], parsed: argparse.Namespace) -> dict[
     raise AssertionError(f"no ConfigMap is mounted at {parsed.config}")
 
 
+def mounted_secret(docs: list[dict[str, Any]], path: str, into: Path) -> str:
+    """A file the edge pod reads from a Secret volume, written where a test can read it (as
+    the kubelet would mount it): the Secret's key behind `path` must exist."""
+    edge = one(docs, "Deployment", "quicedge")
+    mounts = {m["name"]: m["mountPath"] for m in container(edge)["volumeMounts"]}
+    for volume in edge["spec"]["template"]["spec"]["volumes"]:
+        secret = volume.get("secret")
+        if not secret:
+            continue
+        for item in secret.get("items", []):
+            if f"{mounts[volume['name']]}/{item['path']}" == path:
+                value = secret_values(docs)[(secret["secretName"], item["key"])]
+                out = into / item["path"]
+                out.write_text(value)
+                return str(out)
+    raise AssertionError(f"no Secret volume holds {path}")
+
+
 async def admin_status(path: str) -> int:
     """The status the admin app answers `GET path` with (one healthy backend)."""
     admin = AdminApp(
@@ -166,13 +184,16 @@ async def admin_status(path: str) -> int:
 
 
 def test_the_edge_pod_runs_flags_and_config_keys_that_exist(
-    rendered: tuple[str, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch
+    rendered: tuple[str, list[dict[str, Any]]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     _, docs = rendered
     args, env = edge_args(docs)
     parsed = serve.build_parser().parse_args(args[1:])
     doc = config_toml(docs, parsed)
+    token_file = mounted_secret(docs, doc["proxy"]["admin_token_file"], tmp_path)
+    doc["proxy"]["admin_token_file"] = token_file
     _, transport, proxy, discovery = parse_serve(args, doc, env, monkeypatch)
+    assert proxy.admin_token() == b"placeholder-admin-token-replace-me"
     assert isinstance(proxy, ProxyConfig)
     assert transport.workers > 1 and transport.redis and transport.ticket_secret
     edge_deployment = one(docs, "Deployment", "quicedge")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 
@@ -17,7 +18,7 @@ CHAT = {"model": "default", "max_tokens": 2, "messages": [{"role": "user", "cont
 
 
 @contextmanager
-def edge(redis_url: str) -> Iterator[tuple[ServeProcess, str, str, str]]:
+def edge(redis_url: str, *more: str) -> Iterator[tuple[ServeProcess, str, str, str]]:
     """Two workers over a slow (`s1`, GPU-paced) and an instant (`s2`) stand-in, round robin:
     (the process, its proxy URL, s1's name, s2's name)."""
     with (
@@ -28,6 +29,7 @@ def edge(redis_url: str) -> Iterator[tuple[ServeProcess, str, str, str]]:
         proc = ServeProcess(
             "--workers", "2", "--redis", redis_url, "--backend", s1, "--backend", s2,
             "--policy", "round_robin", "--expose-backend-names", "--http", f"127.0.0.1:{port}",
+            *more,
         )  # fmt: skip
         try:
             wait_ready(proc.admin_port)
@@ -111,3 +113,28 @@ async def test_every_backend_drained_is_a_clear_503_and_not_ready(redis_url: str
             assert wrong.status_code == 404 and "use drain or undrain" in wrong.text
             get = await admin.get(f"/backends/{s1}/drain")
             assert get.status_code == 405 and get.headers["allow"] == "POST"
+
+
+async def test_with_an_admin_token_actions_need_it_and_reads_do_not(
+    redis_url: str, tmp_path: Path
+) -> None:
+    token_file = tmp_path / "admin-token"
+    token_file.write_text("s3cret-admin-token\n")
+    with edge(redis_url, "--admin-token-file", str(token_file)) as (proc, url, s1, s2):
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{proc.admin_port}", timeout=10
+        ) as admin:
+            for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "s3cret"}):
+                refused = await admin.post(f"/backends/{s1}/drain", headers=headers)
+                assert refused.status_code == 401
+                assert refused.headers["www-authenticate"] == "Bearer"
+                assert refused.json()["error"]["code"] == "invalid_admin_token"
+                assert "s3cret" not in refused.text
+            assert held(proc) == {s1: 0.0, s2: 0.0}  # no worker took it
+            assert (await admin.get("/backends")).status_code == 200  # reads stay open
+            assert (await admin.get("/ready")).status_code == 200
+            good = {"authorization": "Bearer s3cret-admin-token"}
+            taken = await admin.post(f"/backends/{s1}/drain", headers=good)
+            assert taken.status_code == 200 and taken.headers["x-quicedge-workers"] == "2/2"
+        assert held(proc) == {s1: 2.0, s2: 0.0}
+        assert await served_by(url, 6) == {s2}
