@@ -143,17 +143,6 @@ class TooManyRequests(EdgeError):
     code = "rate_limit_exceeded"
 
 
-class AdminUnauthorized(EdgeError):
-    """401 `invalid_admin_token`: an admin action without the admin token."""
-
-    status = 401
-    type = "invalid_request_error"
-    code = "invalid_admin_token"
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, headers=((b"www-authenticate", b"Bearer"),))
-
-
 class Unauthorized(EdgeError):
     """401 `invalid_api_key`: no API key where one is required, or a key that is not known."""
 
@@ -208,6 +197,12 @@ class GatewayTimeout(EdgeError):
 POOL_BUSY_RETRY_AFTER = b"1"
 """Seconds a client is asked to wait after a 503 `pool_busy` (RFC 9110 §10.2.3): connections
 come free as streams end, so a short wait is enough."""
+
+
+class AdminUnauthorized(Unauthorized):
+    """401 `invalid_admin_token`: an admin action without the admin token."""
+
+    code = "invalid_admin_token"
 
 
 class ConversationNotFound(EdgeError):
