@@ -1,6 +1,7 @@
 """The admin ASGI app: liveness, readiness, Prometheus metrics and the state of every backend.
 
-Served on its own (plain HTTP) listener, never on the client-facing ones.
+Served on its own (plain HTTP) listener, never on the client-facing ones. With `[proxy]
+admin_token_file`, every action (a POST) needs `Authorization: Bearer TOKEN` (`guard_actions`).
 - `GET /health`: 200 while the process runs (liveness).
 - `GET /ready`: 200 when at least one backend is healthy and not drained, else 503 (readiness).
 - `GET /metrics`: `generate_latest(registry)` of the process's one registry.
