@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -79,19 +80,25 @@ INFERENCE_ROUTES = tuple(ROUTE_METHODS)
 MODELS_METHODS = ("GET",)
 
 
-STORED_ROUTES: dict[str, tuple[str, ...]] = {
-    RESPONSES + "/": ("GET", "DELETE"),
-    "/v1/conversations/": ("DELETE",),
-}
-"""Stored objects by id (`edge.state`): a response to read back or delete, a conversation to
-delete. Answered by the edge, never forwarded."""
+STORED_ROUTES: tuple[tuple[re.Pattern[str], str, tuple[str, ...]], ...] = tuple(
+    (re.compile(pattern.replace("{id}", "([^/]+)")), pattern, methods)
+    for pattern, methods in (
+        (RESPONSES + "/{id}", ("GET", "DELETE")),
+        (RESPONSES + "/{id}/input_items", ("GET",)),
+        ("/v1/conversations/{id}", ("GET", "DELETE")),
+        ("/v1/conversations/{id}/items", ("GET",)),
+    )
+)
+"""Stored responses and conversations by id (`edge.state.stored`): (path, route label,
+methods). Answered by the edge, never forwarded."""
 
 
-def stored_route(path: str) -> tuple[str, tuple[str, ...]] | None:
-    """(the route's label, its methods) for a stored object's path; None for another path."""
-    for prefix, methods in STORED_ROUTES.items():
-        if path.startswith(prefix) and len(path) > len(prefix):
-            return prefix + "{id}", methods
+def stored_route(path: str) -> tuple[str, tuple[str, ...], str] | None:
+    """(the route's label, its methods, the id in the path) for a stored object's path."""
+    for pattern, label, methods in STORED_ROUTES:
+        match = pattern.fullmatch(path)
+        if match is not None:
+            return label, methods, match.group(1)
     return None
 
 
@@ -204,7 +211,7 @@ class ProxyApp:
                         f"{method} is not allowed on {path}",
                         headers=((b"allow", ", ".join(stored[1]).encode()),),
                     )
-                await self._stored(scope, send, path, method)
+                await self._stored(scope, send, stored[0], stored[2])
                 self.metrics.requests.labels(label, "200", NO_MODEL).inc()
                 if self.access_log is not None:
                     self._log_other(scope, label, 200)
@@ -277,17 +284,24 @@ class ProxyApp:
 
     # -- stored responses and conversations --------------------------------------------------
 
-    async def _stored(self, scope: Scope, send: Send, path: str, method: str) -> None:
+    async def _stored(self, scope: Scope, send: Send, label: str, name: str) -> None:
         """Read back or delete what `edge.state` stored for the caller's tenant; another
         tenant's id is not found, as an unknown one."""
-        tenant = self.admission.identify(read_headers(scope["headers"]).authorization)
-        name = path.rpartition("/")[2]
+        tenant = self.admission.identify(read_headers(scope["headers"]).authorization).name
         if self.state is None:
-            raise RouteNotFound(f"no route for {method} {path}")
-        if method == "GET":
-            await send_json(send, 200, await self.state.retrieve(tenant.name, name))
+            raise RouteNotFound(f"no route for {scope['method']} {scope['path']}")
+        stored, query = self.state.stored, scope.get("query_string", b"")
+        if scope["method"] == "DELETE":
+            answer = await stored.delete(tenant, name, response=label.startswith(RESPONSES))
+        elif label == RESPONSES + "/{id}":
+            answer = await stored.response(tenant, name)
+        elif label == RESPONSES + "/{id}/input_items":
+            answer = await stored.input_items(tenant, name, query)
+        elif label == "/v1/conversations/{id}":
+            answer = await stored.conversation(tenant, name)
         else:
-            await send_json(send, 200, await self.state.delete(tenant.name, name))
+            answer = await stored.conversation_items(tenant, name, query)
+        await send_json(send, 200, answer)
 
     # -- inference ---------------------------------------------------------------------------
 

@@ -97,11 +97,13 @@ class History:
     """Per kept turn, what `GET /v1/responses/{id}` gives back besides the reply's text (its
     time, model, usage, status and echoed fields); `{}` for a chat conversation's turn. Never
     part of the prompt."""
+    created_at: int = 0
+    """When the conversation started (Unix seconds; 0 when stored before this was kept)."""
 
     def encode(self) -> bytes:
         return orjson.dumps(
             {"p": self.pinned, "m": self.messages, "t": self.turns, "c": self.count,
-             "u": self.meta}
+             "u": self.meta, "s": self.created_at}
         )  # fmt: skip
 
     @classmethod
@@ -109,12 +111,40 @@ class History:
         obj = orjson.loads(blob)
         turns = obj["t"]
         meta = obj.get("u") or []  # a blob stored before turns kept theirs
-        return cls(obj["p"], obj["m"], turns, obj["c"], [{}] * (len(turns) - len(meta)) + meta)
+        return cls(obj["p"], obj["m"], turns, obj["c"], [{}] * (len(turns) - len(meta)) + meta,
+                   int(obj.get("s") or 0))  # fmt: skip
 
     def copy(self) -> History:
         return History(
-            list(self.pinned), list(self.messages), list(self.turns), self.count, list(self.meta)
+            list(self.pinned),
+            list(self.messages),
+            list(self.turns),
+            self.count,
+            list(self.meta),
+            self.created_at,
         )
+
+    def items(self) -> list[tuple[str, dict[str, Any]]]:
+        """Every kept message with its place: (`TTTTTTTTJJJJ`, message), turn `T` (0 for the
+        pinned ones) and index `J` within it, in hex; stable when older turns are dropped."""
+        out = [(f"{0:08x}{j:04x}", m) for j, m in enumerate(self.pinned)]
+        start = 0
+        for k, end in enumerate(self.turns):
+            turn = self.first_kept + k
+            out += [(f"{turn:08x}{j:04x}", m) for j, m in enumerate(self.messages[start:end])]
+            start = end
+        return out
+
+    def turn_input(self, turn: int) -> list[tuple[str, dict[str, Any]]] | None:
+        """The messages turn `turn` sent (its reply left out; turn 1 with the pinned ones), as
+        `items` places them; None when it is not kept."""
+        if not self.first_kept <= turn <= self.count:
+            return None
+        k = turn - self.first_kept
+        start = self.turns[k - 1] if k else 0
+        sent = self.messages[start : self.turns[k] - 1]
+        lead = [(f"{0:08x}{j:04x}", m) for j, m in enumerate(self.pinned)] if turn == 1 else []
+        return lead + [(f"{turn:08x}{j:04x}", m) for j, m in enumerate(sent)]
 
     def reply(self, turn: int) -> tuple[str, dict[str, Any]] | None:
         """Turn `turn`'s reply text and metadata; None when it is not kept (or not a turn)."""
@@ -137,7 +167,12 @@ class History:
         kept = turn - self.first_kept + 1
         end = self.turns[kept - 1]
         return History(
-            list(self.pinned), self.messages[:end], self.turns[:kept], turn, self.meta[:kept]
+            list(self.pinned),
+            self.messages[:end],
+            self.turns[:kept],
+            turn,
+            self.meta[:kept],
+            self.created_at,
         )
 
     def prompt(self, new: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -323,7 +358,7 @@ class Conversations:
         """Turn 1 of a new conversation."""
         cid = new_conversation_id()
         token = os.urandom(12) if store else None
-        turn = Turn(tenant, cid, 1, History(), new, token)
+        turn = Turn(tenant, cid, 1, History(created_at=int(time.time())), new, token)
         self._fit(turn)
         if token is not None:
             await self.store.create(tenant, cid, token)
@@ -355,6 +390,7 @@ class Conversations:
             if base is None:
                 raise missing
             if base is not history:  # a fork: the original stays as it is
+                base.created_at = int(time.time())
                 if token is not None:
                     await self.store.release(tenant, cid, token)
                     cid = new_conversation_id()
@@ -401,10 +437,10 @@ class Conversations:
         if turn.token is not None:
             await self.store.release(turn.tenant, turn.cid, turn.token)
 
-    async def reply(self, tenant: str, cid: str, turn: int) -> tuple[str, dict[str, Any]] | None:
-        """A stored turn's reply text and metadata (None: unknown, expired or dropped)."""
+    async def history(self, tenant: str, cid: str) -> History | None:
+        """A stored conversation as it is now (None: unknown or expired); read only."""
         blob = await self.store.load(tenant, cid)
-        return None if blob is None else History.decode(blob).reply(turn)
+        return None if blob is None else History.decode(blob)
 
     async def delete(self, tenant: str, cid: str) -> bool:
         """Forget a conversation, every turn of it; False when there was none."""

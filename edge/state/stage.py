@@ -12,7 +12,6 @@ wrapper sees every chunk.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 from collections.abc import Awaitable, Callable, MutableMapping
@@ -43,6 +42,7 @@ from edge.state.conversations import (
 )
 from edge.state.redis_store import RedisState
 from edge.state.responses import RESPONSES, ResponseBuilder, parse_request
+from edge.state.stored import StoredObjects
 
 if TYPE_CHECKING:
     from edge.exchange import Exchange
@@ -86,6 +86,8 @@ class StateStage:
         self.conversations: Conversations | None = (
             Conversations(store, config.conversations) if config.conversations.enabled else None
         )
+        self.stored = StoredObjects(self.conversations)
+        """Stored responses and conversations read back and deleted by id."""
         self.cache: ResponseCache | None = None
         if config.cache.enabled:
             tiers: list[CacheTier] = []
@@ -130,35 +132,6 @@ class StateStage:
                 )
                 ex.state = request
         return raw, body
-
-    # -- stored objects: GET and DELETE ------------------------------------------------------
-
-    async def retrieve(self, tenant: str, rid: str) -> dict[str, Any]:
-        """`GET /v1/responses/{rid}`: a stored response object, as it was answered."""
-        found = None
-        if rid.startswith("resp_") and self.conversations is not None:
-            with contextlib.suppress(ConversationNotFound):
-                cid, number = parse_response_id(rid)
-                found = await self.conversations.reply(tenant, cid, number)
-        if found is None:
-            raise _not_found("Response", rid, "response_not_found")
-        return ResponseBuilder.restored(rid, *found).response(found[1].get("status") or "completed")
-
-    async def delete(self, tenant: str, name: str) -> dict[str, Any]:
-        """`DELETE /v1/responses/{id}` or `/v1/conversations/{id}`: forget the conversation,
-        every turn of it (a response's turns are its conversation's: the later ones were built
-        on it). The answer is OpenAI's deletion object."""
-        conversations = self._conversations()
-        response = name.startswith("resp_")
-        cid = None
-        with contextlib.suppress(ConversationNotFound):
-            cid = parse_response_id(name)[0] if response else parse_conversation_name(name)
-        if cid is None or not await conversations.delete(tenant, cid):
-            what, code = ("Response", "response_not_found") if response else (
-                "Conversation", "conversation_not_found")  # fmt: skip
-            raise _not_found(what, name, code)
-        kind = "response" if response else "conversation.deleted"
-        return {"id": name, "object": kind, "deleted": True}
 
     def _conversations(self) -> Conversations:
         if self.conversations is None:
@@ -220,10 +193,6 @@ class StateStage:
         # the messages member keeps its place: the body differs from the client's only there
         rebuilt = {k: (messages if k == "messages" else v) for k, v in body.items()}
         return orjson.dumps(rebuilt), rebuilt
-
-
-def _not_found(what: str, name: str, code: str) -> ConversationNotFound:
-    return ConversationNotFound(f"{what} with id '{name[:80]}' not found.", code=code)
 
 
 def _outcome_of(err: EdgeError) -> str:

@@ -4,6 +4,8 @@ Redis; another tenant's ids are not found."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import openai
 import pytest
@@ -24,6 +26,14 @@ from tests.edge.state.helpers import CHAT, as_tenant, state, tenants
 from tests.edge.test_app_sim import sim_config
 
 
+def sdks(edge: Any) -> tuple[AsyncOpenAI, AsyncOpenAI]:
+    """The OpenAI SDK as tenants alpha and beta (`tenants("alpha", "beta")`), retries off."""
+    return tuple(  # type: ignore[return-value]
+        AsyncOpenAI(base_url=edge.url + "/v1", api_key=f"sk-{name}", max_retries=0)
+        for name in ("alpha", "beta")
+    )
+
+
 @pytest.mark.parametrize("store", ["memory", "redis"])
 async def test_a_stored_response_reads_back_and_deleting_it_forgets_the_conversation(
     store: str, redis_url: str, redis_prefix: str
@@ -32,52 +42,55 @@ async def test_a_stored_response_reads_back_and_deleting_it_forgets_the_conversa
     async with SimServer(sim_config("b1")) as sim:
         config = fast_config([sim.url], state=stored, admission=tenants("alpha", "beta"))
         async with run_edge(config) as edge, client(edge) as http:
-            sdk = AsyncOpenAI(base_url=edge.url + "/v1", api_key="sk-alpha", max_retries=0)
-            first = await sdk.responses.create(
-                model="default", input="Name three moons.", max_output_tokens=8,
-                metadata={"ticket": "42"}, store=True,
-            )  # fmt: skip
-            second = await sdk.responses.create(
-                model="default", input="And their planets?", previous_response_id=first.id,
-                max_output_tokens=8,
-            )  # fmt: skip
-            for made in (first, second):
-                again = await sdk.responses.retrieve(made.id)
-                assert again.model_dump() == made.model_dump()  # as it was answered
-            assert (await sdk.responses.retrieve(first.id)).metadata == {"ticket": "42"}
+            sdk, beta = sdks(edge)
+            async with sdk, beta:
+                await read_back_then_delete(sdk, beta, http)
 
-            # another tenant: not found, and not deleted
-            beta = AsyncOpenAI(base_url=edge.url + "/v1", api_key="sk-beta", max_retries=0)
-            with pytest.raises(openai.NotFoundError) as theirs:
-                await beta.responses.retrieve(first.id)
-            assert theirs.value.body["code"] == "response_not_found"  # type: ignore[index]
-            with pytest.raises(openai.NotFoundError):
-                await beta.responses.delete(first.id)
 
-            # deleting one response forgets its conversation: every turn of it
-            await sdk.responses.delete(second.id)
-            for gone in (first.id, second.id):
-                with pytest.raises(openai.NotFoundError):
-                    await sdk.responses.retrieve(gone)
-            with pytest.raises(openai.NotFoundError) as cut:
-                await sdk.responses.create(model="default", input="more?",
-                                           previous_response_id=first.id)  # fmt: skip
-            assert cut.value.body["code"] == "previous_response_not_found"  # type: ignore[index]
-            with pytest.raises(openai.NotFoundError):
-                await sdk.responses.delete(second.id)  # deleted already
+async def read_back_then_delete(sdk: AsyncOpenAI, beta: AsyncOpenAI, http: Any) -> None:
+    first = await sdk.responses.create(
+        model="default", input="Name three moons.", max_output_tokens=8,
+        metadata={"ticket": "42"}, store=True,
+    )  # fmt: skip
+    second = await sdk.responses.create(
+        model="default", input="And their planets?", previous_response_id=first.id,
+        max_output_tokens=8,
+    )  # fmt: skip
+    for made in (first, second):
+        again = await sdk.responses.retrieve(made.id)
+        assert again.model_dump() == made.model_dump()  # as it was answered
+    assert (await sdk.responses.retrieve(first.id)).metadata == {"ticket": "42"}
 
-            # a chat conversation, deleted by its conv_ id
-            headers = {**as_tenant("alpha"), "x-quicedge-conversation": "new"}
-            chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-            made_chat = await http.post(CHAT, headers=headers, json=chat)
-            conv = made_chat.headers["x-quicedge-conversation"]
-            removed = await http.delete(f"/v1/conversations/{conv}", headers=as_tenant("alpha"))
-            assert removed.status_code == 200
-            assert removed.json() == {"id": conv, "object": "conversation.deleted", "deleted": True}
-            resumed = await http.post(
-                CHAT, headers={**as_tenant("alpha"), "x-quicedge-conversation": conv}, json=chat
-            )
-            assert resumed.status_code == 404
+    # another tenant: not found, and not deleted
+    with pytest.raises(openai.NotFoundError) as theirs:
+        await beta.responses.retrieve(first.id)
+    assert theirs.value.body["code"] == "response_not_found"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        await beta.responses.delete(first.id)
+
+    # deleting one response forgets its conversation: every turn of it
+    await sdk.responses.delete(second.id)
+    for gone in (first.id, second.id):
+        with pytest.raises(openai.NotFoundError):
+            await sdk.responses.retrieve(gone)
+    with pytest.raises(openai.NotFoundError) as cut:
+        await sdk.responses.create(model="default", input="more?", previous_response_id=first.id)
+    assert cut.value.body["code"] == "previous_response_not_found"  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        await sdk.responses.delete(second.id)  # deleted already
+
+    # a chat conversation, deleted by its conv_ id
+    headers = {**as_tenant("alpha"), "x-quicedge-conversation": "new"}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    made_chat = await http.post(CHAT, headers=headers, json=chat)
+    conv = made_chat.headers["x-quicedge-conversation"]
+    removed = await http.delete(f"/v1/conversations/{conv}", headers=as_tenant("alpha"))
+    assert removed.status_code == 200
+    assert removed.json() == {"id": conv, "object": "conversation.deleted", "deleted": True}
+    resumed = await http.post(
+        CHAT, headers={**as_tenant("alpha"), "x-quicedge-conversation": conv}, json=chat
+    )
+    assert resumed.status_code == 404
 
 
 async def test_wrong_methods_and_malformed_ids() -> None:
@@ -85,8 +98,11 @@ async def test_wrong_methods_and_malformed_ids() -> None:
         async with run_edge(fast_config([sim.url])) as edge, client(edge) as http:
             wrong = await http.post("/v1/responses/resp_" + "0" * 32)
             assert wrong.status_code == 405 and wrong.headers["allow"] == "GET, DELETE"
-            wrong = await http.get("/v1/conversations/conv_" + "0" * 24)
-            assert wrong.status_code == 405 and wrong.headers["allow"] == "DELETE"
+            wrong = await http.post("/v1/conversations/conv_" + "0" * 24)
+            assert wrong.status_code == 405 and wrong.headers["allow"] == "GET, DELETE"
+            wrong = await http.delete("/v1/conversations/conv_" + "0" * 24 + "/items")
+            assert wrong.status_code == 405 and wrong.headers["allow"] == "GET"
+            assert (await http.get("/v1/conversations/conv_x/items/more")).status_code == 404
             for path in ("/v1/responses/resp_nothex", "/v1/responses/x",
                          "/v1/responses/resp_" + "0" * 32):  # fmt: skip
                 missing = await http.get(path)
@@ -129,8 +145,78 @@ async def test_a_turn_in_progress_stores_nothing_once_its_conversation_is_delete
         )  # fmt: skip
         assert await conversations.delete("t", first.cid)
         assert not await conversations.commit(second, {"role": "assistant", "content": "d"})
-        assert await conversations.reply("t", first.cid, 1) is None
+        assert await conversations.history("t", first.cid) is None
         assert not await conversations.delete("t", first.cid)
     finally:
         if redis is not None:
             await redis.aclose()
+
+
+async def test_input_items_and_conversation_items_page_as_openais_lists() -> None:
+    async with SimServer(sim_config("b1")) as sim:
+        config = fast_config([sim.url], admission=tenants("alpha", "beta"))
+        async with run_edge(config) as edge, client(edge) as http:
+            sdk, beta = sdks(edge)
+            async with sdk, beta:
+                await list_items(sdk, http)
+
+
+async def list_items(sdk: AsyncOpenAI, http: Any) -> None:
+    first = await sdk.responses.create(
+        model="default", max_output_tokens=4,
+        input=[{"role": "developer", "content": "Be brief."},
+               {"role": "user", "content": "Name three moons."}],
+    )  # fmt: skip
+    second = await sdk.responses.create(
+        model="default", input="And their planets?", previous_response_id=first.id,
+        max_output_tokens=4,
+    )  # fmt: skip
+    items = [i async for i in sdk.responses.input_items.list(second.id, order="asc")]
+    assert [(i.role, i.content[0].text) for i in items] == [  # type: ignore[union-attr,index]
+        ("user", "And their planets?")
+    ]
+    items = [i async for i in sdk.responses.input_items.list(first.id, order="asc")]
+    assert [(i.role, i.content[0].type) for i in items] == [  # type: ignore[union-attr,index]
+        ("system", "input_text"),  # `developer` went upstream, and is kept, as `system`
+        ("user", "input_text"),
+    ]
+
+    # the conversation behind them: every message, the replies as output_text
+    cid = first.id[len("resp_") : len("resp_") + 24]
+    conv = f"conv_{cid}"
+    me = as_tenant("alpha")
+    card = (await http.get(f"/v1/conversations/{conv}", headers=me)).json()
+    assert card["id"] == conv and card["object"] == "conversation"
+    assert abs(card["created_at"] - first.created_at) <= 1  # the same start, maybe a tick apart
+    listed = (await http.get(f"/v1/conversations/{conv}/items?order=asc",
+                             headers=me)).json()  # fmt: skip
+    assert [i["role"] for i in listed["data"]] == [
+        "system", "user", "assistant", "user", "assistant"]  # fmt: skip
+    through_sdk = [i async for i in sdk.conversations.items.list(conv, order="asc")]
+    assert [i.id for i in through_sdk] == [i["id"] for i in listed["data"]]
+    assert (await sdk.conversations.retrieve(conv)).id == conv
+    replies = [i["content"][0] for i in listed["data"] if i["role"] == "assistant"]
+    assert [r["text"] for r in replies] == [first.output_text, second.output_text]
+    assert all(r["type"] == "output_text" and r["annotations"] == [] for r in replies)
+    assert listed["has_more"] is False and listed["first_id"] == listed["data"][0]["id"]
+
+    # paging: newest first by default, two at a time, then after the last one shown
+    ids = [i["id"] for i in listed["data"]][::-1]
+    seen: list[str] = []
+    after = ""
+    while True:
+        query = f"?limit=2{'&after=' + after if after else ''}"
+        got = (await http.get(f"/v1/conversations/{conv}/items{query}", headers=me)).json()
+        seen += [i["id"] for i in got["data"]]
+        if not got["has_more"]:
+            break
+        after = got["last_id"]
+    assert seen == ids and len(set(ids)) == 5
+
+    for query, param in (("?limit=0", "limit"), ("?limit=x", "limit"),
+                         ("?order=up", "order"), ("?after=msg_nope", "after")):  # fmt: skip
+        bad = await http.get(f"/v1/conversations/{conv}/items{query}", headers=me)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param
+    theirs = await http.get(f"/v1/conversations/{conv}/items", headers=as_tenant("beta"))
+    assert theirs.status_code == 404
+    assert theirs.json()["error"]["code"] == "conversation_not_found"

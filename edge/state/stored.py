@@ -1,0 +1,164 @@
+"""Stored responses and conversations, read back and deleted by id (docs/state.md, "Reading back
+and deleting"): the edge's own routes, answered from the conversation store, never forwarded.
+
+| route | answer |
+| --- | --- |
+| `GET /v1/responses/{id}` | the response object as it was answered |
+| `GET /v1/responses/{id}/input_items` | what that turn sent, as a list of items |
+| `DELETE /v1/responses/{id}` | forgets its whole conversation |
+| `GET /v1/conversations/{id}` | the conversation object |
+| `GET /v1/conversations/{id}/items` | every kept message, as a list of items |
+| `DELETE /v1/conversations/{id}` | forgets it |
+
+Lists page as OpenAI's do: `order` (`desc`, the default, or `asc`), `limit` (1 to 100, 20) and
+`after` (an item id), with `first_id`, `last_id` and `has_more`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import parse_qs
+
+from edge.errors import ConversationNotFound, InvalidRequest
+from edge.state.conversations import (
+    Conversations,
+    History,
+    conversation_name,
+    parse_conversation_name,
+    parse_response_id,
+)
+from edge.state.responses import ResponseBuilder
+
+MAX_LIMIT = 100
+DEFAULT_LIMIT = 20
+
+
+def _not_found(what: str, name: str, code: str) -> ConversationNotFound:
+    return ConversationNotFound(f"{what} with id '{name[:80]}' not found.", code=code)
+
+
+def _item(cid: str, place: str, message: Mapping[str, Any]) -> dict[str, Any]:
+    """A stored chat message as a Responses API `message` item."""
+    role = message.get("role")
+    kind = "output_text" if role == "assistant" else "input_text"
+    content = message.get("content")
+    parts: list[Any]
+    if isinstance(content, str):
+        parts = [{"type": kind, "text": content}]
+    elif isinstance(content, list):  # chat content parts: text ones in the Responses' terms
+        parts = [
+            {"type": kind, "text": p["text"]}
+            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            else p
+            for p in content
+        ]
+    else:
+        parts = []
+    if kind == "output_text":
+        parts = [{**p, "annotations": []} if p.get("type") == kind else p for p in parts]
+    return {"type": "message", "id": f"msg_{cid}{place}", "status": "completed", "role": role,
+            "content": parts}  # fmt: skip
+
+
+def page(items: list[dict[str, Any]], query: bytes) -> dict[str, Any]:
+    """One page of `items` (oldest first) as the query asks; 400 naming a bad parameter."""
+    args = {k: v[-1] for k, v in parse_qs(query.decode("latin-1")).items()}
+    order = args.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise InvalidRequest("'order' must be 'asc' or 'desc'", param="order")
+    try:
+        limit = int(args.get("limit", DEFAULT_LIMIT))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= MAX_LIMIT:
+        raise InvalidRequest(f"'limit' must be an integer from 1 to {MAX_LIMIT}", param="limit")
+    ordered = items if order == "asc" else items[::-1]
+    start = 0
+    if "after" in args:
+        ids = [item["id"] for item in ordered]
+        if args["after"] not in ids:
+            raise InvalidRequest(f"'after': no item {args['after'][:80]!r} here", param="after")
+        start = ids.index(args["after"]) + 1
+    data = ordered[start : start + limit]
+    return {"object": "list", "data": data,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None,
+            "has_more": start + limit < len(ordered)}  # fmt: skip
+
+
+class StoredObjects:
+    """What `edge.app` answers on the stored objects' routes, for one tenant at a time; another
+    tenant's ids, unknown, expired and malformed ones are all the same 404."""
+
+    def __init__(self, conversations: Conversations | None) -> None:
+        self.conversations = conversations
+
+    async def _history(self, tenant: str, name: str) -> tuple[str, History, int] | None:
+        """(conversation, its history, the turn `name` names or 0) for a `resp_` or `conv_`
+        id; None when there is nothing to show."""
+        if self.conversations is None:
+            return None
+        with contextlib.suppress(ConversationNotFound):
+            if name.startswith("resp_"):
+                cid, turn = parse_response_id(name)
+            else:
+                cid, turn = parse_conversation_name(name), 0
+            history = await self.conversations.history(tenant, cid)
+            return None if history is None else (cid, history, turn)
+        return None
+
+    @staticmethod
+    def _missing(name: str, response: bool) -> ConversationNotFound:
+        if response:
+            return _not_found("Response", name, "response_not_found")
+        return _not_found("Conversation", name, "conversation_not_found")
+
+    async def response(self, tenant: str, rid: str) -> dict[str, Any]:
+        """`GET /v1/responses/{rid}`: the response object as it was answered."""
+        found = await self._history(tenant, rid) if rid.startswith("resp_") else None
+        reply = found[1].reply(found[2]) if found is not None else None
+        if reply is None:
+            raise self._missing(rid, True)
+        text, meta = reply
+        return ResponseBuilder.restored(rid, text, meta).response(meta.get("status") or "completed")
+
+    async def input_items(self, tenant: str, rid: str, query: bytes) -> dict[str, Any]:
+        """`GET /v1/responses/{rid}/input_items`: the messages that turn sent."""
+        found = await self._history(tenant, rid) if rid.startswith("resp_") else None
+        sent = found[1].turn_input(found[2]) if found is not None else None
+        if found is None or sent is None:
+            raise self._missing(rid, True)
+        return page([_item(found[0], place, m) for place, m in sent], query)
+
+    async def conversation(self, tenant: str, name: str) -> dict[str, Any]:
+        """`GET /v1/conversations/{id}`: the conversation object."""
+        found = await self._history(tenant, name) if name.startswith("conv_") else None
+        if found is None:
+            raise self._missing(name, False)
+        return {"id": conversation_name(found[0]), "object": "conversation",
+                "created_at": found[1].created_at, "metadata": {}}  # fmt: skip
+
+    async def conversation_items(self, tenant: str, name: str, query: bytes) -> dict[str, Any]:
+        """`GET /v1/conversations/{id}/items`: every kept message, replies included."""
+        found = await self._history(tenant, name) if name.startswith("conv_") else None
+        if found is None:
+            raise self._missing(name, False)
+        return page([_item(found[0], place, m) for place, m in found[1].items()], query)
+
+    async def delete(self, tenant: str, name: str, *, response: bool) -> dict[str, Any]:
+        """`DELETE /v1/responses/{id}` (`response`) or `/v1/conversations/{id}`: forget the
+        conversation, every turn of it (a response's later turns were built on it): OpenAI's
+        deletion object."""
+        prefix = "resp_" if response else "conv_"
+        found = await self._history(tenant, name) if name.startswith(prefix) else None
+        if found is None or self.conversations is None:
+            raise self._missing(name, response)
+        if not await self.conversations.delete(tenant, found[0]):
+            raise self._missing(name, response)  # gone meanwhile (expired, another delete)
+        kind = "response" if response else "conversation.deleted"
+        return {"id": name, "object": kind, "deleted": True}
+
+
+__all__ = ["DEFAULT_LIMIT", "MAX_LIMIT", "StoredObjects", "page"]
