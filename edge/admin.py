@@ -30,6 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from backends.pool import UpstreamPool
 from backends.registry import BackendRegistry
 from edge.asgi import ASGIApp, Receive, Scope, Send, lifespan, render_error
+from edge.audit import AuditLog
 from edge.errors import (
     AdminUnauthorized,
     EdgeError,
@@ -49,10 +50,11 @@ MAX_PREWARM_BODY = 8 * 1024 * 1024
 _ROLLOUT_ACTIONS = ("promote", "pause", "rollback")
 
 
-def guard_actions(app: ASGIApp, token: bytes | None) -> ASGIApp:
-    """`app` whose actions (POST) need `Authorization: Bearer TOKEN` (401 otherwise); reads
-    pass. Wraps the outermost admin app, so that an action is refused before any worker is
-    asked to take it (their private sockets are not the listener's)."""
+def guard_actions(app: ASGIApp, token: bytes | None, audit: AuditLog | None = None) -> ASGIApp:
+    """`app` whose actions (POST) need `Authorization: Bearer TOKEN` (401 otherwise, recorded in
+    `audit` as `event: admin_refused`); reads pass. Wraps the outermost admin app, so that an
+    action is refused before any worker is asked to take it (their private sockets are not the
+    listener's)."""
     if token is None:
         return app
     expected = b"Bearer " + token
@@ -61,6 +63,10 @@ def guard_actions(app: ASGIApp, token: bytes | None) -> ASGIApp:
         if scope["type"] == "http" and scope["method"] not in ("GET", "HEAD"):
             given = next((v for k, v in scope["headers"] if k.lower() == b"authorization"), b"")
             if not hmac.compare_digest(given.strip(), expected):
+                if audit is not None:
+                    client = scope.get("client") or ("-", 0)
+                    audit.record_event("admin_refused", method=scope["method"],
+                                       path=scope["path"], client=client[0])  # fmt: skip
                 await render_error(send, AdminUnauthorized(
                     "admin actions need `Authorization: Bearer <token>` (proxy.admin_token_file)"
                 ))  # fmt: skip
@@ -81,7 +87,10 @@ class AdminApp:
         breakers: Breakers | None = None,
         fleet: FleetServices | None = None,
         models: Models | None = None,
+        audit: AuditLog | None = None,
     ) -> None:
+        self.audit = audit
+        """Where each action taken is recorded (`event: admin`), when the audit log is on."""
         self.breakers = breakers
         self.fleet = fleet
         self.models = models
@@ -134,6 +143,10 @@ class AdminApp:
             {"type": "http.response.body", "body": body if scope["method"] != "HEAD" else b""}
         )
 
+    def _audited(self, action: str, target: str) -> None:
+        if self.audit is not None:
+            self.audit.record_event("admin", action=action, target=target)
+
     def _health(self) -> tuple[int, bytes, bytes]:
         return 200, b"application/json", b'{"status":"ok"}'
 
@@ -173,6 +186,7 @@ class AdminApp:
 
         def act() -> tuple[int, bytes, bytes]:
             backend.held = action == "drain"
+            self._audited(f"backend.{action}", name)
             snapshot = next(b for b in self.backends.snapshot() if b["name"] == name)
             return 200, b"application/json", _json(snapshot)
 
@@ -192,6 +206,7 @@ class AdminApp:
         def act() -> tuple[int, bytes, bytes]:
             try:
                 getattr(ramp, action)("operator")
+                self._audited(f"rollout.{action}", model)
             except ValueError as exc:
                 raise InvalidRequest(str(exc), code="invalid_state") from None
             return 200, b"application/json", _json(ramp.snapshot())

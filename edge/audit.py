@@ -193,6 +193,12 @@ class AuditLog:
             self._idle.clear()
         return True
 
+    def record_event(self, event: str, **fields: Any) -> bool:
+        """Queue the record of something done to the edge itself, not a request: a config
+        reload, an admin action, a refused one (`event`), in the same chain. The backlog refusal
+        (`when_full = "refuse"`) is for requests; a full queue drops it as it drops them."""
+        return self.record({"ts": round(time.time(), 6), "event": event, **fields})
+
     def record_exchange(self, ex: Exchange, status: int) -> bool:
         """The record of one finished request (the prompt is hashed in the writer's thread)."""
         usage = ex.usage

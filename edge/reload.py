@@ -150,6 +150,7 @@ class Reloader:
             self.reloads.labels("refused").inc()
             self.wiring.metrics.config_reload_ok.set(0)
             log.error("config reload refused, the running settings stay: %s", exc)
+            self._audit("refused", error=str(exc))
             return "refused"
         if "tenants" in live or "admission.anonymous" in live:
             self.wiring.admission.set_tenants(new.get("proxy", ProxyConfig).admission)
@@ -170,8 +171,14 @@ class Reloader:
             )
         outcome = "applied" if live else "unchanged"
         self.reloads.labels(outcome).inc()
+        self._audit(outcome, changed=live, restart_pending=pending)
         log.info("config reload %s%s", outcome, f": {', '.join(live)}" if live else "")
         return outcome
+
+    def _audit(self, outcome: str, **fields: Any) -> None:
+        """The reload in the audit log's chain (`event: config_reload`), when it is on."""
+        if self.wiring.audit is not None:
+            self.wiring.audit.record_event("config_reload", outcome=outcome, **fields)
 
     async def aclose(self) -> None:
         if self._watch is not None:

@@ -383,6 +383,7 @@ async def build(
         breakers=breaker_set,
         fleet=fleet,
         models=pools,
+        audit=audit_log,
     )
     return wiring
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 
 from tests.deploy.processes import sim_process, wait_ready
-from tests.edge.test_config_reload import LONG, completion_tokens
+from tests.edge.test_config_reload import LONG, audit_events, completion_tokens
 from tests.helpers import free_port
 from tests.transport.conftest import ServeProcess
 
@@ -118,9 +118,12 @@ async def test_every_backend_drained_is_a_clear_503_and_not_ready(redis_url: str
 async def test_with_an_admin_token_actions_need_it_and_reads_do_not(
     redis_url: str, tmp_path: Path
 ) -> None:
+    """Each worker's audit chain records the drain it took; one records the refused tries."""
     token_file = tmp_path / "admin-token"
     token_file.write_text("s3cret-admin-token\n")
-    with edge(redis_url, "--admin-token-file", str(token_file)) as (proc, url, s1, s2):
+    audit = tmp_path / "audit-{pid}.jsonl"
+    args = ("--admin-token-file", str(token_file), "--audit-log", str(audit))
+    with edge(redis_url, *args) as (proc, url, s1, s2):
         async with httpx.AsyncClient(
             base_url=f"http://127.0.0.1:{proc.admin_port}", timeout=10
         ) as admin:
@@ -138,3 +141,9 @@ async def test_with_an_admin_token_actions_need_it_and_reads_do_not(
             assert taken.status_code == 200 and taken.headers["x-quicedge-workers"] == "2/2"
         assert held(proc) == {s1: 2.0, s2: 0.0}
         assert await served_by(url, 6) == {s2}
+    events = audit_events(tmp_path, "audit-*.jsonl")
+    assert len(events) == 2  # a chain per worker
+    drains = [e for chain in events for e in chain if e == ("admin", "backend.drain", s1)]
+    assert len(drains) == 2  # each worker took it, and says so
+    refused = [e for chain in events for e in chain if e[0] == "admin_refused"]
+    assert refused == [("admin_refused", "POST", f"/backends/{s1}/drain")] * 3

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from edge.audit import GENESIS, verify
 from edge.reload import differences
 from edge.serve import build_parser, load_settings
 from tests.deploy.processes import sim_process
@@ -70,6 +71,27 @@ def serve(config: Path, *more: str) -> tuple[ServeProcess, str]:
     port = free_port()
     proc = ServeProcess("--config", str(config), "--http", f"127.0.0.1:{port}", *more)
     return proc, f"http://127.0.0.1:{port}"
+
+
+def audit_events(directory: Path, pattern: str) -> list[list[tuple[Any, ...]]]:
+    """Per audit chain in `directory` (each verified from its first line): its records of
+    things done to the edge, as (event, what, ...): an admin action and its target, a refused
+    one's method and path, a reload's outcome and what it changed."""
+    chains = []
+    for chain in sorted(directory.glob(pattern)):
+        checked = verify([str(chain)], start=GENESIS)
+        assert checked.ok, checked.error
+        lines = [json.loads(line) for line in chain.read_text().splitlines()]
+        chains.append([_event(e) for e in lines if "event" in e])
+    return chains
+
+
+def _event(e: dict[str, Any]) -> tuple[Any, ...]:
+    if e["event"] == "admin":
+        return ("admin", e["action"], e["target"])
+    if e["event"] == "admin_refused":
+        return ("admin_refused", e["method"], e["path"])
+    return ("config_reload", e["outcome"], tuple(e.get("changed") or ()))
 
 
 def total(proc: ServeProcess, sample: str) -> float:
@@ -137,7 +159,7 @@ async def test_sighup_applies_tenants_and_policy_and_keeps_them_on_a_broken_file
 ) -> None:
     config = tmp_path / "quicedge.toml"
     config.write_text(tenants_toml("one"))
-    proc, url = serve(config, "--backend", stand_in)
+    proc, url = serve(config, "--backend", stand_in, "--audit-log", str(tmp_path / "audit.jsonl"))
     try:
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
             assert await status(http, "key-one") == 200
@@ -171,6 +193,13 @@ async def test_sighup_applies_tenants_and_policy_and_keeps_them_on_a_broken_file
             assert await status(http, "key-two", "forbidden words") == 200
     finally:
         assert proc.stop() == 0, proc.errors()
+    reloads = [e for e in audit_events(tmp_path, "audit.jsonl")[0] if e[0] == "config_reload"]
+    assert reloads == [
+        ("config_reload", "applied", ("tenants", "policy")),
+        ("config_reload", "refused", ()),
+        ("config_reload", "refused", ()),
+        ("config_reload", "applied", ("policy",)),
+    ]
     errors = proc.errors()
     assert "config reload refused, the running settings stay: --config" in errors
     assert "tenants[1].name: 'two' is taken" in errors
