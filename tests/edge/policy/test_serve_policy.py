@@ -4,6 +4,7 @@ SIGHUP reloads the module, and the audit log it wrote verifies."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import ssl
 import subprocess
@@ -77,4 +78,9 @@ path = "{audit}"
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith("OK ")
-    assert int(done.stdout.split()[1]) == sent  # every request, refused or not
+    # every request, refused or not, and the SIGHUP's reload of the (unchanged) config
+    assert int(done.stdout.split()[1]) == sent + 1
+    lines = [json.loads(line) for line in audit.read_text().splitlines()]
+    assert sum("request_id" in line for line in lines) == sent
+    events = [(line["event"], line["outcome"]) for line in lines if "event" in line]
+    assert events == [("config_reload", "unchanged")]
