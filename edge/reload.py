@@ -29,6 +29,7 @@ from backends.discovery import DiscoveryConfig, wanted_urls
 from edge.admission.settings import AdmissionSettings
 from edge.config import ProxyConfig
 from edge.policy.config import PolicyConfig
+from edge.policy.gateway import PolicyGateway
 from edge.settings import Settings
 from edge.wiring import Wiring, make_gateway
 from transport.file_watch import FileWatch
@@ -152,15 +153,14 @@ class Reloader:
             log.error("config reload refused, the running settings stay: %s", exc)
             self._audit("refused", error=str(exc))
             return "refused"
-        if "tenants" in live or "admission.anonymous" in live:
-            self.wiring.admission.set_tenants(new.get("proxy", ProxyConfig).admission)
-        if "proxy.backends" in live:
-            drain = new.get("discovery", DiscoveryConfig).drain_timeout
-            await self.wiring.set_backends(new.get("proxy", ProxyConfig).backends, drain)
-        if "policy" in live:
-            await self.wiring.swap_gateway(gateway)
-        elif signal:
-            self.wiring.reload()
+        try:
+            await self._apply(new, live, gateway, signal=signal)
+        except Exception as exc:  # a bug here must not end the reloads for the process's life
+            self.reloads.labels("refused").inc()
+            self.wiring.metrics.config_reload_ok.set(0)
+            log.exception("config reload failed while applying %s", ", ".join(live))
+            self._audit("refused", error=f"while applying: {exc}")
+            return "refused"
         self._applied = new
         self.wiring.metrics.config_reload_ok.set(1)
         self.restart_pending.set(1 if pending else 0)
@@ -174,6 +174,19 @@ class Reloader:
         self._audit(outcome, changed=live, restart_pending=pending)
         log.info("config reload %s%s", outcome, f": {', '.join(live)}" if live else "")
         return outcome
+
+    async def _apply(
+        self, new: Settings, live: list[str], gateway: PolicyGateway | None, *, signal: bool
+    ) -> None:
+        if "tenants" in live or "admission.anonymous" in live:
+            self.wiring.admission.set_tenants(new.get("proxy", ProxyConfig).admission)
+        if "proxy.backends" in live:
+            drain = new.get("discovery", DiscoveryConfig).drain_timeout
+            await self.wiring.set_backends(new.get("proxy", ProxyConfig).backends, drain)
+        if "policy" in live:
+            await self.wiring.swap_gateway(gateway)
+        elif signal:
+            self.wiring.reload()
 
     def _audit(self, outcome: str, **fields: Any) -> None:
         """The reload in the audit log's chain (`event: config_reload`), when it is on."""
