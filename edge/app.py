@@ -81,10 +81,11 @@ MODELS_METHODS = ("GET",)
 
 
 STORED_ROUTES: tuple[tuple[re.Pattern[str], str, tuple[str, ...]], ...] = tuple(
-    (re.compile(pattern.replace("{id}", "([^/]+)")), pattern, methods)
+    (re.compile(pattern.replace("{id}", "([^/]+)") + "()?"), pattern, methods)
     for pattern, methods in (
         (RESPONSES + "/{id}", ("GET", "DELETE")),
         (RESPONSES + "/{id}/input_items", ("GET",)),
+        ("/v1/conversations", ("POST",)),
         ("/v1/conversations/{id}", ("GET", "DELETE")),
         ("/v1/conversations/{id}/items", ("GET",)),
     )
@@ -98,7 +99,7 @@ def stored_route(path: str) -> tuple[str, tuple[str, ...], str] | None:
     for pattern, label, methods in STORED_ROUTES:
         match = pattern.fullmatch(path)
         if match is not None:
-            return label, methods, match.group(1)
+            return label, methods, match.group(1) or ""
     return None
 
 
@@ -211,7 +212,7 @@ class ProxyApp:
                         f"{method} is not allowed on {path}",
                         headers=((b"allow", ", ".join(stored[1]).encode()),),
                     )
-                await self._stored(scope, send, stored[0], stored[2])
+                await self._stored(scope, receive, send, stored[0], stored[2])
                 self.metrics.requests.labels(label, "200", NO_MODEL).inc()
                 if self.access_log is not None:
                     self._log_other(scope, label, 200)
@@ -284,13 +285,26 @@ class ProxyApp:
 
     # -- stored responses and conversations --------------------------------------------------
 
-    async def _stored(self, scope: Scope, send: Send, label: str, name: str) -> None:
-        """Read back or delete what `edge.state` stored for the caller's tenant; another
+    async def _stored(
+        self, scope: Scope, receive: Receive, send: Send, label: str, name: str
+    ) -> None:
+        """Read back, delete or start what `edge.state` stores for the caller's tenant; another
         tenant's id is not found, as an unknown one."""
-        tenant = self.admission.identify(read_headers(scope["headers"]).authorization).name
+        headers = read_headers(scope["headers"])
+        tenant = self.admission.identify(headers.authorization).name
         if self.state is None:
             raise RouteNotFound(f"no route for {scope['method']} {scope['path']}")
         stored, query = self.state.stored, scope.get("query_string", b"")
+        if scope["method"] == "POST":  # POST /v1/conversations
+            check_content_type(headers.content_type)
+            limit = self.config.max_body_bytes
+            declared_length(headers.content_length, limit)
+            try:
+                body = parse_json_object(await read_body(receive, limit))
+            except ClientGone:
+                return
+            await send_json(send, 200, await stored.create(tenant, body))
+            return
         if scope["method"] == "DELETE":
             answer = await stored.delete(tenant, name, response=label.startswith(RESPONSES))
         elif label == RESPONSES + "/{id}":

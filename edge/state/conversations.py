@@ -99,11 +99,13 @@ class History:
     part of the prompt."""
     created_at: int = 0
     """When the conversation started (Unix seconds; 0 when stored before this was kept)."""
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """The `metadata` it was created with (`POST /v1/conversations`)."""
 
     def encode(self) -> bytes:
         return orjson.dumps(
             {"p": self.pinned, "m": self.messages, "t": self.turns, "c": self.count,
-             "u": self.meta, "s": self.created_at}
+             "u": self.meta, "s": self.created_at, "d": self.metadata}
         )  # fmt: skip
 
     @classmethod
@@ -112,7 +114,7 @@ class History:
         turns = obj["t"]
         meta = obj.get("u") or []  # a blob stored before turns kept theirs
         return cls(obj["p"], obj["m"], turns, obj["c"], [{}] * (len(turns) - len(meta)) + meta,
-                   int(obj.get("s") or 0))  # fmt: skip
+                   int(obj.get("s") or 0), obj.get("d") or {})  # fmt: skip
 
     def copy(self) -> History:
         return History(
@@ -122,6 +124,7 @@ class History:
             self.count,
             list(self.meta),
             self.created_at,
+            dict(self.metadata),
         )
 
     def items(self) -> list[tuple[str, dict[str, Any]]]:
@@ -173,6 +176,7 @@ class History:
             turn,
             self.meta[:kept],
             self.created_at,
+            dict(self.metadata),
         )
 
     def prompt(self, new: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -186,7 +190,7 @@ class History:
             lead = 0
             while lead < len(new) and new[lead].get("role") in _PINNED_ROLES:
                 lead += 1
-            self.pinned, new = list(new[:lead]), new[lead:]
+            self.pinned, new = [*self.pinned, *new[:lead]], new[lead:]
         self.messages.extend(new)
         self.messages.append(reply)
         self.turns.append(len(self.messages))
@@ -363,6 +367,23 @@ class Conversations:
         if token is not None:
             await self.store.create(tenant, cid, token)
         return turn
+
+    async def open(
+        self, tenant: str, items: list[dict[str, Any]], metadata: dict[str, Any]
+    ) -> tuple[str, History]:
+        """A new conversation holding `items` and no turn yet (`POST /v1/conversations`): they
+        lead every prompt and are never dropped to fit (as the first turn's system messages).
+        Its id and what was stored."""
+        cid, token = new_conversation_id(), os.urandom(12)
+        history = History(pinned=list(items), created_at=int(time.time()), metadata=metadata)
+        if messages_size(history.prompt([])) > self.config.max_bytes:
+            raise PayloadTooLarge(
+                f"the conversation would exceed {self.config.max_bytes} bytes of messages",
+                code="conversation_too_large",
+            )
+        await self.store.create(tenant, cid, token)
+        await self.store.commit(tenant, cid, token, history.encode())
+        return cid, history
 
     async def resume(
         self,

@@ -27,8 +27,9 @@ RESPONSES = "/v1/responses"
 # rather than silently dropped.
 _PASSED = {"temperature": "temperature", "top_p": "top_p", "max_output_tokens": "max_tokens",
            "user": "user", "seed": "seed"}  # fmt: skip
-_ACCEPTED = {"model", "input", "instructions", "previous_response_id", "store", "stream",
-             "metadata", "parallel_tool_calls", "truncation", "text", *_PASSED}  # fmt: skip
+_ACCEPTED = {"model", "input", "instructions", "previous_response_id", "conversation",
+             "store", "stream", "metadata", "parallel_tool_calls", "truncation", "text",
+             *_PASSED}  # fmt: skip
 _ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 
@@ -45,6 +46,8 @@ class ResponsesRequest:
     """The new turn's messages (without the instructions)."""
     instructions: str | None
     previous: str | None
+    conversation: str | None
+    """The stored conversation (`conv_…`) this turn continues, at its latest turn."""
     store: bool
     stream: bool
     model: str | None
@@ -74,14 +77,15 @@ def _text_of(content: Any, where: str) -> str:
     return "".join(texts)
 
 
-def _messages(value: Any) -> list[dict[str, Any]]:
+def _messages(value: Any, param: str = "input") -> list[dict[str, Any]]:
+    """Chat messages from Responses input items (`param` names the field in errors)."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
-        raise _invalid("input", "must be a string or a non-empty list of messages")
+        raise _invalid(param, "must be a string or a non-empty list of messages")
     out = []
     for i, item in enumerate(value):
-        where = f"input[{i}]"
+        where = f"{param}[{i}]"
         if not isinstance(item, dict) or item.get("type", "message") != "message":
             raise _invalid(where, "only message items are supported")
         role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
@@ -109,6 +113,13 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
     previous = body.get("previous_response_id")
     if previous is not None and not isinstance(previous, str):
         raise _invalid("previous_response_id", "must be a string")
+    conversation = body.get("conversation")
+    if isinstance(conversation, dict):  # {"id": "conv_…"}, as the SDK may send it
+        conversation = conversation.get("id")
+    if conversation is not None and not isinstance(conversation, str):
+        raise _invalid("conversation", 'must be a conversation id or {"id": ...}')
+    if conversation is not None and previous is not None:
+        raise _invalid("conversation", "give previous_response_id or conversation, not both")
     store, stream = body.get("store", True), body.get("stream", False)
     for name, value in (("store", store), ("stream", stream)):
         if not isinstance(value, bool):
@@ -133,11 +144,27 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
         "metadata": body.get("metadata") or {},
         "previous_response_id": previous,
         "store": store,
+        **({"conversation": {"id": conversation}} if conversation is not None else {}),
         "temperature": body.get("temperature"),
         "top_p": body.get("top_p"),
         "user": body.get("user"),
     }
-    return ResponsesRequest(new, instructions, previous, store, stream, model, chat, echo)
+    return ResponsesRequest(
+        new, instructions, previous, conversation, store, stream, model, chat, echo
+    )
+
+
+def conversation_items(body: Any) -> list[dict[str, Any]]:
+    """The chat messages of `POST /v1/conversations`' `items` (none without it); 400 naming a
+    bad field, as for `input`."""
+    if not isinstance(body, dict):
+        raise _invalid("body", "must be a JSON object")
+    unknown = sorted(set(body) - {"items", "metadata"})
+    if unknown:
+        raise InvalidRequest(f"'{unknown[0]}' is not supported by this endpoint",
+                             param=unknown[0], code="unsupported_parameter")  # fmt: skip
+    items = body.get("items")
+    return [] if items is None or items == [] else _messages(items, "items")
 
 
 def _usage(usage: Any) -> dict[str, Any] | None:
@@ -340,4 +367,10 @@ class ResponseBuilder:
         return b"".join(out)
 
 
-__all__ = ["RESPONSES", "ResponseBuilder", "ResponsesRequest", "parse_request"]
+__all__ = [
+    "RESPONSES",
+    "ResponseBuilder",
+    "ResponsesRequest",
+    "conversation_items",
+    "parse_request",
+]

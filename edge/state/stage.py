@@ -150,6 +150,18 @@ class StateStage:
                 ex.tenant, cid, request.new, after=number, store=request.store,
                 missing=previous_not_found(request.previous),
             )  # fmt: skip
+        elif request.conversation is not None:
+            missing = ConversationNotFound(
+                f"Conversation with id '{request.conversation[:80]}' not found.",
+                param="conversation",
+            )
+            try:
+                cid = parse_conversation_name(request.conversation)
+            except ConversationNotFound:
+                raise missing from None
+            turn = await self._conversations().resume(
+                ex.tenant, cid, request.new, store=request.store, missing=missing
+            )
         elif request.store and self.conversations is not None:
             turn = await self.conversations.start(ex.tenant, request.new)
         if turn is not None and turn.token is not None:

@@ -6,6 +6,7 @@ and deleting"): the edge's own routes, answered from the conversation store, nev
 | `GET /v1/responses/{id}` | the response object as it was answered |
 | `GET /v1/responses/{id}/input_items` | what that turn sent, as a list of items |
 | `DELETE /v1/responses/{id}` | forgets its whole conversation |
+| `POST /v1/conversations` | a new conversation, its `items` first in every prompt |
 | `GET /v1/conversations/{id}` | the conversation object |
 | `GET /v1/conversations/{id}/items` | every kept message, as a list of items |
 | `DELETE /v1/conversations/{id}` | forgets it |
@@ -29,7 +30,7 @@ from edge.state.conversations import (
     parse_conversation_name,
     parse_response_id,
 )
-from edge.state.responses import ResponseBuilder
+from edge.state.responses import ResponseBuilder, conversation_items
 
 MAX_LIMIT = 100
 DEFAULT_LIMIT = 20
@@ -60,6 +61,11 @@ def _item(cid: str, place: str, message: Mapping[str, Any]) -> dict[str, Any]:
         parts = [{**p, "annotations": []} if p.get("type") == kind else p for p in parts]
     return {"type": "message", "id": f"msg_{cid}{place}", "status": "completed", "role": role,
             "content": parts}  # fmt: skip
+
+
+def _conversation(cid: str, history: History) -> dict[str, Any]:
+    return {"id": conversation_name(cid), "object": "conversation",
+            "created_at": history.created_at, "metadata": history.metadata}  # fmt: skip
 
 
 def page(items: list[dict[str, Any]], query: bytes) -> dict[str, Any]:
@@ -137,8 +143,7 @@ class StoredObjects:
         found = await self._history(tenant, name) if name.startswith("conv_") else None
         if found is None:
             raise self._missing(name, False)
-        return {"id": conversation_name(found[0]), "object": "conversation",
-                "created_at": found[1].created_at, "metadata": {}}  # fmt: skip
+        return _conversation(found[0], found[1])
 
     async def conversation_items(self, tenant: str, name: str, query: bytes) -> dict[str, Any]:
         """`GET /v1/conversations/{id}/items`: every kept message, replies included."""
@@ -146,6 +151,20 @@ class StoredObjects:
         if found is None:
             raise self._missing(name, False)
         return page([_item(found[0], place, m) for place, m in found[1].items()], query)
+
+    async def create(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
+        """`POST /v1/conversations`: a new conversation, with the body's `items` first in it;
+        `responses.create(conversation=...)` then continues it."""
+        items = conversation_items(body)
+        if self.conversations is None:
+            raise InvalidRequest(
+                "stored conversations are turned off on this edge", code="conversations_disabled"
+            )
+        metadata = body.get("metadata")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise InvalidRequest("'metadata' must be an object", param="metadata")
+        cid, history = await self.conversations.open(tenant, items, metadata or {})
+        return _conversation(cid, history)
 
     async def delete(self, tenant: str, name: str, *, response: bool) -> dict[str, Any]:
         """`DELETE /v1/responses/{id}` (`response`) or `/v1/conversations/{id}`: forget the

@@ -21,8 +21,8 @@ from edge.state.conversations import (
     RedisConversations,
 )
 from edge.state.redis_store import RedisState
-from tests.edge.conftest import client, fast_config, run_edge
-from tests.edge.state.helpers import CHAT, as_tenant, state, tenants
+from tests.edge.conftest import TinyUpstream, client, fast_config, run_edge
+from tests.edge.state.helpers import CHAT, ChatUpstream, as_tenant, state, tenants
 from tests.edge.test_app_sim import sim_config
 
 
@@ -220,3 +220,48 @@ async def list_items(sdk: AsyncOpenAI, http: Any) -> None:
     theirs = await http.get(f"/v1/conversations/{conv}/items", headers=as_tenant("beta"))
     assert theirs.status_code == 404
     assert theirs.json()["error"]["code"] == "conversation_not_found"
+
+
+async def test_a_conversation_created_with_items_is_continued_by_responses() -> None:
+    """`conversations.create(items=...)` then `responses.create(conversation=...)`, as the OpenAI
+    SDK does it: the items lead every prompt the backend gets, each turn joins the conversation."""
+    upstream = ChatUpstream()
+    async with TinyUpstream(upstream) as up:
+        config = fast_config([up.url], admission=tenants("alpha", "beta"))
+        async with run_edge(config) as edge, client(edge) as http:
+            sdk, beta = sdks(edge)
+            async with sdk, beta:
+                conv = await sdk.conversations.create(
+                    items=[{"type": "message", "role": "system", "content": "Be brief."}],
+                    metadata={"topic": "moons"},
+                )
+                assert conv.id.startswith("conv_") and conv.metadata == {"topic": "moons"}
+                first = await sdk.responses.create(
+                    model="default", conversation=conv.id, input="Name three moons."
+                )
+                second = await sdk.responses.create(
+                    model="default", conversation={"id": conv.id}, input="And their planets?"
+                )
+                assert first.conversation is not None and first.conversation.id == conv.id
+                assert (await sdk.conversations.retrieve(conv.id)).metadata == {"topic": "moons"}
+                items = [i async for i in sdk.conversations.items.list(conv.id, order="asc")]
+                assert [i.role for i in items] == [  # type: ignore[union-attr]
+                    "system", "user", "assistant", "user", "assistant"]  # fmt: skip
+                with pytest.raises(openai.NotFoundError) as theirs:
+                    await beta.responses.create(model="default", conversation=conv.id, input="x")
+                assert theirs.value.body["param"] == "conversation"  # type: ignore[index]
+                with pytest.raises(openai.BadRequestError) as both:
+                    await sdk.responses.create(
+                        model="default", conversation=conv.id, previous_response_id=second.id,
+                        input="x",
+                    )  # fmt: skip
+                assert both.value.body["param"] == "conversation"  # type: ignore[index]
+            bad = await http.post("/v1/conversations", headers=as_tenant("alpha"),
+                                  json={"items": [{"type": "function_call"}]})  # fmt: skip
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "items[0]"
+            bad = await http.post("/v1/conversations", headers=as_tenant("alpha"), json={"x": 1})
+            assert bad.status_code == 400 and bad.json()["error"]["code"] == "unsupported_parameter"
+    prompts = [[m["content"] for m in b["messages"]] for b in upstream.bodies()]
+    assert prompts[0] == ["Be brief.", "Name three moons."]
+    assert prompts[1][0] == "Be brief." and prompts[1][1] == "Name three moons."
+    assert prompts[1][-1] == "And their planets?" and len(prompts[1]) == 4
