@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import inspect
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -31,6 +32,7 @@ from backends.pool import UpstreamPool
 from backends.registry import BackendRegistry
 from edge.asgi import ASGIApp, Receive, Scope, Send, lifespan, render_error
 from edge.audit import AuditLog
+from edge.backend_holds import SharedHolds
 from edge.errors import (
     AdminUnauthorized,
     EdgeError,
@@ -46,6 +48,9 @@ from edge.routing.breakers import Breakers
 from edge.routing.fleet import FleetServices
 
 MAX_PREWARM_BODY = 8 * 1024 * 1024
+
+Answer = tuple[int, bytes, bytes]
+"""An admin route's status, content type and body."""
 
 _ROLLOUT_ACTIONS = ("promote", "pause", "rollback")
 
@@ -88,8 +93,11 @@ class AdminApp:
         fleet: FleetServices | None = None,
         models: Models | None = None,
         audit: AuditLog | None = None,
+        holds: SharedHolds | None = None,
     ) -> None:
         self.audit = audit
+        self.holds = holds
+        """Where drains are shared with every edge (`share_drains`), when they are."""
         """Where each action taken is recorded (`event: admin`), when the audit log is on."""
         self.breakers = breakers
         self.fleet = fleet
@@ -117,7 +125,7 @@ class AdminApp:
             return
         try:
             path: str = scope["path"]
-            handler = self._routes.get(path)
+            handler: Callable[[], Answer | Awaitable[Answer]] | None = self._routes.get(path)
             if handler is None and path.startswith(("/rollouts/", "/backends/")):
                 if scope["method"] != "POST":
                     raise MethodNotAllowed(
@@ -131,7 +139,11 @@ class AdminApp:
                 raise RouteNotFound(f"no admin route {scope['path']}")
             elif scope["method"] not in ("GET", "HEAD"):
                 raise MethodNotAllowed("admin routes are GET only", headers=((b"allow", b"GET"),))
-            status, content_type, body = handler()
+            result = handler()
+            if inspect.isawaitable(result):  # an action that waits (a shared drain)
+                result = await result
+            assert not inspect.isawaitable(result)
+            status, content_type, body = result
             extra: tuple[tuple[bytes, bytes], ...] = ()
         except EdgeError as err:
             status, content_type, body = err.status, b"application/json", err.body()
@@ -174,7 +186,7 @@ class AdminApp:
         body = self.models.snapshot() if self.models is not None else {"rollouts": []}
         return 200, b"application/json", _json(body)
 
-    def _backend_action(self, path: str) -> Callable[[], tuple[int, bytes, bytes]]:
+    def _backend_action(self, path: str) -> Callable[[], Awaitable[Answer]]:
         """`/backends/{name}/drain` and `/undrain`: hold a backend out of routing (its
         requests in flight finish) and let it back, for maintenance."""
         name, _, action = path[len("/backends/") :].rpartition("/")
@@ -184,7 +196,9 @@ class AdminApp:
         if action not in ("drain", "undrain"):
             raise RouteNotFound(f"unknown backend action {action!r}; use drain or undrain")
 
-        def act() -> tuple[int, bytes, bytes]:
+        async def act() -> Answer:
+            if self.holds is not None:
+                await self.holds.set(name, action == "drain")  # 503 when Redis did not take it
             backend.held = action == "drain"
             self._audited(f"backend.{action}", name)
             snapshot = next(b for b in self.backends.snapshot() if b["name"] == name)

@@ -123,6 +123,13 @@ class ProxyConfig:
     """File holding the token the admin listener's actions (every POST: drains, rollouts,
     pre-warming) require as `Authorization: Bearer TOKEN`; reads (health, metrics, state) stay
     open for probes and scrapers. None: actions are open too. Read once at start."""
+    share_drains: bool = False
+    """Share backend drains (`POST /backends/NAME/drain`) through the `[serve] redis`: one call
+    holds a backend on every edge, and an edge that starts later holds it too."""
+    drains_key: str = "quicedge:drains"
+    """The Redis hash of the shared drains (backend name → when and where)."""
+    drains_interval: float = 2.0
+    """Seconds between reads of the shared drains: how soon another edge's drain holds here."""
     config_poll_interval: float | None = None
     """Seconds between checks of the `--config` file: when it changed, it is reloaded as on
     SIGHUP (docs/configuration.md, "Reloading the config"); none: on SIGHUP only."""
@@ -196,7 +203,7 @@ class ProxyConfig:
         BackendCredentials.from_files(self.backend_api_key_file, self.backend_api_key_files)
         self.admin_token()
         for name in ("degraded_ttft_p99", "degraded_queue", "loads_interval",
-                     "config_poll_interval"):  # fmt: skip
+                     "config_poll_interval", "drains_interval"):  # fmt: skip
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"proxy: {name} must be > 0, got {value!r}")
@@ -227,6 +234,8 @@ class ProxyConfig:
         admission.tenants = list(loaded.get("tenants", list))
         admission.validate()  # tenant names and keys unique across the array
         self.admission = admission
+        if self.share_drains and getattr(loaded["serve"], "redis", None) is None:
+            raise ValueError("proxy.share_drains: sharing drains needs a Redis (--redis)")
         return self
 
 

@@ -19,7 +19,6 @@ validated. A file that does not load or validate changes nothing. Otherwise:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Callable
 from dataclasses import fields
@@ -33,6 +32,7 @@ from edge.policy.gateway import PolicyGateway
 from edge.settings import Settings
 from edge.wiring import Wiring, make_gateway
 from transport.file_watch import FileWatch
+from transport.loop import cancelled
 
 log = logging.getLogger("quicedge.reload")
 
@@ -196,10 +196,7 @@ class Reloader:
     async def aclose(self) -> None:
         if self._watch is not None:
             await self._watch.aclose()
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await cancelled(self._task)
         self._task = None
 
 

@@ -36,6 +36,7 @@ from edge.admission import Admission
 from edge.app import ProxyApp, allowed_methods
 from edge.asgi import ASGIApp
 from edge.audit import AuditConfig, AuditLog
+from edge.backend_holds import SharedHolds
 from edge.config import SECTIONS, ProxyConfig
 from edge.cors import CorsConfig
 from edge.cors import wrap as wrap_cors
@@ -102,6 +103,8 @@ class Wiring:
     fleet: FleetServices | None = None
     access_log: AccessLog | None = None
     rollout_sync: RolloutSync | None = None
+    holds: SharedHolds | None = None
+    """Drains shared through Redis (`share_drains`); None: each process keeps its own."""
     proxy: ProxyApp | None = None
     """The proxy app inside `app` (which may be it wrapped for CORS)."""
     _aborts: set[asyncio.Task[Any]] = field(default_factory=set)
@@ -114,6 +117,8 @@ class Wiring:
         if self.access_log is not None:
             self.access_log.start()
         await self.registry.start()
+        if self.holds is not None:
+            await self.holds.start()
         if self.breakers is not None:
             self.breakers.start()
         await self.catalog.refresh()
@@ -164,6 +169,8 @@ class Wiring:
             await self.breakers.aclose()
         if self.fleet is not None:
             await self.fleet.aclose()
+        if self.holds is not None:
+            await self.holds.aclose()
         await self.registry.aclose()
         if self.rollout_sync is not None:
             await self.rollout_sync.aclose()
@@ -311,6 +318,12 @@ async def build(
         sync = RolloutSync(pools, url=redis_url, key=models.share_key,
                            stops=models.share_stops, advances=models.share_advances)  # fmt: skip
     gateway = make_gateway(policies or PolicyConfig(), metrics=metrics, pool=pool)
+    holds = None
+    if config.share_drains:
+        if redis_url is None:
+            raise ValueError("proxy.share_drains: sharing drains needs a Redis (--redis)")
+        holds = SharedHolds(backends, url=redis_url, key=config.drains_key,
+                            interval=config.drains_interval)  # fmt: skip
     access = AccessLog(access_log) if access_log and access_log.enabled else None
     if access is not None:
         registry.register(AccessLogCollector(access))
@@ -353,6 +366,7 @@ async def build(
         ),
         access_log=access,
         rollout_sync=sync,
+        holds=holds,
     )  # fmt: skip
     pools.set_aborter(wiring.abort)
     proxy = ProxyApp(
@@ -384,6 +398,7 @@ async def build(
         fleet=fleet,
         models=pools,
         audit=audit_log,
+        holds=holds,
     )
     return wiring
 

@@ -9,9 +9,10 @@ Secret volume is updated by pointing a symlink (`..data`) at a new directory.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 from collections.abc import Callable, Sequence
+
+from transport.loop import cancelled
 
 Stamp = tuple[int, int, int]
 
@@ -64,11 +65,8 @@ class FileWatch:
             self._on_change()
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancelled(self._task)
+        self._task = None
 
 
 __all__ = ["FileWatch", "Stamp", "file_stamp"]

@@ -10,6 +10,7 @@ be imported and falls back to asyncio's loop otherwise (Windows, or an install w
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -62,4 +63,22 @@ def run(main: Coroutine[Any, Any, T], loop: str = "auto") -> T:
         return runner.run(main)
 
 
-__all__ = ["LOOPS", "loop_factory", "resolve", "run", "running_loop_name", "uvloop_available"]
+async def cancelled(task: asyncio.Task[Any] | None) -> None:
+    """Cancel a background task and wait until it has ended (None, or one already done:
+    nothing to do)."""
+    if task is None or task.done():
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+__all__ = [
+    "LOOPS",
+    "cancelled",
+    "loop_factory",
+    "resolve",
+    "run",
+    "running_loop_name",
+    "uvloop_available",
+]

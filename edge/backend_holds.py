@@ -1,0 +1,119 @@
+"""Backend drains shared by every edge of one Redis (`[proxy] share_drains`; docs/operations.md,
+"Draining a backend for maintenance").
+
+A drain (`POST /backends/NAME/drain`) is written to a Redis hash (`drains_key`: backend name →
+when and where it was drained) before it is taken, and every edge process reads the hash every
+`drains_interval` seconds and holds exactly the backends it names. So one call drains a backend
+on the whole fleet, an edge that starts later holds it too, and a restart forgets nothing.
+
+A hash read on a poll rather than pub/sub: a drain is state, not an event, and an edge that
+missed a message (started later, or Redis was away) must still find it. When Redis is slow or
+gone, a drain or undrain is refused (503: nothing changed anywhere), a poll keeps the holds as
+they were, and failures are logged at most every 30 s. Routing never waits on Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+
+from backends.registry import BackendRegistry
+from edge.errors import StateUnavailable
+from transport.loop import cancelled
+
+log = logging.getLogger(__name__)
+
+WARN_EVERY_S = 30.0
+
+
+class SharedHolds:
+    """One edge process's side of the shared drains."""
+
+    def __init__(
+        self,
+        registry: BackendRegistry,
+        *,
+        url: str,
+        key: str,
+        interval: float,
+        timeout: float = 0.5,
+    ) -> None:
+        self.registry = registry
+        self.url = url
+        self.key = key
+        self.interval = interval
+        self.timeout = timeout
+        self.origin = f"{socket.gethostname()}:{os.getpid()}"
+        self._redis: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self._last_warning = -1e18
+
+    async def start(self) -> None:
+        self._redis = aioredis.Redis.from_url(
+            self.url, socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
+            retry=Retry(NoBackoff(), 0),
+        )  # fmt: skip
+        await self.sync()  # before the first request, when Redis answers at once
+        self._task = asyncio.get_running_loop().create_task(self._poll())
+
+    async def aclose(self) -> None:
+        await cancelled(self._task)
+        self._task = None
+        if self._redis is not None:
+            with contextlib.suppress(Exception):
+                await self._redis.aclose()
+
+    async def set(self, name: str, held: bool) -> None:
+        """Drain (`held`) or undrain `name` for every edge, then here; 503 when Redis did not
+        take it (nothing changed)."""
+        try:
+            async with asyncio.timeout(self.timeout):
+                if held:
+                    value = orjson.dumps({"at": round(time.time(), 3), "by": self.origin})
+                    await self._redis.hset(self.key, name, value)
+                else:
+                    await self._redis.hdel(self.key, name)
+        except Exception as exc:
+            raise StateUnavailable(
+                f"the drain could not be shared through Redis ({str(exc) or type(exc).__name__});"
+                " nothing changed"
+            ) from None
+        backend = self.registry.get(name)
+        if backend is not None:
+            backend.held = held
+
+    async def sync(self) -> None:
+        """Hold exactly the backends the hash names (it stays as it was when Redis fails)."""
+        try:
+            async with asyncio.timeout(self.timeout):
+                names = {n.decode() for n in await self._redis.hkeys(self.key)}
+        except Exception as exc:
+            self._failed(exc)
+            return
+        for backend in self.registry.backends:
+            backend.held = backend.name in names
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            await self.sync()
+
+    def _failed(self, exc: BaseException) -> None:
+        now = time.monotonic()
+        if now - self._last_warning >= WARN_EVERY_S:
+            self._last_warning = now
+            log.warning("shared drains: Redis at %s did not answer (%s); holds stay as they are",
+                        self.url, str(exc) or type(exc).__name__)  # fmt: skip
+
+
+__all__ = ["SharedHolds"]

@@ -1,0 +1,69 @@
+"""`[proxy] share_drains`: a drain on one edge holds the backend on every edge of the Redis, and
+on one that starts later; Redis away refuses the drain and changes nothing. Edges in-process,
+real Redis, real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import httpx
+
+from backends.sim import SimServer
+from tests.edge.conftest import Edge, fast_config, run_edge
+from tests.edge.test_app_sim import sim_config
+from tests.helpers import free_port, wait_until
+
+
+async def held(edge: Edge) -> dict[str, bool]:
+    async with httpx.AsyncClient(timeout=10) as http:
+        backends = (await http.get(edge.admin_url + "/backends")).json()["backends"]
+    return {b["name"]: b["held"] for b in backends}
+
+
+async def post(edge: Edge, path: str) -> httpx.Response:
+    async with httpx.AsyncClient(timeout=10) as http:
+        return await http.post(edge.admin_url + path)
+
+
+async def test_a_drain_on_one_edge_holds_the_backend_on_every_edge(redis_url: str) -> None:
+    async with SimServer(sim_config("s1")) as s1, SimServer(sim_config("s2")) as s2:
+        config = fast_config(
+            [s1.url, s2.url], share_drains=True, drains_interval=0.1,
+            drains_key=f"test:drains:{uuid.uuid4().hex}",
+        )  # fmt: skip
+        name = s1.url.partition("//")[2]
+        async with (
+            run_edge(config, redis_url=redis_url) as a,
+            run_edge(config, redis_url=redis_url) as b,
+        ):
+            drained = await post(a, f"/backends/{name}/drain")
+            assert drained.status_code == 200 and drained.json()["held"] is True
+            deadline = asyncio.get_running_loop().time() + 10
+            while not (await held(b))[name]:  # the other edge's next read of the hash
+                assert asyncio.get_running_loop().time() < deadline, "never held on edge b"
+                await asyncio.sleep(0.05)
+            async with run_edge(config, redis_url=redis_url) as late:
+                assert (await held(late))[name]  # before its first request
+                async with httpx.AsyncClient(base_url=late.url, timeout=10) as http:
+                    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+                    for _ in range(4):
+                        answer = await http.post("/v1/chat/completions", json=chat)
+                        assert answer.headers["x-quicedge-backend"] != name
+            undrained = await post(b, f"/backends/{name}/undrain")
+            assert undrained.status_code == 200
+            await wait_until(lambda: not a.wiring.registry.get(name).held)  # type: ignore[union-attr]
+            assert await held(a) == {name: False, s2.url.partition("//")[2]: False}
+
+
+async def test_redis_away_refuses_the_drain_and_changes_nothing() -> None:
+    async with SimServer(sim_config("s1")) as s1:
+        config = fast_config([s1.url], share_drains=True, drains_interval=0.1)
+        away = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+        async with run_edge(config, redis_url=away) as edge:
+            name = s1.url.partition("//")[2]
+            refused = await post(edge, f"/backends/{name}/drain")
+            assert refused.status_code == 503
+            assert refused.json()["error"]["code"] == "state_unavailable"
+            assert "nothing changed" in refused.json()["error"]["message"]
+            assert await held(edge) == {name: False}
