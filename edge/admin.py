@@ -23,6 +23,7 @@ import dataclasses
 import hmac
 import inspect
 import json
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -49,6 +50,9 @@ from edge.routing.fleet import FleetServices
 
 MAX_PREWARM_BODY = 8 * 1024 * 1024
 
+REFUSED_RECORD_GAP_S = 0.1
+"""The least time between two audit lines of refused admin actions."""
+
 Answer = tuple[int, bytes, bytes]
 """An admin route's status, content type and body."""
 
@@ -63,12 +67,17 @@ def guard_actions(app: ASGIApp, token: bytes | None, audit: AuditLog | None = No
     if token is None:
         return app
     expected = b"Bearer " + token
+    last_recorded = [-1.0]
 
     async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] not in ("GET", "HEAD"):
             given = next((v for k, v in scope["headers"] if k.lower() == b"authorization"), b"")
             if not hmac.compare_digest(given.strip(), expected):
-                if audit is not None:
+                # At most ten a second: a flood of refused calls must not fill the audit queue
+                # that requests need (with `when_full = "refuse"` they would be turned away).
+                now = time.monotonic()
+                if audit is not None and now - last_recorded[0] >= REFUSED_RECORD_GAP_S:
+                    last_recorded[0] = now
                     client = scope.get("client") or ("-", 0)
                     audit.record_event("admin_refused", method=scope["method"],
                                        path=scope["path"], client=client[0])  # fmt: skip
