@@ -105,9 +105,9 @@ class AdminApp:
         holds: SharedHolds | None = None,
     ) -> None:
         self.audit = audit
+        """Where each action taken is recorded (`event: admin`), when the audit log is on."""
         self.holds = holds
         """Where drains are shared with every edge (`share_drains`), when they are."""
-        """Where each action taken is recorded (`event: admin`), when the audit log is on."""
         self.breakers = breakers
         self.fleet = fleet
         self.models = models

@@ -58,7 +58,10 @@ def _item(cid: str, place: str, message: Mapping[str, Any]) -> dict[str, Any]:
     else:
         parts = []
     if kind == "output_text":
-        parts = [{**p, "annotations": []} if p.get("type") == kind else p for p in parts]
+        parts = [
+            {**p, "annotations": []} if isinstance(p, dict) and p.get("type") == kind else p
+            for p in parts
+        ]
     return {"type": "message", "id": f"msg_{cid}{place}", "status": "completed", "role": role,
             "content": parts}  # fmt: skip
 
