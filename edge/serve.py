@@ -204,7 +204,8 @@ class ProxyApps:
                 await fleet.aclose()
             await built.aclose()
 
-        return ServedApps(built.app, admin_app, aclose, reload=reload)
+        record = built.audit.record_event if built.audit is not None else None
+        return ServedApps(built.app, admin_app, aclose, reload=reload, record=record)
 
     def describe(self) -> str:
         proxy = self.settings.get("proxy", ProxyConfig)

@@ -52,6 +52,9 @@ class ServedApps:
     aclose: Callable[[], Awaitable[None]]
     reload: Callable[[], None] | None = None
     """SIGHUP: what the apps reload besides the certificate (the policy modules)."""
+    record: Callable[..., object] | None = None
+    """`record(event, **fields)`: where the transport's own events (a certificate reload) go
+    beside the apps' (the audit log); None: nowhere."""
 
 
 class AppFactory(Protocol):
@@ -66,18 +69,23 @@ class AppFactory(Protocol):
         ...
 
 
-def reload_certificate(tls: TlsMaterial, metrics: TransportMetrics) -> None:
-    """Re-read the certificate (the old one stays if the files are broken); counted."""
+def reload_certificate(tls: TlsMaterial, metrics: TransportMetrics, apps: ServedApps) -> None:
+    """Re-read the certificate (the old one stays if the files are broken); counted, and
+    recorded where the apps record events."""
     applied = tls.reload()
-    metrics.cert_reloads.labels("applied" if applied else "refused").inc()
+    outcome = "applied" if applied else "refused"
+    metrics.cert_reloads.labels(outcome).inc()
     metrics.cert_expiry.set(tls.expires_at)
+    if apps.record is not None:
+        apps.record("certificate_reload", outcome=outcome, cert=str(tls.files.cert),
+                    expires_at=round(tls.expires_at))  # fmt: skip
 
 
 def _reloader(tls: TlsMaterial, metrics: TransportMetrics, apps: ServedApps) -> Callable[[], None]:
     """SIGHUP: the certificate, then whatever the apps reload."""
 
     def reload() -> None:
-        reload_certificate(tls, metrics)
+        reload_certificate(tls, metrics, apps)
         if apps.reload is not None:
             apps.reload()
 
@@ -122,13 +130,13 @@ async def run_worker(
     keylog = Path(t.tls_keylog) if t.tls_keylog else None
     tls = TlsMaterial(resolve_files(t.cert, t.key), keylog=keylog)
     metrics.cert_expiry.set(tls.expires_at)
+    apps = await plan.apps.open(registry)
     cert_watch = None
     if t.cert_poll_interval is not None:
         paths = [str(tls.files.cert), str(tls.files.key)]
         cert_watch = FileWatch(
-            paths, t.cert_poll_interval, lambda: reload_certificate(tls, metrics)
+            paths, t.cert_poll_interval, lambda: reload_certificate(tls, metrics, apps)
         )
-    apps = await plan.apps.open(registry)
     tickets = ticket_store(t)
     listeners = Listeners(
         t,

@@ -87,6 +87,8 @@ def audit_events(directory: Path, pattern: str) -> list[list[tuple[Any, ...]]]:
 
 
 def _event(e: dict[str, Any]) -> tuple[Any, ...]:
+    if e["event"] == "certificate_reload":
+        return ("certificate_reload", e["outcome"])
     if e["event"] == "admin":
         return ("admin", e["action"], e["target"])
     if e["event"] == "admin_refused":

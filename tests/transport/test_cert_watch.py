@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import signal
 import ssl
 from pathlib import Path
 
@@ -14,6 +15,8 @@ import pytest
 from cryptography import x509
 
 from certs import DevCertificates, ensure_dev_certificates
+from tests.edge.test_config_reload import audit_events
+from tests.edge.test_many_streams import stand_in  # noqa: F401  (the fixture)
 from tests.transport.conftest import ServeProcess
 from tests.transport.test_file_watch import swap_link
 
@@ -79,3 +82,30 @@ async def test_a_renewed_secret_is_served_without_a_signal(tmp_path: Path) -> No
         assert proc.stop() == 0, proc.errors()
     assert "TLS reload failed, keeping the current certificate" in proc.errors()
     shutil.rmtree(volume)
+
+
+async def test_certificate_reloads_are_lines_of_the_audit_chain(
+    stand_in: str,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    pki = ensure_dev_certificates(tmp_path / "pki")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    shutil.copy(pki.cert, cert)
+    shutil.copy(pki.key, key)
+    audit = tmp_path / "audit.jsonl"
+    proc = ServeProcess(
+        "--backend", stand_in, "--cert", str(cert), "--key", str(key), "--audit-log", str(audit),
+    )  # fmt: skip
+    try:
+        proc.proc.send_signal(signal.SIGHUP)
+        await wait_metric(proc, APPLIED, 1)
+        key.write_text("not a key")
+        proc.proc.send_signal(signal.SIGHUP)
+        await wait_metric(proc, REFUSED, 1)
+    finally:
+        assert proc.stop() == 0, proc.errors()
+    reloads = [
+        e for chain in audit_events(tmp_path, "audit.jsonl") for e in chain
+        if e[0] == "certificate_reload"
+    ]  # fmt: skip
+    assert reloads == [("certificate_reload", "applied"), ("certificate_reload", "refused")]
