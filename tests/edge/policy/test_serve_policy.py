@@ -78,9 +78,10 @@ path = "{audit}"
     )  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith("OK ")
-    # every request, refused or not, and the SIGHUP's reload of the (unchanged) config
-    assert int(done.stdout.split()[1]) == sent + 1
+    # every request, refused or not, and what the SIGHUP reloaded: the certificate and the
+    # (unchanged) config
+    assert int(done.stdout.split()[1]) == sent + 2
     lines = [json.loads(line) for line in audit.read_text().splitlines()]
     assert sum("request_id" in line for line in lines) == sent
     events = [(line["event"], line["outcome"]) for line in lines if "event" in line]
-    assert events == [("config_reload", "unchanged")]
+    assert events == [("certificate_reload", "applied"), ("config_reload", "unchanged")]
