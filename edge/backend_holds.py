@@ -6,10 +6,12 @@ when and where it was drained) before it is taken, and every edge process reads 
 `drains_interval` seconds and holds exactly the backends it names. So one call drains a backend
 on the whole fleet, an edge that starts later holds it too, and a restart forgets nothing.
 
-A hash read on a poll rather than pub/sub: a drain is state, not an event, and an edge that
-missed a message (started later, or Redis was away) must still find it. When Redis is slow or
-gone, a drain or undrain is refused (503: nothing changed anywhere), a poll keeps the holds as
-they were, and failures are logged at most every 30 s. Routing never waits on Redis.
+The hash is the truth and the poll reads it: a drain is state, not an event, and an edge that
+missed a message (started later, or Redis was away) must still find it. Each change is also
+published on `{drains_key}:changed`, and every edge that hears it reads the hash at once, so a
+drain reaches the fleet in a round trip rather than up to `drains_interval` later. When Redis is
+slow or gone, a drain or undrain is refused (503: nothing changed anywhere), a poll keeps the
+holds as they were, and failures are logged at most every 30 s. Routing never waits on Redis.
 """
 
 from __future__ import annotations
@@ -54,24 +56,36 @@ class SharedHolds:
         self.interval = interval
         self.timeout = timeout
         self.origin = f"{socket.gethostname()}:{os.getpid()}"
+        self.channel = f"{key}:changed"
         self._redis: Any = None
-        self._task: asyncio.Task[None] | None = None
+        self._subscriber: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
         self._last_warning = -1e18
+        self._changed = asyncio.Event()
+        self.subscribed = asyncio.Event()
+        """Set while the change channel is subscribed (tests wait on it)."""
 
     async def start(self) -> None:
         self._redis = aioredis.Redis.from_url(
             self.url, socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
             retry=Retry(NoBackoff(), 0),
         )  # fmt: skip
+        # Subscribing holds a connection in a blocking read: a client without a read timeout.
+        self._subscriber = aioredis.Redis.from_url(
+            self.url, socket_connect_timeout=self.timeout, retry=Retry(NoBackoff(), 0)
+        )
         await self.sync()  # before the first request, when Redis answers at once
-        self._task = asyncio.get_running_loop().create_task(self._poll())
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._poll()), loop.create_task(self._listen())]
 
     async def aclose(self) -> None:
-        await cancelled(self._task)
-        self._task = None
-        if self._redis is not None:
-            with contextlib.suppress(Exception):
-                await self._redis.aclose()
+        for task in self._tasks:
+            await cancelled(task)
+        self._tasks = []
+        for client in (self._redis, self._subscriber):
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    await client.aclose()
 
     async def set(self, name: str, held: bool) -> None:
         """Drain (`held`) or undrain `name` for every edge, then here; 503 when Redis did not
@@ -91,6 +105,12 @@ class SharedHolds:
         backend = self.registry.get(name)
         if backend is not None:
             backend.held = held
+        # The hash holds the change already; an edge that misses this finds it on its poll.
+        try:
+            async with asyncio.timeout(self.timeout):
+                await self._redis.publish(self.channel, name)
+        except Exception as exc:
+            self._failed(exc)
 
     async def sync(self) -> None:
         """Hold exactly the backends the hash names (it stays as it was when Redis fails)."""
@@ -104,9 +124,34 @@ class SharedHolds:
             backend.held = backend.name in names
 
     async def _poll(self) -> None:
+        """Read the hash every `interval`, or at once when a change was announced."""
         while True:
-            await asyncio.sleep(self.interval)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.interval):
+                    await self._changed.wait()
+            self._changed.clear()
             await self.sync()
+
+    async def _listen(self) -> None:
+        while True:
+            pubsub = self._subscriber.pubsub(ignore_subscribe_messages=True)
+            try:
+                async with asyncio.timeout(self.timeout * 10):
+                    await pubsub.subscribe(self.channel)
+                self.subscribed.set()
+                while True:
+                    message = await pubsub.get_message(timeout=60.0)
+                    if message is not None and message.get("type") == "message":
+                        self._changed.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # gone: the poll carries on; subscribe again shortly
+                self._failed(exc)
+            finally:
+                self.subscribed.clear()
+                with contextlib.suppress(Exception):
+                    await pubsub.aclose()
+            await asyncio.sleep(max(1.0, self.interval))
 
     def _failed(self, exc: BaseException) -> None:
         now = time.monotonic()

@@ -129,7 +129,8 @@ class ProxyConfig:
     drains_key: str = "quicedge:drains"
     """The Redis hash of the shared drains (backend name → when and where)."""
     drains_interval: float = 2.0
-    """Seconds between reads of the shared drains: how soon another edge's drain holds here."""
+    """Seconds between reads of the shared drains. A change is also announced on pub/sub, which
+    every edge hears at once; the read finds what an edge missed (Redis away, a lost message)."""
     config_poll_interval: float | None = None
     """Seconds between checks of the `--config` file: when it changed, it is reloaded as on
     SIGHUP (docs/configuration.md, "Reloading the config"); none: on SIGHUP only."""

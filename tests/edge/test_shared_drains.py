@@ -56,6 +56,29 @@ async def test_a_drain_on_one_edge_holds_the_backend_on_every_edge(redis_url: st
             assert await held(a) == {name: False, s2.url.partition("//")[2]: False}
 
 
+async def test_another_edge_holds_the_drain_when_it_is_announced_not_a_poll_later(
+    redis_url: str,
+) -> None:
+    async with SimServer(sim_config("s1")) as s1, SimServer(sim_config("s2")) as s2:
+        config = fast_config(
+            [s1.url, s2.url], share_drains=True, drains_interval=3600.0,
+            drains_key=f"test:drains:{uuid.uuid4().hex}",
+        )  # fmt: skip
+        name = s1.url.partition("//")[2]
+        async with (
+            run_edge(config, redis_url=redis_url) as a,
+            run_edge(config, redis_url=redis_url) as b,
+        ):
+            holds = b.wiring.holds
+            assert holds is not None
+            await asyncio.wait_for(holds.subscribed.wait(), 10)
+            assert (await post(a, f"/backends/{name}/drain")).status_code == 200
+            # An hour between reads: only the announcement can bring it here.
+            await wait_until(lambda: b.wiring.registry.get(name).held, timeout=5)  # type: ignore[union-attr]
+            assert (await post(a, f"/backends/{name}/undrain")).status_code == 200
+            await wait_until(lambda: not b.wiring.registry.get(name).held, timeout=5)  # type: ignore[union-attr]
+
+
 async def test_redis_away_refuses_the_drain_and_changes_nothing() -> None:
     async with SimServer(sim_config("s1")) as s1:
         config = fast_config([s1.url], share_drains=True, drains_interval=0.1)
