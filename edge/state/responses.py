@@ -30,7 +30,10 @@ _PASSED = {"temperature": "temperature", "top_p": "top_p", "max_output_tokens": 
 _ACCEPTED = {"model", "input", "instructions", "previous_response_id", "conversation",
              "store", "stream", "metadata", "parallel_tool_calls", "truncation", "text",
              *_PASSED}  # fmt: skip
-_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+_ROLES = frozenset({"user", "assistant", "system", "developer"})
+# A `developer` message is kept (and read back) as itself and goes upstream as `system`, the
+# role every chat template knows.
+_UPSTREAM_ROLES = {"developer": "system"}
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 
 
@@ -58,7 +61,11 @@ class ResponsesRequest:
 
     def chat_body(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
         lead = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        return {**self.chat, "messages": [*lead, *messages]}
+        sent = [
+            {**m, "role": _UPSTREAM_ROLES[m["role"]]} if m.get("role") in _UPSTREAM_ROLES else m
+            for m in messages
+        ]
+        return {**self.chat, "messages": [*lead, *sent]}
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -88,8 +95,8 @@ def _messages(value: Any, param: str = "input") -> list[dict[str, Any]]:
         where = f"{param}[{i}]"
         if not isinstance(item, dict) or item.get("type", "message") != "message":
             raise _invalid(where, "only message items are supported")
-        role = _ROLES.get(item.get("role"))  # type: ignore[arg-type]
-        if role is None:
+        role = item.get("role")
+        if role not in _ROLES:
             raise _invalid(f"{where}.role", "must be user, assistant, system or developer")
         out.append({"role": role, "content": _text_of(item.get("content"), f"{where}.content")})
     return out

@@ -177,7 +177,7 @@ async def list_items(sdk: AsyncOpenAI, http: Any) -> None:
     ]
     items = [i async for i in sdk.responses.input_items.list(first.id, order="asc")]
     assert [(i.role, i.content[0].type) for i in items] == [  # type: ignore[union-attr,index]
-        ("system", "input_text"),  # `developer` went upstream, and is kept, as `system`
+        ("developer", "input_text"),  # it went upstream as `system`, and is kept as itself
         ("user", "input_text"),
     ]
 
@@ -191,7 +191,7 @@ async def list_items(sdk: AsyncOpenAI, http: Any) -> None:
     listed = (await http.get(f"/v1/conversations/{conv}/items?order=asc",
                              headers=me)).json()  # fmt: skip
     assert [i["role"] for i in listed["data"]] == [
-        "system", "user", "assistant", "user", "assistant"]  # fmt: skip
+        "developer", "user", "assistant", "user", "assistant"]  # fmt: skip
     through_sdk = [i async for i in sdk.conversations.items.list(conv, order="asc")]
     assert [i.id for i in through_sdk] == [i["id"] for i in listed["data"]]
     assert (await sdk.conversations.retrieve(conv)).id == conv

@@ -117,6 +117,15 @@ def test_response_ids_name_their_conversation_and_turn() -> None:
         parse_response_id("resp_" + "z" * 32)
 
 
+def test_a_developer_message_is_kept_as_itself_and_sent_upstream_as_system() -> None:
+    request = parse_request({"input": [{"role": "developer", "content": "Be brief."},
+                                       {"role": "user", "content": "hi"}]})  # fmt: skip
+    assert [m["role"] for m in request.new] == ["developer", "user"]  # what is stored
+    sent = request.chat_body(request.new)["messages"]
+    assert sent == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert request.new[0]["role"] == "developer"  # the stored copy is untouched
+
+
 def test_the_responses_stream_translation() -> None:
     request = parse_request({"input": "hi", "stream": True, "instructions": "Be kind."})
     assert request.chat_body(request.new)["messages"][0] == {
