@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import shutil
 import subprocess
@@ -43,9 +44,11 @@ def kubectl() -> str:
     return found
 
 
-def render(overlay: str) -> list[dict[str, Any]]:
+def render(overlay: str | Path) -> list[dict[str, Any]]:
+    """An overlay of deploy/k8s by name, or any kustomization directory."""
+    where = overlay if isinstance(overlay, Path) else K8S / "overlays" / overlay
     done = subprocess.run(
-        [kubectl(), "kustomize", str(K8S / "overlays" / overlay)],
+        [kubectl(), "kustomize", str(where)],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
@@ -229,6 +232,36 @@ def test_the_edge_pod_runs_flags_and_config_keys_that_exist(
         service = one(docs, "Service", name)
         assert service["spec"]["clusterIP"] == "None"
         assert discovery.port_name in {p["name"] for p in service["spec"]["ports"]}
+
+
+def test_the_live_config_component_mounts_a_plain_config_map_the_edge_polls(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    # kustomize takes only relative paths to other kustomizations
+    cpu = os.path.relpath(K8S / "overlays" / "cpu", overlay)
+    live = os.path.relpath(K8S / "components" / "live-config", overlay)
+    (overlay / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources: [{cpu}]\ncomponents: [{live}]\n"
+    )
+    docs = render(overlay)
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    # The plain name, so an edit updates the mounted file instead of naming a new ConfigMap.
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "ConfigMap"] == ["quicedge-config"]
+    args, env = edge_args(docs)
+    parsed = serve.build_parser().parse_args(args[1:])
+    doc = config_toml(docs, parsed)
+    doc["proxy"]["admin_token_file"] = mounted_secret(
+        docs, doc["proxy"]["admin_token_file"], tmp_path
+    )
+    _, _, proxy, _ = parse_serve(args, doc, env, monkeypatch)
+    assert proxy.config_poll_interval == 10.0
+    # Without the component, a changed file names a new ConfigMap and rolls the pods instead.
+    hashed = [d["metadata"]["name"] for d in render("cpu") if d["kind"] == "ConfigMap"]
+    assert len(hashed) == 1 and hashed[0].startswith("quicedge-config-")
 
 
 def test_services_reach_container_ports_that_exist(
