@@ -1,17 +1,33 @@
 """OpenAI-compatible `/v1/chat/completions`, `/v1/completions` and `/v1/models`, with SGLang's
 chunk order: role chunk (with the first token) -> content chunks -> finish chunk (chat) ->
-usage chunk (`stream_options.include_usage`) -> `[DONE]`.
+usage chunk (`stream_options.include_usage`) -> `[DONE]`. A chat answer that calls a function
+(backends/sim/tools.py) sends, instead of content chunks, one chunk that opens the call (id, name,
+the arguments so far) and then one argument chunk per output.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from backends.sim.http import HttpRequest, Responder
 from backends.sim.request import SimRequest
-from backends.sim.routes_base import DONE, SSE_HEADERS, RouteContext, dumps, openai_error, sse
-from backends.sim.wire import BadRequest, parse_chat, parse_completion, parse_json
+from backends.sim.routes_base import (
+    DONE,
+    SSE_HEADERS,
+    RouteContext,
+    Timing,
+    dumps,
+    openai_error,
+    sse,
+)
+from backends.sim.textgen import TokenPlan
+from backends.sim.tools import ToolCall, ToolCallPlan
+from backends.sim.wire import BadRequest, GenParams, parse_chat, parse_completion, parse_json
+
+ChunkMaker = Callable[..., bytes]
+"""A chat stream's chunk builder: (delta, finish_reason=None, matched=None, logprobs=None)."""
 
 
 class OpenAIRoutes(RouteContext):
@@ -33,6 +49,15 @@ class OpenAIRoutes(RouteContext):
             return None, None
         return reason["type"], reason.get("matched")
 
+    @classmethod
+    def _call_finish(cls, req: SimRequest) -> tuple[str | None, Any]:
+        """A function call's finish: `length` when max_tokens cut its arguments, else
+        `tool_calls` (no matched stop, as SGLang's parser reports it)."""
+        reason, matched = cls._finish_fields(req)
+        if reason == "length":
+            return reason, matched
+        return "tool_calls", None
+
     async def _first_output(self, req: SimRequest, responder: Responder) -> bool:
         """OpenAI routes send the 200 only with the first chunk (SGLang kick-starts the
         generator to surface errors first). False if the client or the request is gone."""
@@ -52,7 +77,14 @@ class OpenAIRoutes(RouteContext):
         obj = parse_json(request.body)
         params = parse_chat(obj, self.tokenizer)
         # Guard mode: the answer is the verdict on the messages (validated by parse_chat).
-        plan = self.guard.plan(obj["messages"], self.tokenizer) if self.guard else None
+        plan: TokenPlan | None = None
+        call = None
+        if self.guard:
+            plan = self.guard.plan(obj["messages"], self.tokenizer)
+        elif params.tool_call is not None:
+            # A function call: the answer is its arguments (a guard never calls tools).
+            call = params.tool_call
+            plan = ToolCallPlan(self.tokenizer, call.arguments)
         req = self._submit(params, responder, plan)
         timing = self._timing(request, req, responder)
         model = params.model or self.config.model_name
@@ -62,6 +94,23 @@ class OpenAIRoutes(RouteContext):
             if not await self._whole_answer_due(req, responder, openai_error):
                 return
             reason, matched = self._finish_fields(req)
+            message: dict[str, Any] = {
+                "role": "assistant",
+                "content": req.text(),
+                "reasoning_content": None,
+                "tool_calls": None,
+            }
+            if call is not None:
+                reason, matched = self._call_finish(req)
+                message["content"] = None
+                message["tool_calls"] = [
+                    {
+                        "id": call.id,
+                        "index": 0,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": req.text()},
+                    }
+                ]
             body = {
                 "id": req.rid,
                 "object": "chat.completion",
@@ -70,12 +119,7 @@ class OpenAIRoutes(RouteContext):
                 "choices": [
                     {
                         "index": 0,
-                        "message": {
-                            "role": "assistant",
-                            "content": req.text(),
-                            "reasoning_content": None,
-                            "tool_calls": None,
-                        },
+                        "message": message,
                         "logprobs": None
                         if logprobs is None
                         else {"content": logprobs.chat_content(self._pieces(req))},
@@ -138,6 +182,9 @@ class OpenAIRoutes(RouteContext):
         await responder.write(
             chunk({"reasoning_content": None, "role": "assistant", "content": ""})
         )
+        if call is not None:
+            await self._stream_call(req, responder, call, chunk, head, params, timing)
+            return
         sent_tokens = sent_chars = 0
         while not responder.disconnected:
             if req.completion_tokens > sent_tokens:
@@ -150,37 +197,88 @@ class OpenAIRoutes(RouteContext):
                         timing.first_token_at = time.perf_counter()
                         timing = None
             if req.finished:
-                message = self._abort_message(req)
-                if message is not None:
-                    await responder.write(
-                        sse(
-                            {
-                                "error": {
-                                    "message": message,
-                                    "type": "Bad Request",
-                                    "param": None,
-                                    "code": 400,
-                                }
-                            }
-                        )
-                    )
-                else:
-                    reason, matched = self._finish_fields(req)
-                    empty = {
-                        "role": None,
-                        "content": None,
-                        "reasoning_content": None,
-                        "tool_calls": None,
-                    }
-                    await responder.write(chunk(empty, reason, matched))
-                    if params.include_usage:
-                        await responder.write(
-                            sse({**head, "choices": [], "usage": self._usage(req)})
-                        )
-                await responder.write(DONE)
-                await responder.end()
+                await self._end_chat_stream(
+                    req, responder, chunk, head, params, self._finish_fields(req)
+                )
                 return
             await req.wait_change()
+
+    async def _stream_call(
+        self,
+        req: SimRequest,
+        responder: Responder,
+        call: ToolCall,
+        chunk: ChunkMaker,
+        head: dict[str, Any],
+        params: GenParams,
+        timing: Timing | None,
+    ) -> None:
+        """The rest of a streamed function call, after the role chunk: one chunk opens the call
+        (id, name and the arguments so far), then one per later output with its argument text,
+        then the finish chunk (`tool_calls`, or `length` when max_tokens cut the arguments)."""
+        sent_tokens = sent_chars = 0
+        opened = False
+        while not responder.disconnected:
+            if not opened or req.completion_tokens > sent_tokens:
+                sent_tokens = req.completion_tokens
+                text = req.text()
+                delta, sent_chars = text[sent_chars:], len(text)
+                if not opened:
+                    function = {"name": call.name, "arguments": delta}
+                    opening = {"index": 0, "id": call.id, "type": "function", "function": function}
+                    await responder.write(chunk({"tool_calls": [opening]}))
+                    opened = True
+                    if timing is not None:  # the call's first chunk, stamped once
+                        timing.first_token_at = time.perf_counter()
+                        timing = None
+                elif delta:
+                    more = {"index": 0, "function": {"arguments": delta}}
+                    await responder.write(chunk({"tool_calls": [more]}))
+            if req.finished:
+                await self._end_chat_stream(
+                    req, responder, chunk, head, params, self._call_finish(req)
+                )
+                return
+            await req.wait_change()
+
+    async def _end_chat_stream(
+        self,
+        req: SimRequest,
+        responder: Responder,
+        chunk: ChunkMaker,
+        head: dict[str, Any],
+        params: GenParams,
+        finish: tuple[str | None, Any],
+    ) -> None:
+        """A finished chat stream's tail: the error event of an aborted request, or the finish
+        chunk and the usage chunk (when asked); then `[DONE]`."""
+        message = self._abort_message(req)
+        if message is not None:
+            await responder.write(
+                sse(
+                    {
+                        "error": {
+                            "message": message,
+                            "type": "Bad Request",
+                            "param": None,
+                            "code": 400,
+                        }
+                    }
+                )
+            )
+        else:
+            reason, matched = finish
+            empty = {
+                "role": None,
+                "content": None,
+                "reasoning_content": None,
+                "tool_calls": None,
+            }
+            await responder.write(chunk(empty, reason, matched))
+            if params.include_usage:
+                await responder.write(sse({**head, "choices": [], "usage": self._usage(req)}))
+        await responder.write(DONE)
+        await responder.end()
 
     async def completions(self, request: HttpRequest, responder: Responder) -> None:
         self._require_json(request)

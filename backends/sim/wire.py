@@ -13,6 +13,7 @@ from typing import Any
 
 from backends.sim.chat_template import TemplateError, render
 from backends.sim.tokenizer import BOS_TOKEN, Tokenizer
+from backends.sim.tools import ToolCall, ToolError, plan_call
 
 
 class BadRequest(ValueError):
@@ -43,6 +44,9 @@ class GenParams:
     top_logprobs: int = 0
     """Alternatives per token (chat `top_logprobs`, completions `logprobs`, native
     `top_logprobs_num`)."""
+    tool_call: ToolCall | None = None
+    """Chat only: the function call the answer makes (its arguments are the generated text);
+    None for a text answer."""
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
@@ -251,4 +255,8 @@ def parse_chat(obj: dict[str, Any], tokenizer: Tokenizer) -> GenParams:
     if top and not params.logprobs:
         raise BadRequest("'top_logprobs' requires 'logprobs' to be true")
     params.top_logprobs = top
+    try:
+        params.tool_call = plan_call(obj, obj["messages"])
+    except ToolError as exc:
+        raise BadRequest(str(exc)) from None
     return _openai_common(obj, params)
