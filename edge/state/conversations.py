@@ -149,13 +149,13 @@ class History:
         lead = [(f"{0:08x}{j:04x}", m) for j, m in enumerate(self.pinned)] if turn == 1 else []
         return lead + [(f"{turn:08x}{j:04x}", m) for j, m in enumerate(sent)]
 
-    def reply(self, turn: int) -> tuple[str, dict[str, Any]] | None:
-        """Turn `turn`'s reply text and metadata; None when it is not kept (or not a turn)."""
+    def reply(self, turn: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
+        """Turn `turn`'s reply (the assistant message) and metadata; None when it is not kept
+        (or not a turn)."""
         if not self.first_kept <= turn <= self.count:
             return None
         kept = turn - self.first_kept
-        content = self.messages[self.turns[kept] - 1].get("content")
-        return (content if isinstance(content, str) else ""), self.meta[kept]
+        return self.messages[self.turns[kept] - 1], self.meta[kept]
 
     @property
     def first_kept(self) -> int:

@@ -7,7 +7,10 @@ a `response` object, or, streaming, the semantic SSE events `response.created`,
 `response.in_progress`, `response.output_item.added`, `response.content_part.added`,
 `response.output_text.delta`…, `response.output_text.done`, `response.content_part.done`,
 `response.output_item.done` and `response.completed` (or `response.incomplete` when the token
-budget ended it, `response.failed` when the backend failed); there is no `[DONE]`.
+budget ended it, `response.failed` when the backend failed); there is no `[DONE]`. Function
+tools and the items of a function-calling loop are translated by `edge.state.response_tools`;
+a tool call in the answer is a `function_call` item, streamed as
+`response.function_call_arguments.*` events.
 """
 
 from __future__ import annotations
@@ -20,6 +23,14 @@ from typing import Any
 import orjson
 
 from edge.errors import InvalidRequest
+from edge.state.response_tools import (
+    FUNCTION_ITEMS,
+    call_item,
+    calls_of,
+    chat_tool_choice,
+    chat_tools,
+    function_item,
+)
 
 RESPONSES = "/v1/responses"
 
@@ -29,7 +40,7 @@ _PASSED = {"temperature": "temperature", "top_p": "top_p", "max_output_tokens": 
            "user": "user", "seed": "seed"}  # fmt: skip
 _ACCEPTED = {"model", "input", "instructions", "previous_response_id", "conversation",
              "store", "stream", "metadata", "parallel_tool_calls", "truncation", "text",
-             *_PASSED}  # fmt: skip
+             "tools", "tool_choice", *_PASSED}  # fmt: skip
 _ROLES = frozenset({"user", "assistant", "system", "developer"})
 # A `developer` message is kept (and read back) as itself and goes upstream as `system`, the
 # role every chat template knows.
@@ -90,11 +101,15 @@ def _messages(value: Any, param: str = "input") -> list[dict[str, Any]]:
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
         raise _invalid(param, "must be a string or a non-empty list of messages")
-    out = []
+    out: list[dict[str, Any]] = []
     for i, item in enumerate(value):
         where = f"{param}[{i}]"
+        if isinstance(item, dict) and item.get("type") in FUNCTION_ITEMS:
+            function_item(item, where, out)
+            continue
         if not isinstance(item, dict) or item.get("type", "message") != "message":
-            raise _invalid(where, "only message items are supported")
+            raise _invalid(where, "only message, function_call and function_call_output items"
+                           " are supported")  # fmt: skip
         role = item.get("role")
         if role not in _ROLES:
             raise _invalid(f"{where}.role", "must be user, assistant, system or developer")
@@ -142,6 +157,17 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
     for source, target in _PASSED.items():
         if body.get(source) is not None:
             chat[target] = body[source]
+    tools = chat_tools(body["tools"]) if body.get("tools") is not None else []
+    tool_choice = body.get("tool_choice", "auto")
+    choice = chat_tool_choice(tool_choice, tools)  # checked with or without tools
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise _invalid("parallel_tool_calls", "must be true or false")
+    if tools:  # the chat fields only with tools: a backend may refuse a choice among none
+        chat["tools"] = tools
+        chat["tool_choice"] = choice
+        if not parallel:
+            chat["parallel_tool_calls"] = False
     chat["stream"] = stream
     if stream:
         chat["stream_options"] = {"include_usage": True}
@@ -155,6 +181,9 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
         "temperature": body.get("temperature"),
         "top_p": body.get("top_p"),
         "user": body.get("user"),
+        "tools": body.get("tools") or [],
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": parallel,
     }
     return ResponsesRequest(
         new, instructions, previous, conversation, store, stream, model, chat, echo
@@ -190,8 +219,30 @@ def _usage(usage: Any) -> dict[str, Any] | None:
     }
 
 
+@dataclass(slots=True)
+class _Call:
+    """One function call of the answer, as it streams in."""
+
+    item_id: str
+    call_id: str
+    name: str
+    arguments: list[str] = field(default_factory=list)
+
+    def chat(self) -> dict[str, Any]:
+        return {"id": self.call_id, "type": "function",
+                "function": {"name": self.name, "arguments": "".join(self.arguments)}}  # fmt: skip
+
+
+_MESSAGE = "message"
+"""The place of the text message among the output items (`ResponseBuilder._items`)."""
+
+
 class ResponseBuilder:
-    """The `response` object of one answer, and its streamed events."""
+    """The `response` object of one answer, and its streamed events.
+
+    The output items are the text message and the function calls, in the order the answer
+    started them; a stream opens each item at its first delta, and an answer with neither
+    still has one (empty) message."""
 
     def __init__(self, echo: dict[str, Any], response_id: str, model: str) -> None:
         self.echo = echo
@@ -202,6 +253,8 @@ class ResponseBuilder:
         self.created = int(time.time())
         self._sequence = 0
         self._text: list[str] = []
+        self._items: list[_Call | str] = []
+        self._calls: dict[int, _Call] = {}
         self._usage: dict[str, Any] | None = None
         self._finish: str | None = None
         self._buffer = b""
@@ -213,10 +266,21 @@ class ResponseBuilder:
     def text(self) -> str:
         return "".join(self._text)
 
+    def reply(self) -> dict[str, Any]:
+        """The answer as the chat assistant message a conversation stores."""
+        calls = [item.chat() for item in self._items if isinstance(item, _Call)]
+        if not calls:
+            return {"role": "assistant", "content": self.text}
+        return {"role": "assistant", "content": self.text or None, "tool_calls": calls}
+
     def _message(self, status: str) -> dict[str, Any]:
         content = [{"type": "output_text", "text": self.text, "annotations": []}]
         return {"type": "message", "id": self.message_id, "status": status,
                 "role": "assistant", "content": content}  # fmt: skip
+
+    def _output(self, status: str) -> list[dict[str, Any]]:
+        return [call_item(item.chat(), item.item_id, status) if isinstance(item, _Call)
+                else self._message(status) for item in self._items or [_MESSAGE]]  # fmt: skip
 
     def response(self, status: str) -> dict[str, Any]:
         done = status != "in_progress"
@@ -229,7 +293,7 @@ class ResponseBuilder:
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete"
             else None,
             "model": self.model,
-            "output": [self._message("completed" if status == "completed" else status)]
+            "output": self._output("completed" if status == "completed" else status)
             if done and self.failed is None else [],
             "parallel_tool_calls": True,
             "text": {"format": {"type": "text"}},
@@ -242,23 +306,45 @@ class ResponseBuilder:
 
     def stored(self) -> dict[str, Any]:
         """What a stored turn keeps of this answer to give it back (`History.meta`)."""
+        calls = [item.item_id for item in self._items if isinstance(item, _Call)]
         return {"id": self.message_id, "created_at": self.created, "model": self.model,
-                "status": self._status(), "usage": self._usage, "echo": self.echo}  # fmt: skip
+                "status": self._status(), "usage": self._usage, "echo": self.echo,
+                **({"calls": calls} if calls else {})}  # fmt: skip
 
     @classmethod
-    def restored(cls, response_id: str, text: str, meta: dict[str, Any]) -> ResponseBuilder:
-        """The answer of a stored turn, from its text and `stored()` (`GET /v1/responses/ID`).
-        A turn stored without them gets a time of 0 and no model or usage."""
+    def restored(
+        cls, response_id: str, reply: dict[str, Any], meta: dict[str, Any]
+    ) -> ResponseBuilder:
+        """The answer of a stored turn, from its chat message and `stored()` (`GET
+        /v1/responses/ID`). A turn stored without them gets a time of 0 and no model or usage."""
         echo = meta.get("echo")
         builder = cls(echo if isinstance(echo, dict) else {}, response_id,
                       str(meta.get("model") or "default"))  # fmt: skip
         builder.message_id = str(meta.get("id") or builder.message_id)
         builder.created = int(meta.get("created_at") or 0)
-        builder._text = [text]
+        builder._answer(reply, meta.get("calls"))
         builder._usage = meta.get("usage")
         builder._finish = "length" if meta.get("status") == "incomplete" else "stop"
         builder.began = builder.ended = True
         return builder
+
+    def _answer(self, message: Any, ids: Any = None) -> None:
+        """The items of a whole chat message (its text, then its calls)."""
+        text = message.get("content") if isinstance(message, dict) else None
+        calls = calls_of(message) if isinstance(message, dict) else []
+        self._text = [text] if isinstance(text, str) else []
+        if self._text and self._text[0] or not calls:
+            self._items.append(_MESSAGE)
+        for k, call in enumerate(calls):
+            function = call["function"]
+            item_id = ids[k] if isinstance(ids, list) and k < len(ids) else self._call_id(k)
+            opened = _Call(item_id, str(call.get("id") or ""), str(function.get("name") or ""),
+                           [str(function.get("arguments") or "")])  # fmt: skip
+            self._calls[k] = opened
+            self._items.append(opened)
+
+    def _call_id(self, index: int) -> str:
+        return f"fc_{self.id.removeprefix('resp_')}{index:02x}"
 
     def _status(self) -> str:
         if self.failed is not None:
@@ -272,10 +358,12 @@ class ResponseBuilder:
         try:
             obj = orjson.loads(body)
             choice = obj["choices"][0]
-            text = choice["message"]["content"] or ""
+            message = choice["message"]
         except (ValueError, KeyError, IndexError, TypeError):
             return None
-        self._text = [text]
+        if not isinstance(message, dict):
+            return None
+        self._answer(message)
         self._finish = choice.get("finish_reason")
         self._usage = _usage(obj.get("usage"))
         if isinstance(obj.get("model"), str):
@@ -298,10 +386,16 @@ class ResponseBuilder:
         return b"".join((
             self._event("response.created", response=self.response("in_progress")),
             self._event("response.in_progress", response=self.response("in_progress")),
-            self._event("response.output_item.added", output_index=0,
+        ))  # fmt: skip
+
+    def _open_message(self) -> bytes:
+        index = len(self._items)
+        self._items.append(_MESSAGE)
+        return b"".join((
+            self._event("response.output_item.added", output_index=index,
                         item={**self._message("in_progress"), "content": []}),
             self._event("response.content_part.added", item_id=self.message_id,
-                        output_index=0, content_index=0,
+                        output_index=index, content_index=0,
                         part={"type": "output_text", "text": "", "annotations": []}),
         ))  # fmt: skip
 
@@ -347,29 +441,74 @@ class ResponseBuilder:
         if choice.get("finish_reason"):
             self._finish = choice["finish_reason"]
         delta = choice.get("delta")
-        text = delta.get("content") if isinstance(delta, dict) else None
-        if not isinstance(text, str) or not text:
+        if not isinstance(delta, dict):
             return b""
-        self._text.append(text)
-        return self._event("response.output_text.delta", item_id=self.message_id,
-                           output_index=0, content_index=0, delta=text, logprobs=[])  # fmt: skip
+        out = []
+        text = delta.get("content")
+        if isinstance(text, str) and text:
+            if _MESSAGE not in self._items:
+                out.append(self._open_message())
+            self._text.append(text)
+            out.append(self._event("response.output_text.delta", item_id=self.message_id,
+                                   output_index=self._items.index(_MESSAGE), content_index=0,
+                                   delta=text, logprobs=[]))  # fmt: skip
+        calls = delta.get("tool_calls")
+        if isinstance(calls, list):
+            out += [self._call_delta(call) for call in calls if isinstance(call, dict)]
+        return b"".join(out)
+
+    def _call_delta(self, delta: dict[str, Any]) -> bytes:
+        """Events for one tool call's delta: the item at its first, then its arguments."""
+        raw_index, raw_function = delta.get("index"), delta.get("function")
+        index = raw_index if isinstance(raw_index, int) else 0
+        function: dict[str, Any] = raw_function if isinstance(raw_function, dict) else {}
+        call = self._calls.get(index)
+        out = []
+        if call is None:
+            call = self._calls[index] = _Call(self._call_id(index), str(delta.get("id") or ""),
+                                              str(function.get("name") or ""))  # fmt: skip
+            self._items.append(call)
+            item = call_item(call.chat(), call.item_id, "in_progress")
+            out.append(self._event("response.output_item.added",
+                                   output_index=len(self._items) - 1, item=item))  # fmt: skip
+        arguments = function.get("arguments")
+        if isinstance(arguments, str) and arguments:
+            call.arguments.append(arguments)
+            out.append(self._event("response.function_call_arguments.delta",
+                                   item_id=call.item_id, output_index=self._items.index(call),
+                                   delta=arguments))  # fmt: skip
+        return b"".join(out)
 
     def finish(self) -> bytes:
-        """The closing events (once): the text, the part, the item, then the final response."""
+        """The closing events (once): each item's text or arguments, then the item, then the
+        final response."""
         if self.ended:
             return b""
         self.ended = True
         status = self._status()
         out = [] if self.began else [self._begin()]
         if self.failed is None:
-            out += [
-                self._event("response.output_text.done", item_id=self.message_id,
-                            output_index=0, content_index=0, text=self.text, logprobs=[]),
-                self._event("response.content_part.done", item_id=self.message_id,
-                            output_index=0, content_index=0, part=self._part()),
-                self._event("response.output_item.done", output_index=0,
-                            item=self._message("completed" if status == "completed" else status)),
-            ]  # fmt: skip
+            if not self._items:
+                out.append(self._open_message())  # an empty answer is an empty message
+            state = "completed" if status == "completed" else status
+            for index, item in enumerate(self._items):
+                if isinstance(item, _Call):
+                    whole = call_item(item.chat(), item.item_id, state)
+                    out += [
+                        self._event("response.function_call_arguments.done",
+                                    item_id=item.item_id, output_index=index,
+                                    name=item.name, arguments=whole["arguments"]),
+                        self._event("response.output_item.done", output_index=index, item=whole),
+                    ]  # fmt: skip
+                    continue
+                out += [
+                    self._event("response.output_text.done", item_id=self.message_id,
+                                output_index=index, content_index=0, text=self.text, logprobs=[]),
+                    self._event("response.content_part.done", item_id=self.message_id,
+                                output_index=index, content_index=0, part=self._part()),
+                    self._event("response.output_item.done", output_index=index,
+                                item=self._message(state)),
+                ]  # fmt: skip
         out.append(self._event(f"response.{status}", response=self.response(status)))
         return b"".join(out)
 

@@ -183,6 +183,12 @@ class StateStage:
                 f"{CONVERSATION_HEADER} is only for /v1/chat/completions",
                 param=CONVERSATION_HEADER,
             )
+        if body.get("tools"):
+            raise InvalidRequest(
+                f"a {CONVERSATION_HEADER} conversation stores text replies only, so tool calls"
+                " would be lost: use /v1/responses (previous_response_id) for function calling",
+                param="tools", code="unsupported_parameter",
+            )  # fmt: skip
         new = body.get("messages")
         if not isinstance(new, list) or not new or not all(isinstance(m, dict) for m in new):
             raise InvalidRequest(
@@ -369,12 +375,15 @@ class StateRequest:
             return self.scanner.done and self.scanner.error is None
         return True
 
-    def _reply_text(self) -> str | None:
+    def _reply(self) -> dict[str, Any] | None:
+        """The answer as the assistant message its conversation stores; None: no answer."""
         if self.builder is not None:
-            return self.builder.text
+            return self.builder.reply()
         if self.scanner is not None:
-            return self.scanner.final()[1]
-        return answer_of_body(b"".join(self.whole))[1]
+            text = self.scanner.final()[1]
+        else:
+            text = answer_of_body(b"".join(self.whole))[1]
+        return None if text is None else {"role": "assistant", "content": text}
 
     async def finish(self) -> None:
         """Commit the turn or release it; store a complete answer. Never raises."""
@@ -382,9 +391,8 @@ class StateRequest:
         complete = self._complete()
         try:
             if turn is not None and stage.conversations is not None:
-                text = self._reply_text() if complete else None
-                if text is not None:
-                    reply = {"role": "assistant", "content": text}
+                reply = self._reply() if complete else None
+                if reply is not None:
                     meta = self.builder.stored() if self.builder is not None else None
                     committed = await stage.conversations.commit(turn, reply, meta)
                     stage.turns.labels("committed" if committed else "lost").inc()

@@ -30,6 +30,7 @@ from edge.state.conversations import (
     parse_conversation_name,
     parse_response_id,
 )
+from edge.state.response_tools import call_item, calls_of, output_item
 from edge.state.responses import ResponseBuilder, conversation_items
 
 MAX_LIMIT = 100
@@ -38,6 +39,17 @@ DEFAULT_LIMIT = 20
 
 def _not_found(what: str, name: str, code: str) -> ConversationNotFound:
     return ConversationNotFound(f"{what} with id '{name[:80]}' not found.", code=code)
+
+
+def _items(cid: str, place: str, message: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A stored chat message as Responses API items: a `tool` message is a
+    `function_call_output`, an assistant message with tool calls its text (when it has any)
+    and a `function_call` per call, any other a `message`."""
+    if message.get("role") == "tool":
+        return [output_item(dict(message), f"fco_{cid}{place}")]
+    calls = calls_of(dict(message)) if message.get("role") == "assistant" else []
+    out = [_item(cid, place, message)] if message.get("content") or not calls else []
+    return out + [call_item(c, f"fc_{cid}{place}{k:02x}") for k, c in enumerate(calls)]
 
 
 def _item(cid: str, place: str, message: Mapping[str, Any]) -> dict[str, Any]:
@@ -130,8 +142,9 @@ class StoredObjects:
         reply = found[1].reply(found[2]) if found is not None else None
         if reply is None:
             raise self._missing(rid, True)
-        text, meta = reply
-        return ResponseBuilder.restored(rid, text, meta).response(meta.get("status") or "completed")
+        message, meta = reply
+        builder = ResponseBuilder.restored(rid, message, meta)
+        return builder.response(meta.get("status") or "completed")
 
     async def input_items(self, tenant: str, rid: str, query: bytes) -> dict[str, Any]:
         """`GET /v1/responses/{rid}/input_items`: the messages that turn sent."""
@@ -139,7 +152,7 @@ class StoredObjects:
         sent = found[1].turn_input(found[2]) if found is not None else None
         if found is None or sent is None:
             raise self._missing(rid, True)
-        return page([_item(found[0], place, m) for place, m in sent], query)
+        return page([i for place, m in sent for i in _items(found[0], place, m)], query)
 
     async def conversation(self, tenant: str, name: str) -> dict[str, Any]:
         """`GET /v1/conversations/{id}`: the conversation object."""
@@ -153,7 +166,8 @@ class StoredObjects:
         found = await self._history(tenant, name) if name.startswith("conv_") else None
         if found is None:
             raise self._missing(name, False)
-        return page([_item(found[0], place, m) for place, m in found[1].items()], query)
+        items = [i for place, m in found[1].items() for i in _items(found[0], place, m)]
+        return page(items, query)
 
     async def create(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
         """`POST /v1/conversations`: a new conversation, with the body's `items` first in it;

@@ -389,9 +389,23 @@ async def test_redis_down_is_503_for_conversations_while_stateless_requests_go_o
 async def test_bad_responses_requests_are_400_by_field() -> None:
     async with TinyUpstream(ChatUpstream()) as up:
         async with run_edge(fast_config([up.url])) as edge, client(edge) as http:
-            cases = [({"input": "x", "tools": []}, "tools"), ({}, "input"),
+            fn = {"type": "function", "name": "f"}
+            cases = [({"input": "x", "reasoning": {}}, "reasoning"), ({}, "input"),
                      ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
-                     ({"input": "x", "store": "yes"}, "store")]  # fmt: skip
+                     ({"input": "x", "store": "yes"}, "store"),
+                     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+                     ({"input": "x", "tools": [{"type": "function"}]}, "tools[0].name"),
+                     ({"input": "x", "tools": [{**fn, "parameters": 3}]}, "tools[0].parameters"),
+                     ({"input": "x", "tools": [fn], "tool_choice": {"type": "function",
+                                                                     "name": "g"}},
+                      "tool_choice.name"),
+                     ({"input": "x", "tool_choice": "required"}, "tool_choice"),
+                     ({"input": "x", "tool_choice": "sometimes"}, "tool_choice"),
+                     ({"input": [{"type": "function_call", "call_id": "c", "name": "f",
+                                  "arguments": {}}]}, "input[0].arguments"),
+                     ({"input": [{"type": "function_call_output", "output": "x"}]},
+                      "input[0].call_id"),
+                     ({"input": [{"type": "file_search_call"}]}, "input[0]")]  # fmt: skip
             for body, param in cases:
                 response = await http.post("/v1/responses", json=body)
                 assert response.status_code == 400, body
@@ -400,5 +414,11 @@ async def test_bad_responses_requests_are_400_by_field() -> None:
                 "/v1/completions", json={"prompt": "x"}, headers={"x-quicedge-conversation": "new"}
             )
             assert wrong.status_code == 400
+            tools = await http.post(
+                "/v1/chat/completions", headers={"x-quicedge-conversation": "new"},
+                json={"messages": [{"role": "user", "content": "x"}],
+                      "tools": [{"type": "function", "function": {"name": "f"}}]},
+            )  # fmt: skip
+            assert tools.status_code == 400 and tools.json()["error"]["param"] == "tools"
             get = await http.get("/v1/responses")
             assert get.status_code == 405

@@ -121,11 +121,12 @@ def test_a_history_stored_before_turns_kept_their_metadata_reads_back() -> None:
     old = b'{"p":[],"m":[{"role":"user","content":"a"},{"role":"assistant","content":"b"}],' \
           b'"t":[2],"c":1}'  # fmt: skip
     history = History.decode(old)
-    assert history.reply(1) == ("b", {})
+    assert history.reply(1) == ({"role": "assistant", "content": "b"}, {})
     assert history.reply(2) is None
     history.append([{"role": "user", "content": "c"}], {"role": "assistant", "content": "d"},
                    {"model": "m"})  # fmt: skip
-    assert History.decode(history.encode()).reply(2) == ("d", {"model": "m"})
+    reply = History.decode(history.encode()).reply(2)
+    assert reply == ({"role": "assistant", "content": "d"}, {"model": "m"})
 
 
 @pytest.mark.parametrize("kind", ["memory", "redis"])
@@ -257,7 +258,7 @@ async def test_a_conversation_created_with_items_is_continued_by_responses() -> 
                     )  # fmt: skip
                 assert both.value.body["param"] == "conversation"  # type: ignore[index]
             bad = await http.post("/v1/conversations", headers=as_tenant("alpha"),
-                                  json={"items": [{"type": "function_call"}]})  # fmt: skip
+                                  json={"items": [{"type": "computer_call"}]})  # fmt: skip
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "items[0]"
             bad = await http.post("/v1/conversations", headers=as_tenant("alpha"), json={"x": 1})
             assert bad.status_code == 400 and bad.json()["error"]["code"] == "unsupported_parameter"

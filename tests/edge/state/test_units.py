@@ -3,6 +3,8 @@ the Responses translation, settings."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import orjson
 import pytest
 
@@ -193,3 +195,118 @@ async def test_an_unstored_turn_reads_the_history_and_writes_nothing() -> None:
     blob = await store.load("t", one.cid)
     assert blob is not None
     assert [m["content"] for m in History.decode(blob).messages] == ["q1", "a1", "q2", "a2"]
+
+
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of a city",
+           "parameters": CITY}  # fmt: skip
+
+
+def sse_events(out: bytes) -> list[dict[str, Any]]:
+    return [orjson.loads(line[6:]) for line in out.split(b"\n") if line.startswith(b"data: ")]
+
+
+def test_function_tools_and_items_become_chat_tools_and_messages() -> None:
+    request = parse_request({
+        "input": [
+            {"role": "user", "content": "Weather in Paris and Oslo?"},
+            {"type": "function_call", "call_id": "c1", "name": "get_weather",
+             "arguments": '{"city":"Paris"}'},
+            {"type": "function_call", "call_id": "c2", "name": "get_weather",
+             "arguments": '{"city":"Oslo"}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+            {"type": "function_call_output", "call_id": "c2",
+             "output": [{"type": "input_text", "text": "rain"}]},
+        ],
+        "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"},
+        "parallel_tool_calls": False,
+    })  # fmt: skip
+    chat = request.chat_body(request.new)
+    assert chat["tools"] == [{"type": "function", "function": {
+        "name": "get_weather", "description": "Weather of a city",
+        "parameters": WEATHER["parameters"]}}]  # fmt: skip
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert chat["parallel_tool_calls"] is False
+    assert chat["messages"][1:] == [
+        {"role": "assistant", "content": None, "tool_calls": [  # parallel calls: one message
+            {"id": "c1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}},
+            {"id": "c2", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "c2", "content": "rain"},
+    ]  # fmt: skip
+    assert request.echo["tools"] == [WEATHER] and request.echo["parallel_tool_calls"] is False
+    plain = parse_request({"input": "hi", "tool_choice": "none"})
+    assert "tools" not in plain.chat and "tool_choice" not in plain.chat  # none to choose among
+
+
+def tool_chunks(arguments: list[str], *, text: str = "") -> list[bytes]:
+    """A chat stream that calls get_weather, streaming its arguments (SGLang's shape)."""
+    head = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+
+    def sse(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        return b"data: " + orjson.dumps({**head, "choices": [choice]}) + b"\n\n"
+
+    out = [sse({"role": "assistant", "content": text})]
+    first = {"index": 0, "id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": ""}}  # fmt: skip
+    out.append(sse({"tool_calls": [first]}))
+    out += [sse({"tool_calls": [{"index": 0, "function": {"arguments": a}}]}) for a in arguments]
+    out.append(sse({}, "tool_calls"))
+    return [*out, b"data: [DONE]\n\n"]
+
+
+def test_a_streamed_tool_call_becomes_function_call_events_and_a_stored_reply() -> None:
+    request = parse_request({"input": "Weather in Paris?", "tools": [WEATHER], "stream": True})
+    builder = ResponseBuilder(request.echo, "resp_" + "ab" * 12 + "00000001", "m")
+    raw = b"".join(tool_chunks(['{"ci', 'ty":"Par', 'is"}']))
+    events = sse_events(b"".join(builder.feed(raw[i : i + 11]) for i in range(0, len(raw), 11)))
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        *["response.function_call_arguments.delta"] * 3,
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed"]  # fmt: skip
+    added = events[2]["item"]
+    assert added["type"] == "function_call" and added["status"] == "in_progress"
+    done = events[-2]["item"]
+    assert done == {"type": "function_call", "id": added["id"], "call_id": "call_1",
+                    "name": "get_weather", "arguments": '{"city":"Paris"}',
+                    "status": "completed"}  # fmt: skip
+    assert events[-1]["response"]["output"] == [done]
+    assert events[-1]["response"]["tools"] == [WEATHER]
+    assert builder.reply() == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}]}  # fmt: skip
+    # read back as it was answered, the same item ids
+    again = ResponseBuilder.restored(builder.id, builder.reply(), builder.stored())
+    assert again.response("completed")["output"] == [done]
+
+
+def test_text_then_a_call_are_two_items_in_the_order_they_began() -> None:
+    builder = ResponseBuilder({}, "resp_x", "m")
+    out = b"".join(builder.feed(c) for c in tool_chunks(["{}"], text="Let me look."))
+    events = sse_events(out)
+    added = [(e["output_index"], e["item"]["type"]) for e in events
+             if e["type"] == "response.output_item.added"]  # fmt: skip
+    assert added == [(0, "message"), (1, "function_call")]
+    final = events[-1]["response"]["output"]
+    assert [i["type"] for i in final] == ["message", "function_call"]
+    assert builder.reply()["content"] == "Let me look."
+
+
+def test_a_whole_chat_answer_with_tool_calls_becomes_function_call_items() -> None:
+    builder = ResponseBuilder({}, "resp_y", "m")
+    body = orjson.dumps({
+        "id": "c", "object": "chat.completion", "created": 1, "model": "m",
+        "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+            "role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_a", "index": 0, "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}]}}],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9},
+    })  # fmt: skip
+    response = orjson.loads(builder.from_chat_body(body) or b"")
+    assert response["status"] == "completed"
+    assert [(i["type"], i["call_id"], i["arguments"]) for i in response["output"]] == [
+        ("function_call", "call_a", '{"city":"Oslo"}')]  # fmt: skip
