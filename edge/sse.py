@@ -31,6 +31,9 @@ _BATCH = 64 * 1024
 """Bytes of events gathered before their delta texts are extracted, in one regex pass."""
 _DONE = b"[DONE]"
 _DONE_LINE = b"data: [DONE]"
+_ARGUMENTS_KEY = b'"arguments":'
+# A chat tool call's `"arguments": "..."` delta (group 1: the escaped string body).
+_ARGUMENTS = re.compile(_ARGUMENTS_KEY + rb'\s*"([^"\\]*(?:\\.[^"\\]*)*)"', re.DOTALL)
 _MAX_TAIL = 1 << 20
 """An SSE event larger than this (1 MiB) is relayed but not scanned: accounting gives up on it."""
 
@@ -123,6 +126,7 @@ class SSEScanner:
         "_pieces",
         "_pieces_size",
         "_tail",
+        "_calls",
         "content_events",
         "done",
         "error",
@@ -152,6 +156,8 @@ class SSEScanner:
         self._key = b'"' + field + b'":'
         self._compact = self._key + b'"'
         self._compact_empty = self._compact + b'"'
+        self._calls = field == b"content"
+        """Chat: a tool call's arguments are generated tokens too (counted, not collected)."""
 
     @classmethod
     def for_route(cls, route: str) -> SSEScanner:
@@ -202,6 +208,12 @@ class SSEScanner:
             content -= region.count(self._compact_empty)
         elif self._key in region:
             content = sum(1 for m in self._content.findall(region) if m)
+        if not content and self._calls and _ARGUMENTS_KEY in region:
+            # a tool call's deltas: its tokens count for the first token and the gaps, and
+            # only here, after the text count found none, so a text stream pays nothing
+            calls = sum(1 for m in _ARGUMENTS.findall(region) if m)
+            self.content_events += calls
+            return calls
         if content:
             self.content_events += content
             if self._deltas and self._pieces is not None:

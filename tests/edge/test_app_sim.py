@@ -84,6 +84,27 @@ async def test_every_route_streams_and_answers_whole(route: str, stream: bool) -
             assert [b.in_flight for b in edge.wiring.registry.backends] == [0, 0]
 
 
+async def test_a_streamed_tool_call_is_timed_from_its_first_argument_token() -> None:
+    """An answer that is only a tool call has no text: its arguments are its tokens, so the
+    TTFT and the gaps are measured on them."""
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
+    body = {**BODIES["/v1/chat/completions"], "stream": True, "tools": [tool],
+            "tool_choice": "required"}  # fmt: skip
+    async with sims(sim_config("b1")) as servers:
+        async with run_edge(fast_config([s.url for s in servers])) as edge, client(edge) as http:
+            response = await http.post("/v1/chat/completions", json=body)
+            text = await metrics_text(edge)
+    events = data_events(response.content)
+    assert b'"tool_calls":[{"index":0,"id":"call_' in b"".join(events)
+    assert b'"finish_reason":"tool_calls"' in b"".join(events)
+    counts = {line.split("{")[0]: line.rsplit(" ", 1)[1] for line in text.splitlines()
+              if line.startswith(("quicedge_ttft_seconds_count{",
+                                  "quicedge_inter_token_seconds_count{"))}  # fmt: skip
+    assert counts["quicedge_ttft_seconds_count"] == "1.0"
+    assert float(counts["quicedge_inter_token_seconds_count"]) >= 1
+
+
 async def test_h2_over_tls_and_metric_labels(dev_certs: Any) -> None:
     async with sims(sim_config("b1")) as servers:
         config = fast_config([s.url for s in servers])

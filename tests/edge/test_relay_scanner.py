@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -105,6 +106,28 @@ def test_first_content_is_reported_in_the_chunk_that_completes_it() -> None:
     assert scanner.feed(first[:10]) == 0
     assert scanner.feed(first[10:] + b"\n") == 0
     assert scanner.feed(b"\n") == 1
+
+
+def dumps_as(obj: object, *, spaced: bool) -> bytes:
+    return json.dumps(obj, separators=(", ", ": ") if spaced else (",", ":")).encode()
+
+
+def test_a_tool_calls_argument_deltas_are_its_tokens() -> None:
+    """A call-only answer has no content: its arguments' deltas are what the first token and
+    the gaps are measured on, in compact JSON (SGLang's) or spaced."""
+    opening = {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                               "function": {"name": "f", "arguments": ""}}]}  # fmt: skip
+    pieces = [{"tool_calls": [{"index": 0, "function": {"arguments": a}}]} for a in ('{"a', '":1}')]
+    for spaced in (False, True):
+        dumps = functools.partial(dumps_as, spaced=spaced)
+        scanner = SSEScanner()
+        assert scanner.feed(sse(dumps(chat_chunk({"role": "assistant", "content": ""})))) == 0
+        assert scanner.feed(sse(dumps(chat_chunk(opening)))) == 0  # no argument text yet
+        assert scanner.feed(sse(*(dumps(chat_chunk(p)) for p in pieces))) == 2
+        assert scanner.feed(sse(dumps(chat_chunk({}, "tool_calls")), b"[DONE]")) == 0
+        assert scanner.content_events == 2 and scanner.done
+    completions = SSEScanner.for_route("/v1/completions")  # not a chat stream: text only
+    assert completions.feed(sse(json.dumps(chat_chunk(pieces[0])).encode())) == 0
 
 
 def test_trailing_partial_event_is_kept_not_counted() -> None:
