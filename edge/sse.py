@@ -31,9 +31,9 @@ _BATCH = 64 * 1024
 """Bytes of events gathered before their delta texts are extracted, in one regex pass."""
 _DONE = b"[DONE]"
 _DONE_LINE = b"data: [DONE]"
-_ARGUMENTS_KEY = b'"arguments":'
+ARGUMENTS_KEY = b'"arguments":'
 # A chat tool call's `"arguments": "..."` delta (group 1: the escaped string body).
-_ARGUMENTS = re.compile(_ARGUMENTS_KEY + rb'\s*"([^"\\]*(?:\\.[^"\\]*)*)"', re.DOTALL)
+ARGUMENTS = re.compile(ARGUMENTS_KEY + rb'\s*"([^"\\]*(?:\\.[^"\\]*)*)"', re.DOTALL)
 _MAX_TAIL = 1 << 20
 """An SSE event larger than this (1 MiB) is relayed but not scanned: accounting gives up on it."""
 
@@ -208,10 +208,10 @@ class SSEScanner:
             content -= region.count(self._compact_empty)
         elif self._key in region:
             content = sum(1 for m in self._content.findall(region) if m)
-        if not content and self._calls and _ARGUMENTS_KEY in region:
+        if not content and self._calls and ARGUMENTS_KEY in region:
             # a tool call's deltas: its tokens count for the first token and the gaps, and
             # only here, after the text count found none, so a text stream pays nothing
-            calls = sum(1 for m in _ARGUMENTS.findall(region) if m)
+            calls = sum(1 for m in ARGUMENTS.findall(region) if m)
             self.content_events += calls
             return calls
         if content:
@@ -301,4 +301,12 @@ def answer_of_body(body: bytes) -> tuple[Usage, str | None]:
     return usage_from(obj), text_from(obj)
 
 
-__all__ = ["SSEScanner", "Usage", "answer_of_body", "text_from", "usage_from"]
+__all__ = [
+    "ARGUMENTS",
+    "ARGUMENTS_KEY",
+    "SSEScanner",
+    "Usage",
+    "answer_of_body",
+    "text_from",
+    "usage_from",
+]

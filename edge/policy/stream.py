@@ -1,7 +1,8 @@
 """Stream policies: patterns watched for in the generated text, across SSE chunk boundaries.
 
 A `StreamGuard` sits in the relay, one per streamed answer, and sees every upstream chunk before
-the client does. It decodes the text of each complete SSE event, folds it (`normalize.fold`) into
+the client does. It decodes the text of each complete SSE event (in a chat stream, a tool call's
+arguments too: a call is output as much as text is), folds it (`normalize.fold`) into
 a window of the last `lookbehind` characters, and searches the rules there with the `regex`
 module's partial matching:
 
@@ -28,6 +29,7 @@ import regex
 
 from edge.policy.config import PolicyConfig
 from edge.policy.normalize import fold
+from edge.sse import ARGUMENTS, ARGUMENTS_KEY
 
 _FIELDS = {
     field: re.compile(rb'"' + field + rb'":\s*"([^"\\]*(?:\\.[^"\\]*)*)"', re.DOTALL)
@@ -86,6 +88,7 @@ class StreamGuard:
     then stops and aborts the upstream request."""
 
     __slots__ = (
+        "_calls",
         "_cumulative",
         "_field",
         "_held",
@@ -105,6 +108,7 @@ class StreamGuard:
         self._route = route
         self._cumulative = route == "/generate"
         self._field = _FIELDS[b"content" if route == "/v1/chat/completions" else b"text"]
+        self._calls = route == "/v1/chat/completions"
         self._tail = b""
         self._held: list[bytes] = []
         self._window = ""
@@ -170,6 +174,8 @@ class StreamGuard:
 
     def _text_of(self, region: bytes) -> str:
         found = self._field.findall(region)
+        if self._calls and ARGUMENTS_KEY in region:
+            found += ARGUMENTS.findall(region)
         if not found:
             return ""
         if self._cumulative:

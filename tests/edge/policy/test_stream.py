@@ -65,6 +65,25 @@ def test_a_match_split_at_any_point_is_caught_and_none_of_it_leaks(split: int) -
     assert final["id"] == "c1" and final["object"] == "chat.completion.chunk"
 
 
+def call_event(arguments: str) -> bytes:
+    call = {"index": 0, "function": {"arguments": arguments}}
+    choice = {"index": 0, "delta": {"tool_calls": [call]}, "finish_reason": None}
+    chunk = {"id": "c1", "object": "chat.completion.chunk", "model": "m", "choices": [choice]}
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+@pytest.mark.parametrize("split", [1, 6, len(SECRET) - 1])
+def test_a_match_in_a_tool_calls_arguments_is_caught_too(split: int) -> None:
+    guard = rules().guard("/v1/chat/completions")
+    chunks = [chat_event(""), call_event('{"note":"'), call_event(SECRET[:split]),
+              call_event(SECRET[split:]), call_event('"}'), b"data: [DONE]\n\n"]  # fmt: skip
+    out, _ = run(guard, chunks)
+    assert guard.cut == "key-leak"
+    assert SECRET[:split].encode() not in out  # held: nothing of the match went out
+    final = json.loads(out.split(b"\n\n")[-3][6:])
+    assert final["choices"][0]["finish_reason"] == "content_filter"
+
+
 def test_a_match_split_inside_an_sse_event_and_across_tcp_reads() -> None:
     """Chunks are TCP reads, not events: an event may arrive in pieces."""
     guard = rules().guard("/v1/chat/completions")
