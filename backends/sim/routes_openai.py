@@ -85,6 +85,9 @@ class OpenAIRoutes(RouteContext):
             # A function call: the answer is its arguments (a guard never calls tools).
             call = params.tool_call
             plan = ToolCallPlan(self.tokenizer, call.arguments)
+        elif params.structured is not None:
+            # A response_format: the answer's text is the JSON it asks for.
+            plan = ToolCallPlan(self.tokenizer, params.structured)
         req = self._submit(params, responder, plan)
         timing = self._timing(request, req, responder)
         model = params.model or self.config.model_name

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from backends.sim.chat_template import TemplateError, render
+from backends.sim.structured import FormatError, structured_answer
 from backends.sim.tokenizer import BOS_TOKEN, Tokenizer
 from backends.sim.tools import ToolCall, ToolError, plan_call
 
@@ -47,6 +48,9 @@ class GenParams:
     tool_call: ToolCall | None = None
     """Chat only: the function call the answer makes (its arguments are the generated text);
     None for a text answer."""
+    structured: str | None = None
+    """Chat only: the JSON a `response_format` asks for (`backends.sim.structured`), generated
+    as the answer's text; None for free text."""
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
@@ -257,6 +261,7 @@ def parse_chat(obj: dict[str, Any], tokenizer: Tokenizer) -> GenParams:
     params.top_logprobs = top
     try:
         params.tool_call = plan_call(obj, obj["messages"])
-    except ToolError as exc:
+        params.structured = structured_answer(obj)
+    except (ToolError, FormatError) as exc:
         raise BadRequest(str(exc)) from None
     return _openai_common(obj, params)
