@@ -117,6 +117,38 @@ def _messages(value: Any, param: str = "input") -> list[dict[str, Any]]:
     return out
 
 
+def _response_format(text: Any) -> dict[str, Any] | None:
+    """The chat `response_format` for the Responses `text` (None: free text)."""
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise _invalid("text", "must be an object")
+    unknown = sorted(set(text) - {"format"})
+    if unknown:
+        raise InvalidRequest(f"'text.{unknown[0]}' is not supported by this endpoint",
+                             param=f"text.{unknown[0]}", code="unsupported_parameter")  # fmt: skip
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise _invalid("text.format", "must be an object")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind != "json_schema":
+        raise _invalid("text.format.type", "must be text, json_object or json_schema")
+    name, schema = fmt.get("name"), fmt.get("schema")
+    if not isinstance(name, str) or not name:
+        raise _invalid("text.format.name", "must be a non-empty string")
+    if not isinstance(schema, dict):
+        raise _invalid("text.format.schema", "must be a JSON schema object")
+    spec = {"name": name, "schema": schema}
+    spec.update({k: fmt[k] for k in ("description", "strict") if fmt.get(k) is not None})
+    return {"type": "json_schema", "json_schema": spec}
+
+
 def parse_request(body: dict[str, Any]) -> ResponsesRequest:
     """Check a `/v1/responses` body and translate it; 400 naming the field otherwise."""
     unknown = sorted(set(body) - _ACCEPTED)
@@ -168,6 +200,9 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
         chat["tool_choice"] = choice
         if not parallel:
             chat["parallel_tool_calls"] = False
+    response_format = _response_format(body.get("text"))
+    if response_format is not None:
+        chat["response_format"] = response_format
     chat["stream"] = stream
     if stream:
         chat["stream_options"] = {"include_usage": True}
@@ -181,6 +216,7 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
         "temperature": body.get("temperature"),
         "top_p": body.get("top_p"),
         "user": body.get("user"),
+        "text": body.get("text") or {"format": {"type": "text"}},
         "tools": body.get("tools") or [],
         "tool_choice": tool_choice,
         "parallel_tool_calls": parallel,
