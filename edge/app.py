@@ -81,25 +81,28 @@ MODELS_METHODS = ("GET",)
 
 
 STORED_ROUTES: tuple[tuple[re.Pattern[str], str, tuple[str, ...]], ...] = tuple(
-    (re.compile(pattern.replace("{id}", "([^/]+)") + "()?"), pattern, methods)
+    (re.compile(pattern.replace("{id}", "([^/]+)").replace("{item}", "([^/]+)") + "()?()?"),
+     pattern, methods)
     for pattern, methods in (
         (RESPONSES + "/{id}", ("GET", "DELETE")),
         (RESPONSES + "/{id}/input_items", ("GET",)),
         ("/v1/conversations", ("POST",)),
-        ("/v1/conversations/{id}", ("GET", "DELETE")),
-        ("/v1/conversations/{id}/items", ("GET",)),
+        ("/v1/conversations/{id}", ("GET", "POST", "DELETE")),
+        ("/v1/conversations/{id}/items", ("GET", "POST")),
+        ("/v1/conversations/{id}/items/{item}", ("GET",)),
     )
-)
+)  # fmt: skip
 """Stored responses and conversations by id (`edge.state.stored`): (path, route label,
 methods). Answered by the edge, never forwarded."""
 
 
-def stored_route(path: str) -> tuple[str, tuple[str, ...], str] | None:
-    """(the route's label, its methods, the id in the path) for a stored object's path."""
+def stored_route(path: str) -> tuple[str, tuple[str, ...], str, str] | None:
+    """(the route's label, its methods, the id in the path, the item id in it) for a stored
+    object's path."""
     for pattern, label, methods in STORED_ROUTES:
         match = pattern.fullmatch(path)
         if match is not None:
-            return label, methods, match.group(1) or ""
+            return label, methods, match.group(1) or "", match.group(2) or ""
     return None
 
 
@@ -212,7 +215,7 @@ class ProxyApp:
                         f"{method} is not allowed on {path}",
                         headers=((b"allow", ", ".join(stored[1]).encode()),),
                     )
-                await self._stored(scope, receive, send, stored[0], stored[2])
+                await self._stored(scope, receive, send, stored[0], stored[2], stored[3])
                 self.metrics.requests.labels(label, "200", NO_MODEL).inc()
                 if self.access_log is not None:
                     self._log_other(scope, label, 200)
@@ -286,16 +289,16 @@ class ProxyApp:
     # -- stored responses and conversations --------------------------------------------------
 
     async def _stored(
-        self, scope: Scope, receive: Receive, send: Send, label: str, name: str
+        self, scope: Scope, receive: Receive, send: Send, label: str, name: str, item: str
     ) -> None:
-        """Read back, delete or start what `edge.state` stores for the caller's tenant; another
-        tenant's id is not found, as an unknown one."""
+        """Read back, change, delete or start what `edge.state` stores for the caller's tenant;
+        another tenant's id is not found, as an unknown one."""
         headers = read_headers(scope["headers"])
         tenant = self.admission.identify(headers.authorization).name
         if self.state is None:
             raise RouteNotFound(f"no route for {scope['method']} {scope['path']}")
         stored, query = self.state.stored, scope.get("query_string", b"")
-        if scope["method"] == "POST":  # POST /v1/conversations
+        if scope["method"] == "POST":
             check_content_type(headers.content_type)
             limit = self.config.max_body_bytes
             declared_length(headers.content_length, limit)
@@ -303,9 +306,13 @@ class ProxyApp:
                 body = parse_json_object(await read_body(receive, limit))
             except ClientGone:
                 return
-            await send_json(send, 200, await stored.create(tenant, body))
-            return
-        if scope["method"] == "DELETE":
+            if label == "/v1/conversations":
+                answer = await stored.create(tenant, body)
+            elif label == "/v1/conversations/{id}":
+                answer = await stored.set_metadata(tenant, name, body)
+            else:
+                answer = await stored.add_items(tenant, name, body)
+        elif scope["method"] == "DELETE":
             answer = await stored.delete(tenant, name, response=label.startswith(RESPONSES))
         elif label == RESPONSES + "/{id}":
             answer = await stored.response(tenant, name)
@@ -313,8 +320,10 @@ class ProxyApp:
             answer = await stored.input_items(tenant, name, query)
         elif label == "/v1/conversations/{id}":
             answer = await stored.conversation(tenant, name)
-        else:
+        elif label == "/v1/conversations/{id}/items":
             answer = await stored.conversation_items(tenant, name, query)
+        else:
+            answer = await stored.conversation_item(tenant, name, item)
         await send_json(send, 200, answer)
 
     # -- inference ---------------------------------------------------------------------------

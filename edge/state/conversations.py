@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -100,12 +101,15 @@ class History:
     created_at: int = 0
     """When the conversation started (Unix seconds; 0 when stored before this was kept)."""
     metadata: dict[str, Any] = field(default_factory=dict)
-    """The `metadata` it was created with (`POST /v1/conversations`)."""
+    """The `metadata` it was created with (`POST /v1/conversations`), or set since."""
+    pending: list[dict[str, Any]] = field(default_factory=list)
+    """Items added since the latest turn (`POST /v1/conversations/{id}/items`): they lead the
+    next turn's new messages, and become part of it when it is stored."""
 
     def encode(self) -> bytes:
         return orjson.dumps(
             {"p": self.pinned, "m": self.messages, "t": self.turns, "c": self.count,
-             "u": self.meta, "s": self.created_at, "d": self.metadata}
+             "u": self.meta, "s": self.created_at, "d": self.metadata, "q": self.pending}
         )  # fmt: skip
 
     @classmethod
@@ -114,7 +118,7 @@ class History:
         turns = obj["t"]
         meta = obj.get("u") or []  # a blob stored before turns kept theirs
         return cls(obj["p"], obj["m"], turns, obj["c"], [{}] * (len(turns) - len(meta)) + meta,
-                   int(obj.get("s") or 0), obj.get("d") or {})  # fmt: skip
+                   int(obj.get("s") or 0), obj.get("d") or {}, obj.get("q") or [])  # fmt: skip
 
     def copy(self) -> History:
         return History(
@@ -125,6 +129,7 @@ class History:
             list(self.meta),
             self.created_at,
             dict(self.metadata),
+            list(self.pending),
         )
 
     def items(self) -> list[tuple[str, dict[str, Any]]]:
@@ -136,7 +141,8 @@ class History:
             turn = self.first_kept + k
             out += [(f"{turn:08x}{j:04x}", m) for j, m in enumerate(self.messages[start:end])]
             start = end
-        return out
+        # where the next turn will keep them, so their ids stay when it does
+        return out + [(f"{self.count + 1:08x}{j:04x}", m) for j, m in enumerate(self.pending)]
 
     def turn_input(self, turn: int) -> list[tuple[str, dict[str, Any]]] | None:
         """The messages turn `turn` sent (its reply left out; turn 1 with the pinned ones), as
@@ -416,6 +422,7 @@ class Conversations:
                     await self.store.release(tenant, cid, token)
                     cid = new_conversation_id()
                     await self.store.create(tenant, cid, token)
+            new, base.pending = [*base.pending, *new], []  # items added since lead this turn
             turn = Turn(tenant, cid, base.count + 1, base, new, token)
             self._fit(turn)
         except BaseException:
@@ -457,6 +464,39 @@ class Conversations:
     async def release(self, turn: Turn) -> None:
         if turn.token is not None:
             await self.store.release(turn.tenant, turn.cid, turn.token)
+
+    async def update(
+        self,
+        tenant: str,
+        cid: str,
+        change: Callable[[History], None],
+        *,
+        missing: ConversationNotFound,
+    ) -> History:
+        """Apply `change` to a stored conversation between turns, under its lease (409 while a
+        turn is in progress); what was stored."""
+        token = os.urandom(12)
+        if not await self.store.lease(tenant, cid, token):
+            raise ConversationBusy(
+                "a turn of this conversation is in progress; retry when it completed"
+            )
+        try:
+            blob = await self.store.load(tenant, cid)
+            if blob is None:
+                raise missing
+            history = History.decode(blob)
+            change(history)
+            if messages_size(history.prompt(history.pending)) > self.config.max_bytes:
+                raise PayloadTooLarge(
+                    f"the conversation would exceed {self.config.max_bytes} bytes of messages",
+                    code="conversation_too_large",
+                )
+        except BaseException:
+            await self.store.release(tenant, cid, token)
+            raise
+        if not await self.store.commit(tenant, cid, token, history.encode()):
+            raise ConversationBusy("the conversation changed meanwhile; retry")
+        return history
 
     async def history(self, tenant: str, cid: str) -> History | None:
         """A stored conversation as it is now (None: unknown or expired); read only."""

@@ -8,7 +8,10 @@ and deleting"): the edge's own routes, answered from the conversation store, nev
 | `DELETE /v1/responses/{id}` | forgets its whole conversation |
 | `POST /v1/conversations` | a new conversation, its `items` first in every prompt |
 | `GET /v1/conversations/{id}` | the conversation object |
+| `POST /v1/conversations/{id}` | sets its `metadata` |
 | `GET /v1/conversations/{id}/items` | every kept message, as a list of items |
+| `POST /v1/conversations/{id}/items` | adds items, which lead the next turn |
+| `GET /v1/conversations/{id}/items/{item_id}` | one item |
 | `DELETE /v1/conversations/{id}` | forgets it |
 
 Lists page as OpenAI's do: `order` (`desc`, the default, or `asc`), `limit` (1 to 100, 20) and
@@ -18,7 +21,7 @@ Lists page as OpenAI's do: `order` (`desc`, the default, or `asc`), `limit` (1 t
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -173,15 +176,77 @@ class StoredObjects:
         """`POST /v1/conversations`: a new conversation, with the body's `items` first in it;
         `responses.create(conversation=...)` then continues it."""
         items = conversation_items(body)
+        conversations = self._conversations()
+        metadata = body.get("metadata")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise InvalidRequest("'metadata' must be an object", param="metadata")
+        cid, history = await conversations.open(tenant, items, metadata or {})
+        return _conversation(cid, history)
+
+    def _conversations(self) -> Conversations:
         if self.conversations is None:
             raise InvalidRequest(
                 "stored conversations are turned off on this edge", code="conversations_disabled"
             )
+        return self.conversations
+
+    async def _update(
+        self, tenant: str, name: str, change: Callable[[History], None]
+    ) -> tuple[str, History]:
+        conversations = self._conversations()
+        missing = self._missing(name, False)
+        try:
+            cid = parse_conversation_name(name)
+        except ConversationNotFound:
+            raise missing from None
+        return cid, await conversations.update(tenant, cid, change, missing=missing)
+
+    async def set_metadata(self, tenant: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """`POST /v1/conversations/{id}`: replace its `metadata`; the conversation object."""
+        unknown = sorted(set(body) - {"metadata"})
+        if unknown:
+            raise InvalidRequest(f"'{unknown[0]}' is not supported by this endpoint",
+                                 param=unknown[0], code="unsupported_parameter")  # fmt: skip
         metadata = body.get("metadata")
-        if metadata is not None and not isinstance(metadata, dict):
+        if not isinstance(metadata, dict):
             raise InvalidRequest("'metadata' must be an object", param="metadata")
-        cid, history = await self.conversations.open(tenant, items, metadata or {})
+
+        def change(history: History) -> None:
+            history.metadata = metadata
+
+        cid, history = await self._update(tenant, name, change)
         return _conversation(cid, history)
+
+    async def add_items(self, tenant: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """`POST /v1/conversations/{id}/items`: items added after its latest turn, which the
+        next turn's prompt carries (and keeps); the list of the items added."""
+        if not body.get("items"):
+            raise InvalidRequest("'items' must be a non-empty list", param="items",
+                                 code="missing_field")  # fmt: skip
+        added = conversation_items(body)
+        first = 0
+
+        def change(history: History) -> None:
+            nonlocal first
+            first = len(history.pending)
+            history.pending.extend(added)
+
+        cid, history = await self._update(tenant, name, change)
+        place = f"{history.count + 1:08x}"
+        items = [i for j, m in enumerate(added, first) for i in _items(cid, f"{place}{j:04x}", m)]
+        return {"object": "list", "data": items, "first_id": items[0]["id"],
+                "last_id": items[-1]["id"], "has_more": False}  # fmt: skip
+
+    async def conversation_item(self, tenant: str, name: str, item: str) -> dict[str, Any]:
+        """`GET /v1/conversations/{id}/items/{item_id}`: one item of it."""
+        found = await self._history(tenant, name) if name.startswith("conv_") else None
+        if found is None:
+            raise self._missing(name, False)
+        for place, m in found[1].items():
+            for each in _items(found[0], place, m):
+                if each["id"] == item:
+                    return each
+        raise _not_found("Item", item, "item_not_found")
 
     async def delete(self, tenant: str, name: str, *, response: bool) -> dict[str, Any]:
         """`DELETE /v1/responses/{id}` (`response`) or `/v1/conversations/{id}`: forget the

@@ -98,11 +98,17 @@ async def test_wrong_methods_and_malformed_ids() -> None:
         async with run_edge(fast_config([sim.url])) as edge, client(edge) as http:
             wrong = await http.post("/v1/responses/resp_" + "0" * 32)
             assert wrong.status_code == 405 and wrong.headers["allow"] == "GET, DELETE"
-            wrong = await http.post("/v1/conversations/conv_" + "0" * 24)
-            assert wrong.status_code == 405 and wrong.headers["allow"] == "GET, DELETE"
+            wrong = await http.put("/v1/conversations/conv_" + "0" * 24)
+            assert wrong.status_code == 405 and wrong.headers["allow"] == "GET, POST, DELETE"
             wrong = await http.delete("/v1/conversations/conv_" + "0" * 24 + "/items")
-            assert wrong.status_code == 405 and wrong.headers["allow"] == "GET"
-            assert (await http.get("/v1/conversations/conv_x/items/more")).status_code == 404
+            assert wrong.status_code == 405 and wrong.headers["allow"] == "GET, POST"
+            item = await http.get("/v1/conversations/conv_x/items/more")
+            assert (
+                item.status_code == 404 and item.json()["error"]["code"] == "conversation_not_found"
+            )
+            assert (await http.get("/v1/conversations/conv_x/items/a/b")).status_code == 404
+            missing = await http.post("/v1/conversations/conv_" + "0" * 24, json={"metadata": {}})
+            assert missing.status_code == 404
             for path in ("/v1/responses/resp_nothex", "/v1/responses/x",
                          "/v1/responses/resp_" + "0" * 32):  # fmt: skip
                 missing = await http.get(path)
@@ -266,3 +272,59 @@ async def test_a_conversation_created_with_items_is_continued_by_responses() -> 
     assert prompts[0] == ["Be brief.", "Name three moons."]
     assert prompts[1][0] == "Be brief." and prompts[1][1] == "Name three moons."
     assert prompts[1][-1] == "And their planets?" and len(prompts[1]) == 4
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+async def test_items_added_to_a_conversation_lead_its_next_turn(
+    store: str, redis_url: str, redis_prefix: str
+) -> None:
+    """`conversations.items.create`, `items.retrieve` and `conversations.update` through the SDK:
+    the added items reach the backend with the next turn and keep their ids once it is stored."""
+    upstream = ChatUpstream()
+    stored = state(redis_url if store == "redis" else None, redis_prefix)
+    async with TinyUpstream(upstream) as up:
+        config = fast_config([up.url], state=stored, admission=tenants("alpha", "beta"))
+        async with run_edge(config) as edge, client(edge) as http:
+            sdk, beta = sdks(edge)
+            async with sdk, beta:
+                conv = await sdk.conversations.create(metadata={"topic": "moons"})
+                first = await sdk.responses.create(
+                    model="default", conversation=conv.id, input="Name a moon."
+                )
+                added = await sdk.conversations.items.create(conv.id, items=[
+                    {"type": "message", "role": "user", "content": "Only Jupiter's."},
+                    {"type": "message", "role": "user", "content": "Keep it short."},
+                ])  # fmt: skip
+                ids = [i.id for i in added.data]
+                assert len(ids) == 2 and added.first_id == ids[0] and added.last_id == ids[1]
+                one = await sdk.conversations.items.retrieve(ids[1], conversation_id=conv.id)
+                assert one.content[0].text == "Keep it short."  # type: ignore[union-attr]
+                listed = [i.id async for i in sdk.conversations.items.list(conv.id, order="asc")]
+                assert listed[-2:] == ids  # after the first turn, before any reply
+                second = await sdk.responses.create(
+                    model="default", conversation=conv.id, input="Which one?"
+                )
+                sent = [i async for i in sdk.responses.input_items.list(second.id, order="asc")]
+                assert [i.content[0].text for i in sent] == [  # type: ignore[union-attr]
+                    "Only Jupiter's.", "Keep it short.", "Which one?"]  # fmt: skip
+                assert [i.id for i in sent][:2] == ids  # the same ids once the turn is stored
+                updated = await sdk.conversations.update(conv.id, metadata={"topic": "jupiter"})
+                assert updated.metadata == {"topic": "jupiter"}
+                assert (await sdk.conversations.retrieve(conv.id)).metadata == updated.metadata
+                with pytest.raises(openai.NotFoundError):
+                    await beta.conversations.items.create(conv.id, items=[
+                        {"type": "message", "role": "user", "content": "x"}])  # fmt: skip
+                with pytest.raises(openai.NotFoundError):
+                    await beta.conversations.update(conv.id, metadata={})
+                with pytest.raises(openai.NotFoundError) as unknown:
+                    await sdk.conversations.items.retrieve("msg_x", conversation_id=conv.id)
+                assert unknown.value.body["code"] == "item_not_found"  # type: ignore[index]
+                with pytest.raises(openai.BadRequestError) as empty:
+                    await sdk.conversations.items.create(conv.id, items=[])
+                assert empty.value.body["param"] == "items"  # type: ignore[index]
+            assert first.id != second.id
+            gone = await http.delete(f"/v1/conversations/{conv.id}/items/{ids[0]}",
+                                     headers=as_tenant("alpha"))  # fmt: skip
+            assert gone.status_code == 405 and gone.headers["allow"] == "GET"
+    prompts = [[m["content"] for m in b["messages"]] for b in upstream.bodies()]
+    assert prompts[1][-3:] == ["Only Jupiter's.", "Keep it short.", "Which one?"]
