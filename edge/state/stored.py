@@ -1,5 +1,6 @@
-"""Stored responses and conversations, read back and deleted by id (docs/state.md, "Reading back
-and deleting"): the edge's own routes, answered from the conversation store, never forwarded.
+"""Stored responses and conversations, read back, changed and deleted by id (docs/state.md,
+"Reading back and deleting"): the edge's own routes, answered from the conversation store,
+never forwarded.
 
 | route | answer |
 | --- | --- |
