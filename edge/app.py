@@ -308,12 +308,17 @@ class ProxyApp:
                 return
             if label == "/v1/conversations":
                 answer = await stored.create(tenant, body)
+                self._audit_stored("conversation.create", tenant, answer["id"])
             elif label == "/v1/conversations/{id}":
                 answer = await stored.set_metadata(tenant, name, body)
+                self._audit_stored("conversation.update", tenant, name)
             else:
                 answer = await stored.add_items(tenant, name, body)
+                self._audit_stored("conversation.items_add", tenant, name)
         elif scope["method"] == "DELETE":
-            answer = await stored.delete(tenant, name, response=label.startswith(RESPONSES))
+            response = label.startswith(RESPONSES)
+            answer = await stored.delete(tenant, name, response=response)
+            self._audit_stored(f"{'response' if response else 'conversation'}.delete", tenant, name)
         elif label == RESPONSES + "/{id}":
             answer = await stored.response(tenant, name)
         elif label == RESPONSES + "/{id}/input_items":
@@ -325,6 +330,12 @@ class ProxyApp:
         else:
             answer = await stored.conversation_item(tenant, name, item)
         await send_json(send, 200, answer)
+
+    def _audit_stored(self, action: str, tenant: str, name: str) -> None:
+        """A stored conversation created, changed or deleted: a line of the audit chain (reads
+        are not; they change nothing)."""
+        if self.audit is not None:
+            self.audit.record_event("stored", action=action, tenant=tenant, id=name)
 
     # -- inference ---------------------------------------------------------------------------
 

@@ -4,6 +4,8 @@ Redis; another tenant's ids are not found."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -12,6 +14,7 @@ import pytest
 from openai import AsyncOpenAI
 
 from backends.sim import SimServer
+from edge.audit import GENESIS, AuditConfig, verify
 from edge.errors import ConversationNotFound
 from edge.state.config import ConversationConfig
 from edge.state.conversations import (
@@ -328,3 +331,35 @@ async def test_items_added_to_a_conversation_lead_its_next_turn(
             assert gone.status_code == 405 and gone.headers["allow"] == "GET"
     prompts = [[m["content"] for m in b["messages"]] for b in upstream.bodies()]
     assert prompts[1][-3:] == ["Only Jupiter's.", "Keep it short.", "Which one?"]
+
+
+async def test_changes_to_stored_conversations_are_lines_of_the_audit_chain(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "audit.jsonl"
+    async with TinyUpstream(ChatUpstream()) as up:
+        config = fast_config([up.url], admission=tenants("alpha"))
+        audit = AuditConfig(path=str(path))
+        async with run_edge(config, audit=audit) as edge, client(edge) as http:
+            me = as_tenant("alpha")
+            conv = (await http.post("/v1/conversations", headers=me, json={})).json()["id"]
+            await http.get(f"/v1/conversations/{conv}", headers=me)  # a read: not recorded
+            update = await http.post(f"/v1/conversations/{conv}", headers=me,
+                                     json={"metadata": {"k": "v"}})  # fmt: skip
+            assert update.status_code == 200
+            added = await http.post(f"/v1/conversations/{conv}/items", headers=me, json={
+                "items": [{"type": "message", "role": "user", "content": "x"}]})  # fmt: skip
+            assert added.status_code == 200
+            assert (await http.delete(f"/v1/conversations/{conv}", headers=me)).status_code == 200
+            missing = await http.delete(f"/v1/conversations/{conv}", headers=me)
+            assert missing.status_code == 404  # refused: nothing changed, nothing recorded
+            log = edge.wiring.audit
+            assert log is not None
+            await log.flush()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(r["event"], r["action"], r["tenant"], r["id"]) for r in records] == [
+        ("stored", action, "alpha", conv)
+        for action in ("conversation.create", "conversation.update", "conversation.items_add",
+                       "conversation.delete")
+    ]  # fmt: skip
+    assert verify([str(path)], start=GENESIS).ok
