@@ -23,10 +23,10 @@ from typing import Any
 import orjson
 
 from edge.errors import InvalidRequest
+from edge.state.chat_answer import MESSAGE, Call, ChatAnswer
 from edge.state.response_tools import (
     FUNCTION_ITEMS,
     call_item,
-    calls_of,
     chat_tool_choice,
     chat_tools,
     function_item,
@@ -255,30 +255,12 @@ def _usage(usage: Any) -> dict[str, Any] | None:
     }
 
 
-@dataclass(slots=True)
-class _Call:
-    """One function call of the answer, as it streams in."""
-
-    item_id: str
-    call_id: str
-    name: str
-    arguments: list[str] = field(default_factory=list)
-
-    def chat(self) -> dict[str, Any]:
-        return {"id": self.call_id, "type": "function",
-                "function": {"name": self.name, "arguments": "".join(self.arguments)}}  # fmt: skip
-
-
-_MESSAGE = "message"
-"""The place of the text message among the output items (`ResponseBuilder._items`)."""
-
-
 class ResponseBuilder:
     """The `response` object of one answer, and its streamed events.
 
-    The output items are the text message and the function calls, in the order the answer
-    started them; a stream opens each item at its first delta, and an answer with neither
-    still has one (empty) message."""
+    The output items are the answer's parts (`ChatAnswer`): its text message and its function
+    calls, in the order they began; a stream opens each item at its first delta, and an answer
+    with neither still has one (empty) message."""
 
     def __init__(self, echo: dict[str, Any], response_id: str, model: str) -> None:
         self.echo = echo
@@ -287,27 +269,24 @@ class ResponseBuilder:
         self.message_id = "msg_" + os.urandom(16).hex()
         self.model = model
         self.created = int(time.time())
+        self.answer = ChatAnswer(self._call_id)
         self._sequence = 0
-        self._text: list[str] = []
-        self._items: list[_Call | str] = []
-        self._calls: dict[int, _Call] = {}
         self._usage: dict[str, Any] | None = None
         self._finish: str | None = None
-        self._buffer = b""
         self.began = False
         self.ended = False
         self.failed: dict[str, Any] | None = None
 
     @property
     def text(self) -> str:
-        return "".join(self._text)
+        return self.answer.text
 
     def reply(self) -> dict[str, Any]:
         """The answer as the chat assistant message a conversation stores."""
-        calls = [item.chat() for item in self._items if isinstance(item, _Call)]
-        if not calls:
-            return {"role": "assistant", "content": self.text}
-        return {"role": "assistant", "content": self.text or None, "tool_calls": calls}
+        return self.answer.reply()
+
+    def _call_id(self, index: int) -> str:
+        return f"fc_{self.id.removeprefix('resp_')}{index:02x}"
 
     def _message(self, status: str) -> dict[str, Any]:
         content = [{"type": "output_text", "text": self.text, "annotations": []}]
@@ -315,8 +294,8 @@ class ResponseBuilder:
                 "role": "assistant", "content": content}  # fmt: skip
 
     def _output(self, status: str) -> list[dict[str, Any]]:
-        return [call_item(item.chat(), item.item_id, status) if isinstance(item, _Call)
-                else self._message(status) for item in self._items or [_MESSAGE]]  # fmt: skip
+        return [call_item(part.chat(), part.item_id, status) if isinstance(part, Call)
+                else self._message(status) for part in self.answer.parts or [MESSAGE]]  # fmt: skip
 
     def response(self, status: str) -> dict[str, Any]:
         done = status != "in_progress"
@@ -342,7 +321,7 @@ class ResponseBuilder:
 
     def stored(self) -> dict[str, Any]:
         """What a stored turn keeps of this answer to give it back (`History.meta`)."""
-        calls = [item.item_id for item in self._items if isinstance(item, _Call)]
+        calls = [call.item_id for call in self.answer.calls]
         return {"id": self.message_id, "created_at": self.created, "model": self.model,
                 "status": self._status(), "usage": self._usage, "echo": self.echo,
                 **({"calls": calls} if calls else {})}  # fmt: skip
@@ -358,29 +337,11 @@ class ResponseBuilder:
                       str(meta.get("model") or "default"))  # fmt: skip
         builder.message_id = str(meta.get("id") or builder.message_id)
         builder.created = int(meta.get("created_at") or 0)
-        builder._answer(reply, meta.get("calls"))
+        builder.answer.take_message(reply, meta.get("calls"))
         builder._usage = meta.get("usage")
         builder._finish = "length" if meta.get("status") == "incomplete" else "stop"
         builder.began = builder.ended = True
         return builder
-
-    def _answer(self, message: Any, ids: Any = None) -> None:
-        """The items of a whole chat message (its text, then its calls)."""
-        text = message.get("content") if isinstance(message, dict) else None
-        calls = calls_of(message) if isinstance(message, dict) else []
-        self._text = [text] if isinstance(text, str) else []
-        if self._text and self._text[0] or not calls:
-            self._items.append(_MESSAGE)
-        for k, call in enumerate(calls):
-            function = call["function"]
-            item_id = ids[k] if isinstance(ids, list) and k < len(ids) else self._call_id(k)
-            opened = _Call(item_id, str(call.get("id") or ""), str(function.get("name") or ""),
-                           [str(function.get("arguments") or "")])  # fmt: skip
-            self._calls[k] = opened
-            self._items.append(opened)
-
-    def _call_id(self, index: int) -> str:
-        return f"fc_{self.id.removeprefix('resp_')}{index:02x}"
 
     def _status(self) -> str:
         if self.failed is not None:
@@ -399,7 +360,7 @@ class ResponseBuilder:
             return None
         if not isinstance(message, dict):
             return None
-        self._answer(message)
+        self.answer.take_message(message)
         self._finish = choice.get("finish_reason")
         self._usage = _usage(obj.get("usage"))
         if isinstance(obj.get("model"), str):
@@ -424,9 +385,11 @@ class ResponseBuilder:
             self._event("response.in_progress", response=self.response("in_progress")),
         ))  # fmt: skip
 
-    def _open_message(self) -> bytes:
-        index = len(self._items)
-        self._items.append(_MESSAGE)
+    def _opened(self, part: Call | str, index: int) -> bytes:
+        """The events that open an output item."""
+        if isinstance(part, Call):
+            item = call_item(part.chat(), part.item_id, "in_progress")
+            return self._event("response.output_item.added", output_index=index, item=item)
         return b"".join((
             self._event("response.output_item.added", output_index=index,
                         item={**self._message("in_progress"), "content": []}),
@@ -438,27 +401,14 @@ class ResponseBuilder:
     def feed(self, chunk: bytes) -> bytes:
         """Responses events for a piece of the upstream chat stream."""
         out = [] if self.began else [self._begin()]
-        data = self._buffer + chunk
-        end = data.rfind(b"\n\n")
-        if end < 0:
-            self._buffer = data
-            return b"".join(out)
-        self._buffer = data[end + 2 :]
-        for event in data[:end].split(b"\n\n"):
-            for line in event.split(b"\n"):
-                if line.startswith(b"data:"):
-                    out.append(self._data(line[5:].strip()))
+        out += [self._data(payload) for payload in self.answer.feed(chunk)]
         return b"".join(out)
 
-    def _data(self, payload: bytes) -> bytes:
+    def _data(self, obj: Any) -> bytes:
         if self.ended:
             return b""
-        if payload == b"[DONE]":
+        if obj == b"[DONE]":
             return self.finish()
-        try:
-            obj = orjson.loads(payload)
-        except ValueError:
-            return b""
         if not isinstance(obj, dict):
             return b""
         if "error" in obj:
@@ -470,49 +420,20 @@ class ResponseBuilder:
             self._usage = _usage(obj["usage"])
         if isinstance(obj.get("model"), str):
             self.model = obj["model"]
-        choices = obj.get("choices")
-        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-            return b""
-        choice = choices[0]
-        if choice.get("finish_reason"):
-            self._finish = choice["finish_reason"]
-        delta = choice.get("delta")
-        if not isinstance(delta, dict):
-            return b""
         out = []
-        text = delta.get("content")
-        if isinstance(text, str) and text:
-            if _MESSAGE not in self._items:
-                out.append(self._open_message())
-            self._text.append(text)
-            out.append(self._event("response.output_text.delta", item_id=self.message_id,
-                                   output_index=self._items.index(_MESSAGE), content_index=0,
-                                   delta=text, logprobs=[]))  # fmt: skip
-        calls = delta.get("tool_calls")
-        if isinstance(calls, list):
-            out += [self._call_delta(call) for call in calls if isinstance(call, dict)]
-        return b"".join(out)
-
-    def _call_delta(self, delta: dict[str, Any]) -> bytes:
-        """Events for one tool call's delta: the item at its first, then its arguments."""
-        raw_index, raw_function = delta.get("index"), delta.get("function")
-        index = raw_index if isinstance(raw_index, int) else 0
-        function: dict[str, Any] = raw_function if isinstance(raw_function, dict) else {}
-        call = self._calls.get(index)
-        out = []
-        if call is None:
-            call = self._calls[index] = _Call(self._call_id(index), str(delta.get("id") or ""),
-                                              str(function.get("name") or ""))  # fmt: skip
-            self._items.append(call)
-            item = call_item(call.chat(), call.item_id, "in_progress")
-            out.append(self._event("response.output_item.added",
-                                   output_index=len(self._items) - 1, item=item))  # fmt: skip
-        arguments = function.get("arguments")
-        if isinstance(arguments, str) and arguments:
-            call.arguments.append(arguments)
-            out.append(self._event("response.function_call_arguments.delta",
-                                   item_id=call.item_id, output_index=self._items.index(call),
-                                   delta=arguments))  # fmt: skip
+        answer = self.answer
+        for kind, part, piece in answer.take_chunk(obj):
+            if kind == "open":
+                out.append(self._opened(part, answer.index(part)))
+            elif kind == "text":
+                out.append(self._event("response.output_text.delta", item_id=self.message_id,
+                                       output_index=answer.index(MESSAGE), content_index=0,
+                                       delta=piece, logprobs=[]))  # fmt: skip
+            else:
+                out.append(self._event("response.function_call_arguments.delta",
+                                       item_id=part.item_id, output_index=answer.index(part),
+                                       delta=piece))  # fmt: skip
+        self._finish = self.answer.finish or self._finish
         return b"".join(out)
 
     def finish(self) -> bytes:
@@ -524,16 +445,18 @@ class ResponseBuilder:
         status = self._status()
         out = [] if self.began else [self._begin()]
         if self.failed is None:
-            if not self._items:
-                out.append(self._open_message())  # an empty answer is an empty message
+            parts = self.answer.parts
+            if not parts:  # an empty answer is an empty message
+                parts.append(MESSAGE)
+                out.append(self._opened(MESSAGE, 0))
             state = "completed" if status == "completed" else status
-            for index, item in enumerate(self._items):
-                if isinstance(item, _Call):
-                    whole = call_item(item.chat(), item.item_id, state)
+            for index, part in enumerate(parts):
+                if isinstance(part, Call):
+                    whole = call_item(part.chat(), part.item_id, state)
                     out += [
                         self._event("response.function_call_arguments.done",
-                                    item_id=item.item_id, output_index=index,
-                                    name=item.name, arguments=whole["arguments"]),
+                                    item_id=part.item_id, output_index=index,
+                                    name=part.name, arguments=whole["arguments"]),
                         self._event("response.output_item.done", output_index=index, item=whole),
                     ]  # fmt: skip
                     continue
