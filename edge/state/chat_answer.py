@@ -163,4 +163,13 @@ class ChatAnswer:
             self.parts.append(call)
 
 
-__all__ = ["MESSAGE", "Call", "ChatAnswer", "Change"]
+def message_of_body(body: bytes) -> dict[str, Any] | None:
+    """The assistant message of a whole `chat.completion` body (None when it has none)."""
+    try:
+        message = orjson.loads(body)["choices"][0]["message"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+    return message if isinstance(message, dict) else None
+
+
+__all__ = ["MESSAGE", "Call", "ChatAnswer", "Change", "message_of_body"]

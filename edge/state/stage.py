@@ -25,6 +25,7 @@ from edge.sse import SSEScanner, answer_of_body
 from edge.stages.validate import CHAT, COMPLETIONS, GENERATE
 from edge.state.cache import CACHE_HEADER, CacheTier, Entry, RedisTier, ResponseCache, deterministic
 from edge.state.cache import weight_version_of as _weight_version
+from edge.state.chat_answer import ChatAnswer, message_of_body
 from edge.state.config import StateConfig
 from edge.state.conversations import (
     CONVERSATION_HEADER,
@@ -183,12 +184,6 @@ class StateStage:
                 f"{CONVERSATION_HEADER} is only for /v1/chat/completions",
                 param=CONVERSATION_HEADER,
             )
-        if body.get("tools"):
-            raise InvalidRequest(
-                f"a {CONVERSATION_HEADER} conversation stores text replies only, so tool calls"
-                " would be lost: use /v1/responses (previous_response_id) for function calling",
-                param="tools", code="unsupported_parameter",
-            )  # fmt: skip
         new = body.get("messages")
         if not isinstance(new, list) or not new or not all(isinstance(m, dict) for m in new):
             raise InvalidRequest(
@@ -206,7 +201,9 @@ class StateStage:
                     f"Conversation with id '{value[:80]}' not found.", param=CONVERSATION_HEADER
                 ),
             )  # fmt: skip
-        ex.state = StateRequest(self, ex, turn=turn)
+        state = ex.state = StateRequest(self, ex, turn=turn)
+        if body.get("tools"):  # the reply may be tool calls: kept whole, not as text only
+            state.answer = ChatAnswer()
         messages = turn.messages
         # the messages member keeps its place: the body differs from the client's only there
         rebuilt = {k: (messages if k == "messages" else v) for k, v in body.items()}
@@ -223,6 +220,8 @@ class StateRequest:
     """The state side of one request: the turn it holds, the cache key, the answer going by."""
 
     __slots__ = (
+        "answer",
+        "answer_failed",
         "builder",
         "content_type",
         "cache_key",
@@ -246,6 +245,9 @@ class StateRequest:
         self.ex = ex
         self.turn = turn
         self.builder: ResponseBuilder | None = None
+        self.answer: ChatAnswer | None = None
+        """A chat conversation's answer when tools were offered (its calls are kept too)."""
+        self.answer_failed = False
         self.cache_key: str | None = None
         self.cache_model = ""
         self.normalised = b""
@@ -270,7 +272,7 @@ class StateRequest:
                 return None
             self.captured = []
         ex.body_writer = None  # relay through `send`, where this request sees the answer
-        if ex.stream and self.builder is None:
+        if ex.stream and self.builder is None and self.answer is None:
             self.scanner = SSEScanner.for_route(ex.route)
         self._send = send
         return self.send
@@ -347,6 +349,13 @@ class StateRequest:
                 self.captured = None  # too large to store: relayed only
         if self.scanner is not None and body:
             self.scanner.feed(body)
+        answer = self.answer
+        if answer is not None and self.ex.stream and body:
+            for obj in answer.feed(body):
+                if isinstance(obj, dict) and "error" in obj:
+                    self.answer_failed = True
+                elif isinstance(obj, dict):
+                    answer.take_chunk(obj)
         builder = self.builder
         if builder is None:
             if not self.ex.stream and self.turn is not None:
@@ -373,12 +382,21 @@ class StateRequest:
             return self.builder.ended and self.builder.failed is None
         if self.scanner is not None:
             return self.scanner.done and self.scanner.error is None
+        if self.answer is not None and ex.stream:
+            return self.answer.done and not self.answer_failed
         return True
 
     def _reply(self) -> dict[str, Any] | None:
         """The answer as the assistant message its conversation stores; None: no answer."""
         if self.builder is not None:
             return self.builder.reply()
+        if self.answer is not None:
+            if not self.ex.stream:
+                message = message_of_body(b"".join(self.whole))
+                if message is None:
+                    return None
+                self.answer.take_message(message)
+            return self.answer.reply()
         if self.scanner is not None:
             text = self.scanner.final()[1]
         else:

@@ -129,3 +129,42 @@ async def test_tool_choice_none_answers_in_text_and_hosted_tools_are_refused() -
                     assert getattr(exc, "body", {})["param"] == "tools[0].type"
                 else:
                     raise AssertionError("a hosted tool was accepted")
+
+
+CHAT_WEATHER = {"type": "function", "function": {
+    "name": WEATHER["name"], "parameters": WEATHER["parameters"]}}  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_a_chat_conversation_keeps_the_models_tool_calls(stream: bool) -> None:
+    """`x-quicedge-conversation` with tools: the call is stored with the turn, so the next
+    turn sends only the tool's result and the backend sees the call before it."""
+    async with SimServer(sim_config("b1")) as sim:
+        config = fast_config([sim.url], admission=tenants("alpha"))
+        async with run_edge(config) as edge, client(edge) as http:
+            headers = {**as_tenant("alpha"), "x-quicedge-conversation": "new"}
+            body = {"messages": [{"role": "user", "content": "Weather? Use get_weather."}],
+                    "tools": [CHAT_WEATHER], "stream": stream}  # fmt: skip
+            asked = await http.post("/v1/chat/completions", headers=headers, json=body)
+            assert asked.status_code == 200, asked.text
+            conv = asked.headers["x-quicedge-conversation"]
+            if stream:
+                raw = b"".join(
+                    line for line in asked.content.split(b"\n") if b'"id":"call_' in line
+                )
+                call_id = json.loads(raw[len(b"data: ") :])["choices"][0]["delta"]["tool_calls"][0][
+                    "id"
+                ]
+            else:
+                call_id = asked.json()["choices"][0]["message"]["tool_calls"][0]["id"]
+            headers["x-quicedge-conversation"] = conv
+            result = {"role": "tool", "tool_call_id": call_id, "content": "sunny"}
+            answered = await http.post("/v1/chat/completions", headers=headers, json={
+                "messages": [result], "tools": [CHAT_WEATHER], "max_tokens": 4})  # fmt: skip
+            assert answered.status_code == 200, answered.text
+            assert answered.json()["choices"][0]["finish_reason"] in ("stop", "length")
+            items = (await http.get(f"/v1/conversations/{conv}/items?order=asc",
+                                    headers=as_tenant("alpha"))).json()["data"]  # fmt: skip
+    assert [i["type"] for i in items] == [
+        "message", "function_call", "function_call_output", "message"]  # fmt: skip
+    assert items[1]["call_id"] == call_id and json.loads(items[1]["arguments"]) == ARGUMENTS
