@@ -31,6 +31,7 @@ from redis.backoff import NoBackoff
 
 from backends.registry import BackendRegistry
 from edge.errors import StateUnavailable
+from edge.redis_pubsub import Subscription
 from transport.loop import cancelled
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,7 @@ class SharedHolds:
         self._tasks: list[asyncio.Task[None]] = []
         self._last_warning = -1e18
         self._changed = asyncio.Event()
+        self._subscription: Subscription | None = None
         self.subscribed = asyncio.Event()
         """Set while the change channel is subscribed (tests wait on it)."""
 
@@ -74,9 +76,14 @@ class SharedHolds:
         self._subscriber = aioredis.Redis.from_url(
             self.url, socket_connect_timeout=self.timeout, retry=Retry(NoBackoff(), 0)
         )
+        self._subscription = Subscription(
+            self._subscriber, self.channel, lambda _name: self._changed.set(),
+            on_error=self._failed, subscribed=self.subscribed, subscribe_timeout=self.timeout * 10,
+            retry_after=max(1.0, self.interval),
+        )  # fmt: skip
         await self.sync()  # before the first request, when Redis answers at once
         loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._poll()), loop.create_task(self._listen())]
+        self._tasks = [loop.create_task(self._poll()), loop.create_task(self._subscription.run())]
 
     async def aclose(self) -> None:
         for task in self._tasks:
@@ -131,27 +138,6 @@ class SharedHolds:
                     await self._changed.wait()
             self._changed.clear()
             await self.sync()
-
-    async def _listen(self) -> None:
-        while True:
-            pubsub = self._subscriber.pubsub(ignore_subscribe_messages=True)
-            try:
-                async with asyncio.timeout(self.timeout * 10):
-                    await pubsub.subscribe(self.channel)
-                self.subscribed.set()
-                while True:
-                    message = await pubsub.get_message(timeout=60.0)
-                    if message is not None and message.get("type") == "message":
-                        self._changed.set()
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # gone: the poll carries on; subscribe again shortly
-                self._failed(exc)
-            finally:
-                self.subscribed.clear()
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()
-            await asyncio.sleep(max(1.0, self.interval))
 
     def _failed(self, exc: BaseException) -> None:
         now = time.monotonic()

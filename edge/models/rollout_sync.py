@@ -36,6 +36,7 @@ from redis.backoff import NoBackoff
 from edge.models.ramp import ADVANCES, STOPS, Transition
 from edge.models.rollout import Rollout
 from edge.models.service import Models
+from edge.redis_pubsub import Subscription
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,9 @@ class RolloutSync:
         self._tasks: set[asyncio.Task[None]] = set()
         self._listener: asyncio.Task[None] | None = None
         self._last_warning = -1e18
+        self._subscription: Subscription | None = None
         self.subscribed = asyncio.Event()
+        """Set while the channel is subscribed (tests wait on it)."""
         models.on_transition.append(self._transitioned)
 
     async def start(self) -> None:
@@ -80,7 +83,12 @@ class RolloutSync:
         self._subscriber = aioredis.Redis.from_url(
             self.url, socket_connect_timeout=connect, retry=retry
         )
-        self._listener = asyncio.get_running_loop().create_task(self._listen())
+        self._subscription = Subscription(
+            self._subscriber, self.channel, self.take,
+            on_error=lambda exc: self._failed("the subscription", exc),
+            subscribed=self.subscribed, subscribe_timeout=self.timeout * 10, retry_after=1.0,
+        )  # fmt: skip
+        self._listener = asyncio.get_running_loop().create_task(self._subscription.run())
 
     async def aclose(self) -> None:
         tasks = [*self._tasks, *([self._listener] if self._listener else [])]
@@ -122,27 +130,6 @@ class RolloutSync:
             self._failed("a publish", exc)
 
     # -- in ---------------------------------------------------------------------------------
-    async def _listen(self) -> None:
-        while True:
-            pubsub = self._subscriber.pubsub(ignore_subscribe_messages=True)
-            try:
-                async with asyncio.timeout(self.timeout * 10):
-                    await pubsub.subscribe(self.channel)
-                self.subscribed.set()
-                while True:
-                    message = await pubsub.get_message(timeout=60.0)
-                    if message is not None and message.get("type") == "message":
-                        self.take(message["data"])
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # gone: subscribe again shortly
-                self.subscribed.clear()
-                self._failed("the subscription", exc)
-            finally:
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()
-            await asyncio.sleep(1.0)
-
     def take(self, raw: bytes) -> None:
         """Another process's shared transition, taken here too (anything else is skipped)."""
         try:

@@ -54,6 +54,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from backends.registry import Backend
+from edge.redis_pubsub import Subscription
 
 log = logging.getLogger(__name__)
 
@@ -183,8 +184,12 @@ class FleetView:
         self._closing = False
         self._last_warning = -1e9
         self.connected = False
-        self.listening = False
-        """Subscribed to the other processes' load figures."""
+        # the other processes' load figures, as they are published (ages out when Redis fails)
+        self._loads = Subscription(
+            None, self._channel, self._apply_load, on_error=self._failed,
+            subscribe_timeout=config.timeout * 10, retry_after=config.interval,
+            idle_timeout=config.load_ttl, closing=lambda: self._closing,
+        )  # fmt: skip
         self.published = 0
         self.received = 0
         self.loads_published = 0
@@ -278,11 +283,12 @@ class FleetView:
         self._subscriber = aioredis.Redis.from_url(
             self.url, socket_connect_timeout=cfg.timeout, retry=Retry(NoBackoff(), 0)
         )
+        self._loads.client = self._subscriber
         loop = asyncio.get_running_loop()
         self._task = loop.create_task(self._run())
         self._load_tasks = [
             loop.create_task(self._publish_loads()),
-            loop.create_task(self._listen_loads()),
+            loop.create_task(self._loads.run()),
         ]
 
     async def aclose(self) -> None:
@@ -358,29 +364,6 @@ class FleetView:
             self.loads_published += 1
             if cfg.load_min_gap:
                 await asyncio.sleep(cfg.load_min_gap)
-
-    async def _listen_loads(self) -> None:
-        """Take the other processes' load figures as they are published."""
-        cfg = self.config
-        while not self._closing:
-            pubsub = self._subscriber.pubsub(ignore_subscribe_messages=True)
-            try:
-                async with asyncio.timeout(cfg.timeout * 10):
-                    await pubsub.subscribe(self._channel)
-                self.listening = True
-                while not self._closing:
-                    message = await pubsub.get_message(timeout=cfg.load_ttl)
-                    if message is not None and message.get("type") == "message":
-                        self._apply_load(message["data"])
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # gone: the figures age out; subscribe again shortly
-                self._failed(exc)
-            finally:
-                self.listening = False
-                with contextlib.suppress(Exception):
-                    await pubsub.aclose()
-            await asyncio.sleep(cfg.interval)
 
     def _apply_load(self, raw: bytes) -> None:
         try:
@@ -520,6 +503,11 @@ class FleetView:
         if not learned or len({len(t) for t in learned}) != 1:
             return
         self._adopt([sum(col) / len(learned) for col in zip(*learned, strict=True)])
+
+    @property
+    def listening(self) -> bool:
+        """Subscribed to the other processes' load figures."""
+        return self._loads.subscribed.is_set()
 
     def snapshot(self) -> dict[str, Any]:
         return {
