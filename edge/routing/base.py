@@ -40,6 +40,11 @@ class RequestView:
     messages: list[dict[str, Any]] | None = None
     """Chat: the body's messages (not copied), which pre-warming sends back through the chat
     endpoint, so that the backend's own template renders them; None for other routes."""
+    tools: list[Any] | None = None
+    """Chat: the tools the request offers (not copied), rendered at the start of `text` and
+    sent back with the messages by pre-warming; None without."""
+    prompt_start: int = 0
+    """Where the messages begin in `text` (after the tools' definitions)."""
 
 
 @dataclass(slots=True)

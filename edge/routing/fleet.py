@@ -34,7 +34,7 @@ class CountingPolicy:
         self._hot = hot
 
     def choose(self, view: RequestView, candidates: Sequence[Backend]) -> Decision:
-        self._hot.record(view.model, self._hasher.blocks(view.text), view.messages)
+        self._hot.record(view.model, self._hasher.blocks(view.text), view.messages, view.tools)
         return self.inner.choose(view, candidates)
 
     def observe(self, outcome: Outcome) -> None:

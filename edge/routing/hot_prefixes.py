@@ -43,14 +43,16 @@ class HotPrefix:
     """Decayed count, in requests (one request now counts 1)."""
     messages: list[dict[str, Any]] | None = None
     """Chat: the conversation cut where the prefix ends (`chat_prefix`); None otherwise."""
+    tools: list[Any] | None = None
+    """Chat: the tools the requests offered (the start of the prefix), sent with `messages`."""
 
     def cut(self, chars: int) -> list[dict[str, Any]] | None:
         """The conversation up to the prefix's first `chars` characters (a warm-up shard)."""
-        return None if self.messages is None else chat_prefix(self.messages, chars)
+        return None if self.messages is None else chat_prefix(self.messages, chars, self.tools)
 
 
 class _Entry:
-    __slots__ = ("end", "messages", "parent", "score", "source")
+    __slots__ = ("end", "messages", "parent", "score", "source", "tools")
 
     def __init__(
         self,
@@ -59,12 +61,14 @@ class _Entry:
         parent: int | None,
         score: float,
         messages: list[dict[str, Any]] | None,
+        tools: list[Any] | None,
     ) -> None:
         self.source = source
         self.end = end
         self.parent = parent
         self.score = score
         self.messages = messages
+        self.tools = tools
 
 
 class HotPrefixes:
@@ -102,9 +106,10 @@ class HotPrefixes:
         model: str | None,
         blocks: PrefixBlocks,
         messages: list[dict[str, Any]] | None = None,
+        tools: list[Any] | None = None,
     ) -> None:
-        """Count one routed request (`messages`: a chat request's, which `blocks` were hashed
-        from). Cheap: a dict update per whole block of its prompt."""
+        """Count one routed request (`messages`, `tools`: a chat request's, which `blocks` were
+        hashed from). Cheap: a dict update per whole block of its prompt."""
         hashes = blocks.hashes
         if not hashes:
             return
@@ -125,8 +130,8 @@ class HotPrefixes:
             if e is None:
                 if len(source) > span + KEEP_PAST:  # keep what the hashes cover, no more
                     source = source[:span]
-                    messages = None if messages is None else chat_prefix(messages, span)
-                entries[h] = _Entry(source, (k + 1) * size, parent, w, messages)
+                    messages = None if messages is None else chat_prefix(messages, span, tools)
+                entries[h] = _Entry(source, (k + 1) * size, parent, w, messages, tools)
             else:
                 e.score += w
             parent = h
@@ -159,8 +164,8 @@ class HotPrefixes:
                     p = parent.parent if parent is not None else None
             for h, e in hot.items():
                 if h not in covered:
-                    cut = None if e.messages is None else chat_prefix(e.messages, e.end)
-                    out.append(HotPrefix(name, e.source[: e.end], h, e.score / w, cut))
+                    cut = None if e.messages is None else chat_prefix(e.messages, e.end, e.tools)
+                    out.append(HotPrefix(name, e.source[: e.end], h, e.score / w, cut, e.tools))
         out.sort(key=lambda p: p.count, reverse=True)
         return out[:n]
 

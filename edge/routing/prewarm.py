@@ -300,6 +300,8 @@ class PrewarmService:
     @staticmethod
     def _chat_body(prefix: HotPrefix, messages: list[dict[str, Any]]) -> dict[str, Any]:
         body: dict[str, Any] = {"messages": messages}
+        if prefix.tools:  # they lead the prompt the real requests' template renders
+            body["tools"] = prefix.tools
         if prefix.model:  # the name the real requests use, so the backend serves the same model
             body["model"] = prefix.model
         return body

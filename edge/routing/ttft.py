@@ -323,7 +323,7 @@ class TTFTPolicy:
             blocks: PrefixBlocks = self._hasher.blocks(view.text)
             hashes, block_chars = blocks.hashes, blocks.block_chars
             if self.hot is not None:
-                self.hot.record(view.model, blocks, view.messages)
+                self.hot.record(view.model, blocks, view.messages, view.tools)
         fleet = self.fleet if hashes else None
         remote_hit = False
         self._turn += 1

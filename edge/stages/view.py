@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import orjson
+
 from edge.routing.base import RequestView
 from edge.stages.validate import CHAT, COMPLETIONS, GENERATE, RERANK
 
@@ -29,30 +31,57 @@ def _content_text(content: Any) -> str:
     return ""
 
 
-def render_chat(messages: list[dict[str, Any]]) -> str:
-    """Messages with role markers, ending with the assistant marker a template adds to generate."""
-    parts = [f"<|{m['role']}|>\n{_content_text(m.get('content'))}\n" for m in messages]
+def tools_header(tools: list[Any] | None) -> str:
+    """The offered tools as the start of the prompt, where chat templates put their definitions:
+    requests offering the same tools share that prefix (often thousands of tokens)."""
+    if not tools:
+        return ""
+    return "<|tools|>\n" + orjson.dumps(tools).decode() + "\n"
+
+
+def _message_text(m: dict[str, Any]) -> str:
+    """A message's text, with its tool calls after it (a template renders them there)."""
+    text = _content_text(m.get("content"))
+    calls = m.get("tool_calls")
+    if not calls or not isinstance(calls, list):
+        return text
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            text += f"\n<|call|>{function.get('name')} {function.get('arguments')}"
+    return text
+
+
+def render_chat(messages: list[dict[str, Any]], tools: list[Any] | None = None) -> str:
+    """Messages with role markers, after the offered tools, ending with the assistant marker a
+    template adds to generate."""
+    parts = [tools_header(tools)] if tools else []
+    parts += [f"<|{m['role']}|>\n{_message_text(m)}\n" for m in messages]
     parts.append("<|assistant|>\n")
     return "".join(parts)
 
 
-def chat_prefix(messages: list[dict[str, Any]], chars: int) -> list[dict[str, Any]]:
+def chat_prefix(
+    messages: list[dict[str, Any]], chars: int, tools: list[Any] | None = None
+) -> list[dict[str, Any]]:
     """The messages whose `render_chat` text covers its first `chars` characters: every message
     rendered whole within them, as it came, then the next one's content cut where they end
-    (if they end inside its content). Sent to a backend, the list renders with the backend's
-    own chat template to the same tokens as the conversation, up to the cut."""
+    (if they end inside its text; without its tool calls). Sent to a backend with the same
+    `tools`, the list renders with the backend's own chat template to the same tokens as the
+    conversation, up to the cut."""
     out: list[dict[str, Any]] = []
-    pos = 0
+    pos = len(tools_header(tools)) if tools else 0
     for m in messages:
         head = len(m["role"]) + 5  # "<|role|>\n"
-        content = _content_text(m.get("content"))
-        end = pos + head + len(content) + 1
+        text = _message_text(m)
+        end = pos + head + len(text) + 1
         if end <= chars:
             out.append(m)
             pos = end
             continue
         if chars - pos > head:
-            out.append({**m, "content": content[: chars - pos - head]})
+            content = _content_text(m.get("content"))[: chars - pos - head]
+            out.append({**{k: v for k, v in m.items() if k != "tool_calls"}, "content": content})
         break
     return out
 
@@ -75,9 +104,12 @@ def build_view(route: str, body: Mapping[str, Any], session_header: str | None) 
     """The routing view of a validated body."""
     tokens: int | None
     messages: list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None
     if route == CHAT:
         messages = body["messages"]
-        text, tokens = render_chat(body["messages"]), None
+        offered = body.get("tools")
+        tools = offered if isinstance(offered, list) and offered else None
+        text, tokens = render_chat(messages, tools), None
     elif route == COMPLETIONS:
         text, tokens = _prompt_text(body["prompt"])
     elif route == GENERATE:  # text, else input_ids
@@ -99,4 +131,6 @@ def build_view(route: str, body: Mapping[str, Any], session_header: str | None) 
         session_key=session,
         model=model if isinstance(model, str) else None,
         messages=messages,
+        tools=tools,
+        prompt_start=len(tools_header(tools)) if tools else 0,
     )

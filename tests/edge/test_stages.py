@@ -155,6 +155,26 @@ def test_chat_view_renders_roles_in_order() -> None:
     assert other.startswith("<|system|>\nYou are terse.\n<|user|>\n")
 
 
+def test_offered_tools_lead_the_view_and_tool_calls_follow_their_message() -> None:
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {}}}
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}  # fmt: skip
+    turn = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]  # fmt: skip
+    view = build_view(CHAT, {"messages": turn, "tools": [tool]}, None)
+    header = '<|tools|>\n[{"type":"function","function":{"name":"get_weather","parameters":{}}}]\n'
+    assert view.text.startswith(header) and view.prompt_start == len(header)
+    assert view.tools == [tool]
+    assert '<|assistant|>\n\n<|call|>get_weather {"city":"Oslo"}\n<|tool|>\nsunny' in view.text
+    # Two requests offering the same tools share the tools' text as a prefix; other tools do not.
+    other = build_view(CHAT, {"messages": [{"role": "user", "content": "Hi"}], "tools": [tool]},
+                       None)  # fmt: skip
+    assert other.text.startswith(header)
+    plain = build_view(CHAT, {"messages": turn}, None)
+    assert plain.prompt_start == 0 and plain.tools is None and "<|tools|>" not in plain.text
+
+
 def test_session_header_wins_over_user_field() -> None:
     view = build_view(COMPLETIONS, {"prompt": "abc", "user": "u1"}, "s9")
     assert view.session_key == "s9"

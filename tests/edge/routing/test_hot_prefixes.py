@@ -110,6 +110,46 @@ def test_a_chat_prefix_is_the_conversation_cut_where_the_prefix_ends() -> None:
     assert render_chat(chat_prefix(messages, n)).startswith(text[:n])
 
 
+def test_a_chat_prefix_with_tools_counts_their_definitions_first() -> None:
+    from edge.stages.view import chat_prefix, render_chat, tools_header
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [{"role": "user", "content": "u" * 20},
+                {"role": "assistant", "content": "a" * 10, "tool_calls": [call]}]  # fmt: skip
+    text = render_chat(messages, tools)
+    start = len(tools_header(tools))
+    assert chat_prefix(messages, start, tools) == []  # inside the definitions: no message yet
+    assert chat_prefix(messages, start + len("<|user|>\n") + 5, tools) == [
+        {"role": "user", "content": "u" * 5}]  # fmt: skip
+    # A cut inside a message with tool calls keeps its text and leaves the calls out.
+    inside = start + len("<|user|>\n") + 21 + len("<|assistant|>\n") + 4
+    cut = {"role": "assistant", "content": "a" * 4}
+    assert chat_prefix(messages, inside, tools) == [messages[0], cut]
+    assert chat_prefix(messages, len(text), tools) == messages
+    n = start + 30
+    assert render_chat(chat_prefix(messages, n, tools), tools).startswith(text[:n])
+
+
+def test_hot_chat_prefixes_keep_their_tools_for_the_warm_up() -> None:
+    from edge.routing.prewarm import PrewarmService
+    from edge.stages.view import render_chat
+
+    hasher = BlockHasher(64)
+    hot = HotPrefixes(clock=Clock())
+    rng = random.Random(8)
+    tools = [{"type": "function", "function": {"name": "search", "description": words(rng, 60),
+                                               "parameters": {}}}]  # fmt: skip
+    for _ in range(3):
+        messages = [{"role": "user", "content": words(rng, 100)}]
+        hot.record("m", hasher.blocks(render_chat(messages, tools)), messages, tools)
+    top = hot.top("m", 1)[0]
+    assert top.tools == tools and top.count == 3
+    assert top.text.startswith("<|tools|>\n")  # the shared prefix is the definitions
+    body = PrewarmService._chat_body(top, top.cut(len(top.text)) or [])
+    assert body["tools"] == tools and body["model"] == "m"
+
+
 def test_hot_chat_prefixes_carry_their_conversation_cut_at_the_prefix() -> None:
     from edge.stages.view import render_chat
 
