@@ -179,7 +179,8 @@ class JudgeConfig:
     """A guard that fails or times out: `closed` refuses (503 `policy_unavailable`), `open`
     lets the request through (default)."""
     max_prompt_chars: int = 16_000
-    """Characters of prompt sent to the guard (the end is cut; 16000)."""
+    """Characters of prompt sent to the guard: the last ones (a longer prompt's start is cut,
+    so no padding in front hides the newest text from it; 16000)."""
 
     def validate(self) -> None:
         for url in self.backends:

@@ -162,15 +162,16 @@ class PolicyGateway:
         """The model-judged track (`edge.policy.judge`): `hold` waits for the verdict here;
         `race` asks in parallel and cancels the request if `unsafe` comes before its response
         has started (`ex.judge_refused`; the app turns that cancellation into the refusal)."""
-        judge = self.judge
-        if judge is None or not judge.applies(ex.route) or ex.view is None:
+        judge, view = self.judge, ex.view
+        if judge is None or not judge.applies(ex.route) or view is None:
             return
+        prompt = view.text[view.prompt_start :]  # the messages, not the tools' definitions
         if judge.config.mode == "hold":
-            self._judged(ex, await judge.ask(ex.view.text))
+            self._judged(ex, await judge.ask(prompt))
             return
         request = asyncio.current_task()
         assert request is not None
-        task = asyncio.get_running_loop().create_task(judge.ask(ex.view.text))
+        task = asyncio.get_running_loop().create_task(judge.ask(prompt))
         self._judging.add(task)
         task.add_done_callback(lambda t: self._raced(ex, request, t))
 

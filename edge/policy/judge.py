@@ -66,7 +66,8 @@ class Judge:
         body = orjson.dumps(
             {
                 "model": self.config.model,
-                "messages": [{"role": "user", "content": prompt[: self.config.max_prompt_chars]}],
+                # the newest text, at the end, is what a padded prompt would hide
+                "messages": [{"role": "user", "content": prompt[-self.config.max_prompt_chars :]}],
                 "max_tokens": 8,
                 "temperature": 0,
                 "stream": False,
