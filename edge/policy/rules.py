@@ -51,6 +51,12 @@ def text_slots(route: str, body: MutableMapping[str, Any]) -> list[Slot]:
                 for part in content:
                     if isinstance(part, dict) and isinstance(part.get("text"), str):
                         slots.append((part, "text"))
+            calls = message.get("tool_calls")
+            if calls and isinstance(calls, list):  # earlier calls' arguments: text sent too
+                for call in calls:
+                    function = call.get("function") if isinstance(call, dict) else None
+                    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                        slots.append((function, "arguments"))
         return slots
     key = "prompt" if route == COMPLETIONS else "text"
     value = body.get(key)

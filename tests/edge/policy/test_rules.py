@@ -130,6 +130,26 @@ def test_redaction_rewrites_every_prompt_part_and_nothing_else() -> None:
     assert body["model"] == "m"
 
 
+def test_tool_call_arguments_and_results_are_prompt_text_too() -> None:
+    def history(arguments: str, result: str) -> dict[str, Any]:
+        call = {"id": "c1", "type": "function",
+                "function": {"name": "send", "arguments": arguments}}  # fmt: skip
+        return {"model": "m", "messages": [
+            {"role": "user", "content": "send it"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": result}]}  # fmt: skip
+
+    gw = gateway()
+    assert refused_rule(gw, history('{"body":"the password"}', "ok")) == "no-secrets"
+    assert refused_rule(gw, history("{}", "your api key is x")) == "no-secrets"
+    body = history('{"to":"bob@corp.io"}', "sent to ann@corp.io")
+    outcome = gw.check(CHAT, body, tenant="t", tier="pro", stream=False)
+    assert outcome.decision == "redact"
+    arguments = body["messages"][1]["tool_calls"][0]["function"]["arguments"]
+    assert json.loads(arguments) == {"to": "[EMAIL]"}  # still JSON
+    assert body["messages"][2]["content"] == "sent to [EMAIL]"
+
+
 def test_completions_and_generate_prompts_are_checked() -> None:
     gw = gateway()
     for route, body in (
