@@ -294,9 +294,11 @@ class ProxyApp:
         """Read back, change, delete or start what `edge.state` stores for the caller's tenant;
         another tenant's id is not found, as an unknown one."""
         headers = read_headers(scope["headers"])
-        tenant = self.admission.identify(headers.authorization).name
+        caller = self.admission.identify(headers.authorization)
         if self.state is None:
             raise RouteNotFound(f"no route for {scope['method']} {scope['path']}")
+        await self.admission.charge_call(caller)
+        tenant = caller.name
         stored, query = self.state.stored, scope.get("query_string", b"")
         if scope["method"] == "POST":
             check_content_type(headers.content_type)

@@ -39,14 +39,17 @@ class RateLimiter:
         self._on_local = on_local
         self._debits: set[asyncio.Task[None]] = set()
 
-    async def take(self, tenant: Tenant, prompt_tokens: int) -> tuple[Verdict, str]:
-        """Charge one request and its prompt; (verdict, the refusing bucket's reason)."""
+    async def take(
+        self, tenant: Tenant, prompt_tokens: int, *, tokens: bool = True
+    ) -> tuple[Verdict, str]:
+        """Charge one request and its prompt (`tokens=False`: the request only); (verdict, the
+        refusing bucket's reason)."""
         charges: list[Charge] = []
         reasons: list[str] = []
         if tenant.requests is not None:
             charges.append((tenant.name + ":requests", tenant.requests, 1.0))
             reasons.append("requests")
-        if tenant.tokens is not None:
+        if tenant.tokens is not None and tokens:
             charges.append((tenant.name + ":tokens", tenant.tokens, float(prompt_tokens)))
             reasons.append("tokens")
         if not charges:

@@ -127,6 +127,19 @@ class Admission:
         self.metrics.tenant_requests.labels(name, tenant.tier).inc()
         self.metrics.tenant_tokens.labels(name, "prompt").inc(prompt)
 
+    async def charge_call(self, tenant: Tenant) -> None:
+        """Charge a call that is not an inference request (the stored objects' routes) to the
+        tenant's requests bucket: one request, no tokens; 429 with Retry-After when over it, so
+        a flood of them is held to the tenant's rate as its requests are."""
+        if not tenant.limited or tenant.requests is None:
+            return
+        verdict, reason = await self.limiter.take(tenant, 0, tokens=False)
+        if not verdict.allowed:
+            self._reject(tenant.name, reason)
+            if reason == "requests":
+                self._refused_until[tenant.name] = time.monotonic() + verdict.retry_after
+            raise self._over_quota(tenant.name, reason, verdict.retry_after)
+
     def _reject(self, name: str, reason: str) -> None:
         self.metrics.admission_rejections.labels(name, reason).inc()
 

@@ -14,6 +14,8 @@ import pytest
 from openai import AsyncOpenAI
 
 from backends.sim import SimServer
+from edge.admission.settings import AdmissionSettings, TenantSettings
+from edge.admission.tenants import key_digest
 from edge.audit import GENESIS, AuditConfig, verify
 from edge.errors import ConversationNotFound
 from edge.state.config import ConversationConfig
@@ -363,3 +365,29 @@ async def test_changes_to_stored_conversations_are_lines_of_the_audit_chain(
                        "conversation.delete")
     ]  # fmt: skip
     assert verify([str(path)], start=GENESIS).ok
+
+
+async def test_a_flood_of_stored_object_calls_is_held_to_the_tenants_request_rate() -> None:
+    """The stored objects' routes take from the tenant's requests bucket as inference does: a
+    flood of conversation creations is refused (429, Retry-After) past the burst, and another
+    tenant is untouched."""
+    admission = AdmissionSettings(tenants=[
+        TenantSettings(name="alpha", api_key_sha256=[key_digest("sk-alpha")],
+                       requests_per_second=0.5, burst=3),
+        TenantSettings(name="beta", api_key_sha256=[key_digest("sk-beta")]),
+    ])  # fmt: skip
+    async with TinyUpstream(ChatUpstream()) as up:
+        async with (
+            run_edge(fast_config([up.url], admission=admission)) as edge,
+            client(edge) as http,
+        ):
+            created = [await http.post("/v1/conversations", headers=as_tenant("alpha"), json={})
+                       for _ in range(5)]  # fmt: skip
+            assert [r.status_code for r in created] == [200, 200, 200, 429, 429]
+            assert int(created[3].headers["retry-after"]) >= 1
+            assert created[3].json()["error"]["code"] == "rate_limit_exceeded"
+            conv = created[0].json()["id"]
+            read = await http.get(f"/v1/conversations/{conv}", headers=as_tenant("alpha"))
+            assert read.status_code == 429  # reads too: each is a store round trip
+            other = await http.post("/v1/conversations", headers=as_tenant("beta"), json={})
+            assert other.status_code == 200
