@@ -122,7 +122,11 @@ def build_view(route: str, body: Mapping[str, Any], session_header: str | None) 
     if tokens is None:
         tokens = len(text) // CHARS_PER_TOKEN + 1
     user = body.get("user")
-    session = session_header or (user if isinstance(user, str) and user else None)
+    # OpenAI's `prompt_cache_key` names requests that share a prompt prefix: a session, for
+    # routing, before the end-user id
+    hint = body.get("prompt_cache_key")
+    session = (session_header or (hint if isinstance(hint, str) and hint else None)
+               or (user if isinstance(user, str) and user else None))  # fmt: skip
     model = body.get("model")
     return RequestView(
         route=route,

@@ -37,7 +37,7 @@ RESPONSES = "/v1/responses"
 # Request fields with a chat equivalent (or none needed); anything else is refused by name
 # rather than silently dropped.
 _PASSED = {"temperature": "temperature", "top_p": "top_p", "max_output_tokens": "max_tokens",
-           "user": "user", "seed": "seed"}  # fmt: skip
+           "user": "user", "seed": "seed", "prompt_cache_key": "prompt_cache_key"}  # fmt: skip
 _ACCEPTED = {"model", "input", "instructions", "previous_response_id", "conversation",
              "store", "stream", "metadata", "parallel_tool_calls", "truncation", "text",
              "tools", "tool_choice", *_PASSED}  # fmt: skip
@@ -216,6 +216,7 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
         "temperature": body.get("temperature"),
         "top_p": body.get("top_p"),
         "user": body.get("user"),
+        "prompt_cache_key": body.get("prompt_cache_key"),
         "text": body.get("text") or {"format": {"type": "text"}},
         "tools": body.get("tools") or [],
         "tool_choice": tool_choice,

@@ -178,6 +178,9 @@ def test_offered_tools_lead_the_view_and_tool_calls_follow_their_message() -> No
 def test_session_header_wins_over_user_field() -> None:
     view = build_view(COMPLETIONS, {"prompt": "abc", "user": "u1"}, "s9")
     assert view.session_key == "s9"
+    hinted = {"prompt": "abc", "user": "u1", "prompt_cache_key": "agent-7"}
+    assert build_view(COMPLETIONS, hinted, None).session_key == "agent-7"  # before the user
+    assert build_view(COMPLETIONS, hinted, "s9").session_key == "s9"
 
 
 def test_token_id_prompts_count_exactly() -> None:

@@ -237,6 +237,8 @@ def test_function_tools_and_items_become_chat_tools_and_messages() -> None:
         {"role": "tool", "tool_call_id": "c2", "content": "rain"},
     ]  # fmt: skip
     assert request.echo["tools"] == [WEATHER] and request.echo["parallel_tool_calls"] is False
+    hinted = parse_request({"input": "hi", "prompt_cache_key": "agent-7"})
+    assert hinted.chat["prompt_cache_key"] == "agent-7" == hinted.echo["prompt_cache_key"]
     plain = parse_request({"input": "hi", "tool_choice": "none"})
     assert "tools" not in plain.chat and "tool_choice" not in plain.chat  # none to choose among
 
