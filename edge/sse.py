@@ -34,8 +34,16 @@ _DONE_LINE = b"data: [DONE]"
 ARGUMENTS_KEY = b'"arguments":'
 # A chat tool call's `"arguments": "..."` delta (group 1: the escaped string body).
 ARGUMENTS = re.compile(ARGUMENTS_KEY + rb'\s*"([^"\\]*(?:\\.[^"\\]*)*)"', re.DOTALL)
+REASONING_KEY = b'"reasoning_content":'
+# A reasoning model's thinking delta (SGLang with `--reasoning-parser`), group 1 as above.
+REASONING = re.compile(REASONING_KEY + rb'\s*"([^"\\]*(?:\\.[^"\\]*)*)"', re.DOTALL)
 _MAX_TAIL = 1 << 20
 """An SSE event larger than this (1 MiB) is relayed but not scanned: accounting gives up on it."""
+
+
+def _has_string(region: bytes, key: bytes) -> bool:
+    """`key` with a string value somewhere in `region` (compact or `": "` spacing)."""
+    return key + b'"' in region or key + b' "' in region
 
 
 @dataclass(slots=True)
@@ -126,7 +134,7 @@ class SSEScanner:
         "_pieces",
         "_pieces_size",
         "_tail",
-        "_calls",
+        "_chat",
         "content_events",
         "done",
         "error",
@@ -156,8 +164,9 @@ class SSEScanner:
         self._key = b'"' + field + b'":'
         self._compact = self._key + b'"'
         self._compact_empty = self._compact + b'"'
-        self._calls = field == b"content"
-        """Chat: a tool call's arguments are generated tokens too (counted, not collected)."""
+        self._chat = field == b"content"
+        """Chat: tool-call arguments and reasoning are generated tokens too (counted, not
+        collected)."""
 
     @classmethod
     def for_route(cls, route: str) -> SSEScanner:
@@ -208,12 +217,17 @@ class SSEScanner:
             content -= region.count(self._compact_empty)
         elif self._key in region:
             content = sum(1 for m in self._content.findall(region) if m)
-        if not content and self._calls and ARGUMENTS_KEY in region:
-            # a tool call's deltas: its tokens count for the first token and the gaps, and
-            # only here, after the text count found none, so a text stream pays nothing
-            calls = sum(1 for m in ARGUMENTS.findall(region) if m)
-            self.content_events += calls
-            return calls
+        if not content and self._chat:
+            # A tool call's arguments and a reasoning model's thinking are tokens the client
+            # gets too: they count for the first token and the gaps. Only looked for here,
+            # after the text count found none, so a text stream pays nothing for them.
+            other = 0
+            if _has_string(region, ARGUMENTS_KEY):
+                other += sum(1 for m in ARGUMENTS.findall(region) if m)
+            if _has_string(region, REASONING_KEY):  # SGLang sends `null` in every text chunk
+                other += sum(1 for m in REASONING.findall(region) if m)
+            self.content_events += other
+            return other
         if content:
             self.content_events += content
             if self._deltas and self._pieces is not None:

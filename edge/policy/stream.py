@@ -2,7 +2,8 @@
 
 A `StreamGuard` sits in the relay, one per streamed answer, and sees every upstream chunk before
 the client does. It decodes the text of each complete SSE event (in a chat stream, a tool call's
-arguments too: a call is output as much as text is), folds it (`normalize.fold`) into
+arguments and a reasoning model's `reasoning_content` too: the client gets them as it gets
+text), folds it (`normalize.fold`) into
 a window of the last `lookbehind` characters, and searches the rules there with the `regex`
 module's partial matching:
 
@@ -29,7 +30,7 @@ import regex
 
 from edge.policy.config import PolicyConfig
 from edge.policy.normalize import fold
-from edge.sse import ARGUMENTS, ARGUMENTS_KEY
+from edge.sse import ARGUMENTS, ARGUMENTS_KEY, REASONING, REASONING_KEY
 
 _FIELDS = {
     field: re.compile(rb'"' + field + rb'":\s*"([^"\\]*(?:\\.[^"\\]*)*)"', re.DOTALL)
@@ -176,6 +177,8 @@ class StreamGuard:
         found = self._field.findall(region)
         if self._calls and ARGUMENTS_KEY in region:
             found += ARGUMENTS.findall(region)
+        if self._calls and REASONING_KEY in region:
+            found += REASONING.findall(region)
         if not found:
             return ""
         if self._cumulative:

@@ -13,7 +13,17 @@ import httpx
 import pytest
 
 from backends.sim import SimConfig, SimServer
-from tests.edge.conftest import LISTENERS, Edge, client, fast_config, run_edge
+from tests.edge.conftest import (
+    LISTENERS,
+    Edge,
+    Recorded,
+    Reply,
+    TinyUpstream,
+    client,
+    fast_config,
+    health_ok,
+    run_edge,
+)
 from tests.helpers import wait_until
 from transport.h1_server import H1Listener
 
@@ -103,6 +113,31 @@ async def test_a_streamed_tool_call_is_timed_from_its_first_argument_token() -> 
                                   "quicedge_inter_token_seconds_count{"))}  # fmt: skip
     assert counts["quicedge_ttft_seconds_count"] == "1.0"
     assert float(counts["quicedge_inter_token_seconds_count"]) >= 1
+
+
+async def test_a_reasoning_models_stream_is_timed_from_its_first_thinking_token() -> None:
+    """A reasoning model (SGLang with `--reasoning-parser`) thinks in `reasoning_content`
+    before it answers: the first thinking token is the first token."""
+
+    def thinker(recorded: Recorded) -> Reply:
+        ok = health_ok(recorded)
+        if ok is not None:
+            return ok
+        deltas = [{"reasoning_content": t, "content": None} for t in ("Let", " me", " see")]
+        chunks = [b"data: " + json.dumps({"choices": [{"index": 0, "delta": d}]}).encode()
+                  + b"\n\n" for d in deltas]  # fmt: skip
+        return Reply(headers=[("content-type", "text/event-stream")],
+                     chunks=[*chunks, b"data: [DONE]\n\n"])  # fmt: skip
+
+    async with TinyUpstream(thinker) as up:
+        async with run_edge(fast_config([up.url])) as edge, client(edge) as http:
+            body = {"messages": [{"role": "user", "content": "Think."}], "stream": True}
+            response = await http.post("/v1/chat/completions", json=body)
+            assert response.status_code == 200
+            text = await metrics_text(edge)
+    counts = {line.split("{")[0]: line.rsplit(" ", 1)[1] for line in text.splitlines()
+              if line.startswith("quicedge_ttft_seconds_count{")}  # fmt: skip
+    assert counts["quicedge_ttft_seconds_count"] == "1.0"
 
 
 async def test_h2_over_tls_and_metric_labels(dev_certs: Any) -> None:

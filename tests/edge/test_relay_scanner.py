@@ -130,6 +130,20 @@ def test_a_tool_calls_argument_deltas_are_its_tokens() -> None:
     assert completions.feed(sse(json.dumps(chat_chunk(pieces[0])).encode())) == 0
 
 
+def test_a_reasoning_models_thinking_deltas_are_its_tokens() -> None:
+    """SGLang with a reasoning parser streams the thinking as `reasoning_content` first: the
+    client gets those tokens, so the first of them is the first token."""
+    for spaced in (False, True):
+        scanner = SSEScanner()
+        thinking = [chat_chunk({"reasoning_content": t, "content": None}) for t in ("Hm", ", so")]
+        answer = chat_chunk({"reasoning_content": None, "content": "Paris"})
+        assert scanner.feed(sse(dumps_as(thinking[0], spaced=spaced))) == 1
+        assert scanner.feed(sse(dumps_as(thinking[1], spaced=spaced))) == 1
+        assert scanner.feed(sse(dumps_as(answer, spaced=spaced), b"[DONE]")) == 1
+        assert scanner.content_events == 3
+        assert scanner.final()[1] == "Paris"  # the answer's text, without the thinking
+
+
 def test_trailing_partial_event_is_kept_not_counted() -> None:
     scanner = SSEScanner.for_route(GENERATE)
     assert scanner.feed(GENERATE_STREAM + b'data: {"text": "x"') == 2

@@ -84,6 +84,20 @@ def test_a_match_in_a_tool_calls_arguments_is_caught_too(split: int) -> None:
     assert final["choices"][0]["finish_reason"] == "content_filter"
 
 
+def reasoning_event(text: str) -> bytes:
+    choice = {"index": 0, "delta": {"reasoning_content": text, "content": None}}
+    chunk = {"id": "c1", "object": "chat.completion.chunk", "model": "m", "choices": [choice]}
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+def test_a_match_in_a_reasoning_models_thinking_is_caught_too() -> None:
+    guard = rules().guard("/v1/chat/completions")
+    chunks = [reasoning_event("I could print "), reasoning_event("BEGIN PRIV"),
+              reasoning_event("ATE KEY"), chat_event("no."), b"data: [DONE]\n\n"]  # fmt: skip
+    out, _ = run(guard, chunks)
+    assert guard.cut == "key-leak" and b"BEGIN PRIV" not in out
+
+
 def test_a_match_split_inside_an_sse_event_and_across_tcp_reads() -> None:
     """Chunks are TCP reads, not events: an event may arrive in pieces."""
     guard = rules().guard("/v1/chat/completions")
