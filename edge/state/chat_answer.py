@@ -36,10 +36,13 @@ class Call:
 
 MESSAGE = "message"
 """The place of the text among the answer's parts (`ChatAnswer.parts`)."""
+REASONING = "reasoning"
+"""The place of a reasoning model's thinking (`reasoning_content`) among them."""
 
 Change = tuple[str, Any, str]
-"""What one delta did: (`"text"`, None, the text) or (`"call"`, the Call, its new arguments),
-after an (`"open"`, MESSAGE or the Call, "") when it began a part."""
+"""What one delta did: (`"text"`, None, the text), (`"reasoning"`, None, the thinking) or
+(`"call"`, the Call, its new arguments), after an (`"open"`, MESSAGE, REASONING or the Call,
+"") when it began a part."""
 
 
 class ChatAnswer:
@@ -48,6 +51,7 @@ class ChatAnswer:
     def __init__(self, call_id: Callable[[int], str] = lambda index: f"fc_{index}") -> None:
         self._call_id = call_id
         self._text: list[str] = []
+        self._reasoning: list[str] = []
         self.parts: list[Call | str] = []
         self._calls: dict[int, Call] = {}
         self._buffer = b""
@@ -59,6 +63,12 @@ class ChatAnswer:
     @property
     def text(self) -> str:
         return "".join(self._text)
+
+    @property
+    def reasoning(self) -> str:
+        """The thinking a reasoning model sent before its answer (never stored: a model is
+        given its earlier answers without it)."""
+        return "".join(self._reasoning)
 
     def index(self, part: Call | str) -> int:
         """The place of `part` among the parts (its output index)."""
@@ -116,6 +126,13 @@ class ChatAnswer:
     def take(self, delta: dict[str, Any]) -> list[Change]:
         """One delta's text and tool-call pieces."""
         changes: list[Change] = []
+        thinking = delta.get("reasoning_content")
+        if isinstance(thinking, str) and thinking:
+            if REASONING not in self.parts:
+                self.parts.append(REASONING)
+                changes.append(("open", REASONING, ""))
+            self._reasoning.append(thinking)
+            changes.append(("reasoning", None, thinking))
         text = delta.get("content")
         if isinstance(text, str) and text:
             if MESSAGE not in self.parts:
@@ -151,6 +168,10 @@ class ChatAnswer:
         """A whole chat message: its text, then its calls (`ids`: their item ids, if kept)."""
         text = message.get("content") if isinstance(message, dict) else None
         calls = calls_of(message) if isinstance(message, dict) else []
+        thinking = message.get("reasoning_content") if isinstance(message, dict) else None
+        if isinstance(thinking, str) and thinking:
+            self._reasoning = [thinking]
+            self.parts.append(REASONING)
         self._text = [text] if isinstance(text, str) else []
         if self.text or not calls:
             self.parts.append(MESSAGE)
@@ -172,4 +193,4 @@ def message_of_body(body: bytes) -> dict[str, Any] | None:
     return message if isinstance(message, dict) else None
 
 
-__all__ = ["MESSAGE", "Call", "ChatAnswer", "Change", "message_of_body"]
+__all__ = ["MESSAGE", "REASONING", "Call", "ChatAnswer", "Change", "message_of_body"]

@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 
 from edge.errors import InvalidRequest
-from edge.state.chat_answer import MESSAGE, Call, ChatAnswer
+from edge.state.chat_answer import MESSAGE, REASONING, Call, ChatAnswer
 from edge.state.response_tools import (
     FUNCTION_ITEMS,
     call_item,
@@ -268,6 +268,7 @@ class ResponseBuilder:
         """The request's fields the response object repeats (`ResponsesRequest.echo`)."""
         self.id = response_id
         self.message_id = "msg_" + os.urandom(16).hex()
+        self.reasoning_id = "rs_" + os.urandom(16).hex()
         self.model = model
         self.created = int(time.time())
         self.answer = ChatAnswer(self._call_id)
@@ -294,9 +295,18 @@ class ResponseBuilder:
         return {"type": "message", "id": self.message_id, "status": status,
                 "role": "assistant", "content": content}  # fmt: skip
 
+    def _reasoning(self, status: str) -> dict[str, Any]:
+        content = [{"type": "reasoning_text", "text": self.answer.reasoning}]
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "content": content,
+                "status": status}  # fmt: skip
+
+    def _item(self, part: Call | str, status: str) -> dict[str, Any]:
+        if isinstance(part, Call):
+            return call_item(part.chat(), part.item_id, status)
+        return self._reasoning(status) if part == REASONING else self._message(status)
+
     def _output(self, status: str) -> list[dict[str, Any]]:
-        return [call_item(part.chat(), part.item_id, status) if isinstance(part, Call)
-                else self._message(status) for part in self.answer.parts or [MESSAGE]]  # fmt: skip
+        return [self._item(part, status) for part in self.answer.parts or [MESSAGE]]
 
     def response(self, status: str) -> dict[str, Any]:
         done = status != "in_progress"
@@ -391,6 +401,9 @@ class ResponseBuilder:
         if isinstance(part, Call):
             item = call_item(part.chat(), part.item_id, "in_progress")
             return self._event("response.output_item.added", output_index=index, item=item)
+        if part == REASONING:
+            item = {**self._reasoning("in_progress"), "content": []}
+            return self._event("response.output_item.added", output_index=index, item=item)
         return b"".join((
             self._event("response.output_item.added", output_index=index,
                         item={**self._message("in_progress"), "content": []}),
@@ -430,6 +443,11 @@ class ResponseBuilder:
                 out.append(self._event("response.output_text.delta", item_id=self.message_id,
                                        output_index=answer.index(MESSAGE), content_index=0,
                                        delta=piece, logprobs=[]))  # fmt: skip
+            elif kind == "reasoning":
+                out.append(self._event("response.reasoning_text.delta",
+                                       item_id=self.reasoning_id,
+                                       output_index=answer.index(REASONING), content_index=0,
+                                       delta=piece))  # fmt: skip
             else:
                 out.append(self._event("response.function_call_arguments.delta",
                                        item_id=part.item_id, output_index=answer.index(part),
@@ -452,6 +470,15 @@ class ResponseBuilder:
                 out.append(self._opened(MESSAGE, 0))
             state = "completed" if status == "completed" else status
             for index, part in enumerate(parts):
+                if part == REASONING:
+                    out += [
+                        self._event("response.reasoning_text.done", item_id=self.reasoning_id,
+                                    output_index=index, content_index=0,
+                                    text=self.answer.reasoning),
+                        self._event("response.output_item.done", output_index=index,
+                                    item=self._reasoning(state)),
+                    ]  # fmt: skip
+                    continue
                 if isinstance(part, Call):
                     whole = call_item(part.chat(), part.item_id, state)
                     out += [
