@@ -40,7 +40,8 @@ _PASSED = {"temperature": "temperature", "top_p": "top_p", "max_output_tokens": 
            "user": "user", "seed": "seed", "prompt_cache_key": "prompt_cache_key"}  # fmt: skip
 _ACCEPTED = {"model", "input", "instructions", "previous_response_id", "conversation",
              "store", "stream", "metadata", "parallel_tool_calls", "truncation", "text",
-             "tools", "tool_choice", *_PASSED}  # fmt: skip
+             "tools", "tool_choice", "reasoning", *_PASSED}  # fmt: skip
+_EFFORTS = frozenset({"minimal", "low", "medium", "high"})
 _ROLES = frozenset({"user", "assistant", "system", "developer"})
 # A `developer` message is kept (and read back) as itself and goes upstream as `system`, the
 # role every chat template knows.
@@ -50,6 +51,16 @@ _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 
 def _invalid(param: str, what: str) -> InvalidRequest:
     return InvalidRequest(f"'{param}' is invalid: {what}", param=param, code="invalid_value")
+
+
+def check_known(obj: dict[str, Any], known: Any, within: str = "") -> None:
+    """400 `unsupported_parameter` naming the first member of `obj` not in `known` (`within`:
+    the object's own name, `text.` or `reasoning.`): refused by name, never silently dropped."""
+    unknown = sorted(set(obj) - set(known))
+    if unknown:
+        param = within + unknown[0]
+        raise InvalidRequest(f"'{param}' is not supported by this endpoint", param=param,
+                             code="unsupported_parameter")  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -117,16 +128,33 @@ def _messages(value: Any, param: str = "input") -> list[dict[str, Any]]:
     return out
 
 
+def _reasoning_effort(reasoning: Any) -> str | None:
+    """The chat `reasoning_effort` for the Responses `reasoning` (None: the model's default).
+    A summary of the thinking is not something a backend makes: asked for, it is a 400."""
+    if reasoning is None:
+        return None
+    if not isinstance(reasoning, dict):
+        raise _invalid("reasoning", "must be an object")
+    check_known(reasoning, {"effort", "summary", "generate_summary"}, "reasoning.")
+    for key in ("summary", "generate_summary"):
+        if reasoning.get(key) is not None:
+            raise InvalidRequest(
+                f"'reasoning.{key}' is not supported: the thinking comes whole, as a reasoning "
+                "item's reasoning_text", param=f"reasoning.{key}", code="unsupported_parameter",
+            )  # fmt: skip
+    effort = reasoning.get("effort")
+    if effort is not None and effort not in _EFFORTS:
+        raise _invalid("reasoning.effort", "must be minimal, low, medium or high")
+    return effort if isinstance(effort, str) else None
+
+
 def _response_format(text: Any) -> dict[str, Any] | None:
     """The chat `response_format` for the Responses `text` (None: free text)."""
     if text is None:
         return None
     if not isinstance(text, dict):
         raise _invalid("text", "must be an object")
-    unknown = sorted(set(text) - {"format"})
-    if unknown:
-        raise InvalidRequest(f"'text.{unknown[0]}' is not supported by this endpoint",
-                             param=f"text.{unknown[0]}", code="unsupported_parameter")  # fmt: skip
+    check_known(text, {"format"}, "text.")
     fmt = text.get("format")
     if fmt is None:
         return None
@@ -151,13 +179,7 @@ def _response_format(text: Any) -> dict[str, Any] | None:
 
 def parse_request(body: dict[str, Any]) -> ResponsesRequest:
     """Check a `/v1/responses` body and translate it; 400 naming the field otherwise."""
-    unknown = sorted(set(body) - _ACCEPTED)
-    if unknown:
-        raise InvalidRequest(
-            f"'{unknown[0]}' is not supported by this endpoint",
-            param=unknown[0],
-            code="unsupported_parameter",
-        )
+    check_known(body, _ACCEPTED)
     if "input" not in body:
         raise InvalidRequest("'input' is required", param="input", code="missing_field")
     new = _messages(body["input"])
@@ -200,6 +222,9 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
         chat["tool_choice"] = choice
         if not parallel:
             chat["parallel_tool_calls"] = False
+    effort = _reasoning_effort(body.get("reasoning"))
+    if effort is not None:
+        chat["reasoning_effort"] = effort
     response_format = _response_format(body.get("text"))
     if response_format is not None:
         chat["response_format"] = response_format
@@ -217,6 +242,7 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
         "top_p": body.get("top_p"),
         "user": body.get("user"),
         "prompt_cache_key": body.get("prompt_cache_key"),
+        "reasoning": {"effort": effort, "summary": None},
         "text": body.get("text") or {"format": {"type": "text"}},
         "tools": body.get("tools") or [],
         "tool_choice": tool_choice,
@@ -232,10 +258,7 @@ def conversation_items(body: Any) -> list[dict[str, Any]]:
     bad field, as for `input`."""
     if not isinstance(body, dict):
         raise _invalid("body", "must be a JSON object")
-    unknown = sorted(set(body) - {"items", "metadata"})
-    if unknown:
-        raise InvalidRequest(f"'{unknown[0]}' is not supported by this endpoint",
-                             param=unknown[0], code="unsupported_parameter")  # fmt: skip
+    check_known(body, {"items", "metadata"})
     items = body.get("items")
     return [] if items is None or items == [] else _messages(items, "items")
 

@@ -35,7 +35,7 @@ from edge.state.conversations import (
     parse_response_id,
 )
 from edge.state.response_tools import call_item, calls_of, output_item
-from edge.state.responses import ResponseBuilder, conversation_items
+from edge.state.responses import ResponseBuilder, check_known, conversation_items
 
 MAX_LIMIT = 100
 DEFAULT_LIMIT = 20
@@ -204,10 +204,7 @@ class StoredObjects:
 
     async def set_metadata(self, tenant: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
         """`POST /v1/conversations/{id}`: replace its `metadata`; the conversation object."""
-        unknown = sorted(set(body) - {"metadata"})
-        if unknown:
-            raise InvalidRequest(f"'{unknown[0]}' is not supported by this endpoint",
-                                 param=unknown[0], code="unsupported_parameter")  # fmt: skip
+        check_known(body, {"metadata"})
         metadata = body.get("metadata")
         if not isinstance(metadata, dict):
             raise InvalidRequest("'metadata' must be an object", param="metadata")

@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 import pytest
 
-from edge.errors import ConversationBusy, ConversationNotFound, PayloadTooLarge
+from edge.errors import ConversationBusy, ConversationNotFound, InvalidRequest, PayloadTooLarge
 from edge.state.config import ConversationConfig, StateConfig
 from edge.state.conversations import (
     Conversations,
@@ -237,6 +237,17 @@ def test_function_tools_and_items_become_chat_tools_and_messages() -> None:
         {"role": "tool", "tool_call_id": "c2", "content": "rain"},
     ]  # fmt: skip
     assert request.echo["tools"] == [WEATHER] and request.echo["parallel_tool_calls"] is False
+    effort = parse_request({"input": "hi", "reasoning": {"effort": "low", "summary": None}})
+    assert effort.chat["reasoning_effort"] == "low"
+    assert effort.echo["reasoning"] == {"effort": "low", "summary": None}
+    assert "reasoning_effort" not in parse_request({"input": "hi"}).chat
+    bad_ones: list[tuple[Any, str]] = [
+        ({"effort": "max"}, "reasoning.effort"), ({"summary": "auto"}, "reasoning.summary"),
+        ({"budget": 3}, "reasoning.budget"), ("low", "reasoning")]  # fmt: skip
+    for reasoning, param in bad_ones:
+        with pytest.raises(InvalidRequest) as bad:
+            parse_request({"input": "hi", "reasoning": reasoning})
+        assert bad.value.param == param
     hinted = parse_request({"input": "hi", "prompt_cache_key": "agent-7"})
     assert hinted.chat["prompt_cache_key"] == "agent-7" == hinted.echo["prompt_cache_key"]
     plain = parse_request({"input": "hi", "tool_choice": "none"})
