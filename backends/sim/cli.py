@@ -114,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="guard mode: S<n>=REGEX or REGEX; a conversation matching REGEX (case-insensitive)"
         " is unsafe, category S<n> (S1 without one); repeatable, the first match decides",
     )  # fmt: skip
+    p.add_argument(
+        "--reasoning-tokens", type=int, default=d.reasoning_tokens, metavar="N",
+        help="think N tokens before each chat answer, sent as reasoning_content (as SGLang with"
+        " --reasoning-parser); 0: none",
+    )  # fmt: skip
     p.add_argument("--log-level", default="warning")
     p.add_argument(
         "--loop",
@@ -168,6 +173,7 @@ def config_from(args: argparse.Namespace) -> SimConfig:
         api_key=args.api_key,
         guard=args.guard,
         guard_unsafe=tuple(args.guard_unsafe),
+        reasoning_tokens=args.reasoning_tokens,
         kv_events_config=args.kv_events_config,
     )
 

@@ -69,6 +69,10 @@ class SimConfig:
     guard_unsafe: tuple[str, ...] = ()
     """Guard mode's patterns: `S<n>=REGEX` or `REGEX` (category S1), Python regular
     expressions searched case-insensitively in the messages' text; the first match decides."""
+    reasoning_tokens: int = 0
+    """Think this many tokens before answering, as a reasoning model behind SGLang's
+    `--reasoning-parser`: chat answers carry them as `reasoning_content`, the rest as `content`
+    (usage `reasoning_tokens`); 0: no thinking."""
     kv_events_config: str | None = None
     """SGLang's `--kv-events-config` JSON, e.g. `{"publisher": "zmq", "endpoint":
     "tcp://*:5557"}`: publish the radix cache's changes as KV-cache events (`topic` too);
@@ -109,6 +113,7 @@ class SimConfig:
             (self.variant in ("none", "text", "long", "flat"), "variant: none|text|long|flat"),
             (bool(self.model_version), "model_version must not be empty"),
             (self.guard or not self.guard_unsafe, "guard_unsafe needs guard mode (--guard)"),
+            (self.reasoning_tokens >= 0, "reasoning_tokens must be >= 0"),
         ]
         for ok, message in checks:
             if not ok:

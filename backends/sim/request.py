@@ -31,6 +31,8 @@ class SimRequest:
     no_stop_trim: bool = False
     log_metrics: bool = True
     """False for internal requests (health checks), as SGLang does."""
+    thinking: int = 0
+    """Chat: the first tokens that are the model's thinking (`--reasoning-tokens`)."""
 
     state: State = State.WAITING
     output_ids: list[int] = field(default_factory=list)

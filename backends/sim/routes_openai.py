@@ -39,7 +39,7 @@ class OpenAIRoutes(RouteContext):
             "total_tokens": req.prompt_tokens + req.completion_tokens,
             "completion_tokens": req.completion_tokens,
             "prompt_tokens_details": details,
-            "reasoning_tokens": 0,
+            "reasoning_tokens": min(req.completion_tokens, req.thinking),
         }
 
     @staticmethod
@@ -88,7 +88,10 @@ class OpenAIRoutes(RouteContext):
         elif params.structured is not None:
             # A response_format: the answer's text is the JSON it asks for.
             plan = ToolCallPlan(self.tokenizer, params.structured)
+        # A reasoning model thinks before it answers (not a guard, a call or a fixed format)
+        thinking = self.config.reasoning_tokens if plan is None else 0
         req = self._submit(params, responder, plan)
+        req.thinking = thinking
         timing = self._timing(request, req, responder)
         model = params.model or self.config.model_name
         created = int(time.time())
@@ -103,6 +106,9 @@ class OpenAIRoutes(RouteContext):
                 "reasoning_content": None,
                 "tool_calls": None,
             }
+            if thinking:
+                message["reasoning_content"] = "".join(req.pieces[:thinking]) or None
+                message["content"] = "".join(req.pieces[thinking:])
             if call is not None:
                 reason, matched = self._call_finish(req)
                 message["content"] = None
@@ -192,6 +198,16 @@ class OpenAIRoutes(RouteContext):
         while not responder.disconnected:
             if req.completion_tokens > sent_tokens:
                 start, sent_tokens = sent_tokens, req.completion_tokens
+                if start < thinking:  # the thinking first, as reasoning_content
+                    split = min(sent_tokens, thinking)
+                    thought = "".join(req.pieces[start:split])
+                    if thought:
+                        await responder.write(chunk({"reasoning_content": thought,
+                                                     "content": None}))  # fmt: skip
+                        if timing is not None:  # the first token, stamped once
+                            timing.first_token_at = time.perf_counter()
+                            timing = None
+                    start, sent_chars = split, len("".join(req.pieces[:split]))
                 text = req.text()
                 delta, sent_chars = text[sent_chars:], len(text)
                 if delta:

@@ -10,8 +10,10 @@ from typing import Any
 
 from openai import AsyncOpenAI
 
+from backends.sim import SimServer
 from tests.edge.conftest import Recorded, Reply, TinyUpstream, client, fast_config, run_edge
 from tests.edge.state.helpers import ChatUpstream, tenants
+from tests.edge.test_app_sim import sim_config
 
 THINKING = ["The user", " wants", " a city."]
 ANSWER = ["Par", "is"]
@@ -76,3 +78,20 @@ async def test_thinking_is_a_reasoning_item_and_stays_out_of_the_conversation() 
     # The second turn of the conversation carries the first answer, not its thinking.
     stored = upstream.bodies()[2]["messages"]
     assert stored[1] == {"role": "assistant", "content": "".join(ANSWER)}
+
+
+async def test_a_thinking_stand_in_through_the_edge() -> None:
+    """The stand-in as a reasoning model (`reasoning_tokens`): its thinking reaches the SDK as a
+    reasoning item beside the answer."""
+    async with SimServer(sim_config("b1", reasoning_tokens=4)) as sim:
+        config = fast_config([sim.url], admission=tenants("alpha"))
+        async with run_edge(config) as edge:
+            sdk = AsyncOpenAI(base_url=edge.url + "/v1", api_key="sk-alpha", max_retries=0)
+            async with sdk:
+                answer = await sdk.responses.create(
+                    model="default", input="Why?", max_output_tokens=10
+                )
+                reasoning, message = answer.output
+                assert reasoning.type == "reasoning" and reasoning.content
+                assert reasoning.content[0].text and answer.output_text
+                assert answer.usage is not None and answer.usage.output_tokens == 10
