@@ -90,20 +90,42 @@ class ResponsesRequest:
         return {**self.chat, "messages": [*lead, *sent]}
 
 
-def _text_of(content: Any, where: str) -> str:
+def _image_part(part: dict[str, Any], where: str) -> dict[str, Any]:
+    """An `input_image` part as the chat `image_url` part a vision model's template takes."""
+    url = part.get("image_url")
+    if not isinstance(url, str) or not url:
+        raise _invalid(f"{where}.image_url", "must be a URL or a data: URL (file_id is not kept)")
+    image: dict[str, Any] = {"url": url}
+    detail = part.get("detail")
+    if detail is not None:
+        if detail not in ("auto", "low", "high"):
+            raise _invalid(f"{where}.detail", "must be auto, low or high")
+        image["detail"] = detail
+    return {"type": "image_url", "image_url": image}
+
+
+def _content_of(content: Any, where: str) -> str | list[dict[str, Any]]:
+    """A message's content in chat terms: its text, or the chat parts when it has an image."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _invalid(where, "must be a string or a list of text parts")
-    texts = []
+        raise _invalid(where, "must be a string or a list of text and image parts")
+    parts: list[dict[str, Any]] = []
     for i, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
-            raise _invalid(f"{where}[{i}]", "only input_text/output_text parts are supported")
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image":
+            parts.append(_image_part(part, f"{where}[{i}]"))
+            continue
+        if kind not in _TEXT_PARTS:
+            raise _invalid(f"{where}[{i}]", "only input_text, output_text and input_image parts"
+                           " are supported")  # fmt: skip
         text = part.get("text")
         if not isinstance(text, str):
             raise _invalid(f"{where}[{i}].text", "must be a string")
-        texts.append(text)
-    return "".join(texts)
+        parts.append({"type": "text", "text": text})
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)  # text only: one string, as before
+    return parts
 
 
 def _messages(value: Any, param: str = "input") -> list[dict[str, Any]]:
@@ -124,7 +146,7 @@ def _messages(value: Any, param: str = "input") -> list[dict[str, Any]]:
         role = item.get("role")
         if role not in _ROLES:
             raise _invalid(f"{where}.role", "must be user, assistant, system or developer")
-        out.append({"role": role, "content": _text_of(item.get("content"), f"{where}.content")})
+        out.append({"role": role, "content": _content_of(item.get("content"), f"{where}.content")})
     return out
 
 

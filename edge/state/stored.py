@@ -64,13 +64,8 @@ def _item(cid: str, place: str, message: Mapping[str, Any]) -> dict[str, Any]:
     parts: list[Any]
     if isinstance(content, str):
         parts = [{"type": kind, "text": content}]
-    elif isinstance(content, list):  # chat content parts: text ones in the Responses' terms
-        parts = [
-            {"type": kind, "text": p["text"]}
-            if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            else p
-            for p in content
-        ]
+    elif isinstance(content, list):  # chat content parts, in the Responses' terms
+        parts = [_part(kind, p) for p in content]
     else:
         parts = []
     if kind == "output_text":
@@ -80,6 +75,19 @@ def _item(cid: str, place: str, message: Mapping[str, Any]) -> dict[str, Any]:
         ]
     return {"type": "message", "id": f"msg_{cid}{place}", "status": "completed", "role": role,
             "content": parts}  # fmt: skip
+
+
+def _part(kind: str, part: Any) -> Any:
+    """A chat content part as a Responses one: text as `kind`, an image as `input_image`."""
+    if not isinstance(part, dict):
+        return part
+    if part.get("type") == "text" and isinstance(part.get("text"), str):
+        return {"type": kind, "text": part["text"]}
+    image = part.get("image_url")
+    if part.get("type") == "image_url" and isinstance(image, dict):
+        return {"type": "input_image", "image_url": image.get("url"),
+                "detail": image.get("detail", "auto")}  # fmt: skip
+    return part
 
 
 def _conversation(cid: str, history: History) -> dict[str, Any]:

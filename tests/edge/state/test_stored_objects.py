@@ -391,3 +391,36 @@ async def test_a_flood_of_stored_object_calls_is_held_to_the_tenants_request_rat
             assert read.status_code == 429  # reads too: each is a store round trip
             other = await http.post("/v1/conversations", headers=as_tenant("beta"), json={})
             assert other.status_code == 200
+
+
+async def test_an_input_image_reaches_the_backend_as_a_chat_image_part() -> None:
+    """A vision request through the SDK: `input_image` becomes the chat `image_url` part a
+    vision model's template takes, is kept with the turn and reads back as `input_image`."""
+    upstream = ChatUpstream()
+    image = "data:image/png;base64,iVBORw0KGgo="
+    async with TinyUpstream(upstream) as up:
+        config = fast_config([up.url], admission=tenants("alpha"))
+        async with run_edge(config) as edge, client(edge) as http:
+            sdk, beta = sdks(edge)
+            async with sdk, beta:
+                content: Any = [
+                    {"type": "input_text", "text": "What is in it?"},
+                    {"type": "input_image", "image_url": image, "detail": "low"},
+                ]
+                asked = await sdk.responses.create(
+                    model="default", input=[{"role": "user", "content": content}]
+                )
+                sent = [i async for i in sdk.responses.input_items.list(asked.id)]
+                parts = sent[0].content  # type: ignore[union-attr]
+                assert [p.type for p in parts] == ["input_text", "input_image"]
+                assert parts[1].image_url == image and parts[1].detail == "low"  # type: ignore[union-attr]
+            by_file = [{"role": "user", "content": [{"type": "input_image", "file_id": "f-1"}]}]
+            bad = await http.post(
+                "/v1/responses", headers=as_tenant("alpha"), json={"input": by_file}
+            )
+            assert bad.status_code == 400
+            assert bad.json()["error"]["param"] == "input[0].content[0].image_url"
+    assert upstream.bodies()[0]["messages"][0]["content"] == [
+        {"type": "text", "text": "What is in it?"},
+        {"type": "image_url", "image_url": {"url": image, "detail": "low"}},
+    ]
