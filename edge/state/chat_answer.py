@@ -40,7 +40,8 @@ REASONING = "reasoning"
 """The place of a reasoning model's thinking (`reasoning_content`) among them."""
 
 Change = tuple[str, Any, str]
-"""What one delta did: (`"text"`, None, the text), (`"reasoning"`, None, the thinking) or
+"""What one delta did: (`"text"`, its tokens' logprobs or None, the text), (`"reasoning"`, None,
+the thinking) or
 (`"call"`, the Call, its new arguments), after an (`"open"`, MESSAGE, REASONING or the Call,
 "") when it began a part."""
 
@@ -52,6 +53,8 @@ class ChatAnswer:
         self._call_id = call_id
         self._text: list[str] = []
         self._reasoning: list[str] = []
+        self.logprobs: list[Any] = []
+        """The text's tokens with their logprobs, when the request asked for them."""
         self.parts: list[Call | str] = []
         self._calls: dict[int, Call] = {}
         self._buffer = b""
@@ -121,7 +124,16 @@ class ChatAnswer:
         if choice.get("finish_reason"):
             self.finish = choice["finish_reason"]
         delta = choice.get("delta")
-        return self.take(delta) if isinstance(delta, dict) else []
+        if not isinstance(delta, dict):
+            return []
+        changes = self.take(delta)
+        lps = choice.get("logprobs")
+        tokens = lps.get("content") if isinstance(lps, dict) else None
+        if isinstance(tokens, list) and tokens:
+            self.logprobs += tokens
+            # the text change carries its tokens' logprobs (the Responses delta event has them)
+            changes = [("text", tokens, c[2]) if c[0] == "text" else c for c in changes]
+        return changes
 
     def take(self, delta: dict[str, Any]) -> list[Change]:
         """One delta's text and tool-call pieces."""
@@ -164,7 +176,7 @@ class ChatAnswer:
 
     # -- a whole answer ---------------------------------------------------------------------
 
-    def take_message(self, message: Any, ids: Any = None) -> None:
+    def take_message(self, message: Any, ids: Any = None, logprobs: Any = None) -> None:
         """A whole chat message: its text, then its calls (`ids`: their item ids, if kept)."""
         text = message.get("content") if isinstance(message, dict) else None
         calls = calls_of(message) if isinstance(message, dict) else []
@@ -173,6 +185,8 @@ class ChatAnswer:
             self._reasoning = [thinking]
             self.parts.append(REASONING)
         self._text = [text] if isinstance(text, str) else []
+        tokens = logprobs.get("content") if isinstance(logprobs, dict) else None
+        self.logprobs = list(tokens) if isinstance(tokens, list) else []
         if self.text or not calls:
             self.parts.append(MESSAGE)
         for k, raw in enumerate(calls):

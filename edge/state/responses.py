@@ -40,7 +40,9 @@ _PASSED = {"temperature": "temperature", "top_p": "top_p", "max_output_tokens": 
            "user": "user", "seed": "seed", "prompt_cache_key": "prompt_cache_key"}  # fmt: skip
 _ACCEPTED = {"model", "input", "instructions", "previous_response_id", "conversation",
              "store", "stream", "metadata", "parallel_tool_calls", "truncation", "text",
-             "tools", "tool_choice", "reasoning", *_PASSED}  # fmt: skip
+             "tools", "tool_choice", "reasoning", "include", "top_logprobs",
+             *_PASSED}  # fmt: skip
+_INCLUDES = frozenset({"message.output_text.logprobs"})
 _EFFORTS = frozenset({"minimal", "low", "medium", "high"})
 _ROLES = frozenset({"user", "assistant", "system", "developer"})
 # A `developer` message is kept (and read back) as itself and goes upstream as `system`, the
@@ -150,6 +152,27 @@ def _messages(value: Any, param: str = "input") -> list[dict[str, Any]]:
     return out
 
 
+def _logprobs(body: dict[str, Any], chat: dict[str, Any]) -> int | None:
+    """`include: ["message.output_text.logprobs"]` and `top_logprobs` as the chat `logprobs`
+    and `top_logprobs` (set in `chat`); the `top_logprobs` asked for."""
+    include = body.get("include") or []
+    if not isinstance(include, list):
+        raise _invalid("include", "must be a list")
+    for i, name in enumerate(include):
+        if name not in _INCLUDES:
+            raise InvalidRequest(f"'include[{i}]' {name!r} is not supported: only "
+                                 "message.output_text.logprobs", param=f"include[{i}]",
+                                 code="unsupported_value")  # fmt: skip
+    top = body.get("top_logprobs")
+    if top is not None and (type(top) is not int or not 0 <= top <= 20):
+        raise _invalid("top_logprobs", "must be an integer from 0 to 20")
+    if include or top:
+        chat["logprobs"] = True
+        if top:
+            chat["top_logprobs"] = top
+    return top
+
+
 def _reasoning_effort(reasoning: Any) -> str | None:
     """The chat `reasoning_effort` for the Responses `reasoning` (None: the model's default).
     A summary of the thinking is not something a backend makes: asked for, it is a 400."""
@@ -244,6 +267,7 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
         chat["tool_choice"] = choice
         if not parallel:
             chat["parallel_tool_calls"] = False
+    top = _logprobs(body, chat)
     effort = _reasoning_effort(body.get("reasoning"))
     if effort is not None:
         chat["reasoning_effort"] = effort
@@ -264,6 +288,7 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
         "top_p": body.get("top_p"),
         "user": body.get("user"),
         "prompt_cache_key": body.get("prompt_cache_key"),
+        "top_logprobs": top,
         "reasoning": {"effort": effort, "summary": None},
         "text": body.get("text") or {"format": {"type": "text"}},
         "tools": body.get("tools") or [],
@@ -336,7 +361,7 @@ class ResponseBuilder:
         return f"fc_{self.id.removeprefix('resp_')}{index:02x}"
 
     def _message(self, status: str) -> dict[str, Any]:
-        content = [{"type": "output_text", "text": self.text, "annotations": []}]
+        content = [self._part()]
         return {"type": "message", "id": self.message_id, "status": status,
                 "role": "assistant", "content": content}  # fmt: skip
 
@@ -416,7 +441,7 @@ class ResponseBuilder:
             return None
         if not isinstance(message, dict):
             return None
-        self.answer.take_message(message)
+        self.answer.take_message(message, logprobs=choice.get("logprobs"))
         self._finish = choice.get("finish_reason")
         self._usage = _usage(obj.get("usage"))
         if isinstance(obj.get("model"), str):
@@ -432,7 +457,10 @@ class ResponseBuilder:
         return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
     def _part(self) -> dict[str, Any]:
-        return {"type": "output_text", "text": self.text, "annotations": []}
+        part: dict[str, Any] = {"type": "output_text", "text": self.text, "annotations": []}
+        if self.answer.logprobs:
+            part["logprobs"] = self.answer.logprobs
+        return part
 
     def _begin(self) -> bytes:
         self.began = True
@@ -487,7 +515,7 @@ class ResponseBuilder:
             elif kind == "text":
                 out.append(self._event("response.output_text.delta", item_id=self.message_id,
                                        output_index=answer.index(MESSAGE), content_index=0,
-                                       delta=piece, logprobs=[]))  # fmt: skip
+                                       delta=piece, logprobs=part or []))  # fmt: skip
             elif kind == "reasoning":
                 out.append(self._event("response.reasoning_text.delta",
                                        item_id=self.reasoning_id,
@@ -535,7 +563,8 @@ class ResponseBuilder:
                     continue
                 out += [
                     self._event("response.output_text.done", item_id=self.message_id,
-                                output_index=index, content_index=0, text=self.text, logprobs=[]),
+                                output_index=index, content_index=0, text=self.text,
+                                logprobs=self.answer.logprobs),
                     self._event("response.content_part.done", item_id=self.message_id,
                                 output_index=index, content_index=0, part=self._part()),
                     self._event("response.output_item.done", output_index=index,

@@ -390,7 +390,7 @@ async def test_bad_responses_requests_are_400_by_field() -> None:
     async with TinyUpstream(ChatUpstream()) as up:
         async with run_edge(fast_config([up.url])) as edge, client(edge) as http:
             fn = {"type": "function", "name": "f"}
-            cases = [({"input": "x", "include": []}, "include"), ({}, "input"),
+            cases = [({"input": "x", "background": True}, "background"), ({}, "input"),
                      ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
                      ({"input": "x", "store": "yes"}, "store"),
                      ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
@@ -405,7 +405,9 @@ async def test_bad_responses_requests_are_400_by_field() -> None:
                                   "arguments": {}}]}, "input[0].arguments"),
                      ({"input": [{"type": "function_call_output", "output": "x"}]},
                       "input[0].call_id"),
-                     ({"input": [{"type": "file_search_call"}]}, "input[0]")]  # fmt: skip
+                     ({"input": [{"type": "file_search_call"}]}, "input[0]"),
+                     ({"input": "x", "include": ["file_search_call.results"]}, "include[0]"),
+                     ({"input": "x", "top_logprobs": 21}, "top_logprobs")]  # fmt: skip
             for body, param in cases:
                 response = await http.post("/v1/responses", json=body)
                 assert response.status_code == 400, body

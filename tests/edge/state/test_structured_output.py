@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from openai import AsyncOpenAI
 from pydantic import BaseModel
@@ -53,3 +54,35 @@ async def test_a_json_schema_format_reaches_the_backend_and_the_sdk_parses_the_a
                 bad = await http.post("/v1/responses", headers=headers,
                                       json={"input": "x", "text": text})  # fmt: skip
                 assert bad.status_code == 400 and bad.json()["error"]["param"] == param
+
+
+async def test_logprobs_of_the_answer_through_the_sdk() -> None:
+    """`include=["message.output_text.logprobs"]` and `top_logprobs`: each output token with its
+    logprob and alternatives, whole and on every streamed delta."""
+    async with SimServer(sim_config("b1")) as sim:
+        config = fast_config([sim.url], admission=tenants("alpha"))
+        async with run_edge(config) as edge:
+            sdk = AsyncOpenAI(base_url=edge.url + "/v1", api_key="sk-alpha", max_retries=0)
+            async with sdk:
+                whole = await sdk.responses.create(
+                    model="default", input="Hi", max_output_tokens=6, top_logprobs=2,
+                    include=["message.output_text.logprobs"],
+                )  # fmt: skip
+                part = whole.output[0].content[0]  # type: ignore[union-attr]
+                assert part.logprobs is not None and len(part.logprobs) == 6  # type: ignore[union-attr]
+                assert "".join(t.token for t in part.logprobs) == whole.output_text  # type: ignore[union-attr]
+                assert all(len(t.top_logprobs) == 2 for t in part.logprobs)  # type: ignore[union-attr]
+                streamed: list[Any] = []
+                text = ""
+                # max_output_tokens ends it `incomplete`: read the events, not a final response
+                async with sdk.responses.stream(
+                    model="default", input="Hi", max_output_tokens=6,
+                    include=["message.output_text.logprobs"],
+                ) as stream:  # fmt: skip
+                    async for event in stream:
+                        if event.type == "response.output_text.delta":
+                            streamed += event.logprobs
+                            text += event.delta
+                assert len(streamed) == 6 and "".join(t.token for t in streamed) == text
+                plain = await sdk.responses.create(model="default", input="Hi", max_output_tokens=3)
+                assert plain.output[0].content[0].logprobs is None  # type: ignore[union-attr]
