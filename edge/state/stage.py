@@ -42,7 +42,8 @@ from edge.state.conversations import (
     response_id,
 )
 from edge.state.redis_store import RedisState
-from edge.state.responses import RESPONSES, ResponseBuilder, parse_request
+from edge.state.response_builder import ResponseBuilder
+from edge.state.responses import RESPONSES, parse_request
 from edge.state.stored import StoredObjects
 
 if TYPE_CHECKING:

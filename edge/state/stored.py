@@ -34,8 +34,9 @@ from edge.state.conversations import (
     parse_conversation_name,
     parse_response_id,
 )
+from edge.state.response_builder import ResponseBuilder
 from edge.state.response_tools import call_item, calls_of, output_item
-from edge.state.responses import ResponseBuilder, check_known, conversation_items
+from edge.state.responses import check_known, conversation_items
 
 MAX_LIMIT = 100
 DEFAULT_LIMIT = 20

@@ -17,7 +17,8 @@ from edge.state.conversations import (
     parse_response_id,
     response_id,
 )
-from edge.state.responses import ResponseBuilder, parse_request
+from edge.state.response_builder import ResponseBuilder
+from edge.state.responses import parse_request
 from tests.edge.state.helpers import chat_chunks
 
 
