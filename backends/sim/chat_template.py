@@ -76,6 +76,15 @@ def _tool_call_lines(i: int, calls: Any) -> list[str]:
     return lines
 
 
+def with_tools(prompt: str, tools: Sequence[Any]) -> str:
+    """`prompt` (from `render`) with the offered tools' definitions first, in a system turn
+    right after `<|begin_of_text|>`, as Llama 3.1's template gives them to the model: requests
+    offering the same tools share those tokens (the checked `tools`, compact JSON)."""
+    block = json.dumps(list(tools), separators=(",", ":"), ensure_ascii=False)
+    head = f"<|start_header_id|>system<|end_header_id|>\n\nTools: {block}{EOS_TOKEN}"
+    return BOS_TOKEN + head + prompt.removeprefix(BOS_TOKEN)
+
+
 def render(messages: Sequence[Any], *, add_generation_prompt: bool = True) -> str:
     if not isinstance(messages, list) or not messages:
         raise TemplateError("'messages' must be a non-empty list")

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from backends.sim.chat_template import TemplateError, render
+from backends.sim.chat_template import TemplateError, render, with_tools
 from backends.sim.structured import FormatError, structured_answer
 from backends.sim.tokenizer import BOS_TOKEN, Tokenizer
 from backends.sim.tools import ToolCall, ToolError, plan_call
@@ -248,10 +248,18 @@ def parse_chat(obj: dict[str, Any], tokenizer: Tokenizer) -> GenParams:
         text = render(obj["messages"])
     except TemplateError as exc:
         raise BadRequest(str(exc)) from None
+    try:
+        call = plan_call(obj, obj["messages"])  # the tools are checked here
+        structured = structured_answer(obj)
+    except (ToolError, FormatError) as exc:
+        raise BadRequest(str(exc)) from None
+    if obj.get("tools"):  # their definitions lead the prompt, as a template puts them
+        text = with_tools(text, obj["tools"])
     max_tokens = _int(obj, "max_completion_tokens", None, minimum=0)
     if max_tokens is None:
         max_tokens = _int(obj, "max_tokens", None, minimum=0)
     params = GenParams(input_ids=tokenizer.encode(text), max_new_tokens=max_tokens)
+    params.tool_call, params.structured = call, structured
     params.logprobs = _bool(obj, "logprobs")
     top = _int(obj, "top_logprobs", 0, minimum=0) or 0
     if top > 20:
@@ -259,9 +267,4 @@ def parse_chat(obj: dict[str, Any], tokenizer: Tokenizer) -> GenParams:
     if top and not params.logprobs:
         raise BadRequest("'top_logprobs' requires 'logprobs' to be true")
     params.top_logprobs = top
-    try:
-        params.tool_call = plan_call(obj, obj["messages"])
-        params.structured = structured_answer(obj)
-    except (ToolError, FormatError) as exc:
-        raise BadRequest(str(exc)) from None
     return _openai_common(obj, params)

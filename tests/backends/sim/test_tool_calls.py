@@ -18,7 +18,7 @@ from openai.lib.streaming.chat import (
 )
 
 from backends.sim import SimServer
-from backends.sim.chat_template import TemplateError, render
+from backends.sim.chat_template import TemplateError, render, with_tools
 from backends.sim.tokenizer import Tokenizer
 from backends.sim.tools import arguments, split_pieces
 from tests.backends.sim.conftest import MakeSim, stream_post
@@ -198,8 +198,10 @@ async def test_which_tool_each_choice_calls(
     (answer,) = body["choices"]
     if called is None:
         plain = await post(client, sim, chat(text, max_tokens=8))
-        assert answer == plain["choices"][0]  # the model's text answer, as without tools
+        # a text answer; its prompt is longer by the tools' definitions, which lead it
         assert answer["message"]["tool_calls"] is None and answer["message"]["content"]
+        assert answer["finish_reason"] == plain["choices"][0]["finish_reason"] == "length"
+        assert body["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
         return
     call = the_call(body)
     assert call["function"]["name"] == called
@@ -225,18 +227,19 @@ async def test_after_a_tool_result_the_answer_is_text(
         (answer,) = body["choices"]
         assert answer["message"]["tool_calls"] is None
         assert isinstance(answer["message"]["content"], str) and answer["message"]["content"]
-    # A text answer streams exactly as without tools (the same bytes but for id and created).
+    # A text answer streams as it does without tools: the same chunk shapes, in the same order
+    # (its tokens differ: the tools' definitions lead its prompt).
     plain = {"messages": messages, "max_tokens": 5, "stream": True}
     _, with_tools = await stream_post(
         client, f"{sim.url}/v1/chat/completions", plain | {"tools": TOOLS}
     )
     _, without = await stream_post(client, f"{sim.url}/v1/chat/completions", plain)
 
-    def comparable(events: list[Any]) -> list[Any]:
-        return [e if e == "[DONE]" else e | {"id": "", "created": 0} for e in events]
+    def shapes(events: list[Any]) -> list[Any]:
+        return [e if e == "[DONE]" else sorted(e["choices"][0]["delta"]) for e in events]
 
-    assert comparable(with_tools) == comparable(without)
-    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in without[:-1])
+    assert shapes(with_tools) == shapes(without)
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in with_tools[:-1])
 
 
 async def test_max_tokens_cuts_the_arguments(sim: SimServer, client: httpx.AsyncClient) -> None:
@@ -498,9 +501,11 @@ async def test_a_replayed_call_and_its_result_are_the_prompt(
     ]
     second = await post(client, sim, {"messages": turn2, "tools": TOOLS, "max_tokens": 4})
     assert second["choices"][0]["message"]["tool_calls"] is None  # after a result: text
-    rendered = render(turn2)
+    rendered = with_tools(render(turn2), TOOLS)
     line = json.dumps({"name": "get_weather", "arguments": WEATHER_ARGS}, separators=(",", ":"))
     assert f"<|start_header_id|>assistant<|end_header_id|>\n\n{line}<|eot_id|>" in rendered
+    assert rendered.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"
+                               'Tools: [{"type":"function"')  # fmt: skip
     assert second["usage"]["prompt_tokens"] == len(Tokenizer().encode(rendered))
     # Turn 2 starts with turn 1's prompt, which the radix cache holds.
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
