@@ -8,6 +8,8 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from openai import AsyncOpenAI
+
 from edge.admission.settings import AdmissionSettings, TenantSettings
 from edge.admission.tenants import key_digest
 from edge.state.config import CacheConfig, ConversationConfig, StateConfig
@@ -41,6 +43,11 @@ def tenants(*names: str) -> AdmissionSettings:
     return AdmissionSettings(
         tenants=[TenantSettings(name=n, api_key_sha256=[key_digest(f"sk-{n}")]) for n in names]
     )
+
+
+def sdk_of(edge: Any, tenant: str = "alpha") -> AsyncOpenAI:
+    """The official OpenAI SDK against `edge` as `tenant` of `tenants(...)`, retries off."""
+    return AsyncOpenAI(base_url=edge.url + "/v1", api_key=f"sk-{tenant}", max_retries=0)
 
 
 def as_tenant(name: str) -> dict[str, str]:

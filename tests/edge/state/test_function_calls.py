@@ -12,7 +12,7 @@ from openai import AsyncOpenAI
 
 from backends.sim import SimServer
 from tests.edge.conftest import client, fast_config, run_edge
-from tests.edge.state.helpers import as_tenant, state, tenants
+from tests.edge.state.helpers import as_tenant, sdk_of, state, tenants
 from tests.edge.test_app_sim import sim_config
 
 WEATHER: Any = {
@@ -33,7 +33,7 @@ async def test_a_function_calling_loop_through_the_sdk(
     async with SimServer(sim_config("b1")) as sim:
         config = fast_config([sim.url], state=stored, admission=tenants("alpha"))
         async with run_edge(config) as edge, client(edge) as http:
-            sdk = AsyncOpenAI(base_url=edge.url + "/v1", api_key="sk-alpha", max_retries=0)
+            sdk = sdk_of(edge)
             async with sdk:
                 await calling_loop(sdk, http)
 
@@ -88,7 +88,7 @@ async def test_a_streamed_call_accumulates_in_the_sdk() -> None:
     async with SimServer(sim_config("b1")) as sim:
         config = fast_config([sim.url], admission=tenants("alpha"))
         async with run_edge(config) as edge:
-            sdk = AsyncOpenAI(base_url=edge.url + "/v1", api_key="sk-alpha", max_retries=0)
+            sdk = sdk_of(edge)
             async with sdk:
                 deltas: list[str] = []
                 kinds: list[str] = []
@@ -113,7 +113,7 @@ async def test_tool_choice_none_answers_in_text_and_hosted_tools_are_refused() -
     async with SimServer(sim_config("b1")) as sim:
         config = fast_config([sim.url], admission=tenants("alpha"))
         async with run_edge(config) as edge:
-            sdk = AsyncOpenAI(base_url=edge.url + "/v1", api_key="sk-alpha", max_retries=0)
+            sdk = sdk_of(edge)
             async with sdk:
                 text = await sdk.responses.create(
                     model="default", input="Use get_weather for Oslo.", tools=[WEATHER],

@@ -8,11 +8,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from openai import AsyncOpenAI
-
 from backends.sim import SimServer
 from tests.edge.conftest import Recorded, Reply, TinyUpstream, client, fast_config, run_edge
-from tests.edge.state.helpers import ChatUpstream, tenants
+from tests.edge.state.helpers import ChatUpstream, sdk_of, tenants
 from tests.edge.test_app_sim import sim_config
 
 THINKING = ["The user", " wants", " a city."]
@@ -53,7 +51,7 @@ async def test_thinking_is_a_reasoning_item_and_stays_out_of_the_conversation() 
     async with TinyUpstream(upstream) as up:
         config = fast_config([up.url], admission=tenants("alpha"))
         async with run_edge(config) as edge, client(edge):
-            sdk = AsyncOpenAI(base_url=edge.url + "/v1", api_key="sk-alpha", max_retries=0)
+            sdk = sdk_of(edge)
             async with sdk:
                 deltas: list[str] = []
                 async with sdk.responses.stream(
@@ -86,7 +84,7 @@ async def test_a_thinking_stand_in_through_the_edge() -> None:
     async with SimServer(sim_config("b1", reasoning_tokens=4)) as sim:
         config = fast_config([sim.url], admission=tenants("alpha"))
         async with run_edge(config) as edge:
-            sdk = AsyncOpenAI(base_url=edge.url + "/v1", api_key="sk-alpha", max_retries=0)
+            sdk = sdk_of(edge)
             async with sdk:
                 answer = await sdk.responses.create(
                     model="default", input="Why?", max_output_tokens=10

@@ -27,16 +27,13 @@ from edge.state.conversations import (
 )
 from edge.state.redis_store import RedisState
 from tests.edge.conftest import TinyUpstream, client, fast_config, run_edge
-from tests.edge.state.helpers import CHAT, ChatUpstream, as_tenant, state, tenants
+from tests.edge.state.helpers import CHAT, ChatUpstream, as_tenant, sdk_of, state, tenants
 from tests.edge.test_app_sim import sim_config
 
 
 def sdks(edge: Any) -> tuple[AsyncOpenAI, AsyncOpenAI]:
     """The OpenAI SDK as tenants alpha and beta (`tenants("alpha", "beta")`), retries off."""
-    return tuple(  # type: ignore[return-value]
-        AsyncOpenAI(base_url=edge.url + "/v1", api_key=f"sk-{name}", max_retries=0)
-        for name in ("alpha", "beta")
-    )
+    return sdk_of(edge, "alpha"), sdk_of(edge, "beta")
 
 
 @pytest.mark.parametrize("store", ["memory", "redis"])

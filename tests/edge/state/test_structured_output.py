@@ -6,12 +6,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from openai import AsyncOpenAI
 from pydantic import BaseModel
 
 from backends.sim import SimServer
 from tests.edge.conftest import client, fast_config, run_edge
-from tests.edge.state.helpers import tenants
+from tests.edge.state.helpers import sdk_of, tenants
 from tests.edge.test_app_sim import sim_config
 
 
@@ -25,7 +24,7 @@ async def test_a_json_schema_format_reaches_the_backend_and_the_sdk_parses_the_a
     async with SimServer(sim_config("b1")) as sim:
         config = fast_config([sim.url], admission=tenants("alpha"))
         async with run_edge(config) as edge, client(edge) as http:
-            sdk = AsyncOpenAI(base_url=edge.url + "/v1", api_key="sk-alpha", max_retries=0)
+            sdk = sdk_of(edge)
             async with sdk:
                 parsed = await sdk.responses.parse(
                     model="default", input="The forecast for Oslo?", text_format=Forecast
@@ -62,7 +61,7 @@ async def test_logprobs_of_the_answer_through_the_sdk() -> None:
     async with SimServer(sim_config("b1")) as sim:
         config = fast_config([sim.url], admission=tenants("alpha"))
         async with run_edge(config) as edge:
-            sdk = AsyncOpenAI(base_url=edge.url + "/v1", api_key="sk-alpha", max_retries=0)
+            sdk = sdk_of(edge)
             async with sdk:
                 whole = await sdk.responses.create(
                     model="default", input="Hi", max_output_tokens=6, top_logprobs=2,
