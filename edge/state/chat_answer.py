@@ -34,6 +34,9 @@ class Call:
                 "function": {"name": self.name, "arguments": "".join(self.arguments)}}  # fmt: skip
 
 
+MAX_EVENT_BYTES = 1 << 20
+"""An SSE event longer than this (1 MiB) is not parsed: the answer is marked `oversized`."""
+
 MESSAGE = "message"
 """The place of the text among the answer's parts (`ChatAnswer.parts`)."""
 REASONING = "reasoning"
@@ -62,6 +65,9 @@ class ChatAnswer:
         """The upstream `finish_reason`, once given."""
         self.done = False
         """`data: [DONE]` was read."""
+        self.oversized = False
+        """An event passed `MAX_EVENT_BYTES`: what follows is not parsed (the answer is not
+        whole)."""
 
     @property
     def text(self) -> str:
@@ -93,9 +99,14 @@ class ChatAnswer:
     def feed(self, chunk: bytes) -> list[Any]:
         """The payloads of the SSE events `chunk` completes: a parsed JSON value each, or the
         bytes `b"[DONE]"` (which also sets `done`); an unparseable one is skipped."""
+        if self.oversized:
+            return []
         data = self._buffer + chunk
         end = data.rfind(b"\n\n")
         if end < 0:
+            if len(data) > MAX_EVENT_BYTES:  # bounded: a backend's runaway event is not kept
+                self._buffer, self.oversized = b"", True
+                return []
             self._buffer = data
             return []
         self._buffer = data[end + 2 :]

@@ -200,6 +200,10 @@ class ResponseBuilder:
         """Responses events for a piece of the upstream chat stream."""
         out = [] if self.began else [self._begin()]
         out += [self._data(payload) for payload in self.answer.feed(chunk)]
+        if self.answer.oversized and not self.ended:
+            too_large = "an event of the backend's stream was over 1 MiB"
+            self.failed = {"code": "event_too_large", "message": too_large}
+            out.append(self.finish())
         return b"".join(out)
 
     def _data(self, obj: Any) -> bytes:

@@ -384,7 +384,7 @@ class StateRequest:
         if self.scanner is not None:
             return self.scanner.done and self.scanner.error is None
         if self.answer is not None and ex.stream:
-            return self.answer.done and not self.answer_failed
+            return self.answer.done and not (self.answer_failed or self.answer.oversized)
         return True
 
     def _reply(self) -> dict[str, Any] | None:

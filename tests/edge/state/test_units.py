@@ -324,3 +324,19 @@ def test_a_whole_chat_answer_with_tool_calls_becomes_function_call_items() -> No
     assert response["status"] == "completed"
     assert [(i["type"], i["call_id"], i["arguments"]) for i in response["output"]] == [
         ("function_call", "call_a", '{"city":"Oslo"}')]  # fmt: skip
+
+
+def test_an_oversized_upstream_event_ends_the_answer_failed_and_keeps_nothing() -> None:
+    from edge.state.chat_answer import MAX_EVENT_BYTES, ChatAnswer
+
+    builder = ResponseBuilder({}, "resp_z", "m")
+    out = builder.feed(
+        b'data: {"choices":[{"index":0,"delta":{"content":"' + b"x" * MAX_EVENT_BYTES
+    )
+    events = sse_events(out)
+    assert events[-1]["type"] == "response.failed"
+    assert events[-1]["response"]["error"]["code"] == "event_too_large"
+    assert builder.feed(b'"}}]}\n\ndata: [DONE]\n\n') == b""  # nothing after the end
+    answer = ChatAnswer()
+    assert answer.feed(b"data: " + b"y" * (MAX_EVENT_BYTES + 1)) == []
+    assert answer.oversized and answer.feed(b"\n\ndata: [DONE]\n\n") == [] and not answer.done
