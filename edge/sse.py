@@ -41,7 +41,7 @@ _MAX_TAIL = 1 << 20
 """An SSE event larger than this (1 MiB) is relayed but not scanned: accounting gives up on it."""
 
 
-def _has_string(region: bytes, key: bytes) -> bool:
+def has_string(region: bytes, key: bytes) -> bool:
     """`key` with a string value somewhere in `region` (compact or `": "` spacing)."""
     return key + b'"' in region or key + b' "' in region
 
@@ -222,9 +222,9 @@ class SSEScanner:
             # gets too: they count for the first token and the gaps. Only looked for here,
             # after the text count found none, so a text stream pays nothing for them.
             other = 0
-            if _has_string(region, ARGUMENTS_KEY):
+            if has_string(region, ARGUMENTS_KEY):
                 other += sum(1 for m in ARGUMENTS.findall(region) if m)
-            if _has_string(region, REASONING_KEY):  # SGLang sends `null` in every text chunk
+            if has_string(region, REASONING_KEY):  # SGLang sends `null` in every text chunk
                 other += sum(1 for m in REASONING.findall(region) if m)
             self.content_events += other
             return other

@@ -30,7 +30,7 @@ import regex
 
 from edge.policy.config import PolicyConfig
 from edge.policy.normalize import fold
-from edge.sse import ARGUMENTS, ARGUMENTS_KEY, REASONING, REASONING_KEY
+from edge.sse import ARGUMENTS, ARGUMENTS_KEY, REASONING, REASONING_KEY, has_string
 
 _FIELDS = {
     field: re.compile(rb'"' + field + rb'":\s*"([^"\\]*(?:\\.[^"\\]*)*)"', re.DOTALL)
@@ -89,7 +89,7 @@ class StreamGuard:
     then stops and aborts the upstream request."""
 
     __slots__ = (
-        "_calls",
+        "_chat",
         "_cumulative",
         "_field",
         "_held",
@@ -109,7 +109,7 @@ class StreamGuard:
         self._route = route
         self._cumulative = route == "/generate"
         self._field = _FIELDS[b"content" if route == "/v1/chat/completions" else b"text"]
-        self._calls = route == "/v1/chat/completions"
+        self._chat = route == "/v1/chat/completions"
         self._tail = b""
         self._held: list[bytes] = []
         self._window = ""
@@ -175,10 +175,11 @@ class StreamGuard:
 
     def _text_of(self, region: bytes) -> str:
         found = self._field.findall(region)
-        if self._calls and ARGUMENTS_KEY in region:
-            found += ARGUMENTS.findall(region)
-        if self._calls and REASONING_KEY in region:
-            found += REASONING.findall(region)
+        if self._chat:  # (SGLang sends `"reasoning_content":null` in every text chunk)
+            if has_string(region, ARGUMENTS_KEY):
+                found += ARGUMENTS.findall(region)
+            if has_string(region, REASONING_KEY):
+                found += REASONING.findall(region)
         if not found:
             return ""
         if self._cumulative:
