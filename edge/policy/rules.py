@@ -51,6 +51,8 @@ def text_slots(route: str, body: MutableMapping[str, Any]) -> list[Slot]:
                 for part in content:
                     if isinstance(part, dict) and isinstance(part.get("text"), str):
                         slots.append((part, "text"))
+            if isinstance(message.get("reasoning_content"), str):  # thinking sent back, too
+                slots.append((message, "reasoning_content"))
             calls = message.get("tool_calls")
             if calls and isinstance(calls, list):  # earlier calls' arguments: text sent too
                 for call in calls:

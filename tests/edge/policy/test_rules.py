@@ -148,6 +148,10 @@ def test_tool_call_arguments_and_results_are_prompt_text_too() -> None:
     arguments = body["messages"][1]["tool_calls"][0]["function"]["arguments"]
     assert json.loads(arguments) == {"to": "[EMAIL]"}  # still JSON
     assert body["messages"][2]["content"] == "sent to [EMAIL]"
+    thought = {"model": "m", "messages": [
+        {"role": "assistant", "content": "ok", "reasoning_content": "the password is x"},
+        {"role": "user", "content": "go on"}]}  # fmt: skip
+    assert refused_rule(gw, thought) == "no-secrets"  # thinking a client sends back is read
 
 
 def test_completions_and_generate_prompts_are_checked() -> None:
