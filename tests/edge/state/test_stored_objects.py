@@ -421,3 +421,25 @@ async def test_an_input_image_reaches_the_backend_as_a_chat_image_part() -> None
         {"type": "text", "text": "What is in it?"},
         {"type": "image_url", "image_url": {"url": image, "detail": "low"}},
     ]
+
+
+async def test_added_items_are_held_to_the_conversations_size_limit() -> None:
+    """Items added between turns count toward `max_bytes` as a turn's messages do: past it the
+    call is a 413 and the conversation is as it was."""
+    stored = state(conversations={"max_bytes": 2000, "overflow": "reject"})
+    async with TinyUpstream(ChatUpstream()) as up:
+        config = fast_config([up.url], state=stored, admission=tenants("alpha"))
+        async with run_edge(config) as edge, client(edge) as http:
+            me = as_tenant("alpha")
+            conv = (await http.post("/v1/conversations", headers=me, json={})).json()["id"]
+            small = [{"type": "message", "role": "user", "content": "x" * 500}]
+            added = await http.post(f"/v1/conversations/{conv}/items", headers=me,
+                                    json={"items": small})  # fmt: skip
+            assert added.status_code == 200
+            big = [{"type": "message", "role": "user", "content": "y" * 3000}]
+            refused = await http.post(f"/v1/conversations/{conv}/items", headers=me,
+                                      json={"items": big})  # fmt: skip
+            assert refused.status_code == 413
+            assert refused.json()["error"]["code"] == "conversation_too_large"
+            items = (await http.get(f"/v1/conversations/{conv}/items", headers=me)).json()
+            assert [i["content"][0]["text"] for i in items["data"]] == ["x" * 500]
