@@ -34,7 +34,8 @@ _ACCEPTED = {"model", "input", "instructions", "previous_response_id", "conversa
              "tools", "tool_choice", "reasoning", "include", "top_logprobs",
              *_PASSED}  # fmt: skip
 _INCLUDES = frozenset({"message.output_text.logprobs"})
-_EFFORTS = frozenset({"minimal", "low", "medium", "high"})
+# OpenAI's tiers, which SGLang takes as they are ("none" turns a template's thinking off).
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 _ROLES = frozenset({"user", "assistant", "system", "developer"})
 # A `developer` message is kept (and read back) as itself and goes upstream as `system`, the
 # role every chat template knows.
@@ -180,7 +181,7 @@ def _reasoning_effort(reasoning: Any) -> str | None:
             )  # fmt: skip
     effort = reasoning.get("effort")
     if effort is not None and effort not in _EFFORTS:
-        raise _invalid("reasoning.effort", "must be minimal, low, medium or high")
+        raise _invalid("reasoning.effort", "must be one of " + ", ".join(_EFFORTS))
     return effort if isinstance(effort, str) else None
 
 

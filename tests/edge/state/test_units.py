@@ -243,7 +243,7 @@ def test_function_tools_and_items_become_chat_tools_and_messages() -> None:
     assert effort.echo["reasoning"] == {"effort": "low", "summary": None}
     assert "reasoning_effort" not in parse_request({"input": "hi"}).chat
     bad_ones: list[tuple[Any, str]] = [
-        ({"effort": "max"}, "reasoning.effort"), ({"summary": "auto"}, "reasoning.summary"),
+        ({"effort": "extreme"}, "reasoning.effort"), ({"summary": "auto"}, "reasoning.summary"),
         ({"budget": 3}, "reasoning.budget"), ("low", "reasoning")]  # fmt: skip
     for reasoning, param in bad_ones:
         with pytest.raises(InvalidRequest) as bad:
