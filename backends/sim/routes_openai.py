@@ -89,7 +89,7 @@ class OpenAIRoutes(RouteContext):
             # A response_format: the answer's text is the JSON it asks for.
             plan = ToolCallPlan(self.tokenizer, params.structured)
         # A reasoning model thinks before it answers (not a guard, a call or a fixed format)
-        thinking = self.config.reasoning_tokens if plan is None else 0
+        thinking = self.config.reasoning_tokens if plan is None and params.thinking else 0
         req = self._submit(params, responder, plan)
         req.thinking = thinking
         timing = self._timing(request, req, responder)

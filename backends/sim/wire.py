@@ -51,6 +51,30 @@ class GenParams:
     structured: str | None = None
     """Chat only: the JSON a `response_format` asks for (`backends.sim.structured`), generated
     as the answer's text; None for free text."""
+    thinking: bool = True
+    """Chat only: whether a reasoning model (`--reasoning-tokens`) thinks before this answer."""
+
+
+_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def _thinking(obj: Mapping[str, Any]) -> bool:
+    """Whether the request lets a reasoning model think, as SGLang decides it: the template's
+    `enable_thinking` / `thinking` when the request sets them, else `reasoning_effort` "none" is
+    off. The effort is checked as SGLang checks it (a tier, or a number in [0, 0.99])."""
+    effort = obj.get("reasoning_effort")
+    if effort is not None and effort not in _EFFORTS:
+        number = isinstance(effort, int | float) and not isinstance(effort, bool)
+        if not number or not 0 <= effort <= 0.99:
+            raise BadRequest("'reasoning_effort' must be one of " + ", ".join(_EFFORTS)
+                             + " or a number from 0 to 0.99")  # fmt: skip
+    kwargs = obj.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise BadRequest("'chat_template_kwargs' must be an object")
+    for key in ("enable_thinking", "thinking"):
+        if kwargs and kwargs.get(key) is not None:
+            return bool(kwargs[key])
+    return effort != "none"
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
@@ -260,6 +284,7 @@ def parse_chat(obj: dict[str, Any], tokenizer: Tokenizer) -> GenParams:
         max_tokens = _int(obj, "max_tokens", None, minimum=0)
     params = GenParams(input_ids=tokenizer.encode(text), max_new_tokens=max_tokens)
     params.tool_call, params.structured = call, structured
+    params.thinking = _thinking(obj)
     params.logprobs = _bool(obj, "logprobs")
     top = _int(obj, "top_logprobs", 0, minimum=0) or 0
     if top > 20:

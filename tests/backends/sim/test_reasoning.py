@@ -64,3 +64,28 @@ async def test_a_tool_call_or_a_fixed_format_does_not_think(
     fixed = (await client.post(url, json={**CHAT, "response_format": fmt})).json()
     assert fixed["choices"][0]["message"]["content"] == "{}"
     assert fixed["choices"][0]["message"]["reasoning_content"] is None
+
+
+async def test_a_request_turns_the_thinking_off_as_sglang_lets_it(
+    make_sim: MakeSim, client: httpx.AsyncClient
+) -> None:
+    thinker = await make_sim(reasoning_tokens=5)
+    url = thinker.url + "/v1/chat/completions"
+
+    async def thought(extra: dict[str, Any]) -> int:
+        reply = await client.post(url, json={**CHAT, **extra})
+        assert reply.status_code == 200, reply.text
+        return int(reply.json()["usage"]["reasoning_tokens"])
+
+    assert await thought({"reasoning_effort": "high"}) == 5
+    assert await thought({"reasoning_effort": 0.5}) == 5
+    assert await thought({"reasoning_effort": "none"}) == 0
+    assert await thought({"chat_template_kwargs": {"enable_thinking": False}}) == 0
+    # The template's own switch wins over the effort, as SGLang only fills it in when unset.
+    on = {"reasoning_effort": "none", "chat_template_kwargs": {"thinking": True}}
+    assert await thought(on) == 5
+    for bad in ({"reasoning_effort": "extreme"}, {"reasoning_effort": 2},
+                {"reasoning_effort": True}, {"chat_template_kwargs": "off"}):  # fmt: skip
+        refused = await client.post(url, json={**CHAT, **bad})
+        assert refused.status_code == 400
+        assert next(iter(bad)) in refused.json()["message"]

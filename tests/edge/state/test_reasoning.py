@@ -93,3 +93,12 @@ async def test_a_thinking_stand_in_through_the_edge() -> None:
                 assert reasoning.type == "reasoning" and reasoning.content
                 assert reasoning.content[0].text and answer.output_text
                 assert answer.usage is not None and answer.usage.output_tokens == 10
+                # `reasoning.effort` "none" reaches the backend, which then does not think.
+                plain = await sdk.responses.create(
+                    model="default", input="Why?", max_output_tokens=10,
+                    reasoning={"effort": "none"},
+                )  # fmt: skip
+                assert [o.type for o in plain.output] == ["message"]
+                assert plain.reasoning is not None and plain.reasoning.effort == "none"
+                assert plain.usage is not None
+                assert plain.usage.output_tokens_details.reasoning_tokens == 0
