@@ -89,7 +89,7 @@ STORED_ROUTES: tuple[tuple[re.Pattern[str], str, tuple[str, ...]], ...] = tuple(
         ("/v1/conversations", ("POST",)),
         ("/v1/conversations/{id}", ("GET", "POST", "DELETE")),
         ("/v1/conversations/{id}/items", ("GET", "POST")),
-        ("/v1/conversations/{id}/items/{item}", ("GET",)),
+        ("/v1/conversations/{id}/items/{item}", ("GET", "DELETE")),
     )
 )  # fmt: skip
 """Stored responses and conversations by id (`edge.state.stored`): (path, route label,
@@ -317,6 +317,9 @@ class ProxyApp:
             else:
                 answer = await stored.add_items(tenant, name, body)
                 self._audit_stored("conversation.items_add", tenant, name)
+        elif scope["method"] == "DELETE" and item:
+            answer = await stored.remove_item(tenant, name, item)
+            self._audit_stored("conversation.items_delete", tenant, name)
         elif scope["method"] == "DELETE":
             response = label.startswith(RESPONSES)
             answer = await stored.delete(tenant, name, response=response)

@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 
+from edge.state.conversations import REMOVED
 from edge.state.response_tools import calls_of
 
 
@@ -189,6 +190,8 @@ class ChatAnswer:
 
     def take_message(self, message: Any, ids: Any = None, logprobs: Any = None) -> None:
         """A whole chat message: its text, then its calls (`ids`: their item ids, if kept)."""
+        if isinstance(message, dict) and message.get(REMOVED):
+            return  # taken out of its conversation: nothing of it is shown
         text = message.get("content") if isinstance(message, dict) else None
         calls = calls_of(message) if isinstance(message, dict) else []
         thinking = message.get("reasoning_content") if isinstance(message, dict) else None
@@ -201,6 +204,8 @@ class ChatAnswer:
         if self.text or not calls:
             self.parts.append(MESSAGE)
         for k, raw in enumerate(calls):
+            if raw.get(REMOVED):  # taken out of its conversation since (ids by place stay)
+                continue
             function = raw["function"]
             item_id = ids[k] if isinstance(ids, list) and k < len(ids) else self._call_id(k)
             call = Call(item_id, str(raw.get("id") or ""), str(function.get("name") or ""),

@@ -41,6 +41,10 @@ NEW = "new"
 _CONV_ID = re.compile(r"conv_([0-9a-f]{24})")
 _RESP_ID = re.compile(r"resp_([0-9a-f]{24})([0-9a-f]{8})")
 _PINNED_ROLES = frozenset({"system", "developer"})
+REMOVED = "x_quicedge_removed"
+"""Marks a stored message, or one tool call of it, that `DELETE /v1/conversations/{id}/items/
+{item}` took out: its content is gone, its place stays, so every other item keeps its id (ids
+are places). Prompts and item lists leave it out."""
 
 
 def new_conversation_id() -> str:
@@ -105,11 +109,15 @@ class History:
     pending: list[dict[str, Any]] = field(default_factory=list)
     """Items added since the latest turn (`POST /v1/conversations/{id}/items`): they lead the
     next turn's new messages, and become part of it when it is stored."""
+    removed: int = 0
+    """How many items were taken out (`REMOVED`); while 0, a prompt is the stored messages as
+    they are, with no pass over them to leave any out."""
 
     def encode(self) -> bytes:
         return orjson.dumps(
             {"p": self.pinned, "m": self.messages, "t": self.turns, "c": self.count,
-             "u": self.meta, "s": self.created_at, "d": self.metadata, "q": self.pending}
+             "u": self.meta, "s": self.created_at, "d": self.metadata, "q": self.pending,
+             "r": self.removed}
         )  # fmt: skip
 
     @classmethod
@@ -118,7 +126,8 @@ class History:
         turns = obj["t"]
         meta = obj.get("u") or []  # a blob stored before turns kept theirs
         return cls(obj["p"], obj["m"], turns, obj["c"], [{}] * (len(turns) - len(meta)) + meta,
-                   int(obj.get("s") or 0), obj.get("d") or {}, obj.get("q") or [])  # fmt: skip
+                   int(obj.get("s") or 0), obj.get("d") or {}, obj.get("q") or [],
+                   int(obj.get("r") or 0))  # fmt: skip
 
     def copy(self) -> History:
         return History(
@@ -130,6 +139,7 @@ class History:
             self.created_at,
             dict(self.metadata),
             list(self.pending),
+            self.removed,
         )
 
     def items(self) -> list[tuple[str, dict[str, Any]]]:
@@ -183,10 +193,34 @@ class History:
             self.meta[:kept],
             self.created_at,
             dict(self.metadata),
+            removed=self.removed,
         )
 
     def prompt(self, new: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return [*self.pinned, *self.messages, *new]
+        if not self.removed:
+            return [*self.pinned, *self.messages, *new]
+        shown = map(_without_removed, [*self.pinned, *self.messages, *new])
+        return [m for m in shown if m is not None]
+
+    def remove(self, message: dict[str, Any], call: int | None = None) -> None:
+        """Take out a stored message's `call`-th tool call, or (None) its text; a message left
+        with neither is taken out whole (role kept, content gone)."""
+        calls = message.get("tool_calls")
+        calls = [c for c in calls if isinstance(c, dict)] if isinstance(calls, list) else []
+        if call is None:
+            message["content"] = None
+        else:
+            # numbered as `calls_of` numbers them; the mark stays well-formed, so the calls
+            # after it keep their numbers
+            formed = [c for c in calls if isinstance(c.get("function"), dict)]
+            formed[call].clear()
+            formed[call].update({"type": "function", "function": {"name": "", "arguments": ""},
+                                 REMOVED: True})  # fmt: skip
+        if not (message.get("content") or any(not c.get(REMOVED) for c in calls)):
+            role = message.get("role")
+            message.clear()
+            message.update({"role": role, REMOVED: True})
+        self.removed += 1
 
     def append(
         self, new: list[dict[str, Any]], reply: dict[str, Any], meta: dict[str, Any] | None = None
@@ -212,6 +246,18 @@ class History:
         self.turns = [t - end for t in self.turns[1:]]
         self.meta = self.meta[1:]
         return True
+
+
+def _without_removed(message: dict[str, Any]) -> dict[str, Any] | None:
+    """A stored message as a prompt carries it: None when it was taken out, a copy without the
+    calls taken out when some were."""
+    if message.get(REMOVED):
+        return None
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return message
+    kept = [c for c in calls if not (isinstance(c, dict) and c.get(REMOVED))]
+    return message if len(kept) == len(calls) else {**message, "tool_calls": kept}
 
 
 def messages_size(messages: list[dict[str, Any]]) -> int:
@@ -510,6 +556,7 @@ class Conversations:
 
 __all__ = [
     "CONVERSATION_HEADER",
+    "REMOVED",
     "ConversationStore",
     "Conversations",
     "History",

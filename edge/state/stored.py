@@ -13,6 +13,7 @@ never forwarded.
 | `GET /v1/conversations/{id}/items` | every kept message, as a list of items |
 | `POST /v1/conversations/{id}/items` | adds items, which lead the next turn |
 | `GET /v1/conversations/{id}/items/{item_id}` | one item |
+| `DELETE /v1/conversations/{id}/items/{item_id}` | takes that item out of it |
 | `DELETE /v1/conversations/{id}` | forgets it |
 
 Lists page as OpenAI's do: `order` (`desc`, the default, or `asc`), `limit` (1 to 100, 20) and
@@ -28,6 +29,7 @@ from urllib.parse import parse_qs
 
 from edge.errors import ConversationNotFound, InvalidRequest
 from edge.state.conversations import (
+    REMOVED,
     Conversations,
     History,
     conversation_name,
@@ -50,11 +52,14 @@ def _items(cid: str, place: str, message: Mapping[str, Any]) -> list[dict[str, A
     """A stored chat message as Responses API items: a `tool` message is a
     `function_call_output`, an assistant message with tool calls its text (when it has any)
     and a `function_call` per call, any other a `message`."""
+    if message.get(REMOVED):
+        return []
     if message.get("role") == "tool":
         return [output_item(dict(message), f"fco_{cid}{place}")]
     calls = calls_of(dict(message)) if message.get("role") == "assistant" else []
     out = [_item(cid, place, message)] if message.get("content") or not calls else []
-    return out + [call_item(c, f"fc_{cid}{place}{k:02x}") for k, c in enumerate(calls)]
+    return out + [call_item(c, f"fc_{cid}{place}{k:02x}") for k, c in enumerate(calls)
+                  if not c.get(REMOVED)]  # fmt: skip
 
 
 def _item(cid: str, place: str, message: Mapping[str, Any]) -> dict[str, Any]:
@@ -89,6 +94,32 @@ def _part(kind: str, part: Any) -> Any:
         return {"type": "input_image", "image_url": image.get("url"),
                 "detail": image.get("detail", "auto")}  # fmt: skip
     return part
+
+
+def _call_of(item_id: str, cid: str, place: str) -> int | None:
+    """What `History.remove` takes out for the item `item_id` of the message at `place`: a
+    `function_call`'s number in it, or None for its text (a message or an output item)."""
+    if item_id.startswith("fc_"):
+        return int(item_id[len(f"fc_{cid}{place}") :], 16)
+    return None
+
+
+def _canonical(item_id: str, cid: str, history: History) -> str:
+    """The id the conversation lists an item under, for `item_id` or for the id a turn's
+    response object gave that item (its reply's `message` and `function_call` items, numbered
+    by the answer, not by place); `item_id` itself when it is neither."""
+    start = 0
+    for k, end in enumerate(history.turns):
+        meta, place = history.meta[k], f"{history.first_kept + k:08x}{end - 1 - start:04x}"
+        start = end
+        if not meta.get("id"):  # a chat conversation's turn: no response object
+            continue
+        if item_id == meta["id"]:
+            return f"msg_{cid}{place}"
+        calls = meta.get("calls")
+        if isinstance(calls, list) and item_id in calls:
+            return f"fc_{cid}{place}{calls.index(item_id):02x}"
+    return item_id
 
 
 def _conversation(cid: str, history: History) -> dict[str, Any]:
@@ -249,11 +280,31 @@ class StoredObjects:
         found = await self._history(tenant, name) if name.startswith("conv_") else None
         if found is None:
             raise self._missing(name, False)
-        for place, m in found[1].items():
-            for each in _items(found[0], place, m):
-                if each["id"] == item:
+        cid, history, _ = found
+        wanted = _canonical(item, cid, history)
+        for place, m in history.items():
+            for each in _items(cid, place, m):
+                if each["id"] == wanted:
                     return each
         raise _not_found("Item", item, "item_not_found")
+
+    async def remove_item(self, tenant: str, name: str, item: str) -> dict[str, Any]:
+        """`DELETE /v1/conversations/{id}/items/{item_id}`: take one item out of it, from later
+        prompts and every list (the turn's response object too); the other items keep their
+        ids. OpenAI's answer: the conversation object."""
+        cid_of_name = name[len("conv_") :] if name.startswith("conv_") else ""
+
+        def change(history: History) -> None:
+            wanted = _canonical(item, cid_of_name, history)
+            for place, m in history.items():
+                for each in _items(cid_of_name, place, m):
+                    if each["id"] == wanted:
+                        history.remove(m, _call_of(wanted, cid_of_name, place))
+                        return
+            raise _not_found("Item", item, "item_not_found")
+
+        cid, history = await self._update(tenant, name, change)
+        return _conversation(cid, history)
 
     async def delete(self, tenant: str, name: str, *, response: bool) -> dict[str, Any]:
         """`DELETE /v1/responses/{id}` (`response`) or `/v1/conversations/{id}`: forget the

@@ -325,9 +325,9 @@ async def test_items_added_to_a_conversation_lead_its_next_turn(
                     await sdk.conversations.items.create(conv.id, items=[])
                 assert empty.value.body["param"] == "items"  # type: ignore[index]
             assert first.id != second.id
-            gone = await http.delete(f"/v1/conversations/{conv.id}/items/{ids[0]}",
-                                     headers=as_tenant("alpha"))  # fmt: skip
-            assert gone.status_code == 405 and gone.headers["allow"] == "GET"
+            wrong = await http.put(f"/v1/conversations/{conv.id}/items/{ids[0]}",
+                                   headers=as_tenant("alpha"))  # fmt: skip
+            assert wrong.status_code == 405 and wrong.headers["allow"] == "GET, DELETE"
     prompts = [[m["content"] for m in b["messages"]] for b in upstream.bodies()]
     assert prompts[1][-3:] == ["Only Jupiter's.", "Keep it short.", "Which one?"]
 
