@@ -397,6 +397,9 @@ class Turn:
     token: bytes | None
     """The lease held, or None when the turn is not stored (Responses `store: false`)."""
     truncated: bool = False
+    truncate: bool = True
+    """Past `max_bytes`, drop the oldest turns (True) or refuse the turn with a 413: the
+    configured `overflow`, or what the request asked (Responses `truncation`)."""
 
     @property
     def messages(self) -> list[dict[str, Any]]:
@@ -410,11 +413,22 @@ class Conversations:
         self.store = store
         self.config = config
 
-    async def start(self, tenant: str, new: list[dict[str, Any]], *, store: bool = True) -> Turn:
-        """Turn 1 of a new conversation."""
+    def _truncates(self, asked: bool | None) -> bool:
+        return self.config.overflow == "truncate" if asked is None else asked
+
+    async def start(
+        self,
+        tenant: str,
+        new: list[dict[str, Any]],
+        *,
+        store: bool = True,
+        truncate: bool | None = None,
+    ) -> Turn:
+        """Turn 1 of a new conversation (`truncate`: see `Turn.truncate`; None: as configured)."""
         cid = new_conversation_id()
         token = os.urandom(12) if store else None
         turn = Turn(tenant, cid, 1, History(created_at=int(time.time())), new, token)
+        turn.truncate = self._truncates(truncate)
         self._fit(turn)
         if token is not None:
             await self.store.create(tenant, cid, token)
@@ -445,6 +459,7 @@ class Conversations:
         *,
         after: int | None = None,
         store: bool = True,
+        truncate: bool | None = None,
         missing: ConversationNotFound,
     ) -> Turn:
         """The next turn after turn `after` (None: the latest). Continuing an earlier turn forks a
@@ -470,6 +485,7 @@ class Conversations:
                     await self.store.create(tenant, cid, token)
             new, base.pending = [*base.pending, *new], []  # items added since lead this turn
             turn = Turn(tenant, cid, base.count + 1, base, new, token)
+            turn.truncate = self._truncates(truncate)
             self._fit(turn)
         except BaseException:
             if token is not None:
@@ -482,7 +498,7 @@ class Conversations:
         limit = self.config.max_bytes
         if messages_size(turn.messages) <= limit:
             return
-        if self.config.overflow == "truncate":
+        if turn.truncate:
             history = turn.history.copy()
             turn.truncated = _trim(history, turn.new, limit, keep=0)
             turn.history = history
@@ -490,7 +506,7 @@ class Conversations:
                 return
         raise PayloadTooLarge(
             f"the conversation would exceed {limit} bytes of messages"
-            + ("" if self.config.overflow == "truncate" else "; start a new one"),
+            + ("" if turn.truncate else "; start a new one"),
             code="conversation_too_large",
         )
 
@@ -503,7 +519,7 @@ class Conversations:
             return True
         history = turn.history
         history.append(list(turn.new), reply, meta)
-        if self.config.overflow == "truncate":
+        if turn.truncate:
             _trim(history, [], self.config.max_bytes, keep=1)
         return await self.store.commit(turn.tenant, turn.cid, turn.token, history.encode())
 

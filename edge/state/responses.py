@@ -74,6 +74,9 @@ class ResponsesRequest:
     """The chat body's other members (sampling, stream, model)."""
     echo: dict[str, Any] = field(default_factory=dict)
     """Request fields echoed in the response object."""
+    truncate: bool | None = None
+    """`truncation`: "auto" (True) drops a conversation's oldest turns past its size limit,
+    "disabled" (False) refuses the turn; None when not given (the edge's `overflow`)."""
 
     def chat_body(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
         lead = [{"role": "system", "content": self.instructions}] if self.instructions else []
@@ -240,8 +243,9 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _invalid("model", "must be a string")
-    if body.get("truncation", "disabled") != "disabled":
-        raise _invalid("truncation", "only 'disabled' is supported")
+    truncation = body.get("truncation")
+    if truncation not in (None, "auto", "disabled"):
+        raise _invalid("truncation", "must be auto or disabled")
     chat: dict[str, Any] = {}
     if model is not None:
         chat["model"] = model
@@ -287,8 +291,11 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
         "tool_choice": tool_choice,
         "parallel_tool_calls": parallel,
     }
+    if truncation is not None:
+        echo["truncation"] = truncation
+    truncate = None if truncation is None else truncation == "auto"
     return ResponsesRequest(
-        new, instructions, previous, conversation, store, stream, model, chat, echo
+        new, instructions, previous, conversation, store, stream, model, chat, echo, truncate
     )
 
 

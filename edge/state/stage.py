@@ -150,7 +150,7 @@ class StateStage:
             cid, number = parse_response_id(request.previous)
             turn = await self._conversations().resume(
                 ex.tenant, cid, request.new, after=number, store=request.store,
-                missing=previous_not_found(request.previous),
+                truncate=request.truncate, missing=previous_not_found(request.previous),
             )  # fmt: skip
         elif request.conversation is not None:
             missing = ConversationNotFound(
@@ -162,10 +162,13 @@ class StateStage:
             except ConversationNotFound:
                 raise missing from None
             turn = await self._conversations().resume(
-                ex.tenant, cid, request.new, store=request.store, missing=missing
-            )
+                ex.tenant, cid, request.new, store=request.store, truncate=request.truncate,
+                missing=missing,
+            )  # fmt: skip
         elif request.store and self.conversations is not None:
-            turn = await self.conversations.start(ex.tenant, request.new)
+            turn = await self.conversations.start(ex.tenant, request.new, truncate=request.truncate)
+        if turn is not None and request.truncate is None:  # the edge's choice, said as OpenAI's
+            request.echo["truncation"] = "auto" if turn.truncate else "disabled"
         if turn is not None and turn.token is not None:
             rid = response_id(turn.cid, turn.number)
         else:

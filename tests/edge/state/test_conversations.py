@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 import httpx
+import openai
 import pytest
 
 from backends.sim import SimServer
@@ -20,6 +21,7 @@ from tests.edge.state.helpers import (
     ChatUpstream,
     as_tenant,
     chat_chunks,
+    sdk_of,
     sse_events,
     state,
     tenants,
@@ -418,3 +420,42 @@ async def test_bad_responses_requests_are_400_by_field() -> None:
             assert wrong.status_code == 400
             get = await http.get("/v1/responses")
             assert get.status_code == 405
+
+
+async def test_responses_truncation_chooses_per_request_and_the_default_is_the_edges() -> None:
+    """`truncation: "auto"` drops the oldest turns past the size limit even where the edge
+    rejects, `"disabled"` is a 413 even where it truncates; not given, the edge's `overflow`
+    applies and the response says which (OpenAI's field)."""
+    big = "x" * 700
+    upstream = ChatUpstream()
+    for overflow in ("reject", "truncate"):
+        limited = state(conversations={"max_bytes": 2048, "overflow": overflow})
+        async with TinyUpstream(upstream) as up:
+            config = fast_config([up.url], state=limited, admission=tenants("alpha"))
+            async with run_edge(config) as edge:
+                sdk = sdk_of(edge)
+                async with sdk:
+                    first = await sdk.responses.create(model="default", input=big)
+                    assert first.truncation == ("auto" if overflow == "truncate" else "disabled")
+                    second = await sdk.responses.create(
+                        model="default", input=big, previous_response_id=first.id
+                    )
+                    with pytest.raises(openai.APIStatusError) as refused:
+                        await sdk.responses.create(
+                            model="default", input=big, previous_response_id=second.id,
+                            truncation="disabled",
+                        )  # fmt: skip
+                    assert refused.value.status_code == 413
+                    third = await sdk.responses.create(
+                        model="default", input=big, previous_response_id=second.id,
+                        truncation="auto",
+                    )  # fmt: skip
+                    assert third.truncation == "auto" and third.status == "completed"
+                    with pytest.raises(openai.BadRequestError) as bad:
+                        await sdk.responses.create(
+                            model="default", input="x", truncation="sometimes",  # type: ignore[arg-type]
+                        )  # fmt: skip
+                    assert bad.value.body["param"] == "truncation"  # type: ignore[index]
+            last = upstream.bodies()[-1]["messages"]
+            assert len(json.dumps(last, separators=(",", ":"))) <= 2048
+            assert len(last) == 3  # the first turn went: the second's question and reply, the new
