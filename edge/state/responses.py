@@ -29,10 +29,13 @@ RESPONSES = "/v1/responses"
 # rather than silently dropped.
 _PASSED = {"temperature": "temperature", "top_p": "top_p", "max_output_tokens": "max_tokens",
            "user": "user", "seed": "seed", "prompt_cache_key": "prompt_cache_key"}  # fmt: skip
+# Fields whose only values here are the ones that need nothing done (checked by `_settled`).
+_SETTLED = {"background", "service_tier", "stream_options", "max_tool_calls",
+            "prompt_cache_retention", "safety_identifier"}  # fmt: skip
 _ACCEPTED = {"model", "input", "instructions", "previous_response_id", "conversation",
              "store", "stream", "metadata", "parallel_tool_calls", "truncation", "text",
              "tools", "tool_choice", "reasoning", "include", "top_logprobs",
-             *_PASSED}  # fmt: skip
+             *_PASSED, *_SETTLED}  # fmt: skip
 _INCLUDES = frozenset({"message.output_text.logprobs"})
 # OpenAI's tiers, which SGLang takes as they are ("none" turns a template's thinking off).
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
@@ -217,6 +220,43 @@ def _response_format(text: Any) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": spec}
 
 
+def _unsupported(param: str, why: str) -> InvalidRequest:
+    return InvalidRequest(f"'{param}' {why}", param=param, code="unsupported_parameter")
+
+
+def _settled(body: dict[str, Any], chat: dict[str, Any]) -> dict[str, Any]:
+    """Check the fields an SDK may send that need nothing of a backend at the values taken
+    here; what the response echoes of them. Another value is a 400 saying why."""
+    if body.get("background") not in (None, False):
+        raise _unsupported(
+            "background", "is not supported: answers are given while the client waits"
+        )
+    tier = body.get("service_tier")
+    if tier not in (None, "auto", "default"):
+        raise _unsupported("service_tier", "must be auto or default: this edge has one tier")
+    options = body.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise _invalid("stream_options", "must be an object")
+        check_known(options, {"include_obfuscation"}, "stream_options.")
+        if options.get("include_obfuscation") not in (None, False):
+            raise _unsupported("stream_options.include_obfuscation",
+                               "is not supported: events are not padded")  # fmt: skip
+    calls = body.get("max_tool_calls")
+    if calls is not None and (not isinstance(calls, int) or isinstance(calls, bool) or calls < 0):
+        raise _invalid("max_tool_calls", "must be an integer >= 0")
+    if body.get("prompt_cache_retention") not in (None, "in_memory"):
+        why = "must be in_memory: backends keep prefixes in their memory only"
+        raise _unsupported("prompt_cache_retention", why)
+    safety = body.get("safety_identifier")
+    if safety is not None and not isinstance(safety, str):
+        raise _invalid("safety_identifier", "must be a string")
+    if safety and "user" not in chat:  # the end user, as chat names them (and routing reads)
+        chat["user"] = safety
+    return {"background": False, "service_tier": "default" if tier else None,
+            "max_tool_calls": calls, "safety_identifier": safety}  # fmt: skip
+
+
 def parse_request(body: dict[str, Any]) -> ResponsesRequest:
     """Check a `/v1/responses` body and translate it; 400 naming the field otherwise."""
     check_known(body, _ACCEPTED)
@@ -264,6 +304,7 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
         if not parallel:
             chat["parallel_tool_calls"] = False
     top = _logprobs(body, chat)
+    settled = _settled(body, chat)
     effort = _reasoning_effort(body.get("reasoning"))
     if effort is not None:
         chat["reasoning_effort"] = effort
@@ -290,6 +331,7 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
         "tools": body.get("tools") or [],
         "tool_choice": tool_choice,
         "parallel_tool_calls": parallel,
+        **settled,
     }
     if truncation is not None:
         echo["truncation"] = truncation

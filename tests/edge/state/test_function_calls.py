@@ -168,3 +168,31 @@ async def test_a_chat_conversation_keeps_the_models_tool_calls(stream: bool) -> 
     assert [i["type"] for i in items] == [
         "message", "function_call", "function_call_output", "message"]  # fmt: skip
     assert items[1]["call_id"] == call_id and json.loads(items[1]["arguments"]) == ARGUMENTS
+
+
+async def test_the_sdks_other_fields_at_their_plain_values_go_through() -> None:
+    """What an SDK user may set without thinking of it (`service_tier="auto"`, a
+    `safety_identifier`, `background=False`, …) is taken and echoed, streamed or not."""
+    async with SimServer(sim_config("b1")) as sim:
+        config = fast_config([sim.url], admission=tenants("alpha"))
+        async with run_edge(config) as edge:
+            sdk = sdk_of(edge)
+            async with sdk:
+                plain = dict(service_tier="auto", safety_identifier="user-42",
+                             background=False, max_tool_calls=2,
+                             prompt_cache_retention="in_memory")  # fmt: skip
+                whole = await sdk.responses.create(
+                    model="default",
+                    input="Hi",
+                    **plain,  # type: ignore[arg-type]
+                )
+                assert whole.status == "completed" and whole.service_tier == "default"
+                assert whole.safety_identifier == "user-42" and whole.background is False
+                async with sdk.responses.stream(
+                    model="default",
+                    input="Hi",
+                    stream_options={"include_obfuscation": False},
+                    **plain,  # type: ignore[arg-type]
+                ) as stream:
+                    final = await stream.get_final_response()
+                assert final.output_text == whole.output_text

@@ -340,3 +340,32 @@ def test_an_oversized_upstream_event_ends_the_answer_failed_and_keeps_nothing() 
     answer = ChatAnswer()
     assert answer.feed(b"data: " + b"y" * (MAX_EVENT_BYTES + 1)) == []
     assert answer.oversized and answer.feed(b"\n\ndata: [DONE]\n\n") == [] and not answer.done
+
+
+def test_sdk_fields_that_need_nothing_here_are_taken_at_those_values_only() -> None:
+    taken = parse_request({
+        "input": "hi", "background": False, "service_tier": "auto", "max_tool_calls": 3,
+        "prompt_cache_retention": "in_memory", "safety_identifier": "user-42",
+        "stream": True, "stream_options": {"include_obfuscation": False},
+    })  # fmt: skip
+    assert taken.chat["user"] == "user-42"  # the end user, for the backend and routing
+    assert {k: taken.echo[k] for k in ("background", "service_tier", "max_tool_calls",
+                                       "safety_identifier")} == {
+        "background": False, "service_tier": "default", "max_tool_calls": 3,
+        "safety_identifier": "user-42"}  # fmt: skip
+    both = parse_request({"input": "hi", "user": "u1", "safety_identifier": "s1"})
+    assert both.chat["user"] == "u1"
+    refused: list[tuple[dict[str, Any], str]] = [
+        ({"background": True}, "background"),
+        ({"service_tier": "priority"}, "service_tier"),
+        ({"stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
+        ({"stream_options": {"chunk_size": 2}}, "stream_options.chunk_size"),
+        ({"stream_options": "yes"}, "stream_options"),
+        ({"max_tool_calls": -1}, "max_tool_calls"),
+        ({"prompt_cache_retention": "24h"}, "prompt_cache_retention"),
+        ({"safety_identifier": 7}, "safety_identifier"),
+    ]
+    for extra, param in refused:
+        with pytest.raises(InvalidRequest) as bad:
+            parse_request({"input": "hi", **extra})
+        assert bad.value.param == param
