@@ -10,6 +10,7 @@ runs unchanged under the H3 server, under hypercorn (H1/H2) and in-process in te
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
@@ -58,6 +59,7 @@ from edge.stages.validate import (
     validate,
 )
 from edge.stages.view import build_view
+from edge.state.background import POLL_S
 from edge.state.responses import RESPONSES
 from edge.state.stage import StateStage
 from edge.telemetry import Metrics
@@ -86,6 +88,7 @@ STORED_ROUTES: tuple[tuple[re.Pattern[str], str, tuple[str, ...]], ...] = tuple(
     for pattern, methods in (
         (RESPONSES + "/{id}", ("GET", "DELETE")),
         (RESPONSES + "/{id}/input_items", ("GET",)),
+        (RESPONSES + "/{id}/cancel", ("POST",)),
         ("/v1/conversations", ("POST",)),
         ("/v1/conversations/{id}", ("GET", "POST", "DELETE")),
         ("/v1/conversations/{id}/items", ("GET", "POST")),
@@ -154,6 +157,8 @@ class ProxyApp:
         self.tracer = tracer
         self.models = models
         self.state = state
+        self._background: set[asyncio.Task[None]] = set()
+        """Background responses being generated (`_in_background`)."""
         self.admission = admission or Admission(AdmissionSettings(), metrics=metrics)
         self.attempts = Attempts(
             config=config, pool=pool, registry=registry, policy=policy, metrics=metrics,
@@ -300,7 +305,10 @@ class ProxyApp:
         await self.admission.charge_call(caller)
         tenant = caller.name
         stored, query = self.state.stored, scope.get("query_string", b"")
-        if scope["method"] == "POST":
+        if label == RESPONSES + "/{id}/cancel":  # no body to read
+            answer = await stored.cancel(tenant, name)
+            self._audit_stored("response.cancel", tenant, name)
+        elif scope["method"] == "POST":
             check_content_type(headers.content_type)
             limit = self.config.max_body_bytes
             declared_length(headers.content_length, limit)
@@ -390,17 +398,20 @@ class ProxyApp:
             )  # fmt: skip
             if wait > 0:
                 self.metrics.handshake_wait.observe(wait)
+            detached = False
             try:
                 await self._parse_and_admit(ex, receive, tenant)
+                if ex.state is not None and ex.state.background:
+                    detached = await self._detach(ex, scope, send)
+                    return
                 try:
                     relay_send = send if ex.state is None else await ex.state.begin(send)
                     if relay_send is not None:  # None: answered from the response cache
                         await self._forward(ex, receive, relay_send)
                 finally:
-                    reported = ex.usage.completion_tokens if ex.usage is not None else None
-                    self.admission.finish(ex, ex.content_chunks if reported is None else reported)
+                    self._finish_admission(ex)
             finally:
-                if ex.state is not None:
+                if ex.state is not None and not detached:
                     await ex.state.finish()
         except EdgeError as err:
             model = ex.model if ex is not None else NO_MODEL
@@ -435,16 +446,102 @@ class ProxyApp:
             self._log(ex, scope, route, 499, t0, "client disconnected")
             return
         assert ex is not None
+        self._account(ex, scope, route, "client disconnected" if ex.disconnected else None)
+
+    def _account(self, ex: Exchange, scope: Scope, route: str, error: str | None) -> None:
+        """The audit line, metrics, access log line and span end of a request answered."""
         status = ex.status
         if self.audit is not None:
             self.audit.record_exchange(ex, status)
         self.metrics.requests.labels(route, str(status), ex.model).inc()
-        self._log(ex, scope, route, status, t0, "client disconnected" if ex.disconnected else None)
-        if trace is not None:
-            trace.set("http.response.status_code", status)
-            trace.set("gen_ai.response.model", self._served_model(ex))
-            trace.set("quicedge.retries", ex.retries)
-            trace.end(time.perf_counter(), error="client disconnected" if ex.disconnected else None)
+        self._log(ex, scope, route, status, ex.t0, error)
+        if ex.trace is not None:
+            ex.trace.set("http.response.status_code", status)
+            ex.trace.set("gen_ai.response.model", self._served_model(ex))
+            ex.trace.set("quicedge.retries", ex.retries)
+            ex.trace.end(time.perf_counter(), error=error)
+
+    def _finish_admission(self, ex: Exchange) -> None:
+        reported = ex.usage.completion_tokens if ex.usage is not None else None
+        self.admission.finish(ex, ex.content_chunks if reported is None else reported)
+
+    # -- background responses ----------------------------------------------------------------
+
+    async def _detach(self, ex: Exchange, scope: Scope, send: Send) -> bool:
+        """A `background: true` response: record it running, hand the rest of the request to
+        a task of its own, and answer `queued` now. True once that task owns the request."""
+        state = ex.state
+        assert state is not None
+        try:
+            queued = await state.queue()
+        except BaseException:
+            self._finish_admission(ex)
+            raise
+        ex.on_disconnect = _stays  # its client may go now: the answer does not need it
+        ex.body_writer = None
+        task = asyncio.get_running_loop().create_task(self._in_background(ex, scope))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        with contextlib.suppress(ClientGone):
+            await send_json(send, 200, queued)
+        return True
+
+    async def _in_background(self, ex: Exchange, scope: Scope) -> None:
+        """Generate a background answer: the relay as for any request, its client a sink; its
+        record read every `POLL_S` for a cancel; bounded by the conversation lease, past which
+        its turn could not be stored."""
+        state = ex.state
+        assert state is not None and self.state is not None
+        loop = asyncio.get_running_loop()
+        forward: asyncio.Task[None] | None = None
+        try:
+            relay_send = await state.begin(_discard)
+            assert relay_send is not None  # never a cache hit: /v1/responses is not cached
+            forward = loop.create_task(self._forward(ex, _no_message, relay_send))
+            deadline = loop.time() + self.state.config.conversations.lease
+            try:
+                while not forward.done():
+                    await asyncio.wait({forward}, timeout=POLL_S)
+                    if forward.done():
+                        break
+                    if loop.time() >= deadline:
+                        late = "the answer did not complete within state.conversations.lease"
+                        state.background_error = {"code": "timeout", "message": late}
+                        forward.cancel()
+                    elif await state.cancel_requested():
+                        state.cancelled = True
+                        forward.cancel()
+            except asyncio.CancelledError:  # the edge stops
+                stopped = "the edge stopped before the answer completed"
+                state.background_error = {"code": "edge_stopped", "message": stopped}
+                forward.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await forward
+        except EdgeError as err:
+            ex.status = ex.status or err.status
+            state.background_error = {"code": err.code or "error", "message": err.message}
+        except Exception:
+            log.exception("request %s: its background answer failed", ex.request_id)
+            state.background_error = {"code": "internal_error", "message": "the edge failed"}
+            ex.status = ex.status or 500
+        finally:
+            if forward is not None and not forward.done():
+                forward.cancel()
+            self._finish_admission(ex)
+            await state.finish()
+        error = state.background_error
+        if state.cancelled:
+            ex.status = ex.status or 499
+        self._account(ex, scope, RESPONSES, None if error is None else error["message"])
+
+    async def stop_background(self) -> None:
+        """Stop the background answers in progress (the edge is stopping): each is recorded
+        as failed, `edge_stopped`."""
+        tasks = list(self._background)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5.0)
 
     async def _parse_and_admit(self, ex: Exchange, receive: Receive, tenant: Tenant) -> None:
         """Parse (body, JSON once) then admit (fields, model, routing view, tenant quota)."""
@@ -575,6 +672,18 @@ def _default_card(listing: dict[str, Any]) -> dict[str, Any]:
     if len(served) == 1:
         card["root"] = served[0]
     return card
+
+
+def _stays(callback: Any) -> None:
+    """A background answer's `on_disconnect`: its client's going stops nothing."""
+
+
+async def _discard(message: Any) -> None:
+    """A background answer's client: the answer is stored, not sent."""
+
+
+async def _no_message() -> dict[str, Any]:
+    raise RuntimeError("a background answer has no client to read from")
 
 
 async def _watch_disconnect(receive: Receive, task: asyncio.Task[Any], ex: Exchange) -> None:

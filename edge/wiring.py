@@ -159,7 +159,10 @@ class Wiring:
             await old.aclose()
 
     async def aclose(self) -> None:
-        """Stop checks, let in-progress aborts finish briefly, close pools, flush spans."""
+        """Stop background answers and checks, let in-progress aborts finish briefly, close
+        pools, flush spans."""
+        if self.proxy is not None:  # first: they still need the pool and the state store
+            await self.proxy.stop_background()
         if self.discovery is not None:
             await self.discovery.aclose()
         for task in self._drains:

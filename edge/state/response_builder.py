@@ -90,7 +90,7 @@ class ResponseBuilder:
         return [self._item(part, status) for part in self.answer.parts or [MESSAGE]]
 
     def response(self, status: str) -> dict[str, Any]:
-        done = status != "in_progress"
+        done = status in ("completed", "incomplete", "failed")  # not queued, running, cancelled
         return {
             "id": self.id,
             "object": "response",
@@ -133,6 +133,19 @@ class ResponseBuilder:
         builder._usage = meta.get("usage")
         builder._finish = "length" if meta.get("status") == "incomplete" else "stop"
         builder.began = builder.ended = True
+        return builder
+
+    @classmethod
+    def pending(
+        cls, response_id: str, meta: dict[str, Any], error: dict[str, Any] | None = None
+    ) -> ResponseBuilder:
+        """A background answer with nothing to show yet, or none ever (cancelled, failed with
+        `error`), from `stored()`."""
+        echo = meta.get("echo")
+        builder = cls(echo if isinstance(echo, dict) else {}, response_id,
+                      str(meta.get("model") or "default"))  # fmt: skip
+        builder.created = int(meta.get("created_at") or 0)
+        builder.failed = error
         return builder
 
     def _status(self) -> str:

@@ -80,6 +80,8 @@ class ResponsesRequest:
     truncate: bool | None = None
     """`truncation`: "auto" (True) drops a conversation's oldest turns past its size limit,
     "disabled" (False) refuses the turn; None when not given (the edge's `overflow`)."""
+    background: bool = False
+    """Answered at once, `queued`, and generated without the client (`edge.state.background`)."""
 
     def chat_body(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
         lead = [{"role": "system", "content": self.instructions}] if self.instructions else []
@@ -227,10 +229,6 @@ def _unsupported(param: str, why: str) -> InvalidRequest:
 def _settled(body: dict[str, Any], chat: dict[str, Any]) -> dict[str, Any]:
     """Check the fields an SDK may send that need nothing of a backend at the values taken
     here; what the response echoes of them. Another value is a 400 saying why."""
-    if body.get("background") not in (None, False):
-        raise _unsupported(
-            "background", "is not supported: answers are given while the client waits"
-        )
     tier = body.get("service_tier")
     if tier not in (None, "auto", "default"):
         raise _unsupported("service_tier", "must be auto or default: this edge has one tier")
@@ -253,7 +251,7 @@ def _settled(body: dict[str, Any], chat: dict[str, Any]) -> dict[str, Any]:
         raise _invalid("safety_identifier", "must be a string")
     if safety and "user" not in chat:  # the end user, as chat names them (and routing reads)
         chat["user"] = safety
-    return {"background": False, "service_tier": "default" if tier else None,
+    return {"service_tier": "default" if tier else None,
             "max_tool_calls": calls, "safety_identifier": safety}  # fmt: skip
 
 
@@ -277,9 +275,14 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
     if conversation is not None and previous is not None:
         raise _invalid("conversation", "give previous_response_id or conversation, not both")
     store, stream = body.get("store", True), body.get("stream", False)
-    for name, value in (("store", store), ("stream", stream)):
+    background = body.get("background", False)
+    for name, value in (("store", store), ("stream", stream), ("background", background)):
         if not isinstance(value, bool):
             raise _invalid(name, "must be true or false")
+    if background and not store:
+        raise _invalid("background", "needs store: true (the answer is stored to be polled)")
+    if background and stream:
+        raise _unsupported("background", "with stream is not supported: poll the response")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _invalid("model", "must be a string")
@@ -332,13 +335,13 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
         "tool_choice": tool_choice,
         "parallel_tool_calls": parallel,
         **settled,
+        "background": background,
     }
     if truncation is not None:
         echo["truncation"] = truncation
     truncate = None if truncation is None else truncation == "auto"
-    return ResponsesRequest(
-        new, instructions, previous, conversation, store, stream, model, chat, echo, truncate
-    )
+    return ResponsesRequest(new, instructions, previous, conversation, store, stream, model,
+                            chat, echo, truncate, background)  # fmt: skip
 
 
 def conversation_items(body: Any) -> list[dict[str, Any]]:

@@ -18,11 +18,20 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from edge.errors import ConversationNotFound, EdgeError, InvalidRequest, StateUnavailable
 from edge.sse import SSEScanner, answer_of_body
 from edge.stages.validate import CHAT, COMPLETIONS, GENERATE
+from edge.state.background import (
+    CANCELLED,
+    FAILED,
+    RUNNING,
+    MemoryRecords,
+    Record,
+    RecordStore,
+    RedisRecords,
+)
 from edge.state.cache import CACHE_HEADER, CacheTier, Entry, RedisTier, ResponseCache, deterministic
 from edge.state.cache import weight_version_of as _weight_version
 from edge.state.chat_answer import ChatAnswer, message_of_body
@@ -88,7 +97,15 @@ class StateStage:
         self.conversations: Conversations | None = (
             Conversations(store, config.conversations) if config.conversations.enabled else None
         )
-        self.stored = StoredObjects(self.conversations)
+        self.records: RecordStore | None = None
+        """Background responses' records (with stored conversations only)."""
+        if self.conversations is not None:
+            self.records = (
+                RedisRecords(self.redis, config.conversations)
+                if self.redis is not None
+                else MemoryRecords(config.conversations)
+            )
+        self.stored = StoredObjects(self.conversations, self.records)
         """Stored responses and conversations read back and deleted by id."""
         self.cache: ResponseCache | None = None
         if config.cache.enabled:
@@ -101,6 +118,17 @@ class StateStage:
             "Stored-conversation turns by outcome (committed, failed, lost, busy, not_found, "
             "too_large, unavailable)",
             ["outcome"],
+            registry=registry,
+        )
+        self.background = Counter(
+            "quicedge_background_responses_total",
+            "Background responses by how they ended (completed, failed, cancelled)",
+            ["outcome"],
+            registry=registry,
+        )
+        self.background_running = Gauge(
+            "quicedge_background_responses_running",
+            "Background responses this process is generating now",
             registry=registry,
         )
 
@@ -175,6 +203,13 @@ class StateStage:
             rid = "resp_" + os.urandom(16).hex()  # not stored: nothing can continue it
         state = StateRequest(self, ex, turn=turn)
         state.builder = ResponseBuilder(request.echo, rid, request.model or "default")
+        if request.background:
+            if turn is None:
+                raise InvalidRequest(
+                    "background responses need stored conversations, which are turned off "
+                    "on this edge", param="background", code="conversations_disabled",
+                )  # fmt: skip
+            state.background = True
         ex.state = state
         ex.route = CHAT
         chat = request.chat_body(turn.messages if turn is not None else request.new)
@@ -226,7 +261,10 @@ class StateRequest:
     __slots__ = (
         "answer",
         "answer_failed",
+        "background",
+        "background_error",
         "builder",
+        "cancelled",
         "content_type",
         "cache_key",
         "cache_model",
@@ -264,6 +302,55 @@ class StateRequest:
         self.held: MutableMapping[str, Any] | None = None
         self.whole: list[bytes] = []
         self._send: Send | None = None
+        self.background = False
+        """A `background: true` response: generated without its client (`edge.app`)."""
+        self.background_error: dict[str, Any] | None = None
+        """Why a background answer failed before its backend answered (`{"code", "message"}`)."""
+        self.cancelled = False
+        """A background answer stopped by `POST /v1/responses/{id}/cancel`."""
+
+    async def queue(self) -> dict[str, Any]:
+        """Record a background response as running; the `queued` response object its client
+        gets now."""
+        assert self.builder is not None and self.stage.records is not None
+        meta = self.builder.stored()
+        await self.stage.records.put(self.ex.tenant, self.builder.id, Record(RUNNING, meta))
+        self.stage.background_running.inc()
+        return self.builder.response("queued")
+
+    async def cancel_requested(self) -> bool:
+        """Whether a cancel was recorded for this background response (never raises)."""
+        assert self.builder is not None and self.stage.records is not None
+        try:
+            record = await self.stage.records.get(self.ex.tenant, self.builder.id)
+        except StateUnavailable:
+            return False  # asked again at the next poll
+        return record is not None and record.status == CANCELLED
+
+    async def _settle_background(self, committed: bool) -> None:
+        """A background response ended: its record goes once its answer is stored, and says
+        why when it is not."""
+        stage, builder = self.stage, self.builder
+        assert builder is not None and stage.records is not None
+        stage.background_running.dec()
+        tenant, rid = self.ex.tenant, builder.id
+        if committed:
+            stage.background.labels("completed").inc()
+            await stage.records.delete(tenant, rid)
+            return
+        meta = builder.stored()
+        if self.cancelled:
+            stage.background.labels("cancelled").inc()
+            await stage.records.put(tenant, rid, Record(CANCELLED, meta))
+            return
+        error = self.background_error or builder.failed
+        if error is None and self.status not in (0, 200):
+            error = {"code": "backend_error", "message": f"the backend answered {self.status}"}
+        if error is None:
+            lost = "the answer completed, but its conversation was deleted or its lease expired"
+            error = {"code": "not_stored", "message": lost}
+        stage.background.labels("failed").inc()
+        await stage.records.put(tenant, rid, Record(FAILED, meta, error))
 
     async def begin(self, send: Send) -> Send | None:
         """Answer from the cache (None: answered), or the `send` the relay should use."""
@@ -411,6 +498,7 @@ class StateRequest:
         """Commit the turn or release it; store a complete answer. Never raises."""
         stage, turn = self.stage, self.turn
         complete = self._complete()
+        committed = False
         try:
             if turn is not None and stage.conversations is not None:
                 reply = self._reply() if complete else None
@@ -424,6 +512,12 @@ class StateRequest:
         except StateUnavailable as err:
             stage.turns.labels("unavailable").inc()
             log.warning("request %s: its turn was not stored: %s", self.ex.request_id, err)
+        if self.background:
+            try:
+                await self._settle_background(committed)
+            except StateUnavailable as err:
+                log.warning("request %s: its background record was not written: %s",
+                            self.ex.request_id, err)  # fmt: skip
         cache = stage.cache
         if cache is None or self.cache_key is None or self.status == 0:
             return  # not cached, answered from the cache, or failed before any answer

@@ -4,7 +4,8 @@ never forwarded.
 
 | route | answer |
 | --- | --- |
-| `GET /v1/responses/{id}` | the response object as it was answered |
+| `GET /v1/responses/{id}` | the response object as it was answered (or a background one's now) |
+| `POST /v1/responses/{id}/cancel` | stops a background response in progress |
 | `GET /v1/responses/{id}/input_items` | what that turn sent, as a list of items |
 | `DELETE /v1/responses/{id}` | forgets its whole conversation |
 | `POST /v1/conversations` | a new conversation, its `items` first in every prompt |
@@ -28,6 +29,7 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from edge.errors import ConversationNotFound, InvalidRequest
+from edge.state.background import CANCELLED, RUNNING, Record, RecordStore
 from edge.state.conversations import (
     REMOVED,
     Conversations,
@@ -157,8 +159,17 @@ class StoredObjects:
     """What `edge.app` answers on the stored objects' routes, for one tenant at a time; another
     tenant's ids, unknown, expired and malformed ones are all the same 404."""
 
-    def __init__(self, conversations: Conversations | None) -> None:
+    def __init__(
+        self, conversations: Conversations | None, records: RecordStore | None = None
+    ) -> None:
         self.conversations = conversations
+        self.records = records
+        """Background responses not stored (yet): running, cancelled or failed."""
+
+    async def _record(self, tenant: str, rid: str) -> Record | None:
+        if self.records is None or not rid.startswith("resp_"):
+            return None
+        return await self.records.get(tenant, rid)
 
     async def _history(self, tenant: str, name: str) -> tuple[str, History, int] | None:
         """(conversation, its history, the turn `name` names or 0) for a `resp_` or `conv_`
@@ -185,10 +196,32 @@ class StoredObjects:
         found = await self._history(tenant, rid) if rid.startswith("resp_") else None
         reply = found[1].reply(found[2]) if found is not None else None
         if reply is None:
-            raise self._missing(rid, True)
+            record = await self._record(tenant, rid)
+            if record is None:
+                raise self._missing(rid, True)
+            return ResponseBuilder.pending(rid, record.meta, record.error).response(record.status)
         message, meta = reply
         builder = ResponseBuilder.restored(rid, message, meta)
         return builder.response(meta.get("status") or "completed")
+
+    async def cancel(self, tenant: str, rid: str) -> dict[str, Any]:
+        """`POST /v1/responses/{rid}/cancel`: stop a background response still running (the
+        worker generating it reads the record within `POLL_S`); the response object. One
+        already cancelled or failed is given back as it is; a stored one is a 400."""
+        found = await self._history(tenant, rid) if rid.startswith("resp_") else None
+        if found is not None and found[1].reply(found[2]) is not None:
+            raise InvalidRequest(
+                "only a background response in progress can be cancelled; this one is stored",
+                code="response_not_cancellable",
+            )
+        record = await self._record(tenant, rid)
+        if record is None:
+            raise self._missing(rid, True)
+        assert self.records is not None
+        if record.status == RUNNING:
+            record = Record(CANCELLED, record.meta)
+            await self.records.put(tenant, rid, record)
+        return ResponseBuilder.pending(rid, record.meta, record.error).response(record.status)
 
     async def input_items(self, tenant: str, rid: str, query: bytes) -> dict[str, Any]:
         """`GET /v1/responses/{rid}/input_items`: the messages that turn sent."""

@@ -392,7 +392,8 @@ async def test_bad_responses_requests_are_400_by_field() -> None:
     async with TinyUpstream(ChatUpstream()) as up:
         async with run_edge(fast_config([up.url])) as edge, client(edge) as http:
             fn = {"type": "function", "name": "f"}
-            cases = [({"input": "x", "background": True}, "background"), ({}, "input"),
+            cases = [({"input": "x", "background": True, "stream": True}, "background"),
+                     ({}, "input"),
                      ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
                      ({"input": "x", "store": "yes"}, "store"),
                      ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),

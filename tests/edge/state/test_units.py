@@ -356,7 +356,9 @@ def test_sdk_fields_that_need_nothing_here_are_taken_at_those_values_only() -> N
     both = parse_request({"input": "hi", "user": "u1", "safety_identifier": "s1"})
     assert both.chat["user"] == "u1"
     refused: list[tuple[dict[str, Any], str]] = [
-        ({"background": True}, "background"),
+        ({"background": True, "store": False}, "background"),
+        ({"background": True, "stream": True}, "background"),
+        ({"background": "yes"}, "background"),
         ({"service_tier": "priority"}, "service_tier"),
         ({"stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
         ({"stream_options": {"chunk_size": 2}}, "stream_options.chunk_size"),

@@ -1,0 +1,168 @@
+"""Background responses (`background: true`): answered `queued` at once, generated without the
+client, polled with `GET /v1/responses/{id}` and stopped with `POST /v1/responses/{id}/cancel`
+through any edge that shares the store. The official OpenAI SDK against real edges, a scripted
+backend held at a gate, the memory store and real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import openai
+import pytest
+from openai.types.responses import Response
+
+from tests.edge.conftest import TinyUpstream, client, fast_config, run_edge
+from tests.edge.state.helpers import ChatUpstream, as_tenant, sdk_of, state, tenants
+from tests.edge.state.test_conversations import metric
+
+DONE = frozenset({"completed", "failed", "cancelled", "incomplete"})
+
+
+async def settled(sdk: openai.AsyncOpenAI, rid: str, within: float = 10.0) -> Response:
+    """Poll as a client does, until the response is no longer queued or running."""
+    async with asyncio.timeout(within):
+        while True:
+            response = await sdk.responses.retrieve(rid)
+            if response.status in DONE:
+                return response
+            await asyncio.sleep(0.05)
+
+
+def stores(redis_url: str, redis_prefix: str, kind: str) -> Any:
+    return state(redis_url if kind == "redis" else None, redis_prefix)
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+async def test_a_background_response_is_polled_to_its_answer_and_continued(
+    store: str, redis_url: str, redis_prefix: str
+) -> None:
+    gate = asyncio.Event()
+    upstream = ChatUpstream(gate=gate)
+    async with TinyUpstream(upstream) as up:
+        config = fast_config([up.url], state=stores(redis_url, redis_prefix, store),
+                             admission=tenants("alpha", "beta"))  # fmt: skip
+        async with run_edge(config) as edge:
+            asker = sdk_of(edge)
+            async with asker:
+                queued = await asker.responses.create(
+                    model="default", input="Name a moon.", background=True
+                )
+            # The client that asked is gone; the answer goes on without it.
+            assert queued.status == "queued" and queued.background is True
+            assert queued.output == []
+            await asyncio.wait_for(upstream.arrived.wait(), 5)
+            sdk, beta = sdk_of(edge), sdk_of(edge, "beta")
+            async with sdk, beta:
+                running = await sdk.responses.retrieve(queued.id)
+                assert running.status == "in_progress" and running.output == []
+                with pytest.raises(openai.ConflictError):  # its conversation is busy meanwhile
+                    await sdk.responses.create(
+                        model="default", input="More?", previous_response_id=queued.id
+                    )
+                with pytest.raises(openai.NotFoundError):  # another tenant's: not found
+                    await beta.responses.retrieve(queued.id)
+                with pytest.raises(openai.NotFoundError):
+                    await beta.responses.cancel(queued.id)
+                gate.set()
+                answered = await settled(sdk, queued.id)
+                assert answered.status == "completed" and answered.output_text == "answer 0 done"
+                assert answered.background is True and answered.created_at == queued.created_at
+                follow = await sdk.responses.create(
+                    model="default", input="Another?", previous_response_id=queued.id
+                )
+                assert follow.output_text == "answer 1 done"
+                with pytest.raises(openai.BadRequestError) as stored:
+                    await sdk.responses.cancel(queued.id)
+                assert stored.value.body["code"] == "response_not_cancellable"  # type: ignore[index]
+            line = 'quicedge_background_responses_total{outcome="completed"}'
+            assert await metric(edge, line) == 1
+            assert await metric(edge, "quicedge_background_responses_running") == 0
+    prompts = [[m["content"] for m in b["messages"]] for b in upstream.bodies()]
+    assert prompts[1] == ["Name a moon.", "answer 0 done", "Another?"]
+
+
+async def test_a_cancel_through_another_edge_stops_the_answer(
+    redis_url: str, redis_prefix: str
+) -> None:
+    """Two edges sharing Redis: the one generating the answer stops within its poll when the
+    other records the cancel, and its conversation is free for the next turn at once."""
+    gate = asyncio.Event()
+    upstream = ChatUpstream(gate=gate)
+    stored = stores(redis_url, redis_prefix, "redis")
+    async with TinyUpstream(upstream) as up:
+        config = fast_config([up.url], state=stored, admission=tenants("alpha"))
+        async with run_edge(config) as one, run_edge(config) as two:
+            first, second = sdk_of(one), sdk_of(two)
+            async with first, second:
+                conv = await first.conversations.create()
+                queued = await first.responses.create(
+                    model="default", input="Think long.", conversation=conv.id, background=True
+                )
+                await asyncio.wait_for(upstream.arrived.wait(), 5)
+                assert (await second.responses.retrieve(queued.id)).status == "in_progress"
+                cancelled = await second.responses.cancel(queued.id)
+                assert cancelled.status == "cancelled" and cancelled.output == []
+                line = 'quicedge_background_responses_total{outcome="cancelled"}'
+                async with asyncio.timeout(5):
+                    # read as an operator reads it, from the generating edge's metrics
+                    while await metric(one, line) != 1:  # noqa: ASYNC110
+                        await asyncio.sleep(0.05)
+                again = await first.responses.cancel(queued.id)  # the same answer, twice
+                assert again.status == "cancelled"
+                assert (await first.responses.retrieve(queued.id)).status == "cancelled"
+                upstream.gate = None
+                nxt = await first.responses.create(model="default", input="Short.",
+                                                   conversation=conv.id)  # fmt: skip
+                assert nxt.status == "completed"
+                items = [i async for i in first.conversations.items.list(conv.id, order="asc")]
+                # the cancelled turn stored nothing: only the next turn's question and answer
+                assert [i.role for i in items] == ["user", "assistant"]  # type: ignore[union-attr]
+            assert await metric(one, "quicedge_background_responses_running") == 0
+            gate.set()
+
+
+async def test_a_background_answer_that_fails_or_outlives_its_edge_is_failed(
+    redis_url: str, redis_prefix: str
+) -> None:
+    stored = stores(redis_url, redis_prefix, "redis")
+    gate = asyncio.Event()
+    upstream = ChatUpstream(gate=gate)
+    async with TinyUpstream(upstream) as up:
+        config = fast_config([up.url], state=stored, admission=tenants("alpha"))
+        async with run_edge(config) as edge:
+            sdk = sdk_of(edge)
+            async with sdk:
+                queued = await sdk.responses.create(model="default", input="Hi",
+                                                    background=True)  # fmt: skip
+                await asyncio.wait_for(upstream.arrived.wait(), 5)
+        # That edge stopped while the answer was running; another reads what became of it.
+        async with run_edge(config) as edge:
+            sdk = sdk_of(edge)
+            async with sdk:
+                stopped = await sdk.responses.retrieve(queued.id)
+                assert stopped.status == "failed" and stopped.error is not None
+                assert stopped.error.code == "edge_stopped"  # type: ignore[comparison-overlap]
+        gate.set()
+    # No backend answers at all: the failure is recorded with the edge's error.
+    config = fast_config(["http://127.0.0.1:9"], state=stored, admission=tenants("alpha"))
+    async with run_edge(config, start=False) as edge:
+        sdk = sdk_of(edge)
+        async with sdk:
+            queued = await sdk.responses.create(model="default", input="Hi", background=True)
+            failed = await settled(sdk, queued.id)
+            assert failed.status == "failed" and failed.error is not None
+            assert failed.error.message
+
+
+async def test_background_needs_store_and_no_stream_and_stored_conversations() -> None:
+    async with TinyUpstream(ChatUpstream()) as up:
+        off = state(conversations={"enabled": False})
+        config = fast_config([up.url], state=off, admission=tenants("alpha"))
+        async with run_edge(config) as edge, client(edge) as http:
+            me = as_tenant("alpha")
+            for extra in ({"store": False}, {"stream": True}, {}):
+                body = {"input": "x", "background": True, **extra}
+                refused = await http.post("/v1/responses", headers=me, json=body)
+                assert refused.status_code == 400, extra
+                assert refused.json()["error"]["param"] == "background"
