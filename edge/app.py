@@ -507,14 +507,14 @@ class ProxyApp:
                     if loop.time() >= deadline:
                         late = "the answer did not complete within state.conversations.lease"
                         state.background_error = {"code": "timeout", "message": late}
-                        forward.cancel()
+                        _stop(ex, forward)
                     elif await state.cancel_requested():
                         state.cancelled = True
-                        forward.cancel()
+                        _stop(ex, forward)
             except asyncio.CancelledError:  # the edge stops
                 stopped = "the edge stopped before the answer completed"
                 state.background_error = {"code": "edge_stopped", "message": stopped}
-                forward.cancel()
+                _stop(ex, forward)
             with contextlib.suppress(asyncio.CancelledError):
                 await forward
         except EdgeError as err:
@@ -672,6 +672,12 @@ def _default_card(listing: dict[str, Any]) -> dict[str, Any]:
     if len(served) == 1:
         card["root"] = served[0]
     return card
+
+
+def _stop(ex: Exchange, forward: asyncio.Task[None]) -> None:
+    """Stop a background answer as a departed client's: the backend's request is aborted."""
+    ex.disconnected = True
+    forward.cancel()
 
 
 def _stays(callback: Any) -> None:

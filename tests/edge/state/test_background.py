@@ -15,6 +15,7 @@ from openai.types.responses import Response
 from tests.edge.conftest import TinyUpstream, client, fast_config, run_edge
 from tests.edge.state.helpers import ChatUpstream, as_tenant, sdk_of, state, tenants
 from tests.edge.state.test_conversations import metric
+from tests.helpers import wait_until
 
 DONE = frozenset({"completed", "failed", "cancelled", "incomplete"})
 
@@ -108,6 +109,8 @@ async def test_a_cancel_through_another_edge_stops_the_answer(
                     # read as an operator reads it, from the generating edge's metrics
                     while await metric(one, line) != 1:  # noqa: ASYNC110
                         await asyncio.sleep(0.05)
+                # the backend's request was aborted, as a departed client's is
+                await wait_until(lambda: any(r.path == "/abort_request" for r in up.requests))
                 again = await first.responses.cancel(queued.id)  # the same answer, twice
                 assert again.status == "cancelled"
                 assert (await first.responses.retrieve(queued.id)).status == "cancelled"
