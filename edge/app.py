@@ -534,6 +534,11 @@ class ProxyApp:
             ex.status = ex.status or 499
         self._account(ex, scope, RESPONSES, None if error is None else error["message"])
 
+    async def settle_background(self, timeout: float) -> None:
+        """Wait up to `timeout` s for the background answers in progress to end (a drain)."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=timeout)
+
     async def stop_background(self) -> None:
         """Stop the background answers in progress (the edge is stopping): each is recorded
         as failed, `edge_stopped`."""

@@ -205,7 +205,8 @@ class ProxyApps:
             await built.aclose()
 
         record = built.audit.record_event if built.audit is not None else None
-        return ServedApps(built.app, admin_app, aclose, reload=reload, record=record)
+        return ServedApps(built.app, admin_app, aclose, reload=reload, record=record,
+                          settle=built.settle)  # fmt: skip
 
     def describe(self) -> str:
         proxy = self.settings.get("proxy", ProxyConfig)

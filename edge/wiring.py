@@ -158,6 +158,11 @@ class Wiring:
         if old is not None:
             await old.aclose()
 
+    async def settle(self, timeout: float) -> None:
+        """While the listeners drain: let background answers finish for up to `timeout` s."""
+        if self.proxy is not None:
+            await self.proxy.settle_background(timeout)
+
     async def aclose(self) -> None:
         """Stop background answers and checks, let in-progress aborts finish briefly, close
         pools, flush spans."""

@@ -55,6 +55,9 @@ class ServedApps:
     record: Callable[..., object] | None = None
     """`record(event, **fields)`: where the transport's own events (a certificate reload) go
     beside the apps' (the audit log); None: nowhere."""
+    settle: Callable[[float], Awaitable[None]] | None = None
+    """`settle(timeout)`, beside the listeners' drain: let the apps' work that outlives its
+    requests (background answers) finish for up to `timeout` seconds."""
 
 
 class AppFactory(Protocol):
@@ -177,7 +180,8 @@ async def run_worker(
         gc_pauses.start()  # after the freeze's own full collection
         announce(lines)
         await stop.wait()
-        await listeners.drain()
+        settling = [apps.settle(t.drain_timeout)] if apps.settle is not None else []
+        await asyncio.gather(listeners.drain(), *settling)
     finally:
         probe.stop()
         gc_pauses.stop()

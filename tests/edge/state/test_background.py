@@ -169,3 +169,22 @@ async def test_background_needs_store_and_no_stream_and_stored_conversations() -
                 refused = await http.post("/v1/responses", headers=me, json=body)
                 assert refused.status_code == 400, extra
                 assert refused.json()["error"]["param"] == "background"
+
+
+async def test_a_drain_lets_a_background_answer_finish() -> None:
+    """`settle` runs beside the listeners' drain (SIGTERM): an answer that completes within
+    the drain's time is stored, where the edge's close would have failed it."""
+    gate = asyncio.Event()
+    upstream = ChatUpstream(gate=gate)
+    async with TinyUpstream(upstream) as up:
+        config = fast_config([up.url], state=state(), admission=tenants("alpha"))
+        async with run_edge(config) as edge:
+            sdk = sdk_of(edge)
+            async with sdk:
+                queued = await sdk.responses.create(model="default", input="Hi", background=True)
+                await asyncio.wait_for(upstream.arrived.wait(), 5)
+                await edge.wiring.settle(0.1)  # not done within it: settle only waits
+                assert (await sdk.responses.retrieve(queued.id)).status == "in_progress"
+                asyncio.get_running_loop().call_later(0.1, gate.set)
+                await edge.wiring.settle(5.0)
+                assert (await sdk.responses.retrieve(queued.id)).status == "completed"
