@@ -27,8 +27,14 @@ from edge.asgi import Receive, Scope, Send, body_writer, lifespan, render_error,
 from edge.attempt import Aborter, Attempts
 from edge.audit import AuditLog
 from edge.config import ProxyConfig
-from edge.errors import EdgeError, MethodNotAllowed, ModelNotFound, RouteNotFound
-from edge.exchange import Exchange, read_headers
+from edge.errors import (
+    EdgeError,
+    InvalidRequest,
+    MethodNotAllowed,
+    ModelNotFound,
+    RouteNotFound,
+)
+from edge.exchange import Exchange, RequestHeaders, read_headers
 from edge.models import DEFAULT_MODEL, ModelCatalog, Models
 from edge.policy.gateway import PolicyGateway
 from edge.routing.base import RoutingPolicy
@@ -93,6 +99,8 @@ STORED_ROUTES: tuple[tuple[re.Pattern[str], str, tuple[str, ...]], ...] = tuple(
         ("/v1/conversations/{id}", ("GET", "POST", "DELETE")),
         ("/v1/conversations/{id}/items", ("GET", "POST")),
         ("/v1/conversations/{id}/items/{item}", ("GET", "DELETE")),
+        (CHAT + "/{id}", ("GET", "POST", "DELETE")),
+        (CHAT + "/{id}/messages", ("GET",)),
     )
 )  # fmt: skip
 """Stored responses and conversations by id (`edge.state.stored`): (path, route label,
@@ -192,8 +200,12 @@ class ProxyApp:
         method: str = scope["method"]
         methods = ROUTE_METHODS.get(path)
         route = path if methods is not None else None
+        if route == CHAT and method == "GET":  # the stored completions' list
+            route = methods = None
         is_models = path == "/v1/models" or path.startswith("/v1/models/")
         stored = stored_route(path) if route is None and not is_models else None
+        if stored is None and path == CHAT:
+            stored = (CHAT, ("GET", "POST"), "", "")
         label = route or ("/v1/models" if is_models else stored[0] if stored else "other")
         try:
             if route is not None and methods is not None:
@@ -305,16 +317,14 @@ class ProxyApp:
         await self.admission.charge_call(caller)
         tenant = caller.name
         stored, query = self.state.stored, scope.get("query_string", b"")
-        if label == RESPONSES + "/{id}/cancel":  # no body to read
+        if label.startswith(CHAT):
+            answer = await self._stored_completions(scope, receive, label, tenant, name, query)
+        elif label == RESPONSES + "/{id}/cancel":  # no body to read
             answer = await stored.cancel(tenant, name)
             self._audit_stored("response.cancel", tenant, name)
         elif scope["method"] == "POST":
-            check_content_type(headers.content_type)
-            limit = self.config.max_body_bytes
-            declared_length(headers.content_length, limit)
-            try:
-                body = parse_json_object(await read_body(receive, limit))
-            except ClientGone:
+            body = await self._stored_body(headers, receive)
+            if body is None:
                 return
             if label == "/v1/conversations":
                 answer = await stored.create(tenant, body)
@@ -342,7 +352,50 @@ class ProxyApp:
             answer = await stored.conversation_items(tenant, name, query)
         else:
             answer = await stored.conversation_item(tenant, name, item)
-        await send_json(send, 200, answer)
+        if answer is not None:  # None: the client left while it sent the body
+            await send_json(send, 200, answer)
+
+    async def _stored_body(
+        self, headers: RequestHeaders, receive: Receive
+    ) -> dict[str, Any] | None:
+        """A stored object's POST body, checked as an inference body is; None: the client
+        left."""
+        check_content_type(headers.content_type)
+        limit = self.config.max_body_bytes
+        declared_length(headers.content_length, limit)
+        try:
+            return parse_json_object(await read_body(receive, limit))
+        except ClientGone:
+            return None
+
+    async def _stored_completions(
+        self, scope: Scope, receive: Receive, label: str, tenant: str, name: str, query: bytes
+    ) -> dict[str, Any] | None:
+        """The stored chat completions' routes (`edge.state.completions`)."""
+        assert self.state is not None
+        completions = self.state.completions
+        if completions is None:
+            raise InvalidRequest(
+                "stored chat completions are turned off on this edge (they are kept where "
+                "conversations are)", code="conversations_disabled",
+            )  # fmt: skip
+        method = scope["method"]
+        if label == CHAT:
+            return await completions.listing(tenant, query)
+        if label == CHAT + "/{id}/messages":
+            return await completions.messages(tenant, name, query)
+        if method == "DELETE":
+            answer = await completions.delete(tenant, name)
+            self._audit_stored("chat_completion.delete", tenant, name)
+            return answer
+        if method == "POST":
+            body = await self._stored_body(read_headers(scope["headers"]), receive)
+            if body is None:
+                return None
+            answer = await completions.update(tenant, name, body)
+            self._audit_stored("chat_completion.update", tenant, name)
+            return answer
+        return await completions.retrieve(tenant, name)
 
     def _audit_stored(self, action: str, tenant: str, name: str) -> None:
         """A stored conversation created, changed or deleted: a line of the audit chain (reads

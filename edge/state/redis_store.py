@@ -102,6 +102,42 @@ class RedisState:
     async def release(self, lease: str, token: bytes) -> None:
         await self._call("release", lambda: self._release(keys=[lease], args=[token]))
 
+    async def replace(self, key: str, value: bytes) -> bool:
+        """SET XX KEEPTTL: change an existing key, its TTL as it was; False when none."""
+        done = await self._call(
+            "set xx", lambda: self.client.set(key, value, xx=True, keepttl=True)
+        )
+        return bool(done)
+
+    async def index_add(
+        self, index: str, member: str, score: float, *, oldest: float, ttl_ms: int
+    ) -> None:
+        """Add `member` to the sorted set `index`, drop members scored below `oldest`, and
+        restart the index's TTL: a time index that never outgrows what it indexes."""
+
+        async def run() -> None:
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.zadd(index, {member: score})
+                pipe.zremrangebyscore(index, "-inf", f"({oldest}")
+                pipe.pexpire(index, ttl_ms)
+                await pipe.execute()
+
+        await self._call("index add", run)
+
+    async def index_newest(self, index: str, count: int) -> list[str]:
+        """The `count` highest-scored members of `index`, highest first."""
+        members: Any = await self._call(
+            "index read", lambda: self.client.zrevrange(index, 0, count - 1)
+        )
+        return [m.decode() if isinstance(m, bytes) else str(m) for m in members]
+
+    async def index_remove(self, index: str, *members: str) -> None:
+        await self._call("index remove", lambda: self.client.zrem(index, *members))
+
+    async def get_many(self, keys: list[str]) -> list[bytes | None]:
+        values: Any = await self._call("mget", lambda: self.client.mget(keys))
+        return [v if isinstance(v, bytes) else None for v in values]
+
     async def delete(self, *keys: str) -> int:
         """Delete `keys`; how many existed."""
         count: Any = await self._call("del", lambda: self.client.delete(*keys))

@@ -35,6 +35,13 @@ from edge.state.background import (
 from edge.state.cache import CACHE_HEADER, CacheTier, Entry, RedisTier, ResponseCache, deterministic
 from edge.state.cache import weight_version_of as _weight_version
 from edge.state.chat_answer import ChatAnswer, message_of_body
+from edge.state.completions import (
+    CompletionStore,
+    MemoryCompletions,
+    RedisCompletions,
+    StoredCompletions,
+    check_store,
+)
 from edge.state.config import StateConfig
 from edge.state.conversations import (
     CONVERSATION_HEADER,
@@ -106,6 +113,15 @@ class StateStage:
                 else MemoryRecords(config.conversations)
             )
         self.stored = StoredObjects(self.conversations, self.records)
+        self.completions: StoredCompletions | None = None
+        """Chat completions asked to be kept (`store: true`), with stored conversations only."""
+        if self.conversations is not None:
+            kept: CompletionStore = (
+                RedisCompletions(self.redis, config.conversations)
+                if self.redis is not None
+                else MemoryCompletions(config.conversations)
+            )
+            self.completions = StoredCompletions(kept, config.conversations)
         """Stored responses and conversations read back and deleted by id."""
         self.cache: ResponseCache | None = None
         if config.cache.enabled:
@@ -117,6 +133,13 @@ class StateStage:
             "quicedge_conversation_turns_total",
             "Stored-conversation turns by outcome (committed, failed, lost, busy, not_found, "
             "too_large, unavailable)",
+            ["outcome"],
+            registry=registry,
+        )
+        self.completions_kept = Counter(
+            "quicedge_stored_completions_total",
+            "Chat completions asked to be stored (store: true), by outcome (stored, too_large, "
+            "incomplete, unavailable)",
             ["outcome"],
             registry=registry,
         )
@@ -140,14 +163,24 @@ class StateStage:
         self, ex: Exchange, raw: bytes, body: dict[str, Any]
     ) -> tuple[bytes, dict[str, Any]]:
         """The body to forward (rebuilt for a conversation or `/v1/responses`), and `ex.state`."""
+        keep = None
         try:
             if ex.route == RESPONSES:
                 return await self._responses(ex, body)
+            if ex.route == CHAT and self.completions is not None:
+                keep = check_store(body)
             if ex.headers.conversation is not None:
-                return await self._chat_conversation(ex, body, ex.headers.conversation)
+                raw, body = await self._chat_conversation(ex, body, ex.headers.conversation)
+                if keep is not None:
+                    self._keep(ex, keep, body)
+                return raw, body
         except EdgeError as err:
-            self.turns.labels(_outcome_of(err)).inc()
+            if not isinstance(err, InvalidRequest) or err.param not in ("store", "metadata"):
+                self.turns.labels(_outcome_of(err)).inc()
             raise
+        if keep is not None:  # its answer is stored, so it is not one from the cache
+            self._keep(ex, keep, body)
+            return raw, body
         cache = self.cache
         if cache is not None and ex.route in CACHEABLE_ROUTES:
             opt = ex.headers.cache
@@ -162,6 +195,16 @@ class StateStage:
                 )
                 ex.state = request
         return raw, body
+
+    def _keep(self, ex: Exchange, metadata: dict[str, str], body: dict[str, Any]) -> None:
+        """Have this chat request's answer stored (`store: true`) once it completes."""
+        state = ex.state if ex.state is not None else StateRequest(self, ex)
+        state.keep = metadata
+        messages = body.get("messages")
+        state.sent = messages if isinstance(messages, list) else []
+        if state.answer is None:  # a stream's message, calls and finish, gathered as it goes
+            state.answer = ChatAnswer()
+        ex.state = state
 
     def _conversations(self) -> Conversations:
         if self.conversations is None:
@@ -272,12 +315,16 @@ class StateRequest:
         "captured_size",
         "ended",
         "ex",
+        "head",
         "held",
+        "keep",
         "normalised",
         "scanner",
+        "sent",
         "stage",
         "status",
         "turn",
+        "usage",
         "whole",
         "_send",
     )
@@ -308,6 +355,14 @@ class StateRequest:
         """Why a background answer failed before its backend answered (`{"code", "message"}`)."""
         self.cancelled = False
         """A background answer stopped by `POST /v1/responses/{id}/cancel`."""
+        self.keep: dict[str, str] | None = None
+        """A chat request's `store: true`: the metadata its stored answer gets."""
+        self.sent: list[Any] = []
+        """What a stored chat request sent (its `messages`)."""
+        self.head: dict[str, Any] | None = None
+        """A stored stream's `id`, `created` and `model`, from its first chunk."""
+        self.usage: Any = None
+        """A stored stream's `usage`, when a chunk gave it."""
 
     async def queue(self) -> dict[str, Any]:
         """Record a background response as running; the `queued` response object its client
@@ -447,9 +502,11 @@ class StateRequest:
                     self.answer_failed = True
                 elif isinstance(obj, dict):
                     answer.take_chunk(obj)
+                    if self.keep is not None:
+                        self._note(obj)
         builder = self.builder
         if builder is None:
-            if not self.ex.stream and self.turn is not None:
+            if not self.ex.stream and (self.turn is not None or self.keep is not None):
                 self.whole.append(body)
             return body
         if not self.ex.stream:
@@ -463,6 +520,48 @@ class StateRequest:
             builder.failed = {"code": "stream_cut", "message": "the backend's stream ended early"}
             out += builder.finish()
         return out
+
+    def _note(self, chunk: dict[str, Any]) -> None:
+        if self.head is None and isinstance(chunk.get("id"), str):
+            self.head = {k: chunk.get(k) for k in ("id", "created", "model")}
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+
+    def _completion(self) -> dict[str, Any] | None:
+        """The `chat.completion` object to store for this answer (None: none to store)."""
+        if not self.ex.stream:
+            try:
+                whole = orjson.loads(b"".join(self.whole))
+            except ValueError:
+                return None
+            return whole if isinstance(whole, dict) and whole.get("choices") else None
+        answer = self.answer
+        if answer is None or self.head is None:
+            return None
+        message = answer.reply()
+        if answer.reasoning:
+            message["reasoning_content"] = answer.reasoning
+        logprobs = {"content": answer.logprobs} if answer.logprobs else None
+        choice = {"index": 0, "message": message, "logprobs": logprobs,
+                  "finish_reason": answer.finish}  # fmt: skip
+        return {**self.head, "object": "chat.completion", "choices": [choice],
+                "usage": self.usage}  # fmt: skip
+
+    async def _store_completion(self, complete: bool) -> None:
+        stage = self.stage
+        assert stage.completions is not None and self.keep is not None
+        completion = self._completion() if complete else None
+        if completion is None:
+            stage.completions_kept.labels("incomplete").inc()
+            return
+        completion["metadata"] = self.keep
+        try:
+            kept = await stage.completions.keep(self.ex.tenant, completion, self.sent)
+        except StateUnavailable as err:
+            stage.completions_kept.labels("unavailable").inc()
+            log.warning("request %s: its completion was not stored: %s", self.ex.request_id, err)
+            return
+        stage.completions_kept.labels("stored" if kept else "too_large").inc()
 
     def _complete(self) -> bool:
         """The client got a whole, successful answer (a stream that reached its end cleanly)."""
@@ -512,6 +611,8 @@ class StateRequest:
         except StateUnavailable as err:
             stage.turns.labels("unavailable").inc()
             log.warning("request %s: its turn was not stored: %s", self.ex.request_id, err)
+        if self.keep is not None:
+            await self._store_completion(complete)
         if self.background:
             try:
                 await self._settle_background(committed)

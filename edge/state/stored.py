@@ -129,10 +129,12 @@ def _conversation(cid: str, history: History) -> dict[str, Any]:
             "created_at": history.created_at, "metadata": history.metadata}  # fmt: skip
 
 
-def page(items: list[dict[str, Any]], query: bytes) -> dict[str, Any]:
+def page(
+    items: list[dict[str, Any]], query: bytes, *, default_order: str = "desc"
+) -> dict[str, Any]:
     """One page of `items` (oldest first) as the query asks; 400 naming a bad parameter."""
     args = {k: v[-1] for k, v in parse_qs(query.decode("latin-1")).items()}
-    order = args.get("order", "desc")
+    order = args.get("order", default_order)
     if order not in ("asc", "desc"):
         raise InvalidRequest("'order' must be 'asc' or 'desc'", param="order")
     try:

@@ -1,0 +1,269 @@
+"""Stored chat completions: `store: true` on `/v1/chat/completions` keeps the answer, which is
+then read back, listed, given new metadata and deleted by id, as OpenAI's stored completions are
+(docs/state.md, "Stored chat completions"). The edge's own routes: nothing reaches a backend.
+
+| route | answer |
+| --- | --- |
+| `GET /v1/chat/completions` | the tenant's stored ones, by `model` and `metadata[k]` |
+| `GET /v1/chat/completions/{id}` | one, as it was answered |
+| `POST /v1/chat/completions/{id}` | sets its `metadata` |
+| `DELETE /v1/chat/completions/{id}` | forgets it |
+| `GET /v1/chat/completions/{id}/messages` | the messages its request sent |
+
+Kept where conversations are (the memory store or Redis), for `state.conversations.ttl`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Protocol
+from urllib.parse import parse_qs
+
+import orjson
+
+from edge.errors import ConversationNotFound, InvalidRequest
+from edge.state.config import ConversationConfig
+from edge.state.redis_store import RedisState
+from edge.state.stored import page
+
+MAX_LIST_SCAN = 10_000
+"""A list looks through at most this many of the tenant's newest completions (its filters
+apply to these)."""
+
+
+@dataclass(slots=True)
+class StoredCompletion:
+    completion: dict[str, Any]
+    """The `chat.completion` object as it was answered, with its `metadata`."""
+    messages: list[dict[str, Any]]
+    """What the request sent."""
+
+    def encode(self) -> bytes:
+        return orjson.dumps({"c": self.completion, "m": self.messages})
+
+    @classmethod
+    def decode(cls, blob: bytes) -> StoredCompletion:
+        obj = orjson.loads(blob)
+        return cls(dict(obj["c"]), list(obj["m"]))
+
+
+class CompletionStore(Protocol):
+    """Stored completions by tenant and id, newest first for listing."""
+
+    async def put(self, tenant: str, cid: str, blob: bytes) -> None: ...
+    async def get(self, tenant: str, cid: str) -> bytes | None: ...
+    async def replace(self, tenant: str, cid: str, blob: bytes) -> bool: ...
+    async def delete(self, tenant: str, cid: str) -> bool: ...
+    async def newest(self, tenant: str, count: int) -> list[tuple[str, bytes]]: ...
+
+
+class MemoryCompletions:
+    """This process's stored completions: per tenant, oldest evicted past
+    `memory_max_conversations`, each gone after `ttl`."""
+
+    def __init__(self, config: ConversationConfig, *, clock: Any = time.monotonic) -> None:
+        self._ttl = config.ttl
+        self._max = config.memory_max_conversations
+        self._clock = clock
+        self._data: dict[str, OrderedDict[str, tuple[float, bytes]]] = {}
+
+    def _live(self, tenant: str) -> OrderedDict[str, tuple[float, bytes]]:
+        kept = self._data.setdefault(tenant, OrderedDict())
+        now = self._clock()
+        while kept and next(iter(kept.values()))[0] <= now:  # insertion order: oldest first
+            kept.popitem(last=False)
+        return kept
+
+    async def put(self, tenant: str, cid: str, blob: bytes) -> None:
+        kept = self._live(tenant)
+        kept.pop(cid, None)
+        kept[cid] = (self._clock() + self._ttl, blob)
+        while len(kept) > self._max:
+            kept.popitem(last=False)
+
+    async def get(self, tenant: str, cid: str) -> bytes | None:
+        found = self._live(tenant).get(cid)
+        return None if found is None else found[1]
+
+    async def replace(self, tenant: str, cid: str, blob: bytes) -> bool:
+        kept = self._live(tenant)
+        if cid not in kept:
+            return False
+        kept[cid] = (kept[cid][0], blob)
+        return True
+
+    async def delete(self, tenant: str, cid: str) -> bool:
+        return self._live(tenant).pop(cid, None) is not None
+
+    async def newest(self, tenant: str, count: int) -> list[tuple[str, bytes]]:
+        kept = self._live(tenant)
+        return [(cid, kept[cid][1]) for cid in list(reversed(kept))[:count]]
+
+
+class RedisCompletions:
+    """Stored completions in Redis: `{prefix}chatcmpl:{tenant}:{id}`, with the conversations'
+    TTL, and the tenant's index by time `{prefix}chatcmpl-index:{tenant}` (trimmed of what
+    expired at every store)."""
+
+    def __init__(self, redis: RedisState, config: ConversationConfig) -> None:
+        self._redis = redis
+        self._ttl = config.ttl
+
+    def _key(self, tenant: str, cid: str) -> str:
+        return f"{self._redis.prefix}chatcmpl:{tenant}:{cid}"
+
+    def _index(self, tenant: str) -> str:
+        return f"{self._redis.prefix}chatcmpl-index:{tenant}"
+
+    async def put(self, tenant: str, cid: str, blob: bytes) -> None:
+        ttl_ms, now = int(self._ttl * 1000), time.time()
+        await self._redis.set(self._key(tenant, cid), blob, ttl_ms)
+        await self._redis.index_add(
+            self._index(tenant), cid, now, oldest=now - self._ttl, ttl_ms=ttl_ms
+        )
+
+    async def get(self, tenant: str, cid: str) -> bytes | None:
+        return await self._redis.get(self._key(tenant, cid))
+
+    async def replace(self, tenant: str, cid: str, blob: bytes) -> bool:
+        return await self._redis.replace(self._key(tenant, cid), blob)
+
+    async def delete(self, tenant: str, cid: str) -> bool:
+        await self._redis.index_remove(self._index(tenant), cid)
+        return await self._redis.delete(self._key(tenant, cid)) > 0
+
+    async def newest(self, tenant: str, count: int) -> list[tuple[str, bytes]]:
+        ids = await self._redis.index_newest(self._index(tenant), count)
+        if not ids:
+            return []
+        blobs = await self._redis.get_many([self._key(tenant, cid) for cid in ids])
+        gone = [cid for cid, blob in zip(ids, blobs, strict=True) if blob is None]
+        if gone:  # deleted or expired since it was indexed
+            await self._redis.index_remove(self._index(tenant), *gone)
+        return [(cid, blob) for cid, blob in zip(ids, blobs, strict=True) if blob is not None]
+
+
+def _not_found(cid: str) -> ConversationNotFound:
+    return ConversationNotFound(
+        f"No chat completion found with id '{cid[:80]}'.", code="chat_completion_not_found"
+    )
+
+
+def _metadata(value: Any) -> dict[str, str]:
+    """OpenAI's metadata: at most 16 string pairs, keys up to 64 characters, values 512."""
+    if not isinstance(value, dict):
+        raise InvalidRequest("'metadata' must be an object", param="metadata")
+    if len(value) > 16 or not all(
+        isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+        for k, v in value.items()
+    ):
+        raise InvalidRequest(
+            "'metadata' holds at most 16 string values, keys up to 64 characters and values "
+            "up to 512",
+            param="metadata",
+        )
+    return value
+
+
+def check_store(body: dict[str, Any]) -> dict[str, str] | None:
+    """The metadata to keep with a `store: true` chat request (None: not stored); 400 for a
+    bad `store` or `metadata`."""
+    store = body.get("store")
+    if store is None or store is False:
+        return None
+    if store is not True:
+        raise InvalidRequest("'store' must be true or false", param="store")
+    metadata = body.get("metadata")
+    return {} if metadata is None else _metadata(metadata)
+
+
+def _page_query(query: bytes) -> dict[str, str]:
+    return {k: v[-1] for k, v in parse_qs(query.decode("latin-1")).items()}
+
+
+class StoredCompletions:
+    """What `edge.app` answers on the stored completions' routes, one tenant at a time."""
+
+    def __init__(self, store: CompletionStore, config: ConversationConfig) -> None:
+        self.store = store
+        self.max_bytes = config.max_bytes
+
+    async def keep(
+        self, tenant: str, completion: dict[str, Any], messages: list[dict[str, Any]]
+    ) -> bool:
+        """Store an answered completion; False when it is larger than `max_bytes`."""
+        cid = completion.get("id")
+        if not isinstance(cid, str) or not cid:
+            return False
+        blob = StoredCompletion(completion, messages).encode()
+        if len(blob) > self.max_bytes:
+            return False
+        await self.store.put(tenant, cid, blob)
+        return True
+
+    async def _load(self, tenant: str, cid: str) -> StoredCompletion:
+        blob = await self.store.get(tenant, cid)
+        if blob is None:
+            raise _not_found(cid)
+        return StoredCompletion.decode(blob)
+
+    async def retrieve(self, tenant: str, cid: str) -> dict[str, Any]:
+        """`GET /v1/chat/completions/{id}`."""
+        return (await self._load(tenant, cid)).completion
+
+    async def update(self, tenant: str, cid: str, body: dict[str, Any]) -> dict[str, Any]:
+        """`POST /v1/chat/completions/{id}`: replace its metadata; the completion."""
+        unknown = sorted(set(body) - {"metadata"})
+        if unknown:
+            raise InvalidRequest(f"'{unknown[0]}' is not supported by this endpoint",
+                                 param=unknown[0], code="unsupported_parameter")  # fmt: skip
+        metadata = _metadata(body.get("metadata"))
+        stored = await self._load(tenant, cid)
+        stored.completion["metadata"] = metadata
+        if not await self.store.replace(tenant, cid, stored.encode()):
+            raise _not_found(cid)  # expired or deleted meanwhile
+        return stored.completion
+
+    async def delete(self, tenant: str, cid: str) -> dict[str, Any]:
+        """`DELETE /v1/chat/completions/{id}`: OpenAI's deletion object."""
+        if not await self.store.delete(tenant, cid):
+            raise _not_found(cid)
+        return {"object": "chat.completion.deleted", "id": cid, "deleted": True}
+
+    async def messages(self, tenant: str, cid: str, query: bytes) -> dict[str, Any]:
+        """`GET /v1/chat/completions/{id}/messages`: what its request sent, each with an id."""
+        stored = await self._load(tenant, cid)
+        items = [{**m, "id": f"{cid}-{i}"} for i, m in enumerate(stored.messages)]
+        return page(items, query, default_order="asc")
+
+    async def listing(self, tenant: str, query: bytes) -> dict[str, Any]:
+        """`GET /v1/chat/completions`: the tenant's stored completions, oldest first by
+        default, filtered by `model` and `metadata[key]=value`."""
+        args = _page_query(query)
+        model = args.get("model")
+        wanted = {k[len("metadata[") : -1]: v for k, v in args.items()
+                  if k.startswith("metadata[") and k.endswith("]")}  # fmt: skip
+        found = []
+        for _, blob in await self.store.newest(tenant, MAX_LIST_SCAN):
+            completion = StoredCompletion.decode(blob).completion
+            if model is not None and completion.get("model") != model:
+                continue
+            metadata = completion.get("metadata") or {}
+            if any(metadata.get(k) != v for k, v in wanted.items()):
+                continue
+            found.append(completion)
+        found.reverse()  # oldest first, as `page` takes them
+        return page(found, query, default_order="asc")
+
+
+__all__ = [
+    "MAX_LIST_SCAN",
+    "CompletionStore",
+    "MemoryCompletions",
+    "RedisCompletions",
+    "StoredCompletion",
+    "StoredCompletions",
+    "check_store",
+]

@@ -1,0 +1,95 @@
+"""Stored chat completions (`store: true` on `/v1/chat/completions`): kept once answered,
+whole or streamed, then read back, listed, given metadata and deleted through the official
+OpenAI SDK; the memory store and real Redis, the stand-in as the backend."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from backends.sim import SimServer
+from tests.edge.conftest import client, fast_config, run_edge
+from tests.edge.state.helpers import as_tenant, sdk_of, state, tenants
+from tests.edge.test_app_sim import sim_config
+
+ASK = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a moon."}]
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+async def test_stored_completions_read_back_list_update_and_delete(
+    store: str, redis_url: str, redis_prefix: str
+) -> None:
+    stored = state(redis_url if store == "redis" else None, redis_prefix)
+    async with SimServer(sim_config("b1")) as sim:
+        config = fast_config([sim.url], state=stored, admission=tenants("alpha", "beta"))
+        async with run_edge(config) as edge, client(edge) as http:
+            sdk, beta = sdk_of(edge), sdk_of(edge, "beta")
+            async with sdk, beta:
+                whole = await sdk.chat.completions.create(
+                    model="default", messages=ASK, max_tokens=6, store=True,  # type: ignore[arg-type]
+                    metadata={"topic": "moons"},
+                )  # fmt: skip
+                kept = await sdk.chat.completions.retrieve(whole.id)
+                assert kept.choices[0].message.content == whole.choices[0].message.content
+                assert kept.usage == whole.usage and kept.metadata == {"topic": "moons"}
+                # A stream is kept as the whole completion it adds up to.
+                stream = await sdk.chat.completions.create(
+                    model="default", messages=ASK, max_tokens=6, store=True, stream=True,  # type: ignore[arg-type]
+                    stream_options={"include_usage": True},
+                )  # fmt: skip
+                chunks = [c async for c in stream]
+                said = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                streamed = await sdk.chat.completions.retrieve(chunks[0].id)
+                assert streamed.choices[0].message.content == said
+                assert streamed.choices[0].finish_reason == "length"
+                assert streamed.usage is not None and streamed.usage.completion_tokens == 6
+                assert streamed.metadata == {}
+                # Not asked to be stored: not listed.
+                await sdk.chat.completions.create(model="default", messages=ASK, max_tokens=2)  # type: ignore[arg-type]
+                listed = [c.id async for c in sdk.chat.completions.list()]
+                assert listed == [whole.id, streamed.id]  # oldest first, as OpenAI lists them
+                # newest first, a page of one at a time (the SDK follows `has_more`)
+                newest = [c.id async for c in sdk.chat.completions.list(order="desc", limit=1)]
+                assert newest == [streamed.id, whole.id]
+                moons = [c.id async for c in sdk.chat.completions.list(metadata={"topic": "moons"})]
+                assert moons == [whole.id]
+                assert [c.id async for c in sdk.chat.completions.list(model="other")] == []
+                sent = [m async for m in sdk.chat.completions.messages.list(whole.id)]
+                assert [(m.role, m.content) for m in sent] == [  # type: ignore[union-attr]
+                    ("system", "Be brief."), ("user", "Name a moon.")]  # fmt: skip
+                assert sent[0].id == f"{whole.id}-0"
+                updated = await sdk.chat.completions.update(whole.id, metadata={"topic": "io"})
+                assert updated.metadata == {"topic": "io"}
+                assert (await sdk.chat.completions.retrieve(whole.id)).metadata == {"topic": "io"}
+                # Another tenant's: not found, and not in its list.
+                with pytest.raises(openai.NotFoundError) as theirs:
+                    await beta.chat.completions.retrieve(whole.id)
+                assert theirs.value.body["code"] == "chat_completion_not_found"  # type: ignore[index]
+                assert [c async for c in beta.chat.completions.list()] == []
+                gone = await sdk.chat.completions.delete(whole.id)
+                assert gone.deleted and gone.id == whole.id
+                with pytest.raises(openai.NotFoundError):
+                    await sdk.chat.completions.retrieve(whole.id)
+                with pytest.raises(openai.NotFoundError):
+                    await sdk.chat.completions.delete(whole.id)
+                assert [c.id async for c in sdk.chat.completions.list()] == [streamed.id]
+            me = as_tenant("alpha")
+            bad_ones = (({"store": "yes"}, "store"), ({"store": True, "metadata": 3}, "metadata"),
+                        ({"store": True, "metadata": {"k": 1}}, "metadata"))  # fmt: skip
+            for bad, param in bad_ones:
+                refused = await http.post("/v1/chat/completions", headers=me,
+                                          json={"messages": ASK, **bad})  # fmt: skip
+                assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+            wrong = await http.put(f"/v1/chat/completions/{streamed.id}", headers=me)
+            assert wrong.status_code == 405
+            assert wrong.headers["allow"] == "GET, POST, DELETE"
+
+
+async def test_without_stored_conversations_the_routes_say_so() -> None:
+    async with SimServer(sim_config("b1")) as sim:
+        off = state(conversations={"enabled": False})
+        config = fast_config([sim.url], state=off, admission=tenants("alpha"))
+        async with run_edge(config) as edge, client(edge) as http:
+            listed = await http.get("/v1/chat/completions", headers=as_tenant("alpha"))
+            assert listed.status_code == 400
+            assert listed.json()["error"]["code"] == "conversations_disabled"
