@@ -16,6 +16,7 @@ import re
 import time
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import parse_qs
 
 from backends.credentials import BackendCredentials
 from backends.pool import UpstreamPool
@@ -65,7 +66,7 @@ from edge.stages.validate import (
     validate,
 )
 from edge.stages.view import build_view
-from edge.state.background import POLL_S
+from edge.state.background import POLL_S, Broadcast, follow
 from edge.state.responses import RESPONSES
 from edge.state.stage import StateStage
 from edge.telemetry import Metrics
@@ -317,6 +318,9 @@ class ProxyApp:
         await self.admission.charge_call(caller)
         tenant = caller.name
         stored, query = self.state.stored, scope.get("query_string", b"")
+        if label == RESPONSES + "/{id}" and scope["method"] == "GET" and _wants_stream(query):
+            await self._resume(send, receive, tenant, name, query)
+            return
         if label.startswith(CHAT):
             answer = await self._stored_completions(scope, receive, label, tenant, name, query)
         elif label == RESPONSES + "/{id}/cancel":  # no body to read
@@ -367,6 +371,31 @@ class ProxyApp:
             return parse_json_object(await read_body(receive, limit))
         except ClientGone:
             return None
+
+    async def _resume(
+        self, send: Send, receive: Receive, tenant: str, rid: str, query: bytes
+    ) -> None:
+        """`GET /v1/responses/{id}?stream=true&starting_after=N`: a background stream's events
+        after N, then the rest as they come, from whichever edge generates it."""
+        assert self.state is not None
+        events = self.state.events
+        args = parse_qs(query.decode("latin-1"))
+        try:
+            after = int(args.get("starting_after", ["-1"])[-1])
+        except ValueError:
+            after = -2
+        if after < -1:
+            raise InvalidRequest("'starting_after' must be an integer >= -1",
+                                 param="starting_after")  # fmt: skip
+        await self.state.stored.response(tenant, rid)  # 404 for what is not there
+        if events is None or await events.read(tenant, rid, 0) is None:
+            raise InvalidRequest(
+                "this response keeps no event stream to resume: only a background response "
+                "asked with stream: true does", param="stream", code="not_resumable",
+            )  # fmt: skip
+        within = self.state.config.conversations.lease
+        await _stream_events(send, receive, follow(events, tenant, rid, after + 1,
+                                                   within=within), "-")  # fmt: skip
 
     async def _stored_completions(
         self, scope: Scope, receive: Receive, label: str, tenant: str, name: str, query: bytes
@@ -455,7 +484,7 @@ class ProxyApp:
             try:
                 await self._parse_and_admit(ex, receive, tenant)
                 if ex.state is not None and ex.state.background:
-                    detached = await self._detach(ex, scope, send)
+                    detached = await self._detach(ex, scope, receive, send)
                     return
                 try:
                     relay_send = send if ex.state is None else await ex.state.begin(send)
@@ -520,11 +549,12 @@ class ProxyApp:
 
     # -- background responses ----------------------------------------------------------------
 
-    async def _detach(self, ex: Exchange, scope: Scope, send: Send) -> bool:
+    async def _detach(self, ex: Exchange, scope: Scope, receive: Receive, send: Send) -> bool:
         """A `background: true` response: record it running, hand the rest of the request to
-        a task of its own, and answer `queued` now. True once that task owns the request."""
+        a task of its own, and answer `queued` now, or with `stream`, relay its events for as
+        long as this client stays. True once that task owns the request."""
         state = ex.state
-        assert state is not None
+        assert state is not None and self.state is not None
         try:
             queued = await state.queue()
         except BaseException:
@@ -532,14 +562,25 @@ class ProxyApp:
             raise
         ex.on_disconnect = _stays  # its client may go now: the answer does not need it
         ex.body_writer = None
-        task = asyncio.get_running_loop().create_task(self._in_background(ex, scope))
+        broadcast = None
+        if ex.stream and self.state.events is not None:
+            cap = 4 * self.state.config.conversations.max_bytes
+            broadcast = Broadcast(self.state.events, ex.tenant, queued["id"], cap)
+            assert state.builder is not None
+            await broadcast.events(state.builder.announce())  # the id, before any answer
+        task = asyncio.get_running_loop().create_task(self._in_background(ex, scope, broadcast))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-        with contextlib.suppress(ClientGone):
-            await send_json(send, 200, queued)
+        if broadcast is None:
+            with contextlib.suppress(ClientGone):
+                await send_json(send, 200, queued)
+        else:
+            await _stream_events(send, receive, broadcast.mine(), ex.request_id, broadcast.leave)
         return True
 
-    async def _in_background(self, ex: Exchange, scope: Scope) -> None:
+    async def _in_background(
+        self, ex: Exchange, scope: Scope, broadcast: Broadcast | None = None
+    ) -> None:
         """Generate a background answer: the relay as for any request, its client a sink; its
         record read every `POLL_S` for a cancel; bounded by the conversation lease, past which
         its turn could not be stored."""
@@ -548,7 +589,7 @@ class ProxyApp:
         loop = asyncio.get_running_loop()
         forward: asyncio.Task[None] | None = None
         try:
-            relay_send = await state.begin(_discard)
+            relay_send = await state.begin(_discard if broadcast is None else broadcast.send)
             assert relay_send is not None  # never a cache hit: /v1/responses is not cached
             forward = loop.create_task(self._forward(ex, _no_message, relay_send))
             deadline = loop.time() + self.state.config.conversations.lease
@@ -582,6 +623,16 @@ class ProxyApp:
                 forward.cancel()
             self._finish_admission(ex)
             await state.finish()
+            if broadcast is not None:  # a stream that did not reach its end ends here
+                builder = state.builder
+                if builder is not None and not builder.ended and not state.cancelled:
+                    builder.failed = (
+                        builder.failed
+                        or state.background_error
+                        or {"code": "not_completed", "message": "the answer did not complete"}
+                    )
+                    await broadcast.events(builder.finish())
+                await broadcast.close()
         error = state.background_error
         if state.cancelled:
             ex.status = ex.status or 499
@@ -732,10 +783,49 @@ def _default_card(listing: dict[str, Any]) -> dict[str, Any]:
     return card
 
 
+async def _stream_events(
+    send: Send, receive: Receive, events: Any, request_id: str, on_gone: Any = None
+) -> None:
+    """Send `events` (an async iterator of SSE bytes) as a 200 event stream until it ends or
+    the client goes away (`on_gone` is then called)."""
+    task = asyncio.current_task()
+    assert task is not None
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        gone = True
+        task.cancel()
+
+    watcher = asyncio.get_running_loop().create_task(watch())
+    try:
+        await send({"type": "http.response.start", "status": 200, "headers": [
+            (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+            (b"x-request-id", request_id.encode())]})  # fmt: skip
+        async for chunk in events:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    except (ClientGone, asyncio.CancelledError):
+        if not gone:
+            raise
+        task.uncancel()
+    finally:
+        watcher.cancel()
+        if gone and on_gone is not None:
+            on_gone()
+
+
 def _stop(ex: Exchange, forward: asyncio.Task[None]) -> None:
     """Stop a background answer as a departed client's: the backend's request is aborted."""
     ex.disconnected = True
     forward.cancel()
+
+
+def _wants_stream(query: bytes) -> bool:
+    return b"stream=" in query and parse_qs(query.decode("latin-1")).get("stream", [""])[-1] in (
+        "true", "1")  # fmt: skip
 
 
 def _stays(callback: Any) -> None:

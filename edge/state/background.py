@@ -2,7 +2,9 @@
 object at once, `queued`, and polls `GET /v1/responses/{id}` while the edge generates the answer
 on its own; `POST /v1/responses/{id}/cancel` stops it (docs/state.md, "Background responses").
 
-A background turn is an ordinary stored turn run without its client. While it runs, and after
+A background turn is an ordinary stored turn run without its client. Streamed, its events
+also go to an event log (`Broadcast`), which a client that left reads back from any edge with
+`GET /v1/responses/{id}?stream=true&starting_after=N` (`follow`). While it runs, and after
 it failed or was cancelled, a record under its response id says so; once its answer is stored
 with its conversation, the record goes, and the stored turn is what `GET` shows. Records live
 where conversations do (the memory store or Redis), so any worker answers a poll or a cancel:
@@ -11,12 +13,16 @@ the worker running the turn reads its record every `POLL_S` and stops when it sa
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import orjson
 from cachetools import TTLCache
 
+from edge.errors import StateUnavailable
 from edge.state.config import ConversationConfig
 from edge.state.redis_store import RedisState
 
@@ -95,8 +101,173 @@ class RedisRecords:
         await self._redis.delete(self._key(tenant, rid))
 
 
+END = b""
+"""The last entry of a finished event log (events are never empty)."""
+FOLLOW_POLL_S = 0.05
+"""How often a stream resumed from Redis looks for new events (from memory, it is woken)."""
+
+
+class EventLog(Protocol):
+    """A background stream's events in order (entry N: `sequence_number` N), read by a client
+    that resumes it (`GET /v1/responses/{id}?stream=true&starting_after=N`) from any edge that
+    shares the store. Ends with `END`."""
+
+    async def append(self, tenant: str, rid: str, events: list[bytes]) -> None: ...
+
+    async def read(self, tenant: str, rid: str, start: int) -> list[bytes] | None:
+        """Entries from `start` on (`END` last once finished); None: no log kept."""
+        ...
+
+    async def wait(self, tenant: str, rid: str, timeout: float) -> None:
+        """Until an entry may have been added (at most `timeout` s)."""
+        ...
+
+
+@dataclass(slots=True)
+class _Log:
+    entries: list[bytes] = field(default_factory=list)
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class MemoryEvents:
+    """Event logs in this process; a reader waits to be woken by the next append."""
+
+    def __init__(self, config: ConversationConfig) -> None:
+        self._logs: TTLCache[tuple[str, str], _Log] = TTLCache(
+            maxsize=config.memory_max_conversations, ttl=config.ttl
+        )
+
+    async def append(self, tenant: str, rid: str, events: list[bytes]) -> None:
+        log = self._logs.get((tenant, rid))
+        if log is None:
+            log = self._logs[(tenant, rid)] = _Log()
+        log.entries.extend(events)
+        log.changed.set()
+        log.changed = asyncio.Event()
+
+    async def read(self, tenant: str, rid: str, start: int) -> list[bytes] | None:
+        log = self._logs.get((tenant, rid))
+        return None if log is None else log.entries[start:]
+
+    async def wait(self, tenant: str, rid: str, timeout: float) -> None:
+        log = self._logs.get((tenant, rid))
+        if log is not None:
+            try:
+                async with asyncio.timeout(timeout):
+                    await log.changed.wait()
+            except TimeoutError:
+                return
+
+
+class RedisEvents:
+    """Event logs in Redis: a list `{prefix}bg-events:{tenant}:{response id}`, with the
+    conversations' TTL; a reader on another edge polls it every `FOLLOW_POLL_S`."""
+
+    def __init__(self, redis: RedisState, config: ConversationConfig) -> None:
+        self._redis = redis
+        self._ttl_ms = int(config.ttl * 1000)
+
+    def _key(self, tenant: str, rid: str) -> str:
+        return f"{self._redis.prefix}bg-events:{tenant}:{rid}"
+
+    async def append(self, tenant: str, rid: str, events: list[bytes]) -> None:
+        await self._redis.list_append(self._key(tenant, rid), events, self._ttl_ms)
+
+    async def read(self, tenant: str, rid: str, start: int) -> list[bytes] | None:
+        return await self._redis.list_from(self._key(tenant, rid), start)
+
+    async def wait(self, tenant: str, rid: str, timeout: float) -> None:
+        await asyncio.sleep(min(timeout, FOLLOW_POLL_S))
+
+
+class Broadcast:
+    """One background stream's events, as the relay hands them over: to its log for any
+    client that resumes it, and to the client that asked, while that one stays. Past
+    `cap` bytes the log stops (and ends) where it is; the asking client still gets all."""
+
+    def __init__(self, log: EventLog, tenant: str, rid: str, cap: int) -> None:
+        self._log, self._tenant, self._rid, self._cap = log, tenant, rid, cap
+        self.local: asyncio.Queue[bytes | None] | None = asyncio.Queue()
+        self._size = 0
+        self._logging = True
+
+    async def send(self, message: Any) -> None:
+        """The relay's `send` (an ASGI one): the head is the asking client's to send."""
+        if message["type"] != "http.response.body":
+            return
+        body = message.get("body", b"")
+        if body:
+            await self.events(body)
+        if not message.get("more_body", False):
+            await self.close()
+
+    async def events(self, body: bytes) -> None:
+        if self.local is not None:
+            self.local.put_nowait(body)
+        self._size += len(body)
+        entries = [e + b"\n\n" for e in body.split(b"\n\n") if e]
+        if self._size > self._cap:
+            entries = [END]  # what came before stays readable; nothing after is kept
+        await self._write(entries)
+
+    async def close(self) -> None:
+        """The stream ended (once): the log is finished, the asking client's stream too."""
+        if self.local is not None:
+            self.local.put_nowait(None)
+            self.local = None
+        await self._write([END])
+
+    def leave(self) -> None:
+        """The asking client went away: its events are no longer queued."""
+        self.local = None
+
+    async def _write(self, entries: list[bytes]) -> None:
+        if not self._logging:
+            return
+        self._logging = entries[-1] != END
+        try:
+            await self._log.append(self._tenant, self._rid, entries)
+        except StateUnavailable:  # the stream goes on; only its resumption is lost
+            self._logging = False
+
+    async def mine(self) -> AsyncIterator[bytes]:
+        """The asking client's events, as they come, until the stream's end."""
+        queue = self.local
+        if queue is None:
+            return
+        while (chunk := await queue.get()) is not None:
+            yield chunk
+
+
+async def follow(
+    log: EventLog, tenant: str, rid: str, start: int, *, within: float
+) -> AsyncIterator[bytes]:
+    """The entries of a background stream from `start` as they come, until `END` or for
+    `within` seconds at most (then it stops: a log that is never finished is not waited on)."""
+    deadline = time.monotonic() + within
+    while True:
+        entries = await log.read(tenant, rid, start)
+        if entries is None:
+            return
+        for entry in entries:
+            if entry == END:
+                return
+            yield entry
+        start += len(entries)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return
+        await log.wait(tenant, rid, min(left, 1.0))
+
+
 __all__ = [
+    "Broadcast",
     "CANCELLED",
+    "END",
+    "EventLog",
+    "MemoryEvents",
+    "RedisEvents",
+    "follow",
     "FAILED",
     "POLL_S",
     "RUNNING",

@@ -134,6 +134,29 @@ class RedisState:
     async def index_remove(self, index: str, *members: str) -> None:
         await self._call("index remove", lambda: self.client.zrem(index, *members))
 
+    async def list_append(self, key: str, values: list[bytes], ttl_ms: int) -> None:
+        """RPUSH `values` and restart the list's TTL, in one round trip."""
+
+        async def run() -> None:
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.rpush(key, *values)
+                pipe.pexpire(key, ttl_ms)
+                await pipe.execute()
+
+        await self._call("list append", run)
+
+    async def list_from(self, key: str, start: int) -> list[bytes] | None:
+        """The list's entries from index `start` on; None when there is no list."""
+
+        async def run() -> list[bytes] | None:
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.exists(key)
+                pipe.lrange(key, start, -1)
+                exists, entries = await pipe.execute()
+            return [bytes(e) for e in entries] if exists else None
+
+        return await self._call("list read", run)
+
     async def get_many(self, keys: list[str]) -> list[bytes | None]:
         values: Any = await self._call("mget", lambda: self.client.mget(keys))
         return [v if isinstance(v, bytes) else None for v in values]

@@ -59,6 +59,7 @@ class ResponseBuilder:
         self.began = False
         self.ended = False
         self.failed: dict[str, Any] | None = None
+        self._announced = False
 
     @property
     def text(self) -> str:
@@ -188,10 +189,16 @@ class ResponseBuilder:
 
     def _begin(self) -> bytes:
         self.began = True
-        return b"".join((
-            self._event("response.created", response=self.response("in_progress")),
-            self._event("response.in_progress", response=self.response("in_progress")),
-        ))  # fmt: skip
+        created = b"" if self._announced else self._event(
+            "response.created", response=self.response("in_progress"))  # fmt: skip
+        return created + self._event("response.in_progress", response=self.response("in_progress"))
+
+    def announce(self) -> bytes:
+        """A background stream's first event, sent at once so its client has the id to resume
+        with: `response.created`, `queued` (the stream's own beginning then says only
+        `response.in_progress`)."""
+        self._announced = True
+        return self._event("response.created", response=self.response("queued"))
 
     def _opened(self, part: Call | str, index: int) -> bytes:
         """The events that open an output item."""

@@ -281,8 +281,6 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
             raise _invalid(name, "must be true or false")
     if background and not store:
         raise _invalid("background", "needs store: true (the answer is stored to be polled)")
-    if background and stream:
-        raise _unsupported("background", "with stream is not supported: poll the response")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _invalid("model", "must be a string")

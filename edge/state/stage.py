@@ -27,9 +27,12 @@ from edge.state.background import (
     CANCELLED,
     FAILED,
     RUNNING,
+    EventLog,
+    MemoryEvents,
     MemoryRecords,
     Record,
     RecordStore,
+    RedisEvents,
     RedisRecords,
 )
 from edge.state.cache import CACHE_HEADER, CacheTier, Entry, RedisTier, ResponseCache, deterministic
@@ -106,11 +109,18 @@ class StateStage:
         )
         self.records: RecordStore | None = None
         """Background responses' records (with stored conversations only)."""
+        self.events: EventLog | None = None
+        """Background streams' events, for a client that resumes one."""
         if self.conversations is not None:
             self.records = (
                 RedisRecords(self.redis, config.conversations)
                 if self.redis is not None
                 else MemoryRecords(config.conversations)
+            )
+            self.events = (
+                RedisEvents(self.redis, config.conversations)
+                if self.redis is not None
+                else MemoryEvents(config.conversations)
             )
         self.stored = StoredObjects(self.conversations, self.records)
         self.completions: StoredCompletions | None = None

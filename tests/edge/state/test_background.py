@@ -6,14 +6,23 @@ backend held at a gate, the memory store and real Redis."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import openai
 import pytest
 from openai.types.responses import Response
 
-from tests.edge.conftest import TinyUpstream, client, fast_config, run_edge
-from tests.edge.state.helpers import ChatUpstream, as_tenant, sdk_of, state, tenants
+from tests.edge.conftest import Reply, TinyUpstream, client, fast_config, run_edge
+from tests.edge.state.helpers import (
+    ChatUpstream,
+    as_tenant,
+    chat_chunks,
+    default_reply,
+    sdk_of,
+    state,
+    tenants,
+)
 from tests.edge.state.test_conversations import metric
 from tests.helpers import wait_until
 
@@ -158,13 +167,13 @@ async def test_a_background_answer_that_fails_or_outlives_its_edge_is_failed(
             assert failed.error.message
 
 
-async def test_background_needs_store_and_no_stream_and_stored_conversations() -> None:
+async def test_background_needs_store_and_stored_conversations() -> None:
     async with TinyUpstream(ChatUpstream()) as up:
         off = state(conversations={"enabled": False})
         config = fast_config([up.url], state=off, admission=tenants("alpha"))
         async with run_edge(config) as edge, client(edge) as http:
             me = as_tenant("alpha")
-            for extra in ({"store": False}, {"stream": True}, {}):
+            for extra in ({"store": False}, {"stream": True}, {}):  # none kept on this edge
                 body = {"input": "x", "background": True, **extra}
                 refused = await http.post("/v1/responses", headers=me, json=body)
                 assert refused.status_code == 400, extra
@@ -188,3 +197,90 @@ async def test_a_drain_lets_a_background_answer_finish() -> None:
                 asyncio.get_running_loop().call_later(0.1, gate.set)
                 await edge.wiring.settle(5.0)
                 assert (await sdk.responses.retrieve(queued.id)).status == "completed"
+
+
+def slow_stream(n: int, recorded: Any) -> Reply:
+    """Eight tokens, 50 ms apart: time for a client to leave in the middle."""
+    if not json.loads(recorded.body).get("stream"):
+        return default_reply(n, recorded)
+    return Reply(headers=[("content-type", "text/event-stream")],
+                 chunks=chat_chunks([f"t{i} " for i in range(8)]), delay=0.05)  # fmt: skip
+
+
+WHOLE = "".join(f"t{i} " for i in range(8))
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+async def test_a_background_stream_goes_on_when_its_client_leaves_and_resumes(
+    store: str, redis_url: str, redis_prefix: str
+) -> None:
+    async with TinyUpstream(ChatUpstream(slow_stream)) as up:
+        config = fast_config([up.url], state=stores(redis_url, redis_prefix, store),
+                             admission=tenants("alpha"))  # fmt: skip
+        async with run_edge(config) as edge, client(edge) as http:
+            sdk = sdk_of(edge)
+            async with sdk:
+                seen: list[Any] = []
+                stream = await sdk.responses.create(
+                    model="default", input="Count.", background=True, stream=True
+                )
+                async for event in stream:
+                    seen.append(event)
+                    if sum(e.type == "response.output_text.delta" for e in seen) == 3:
+                        break  # the client leaves in the middle
+                await stream.close()
+                rid = seen[0].response.id
+                done = await settled(sdk, rid)
+                assert done.status == "completed" and done.output_text == WHOLE
+                last = seen[-1].sequence_number
+                resumed = await sdk.responses.retrieve(rid, stream=True, starting_after=last)
+                rest = [e async for e in resumed]
+                numbers = [e.sequence_number for e in seen + rest]
+                assert numbers == list(range(len(numbers)))  # nothing lost, nothing twice
+                assert rest[-1].type == "response.completed"
+                deltas = [e.delta for e in seen + rest if e.type == "response.output_text.delta"]
+                assert "".join(deltas) == WHOLE
+                whole = await sdk.responses.create(model="default", input="x", store=True)
+            me = as_tenant("alpha")
+            bad = await http.get(f"/v1/responses/{rid}?stream=true&starting_after=x", headers=me)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "starting_after"
+            plain = await http.get(f"/v1/responses/{whole.id}?stream=true", headers=me)
+            assert plain.status_code == 400 and plain.json()["error"]["code"] == "not_resumable"
+            unknown = await http.get(f"/v1/responses/resp_{'0' * 32}?stream=true", headers=me)
+            assert unknown.status_code == 404
+
+
+async def test_a_stream_resumed_through_another_edge_follows_it_live(
+    redis_url: str, redis_prefix: str
+) -> None:
+    gate = asyncio.Event()
+    upstream = ChatUpstream(slow_stream, gate=gate)
+    stored = stores(redis_url, redis_prefix, "redis")
+    async with TinyUpstream(upstream) as up:
+        config = fast_config([up.url], state=stored, admission=tenants("alpha"))
+        async with run_edge(config) as one, run_edge(config) as two:
+            first, second = sdk_of(one), sdk_of(two)
+            async with first, second:
+                stream = await first.responses.create(
+                    model="default", input="Count.", background=True, stream=True
+                )
+                created = await anext(aiter(stream))  # at once: the id to resume with
+                assert created.type == "response.created"
+                assert created.response.status == "queued"
+                await stream.close()  # then gone
+                rid = created.response.id
+                await asyncio.wait_for(upstream.arrived.wait(), 5)
+
+                async def resume() -> list[Any]:
+                    stream = await second.responses.retrieve(rid, stream=True, starting_after=-1)
+                    return [e async for e in stream]
+
+                following = asyncio.get_running_loop().create_task(resume())
+                await asyncio.sleep(0.2)  # the follower is waiting on the other edge's log
+                assert not following.done()
+                gate.set()
+                events = await asyncio.wait_for(following, 10)
+                assert [e.sequence_number for e in events] == list(range(len(events)))
+                assert events[0].type == "response.created" and events[-1].type == (
+                    "response.completed")  # fmt: skip
+                assert events[-1].response.output_text == WHOLE

@@ -392,7 +392,7 @@ async def test_bad_responses_requests_are_400_by_field() -> None:
     async with TinyUpstream(ChatUpstream()) as up:
         async with run_edge(fast_config([up.url])) as edge, client(edge) as http:
             fn = {"type": "function", "name": "f"}
-            cases = [({"input": "x", "background": True, "stream": True}, "background"),
+            cases = [({"input": "x", "background": True, "store": False}, "background"),
                      ({}, "input"),
                      ({"input": [{"role": "robot", "content": "x"}]}, "input[0].role"),
                      ({"input": "x", "store": "yes"}, "store"),

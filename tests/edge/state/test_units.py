@@ -357,7 +357,6 @@ def test_sdk_fields_that_need_nothing_here_are_taken_at_those_values_only() -> N
     assert both.chat["user"] == "u1"
     refused: list[tuple[dict[str, Any], str]] = [
         ({"background": True, "store": False}, "background"),
-        ({"background": True, "stream": True}, "background"),
         ({"background": "yes"}, "background"),
         ({"service_tier": "priority"}, "service_tier"),
         ({"stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
