@@ -63,3 +63,31 @@ async def test_responses_stream_then_continue_and_a_cache_hit_over_http3(dev_cer
         finally:
             await server.aclose()
             await wiring.aclose()
+
+
+async def test_a_background_stream_and_its_resumption_over_http3(dev_certs: Any) -> None:
+    async with SimServer(sim_config("b1")) as sim:
+        wiring = await build(fast_config([sim.url], state=state()), registry=CollectorRegistry())
+        await wiring.start()
+        tls = TlsMaterial(CertificateFiles(dev_certs.cert, dev_certs.key))
+        server = H3Server(wiring.app, tls=tls, tickets=MemoryTicketStore())
+        await server.start("127.0.0.1", 0)
+        try:
+            async with h3_connect(server.port, dev_certs.ca_cert) as client:
+                asked = await client.fetch("POST", "/v1/responses", headers=JSON, body=json.dumps(
+                    {"input": "Hello", "stream": True, "background": True, "max_output_tokens": 6}
+                ).encode())  # fmt: skip
+                assert asked.status == 200
+                events = sse_events(asked.body)
+                assert events[0][0] == "response.created"
+                assert events[0][1]["response"]["status"] == "queued"
+                assert events[-1][0] == "response.incomplete"  # cut at max_output_tokens
+                rid = events[0][1]["response"]["id"]
+                again = await client.fetch(
+                    "GET", f"/v1/responses/{rid}?stream=true&starting_after=2"
+                )
+                assert again.status == 200
+                assert sse_events(again.body) == events[3:]
+        finally:
+            await server.aclose()
+            await wiring.aclose()
