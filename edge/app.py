@@ -480,11 +480,10 @@ class ProxyApp:
             )  # fmt: skip
             if wait > 0:
                 self.metrics.handshake_wait.observe(wait)
-            detached = False
             try:
                 await self._parse_and_admit(ex, receive, tenant)
                 if ex.state is not None and ex.state.background:
-                    detached = await self._detach(ex, scope, receive, send)
+                    await self._detach(ex, scope, receive, send)
                     return
                 try:
                     relay_send = send if ex.state is None else await ex.state.begin(send)
@@ -493,7 +492,7 @@ class ProxyApp:
                 finally:
                     self._finish_admission(ex)
             finally:
-                if ex.state is not None and not detached:
+                if ex.state is not None and not ex.state.detached:
                     await ex.state.finish()
         except EdgeError as err:
             model = ex.model if ex is not None else NO_MODEL
@@ -549,10 +548,10 @@ class ProxyApp:
 
     # -- background responses ----------------------------------------------------------------
 
-    async def _detach(self, ex: Exchange, scope: Scope, receive: Receive, send: Send) -> bool:
+    async def _detach(self, ex: Exchange, scope: Scope, receive: Receive, send: Send) -> None:
         """A `background: true` response: record it running, hand the rest of the request to
-        a task of its own, and answer `queued` now, or with `stream`, relay its events for as
-        long as this client stays. True once that task owns the request."""
+        a task of its own (`state.detached`: it finishes the request), and answer `queued`
+        now, or with `stream`, relay its events for as long as this client stays."""
         state = ex.state
         assert state is not None and self.state is not None
         try:
@@ -569,14 +568,19 @@ class ProxyApp:
             assert state.builder is not None
             await broadcast.events(state.builder.announce())  # the id, before any answer
         task = asyncio.get_running_loop().create_task(self._in_background(ex, scope, broadcast))
+        state.detached = True
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-        if broadcast is None:
-            with contextlib.suppress(ClientGone):
+        try:
+            if broadcast is None:
                 await send_json(send, 200, queued)
-        else:
-            await _stream_events(send, receive, broadcast.mine(), ex.request_id, broadcast.leave)
-        return True
+            else:
+                await _stream_events(send, receive, broadcast.mine(), ex.request_id)
+        except ClientGone:  # its answer goes on without it
+            pass
+        finally:
+            if broadcast is not None:
+                broadcast.leave()
 
     async def _in_background(
         self, ex: Exchange, scope: Scope, broadcast: Broadcast | None = None
@@ -783,11 +787,9 @@ def _default_card(listing: dict[str, Any]) -> dict[str, Any]:
     return card
 
 
-async def _stream_events(
-    send: Send, receive: Receive, events: Any, request_id: str, on_gone: Any = None
-) -> None:
+async def _stream_events(send: Send, receive: Receive, events: Any, request_id: str) -> None:
     """Send `events` (an async iterator of SSE bytes) as a 200 event stream until it ends or
-    the client goes away (`on_gone` is then called)."""
+    the client goes away."""
     task = asyncio.current_task()
     assert task is not None
     gone = False
@@ -813,8 +815,6 @@ async def _stream_events(
         task.uncancel()
     finally:
         watcher.cancel()
-        if gone and on_gone is not None:
-            on_gone()
 
 
 def _stop(ex: Exchange, forward: asyncio.Task[None]) -> None:

@@ -318,6 +318,7 @@ class StateRequest:
         "background_error",
         "builder",
         "cancelled",
+        "detached",
         "content_type",
         "cache_key",
         "cache_model",
@@ -328,6 +329,7 @@ class StateRequest:
         "head",
         "held",
         "keep",
+        "queued",
         "normalised",
         "scanner",
         "sent",
@@ -365,6 +367,10 @@ class StateRequest:
         """Why a background answer failed before its backend answered (`{"code", "message"}`)."""
         self.cancelled = False
         """A background answer stopped by `POST /v1/responses/{id}/cancel`."""
+        self.queued = False
+        """A background answer's record was written: it is settled when it ends."""
+        self.detached = False
+        """A background answer's task owns this request now (and finishes it)."""
         self.keep: dict[str, str] | None = None
         """A chat request's `store: true`: the metadata its stored answer gets."""
         self.sent: list[Any] = []
@@ -380,6 +386,7 @@ class StateRequest:
         assert self.builder is not None and self.stage.records is not None
         meta = self.builder.stored()
         await self.stage.records.put(self.ex.tenant, self.builder.id, Record(RUNNING, meta))
+        self.queued = True
         self.stage.background_running.inc()
         return self.builder.response("queued")
 
@@ -623,7 +630,7 @@ class StateRequest:
             log.warning("request %s: its turn was not stored: %s", self.ex.request_id, err)
         if self.keep is not None:
             await self._store_completion(complete)
-        if self.background:
+        if self.queued:
             try:
                 await self._settle_background(committed)
             except StateUnavailable as err:

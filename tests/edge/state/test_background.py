@@ -284,3 +284,24 @@ async def test_a_stream_resumed_through_another_edge_follows_it_live(
                 assert events[0].type == "response.created" and events[-1].type == (
                     "response.completed")  # fmt: skip
                 assert events[-1].response.output_text == WHOLE
+
+
+async def test_a_background_request_refused_before_it_runs_leaves_nothing_behind() -> None:
+    """Refused after its turn was opened (here: a model the fleet does not serve), it frees
+    its conversation at once and records nothing."""
+    async with TinyUpstream(ChatUpstream()) as up:
+        config = fast_config([up.url], state=state(), admission=tenants("alpha"))
+        async with run_edge(config) as edge:
+            sdk = sdk_of(edge)
+            async with sdk:
+                conv = await sdk.conversations.create()
+                with pytest.raises(openai.NotFoundError):
+                    await sdk.responses.create(model="no-such-model", input="Hi",
+                                               conversation=conv.id, background=True)  # fmt: skip
+                after = await sdk.responses.create(model="default", input="Hi",
+                                                   conversation=conv.id)  # fmt: skip
+                assert after.status == "completed"  # not 409: the refused turn let go
+            assert await metric(edge, "quicedge_background_responses_running") == 0
+            for outcome in ("completed", "failed", "cancelled"):
+                line = f'quicedge_background_responses_total{{outcome="{outcome}"}}'
+                assert await metric(edge, line) == 0
