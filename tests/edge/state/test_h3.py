@@ -3,12 +3,15 @@ where the relay goes through the stage's `send` instead of the listener's body w
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
 from backends.sim import SimServer
+from edge.config import ProxyConfig
 from edge.wiring import build
 from tests.edge.conftest import fast_config
 from tests.edge.state.helpers import sse_events, state
@@ -21,16 +24,26 @@ from transport.tls import CertificateFiles, TlsMaterial
 JSON = [(b"content-type", b"application/json")]
 
 
+@contextlib.asynccontextmanager
+async def h3_edge(config: ProxyConfig, certs: Any) -> AsyncIterator[int]:
+    """An edge on our H3 listener alone; its UDP port."""
+    wiring = await build(config, registry=CollectorRegistry())
+    await wiring.start()
+    tls = TlsMaterial(CertificateFiles(certs.cert, certs.key))
+    server = H3Server(wiring.app, tls=tls, tickets=MemoryTicketStore())
+    await server.start("127.0.0.1", 0)
+    try:
+        yield server.port
+    finally:
+        await server.aclose()
+        await wiring.aclose()
+
+
 async def test_responses_stream_then_continue_and_a_cache_hit_over_http3(dev_certs: Any) -> None:
     async with SimServer(sim_config("b1")) as sim:
         config = fast_config([sim.url], state=state(cache={"allow_tenants": ["*"]}))
-        wiring = await build(config, registry=CollectorRegistry())
-        await wiring.start()
-        tls = TlsMaterial(CertificateFiles(dev_certs.cert, dev_certs.key))
-        server = H3Server(wiring.app, tls=tls, tickets=MemoryTicketStore())
-        await server.start("127.0.0.1", 0)
-        try:
-            async with h3_connect(server.port, dev_certs.ca_cert) as client:
+        async with h3_edge(config, dev_certs) as port:
+            async with h3_connect(port, dev_certs.ca_cert) as client:
                 first = await client.fetch("POST", "/v1/responses", headers=JSON, body=json.dumps(
                     {"input": "Hello over QUIC", "stream": True, "max_output_tokens": 6}
                 ).encode())  # fmt: skip
@@ -60,20 +73,12 @@ async def test_responses_stream_then_continue_and_a_cache_hit_over_http3(dev_cer
                 assert miss.header(b"x-quicedge-cache") == b"miss"
                 assert hit.header(b"x-quicedge-cache") == b"hit-l1"
                 assert hit.body == miss.body and hit.body.endswith(b"data: [DONE]\n\n")
-        finally:
-            await server.aclose()
-            await wiring.aclose()
 
 
 async def test_a_background_stream_and_its_resumption_over_http3(dev_certs: Any) -> None:
     async with SimServer(sim_config("b1")) as sim:
-        wiring = await build(fast_config([sim.url], state=state()), registry=CollectorRegistry())
-        await wiring.start()
-        tls = TlsMaterial(CertificateFiles(dev_certs.cert, dev_certs.key))
-        server = H3Server(wiring.app, tls=tls, tickets=MemoryTicketStore())
-        await server.start("127.0.0.1", 0)
-        try:
-            async with h3_connect(server.port, dev_certs.ca_cert) as client:
+        async with h3_edge(fast_config([sim.url], state=state()), dev_certs) as port:
+            async with h3_connect(port, dev_certs.ca_cert) as client:
                 asked = await client.fetch("POST", "/v1/responses", headers=JSON, body=json.dumps(
                     {"input": "Hello", "stream": True, "background": True, "max_output_tokens": 6}
                 ).encode())  # fmt: skip
@@ -88,6 +93,3 @@ async def test_a_background_stream_and_its_resumption_over_http3(dev_certs: Any)
                 )
                 assert again.status == 200
                 assert sse_events(again.body) == events[3:]
-        finally:
-            await server.aclose()
-            await wiring.aclose()
