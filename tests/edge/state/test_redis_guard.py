@@ -110,3 +110,25 @@ async def test_the_state_breaker_closes_when_redis_is_back() -> None:
     finally:
         with contextlib.suppress(Exception):
             server.stop()
+
+
+async def test_with_redis_hung_a_stored_completion_is_answered_and_a_background_one_refused() -> (
+    None
+):
+    """`store: true` on chat is answered all the same (only its keeping fails, counted);
+    `background: true` needs its record, so it is a clear 503 that leaves nothing behind."""
+    async with hung_redis() as (url, _), TinyUpstream(ChatUpstream()) as up:
+        config = fast_config([up.url], state=state(url, timeout=0.1))
+        async with run_edge(config) as edge, client(edge) as http:
+            kept = await http.post(CHAT, json={"messages": [USER], "store": True})
+            assert kept.status_code == 200 and kept.json()["choices"]
+            async with asyncio.timeout(5):  # kept (or not) after the answer went out
+                while not await gauge(edge, "quicedge_stored_completions_total"):  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+            outcomes = await gauge(edge, "quicedge_stored_completions_total")
+            assert outcomes == {'{outcome="unavailable"}': 1.0}
+            queued = await http.post("/v1/responses", json={"input": "Hi", "background": True})
+            assert queued.status_code == 503
+            assert queued.json()["error"]["code"] == "state_unavailable"
+            running = await gauge(edge, "quicedge_background_responses_running")
+            assert running in ({}, {"": 0.0})
