@@ -26,11 +26,13 @@ import orjson
 from edge.errors import ConversationNotFound, InvalidRequest
 from edge.state.config import ConversationConfig
 from edge.state.redis_store import RedisState
-from edge.state.stored import page
+from edge.state.stored import order_and_limit, page
 
 MAX_LIST_SCAN = 10_000
 """A list looks through at most this many of the tenant's newest completions (its filters
 apply to these)."""
+LIST_BATCH = 100
+"""Completions a list reads from the store at a time."""
 
 
 @dataclass(slots=True)
@@ -56,7 +58,8 @@ class CompletionStore(Protocol):
     async def get(self, tenant: str, cid: str) -> bytes | None: ...
     async def replace(self, tenant: str, cid: str, blob: bytes) -> bool: ...
     async def delete(self, tenant: str, cid: str) -> bool: ...
-    async def newest(self, tenant: str, count: int) -> list[tuple[str, bytes]]: ...
+    async def newest(self, tenant: str, count: int) -> list[str]: ...
+    async def get_many(self, tenant: str, cids: list[str]) -> list[bytes | None]: ...
 
 
 class MemoryCompletions:
@@ -97,9 +100,12 @@ class MemoryCompletions:
     async def delete(self, tenant: str, cid: str) -> bool:
         return self._live(tenant).pop(cid, None) is not None
 
-    async def newest(self, tenant: str, count: int) -> list[tuple[str, bytes]]:
+    async def newest(self, tenant: str, count: int) -> list[str]:
+        return list(reversed(self._live(tenant)))[:count]
+
+    async def get_many(self, tenant: str, cids: list[str]) -> list[bytes | None]:
         kept = self._live(tenant)
-        return [(cid, kept[cid][1]) for cid in list(reversed(kept))[:count]]
+        return [kept[cid][1] if cid in kept else None for cid in cids]
 
 
 class RedisCompletions:
@@ -134,15 +140,17 @@ class RedisCompletions:
         await self._redis.index_remove(self._index(tenant), cid)
         return await self._redis.delete(self._key(tenant, cid)) > 0
 
-    async def newest(self, tenant: str, count: int) -> list[tuple[str, bytes]]:
-        ids = await self._redis.index_newest(self._index(tenant), count)
-        if not ids:
+    async def newest(self, tenant: str, count: int) -> list[str]:
+        return await self._redis.index_newest(self._index(tenant), count)
+
+    async def get_many(self, tenant: str, cids: list[str]) -> list[bytes | None]:
+        if not cids:
             return []
-        blobs = await self._redis.get_many([self._key(tenant, cid) for cid in ids])
-        gone = [cid for cid, blob in zip(ids, blobs, strict=True) if blob is None]
+        blobs = await self._redis.get_many([self._key(tenant, cid) for cid in cids])
+        gone = [cid for cid, blob in zip(cids, blobs, strict=True) if blob is None]
         if gone:  # deleted or expired since it was indexed
             await self._redis.index_remove(self._index(tenant), *gone)
-        return [(cid, blob) for cid, blob in zip(ids, blobs, strict=True) if blob is not None]
+        return blobs
 
 
 def _not_found(cid: str) -> ConversationNotFound:
@@ -242,20 +250,37 @@ class StoredCompletions:
         """`GET /v1/chat/completions`: the tenant's stored completions, oldest first by
         default, filtered by `model` and `metadata[key]=value`."""
         args = _page_query(query)
+        order, limit = order_and_limit(args, "asc")
         model = args.get("model")
         wanted = {k[len("metadata[") : -1]: v for k, v in args.items()
                   if k.startswith("metadata[") and k.endswith("]")}  # fmt: skip
-        found = []
-        for _, blob in await self.store.newest(tenant, MAX_LIST_SCAN):
-            completion = StoredCompletion.decode(blob).completion
-            if model is not None and completion.get("model") != model:
-                continue
-            metadata = completion.get("metadata") or {}
-            if any(metadata.get(k) != v for k, v in wanted.items()):
-                continue
-            found.append(completion)
-        found.reverse()  # oldest first, as `page` takes them
-        return page(found, query, default_order="asc")
+        ids = await self.store.newest(tenant, MAX_LIST_SCAN)
+        if order == "asc":
+            ids.reverse()
+        if "after" in args:
+            if args["after"] not in ids:
+                raise InvalidRequest(f"'after': no completion {args['after'][:80]!r} here",
+                                     param="after")  # fmt: skip
+            ids = ids[ids.index(args["after"]) + 1 :]
+        found: list[dict[str, Any]] = []
+        # read in batches, only as far as the page needs (one more tells `has_more`)
+        for start in range(0, len(ids), LIST_BATCH):
+            for blob in await self.store.get_many(tenant, ids[start : start + LIST_BATCH]):
+                if blob is None:
+                    continue
+                completion = StoredCompletion.decode(blob).completion
+                metadata = completion.get("metadata") or {}
+                if (model is None or completion.get("model") == model) and all(
+                    metadata.get(k) == v for k, v in wanted.items()
+                ):
+                    found.append(completion)
+            if len(found) > limit:
+                break
+        data = found[:limit]
+        return {"object": "list", "data": data,
+                "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None,
+                "has_more": len(found) > limit}  # fmt: skip
 
 
 __all__ = [

@@ -129,11 +129,8 @@ def _conversation(cid: str, history: History) -> dict[str, Any]:
             "created_at": history.created_at, "metadata": history.metadata}  # fmt: skip
 
 
-def page(
-    items: list[dict[str, Any]], query: bytes, *, default_order: str = "desc"
-) -> dict[str, Any]:
-    """One page of `items` (oldest first) as the query asks; 400 naming a bad parameter."""
-    args = {k: v[-1] for k, v in parse_qs(query.decode("latin-1")).items()}
+def order_and_limit(args: Mapping[str, str], default_order: str) -> tuple[str, int]:
+    """A list's `order` (`asc` or `desc`) and `limit` (1 to 100, 20); 400 naming a bad one."""
     order = args.get("order", default_order)
     if order not in ("asc", "desc"):
         raise InvalidRequest("'order' must be 'asc' or 'desc'", param="order")
@@ -143,6 +140,15 @@ def page(
         limit = 0
     if not 1 <= limit <= MAX_LIMIT:
         raise InvalidRequest(f"'limit' must be an integer from 1 to {MAX_LIMIT}", param="limit")
+    return order, limit
+
+
+def page(
+    items: list[dict[str, Any]], query: bytes, *, default_order: str = "desc"
+) -> dict[str, Any]:
+    """One page of `items` (oldest first) as the query asks; 400 naming a bad parameter."""
+    args = {k: v[-1] for k, v in parse_qs(query.decode("latin-1")).items()}
+    order, limit = order_and_limit(args, default_order)
     ordered = items if order == "asc" else items[::-1]
     start = 0
     if "after" in args:
@@ -355,4 +361,4 @@ class StoredObjects:
         return {"id": name, "object": kind, "deleted": True}
 
 
-__all__ = ["DEFAULT_LIMIT", "MAX_LIMIT", "StoredObjects", "page"]
+__all__ = ["DEFAULT_LIMIT", "MAX_LIMIT", "StoredObjects", "order_and_limit", "page"]

@@ -80,6 +80,10 @@ async def test_stored_completions_read_back_list_update_and_delete(
                 refused = await http.post("/v1/chat/completions", headers=me,
                                           json={"messages": ASK, **bad})  # fmt: skip
                 assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+            for query, param in (("after=nope", "after"), ("limit=0", "limit"),
+                                 ("order=up", "order")):  # fmt: skip
+                listed = await http.get(f"/v1/chat/completions?{query}", headers=me)
+                assert listed.status_code == 400 and listed.json()["error"]["param"] == param
             wrong = await http.put(f"/v1/chat/completions/{streamed.id}", headers=me)
             assert wrong.status_code == 405
             assert wrong.headers["allow"] == "GET, POST, DELETE"
