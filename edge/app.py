@@ -586,8 +586,8 @@ class ProxyApp:
         self, ex: Exchange, scope: Scope, broadcast: Broadcast | None = None
     ) -> None:
         """Generate a background answer: the relay as for any request, its client a sink; its
-        record read every `POLL_S` for a cancel; bounded by the conversation lease, past which
-        its turn could not be stored."""
+        record read every `POLL_S` for a cancel, its turn's lease renewed every third of it;
+        bounded by `state.conversations.background_max`."""
         state = ex.state
         assert state is not None and self.state is not None
         loop = asyncio.get_running_loop()
@@ -596,19 +596,30 @@ class ProxyApp:
             relay_send = await state.begin(_discard if broadcast is None else broadcast.send)
             assert relay_send is not None  # never a cache hit: /v1/responses is not cached
             forward = loop.create_task(self._forward(ex, _no_message, relay_send))
-            deadline = loop.time() + self.state.config.conversations.lease
+            settings = self.state.config.conversations
+            deadline = loop.time() + settings.background_max
+            renew_every = settings.lease / 3
+            renew_at = loop.time() + renew_every
             try:
                 while not forward.done():
-                    await asyncio.wait({forward}, timeout=POLL_S)
+                    await asyncio.wait({forward}, timeout=min(POLL_S, renew_every))
                     if forward.done():
                         break
                     if loop.time() >= deadline:
-                        late = "the answer did not complete within state.conversations.lease"
+                        late = (
+                            "the answer did not complete within state.conversations.background_max"
+                        )
                         state.background_error = {"code": "timeout", "message": late}
+                        _stop(ex, forward)
+                    elif loop.time() >= renew_at and not await state.keep_lease():
+                        lost = "its conversation was deleted while the answer ran"
+                        state.background_error = {"code": "not_stored", "message": lost}
                         _stop(ex, forward)
                     elif await state.cancel_requested():
                         state.cancelled = True
                         _stop(ex, forward)
+                    if loop.time() >= renew_at:
+                        renew_at = loop.time() + renew_every
             except asyncio.CancelledError:  # the edge stops
                 stopped = "the edge stopped before the answer completed"
                 state.background_error = {"code": "edge_stopped", "message": stopped}

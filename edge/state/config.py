@@ -61,9 +61,11 @@ class ConversationConfig:
     meanwhile); a turn that outlives it cannot commit, so a history never interleaves."""
     memory_max_conversations: int = 100_000
     """Conversations the in-process store holds at most (the least recently used go first)."""
+    background_max: float = 3600.0
+    """Seconds a background answer may run; its turn renews its lease meanwhile."""
 
     def validate(self) -> None:
-        for name in ("ttl", "lease"):
+        for name in ("ttl", "lease", "background_max"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"state.conversations.{name}: must be > 0")
         if self.max_bytes < 1024:

@@ -289,6 +289,7 @@ class ConversationStore(Protocol):
     async def lease(self, tenant: str, cid: str, token: bytes) -> bool: ...
     async def commit(self, tenant: str, cid: str, token: bytes, blob: bytes) -> bool: ...
     async def release(self, tenant: str, cid: str, token: bytes) -> None: ...
+    async def extend(self, tenant: str, cid: str, token: bytes) -> bool: ...
     async def delete(self, tenant: str, cid: str) -> bool: ...
 
 
@@ -340,6 +341,13 @@ class MemoryConversations:
         if held is not None and held[0] == token:
             del self._leases[key]
 
+    async def extend(self, tenant: str, cid: str, token: bytes) -> bool:
+        key = (tenant, cid)
+        if not self._holds(key, token):
+            return False
+        self._leases[key] = (token, self._clock() + self._lease_s)
+        return True
+
     async def delete(self, tenant: str, cid: str) -> bool:
         key = (tenant, cid)
         self._leases.pop(key, None)  # a turn in progress then fails to commit: nothing returns
@@ -376,6 +384,9 @@ class RedisConversations:
 
     async def release(self, tenant: str, cid: str, token: bytes) -> None:
         await self._redis.release(self._lease_key(tenant, cid), token)
+
+    async def extend(self, tenant: str, cid: str, token: bytes) -> bool:
+        return await self._redis.extend(self._lease_key(tenant, cid), token, self._lease_ms)
 
     async def delete(self, tenant: str, cid: str) -> bool:
         # The lease goes first: a turn in progress then fails its compare-and-set commit, and
@@ -526,6 +537,13 @@ class Conversations:
     async def release(self, turn: Turn) -> None:
         if turn.token is not None:
             await self.store.release(turn.tenant, turn.cid, turn.token)
+
+    async def extend(self, turn: Turn) -> bool:
+        """Renew the turn's lease for another `lease` seconds (a background answer, which may
+        run longer); False when it no longer holds it (its conversation was deleted)."""
+        if turn.token is None:
+            return True
+        return await self.store.extend(turn.tenant, turn.cid, turn.token)
 
     async def update(
         self,

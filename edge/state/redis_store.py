@@ -30,6 +30,12 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0
 """
+_EXTEND = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
 _RELEASE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
@@ -65,6 +71,7 @@ class RedisState:
         self.client: aioredis.Redis = self.guard.client
         self._commit = self.client.register_script(_COMMIT)
         self._release = self.client.register_script(_RELEASE)
+        self._extend = self.client.register_script(_EXTEND)
 
     async def _call(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         try:
@@ -97,6 +104,11 @@ class RedisState:
         done = await self._call(
             "commit", lambda: self._commit(keys=[lease, key], args=[token, value, ttl_ms])
         )
+        return bool(done)
+
+    async def extend(self, lease: str, token: bytes, ttl_ms: int) -> bool:
+        """Restart `lease`'s TTL while it still holds `token`; False when it does not."""
+        done = await self._call("extend", lambda: self._extend(keys=[lease], args=[token, ttl_ms]))
         return bool(done)
 
     async def release(self, lease: str, token: bytes) -> None:

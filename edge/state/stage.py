@@ -390,6 +390,16 @@ class StateRequest:
         self.stage.background_running.inc()
         return self.builder.response("queued")
 
+    async def keep_lease(self) -> bool:
+        """Renew this background turn's lease; False once it is lost (never raises)."""
+        conversations, turn = self.stage.conversations, self.turn
+        if conversations is None or turn is None:
+            return True
+        try:
+            return await conversations.extend(turn)
+        except StateUnavailable:
+            return True  # tried again at the next renewal
+
     async def cancel_requested(self) -> bool:
         """Whether a cancel was recorded for this background response (never raises)."""
         assert self.builder is not None and self.stage.records is not None

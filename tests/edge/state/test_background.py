@@ -305,3 +305,40 @@ async def test_a_background_request_refused_before_it_runs_leaves_nothing_behind
             for outcome in ("completed", "failed", "cancelled"):
                 line = f'quicedge_background_responses_total{{outcome="{outcome}"}}'
                 assert await metric(edge, line) == 0
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+async def test_a_background_answer_outlives_the_lease_by_renewing_it(
+    store: str, redis_url: str, redis_prefix: str
+) -> None:
+    """Lease 0.3 s, an answer held 1 s: renewed every 0.1 s, its turn is still stored; a
+    conversation deleted meanwhile stops the next one at its next renewal."""
+    gate = asyncio.Event()
+    upstream = ChatUpstream(gate=gate)
+    url = redis_url if store == "redis" else None
+    short = state(url, redis_prefix, conversations={"lease": 0.3})
+    async with TinyUpstream(upstream) as up:
+        config = fast_config([up.url], state=short, admission=tenants("alpha"))
+        async with run_edge(config) as edge:
+            sdk = sdk_of(edge)
+            async with sdk:
+                queued = await sdk.responses.create(model="default", input="Hi", background=True)
+                await asyncio.wait_for(upstream.arrived.wait(), 5)
+                asyncio.get_running_loop().call_later(1.0, gate.set)
+                done = await settled(sdk, queued.id)
+                assert done.status == "completed" and done.output_text == "answer 0 done"
+                upstream.gate = gate = asyncio.Event()
+                upstream.arrived.clear()
+                again = await sdk.responses.create(model="default", input="More",
+                                                   previous_response_id=queued.id,
+                                                   background=True)  # fmt: skip
+                await asyncio.wait_for(upstream.arrived.wait(), 5)
+                await sdk.responses.delete(queued.id)  # the whole conversation
+                lost = await settled(sdk, again.id)  # stopped at its next renewal
+                assert lost.status == "failed" and lost.error is not None
+                assert lost.error.code == "not_stored"  # type: ignore[comparison-overlap]
+                assert "deleted while the answer ran" in lost.error.message
+                await wait_until(lambda: any(r.path == "/abort_request" for r in up.requests))
+                gate.set()
+            line = 'quicedge_background_responses_total{outcome="failed"}'
+            assert await metric(edge, line) == 1
