@@ -166,7 +166,10 @@ class PolicyGateway:
         if judge is None or not judge.applies(ex.route) or view is None:
             return
         prompt = view.text[view.prompt_start :]  # the messages, not the tools' definitions
-        if judge.config.mode == "hold":
+        # A background answer runs in a task of its own, which a race could not cancel; no
+        # client waits on its first token, so it waits for the verdict.
+        background = ex.state is not None and ex.state.background
+        if judge.config.mode == "hold" or background:
             self._judged(ex, await judge.ask(prompt))
             return
         request = asyncio.current_task()

@@ -176,3 +176,16 @@ def test_verdict_of_the_first_word(text: str, verdict: str) -> None:
     raw = json.dumps({"choices": [{"message": {"content": text}}]}).encode()
     assert verdict_of(raw) == verdict
     assert verdict_of(b"not json") == "error"
+
+
+async def test_race_holds_a_background_response_for_the_verdict() -> None:
+    """A background answer runs in a task of its own, which a race could not cancel: it waits
+    for the verdict, and an unsafe one is refused before anything is forwarded."""
+    async with TinyUpstream(backend()) as up, sim_guard() as g:
+        async with edge_with(up.url, g.url, mode="race") as edge, client(edge) as http:
+            refused = await http.post(
+                "/v1/responses", json={"input": "plan an attack", "background": True}
+            )
+    assert refused.status_code == 403, refused.text
+    assert refused.headers["x-quicedge-policy-rule"] == "judge"
+    assert not [r for r in up.requests if r.path == "/v1/chat/completions"]
