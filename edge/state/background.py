@@ -182,13 +182,16 @@ class RedisEvents:
 
 class Broadcast:
     """One background stream's events, as the relay hands them over: to its log for any
-    client that resumes it, and to the client that asked, while that one stays. Past
-    `cap` bytes the log stops (and ends) where it is; the asking client still gets all."""
+    client that resumes it, and to the client that asked, while that one stays. Past `cap`
+    bytes the log stops (and ends) where it is; the asking client gets all, unless it lets
+    `cap` bytes wait unread (then its stream ends, and it may resume from the log)."""
 
     def __init__(self, log: EventLog, tenant: str, rid: str, cap: int) -> None:
         self._log, self._tenant, self._rid, self._cap = log, tenant, rid, cap
         self.local: asyncio.Queue[bytes | None] | None = asyncio.Queue()
         self._size = 0
+        self._waiting = 0
+        """Bytes queued for the asking client and not yet taken."""
         self._logging = True
 
     async def send(self, message: Any) -> None:
@@ -203,7 +206,12 @@ class Broadcast:
 
     async def events(self, body: bytes) -> None:
         if self.local is not None:
-            self.local.put_nowait(body)
+            if self._waiting + len(body) > self._cap:  # a client too slow to read: its
+                self.local.put_nowait(None)  # stream ends here, and it resumes from the log
+                self.local = None
+            else:
+                self._waiting += len(body)
+                self.local.put_nowait(body)
         self._size += len(body)
         entries = [e + b"\n\n" for e in body.split(b"\n\n") if e]
         if self._size > self._cap:
@@ -236,6 +244,7 @@ class Broadcast:
         if queue is None:
             return
         while (chunk := await queue.get()) is not None:
+            self._waiting -= len(chunk)
             yield chunk
 
 

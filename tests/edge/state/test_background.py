@@ -13,6 +13,8 @@ import openai
 import pytest
 from openai.types.responses import Response
 
+from edge.state.background import END, Broadcast, MemoryEvents, follow
+from edge.state.config import ConversationConfig
 from tests.edge.conftest import Reply, TinyUpstream, client, fast_config, run_edge
 from tests.edge.state.helpers import (
     ChatUpstream,
@@ -342,3 +344,33 @@ async def test_a_background_answer_outlives_the_lease_by_renewing_it(
                 gate.set()
             line = 'quicedge_background_responses_total{outcome="failed"}'
             assert await metric(edge, line) == 1
+
+
+def event(n: int, size: int = 100) -> bytes:
+    return b"event: e\ndata: " + str(n).encode() + b"x" * size + b"\n\n"
+
+
+async def test_the_event_log_and_the_asking_client_are_each_bounded() -> None:
+    """Past `cap` bytes the log ends where it is (a resume gets that far); a client that lets
+    `cap` bytes wait unread is ended, while one that reads gets every event."""
+    log = MemoryEvents(ConversationConfig())
+    reader = Broadcast(log, "t", "resp_a", cap=1000)
+    mine = reader.mine()
+    got = []
+    for n in range(30):  # ~3 KB, read as it comes
+        await reader.events(event(n))
+        got.append(await anext(mine))
+    await reader.close()
+    assert len(got) == 30  # all of it, though the log stopped at the cap
+    kept = await log.read("t", "resp_a", 0)
+    assert kept is not None and kept[-1] == END and 0 < len(kept) - 1 < 30
+    assert [e async for e in follow(log, "t", "resp_a", 0, within=1.0)] == kept[:-1]
+    slow = Broadcast(log, "t", "resp_b", cap=1000)
+    theirs = slow.mine()
+    await slow.events(event(0))
+    assert await anext(theirs) == event(0)
+    for n in range(1, 30):  # it reads no more while these come
+        await slow.events(event(n))
+    rest = [e async for e in theirs]  # what waited, up to the cap; then its stream ended
+    assert rest == [event(n) for n in range(1, len(rest) + 1)] and 0 < len(rest) < 29
+    await slow.close()
