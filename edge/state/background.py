@@ -43,14 +43,16 @@ class Record:
     """The response's own fields, as `ResponseBuilder.stored()` gives them."""
     error: dict[str, Any] | None = None
     """A failed one's `{"code", "message"}`."""
+    sent: list[list[Any]] = field(default_factory=list)
+    """What its turn sends, as `[place, message]` (`History.next_input`), for its input items."""
 
     def encode(self) -> bytes:
-        return orjson.dumps({"s": self.status, "m": self.meta, "e": self.error})
+        return orjson.dumps({"s": self.status, "m": self.meta, "e": self.error, "i": self.sent})
 
     @classmethod
     def decode(cls, blob: bytes) -> Record:
         obj = orjson.loads(blob)
-        return cls(str(obj["s"]), dict(obj["m"]), obj.get("e"))
+        return cls(str(obj["s"]), dict(obj["m"]), obj.get("e"), list(obj.get("i") or []))
 
 
 class RecordStore(Protocol):

@@ -165,6 +165,17 @@ class History:
         lead = [(f"{0:08x}{j:04x}", m) for j, m in enumerate(self.pinned)] if turn == 1 else []
         return lead + [(f"{turn:08x}{j:04x}", m) for j, m in enumerate(sent)]
 
+    def next_input(self, new: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+        """What the next turn sends, placed as `turn_input` will place it once that turn is
+        stored (the first turn's leading system messages join the pinned ones)."""
+        turn, lead = self.count + 1, 0
+        if self.count == 0 and not self.messages:
+            while lead < len(new) and new[lead].get("role") in _PINNED_ROLES:
+                lead += 1
+        pinned = [*self.pinned, *new[:lead]] if turn == 1 else []
+        placed = [(f"{0:08x}{j:04x}", m) for j, m in enumerate(pinned)]
+        return placed + [(f"{turn:08x}{j:04x}", m) for j, m in enumerate(new[lead:])]
+
     def reply(self, turn: int) -> tuple[dict[str, Any], dict[str, Any]] | None:
         """Turn `turn`'s reply (the assistant message) and metadata; None when it is not kept
         (or not a turn)."""

@@ -385,7 +385,10 @@ class StateRequest:
         gets now."""
         assert self.builder is not None and self.stage.records is not None
         meta = self.builder.stored()
-        await self.stage.records.put(self.ex.tenant, self.builder.id, Record(RUNNING, meta))
+        turn = self.turn
+        sent = [] if turn is None else [list(p) for p in turn.history.next_input(turn.new)]
+        record = Record(RUNNING, meta, sent=sent)
+        await self.stage.records.put(self.ex.tenant, self.builder.id, record)
         self.queued = True
         self.stage.background_running.inc()
         return self.builder.response("queued")
@@ -421,9 +424,11 @@ class StateRequest:
             await stage.records.delete(tenant, rid)
             return
         meta = builder.stored()
+        turn = self.turn
+        sent = [] if turn is None else [list(p) for p in turn.history.next_input(turn.new)]
         if self.cancelled:
             stage.background.labels("cancelled").inc()
-            await stage.records.put(tenant, rid, Record(CANCELLED, meta))
+            await stage.records.put(tenant, rid, Record(CANCELLED, meta, sent=sent))
             return
         error = self.background_error or builder.failed
         if error is None and self.status not in (0, 200):
@@ -432,7 +437,7 @@ class StateRequest:
             lost = "the answer completed, but its conversation was deleted or its lease expired"
             error = {"code": "not_stored", "message": lost}
         stage.background.labels("failed").inc()
-        await stage.records.put(tenant, rid, Record(FAILED, meta, error))
+        await stage.records.put(tenant, rid, Record(FAILED, meta, error, sent))
 
     async def begin(self, send: Send) -> Send | None:
         """Answer from the cache (None: answered), or the `send` the relay should use."""

@@ -235,9 +235,13 @@ class StoredObjects:
         """`GET /v1/responses/{rid}/input_items`: the messages that turn sent."""
         found = await self._history(tenant, rid) if rid.startswith("resp_") else None
         sent = found[1].turn_input(found[2]) if found is not None else None
-        if found is None or sent is None:
-            raise self._missing(rid, True)
-        return page([i for place, m in sent for i in _items(found[0], place, m)], query)
+        cid = found[0] if found is not None else rid[len("resp_") : len("resp_") + 24]
+        if sent is None:  # a background response not stored (yet): its record has them
+            record = await self._record(tenant, rid)
+            if record is None:
+                raise self._missing(rid, True)
+            sent = [(str(place), dict(m)) for place, m in record.sent]
+        return page([i for place, m in sent for i in _items(cid, place, m)], query)
 
     async def conversation(self, tenant: str, name: str) -> dict[str, Any]:
         """`GET /v1/conversations/{id}`: the conversation object."""

@@ -68,6 +68,8 @@ async def test_a_background_response_is_polled_to_its_answer_and_continued(
             async with sdk, beta:
                 running = await sdk.responses.retrieve(queued.id)
                 assert running.status == "in_progress" and running.output == []
+                asked = [i async for i in sdk.responses.input_items.list(queued.id)]
+                assert [i.content[0].text for i in asked] == ["Name a moon."]  # type: ignore[union-attr]
                 with pytest.raises(openai.ConflictError):  # its conversation is busy meanwhile
                     await sdk.responses.create(
                         model="default", input="More?", previous_response_id=queued.id
@@ -80,6 +82,8 @@ async def test_a_background_response_is_polled_to_its_answer_and_continued(
                 answered = await settled(sdk, queued.id)
                 assert answered.status == "completed" and answered.output_text == "answer 0 done"
                 assert answered.background is True and answered.created_at == queued.created_at
+                kept = [i async for i in sdk.responses.input_items.list(queued.id)]
+                assert [i.id for i in kept] == [i.id for i in asked]  # the same ids, stored
                 follow = await sdk.responses.create(
                     model="default", input="Another?", previous_response_id=queued.id
                 )

@@ -370,3 +370,15 @@ def test_sdk_fields_that_need_nothing_here_are_taken_at_those_values_only() -> N
         with pytest.raises(InvalidRequest) as bad:
             parse_request({"input": "hi", **extra})
         assert bad.value.param == param
+
+
+def test_the_next_turns_input_is_placed_where_storing_it_puts_it() -> None:
+    for history in (History(pinned=[{"role": "system", "content": "S"}]), History()):
+        new = [{"role": "developer", "content": "D"}, {"role": "user", "content": "U"}]
+        before = history.next_input(new)
+        history.append(new, {"role": "assistant", "content": "A"})
+        assert history.turn_input(1) == before
+        later = [{"role": "system", "content": "late"}, {"role": "user", "content": "U2"}]
+        before = history.next_input(later)  # not the first turn: nothing more is pinned
+        history.append(later, {"role": "assistant", "content": "A2"})
+        assert history.turn_input(2) == before
