@@ -55,8 +55,14 @@ class Record:
         return cls(str(obj["s"]), dict(obj["m"]), obj.get("e"), list(obj.get("i") or []))
 
 
+def kept_for(config: ConversationConfig) -> float:
+    """How long records and event logs live: a conversation's TTL past the longest run, so
+    neither expires under an answer still running."""
+    return config.ttl + config.background_max
+
+
 class RecordStore(Protocol):
-    """Background responses' records by tenant and response id, kept as long as conversations."""
+    """Background responses' records by tenant and response id (`kept_for`)."""
 
     async def put(self, tenant: str, rid: str, record: Record) -> None: ...
     async def get(self, tenant: str, rid: str) -> Record | None: ...
@@ -68,7 +74,7 @@ class MemoryRecords:
 
     def __init__(self, config: ConversationConfig) -> None:
         self._data: TTLCache[tuple[str, str], bytes] = TTLCache(
-            maxsize=config.memory_max_conversations, ttl=config.ttl
+            maxsize=config.memory_max_conversations, ttl=kept_for(config)
         )
 
     async def put(self, tenant: str, rid: str, record: Record) -> None:
@@ -83,11 +89,11 @@ class MemoryRecords:
 
 
 class RedisRecords:
-    """Records in Redis: `{prefix}bg:{tenant}:{response id}`, with the conversations' TTL."""
+    """Records in Redis: `{prefix}bg:{tenant}:{response id}`, for `kept_for`."""
 
     def __init__(self, redis: RedisState, config: ConversationConfig) -> None:
         self._redis = redis
-        self._ttl_ms = int(config.ttl * 1000)
+        self._ttl_ms = int(kept_for(config) * 1000)
 
     def _key(self, tenant: str, rid: str) -> str:
         return f"{self._redis.prefix}bg:{tenant}:{rid}"
@@ -136,7 +142,7 @@ class MemoryEvents:
 
     def __init__(self, config: ConversationConfig) -> None:
         self._logs: TTLCache[tuple[str, str], _Log] = TTLCache(
-            maxsize=config.memory_max_conversations, ttl=config.ttl
+            maxsize=config.memory_max_conversations, ttl=kept_for(config)
         )
 
     async def append(self, tenant: str, rid: str, events: list[bytes]) -> None:
@@ -162,12 +168,12 @@ class MemoryEvents:
 
 
 class RedisEvents:
-    """Event logs in Redis: a list `{prefix}bg-events:{tenant}:{response id}`, with the
-    conversations' TTL; a reader on another edge polls it every `FOLLOW_POLL_S`."""
+    """Event logs in Redis: a list `{prefix}bg-events:{tenant}:{response id}`, for `kept_for`
+    after its last event; a reader on another edge polls it every `FOLLOW_POLL_S`."""
 
     def __init__(self, redis: RedisState, config: ConversationConfig) -> None:
         self._redis = redis
-        self._ttl_ms = int(config.ttl * 1000)
+        self._ttl_ms = int(kept_for(config) * 1000)
 
     def _key(self, tenant: str, rid: str) -> str:
         return f"{self._redis.prefix}bg-events:{tenant}:{rid}"
@@ -279,6 +285,7 @@ __all__ = [
     "MemoryEvents",
     "RedisEvents",
     "follow",
+    "kept_for",
     "FAILED",
     "POLL_S",
     "RUNNING",

@@ -11,6 +11,7 @@ from typing import Any
 
 import openai
 import pytest
+import redis.asyncio
 from openai.types.responses import Response
 
 from edge.state.background import END, Broadcast, MemoryEvents, follow
@@ -41,6 +42,14 @@ async def settled(sdk: openai.AsyncOpenAI, rid: str, within: float = 10.0) -> Re
             await asyncio.sleep(0.05)
 
 
+async def redis_ttl_ms(url: str, key: str) -> int:
+    client = redis.asyncio.Redis.from_url(url)
+    try:
+        return int(await client.pttl(key))
+    finally:
+        await client.aclose()
+
+
 def stores(redis_url: str, redis_prefix: str, kind: str) -> Any:
     return state(redis_url if kind == "redis" else None, redis_prefix)
 
@@ -68,6 +77,9 @@ async def test_a_background_response_is_polled_to_its_answer_and_continued(
             async with sdk, beta:
                 running = await sdk.responses.retrieve(queued.id)
                 assert running.status == "in_progress" and running.output == []
+                if store == "redis":  # kept past a conversation's TTL: the longest run more
+                    ttl_ms = await redis_ttl_ms(redis_url, f"{redis_prefix}bg:alpha:{queued.id}")
+                    assert ttl_ms > (1800.0 + 3000.0) * 1000
                 asked = [i async for i in sdk.responses.input_items.list(queued.id)]
                 assert [i.content[0].text for i in asked] == ["Name a moon."]  # type: ignore[union-attr]
                 with pytest.raises(openai.ConflictError):  # its conversation is busy meanwhile
