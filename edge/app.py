@@ -393,7 +393,7 @@ class ProxyApp:
                 "this response keeps no event stream to resume: only a background response "
                 "asked with stream: true does", param="stream", code="not_resumable",
             )  # fmt: skip
-        within = self.state.config.conversations.lease
+        within = self.state.config.conversations.background_max  # the longest run
         await _stream_events(send, receive, follow(events, tenant, rid, after + 1,
                                                    within=within), "-")  # fmt: skip
 
