@@ -63,6 +63,9 @@ class ConversationConfig:
     """Conversations the in-process store holds at most (the least recently used go first)."""
     background_max: float = 3600.0
     """Seconds a background answer may run; its turn renews its lease meanwhile."""
+    background_running: int = 256
+    """Background answers one process generates at once; past it, 503 `overloaded` (they hold
+    no connection, so nothing else bounds them)."""
 
     def validate(self) -> None:
         for name in ("ttl", "lease", "background_max"):
@@ -74,6 +77,8 @@ class ConversationConfig:
             raise ValueError("state.conversations.overflow: must be truncate or reject")
         if self.memory_max_conversations < 1:
             raise ValueError("state.conversations.memory_max_conversations: must be >= 1")
+        if self.background_running < 1:
+            raise ValueError("state.conversations.background_running: must be >= 1")
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> ConversationConfig:

@@ -20,7 +20,13 @@ from typing import TYPE_CHECKING, Any
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from edge.errors import ConversationNotFound, EdgeError, InvalidRequest, StateUnavailable
+from edge.errors import (
+    ConversationNotFound,
+    EdgeError,
+    InvalidRequest,
+    Overloaded,
+    StateUnavailable,
+)
 from edge.sse import SSEScanner, answer_of_body
 from edge.stages.validate import CHAT, COMPLETIONS, GENERATE
 from edge.state.background import (
@@ -159,6 +165,8 @@ class StateStage:
             ["outcome"],
             registry=registry,
         )
+        self.running = 0
+        """Background answers this process is generating (`queue` to their end)."""
         self.background_running = Gauge(
             "quicedge_background_responses_running",
             "Background responses this process is generating now",
@@ -257,6 +265,14 @@ class StateStage:
         state = StateRequest(self, ex, turn=turn)
         state.builder = ResponseBuilder(request.echo, rid, request.model or "default")
         if request.background:
+            limit = self.config.conversations.background_running
+            if self.running >= limit:
+                if turn is not None and self.conversations is not None:
+                    await self.conversations.release(turn)  # it will not run: its turn goes
+                raise Overloaded(
+                    f"{limit} background responses are running on this edge; retry later",
+                    headers=((b"retry-after", b"1"),),
+                )
             if turn is None:
                 raise InvalidRequest(
                     "background responses need stored conversations, which are turned off "
@@ -390,6 +406,7 @@ class StateRequest:
         record = Record(RUNNING, meta, sent=sent)
         await self.stage.records.put(self.ex.tenant, self.builder.id, record)
         self.queued = True
+        self.stage.running += 1
         self.stage.background_running.inc()
         return self.builder.response("queued")
 
@@ -418,6 +435,7 @@ class StateRequest:
         stage, builder = self.stage, self.builder
         assert builder is not None and stage.records is not None
         stage.background_running.dec()
+        stage.running -= 1
         tenant, rid = self.ex.tenant, builder.id
         if committed:
             stage.background.labels("completed").inc()

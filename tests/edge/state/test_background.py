@@ -390,3 +390,29 @@ async def test_the_event_log_and_the_asking_client_are_each_bounded() -> None:
     rest = [e async for e in theirs]  # what waited, up to the cap; then its stream ended
     assert rest == [event(n) for n in range(1, len(rest) + 1)] and 0 < len(rest) < 29
     await slow.close()
+
+
+async def test_background_answers_running_at_once_are_bounded() -> None:
+    """They hold no connection, so `background_running` is what bounds them: past it, 503
+    `overloaded` with Retry-After, and the refused request's conversation is free at once."""
+    gate = asyncio.Event()
+    upstream = ChatUpstream(gate=gate)
+    one = state(conversations={"background_running": 1})
+    async with TinyUpstream(upstream) as up:
+        config = fast_config([up.url], state=one, admission=tenants("alpha"))
+        async with run_edge(config) as edge, client(edge) as http:
+            sdk = sdk_of(edge)
+            async with sdk:
+                first = await sdk.responses.create(model="default", input="A", background=True)
+                conv = await sdk.conversations.create()
+                body = {"input": "B", "background": True, "conversation": conv.id}
+                refused = await http.post("/v1/responses", headers=as_tenant("alpha"), json=body)
+                assert refused.status_code == 503, refused.text
+                assert refused.json()["error"]["code"] == "overloaded"
+                assert refused.headers["retry-after"] == "1"
+                gate.set()
+                assert (await settled(sdk, first.id)).status == "completed"
+                later = await sdk.responses.create(
+                    model="default", input="B", conversation=conv.id, background=True
+                )
+                assert (await settled(sdk, later.id)).status == "completed"
