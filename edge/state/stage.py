@@ -159,7 +159,7 @@ class StateStage:
             ["outcome"],
             registry=registry,
         )
-        self.background = Counter(
+        self.background_ended = Counter(
             "quicedge_background_responses_total",
             "Background responses by how they ended (completed, failed, cancelled)",
             ["outcome"],
@@ -438,14 +438,14 @@ class StateRequest:
         stage.running -= 1
         tenant, rid = self.ex.tenant, builder.id
         if committed:
-            stage.background.labels("completed").inc()
+            stage.background_ended.labels("completed").inc()
             await stage.records.delete(tenant, rid)
             return
         meta = builder.stored()
         turn = self.turn
         sent = [] if turn is None else [list(p) for p in turn.history.next_input(turn.new)]
         if self.cancelled:
-            stage.background.labels("cancelled").inc()
+            stage.background_ended.labels("cancelled").inc()
             await stage.records.put(tenant, rid, Record(CANCELLED, meta, sent=sent))
             return
         error = self.background_error or builder.failed
@@ -454,7 +454,7 @@ class StateRequest:
         if error is None:
             lost = "the answer completed, but its conversation was deleted or its lease expired"
             error = {"code": "not_stored", "message": lost}
-        stage.background.labels("failed").inc()
+        stage.background_ended.labels("failed").inc()
         await stage.records.put(tenant, rid, Record(FAILED, meta, error, sent))
 
     async def begin(self, send: Send) -> Send | None:
