@@ -11,8 +11,9 @@ admin_token_file`, every action (a POST) needs `Authorization: Bearer TOKEN` (`g
 - `POST /prewarm` `{"text": "...", "backends": ["name", ...]}` (backends optional: all): warm
   that prefix now (`edge.routing.prewarm`); answers with what each backend did.
 - `GET /rollouts`: model pools, aliases and each rollout's state, tests and transitions.
-- `POST /rollouts/{model}/promote|pause|rollback`: move a rollout by hand (docs/models.md); with
-  several workers every worker takes it (`edge.worker_admin`, `x-quicedge-workers: K/N`).
+- `POST /rollouts/{model}/promote|pause|rollback|restart`: move a rollout by hand
+  (docs/models.md); with several workers every worker takes it (`edge.worker_admin`,
+  `x-quicedge-workers: K/N`).
 - `POST /backends/{name}/drain|undrain`: hold a backend out of routing for maintenance (its
   requests in flight finish) and let it back; every worker takes it, as above.
 """
@@ -56,7 +57,7 @@ REFUSED_RECORD_GAP_S = 0.1
 Answer = tuple[int, bytes, bytes]
 """An admin route's status, content type and body."""
 
-_ROLLOUT_ACTIONS = ("promote", "pause", "rollback")
+_ROLLOUT_ACTIONS = ("promote", "pause", "rollback", "restart")
 
 
 def guard_actions(app: ASGIApp, token: bytes | None, audit: AuditLog | None = None) -> ASGIApp:
@@ -215,23 +216,27 @@ class AdminApp:
 
         return act
 
-    def _rollout_action(self, path: str) -> Callable[[], tuple[int, bytes, bytes]]:
+    def _rollout_action(self, path: str) -> Callable[[], Awaitable[Answer]]:
         """`/rollouts/{model}/{action}`; the model may contain slashes (`org/name`)."""
         model, _, action = path[len("/rollouts/") :].rpartition("/")
-        ramp = self.models.ramps.get(model) if self.models is not None else None
-        if ramp is None:
+        models = self.models
+        if models is None or model not in models.ramps:
             raise RouteNotFound(f"no rollout for model {model!r}")
         if action not in _ROLLOUT_ACTIONS:
             raise RouteNotFound(
-                f"unknown rollout action {action!r}; use promote, pause or rollback"
+                f"unknown rollout action {action!r}; use promote, pause, rollback or restart"
             )
 
-        def act() -> tuple[int, bytes, bytes]:
-            try:
-                getattr(ramp, action)("operator")
-                self._audited(f"rollout.{action}", model)
-            except ValueError as exc:
-                raise InvalidRequest(str(exc), code="invalid_state") from None
+        async def act() -> Answer:
+            if action == "restart":
+                ramp = await models.restart(model)
+            else:
+                ramp = models.ramps[model]
+                try:
+                    getattr(ramp, action)("operator")
+                except ValueError as exc:
+                    raise InvalidRequest(str(exc), code="invalid_state") from None
+            self._audited(f"rollout.{action}", model)
             return 200, b"application/json", _json(ramp.snapshot())
 
         return act

@@ -8,6 +8,8 @@ validated. A file that does not load or validate changes nothing. Otherwise:
   modules, stream rules, the guard model) apply to the requests that start from then on;
   requests in progress finish as they began. A new policy gateway is built (its modules
   compiled) in a thread, so the loop keeps serving meanwhile.
+- `[models]` default, discover, aliases and rollouts (`Models.reconfigure`): a rollout whose
+  entry changed starts again at its first step, an unchanged one keeps its state.
 - `[proxy] backends`: a new URL joins the registry at once, a removed one drains (no new
   requests, those in flight finish, up to `[discovery] drain_timeout`) and leaves, as backend
   discovery does it. A kept backend's labels (its isolation domain) wait for a restart.
@@ -27,6 +29,7 @@ from typing import Any
 from backends.discovery import DiscoveryConfig, wanted_urls
 from edge.admission.settings import AdmissionSettings
 from edge.config import ProxyConfig
+from edge.models import ModelsConfig
 from edge.policy.config import PolicyConfig
 from edge.policy.gateway import PolicyGateway
 from edge.settings import Settings
@@ -36,15 +39,20 @@ from transport.loop import cancelled
 
 log = logging.getLogger("quicedge.reload")
 
-LIVE = ("tenants", "admission.anonymous", "policy", "proxy.backends")
+_LIVE_MODELS = ("default", "discover", "aliases", "rollouts")
+"""The `[models]` fields a reload applies (`Models.reconfigure`)."""
+
+LIVE = ("tenants", "admission.anonymous", "policy", "proxy.backends", "models")
 """What a reload applies while serving; every other difference waits for a restart."""
 
 _CARRIED = {
     "proxy": ("admission", "state", "backends"),
     "admission": ("anonymous", "tenants"),
+    "models": _LIVE_MODELS,
 }
 """Fields a section carries that are compared on their own (`ProxyConfig.with_features` puts
-the `[admission]` and `[state]` sections into `[proxy]`, and `[[tenants]]` into `[admission]`)."""
+the `[admission]` and `[state]` sections into `[proxy]`, and `[[tenants]]` into `[admission]`;
+`[models]`' live fields apply, its others wait for a restart)."""
 
 
 def _fields(value: Any, leave_out: tuple[str, ...]) -> Any:
@@ -63,6 +71,9 @@ def differences(old: Settings, new: Settings) -> tuple[list[str], list[str]]:
         live.append("admission.anonymous")
     if old["policy"] != new["policy"]:
         live.append("policy")
+    old_models, new_models = old.get("models", ModelsConfig), new.get("models", ModelsConfig)
+    if any(getattr(old_models, f) != getattr(new_models, f) for f in _LIVE_MODELS):
+        live.append("models")
     before = wanted_urls(old.get("proxy", ProxyConfig).backends)
     after = wanted_urls(new.get("proxy", ProxyConfig).backends)
     if before.keys() != after.keys():
@@ -70,7 +81,7 @@ def differences(old: Settings, new: Settings) -> tuple[list[str], list[str]]:
     restart = [
         name
         for name in old.names()
-        if name not in LIVE
+        if (name not in LIVE or name in _CARRIED)
         and _fields(old[name], _CARRIED.get(name, ())) != _fields(new[name], _CARRIED.get(name, ()))
     ]
     relabelled = any(before[url] != after[url] for url in before.keys() & after.keys())
@@ -183,6 +194,9 @@ class Reloader:
         if "proxy.backends" in live:
             drain = new.get("discovery", DiscoveryConfig).drain_timeout
             await self.wiring.set_backends(new.get("proxy", ProxyConfig).backends, drain)
+        if "models" in live:
+            changed = await self.wiring.models.reconfigure(new.get("models", ModelsConfig))
+            log.warning("config reload: [models]: %s", ", ".join(changed) or "no change")
         if "policy" in live:
             await self.wiring.swap_gateway(gateway)
         elif signal:

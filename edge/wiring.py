@@ -319,7 +319,8 @@ async def build(
     )  # fmt: skip
     catalog.on_relabel = breaker_set.relabel  # a learned model moves its backend's domain
     sync = None
-    if models is not None and (models.share_stops or models.share_advances) and models.rollouts:
+    # Without rollouts too: one a reload adds is shared as the others are.
+    if models is not None and (models.share_stops or models.share_advances):
         if redis_url is None:
             which = "share_stops" if models.share_stops else "share_advances"
             raise ValueError(f"models.{which}: sharing rollouts needs a Redis (--redis)")

@@ -33,7 +33,7 @@ class ModelMetrics:
         )
         self.transitions = Counter(
             "quicedge_rollout_transitions",
-            "Rollout transitions (advance, promoted, pause, hold, rollback, resume).",
+            "Rollout transitions (advance, promoted, pause, hold, rollback, resume, restart).",
             ["model", "action"],
             registry=registry,
         )

@@ -181,14 +181,16 @@ class ModelPools:
             exact = [b for b in mine if b.model_version == route.version]
             if not exact and route.canary:
                 self.to_stable(route)
-                exact = [b for b in mine if b.model_version == route.version]
+                exact = [b for b in mine if route.version in (None, b.model_version)]
             mine = exact
         return mine
 
     def to_stable(self, route: Route) -> None:
-        """Move a canary route to its pool's stable version."""
+        """Move a canary route to its pool's stable version (any version, once a reload has
+        removed the rollout the route was drawn from)."""
         assert route.pool is not None
-        route.version, route.canary = self.rollouts[route.pool].stable, False
+        rollout = self.rollouts.get(route.pool)
+        route.version, route.canary = rollout.stable if rollout is not None else None, False
 
     def no_backend(self, route: Route) -> NoHealthyBackend:
         what = route.pool if route.version is None else f"{route.pool} version {route.version}"

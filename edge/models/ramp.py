@@ -49,7 +49,7 @@ MIN_ERROR_SAMPLES = 20
 class Transition:
     at: float
     action: str
-    """advance, promoted, pause, hold, rollback, resume."""
+    """advance, promoted, pause, hold, rollback, resume, restart."""
     percent: float
     reason: str
     step: int = 0
@@ -179,7 +179,7 @@ class Ramp:
             r.state = "paused" if action == "pause" else "held"
         elif action == "promoted":
             r.state = "promoted"
-        elif action in ("advance", "resume"):
+        elif action in ("advance", "resume", "restart"):
             r.state = "ramping"
         r.reason = reason
         step = len(self.config.steps) if r.state == "promoted" else self.step
@@ -189,11 +189,23 @@ class Ramp:
         if self._on_transition is not None:
             self._on_transition(r, transition)
 
+    def retire(self) -> None:
+        """Taken out of service (its rollout restarted or removed): a late mirror's pair may
+        still reach it, but its transitions are no longer told to anyone."""
+        self._on_transition = None
+
+    def restarted(self, reason: str) -> None:
+        """Record that this fresh ramp restarts its rollout (counted and told as any move)."""
+        self._move("restart", reason)
+
     # -- the admin API --------------------------------------------------------------------
     def promote(self, reason: str = "operator") -> None:
         """Resume a paused or held ramp at its step, or advance a ramping one a step."""
         if self.rollout.state == "rolled_back":
-            raise ValueError(f"rollout {self.rollout.pool} was rolled back; restart it by config")
+            raise ValueError(
+                f"rollout {self.rollout.pool} was rolled back; restart it (POST "
+                f"/rollouts/{self.rollout.pool}/restart, or a reload that changes its entry)"
+            )
         if self.rollout.state in ("paused", "held"):
             self._start_step()
             self._move("resume", reason)

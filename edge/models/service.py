@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -21,7 +22,7 @@ from backends.credentials import BackendCredentials
 from backends.pool import UpstreamPool
 from backends.registry import Backend, BackendRegistry
 from edge.models.catalog import ModelCatalog
-from edge.models.config import ModelsConfig
+from edge.models.config import ModelsConfig, RolloutConfig
 from edge.models.metrics import ModelMetrics
 from edge.models.pools import ModelPools, Route
 from edge.models.ramp import Ramp, Transition
@@ -53,35 +54,46 @@ class Models:
     ) -> None:
         self.config = config
         self.metrics = ModelMetrics(registry)
+        self._catalog = catalog
         catalog.discover = config.discover
-        self.ramps: dict[str, Ramp] = {
-            r.model: Ramp(r, clock=clock, on_transition=self._transition) for r in config.rollouts
-        }
-        self.shadows: dict[str, Shadow] = {
-            r.model: Shadow(
-                r,
-                ramp=self.ramps[r.model],
-                pool=pool,
-                registry=backends,
-                metrics=self.metrics,
-                rng=rng,
-                clock=clock,
-                credentials=credentials,
-                breakers=breakers,
-            )  # fmt: skip
-            for r in config.rollouts
-        }
+        self._backends = backends
+        self._pool = pool
+        self._clock = clock
+        self._rng = rng
+        self._credentials = credentials
+        self._breakers = breakers
+        self._abort: Callable[[Backend, str], None] | None = None
+        self.ramps: dict[str, Ramp] = {}
+        self.shadows: dict[str, Shadow] = {}
+        self._retired: list[Shadow] = []
+        """Shadows of restarted or removed rollouts, their mirrors cancelled, to be closed."""
+        for r in config.rollouts:
+            self._start(r)
         self.pools = ModelPools(
             config, backends=backends.backends, catalog=catalog,
             rollouts={name: ramp.rollout for name, ramp in self.ramps.items()}, rng=rng,
         )  # fmt: skip
-        for name, ramp in self.ramps.items():
-            self.metrics.canary_percent.labels(name).set(ramp.rollout.percent)
         self.on_transition: list[Callable[[Rollout, Transition], None]] = []
         """Also told of every transition (the other workers hear of a rollback this way)."""
 
+    def _start(self, config: RolloutConfig) -> Ramp:
+        """A rollout from its first step: its ramp, its shadow and its share's gauge."""
+        ramp = Ramp(config, clock=self._clock, on_transition=self._transition)
+        shadow = Shadow(
+            config, ramp=ramp, pool=self._pool, registry=self._backends, metrics=self.metrics,
+            rng=self._rng, clock=self._clock, credentials=self._credentials,
+            breakers=self._breakers,
+        )  # fmt: skip
+        if self._abort is not None:
+            shadow.abort = self._abort
+        self.ramps[config.model] = ramp
+        self.shadows[config.model] = shadow
+        self.metrics.canary_percent.labels(config.model).set(ramp.rollout.percent)
+        return ramp
+
     def set_aborter(self, abort: Callable[[Backend, str], None]) -> None:
         """How a cancelled mirror is aborted on its canary (`/abort_request` by rid)."""
+        self._abort = abort
         for shadow in self.shadows.values():
             shadow.abort = abort
 
@@ -178,6 +190,74 @@ class Models:
             self.shadows[route.pool].start(ex.route, ex.payload, ex.abort_rid or ex.request_id, tap)
 
     # -- admin ----------------------------------------------------------------------------
+    async def restart(self, model: str, reason: str = "operator") -> Ramp:
+        """Start `model`'s rollout again at its first step, from any state, a rollback
+        included (the admin API's `restart`). KeyError when it has none."""
+        ramp = self._restart(self.ramps[model].config, reason)
+        await self._retire_shadows()
+        return ramp
+
+    def _restart(self, config: RolloutConfig, reason: str) -> Ramp:
+        """Replace a rollout's ramp and shadow with fresh ones; the history carries on, with
+        the restart in it. The old shadow's mirrors are cancelled (`_retire_shadows` ends
+        them)."""
+        old = self.ramps[config.model]
+        self._retire(config.model, "restart")
+        ramp = self._start(config)
+        ramp.history.extend(old.history)
+        ramp.restarted(reason)
+        self.pools.rollouts[config.model] = ramp.rollout
+        return ramp
+
+    def _retire(self, model: str, reason: str) -> None:
+        self.ramps.pop(model).retire()
+        shadow = self.shadows.pop(model)
+        shadow.cancel_all(reason)
+        self._retired.append(shadow)
+
+    async def _retire_shadows(self) -> None:
+        retired, self._retired = self._retired, []
+        for shadow in retired:
+            await shadow.aclose()
+
+    async def reconfigure(self, config: ModelsConfig) -> list[str]:
+        """Apply a reloaded `[models]`: its default, discover, aliases and rollouts (the
+        backends' labels and the sharing keys wait for a restart). A rollout whose entry is
+        unchanged keeps its state; a changed one restarts at its first step; a new one starts;
+        a removed one stops, and its pool's requests all go to whatever version they name.
+        What changed, for the log."""
+        done: list[str] = []
+        old = {r.model: r for r in self.config.rollouts}
+        new = {r.model: r for r in config.rollouts}
+        for model in old.keys() - new.keys():
+            self._retire(model, "removed")
+            del self.pools.rollouts[model]
+            self.metrics.canary_percent.remove(model)
+            done.append(f"rollout {model} removed")
+        for model, entry in new.items():
+            if model not in old:
+                self.pools.rollouts[model] = self._start(entry).rollout
+                done.append(f"rollout {model} started")
+            elif entry != old[model]:
+                self._restart(entry, "config reload: its entry changed")
+                done.append(f"rollout {model} restarted")
+        aliases = {a.name: a.model for a in config.aliases}
+        if aliases != self.pools.aliases:
+            done.append("aliases")
+        if config.default != self.config.default:
+            done.append("default")
+        if config.discover != self.config.discover:
+            done.append("discover")
+        # The backends' labels stay as the process started (a backend's isolation domain is
+        # fixed while it serves), and so does everything else outside these four.
+        self.config = replace(self.config, default=config.default, discover=config.discover,
+                              aliases=config.aliases, rollouts=config.rollouts)  # fmt: skip
+        self.pools.config = self.config
+        self.pools.aliases = aliases
+        self._catalog.discover = config.discover
+        await self._retire_shadows()
+        return done
+
     def snapshot(self) -> dict[str, Any]:
         pools = {
             name: [
@@ -199,7 +279,7 @@ class Models:
         }
 
     async def aclose(self) -> None:
-        for shadow in self.shadows.values():
+        for shadow in [*self.shadows.values(), *self._retired]:
             await shadow.aclose()
 
 

@@ -85,8 +85,8 @@ def test_a_rollback_reaches_every_worker(redis_url: str, tmp_path: Path) -> None
         assert answer.status_code == 200, answer.text
         assert answer.headers["x-quicedge-workers"] == "2/2"
         assert canary_percent(admin) == {"0": 0.0, "1": 0.0}
-        # Every worker refuses a promotion now (a rolled-back rollout restarts only from its
-        # configuration), and the count says so.
+        # Every worker refuses a promotion now (a rolled-back rollout must be restarted), and
+        # the count says so.
         again = httpx.post(f"{admin}/rollouts/m/promote", timeout=10)
         assert again.status_code == 400 and again.headers["x-quicedge-workers"] == "0/2"
         assert httpx.get(f"{admin}/rollouts", timeout=10).status_code == 200

@@ -152,6 +152,27 @@ def test_the_backend_list_is_live_a_kept_backends_labels_are_not(tmp_path: Path)
     assert differences(base, moved) == ([], ["proxy"])
 
 
+def test_models_pools_aliases_and_rollouts_are_live_backend_labels_and_sharing_wait(
+    tmp_path: Path,
+) -> None:
+    rollout = '[[models.rollouts]]\nmodel = "m"\nstable = "v1"\ncanary = "v2"\n'
+    label = '[[models.backends]]\nurl = "http://10.0.0.1:30000"\nmodel = "m"\nversion = "v1"\n'
+    base = settings_of(tmp_path, tenants_toml("a", extra=label + rollout))
+
+    def changed(text: str) -> tuple[list[str], list[str]]:
+        return differences(base, settings_of(tmp_path, tenants_toml("a", extra=text)))
+
+    assert changed(label + rollout) == ([], [])
+    assert changed(label + rollout.replace('"v2"', '"v3"')) == (["models"], [])
+    assert changed(label) == (["models"], [])
+    alias = '[[models.aliases]]\nname = "llama"\nmodel = "m"\n'
+    assert changed(label + rollout + alias) == (["models"], [])
+    assert changed('[models]\ndefault = "m"\n' + label + rollout) == (["models"], [])
+    assert changed(label.replace('"v1"', '"v0"') + rollout) == ([], ["models"])
+    shared = "[models]\nshare_stops = true\n" + label + rollout
+    assert changed(shared) == ([], ["models"])
+
+
 # -- a running edge -------------------------------------------------------------------------------
 
 
@@ -312,3 +333,89 @@ async def test_a_backend_added_serves_and_one_removed_drains_its_answer_first(
 
 def admin(proc: ServeProcess) -> str:
     return f"http://127.0.0.1:{proc.admin_port}/backends"
+
+
+async def test_a_rollout_restarts_by_the_admin_api_and_by_a_reload_and_a_reload_removes_it(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """Two workers, so the admin action and the signal must reach both."""
+    version = ("--served-model-name", "m", "--model-version")
+    with (
+        sim_process("s1", "instant", *version, "v1") as v1,
+        sim_process("s2", "instant", *version, "v2") as v2,
+    ):
+        stable, canary = v1.rpartition("/")[2], v2.rpartition("/")[2]
+        head = f'[proxy]\nexpose_backend_names = true\nbackends = ["{v1}", "{v2}"]\n'
+        labels = "".join(
+            f'[[models.backends]]\nurl = "{url}"\nmodel = "m"\nversion = "{name}"\n'
+            for url, name in ((v1, "v1"), (v2, "v2"))
+        )
+        rollout = '[[models.rollouts]]\nmodel = "m"\nstable = "v1"\ncanary = "v2"\nauto = false\n'
+        alias = '[[models.aliases]]\nname = "llama"\nmodel = "m"\n'
+        config = tmp_path / "quicedge.toml"
+        config.write_text(head + labels + rollout + "steps = [1.0, 100.0]\n")
+        proc, url = serve(config, "--workers", "2", "--redis", redis_url)
+        admin_url = f"http://127.0.0.1:{proc.admin_port}"
+        try:
+            async with (
+                httpx.AsyncClient(base_url=url, timeout=30) as http,
+                httpx.AsyncClient(base_url=admin_url, timeout=30) as operator,
+            ):
+
+                async def served(model: str = "m", canary_header: str | None = None) -> set[str]:
+                    headers = {"x-canary": canary_header} if canary_header is not None else {}
+                    names = set()
+                    for _ in range(6):  # new connections: both workers answer
+                        async with httpx.AsyncClient(base_url=url, timeout=30) as fresh:
+                            request = body("hi", model=model)
+                            r = await fresh.post("/v1/chat/completions", json=request,
+                                                 headers=headers)  # fmt: skip
+                        assert r.status_code == 200, r.text
+                        names.add(r.headers["x-quicedge-backend"])
+                    return names
+
+                assert await served(canary_header="1") == {canary}
+                assert await served(canary_header="0") == {stable}
+                back = await operator.post("/rollouts/m/rollback")
+                assert back.headers["x-quicedge-workers"] == "2/2"
+                assert await served(canary_header="1") == {stable}  # rolled back: stable only
+                again = await operator.post("/rollouts/m/restart")
+                assert again.status_code == 200 and again.headers["x-quicedge-workers"] == "2/2"
+                state = again.json()
+                assert (state["state"], state["percent"], state["step"]) == ("ramping", 1.0, 0)
+                assert [h["action"] for h in state["history"]] == ["rollback", "restart"]
+                assert await served(canary_header="1") == {canary}
+                missing = await http.post("/v1/chat/completions", json=body("hi", model="llama"))
+                assert missing.status_code == 404
+
+                # A changed entry restarts at its (new) first step; the alias is served at once.
+                config.write_text(head + labels + rollout + "steps = [100.0]\n" + alias)
+                proc.proc.send_signal(signal.SIGHUP)
+                await wait_metric(proc, APPLIED, 2)  # both workers
+                assert await served() == {canary}  # 100 %: every request without a header
+                assert await served("llama") == {canary}
+                listed = (await operator.get("/rollouts")).json()
+                assert listed["aliases"] == {"llama": "m"}
+                [restarted] = listed["rollouts"]
+                assert restarted["history"][-1]["reason"] == "config reload: its entry changed"
+                assert total(proc, 'quicedge_rollout_canary_percent{model="m"}') == 200
+                assert total(proc, PENDING) == 0
+
+                # Removed: no rollout to act on. A backend's label waits for a restart.
+                relabelled = labels.replace(
+                    'version = "v1"\n', 'version = "v1"\nhardware_group = "h200"\n'
+                )
+                config.write_text(head + relabelled + alias)
+                proc.proc.send_signal(signal.SIGHUP)
+                await wait_metric(proc, APPLIED, 4)
+                assert (await operator.post("/rollouts/m/pause")).status_code == 404
+                assert (await operator.get("/rollouts")).json()["rollouts"] == []
+                assert total(proc, 'quicedge_rollout_canary_percent{model="m"}') == 0
+                assert total(proc, PENDING) == 2
+                assert (await served("llama", canary_header="1")) <= {stable, canary}
+        finally:
+            assert proc.stop() == 0, proc.errors()
+    errors = proc.errors()
+    assert "rollout m: restart at 100 % (config reload: its entry changed)" in errors
+    assert "config reload: [models]: rollout m removed" in errors
+    assert "config reload: [models] changed; that takes effect on a restart" in errors

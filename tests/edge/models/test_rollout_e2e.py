@@ -239,6 +239,16 @@ async def test_the_admin_api_moves_a_rollout_and_refuses_what_it_cannot_do() -> 
                 assert actions == ["advance", "pause", "rollback"]
                 metrics = (await admin.get("/metrics")).text
                 assert 'quicedge_rollout_canary_percent{model="m"} 0.0' in metrics
+                restarted = (await admin.post("/rollouts/m/restart")).json()
+                assert (restarted["state"], restarted["percent"]) == ("ramping", 1.0)
+                assert (await admin.post("/rollouts/m/promote")).json()["percent"] == 10
+                listed = (await admin.get("/rollouts")).json()
+                actions = [h["action"] for h in listed["rollouts"][0]["history"]]
+                assert actions == ["advance", "pause", "rollback", "restart", "advance"]
+                metrics = (await admin.get("/metrics")).text
+                assert 'quicedge_rollout_canary_percent{model="m"} 10.0' in metrics
+                restarts = 'quicedge_rollout_transitions_total{action="restart",model="m"} 1.0'
+                assert restarts in metrics
 
 
 async def test_a_flatter_canary_pauses_at_the_first_step_on_its_top1_probability() -> None:

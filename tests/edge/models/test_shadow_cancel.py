@@ -81,6 +81,31 @@ async def test_pausing_the_rollout_cancels_the_mirror_on_the_canary() -> None:
             assert shadow.compared == 0
 
 
+async def test_restarting_the_rollout_cancels_the_old_mirror_and_a_new_one_is_taken() -> None:
+    async with sims(sim("m", model_version="v1", **LONG), slow_canary()) as (s1, s2):
+        async with (
+            run_edge(fast_config([s1.url, s2.url]), models=shadowed()) as edge,
+            client(edge) as http,
+        ):
+            old = edge.wiring.models.shadows["m"]
+            request = {**chat("m"), "max_tokens": 450}
+            r = await http.post("/v1/chat/completions", json=request, headers={"x-canary": "0"})
+            assert r.status_code == 200
+            await wait_until(lambda: running(s2) == 1, timeout=20)
+            async with httpx.AsyncClient(base_url=edge.admin_url) as admin:
+                assert (await admin.post("/rollouts/m/restart")).json()["state"] == "ramping"
+            assert not old._tasks  # cancelled, and closed before the answer
+            assert old._watcher is None or old._watcher.done()
+            await wait_until(lambda: running(s2) == 0 and aborted(s2) == 1, timeout=20)
+            assert await cancelled(edge.admin_url, "restart") == 1.0
+            new = edge.wiring.models.shadows["m"]
+            assert new is not old
+            r = await http.post("/v1/chat/completions", json=request, headers={"x-canary": "0"})
+            assert r.status_code == 200
+            await wait_until(lambda: running(s2) == 1, timeout=20)  # the new shadow mirrors
+            assert len(new._tasks) == 1
+
+
 async def test_a_canary_that_starts_queueing_gets_its_mirror_back() -> None:
     """The canary runs one request at a time; a client of its own arrives while a mirror runs
     there, queues, and the mirror gives way to it."""
