@@ -4,7 +4,8 @@ On SIGHUP, or when the `--config` file changes (with `config_poll_interval` set)
 are read again exactly as at start (the same flags and `QUICEDGE_*` variables over the file) and
 validated. A file that does not load or validate changes nothing. Otherwise:
 
-- `[[tenants]]` and `[admission.anonymous]` (API keys, tiers, quotas) and `[policy]` (rules,
+- `[[tenants]]` and `[admission.anonymous]` (API keys, tiers, quotas), `[admission.throttle]`
+  (queue depths, the admission queue's size and timeout) and `[policy]` (rules,
   modules, stream rules, the guard model) apply to the requests that start from then on;
   requests in progress finish as they began. A new policy gateway is built (its modules
   compiled) in a thread, so the loop keeps serving meanwhile.
@@ -42,12 +43,19 @@ log = logging.getLogger("quicedge.reload")
 _LIVE_MODELS = ("default", "discover", "aliases", "rollouts")
 """The `[models]` fields a reload applies (`Models.reconfigure`)."""
 
-LIVE = ("tenants", "admission.anonymous", "policy", "proxy.backends", "models")
+LIVE = (
+    "tenants",
+    "admission.anonymous",
+    "admission.throttle",
+    "policy",
+    "proxy.backends",
+    "models",
+)
 """What a reload applies while serving; every other difference waits for a restart."""
 
 _CARRIED = {
     "proxy": ("admission", "state", "backends"),
-    "admission": ("anonymous", "tenants"),
+    "admission": ("anonymous", "tenants", "throttle"),
     "models": _LIVE_MODELS,
 }
 """Fields a section carries that are compared on their own (`ProxyConfig.with_features` puts
@@ -67,8 +75,11 @@ def differences(old: Settings, new: Settings) -> tuple[list[str], list[str]]:
     if old["tenants"] != new["tenants"]:
         live.append("tenants")
     old_admission = old.get("admission", AdmissionSettings)
-    if old_admission.anonymous != new.get("admission", AdmissionSettings).anonymous:
+    new_admission = new.get("admission", AdmissionSettings)
+    if old_admission.anonymous != new_admission.anonymous:
         live.append("admission.anonymous")
+    if old_admission.throttle != new_admission.throttle:
+        live.append("admission.throttle")
     if old["policy"] != new["policy"]:
         live.append("policy")
     old_models, new_models = old.get("models", ModelsConfig), new.get("models", ModelsConfig)
@@ -191,6 +202,8 @@ class Reloader:
     ) -> None:
         if "tenants" in live or "admission.anonymous" in live:
             self.wiring.admission.set_tenants(new.get("proxy", ProxyConfig).admission)
+        if "admission.throttle" in live:
+            self.wiring.admission.set_throttle(new.get("admission", AdmissionSettings).throttle)
         if "proxy.backends" in live:
             drain = new.get("discovery", DiscoveryConfig).drain_timeout
             await self.wiring.set_backends(new.get("proxy", ProxyConfig).backends, drain)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from backends.registry import Backend
 from edge.admission.limiter import RateLimiter
 from edge.admission.redis_guard import RedisGuard
-from edge.admission.settings import AdmissionSettings
+from edge.admission.settings import AdmissionSettings, ThrottleSettings
 from edge.admission.tenants import Tenant, TenantDirectory
 from edge.admission.throttle import AdmissionQueue, Throttle
 from edge.errors import TooManyRequests, Unauthorized
@@ -61,11 +61,25 @@ class Admission:
 
         Requests already admitted keep their slots (counted by tenant name) and are debited
         with the new shapes when they end; remembered refusals are dropped, since a tenant's
-        quota may have grown. The other `[admission]` settings need a restart."""
+        quota may have grown. `[admission.throttle]` is `set_throttle`'s; `[admission.redis]`
+        needs a restart."""
         settings.validate()
         directory = TenantDirectory(settings)
         self.directory, self._by_name = directory, self._names(directory)
         self._refused_until.clear()
+
+    def set_throttle(self, settings: ThrottleSettings) -> None:
+        """A reloaded `[admission.throttle]`: the requests that look for a backend next, those
+        waiting in the queue included, see the new depths, queue size and timeout. Turned off,
+        the requests waiting go at once; turned on, a queue starts."""
+        settings.validate()
+        queue = self.queue
+        if queue is not None:
+            queue.reconfigure(settings)
+        if settings.max_queue_depth is None:
+            self.queue = None
+        elif queue is None:
+            self.queue = AdmissionQueue(settings, Throttle(settings), on_wait=self._queued)
 
     def _redis_state(self, name: str, old: str, state: str) -> None:
         self.metrics.redis_breaker(name, old, state)

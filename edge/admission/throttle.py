@@ -79,7 +79,7 @@ class AdmissionQueue:
         on_wait: Callable[[str, float, bool], None] | None = None,
     ) -> None:
         self.settings = settings
-        self.throttle = throttle
+        self.throttle: Throttle | None = throttle
         self._heap: list[tuple[int, int, _Waiter]] = []
         self._seq = itertools.count()
         self._on_wait = on_wait
@@ -90,7 +90,19 @@ class AdmissionQueue:
         return len(self._heap)
 
     def _fit(self, candidates: list[Backend]) -> list[Backend]:
-        return [b for b in candidates if self.throttle.admits(b)]
+        throttle = self.throttle
+        if throttle is None:  # turned off by a reload: whoever still waits goes
+            return candidates
+        return [b for b in candidates if throttle.admits(b)]
+
+    def reconfigure(self, settings: ThrottleSettings) -> None:
+        """A reloaded `[admission.throttle]`, for the next look of each request waiting and of
+        every request after (a waiting request keeps the deadline it came with). Without
+        `max_queue_depth` the queue lets everyone waiting go, one head after the other."""
+        self.settings = settings
+        self.throttle = Throttle(settings) if settings.max_queue_depth is not None else None
+        self.retry_after = str(max(1, math.ceil(settings.queue_timeout_s))).encode()
+        self.wake()
 
     async def place(
         self, rank: int, tier: str, candidates: Callable[[], list[Backend]]

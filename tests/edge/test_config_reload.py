@@ -126,7 +126,9 @@ def settings_of(tmp_path: Path, text: str, backend: str | None = "http://127.0.0
     return load_settings(build_parser().parse_args(["--config", str(path), *flags]), {})
 
 
-def test_tenants_anonymous_and_policy_are_live_every_other_section_waits(tmp_path: Path) -> None:
+def test_tenants_anonymous_throttle_and_policy_are_live_every_other_section_waits(
+    tmp_path: Path,
+) -> None:
     base = settings_of(tmp_path, tenants_toml("a"))
     assert differences(base, settings_of(tmp_path, tenants_toml("a"))) == ([], [])
     assert differences(base, settings_of(tmp_path, tenants_toml("a", "b"))) == (["tenants"], [])
@@ -136,7 +138,9 @@ def test_tenants_anonymous_and_policy_are_live_every_other_section_waits(tmp_pat
     retries = tenants_toml("a", extra="[proxy]\nmax_retries = 0")
     assert differences(base, settings_of(tmp_path, retries)) == ([], ["proxy"])
     throttle = tenants_toml("a", extra="[admission.throttle]\nmax_queue_depth = 4")
-    assert differences(base, settings_of(tmp_path, throttle)) == ([], ["admission"])
+    assert differences(base, settings_of(tmp_path, throttle)) == (["admission.throttle"], [])
+    redis = tenants_toml("a", extra="[admission.redis]\ntimeout_ms = 9.0")
+    assert differences(base, settings_of(tmp_path, redis)) == ([], ["admission"])
     both = tenants_toml("b", extra="[state.cache]\nttl = 60.0")
     assert differences(base, settings_of(tmp_path, both)) == (["tenants"], ["state"])
 
@@ -289,6 +293,40 @@ async def test_an_answer_in_progress_finishes_after_its_tenant_is_removed(
                 async with httpx.AsyncClient(base_url=url, timeout=30) as fresh:
                     assert await status(fresh, "key-two") == 200
                     assert await status(fresh, "key-one") == 401
+    finally:
+        assert proc.stop() == 0, proc.errors()
+
+
+async def test_a_throttle_turned_on_refuses_past_its_depth_and_turned_off_serves_again(
+    slow_stand_in: str, tmp_path: Path
+) -> None:
+    """One answer in flight on the only backend; a second request is served, refused once a
+    reload caps the backend at one request with no room to wait, and served after the next."""
+    config = tmp_path / "quicedge.toml"
+    config.write_text("")
+    proc, url = serve(config, "--backend", slow_stand_in)
+    capped = '[admission.throttle]\nmax_queue_depth = 1\ndepth = "in_flight"\nqueue_size = 0\n'
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            request = body("tell a long story", **LONG)
+            async with http.stream("POST", "/v1/chat/completions", json=request) as answer:
+                lines = answer.aiter_lines()
+                events = [await anext(lines)]
+                assert (await http.post("/v1/chat/completions", json=body("hi"))).status_code == 200
+                config.write_text(capped)
+                proc.proc.send_signal(signal.SIGHUP)
+                await wait_metric(proc, APPLIED, 1)
+                refused = await http.post("/v1/chat/completions", json=body("hi"))
+                assert refused.status_code == 503, refused.text
+                assert refused.json()["error"]["code"] == "overloaded"
+                assert "retry-after" in refused.headers
+                config.write_text("")
+                proc.proc.send_signal(signal.SIGHUP)
+                await wait_metric(proc, APPLIED, 2)
+                assert (await http.post("/v1/chat/completions", json=body("hi"))).status_code == 200
+                events += [line async for line in lines if line]
+            assert completion_tokens(events) == 300  # the answer in flight was never touched
+            assert total(proc, PENDING) == 0
     finally:
         assert proc.stop() == 0, proc.errors()
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from backends.registry import Backend
 from backends.sglang import LoadSnapshot
-from edge.admission.settings import ThrottleSettings
+from edge.admission.settings import AdmissionSettings, ThrottleSettings
+from edge.admission.stage import Admission
 from edge.admission.throttle import AdmissionQueue, Throttle
 from edge.errors import Overloaded
+from edge.telemetry import Metrics
 from tests.helpers import wait_until
 
 
@@ -93,3 +96,35 @@ async def test_no_candidates_at_all_is_not_queued() -> None:
     queue = AdmissionQueue(settings(), Throttle(settings()))
     assert await queue.place(0, "gold", lambda: []) == []
     assert queue.waiting == 0
+
+
+async def test_a_reloaded_throttle_moves_the_waiting_and_turned_off_lets_them_all_go() -> None:
+    backend = Backend(name="b", url="http://b:1", in_prefill=2)  # full at a depth of 1 or 2
+    metrics = Metrics(CollectorRegistry())
+    admission = Admission(AdmissionSettings(throttle=settings()), metrics=metrics)
+    queue = admission.queue
+    assert queue is not None
+
+    async def request() -> list[Backend]:
+        placed = await queue.place(2, "bronze", lambda: [backend])
+        backend.in_prefill += 1  # it takes the room it was given
+        return placed
+
+    waiting = [asyncio.ensure_future(request()) for _ in range(3)]
+    await wait_until(lambda: queue.waiting == 3)
+    admission.set_throttle(settings(max_queue_depth=3))  # depth 2 is under 0.8 x 3 now
+    assert await asyncio.wait_for(waiting[0], 5) == [backend]  # the head looked again at once
+    await asyncio.sleep(0.1)
+    assert queue.waiting == 2  # at a depth of 3 of 3, the next waits
+    admission.set_throttle(ThrottleSettings())  # off: no throttle, no queue
+    assert admission.queue is None
+    assert await asyncio.wait_for(asyncio.gather(*waiting[1:]), 5) == [[backend], [backend]]
+    assert queue.waiting == 0
+    admission.set_throttle(settings(queue_size=0))  # on again, a new queue that holds nobody
+    again = admission.queue
+    assert again is not None and again is not queue
+    with pytest.raises(Overloaded, match="queue is full"):
+        await again.place(2, "bronze", lambda: [backend])
+    with pytest.raises(ValueError, match="start_fraction"):
+        admission.set_throttle(settings(start_fraction=1.5))
+    assert admission.queue is again  # a setting that does not validate changes nothing
