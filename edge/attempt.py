@@ -336,7 +336,7 @@ class Attempts:
         ex.started = True
         out = response_headers(
             response.headers, request_id=ex.request_id,
-            backend_name=backend.name if self.expose else None,
+            backend_name=backend.name if self.expose else None, ratelimit=ex.ratelimit,
         )  # fmt: skip
         out.append((b"content-length", b"%d" % len(body)))
         await send({"type": "http.response.start", "status": status, "headers": out})
@@ -460,6 +460,7 @@ def _start_of(
             response.headers,
             request_id=ex.request_id,
             backend_name=backend.name if expose else None,
+            ratelimit=ex.ratelimit,
         ),  # fmt: skip
     }
 

@@ -32,7 +32,13 @@ DEFAULT_HEADERS = [
 ]  # fmt: skip
 """What the OpenAI SDKs and tracing send from a browser (the `x-stainless-*` ones are matched
 by prefix)."""
-DEFAULT_EXPOSE = ["x-request-id", "x-quicedge-backend", "retry-after"]
+DEFAULT_EXPOSE = [
+    "x-request-id", "x-quicedge-backend", "retry-after", "retry-after-ms",
+    *(f"x-ratelimit-{what}-{bucket}" for bucket in ("requests", "tokens")
+      for what in ("limit", "remaining", "reset")),
+]  # fmt: skip
+"""What a page may read: the request id, the backend, and the rate-limit headers
+(`edge.admission.headers`)."""
 
 
 @dataclass(slots=True)

@@ -109,6 +109,8 @@ class Exchange:
     """The tier's place in the admission queue (0 = gold, served first)."""
     holds_slot: bool = False
     """Admission counted this request against its tenant's `max_concurrent`."""
+    ratelimit: list[tuple[bytes, bytes]] | None = None
+    """The tenant's `x-ratelimit-*` headers as admission left its buckets (None: no quota)."""
     content_chunks: int = 0
     """Content chunks relayed to the client (about one token each): the completion tokens
     charged to the tenant when the backend reported no usage."""

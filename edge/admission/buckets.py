@@ -34,6 +34,9 @@ class Verdict:
     """Seconds until the bucket that refused holds enough (0 when allowed)."""
     refused: int = -1
     """Index of the bucket that refused (-1 when allowed)."""
+    levels: tuple[float, ...] = ()
+    """Each bucket's level after the take (before it, when refused), in the charges' order:
+    what the rate-limit headers call remaining."""
 
 
 ALLOWED = Verdict(True)
@@ -79,10 +82,10 @@ class MemoryBuckets:
                 if w > wait:
                     wait, refused = w, i
         if refused >= 0:
-            return Verdict(False, wait, refused)
+            return Verdict(False, wait, refused, tuple(state[0] for state in states))
         for (_, _, cost), state in zip(charges, states, strict=True):
             state[0] -= cost
-        return ALLOWED
+        return Verdict(True, levels=tuple(state[0] for state in states))
 
     async def take(self, charges: Sequence[Charge]) -> Verdict:
         return self.take_now(charges)
@@ -101,7 +104,8 @@ class MemoryBuckets:
 
 # KEYS: one hash per bucket. ARGV: check (1/0), then rate, capacity, cost per bucket.
 # Returns {allowed (1/0), retry_after (string: Lua numbers become integers on the way out),
-# index of the refusing bucket (1-based, 0 when allowed)}.
+# index of the refusing bucket (1-based, 0 when allowed), then each bucket's level after the
+# take (before it, when refused), as strings}.
 TAKE_SCRIPT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -127,8 +131,11 @@ for i = 1, #KEYS do
   end
 end
 if refused > 0 then
-  return {0, tostring(wait), refused}
+  local out = {0, tostring(wait), refused}
+  for i = 1, #KEYS do out[i + 3] = tostring(levels[i]) end
+  return out
 end
+local out = {1, '0', 0}
 for i = 1, #KEYS do
   local rate = tonumber(ARGV[i * 3 - 1])
   local cap = tonumber(ARGV[i * 3])
@@ -136,8 +143,9 @@ for i = 1, #KEYS do
   redis.call('HSET', KEYS[i], 'l', tostring(level), 't', tostring(now))
   -- long enough to refill fully from the current debt; a full bucket needs no key at all
   redis.call('PEXPIRE', KEYS[i], math.ceil((cap - level) / rate * 1000) + 1000)
+  out[i + 3] = tostring(level)
 end
-return {1, '0', 0}
+return out
 """
 
 
@@ -154,10 +162,13 @@ class RedisBuckets:
 
     async def take(self, charges: Sequence[Charge]) -> Verdict:
         keys, args = self._encode(charges, check=True)
-        allowed, wait, refused = await self._guard.run(lambda: self._script(keys=keys, args=args))
+        allowed, wait, refused, *levels = await self._guard.run(
+            lambda: self._script(keys=keys, args=args)
+        )
+        took = tuple(float(level) for level in levels)
         if int(allowed):
-            return ALLOWED
-        return Verdict(False, float(wait), int(refused) - 1)
+            return Verdict(True, levels=took)
+        return Verdict(False, float(wait), int(refused) - 1, took)
 
     async def debit(self, key: str, bucket: Bucket, cost: float) -> None:
         keys, args = self._encode([(key, bucket, cost)], check=False)

@@ -16,6 +16,7 @@ import contextlib
 from collections.abc import Callable
 
 from edge.admission.buckets import ALLOWED, Charge, MemoryBuckets, RedisBuckets, Verdict
+from edge.admission.headers import Standing
 from edge.admission.redis_guard import RedisGuard, RedisUnavailable
 from edge.admission.tenants import Tenant
 
@@ -41,9 +42,9 @@ class RateLimiter:
 
     async def take(
         self, tenant: Tenant, prompt_tokens: int, *, tokens: bool = True
-    ) -> tuple[Verdict, str]:
+    ) -> tuple[Verdict, str, tuple[Standing, ...]]:
         """Charge one request and its prompt (`tokens=False`: the request only); (verdict, the
-        refusing bucket's reason)."""
+        refusing bucket's reason, where each bucket stands now)."""
         charges: list[Charge] = []
         reasons: list[str] = []
         if tenant.requests is not None:
@@ -53,20 +54,26 @@ class RateLimiter:
             charges.append((tenant.name + ":tokens", tenant.tokens, float(prompt_tokens)))
             reasons.append("tokens")
         if not charges:
-            return ALLOWED, ""
-        verdict = await self._take(tenant, charges)
-        return verdict, (reasons[verdict.refused] if not verdict.allowed else "")
+            return ALLOWED, "", ()
+        verdict, applied = await self._take(tenant, charges)
+        standings = tuple(
+            Standing(reason, bucket, level)
+            for reason, (_, bucket, _), level in zip(reasons, applied, verdict.levels, strict=False)
+        )
+        return verdict, (reasons[verdict.refused] if not verdict.allowed else ""), standings
 
-    async def _take(self, tenant: Tenant, charges: list[Charge]) -> Verdict:
+    async def _take(self, tenant: Tenant, charges: list[Charge]) -> tuple[Verdict, list[Charge]]:
+        """The verdict, and the charges as they applied (scaled while Redis is out)."""
         if self.shared is None:
-            return self.local.take_now(charges)
+            return self.local.take_now(charges), charges
         assert self.guard is not None
         if self.guard.usable:
             with contextlib.suppress(RedisUnavailable):
-                return await self.shared.take(charges)
+                return await self.shared.take(charges), charges
         if self._on_local is not None:
             self._on_local(tenant.name)
-        return self.local.take_now([(k, b.scaled(self.share), c) for k, b, c in charges])
+        scaled = [(k, b.scaled(self.share), c) for k, b, c in charges]
+        return self.local.take_now(scaled), scaled
 
     def debit(self, tenant: Tenant, tokens: int) -> None:
         """Debit completion tokens; never waits (a Redis debit runs as its own bounded task)."""

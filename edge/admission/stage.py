@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from backends.registry import Backend
+from edge.admission.headers import Standing, ratelimit_headers, retry_after
 from edge.admission.limiter import RateLimiter
 from edge.admission.redis_guard import RedisGuard
 from edge.admission.settings import AdmissionSettings, ThrottleSettings
@@ -101,19 +102,23 @@ class Admission:
             until = self._refused_until.get(tenant.name)
             if until is not None:
                 wait = until - time.monotonic()
-                if wait > 0:
+                if wait > 0 and tenant.requests is not None:
                     self._reject(tenant.name, "requests")
-                    raise self._over_quota(tenant.name, "requests", wait)
+                    # It holds one request at `until`, so stands a request short of one now.
+                    now = Standing("requests", tenant.requests, 1 - wait * tenant.requests.rate)
+                    raise self._over_quota(tenant.name, "requests", wait, (now,))
                 del self._refused_until[tenant.name]
         return tenant
 
     @staticmethod
-    def _over_quota(name: str, reason: str, wait: float) -> TooManyRequests:
+    def _over_quota(
+        name: str, reason: str, wait: float, standings: tuple[Standing, ...] = ()
+    ) -> TooManyRequests:
         after = max(1, math.ceil(wait))
         what = "requests per second" if reason == "requests" else "tokens per minute"
         return TooManyRequests(
             f"Rate limit reached for tenant {name} on {what}; retry in {after}s.",
-            headers=((b"retry-after", str(after).encode()),),
+            headers=(*retry_after(wait), *ratelimit_headers(standings)),
         )
 
     async def admit(self, ex: Exchange, tenant: Tenant) -> None:
@@ -129,12 +134,13 @@ class Admission:
             )
         prompt = ex.view.approx_tokens
         if tenant.limited:
-            verdict, reason = await self.limiter.take(tenant, prompt)
+            verdict, reason, standings = await self.limiter.take(tenant, prompt)
             if not verdict.allowed:
                 self._reject(name, reason)
                 if reason == "requests":
                     self._refused_until[name] = time.monotonic() + verdict.retry_after
-                raise self._over_quota(name, reason, verdict.retry_after)
+                raise self._over_quota(name, reason, verdict.retry_after, standings)
+            ex.ratelimit = ratelimit_headers(standings)
         if cap is not None:
             self._in_flight[name] = self._in_flight.get(name, 0) + 1
             ex.holds_slot = True
@@ -147,12 +153,12 @@ class Admission:
         a flood of them is held to the tenant's rate as its requests are."""
         if not tenant.limited or tenant.requests is None:
             return
-        verdict, reason = await self.limiter.take(tenant, 0, tokens=False)
+        verdict, reason, standings = await self.limiter.take(tenant, 0, tokens=False)
         if not verdict.allowed:
             self._reject(tenant.name, reason)
             if reason == "requests":
                 self._refused_until[tenant.name] = time.monotonic() + verdict.retry_after
-            raise self._over_quota(tenant.name, reason, verdict.retry_after)
+            raise self._over_quota(tenant.name, reason, verdict.retry_after, standings)
 
     def _reject(self, name: str, reason: str) -> None:
         self.metrics.admission_rejections.labels(name, reason).inc()

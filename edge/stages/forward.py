@@ -113,12 +113,19 @@ DROP_RESPONSE_HEADERS = frozenset(
 
 
 def response_headers(
-    upstream: list[tuple[bytes, bytes]], *, request_id: str, backend_name: str | None
+    upstream: list[tuple[bytes, bytes]],
+    *,
+    request_id: str,
+    backend_name: str | None,
+    ratelimit: list[tuple[bytes, bytes]] | None = None,
 ) -> list[tuple[bytes, bytes]]:
-    """The backend's response headers for the client, plus the request id and, when
-    `backend_name` is given (`[proxy] expose_backend_names`), the backend."""
+    """The backend's response headers for the client, plus the request id, when
+    `backend_name` is given (`[proxy] expose_backend_names`) the backend, and the tenant's
+    rate-limit headers (`edge.admission.headers`)."""
     out = [(k, v) for k, v in upstream if k not in DROP_RESPONSE_HEADERS and k != b"x-request-id"]
     out.append((b"x-request-id", request_id.encode()))
     if backend_name is not None:
         out.append((b"x-quicedge-backend", backend_name.encode()))
+    if ratelimit:
+        out += ratelimit
     return out

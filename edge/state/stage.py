@@ -479,6 +479,7 @@ class StateRequest:
             (b"content-type", entry.content_type),
             (b"x-request-id", ex.request_id.encode()),
             (_CACHE_HEADER, b"hit-" + tier.encode()),
+            *(ex.ratelimit or ()),
         ]
         if not stream:
             headers.append((b"content-length", b"%d" % len(body)))

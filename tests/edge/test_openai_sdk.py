@@ -4,6 +4,8 @@ a 404 in the middle; every call answers on the same connection, none fails to co
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import openai
 import pytest
@@ -73,3 +75,42 @@ async def test_the_openai_sdk_over_http2_with_retries_off(dev_certs: DevCertific
     assert len(opened) == 10
     # one HTTP/2 connection carried all of it, the 404s included
     assert len(connections) == 1
+
+
+async def test_the_sdk_reads_the_rate_limit_headers_and_retries_after_retry_after_ms(
+    dev_certs: DevCertificates,
+) -> None:
+    """A tenant allowed one request at a time, refilled in 0.2 s: the SDK's second call is
+    refused once and retried after `retry-after-ms` (under a second), not `retry-after` (1 s)."""
+    sim_config = SimConfig(name="o", port=0, profile="instant", served_model_name="llama-8b")
+    async with SimServer(sim_config) as sim:
+        config = with_client_keys(fast_config([sim.url]), "sk-client")
+        config.admission.tenants[0].requests_per_second = 5.0
+        config.admission.tenants[0].burst = 1
+        async with tls_edge(config, dev_certs) as edge:
+            seen: list[httpx.Response] = []
+
+            async def on_response(response: httpx.Response) -> None:
+                seen.append(response)
+
+            http = httpx.AsyncClient(
+                http2=True, verify=edge.ssl_context, event_hooks={"response": [on_response]}
+            )
+            sdk = AsyncOpenAI(
+                base_url=edge.url + "/v1", api_key="sk-client", max_retries=2, http_client=http
+            )
+            messages: list[Any] = [{"role": "user", "content": "hi"}]
+            async with http:
+                raw = await sdk.chat.completions.with_raw_response.create(
+                    model="llama-8b", messages=messages, max_tokens=2
+                )
+                assert raw.headers["x-ratelimit-limit-requests"] == "1"
+                assert raw.headers["x-ratelimit-remaining-requests"] == "0"
+                assert raw.headers["x-ratelimit-reset-requests"].endswith("ms")  # under 0.2 s
+                again = await sdk.chat.completions.create(
+                    model="llama-8b", messages=messages, max_tokens=2
+                )
+                assert again.choices[0].message.content
+            assert [r.status_code for r in seen] == [200, 429, 200]
+            assert int(seen[1].headers["retry-after-ms"]) <= 200
+            assert seen[1].headers["retry-after"] == "1"

@@ -72,17 +72,24 @@ async def test_429_with_retry_after_once_the_burst_is_spent() -> None:
             tenants=[tenant("slow", "bronze", "sk-slow", requests_per_second=0.05, burst=2)],
         )
         async with run_edge(config) as edge, client(edge) as http:
-            codes = []
-            for _ in range(4):
-                r = await http.post("/v1/chat/completions", json=CHAT, headers=bearer("sk-slow"))
+            codes, remaining = [], []
+            for stream in (False, True, False, False):
+                r = await http.post("/v1/chat/completions", json={**CHAT, "stream": stream},
+                                    headers=bearer("sk-slow"))  # fmt: skip
                 codes.append(r.status_code)
+                remaining.append(r.headers.get("x-ratelimit-remaining-requests"))
+                assert r.headers.get("x-ratelimit-limit-requests") == "2"
             assert codes == [200, 200, 429, 429]
+            assert remaining == ["1", "0", "0", "0"]
             assert r.json()["error"]["code"] == "rate_limit_exceeded"
             assert r.json()["error"]["type"] == "rate_limit_error"
             assert 1 <= int(r.headers["retry-after"]) <= 20  # one request per 20 s refills
+            assert 0 < int(r.headers["retry-after-ms"]) <= 20_000
+            assert r.headers["x-ratelimit-reset-requests"].startswith("39.")  # 2 at 1 per 20 s
             # the anonymous tenant has no limits by default: it is not held back by `slow`
             anon = await http.post("/v1/chat/completions", json=CHAT)
             assert anon.status_code == 200
+            assert not any(k.startswith("x-ratelimit") for k in anon.headers)
             text = await metrics_text(edge)
             assert (
                 'quicedge_admission_rejections_total{reason="requests",tenant="slow"} 2.0' in text
