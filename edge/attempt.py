@@ -102,6 +102,10 @@ class Attempts:
         self.abort = abort
         self.breakers = breakers or Breakers(BreakerConfig(enabled=False), registry.backends)
         self.expose = config.expose_backend_names
+        self._active = 0
+        """Requests in `run` now."""
+        self._retrying = 0
+        """Of them, those past their first attempt (`_may_retry`)."""
 
     def _in_pool(self, route: Route | None) -> list[Backend]:
         """The registry's candidates narrowed to the request's model pool and version."""
@@ -123,8 +127,23 @@ class Attempts:
             )
         return allowed
 
+    def _may_retry(self) -> bool:
+        """Whether one more request may go on a retry (`[proxy] retry_budget`): those on one
+        stay within the budget's share of the requests in flight, or its minimum."""
+        limit = max(self.config.retry_budget_min, self.config.retry_budget * self._active)
+        return self._retrying < limit
+
     async def run(self, ex: Exchange, send: Send) -> None:
         """Serve `ex` from the first backend that answers; raise the last error if none does."""
+        self._active += 1
+        try:
+            await self._run(ex, send)
+        finally:
+            self._active -= 1
+            if ex.retries:
+                self._retrying -= 1
+
+    async def _run(self, ex: Exchange, send: Send) -> None:
         tried: list[Backend] = []
         last: _Retry | None = None
         # A failed attempt that was retried counts against its domain only when the request was
@@ -179,10 +198,15 @@ class Attempts:
                 return
             except _Retry as retry:
                 last = retry
-                ex.retries += 1
-                self.metrics.retries.labels(retry.reason).inc()
                 if breaker is not None:
                     retried.append((breaker, retry.reason))
+                if not ex.retries and not self._may_retry():
+                    self.metrics.retry_budget_exhausted.inc()
+                    break
+                if not ex.retries:
+                    self._retrying += 1  # a request on a retry, counted once (`run` frees it)
+                ex.retries += 1
+                self.metrics.retries.labels(retry.reason).inc()
             except BaseException:
                 self._settle(retried, breaker)
                 raise

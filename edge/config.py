@@ -57,6 +57,12 @@ class ProxyConfig:
     """Largest request body accepted, bytes (413 above it); counted as it streams in."""
     max_retries: int = 2
     """Extra attempts on other backends, only while nothing has reached the client."""
+    retry_budget: float = 0.2
+    """Share of this process's requests in flight that may be on a retry at once, 0..1: past
+    it a failed attempt is answered as it failed, so an overloaded fleet's 429s and 503s are
+    not multiplied by the retries (1: no budget)."""
+    retry_budget_min: int = 3
+    """Requests that may be on a retry at once whatever the share says (a quiet edge retries)."""
 
     health_interval: float = 2 * SECONDS
     """Period of the active `/health` checks and `/v1/loads` polls, s."""
@@ -186,6 +192,10 @@ class ProxyConfig:
                 raise ValueError(f"proxy: {name} must be > 0, got {getattr(self, name)!r}")
         if self.max_retries < 0:
             raise ValueError(f"proxy: max_retries must be >= 0, got {self.max_retries}")
+        if not 0 <= self.retry_budget <= 1:
+            raise ValueError(f"proxy: retry_budget must be in 0..1, got {self.retry_budget}")
+        if self.retry_budget_min < 0:
+            raise ValueError(f"proxy: retry_budget_min must be >= 0, got {self.retry_budget_min}")
         if self.pool_max_waiters < 0:
             raise ValueError(f"proxy: pool_max_waiters must be >= 0, got {self.pool_max_waiters}")
         if self.max_pending_aborts < 0:

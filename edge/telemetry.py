@@ -126,6 +126,11 @@ class Metrics:
             ["reason"],
             registry=registry,
         )
+        self.retry_budget_exhausted = LightCounter(
+            "quicedge_retry_budget_exhausted",
+            "Failed attempts answered as they failed, not retried: the retry budget was spent",
+            registry=registry,
+        )
         self.disconnects = LightCounter(
             "quicedge_client_disconnects",
             "Clients that went away before their answer was complete (upstream aborted)",

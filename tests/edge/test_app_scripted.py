@@ -41,6 +41,14 @@ def inference(upstream: TinyUpstream) -> list[Recorded]:
     return [r for r in upstream.requests if r.path.startswith(("/v1/c", "/generate"))]
 
 
+def sample(metrics: str, name: str) -> int:
+    """One sample's value in a `/metrics` text (0 when it is absent)."""
+    for line in metrics.splitlines():
+        if line.startswith(name + " "):
+            return int(float(line.rpartition(" ")[2]))
+    return 0
+
+
 def in_flight(edge: Edge) -> list[int]:
     return [b.in_flight for b in edge.wiring.registry.backends]
 
@@ -196,6 +204,37 @@ async def test_when_every_backend_says_503_the_client_gets_the_last_answer() -> 
             assert response.status_code == 503
             assert response.content == b'{"error":"busy"}'
     assert len(inference(a)) + len(inference(b)) == 2  # each backend tried once
+
+
+@pytest.mark.parametrize("budget", [0.2, 1.0])
+async def test_the_retry_budget_bounds_the_retries_of_a_fleet_that_says_503(budget: float) -> None:
+    """Ten requests at once against three backends that all answer 503 after a second: within
+    a 20 % budget (at least one), two go on a retry and eight are answered as they failed; with
+    the budget off, every one tries all three backends."""
+    slow_busy = script(lambda r: Reply(status=503, chunks=[b'{"error":"busy"}'], chunked=False,
+                                       delay=1.0))  # fmt: skip
+    async with (
+        TinyUpstream(slow_busy) as a, TinyUpstream(slow_busy) as b, TinyUpstream(slow_busy) as c,
+    ):  # fmt: skip
+        config = fast_config(
+            [a.url, b.url, c.url], eject_after_failures=1000, retry_budget=budget,
+            retry_budget_min=1, pool_max_connections=32,
+        )  # fmt: skip
+        async with run_edge(config) as edge, client(edge) as http:
+            answers = await asyncio.gather(
+                *(http.post("/v1/completions", json=COMPLETION) for _ in range(10))
+            )
+            assert {r.status_code for r in answers} == {503}
+            metrics = (await httpx.AsyncClient().get(edge.admin_url + "/metrics")).text
+            assert in_flight(edge) == [0, 0, 0]
+        exhausted = sample(metrics, "quicedge_retry_budget_exhausted_total")
+        retries = sample(metrics, 'quicedge_retries_total{reason="503"}')
+    attempts = sum(len(inference(u)) for u in (a, b, c))
+    assert attempts == 10 + retries
+    if budget == 1.0:
+        assert (exhausted, retries) == (0, 20)
+    else:  # two, unless the first answers came more than a second apart on a busy machine
+        assert exhausted >= 6 and retries <= 2 * (10 - exhausted)
 
 
 @LISTENERS
