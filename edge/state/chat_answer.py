@@ -127,12 +127,19 @@ class ChatAnswer:
                     continue
         return out
 
-    def take_chunk(self, obj: Any) -> list[Change]:
-        """A `chat.completion.chunk`'s first choice: its finish and its delta."""
+    def take_chunk(self, obj: Any, index: int = 0) -> list[Change]:
+        """A `chat.completion.chunk`'s choice `index`: its finish and its delta. With `n` > 1
+        a backend streams each choice in chunks of its own, told apart by their `index`."""
         choices = obj.get("choices") if isinstance(obj, dict) else None
-        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        if not isinstance(choices, list):
             return []
-        choice = choices[0]
+        for choice in choices:
+            if isinstance(choice, dict) and choice.get("index", 0) == index:
+                return self.take_choice(choice)
+        return []
+
+    def take_choice(self, choice: dict[str, Any]) -> list[Change]:
+        """One streamed choice of this answer: its finish and its delta."""
         if choice.get("finish_reason"):
             self.finish = choice["finish_reason"]
         delta = choice.get("delta")

@@ -80,6 +80,18 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 CACHEABLE_ROUTES = frozenset({CHAT, COMPLETIONS, GENERATE})
 _CONV_HEADER = CONVERSATION_HEADER.encode()
 _CACHE_HEADER = CACHE_HEADER.encode()
+MAX_CHOICES = 128
+"""The most choices of a stored stream kept (SGLang's `n` is far below it)."""
+
+
+def _choice(index: int, answer: ChatAnswer) -> dict[str, Any]:
+    """A streamed choice as the `chat.completion` it adds up to has it."""
+    message = answer.reply()
+    if answer.reasoning:
+        message["reasoning_content"] = answer.reasoning
+    logprobs = {"content": answer.logprobs} if answer.logprobs else None
+    return {"index": index, "message": message, "logprobs": logprobs,
+            "finish_reason": answer.finish}  # fmt: skip
 
 
 class StateStage:
@@ -310,7 +322,9 @@ class StateStage:
                 ),
             )  # fmt: skip
         state = ex.state = StateRequest(self, ex, turn=turn)
-        if body.get("tools"):  # the reply may be tool calls: kept whole, not as text only
+        # The reply may be tool calls, kept whole, not as text only; with `n` > 1 the stream
+        # interleaves the choices, and the turn keeps the first (the scanner joins them all).
+        if body.get("tools") or body.get("n") not in (None, 1):
             state.answer = ChatAnswer()
         messages = turn.messages
         # the messages member keeps its place: the body differs from the client's only there
@@ -330,6 +344,7 @@ class StateRequest:
     __slots__ = (
         "answer",
         "answer_failed",
+        "others",
         "background",
         "background_error",
         "builder",
@@ -395,6 +410,8 @@ class StateRequest:
         """A stored stream's `id`, `created` and `model`, from its first chunk."""
         self.usage: Any = None
         """A stored stream's `usage`, when a chunk gave it."""
+        self.others: dict[int, ChatAnswer] = {}
+        """A stored stream's choices past the first (`n` > 1), by index."""
 
     async def queue(self) -> dict[str, Any]:
         """Record a background response as running; the `queued` response object its client
@@ -577,6 +594,15 @@ class StateRequest:
             self.head = {k: chunk.get(k) for k in ("id", "created", "model")}
         if chunk.get("usage"):
             self.usage = chunk["usage"]
+        choices = chunk.get("choices")
+        if isinstance(choices, list):  # with `n` > 1, the other choices are kept too
+            for choice in choices:
+                index = choice.get("index") if isinstance(choice, dict) else None
+                if isinstance(index, int) and 0 < index <= MAX_CHOICES:
+                    other = self.others.get(index)
+                    if other is None:
+                        other = self.others[index] = ChatAnswer()
+                    other.take_choice(choice)
 
     def _completion(self) -> dict[str, Any] | None:
         """The `chat.completion` object to store for this answer (None: none to store)."""
@@ -589,13 +615,9 @@ class StateRequest:
         answer = self.answer
         if answer is None or self.head is None:
             return None
-        message = answer.reply()
-        if answer.reasoning:
-            message["reasoning_content"] = answer.reasoning
-        logprobs = {"content": answer.logprobs} if answer.logprobs else None
-        choice = {"index": 0, "message": message, "logprobs": logprobs,
-                  "finish_reason": answer.finish}  # fmt: skip
-        return {**self.head, "object": "chat.completion", "choices": [choice],
+        answers = [(0, answer), *sorted(self.others.items())]
+        choices = [_choice(index, one) for index, one in answers]
+        return {**self.head, "object": "chat.completion", "choices": choices,
                 "usage": self.usage}  # fmt: skip
 
     async def _store_completion(self, complete: bool) -> None:

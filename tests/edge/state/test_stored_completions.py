@@ -4,12 +4,15 @@ OpenAI SDK; the memory store and real Redis, the stand-in as the backend."""
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
 from backends.sim import SimServer
-from tests.edge.conftest import client, fast_config, run_edge
-from tests.edge.state.helpers import as_tenant, sdk_of, state, tenants
+from edge.state.conversations import CONVERSATION_HEADER as CONVERSATION
+from tests.edge.conftest import Recorded, Reply, TinyUpstream, client, fast_config, run_edge
+from tests.edge.state.helpers import ChatUpstream, as_tenant, sdk_of, state, tenants
 from tests.edge.test_app_sim import sim_config
 
 ASK = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a moon."}]
@@ -97,3 +100,50 @@ async def test_without_stored_conversations_the_routes_say_so() -> None:
             listed = await http.get("/v1/chat/completions", headers=as_tenant("alpha"))
             assert listed.status_code == 400
             assert listed.json()["error"]["code"] == "conversations_disabled"
+
+
+def two_choices(recorded: Recorded) -> Reply:
+    """SGLang's stream for `n: 2`: each choice in chunks of its own, by `index`, interleaved."""
+    head = {"id": "chatcmpl-n2", "object": "chat.completion.chunk", "created": 1, "model": "m"}
+    steps = [(0, {"role": "assistant", "content": ""}, None), (1, {"role": "assistant"}, None),
+             (0, {"content": "Io"}, None), (1, {"content": "Europa"}, None),
+             (1, {"content": " too"}, None), (0, {}, "stop"), (1, {}, "length")]  # fmt: skip
+    chunks = [
+        b"data: " + json.dumps({**head, "choices": [
+            {"index": i, "delta": delta, "finish_reason": finish}]}).encode() + b"\n\n"
+        for i, delta, finish in steps
+    ]  # fmt: skip
+    return Reply(headers=[("content-type", "text/event-stream")],
+                 chunks=[*chunks, b"data: [DONE]\n\n"])  # fmt: skip
+
+
+async def test_a_stream_of_two_choices_is_kept_with_both_and_a_conversation_keeps_the_first() -> (
+    None
+):
+    upstream = ChatUpstream(lambda n, recorded: two_choices(recorded))
+    async with TinyUpstream(upstream) as up:
+        config = fast_config([up.url], state=state(), admission=tenants("alpha"))
+        async with run_edge(config) as edge, client(edge) as http:
+            sdk = sdk_of(edge)
+            async with sdk:
+                stream = await sdk.chat.completions.create(
+                    model="default", messages=ASK, n=2, store=True, stream=True,  # type: ignore[arg-type]
+                )  # fmt: skip
+                chunks = [c async for c in stream]
+                kept = await sdk.chat.completions.retrieve(chunks[0].id)
+            assert [(c.index, c.message.content, c.finish_reason) for c in kept.choices] == [
+                (0, "Io", "stop"), (1, "Europa too", "length")]  # fmt: skip
+            # A conversation's turn holds one answer: the first choice, never the two mixed.
+            first = await http.post(
+                "/v1/chat/completions", headers={**as_tenant("alpha"), CONVERSATION: "new"},
+                json={"messages": ASK, "n": 2, "stream": True},
+            )  # fmt: skip
+            assert first.status_code == 200
+            again = await http.post(
+                "/v1/chat/completions",
+                headers={**as_tenant("alpha"), CONVERSATION: first.headers[CONVERSATION]},
+                json={"messages": [{"role": "user", "content": "And another?"}]},
+            )  # fmt: skip
+            assert again.status_code == 200
+    history = upstream.bodies()[-1]["messages"]
+    assert history[2] == {"role": "assistant", "content": "Io"}
