@@ -9,6 +9,8 @@ validated. A file that does not load or validate changes nothing. Otherwise:
   modules, stream rules, the guard model) apply to the requests that start from then on;
   requests in progress finish as they began. A new policy gateway is built (its modules
   compiled) in a thread, so the loop keeps serving meanwhile.
+- `[breakers]`: thresholds and windows for every domain's next decision; turned off, every
+  domain closes (`Breakers.reconfigure`).
 - `[models]` default, discover, aliases and rollouts (`Models.reconfigure`): a rollout whose
   entry changed starts again at its first step, an unchanged one keeps its state.
 - `[proxy] backends`: a new URL joins the registry at once, a removed one drains (no new
@@ -33,6 +35,7 @@ from edge.config import ProxyConfig
 from edge.models import ModelsConfig
 from edge.policy.config import PolicyConfig
 from edge.policy.gateway import PolicyGateway
+from edge.routing.breakers import BreakerConfig
 from edge.settings import Settings
 from edge.wiring import Wiring, make_gateway
 from transport.file_watch import FileWatch
@@ -50,6 +53,7 @@ LIVE = (
     "policy",
     "proxy.backends",
     "models",
+    "breakers",
 )
 """What a reload applies while serving; every other difference waits for a restart."""
 
@@ -82,6 +86,8 @@ def differences(old: Settings, new: Settings) -> tuple[list[str], list[str]]:
         live.append("admission.throttle")
     if old["policy"] != new["policy"]:
         live.append("policy")
+    if old["breakers"] != new["breakers"]:
+        live.append("breakers")
     old_models, new_models = old.get("models", ModelsConfig), new.get("models", ModelsConfig)
     if any(getattr(old_models, f) != getattr(new_models, f) for f in _LIVE_MODELS):
         live.append("models")
@@ -207,6 +213,8 @@ class Reloader:
         if "proxy.backends" in live:
             drain = new.get("discovery", DiscoveryConfig).drain_timeout
             await self.wiring.set_backends(new.get("proxy", ProxyConfig).backends, drain)
+        if "breakers" in live and self.wiring.breakers is not None:
+            await self.wiring.breakers.reconfigure(new.get("breakers", BreakerConfig))
         if "models" in live:
             changed = await self.wiring.models.reconfigure(new.get("models", ModelsConfig))
             log.warning("config reload: [models]: %s", ", ".join(changed) or "no change")

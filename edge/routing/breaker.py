@@ -216,6 +216,20 @@ class Breaker:
                     return f"ttft p99 {self.ttft_p99 * 1000:.0f}ms"
         return None
 
+    def reconfigure(self, config: BreakerConfig) -> None:
+        """A reloaded `[breakers]`: the thresholds apply from the next outcome; the windows keep
+        their newest entries up to the new sizes; an open breaker keeps its schedule."""
+        self.config = config
+        if self._errors.maxlen != config.window:
+            self._errors = deque(self._errors, maxlen=config.window)
+            self._failures = sum(self._errors)
+        if self._ttfts.maxlen != config.ttft_window:
+            self._ttfts = deque(self._ttfts, maxlen=config.ttft_window)
+        if self.state == CLOSED:
+            self.open_s = config.open_for
+        else:
+            self.open_s = min(max(self.open_s, config.open_for), config.open_max)
+
     def reset_windows(self) -> None:
         self._errors.clear()
         self._failures = 0

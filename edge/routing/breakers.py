@@ -323,6 +323,23 @@ class Breakers:
                     with contextlib.suppress(KeyError):
                         self._state.remove(*key)
 
+    async def reconfigure(self, config: BreakerConfig) -> None:
+        """A reloaded `[breakers]`, for every domain's next decision (`Breaker.reconfigure`).
+        Turned off, every domain closes with its windows emptied and the KV poll stops; turned
+        on, the poll starts and the domains begin from closed."""
+        config.validate()
+        was = self.config.enabled
+        self.config = config
+        for breaker in self._domains.values():
+            breaker.reconfigure(config)
+            if not config.enabled:
+                breaker.reset_windows()
+                self._move(breaker, CLOSED, "breakers turned off")
+        if was and not config.enabled:
+            await self.aclose()
+        elif config.enabled and not was:
+            self.start()
+
     def start(self) -> None:
         if self.config.enabled and self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._kv_loop())

@@ -18,6 +18,7 @@ from edge.audit import GENESIS, verify
 from edge.reload import differences
 from edge.serve import build_parser, load_settings
 from tests.deploy.processes import sim_process
+from tests.edge.conftest import Recorded, Reply, TinyUpstream, health_ok
 from tests.edge.test_many_streams import stand_in  # noqa: F401  (the fixture)
 from tests.helpers import free_port
 from tests.transport.conftest import ServeProcess
@@ -126,7 +127,7 @@ def settings_of(tmp_path: Path, text: str, backend: str | None = "http://127.0.0
     return load_settings(build_parser().parse_args(["--config", str(path), *flags]), {})
 
 
-def test_tenants_anonymous_throttle_and_policy_are_live_every_other_section_waits(
+def test_tenants_throttle_breakers_and_policy_are_live_every_other_section_waits(
     tmp_path: Path,
 ) -> None:
     base = settings_of(tmp_path, tenants_toml("a"))
@@ -141,6 +142,8 @@ def test_tenants_anonymous_throttle_and_policy_are_live_every_other_section_wait
     assert differences(base, settings_of(tmp_path, throttle)) == (["admission.throttle"], [])
     redis = tenants_toml("a", extra="[admission.redis]\ntimeout_ms = 9.0")
     assert differences(base, settings_of(tmp_path, redis)) == ([], ["admission"])
+    breakers = tenants_toml("a", extra="[breakers]\nerror_rate = 0.9")
+    assert differences(base, settings_of(tmp_path, breakers)) == (["breakers"], [])
     both = tenants_toml("b", extra="[state.cache]\nttl = 60.0")
     assert differences(base, settings_of(tmp_path, both)) == (["tenants"], ["state"])
 
@@ -457,3 +460,33 @@ async def test_a_rollout_restarts_by_the_admin_api_and_by_a_reload_and_a_reload_
     assert "rollout m: restart at 100 % (config reload: its entry changed)" in errors
     assert "config reload: [models]: rollout m removed" in errors
     assert "config reload: [models] changed; that takes effect on a restart" in errors
+
+
+async def test_a_breaker_opened_by_a_failing_backend_is_closed_by_a_reload_that_turns_them_off(
+    tmp_path: Path,
+) -> None:
+    def failing(recorded: Recorded) -> Reply:
+        return health_ok(recorded) or Reply(status=500, chunks=[b'{"error":"boom"}'], chunked=False)
+
+    async with TinyUpstream(failing) as up:
+        config = tmp_path / "quicedge.toml"
+        head = "[proxy]\neject_after_failures = 1000\n"
+        config.write_text(head + "[breakers]\nwindow = 4\nmin_requests = 2\nopen_for = 60.0\n")
+        proc, url = serve(config, "--backend", up.url)
+        try:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+                statuses = [
+                    (await http.post("/v1/chat/completions", json=body("hi"))).status_code
+                    for _ in range(3)
+                ]
+                assert statuses == [500, 500, 503]  # two failures open the domain's breaker
+                opened = await http.post("/v1/chat/completions", json=body("hi"))
+                assert opened.json()["error"]["code"] == "circuit_open"
+                config.write_text(head + "[breakers]\nenabled = false\n")
+                proc.proc.send_signal(signal.SIGHUP)
+                await wait_metric(proc, APPLIED, 1)
+                again = await http.post("/v1/chat/completions", json=body("hi"))
+                assert again.status_code == 500  # the backend is asked again
+                assert total(proc, PENDING) == 0
+        finally:
+            assert proc.stop() == 0, proc.errors()

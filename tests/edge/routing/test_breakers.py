@@ -257,3 +257,39 @@ def test_bad_settings_are_named(values: dict[str, float], says: str) -> None:
         BreakerConfig.from_mapping(values).validate()
     with pytest.raises(ValueError, match="unknown"):
         BreakerConfig.from_mapping({"windw": 3})
+
+
+async def test_a_reload_moves_thresholds_keeps_the_newest_outcomes_and_off_closes_all() -> None:
+    a, b = backend("a", "hardware=a"), backend("b", "hardware=b")
+    breakers, _, registry = make(SMALL, a, b)
+    fail(breakers, a, "gold", 3)  # three of ten, under min_requests 4: closed
+    assert breakers.state_of("default", "gold", "a") == "closed"
+    # A lower bar applies from the next outcome, over the outcomes kept.
+    await breakers.reconfigure(BreakerConfig(window=10, min_requests=2, error_rate=0.5))
+    fail(breakers, a, "gold", 1)
+    assert breakers.state_of("default", "gold", "a") == "open"
+    # A smaller window keeps the newest outcomes: two successes and a failure of the last 3.
+    for error in (None, None, "5xx"):
+        breaker = breakers.started(b, "gold")
+        assert breaker is not None
+        breakers.ended(breaker, error, None)
+    await breakers.reconfigure(BreakerConfig(window=3, min_requests=3, error_rate=0.5))
+    assert breakers.state_of("default", "gold", "b") == "closed"  # one of three: 33 %
+    fail(breakers, b, "gold", 1)  # the window slides: two of three
+    assert breakers.state_of("default", "gold", "b") == "open"
+    # Off: every domain closes and takes work; the KV poll stops.
+    await breakers.reconfigure(BreakerConfig(enabled=False))
+    assert breakers.allowed([a, b], "gold") == [a, b]
+    assert breakers.started(a, "gold") is None
+    assert {breakers.state_of("default", "gold", h) for h in "ab"} == {"closed"}
+    labels = {"model": "default", "tier": "gold", "hardware": "a"}
+    assert registry.get_sample_value("quicedge_breaker_state", labels) == 0
+    assert breakers._task is None
+    # On again: the poll starts, and the domains start from empty windows.
+    await breakers.reconfigure(SMALL)
+    assert breakers._task is not None
+    fail(breakers, a, "gold", 3)
+    assert breakers.state_of("default", "gold", "a") == "closed"
+    with pytest.raises(ValueError, match="min_requests"):
+        await breakers.reconfigure(BreakerConfig(window=2, min_requests=3))
+    await breakers.aclose()
