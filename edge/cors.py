@@ -95,6 +95,11 @@ class CorsApp:
     ) -> None:
         self.app = app
         self.methods_for = methods_for
+        self.configure(config)
+
+    def configure(self, config: CorsConfig) -> None:
+        """Take `config` (enabled) for the requests that come next: a reload's new origins,
+        headers and lifetimes."""
         self.any_origin = "*" in config.origins
         self.origins = frozenset(o.encode("latin-1") for o in config.origins if o != "*")
         self.any_header = "*" in config.headers

@@ -9,6 +9,8 @@ validated. A file that does not load or validate changes nothing. Otherwise:
   modules, stream rules, the guard model) apply to the requests that start from then on;
   requests in progress finish as they began. A new policy gateway is built (its modules
   compiled) in a thread, so the loop keeps serving meanwhile.
+- `[cors]` while it stays on: origins, headers and lifetimes (`CorsApp.configure`); turning
+  it on or off waits for a restart (the app is wrapped, or not, at start).
 - `[breakers]`: thresholds and windows for every domain's next decision; turned off, every
   domain closes (`Breakers.reconfigure`).
 - `[models]` default, discover, aliases and rollouts (`Models.reconfigure`): a rollout whose
@@ -32,6 +34,7 @@ from typing import Any
 from backends.discovery import DiscoveryConfig, wanted_urls
 from edge.admission.settings import AdmissionSettings
 from edge.config import ProxyConfig
+from edge.cors import CorsApp, CorsConfig
 from edge.models import ModelsConfig
 from edge.policy.config import PolicyConfig
 from edge.policy.gateway import PolicyGateway
@@ -54,6 +57,7 @@ LIVE = (
     "proxy.backends",
     "models",
     "breakers",
+    "cors",
 )
 """What a reload applies while serving; every other difference waits for a restart."""
 
@@ -88,6 +92,10 @@ def differences(old: Settings, new: Settings) -> tuple[list[str], list[str]]:
         live.append("policy")
     if old["breakers"] != new["breakers"]:
         live.append("breakers")
+    old_cors, new_cors = old.get("cors", CorsConfig), new.get("cors", CorsConfig)
+    cors_restart = old_cors != new_cors and not (old_cors.enabled and new_cors.enabled)
+    if old_cors != new_cors and not cors_restart:
+        live.append("cors")
     old_models, new_models = old.get("models", ModelsConfig), new.get("models", ModelsConfig)
     if any(getattr(old_models, f) != getattr(new_models, f) for f in _LIVE_MODELS):
         live.append("models")
@@ -101,6 +109,8 @@ def differences(old: Settings, new: Settings) -> tuple[list[str], list[str]]:
         if (name not in LIVE or name in _CARRIED)
         and _fields(old[name], _CARRIED.get(name, ())) != _fields(new[name], _CARRIED.get(name, ()))
     ]
+    if cors_restart:  # on or off: the app is wrapped, or not, once at start
+        restart.append("cors")
     relabelled = any(before[url] != after[url] for url in before.keys() & after.keys())
     if relabelled and "proxy" not in restart:  # a backend's domain is fixed while it serves
         restart.insert(0, "proxy")
@@ -213,6 +223,8 @@ class Reloader:
         if "proxy.backends" in live:
             drain = new.get("discovery", DiscoveryConfig).drain_timeout
             await self.wiring.set_backends(new.get("proxy", ProxyConfig).backends, drain)
+        if "cors" in live and isinstance(self.wiring.app, CorsApp):
+            self.wiring.app.configure(new.get("cors", CorsConfig))
         if "breakers" in live and self.wiring.breakers is not None:
             await self.wiring.breakers.reconfigure(new.get("breakers", BreakerConfig))
         if "models" in live:

@@ -144,6 +144,11 @@ def test_tenants_throttle_breakers_and_policy_are_live_every_other_section_waits
     assert differences(base, settings_of(tmp_path, redis)) == ([], ["admission"])
     breakers = tenants_toml("a", extra="[breakers]\nerror_rate = 0.9")
     assert differences(base, settings_of(tmp_path, breakers)) == (["breakers"], [])
+    cors_on = tenants_toml("a", extra='[cors]\norigins = ["https://a.example"]')
+    assert differences(base, settings_of(tmp_path, cors_on)) == ([], ["cors"])  # off to on
+    more = cors_on.replace('"https://a.example"', '"https://a.example", "https://b.example"')
+    on = settings_of(tmp_path, cors_on)
+    assert differences(on, settings_of(tmp_path, more)) == (["cors"], [])
     both = tenants_toml("b", extra="[state.cache]\nttl = 60.0")
     assert differences(base, settings_of(tmp_path, both)) == (["tenants"], ["state"])
 
@@ -490,3 +495,37 @@ async def test_a_breaker_opened_by_a_failing_backend_is_closed_by_a_reload_that_
                 assert total(proc, PENDING) == 0
         finally:
             assert proc.stop() == 0, proc.errors()
+
+
+async def test_a_reload_lets_a_new_origin_in_while_cors_stays_on(
+    stand_in: str,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "quicedge.toml"
+    cors = '[cors]\norigins = ["https://a.example"]\n'
+    config.write_text(cors)
+    proc, url = serve(config, "--backend", stand_in)
+    preflight = {"access-control-request-method": "POST", "origin": "https://b.example"}
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            refused = await http.options("/v1/chat/completions", headers=preflight)
+            assert refused.status_code == 403
+            config.write_text(
+                cors.replace('"https://a.example"', '"https://a.example", "https://b.example"')
+            )
+            proc.proc.send_signal(signal.SIGHUP)
+            await wait_metric(proc, APPLIED, 1)
+            allowed = await http.options("/v1/chat/completions", headers=preflight)
+            assert allowed.status_code == 204
+            assert allowed.headers["access-control-allow-origin"] == "https://b.example"
+            answer = await http.post("/v1/chat/completions", json=body("hi"),
+                                     headers={"origin": "https://b.example"})  # fmt: skip
+            assert answer.headers["access-control-allow-origin"] == "https://b.example"
+            config.write_text("")  # off: waits for a restart, and says so
+            proc.proc.send_signal(signal.SIGHUP)
+            await wait_metric(proc, PENDING, 1)
+            still = await http.options("/v1/chat/completions", headers=preflight)
+            assert still.status_code == 204
+    finally:
+        assert proc.stop() == 0, proc.errors()
+    assert "config reload: [cors] changed; that takes effect on a restart" in proc.errors()
