@@ -11,6 +11,8 @@ validated. A file that does not load or validate changes nothing. Otherwise:
   compiled) in a thread, so the loop keeps serving meanwhile.
 - `[cors]` while it stays on: origins, headers and lifetimes (`CorsApp.configure`); turning
   it on or off waits for a restart (the app is wrapped, or not, at start).
+- `[access_log]`: on, off, or its sampling, for the requests that end next
+  (`Wiring.set_access_log`).
 - `[breakers]`: thresholds and windows for every domain's next decision; turned off, every
   domain closes (`Breakers.reconfigure`).
 - `[models]` default, discover, aliases and rollouts (`Models.reconfigure`): a rollout whose
@@ -32,6 +34,7 @@ from dataclasses import fields
 from typing import Any
 
 from backends.discovery import DiscoveryConfig, wanted_urls
+from edge.access_log import AccessLogConfig
 from edge.admission.settings import AdmissionSettings
 from edge.config import ProxyConfig
 from edge.cors import CorsApp, CorsConfig
@@ -58,6 +61,7 @@ LIVE = (
     "models",
     "breakers",
     "cors",
+    "access_log",
 )
 """What a reload applies while serving; every other difference waits for a restart."""
 
@@ -92,6 +96,8 @@ def differences(old: Settings, new: Settings) -> tuple[list[str], list[str]]:
         live.append("policy")
     if old["breakers"] != new["breakers"]:
         live.append("breakers")
+    if old["access_log"] != new["access_log"]:
+        live.append("access_log")
     old_cors, new_cors = old.get("cors", CorsConfig), new.get("cors", CorsConfig)
     cors_restart = old_cors != new_cors and not (old_cors.enabled and new_cors.enabled)
     if old_cors != new_cors and not cors_restart:
@@ -223,6 +229,8 @@ class Reloader:
         if "proxy.backends" in live:
             drain = new.get("discovery", DiscoveryConfig).drain_timeout
             await self.wiring.set_backends(new.get("proxy", ProxyConfig).backends, drain)
+        if "access_log" in live:
+            await self.wiring.set_access_log(new.get("access_log", AccessLogConfig))
         if "cors" in live and isinstance(self.wiring.app, CorsApp):
             self.wiring.app.configure(new.get("cors", CorsConfig))
         if "breakers" in live and self.wiring.breakers is not None:

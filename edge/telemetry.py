@@ -341,19 +341,23 @@ class AuditCollector(Collector):
 class AccessLogCollector(Collector):
     """Read-at-scrape access log figures: lines waiting for the writer, lines dropped."""
 
-    def __init__(self, access_log: Any) -> None:
-        self._log = access_log
+    def __init__(self, source: Callable[[], Any]) -> None:
+        self._source = source
+        """The access log now (a reload may start or stop one); None: no figures."""
 
     def collect(self) -> Iterator[Metric]:
+        log = self._source()
+        if log is None:
+            return
         pending = GaugeMetricFamily(
             "quicedge_access_log_pending", "Access log lines waiting for the writer thread"
         )
-        pending.add_metric([], self._log.pending)
+        pending.add_metric([], log.pending)
         dropped = CounterMetricFamily(
             "quicedge_access_log_dropped",
             "Access log lines dropped: `max_pending` lines were waiting (a stalled stderr)",
         )
-        dropped.add_metric([], self._log.dropped)
+        dropped.add_metric([], log.dropped)
         yield from (pending, dropped)
 
 

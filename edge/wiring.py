@@ -201,6 +201,20 @@ class Wiring:
         if self.access_log is not None:
             self.access_log.stop()
 
+    async def set_access_log(self, config: AccessLogConfig) -> None:
+        """A reloaded `[access_log]`, for the requests that end from now on: a new log with its
+        writer started (or none, turned off); the old one writes what it holds, then stops."""
+        old = self.access_log
+        new = AccessLog(config) if config.enabled else None
+        if new is not None:
+            new.start()
+            new.dropped = old.dropped if old is not None else 0  # one counter for the process
+        self.access_log = new
+        if self.proxy is not None:
+            self.proxy.access_log = new
+        if old is not None:
+            await asyncio.to_thread(old.stop)
+
     def abort(self, backend: Backend, rid: str) -> None:
         """Fire `/abort_request {rid}` at the backend without waiting for it (never raises).
 
@@ -334,8 +348,6 @@ async def build(
         holds = SharedHolds(backends, url=redis_url, key=config.drains_key,
                             interval=config.drains_interval)  # fmt: skip
     access = AccessLog(access_log) if access_log and access_log.enabled else None
-    if access is not None:
-        registry.register(AccessLogCollector(access))
     audit_log = AuditLog(audit) if audit is not None and audit.path else None
     if audit_log is not None:
         registry.register(AuditCollector(audit_log))
@@ -378,6 +390,7 @@ async def build(
         holds=holds,
     )  # fmt: skip
     pools.set_aborter(wiring.abort)
+    registry.register(AccessLogCollector(lambda: wiring.access_log))  # the one a reload made too
     proxy = ProxyApp(
         config=config,
         pool=pool,

@@ -192,7 +192,7 @@ def test_a_stalled_handler_bounds_the_waiting_lines_and_counts_the_rest() -> Non
     handler = Stalled()
     log = AccessLog(AccessLogConfig(max_pending=10), handler=handler)
     registry = CollectorRegistry()
-    registry.register(AccessLogCollector(log))
+    registry.register(AccessLogCollector(lambda: log))
     log.start()
     try:
         _log_many(log, 0, 1)

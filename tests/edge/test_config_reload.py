@@ -149,6 +149,8 @@ def test_tenants_throttle_breakers_and_policy_are_live_every_other_section_waits
     more = cors_on.replace('"https://a.example"', '"https://a.example", "https://b.example"')
     on = settings_of(tmp_path, cors_on)
     assert differences(on, settings_of(tmp_path, more)) == (["cors"], [])
+    quiet = tenants_toml("a", extra="[access_log]\nenabled = false")
+    assert differences(base, settings_of(tmp_path, quiet)) == (["access_log"], [])
     both = tenants_toml("b", extra="[state.cache]\nttl = 60.0")
     assert differences(base, settings_of(tmp_path, both)) == (["tenants"], ["state"])
 
@@ -529,3 +531,36 @@ async def test_a_reload_lets_a_new_origin_in_while_cors_stays_on(
     finally:
         assert proc.stop() == 0, proc.errors()
     assert "config reload: [cors] changed; that takes effect on a restart" in proc.errors()
+
+
+async def test_a_reload_turns_the_access_log_on_and_off(
+    stand_in: str,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "quicedge.toml"
+    config.write_text("[access_log]\nenabled = false\n")
+    proc, url = serve(config, "--backend", stand_in)
+    marks = [f"reload-log-{i:032d}"[-32:] for i in range(3)]
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+
+            async def ask(mark: str) -> None:
+                r = await http.post("/v1/chat/completions", json=body("hi"),
+                                    headers={"x-request-id": mark})  # fmt: skip
+                assert r.status_code == 200 and r.headers["x-request-id"] == mark
+
+            await ask(marks[0])
+            config.write_text("[access_log]\nenabled = true\n")
+            proc.proc.send_signal(signal.SIGHUP)
+            await wait_metric(proc, APPLIED, 1)
+            await ask(marks[1])
+            await wait_metric(proc, "quicedge_access_log_pending", 0)  # the families are back
+            config.write_text("[access_log]\nenabled = false\n")
+            proc.proc.send_signal(signal.SIGHUP)
+            await wait_metric(proc, APPLIED, 2)
+            await ask(marks[2])
+            assert "quicedge_access_log_pending" not in proc.metrics()
+    finally:
+        assert proc.stop() == 0, proc.errors()
+    written = [json.loads(line) for line in proc.errors().splitlines() if line.startswith("{")]
+    assert [line["request_id"] for line in written] == [marks[1]]
