@@ -10,6 +10,8 @@ admin_token_file`, every action (a POST) needs `Authorization: Bearer TOKEN` (`g
   or the KV-cache events on, their state too.
 - `POST /prewarm` `{"text": "...", "backends": ["name", ...]}` (backends optional: all): warm
   that prefix now (`edge.routing.prewarm`); answers with what each backend did.
+- `GET /tenants`: every tenant's tier, quotas and requests in flight here, and the admission
+  queue; `GET /tenants/{name}`: one, with where its buckets stand now (shared ones from Redis).
 - `GET /rollouts`: model pools, aliases and each rollout's state, tests and transitions.
 - `POST /rollouts/{model}/promote|pause|rollback|restart`: move a rollout by hand
   (docs/models.md); with several workers every worker takes it (`edge.worker_admin`,
@@ -26,12 +28,14 @@ import inspect
 import json
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from backends.pool import UpstreamPool
 from backends.registry import BackendRegistry
+from edge.admission import Admission
 from edge.asgi import ASGIApp, Receive, Scope, Send, lifespan, render_error
 from edge.audit import AuditLog
 from edge.backend_holds import SharedHolds
@@ -104,7 +108,10 @@ class AdminApp:
         models: Models | None = None,
         audit: AuditLog | None = None,
         holds: SharedHolds | None = None,
+        admission: Admission | None = None,
     ) -> None:
+        self.admission = admission
+        """Tenants, their quotas and requests in flight (`GET /tenants`)."""
         self.audit = audit
         """Where each action taken is recorded (`event: admin`), when the audit log is on."""
         self.holds = holds
@@ -122,6 +129,7 @@ class AdminApp:
             "/metrics": self._metrics,
             "/backends": self._backends,
             "/rollouts": self._rollouts,
+            "/tenants": self._tenants,
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -136,7 +144,13 @@ class AdminApp:
         try:
             path: str = scope["path"]
             handler: Callable[[], Answer | Awaitable[Answer]] | None = self._routes.get(path)
-            if handler is None and path.startswith(("/rollouts/", "/backends/")):
+            if handler is None and path.startswith("/tenants/"):
+                if scope["method"] not in ("GET", "HEAD"):
+                    raise MethodNotAllowed(
+                        "admin routes are GET only", headers=((b"allow", b"GET"),)
+                    )
+                handler = partial(self._tenant, path[len("/tenants/") :])
+            elif handler is None and path.startswith(("/rollouts/", "/backends/")):
                 if scope["method"] != "POST":
                     raise MethodNotAllowed(
                         "admin actions are POST only", headers=((b"allow", b"POST"),)
@@ -191,6 +205,17 @@ class AdminApp:
         if self.fleet is not None:
             body |= self.fleet.snapshot()
         return 200, b"application/json", _json(body)
+
+    def _tenants(self) -> Answer:
+        if self.admission is None:
+            raise RouteNotFound("no admission stage in this process")
+        return 200, b"application/json", _json(self.admission.tenants())
+
+    async def _tenant(self, name: str) -> Answer:
+        found = await self.admission.tenant(name) if self.admission is not None else None
+        if found is None:
+            raise RouteNotFound(f"no tenant {name!r}; GET /tenants lists them")
+        return 200, b"application/json", _json(found)
 
     def _rollouts(self) -> tuple[int, bytes, bytes]:
         body = self.models.snapshot() if self.models is not None else {"rollouts": []}

@@ -421,6 +421,7 @@ async def build(
         models=pools,
         audit=audit_log,
         holds=holds,
+        admission=admission,
     )
     return wiring
 

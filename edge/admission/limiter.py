@@ -62,15 +62,30 @@ class RateLimiter:
         )
         return verdict, (reasons[verdict.refused] if not verdict.allowed else ""), standings
 
-    async def _take(self, tenant: Tenant, charges: list[Charge]) -> tuple[Verdict, list[Charge]]:
-        """The verdict, and the charges as they applied (scaled while Redis is out)."""
+    async def standing(self, tenant: Tenant) -> tuple[Standing, ...]:
+        """Where the tenant's buckets stand now (a take of nothing: the refill is written back,
+        which changes nothing), for the admin view."""
+        buckets = [("requests", tenant.requests), ("tokens", tenant.tokens)]
+        charges = [(f"{tenant.name}:{name}", b, 0.0) for name, b in buckets if b is not None]
+        if not charges:
+            return ()
+        verdict, applied = await self._take(tenant, charges, count=False)
+        names = [name for name, b in buckets if b is not None]
+        return tuple(Standing(name, bucket, level) for name, (_, bucket, _), level
+                     in zip(names, applied, verdict.levels, strict=False))  # fmt: skip
+
+    async def _take(
+        self, tenant: Tenant, charges: list[Charge], *, count: bool = True
+    ) -> tuple[Verdict, list[Charge]]:
+        """The verdict, and the charges as they applied (scaled while Redis is out; `count`:
+        a request taken from the local buckets is counted)."""
         if self.shared is None:
             return self.local.take_now(charges), charges
         assert self.guard is not None
         if self.guard.usable:
             with contextlib.suppress(RedisUnavailable):
                 return await self.shared.take(charges), charges
-        if self._on_local is not None:
+        if self._on_local is not None and count:
             self._on_local(tenant.name)
         scaled = [(k, b.scaled(self.share), c) for k, b, c in charges]
         return self.local.take_now(scaled), scaled

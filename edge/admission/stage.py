@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from typing import Any
 
 from backends.registry import Backend
 from edge.admission.headers import Standing, ratelimit_headers, retry_after
@@ -81,6 +82,52 @@ class Admission:
             self.queue = None
         elif queue is None:
             self.queue = AdmissionQueue(settings, Throttle(settings), on_wait=self._queued)
+
+    # -- the admin view ---------------------------------------------------------------------
+    def tenants(self) -> dict[str, Any]:
+        """`GET /tenants`: every tenant's tier, quotas and requests in flight here, the ones
+        refused by memory for a while, and the admission queue."""
+        now = time.monotonic()
+        queue = self.queue
+        return {
+            "store": "redis" if self.guard is not None else "memory",
+            "tenants": [self._tenant_view(t, now) for t in self._by_name.values()],
+            "queue": None if queue is None else {
+                "waiting": queue.waiting,
+                "max_queue_depth": queue.settings.max_queue_depth,
+                "queue_size": queue.settings.queue_size,
+            },
+        }  # fmt: skip
+
+    def _tenant_view(self, tenant: Tenant, now: float) -> dict[str, Any]:
+        requests, tokens = tenant.requests, tenant.tokens
+        until = self._refused_until.get(tenant.name)
+        return {
+            "name": tenant.name, "tier": tenant.tier,
+            "requests_per_second": requests.rate if requests is not None else None,
+            "burst": int(requests.capacity) if requests is not None else None,
+            "tokens_per_minute": round(tokens.rate * 60) if tokens is not None else None,
+            "max_concurrent": tenant.max_concurrent,
+            "in_flight": self._in_flight.get(tenant.name, 0),
+            "refused_for_s": round(until - now, 3) if until is not None and until > now else 0.0,
+        }  # fmt: skip
+
+    async def tenant(self, name: str) -> dict[str, Any] | None:
+        """`GET /tenants/{name}`: the tenant's view and where its buckets stand now (with Redis,
+        the shared ones: one round trip); None for a name no tenant has."""
+        tenant = self._by_name.get(name)
+        if tenant is None:
+            return None
+        view = self._tenant_view(tenant, time.monotonic())
+        view["buckets"] = {
+            s.name: {
+                "limit": math.floor(s.bucket.capacity),
+                "remaining": max(0, math.floor(s.level)),
+                "reset_s": round(max(0.0, s.bucket.capacity - s.level) / s.bucket.rate, 3),
+            }
+            for s in await self.limiter.standing(tenant)
+        }  # fmt: skip
+        return view
 
     def _redis_state(self, name: str, old: str, state: str) -> None:
         self.metrics.redis_breaker(name, old, state)

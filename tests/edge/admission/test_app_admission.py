@@ -7,8 +7,16 @@ import asyncio
 import json
 from typing import Any
 
+import httpx
+import pytest
+
 from backends.sim import SimServer
-from edge.admission.settings import AdmissionSettings, AnonymousSettings, TenantSettings
+from edge.admission.settings import (
+    AdmissionSettings,
+    AnonymousSettings,
+    RedisSettings,
+    TenantSettings,
+)
 from edge.admission.tenants import key_digest
 from edge.config import ProxyConfig
 from tests.edge.conftest import (
@@ -219,3 +227,41 @@ async def test_a_tenant_over_its_request_rate_is_refused_before_its_body_is_read
             assert 1 <= int(r.headers["retry-after"]) <= 20
             # another tenant is not affected
             assert (await http.post("/v1/chat/completions", json=CHAT)).status_code == 200
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+async def test_the_admin_view_lists_tenants_and_one_tenants_buckets(
+    store: str, redis_url: str, redis_prefix: str
+) -> None:
+    async with SimServer(sim_config("b1")) as sim:
+        redis = RedisSettings(url=redis_url, prefix=redis_prefix, timeout_ms=2000, slow_ms=2000)
+        config = with_admission(
+            fast_config([sim.url]),
+            tenants=[tenant("slow", "bronze", "sk-slow", requests_per_second=0.05, burst=2,
+                            tokens_per_minute=6000, max_concurrent=3)],
+            **({"redis": redis} if store == "redis" else {}),
+        )  # fmt: skip
+        async with run_edge(config) as edge, client(edge) as http:
+            codes = [
+                (await http.post("/v1/chat/completions", json=CHAT, headers=bearer("sk-slow")))
+                .status_code for _ in range(3)
+            ]  # fmt: skip
+            assert codes == [200, 200, 429]
+            async with httpx.AsyncClient(base_url=edge.admin_url) as admin:
+                listed = (await admin.get("/tenants")).json()
+                one = await admin.get("/tenants/slow")
+                missing = await admin.get("/tenants/nobody")
+                refused = await admin.post("/tenants/slow")
+        assert listed["store"] == store and listed["queue"] is None
+        by_name = {t["name"]: t for t in listed["tenants"]}
+        assert set(by_name) == {"slow", "anonymous"}
+        slow = by_name["slow"]
+        assert (slow["tier"], slow["burst"], slow["tokens_per_minute"]) == ("bronze", 2, 6000)
+        assert slow["requests_per_second"] == 0.05 and slow["max_concurrent"] == 3
+        assert slow["in_flight"] == 0 and 0 < slow["refused_for_s"] <= 20
+        assert one.status_code == 200
+        buckets = one.json()["buckets"]
+        assert buckets["requests"]["limit"] == 2 and buckets["requests"]["remaining"] == 0
+        assert 20 < buckets["requests"]["reset_s"] <= 40  # two requests at one per 20 s
+        assert buckets["tokens"]["limit"] == 6000 and buckets["tokens"]["remaining"] < 6000
+        assert missing.status_code == 404 and refused.status_code == 405
