@@ -14,7 +14,7 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -571,11 +571,13 @@ class ProxyApp:
         state.detached = True
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        # The request's id and its tenant's rate-limit headers, as any answer has them.
+        extra = [(b"x-request-id", ex.request_id.encode()), *(ex.ratelimit or ())]
         try:
             if broadcast is None:
-                await send_json(send, 200, queued)
+                await send_json(send, 200, queued, extra)
             else:
-                await _stream_events(send, receive, broadcast.mine(), ex.request_id)
+                await _stream_events(send, receive, broadcast.mine(), ex.request_id, extra[1:])
         except ClientGone:  # its answer goes on without it
             pass
         finally:
@@ -798,7 +800,13 @@ def _default_card(listing: dict[str, Any]) -> dict[str, Any]:
     return card
 
 
-async def _stream_events(send: Send, receive: Receive, events: Any, request_id: str) -> None:
+async def _stream_events(
+    send: Send,
+    receive: Receive,
+    events: Any,
+    request_id: str,
+    extra: Sequence[tuple[bytes, bytes]] = (),
+) -> None:
     """Send `events` (an async iterator of SSE bytes) as a 200 event stream until it ends or
     the client goes away."""
     task = asyncio.current_task()
@@ -816,7 +824,7 @@ async def _stream_events(send: Send, receive: Receive, events: Any, request_id: 
     try:
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-            (b"x-request-id", request_id.encode())]})  # fmt: skip
+            (b"x-request-id", request_id.encode()), *extra]})  # fmt: skip
         async for chunk in events:
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})

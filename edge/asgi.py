@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from typing import Any
 
 from edge.errors import JSON_HEADERS, EdgeError
@@ -45,9 +45,11 @@ def body_writer(scope: Scope) -> BodyWriter | None:
     return extensions.get("quicedge.body_writer") if extensions else None
 
 
-async def send_json(send: Send, status: int, obj: Any) -> None:
+async def send_json(
+    send: Send, status: int, obj: Any, extra: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
     body = json.dumps(obj, separators=(",", ":")).encode()
-    headers = [*JSON_HEADERS, (b"content-length", b"%d" % len(body))]
+    headers = [*JSON_HEADERS, *extra, (b"content-length", b"%d" % len(body))]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 

@@ -416,3 +416,26 @@ async def test_background_answers_running_at_once_are_bounded() -> None:
                     model="default", input="B", conversation=conv.id, background=True
                 )
                 assert (await settled(sdk, later.id)).status == "completed"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_queued_answer_carries_its_request_id_and_rate_limit_headers(
+    stream: bool,
+) -> None:
+    upstream = ChatUpstream()
+    admission = tenants("alpha")
+    admission.tenants[0].requests_per_second = 1.0
+    admission.tenants[0].burst = 5
+    async with TinyUpstream(upstream) as up:
+        config = fast_config([up.url], state=state(), admission=admission)
+        async with run_edge(config) as edge, client(edge) as http:
+            request = {"model": "default", "input": "Name a moon.", "background": True,
+                       "stream": stream}  # fmt: skip
+            headers = {**as_tenant("alpha"), "x-request-id": "queued-0000000000000000000000001"}
+            async with http.stream("POST", "/v1/responses", json=request,
+                                   headers=headers) as queued:  # fmt: skip
+                assert queued.status_code == 200
+                assert queued.headers["x-request-id"] == headers["x-request-id"]
+                assert queued.headers["x-ratelimit-limit-requests"] == "5"
+                assert queued.headers["x-ratelimit-remaining-requests"] == "4"
+                await queued.aread()
