@@ -20,6 +20,7 @@ from edge.admission.settings import (
 from edge.admission.tenants import key_digest
 from edge.config import ProxyConfig
 from tests.edge.conftest import (
+    LISTENERS,
     Recorded,
     Reply,
     TinyUpstream,
@@ -73,13 +74,14 @@ async def test_401_for_unknown_keys_and_for_no_key_when_anonymous_is_off() -> No
             assert 'quicedge_tenant_requests_total{tenant="acme",tier="gold"} 1.0' in text
 
 
-async def test_429_with_retry_after_once_the_burst_is_spent() -> None:
+@LISTENERS
+async def test_429_with_retry_after_once_the_burst_is_spent(listener: str) -> None:
     async with SimServer(sim_config("b1")) as sim:
         config = with_admission(
             fast_config([sim.url]),
             tenants=[tenant("slow", "bronze", "sk-slow", requests_per_second=0.05, burst=2)],
         )
-        async with run_edge(config) as edge, client(edge) as http:
+        async with run_edge(config, listener=listener) as edge, client(edge) as http:
             codes, remaining = [], []
             for stream in (False, True, False, False):
                 r = await http.post("/v1/chat/completions", json={**CHAT, "stream": stream},
