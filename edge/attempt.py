@@ -335,7 +335,7 @@ class Attempts:
                 Outcome(
                     backend=backend, view=ex.view, decision=decision, ttft_s=upstream_ttft,
                     prompt_tokens=usage.prompt_tokens, cached_tokens=usage.cached_tokens,
-                    completion_text=completion, error=error,
+                    completion_text=completion if ex.view.choices == 1 else None, error=error,
                 )
             )  # fmt: skip
             if self.models is not None:

@@ -45,6 +45,9 @@ class RequestView:
     sent back with the messages by pre-warming; None without."""
     prompt_start: int = 0
     """Where the messages begin in `text` (after the tools' definitions)."""
+    choices: int = 1
+    """The answers asked for (`n`): with more than one, a stream interleaves them, so its
+    text is not one continuation of the prompt to learn."""
 
 
 @dataclass(slots=True)

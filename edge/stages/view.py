@@ -128,6 +128,7 @@ def build_view(route: str, body: Mapping[str, Any], session_header: str | None) 
     session = (session_header or (hint if isinstance(hint, str) and hint else None)
                or (user if isinstance(user, str) and user else None))  # fmt: skip
     model = body.get("model")
+    n = body.get("n")
     return RequestView(
         route=route,
         text=text,
@@ -137,4 +138,5 @@ def build_view(route: str, body: Mapping[str, Any], session_header: str | None) 
         messages=messages,
         tools=tools,
         prompt_start=len(tools_header(tools)) if tools else 0,
+        choices=n if isinstance(n, int) and n > 1 else 1,
     )

@@ -555,3 +555,15 @@ async def test_a_retried_request_is_observed_once_per_backend_tried() -> None:
     assert len(inference(good)) == 6 and len(inference(bad)) >= 1
     assert counting.chosen == len(counting.outcomes) == attempts
     assert sum(o.error == "5xx" for o in counting.outcomes) == len(inference(bad))
+
+
+async def test_the_text_of_several_interleaved_choices_is_not_learned_as_one_continuation() -> None:
+    async with TinyUpstream(script(lambda r: sse_reply(["x", "y"]))) as up:
+        async with run_edge(fast_config([up.url])) as edge, client(edge) as http:
+            counting = CountingPolicy(edge.wiring.app.policy)  # type: ignore[attr-defined]
+            edge.wiring.app.policy = counting  # type: ignore[attr-defined]
+            for n in (1, 2):
+                answer = await http.post("/v1/completions", json={**COMPLETION, "n": n})
+                assert answer.status_code == 200
+    assert [o.completion_text for o in counting.outcomes] == ["xy", None]
+    assert [o.view.choices for o in counting.outcomes] == [1, 2]
