@@ -64,18 +64,29 @@ Answer = tuple[int, bytes, bytes]
 _ROLLOUT_ACTIONS = ("promote", "pause", "rollback", "restart")
 
 
-def guard_actions(app: ASGIApp, token: bytes | None, audit: AuditLog | None = None) -> ASGIApp:
+PROBES = frozenset({"/health", "/ready"})
+"""Reads that never need the admin token: the orchestrator's probes."""
+
+
+def guard_actions(
+    app: ASGIApp, token: bytes | None, audit: AuditLog | None = None, *, reads: bool = False
+) -> ASGIApp:
     """`app` whose actions (POST) need `Authorization: Bearer TOKEN` (401 otherwise, recorded in
-    `audit` as `event: admin_refused`); reads pass. Wraps the outermost admin app, so that an
-    action is refused before any worker is asked to take it (their private sockets are not the
-    listener's)."""
+    `audit` as `event: admin_refused`); reads pass, or with `reads` all but the probes need it
+    too. Wraps the outermost admin app, so that an action is refused before any worker is asked
+    to take it (their private sockets are not the listener's)."""
     if token is None:
         return app
     expected = b"Bearer " + token
     last_recorded = [-1.0]
 
+    def guarded_request(scope: Scope) -> bool:
+        if scope["method"] not in ("GET", "HEAD"):
+            return True
+        return reads and scope["path"] not in PROBES
+
     async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] not in ("GET", "HEAD"):
+        if scope["type"] == "http" and guarded_request(scope):
             given = next((v for k, v in scope["headers"] if k.lower() == b"authorization"), b"")
             if not hmac.compare_digest(given.strip(), expected):
                 # At most ten a second: a flood of refused calls must not fill the audit queue
@@ -86,8 +97,9 @@ def guard_actions(app: ASGIApp, token: bytes | None, audit: AuditLog | None = No
                     client = scope.get("client") or ("-", 0)
                     audit.record_event("admin_refused", method=scope["method"],
                                        path=scope["path"], client=client[0])  # fmt: skip
+                what = "admin actions" if scope["method"] not in ("GET", "HEAD") else "admin reads"
                 await render_error(send, AdminUnauthorized(
-                    "admin actions need `Authorization: Bearer <token>` (proxy.admin_token_file)"
+                    f"{what} need `Authorization: Bearer <token>` (proxy.admin_token_file)"
                 ))  # fmt: skip
                 return
         await app(scope, receive, send)

@@ -129,6 +129,10 @@ class ProxyConfig:
     """File holding the token the admin listener's actions (every POST: drains, rollouts,
     pre-warming) require as `Authorization: Bearer TOKEN`; reads (health, metrics, state) stay
     open for probes and scrapers. None: actions are open too. Read once at start."""
+    admin_token_reads: bool = False
+    """Reads need the token too (`/metrics`, `/backends`, `/tenants`, `/rollouts`), all but the
+    probes (`/health`, `/ready`): for an admin port other workloads can reach. Needs
+    `admin_token_file`; scrapers then send the token."""
     share_drains: bool = False
     """Share backend drains (`POST /backends/NAME/drain`) through the `[serve] redis`: one call
     holds a backend on every edge, and an edge that starts later holds it too."""
@@ -213,6 +217,8 @@ class ProxyConfig:
         # a missing or empty key file fails at start, with its setting's name
         BackendCredentials.from_files(self.backend_api_key_file, self.backend_api_key_files)
         self.admin_token()
+        if self.admin_token_reads and self.admin_token_file is None:
+            raise ValueError("proxy: admin_token_reads needs admin_token_file (the token to ask)")
         for name in ("degraded_ttft_p99", "degraded_queue", "loads_interval",
                      "config_poll_interval", "drains_interval"):  # fmt: skip
             value = getattr(self, name)

@@ -193,7 +193,9 @@ class ProxyApps:
             admin_app = fleet.wrap(workers.wrap(admin_app))
             await fleet.start()
             await workers.start()
-        admin_app = guard_actions(admin_app, proxy.admin_token(), built.audit)
+        admin_app = guard_actions(
+            admin_app, proxy.admin_token(), built.audit, reads=proxy.admin_token_reads
+        )
 
         async def aclose() -> None:
             if reloader is not None:

@@ -154,3 +154,25 @@ async def test_with_an_admin_token_actions_need_it_and_reads_do_not(
     assert set(refused) == {("admin_refused", "POST", f"/backends/{s1}/drain")}
     # ten a second at most, per worker (each answers some of the 30 connections)
     assert 1 <= len(refused) <= min(30, 2 * (int(flood_s / REFUSED_RECORD_GAP_S) + 1))
+
+
+async def test_with_admin_token_reads_every_read_but_the_probes_needs_the_token(
+    redis_url: str, tmp_path: Path
+) -> None:
+    token_file = tmp_path / "admin-token"
+    token_file.write_text("s3cret-admin-token\n")
+    args = ("--admin-token-file", str(token_file), "--admin-token-reads")
+    with edge(redis_url, *args) as (proc, _, s1, _):
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{proc.admin_port}", timeout=10
+        ) as admin:
+            good = {"authorization": "Bearer s3cret-admin-token"}
+            for path in ("/metrics", "/backends", "/tenants", "/rollouts"):
+                refused = await admin.get(path)
+                assert refused.status_code == 401, path
+                assert refused.json()["error"]["code"] == "invalid_admin_token"
+                assert "admin reads need" in refused.json()["error"]["message"]
+                assert (await admin.get(path, headers=good)).status_code == 200, path
+            for probe in ("/health", "/ready"):  # the orchestrator's probes carry no token
+                assert (await admin.get(probe)).status_code == 200
+            assert (await admin.post(f"/backends/{s1}/drain")).status_code == 401
