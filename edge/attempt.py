@@ -137,82 +137,85 @@ class Attempts:
         """Serve `ex` from the first backend that answers; raise the last error if none does."""
         self._active += 1
         try:
-            await self._run(ex, send)
+            tried: list[Backend] = []
+            last: _Retry | None = None
+            # A failed attempt that was retried counts against its domain only when the request was
+            # not then served in that same domain (a bad backend there is the registry's to eject).
+            retried: list[tuple[Breaker, str]] = []
+            assert ex.view is not None
+            tier = ex.tier
+            for attempt in range(self.config.max_retries + 1):
+                candidates = await self.admission.place(
+                    ex, partial(self._allowed, tried, tier, ex.model_route)
+                )
+                if not candidates:
+                    self._settle(retried, None)
+                    if last is not None:
+                        raise last.error
+                    untried = [b for b in self._in_pool(ex.model_route) if b not in tried]
+                    if untried:
+                        raise self._circuit_open(tier, untried)
+                    if self.models is not None and ex.model_route is not None:
+                        if self.registry.candidates():  # others can, not this pool: 503 naming it
+                            raise self.models.pools.no_backend(ex.model_route)
+                    raise self._no_candidate()
+                t_route = time.perf_counter()
+                decision = self.policy.choose(ex.view, candidates)
+                t_routed = time.perf_counter()
+                backend = decision.backend
+                tried.append(backend)
+                breaker = self.breakers.started(backend, tier)
+                self.metrics.stage_route.observe(t_routed - t_route)
+                self.metrics.decisions.labels(self.policy.name, decision.reason).inc()
+                if ex.trace is not None:
+                    attributes = {
+                        "quicedge.backend": backend.name, "quicedge.reason": decision.reason,
+                        "quicedge.predicted_cached_tokens": decision.predicted_cached_tokens,
+                        "quicedge.model": backend.model or "",
+                        "quicedge.model_version": backend.model_version or "",
+                        "quicedge.hw_group": backend.hw_group,
+                    }  # fmt: skip
+                    if breaker is not None:
+                        attributes["quicedge.breaker.domain"] = "/".join(breaker.key)
+                        attributes["quicedge.breaker.state"] = STATE_NAMES[breaker.state]
+                    ex.trace.stage("route", t_route, t_routed, attributes)
+                prefill = ex.view.approx_tokens - decision.predicted_cached_tokens
+                # the last try relays whatever the backend answers: no other backend is left to ask
+                last_try = attempt == self.config.max_retries or len(candidates) == 1
+                try:
+                    with self.registry.track(backend, prefill_tokens=prefill) as in_flight:
+                        await self._one(
+                            ex,
+                            backend,
+                            decision,
+                            in_flight,
+                            send,
+                            last_try=last_try,
+                            breaker=breaker,
+                        )
+                    self._settle(retried, breaker)
+                    return
+                except _Retry as retry:
+                    last = retry
+                    if breaker is not None:
+                        retried.append((breaker, retry.reason))
+                    if not ex.retries and not self._may_retry():
+                        self.metrics.retry_budget_exhausted.inc()
+                        break
+                    if not ex.retries:
+                        self._retrying += 1  # a request on a retry, counted once (`run` frees it)
+                    ex.retries += 1
+                    self.metrics.retries.labels(retry.reason).inc()
+                except BaseException:
+                    self._settle(retried, breaker)
+                    raise
+            self._settle(retried, None)
+            assert last is not None
+            raise last.error
         finally:
             self._active -= 1
-            if ex.retries:
+            if ex.retries:  # it went on a retry (`_may_retry`): one fewer now
                 self._retrying -= 1
-
-    async def _run(self, ex: Exchange, send: Send) -> None:
-        tried: list[Backend] = []
-        last: _Retry | None = None
-        # A failed attempt that was retried counts against its domain only when the request was
-        # not then served in that same domain (a bad backend there is the registry's to eject).
-        retried: list[tuple[Breaker, str]] = []
-        assert ex.view is not None
-        tier = ex.tier
-        for attempt in range(self.config.max_retries + 1):
-            candidates = await self.admission.place(
-                ex, partial(self._allowed, tried, tier, ex.model_route)
-            )
-            if not candidates:
-                self._settle(retried, None)
-                if last is not None:
-                    raise last.error
-                untried = [b for b in self._in_pool(ex.model_route) if b not in tried]
-                if untried:
-                    raise self._circuit_open(tier, untried)
-                if self.models is not None and ex.model_route is not None:
-                    if self.registry.candidates():  # others can, not this pool: 503 naming it
-                        raise self.models.pools.no_backend(ex.model_route)
-                raise self._no_candidate()
-            t_route = time.perf_counter()
-            decision = self.policy.choose(ex.view, candidates)
-            t_routed = time.perf_counter()
-            backend = decision.backend
-            tried.append(backend)
-            breaker = self.breakers.started(backend, tier)
-            self.metrics.stage_route.observe(t_routed - t_route)
-            self.metrics.decisions.labels(self.policy.name, decision.reason).inc()
-            if ex.trace is not None:
-                attributes = {
-                    "quicedge.backend": backend.name, "quicedge.reason": decision.reason,
-                    "quicedge.predicted_cached_tokens": decision.predicted_cached_tokens,
-                    "quicedge.model": backend.model or "",
-                    "quicedge.model_version": backend.model_version or "",
-                    "quicedge.hw_group": backend.hw_group,
-                }  # fmt: skip
-                if breaker is not None:
-                    attributes["quicedge.breaker.domain"] = "/".join(breaker.key)
-                    attributes["quicedge.breaker.state"] = STATE_NAMES[breaker.state]
-                ex.trace.stage("route", t_route, t_routed, attributes)
-            prefill = ex.view.approx_tokens - decision.predicted_cached_tokens
-            # the last try relays whatever the backend answers: no other backend is left to ask
-            last_try = attempt == self.config.max_retries or len(candidates) == 1
-            try:
-                with self.registry.track(backend, prefill_tokens=prefill) as in_flight:
-                    await self._one(
-                        ex, backend, decision, in_flight, send, last_try=last_try, breaker=breaker
-                    )
-                self._settle(retried, breaker)
-                return
-            except _Retry as retry:
-                last = retry
-                if breaker is not None:
-                    retried.append((breaker, retry.reason))
-                if not ex.retries and not self._may_retry():
-                    self.metrics.retry_budget_exhausted.inc()
-                    break
-                if not ex.retries:
-                    self._retrying += 1  # a request on a retry, counted once (`run` frees it)
-                ex.retries += 1
-                self.metrics.retries.labels(retry.reason).inc()
-            except BaseException:
-                self._settle(retried, breaker)
-                raise
-        self._settle(retried, None)
-        assert last is not None
-        raise last.error
 
     def _settle(self, retried: list[tuple[Breaker, str]], served_by: Breaker | None) -> None:
         for breaker, reason in retried:
