@@ -77,8 +77,16 @@ async def test_redis_killed_then_back(own_redis: RedisServer, redis_prefix: str)
             assert guard is not None
             assert await statuses(edge, 4) == [200] * 4  # shared bucket: 6 of 10 left
             own_redis.stop()
-            # every decision is now local, at half the quota: 5 of the burst of 10
-            assert await statuses(edge, 8) == [200] * 5 + [429] * 3
+            # every decision is now local, at half the quota: 5 of the burst of 10, which the
+            # rate-limit headers say
+            async with client(edge) as http:
+                first = await http.post(
+                    "/v1/chat/completions", json=CHAT, headers=bearer("sk-acme")
+                )
+            assert first.status_code == 200
+            assert first.headers["x-ratelimit-limit-requests"] == "5"
+            assert first.headers["x-ratelimit-remaining-requests"] == "4"
+            assert await statuses(edge, 7) == [200] * 4 + [429] * 3
             assert guard.state in ("open", "half_open")
             text = await metrics_text(edge)
             assert 'quicedge_redis_breaker_trips_total{store="admission"} 1.0' in text
