@@ -17,6 +17,8 @@ validated. A file that does not load or validate changes nothing. Otherwise:
   domain closes (`Breakers.reconfigure`).
 - `[models]` default, discover, aliases and rollouts (`Models.reconfigure`): a rollout whose
   entry changed starts again at its first step, an unchanged one keeps its state.
+- `[proxy]` retries, retry budget and upstream timeouts (`max_retries`, `retry_budget`,
+  `retry_budget_min`, `first_byte_timeout`, `chunk_timeout`), for the requests that start next.
 - `[proxy] backends`: a new URL joins the registry at once, a removed one drains (no new
   requests, those in flight finish, up to `[discovery] drain_timeout`) and leaves, as backend
   discovery does it. A kept backend's labels (its isolation domain) wait for a restart.
@@ -52,7 +54,12 @@ log = logging.getLogger("quicedge.reload")
 _LIVE_MODELS = ("default", "discover", "aliases", "rollouts")
 """The `[models]` fields a reload applies (`Models.reconfigure`)."""
 
+_LIVE_PROXY = ("max_retries", "retry_budget", "retry_budget_min", "first_byte_timeout",
+               "chunk_timeout")  # fmt: skip
+"""The `[proxy]` fields a reload applies: how each request's attempts go (`Attempts`)."""
+
 LIVE = (
+    "proxy.attempts",
     "tenants",
     "admission.anonymous",
     "admission.throttle",
@@ -66,7 +73,7 @@ LIVE = (
 """What a reload applies while serving; every other difference waits for a restart."""
 
 _CARRIED = {
-    "proxy": ("admission", "state", "backends"),
+    "proxy": ("admission", "state", "backends", *_LIVE_PROXY),
     "admission": ("anonymous", "tenants", "throttle"),
     "models": _LIVE_MODELS,
 }
@@ -105,8 +112,11 @@ def differences(old: Settings, new: Settings) -> tuple[list[str], list[str]]:
     old_models, new_models = old.get("models", ModelsConfig), new.get("models", ModelsConfig)
     if any(getattr(old_models, f) != getattr(new_models, f) for f in _LIVE_MODELS):
         live.append("models")
-    before = wanted_urls(old.get("proxy", ProxyConfig).backends)
-    after = wanted_urls(new.get("proxy", ProxyConfig).backends)
+    old_proxy, new_proxy = old.get("proxy", ProxyConfig), new.get("proxy", ProxyConfig)
+    if any(getattr(old_proxy, f) != getattr(new_proxy, f) for f in _LIVE_PROXY):
+        live.insert(0, "proxy.attempts")
+    before = wanted_urls(old_proxy.backends)
+    after = wanted_urls(new_proxy.backends)
     if before.keys() != after.keys():
         live.append("proxy.backends")
     restart = [
@@ -222,6 +232,9 @@ class Reloader:
     async def _apply(
         self, new: Settings, live: list[str], gateway: PolicyGateway | None, *, signal: bool
     ) -> None:
+        if "proxy.attempts" in live:
+            proxy = new.get("proxy", ProxyConfig)
+            self.wiring.set_attempts({f: getattr(proxy, f) for f in _LIVE_PROXY})
         if "tenants" in live or "admission.anonymous" in live:
             self.wiring.admission.set_tenants(new.get("proxy", ProxyConfig).admission)
         if "admission.throttle" in live:

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -200,6 +200,13 @@ class Wiring:
         self.tracing.shutdown()
         if self.access_log is not None:
             self.access_log.stop()
+
+    def set_attempts(self, values: dict[str, Any]) -> None:
+        """A reload's retries, retry budget and upstream timeouts (`[proxy]` fields only
+        `Attempts` reads), for the requests that start next."""
+        if self.proxy is not None:
+            attempts = self.proxy.attempts
+            attempts.config = replace(attempts.config, **values)
 
     async def set_access_log(self, config: AccessLogConfig) -> None:
         """A reloaded `[access_log]`, for the requests that end from now on: a new log with its

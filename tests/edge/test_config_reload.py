@@ -19,6 +19,7 @@ from edge.reload import differences
 from edge.serve import build_parser, load_settings
 from tests.deploy.processes import sim_process
 from tests.edge.conftest import Recorded, Reply, TinyUpstream, health_ok
+from tests.edge.state.helpers import ChatUpstream
 from tests.edge.test_many_streams import stand_in  # noqa: F401  (the fixture)
 from tests.helpers import free_port
 from tests.transport.conftest import ServeProcess
@@ -136,8 +137,10 @@ def test_tenants_throttle_breakers_and_policy_are_live_every_other_section_waits
     anonymous_on = tenants_toml("a").replace("enabled = false", "enabled = true")
     assert differences(base, settings_of(tmp_path, anonymous_on)) == (["admission.anonymous"], [])
     assert differences(base, settings_of(tmp_path, tenants_toml("a", rule="x"))) == (["policy"], [])
-    retries = tenants_toml("a", extra="[proxy]\nmax_retries = 0")
-    assert differences(base, settings_of(tmp_path, retries)) == ([], ["proxy"])
+    pool = tenants_toml("a", extra="[proxy]\npool_max_connections = 8")
+    assert differences(base, settings_of(tmp_path, pool)) == ([], ["proxy"])
+    retries = tenants_toml("a", extra="[proxy]\nmax_retries = 0\nchunk_timeout = 5.0")
+    assert differences(base, settings_of(tmp_path, retries)) == (["proxy.attempts"], [])
     throttle = tenants_toml("a", extra="[admission.throttle]\nmax_queue_depth = 4")
     assert differences(base, settings_of(tmp_path, throttle)) == (["admission.throttle"], [])
     redis = tenants_toml("a", extra="[admission.redis]\ntimeout_ms = 9.0")
@@ -222,7 +225,7 @@ async def test_sighup_applies_tenants_and_policy_and_keeps_them_on_a_broken_file
             assert await status(http, "key-two", "forbidden words") == 403
             assert await status(http, "key-one") == 401
 
-            config.write_text(tenants_toml("two", extra="[proxy]\nmax_retries = 0"))
+            config.write_text(tenants_toml("two", extra="[proxy]\npool_max_connections = 8"))
             proc.proc.send_signal(signal.SIGHUP)
             await wait_metric(proc, PENDING, 1)
             assert total(proc, OK) == 1
@@ -564,3 +567,35 @@ async def test_a_reload_turns_the_access_log_on_and_off(
         assert proc.stop() == 0, proc.errors()
     written = [json.loads(line) for line in proc.errors().splitlines() if line.startswith("{")]
     assert [line["request_id"] for line in written] == [marks[1]]
+
+
+async def test_a_reload_gives_each_request_more_attempts(tmp_path: Path) -> None:
+    """One backend of two says 503: without retries half the requests get it; a reload that
+    allows two retries sends them to the other backend."""
+    busy = Reply(status=503, chunks=[b'{"error":"busy"}'], chunked=False)
+
+    def says_503(recorded: Recorded) -> Reply:
+        return health_ok(recorded) or busy
+
+    async with TinyUpstream(says_503) as bad, TinyUpstream(ChatUpstream()) as good:
+        config = tmp_path / "quicedge.toml"
+        head = '[proxy]\neject_after_failures = 1000\npolicy = "round_robin"\n'
+        config.write_text(head + "max_retries = 0\n")
+        proc, url = serve(config, "--backend", bad.url, "--backend", good.url)
+        try:
+            async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+
+                async def statuses() -> list[int]:
+                    return [
+                        (await http.post("/v1/chat/completions", json=body("hi"))).status_code
+                        for _ in range(4)
+                    ]
+
+                assert sorted(await statuses()) == [200, 200, 503, 503]
+                config.write_text(head + "max_retries = 2\n")
+                proc.proc.send_signal(signal.SIGHUP)
+                await wait_metric(proc, APPLIED, 1)
+                assert await statuses() == [200] * 4
+                assert total(proc, PENDING) == 0
+        finally:
+            assert proc.stop() == 0, proc.errors()
