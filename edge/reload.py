@@ -18,7 +18,7 @@ validated. A file that does not load or validate changes nothing. Otherwise:
 - `[models]` default, discover, aliases and rollouts (`Models.reconfigure`): a rollout whose
   entry changed starts again at its first step, an unchanged one keeps its state.
 - `[proxy]` retries, retry budget and upstream timeouts (`max_retries`, `retry_budget`,
-  `retry_budget_min`, `first_byte_timeout`, `chunk_timeout`), for the requests that start next.
+  `retry_budget_min`, `first_byte_timeout`, `chunk_timeout`), for the attempts that start next.
 - `[proxy] backends`: a new URL joins the registry at once, a removed one drains (no new
   requests, those in flight finish, up to `[discovery] drain_timeout`) and leaves, as backend
   discovery does it. A kept backend's labels (its isolation domain) wait for a restart.
