@@ -203,7 +203,7 @@ class Wiring:
 
     def set_attempts(self, values: dict[str, Any]) -> None:
         """A reload's retries, retry budget and upstream timeouts (`[proxy]` fields only
-        `Attempts` reads), for the requests that start next."""
+        `Attempts` reads), for the attempts that start next."""
         if self.proxy is not None:
             attempts = self.proxy.attempts
             attempts.config = replace(attempts.config, **values)
