@@ -16,6 +16,9 @@ admin_token_file`, every action (a POST) needs `Authorization: Bearer TOKEN` (`g
 - `POST /rollouts/{model}/promote|pause|rollback|restart`: move a rollout by hand
   (docs/models.md); with several workers every worker takes it (`edge.worker_admin`,
   `x-quicedge-workers: K/N`).
+- `POST /config/reload`: read the config again now, as SIGHUP does, and answer what it did
+  (outcome, live parts changed, sections waiting for a restart; 400 when refused); every
+  worker reloads.
 - `POST /backends/{name}/drain|undrain`: hold a backend out of routing for maintenance (its
   requests in flight finish) and let it back; every worker takes it, as above.
 """
@@ -124,6 +127,9 @@ class AdminApp:
     ) -> None:
         self.admission = admission
         """Tenants, their quotas and requests in flight (`GET /tenants`)."""
+        self.reload_config: Callable[[], Awaitable[dict[str, Any]]] | None = None
+        """Reload the config and say what it did (`POST /config/reload`); `edge.serve` sets
+        it once the process's reloader exists."""
         self.audit = audit
         """Where each action taken is recorded (`event: admin`), when the audit log is on."""
         self.holds = holds
@@ -156,7 +162,13 @@ class AdminApp:
         try:
             path: str = scope["path"]
             handler: Callable[[], Answer | Awaitable[Answer]] | None = self._routes.get(path)
-            if handler is None and path.startswith("/tenants/"):
+            if path == "/config/reload":
+                if scope["method"] != "POST":
+                    raise MethodNotAllowed(
+                        "/config/reload is POST only", headers=((b"allow", b"POST"),)
+                    )
+                handler = self._config_reload()
+            elif handler is None and path.startswith("/tenants/"):
                 if scope["method"] not in ("GET", "HEAD"):
                     raise MethodNotAllowed(
                         "admin routes are GET only", headers=((b"allow", b"GET"),)
@@ -217,6 +229,21 @@ class AdminApp:
         if self.fleet is not None:
             body |= self.fleet.snapshot()
         return 200, b"application/json", _json(body)
+
+    def _config_reload(self) -> Callable[[], Awaitable[Answer]]:
+        """`POST /config/reload`: read the config again now, as SIGHUP does, and answer what
+        the reload did (400 when the file was refused)."""
+        reload = self.reload_config
+        if reload is None:
+            raise RouteNotFound("reloads need the settings' source (quicedge serve)")
+
+        async def act() -> Answer:
+            report = await reload()
+            self._audited("config.reload", str(report["outcome"]))
+            status = 400 if report["outcome"] == "refused" else 200
+            return status, b"application/json", _json(report)
+
+        return act
 
     def _tenants(self) -> Answer:
         if self.admission is None:

@@ -133,6 +133,17 @@ def differences(old: Settings, new: Settings) -> tuple[list[str], list[str]]:
     return live, restart
 
 
+def _report(
+    outcome: str,
+    *,
+    changed: list[str] | None = None,
+    restart_pending: list[str] | None = None,
+    error: str | None = None,
+) -> dict[str, Any]:
+    return {"outcome": outcome, "changed": changed or [],
+            "restart_pending": restart_pending or [], "error": error}  # fmt: skip
+
+
 class Reloader:
     """Reads the settings again and applies what can change live to one worker's `Wiring`."""
 
@@ -159,6 +170,7 @@ class Reloader:
             if path is not None and poll_interval is not None
             else None
         )
+        self._lock = asyncio.Lock()
         self.reloads = wiring.metrics.config_reloads
         self.restart_pending = wiring.metrics.config_restart_pending
 
@@ -187,6 +199,16 @@ class Reloader:
     async def reload_now(self, *, signal: bool = False) -> str:
         """Read the settings again and apply them; the outcome counted. `signal`: also compile
         unchanged policy modules again (SIGHUP's meaning for them)."""
+        return str((await self.reload_reported(signal=signal))["outcome"])
+
+    async def reload_reported(self, *, signal: bool = True) -> dict[str, Any]:
+        """`reload_now`, one at a time (a call during another waits for it), and what it did:
+        the outcome, the live parts it changed, the sections that wait for a restart, and the
+        error of a refused one (the admin listener's `POST /config/reload`)."""
+        async with self._lock:
+            return await self._reload(signal=signal)
+
+    async def _reload(self, *, signal: bool) -> dict[str, Any]:
         if self._watch is not None:
             self._watch.seen()
         try:
@@ -206,7 +228,7 @@ class Reloader:
             self.wiring.metrics.config_reload_ok.set(0)
             log.error("config reload refused, the running settings stay: %s", exc)
             self._audit("refused", error=str(exc))
-            return "refused"
+            return _report("refused", error=str(exc))
         try:
             await self._apply(new, live, gateway, signal=signal)
         except Exception as exc:  # a bug here must not end the reloads for the process's life
@@ -214,7 +236,7 @@ class Reloader:
             self.wiring.metrics.config_reload_ok.set(0)
             log.exception("config reload failed while applying %s", ", ".join(live))
             self._audit("refused", error=f"while applying: {exc}")
-            return "refused"
+            return _report("refused", error=f"while applying: {exc}")
         self._applied = new
         self.wiring.metrics.config_reload_ok.set(1)
         self.restart_pending.set(1 if pending else 0)
@@ -227,7 +249,7 @@ class Reloader:
         self.reloads.labels(outcome).inc()
         self._audit(outcome, changed=live, restart_pending=pending)
         log.info("config reload %s%s", outcome, f": {', '.join(live)}" if live else "")
-        return outcome
+        return _report(outcome, changed=live, restart_pending=pending)
 
     async def _apply(
         self, new: Settings, live: list[str], gateway: PolicyGateway | None, *, signal: bool

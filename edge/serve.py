@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from backends.discovery import DiscoveryConfig, make_source
 from edge import settings, wiring
 from edge.access_log import AccessLogConfig
-from edge.admin import guard_actions
+from edge.admin import AdminApp, guard_actions
 from edge.audit import AuditConfig
 from edge.config import SECTIONS, ProxyConfig
 from edge.cors import CorsConfig
@@ -184,6 +184,8 @@ class ProxyApps:
             )  # fmt: skip
             reloader.start()
             reload = reloader.reload
+            if isinstance(built.admin_app, AdminApp):
+                built.admin_app.reload_config = reloader.reload_reported
         admin_app = built.admin_app
         fleet = FleetMetrics(self.fleet, registry) if self.fleet is not None else None
         workers = None

@@ -9,7 +9,8 @@ runs it itself. Its answer is its own, with `x-quicedge-workers: K/N`: how many 
 included) answered below 400. A worker that does not answer within `PEER_TIMEOUT_S` is counted
 out; the action is not retried.
 
-Only the rollout and backend actions (`/backends/{name}/drain`, `/undrain`) go to every worker:
+Only the rollout and backend actions (`/backends/{name}/drain`, `/undrain`) and a config reload
+(`/config/reload`) go to every worker:
 `/prewarm` warms the backends, which one worker does for all, and every other admin route only
 reads.
 
@@ -38,6 +39,7 @@ from edge.models.rollout import Rollout
 log = logging.getLogger(__name__)
 
 HEADER = b"x-quicedge-workers"
+RELOAD = "/config/reload"
 HANDED_OVER = STOPS | ADVANCES
 """A worker's own transitions that every other worker takes too."""
 # Set while this worker runs an action every worker runs (so its transition is not handed on).
@@ -48,7 +50,7 @@ def _fanned(scope: Any) -> bool:
     return bool(
         scope["type"] == "http"
         and scope["method"] == "POST"
-        and scope["path"].startswith(("/rollouts/", "/backends/"))
+        and (scope["path"].startswith(("/rollouts/", "/backends/")) or scope["path"] == RELOAD)
     )
 
 

@@ -599,3 +599,39 @@ async def test_a_reload_gives_each_request_more_attempts(tmp_path: Path) -> None
                 assert total(proc, PENDING) == 0
         finally:
             assert proc.stop() == 0, proc.errors()
+
+
+async def test_the_admin_api_reloads_every_worker_and_says_what_the_reload_did(
+    stand_in: str,  # noqa: F811
+    redis_url: str,
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "quicedge.toml"
+    config.write_text(tenants_toml("one"))
+    proc, url = serve(config, "--backend", stand_in, "--workers", "2", "--redis", redis_url)
+    try:
+        async with (
+            httpx.AsyncClient(base_url=url, timeout=30) as http,
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{proc.admin_port}", timeout=30) as op,
+        ):
+            assert await status(http, "key-two") == 401
+            config.write_text(tenants_toml("one", "two", extra="[proxy]\npool_max_connections = 8"))
+            applied = await op.post("/config/reload")
+            assert applied.status_code == 200 and applied.headers["x-quicedge-workers"] == "2/2"
+            assert applied.json() == {"outcome": "applied", "changed": ["tenants"],
+                                      "restart_pending": ["proxy"], "error": None}  # fmt: skip
+            assert total(proc, APPLIED) == 2  # both workers, before the answer
+            for _ in range(4):  # new connections: either worker has the new tenant
+                async with httpx.AsyncClient(base_url=url, timeout=30) as fresh:
+                    assert await status(fresh, "key-two") == 200
+            again = await op.post("/config/reload")
+            assert again.json()["outcome"] == "unchanged"
+            config.write_text("[[tenants]\nname = ")  # not TOML
+            refused = await op.post("/config/reload")
+            assert refused.status_code == 400 and refused.json()["outcome"] == "refused"
+            assert "--config" in refused.json()["error"]
+            assert refused.headers["x-quicedge-workers"] == "0/2"
+            assert (await op.get("/config/reload")).status_code == 405
+            assert await status(http, "key-two") == 200  # the running settings stayed
+    finally:
+        assert proc.stop() == 0, proc.errors()
