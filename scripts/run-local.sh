@@ -44,6 +44,7 @@ over HTTP/2 or HTTP/1.1:
   curl --cacert $ca https://localhost:8443/v1/chat/completions -H 'content-type: application/json' \\
       -d '$body'
 Fleet state: curl http://127.0.0.1:9901/backends    Metrics: curl http://127.0.0.1:9901/metrics
+Tenants and quotas: curl http://127.0.0.1:9901/tenants    Reload: curl -X POST http://127.0.0.1:9901/config/reload
 Take a backend out and back: curl -X POST http://127.0.0.1:9901/backends/127.0.0.1:${SIM_PORTS[0]}/drain
   (then .../undrain); a stored conversation: curl --cacert $ca https://localhost:8443/v1/responses \\
       -H 'content-type: application/json' -d '{"input": "Hi"}', then GET /v1/responses/ID.
