@@ -315,11 +315,11 @@ class ProxyApp:
         caller = self.admission.identify(headers.authorization)
         if self.state is None:
             raise RouteNotFound(f"no route for {scope['method']} {scope['path']}")
-        await self.admission.charge_call(caller)
+        ratelimit = await self.admission.charge_call(caller)
         tenant = caller.name
         stored, query = self.state.stored, scope.get("query_string", b"")
         if label == RESPONSES + "/{id}" and scope["method"] == "GET" and _wants_stream(query):
-            await self._resume(send, receive, tenant, name, query)
+            await self._resume(send, receive, tenant, name, query, ratelimit)
             return
         if label.startswith(CHAT):
             answer = await self._stored_completions(scope, receive, label, tenant, name, query)
@@ -357,7 +357,7 @@ class ProxyApp:
         else:
             answer = await stored.conversation_item(tenant, name, item)
         if answer is not None:  # None: the client left while it sent the body
-            await send_json(send, 200, answer)
+            await send_json(send, 200, answer, ratelimit)
 
     async def _stored_body(
         self, headers: RequestHeaders, receive: Receive
@@ -373,7 +373,13 @@ class ProxyApp:
             return None
 
     async def _resume(
-        self, send: Send, receive: Receive, tenant: str, rid: str, query: bytes
+        self,
+        send: Send,
+        receive: Receive,
+        tenant: str,
+        rid: str,
+        query: bytes,
+        ratelimit: list[tuple[bytes, bytes]],
     ) -> None:
         """`GET /v1/responses/{id}?stream=true&starting_after=N`: a background stream's events
         after N, then the rest as they come, from whichever edge generates it."""
@@ -395,7 +401,7 @@ class ProxyApp:
             )  # fmt: skip
         within = self.state.config.conversations.background_max  # the longest run
         await _stream_events(send, receive, follow(events, tenant, rid, after + 1,
-                                                   within=within), "-")  # fmt: skip
+                                                   within=within), "-", ratelimit)  # fmt: skip
 
     async def _stored_completions(
         self, scope: Scope, receive: Receive, label: str, tenant: str, name: str, query: bytes

@@ -194,18 +194,20 @@ class Admission:
         self.metrics.tenant_requests.labels(name, tenant.tier).inc()
         self.metrics.tenant_tokens.labels(name, "prompt").inc(prompt)
 
-    async def charge_call(self, tenant: Tenant) -> None:
+    async def charge_call(self, tenant: Tenant) -> list[tuple[bytes, bytes]]:
         """Charge a call that is not an inference request (the stored objects' routes) to the
         tenant's requests bucket: one request, no tokens; 429 with Retry-After when over it, so
-        a flood of them is held to the tenant's rate as its requests are."""
+        a flood of them is held to the tenant's rate as its requests are. The answer's
+        rate-limit headers (a client polling a background response paces itself on them)."""
         if not tenant.limited or tenant.requests is None:
-            return
+            return []
         verdict, reason, standings = await self.limiter.take(tenant, 0, tokens=False)
         if not verdict.allowed:
             self._reject(tenant.name, reason)
             if reason == "requests":
                 self._refused_until[tenant.name] = time.monotonic() + verdict.retry_after
             raise self._over_quota(tenant.name, reason, verdict.retry_after, standings)
+        return ratelimit_headers(standings)
 
     def _reject(self, name: str, reason: str) -> None:
         self.metrics.admission_rejections.labels(name, reason).inc()

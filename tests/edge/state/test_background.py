@@ -23,6 +23,7 @@ from tests.edge.state.helpers import (
     chat_chunks,
     default_reply,
     sdk_of,
+    sse_events,
     state,
     tenants,
 )
@@ -439,3 +440,9 @@ async def test_the_queued_answer_carries_its_request_id_and_rate_limit_headers(
                 assert queued.headers["x-ratelimit-limit-requests"] == "5"
                 assert queued.headers["x-ratelimit-remaining-requests"] == "4"
                 await queued.aread()
+            # A poll takes a request from the bucket too, and says where it stands.
+            rid = sse_events(queued.content)[0][1]["response"]["id"] if stream else (
+                queued.json()["id"])  # fmt: skip
+            polled = await http.get(f"/v1/responses/{rid}", headers=as_tenant("alpha"))
+            assert polled.status_code == 200
+            assert polled.headers["x-ratelimit-remaining-requests"] == "3"
