@@ -171,6 +171,8 @@ class Reloader:
             else None
         )
         self._lock = asyncio.Lock()
+        self._queued: asyncio.Task[dict[str, Any]] | None = None
+        """The reload waiting for the one that runs (`reload_reported`)."""
         self.reloads = wiring.metrics.config_reloads
         self.restart_pending = wiring.metrics.config_restart_pending
 
@@ -202,10 +204,18 @@ class Reloader:
         return str((await self.reload_reported(signal=signal))["outcome"])
 
     async def reload_reported(self, *, signal: bool = True) -> dict[str, Any]:
-        """`reload_now`, one at a time (a call during another waits for it), and what it did:
-        the outcome, the live parts it changed, the sections that wait for a restart, and the
-        error of a refused one (the admin listener's `POST /config/reload`)."""
+        """`reload_now`, and what it did: the outcome, the live parts it changed, the sections
+        that wait for a restart, and the error of a refused one (the admin listener's `POST
+        /config/reload`). One runs at a time; a call while one runs queues the next, and calls
+        while that one waits share it, so a flood of calls costs two reloads, not one each."""
+        queued = self._queued
+        if queued is None or queued.done():
+            queued = self._queued = asyncio.get_running_loop().create_task(self._in_turn(signal))
+        return await asyncio.shield(queued)
+
+    async def _in_turn(self, signal: bool) -> dict[str, Any]:
         async with self._lock:
+            self._queued = None  # running now: a later call queues another, which reads later
             return await self._reload(signal=signal)
 
     async def _reload(self, *, signal: bool) -> dict[str, Any]:
@@ -287,7 +297,8 @@ class Reloader:
         if self._watch is not None:
             await self._watch.aclose()
         await cancelled(self._task)
-        self._task = None
+        await cancelled(self._queued)
+        self._task = self._queued = None
 
 
 __all__ = ["LIVE", "Reloader", "differences"]

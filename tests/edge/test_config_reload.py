@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import json
 import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,13 +16,13 @@ import httpx
 import pytest
 
 from edge.audit import GENESIS, verify
-from edge.reload import differences
+from edge.reload import Reloader, differences
 from edge.serve import build_parser, load_settings
 from tests.deploy.processes import sim_process
-from tests.edge.conftest import Recorded, Reply, TinyUpstream, health_ok
+from tests.edge.conftest import Recorded, Reply, TinyUpstream, fast_config, health_ok, run_edge
 from tests.edge.state.helpers import ChatUpstream
 from tests.edge.test_many_streams import stand_in  # noqa: F401  (the fixture)
-from tests.helpers import free_port
+from tests.helpers import free_port, wait_until
 from tests.transport.conftest import ServeProcess
 
 APPLIED = 'quicedge_config_reloads_total{outcome="applied"}'
@@ -188,6 +189,30 @@ def test_models_pools_aliases_and_rollouts_are_live_backend_labels_and_sharing_w
     assert changed(label.replace('"v1"', '"v0"') + rollout) == ([], ["models"])
     shared = "[models]\nshare_stops = true\n" + label + rollout
     assert changed(shared) == ([], ["models"])
+
+
+async def test_a_flood_of_reload_calls_costs_two_reloads_not_one_each(tmp_path: Path) -> None:
+    """The first call's reload runs (its file read held here); the other nine share the one
+    queued behind it, which reads the file once more."""
+    running = settings_of(tmp_path, tenants_toml("a"))
+    gate, reads = threading.Event(), []
+
+    def load() -> Any:
+        reads.append(1)
+        assert gate.wait(10)
+        return settings_of(tmp_path, tenants_toml("a"))
+
+    async with TinyUpstream(ChatUpstream()) as up, run_edge(fast_config([up.url])) as edge:
+        reloader = Reloader(load, running, edge.wiring)
+        calls = [asyncio.ensure_future(reloader.reload_reported())]
+        await wait_until(lambda: len(reads) == 1)  # it runs, reading the file
+        calls += [asyncio.ensure_future(reloader.reload_reported()) for _ in range(9)]
+        await asyncio.sleep(0.05)
+        gate.set()
+        reports = await asyncio.gather(*calls)
+        await reloader.aclose()
+    assert len(reads) == 2
+    assert {r["outcome"] for r in reports} == {"unchanged"}
 
 
 # -- a running edge -------------------------------------------------------------------------------
