@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 from collections.abc import Callable, MutableMapping
 from functools import partial
@@ -27,6 +26,7 @@ from backends.errors import (
 from backends.pool import UpstreamPool, UpstreamResponse
 from backends.registry import Backend, BackendRegistry, InFlight
 from edge.admission import Admission
+from edge.admission.headers import retry_after
 from edge.asgi import Send
 from edge.config import ProxyConfig
 from edge.errors import (
@@ -424,7 +424,7 @@ class Attempts:
         wait = self.breakers.refused(tier)
         return CircuitOpen(
             f"every backend serving tier {tier} is behind an open circuit breaker; retry later",
-            headers=((b"retry-after", b"%d" % math.ceil(wait)),),
+            headers=retry_after(wait),
         )
 
     def _no_candidate(self) -> EdgeError:

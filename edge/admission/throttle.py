@@ -20,12 +20,12 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-import math
 import random
 import time
 from collections.abc import Callable
 
 from backends.registry import Backend
+from edge.admission.headers import retry_after
 from edge.admission.settings import ThrottleSettings
 from edge.errors import Overloaded
 
@@ -83,7 +83,7 @@ class AdmissionQueue:
         self._heap: list[tuple[int, int, _Waiter]] = []
         self._seq = itertools.count()
         self._on_wait = on_wait
-        self.retry_after = str(max(1, math.ceil(settings.queue_timeout_s))).encode()
+        self.retry_after = retry_after(settings.queue_timeout_s)
 
     @property
     def waiting(self) -> int:
@@ -101,7 +101,7 @@ class AdmissionQueue:
         `max_queue_depth` the queue lets everyone waiting go, one head after the other."""
         self.settings = settings
         self.throttle = Throttle(settings) if settings.max_queue_depth is not None else None
-        self.retry_after = str(max(1, math.ceil(settings.queue_timeout_s))).encode()
+        self.retry_after = retry_after(settings.queue_timeout_s)
         self.wake()
 
     async def place(
@@ -121,7 +121,7 @@ class AdmissionQueue:
             self._report(tier, 0.0, False)
             raise Overloaded(
                 "every backend is saturated and the admission queue is full; retry later",
-                headers=((b"retry-after", self.retry_after),),
+                headers=self.retry_after,
             )
         entry = (rank, next(self._seq), _Waiter())
         heapq.heappush(self._heap, entry)
@@ -156,7 +156,7 @@ class AdmissionQueue:
         raise Overloaded(
             f"no backend could take the request within {self.settings.queue_timeout_s:g}s; "
             "retry later",
-            headers=((b"retry-after", self.retry_after),),
+            headers=self.retry_after,
         )
 
     def _leave(self, entry: tuple[int, int, _Waiter]) -> None:

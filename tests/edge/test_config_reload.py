@@ -517,6 +517,7 @@ async def test_a_breaker_opened_by_a_failing_backend_is_closed_by_a_reload_that_
                 assert statuses == [500, 500, 503]  # two failures open the domain's breaker
                 opened = await http.post("/v1/chat/completions", json=body("hi"))
                 assert opened.json()["error"]["code"] == "circuit_open"
+                assert 59_000 < int(opened.headers["retry-after-ms"]) <= 60_000  # open_for
                 config.write_text(head + "[breakers]\nenabled = false\n")
                 proc.proc.send_signal(signal.SIGHUP)
                 await wait_metric(proc, APPLIED, 1)

@@ -130,6 +130,7 @@ async def test_a_request_no_backend_takes_in_time_gets_503_with_retry_after() ->
             error = r.json()["error"]
             assert error["code"] == "overloaded" and error["type"] == "server_error"
             assert r.headers["retry-after"] == "1"
+            assert r.headers["retry-after-ms"] == "500"  # the queue's timeout, exactly
             assert not long.done(), "the long request must outlast the refused one"
             assert (await long).status_code == 200
             text = await metrics_text(edge)
