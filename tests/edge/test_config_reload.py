@@ -119,6 +119,16 @@ async def wait_metric(proc: ServeProcess, sample: str, at_least: float) -> None:
         await asyncio.sleep(0.1)
 
 
+async def rewritten(
+    proc: ServeProcess, config: Path, text: str, sample: str, at_least: float
+) -> None:
+    """Write `text` over the config file, send SIGHUP (the parent passes it to its workers),
+    and wait until `sample` reaches `at_least`."""
+    await asyncio.to_thread(config.write_text, text)
+    proc.proc.send_signal(signal.SIGHUP)
+    await wait_metric(proc, sample, at_least)
+
+
 # -- what a reload compares ----------------------------------------------------------------------
 
 
@@ -231,28 +241,28 @@ async def test_sighup_applies_tenants_and_policy_and_keeps_them_on_a_broken_file
             assert await status(http, "key-two") == 401
             assert await status(http, "key-one", "forbidden words") == 200
 
-            config.write_text(tenants_toml("two", rule="forbidden"))
-            proc.proc.send_signal(signal.SIGHUP)
-            await wait_metric(proc, APPLIED, 1)
+            await rewritten(proc, config, tenants_toml("two", rule="forbidden"), APPLIED, 1)
             assert await status(http, "key-one") == 401  # a key taken out stops at once
             assert await status(http, "key-two") == 200
             assert await status(http, "key-two", "forbidden words") == 403
             assert total(proc, PENDING) == 0
 
-            config.write_text("[[tenants]\nname = ")  # half-written: not TOML
-            proc.proc.send_signal(signal.SIGHUP)
-            await wait_metric(proc, REFUSED, 1)
-            config.write_text(tenants_toml("two") + '[[tenants]]\nname = "two"\n')  # a duplicate
-            proc.proc.send_signal(signal.SIGHUP)
-            await wait_metric(proc, REFUSED, 2)
+            half_written = "[[tenants]\nname = "  # not TOML
+            await rewritten(proc, config, half_written, REFUSED, 1)
+            duplicate = tenants_toml("two") + '[[tenants]]\nname = "two"\n'
+            await rewritten(proc, config, duplicate, REFUSED, 2)
             assert total(proc, OK) == 0
             assert await status(http, "key-two") == 200  # the running settings stayed
             assert await status(http, "key-two", "forbidden words") == 403
             assert await status(http, "key-one") == 401
 
-            config.write_text(tenants_toml("two", extra="[proxy]\npool_max_connections = 8"))
-            proc.proc.send_signal(signal.SIGHUP)
-            await wait_metric(proc, PENDING, 1)
+            await rewritten(
+                proc,
+                config,
+                tenants_toml("two", extra="[proxy]\npool_max_connections = 8"),
+                PENDING,
+                1,
+            )
             assert total(proc, OK) == 1
             assert total(proc, APPLIED) == 2  # the rule went away: a live change too
             assert await status(http, "key-two", "forbidden words") == 200
@@ -319,9 +329,9 @@ async def test_an_answer_in_progress_finishes_after_its_tenant_is_removed(
                 lines = response.aiter_lines()
                 first = await anext(lines)
                 assert first.startswith("data: ")
-                config.write_text(tenants_toml("two"))
-                proc.proc.send_signal(signal.SIGHUP)  # the parent passes it to both workers
-                await wait_metric(proc, APPLIED, 2)  # summed over the workers' samples
+                await rewritten(
+                    proc, config, tenants_toml("two"), APPLIED, 2
+                )  # both workers' samples
                 assert await status(http, "key-one") == 401
                 events = [first] + [line async for line in lines if line]
             finish = json.loads(events[-3][len("data: ") :])["choices"][0]["finish_reason"]
@@ -351,16 +361,12 @@ async def test_a_throttle_turned_on_refuses_past_its_depth_and_turned_off_serves
                 lines = answer.aiter_lines()
                 events = [await anext(lines)]
                 assert (await http.post("/v1/chat/completions", json=body("hi"))).status_code == 200
-                config.write_text(capped)
-                proc.proc.send_signal(signal.SIGHUP)
-                await wait_metric(proc, APPLIED, 1)
+                await rewritten(proc, config, capped, APPLIED, 1)
                 refused = await http.post("/v1/chat/completions", json=body("hi"))
                 assert refused.status_code == 503, refused.text
                 assert refused.json()["error"]["code"] == "overloaded"
                 assert "retry-after" in refused.headers
-                config.write_text("")
-                proc.proc.send_signal(signal.SIGHUP)
-                await wait_metric(proc, APPLIED, 2)
+                await rewritten(proc, config, "", APPLIED, 2)
                 assert (await http.post("/v1/chat/completions", json=body("hi"))).status_code == 200
                 events += [line async for line in lines if line]
             assert completion_tokens(events) == 300  # the answer in flight was never touched
@@ -386,9 +392,7 @@ async def test_a_backend_added_serves_and_one_removed_drains_its_answer_first(
                     assert answer.headers["x-quicedge-backend"] == first.rpartition("/")[2]
                     lines = answer.aiter_lines()
                     events = [await anext(lines)]
-                    config.write_text(head.format(second))
-                    proc.proc.send_signal(signal.SIGHUP)
-                    await wait_metric(proc, APPLIED, 1)
+                    await rewritten(proc, config, head.format(second), APPLIED, 1)
                     for _ in range(3):  # the new backend takes every new request at once
                         response = await http.post("/v1/chat/completions", json=body("hi"))
                         assert response.status_code == 200
@@ -465,9 +469,9 @@ async def test_a_rollout_restarts_by_the_admin_api_and_by_a_reload_and_a_reload_
                 assert missing.status_code == 404
 
                 # A changed entry restarts at its (new) first step; the alias is served at once.
-                config.write_text(head + labels + rollout + "steps = [100.0]\n" + alias)
-                proc.proc.send_signal(signal.SIGHUP)
-                await wait_metric(proc, APPLIED, 2)  # both workers
+                await rewritten(
+                    proc, config, head + labels + rollout + "steps = [100.0]\n" + alias, APPLIED, 2
+                )  # both workers
                 assert await served() == {canary}  # 100 %: every request without a header
                 assert await served("llama") == {canary}
                 listed = (await operator.get("/rollouts")).json()
@@ -481,9 +485,7 @@ async def test_a_rollout_restarts_by_the_admin_api_and_by_a_reload_and_a_reload_
                 relabelled = labels.replace(
                     'version = "v1"\n', 'version = "v1"\nhardware_group = "h200"\n'
                 )
-                config.write_text(head + relabelled + alias)
-                proc.proc.send_signal(signal.SIGHUP)
-                await wait_metric(proc, APPLIED, 4)
+                await rewritten(proc, config, head + relabelled + alias, APPLIED, 4)
                 assert (await operator.post("/rollouts/m/pause")).status_code == 404
                 assert (await operator.get("/rollouts")).json()["rollouts"] == []
                 assert total(proc, 'quicedge_rollout_canary_percent{model="m"}') == 0
@@ -518,9 +520,7 @@ async def test_a_breaker_opened_by_a_failing_backend_is_closed_by_a_reload_that_
                 opened = await http.post("/v1/chat/completions", json=body("hi"))
                 assert opened.json()["error"]["code"] == "circuit_open"
                 assert 59_000 < int(opened.headers["retry-after-ms"]) <= 60_000  # open_for
-                config.write_text(head + "[breakers]\nenabled = false\n")
-                proc.proc.send_signal(signal.SIGHUP)
-                await wait_metric(proc, APPLIED, 1)
+                await rewritten(proc, config, head + "[breakers]\nenabled = false\n", APPLIED, 1)
                 again = await http.post("/v1/chat/completions", json=body("hi"))
                 assert again.status_code == 500  # the backend is asked again
                 assert total(proc, PENDING) == 0
@@ -541,20 +541,15 @@ async def test_a_reload_lets_a_new_origin_in_while_cors_stays_on(
         async with httpx.AsyncClient(base_url=url, timeout=30) as http:
             refused = await http.options("/v1/chat/completions", headers=preflight)
             assert refused.status_code == 403
-            config.write_text(
-                cors.replace('"https://a.example"', '"https://a.example", "https://b.example"')
-            )
-            proc.proc.send_signal(signal.SIGHUP)
-            await wait_metric(proc, APPLIED, 1)
+            both = cors.replace('"https://a.example"', '"https://a.example", "https://b.example"')
+            await rewritten(proc, config, both, APPLIED, 1)
             allowed = await http.options("/v1/chat/completions", headers=preflight)
             assert allowed.status_code == 204
             assert allowed.headers["access-control-allow-origin"] == "https://b.example"
             answer = await http.post("/v1/chat/completions", json=body("hi"),
                                      headers={"origin": "https://b.example"})  # fmt: skip
             assert answer.headers["access-control-allow-origin"] == "https://b.example"
-            config.write_text("")  # off: waits for a restart, and says so
-            proc.proc.send_signal(signal.SIGHUP)
-            await wait_metric(proc, PENDING, 1)
+            await rewritten(proc, config, "", PENDING, 1)  # off: waits for a restart, says so
             still = await http.options("/v1/chat/completions", headers=preflight)
             assert still.status_code == 204
     finally:
@@ -579,14 +574,10 @@ async def test_a_reload_turns_the_access_log_on_and_off(
                 assert r.status_code == 200 and r.headers["x-request-id"] == mark
 
             await ask(marks[0])
-            config.write_text("[access_log]\nenabled = true\n")
-            proc.proc.send_signal(signal.SIGHUP)
-            await wait_metric(proc, APPLIED, 1)
+            await rewritten(proc, config, "[access_log]\nenabled = true\n", APPLIED, 1)
             await ask(marks[1])
             await wait_metric(proc, "quicedge_access_log_pending", 0)  # the families are back
-            config.write_text("[access_log]\nenabled = false\n")
-            proc.proc.send_signal(signal.SIGHUP)
-            await wait_metric(proc, APPLIED, 2)
+            await rewritten(proc, config, "[access_log]\nenabled = false\n", APPLIED, 2)
             await ask(marks[2])
             assert "quicedge_access_log_pending" not in proc.metrics()
     finally:
@@ -618,9 +609,7 @@ async def test_a_reload_gives_each_request_more_attempts(tmp_path: Path) -> None
                     ]
 
                 assert sorted(await statuses()) == [200, 200, 503, 503]
-                config.write_text(head + "max_retries = 2\n")
-                proc.proc.send_signal(signal.SIGHUP)
-                await wait_metric(proc, APPLIED, 1)
+                await rewritten(proc, config, head + "max_retries = 2\n", APPLIED, 1)
                 assert await statuses() == [200] * 4
                 assert total(proc, PENDING) == 0
         finally:
