@@ -103,11 +103,13 @@ async def test_without_stored_conversations_the_routes_say_so() -> None:
 
 
 def two_choices(recorded: Recorded) -> Reply:
-    """SGLang's stream for `n: 2`: each choice in chunks of its own, by `index`, interleaved."""
+    """SGLang's stream for `n: 2`: each choice in chunks of its own, by `index`, interleaved;
+    and one chunk of an index past `MAX_CHOICES`, which is not kept."""
     head = {"id": "chatcmpl-n2", "object": "chat.completion.chunk", "created": 1, "model": "m"}
     steps = [(0, {"role": "assistant", "content": ""}, None), (1, {"role": "assistant"}, None),
              (0, {"content": "Io"}, None), (1, {"content": "Europa"}, None),
-             (1, {"content": " too"}, None), (0, {}, "stop"), (1, {}, "length")]  # fmt: skip
+             (1, {"content": " too"}, None), (1000, {"content": "past the bound"}, None),
+             (0, {}, "stop"), (1, {}, "length")]  # fmt: skip
     chunks = [
         b"data: " + json.dumps({**head, "choices": [
             {"index": i, "delta": delta, "finish_reason": finish}]}).encode() + b"\n\n"
