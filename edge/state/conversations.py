@@ -40,7 +40,7 @@ CONVERSATION_HEADER = "x-quicedge-conversation"
 NEW = "new"
 _CONV_ID = re.compile(r"conv_([0-9a-f]{24})")
 _RESP_ID = re.compile(r"resp_([0-9a-f]{24})([0-9a-f]{8})")
-_PINNED_ROLES = frozenset({"system", "developer"})
+_PINNED_ROLES = ("system", "developer")  # a tuple: a client's role may be unhashable
 REMOVED = "x_quicedge_removed"
 """Marks a stored message, or one tool call of it, that `DELETE /v1/conversations/{id}/items/
 {item}` took out: its content is gone, its place stays, so every other item keeps its id (ids

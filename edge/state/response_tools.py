@@ -119,7 +119,8 @@ def function_item(item: dict[str, Any], where: str, out: list[dict[str, Any]]) -
     })  # fmt: skip
 
 
-FUNCTION_ITEMS = frozenset({"function_call", "function_call_output"})
+FUNCTION_ITEMS = ("function_call", "function_call_output")
+"""A tuple: a client's `type` may be any JSON value, and a list is unhashable."""
 
 
 def calls_of(message: dict[str, Any]) -> list[dict[str, Any]]:

@@ -36,14 +36,15 @@ _ACCEPTED = {"model", "input", "instructions", "previous_response_id", "conversa
              "store", "stream", "metadata", "parallel_tool_calls", "truncation", "text",
              "tools", "tool_choice", "reasoning", "include", "top_logprobs",
              *_PASSED, *_SETTLED}  # fmt: skip
-_INCLUDES = frozenset({"message.output_text.logprobs"})
+# Tuples, not sets: a client's value may be any JSON (a list is unhashable).
+_INCLUDES = ("message.output_text.logprobs",)
 # OpenAI's tiers, which SGLang takes as they are ("none" turns a template's thinking off).
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
-_ROLES = frozenset({"user", "assistant", "system", "developer"})
+_ROLES = ("user", "assistant", "system", "developer")
 # A `developer` message is kept (and read back) as itself and goes upstream as `system`, the
 # role every chat template knows.
 _UPSTREAM_ROLES = {"developer": "system"}
-_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+_TEXT_PARTS = ("input_text", "output_text", "text")
 
 
 def _invalid(param: str, what: str) -> InvalidRequest:
