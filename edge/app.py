@@ -30,6 +30,7 @@ from edge.audit import AuditLog
 from edge.config import ProxyConfig
 from edge.errors import (
     EdgeError,
+    InternalError,
     InvalidRequest,
     MethodNotAllowed,
     ModelNotFound,
@@ -239,7 +240,8 @@ class ProxyApp:
                     self._log_other(scope, label, 200)
                 return
             raise RouteNotFound(f"no route for {method} {path}")
-        except EdgeError as err:
+        except Exception as exc:
+            err = exc if isinstance(exc, EdgeError) else _internal(scope, "-")
             await render_error(send, err, body_writer(scope))
             self.metrics.requests.labels(label, str(err.status), NO_MODEL).inc()
             if self.access_log is not None:
@@ -500,7 +502,19 @@ class ProxyApp:
             finally:
                 if ex.state is not None and not ex.state.detached:
                     await ex.state.finish()
-        except EdgeError as err:
+        except ClientGone:
+            if self.audit is not None and ex is not None:
+                self.audit.record_exchange(ex, 499)
+            self.metrics.disconnects.inc()
+            self.metrics.requests.labels(route, "499", ex.model if ex else NO_MODEL).inc()
+            if trace is not None:
+                trace.end(time.perf_counter(), error="client disconnected")
+            self._log(ex, scope, route, 499, t0, "client disconnected")
+            return
+        except Exception as exc:
+            if ex is not None:
+                request_id = ex.request_id  # the label, which the body may have given
+            err = exc if isinstance(exc, EdgeError) else _internal(scope, request_id)
             model = ex.model if ex is not None else NO_MODEL
             if self.audit is not None and ex is not None:
                 self.audit.record_exchange(ex, ex.status if ex.started else err.status)
@@ -508,8 +522,6 @@ class ProxyApp:
                 trace.set("http.response.status_code", err.status)
                 trace.set("error.type", str(err.status) if err.status >= 500 else None)
                 trace.end(time.perf_counter(), error=err.message)
-            if ex is not None:
-                request_id = ex.request_id  # the label, which the body may have given
             if ex is not None and ex.started:  # too late for an error page; the stream ended
                 log.warning(
                     "request %s (tenant %s) failed after the response started: %s",
@@ -522,15 +534,6 @@ class ProxyApp:
             await render_error(send, err, body_writer(scope))
             self.metrics.requests.labels(route, str(err.status), model).inc()
             self._log(ex, scope, route, err.status, t0, err.message)
-            return
-        except ClientGone:
-            if self.audit is not None and ex is not None:
-                self.audit.record_exchange(ex, 499)
-            self.metrics.disconnects.inc()
-            self.metrics.requests.labels(route, "499", ex.model if ex else NO_MODEL).inc()
-            if trace is not None:
-                trace.end(time.perf_counter(), error="client disconnected")
-            self._log(ex, scope, route, 499, t0, "client disconnected")
             return
         assert ex is not None
         self._account(ex, scope, route, "client disconnected" if ex.disconnected else None)
@@ -879,3 +882,10 @@ def _client_gone(task: asyncio.Task[Any], ex: Exchange) -> None:
     if not ex.responded:
         ex.disconnected = True
         task.cancel()
+
+
+def _internal(scope: Scope, request_id: str) -> InternalError:
+    """A fault of the edge's own, called from the `except` that caught it: logged with its
+    traceback, answered as a 500 in OpenAI's shape rather than the listener's bare one."""
+    log.exception("request %s (%s %s) failed", request_id, scope["method"], scope["path"])
+    return InternalError("internal error in the edge; x-request-id names this request in its log")

@@ -194,6 +194,15 @@ class GatewayTimeout(EdgeError):
     code = "upstream_timeout"
 
 
+class InternalError(EdgeError):
+    """500: a fault in the edge itself; logged with its traceback, and the client gets the
+    request id to quote instead of an empty answer."""
+
+    status = 500
+    type = "server_error"
+    code = "internal_error"
+
+
 POOL_BUSY_RETRY_AFTER = b"1"
 """Seconds a client is asked to wait after a 503 `pool_busy` (RFC 9110 §10.2.3): connections
 come free as streams end, so a short wait is enough."""

@@ -7,12 +7,15 @@ import asyncio
 import json
 import re
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
 import pytest
 
+from backends.registry import Backend
+from edge.routing.base import Decision, RequestView
+from edge.routing.simple import RoundRobin
 from tests.edge.conftest import (
     LISTENERS,
     Edge,
@@ -321,6 +324,34 @@ async def test_a_steady_stream_longer_than_the_chunk_timeout_completes(listener:
             assert events[-1] == b"data: [DONE]"
             assert [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]] == words
             assert in_flight(edge) == [0]
+
+
+class _FaultyPolicy(RoundRobin):
+    """A routing policy with a bug: the edge's own fault, mid-request."""
+
+    def choose(self, view: RequestView, candidates: Sequence[Backend]) -> Decision:
+        raise KeyError("a bug")
+
+
+@LISTENERS
+async def test_a_fault_of_the_edge_is_a_500_in_openai_shape_and_the_connection_goes_on(
+    listener: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with TinyUpstream(script(lambda r: sse_reply(["ok"]))) as up:
+        async with run_edge(fast_config([up.url]), listener=listener) as edge, client(edge) as http:
+            app = edge.wiring.app
+            working, app.policy = app.policy, _FaultyPolicy()
+            response = await http.post("/v1/completions", json={**COMPLETION, "rid": "bug-1"})
+            assert response.status_code == 500
+            assert response.json()["error"]["code"] == "internal_error"
+            assert response.headers["x-request-id"] == "bug-1"
+            assert "request bug-1 (POST /v1/completions) failed" in caplog.text
+            assert "KeyError: 'a bug'" in caplog.text  # the traceback is logged
+            metrics = (await http.get(edge.admin_url + "/metrics")).text
+            assert 'route="/v1/completions",status="500"' in metrics
+            assert in_flight(edge) == [0]
+            app.policy = working
+            assert (await http.post("/v1/completions", json=COMPLETION)).status_code == 200
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ CASES = [
     (errors.BadGateway, 502, "server_error", "bad_gateway"),
     (errors.NoHealthyBackend, 503, "server_error", "no_healthy_backend"),
     (errors.GatewayTimeout, 504, "server_error", "upstream_timeout"),
+    (errors.InternalError, 500, "server_error", "internal_error"),
 ]
 
 
