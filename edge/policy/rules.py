@@ -152,7 +152,7 @@ class RequestRules:
         verdict = RuleVerdict()
         allowed = self._models.get(tenant)
         if allowed is not None:
-            model = body.get("model")
+            model = body.get("model", "default")  # none named: the backend's own, `default`
             name = model if isinstance(model, str) else ""
             if not any(fnmatch.fnmatchcase(name, glob) for glob in allowed):
                 rule = f"models:{tenant}"

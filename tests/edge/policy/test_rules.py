@@ -186,6 +186,14 @@ def test_model_allow_list_per_tenant() -> None:
     gw.check(CHAT, chat("hi", model="large-1"), tenant="rich-co", tier="pro", stream=False)
 
 
+def test_a_request_naming_no_model_is_checked_as_default() -> None:
+    gw = gateway(tenant_models=[{"tenant": "free-co", "models": ["default"]}])
+    unnamed = {"messages": [{"role": "user", "content": "hi"}]}
+    gw.check(CHAT, unnamed, tenant="free-co", tier="pro", stream=False)
+    with pytest.raises(PolicyRefused):  # still refused where `default` is not on the list
+        gateway().check(CHAT, unnamed, tenant="free-co", tier="pro", stream=False)
+
+
 @pytest.mark.parametrize(
     ("body", "rule"),
     [
