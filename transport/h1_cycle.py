@@ -46,6 +46,7 @@ class _Cycle:
         "complete",
         "continued",
         "disconnected",
+        "discarded",
         "expect_100",
         "finished",
         "head_only",
@@ -65,6 +66,7 @@ class _Cycle:
         self.body: list[bytes] = []
         self.body_bytes = 0
         self.complete = False  # the whole request body has arrived
+        self.discarded = -1  # answered before its body arrived: the body bytes dropped since
         self.body_done = False  # ... and has been handed to the app
         self.expect_100 = False
         self.continued = False

@@ -35,6 +35,9 @@ log = logging.getLogger("quicedge.h1")
 
 BODY_BUFFER = 64 * 1024
 """Request-body bytes buffered for the app before reading pauses."""
+DISCARD_MAX = 1024 * 1024
+"""Body bytes read and dropped, after a response that did not wait for them, to keep the
+connection (RFC 9112 §9.6); past them it closes."""
 
 _ERROR = "HTTP/1.1 {} {}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
@@ -235,6 +238,12 @@ class H1Protocol(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         cycle = self._reading
         if cycle is not None:
+            if cycle.discarded >= 0:  # answered already: only the connection wants it read
+                cycle.discarded += len(body)
+                if cycle.discarded > DISCARD_MAX:
+                    self.close()
+                    self._halt_with(-1)
+                return
             cycle.body.append(body)
             cycle.body_bytes += len(body)
             cycle.expect_100 = False  # the client sent the body without waiting
@@ -248,6 +257,8 @@ class H1Protocol(asyncio.Protocol):
             cycle.expect_100 = False
             if not cycle.keep_alive:
                 self._halt_with(-1)  # the connection ends with this request: parse no further
+            if cycle.discarded >= 0:
+                self.finish(cycle)  # its answer went out already: on to the next request
 
     def _halt_with(self, status: int) -> NoReturn:
         self._halt = status
@@ -323,6 +334,16 @@ class H1Protocol(asyncio.Protocol):
         """The response is complete: next request on this connection, or close."""
         if self._closed:
             return
+        if not cycle.complete and cycle.keep_alive and not self.server.draining:
+            if not cycle.expect_100 and cycle.discarded < 0:
+                # Answered before its body arrived (an error that needed none): the rest is
+                # read and dropped, so the connection serves the next request. Closing with
+                # bytes unread would reset it, and could cost the client the answer.
+                cycle.discarded = 0
+                cycle.body.clear()
+                cycle.body_bytes = 0
+                self._resume_reading()
+                return
         if not cycle.keep_alive or not cycle.complete or self.server.draining:
             # An unread remainder of the body would have to be read to find the next request.
             self.close()

@@ -17,6 +17,7 @@ from tests.helpers import settled, wait_until
 from tests.transport.apps import RecordingApp, collector_finds, ok_app
 from transport.asgi import ASGIApp, Message, Receive, Scope, Send
 from transport.h1_cycle import _Cycle
+from transport.h1_protocol import DISCARD_MAX
 from transport.h1_server import H1Listener
 from transport.tcp import TcpOptions
 
@@ -260,6 +261,47 @@ async def test_expect_100_refused_without_reading_closes() -> None:
         status, _, body = await read_response(reader)
         assert (status, body) == (417, b"no")  # no 100 first: the app never asked for the body
         assert await at_eof(reader)
+
+
+async def refuse_unread(scope: Scope, receive: Receive, send: Send) -> None:
+    """Answers 404 to a POST without reading its body (as an unknown route is), else `ok_app`."""
+    if scope["method"] == "POST":
+        await send({"type": "http.response.start", "status": 404, "headers": []})
+        await send({"type": "http.response.body", "body": b"no"})
+    else:
+        await ok_app(scope, receive, send)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"content-length: 5\r\n\r\n", b"transfer-encoding: chunked\r\n\r\n2\r\nab\r\n"],
+    ids=["content-length", "chunked"],
+)
+async def test_a_body_answered_before_it_arrived_is_dropped_and_the_connection_goes_on(
+    body: bytes,
+) -> None:
+    async with serving(refuse_unread) as listener, connect(listener) as (reader, writer):
+        writer.write(b"POST / HTTP/1.1\r\nhost: x\r\n" + body)
+        status, headers, answer = await read_response(reader)
+        assert (status, answer) == (404, b"no") and "connection" not in headers
+        # the rest of the body comes after the answer, and then the next request
+        writer.write(b"hello" if b"content-length" in body else b"3\r\ncde\r\n0\r\n\r\n")
+        writer.write(GET)
+        assert (await read_response(reader))[0] == 200
+
+
+async def test_a_body_answered_before_it_arrived_closes_past_the_discard_limit() -> None:
+    size = DISCARD_MAX + 64 * 1024
+    async with serving(refuse_unread) as listener, connect(listener) as (reader, writer):
+        writer.write(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % size)
+        assert (await read_response(reader))[0] == 404
+        try:
+            writer.write(b"y" * size)
+            await writer.drain()
+            ended = await at_eof(reader)
+        except ConnectionError:  # reset: the edge closed with the rest of the body unread
+            ended = True
+        assert ended
 
 
 @pytest.mark.parametrize(
