@@ -44,6 +44,7 @@ from backends.errors import UpstreamError
 from backends.pool import UpstreamPool
 from backends.registry import Backend, BackendRegistry
 from edge.routing.hot_prefixes import HotPrefix, HotPrefixes
+from edge.sse import usage_from
 from edge.stages.view import CHARS_PER_TOKEN
 
 log = logging.getLogger(__name__)
@@ -144,13 +145,9 @@ CHAT_ROUTE = "/v1/chat/completions"
 
 def _usage(answer: Any) -> tuple[int, int]:
     """(prompt tokens, cached tokens) of a `/generate` answer (`meta_info`) or an OpenAI one
-    (`usage`, `prompt_tokens_details.cached_tokens`)."""
-    meta = answer.get("meta_info")
-    if isinstance(meta, dict):
-        return int(meta.get("prompt_tokens") or 0), int(meta.get("cached_tokens") or 0)
-    usage = answer.get("usage") or {}
-    details = usage.get("prompt_tokens_details") or {}
-    return int(usage.get("prompt_tokens") or 0), int(details.get("cached_tokens") or 0)
+    (`usage`, `prompt_tokens_details.cached_tokens`); 0 for what it does not report."""
+    counts = usage_from(answer)
+    return counts.prompt_tokens or 0, counts.cached_tokens or 0
 
 
 def _shards(text: str, shard_chars: int) -> Iterator[int]:

@@ -17,20 +17,21 @@ from typing import Any
 
 import orjson
 
+from edge.sse import usage_from
 from edge.state.chat_answer import MESSAGE, REASONING, Call, ChatAnswer
 from edge.state.response_tools import call_item
 
 
-def _usage(usage: Any) -> dict[str, Any] | None:
-    if not isinstance(usage, dict):
+def _usage(obj: Any) -> dict[str, Any] | None:
+    """The Responses `usage` of a chat answer or chunk `obj` that reports one; a count that is
+    not an integer is taken as 0 (`usage_from` reads the backend's numbers)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("usage"), dict):
         return None
-    prompt = usage.get("prompt_tokens") or 0
-    output = usage.get("completion_tokens") or 0
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    counts = usage_from(obj)
+    prompt, output = counts.prompt_tokens or 0, counts.completion_tokens or 0
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": cached or 0},
+        "input_tokens_details": {"cached_tokens": counts.cached_tokens or 0},
         "output_tokens": output,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": prompt + output,
@@ -168,7 +169,7 @@ class ResponseBuilder:
             return None
         self.answer.take_message(message, logprobs=choice.get("logprobs"))
         self._finish = choice.get("finish_reason")
-        self._usage = _usage(obj.get("usage"))
+        self._usage = _usage(obj)
         if isinstance(obj.get("model"), str):
             self.model = obj["model"]
         self.ended = True
@@ -239,7 +240,7 @@ class ResponseBuilder:
                            "message": str(err.get("message") or "backend error")}  # fmt: skip
             return self.finish()
         if obj.get("usage"):
-            self._usage = _usage(obj["usage"])
+            self._usage = _usage(obj)
         if isinstance(obj.get("model"), str):
             self.model = obj["model"]
         out = []
