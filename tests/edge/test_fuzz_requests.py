@@ -3,30 +3,28 @@ answers it, never with a 500, and keeps serving.
 
 The edge runs as `serve` runs it (our HTTP/1.1 listener, two `instant` stand-ins, stored
 conversations and responses, the response cache, the policy gateway with rules and its
-WebAssembly module) on a loop of its own thread, so that `hypothesis` can drive it from a plain
-test. The bodies are mostly well-formed requests with any JSON value in any field, the shapes
-where a validator that trusts a type breaks. Examples are derandomized: a run is the same every
-time, and a failure is shrunk to the smallest body that shows it.
+WebAssembly module), in a thread of its own (`tests.edge.fuzzing`). The bodies are mostly
+well-formed requests with any JSON value in any field, the shapes where a validator that trusts
+a type breaks.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-import threading
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from edge.policy.config import PolicyConfig
 from tests.edge.conftest import fast_config, run_edge
+from tests.edge.fuzzing import ANY, FUZZ, EdgeThread, field
 from tests.edge.state.helpers import state
 from tests.edge.test_app_sim import sim_config, sims
 
@@ -40,63 +38,23 @@ POLICY = {
     "stream_rules": [{"id": "leak", "patterns": ["BEGIN PRIVATE KEY"]}],
     "tiers": [{"tier": "bronze", "max_tokens": 4096, "max_prompt_chars": 20000}],
 }
-FUZZ = settings(
-    max_examples=300,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
 
 
-class EdgeThread:
-    """An edge and its stand-ins on an event loop in a thread of their own."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.url = ""
-        self._ready = threading.Event()
-        self._stop: asyncio.Event | None = None
-        self._failed: BaseException | None = None
-        self._thread = threading.Thread(target=self._main, daemon=True)
-
-    def __enter__(self) -> EdgeThread:
-        self._thread.start()
-        if not self._ready.wait(30) or self._failed is not None:
-            raise RuntimeError(f"the edge did not start: {self._failed!r}")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        assert self._stop is not None
-        self.loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(30)
-
-    def _main(self) -> None:
-        try:
-            self.loop.run_until_complete(self._serve())
-        except BaseException as exc:  # reported by __enter__
-            self._failed = exc
-            self._ready.set()
-        finally:
-            self.loop.close()
-
-    async def _serve(self) -> None:
-        self._stop = asyncio.Event()
-        async with sims(sim_config("f1"), sim_config("f2")) as servers:
-            config = fast_config(
-                [s.url for s in servers],
-                state=state(cache={"allow_tenants": ["*"], "routes": ["/v1/completions"]}),
-            )
-            policies = PolicyConfig.from_mapping(POLICY)
-            async with run_edge(config, listener="h1", policies=policies) as edge:
-                self.url = edge.url
-                self._ready.set()
-                await self._stop.wait()
+@contextlib.asynccontextmanager
+async def edge_with_everything() -> AsyncIterator[str]:
+    async with sims(sim_config("f1"), sim_config("f2")) as servers:
+        config = fast_config(
+            [s.url for s in servers],
+            state=state(cache={"allow_tenants": ["*"], "routes": ["/v1/completions"]}),
+        )
+        policies = PolicyConfig.from_mapping(POLICY)
+        async with run_edge(config, listener="h1", policies=policies) as edge:
+            yield edge.url
 
 
 @pytest.fixture(scope="module")
 def edge_url() -> Iterator[str]:
-    with EdgeThread() as edge:
+    with EdgeThread(edge_with_everything) as edge:
         yield edge.url
 
 
@@ -113,30 +71,6 @@ def answered(response: httpx.Response) -> None:
     if response.status_code >= 400:
         body = response.json()
         assert "error" in body or body.get("object") == "error", body
-
-
-# -- what is generated ---------------------------------------------------------------------
-
-_SCALAR = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(-(2**70), 2**70),
-    st.floats(allow_nan=False, allow_infinity=False),
-    st.text(max_size=12),
-)
-ANY = st.recursive(
-    _SCALAR,
-    lambda inner: st.one_of(
-        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)
-    ),
-    max_leaves=8,
-)
-"""Any JSON value."""
-
-
-def field(good: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
-    """A field's likely value, or any JSON value in its place."""
-    return st.one_of(good, ANY)
 
 
 _PART = st.fixed_dictionaries({
