@@ -12,11 +12,15 @@ Initial datagram, before any connection state or TLS work (`h3_caps`).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
 from hypercorn.asyncio import run as hypercorn_run
 from hypercorn.asyncio.tcp_server import TCPServer
+from hypercorn.events import Closed, Event, RawData
+
+from transport.hypercorn_send import send_timeout_of
 
 LISTENER_CAP = "listener_cap"
 CLIENT_CAP = "client_cap"
@@ -79,7 +83,27 @@ GATE_ATTRIBUTE = "quicedge_gate"
 
 
 class _GatedTCPServer(TCPServer):
-    """hypercorn's per-connection server, asking its config's gate first (if it has one)."""
+    """hypercorn's per-connection server, asking its config's gate first (if it has one); its
+    writes wait for the client at most its config's send timeout (`transport.hypercorn_send`)."""
+
+    async def protocol_send(self, event: Event) -> None:
+        limit = send_timeout_of(self.config)
+        if limit is None or not isinstance(event, RawData):
+            await super().protocol_send(event)
+            return
+        async with self.send_lock:  # as hypercorn's, with the drain bounded when it would wait
+            try:
+                self.writer.write(event.data)
+                transport = self.writer.transport
+                if transport.get_write_buffer_size() > transport.get_write_buffer_limits()[1]:
+                    async with asyncio.timeout(limit.seconds):
+                        await self.writer.drain()
+            except TimeoutError:
+                limit.stalled()
+                transport.abort()
+                await self.protocol.handle(Closed())
+            except (ConnectionError, RuntimeError):
+                await self.protocol.handle(Closed())
 
     async def run(self) -> None:
         gate: ConnectionGate | None = getattr(self.config, GATE_ATTRIBUTE, None)

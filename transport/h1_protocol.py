@@ -55,6 +55,7 @@ class H1Protocol(asyncio.Protocol):
         self.server = server
         self.loop = loop
         self.write_paused = False
+        self._paused_at = 0.0  # when writing last paused: the client stopped taking the response
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpRequestParser(self)  # one for every request here
         self._max_head = server.options.max_header_bytes
@@ -123,6 +124,7 @@ class H1Protocol(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self.write_paused = True
+        self._paused_at = self.loop.time()  # the send deadline runs from here
 
     def resume_writing(self) -> None:
         self.write_paused = False
@@ -404,7 +406,8 @@ class H1Protocol(asyncio.Protocol):
         return self._cycle is None
 
     def _on_timer(self) -> None:
-        """Idle keep-alive, and the head and body deadlines, checked every `timer_period`.
+        """Idle keep-alive, the head and body deadlines and the send timeout, checked every
+        `timer_period`.
 
         The deadlines start from a read's clock (no clock read or timer per request), so a
         deadline is noticed at the first check after it passed: within a quarter of the
@@ -414,6 +417,12 @@ class H1Protocol(asyncio.Protocol):
             return
         options = self.server.options
         period = self.server.timer_period
+        if self.write_paused and self.loop.time() - self._paused_at > options.send_timeout:
+            # The client took none of the response for `send_timeout`: nothing more will go,
+            # and the app hears of it as the client's going (its disconnect callback).
+            self.server.timed_out("send")
+            self.abort()
+            return
         if self._cycle is None:
             if self._head_fed:  # a head is arriving
                 if time.perf_counter() - self._head_since > options.head_timeout:

@@ -53,9 +53,11 @@ class H1Listener:
         )
         """Connection caps; its `on_refused` is called for each connection closed at once."""
         self.on_timeout: Callable[[str], None] | None = None
-        """Called with `head` / `body` for each request cut off by its deadline."""
+        """Called with `head`, `body` or `send` for each request cut off by its deadline."""
         o = self.options
-        self.timer_period = min(o.keep_alive_timeout, o.head_timeout, o.body_timeout) / 4
+        self.timer_period = (
+            min(o.keep_alive_timeout, o.head_timeout, o.body_timeout, o.send_timeout) / 4
+        )
         self.draining = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._server: asyncio.AbstractServer | None = None

@@ -260,13 +260,31 @@ class H3Protocol(QuicConnectionProtocol):
         return self._session.terminated or self._unacked(stream_id) <= SEND_HIGH_WATER
 
     async def wait_writable(self, stream_id: int) -> None:
-        """Back-pressure: bound what one stream may have buffered (style: bound every buffer)."""
+        """Back-pressure: bound what one stream may have buffered (style: bound every buffer),
+        and how long it may wait for the client to take some (`send_timeout`)."""
         if self.writable(stream_id):
             return
         waiter = self._writable.get(stream_id)
         if waiter is None:
             waiter = self._writable[stream_id] = self._event_loop.create_future()
-        await waiter
+        try:
+            async with asyncio.timeout(self._server.limits.send_timeout):
+                await waiter
+        except TimeoutError:
+            self._stalled(stream_id)
+
+    def _stalled(self, stream_id: int) -> None:
+        """The client took none of this stream's response within `send_timeout`: reset it,
+        and the app learns it as the client's going."""
+        metrics = self._server.metrics
+        if metrics is not None:
+            metrics.request_timeouts.labels("h3", "send").inc()
+        self._writable.pop(stream_id, None)
+        self._session.cancel(stream_id)
+        channel = self._channels.get(stream_id)
+        if channel is not None:
+            channel.gone()
+        self.transmit()
 
     def _execute(self, action: Action) -> None:
         if isinstance(action, RequestBody):

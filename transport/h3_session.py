@@ -83,6 +83,12 @@ class H3Limits:
     request_body_timeout: float = 60 * SECONDS
     """A request body must arrive whole within this many seconds of its head, on every
     listener: else 408 (HTTP/3: on the stream; once a response began, a reset or a close)."""
+    send_timeout: float = 60 * SECONDS
+    """A response the client takes none of for this many seconds (its buffer full, or its
+    flow-control window closed) is cut off, on every listener: the stream is reset or the
+    connection closed, and the app gets `http.disconnect` (the proxy aborts the backend's
+    request). nginx's `send_timeout`; without it a client that stops reading would hold its
+    request, and a backend connection, for ever."""
 
     def __post_init__(self) -> None:
         for name in ("max_concurrent_streams", "max_header_bytes", "max_body_bytes"):
@@ -101,7 +107,7 @@ class H3Limits:
             raise ValueError("idle_timeout must be > 0")
         if self.early_data_handshake_deadline <= 0:
             raise ValueError("early_data_handshake_deadline must be > 0")
-        for name in ("request_head_timeout", "request_body_timeout"):
+        for name in ("request_head_timeout", "request_body_timeout", "send_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
 

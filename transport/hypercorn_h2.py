@@ -13,6 +13,10 @@ upload and the other streams keep their credit. It does not reset the stream (RF
 allows RST_STREAM NO_ERROR after a complete response): httpx/httpcore then waits for a response
 it already has until its read timeout. Every other event goes to hypercorn unchanged.
 
+It also bounds how long a response waits for the client's flow-control window: a stream whose
+send buffer stays full for the listener's send timeout (`transport.hypercorn_send`) is reset
+with CANCEL, and the app gets `http.disconnect`.
+
 `install()` swaps it in where hypercorn's `ProtocolWrapper` looks the class up, once per
 process; `transport.tcp` calls it. The override is tied to hypercorn's internals
 (`streams`, `connection`, `_handle_events`), so `pyproject.toml` pins hypercorn's minor version
@@ -21,10 +25,20 @@ and `install()` refuses another one.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+
+import h2.errors
 import h2.events
+import h2.exceptions
 import hypercorn
 import hypercorn.protocol
-from hypercorn.protocol.h2 import H2Protocol
+import priority
+from hypercorn.protocol.events import Body, Data, EndBody, EndData
+from hypercorn.protocol.events import Event as StreamEvent
+from hypercorn.protocol.h2 import BUFFER_HIGH_WATER, H2Protocol
+
+from transport.hypercorn_send import send_timeout_of
 
 TESTED_MINOR = "0.18"
 """hypercorn version whose `H2Protocol` this override was written and tested against."""
@@ -42,6 +56,42 @@ class GuardedH2Protocol(H2Protocol):
                 await self._flush()
             else:
                 await super()._handle_events([event])
+
+    async def stream_send(self, event: StreamEvent) -> None:
+        limit = send_timeout_of(self.config)
+        if limit is None or not self._would_wait(event):
+            await super().stream_send(event)
+            return
+        try:
+            async with asyncio.timeout(limit.seconds):
+                await super().stream_send(event)
+        except TimeoutError:
+            limit.stalled()
+            await self._stalled(event.stream_id)
+
+    def _would_wait(self, event: StreamEvent) -> bool:
+        """Whether hypercorn would wait for the client to send `event`: a body over its
+        buffer's high-water mark, or the stream's end while the buffer still holds data."""
+        if isinstance(event, Body | Data):
+            buffer = self.stream_buffers.get(event.stream_id)
+            return buffer is not None and len(buffer.buffer) + len(event.data) >= BUFFER_HIGH_WATER
+        if isinstance(event, EndBody | EndData):
+            buffer = self.stream_buffers.get(event.stream_id)
+            return buffer is not None and bool(buffer.buffer)
+        return False
+
+    async def _stalled(self, stream_id: int) -> None:
+        """The client took none of the response for the send timeout: reset the stream, drop
+        what it buffered, and tell the app (`http.disconnect`)."""
+        with contextlib.suppress(h2.exceptions.ProtocolError):
+            self.connection.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+            await self._flush()
+        buffer = self.stream_buffers.pop(stream_id, None)
+        if buffer is not None:
+            await buffer.close()
+        with contextlib.suppress(priority.MissingStreamError):
+            self.priority.remove_stream(stream_id)
+        await self._close_stream(stream_id)
 
     def _discard(self, event: h2.events.DataReceived) -> None:
         stream_id = event.stream_id

@@ -101,6 +101,7 @@ class Listeners:
             graceful_timeout=t.drain_timeout,
             head_timeout=t.limits.request_head_timeout,
             body_timeout=t.limits.request_body_timeout,
+            send_timeout=t.limits.send_timeout,
             max_connections=t.max_connections,
             max_connections_per_client=t.max_connections_per_client,
         )

@@ -149,8 +149,9 @@ class TransportMetrics:
         )
         self.request_timeouts = Counter(
             "quicedge_request_timeouts",
-            "Requests cut off (408 or a close) because their head or body did not arrive"
-            " within its deadline",
+            "Requests cut off (408, a close or a reset) because their head or body did not"
+            " arrive within its deadline, or the client took none of the response within"
+            " send_timeout (phase send)",
             ["listener", "phase"],
             registry=registry,
         )

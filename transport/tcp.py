@@ -30,6 +30,7 @@ from transport import hypercorn_h2
 from transport.asgi import ASGIApp, Receive, Scope, Send, with_tcp_extensions
 from transport.caps import GATE_ATTRIBUTE, ConnectionGate, gate_hypercorn
 from transport.deadlines import with_body_deadline
+from transport.hypercorn_send import SEND_TIMEOUT_ATTRIBUTE, SendTimeout
 from transport.tls import TlsMaterial
 
 ALT_SVC_MAX_AGE = 86400  # one day, as NGINX's documented example
@@ -100,6 +101,9 @@ class TcpOptions:
     body_timeout: float = 60.0
     """A request body must arrive whole within this many seconds of its head: else 408 (or a
     close, once the response began)."""
+    send_timeout: float = 60.0
+    """A response the client takes none of for this many seconds is cut off (a close; HTTP/2:
+    the stream reset), and the app gets `http.disconnect`."""
     max_connections: int = 0
     """Open connections this listener keeps; one more is closed at once (0: no cap)."""
     max_connections_per_client: int = 0
@@ -150,6 +154,7 @@ class TcpListener:
             options.max_connections, options.max_connections_per_client, on_refused
         )
         setattr(config, GATE_ATTRIBUTE, self.gate)
+        setattr(config, SEND_TIMEOUT_ATTRIBUTE, SendTimeout(options.send_timeout, on_timeout))
         config.accesslog = None
         config.errorlog = "-"
         config.loglevel = "WARNING"

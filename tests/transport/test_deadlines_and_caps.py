@@ -16,6 +16,7 @@ import pytest
 from aioquic.buffer import encode_uint_var
 from aioquic.h3.connection import FrameType
 from aioquic.quic.packet import QuicErrorCode
+from prometheus_client import CollectorRegistry
 
 from certs import ensure_dev_certificates
 from tests.helpers import free_port, wait_until
@@ -26,6 +27,7 @@ from transport.caps import CLIENT_CAP, LISTENER_CAP, ConnectionGate
 from transport.h1_server import H1Listener
 from transport.h3_caps import REASON
 from transport.h3_session import H3Limits
+from transport.metrics import TransportMetrics
 from transport.tcp import TcpListener, TcpOptions
 from transport.tls import TlsMaterial
 
@@ -381,3 +383,127 @@ async def test_http3_connections_past_one_address_cap_are_refused(
             assert (await held.fetch("POST", "/echo", body=b"c")).status == 200
         await wait_until(lambda: server.gate.open == 0, timeout=10)
         assert server.gate.per_client == {}
+
+
+class Firehose:
+    """Answers 16 MiB in 64 KiB chunks, more than the socket buffers of a client that does not
+    read can take; sets `gone` on `http.disconnect`."""
+
+    def __init__(self) -> None:
+        self.gone = asyncio.Event()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+
+        async def watch() -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            self.gone.set()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            for _ in range(256):
+                if self.gone.is_set():
+                    return
+                await send({"type": "http.response.body", "body": b"x" * 65536, "more_body": True})
+            # hypercorn's HTTP/2 takes every chunk into its own buffer: its wait is at the end
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await self.gone.wait()  # the client never has the whole answer
+        finally:
+            await asyncio.sleep(0)  # the watcher sees a disconnect that ended the last send
+            watcher.cancel()
+
+
+SEND = {"send_timeout": 0.5}
+
+
+@pytest.mark.parametrize("kind", ["h1", "hypercorn"])
+async def test_a_client_that_stops_reading_is_cut_off_after_the_send_timeout(kind: str) -> None:
+    counts = Counts()
+    app = Firehose()
+    opts = TcpOptions(**SEND)
+    served: H1Listener | TcpListener
+    if kind == "h1":
+        served = H1Listener(app, host="127.0.0.1", port=0, options=opts)
+        served.on_timeout = counts.timeouts.append
+    else:
+        served = TcpListener(app, host="127.0.0.1", port=0, options=opts,
+                             on_timeout=counts.timeouts.append)  # fmt: skip
+    await served.start()
+    sock = socket.socket()
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", served.port))
+        sock.sendall(b"GET /firehose HTTP/1.1\r\nhost: x\r\n\r\n")  # and never reads
+        await asyncio.wait_for(app.gone.wait(), 10)
+        assert counts.timeouts == ["send"]
+    finally:
+        sock.close()
+        await served.stop()
+
+
+async def test_an_http2_client_that_keeps_its_window_shut_is_reset_after_the_send_timeout(
+    tls: TlsMaterial, dev_certs: Any
+) -> None:
+    """Over HTTP/2 the client reads every frame but never opens its flow-control window: the
+    stream is reset with CANCEL, and the app hears the client is gone."""
+    import h2.config
+    import h2.connection
+    import h2.errors
+    import h2.events
+
+    counts = Counts()
+    app = Firehose()
+    served = TcpListener(app, host="127.0.0.1", port=0, tls=tls, options=TcpOptions(**SEND),
+                         on_timeout=counts.timeouts.append)  # fmt: skip
+    await served.start()
+    context = ssl.create_default_context(cafile=str(dev_certs.ca_cert))
+    context.set_alpn_protocols(["h2"])
+    reader, writer = await asyncio.open_connection(
+        "127.0.0.1", served.port, ssl=context, server_hostname="localhost"
+    )
+    try:
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        conn.initiate_connection()
+        stream_id = conn.get_next_available_stream_id()
+        conn.send_headers(stream_id, [(":method", "GET"), (":scheme", "https"),
+                                      (":authority", "localhost"), (":path", "/firehose")],
+                          end_stream=True)  # fmt: skip
+        writer.write(conn.data_to_send())
+        reset: h2.events.StreamReset | None = None
+        async with asyncio.timeout(10):
+            while reset is None:
+                data = await reader.read(65536)
+                assert data, "the connection closed; only the stream should have"
+                for event in conn.receive_data(data):  # no acknowledge_received_data: no credit
+                    if isinstance(event, h2.events.StreamReset):
+                        reset = event
+                writer.write(conn.data_to_send())
+        assert reset.stream_id == stream_id and reset.error_code == h2.errors.ErrorCodes.CANCEL
+        await asyncio.wait_for(app.gone.wait(), 5)
+        assert counts.timeouts == ["send"]
+    finally:
+        writer.close()
+        await served.stop()
+
+
+async def test_an_http3_client_that_stops_acknowledging_is_reset_after_the_send_timeout(
+    h3_server: H3Factory, dev_certs: Any
+) -> None:
+    app = Firehose()
+    registry = CollectorRegistry()
+    metrics = TransportMetrics(registry)
+    limits = H3Limits(send_timeout=0.5)
+    async with h3_server(app=app, limits=limits, metrics=metrics) as server:
+        async with h3_connect(server.port, dev_certs.ca_cert) as c:
+            stream_id = c.request("GET", "/firehose")
+            c.transmit()
+            await asyncio.wait_for(c.responses[stream_id].first_data.wait(), 5)
+            c.datagram_received = lambda data, addr: None  # type: ignore[method-assign]
+            await asyncio.wait_for(app.gone.wait(), 10)
+    sent = registry.get_sample_value(
+        "quicedge_request_timeouts_total", {"listener": "h3", "phase": "send"}
+    )
+    assert sent == 1
