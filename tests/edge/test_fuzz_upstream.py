@@ -128,7 +128,7 @@ _REQUESTS = st.sampled_from([
 """Requests whose answers the edge reads: translated, stored, guarded or cached."""
 
 
-@settings(FUZZ, max_examples=1000)
+@settings(FUZZ, max_examples=200)  # the readers themselves: `test_fuzz_answers.py`, in one process
 @given(_REQUESTS, replies(), st.booleans())
 def test_any_backend_answer_is_passed_on_without_a_fault(
     scripted: tuple[Scripted, str, Faults],
