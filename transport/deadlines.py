@@ -1,4 +1,5 @@
-"""The request-body deadline at the ASGI seam, for the listener that does not keep one itself.
+"""The request body at the ASGI seam, for the listener that does not handle it itself: its
+deadline, and the close that follows an answer given before it arrived.
 
 hypercorn (the TLS listener) bounds a request head with its idle timer, but once the head is
 parsed nothing bounds how long the body takes: a client that sends a byte now and then holds
@@ -7,6 +8,12 @@ request `timeout` seconds from its start to deliver the whole body; past it the 
 408 (when no response has begun) and the app gets `http.disconnect`, and whatever the app sends
 afterwards is dropped. Our own listeners (`h1_protocol`, `h3_session`) keep the deadline in their
 connection or stream timers instead, at no cost per message.
+
+hypercorn's HTTP/1.1 closes a connection whose response ended before the request's body had
+arrived (an error that needed none: 401, 404), without saying so in the response: a keep-alive
+client then sends its next request into a closed connection. Such a response gets
+`connection: close` here, so the client opens a new one. (Our HTTP/1.1 listener reads and drops
+the rest of the body and keeps the connection; HTTP/2 streams need neither.)
 """
 
 from __future__ import annotations
@@ -40,7 +47,8 @@ def with_body_deadline(
             return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        state = {"body_done": False, "started": False, "late": False}
+        # a request with no body has none to leave unread (and the app need not ask for it)
+        state = {"body_done": not _has_body(scope), "started": False, "late": False}
 
         async def timed_receive() -> Message:
             if state["body_done"] or state["late"]:
@@ -66,8 +74,21 @@ def with_body_deadline(
                 return  # the 408 answered the request
             if message["type"] == "http.response.start":
                 state["started"] = True
+                if not state["body_done"] and scope.get("http_version") == "1.1":
+                    headers = [*message.get("headers", ()), (b"connection", b"close")]
+                    message = {**message, "headers": headers}
             await send(message)
 
         await app(scope, timed_receive, guarded_send)
 
     return wrapped
+
+
+def _has_body(scope: Scope) -> bool:
+    """Whether the request says a body follows (RFC 9112 §6.3: a length above 0, or chunked)."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            return value.strip() not in (b"0", b"")
+        if name == b"transfer-encoding":
+            return True
+    return False

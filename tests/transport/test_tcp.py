@@ -13,6 +13,7 @@ import pytest
 
 from certs import DevCertificates
 from tests.transport.apps import RecordingApp
+from transport.asgi import Receive, Scope, Send
 from transport.tcp import TcpListener, alt_svc_value
 from transport.tls import TlsMaterial
 
@@ -104,4 +105,33 @@ async def test_tls_listener_issues_one_ticket_and_resumes_with_it(
         second.close()
     finally:
         first.close()
+        await listener.stop()
+
+
+async def test_an_answer_that_leaves_the_body_unread_says_it_closes(tls: TlsMaterial) -> None:
+    """hypercorn's HTTP/1.1 closes a connection whose answer came before the request's body: the
+    answer says so (`connection: close`), so a keep-alive client opens a new connection for its
+    next request instead of losing it. A request that was read, or had no body, keeps it."""
+
+    async def refuse(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["method"] == "POST" and scope["path"] == "/read":
+            while (await receive()).get("more_body"):
+                pass
+        status = 200 if scope["path"] == "/read" or scope["method"] == "GET" else 404
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": b"done"})
+
+    listener = TcpListener(refuse, host="127.0.0.1", port=0)
+    await listener.start()
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{listener.port}") as client:
+            refused = await client.post("/nope", content=b"x" * 100_000)
+            assert refused.status_code == 404 and refused.headers["connection"] == "close"
+            after = await client.get("/any")  # on a new connection: not lost
+            assert after.status_code == 200 and "connection" not in after.headers
+            read = await client.post("/read", content=b"x" * 100_000)
+            assert read.status_code == 200 and "connection" not in read.headers
+    finally:
         await listener.stop()
