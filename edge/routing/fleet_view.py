@@ -470,9 +470,10 @@ class FleetView:
         if peer is None:
             peer = self._peers[instance] = _Peer(seen=now)
         peer.seen = now
-        theta = msg.get("theta")
+        theta, updates = msg.get("theta"), msg.get("n")
         if isinstance(theta, list) and all(isinstance(v, float | int) for v in theta):
-            peer.theta, peer.updates = [float(v) for v in theta], int(msg.get("n", 0))
+            peer.theta = [float(v) for v in theta]
+            peer.updates = updates if isinstance(updates, int) else 0
         self._maybe_adopt()
 
     def _sum_load(self) -> None:

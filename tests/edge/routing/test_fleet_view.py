@@ -291,3 +291,27 @@ async def test_placements_made_while_redis_is_gone_reach_the_fleet_when_it_retur
         views.redis = RedisServer(port=views.redis.port)  # back, empty
         await wait_until(lambda: view_b.depth(url, [3, 4, 5]) == 3)
         assert view_a.connected
+
+
+async def test_entries_an_edge_cannot_read_are_skipped_and_the_sync_goes_on(
+    redis_prefix: str,
+) -> None:
+    """Another version's entries, or garbage, in the shared stream (a rolling update, a stray
+    writer): each is skipped, and placements keep reaching the other edges."""
+    url = f"http://127.0.0.1:{free_port()}"  # never connected to
+    async with two_views([url], redis_prefix, interval=0.05) as views:
+        client = aioredis.Redis.from_url(views.redis.url)
+        try:
+            for fields in (
+                {b"p": b"not json"},
+                {b"p": b"[1, 2]"},
+                {b"p": b'{"i": "old", "placed": {"u": "x"}, "theta": [1.0, 2.0], "n": "many"}'},
+                {b"p": b'{"i": "old", "placed": [1, 2], "theta": "no"}'},
+                {b"other": b"field"},
+            ):
+                await client.xadd(views.config.key, fields)  # type: ignore[arg-type]
+        finally:
+            await client.aclose()
+        views.view_a.placed(url, [7, 8])
+        await wait_until(lambda: views.view_b.depth(url, [7, 8]) == 2)
+        assert views.view_b.errors == 0 and views.view_b.connected
