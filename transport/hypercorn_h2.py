@@ -13,6 +13,14 @@ upload and the other streams keep their credit. It does not reset the stream (RF
 allows RST_STREAM NO_ERROR after a complete response): httpx/httpcore then waits for a response
 it already has until its read timeout. Every other event goes to hypercorn unchanged.
 
+It closes a connection whose client resets most of the requests it opens (the "rapid reset"
+attack, CVE-2023-44487): a reset stream frees its place among the concurrent streams at once,
+so without a check one connection could start requests, and the backend work behind them,
+faster than `max_concurrent_streams` would ever let it. Past `RAPID_RESETS` streams reset
+before their response ended, and when they are more than half the connection's requests, it
+gets GOAWAY with ENHANCE_YOUR_CALM and closes; the listener counts it (`rapid_reset`). A client
+that cancels a generation now and then is far from that.
+
 It also bounds how long a response waits for the client's flow-control window: a stream whose
 send buffer stays full for the listener's send timeout (`transport.hypercorn_send`) is reset
 with CANCEL, and the app gets `http.disconnect`.
@@ -34,6 +42,7 @@ import h2.exceptions
 import hypercorn
 import hypercorn.protocol
 import priority
+from hypercorn.events import Closed
 from hypercorn.protocol.events import Body, Data, EndBody, EndData
 from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.h2 import BUFFER_HIGH_WATER, H2Protocol
@@ -44,8 +53,19 @@ TESTED_MINOR = "0.18"
 """hypercorn version whose `H2Protocol` this override was written and tested against."""
 
 
+RAPID_RESETS = 100
+"""Streams a client may reset before their response ended, on one connection, before the share
+of its requests it resets is checked (more than half: the connection is closed)."""
+ON_RAPID_RESET_ATTRIBUTE = "quicedge_on_rapid_reset"
+"""The hypercorn `Config` attribute that holds the listener's count of such closes."""
+
+
 class GuardedH2Protocol(H2Protocol):
-    """`H2Protocol` that survives request data for a stream it already closed."""
+    """`H2Protocol` that survives request data for a stream it already closed, closes a
+    connection that resets most of its requests, and bounds its waits for flow control."""
+
+    _cancelled = 0
+    """Streams the client reset before their response ended."""
 
     async def _handle_events(self, events: list[h2.events.Event]) -> None:
         # One event at a time: a stream can close while hypercorn awaits an earlier event of
@@ -54,8 +74,25 @@ class GuardedH2Protocol(H2Protocol):
             if isinstance(event, h2.events.DataReceived) and event.stream_id not in self.streams:
                 self._discard(event)
                 await self._flush()
-            else:
-                await super()._handle_events([event])
+                continue
+            if isinstance(event, h2.events.StreamReset) and event.stream_id in self.streams:
+                cancelled = self._cancelled = self._cancelled + 1
+                if cancelled > RAPID_RESETS and 2 * cancelled > self.keep_alive_requests:
+                    await self._calm()
+                    return
+            await super()._handle_events([event])
+
+    async def _calm(self) -> None:
+        """GOAWAY with ENHANCE_YOUR_CALM, and close: every open stream's app hears the client
+        is gone."""
+        counted = getattr(self.config, ON_RAPID_RESET_ATTRIBUTE, None)
+        if counted is not None:
+            counted("rapid_reset")
+        with contextlib.suppress(h2.exceptions.ProtocolError):
+            self.connection.close_connection(h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
+            await self._flush()
+        await self.handle(Closed())  # the streams first, while the connection's server runs
+        await self.send(Closed())
 
     async def stream_send(self, event: StreamEvent) -> None:
         limit = send_timeout_of(self.config)
@@ -116,4 +153,10 @@ def install() -> None:
     hypercorn.protocol.H2Protocol = GuardedH2Protocol  # type: ignore[misc]
 
 
-__all__ = ["TESTED_MINOR", "GuardedH2Protocol", "install"]
+__all__ = [
+    "ON_RAPID_RESET_ATTRIBUTE",
+    "RAPID_RESETS",
+    "TESTED_MINOR",
+    "GuardedH2Protocol",
+    "install",
+]

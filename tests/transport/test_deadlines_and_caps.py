@@ -27,6 +27,7 @@ from transport.caps import CLIENT_CAP, LISTENER_CAP, ConnectionGate
 from transport.h1_server import H1Listener
 from transport.h3_caps import REASON
 from transport.h3_session import H3Limits
+from transport.hypercorn_h2 import RAPID_RESETS as RAPID
 from transport.metrics import TransportMetrics
 from transport.tcp import TcpListener, TcpOptions
 from transport.tls import TlsMaterial
@@ -507,3 +508,86 @@ async def test_an_http3_client_that_stops_acknowledging_is_reset_after_the_send_
         "quicedge_request_timeouts_total", {"listener": "h3", "phase": "send"}
     )
     assert sent == 1
+
+
+async def h2_client(port: int, ca_cert: Any) -> tuple[Any, asyncio.StreamReader, Any]:
+    """An HTTP/2 connection (the `h2` library over TLS): (connection, reader, writer)."""
+    import h2.config
+    import h2.connection
+
+    context = ssl.create_default_context(cafile=str(ca_cert))
+    context.set_alpn_protocols(["h2"])
+    reader, writer = await asyncio.open_connection(
+        "127.0.0.1", port, ssl=context, server_hostname="localhost"
+    )
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    writer.write(conn.data_to_send())
+    return conn, reader, writer
+
+
+def h2_get(conn: Any, path: str) -> int:
+    stream_id: int = conn.get_next_available_stream_id()
+    conn.send_headers(stream_id, [(":method", "GET"), (":scheme", "https"),
+                                  (":authority", "localhost"), (":path", path)],
+                      end_stream=True)  # fmt: skip
+    return stream_id
+
+
+@pytest.mark.parametrize("resets", [300, 40], ids=["rapid", "now-and-then"])
+async def test_an_http2_client_that_resets_most_of_its_requests_is_sent_away(
+    tls: TlsMaterial, dev_certs: Any, resets: int
+) -> None:
+    """CVE-2023-44487: streams opened and reset at once. Past 100 such resets, when they are
+    most of a connection's requests, it gets GOAWAY ENHANCE_YOUR_CALM; a client that resets
+    now and then, among requests it lets finish, keeps its connection."""
+    import h2.errors
+    import h2.events
+
+    counts = Counts()
+    served = TcpListener(RecordingApp(), host="127.0.0.1", port=0, tls=tls,
+                         on_refused=counts.refused.append)  # fmt: skip
+    await served.start()
+    conn, reader, writer = await h2_client(served.port, dev_certs.ca_cert)
+    try:
+        ended: h2.events.ConnectionTerminated | None = None
+        finished = 0
+
+        async def read_until(done: Any) -> None:
+            nonlocal ended, finished
+            async with asyncio.timeout(10):
+                while not done():
+                    data = await reader.read(65536)
+                    if not data:
+                        return
+                    for event in conn.receive_data(data):
+                        if isinstance(event, h2.events.ConnectionTerminated):
+                            ended = event
+                        elif isinstance(event, h2.events.StreamEnded):
+                            finished += 1
+                    writer.write(conn.data_to_send())
+
+        for i in range(resets):
+            conn.reset_stream(h2_get(conn, "/hold"), h2.errors.ErrorCodes.CANCEL)
+            if resets < RAPID and i % 4 == 0:  # and lets most of its other requests finish
+                for _ in range(3):
+                    h2_get(conn, "/echo")
+            if i % 20 == 19:
+                writer.write(conn.data_to_send())
+                await read_until(lambda: True)  # one read: the server's answers so far
+        writer.write(conn.data_to_send())
+        if resets >= RAPID:
+            await read_until(lambda: ended is not None)
+            assert ended is not None and ended.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+            assert counts.refused == ["rapid_reset"]
+        else:
+            want = 3 * len(range(0, resets, 4))
+            await read_until(lambda: finished >= want)
+            assert ended is None and counts.refused == []
+            assert finished == want
+            conn.close_connection()  # and leaves as a client does, so the server idles
+            writer.write(conn.data_to_send())
+            await read_until(lambda: False)
+    finally:
+        writer.close()
+        await served.stop()
