@@ -24,6 +24,20 @@ from transport.hypercorn_send import send_timeout_of
 
 LISTENER_CAP = "listener_cap"
 CLIENT_CAP = "client_cap"
+RAPID_RESET = "rapid_reset"
+"""A connection sent away for resetting most of its requests (`resets_most`)."""
+RAPID_RESETS = 100
+"""Streams a client may reset before their response ended, on one connection, before the
+share of its requests it resets is checked."""
+
+
+def resets_most(cancelled: int, requests: int) -> bool:
+    """The rapid-reset pattern (CVE-2023-44487): past `RAPID_RESETS` streams reset before their
+    response ended, and more than half of the connection's requests. A reset stream frees its
+    place among the concurrent streams at once, so without this one connection could start
+    requests, and the backend work behind them, without bound; a client that cancels a
+    generation now and then is far from it."""
+    return cancelled > RAPID_RESETS and 2 * cancelled > requests
 
 
 class ConnectionGate:
@@ -127,4 +141,13 @@ def gate_hypercorn() -> None:
     hypercorn_run.TCPServer = _GatedTCPServer  # type: ignore[misc]
 
 
-__all__ = ["CLIENT_CAP", "GATE_ATTRIBUTE", "LISTENER_CAP", "ConnectionGate", "gate_hypercorn"]
+__all__ = [
+    "CLIENT_CAP",
+    "GATE_ATTRIBUTE",
+    "LISTENER_CAP",
+    "RAPID_RESET",
+    "RAPID_RESETS",
+    "ConnectionGate",
+    "gate_hypercorn",
+    "resets_most",
+]

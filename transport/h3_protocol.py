@@ -42,6 +42,7 @@ from transport.h3_session import (
     RequestAborted,
     RequestBody,
     RequestRefused,
+    SentAway,
     StartRequest,
 )
 
@@ -315,6 +316,8 @@ class H3Protocol(QuicConnectionProtocol):
             self._server.request_refused(action)
         elif isinstance(action, EarlyRequest):
             self._server.early_request(action)
+        elif isinstance(action, SentAway):
+            self._server.sent_away(action.reason)
 
     def _watch_early(self, stream_id: int) -> None:
         """A request runs on early data: unless the handshake completes within the deadline,

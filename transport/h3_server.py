@@ -397,6 +397,12 @@ class H3Server:
             self.metrics.stream_errors.labels(str(action.status or "reset")).inc()
         log.debug("stream %d refused: %s", action.stream_id, action.reason)
 
+    def sent_away(self, reason: str) -> None:
+        """A connection closed for how its client behaved (`caps.RAPID_RESET`)."""
+        log.info("connection closed: %s", reason)
+        if self.metrics is not None:
+            self.metrics.connections_refused.labels("h3", reason).inc()
+
     def early_data_expired(self, requests: int) -> None:
         log.debug("%d early-data request(s) cancelled: handshake past its deadline", requests)
         if self.metrics is not None:

@@ -33,6 +33,7 @@ from aioquic.quic.events import (
     StreamReset,
 )
 
+from transport.caps import RAPID_RESET, resets_most
 from transport.early_data import EarlyDataPolicy, Mode
 from transport.h3_connection import StreamConfinedH3Connection
 
@@ -153,7 +154,14 @@ class EarlyRequest:
     action: Mode
 
 
-Action = StartRequest | RequestBody | RequestAborted | RequestRefused | EarlyRequest
+@dataclass(frozen=True, slots=True)
+class SentAway:
+    """The connection was closed for how its client behaved (`reason`: `caps.RAPID_RESET`)."""
+
+    reason: str
+
+
+Action = StartRequest | RequestBody | RequestAborted | RequestRefused | EarlyRequest | SentAway
 
 
 @dataclass(slots=True)
@@ -195,6 +203,8 @@ class H3Session:
         self._deferred: list[int] = []
         self._goaway_id: int | None = None
         self._max_seen_id = -4
+        self._opened = 0  # requests whose head arrived
+        self._cancelled = 0  # of them, reset by the client before their response ended
         self.handshake_complete = False
         self.terminated = False
 
@@ -217,15 +227,7 @@ class H3Session:
             self._release_deferred(now, actions)
             return actions
         if isinstance(event, ConnectionTerminated):
-            self.terminated = True
-            for stream_id, req in list(self._requests.items()):
-                if req.started:
-                    actions.append(RequestAborted(stream_id))
-            self._requests.clear()
-            self._deferred.clear()
-            for timer in self._heads.values():
-                timer.cancel()
-            self._heads.clear()
+            self._end(actions)
             return actions
         for h3_event in self._h3.handle_event(event):
             if isinstance(h3_event, HeadersReceived):
@@ -284,6 +286,7 @@ class H3Session:
             self._h3.abort_stream(stream_id, ErrorCode.H3_REQUEST_REJECTED)
             actions.append(RequestRefused(stream_id, None, "after GOAWAY"))
             return
+        self._opened += 1
         size = 0
         method = path = authority = b""
         scheme = b"https"
@@ -399,16 +402,44 @@ class H3Session:
         req = self._requests.pop(stream_id, None)
         if req is None:
             self._h3.forget(stream_id)
+            if stream_id % 4 == 0 and stream_id > self._max_seen_id:
+                # a request stream reset before its head arrived: opened and cancelled too
+                self._opened += 1
+                self._cancelled += 1
+                self._sent_away_if_rapid(actions)
             return
         if not req.response_done:
             # RFC 9114 §4.1.2: the client cancelled; abandon the response too, which also
             # lets QUIC retire the stream and return its credit.
             self._h3.abort_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
+            self._cancelled += 1
         self._h3.forget(stream_id)
         if req.started:
             actions.append(RequestAborted(stream_id))
         else:
             self._deferred.remove(stream_id)
+        self._sent_away_if_rapid(actions)
+
+    def _sent_away_if_rapid(self, actions: list[Action]) -> None:
+        """Close a connection that opens and resets requests as fast as the stream credit
+        comes back (`caps.resets_most`)."""
+        if resets_most(self._cancelled, self._opened) and not self.terminated:
+            self._quic.close(error_code=ErrorCode.H3_EXCESSIVE_LOAD,
+                             reason_phrase="most requests reset")  # fmt: skip
+            actions.append(SentAway(RAPID_RESET))
+            self._end(actions)
+
+    def _end(self, actions: list[Action]) -> None:
+        """The connection is over: every started request is aborted, nothing more is read."""
+        self.terminated = True
+        for stream_id, req in list(self._requests.items()):
+            if req.started:
+                actions.append(RequestAborted(stream_id))
+        self._requests.clear()
+        self._deferred.clear()
+        for timer in self._heads.values():
+            timer.cancel()
+        self._heads.clear()
 
     def _on_failed(
         self, stream_id: int, status: int | None, reason: str, actions: list[Action]

@@ -16,10 +16,10 @@ it already has until its read timeout. Every other event goes to hypercorn uncha
 It closes a connection whose client resets most of the requests it opens (the "rapid reset"
 attack, CVE-2023-44487): a reset stream frees its place among the concurrent streams at once,
 so without a check one connection could start requests, and the backend work behind them,
-faster than `max_concurrent_streams` would ever let it. Past `RAPID_RESETS` streams reset
-before their response ended, and when they are more than half the connection's requests, it
-gets GOAWAY with ENHANCE_YOUR_CALM and closes; the listener counts it (`rapid_reset`). A client
-that cancels a generation now and then is far from that.
+faster than `max_concurrent_streams` would ever let it. Past `caps.RAPID_RESETS` streams reset
+before their response ended, and when they are more than half the connection's requests
+(`caps.resets_most`), it gets GOAWAY with ENHANCE_YOUR_CALM and closes; the listener counts it
+(`rapid_reset`).
 
 It also bounds how long a response waits for the client's flow-control window: a stream whose
 send buffer stays full for the listener's send timeout (`transport.hypercorn_send`) is reset
@@ -47,15 +47,13 @@ from hypercorn.protocol.events import Body, Data, EndBody, EndData
 from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.h2 import BUFFER_HIGH_WATER, H2Protocol
 
+from transport.caps import RAPID_RESET, resets_most
 from transport.hypercorn_send import send_timeout_of
 
 TESTED_MINOR = "0.18"
 """hypercorn version whose `H2Protocol` this override was written and tested against."""
 
 
-RAPID_RESETS = 100
-"""Streams a client may reset before their response ended, on one connection, before the share
-of its requests it resets is checked (more than half: the connection is closed)."""
 ON_RAPID_RESET_ATTRIBUTE = "quicedge_on_rapid_reset"
 """The hypercorn `Config` attribute that holds the listener's count of such closes."""
 
@@ -76,8 +74,8 @@ class GuardedH2Protocol(H2Protocol):
                 await self._flush()
                 continue
             if isinstance(event, h2.events.StreamReset) and event.stream_id in self.streams:
-                cancelled = self._cancelled = self._cancelled + 1
-                if cancelled > RAPID_RESETS and 2 * cancelled > self.keep_alive_requests:
+                self._cancelled += 1
+                if resets_most(self._cancelled, self.keep_alive_requests):
                     await self._calm()
                     return
             await super()._handle_events([event])
@@ -87,7 +85,7 @@ class GuardedH2Protocol(H2Protocol):
         is gone."""
         counted = getattr(self.config, ON_RAPID_RESET_ATTRIBUTE, None)
         if counted is not None:
-            counted("rapid_reset")
+            counted(RAPID_RESET)
         with contextlib.suppress(h2.exceptions.ProtocolError):
             self.connection.close_connection(h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
             await self._flush()
@@ -155,7 +153,6 @@ def install() -> None:
 
 __all__ = [
     "ON_RAPID_RESET_ATTRIBUTE",
-    "RAPID_RESETS",
     "TESTED_MINOR",
     "GuardedH2Protocol",
     "install",

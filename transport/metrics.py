@@ -143,8 +143,8 @@ class TransportMetrics:
             "quicedge_connections_refused",
             "connections refused as they opened (TCP: closed as accepted; QUIC:"
             " CONNECTION_REFUSED): over the listener's cap (listener_cap) or one client"
-            " address's (client_cap); or closed with GOAWAY for resetting most of their"
-            " HTTP/2 requests (rapid_reset)",
+            " address's (client_cap); or closed for resetting most of their requests"
+            " (rapid_reset)",
             ["listener", "reason"],
             registry=registry,
         )

@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 from aioquic.buffer import encode_uint_var
-from aioquic.h3.connection import FrameType
+from aioquic.h3.connection import ErrorCode, FrameType
 from aioquic.quic.packet import QuicErrorCode
 from prometheus_client import CollectorRegistry
 
@@ -24,10 +24,10 @@ from tests.transport.apps import RecordingApp
 from tests.transport.conftest import H3Factory
 from tests.transport.h3client import Response, h3_connect, h3_connect_from
 from transport.caps import CLIENT_CAP, LISTENER_CAP, ConnectionGate
+from transport.caps import RAPID_RESETS as RAPID
 from transport.h1_server import H1Listener
 from transport.h3_caps import REASON
 from transport.h3_session import H3Limits
-from transport.hypercorn_h2 import RAPID_RESETS as RAPID
 from transport.metrics import TransportMetrics
 from transport.tcp import TcpListener, TcpOptions
 from transport.tls import TlsMaterial
@@ -591,3 +591,52 @@ async def test_an_http2_client_that_resets_most_of_its_requests_is_sent_away(
     finally:
         writer.close()
         await served.stop()
+
+
+@pytest.mark.parametrize(
+    ("resets", "started"),
+    [(300, False), (RAPID + 20, True), (40, False)],
+    ids=["rapid", "rapid-once-answering", "now-and-then"],
+)
+async def test_an_http3_client_that_resets_most_of_its_requests_is_sent_away(
+    h3_server: H3Factory, dev_certs: Any, resets: int, started: bool
+) -> None:
+    """The same over HTTP/3: the connection is closed with H3_EXCESSIVE_LOAD, and counted,
+    whether the client resets its requests at once (in the packet that opens them) or once
+    the app has begun to answer them."""
+    registry = CollectorRegistry()
+    metrics = TransportMetrics(registry)
+    async with h3_server(metrics=metrics) as server:
+        async with h3_connect(server.port, dev_certs.ca_cert) as c:
+            finished: list[int] = []
+            for i in range(resets):
+                stream_id = c.request("GET", "/hold")
+                if started:  # the app is answering it: the backend work has begun
+                    c.transmit()
+                    answer = c.responses[stream_id]  # (done: the connection was closed)
+                    waits = [asyncio.ensure_future(answer.first_data.wait()),
+                             asyncio.ensure_future(answer.done.wait())]  # fmt: skip
+                    await asyncio.wait(waits, timeout=5, return_when=asyncio.FIRST_COMPLETED)
+                    for wait in waits:
+                        wait.cancel()
+                c.reset(stream_id)
+                if resets < RAPID and i % 4 == 0:  # and lets most of its other requests finish
+                    finished += [c.request("GET", "/echo") for _ in range(3)]
+                if i % 20 == 19:
+                    c.transmit()
+                    await asyncio.sleep(0.01)  # the server's answers, and fresh stream credit
+                if c.terminated is not None:
+                    break
+            c.transmit()
+            if resets >= RAPID:
+                await wait_until(lambda: c.terminated is not None)
+                assert c.terminated is not None
+                assert c.terminated.error_code == ErrorCode.H3_EXCESSIVE_LOAD
+            else:
+                for stream_id in finished:
+                    assert (await c.wait(stream_id)).status == 200
+                assert c.terminated is None
+    refused = registry.get_sample_value(
+        "quicedge_connections_refused_total", {"listener": "h3", "reason": "rapid_reset"}
+    )
+    assert refused == (1 if resets >= RAPID else None)
