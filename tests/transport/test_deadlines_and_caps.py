@@ -445,13 +445,35 @@ async def test_a_client_that_stops_reading_is_cut_off_after_the_send_timeout(kin
         await served.stop()
 
 
+async def h2_client(port: int, ca_cert: Any) -> tuple[Any, asyncio.StreamReader, Any]:
+    """An HTTP/2 connection (the `h2` library over TLS): (connection, reader, writer)."""
+    import h2.config
+    import h2.connection
+
+    context = ssl.create_default_context(cafile=str(ca_cert))
+    context.set_alpn_protocols(["h2"])
+    reader, writer = await asyncio.open_connection(
+        "127.0.0.1", port, ssl=context, server_hostname="localhost"
+    )
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    writer.write(conn.data_to_send())
+    return conn, reader, writer
+
+
+def h2_get(conn: Any, path: str) -> int:
+    stream_id: int = conn.get_next_available_stream_id()
+    conn.send_headers(stream_id, [(":method", "GET"), (":scheme", "https"),
+                                  (":authority", "localhost"), (":path", path)],
+                      end_stream=True)  # fmt: skip
+    return stream_id
+
+
 async def test_an_http2_client_that_keeps_its_window_shut_is_reset_after_the_send_timeout(
     tls: TlsMaterial, dev_certs: Any
 ) -> None:
     """Over HTTP/2 the client reads every frame but never opens its flow-control window: the
     stream is reset with CANCEL, and the app hears the client is gone."""
-    import h2.config
-    import h2.connection
     import h2.errors
     import h2.events
 
@@ -460,18 +482,9 @@ async def test_an_http2_client_that_keeps_its_window_shut_is_reset_after_the_sen
     served = TcpListener(app, host="127.0.0.1", port=0, tls=tls, options=TcpOptions(**SEND),
                          on_timeout=counts.timeouts.append)  # fmt: skip
     await served.start()
-    context = ssl.create_default_context(cafile=str(dev_certs.ca_cert))
-    context.set_alpn_protocols(["h2"])
-    reader, writer = await asyncio.open_connection(
-        "127.0.0.1", served.port, ssl=context, server_hostname="localhost"
-    )
+    conn, reader, writer = await h2_client(served.port, dev_certs.ca_cert)
     try:
-        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-        conn.initiate_connection()
-        stream_id = conn.get_next_available_stream_id()
-        conn.send_headers(stream_id, [(":method", "GET"), (":scheme", "https"),
-                                      (":authority", "localhost"), (":path", "/firehose")],
-                          end_stream=True)  # fmt: skip
+        stream_id = h2_get(conn, "/firehose")
         writer.write(conn.data_to_send())
         reset: h2.events.StreamReset | None = None
         async with asyncio.timeout(10):
@@ -508,30 +521,6 @@ async def test_an_http3_client_that_stops_acknowledging_is_reset_after_the_send_
         "quicedge_request_timeouts_total", {"listener": "h3", "phase": "send"}
     )
     assert sent == 1
-
-
-async def h2_client(port: int, ca_cert: Any) -> tuple[Any, asyncio.StreamReader, Any]:
-    """An HTTP/2 connection (the `h2` library over TLS): (connection, reader, writer)."""
-    import h2.config
-    import h2.connection
-
-    context = ssl.create_default_context(cafile=str(ca_cert))
-    context.set_alpn_protocols(["h2"])
-    reader, writer = await asyncio.open_connection(
-        "127.0.0.1", port, ssl=context, server_hostname="localhost"
-    )
-    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
-    conn.initiate_connection()
-    writer.write(conn.data_to_send())
-    return conn, reader, writer
-
-
-def h2_get(conn: Any, path: str) -> int:
-    stream_id: int = conn.get_next_available_stream_id()
-    conn.send_headers(stream_id, [(":method", "GET"), (":scheme", "https"),
-                                  (":authority", "localhost"), (":path", path)],
-                      end_stream=True)  # fmt: skip
-    return stream_id
 
 
 @pytest.mark.parametrize("resets", [300, 40], ids=["rapid", "now-and-then"])
