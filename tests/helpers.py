@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import shutil
 import socket
 import subprocess
@@ -16,6 +17,27 @@ from bench.children import free_port
 
 def free_udp_port() -> int:
     return free_port(socket.SOCK_DGRAM)
+
+
+def restartable_port() -> int:
+    """A free TCP port below the kernel's range for outgoing connections: a server stopped on
+    it can start there again (Redis coming back at its address), because no client socket of
+    this or another process is given it in between, as a port from `free_port` may be."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(10000, max(10001, low))
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port from 10000 to {low}")
 
 
 def wait_for_tcp(host: str, port: int, timeout: float = 10.0) -> None:
@@ -49,14 +71,15 @@ class RedisServer:
     """A redis-server of our own on a free loopback port; stopping it tests Redis going away."""
 
     def __init__(self, port: int | None = None) -> None:
-        """Start one on `port` (None: a free one; the old port restarts a stopped server)."""
+        """Start one on `port` (None: a free one, `restartable_port`; the old port restarts a
+        stopped server)."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError(
                 "no redis-server: run `make test`, or install redis-server, "
                 "or set QUICEDGE_TEST_REDIS_URL"
             )
-        self.port = port or free_port()
+        self.port = port or restartable_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.proc = subprocess.Popen(
             [
