@@ -180,6 +180,8 @@ class _Cycle:
         parts = [_STATUS_LINES.get(status) or _status_line(status)]
         framed = False
         close = not self.keep_alive or self.proto.server.draining
+        if self.expect_100 and not self.continued:
+            close = True  # its body was never asked for: the connection cannot go on after it
         for name, value in headers:
             if b"\n" in name or b"\r" in name or b"\n" in value or b"\r" in value:
                 raise ValueError("CR or LF in a response header")  # response splitting

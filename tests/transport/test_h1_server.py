@@ -258,8 +258,9 @@ async def test_expect_100_refused_without_reading_closes() -> None:
         writer.write(
             b"POST / HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\ncontent-length: 3\r\n\r\n"
         )
-        status, _, body = await read_response(reader)
+        status, headers, body = await read_response(reader)
         assert (status, body) == (417, b"no")  # no 100 first: the app never asked for the body
+        assert headers["connection"] == "close"  # and the client is told
         assert await at_eof(reader)
 
 
