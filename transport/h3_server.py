@@ -47,6 +47,7 @@ from transport.h3_session import EarlyRequest, H3Limits, RequestRefused
 from transport.metrics import TransportMetrics
 from transport.qlog import QlogWriter
 from transport.retry import SharedRetryTokenHandler
+from transport.sockets import bind_naming
 from transport.stateless_reset import StatelessResets
 from transport.steering import WorkerConnectionIds
 from transport.tickets import TicketStore, TicketStoreError
@@ -319,7 +320,7 @@ class H3Server:
             if reuse_port:
                 # Workers share the port; the kernel spreads clients by 4-tuple hash.
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-            sock.bind((host, port))
+            bind_naming(sock, host, port, "UDP")
         configuration = self._configuration()
         fetcher = self._take_ticket if self.tickets is not None else None
         handler = self._keep_ticket if self.tickets is not None else None

@@ -31,6 +31,7 @@ from transport.asgi import ASGIApp, Receive, Scope, Send, with_tcp_extensions
 from transport.caps import GATE_ATTRIBUTE, ConnectionGate, gate_hypercorn
 from transport.deadlines import with_body_deadline
 from transport.hypercorn_send import SEND_TIMEOUT_ATTRIBUTE, SendTimeout
+from transport.sockets import bind_naming
 from transport.tls import TlsMaterial
 
 ALT_SVC_MAX_AGE = 86400  # one day, as NGINX's documented example
@@ -49,7 +50,7 @@ def tcp_socket(host: str, port: int, *, reuse_port: bool) -> socket.socket:
     # Accepted sockets inherit TCP_NODELAY from the listener on Linux: no Nagle delay on
     # token-sized writes.
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.bind((host, port))
+    bind_naming(sock, host, port, "TCP")
     # Listen now: clients that connect before hypercorn's accept loop runs wait in the backlog.
     sock.listen(1024)
     return sock

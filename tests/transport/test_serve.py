@@ -7,10 +7,12 @@ import base64
 import json
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -47,6 +49,29 @@ def test_bad_settings_are_refused_clearly(
 ) -> None:
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("taken", ["--http", "--h3"])
+def test_a_port_in_use_is_named(
+    taken: str, dev_certs: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Of the listeners `serve` starts, the one whose address is taken is named."""
+    kind = socket.SOCK_STREAM if taken == "--http" else socket.SOCK_DGRAM
+    with socket.socket(socket.AF_INET, kind) as holder:
+        holder.bind(("127.0.0.1", 0))
+        if kind == socket.SOCK_STREAM:
+            holder.listen()
+        address = f"127.0.0.1:{holder.getsockname()[1]}"
+        ports = {"--http": f"127.0.0.1:{free_port()}", "--h3": f"127.0.0.1:{free_port()}"}
+        ports[taken] = address
+        argv = ["--demo", "--tcp", "off", "--admin", "off", "--cert", str(dev_certs.cert),
+                "--key", str(dev_certs.key),
+                *(x for flag, value in ports.items() for x in (flag, value))]  # fmt: skip
+        assert main(argv) == 1
+    protocol = "TCP" if taken == "--http" else "UDP"
+    assert f"cannot listen on {address} ({protocol}): Address already in use" in (
+        capsys.readouterr().err
+    )
 
 
 def test_help_shows_the_early_data_policy() -> None:
