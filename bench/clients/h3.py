@@ -132,6 +132,14 @@ class _H3Protocol(QuicConnectionProtocol):
             return
         super().datagram_received(data, addr)
 
+    def error_received(self, exc: Exception) -> None:
+        if isinstance(exc, ConnectionRefusedError) and not self.handshake.done():
+            self.handshake.set_exception(
+                ConnectionRefusedError(exc.errno, "nothing listens on that UDP port")
+            )
+            self.handshake.exception()  # retrieved: nobody may be waiting on it (0-RTT)
+        super().error_received(exc)
+
     def quic_event_received(self, event: QuicEvent) -> None:
         if isinstance(event, HandshakeCompleted) and not self.handshake.done():
             self.handshake.set_result(event.early_data_accepted)
@@ -187,7 +195,7 @@ class H3Client(StreamingClient):
         config = self._configuration(target)
         early = config.session_ticket is not None
         infos = await loop.getaddrinfo(target.host, target.port, type=socket.SOCK_DGRAM)
-        family, _, _, _, addr = infos[0]
+        addr = infos[0][4]
         ticket_received = loop.create_future()
 
         def keep_ticket(ticket: SessionTicket) -> None:
@@ -201,14 +209,17 @@ class H3Client(StreamingClient):
         quic = QuicConnection(
             configuration=config, session_ticket_handler=keep_ticket, token_handler=keep_token
         )
+        # A connected socket: the kernel reports an ICMP "port unreachable" to it (an
+        # unconnected one never hears it), so nothing listening fails at once, not at the timeout.
         transport, protocol = await loop.create_datagram_endpoint(
             lambda: _H3Protocol(quic, ticket_received=ticket_received),
-            local_addr=("::", 0) if family == socket.AF_INET6 else ("0.0.0.0", 0),
+            remote_addr=(str(addr[0]), int(addr[1])),
         )
         assert isinstance(protocol, _H3Protocol)
-        protocol.connect(addr, transmit=not early)
+        # the address as the transport holds it (IPv6: four fields), which its sends must match
+        protocol.connect(transport.get_extra_info("peername"), transmit=not early)
         if not early:
-            await protocol.wait_connected()
+            await protocol.handshake
         return protocol, transport, early
 
     def _close_later(self, protocol: _H3Protocol, transport: asyncio.DatagramTransport) -> None:

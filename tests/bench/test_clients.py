@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import socket
+import time
 
 import pytest
 
@@ -134,13 +136,31 @@ async def test_connection_refused_is_an_error_result(dev_certs: DevCertificates)
 async def test_h3_timeout_when_nothing_answers(dev_certs: DevCertificates) -> None:
     options = ClientOptions(cacert=str(dev_certs.ca_cert), timeout=0.5)
     client = make_client("h3", options)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as silent:  # reads, never answers
+        silent.bind(("127.0.0.1", 0))
+        try:
+            result = await client.request(
+                _url("https", silent.getsockname()[1]), method="POST", headers=[], body=b"{}"
+            )
+        finally:
+            await client.aclose()
+    assert result.error == "timeout after 0.5s"
+
+
+async def test_h3_is_refused_at_once_when_nothing_listens(dev_certs: DevCertificates) -> None:
+    """The kernel's ICMP "port unreachable" fails the handshake at once, as TCP's connection
+    refused does, rather than at the end of the timeout."""
+    options = ClientOptions(cacert=str(dev_certs.ca_cert), timeout=30.0)
+    client = make_client("h3", options)
+    began = time.perf_counter()
     try:
         result = await client.request(
             _url("https", free_udp_port()), method="POST", headers=[], body=b"{}"
         )
     finally:
         await client.aclose()
-    assert result.error == "timeout after 0.5s"
+    assert result.error is not None and "nothing listens on that UDP port" in result.error
+    assert time.perf_counter() - began < 10.0  # not the 30 s timeout
 
 
 def test_bad_configurations_are_refused() -> None:
