@@ -240,6 +240,10 @@ class ProxyApp:
                     self._log_other(scope, label, 200)
                 return
             raise RouteNotFound(f"no route for {method} {path}")
+        except ClientGone:  # left while sending a body: nothing to answer, no fault of ours
+            self.metrics.requests.labels(label, "499", NO_MODEL).inc()
+            if self.access_log is not None:
+                self._log_other(scope, label, 499, "client disconnected")
         except Exception as exc:
             err = exc if isinstance(exc, EdgeError) else _internal(scope, "-")
             await render_error(send, err, body_writer(scope))
@@ -330,8 +334,6 @@ class ProxyApp:
             self._audit_stored("response.cancel", tenant, name)
         elif scope["method"] == "POST":
             body = await self._stored_body(headers, receive)
-            if body is None:
-                return
             if label == "/v1/conversations":
                 answer = await stored.create(tenant, body)
                 self._audit_stored("conversation.create", tenant, answer["id"])
@@ -361,18 +363,13 @@ class ProxyApp:
         if answer is not None:  # None: the client left while it sent the body
             await send_json(send, 200, answer, ratelimit)
 
-    async def _stored_body(
-        self, headers: RequestHeaders, receive: Receive
-    ) -> dict[str, Any] | None:
-        """A stored object's POST body, checked as an inference body is; None: the client
-        left."""
+    async def _stored_body(self, headers: RequestHeaders, receive: Receive) -> dict[str, Any]:
+        """A stored object's POST body, checked as an inference body is (`ClientGone`: the
+        client left while sending it, counted 499 by `__call__`)."""
         check_content_type(headers.content_type)
         limit = self.config.max_body_bytes
         declared_length(headers.content_length, limit)
-        try:
-            return parse_json_object(await read_body(receive, limit))
-        except ClientGone:
-            return None
+        return parse_json_object(await read_body(receive, limit))
 
     async def _resume(
         self,
@@ -427,8 +424,6 @@ class ProxyApp:
             return answer
         if method == "POST":
             body = await self._stored_body(read_headers(scope["headers"]), receive)
-            if body is None:
-                return None
             answer = await completions.update(tenant, name, body)
             self._audit_stored("chat_completion.update", tenant, name)
             return answer

@@ -287,7 +287,7 @@ class H1Protocol(asyncio.Protocol):
             self._failed(cycle)
         else:
             if not cycle.finished:
-                if not cycle.started:
+                if not cycle.started and not cycle.disconnected:  # (a client gone gets none)
                     log.error("ASGI app returned without a response")
                 self._failed(cycle)
         finally:

@@ -4,6 +4,7 @@ Redis; another tenant's ids are not found."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from edge.state.conversations import (
     RedisConversations,
 )
 from edge.state.redis_store import RedisState
-from tests.edge.conftest import TinyUpstream, client, fast_config, run_edge
+from tests.edge.conftest import Reply, TinyUpstream, client, fast_config, health_ok, run_edge
 from tests.edge.state.helpers import CHAT, ChatUpstream, as_tenant, sdk_of, state, tenants
 from tests.edge.test_app_sim import sim_config
 
@@ -443,3 +444,29 @@ async def test_added_items_are_held_to_the_conversations_size_limit() -> None:
             assert refused.json()["error"]["code"] == "conversation_too_large"
             items = (await http.get(f"/v1/conversations/{conv}/items", headers=me)).json()
             assert [i["content"][0]["text"] for i in items["data"]] == ["x" * 500]
+
+
+async def test_a_client_that_leaves_mid_body_on_a_stored_route_is_counted_not_a_fault(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with TinyUpstream(lambda r: health_ok(r) or Reply(status=404, chunked=False)) as up:
+        config = fast_config([up.url], state=state())
+        async with run_edge(config, listener="h1") as edge:
+            host, port = edge.url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            head = b"POST /v1/conversations HTTP/1.1\r\nhost: x\r\ncontent-length: 100\r\n"
+            writer.write(head + b'content-type: application/json\r\n\r\n{"it')
+            await writer.drain()
+            writer.close()  # gone with 90 bytes of the body still to come
+            sample = 'quicedge_requests_total{model="none",route="/v1/conversations",status="499"}'
+
+            async def counted() -> bool:
+                async with httpx.AsyncClient() as http:
+                    return sample + " 1.0" in (await http.get(edge.admin_url + "/metrics")).text
+
+            deadline = asyncio.get_running_loop().time() + 10
+            while not await counted():
+                assert asyncio.get_running_loop().time() < deadline, "the 499 was not counted"
+                await asyncio.sleep(0.05)
+    # neither a fault of the edge's nor an answer missing: the client left
+    assert "failed" not in caplog.text and "without a response" not in caplog.text
