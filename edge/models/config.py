@@ -172,6 +172,8 @@ class ModelsConfig:
     keys."""
 
     def validate(self) -> None:
+        if self.default is not None and not self.default.strip():
+            raise ValueError("models.default: must name a model pool (or be left out)")
         urls = [b.url.rstrip("/") for b in self.backends]
         if len(set(urls)) != len(urls):
             raise ValueError("models.backends: a url is listed twice")

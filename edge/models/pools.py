@@ -193,6 +193,8 @@ class ModelPools:
         route.version, route.canary = rollout.stable if rollout is not None else None, False
 
     def no_backend(self, route: Route) -> NoHealthyBackend:
+        if route.pool not in self.pools():  # `[models] default` naming a pool nothing serves
+            return NoHealthyBackend(f"no backend serves model pool {route.pool}")
         what = route.pool if route.version is None else f"{route.pool} version {route.version}"
         return NoHealthyBackend(f"model pool {what} has no healthy backend that can take it now")
 

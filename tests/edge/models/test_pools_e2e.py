@@ -12,6 +12,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
+import pytest
 
 from backends.sim import SimConfig, SimServer
 from edge.models import ModelsConfig
@@ -200,3 +201,20 @@ async def test_with_one_pool_a_request_without_a_model_goes_to_it() -> None:
             assert r.status_code == 200
             async with httpx.AsyncClient() as admin:
                 assert (await admin.get(edge.admin_url + "/rollouts")).json()["default"] == "alpha"
+
+
+async def test_a_default_that_names_no_served_pool_says_so() -> None:
+    """`[models] default` naming a pool no backend serves (a typo, or a reload ahead of the
+    fleet): requests that name no model get a 503 that says so, not "no healthy backend"."""
+    async with sims(sim("alpha")) as (a1,):
+        models = ModelsConfig(default="alpah")
+        async with run_edge(fast_config([a1.url]), models=models) as edge, client(edge) as http:
+            r = await http.post("/v1/chat/completions", json=chat(None))
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["message"] == "no backend serves model pool alpah"
+            assert (await http.post("/v1/chat/completions", json=chat("alpha"))).status_code == 200
+
+
+def test_an_empty_default_is_refused_when_the_config_loads() -> None:
+    with pytest.raises(ValueError, match="models.default: must name a model pool"):
+        ModelsConfig.from_mapping({"default": " "}).validate()
