@@ -13,6 +13,7 @@ Initial datagram, before any connection state or TLS work (`h3_caps`).
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Callable
 from typing import Any
 
@@ -118,6 +119,15 @@ class _GatedTCPServer(TCPServer):
                 await self.protocol.handle(Closed())
             except (ConnectionError, RuntimeError):
                 await self.protocol.handle(Closed())
+
+    async def _close(self) -> None:
+        try:
+            await super()._close()
+        except ssl.SSLError:
+            # The client's last frames crossed our close_notify (TLS: "application data after
+            # close notify"); the connection is closed all the same. hypercorn lets it escape
+            # as an unhandled exception of the connection's task.
+            pass
 
     async def run(self) -> None:
         gate: ConnectionGate | None = getattr(self.config, GATE_ATTRIBUTE, None)
