@@ -122,6 +122,11 @@ class TransportConfig:
     """Open connections from one client IP address per listener; one more is closed at once
     and counted. Behind a load balancer that does not keep client addresses, raise it or set 0
     (no cap)."""
+    max_requests_per_connection: int = 0
+    """Requests one HTTP/1.1 or HTTP/2 connection serves before it retires (HTTP/1.1:
+    `connection: close` on the last answer; HTTP/2: GOAWAY once no answer is in flight), so
+    that long-lived connections spread again over the workers and the machines behind a
+    balancer. HTTP/3 connections have no such cap. 0: no cap."""
     limits: H3Limits = field(
         default_factory=H3Limits,
         metadata={
@@ -157,7 +162,8 @@ class TransportConfig:
         resolve_loop(self.loop)  # unknown, or uvloop asked for and not installed
         if self.drain_timeout < 0:
             raise ValueError(f"serve.drain_timeout must be >= 0, got {self.drain_timeout}")
-        for name in ("max_connections", "max_connections_per_client"):
+        caps = ("max_connections", "max_connections_per_client", "max_requests_per_connection")
+        for name in caps:
             if getattr(self, name) < 0:
                 raise ValueError(f"serve.{name} must be >= 0 (0: no cap)")
         if self.qlog_dir is not None:

@@ -59,6 +59,7 @@ class H1Protocol(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpRequestParser(self)  # one for every request here
         self._max_head = server.options.max_header_bytes
+        self._requests_left = server.options.max_requests or -1  # -1: no cap
         self._cycle: _Cycle | None = None  # the request being answered
         self._queue: deque[_Cycle] = deque()  # pipelined requests behind it, already parsed
         self._reading: _Cycle | None = None  # the request whose body is being parsed
@@ -203,6 +204,9 @@ class H1Protocol(asyncio.Protocol):
         if parser.should_upgrade():
             self._upgrade(headers)
             keep_alive = False
+        self._requests_left -= 1
+        if not self._requests_left:
+            keep_alive = False  # the connection's last: it retires (`max_requests`)
         path, _, query = url.partition(b"?")
         method = parser.get_method()
         scope: dict[str, Any] = {

@@ -25,6 +25,18 @@ It also bounds how long a response waits for the client's flow-control window: a
 send buffer stays full for the listener's send timeout (`transport.hypercorn_send`) is reset
 with CANCEL, and the app gets `http.disconnect`.
 
+A connection that has served `keep_alive_max_requests` (`TcpOptions.max_requests`) retires
+without cutting an answer (hypercorn's own check closes it at once: h2 then refuses to send on
+any stream, every answer in flight is lost, and its GOAWAY tells the client those requests
+were processed). It goes on serving until it is idle, then sends GOAWAY: a client that sent a
+request meanwhile sees it above the GOAWAY's last stream and retries it elsewhere. A client
+that never leaves it idle gets, `h2_max_concurrent_streams` requests later, a graceful GOAWAY
+(RFC 9113 §6.8) naming the last request taken: those in flight are answered to their end and
+later ones refused with REFUSED_STREAM, and the final GOAWAY follows the last answer. Either
+way the client then closes the connection, or hypercorn's idle timer does. The idle moment
+comes first because python-h2 clients (httpx with `http2=True`) fail every stream in flight
+when a GOAWAY arrives (python-hyper/h2#1181).
+
 `install()` swaps it in where hypercorn's `ProtocolWrapper` looks the class up, once per
 process; `transport.tcp` calls it. The override is tied to hypercorn's internals
 (`streams`, `connection`, `_handle_events`), so `pyproject.toml` pins hypercorn's minor version
@@ -42,10 +54,11 @@ import h2.exceptions
 import hypercorn
 import hypercorn.protocol
 import priority
-from hypercorn.events import Closed
+from hypercorn.events import Closed, RawData, Updated
 from hypercorn.protocol.events import Body, Data, EndBody, EndData
 from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.h2 import BUFFER_HIGH_WATER, H2Protocol
+from hyperframe.frame import GoAwayFrame
 
 from transport.caps import RAPID_RESET, resets_most
 from transport.hypercorn_send import send_timeout_of
@@ -60,10 +73,21 @@ ON_RAPID_RESET_ATTRIBUTE = "quicedge_on_rapid_reset"
 
 class GuardedH2Protocol(H2Protocol):
     """`H2Protocol` that survives request data for a stream it already closed, closes a
-    connection that resets most of its requests, and bounds its waits for flow control."""
+    connection that resets most of its requests, bounds its waits for flow control, and goes
+    away gracefully after its last allowed request."""
 
     _cancelled = 0
     """Streams the client reset before their response ended."""
+
+    _retiring = False
+    """The connection has served `keep_alive_max_requests`: it closes when next idle."""
+
+    _last_stream: int | None = None
+    """The last request taken after the connection announced it is going away (None: it has
+    not)."""
+
+    _retired = False
+    """The final GOAWAY went out: h2 takes no more frames."""
 
     async def _handle_events(self, events: list[h2.events.Event]) -> None:
         # One event at a time: a stream can close while hypercorn awaits an earlier event of
@@ -78,7 +102,55 @@ class GuardedH2Protocol(H2Protocol):
                 if resets_most(self._cancelled, self.keep_alive_requests):
                     await self._calm()
                     return
+            if isinstance(event, h2.events.RequestReceived) and not self._terminated():
+                await self._request(event)
+                continue
             await super()._handle_events([event])
+            if self._retiring and not self._retired:
+                await self._retire_if_idle()
+
+    def _terminated(self) -> bool:
+        """Whether the server is shutting down (hypercorn then refuses new requests)."""
+        return self.context.terminated.is_set()
+
+    async def _request(self, event: h2.events.RequestReceived) -> None:
+        """hypercorn's handling of a new request, with a retirement that loses no answer in
+        place of its close after `keep_alive_max_requests`."""
+        stream_id = event.stream_id
+        assert stream_id is not None
+        if self._last_stream is not None:
+            self.connection.reset_stream(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
+            await self._flush()
+            return
+        await self._create_stream(event)
+        await self.send(Updated(idle=False))
+        served, most = self.keep_alive_requests, self.config.keep_alive_max_requests
+        if served >= most:
+            self._retiring = True
+        if served >= most + self.config.h2_max_concurrent_streams:
+            self._last_stream = stream_id
+            await self._flush()  # h2's frames so far go first
+            goaway = GoAwayFrame(stream_id=0, last_stream_id=stream_id)
+            # Past h2's state machine, which after a GOAWAY of its own refuses to send
+            # anything more on the streams in flight.
+            await self.send(RawData(data=goaway.serialize()))
+
+    async def _retire_if_idle(self) -> None:
+        """GOAWAY once a retiring connection's last answer is wholly sent. The client closes
+        the connection then (as it must not open another stream on it), or hypercorn's idle
+        timer does; closing it from here would race the client's last frames (its window
+        updates), which TLS then reports as data after close_notify."""
+        if self._retired or self.streams or self.stream_buffers:
+            return
+        self._retired = True
+        with contextlib.suppress(h2.exceptions.ProtocolError):
+            self.connection.close_connection(last_stream_id=self._last_stream)
+            await self._flush()
+
+    async def _send_data(self, stream_id: int) -> None:
+        await super()._send_data(stream_id)
+        if self._retiring and not self._retired:
+            await self._retire_if_idle()
 
     async def _calm(self) -> None:
         """GOAWAY with ENHANCE_YOUR_CALM, and close: every open stream's app hears the client
@@ -96,13 +168,15 @@ class GuardedH2Protocol(H2Protocol):
         limit = send_timeout_of(self.config)
         if limit is None or not self._would_wait(event):
             await super().stream_send(event)
-            return
-        try:
-            async with asyncio.timeout(limit.seconds):
-                await super().stream_send(event)
-        except TimeoutError:
-            limit.stalled()
-            await self._stalled(event.stream_id)
+        else:
+            try:
+                async with asyncio.timeout(limit.seconds):
+                    await super().stream_send(event)
+            except TimeoutError:
+                limit.stalled()
+                await self._stalled(event.stream_id)
+        if self._retiring and not self._retired:
+            await self._retire_if_idle()
 
     def _would_wait(self, event: StreamEvent) -> bool:
         """Whether hypercorn would wait for the client to send `event`: a body over its

@@ -104,6 +104,7 @@ class Listeners:
             send_timeout=t.limits.send_timeout,
             max_connections=t.max_connections,
             max_connections_per_client=t.max_connections_per_client,
+            max_requests=t.max_requests_per_connection,
         )
         lines = [f"h3     https://{format_address(self.h3.address or t.h3)} (QUIC, UDP)"]
         if t.tcp is not None:

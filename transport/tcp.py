@@ -20,6 +20,7 @@ import asyncio
 import os
 import socket
 import ssl
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -107,6 +108,9 @@ class TcpOptions:
     the stream reset), and the app gets `http.disconnect`."""
     max_connections: int = 0
     """Open connections this listener keeps; one more is closed at once (0: no cap)."""
+    max_requests: int = 0
+    """Requests one connection serves before it retires (HTTP/1.1: `connection: close` on the
+    last answer; HTTP/2: `transport.hypercorn_h2`). 0: no cap."""
     max_connections_per_client: int = 0
     """Open connections from one client IP address; one more is closed at once (0: no cap)."""
 
@@ -150,6 +154,8 @@ class TcpListener:
         # `transport.deadlines`'s, at the ASGI seam.
         config.keep_alive_timeout = min(options.keep_alive_timeout, options.head_timeout)
         config.h11_max_incomplete_size = options.max_header_bytes
+        # hypercorn's own default is 1,000; 0 means none here.
+        config.keep_alive_max_requests = options.max_requests or sys.maxsize
         gate_hypercorn()
         self.gate = ConnectionGate(
             options.max_connections, options.max_connections_per_client, on_refused

@@ -66,6 +66,10 @@ def refused(done: subprocess.CompletedProcess[str]) -> str:
         ),
         ("[serve]\nrequest_head_timeout = 0\n", "request_head_timeout must be > 0"),
         ("[serve]\nmax_connections = -1\n", "serve.max_connections must be >= 0"),
+        (
+            "[serve]\nmax_requests_per_connection = -1\n",
+            "serve.max_requests_per_connection must be >= 0",
+        ),
         ("serve = 3\n", "[serve] must be a table"),
         ("[serve\n", "--config"),
     ],

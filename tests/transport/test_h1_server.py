@@ -551,6 +551,25 @@ async def test_connection_close_and_http10(request_bytes: bytes) -> None:
     assert json.loads(body)["http_version"] == request_bytes.split(b"\r\n")[0][-3:].decode()
 
 
+async def test_a_connection_retires_after_its_max_requests_with_its_last_answer_whole() -> None:
+    """`max_requests` 3: the third answer says `connection: close` and the connection ends;
+    a fourth request pipelined behind it is not read (the client sends it again elsewhere)."""
+    async with serving(RecordingApp(), max_requests=3) as listener, connect(listener) as io:
+        reader, writer = io
+        for _ in range(2):
+            writer.write(GET)
+            status, headers, _ = await read_response(reader)
+            assert status == 200 and "connection" not in headers
+        writer.write(GET + GET)
+        status, headers, body = await read_response(reader)
+        assert status == 200 and headers["connection"] == "close" and body
+        assert await at_eof(reader)
+    async with serving(RecordingApp()) as uncapped, connect(uncapped) as (reader, writer):
+        for _ in range(5):  # no cap by default
+            writer.write(GET)
+            assert "connection" not in (await read_response(reader))[1]
+
+
 async def test_http10_streamed_response_ends_with_the_connection() -> None:
     app = RecordingApp()
     async with serving(app) as listener, connect(listener) as (reader, writer):

@@ -301,7 +301,9 @@ async def test_address_tokens_can_be_turned_off(serve_process) -> None:
 
 async def test_serve_listeners_alt_svc_and_sighup(serve_process) -> None:
     http_port = free_port()
-    server: ServeProcess = serve_process("--demo", "--http", f"127.0.0.1:{http_port}")
+    server: ServeProcess = serve_process(
+        "--demo", "--http", f"127.0.0.1:{http_port}", "--max-requests-per-connection", "3"
+    )
     ctx = ssl.create_default_context(cafile=str(ensure_dev_certificates().ca_cert))
     async with httpx.AsyncClient(http2=True, verify=ctx) as client:
         r = await client.get(f"https://localhost:{server.tcp_port}/v1/models")
@@ -315,6 +317,11 @@ async def test_serve_listeners_alt_svc_and_sighup(serve_process) -> None:
     async with httpx.AsyncClient() as client:
         r = await client.get(f"http://127.0.0.1:{http_port}/generate")
         assert r.json()["transport"] == "h1" and "alt-svc" not in r.headers
+        closes = [
+            (await client.get(f"http://127.0.0.1:{http_port}/generate")).headers.get("connection")
+            for _ in range(2)
+        ]
+        assert closes == [None, "close"]  # the connection's third request is its last
         health = await client.get(f"http://127.0.0.1:{server.admin_port}/health")
         assert health.status_code == 200
     assert server.proc.poll() is None
