@@ -37,6 +37,11 @@ way the client then closes the connection, or hypercorn's idle timer does. The i
 comes first because python-h2 clients (httpx with `http2=True`) fail every stream in flight
 when a GOAWAY arrives (python-hyper/h2#1181).
 
+While the server drains, a request that arrives is refused with REFUSED_STREAM, which tells
+the client it was not processed and may go to another edge (hypercorn's reset says NO_ERROR,
+which leaves the client to guess); as in hypercorn, the client is told to open no more streams
+and the connection closes once its last answer is out.
+
 `install()` swaps it in where hypercorn's `ProtocolWrapper` looks the class up, once per
 process; `transport.tcp` calls it. The override is tied to hypercorn's internals
 (`streams`, `connection`, `_handle_events`), so `pyproject.toml` pins hypercorn's minor version
@@ -54,6 +59,7 @@ import h2.exceptions
 import hypercorn
 import hypercorn.protocol
 import priority
+from h2.settings import SettingCodes
 from hypercorn.events import Closed, RawData, Updated
 from hypercorn.protocol.events import Body, Data, EndBody, EndData
 from hypercorn.protocol.events import Event as StreamEvent
@@ -89,6 +95,9 @@ class GuardedH2Protocol(H2Protocol):
     _retired = False
     """The final GOAWAY went out: h2 takes no more frames."""
 
+    _draining = False
+    """The server is shutting down and the client was told to open no more streams."""
+
     async def _handle_events(self, events: list[h2.events.Event]) -> None:
         # One event at a time: a stream can close while hypercorn awaits an earlier event of
         # the same batch, so checking the whole batch up front would not be enough.
@@ -102,24 +111,27 @@ class GuardedH2Protocol(H2Protocol):
                 if resets_most(self._cancelled, self.keep_alive_requests):
                     await self._calm()
                     return
-            if isinstance(event, h2.events.RequestReceived) and not self._terminated():
+            if isinstance(event, h2.events.RequestReceived):
                 await self._request(event)
                 continue
             await super()._handle_events([event])
             if self._retiring and not self._retired:
                 await self._retire_if_idle()
 
-    def _terminated(self) -> bool:
-        """Whether the server is shutting down (hypercorn then refuses new requests)."""
-        return self.context.terminated.is_set()
-
     async def _request(self, event: h2.events.RequestReceived) -> None:
-        """hypercorn's handling of a new request, with a retirement that loses no answer in
-        place of its close after `keep_alive_max_requests`."""
+        """hypercorn's handling of a new request, refusing it as unprocessed while the
+        server drains, and with a retirement that loses no answer in place of its close
+        after `keep_alive_max_requests`."""
         stream_id = event.stream_id
         assert stream_id is not None
-        if self._last_stream is not None:
+        draining = self.context.terminated.is_set()
+        if draining or self._last_stream is not None:
+            # REFUSED_STREAM says the request was not processed, so a client may send it
+            # again elsewhere (RFC 9113 §8.7); hypercorn's reset says NO_ERROR.
             self.connection.reset_stream(stream_id, h2.errors.ErrorCodes.REFUSED_STREAM)
+            if draining and not self._draining:
+                self._draining = True  # and no more, as hypercorn says
+                self.connection.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: 0})
             await self._flush()
             return
         await self._create_stream(event)

@@ -33,12 +33,15 @@ class _Answers:
     path at once; each body names its path."""
 
     release: asyncio.Event = field(default_factory=asyncio.Event)
+    holding: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once a `/hold` request is waiting for `release`."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
         path = scope["path"]
         if path == "/hold":
+            self.holding.set()
             await self.release.wait()
         elif path == "/slow":
             await asyncio.sleep(0.1)
@@ -219,3 +222,34 @@ async def test_an_http11_connection_over_tls_says_close_on_its_last_answer(
         assert all(a.content == b"/a" * 1000 for a in answers)
     finally:
         await listener.stop()
+
+
+async def test_a_request_that_arrives_while_the_listener_drains_is_refused_as_unprocessed(
+    tls: TlsMaterial, dev_certs: DevCertificates
+) -> None:
+    """REFUSED_STREAM, so that the client may send it to another edge; the answer in flight
+    on the same connection is finished, and then the connection closes."""
+    app = _Answers()
+    listener = await _serving(tls, app, max_requests=0)
+    stopping: asyncio.Task[None] | None = None
+    try:
+        client = await _Client.open(listener.port, dev_certs.ca_cert)
+        held = client.get("/hold")
+        await asyncio.wait_for(app.holding.wait(), 5)
+        stopping = asyncio.create_task(listener.stop())
+        for _ in range(100):  # answered until hypercorn marks the server as shutting down
+            late = client.get("/late")
+            await client.until_done(late)
+            if late in client.refused:
+                break
+            await asyncio.sleep(0.02)
+        assert client.refused == {late: h2.errors.ErrorCodes.REFUSED_STREAM}
+        app.release.set()
+        await client.until_done(held)
+        assert client.whole(held)
+        await client.until_closed()
+        await asyncio.wait_for(stopping, 5)
+    finally:
+        app.release.set()
+        if stopping is None:
+            await listener.stop()
