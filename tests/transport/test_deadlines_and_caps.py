@@ -445,6 +445,50 @@ async def test_a_client_that_stops_reading_is_cut_off_after_the_send_timeout(kin
         await served.stop()
 
 
+@pytest.mark.parametrize("kind", ["h1", "hypercorn"])
+async def test_a_client_that_takes_a_little_now_and_then_is_cut_off_too(kind: str) -> None:
+    """512 bytes every 0.1 s: a write that paused resumes only once the client took the
+    transport's buffer down to its low-water mark (48 KiB), which it never does within the
+    send timeout."""
+    counts = Counts()
+    app = Firehose()
+    opts = TcpOptions(**SEND)
+    served: H1Listener | TcpListener
+    if kind == "h1":
+        served = H1Listener(app, host="127.0.0.1", port=0, options=opts)
+        served.on_timeout = counts.timeouts.append
+    else:
+        served = TcpListener(app, host="127.0.0.1", port=0, options=opts,
+                             on_timeout=counts.timeouts.append)  # fmt: skip
+    await served.start()
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    taken = 0
+
+    async def trickle() -> None:
+        nonlocal taken
+        while True:
+            data = await loop.sock_recv(sock, 512)
+            if not data:
+                return
+            taken += len(data)
+            await asyncio.sleep(0.1)
+
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", served.port))
+        sock.sendall(b"GET /firehose HTTP/1.1\r\nhost: x\r\n\r\n")
+        sock.setblocking(False)
+        reader = asyncio.ensure_future(trickle())
+        await asyncio.wait_for(app.gone.wait(), 15)
+        assert counts.timeouts == ["send"]
+        assert taken > 0
+        reader.cancel()
+    finally:
+        sock.close()
+        await served.stop()
+
+
 async def h2_client(port: int, ca_cert: Any) -> tuple[Any, asyncio.StreamReader, Any]:
     """An HTTP/2 connection (the `h2` library over TLS): (connection, reader, writer)."""
     import h2.config
