@@ -37,6 +37,11 @@ way the client then closes the connection, or hypercorn's idle timer does. The i
 comes first because python-h2 clients (httpx with `http2=True`) fail every stream in flight
 when a GOAWAY arrives (python-hyper/h2#1181).
 
+A malformed request (RFC 9113 §8.1.1: an uppercase or connection-specific header, a missing
+or misplaced pseudo-header, a forbidden character) is reset with PROTOCOL_ERROR, checked by
+h2's own validator; h2 would raise it as an error of the whole connection, and hypercorn would
+end the connection with every other request's answer on it.
+
 While the server drains, a request that arrives is refused with REFUSED_STREAM, which tells
 the client it was not processed and may go to another edge (hypercorn's reset says NO_ERROR,
 which leaves the client to guess); as in hypercorn, the client is told to open no more streams
@@ -52,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from typing import Any
 
 import h2.errors
 import h2.events
@@ -60,6 +66,7 @@ import hypercorn
 import hypercorn.protocol
 import priority
 from h2.settings import SettingCodes
+from h2.utilities import HeaderValidationFlags, validate_headers
 from hypercorn.events import Closed, RawData, Updated
 from hypercorn.protocol.events import Body, Data, EndBody, EndData
 from hypercorn.protocol.events import Event as StreamEvent
@@ -72,6 +79,11 @@ from transport.hypercorn_send import send_timeout_of
 TESTED_MINOR = "0.18"
 """hypercorn version whose `H2Protocol` this override was written and tested against."""
 
+
+_REQUEST_HEADERS = HeaderValidationFlags(
+    is_client=False, is_trailer=False, is_response_header=False, is_push_promise=False
+)
+"""How h2 checks the headers of a request a server receives."""
 
 ON_RAPID_RESET_ATTRIBUTE = "quicedge_on_rapid_reset"
 """The hypercorn `Config` attribute that holds the listener's count of such closes."""
@@ -118,6 +130,12 @@ class GuardedH2Protocol(H2Protocol):
             if self._retiring and not self._retired:
                 await self._retire_if_idle()
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # h2 would raise a malformed request's headers out of `receive_data`, and hypercorn
+        # then ends the connection; `_request` checks them per stream instead.
+        self.connection.config.validate_inbound_headers = False
+
     async def _request(self, event: h2.events.RequestReceived) -> None:
         """hypercorn's handling of a new request, refusing it as unprocessed while the
         server drains, and with a retirement that loses no answer in place of its close
@@ -132,6 +150,15 @@ class GuardedH2Protocol(H2Protocol):
             if draining and not self._draining:
                 self._draining = True  # and no more, as hypercorn says
                 self.connection.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: 0})
+            await self._flush()
+            return
+        try:
+            for _ in validate_headers(event.headers, _REQUEST_HEADERS):
+                pass
+        except h2.exceptions.ProtocolError:
+            # A stream error, not a connection error (RFC 9113 §8.1.1): the client's other
+            # requests on the connection go on.
+            self.connection.reset_stream(stream_id, h2.errors.ErrorCodes.PROTOCOL_ERROR)
             await self._flush()
             return
         await self._create_stream(event)

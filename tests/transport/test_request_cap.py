@@ -67,20 +67,29 @@ class _Client:
     _pending: bytearray = field(default_factory=bytearray)
 
     @classmethod
-    async def open(cls, port: int, ca: Path) -> _Client:
+    async def open(cls, port: int, ca: Path, *, lenient: bool = False) -> _Client:
+        """Connected and greeted; `lenient`: sends headers as given, malformed or not."""
         ctx = ssl.create_default_context(cafile=str(ca))
         ctx.set_alpn_protocols(["h2"])
         reader, writer = await asyncio.open_connection(
             "127.0.0.1", port, ssl=ctx, server_hostname="localhost"
         )
-        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        config = h2.config.H2Configuration(
+            client_side=True,
+            validate_outbound_headers=not lenient,
+            normalize_outbound_headers=not lenient,
+        )
+        conn = h2.connection.H2Connection(config)
         conn.initiate_connection()
         writer.write(conn.data_to_send())
         return cls(reader, writer, conn)
 
-    def get(self, path: str) -> int:
+    def get(self, path: str, headers: list[tuple[str, str]] | None = None) -> int:
+        """GET `path`; `headers` in place of the usual pseudo-headers, when given."""
         stream_id = self.conn.get_next_available_stream_id()
-        headers = [(":method", "GET"), (":path", path), (":scheme", "https"), (":authority", "x")]
+        if headers is None:
+            headers = [(":method", "GET"), (":path", path), (":scheme", "https")]
+            headers.append((":authority", "x"))
         self.conn.send_headers(stream_id, headers, end_stream=True)
         self.writer.write(self.conn.data_to_send())
         self.paths[stream_id] = path
