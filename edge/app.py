@@ -509,7 +509,12 @@ class ProxyApp:
         except Exception as exc:
             if ex is not None:
                 request_id = ex.request_id  # the label, which the body may have given
-            err = exc if isinstance(exc, EdgeError) else _internal(scope, request_id)
+            if isinstance(exc, EdgeError):
+                # `err` outlives the block: its traceback would hold the frames of the request
+                # (its body's chunks among them) in a cycle until the collector runs.
+                err = exc.with_traceback(None)
+            else:
+                err = _internal(scope, request_id)
             model = ex.model if ex is not None else NO_MODEL
             if self.audit is not None and ex is not None:
                 self.audit.record_exchange(ex, ex.status if ex.started else err.status)

@@ -4,6 +4,7 @@ retries only before the first byte, mid-stream death, timeouts, and every bad in
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import re
 import socket
@@ -14,6 +15,7 @@ import httpx
 import pytest
 
 from backends.registry import Backend
+from edge.errors import PayloadTooLarge
 from edge.routing.base import Decision, RequestView
 from edge.routing.simple import RoundRobin
 from tests.edge.conftest import (
@@ -29,6 +31,7 @@ from tests.edge.conftest import (
     sse_reply,
 )
 from tests.helpers import settled, wait_until
+from tests.transport.test_h1_server import read_response
 
 COMPLETION = {"model": "tiny-model", "prompt": "Hello there", "stream": True}
 
@@ -428,6 +431,36 @@ async def test_body_over_limit_without_content_length_is_413() -> None:
             writer.close()
     assert head.startswith(b"HTTP/1.1 413")
     assert inference(up) == []
+
+
+async def test_a_refused_body_is_freed_with_its_answer_not_by_the_collector() -> None:
+    """The error kept for the answer held its traceback, and through it the request's frames
+    and the body's chunks, in a reference cycle: under the edge's rare collections a flood of
+    413s held up to `max_body_bytes` each."""
+    async with TinyUpstream(script(lambda r: sse_reply(["x"]))) as up:
+        async with run_edge(fast_config([up.url], max_body_bytes=100_000)) as edge:
+            port = int(edge.url.rsplit(":", 1)[1])
+            gc.collect()
+            gc.disable()
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(
+                    b"POST /v1/completions HTTP/1.1\r\nhost: edge\r\n"
+                    b"content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+                    + (b"2710\r\n" + b" " * 10_000 + b"\r\n")
+                    * 11
+                )
+                assert (await read_response(reader))[0] == 413
+                writer.close()
+                await asyncio.sleep(0.1)  # the request's task ends
+                left = [
+                    o
+                    for o in gc.get_objects()
+                    if isinstance(o, PayloadTooLarge) and "100000" in o.message
+                ]
+                assert left == []
+            finally:
+                gc.enable()
 
 
 async def test_no_healthy_backend_is_503() -> None:
