@@ -42,6 +42,7 @@ from edge.policy.gateway import PolicyGateway
 from edge.routing.base import RoutingPolicy
 from edge.routing.breakers import Breakers
 from edge.stages.body import (
+    BodyBudget,
     ClientGone,
     check_content_type,
     declared_length,
@@ -169,6 +170,8 @@ class ProxyApp:
         self.state = state
         self._background: set[asyncio.Task[None]] = set()
         """Background responses being generated (`_in_background`)."""
+        limit = config.max_pending_body_bytes
+        self.body_budget = BodyBudget(limit) if limit else None
         self.admission = admission or Admission(AdmissionSettings(), metrics=metrics)
         self.attempts = Attempts(
             config=config, pool=pool, registry=registry, policy=policy, metrics=metrics,
@@ -369,7 +372,7 @@ class ProxyApp:
         check_content_type(headers.content_type)
         limit = self.config.max_body_bytes
         declared_length(headers.content_length, limit)
-        return parse_json_object(await read_body(receive, limit))
+        return parse_json_object(await read_body(receive, limit, self.body_budget))
 
     async def _resume(
         self,
@@ -686,7 +689,7 @@ class ProxyApp:
         check_content_type(h.content_type)
         limit = self.config.max_body_bytes
         declared_length(h.content_length, limit)
-        raw = await read_body(receive, limit)
+        raw = await read_body(receive, limit, self.body_budget)
         body = parse_json_object(raw)
         if self.state is not None:  # stored conversations, /v1/responses, the response cache
             raw, body = await self.state.prepare(ex, raw, body)

@@ -55,6 +55,11 @@ class ProxyConfig:
     """Longest silence between two chunks of a streaming answer before it is cut (504), s."""
     max_body_bytes: int = 8 * MiB
     """Largest request body accepted, bytes (413 above it); counted as it streams in."""
+    max_pending_body_bytes: int = 256 * MiB
+    """Request-body bytes this process holds for bodies still arriving, over all requests: a
+    body that would pass it is refused with 503 `overloaded`, so that many slow or stalled
+    uploads cannot take the edge's memory. A body that comes whole in one read is not
+    counted. At least `max_body_bytes`; 0: no cap."""
     max_retries: int = 2
     """Extra attempts on other backends, only while nothing has reached the client."""
     retry_budget: float = 0.2
@@ -196,6 +201,11 @@ class ProxyConfig:
                 raise ValueError(f"proxy: {name} must be > 0, got {getattr(self, name)!r}")
         if self.max_retries < 0:
             raise ValueError(f"proxy: max_retries must be >= 0, got {self.max_retries}")
+        if 0 < self.max_pending_body_bytes < self.max_body_bytes or self.max_pending_body_bytes < 0:
+            raise ValueError(
+                "proxy: max_pending_body_bytes must be 0 (no cap) or at least max_body_bytes "
+                f"({self.max_body_bytes}), got {self.max_pending_body_bytes}"
+            )
         if not 0 <= self.retry_budget <= 1:
             raise ValueError(f"proxy: retry_budget must be in 0..1, got {self.retry_budget}")
         if self.retry_budget_min < 0:

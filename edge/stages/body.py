@@ -7,13 +7,45 @@ from typing import Any
 
 import orjson
 
-from edge.errors import InvalidJSON, InvalidRequest, PayloadTooLarge, UnsupportedMediaType
+from edge.admission.headers import retry_after
+from edge.errors import (
+    InvalidJSON,
+    InvalidRequest,
+    Overloaded,
+    PayloadTooLarge,
+    UnsupportedMediaType,
+)
 
 Receive = Callable[[], Awaitable[Mapping[str, Any]]]
 
 
 class ClientGone(Exception):
     """The client disconnected before its request body was complete."""
+
+
+class BodyBudget:
+    """The request-body bytes one process holds for bodies still arriving, over all requests,
+    and their cap (`ProxyConfig.max_pending_body_bytes`). Without it, clients that each send
+    all but the end of a body just under the size limit hold that much memory until the body
+    deadline: 100 such uploads of 8 MB took one edge from 77 to 843 MiB (docs/errors.md, its
+    bodies still arriving)."""
+
+    __slots__ = ("held", "limit", "refusal")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+        self.refusal = retry_after(1.0)
+
+    def take(self, size: int) -> None:
+        """Count `size` more bytes; 503 `overloaded` when they would pass the cap."""
+        if self.held + size > self.limit:
+            raise Overloaded(
+                f"request bodies still arriving hold the edge's {self.limit} bytes for them; "
+                "retry later",
+                headers=self.refusal,
+            )
+        self.held += size
 
 
 def check_content_type(content_type: bytes | None) -> None:
@@ -42,10 +74,11 @@ def declared_length(value: bytes | None, limit: int) -> int | None:
     return length
 
 
-async def read_body(receive: Receive, limit: int) -> bytes:
+async def read_body(receive: Receive, limit: int, budget: BodyBudget | None = None) -> bytes:
     """Collect `http.request` chunks, counting as they come; 413 as soon as the count passes limit.
 
-    Nothing past the limit is kept, so a huge body costs at most `limit` bytes of memory.
+    Nothing past the limit is kept, so a huge body costs at most `limit` bytes of memory. A
+    body in several chunks also counts against `budget` until it is whole (503 past it).
     """
     first = await receive()
     if first["type"] == "http.disconnect":
@@ -57,17 +90,30 @@ async def read_body(receive: Receive, limit: int) -> bytes:
         return body  # the common case: one chunk, no copy
     parts = [body]
     size = len(body)
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        chunk: bytes = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-        parts.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(parts)
+    taken = 0
+    try:
+        if budget is not None:
+            budget.take(size)
+            taken = size
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            chunk: bytes = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+            if budget is not None:
+                budget.take(len(chunk))
+                taken += len(chunk)
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(parts)
+    finally:
+        # Dropped here, not when the frame goes: a refusal's traceback keeps the frame alive.
+        parts.clear()
+        if budget is not None:
+            budget.held -= taken
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:

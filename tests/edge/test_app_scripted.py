@@ -463,6 +463,47 @@ async def test_a_refused_body_is_freed_with_its_answer_not_by_the_collector() ->
                 gc.enable()
 
 
+async def test_bodies_still_arriving_past_the_budget_are_refused_until_it_frees() -> None:
+    """With 300 kB for bodies still arriving: one client's 250 kB that never ends holds most
+    of it, and another body in pieces is refused with 503 `overloaded` and retry-after;
+    requests whose body comes whole are served meanwhile, and once the first client leaves
+    a body in pieces is served again."""
+    async with TinyUpstream(script(lambda r: sse_reply(["x"]))) as up:
+        config = fast_config([up.url], max_body_bytes=250_000, max_pending_body_bytes=300_000)
+        async with run_edge(config) as edge, client(edge) as http:
+            budget = edge.wiring.app.body_budget
+            assert budget is not None
+            port = int(edge.url.rsplit(":", 1)[1])
+            head = (
+                b"POST /v1/completions HTTP/1.1\r\nhost: edge\r\n"
+                b"content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
+            )
+            piece = b"2710\r\n" + b" " * 10_000 + b"\r\n"  # 10 kB of JSON whitespace
+            _, holder = await asyncio.open_connection("127.0.0.1", port)
+            holder.write(head + piece * 25)
+            await wait_until(lambda: budget.held == 250_000)
+
+            async def in_pieces() -> tuple[int, dict[str, str], bytes]:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                prompt = json.dumps(COMPLETION).encode()
+                writer.write(head + piece * 10 + b"%x\r\n%s\r\n0\r\n\r\n" % (len(prompt), prompt))
+                try:
+                    return await read_response(reader)
+                finally:
+                    writer.close()
+
+            status, headers, body = await in_pieces()
+            assert status == 503 and headers["retry-after"] == "1"
+            assert json.loads(body)["error"]["code"] == "overloaded"
+            assert budget.held == 250_000  # the refused body gave back what it held
+            whole = await http.post("/v1/completions", json=COMPLETION)
+            assert whole.status_code == 200
+            holder.close()
+            await wait_until(lambda: budget.held == 0)
+            status, _, body = await in_pieces()
+            assert status == 200 and b"[DONE]" in body
+
+
 async def test_no_healthy_backend_is_503() -> None:
     async with TinyUpstream(script(lambda r: sse_reply(["x"]))) as up:
         async with run_edge(fast_config([up.url]), start=False) as edge, client(edge) as http:

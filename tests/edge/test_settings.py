@@ -64,6 +64,10 @@ def refused(done: subprocess.CompletedProcess[str]) -> str:
             '[proxy]\nbackends = ["http://a:1#hardware=x", "http://a:1"]\n',
             "proxy: a backend URL is listed twice",
         ),
+        (
+            '[proxy]\nbackends = ["http://a:1"]\nmax_pending_body_bytes = 1000\n',
+            "proxy: max_pending_body_bytes must be 0 (no cap) or at least max_body_bytes",
+        ),
         ("[serve]\nrequest_head_timeout = 0\n", "request_head_timeout must be > 0"),
         ("[serve]\nmax_connections = -1\n", "serve.max_connections must be >= 0"),
         (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -9,6 +10,7 @@ import pytest
 
 from edge import errors
 from edge.stages.body import (
+    BodyBudget,
     ClientGone,
     check_content_type,
     declared_length,
@@ -79,6 +81,45 @@ async def test_client_gone_while_sending_body() -> None:
             ),
             1000,
         )
+
+
+def part(body: bytes, more: bool = True) -> dict[str, Any]:
+    return {"type": "http.request", "body": body, "more_body": more}
+
+
+async def test_bodies_still_arriving_share_the_budget_and_give_it_back() -> None:
+    """Two bodies in pieces: the second is refused (503, with retry-after) once both would pass
+    the budget; each gives back what it held however it ended; a body in one piece is not
+    counted."""
+    budget = BodyBudget(1000)
+    first_sent = asyncio.Event()
+    finish_first = asyncio.Event()
+
+    pending = [part(b"a" * 600)]
+
+    async def first_receive() -> Any:
+        if pending:
+            first_sent.set()
+            return pending.pop()
+        await finish_first.wait()
+        return part(b"b", more=False)
+
+    first = asyncio.ensure_future(read_body(first_receive, 10_000, budget))
+    await first_sent.wait()
+    await asyncio.sleep(0)
+    assert budget.held == 600
+    with pytest.raises(errors.Overloaded) as refused:
+        await read_body(receiver(part(b"c" * 300), part(b"d" * 300)), 10_000, budget)
+    assert dict(refused.value.extra_headers)[b"retry-after"] == b"1"
+    assert budget.held == 600  # the refused body gave back its 300
+    assert await read_body(receiver(part(b"e" * 5000, more=False)), 10_000, budget)
+    finish_first.set()
+    assert await first == b"a" * 600 + b"b"
+    assert budget.held == 0
+    for ending in (part(b"f" * 20_000), {"type": "http.disconnect"}):
+        with pytest.raises((errors.PayloadTooLarge, ClientGone)):
+            await read_body(receiver(part(b"g" * 500), ending), 10_000, budget)
+        assert budget.held == 0
 
 
 @pytest.mark.parametrize("body", [b"", b"{", b"[1, 2]", b'"text"', b"\xff\xfe"])
