@@ -142,7 +142,7 @@ class StreamRelay:
         result = self.result
         try:
             if self._failure is not None:
-                raise self._failure
+                raise self._failed()
             if self.writer is None:
                 if start is not None:
                     await send(start)
@@ -150,7 +150,9 @@ class StreamRelay:
             else:
                 await self._splice(chunks, self.writer, None if self.began else start)
         except UpstreamError as exc:
-            result.upstream_error = exc
+            # Kept past the block: without its traceback, which would hold this relay's frames
+            # (and the response's buffers) in a reference cycle until the collector runs.
+            result.upstream_error = exc.with_traceback(None)
             result.error = from_upstream(exc)
             if not self.scanner.done:
                 await send(
@@ -253,14 +255,21 @@ class StreamRelay:
                 chunks.set_sink(self._take)
         except UpstreamError:
             if self._failure is not None:
-                raise self._failure from None
+                raise self._failed() from None
             if self.result.filtered is not None:
                 return  # the guard ended the stream and closed the upstream connection
             raise
         finally:
             chunks.set_sink(None)
         if self._failure is not None:
-            raise self._failure
+            raise self._failed()
+
+    def _failed(self) -> Exception:
+        """The failure a callback kept, handed over once: kept on, it would hold the relay in
+        a reference cycle through its traceback."""
+        failure, self._failure = self._failure, None
+        assert failure is not None
+        return failure
 
 
 async def relay_stream(

@@ -16,6 +16,7 @@ import pytest
 
 from backends.registry import Backend
 from edge.errors import PayloadTooLarge
+from edge.relay import StreamRelay
 from edge.routing.base import Decision, RequestView
 from edge.routing.simple import RoundRobin
 from tests.edge.conftest import (
@@ -459,6 +460,23 @@ async def test_a_refused_body_is_freed_with_its_answer_not_by_the_collector() ->
                     if isinstance(o, PayloadTooLarge) and "100000" in o.message
                 ]
                 assert left == []
+            finally:
+                gc.enable()
+
+
+async def test_a_stream_its_backend_broke_off_is_freed_with_its_answer() -> None:
+    """The backend's error, kept for the accounting, held the relay (and the upstream
+    response's buffers) in a reference cycle through its traceback."""
+    died = script(lambda r: sse_reply(["a", "b", "c"], die_after=1))
+    async with TinyUpstream(died) as up, run_edge(fast_config([up.url])) as edge:
+        async with client(edge) as http:
+            gc.collect()
+            gc.disable()
+            try:
+                answer = await http.post("/v1/completions", json={**COMPLETION, "stream": True})
+                assert answer.status_code == 200 and b'"error"' in answer.content
+                await asyncio.sleep(0.1)  # the request's task ends
+                assert [o for o in gc.get_objects() if isinstance(o, StreamRelay)] == []
             finally:
                 gc.enable()
 
