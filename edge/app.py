@@ -171,7 +171,9 @@ class ProxyApp:
         self._background: set[asyncio.Task[None]] = set()
         """Background responses being generated (`_in_background`)."""
         limit = config.max_pending_body_bytes
-        self.body_budget = BodyBudget(limit) if limit else None
+        self.body_budget = budget = BodyBudget(limit) if limit else None
+        if budget is not None:
+            metrics.pending_body_bytes.set_function(lambda: budget.held)
         self.admission = admission or Admission(AdmissionSettings(), metrics=metrics)
         self.attempts = Attempts(
             config=config, pool=pool, registry=registry, policy=policy, metrics=metrics,

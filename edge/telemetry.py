@@ -217,6 +217,12 @@ class Metrics:
             ["outcome"],
             registry=registry,
         )
+        self.pending_body_bytes = Gauge(
+            "quicedge_pending_request_body_bytes",
+            "Request-body bytes this process holds for bodies still arriving; past"
+            " max_pending_body_bytes a request is refused with 503 overloaded",
+            registry=registry,
+        )
         self.config_reload_ok = Gauge(
             "quicedge_config_last_reload_successful",
             "0 when the last reload of the config file was refused (the running settings"
