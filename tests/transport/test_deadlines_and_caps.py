@@ -420,10 +420,9 @@ class Firehose:
 SEND = {"send_timeout": 0.5}
 
 
-@pytest.mark.parametrize("kind", ["h1", "hypercorn"])
-async def test_a_client_that_stops_reading_is_cut_off_after_the_send_timeout(kind: str) -> None:
-    counts = Counts()
-    app = Firehose()
+async def firehose_listener(kind: str, app: Firehose, counts: Counts) -> H1Listener | TcpListener:
+    """Our HTTP/1.1 listener or hypercorn's (plain TCP) serving `app`, with a 0.5 s send
+    timeout counted in `counts`; started."""
     opts = TcpOptions(**SEND)
     served: H1Listener | TcpListener
     if kind == "h1":
@@ -433,6 +432,14 @@ async def test_a_client_that_stops_reading_is_cut_off_after_the_send_timeout(kin
         served = TcpListener(app, host="127.0.0.1", port=0, options=opts,
                              on_timeout=counts.timeouts.append)  # fmt: skip
     await served.start()
+    return served
+
+
+@pytest.mark.parametrize("kind", ["h1", "hypercorn"])
+async def test_a_client_that_stops_reading_is_cut_off_after_the_send_timeout(kind: str) -> None:
+    counts = Counts()
+    app = Firehose()
+    served = await firehose_listener(kind, app, counts)
     sock = socket.socket()
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -452,15 +459,7 @@ async def test_a_client_that_takes_a_little_now_and_then_is_cut_off_too(kind: st
     send timeout."""
     counts = Counts()
     app = Firehose()
-    opts = TcpOptions(**SEND)
-    served: H1Listener | TcpListener
-    if kind == "h1":
-        served = H1Listener(app, host="127.0.0.1", port=0, options=opts)
-        served.on_timeout = counts.timeouts.append
-    else:
-        served = TcpListener(app, host="127.0.0.1", port=0, options=opts,
-                             on_timeout=counts.timeouts.append)  # fmt: skip
-    await served.start()
+    served = await firehose_listener(kind, app, counts)
     loop = asyncio.get_running_loop()
     sock = socket.socket()
     taken = 0
