@@ -90,9 +90,10 @@ ON_RAPID_RESET_ATTRIBUTE = "quicedge_on_rapid_reset"
 
 
 class GuardedH2Protocol(H2Protocol):
-    """`H2Protocol` that survives request data for a stream it already closed, closes a
-    connection that resets most of its requests, bounds its waits for flow control, and goes
-    away gracefully after its last allowed request."""
+    """`H2Protocol` that survives request data for a stream it already closed and malformed
+    requests, closes a connection that resets most of its requests, bounds its waits for flow
+    control, refuses requests as unprocessed while the server drains, and goes away gracefully
+    after its last allowed request."""
 
     _cancelled = 0
     """Streams the client reset before their response ended."""
@@ -109,6 +110,12 @@ class GuardedH2Protocol(H2Protocol):
 
     _draining = False
     """The server is shutting down and the client was told to open no more streams."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # h2 would raise a malformed request's headers out of `receive_data`, and hypercorn
+        # then ends the connection; `_request` checks them per stream instead.
+        self.connection.config.validate_inbound_headers = False
 
     async def _handle_events(self, events: list[h2.events.Event]) -> None:
         # One event at a time: a stream can close while hypercorn awaits an earlier event of
@@ -129,12 +136,6 @@ class GuardedH2Protocol(H2Protocol):
             await super()._handle_events([event])
             if self._retiring and not self._retired:
                 await self._retire_if_idle()
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # h2 would raise a malformed request's headers out of `receive_data`, and hypercorn
-        # then ends the connection; `_request` checks them per stream instead.
-        self.connection.config.validate_inbound_headers = False
 
     async def _request(self, event: h2.events.RequestReceived) -> None:
         """hypercorn's handling of a new request, refusing it as unprocessed while the
