@@ -54,6 +54,18 @@ async def test_malformed_request_is_a_stream_error(
     assert [s.path for s in app.seen] == ["/hold", "/echo"]
 
 
+@pytest.mark.parametrize("length", [b"5", b"20", b"ten"], ids=["short", "long", "not-a-number"])
+async def test_a_content_length_the_body_does_not_match_is_a_stream_error(
+    h3_server: H3Factory, dev_certs, length: bytes
+) -> None:
+    """As over HTTP/2 it is not (h2 ends the connection: docs/transport.md, "Listeners")."""
+    async with h3_server() as server, h3_connect(server.port, dev_certs.ca_cert) as c:
+        bad = await c.fetch("POST", "/echo", body=b"x" * 10, headers=[(b"content-length", length)])
+        assert bad.reset_code == ErrorCode.H3_MESSAGE_ERROR and bad.status is None
+        assert c.terminated is None
+        await _connection_still_serves(c)
+
+
 @pytest.mark.parametrize("limit", [2, 4])
 async def test_connection_ids_are_bounded_both_ways(
     h3_server: H3Factory, dev_certs, limit: int
