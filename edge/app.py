@@ -174,6 +174,7 @@ class ProxyApp:
         self.body_budget = budget = BodyBudget(limit) if limit else None
         if budget is not None:
             metrics.pending_body_bytes.set_function(lambda: budget.held)
+            metrics.pending_body_bytes_limit.set(limit)
         self.admission = admission or Admission(AdmissionSettings(), metrics=metrics)
         self.attempts = Attempts(
             config=config, pool=pool, registry=registry, policy=policy, metrics=metrics,

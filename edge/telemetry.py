@@ -223,6 +223,12 @@ class Metrics:
             " max_pending_body_bytes a request is refused with 503 overloaded",
             registry=registry,
         )
+        self.pending_body_bytes_limit = Gauge(
+            "quicedge_pending_request_body_bytes_limit",
+            "max_pending_body_bytes: what bodies still arriving may hold in this process"
+            " (0: no cap)",
+            registry=registry,
+        )
         self.config_reload_ok = Gauge(
             "quicedge_config_last_reload_successful",
             "0 when the last reload of the config file was refused (the running settings"

@@ -503,6 +503,7 @@ async def test_bodies_still_arriving_past_the_budget_are_refused_until_it_frees(
             async with httpx.AsyncClient() as admin:
                 metrics = (await admin.get(edge.admin_url + "/metrics")).text
             assert "quicedge_pending_request_body_bytes 250000.0" in metrics
+            assert "quicedge_pending_request_body_bytes_limit 300000.0" in metrics
 
             async def in_pieces() -> tuple[int, dict[str, str], bytes]:
                 reader, writer = await asyncio.open_connection("127.0.0.1", port)
