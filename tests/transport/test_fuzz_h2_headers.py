@@ -1,0 +1,83 @@
+"""Generated HTTP/2 request headers: whatever names and values a client sends (pseudo-headers
+missing, repeated, unknown or misplaced, uppercase and connection-specific names, empty names,
+control characters, any text), the request is answered or reset with PROTOCOL_ERROR, and the
+connection goes on: a request already in flight on it and the next one are answered whole.
+Only `content-length` is left out: h2 still ends the connection for one it cannot match
+(docs/transport.md, "Listeners")."""
+
+from __future__ import annotations
+
+import asyncio
+
+import h2.errors
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from certs import DevCertificates
+from tests.edge.fuzzing import FUZZ
+from tests.transport.test_request_cap import _Answers, _Client, _serving
+from transport.tls import TlsMaterial
+
+BASE = [(":method", "GET"), (":path", "/x"), (":scheme", "https"), (":authority", "x")]
+NAMES = st.one_of(
+    st.sampled_from(
+        [
+            ":method",
+            ":path",
+            ":scheme",
+            ":authority",
+            ":status",
+            ":protocol",
+            "host",
+            "te",
+            "cookie",
+            "x-a",
+            "X-B",
+            "connection",
+            "upgrade",
+            "transfer-encoding",
+            "",
+            " x",
+            "x y",
+        ]
+    ),  # fmt: skip
+    st.text(max_size=12),
+).filter(lambda name: name.lower() != "content-length")
+VALUES = st.one_of(
+    st.sampled_from(["GET", "POST", "/", "*", "https", "", " a", "a\r\nb", "trailers", "\0", "é"]),
+    st.text(max_size=20),
+)
+
+
+@settings(FUZZ, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(extra=st.lists(st.tuples(NAMES, VALUES), max_size=8), with_base=st.booleans())
+def test_any_request_headers_leave_the_connection_serving(
+    tls: TlsMaterial,
+    dev_certs: DevCertificates,
+    extra: list[tuple[str, str]],
+    with_base: bool,
+) -> None:
+    fields = [(n.encode(), v.encode()) for n, v in (BASE + extra if with_base else extra)]
+    assume(fields)  # python-h2 cannot send a HEADERS frame with no field at all
+
+    async def run() -> None:
+        app = _Answers()
+        listener = await _serving(tls, app, max_requests=0)
+        try:
+            client = await _Client.open(listener.port, dev_certs.ca_cert, lenient=True)
+            held = client.get("/hold")
+            await asyncio.wait_for(app.holding.wait(), 5)
+            sent = client.get("/sent", fields)  # type: ignore[arg-type]
+            await client.until_done(sent)
+            if sent in client.refused:
+                assert client.refused[sent] == h2.errors.ErrorCodes.PROTOCOL_ERROR
+            app.release.set()
+            after = client.get("/after")
+            await client.until_done(held, after)
+            assert client.whole(held) and client.whole(after)
+            assert client.goaways == []
+        finally:
+            app.release.set()
+            await listener.stop()
+
+    asyncio.run(run())
