@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from certs import DevCertificates
 from tests.edge.fuzzing import FUZZ
-from tests.transport.test_request_cap import _Answers, _Client, _serving
+from tests.transport.test_h2_malformed import sent_beside_a_request_in_flight
 from transport.tls import TlsMaterial
 
 BASE = [(":method", "GET"), (":path", "/x"), (":scheme", "https"), (":authority", "x")]
@@ -60,24 +60,5 @@ def test_any_request_headers_leave_the_connection_serving(
     fields = [(n.encode(), v.encode()) for n, v in (BASE + extra if with_base else extra)]
     assume(fields)  # python-h2 cannot send a HEADERS frame with no field at all
 
-    async def run() -> None:
-        app = _Answers()
-        listener = await _serving(tls, app, max_requests=0)
-        try:
-            client = await _Client.open(listener.port, dev_certs.ca_cert, lenient=True)
-            held = client.get("/hold")
-            await asyncio.wait_for(app.holding.wait(), 5)
-            sent = client.get("/sent", fields)  # type: ignore[arg-type]
-            await client.until_done(sent)
-            if sent in client.refused:
-                assert client.refused[sent] == h2.errors.ErrorCodes.PROTOCOL_ERROR
-            app.release.set()
-            after = client.get("/after")
-            await client.until_done(held, after)
-            assert client.whole(held) and client.whole(after)
-            assert client.goaways == []
-        finally:
-            app.release.set()
-            await listener.stop()
-
-    asyncio.run(run())
+    code = asyncio.run(sent_beside_a_request_in_flight(tls, dev_certs, fields))
+    assert code in (None, h2.errors.ErrorCodes.PROTOCOL_ERROR)
