@@ -47,6 +47,10 @@ class BodyBudget:
             )
         self.held += size
 
+    def give(self, size: int) -> None:
+        """`size` bytes taken earlier are no longer held."""
+        self.held -= size
+
 
 def check_content_type(content_type: bytes | None) -> None:
     """Inference routes take `application/json` (parameters such as charset allowed); else 415."""
@@ -113,7 +117,7 @@ async def read_body(receive: Receive, limit: int, budget: BodyBudget | None = No
         # Dropped here, not when the frame goes: a refusal's traceback keeps the frame alive.
         parts.clear()
         if budget is not None:
-            budget.held -= taken
+            budget.give(taken)
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
