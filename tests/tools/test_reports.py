@@ -47,3 +47,14 @@ async def test_handshakes_reports_each_store_and_handshake_kind(redis_url: str) 
             assert row is not None, done.stdout
             assert int(row.group(1)) > 0  # connections per second
     assert "store cost per put + take" in done.stdout
+
+
+async def test_pending_bodies_reports_memory_and_refusals_per_budget() -> None:
+    """Four uploads of 500 kB that never end: a 1 MB budget holds two and refuses two."""
+    done = await run_command(
+        "tools.pending_bodies", "--uploads", "4", "--size", "500000",
+        "--budget", "0", "--budget", "1000000",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = re.findall(r"^\s*(no cap|\d+ B)\s+\d+ MiB\s+\d+ MiB\s+(\d+)$", done.stdout, re.M)
+    assert rows == [("no cap", "0"), ("1000000 B", "2")], done.stdout
