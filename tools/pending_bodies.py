@@ -21,20 +21,11 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from bench.children import free_port
 from tools.handshakes import wait_for_ready
 
 CHUNK = 64 * 1024
-
-
-@dataclass(frozen=True, slots=True)
-class Row:
-    budget: int
-    rss_before_mib: int
-    rss_after_mib: int
-    refused: int
 
 
 def _rss_mib(pid: int) -> int:
@@ -133,12 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     for budget in budgets:
         with _serve(budget, args.size) as (port, proc):
             before, after, refused = asyncio.run(_measure(port, proc.pid, args.uploads, args.size))
-        row = Row(budget, before, after, refused)
         mib, rest = divmod(budget, 1024 * 1024)
         shown = "no cap" if budget == 0 else f"{mib} MiB" if not rest else f"{budget} B"
-        print(
-            f"{shown:>12} {row.rss_before_mib:>7} MiB {row.rss_after_mib:>6} MiB {row.refused:>8}"
-        )
+        print(f"{shown:>12} {before:>7} MiB {after:>6} MiB {refused:>8}")
     return 0
 
 
