@@ -38,9 +38,10 @@ comes first because python-h2 clients (httpx with `http2=True`) fail every strea
 when a GOAWAY arrives (python-hyper/h2#1181).
 
 A malformed request (RFC 9113 §8.1.1: an uppercase or connection-specific header, a missing
-or misplaced pseudo-header, a forbidden character) is reset with PROTOCOL_ERROR, checked by
-h2's own validator; h2 would raise it as an error of the whole connection, and hypercorn would
-end the connection with every other request's answer on it.
+or misplaced pseudo-header, a forbidden character, a `content-length` that is not a number or
+that its body does not match) is reset with PROTOCOL_ERROR, checked by h2's own code
+(`transport.h2_lengths` for the lengths); h2 would raise it as an error of the whole
+connection, and hypercorn would end the connection with every other request's answer on it.
 
 While the server drains, a request that arrives is refused with REFUSED_STREAM, which tells
 the client it was not processed and may go to another edge (hypercorn's reset says NO_ERROR,
@@ -74,6 +75,7 @@ from hypercorn.protocol.h2 import BUFFER_HIGH_WATER, H2Protocol
 from hyperframe.frame import GoAwayFrame
 
 from transport.caps import RAPID_RESET, resets_most
+from transport.h2_lengths import adopt, body_length_error
 from transport.hypercorn_send import send_timeout_of
 
 TESTED_MINOR = "0.18"
@@ -116,6 +118,7 @@ class GuardedH2Protocol(H2Protocol):
         # h2 would raise a malformed request's headers out of `receive_data`, and hypercorn
         # then ends the connection; `_request` checks them per stream instead.
         self.connection.config.validate_inbound_headers = False
+        adopt(self.connection)  # and it records a wrong content-length; the checks are below
 
     async def _handle_events(self, events: list[h2.events.Event]) -> None:
         # One event at a time: a stream can close while hypercorn awaits an earlier event of
@@ -124,6 +127,10 @@ class GuardedH2Protocol(H2Protocol):
             if isinstance(event, h2.events.DataReceived) and event.stream_id not in self.streams:
                 self._discard(event)
                 await self._flush()
+                continue
+            if isinstance(event, h2.events.DataReceived) and self._malformed_body(event):
+                self._discard(event)
+                await self._reset(event.stream_id, h2.errors.ErrorCodes.PROTOCOL_ERROR)
                 continue
             if isinstance(event, h2.events.StreamReset) and event.stream_id in self.streams:
                 self._cancelled += 1
@@ -156,7 +163,10 @@ class GuardedH2Protocol(H2Protocol):
         try:
             for _ in validate_headers(event.headers, _REQUEST_HEADERS):
                 pass
+            malformed = body_length_error(self.connection, stream_id) is not None
         except h2.exceptions.ProtocolError:
+            malformed = True
+        if malformed:
             # A stream error, not a connection error (RFC 9113 §8.1.1): the client's other
             # requests on the connection go on.
             self.connection.reset_stream(stream_id, h2.errors.ErrorCodes.PROTOCOL_ERROR)
@@ -214,7 +224,7 @@ class GuardedH2Protocol(H2Protocol):
                     await super().stream_send(event)
             except TimeoutError:
                 limit.stalled()
-                await self._stalled(event.stream_id)
+                await self._reset(event.stream_id, h2.errors.ErrorCodes.CANCEL)
         if self._retiring and not self._retired:
             await self._retire_if_idle()
 
@@ -229,11 +239,17 @@ class GuardedH2Protocol(H2Protocol):
             return buffer is not None and bool(buffer.buffer)
         return False
 
-    async def _stalled(self, stream_id: int) -> None:
-        """The client took none of the response for the send timeout: reset the stream, drop
-        what it buffered, and tell the app (`http.disconnect`)."""
+    def _malformed_body(self, event: h2.events.DataReceived) -> bool:
+        """Whether the request body `event` belongs to does not match its `content-length`
+        (RFC 9113 §8.1.1)."""
+        assert event.stream_id is not None
+        return body_length_error(self.connection, event.stream_id) is not None
+
+    async def _reset(self, stream_id: int, code: h2.errors.ErrorCodes) -> None:
+        """Reset a stream the app is serving, drop what it buffered, and tell the app
+        (`http.disconnect`)."""
         with contextlib.suppress(h2.exceptions.ProtocolError):
-            self.connection.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+            self.connection.reset_stream(stream_id, code)
             await self._flush()
         buffer = self.stream_buffers.pop(stream_id, None)
         if buffer is not None:

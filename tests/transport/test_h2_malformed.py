@@ -1,6 +1,7 @@
 """A malformed HTTP/2 request is a stream error (RFC 9113 §8.1.1): it is reset with
 PROTOCOL_ERROR, and the client's other requests on the connection, one in flight and the next
-one, are served. A raw h2 client over TLS to the real listener."""
+one, are served. Malformed headers, and a `content-length` its body does not match. A raw h2
+client over TLS to the real listener."""
 
 from __future__ import annotations
 
@@ -16,21 +17,26 @@ from tests.transport.test_request_cap import _Answers, _Client, _serving
 from transport.tls import TlsMaterial
 
 PSEUDO = [(":method", "GET"), (":path", "/bad"), (":scheme", "https"), (":authority", "x")]
+POST = [(":method", "POST"), (":path", "/read"), (":scheme", "https"), (":authority", "x")]
+"""A request whose answer waits for its whole body."""
 
 
 async def sent_beside_a_request_in_flight(
-    tls: TlsMaterial, dev_certs: DevCertificates, headers: Sequence[tuple[Any, Any]]
+    tls: TlsMaterial,
+    dev_certs: DevCertificates,
+    headers: Sequence[tuple[Any, Any]],
+    body: bytes | None = None,
 ) -> int | None:
-    """Send a request with `headers` on a connection with another one in flight; check that
-    the one in flight and a next one are answered whole and that the connection was not sent
-    away. The code it was reset with (None: answered)."""
+    """Send a request with `headers` (and `body`) on a connection with another one in flight;
+    check that the one in flight and a next one are answered whole and that the connection
+    was not sent away. The code it was reset with (None: answered)."""
     app = _Answers()
     listener = await _serving(tls, app, max_requests=0)
     try:
         client = await _Client.open(listener.port, dev_certs.ca_cert, lenient=True)
         held = client.get("/hold")
         await asyncio.wait_for(app.holding.wait(), 5)
-        sent = client.get("/sent", list(headers))
+        sent = client.get("/sent", list(headers), body)
         await client.until_done(sent)
         app.release.set()
         after = client.get("/after")
@@ -62,3 +68,56 @@ async def test_a_malformed_request_is_reset_and_the_connection_goes_on(
     assert await sent_beside_a_request_in_flight(tls, dev_certs, headers) == (
         h2.errors.ErrorCodes.PROTOCOL_ERROR
     )
+
+
+@pytest.mark.parametrize(
+    ("content_length", "body"),
+    [
+        (["abc"], b"abc"),
+        (["3", "4"], b"abc"),
+        (["3"], b"abcdef"),
+        (["6"], b"abc"),
+        (["6"], None),
+    ],
+    ids=["not-a-number", "two-values", "body-longer", "body-shorter", "no-body"],
+)
+async def test_a_body_its_content_length_does_not_match_is_reset_and_the_connection_goes_on(
+    tls: TlsMaterial, dev_certs: DevCertificates, content_length: list[str], body: bytes | None
+) -> None:
+    """h2 alone raises these as errors of the whole connection (GOAWAY PROTOCOL_ERROR)."""
+    headers = POST + [("content-length", value) for value in content_length]
+    assert await sent_beside_a_request_in_flight(tls, dev_certs, headers, body) == (
+        h2.errors.ErrorCodes.PROTOCOL_ERROR
+    )
+
+
+@pytest.mark.parametrize(("content_length", "body"), [(["3"], b"abc"), (["0"], None)])
+async def test_a_body_its_content_length_matches_is_answered(
+    tls: TlsMaterial, dev_certs: DevCertificates, content_length: list[str], body: bytes | None
+) -> None:
+    headers = POST + [("content-length", value) for value in content_length]
+    assert await sent_beside_a_request_in_flight(tls, dev_certs, headers, body) is None
+
+
+async def test_a_body_overrunning_its_content_length_is_reset_and_its_app_hears_the_client_is_gone(
+    tls: TlsMaterial, dev_certs: DevCertificates
+) -> None:
+    app = _Answers()
+    listener = await _serving(tls, app, max_requests=0)
+    try:
+        client = await _Client.open(listener.port, dev_certs.ca_cert)
+        sent = client.conn.get_next_available_stream_id()
+        client.conn.send_headers(sent, [*POST, ("content-length", "3")])
+        client.conn.send_data(sent, b"ab")
+        client.writer.write(client.conn.data_to_send())
+        await asyncio.wait_for(app.reading.wait(), 5)
+        client.conn.send_data(sent, b"cdef", end_stream=True)
+        client.writer.write(client.conn.data_to_send())
+        await client.until_done(sent)
+        assert client.refused == {sent: h2.errors.ErrorCodes.PROTOCOL_ERROR}
+        await asyncio.wait_for(app.gone.wait(), 5)
+        after = client.get("/after")
+        await client.until_done(after)
+        assert client.whole(after) and client.goaways == []
+    finally:
+        await listener.stop()

@@ -29,12 +29,17 @@ GOAWAY = 0x7
 
 @dataclass
 class _Answers:
-    """The app's side: `/hold` answers once `release` is set, `/slow` after 0.1 s, any other
-    path at once; each body names its path."""
+    """The app's side: `/hold` answers once `release` is set, `/slow` after 0.1 s, `/read`
+    once it has the whole request body (none if the client is gone first), any other path at
+    once; each body names its path."""
 
     release: asyncio.Event = field(default_factory=asyncio.Event)
     holding: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once a `/hold` request is waiting for `release`."""
+    reading: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once a `/read` request has a first piece of its body."""
+    gone: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once a `/read` request heard that its client is gone."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -45,6 +50,14 @@ class _Answers:
             await self.release.wait()
         elif path == "/slow":
             await asyncio.sleep(0.1)
+        elif path == "/read":
+            message = await receive()
+            while message.get("more_body"):
+                self.reading.set()
+                message = await receive()
+            if message["type"] == "http.disconnect":
+                self.gone.set()
+                return
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await send({"type": "http.response.body", "body": path.encode() * 1000})
 
@@ -84,13 +97,18 @@ class _Client:
         writer.write(conn.data_to_send())
         return cls(reader, writer, conn)
 
-    def get(self, path: str, headers: list[tuple[str, str]] | None = None) -> int:
-        """GET `path`; `headers` in place of the usual pseudo-headers, when given."""
+    def get(
+        self, path: str, headers: list[tuple[str, str]] | None = None, body: bytes | None = None
+    ) -> int:
+        """GET `path`; `headers` in place of the usual pseudo-headers, and a `body`, when
+        given."""
         stream_id = self.conn.get_next_available_stream_id()
         if headers is None:
             headers = [(":method", "GET"), (":path", path), (":scheme", "https")]
             headers.append((":authority", "x"))
-        self.conn.send_headers(stream_id, headers, end_stream=True)
+        self.conn.send_headers(stream_id, headers, end_stream=body is None)
+        if body is not None:
+            self.conn.send_data(stream_id, body, end_stream=True)
         self.writer.write(self.conn.data_to_send())
         self.paths[stream_id] = path
         self.bodies[stream_id] = bytearray()
