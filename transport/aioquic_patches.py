@@ -65,6 +65,23 @@ repeated work rather than protocol work:
   instead of after its idle timeout.
   *Upstream:* a reset-token generator on ``QuicConfiguration``, and the receiving side in
   ``receive_datagram``.
+- **Receive windows grow with what was delivered.** aioquic doubles a stream's receive window
+  (MAX_STREAM_DATA) once the highest offset the peer wrote passes half of it, and the
+  connection's (MAX_DATA) once the sum of those highest offsets does, whether or not the bytes
+  below were ever sent; and it fills a gap with zeros as the byte past it lands. One byte
+  written just under the limit, once a round trip, doubled the memory the stream held each
+  time: ten such one-byte frames took a listener from 56 to 569 MB. ``_write_stream_limits``
+  and ``_write_connection_limits`` now judge by the bytes delivered in order (those handed to
+  HTTP/3). A window then doubles only once half of it was delivered, so what a client's gaps
+  can hold stays under its connection's window: the initial 1 MiB, or less than four times
+  what it delivered.
+  *Upstream:* the same rule in those two methods.
+- **Out-of-order handshake data.** aioquic buffers up to 512 KiB of CRYPTO data ahead of what
+  it has read, filling the gap with zeros: an Initial datagram of 1,200 bytes whose ClientHello
+  claims an offset of 500 KB holds half a megabyte until the idle timeout, from an address
+  nobody checked. ``MAX_PENDING_CRYPTO`` is 16 KiB here, as quic-go's limit is (RFC 9000 §7.5
+  asks for at least 4,096 bytes); data that arrives in order is never near it.
+  *Upstream:* a smaller constant, or one on ``QuicConfiguration``.
 - **Connection IDs that name their worker.** With several workers, a connection's IDs carry
   its worker's index (`transport.steering`). `make_connection_ids` replaces the handshake's ID
   before aioquic's server routes it and has ``_replenish_connection_ids`` make the rest the same
@@ -96,6 +113,7 @@ from aioquic.quic.connection import (
 from aioquic.quic.events import ConnectionTerminated
 from aioquic.quic.packet import QuicFrameType
 from aioquic.quic.packet_builder import QuicDeliveryState, QuicPacketBuilder, QuicPacketBuilderStop
+from aioquic.quic.stream import QuicStream
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
@@ -394,6 +412,43 @@ def _write_application(
         pacer.builder = None
 
 
+ORIGINAL_WRITE_STREAM_LIMITS = QuicConnection._write_stream_limits
+ORIGINAL_WRITE_CONNECTION_LIMITS = QuicConnection._write_connection_limits
+MAX_PENDING_CRYPTO = 16 * 1024
+"""CRYPTO bytes a connection buffers ahead of what it has read, per epoch."""
+
+
+def _write_stream_limits(
+    self: QuicConnection, builder: QuicPacketBuilder, space: Any, stream: QuicStream
+) -> None:
+    """aioquic's own, with the window doubled by the bytes delivered, not the highest offset
+    seen. aioquic's rule cannot fire after this one has: the peer wrote no further than the
+    old window, half the new one."""
+    local = stream.max_stream_data_local
+    if local and stream.receiver.starting_offset() * 2 > local:
+        stream.max_stream_data_local = local * 2
+    if stream.max_stream_data_local_sent != stream.max_stream_data_local:
+        ORIGINAL_WRITE_STREAM_LIMITS(self, builder, space, stream)  # writes MAX_STREAM_DATA
+
+
+def _write_connection_limits(self: QuicConnection, builder: QuicPacketBuilder, space: Any) -> None:
+    """aioquic's own, with MAX_DATA doubled by the bytes delivered on every stream, not the sum
+    of the highest offsets seen (`used`, which it reads for that alone on this limit)."""
+    limit = self._local_max_data
+    if limit.used * 2 <= limit.value:  # aioquic would not raise it: nothing to count
+        ORIGINAL_WRITE_CONNECTION_LIMITS(self, builder, space)
+        return
+    used = limit.used
+    ahead = sum(
+        s.receiver.highest_offset - s.receiver.starting_offset() for s in self._streams.values()
+    )
+    limit.used = used - ahead
+    try:
+        ORIGINAL_WRITE_CONNECTION_LIMITS(self, builder, space)
+    finally:
+        limit.used = used
+
+
 ORIGINAL_WRITE_HANDSHAKE_DONE = QuicConnection._write_handshake_done_frame
 _NEW_TOKENS: weakref.WeakKeyDictionary[QuicConnection, bytes] = weakref.WeakKeyDictionary()
 """Server connections and the address token each sends, until the client acknowledges it."""
@@ -445,6 +500,8 @@ def _apply() -> dict[str, bool]:
         "pacing_by_bytes": False,
         "new_token": False,
         "stateless_reset": False,
+        "windows_by_delivered_bytes": False,
+        "crypto_buffer_bounded": False,
     }
     for name, replacement in FRAMING.items():
         setattr(tls, name, replacement)
@@ -462,6 +519,11 @@ def _apply() -> dict[str, bool]:
     applied["new_token"] = True
     cast(Any, QuicConnection).receive_datagram = _receive_datagram
     applied["stateless_reset"] = True
+    cast(Any, QuicConnection)._write_stream_limits = _write_stream_limits
+    cast(Any, QuicConnection)._write_connection_limits = _write_connection_limits
+    applied["windows_by_delivered_bytes"] = True
+    quic_connection.MAX_PENDING_CRYPTO = MAX_PENDING_CRYPTO
+    applied["crypto_buffer_bounded"] = True
     if cast(Any, tls.Epoch).__hash__ is object.__hash__:
         applied["epoch_identity_hash"] = True
     elif epochs_hashed():

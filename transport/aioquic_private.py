@@ -62,7 +62,10 @@ ATTRIBUTES: tuple[Private, ...] = (
     Private(QuicConnection, "_state", "as for QuicConnection._peer_cid"),
     Private(QuicConnection, "_close_event", "as for QuicConnection._peer_cid"),
     Private(QuicConnection, "_close_begin", "as for QuicConnection._peer_cid"),
+    Private(QuicConnection, "_local_max_data",
+            "MAX_DATA raised by the bytes delivered in order, in aioquic itself"),
     Private(QuicStream, "sender", "as for QuicConnection._streams"),
+    Private(QuicStream, "receiver", "MAX_STREAM_DATA raised by the bytes delivered in order"),
     Private(QuicStreamSender, "_buffer", "as for QuicConnection._streams"),
     Private(QuicConnectionProtocol, "_connection_id_issued_handler",
             "connection IDs routed by the server as they are made, not once their frame is sent"),
@@ -106,6 +109,11 @@ PATCHED: tuple[tuple[str, str, str], ...] = (
      "aioquic's own, then a NEW_TOKEN frame where the connection has a token to send"),
     ("aioquic.quic.connection", "QuicConnection.receive_datagram",
      "aioquic's own, after a check for a stateless reset (draining if it is one)"),
+    ("aioquic.quic.connection", "QuicConnection._write_stream_limits",
+     "the window doubled by the offset delivered in order; aioquic's own writes the frame"),
+    ("aioquic.quic.connection", "QuicConnection._write_connection_limits",
+     "aioquic's own, shown the bytes delivered in order as MAX_DATA's used credit"),
+    ("aioquic.quic.connection", "MAX_PENDING_CRYPTO", "16 KiB, not 512 KiB"),
 )  # fmt: skip
 """What `aioquic_patches` changes: (module, name, how)."""
 

@@ -31,6 +31,8 @@ def test_every_change_is_in_force_in_a_process_that_imports_the_transport() -> N
         "pacing_by_bytes": True,
         "new_token": True,
         "stateless_reset": True,
+        "windows_by_delivered_bytes": True,
+        "crypto_buffer_bounded": True,
     }
     for name, replacement in patches.FRAMING.items():
         assert getattr(tls, name) is replacement
@@ -53,6 +55,17 @@ def test_every_patched_name_exists_on_the_installed_aioquic() -> None:
     source = inspect.getsource(patches.ORIGINAL_WRITE_APPLICATION)
     assert source.count("self._loss._pacer.update_after_send(now=now)") == 1
     assert source.index("builder.start_packet(") < source.index("update_after_send")
+    # aioquic's window rules read the offsets the patches show them, and nothing else does.
+    source = inspect.getsource(patches.ORIGINAL_WRITE_STREAM_LIMITS)
+    assert source.count("highest_offset") == 1
+    assert "stream.receiver.highest_offset * 2 > stream.max_stream_data_local" in source
+    source = inspect.getsource(patches.ORIGINAL_WRITE_CONNECTION_LIMITS)
+    assert "max_data.used * 2 > max_data.value" in source
+    assert "limit.sent - limit.used" in source and "limit is not max_data" in source
+    # The crypto buffer's bound is the module's global, read when a CRYPTO frame arrives.
+    assert quic_connection.MAX_PENDING_CRYPTO == patches.MAX_PENDING_CRYPTO == 16 * 1024
+    source = inspect.getsource(quic_connection.QuicConnection._handle_crypto_frame)
+    assert "if pending > MAX_PENDING_CRYPTO:" in source
     # HANDSHAKE_DONE is written once, into a packet in progress, and again only if lost.
     source = inspect.getsource(quic_connection.QuicConnection._on_handshake_done_delivery)
     assert "self._handshake_done_pending = True" in source

@@ -1,0 +1,100 @@
+"""What a client can make the HTTP/3 listener hold is bounded by what it sent: a gap in its
+stream data earns no larger window, and handshake data far ahead of what was read ends the
+connection. Real aioquic clients (some writing what no well-behaved client would) against the
+real listener."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from typing import Any
+
+from aioquic.quic.connection import QuicConnection, QuicErrorCode
+from aioquic.quic.events import ConnectionTerminated
+from aioquic.tls import Epoch
+
+from tests.transport.conftest import H3Factory
+from tests.transport.h3client import H3Client, client_config, h3_connect
+
+MIB = 1 << 20
+
+
+def _send_at(client: H3Client, stream_id: int, offset: int, data: bytes) -> None:
+    """Write `data` at `offset` of a stream whose bytes below it are never sent: a gap."""
+    sender = client.quic._get_or_create_stream_for_send(stream_id).sender
+    sender._buffer = bytearray()
+    sender._pending.subtract(0, 1 << 62)
+    sender._buffer_start = sender._buffer_stop = offset
+    sender.write(data)
+    client.transmit()
+    assert sender.highest_offset == offset + len(data), "not sent"
+
+
+async def _terminated(client: H3Client) -> ConnectionTerminated:
+    async with asyncio.timeout(10):
+        while client.terminated is None:  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+    return client.terminated
+
+
+async def test_data_beyond_a_gap_earns_no_larger_receive_window(
+    h3_server: H3Factory, dev_certs: Any
+) -> None:
+    """aioquic alone doubles both windows each time a byte lands just under them (8 MiB after
+    these three), and fills the gap below with zeros: ten such bytes held half a gigabyte."""
+    async with h3_server() as server, h3_connect(server.port, dev_certs.ca_cert) as c:
+        stream_id = c.quic.get_next_available_stream_id()
+        stream = c.quic._get_or_create_stream_for_send(stream_id)
+        window, connection_window = stream.max_stream_data_remote, c.quic._remote_max_data
+        assert window == connection_window == MIB
+        for _ in range(3):
+            credit = c.quic._remote_max_data - c.quic._remote_max_data_used
+            edge = min(stream.max_stream_data_remote, stream.sender.highest_offset + credit)
+            _send_at(c, stream_id, edge - 1, b"x")
+            # a round trip: the server's acknowledgement follows any MAX_*DATA it sends
+            await asyncio.wait_for(c.ping(), 5)
+        assert stream.max_stream_data_remote == window
+        assert c.quic._remote_max_data == connection_window
+        # The client spent its connection's credit on the gap: it has locked itself out.
+        assert c.terminated is None
+
+
+async def test_data_delivered_in_order_still_earns_larger_windows(
+    h3_server: H3Factory, dev_certs: Any
+) -> None:
+    async with h3_server() as server, h3_connect(server.port, dev_certs.ca_cert) as c:
+        body = b"y" * (MIB * 3 // 4)
+        r = await c.fetch("POST", "/echo", body=body)
+        assert r.status == 200 and b'"body_bytes": 786432' in r.body
+        assert c.quic._remote_max_data == 2 * MIB
+
+
+async def test_handshake_data_far_ahead_of_what_was_read_ends_the_connection(
+    h3_server: H3Factory, dev_certs: Any
+) -> None:
+    """A first datagram whose ClientHello claims an offset of 100 kB: aioquic alone holds the
+    gap (up to 512 KiB) until the idle timeout, for an address nobody checked."""
+    async with h3_server() as server:
+        quic = QuicConnection(configuration=client_config(dev_certs.ca_cert))
+        initialize = quic._initialize
+
+        def _far_ahead(peer_cid: bytes) -> None:
+            initialize(peer_cid)
+            sender = quic._crypto_streams[Epoch.INITIAL].sender
+            sender._buffer_start = sender._buffer_stop = 100_000
+
+        quic._initialize = _far_ahead  # type: ignore[method-assign]
+        loop = asyncio.get_running_loop()
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.setblocking(False)
+            sock.connect(("127.0.0.1", server.port))
+            quic.connect(("127.0.0.1", server.port), now=time.time())
+            for datagram, _ in quic.datagrams_to_send(now=time.time()):
+                sock.send(datagram)
+            async with asyncio.timeout(10):
+                # the CONNECTION_CLOSE received (aioquic reports it only after draining)
+                while quic._close_event is None:
+                    data = await loop.sock_recv(sock, 65536)
+                    quic.receive_datagram(data, ("127.0.0.1", server.port), now=time.time())
+        assert quic._close_event.error_code == QuicErrorCode.CRYPTO_BUFFER_EXCEEDED
