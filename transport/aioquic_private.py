@@ -17,9 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, cast
 
+import pylsqpack
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.asyncio.server import QuicServer
-from aioquic.h3.connection import H3Connection, H3Stream
+from aioquic.h3.connection import H3Connection, H3Stream, HeadersState
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.packet_builder import QuicPacketBuilder
@@ -82,6 +83,16 @@ ATTRIBUTES: tuple[Private, ...] = (
     Private(H3Connection, "_check_request_or_push_frame_type", "as above"),
     Private(H3Connection, "_handle_request_or_push_frame",
             "malformed requests as stream errors (RFC 9114 §4.1.2), not connection errors"),
+    Private(H3Connection, "_check_control_frame_type",
+            "a bound on the control-stream frames H3Connection buffers whole"),
+    Private(H3Connection, "_peer_control_stream_id", "as above"),
+    Private(H3Connection, "_init_connection",
+            "a QPACK_BLOCKED_STREAMS argument to H3Connection"),
+    Private(H3Connection, "_is_client", "as above"),
+    Private(H3Connection, "_blocked_streams", "as above"),
+    Private(H3Connection, "_max_table_capacity", "as above"),
+    Private(H3Connection, "_decoder", "as above"),
+    Private(H3Stream, "headers_recv_state", "a per-stream query: has its HEADERS arrived"),
     Private(H3Stream, "buffer", "a way to stop reading a request stream (STOP_SENDING)"),
     Private(H3Stream, "frame_size", "as for H3Connection._receive_request_or_push_data"),
     Private(H3Stream, "frame_type", "as for H3Stream.buffer"),
@@ -118,6 +129,8 @@ PATCHED: tuple[tuple[str, str, str], ...] = (
 """What `aioquic_patches` changes: (module, name, how)."""
 
 H3_HOOK_PARAMETERS: dict[str, tuple[str, ...]] = {
+    "_init_connection": ("self",),
+    "_check_control_frame_type": ("self", "frame_type"),
     "_receive_request_or_push_data": ("self", "stream", "data", "stream_ended"),
     "_check_request_or_push_frame_type": ("self", "frame_type", "stream"),
     "_handle_request_or_push_frame": ("self", "frame_type", "frame_data", "stream", "stream_ended"),
@@ -246,3 +259,22 @@ def forget_h3_stream(h3: H3Connection, stream_id: int) -> None:
 def local_control_stream_id(h3: H3Connection) -> int | None:
     """Our control stream, where GOAWAY goes (None before the connection is set up)."""
     return h3._local_control_stream_id
+
+
+def peer_control_stream(h3: H3Connection) -> H3Stream | None:
+    """The peer's control stream, once it is open."""
+    stream_id = h3._peer_control_stream_id
+    return None if stream_id is None else h3._stream.get(stream_id)
+
+
+def refuse_blocked_streams(h3: H3Connection) -> None:
+    """Allow the peer no QPACK-blocked stream (SETTINGS_QPACK_BLOCKED_STREAMS 0) on a server
+    connection; call from `_init_connection`, before the settings are sent."""
+    if not h3._is_client:
+        h3._blocked_streams = 0
+        h3._decoder = pylsqpack.Decoder(h3._max_table_capacity, 0)
+
+
+def head_received(stream: H3Stream) -> bool:
+    """Whether the stream's HEADERS frame has been read."""
+    return stream.headers_recv_state is not HeadersState.INITIAL

@@ -5,8 +5,20 @@ pseudo-headers, bad header characters, a content-length that does not match the 
 it into a *connection* error, killing every other request on the connection. RFC 9114 §4.1.2
 says a malformed request is a *stream* error of type H3_MESSAGE_ERROR; this subclass does that.
 It also refuses a HEADERS frame larger than the header limit before buffering it (RFC 9114
-§4.2.2, §10.5), so an oversize header block costs neither memory nor the connection. Both
-override private ``H3Connection`` hooks, listed with the rest in ``transport.aioquic_private``.
+§4.2.2, §10.5), so an oversize header block costs neither memory nor the connection.
+
+What a client can make it buffer is bounded too (RFC 9114 §10.5). aioquic waits for a whole
+SETTINGS or MAX_PUSH_ID frame on the control stream, appending each packet to what it holds
+(a copy of all of it each time): a frame declaring a length of 2^40 held a core at 100 % for
+as long as the client sent, with no timer to end it. Such a frame over `MAX_CONTROL_FRAME` ends
+the connection with H3_EXCESSIVE_LOAD. A request whose HEADERS refer to a QPACK entry not yet
+received waits ("blocked"), and aioquic appends everything sent on it meanwhile the same way;
+the listener allows no blocked stream (SETTINGS_QPACK_BLOCKED_STREAMS 0, as quic-go, which has
+no dynamic table at all), so a client references only entries it knows arrived, and one that
+does not ends its connection with QPACK_DECOMPRESSION_FAILED (RFC 9204 §2.1.2).
+
+Each change overrides a private ``H3Connection`` hook, listed with the rest in
+``transport.aioquic_private``.
 """
 
 from __future__ import annotations
@@ -20,13 +32,24 @@ from aioquic.h3.connection import (
     H3Connection,
     H3Stream,
     MessageError,
+    ProtocolError,
     encode_frame,
     stream_is_request_response,
 )
 from aioquic.h3.events import H3Event
 from aioquic.quic.connection import QuicConnection
 
-from transport.aioquic_private import forget_h3_stream, h3_stream, local_control_stream_id
+from transport.aioquic_private import (
+    forget_h3_stream,
+    h3_stream,
+    head_received,
+    local_control_stream_id,
+    peer_control_stream,
+    refuse_blocked_streams,
+)
+
+MAX_CONTROL_FRAME = 16 * 1024
+"""Bytes of a SETTINGS or MAX_PUSH_ID frame (a handful of varints each) the listener reads."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +66,12 @@ class _HeaderBlockTooLarge(Exception):
     pass
 
 
+class ControlFrameTooLarge(ProtocolError):
+    """A control-stream frame the connection would have to buffer whole, over the bound."""
+
+    error_code = ErrorCode.H3_EXCESSIVE_LOAD
+
+
 class StreamConfinedH3Connection(H3Connection):
     """A server-side H3Connection that answers bad requests with a stream error."""
 
@@ -54,6 +83,12 @@ class StreamConfinedH3Connection(H3Connection):
         self._max_header_bytes = max_header_bytes
         self.failed_streams: list[StreamFailed] = []
         """Streams refused since the caller last drained this list."""
+
+    def head_pending(self, stream_id: int) -> bool:
+        """Whether a request stream has started but its HEADERS are still to come (not
+        refused, not forgotten)."""
+        stream = h3_stream(self, stream_id)
+        return stream is not None and stream_id not in self._failed and not head_received(stream)
 
     def stop_reading(self, stream_id: int, error_code: int) -> None:
         """Ask the peer to stop sending (STOP_SENDING) and ignore whatever still arrives."""
@@ -89,6 +124,18 @@ class StreamConfinedH3Connection(H3Connection):
         """Drop all state of a finished stream."""
         self._failed.discard(stream_id)
         forget_h3_stream(self, stream_id)
+
+    def _init_connection(self) -> None:
+        refuse_blocked_streams(self)  # before the settings go out
+        super()._init_connection()
+
+    def _check_control_frame_type(self, frame_type: int) -> None:
+        super()._check_control_frame_type(frame_type)
+        if frame_type in (FrameType.SETTINGS, FrameType.MAX_PUSH_ID):
+            control = peer_control_stream(self)
+            size = None if control is None else control.frame_size
+            if size is not None and size > MAX_CONTROL_FRAME:
+                raise ControlFrameTooLarge(f"control frame of {size} bytes")
 
     def _receive_request_or_push_data(
         self, stream: H3Stream, data: bytes, stream_ended: bool

@@ -1,6 +1,7 @@
 """What a client can make the HTTP/3 listener hold is bounded by what it sent: a gap in its
-stream data earns no larger window, and handshake data far ahead of what was read ends the
-connection. Real aioquic clients (some writing what no well-behaved client would) against the
+stream data earns no larger window, handshake data far ahead of what was read and a control
+frame too large to hold end the connection, and a request may not wait on QPACK entries that
+never come. Real aioquic clients (some writing what no well-behaved client would) against the
 real listener."""
 
 from __future__ import annotations
@@ -10,12 +11,15 @@ import socket
 import time
 from typing import Any
 
+from aioquic.buffer import encode_uint_var
+from aioquic.h3.connection import ErrorCode, FrameType
 from aioquic.quic.connection import QuicConnection, QuicErrorCode
 from aioquic.quic.events import ConnectionTerminated
 from aioquic.tls import Epoch
 
 from tests.transport.conftest import H3Factory
 from tests.transport.h3client import H3Client, client_config, h3_connect
+from transport.aioquic_private import local_control_stream_id
 
 MIB = 1 << 20
 
@@ -98,3 +102,34 @@ async def test_handshake_data_far_ahead_of_what_was_read_ends_the_connection(
                     data = await loop.sock_recv(sock, 65536)
                     quic.receive_datagram(data, ("127.0.0.1", server.port), now=time.time())
         assert quic._close_event.error_code == QuicErrorCode.CRYPTO_BUFFER_EXCEEDED
+
+
+async def test_a_control_frame_too_large_to_hold_ends_the_connection(
+    h3_server: H3Factory, dev_certs: Any
+) -> None:
+    """aioquic alone waits for the whole frame, copying all it holds at each packet: a core
+    at 100 % for as long as the client sends."""
+    async with h3_server() as server, h3_connect(server.port, dev_certs.ca_cert) as c:
+        control = local_control_stream_id(c.h3)
+        assert control is not None
+        frame_head = encode_uint_var(FrameType.MAX_PUSH_ID) + encode_uint_var(1 << 40)
+        c.quic.send_stream_data(control, frame_head + b"\0" * 1000)
+        c.transmit()
+        terminated = await _terminated(c)
+        assert terminated.error_code == ErrorCode.H3_EXCESSIVE_LOAD
+
+
+async def test_a_request_waiting_on_a_qpack_entry_never_sent_ends_the_connection(
+    h3_server: H3Factory, dev_certs: Any
+) -> None:
+    """The listener allows no blocked stream: aioquic alone would hold such a request, and
+    everything sent on it, until its head deadline."""
+    async with h3_server() as server, h3_connect(server.port, dev_certs.ca_cert) as c:
+        # A field section that needs one inserted entry (RFC 9204 §4.5.1: encoded Required
+        # Insert Count 2, base 0) and refers to it (§4.5.2: dynamic, relative index 0).
+        block = b"\x02\x00\x80"
+        frame = encode_uint_var(FrameType.HEADERS) + encode_uint_var(len(block)) + block
+        c.quic.send_stream_data(c.quic.get_next_available_stream_id(), frame)
+        c.transmit()
+        terminated = await _terminated(c)
+        assert terminated.error_code == ErrorCode.QPACK_DECOMPRESSION_FAILED
