@@ -236,8 +236,8 @@ class H3Session:
                 self._on_data(h3_event.stream_id, h3_event.data, h3_event.stream_ended, actions)
         if (
             isinstance(event, StreamDataReceived)
-            and event.stream_id > self._max_seen_id
             and self._on_overdue is not None
+            and (event.stream_id > self._max_seen_id or self._head_late(event.stream_id))
         ):
             self._head_arriving(event)
         if isinstance(event, StreamReset | StopSendingReceived):
@@ -248,9 +248,19 @@ class H3Session:
             self._h3.failed_streams.clear()
         return actions
 
+    def _head_late(self, stream_id: int) -> bool:
+        """Whether a request stream older than the newest with a head still waits for its
+        own (a client may send its streams' HEADERS in any order)."""
+        return (
+            stream_id % 4 == 0
+            and stream_id not in self._requests
+            and self._h3.head_pending(stream_id)
+        )
+
     def _head_arriving(self, event: StreamDataReceived) -> None:
-        """Data on a request stream newer than any whose HEADERS were read: its head is still
-        coming (the usual request brings it whole in one event, and no timer is armed)."""
+        """Data on a request stream newer than any whose HEADERS were read, or on an older
+        one whose HEADERS have not come: its head is still coming (the usual request brings it
+        whole in one event, and no timer is armed)."""
         stream_id = event.stream_id
         if stream_id % 4 or event.end_stream or stream_id in self._heads:
             return  # not a client request stream, or already timed
@@ -261,9 +271,9 @@ class H3Session:
     def _head_overdue(self, stream_id: int) -> None:
         """A request head missed its deadline: 408, and the rest of the stream is not read."""
         self._heads.pop(stream_id, None)
-        if stream_id <= self._max_seen_id or self._on_overdue is None or self.terminated:
-            return  # its HEADERS arrived meanwhile (or the connection is gone)
-        self._max_seen_id = stream_id  # what still arrives on it is no new head
+        if self._on_overdue is None or self.terminated or not self._h3.head_pending(stream_id):
+            return  # its HEADERS arrived meanwhile (or the stream or the connection is gone)
+        self._max_seen_id = max(self._max_seen_id, stream_id)  # what still arrives: no new head
         actions: list[Action] = []
         self._respond(stream_id, 408, "request head not received in time")
         actions.append(RequestRefused(stream_id, 408, "request head not received in time"))

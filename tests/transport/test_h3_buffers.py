@@ -1,8 +1,8 @@
 """What a client can make the HTTP/3 listener hold is bounded by what it sent: a gap in its
 stream data earns no larger window, handshake data far ahead of what was read and a control
-frame too large to hold end the connection, and a request may not wait on QPACK entries that
-never come. Real aioquic clients (some writing what no well-behaved client would) against the
-real listener."""
+frame too large to hold end the connection, a request may not wait on QPACK entries that never
+come, and a head that never comes is timed out on any stream. Real aioquic clients (some
+writing what no well-behaved client would) against the real listener."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from aioquic.quic.events import ConnectionTerminated
 from aioquic.tls import Epoch
 
 from tests.transport.conftest import H3Factory
-from tests.transport.h3client import H3Client, client_config, h3_connect
+from tests.transport.h3client import H3Client, Response, client_config, h3_connect
 from transport.aioquic_private import local_control_stream_id
+from transport.h3_session import H3Limits
 
 MIB = 1 << 20
 
@@ -133,3 +134,21 @@ async def test_a_request_waiting_on_a_qpack_entry_never_sent_ends_the_connection
         c.transmit()
         terminated = await _terminated(c)
         assert terminated.error_code == ErrorCode.QPACK_DECOMPRESSION_FAILED
+
+
+async def test_a_head_that_never_comes_on_an_older_stream_gets_408(
+    h3_server: H3Factory, dev_certs: Any
+) -> None:
+    """HEADERS started on stream 0 after stream 4's request was answered: the listener timed
+    only streams newer than the newest head it had read."""
+    async with h3_server(limits=H3Limits(request_head_timeout=0.5)) as server:
+        async with h3_connect(server.port, dev_certs.ca_cert) as c:
+            older = c.quic.get_next_available_stream_id()
+            c.quic._get_or_create_stream_for_send(older)
+            assert (await c.fetch("GET", "/echo")).status == 200
+            response = c.responses[older] = Response()
+            c.quic.send_stream_data(older, encode_uint_var(FrameType.HEADERS) + bytes([100, 0]))
+            c.transmit()
+            await asyncio.wait_for(response.done.wait(), 5)
+            assert response.status == 408
+            assert (await c.fetch("GET", "/echo")).status == 200
