@@ -186,10 +186,13 @@ class Connection(asyncio.Protocol):
         return data
 
     async def wait_head(self, timeout: float | None, began: Sequence[object]) -> None:
-        """Wait for the status line and headers of the response to the request just sent. Once
-        `began` holds something, the head was handled in the read callback (`on_head`); the
-        whole response may have ended there too, and the connection gone to another request."""
+        """Wait for the status line and headers of the response to the request just sent,
+        `timeout` s at most in all (a head, or `100 Continue`s, sent a byte at a time would
+        otherwise hold the request as long as the backend liked). Once `began` holds
+        something, the head was handled in the read callback (`on_head`); the whole response
+        may have ended there too, and the connection gone to another request."""
         response = self.response
+        deadline: float | None = None
         while not began and not response.head_done:
             if response.error is not None:
                 raise UpstreamProtocolError(
@@ -201,10 +204,24 @@ class Connection(asyncio.Protocol):
                     f"{self.host.base_url} closed the connection before the response head",
                     base_url=self.host.base_url,
                 )
-            await self.wait(timeout, "response")
+            if timeout is None:
+                await self.wait(None, "response")
+                continue
+            if deadline is None:  # the usual case: the whole head in the first read
+                deadline = self.loop.time() + timeout
+                left = timeout
+            else:
+                left = deadline - self.loop.time()
+            if left <= 0:
+                raise UpstreamTimeout(
+                    f"no whole response head from {self.host.base_url} within {timeout:g}s",
+                    base_url=self.host.base_url,
+                )
+            await self.wait(left, "response", of=timeout)
 
-    async def wait(self, timeout: float | None, what: str) -> None:
-        """Wait for the next read (or EOF); UpstreamTimeout after `timeout` s without one."""
+    async def wait(self, timeout: float | None, what: str, of: float | None = None) -> None:
+        """Wait for the next read (or EOF); UpstreamTimeout after `timeout` s without one (the
+        rest of a limit of `of` s, which the error names, when given)."""
         loop = self.loop
         waiter = loop.create_future()
         self._waiter = waiter
@@ -217,7 +234,7 @@ class Connection(asyncio.Protocol):
             await waiter
         except TimeoutError:
             raise UpstreamTimeout(
-                f"no {what} from {self.host.base_url} within {timeout:g}s",
+                f"no {what} from {self.host.base_url} within {of or timeout:g}s",
                 base_url=self.host.base_url,
             ) from None
         finally:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -173,6 +174,18 @@ class ScriptedServer:
             await wait_release()
             send(h11.Response(status_code=200, headers=[("content-length", "0")]))
             send(h11.EndOfMessage())
+        elif target in ("/trickle-head", "/continues"):
+            # A head a byte every 20 ms, or a `100 Continue` every 20 ms: each read comes
+            # well within the timeout, the whole head not.
+            head = b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
+            pieces = [head[i : i + 1] for i in range(len(head))]
+            if target == "/continues":
+                pieces = [b"HTTP/1.1 100 Continue\r\n\r\n"] * len(pieces) + [head]
+            for piece in pieces:
+                writer.write(piece)
+                await writer.drain()
+                await asyncio.sleep(0.02)
+            return False
         elif target == "/garbage":
             writer.write(b"this is not HTTP\r\n\r\n")
             await writer.drain()
@@ -370,6 +383,23 @@ async def test_first_byte_timeout_closes_the_connection(server: ScriptedServer) 
                 server.url, "POST", "/hang", headers=[], body=b"", first_byte_timeout=0.05
             )
         await asyncio.wait_for(server.closed.wait(), 5)  # the backend saw the abort
+        assert pool.stats().backends[server.url].active == 0
+    finally:
+        await pool.aclose()
+
+
+@pytest.mark.parametrize("path", ["/trickle-head", "/continues"])
+async def test_first_byte_timeout_bounds_the_whole_head(server: ScriptedServer, path: str) -> None:
+    """Each byte of the head, or each `100 Continue`, within the timeout: the head as a whole
+    (about 0.8 s) is not, and the wait ends at the timeout."""
+    pool = UpstreamPool()
+    try:
+        began = time.monotonic()
+        with pytest.raises(UpstreamTimeout, match=r"within 0\.2s"):
+            await pool.request(
+                server.url, "POST", path, headers=[], body=b"", first_byte_timeout=0.2
+            )
+        assert time.monotonic() - began < 0.6
         assert pool.stats().backends[server.url].active == 0
     finally:
         await pool.aclose()
