@@ -48,6 +48,7 @@ class ResponseParser:
 
     __slots__ = (
         "_head_bytes",
+        "_field_bytes",
         "_informational",
         "body",
         "body_bytes",
@@ -81,6 +82,7 @@ class ResponseParser:
         self.error: str | None = None
         self._informational = False
         self._head_bytes = 0
+        self._field_bytes = 0  # the fields of the head being parsed, as they end
 
     def feed(self, data: bytes) -> None:
         """Parse `data`; a framing error is recorded in `error`, never raised."""
@@ -125,9 +127,15 @@ class ResponseParser:
     def on_header(self, name: bytes, value: bytes) -> None:
         if not self.head_done:  # after the head: trailer fields, read and dropped
             self.headers.append((name.lower(), value))
+            self._field_bytes += len(name) + len(value) + 4  # ": " and CRLF
 
     def on_headers_complete(self) -> None:
         status = self.parser.get_status_code()
+        if self._field_bytes > MAX_RESPONSE_HEAD:
+            # A head whole within one read: `feed`'s own count stops where the head ends.
+            self.error = f"response head over {MAX_RESPONSE_HEAD} bytes"
+            return
+        self._field_bytes = 0
         if status < 200:
             # 1xx (RFC 9110 §15.2): llhttp ends it without a body; the final response follows.
             self._informational = True
@@ -144,7 +152,7 @@ class ResponseParser:
     def on_message_complete(self) -> None:
         if self._informational:
             self._informational = False
-        else:
+        elif self.error is None:
             self.done = True
 
 

@@ -97,6 +97,8 @@ def test_connection_close_is_not_kept_alive() -> None:
         b"HTTP/1.1 101 Switching Protocols\r\nConnection: upgrade\r\nUpgrade: x\r\n\r\n",
         b"this is not HTTP\r\n\r\n",
         b"HTTP/1.1 200 OK\r\nX: " + b"a" * MAX_RESPONSE_HEAD,  # a head that never ends
+        # a head over the limit, whole in one read
+        b"HTTP/1.1 200 OK\r\nX: " + b"a" * MAX_RESPONSE_HEAD + b"\r\nContent-Length: 0\r\n\r\n",
     ],
 )
 def test_bad_framing_is_an_error_not_an_exception(wire: bytes) -> None:
