@@ -57,6 +57,10 @@ RETRY_STATUSES = frozenset({429, 502, 503})
 """Upstream answers worth another backend while nothing reached the client (overloaded/down)."""
 MAX_UPSTREAM_BODY = 64 * 1024 * 1024
 """Largest non-streaming backend answer the edge holds (64 MiB)."""
+REFUSAL_BODY_LIMIT = 64 * 1024
+"""The most of a 429/502/503's body read before a retry to keep its connection reusable."""
+REFUSAL_BODY_TIMEOUT = 1.0
+"""How long that read may take; a refusal's body larger or slower costs its connection."""
 _RETRY_KINDS = {"429": "429", "502": "5xx", "503": "5xx"}
 """A retry's reason (a status or an UpstreamError kind) as an outcome kind."""
 _RETRY_BEFORE_SEND = (UpstreamConnectError, UpstreamProtocolError, UpstreamPoolBusy)
@@ -285,8 +289,7 @@ class Attempts:
                 )  # fmt: skip
             status = response.status
             if status in RETRY_STATUSES and not last_try:
-                with contextlib.suppress(UpstreamError):
-                    await response.read()  # small error body: keeps the connection reusable
+                await _drain_refusal(response)
                 error = "429" if status == 429 else "5xx"
                 self._upstream_failed(backend, error)
                 raise _Retry(
@@ -302,7 +305,9 @@ class Attempts:
                 ex.content_chunks = len(result.gaps) + (result.first_client is not None)
             else:
                 try:
-                    body = await read_whole(response, MAX_UPSTREAM_BODY)
+                    body = await read_whole(
+                        response, MAX_UPSTREAM_BODY, within=self.config.chunk_timeout
+                    )
                 except UpstreamError as exc:
                     error = exc.kind
                     self._upstream_failed(backend, exc.kind)
@@ -500,6 +505,21 @@ def _retry_error(backend: Backend, status: int, *, expose: bool) -> EdgeError:
     if status == 503:
         return NoHealthyBackend(message)
     return BadGateway(message)
+
+
+async def _drain_refusal(response: UpstreamResponse) -> None:
+    """Read a refusal's body, which keeps its connection reusable, unless it is larger or
+    slower than a refusal's should be (the client waits for its retry meanwhile): then close
+    the connection instead."""
+    size = 0
+    with contextlib.suppress(UpstreamError, TimeoutError):
+        async with asyncio.timeout(REFUSAL_BODY_TIMEOUT):
+            async for chunk in response:
+                size += len(chunk)
+                if size > REFUSAL_BODY_LIMIT:
+                    break
+    if not response.complete:
+        response.abort()
 
 
 __all__ = ["MAX_UPSTREAM_BODY", "RETRY_STATUSES", "Aborter", "Attempts"]

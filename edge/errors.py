@@ -16,6 +16,7 @@ from backends.errors import (
     UpstreamError,
     UpstreamPoolBusy,
     UpstreamProtocolError,
+    UpstreamResponseTooLarge,
     UpstreamTimeout,
 )
 
@@ -331,6 +332,8 @@ def from_upstream(exc: UpstreamError, *, expose: bool = False) -> EdgeError:
         )
     if isinstance(exc, UpstreamTimeout):
         return GatewayTimeout(f"upstream timed out{detail}")
+    if isinstance(exc, UpstreamResponseTooLarge):  # its text names no backend
+        return BadGateway(f"{exc}: the edge holds no larger non-streamed answer")
     if isinstance(exc, UpstreamConnectError):
         return BadGateway(f"could not connect to a backend{detail}")
     if isinstance(exc, UpstreamProtocolError):

@@ -12,12 +12,13 @@ last one, so a slow client slows the upstream read instead of growing a buffer i
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterable, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from backends.errors import UpstreamError, UpstreamResponseTooLarge
+from backends.errors import UpstreamError, UpstreamResponseTooLarge, UpstreamTimeout
 from backends.pool import UpstreamResponse
 from edge.errors import EdgeError, from_upstream, stream_error_event
 from edge.sse import SSEScanner, Usage
@@ -344,18 +345,36 @@ def _guarded(
     return chunk, True
 
 
-async def read_whole(chunks: AsyncIterable[bytes], limit: int) -> bytes:
+async def read_whole(response: UpstreamResponse, limit: int, within: float | None = None) -> bytes:
     """Collect a non-streaming answer (one JSON document) before anything is sent to the client.
 
     A JSON answer is useless until complete, so holding it costs no TTFT, and it lets a backend
-    failure become a clean 502/504 instead of a truncated 200. Bounded by `limit`.
+    failure become a clean 502/504 instead of a truncated 200. Bounded by `limit` bytes (at
+    once when the head declares more) and, when given, by `within` seconds for a body that did
+    not come whole with its head: each read's own bound (`chunk_timeout`) alone would let a
+    backend that trickles its answer hold the request for as long as it liked.
     """
+    declared = response.header(b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise UpstreamResponseTooLarge(f"backend answer of {int(declared)} bytes is over {limit}")
+    if within is None or response.complete:
+        return await _collect(response, limit)
+    try:
+        async with asyncio.timeout(within):
+            return await _collect(response, limit)
+    except TimeoutError:
+        raise UpstreamTimeout(
+            f"backend answer not whole within {within:g}s of its head", base_url=""
+        ) from None
+
+
+async def _collect(chunks: AsyncIterable[bytes], limit: int) -> bytes:
     parts: list[bytes] = []
     size = 0
     async for chunk in chunks:
         size += len(chunk)
         if size > limit:
-            raise UpstreamResponseTooLarge(f"backend answer exceeds {limit} bytes")
+            raise UpstreamResponseTooLarge(f"backend answer is over {limit} bytes")
         parts.append(chunk)
     return b"".join(parts)
 

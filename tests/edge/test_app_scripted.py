@@ -202,6 +202,62 @@ async def test_503_is_retried_on_the_other_backend() -> None:
     assert 1 <= len(inference(bad)) <= 4
 
 
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        Reply(status=503, chunks=[b"x" * 16384] * 1024),  # 16 MiB: more than sockets hold
+        Reply(status=503, chunks=[b"busy"] * 3, delay=5.0),  # its body trickles
+    ],
+    ids=["large", "slow"],
+)
+async def test_a_refusals_body_larger_or_slower_than_a_refusals_costs_its_connection(
+    refusal: Reply,
+) -> None:
+    """Before its retry, the edge read the whole body of a 503, to keep its connection: a
+    400 MB one took 800 MiB of memory, and one that trickled held the client for ever."""
+    async with (
+        TinyUpstream(script(lambda r: refusal)) as bad,
+        TinyUpstream(script(lambda r: sse_reply(["x"]))) as good,
+    ):
+        config = fast_config([bad.url, good.url], eject_after_failures=100, chunk_timeout=30.0)
+        async with run_edge(config) as edge, client(edge) as http:
+            response = await http.post("/v1/completions", json=COMPLETION)  # httpx: 5 s
+            assert response.status_code == 200
+            assert response.headers["x-quicedge-backend"] == f"127.0.0.1:{good.port}"
+            await wait_until(lambda: bool(bad.replies_cut))
+            assert in_flight(edge) == [0, 0]
+    assert bad.body_bytes_sent.get("/v1/completions", 0) < 16 << 20
+
+
+async def test_a_non_streamed_answer_must_be_whole_within_the_chunk_timeout_of_its_head() -> None:
+    """Each piece within the chunk timeout, the whole not: before, only the gaps were bounded."""
+    pieces = [b'{"choices": [', *[b" " for _ in range(10)], b"]}"]
+    trickle = script(lambda r: Reply(chunks=pieces, delay=0.2, chunked=False))
+    async with TinyUpstream(trickle) as up:
+        async with run_edge(fast_config([up.url], chunk_timeout=0.6)) as edge, client(edge) as h:
+            response = await h.post("/v1/completions", json={**COMPLETION, "stream": False})
+            assert response.status_code == 504
+            error = response.json()["error"]
+            assert error["code"] == "upstream_timeout"
+            assert "not whole within 0.6s of its head" in error["message"]
+            assert in_flight(edge) == [0]
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["declared", "counted"])
+async def test_a_non_streamed_answer_over_the_limit_is_a_502_that_says_so(
+    monkeypatch: pytest.MonkeyPatch, chunked: bool
+) -> None:
+    monkeypatch.setattr("edge.attempt.MAX_UPSTREAM_BODY", 1000)
+    big = script(lambda r: Reply(chunks=[b"x" * 600] * 2, chunked=chunked))
+    async with TinyUpstream(big) as up:
+        async with run_edge(fast_config([up.url])) as edge, client(edge) as http:
+            response = await http.post("/v1/completions", json={**COMPLETION, "stream": False})
+            assert response.status_code == 502
+            message = response.json()["error"]["message"]
+            assert "over 1000" in message and "no larger non-streamed answer" in message
+            assert in_flight(edge) == [0]
+
+
 async def test_when_every_backend_says_503_the_client_gets_the_last_answer() -> None:
     busy = script(lambda r: Reply(status=503, chunks=[b'{"error":"busy"}'], chunked=False))
     async with TinyUpstream(busy) as a, TinyUpstream(busy) as b:
