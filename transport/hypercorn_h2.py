@@ -43,6 +43,14 @@ that its body does not match) is reset with PROTOCOL_ERROR, checked by h2's own 
 (`transport.h2_lengths` for the lengths); h2 would raise it as an error of the whole
 connection, and hypercorn would end the connection with every other request's answer on it.
 
+The client's stream priorities (RFC 7540 §5.3: PRIORITY frames, and dependencies in HEADERS)
+are ignored, as RFC 9113 §5.3.2 allows; every stream is served in turn. hypercorn kept them in
+a `priority.PriorityTree` and never removed an entry made for a stream that was not open: 1,001
+PRIORITY frames for idle streams, a chain of 111 with a loop, or a client naming each finished
+request as the parent of the next (as browsers do) ended the connection (a `TooManyStreamsError`,
+`PriorityLoop` or `RecursionError` out of hypercorn's loop; with a request in flight the
+connection hung, holding its slot), and each entry slowed every later send.
+
 While the server drains, a request that arrives is refused with REFUSED_STREAM, which tells
 the client it was not processed and may go to another edge (hypercorn's reset says NO_ERROR,
 which leaves the client to guess); as in hypercorn, the client is told to open no more streams
@@ -124,6 +132,8 @@ class GuardedH2Protocol(H2Protocol):
         # One event at a time: a stream can close while hypercorn awaits an earlier event of
         # the same batch, so checking the whole batch up front would not be enough.
         for event in events:
+            if isinstance(event, h2.events.PriorityUpdated):
+                continue  # RFC 9113 §5.3.2: the client's priority tree is ignored (below)
             if isinstance(event, h2.events.DataReceived) and event.stream_id not in self.streams:
                 self._discard(event)
                 await self._flush()
