@@ -51,6 +51,11 @@ request as the parent of the next (as browsers do) ended the connection (a `TooM
 `PriorityLoop` or `RecursionError` out of hypercorn's loop; with a request in flight the
 connection hung, holding its slot), and each entry slowed every later send.
 
+A request answered before its body was read ends cleanly: hypercorn's queue into the app holds
+10 messages, so a body in more pieces than that (a 401 or 413 to a large upload) left the
+stream's `http.disconnect` waiting for room for ever, with the connection's sending behind it
+and its slot held. At the stream's end the body still queued is dropped instead.
+
 While the server drains, a request that arrives is refused with REFUSED_STREAM, which tells
 the client it was not processed and may go to another edge (hypercorn's reset says NO_ERROR,
 which leaves the client to guess); as in hypercorn, the client is told to open no more streams
@@ -66,6 +71,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import h2.errors
@@ -183,6 +189,9 @@ class GuardedH2Protocol(H2Protocol):
             await self._flush()
             return
         await self._create_stream(event)
+        stream = self.streams.get(stream_id)
+        if stream is not None and stream.app_put is not None:
+            stream.app_put = _closing_clears(stream.app_put)
         await self.send(Updated(idle=False))
         served, most = self.keep_alive_requests, self.config.keep_alive_max_requests
         if served >= most:
@@ -273,6 +282,26 @@ class GuardedH2Protocol(H2Protocol):
         assert stream_id is not None
         # h2 still tracks the stream (half-closed on our side); it ignores a stream it forgot.
         self.connection.acknowledge_received_data(event.flow_controlled_length, stream_id)
+
+
+def _closing_clears(put: Callable[[Any], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
+    """A stream's put into its app's queue (hypercorn's, of 10 messages), where the stream's
+    end is never held up: an app that answered without reading the body leaves the queue full,
+    and hypercorn's `http.disconnect` then waited for room for ever, with the connection's
+    sending behind it. The body still queued is of no use once the stream has ended."""
+    queue = getattr(put, "__self__", None)  # hypercorn 0.18 hands out `asyncio.Queue.put`
+    if not isinstance(queue, asyncio.Queue):
+        return put
+
+    async def app_put(message: Any) -> None:
+        if message["type"] == "http.disconnect" and queue.full():
+            while not queue.empty():
+                queue.get_nowait()
+            queue.put_nowait(message)
+            return
+        await put(message)
+
+    return app_put
 
 
 def install() -> None:
