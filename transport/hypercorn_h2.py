@@ -40,7 +40,7 @@ when a GOAWAY arrives (python-hyper/h2#1181).
 A malformed request (RFC 9113 §8.1.1: an uppercase or connection-specific header, a missing
 or misplaced pseudo-header, a forbidden character, a `content-length` that is not a number or
 that its body does not match) is reset with PROTOCOL_ERROR, checked by h2's own code
-(`transport.h2_lengths` for the lengths); h2 would raise it as an error of the whole
+(`transport.h2_stream_errors` for the lengths); h2 would raise it as an error of the whole
 connection, and hypercorn would end the connection with every other request's answer on it.
 
 The client's stream priorities (RFC 7540 §5.3: PRIORITY frames, and dependencies in HEADERS)
@@ -89,7 +89,7 @@ from hypercorn.protocol.h2 import BUFFER_HIGH_WATER, H2Protocol
 from hyperframe.frame import GoAwayFrame
 
 from transport.caps import RAPID_RESET, resets_most
-from transport.h2_lengths import adopt, body_length_error
+from transport.h2_stream_errors import adopt, body_length_error
 from transport.hypercorn_send import send_timeout_of
 
 TESTED_MINOR = "0.18"

@@ -121,3 +121,22 @@ async def test_a_body_overrunning_its_content_length_is_reset_and_its_app_hears_
         assert client.whole(after) and client.goaways == []
     finally:
         await listener.stop()
+
+
+async def test_streams_past_the_limit_in_a_first_flight_are_refused_not_the_connection(
+    tls: TlsMaterial, dev_certs: DevCertificates
+) -> None:
+    """101 requests before the client has read the server's SETTINGS (the limit is unlimited
+    until then): 100 are answered and the 101st is refused, to be sent again."""
+    listener = await _serving(tls, _Answers(), max_requests=0)
+    try:
+        client = await _Client.open(listener.port, dev_certs.ca_cert)
+        streams = [client.get(f"/{i}") for i in range(101)]  # one write, nothing read yet
+        await client.until_done(*streams)
+        assert client.refused == {streams[-1]: h2.errors.ErrorCodes.REFUSED_STREAM}
+        assert all(client.whole(s) for s in streams[:-1])
+        again = client.get("/again")
+        await client.until_done(again)
+        assert client.whole(again) and client.goaways == []
+    finally:
+        await listener.stop()

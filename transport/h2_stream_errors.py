@@ -1,0 +1,111 @@
+"""An h2 server connection whose request errors belong to the stream, not the connection.
+
+RFC 9113 makes each of these a stream error, and h2 4.x raises each as an error of the whole
+connection, in its loop over the frames of one read, where the caller cannot tell one from the
+other (hypercorn then ends the connection, and every other request on it). On a connection a
+proxy in front shares among many users, one client's bad request would cut everyone's answers.
+
+- **A wrong `content-length`** (§8.1.1): not a number, given twice with two values, or not the
+  length of the body that arrives. The stream records what is wrong (`body_length_error`)
+  instead of raising, and the protocol (`transport.hypercorn_h2`) resets it with
+  PROTOCOL_ERROR. h2 also accepts a request that ends with its headers while its
+  `content-length` promises a body; that is recorded too.
+- **A stream past the advertised limit** (§5.1.2): its HEADERS are decoded all the same (the
+  HPACK state must stay in step with the client's) and the stream is refused with
+  REFUSED_STREAM, which tells the client to send it again. A client may open more streams
+  than the limit before it has read the server's SETTINGS (the initial limit is unlimited), and
+  101 requests in a first flight ended the connection with none of them answered.
+
+h2 builds its streams in one private method, `_begin_new_stream`, and dispatches frames
+through a table of bound methods it makes when the connection is made; the connection
+hypercorn built gets this class and that table's HEADERS entry (`adopt`), and each stream it
+begins gets `_LengthCheckedStream`. Both keep h2's state as it is, adding one attribute. The
+methods overridden are private to h2 (the same since h2 3); `tests/transport/test_h2_malformed.py`
+fails if their behaviour moves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import h2.connection
+import h2.errors
+import h2.exceptions
+import h2.stream
+from hpack.struct import Header
+from hyperframe.frame import HeadersFrame, RstStreamFrame
+
+
+class _LengthCheckedStream(h2.stream.H2Stream):
+    """An h2 stream that records a body-length error instead of raising it."""
+
+    body_length_error: str | None = None
+    """Why the request's `content-length` is wrong (None: nothing wrong seen so far)."""
+
+    def receive_headers(
+        self, headers: Iterable[Header], end_stream: bool, header_encoding: bool | str | None
+    ) -> tuple[list[Any], list[Any]]:
+        result = super().receive_headers(headers, end_stream, header_encoding)
+        if end_stream:
+            self._track_content_length(0, end_stream=True)  # h2 checks this only on DATA
+        return result
+
+    def _initialize_content_length(self, headers: Iterable[Header]) -> None:
+        try:
+            super()._initialize_content_length(headers)
+        except h2.exceptions.ProtocolError as exc:
+            self.body_length_error = str(exc)
+            self._expected_content_length = None
+
+    def _track_content_length(self, length: int, end_stream: bool) -> None:
+        try:
+            super()._track_content_length(length, end_stream)
+        except h2.exceptions.InvalidBodyLengthError as exc:
+            self.body_length_error = str(exc)
+            self._expected_content_length = None  # said once is enough
+
+
+class StreamErrorConnection(h2.connection.H2Connection):
+    """An h2 connection whose streams record body-length errors (`body_length_error()`) and
+    that refuses a stream past its limit instead of ending."""
+
+    def _begin_new_stream(
+        self, stream_id: int, allowed_ids: h2.connection.AllowedStreamIDs
+    ) -> h2.stream.H2Stream:
+        stream = super()._begin_new_stream(stream_id, allowed_ids)
+        stream.__class__ = _LengthCheckedStream  # same state, one more attribute
+        return stream
+
+    def _receive_headers_frame(self, frame: HeadersFrame) -> tuple[list[Any], list[Any]]:
+        try:
+            return super()._receive_headers_frame(frame)
+        except h2.exceptions.TooManyStreamsError:
+            pass  # raised before anything was decoded or changed
+        stream_id = frame.stream_id
+        if stream_id % 2 == 0 or stream_id <= self.highest_inbound_stream_id:
+            raise h2.exceptions.ProtocolError(f"invalid stream ID {stream_id} for a request")
+        h2.connection._decode_headers(self.decoder, frame.data)
+        self.highest_inbound_stream_id = stream_id  # what still comes on it: a closed stream
+        self._prepare_for_sending(
+            [RstStreamFrame(stream_id, error_code=h2.errors.ErrorCodes.REFUSED_STREAM)]
+        )
+        return [], []
+
+
+def body_length_error(connection: h2.connection.H2Connection, stream_id: int) -> str | None:
+    """What is wrong with the `content-length` of a request on an adopted connection, if
+    anything."""
+    return getattr(connection.streams.get(stream_id), "body_length_error", None)
+
+
+def adopt(connection: h2.connection.H2Connection) -> None:
+    """Make `connection`, as built and configured by its owner, a `StreamErrorConnection`. Call
+    before it has received anything."""
+    assert not connection.streams, "adopt a connection before it has streams"
+    connection.__class__ = StreamErrorConnection
+    table = connection._frame_dispatch_table  # bound when h2 made the connection
+    table[HeadersFrame] = connection._receive_headers_frame
+
+
+__all__ = ["StreamErrorConnection", "adopt", "body_length_error"]
