@@ -172,6 +172,27 @@ async def test_the_tls_listener_cuts_off_a_slow_body_and_a_flood(
         await served.stop()
 
 
+async def test_a_connection_its_client_closed_leaves_the_caps_at_once(
+    tls: TlsMaterial, dev_certs: Any
+) -> None:
+    """hypercorn kept a connection whose client had closed until its idle timer ran out (here
+    10 s), and it counted against the caps all that while."""
+    served = TcpListener(
+        RecordingApp(), host="127.0.0.1", port=0, tls=tls,
+        options=TcpOptions(max_connections_per_client=1),
+    )  # fmt: skip
+    await served.start()
+    try:
+        h2_context = ssl.create_default_context(cafile=str(dev_certs.ca_cert))
+        for _ in range(3):  # each closes before the next opens: all three are served
+            async with httpx.AsyncClient(verify=h2_context, http2=True) as client:
+                response = await client.get(f"https://localhost:{served.port}/echo")
+                assert response.status_code == 200 and response.http_version == "HTTP/2"
+            await wait_until(lambda: served.gate.open == 0, timeout=3)
+    finally:
+        await served.stop()
+
+
 @pytest.mark.parametrize("kind", ["h1", "hypercorn"])
 async def test_a_connection_flood_from_one_address_is_capped(kind: str) -> None:
     counts = Counts()
