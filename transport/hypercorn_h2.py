@@ -19,7 +19,11 @@ so without a check one connection could start requests, and the backend work beh
 faster than `max_concurrent_streams` would ever let it. Past `caps.RAPID_RESETS` streams reset
 before their response ended, and when they are more than half the connection's requests
 (`caps.resets_most`), it gets GOAWAY with ENHANCE_YOUR_CALM and closes; the listener counts it
-(`rapid_reset`).
+(`rapid_reset`). So does a connection whose control frames (PING, SETTINGS, WINDOW_UPDATE,
+PRIORITY, empty DATA, unknown types) pass 1,000 and ten per request received and DATA frame
+sent (`caps.floods_control`, counted `control_flood`): each costs the listener several
+microseconds, and a client sending only those held a core and slowed every other connection
+of the worker from 0.6 ms to about a second a request.
 
 It also bounds how long a response waits for the client's flow-control window: a stream whose
 send buffer stays full for the listener's send timeout (`transport.hypercorn_send`) is reset
@@ -88,7 +92,7 @@ from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.h2 import BUFFER_HIGH_WATER, H2Protocol
 from hyperframe.frame import GoAwayFrame
 
-from transport.caps import RAPID_RESET, resets_most
+from transport.caps import CONTROL_FLOOD, RAPID_RESET, floods_control, resets_most
 from transport.h2_stream_errors import adopt, body_length_error
 from transport.hypercorn_send import send_timeout_of
 
@@ -101,8 +105,9 @@ _REQUEST_HEADERS = HeaderValidationFlags(
 )
 """How h2 checks the headers of a request a server receives."""
 
-ON_RAPID_RESET_ATTRIBUTE = "quicedge_on_rapid_reset"
-"""The hypercorn `Config` attribute that holds the listener's count of such closes."""
+ON_SENT_AWAY_ATTRIBUTE = "quicedge_on_sent_away"
+"""The hypercorn `Config` attribute that holds the listener's count of connections sent away
+for how their client behaved (rapid resets, control-frame floods)."""
 
 
 class GuardedH2Protocol(H2Protocol):
@@ -113,6 +118,12 @@ class GuardedH2Protocol(H2Protocol):
 
     _cancelled = 0
     """Streams the client reset before their response ended."""
+
+    _control = 0
+    """Control frames the client sent (`caps.floods_control`)."""
+
+    _data_frames = 0
+    """DATA frames sent, each of which a client may answer with a WINDOW_UPDATE."""
 
     _retiring = False
     """The connection has served `keep_alive_max_requests`: it closes when next idle."""
@@ -138,6 +149,15 @@ class GuardedH2Protocol(H2Protocol):
         # One event at a time: a stream can close while hypercorn awaits an earlier event of
         # the same batch, so checking the whole batch up front would not be enough.
         for event in events:
+            if isinstance(event, _CONTROL_EVENTS) or (
+                isinstance(event, h2.events.DataReceived)
+                and not event.data
+                and event.stream_ended is None
+            ):
+                self._control += 1
+                if floods_control(self._control, self.keep_alive_requests + self._data_frames):
+                    await self._calm(CONTROL_FLOOD)
+                    return
             if isinstance(event, h2.events.PriorityUpdated):
                 continue  # RFC 9113 §5.3.2: the client's priority tree is ignored (below)
             if isinstance(event, h2.events.DataReceived) and event.stream_id not in self.streams:
@@ -151,7 +171,7 @@ class GuardedH2Protocol(H2Protocol):
             if isinstance(event, h2.events.StreamReset) and event.stream_id in self.streams:
                 self._cancelled += 1
                 if resets_most(self._cancelled, self.keep_alive_requests):
-                    await self._calm()
+                    await self._calm(RAPID_RESET)
                     return
             if isinstance(event, h2.events.RequestReceived):
                 await self._request(event)
@@ -217,16 +237,17 @@ class GuardedH2Protocol(H2Protocol):
             await self._flush()
 
     async def _send_data(self, stream_id: int) -> None:
+        self._data_frames += 1  # one at most
         await super()._send_data(stream_id)
         if self._retiring and not self._retired:
             await self._retire_if_idle()
 
-    async def _calm(self) -> None:
+    async def _calm(self, reason: str) -> None:
         """GOAWAY with ENHANCE_YOUR_CALM, and close: every open stream's app hears the client
-        is gone."""
-        counted = getattr(self.config, ON_RAPID_RESET_ATTRIBUTE, None)
+        is gone. The listener counts the connection as sent away for `reason`."""
+        counted = getattr(self.config, ON_SENT_AWAY_ATTRIBUTE, None)
         if counted is not None:
-            counted(RAPID_RESET)
+            counted(reason)
         with contextlib.suppress(h2.exceptions.ProtocolError):
             self.connection.close_connection(h2.errors.ErrorCodes.ENHANCE_YOUR_CALM)
             await self._flush()
@@ -284,6 +305,18 @@ class GuardedH2Protocol(H2Protocol):
         self.connection.acknowledge_received_data(event.flow_controlled_length, stream_id)
 
 
+_CONTROL_EVENTS = (
+    h2.events.PingReceived,
+    h2.events.PingAckReceived,
+    h2.events.RemoteSettingsChanged,
+    h2.events.WindowUpdated,
+    h2.events.PriorityUpdated,
+    h2.events.UnknownFrameReceived,
+)
+"""What h2 makes of the frames `caps.floods_control` counts (with empty DATA that does not end
+its stream)."""
+
+
 def _closing_clears(put: Callable[[Any], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
     """A stream's put into its app's queue (hypercorn's, of 10 messages), where the stream's
     end is never held up: an app that answered without reading the body leaves the queue full,
@@ -321,7 +354,7 @@ def install() -> None:
 
 
 __all__ = [
-    "ON_RAPID_RESET_ATTRIBUTE",
+    "ON_SENT_AWAY_ATTRIBUTE",
     "TESTED_MINOR",
     "GuardedH2Protocol",
     "install",

@@ -162,7 +162,7 @@ class TcpListener:
         )
         setattr(config, GATE_ATTRIBUTE, self.gate)
         setattr(config, SEND_TIMEOUT_ATTRIBUTE, SendTimeout(options.send_timeout, on_timeout))
-        setattr(config, hypercorn_h2.ON_RAPID_RESET_ATTRIBUTE, on_refused)
+        setattr(config, hypercorn_h2.ON_SENT_AWAY_ATTRIBUTE, on_refused)
         config.accesslog = None
         config.errorlog = "-"
         config.loglevel = "WARNING"

@@ -646,6 +646,70 @@ async def test_an_http2_client_that_resets_most_of_its_requests_is_sent_away(
         await served.stop()
 
 
+@pytest.mark.parametrize("per_request", [3000, 8], ids=["flood", "in-proportion"])
+async def test_an_http2_client_flooding_control_frames_is_sent_away(
+    tls: TlsMaterial, dev_certs: Any, per_request: int
+) -> None:
+    """PINGs and window updates cost the listener several µs each: past 1,000 and ten per
+    request and DATA frame, the connection gets GOAWAY ENHANCE_YOUR_CALM. A client that sends
+    a few per request (1,200 over 150 requests) keeps its connection."""
+    import h2.errors
+    import h2.events
+
+    counts = Counts()
+    served = TcpListener(RecordingApp(), host="127.0.0.1", port=0, tls=tls,
+                         on_refused=counts.refused.append)  # fmt: skip
+    await served.start()
+    conn, reader, writer = await h2_client(served.port, dev_certs.ca_cert)
+    try:
+        ended: h2.events.ConnectionTerminated | None = None
+        finished = 0
+        requests = 1 if per_request > 100 else 150
+        for i in range(requests):
+            h2_get(conn, "/echo")
+            writer.write(conn.data_to_send())
+            async with asyncio.timeout(10):
+                while finished <= i and ended is None:
+                    data = await reader.read(65536)
+                    assert data, "the server closed the connection"
+                    for event in conn.receive_data(data):
+                        if isinstance(event, h2.events.StreamEnded):
+                            finished += 1
+                        elif isinstance(event, h2.events.ConnectionTerminated):
+                            ended = event
+            for n in range(per_request):
+                if n % 2:
+                    conn.ping(b"%08d" % n)
+                else:
+                    conn.increment_flow_control_window(1)
+            writer.write(conn.data_to_send())
+        conn.ping(b"lastping")  # its answer says the server took everything sent before
+        writer.write(conn.data_to_send())
+        closed = False
+        async with asyncio.timeout(10):
+            while ended is None and not closed:
+                try:
+                    data = await reader.read(65536)
+                except ConnectionError:  # the server closed with the flood still unread
+                    data = b""
+                closed = not data
+                for event in conn.receive_data(data):
+                    if isinstance(event, h2.events.ConnectionTerminated):
+                        ended = event
+                    elif isinstance(event, h2.events.PingAckReceived):
+                        closed = closed or event.ping_data == b"lastping"
+        if per_request > 100:
+            assert counts.refused == ["control_flood"]
+            # GOAWAY ENHANCE_YOUR_CALM, unless the close with the flood unread reset the socket
+            assert ended is None or ended.error_code == h2.errors.ErrorCodes.ENHANCE_YOUR_CALM
+            assert ended is not None or closed
+        else:
+            assert ended is None and counts.refused == [] and finished == requests
+    finally:
+        writer.close()
+        await served.stop()
+
+
 @pytest.mark.parametrize(
     ("resets", "started"),
     [(300, False), (RAPID + 20, True), (40, False)],
