@@ -24,6 +24,10 @@ async def test_priorities_neither_end_nor_hang_the_connection(
         held = client.get("/hold")
         await asyncio.wait_for(app.holding.wait(), 5)
         if shape == "idle-streams":  # 1,001 entries: past the tree's 1,000
+            # after 200 requests, so that so many PRIORITY frames are not a flood of them
+            for _ in range(4):  # 50 at a time: the connection takes 100 at once
+                done = [client.get("/one") for _ in range(50)]
+                await client.until_done(*done)
             for i in range(1001):
                 client.conn.prioritize(1001 + 2 * i)
         elif shape == "loop":  # a chain of 111, then its head made a child of its tail
