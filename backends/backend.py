@@ -41,7 +41,13 @@ class Backend:
     in_prefill: int = 0
     """Requests not yet past their first token."""
     load: Any = None
-    """The last `/v1/loads` answer (a LoadSnapshot), None until one arrived."""
+    """The last `/v1/loads` answer (a LoadSnapshot), None until one arrived. Kept while
+    later polls fail: an overloaded server's may hang, and forgetting its load would clear
+    the very degradation that should keep traffic off it."""
+    load_polls_failed: int = 0
+    """`/v1/loads` polls that failed (errors, timeouts, answers that would not parse)."""
+    load_polls_failing: int = 0
+    """Of them, in a row since the last that answered."""
     max_concurrency: int | None = None
     degraded_reason: str | None = None
     requests: int = 0

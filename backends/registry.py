@@ -54,6 +54,10 @@ def _sglang_client(url: str, timeout: float) -> BackendClient:
     return SGLangClient(url, timeout=timeout)
 
 
+LOAD_POLLS_WARNED = 3
+"""Failed `/v1/loads` polls in a row that are logged as a warning (one line per spell)."""
+
+
 @dataclass(slots=True)
 class HealthConfig:
     """Health checking, ejection and degradation settings (times in seconds)."""
@@ -368,12 +372,26 @@ class BackendRegistry:
         return ok
 
     async def poll_load_once(self, backend: Backend) -> None:
+        """One `/v1/loads` poll. A failed one keeps the last load (see `Backend.load`), is
+        counted, and is logged as a warning when it makes `LOAD_POLLS_WARNED` in a row."""
         try:
             async with asyncio.timeout(self.health.timeout):
                 load = await self._client(backend).loads()
         except Exception as exc:
-            log.debug("load poll of %s failed: %r", backend.name, exc)
-            load = None
+            backend.load_polls_failed += 1
+            backend.load_polls_failing += 1
+            if backend.load_polls_failing == LOAD_POLLS_WARNED:
+                log.warning(
+                    "load polls of %s failed %d times in a row (last: %r); routing on its last"
+                    " known load until one answers",
+                    backend.name, LOAD_POLLS_WARNED, exc,
+                )  # fmt: skip
+            else:
+                log.debug("load poll of %s failed: %r", backend.name, exc)
+            return
+        if backend.load_polls_failing >= LOAD_POLLS_WARNED:
+            log.info("load polls of %s answer again", backend.name)
+        backend.load_polls_failing = 0
         self.set_load(backend, load)
 
     async def _check_loop(self, backend: Backend) -> None:
@@ -462,6 +480,7 @@ class BackendRegistry:
                         "token_usage": load.token_usage,
                         "max_total_tokens": load.max_total_tokens,
                     },
+                    "load_polls_failing": b.load_polls_failing,
                 }
             )
         return out

@@ -292,13 +292,20 @@ class FleetCollector(Collector):
             "1 while an operator holds the backend out of routing (POST /backends/NAME/drain)",
             labels=["backend"],
         )
+        load_polls = CounterMetricFamily(
+            "quicedge_backend_load_poll_failures",
+            "/v1/loads polls that failed (an error, a timeout, an answer that would not parse);"
+            " routing keeps the backend's last known load meanwhile",
+            labels=["backend"],
+        )
         for b in self._backends:
+            load_polls.add_metric([b.name], b.load_polls_failed)
             in_flight.add_metric([b.name], b.in_flight)
             prefill.add_metric([b.name], b.in_flight_prefill_tokens)
             healthy.add_metric([b.name], 1.0 if b.healthy else 0.0)
             degraded.add_metric([b.name], 1.0 if b.degraded else 0.0)
             held.add_metric([b.name], 1.0 if b.held else 0.0)
-        yield from (in_flight, prefill, healthy, degraded, held)
+        yield from (in_flight, prefill, healthy, degraded, held, load_polls)
         stats = self._pool_stats()
         reuse = GaugeMetricFamily(
             "quicedge_upstream_reuse_ratio",

@@ -588,6 +588,35 @@ async def test_bodies_still_arriving_past_the_budget_are_refused_until_it_frees(
             assert status == 200 and b"[DONE]" in body
 
 
+async def test_a_backend_whose_load_polls_fail_keeps_its_last_load_and_is_counted() -> None:
+    """An overloaded server's /v1/loads may hang: the edge forgot its load at the first failed
+    poll, which cleared its degradation and sent it traffic again."""
+    hang = asyncio.Event()
+    never = asyncio.Event()
+
+    async def loads(recorded: Recorded) -> Reply:
+        if recorded.path in ("/v1/loads", "/get_load"):
+            if hang.is_set():
+                await never.wait()
+            rank = {"num_running_reqs": 9, "num_waiting_reqs": 40, "token_usage": 0.99}
+            return Reply(chunks=[json.dumps({"loads": [rank]}).encode()], chunked=False,
+                         headers=[("content-type", "application/json")])  # fmt: skip
+        return health_ok(recorded) or sse_reply(["x"])
+
+    async with TinyUpstream(loads) as up:
+        config = fast_config([up.url], loads_interval=0.1, health_timeout=0.2)
+        async with run_edge(config) as edge:
+            backend = edge.wiring.registry.backends[0]
+            await wait_until(lambda: backend.degraded)
+            hang.set()
+            await wait_until(lambda: backend.load_polls_failing >= 3)
+            assert backend.degraded and backend.load.token_usage == 0.99
+            metrics = (await httpx.AsyncClient().get(edge.admin_url + "/metrics")).text
+            name = "quicedge_backend_load_poll_failures_total"
+            assert sample(metrics, f'{name}{{backend="{backend.name}"}}') >= 3
+            never.set()
+
+
 async def test_no_healthy_backend_is_503() -> None:
     async with TinyUpstream(script(lambda r: sse_reply(["x"]))) as up:
         async with run_edge(fast_config([up.url]), start=False) as edge, client(edge) as http:
