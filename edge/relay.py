@@ -205,17 +205,20 @@ class StreamRelay:
                     chunks.abort()
                 if not chunk:
                     continue
-            content = scanner.feed(chunk)
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            self.passed(chunks, chunk, content, arrived)
+            chunk, content = scanner.take(chunk)
+            if chunk:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                self.passed(chunks, chunk, content, arrived)
             if guard is not None and guard.cut is not None:
                 return
+        rest = b""
         if guard is not None and guard.cut is None:
             rest = guard.finish()
-            if rest:
-                content = scanner.feed(rest)
-                await send({"type": "http.response.body", "body": rest, "more_body": True})
-                self.passed(chunks, rest, content, chunks.arrived_at)
+        rest, content = scanner.take(rest) if rest else (b"", 0)
+        rest += scanner.rest()
+        if rest:
+            await send({"type": "http.response.body", "body": rest, "more_body": True})
+            self.passed(chunks, rest, content, chunks.arrived_at)
 
     def _take(self) -> bool:
         """The sink: pass on what the read callback parsed (`UpstreamResponse.set_sink`)."""
@@ -307,15 +310,18 @@ def _pass_on(
     cut = False
     if guard is not None:
         chunk, cut = _guarded(chunks, relay, guard, chunk)
-    content = relay.scanner.feed(chunk) if chunk else 0
+    scanner = relay.scanner
+    chunk, content = scanner.take(chunk) if chunk else (b"", 0)
     chunks.take_end()  # all of the body was taken: the response ends here
     end = chunks.complete
     if guard is not None and (end or cut):
         if not cut:
-            rest = guard.finish()
-            content += relay.scanner.feed(rest) if rest else 0
+            rest, more_content = scanner.take(guard.finish())
             chunk += rest
+            content += more_content
         end = True
+    if end and not cut:
+        chunk += scanner.rest()  # an event the backend ended without its blank line
     if end:
         relay.complete()
     if start is not None:

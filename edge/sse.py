@@ -176,10 +176,18 @@ class SSEScanner:
 
     def feed(self, chunk: bytes) -> int:
         """Scan `chunk`; return how many content events it completed."""
+        return self.take(chunk)[1]
+
+    def take(self, chunk: bytes) -> tuple[bytes, int]:
+        """Scan `chunk`; return the complete events so far, which may be passed on, and how
+        many content events they hold. The bytes of an event still incomplete are held (an SSE
+        client dispatches nothing before an event's blank line, so holding them delays
+        nothing): a stream that fails after them ends with a well-formed error event, not one
+        glued to half an event. Past `_MAX_TAIL` held bytes, everything passes unscanned."""
         tail = self._tail
         if tail:
             if len(tail) > _MAX_TAIL:
-                return 0
+                return chunk, 0
             data = tail + chunk
             # the tail held no separator; one may straddle the old end, so start a byte before
             end = data.find(b"\n\n", len(tail) - 1)
@@ -189,10 +197,26 @@ class SSEScanner:
             data = chunk
             end = data.rfind(b"\n\n")
         if end < 0:
+            if len(data) > _MAX_TAIL:  # no event boundary in sight: stop holding
+                self._tail = data
+                return data, 0
             self._tail = data
-            return 0
-        self._tail = data[end + 2 :]
-        return self._scan(data[:end])
+            return b"", 0
+        cut = end + 2
+        if cut == len(data):
+            self._tail = b""
+            return data, self._scan(data[:end])
+        self._tail = data[cut:]
+        return data[:cut], self._scan(data[:end])
+
+    def rest(self) -> bytes:
+        """The bytes held after the last complete event (the stream ended without a blank
+        line after them); handed out once."""
+        tail = self._tail
+        if len(tail) > _MAX_TAIL:
+            return b""  # passed on already
+        self._tail = b""
+        return tail
 
     def _scan(self, region: bytes) -> int:
         """Account for `region`, one or more complete events (separators between them)."""

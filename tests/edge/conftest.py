@@ -155,6 +155,8 @@ class Reply:
     chunks: list[bytes] = field(default_factory=list)
     delay: float = 0.0
     """Pause before each chunk."""
+    delays: Sequence[float] = ()
+    """Pause before each chunk, chunk by chunk (in place of `delay` where given)."""
     die_after: int | None = None
     """Close the connection abruptly after this many chunks (mid-body death)."""
     chunked: bool = True
@@ -238,8 +240,9 @@ class TinyUpstream:
                     if reply.die_after is not None and i >= reply.die_after:
                         writer.transport.abort()
                         return
-                    if reply.delay:
-                        await asyncio.sleep(reply.delay)
+                    pause = reply.delays[i] if i < len(reply.delays) else reply.delay
+                    if pause:
+                        await asyncio.sleep(pause)
                     writer.write(conn.send(h11.Data(data=chunk)))
                     await writer.drain()
                     sent = self.body_bytes_sent
@@ -282,9 +285,9 @@ def health_ok(recorded: Recorded) -> Reply | None:
     if recorded.path == "/health":
         return Reply(status=200, chunked=False)
     if recorded.path in ("/v1/loads", "/get_load"):
-        load = {"num_running_reqs": 0, "num_waiting_reqs": 0, "num_total_tokens": 0,
-                "token_usage": 0.0, "max_total_tokens": 100000}  # fmt: skip
-        return Reply(chunks=[json.dumps(load).encode()], chunked=False,
+        rank = {"num_running_reqs": 0, "num_waiting_reqs": 0, "num_used_tokens": 0,
+                "token_usage": 0.0, "max_total_num_tokens": 100000}  # fmt: skip
+        return Reply(chunks=[json.dumps({"loads": [rank]}).encode()], chunked=False,
                      headers=[("content-type", "application/json")])  # fmt: skip
     if recorded.path == "/v1/models":
         models = {"object": "list", "data": [{"id": "tiny-model", "object": "model"}]}

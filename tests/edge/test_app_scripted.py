@@ -319,6 +319,48 @@ async def test_backend_dying_mid_stream_ends_with_error_event_and_no_retry(liste
     assert len(inference(a)) + len(inference(b)) == 1  # no retry after the first byte
 
 
+@LISTENERS
+@pytest.mark.parametrize("how", ["dies", "stalls"])
+async def test_a_stream_cut_inside_an_event_ends_with_whole_events_only(
+    listener: str, how: str
+) -> None:
+    """The half event the backend sent before it died, or stalled past the chunk timeout, is
+    held back: the edge glued its error event to it, which SDKs fail to parse (the OpenAI SDK
+    raised JSONDecodeError instead of APIError)."""
+    whole = sse_reply(["a"]).chunks[0]
+    half = b'data: {"choices": [{"index": 0, "te'
+    if how == "dies":
+        reply = Reply(headers=[("content-type", "text/event-stream")],
+                      chunks=[whole, half, b"never"], die_after=2)  # fmt: skip
+    else:
+        reply = Reply(headers=[("content-type", "text/event-stream")],
+                      chunks=[whole, half, b"late"], delays=[0, 0, 5.0])  # fmt: skip
+    async with TinyUpstream(script(lambda r: reply)) as up:
+        config = fast_config([up.url], chunk_timeout=0.8)
+        async with run_edge(config, listener=listener) as edge, client(edge) as http:
+            response = await http.post("/v1/completions", json=COMPLETION)
+            assert response.status_code == 200
+            assert response.content.endswith(b"\n\ndata: [DONE]\n\n")
+            events = [e for e in response.content.split(b"\n\n") if e]
+            assert events[-1] == b"data: [DONE]"
+            datas = [json.loads(e.removeprefix(b"data: ")) for e in events[:-1]]
+            assert datas[0]["choices"][0]["text"] == "a"
+            assert datas[-1]["error"]["code"] in ("bad_gateway", "upstream_timeout")
+            assert len(datas) == 2
+            assert in_flight(edge) == [0]
+
+
+async def test_a_stream_whose_last_event_lacks_its_blank_line_is_passed_whole() -> None:
+    """What the edge holds of an unfinished event goes out when the stream ends."""
+    chunks = [*sse_reply(["a"]).chunks[:1], b'data: {"choices": [{"index": 0, "text": "b"}]}']
+    reply = Reply(headers=[("content-type", "text/event-stream")], chunks=chunks)
+    async with TinyUpstream(script(lambda r: reply)) as up:
+        async with run_edge(fast_config([up.url])) as edge, client(edge) as http:
+            response = await http.post("/v1/completions", json=COMPLETION)
+            assert response.status_code == 200
+            assert response.content == b"".join(chunks)
+
+
 async def test_connect_refused_is_retried_elsewhere() -> None:
     async with TinyUpstream(script(lambda r: sse_reply(["x"]))) as good:
         dead = TinyUpstream(script(lambda r: sse_reply(["never"])))
