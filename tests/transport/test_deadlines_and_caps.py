@@ -525,6 +525,23 @@ async def h2_client(port: int, ca_cert: Any) -> tuple[Any, asyncio.StreamReader,
     return conn, reader, writer
 
 
+@contextlib.asynccontextmanager
+async def h2_connected(
+    tls: TlsMaterial, dev_certs: Any, counts: Counts
+) -> AsyncIterator[tuple[Any, asyncio.StreamReader, Any]]:
+    """An HTTP/2 connection to a TLS listener serving `RecordingApp` that counts the
+    connections it refuses or sends away in `counts`."""
+    served = TcpListener(RecordingApp(), host="127.0.0.1", port=0, tls=tls,
+                         on_refused=counts.refused.append)  # fmt: skip
+    await served.start()
+    conn, reader, writer = await h2_client(served.port, dev_certs.ca_cert)
+    try:
+        yield conn, reader, writer
+    finally:
+        writer.close()
+        await served.stop()
+
+
 def h2_get(conn: Any, path: str) -> int:
     stream_id: int = conn.get_next_available_stream_id()
     conn.send_headers(stream_id, [(":method", "GET"), (":scheme", "https"),
@@ -598,11 +615,7 @@ async def test_an_http2_client_that_resets_most_of_its_requests_is_sent_away(
     import h2.events
 
     counts = Counts()
-    served = TcpListener(RecordingApp(), host="127.0.0.1", port=0, tls=tls,
-                         on_refused=counts.refused.append)  # fmt: skip
-    await served.start()
-    conn, reader, writer = await h2_client(served.port, dev_certs.ca_cert)
-    try:
+    async with h2_connected(tls, dev_certs, counts) as (conn, reader, writer):
         ended: h2.events.ConnectionTerminated | None = None
         finished = 0
 
@@ -641,9 +654,6 @@ async def test_an_http2_client_that_resets_most_of_its_requests_is_sent_away(
             conn.close_connection()  # and leaves as a client does, so the server idles
             writer.write(conn.data_to_send())
             await read_until(lambda: False)
-    finally:
-        writer.close()
-        await served.stop()
 
 
 @pytest.mark.parametrize("per_request", [3000, 8], ids=["flood", "in-proportion"])
@@ -657,11 +667,7 @@ async def test_an_http2_client_flooding_control_frames_is_sent_away(
     import h2.events
 
     counts = Counts()
-    served = TcpListener(RecordingApp(), host="127.0.0.1", port=0, tls=tls,
-                         on_refused=counts.refused.append)  # fmt: skip
-    await served.start()
-    conn, reader, writer = await h2_client(served.port, dev_certs.ca_cert)
-    try:
+    async with h2_connected(tls, dev_certs, counts) as (conn, reader, writer):
         ended: h2.events.ConnectionTerminated | None = None
         finished = 0
         requests = 1 if per_request > 100 else 150
@@ -705,9 +711,6 @@ async def test_an_http2_client_flooding_control_frames_is_sent_away(
             assert ended is not None or closed
         else:
             assert ended is None and counts.refused == [] and finished == requests
-    finally:
-        writer.close()
-        await served.stop()
 
 
 @pytest.mark.parametrize(
