@@ -320,8 +320,9 @@ class BackendRegistry:
         backend.degraded = reason is not None
         backend.degraded_reason = reason
 
-    def record_check(self, backend: Backend, ok: bool) -> None:
-        """Apply one active health-check result with the configured thresholds."""
+    def record_check(self, backend: Backend, ok: bool, why: str = "") -> None:
+        """Apply one active health-check result with the configured thresholds; `why` says
+        what a failed one met, for the log line that marks the backend unhealthy."""
         if ok:
             backend.check_successes += 1
             backend.check_failures = 0
@@ -338,8 +339,9 @@ class BackendRegistry:
             if backend.healthy and backend.check_failures >= self.health.failure_threshold:
                 backend.healthy = False
                 log.warning(
-                    "backend %s failed %d health checks", backend.name, backend.check_failures
-                )
+                    "backend %s failed %d health checks%s",
+                    backend.name, backend.check_failures, f" (last: {why})" if why else "",
+                )  # fmt: skip
 
     # -- background work ------------------------------------------------------------------
     def _spawn(self, coro: Any) -> asyncio.Task[None]:
@@ -362,13 +364,18 @@ class BackendRegistry:
 
     async def check_once(self, backend: Backend) -> bool:
         """One active `/health` check; any error or timeout counts as a failure."""
+        why = ""
         try:
             async with asyncio.timeout(self.health.timeout):
                 ok = bool(await self._client(backend).health())
+            if not ok:
+                why = "it answered unhealthy"
+        except TimeoutError:
+            ok, why = False, f"no answer within {self.health.timeout:g}s"
         except Exception as exc:  # a dead backend raises many things; all mean "not healthy"
             log.debug("health check of %s failed: %r", backend.name, exc)
-            ok = False
-        self.record_check(backend, ok)
+            ok, why = False, repr(exc)
+        self.record_check(backend, ok, why)
         return ok
 
     async def poll_load_once(self, backend: Backend) -> None:

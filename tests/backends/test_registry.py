@@ -197,6 +197,24 @@ def test_active_check_thresholds() -> None:
     assert b.healthy
 
 
+async def test_the_line_that_marks_a_backend_unhealthy_says_what_its_checks_met(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Real checks against a port nothing listens on: the reason was at debug level only."""
+    health = HealthConfig(failure_threshold=2, timeout=1.0)
+    registry = BackendRegistry(["http://127.0.0.1:1"], pool=None, health=health)
+    b = registry.backends[0]
+    try:
+        with caplog.at_level("WARNING", logger="backends.registry"):
+            for _ in range(2):
+                assert not await registry.check_once(b)
+    finally:
+        await registry.aclose()
+    assert not b.healthy
+    [line] = [r.getMessage() for r in caplog.records if "health checks" in r.getMessage()]
+    assert line.startswith("backend 127.0.0.1:1 failed 2 health checks (last: ")
+
+
 def test_snapshot_is_json() -> None:
     registry, clock = make()
     b = registry.backends[0]
