@@ -365,11 +365,12 @@ class BackendRegistry:
     async def check_once(self, backend: Backend) -> bool:
         """One active `/health` check; any error or timeout counts as a failure."""
         why = ""
+        client = self._client(backend)
         try:
             async with asyncio.timeout(self.health.timeout):
-                ok = bool(await self._client(backend).health())
+                ok = bool(await client.health())
             if not ok:
-                why = "it answered unhealthy"
+                why = getattr(client, "health_error", None) or "it answered unhealthy"
         except TimeoutError:
             ok, why = False, f"no answer within {self.health.timeout:g}s"
         except Exception as exc:  # a dead backend raises many things; all mean "not healthy"

@@ -76,6 +76,8 @@ class SGLangClient:
         # SGLang's `--api-key`: every route but /health* and /metrics wants it.
         self._auth = [(b"authorization", f"Bearer {api_key}".encode())] if api_key else []
         self._lock = asyncio.Lock()
+        self.health_error: str | None = None
+        """Why the last `health()` was False (None after a True one)."""
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._conn: h11.Connection | None = None
@@ -87,11 +89,14 @@ class SGLangClient:
     # -- the API -------------------------------------------------------------------------------
 
     async def health(self) -> bool:
-        """GET /health is 200: the server is up and its scheduler answers. Never raises."""
+        """GET /health is 200: the server is up and its scheduler answers. Never raises; when
+        False, `health_error` says why."""
         try:
             status, _ = await self._request("GET", "/health")
-        except SGLangError:
+        except SGLangError as exc:
+            self.health_error = str(exc)
             return False
+        self.health_error = None if status == 200 else f"/health answered {status}"
         return status == 200
 
     async def loads(self) -> LoadSnapshot:

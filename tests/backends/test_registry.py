@@ -213,6 +213,7 @@ async def test_the_line_that_marks_a_backend_unhealthy_says_what_its_checks_met(
     assert not b.healthy
     [line] = [r.getMessage() for r in caplog.records if "health checks" in r.getMessage()]
     assert line.startswith("backend 127.0.0.1:1 failed 2 health checks (last: ")
+    assert "ConnectionRefusedError" in line
 
 
 def test_snapshot_is_json() -> None:

@@ -86,6 +86,7 @@ async def test_reconnects_after_server_closed_idle_connection(server: SimServer)
 async def test_unreachable_server() -> None:
     async with SGLangClient(f"http://127.0.0.1:{free_port()}", timeout=1.0) as client:
         assert not await client.health()
+        assert client.health_error is not None and "127.0.0.1" in client.health_error
         with pytest.raises(SGLangError):
             await client.loads()
 
