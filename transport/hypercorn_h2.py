@@ -112,9 +112,10 @@ for how their client behaved (rapid resets, control-frame floods)."""
 
 class GuardedH2Protocol(H2Protocol):
     """`H2Protocol` that survives request data for a stream it already closed and malformed
-    requests, closes a connection that resets most of its requests, bounds its waits for flow
-    control, refuses requests as unprocessed while the server drains, and goes away gracefully
-    after its last allowed request."""
+    requests, closes a connection that resets most of its requests or floods control frames,
+    ignores stream priorities, never lets a stream's end wait on its app's queue, bounds its
+    waits for flow control, refuses requests as unprocessed while the server drains, and goes
+    away gracefully after its last allowed request."""
 
     _cancelled = 0
     """Streams the client reset before their response ended."""
