@@ -10,6 +10,11 @@ proxy in front shares among many users, one client's bad request would cut every
   instead of raising, and the protocol (`transport.hypercorn_h2`) resets it with
   PROTOCOL_ERROR. h2 also accepts a request that ends with its headers while its
   `content-length` promises a body; that is recorded too.
+- **A header list over the advertised size** (`SETTINGS_MAX_HEADER_LIST_SIZE`, §10.5.1): h2's
+  HPACK decoder stopped at that size, mid-block, after which the table could no longer be
+  trusted and only the connection could end (GOAWAY ENHANCE_YOUR_CALM, every answer on it
+  lost). The decoder now goes on to twice that size, and a list between the two is answered
+  431 on its own stream (`header_list_over`); past twice the size the connection still ends.
 - **A stream past the advertised limit** (§5.1.2): its HEADERS are decoded all the same (the
   HPACK state must stay in step with the client's) and the stream is refused with
   REFUSED_STREAM, which tells the client to send it again. A client may open more streams
@@ -99,6 +104,15 @@ def body_length_error(connection: h2.connection.H2Connection, stream_id: int) ->
     return getattr(connection.streams.get(stream_id), "body_length_error", None)
 
 
+def header_list_over(connection: h2.connection.H2Connection, headers: Iterable[Header]) -> bool:
+    """Whether a request's header list is over the size the connection advertised (each field
+    its name, value and 32 bytes, as HPACK counts it: RFC 7541 §4.1)."""
+    advertised = connection.local_settings.max_header_list_size
+    if advertised is None:
+        return False  # none advertised: h2's decoder keeps its own bound
+    return sum(len(name) + len(value) + 32 for name, value in headers) > advertised
+
+
 def adopt(connection: h2.connection.H2Connection) -> None:
     """Make `connection`, as built and configured by its owner, a `StreamErrorConnection`. Call
     before it has received anything."""
@@ -106,6 +120,9 @@ def adopt(connection: h2.connection.H2Connection) -> None:
     connection.__class__ = StreamErrorConnection
     table = connection._frame_dispatch_table  # bound when h2 made the connection
     table[HeadersFrame] = connection._receive_headers_frame
+    advertised = connection.local_settings.max_header_list_size
+    if advertised is not None:
+        connection.decoder.max_header_list_size = 2 * advertised
 
 
-__all__ = ["StreamErrorConnection", "adopt", "body_length_error"]
+__all__ = ["StreamErrorConnection", "adopt", "body_length_error", "header_list_over"]

@@ -93,7 +93,7 @@ from hypercorn.protocol.h2 import BUFFER_HIGH_WATER, H2Protocol
 from hyperframe.frame import GoAwayFrame
 
 from transport.caps import CONTROL_FLOOD, RAPID_RESET, floods_control, resets_most
-from transport.h2_stream_errors import adopt, body_length_error
+from transport.h2_stream_errors import adopt, body_length_error, header_list_over
 from transport.hypercorn_send import send_timeout_of
 
 TESTED_MINOR = "0.18"
@@ -104,6 +104,9 @@ _REQUEST_HEADERS = HeaderValidationFlags(
     is_client=False, is_trailer=False, is_response_header=False, is_push_promise=False
 )
 """How h2 checks the headers of a request a server receives."""
+
+_TOO_LARGE = [(b":status", b"431"), (b"content-length", b"0")]
+"""The answer to a request whose header list is over the advertised size (RFC 6585 §5)."""
 
 ON_SENT_AWAY_ATTRIBUTE = "quicedge_on_sent_away"
 """The hypercorn `Config` attribute that holds the listener's count of connections sent away
@@ -207,6 +210,10 @@ class GuardedH2Protocol(H2Protocol):
             # A stream error, not a connection error (RFC 9113 §8.1.1): the client's other
             # requests on the connection go on.
             self.connection.reset_stream(stream_id, h2.errors.ErrorCodes.PROTOCOL_ERROR)
+            await self._flush()
+            return
+        if header_list_over(self.connection, event.headers):
+            self.connection.send_headers(stream_id, _TOO_LARGE, end_stream=True)
             await self._flush()
             return
         await self._create_stream(event)

@@ -140,3 +140,28 @@ async def test_streams_past_the_limit_in_a_first_flight_are_refused_not_the_conn
         assert client.whole(again) and client.goaways == []
     finally:
         await listener.stop()
+
+
+@pytest.mark.parametrize("size", [70_000, 120_000])
+async def test_a_header_list_over_the_advertised_size_is_answered_431_on_its_own_stream(
+    tls: TlsMaterial, dev_certs: DevCertificates, size: int
+) -> None:
+    """Up to twice the advertised 64 KiB: h2 alone ended the connection (GOAWAY
+    ENHANCE_YOUR_CALM), and the answers of every request on it were lost."""
+    app = _Answers()
+    listener = await _serving(tls, app, max_requests=0)
+    try:
+        client = await _Client.open(listener.port, dev_certs.ca_cert, lenient=True)
+        held = client.get("/hold")
+        await asyncio.wait_for(app.holding.wait(), 5)
+        big = client.get("/big", [*PSEUDO, ("x-big", "a" * size)])
+        await client.until_done(big)
+        app.release.set()
+        after = client.get("/after")
+        await client.until_done(held, after)
+        assert client.whole(held) and client.whole(after) and client.goaways == []
+        assert big in client.ended and big not in client.refused
+        assert client.statuses[big] == 431
+    finally:
+        app.release.set()
+        await listener.stop()

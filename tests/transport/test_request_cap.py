@@ -74,6 +74,7 @@ class _Client:
     bodies: dict[int, bytearray] = field(default_factory=dict)
     ended: set[int] = field(default_factory=set)
     refused: dict[int, int] = field(default_factory=dict)
+    statuses: dict[int, int] = field(default_factory=dict)
     goaways: list[tuple[int, int]] = field(default_factory=list)
     """(last stream id, error code) of each GOAWAY, in order."""
     closed: bool = False
@@ -152,6 +153,9 @@ class _Client:
                 assert event.stream_id is not None
                 self.bodies[event.stream_id] += event.data
                 self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+            elif isinstance(event, h2.events.ResponseReceived):
+                assert event.stream_id is not None and event.headers is not None
+                self.statuses[event.stream_id] = int(dict(event.headers)[b":status"])
             elif isinstance(event, h2.events.StreamEnded):
                 assert event.stream_id is not None
                 self.ended.add(event.stream_id)
