@@ -61,6 +61,9 @@ class PoolStats:
     connects: int
     urgent_reads: int = 0
     """Reads of a due first token made between request starts, out of the loop's turn."""
+    stale_resends: int = 0
+    """Requests sent again on a fresh connection because the reused one had been closed by
+    the backend as they went out (RFC 9112 §9.3.1)."""
     backends: dict[str, BackendPoolStats] = field(default_factory=dict)
 
     @property
@@ -281,6 +284,7 @@ class UpstreamPool:
         self.last_read = 0.0
         """`perf_counter()` of the last read of any upstream socket."""
         self.urgent_reads = 0
+        self._stale_resends = 0
         self._hosts: dict[str, BackendSlots] = {}
         self._requests = 0
         self._reused = 0
@@ -383,6 +387,7 @@ class UpstreamPool:
                     # The backend closed this idle connection just as we reused it (its
                     # keep-alive timeout raced our request); nothing was processed, so a
                     # fresh connection is safe (RFC 9112 §9.3.1).
+                    self._stale_resends += 1
                     continue
                 if isinstance(exc, UpstreamError):
                     raise
@@ -424,6 +429,7 @@ class UpstreamPool:
             reused=self._reused,
             connects=self._connects,
             urgent_reads=self.urgent_reads,
+            stale_resends=self._stale_resends,
             backends={url: host.stats() for url, host in self._hosts.items()},
         )
 

@@ -322,6 +322,12 @@ class FleetCollector(Collector):
             " upstream socket for 0.5 ms (a sign of long loop turns)",
         )
         urgent.add_metric([], stats.urgent_reads)
+        resends = CounterMetricFamily(
+            "quicedge_upstream_stale_resends",
+            "Requests sent again on a fresh connection because the backend had closed the"
+            " reused one as they went out (its keep-alive timeout raced the request)",
+        )
+        resends.add_metric([], stats.stale_resends)
         conns = GaugeMetricFamily(
             "quicedge_upstream_connections",
             "Upstream connections by backend and state",
@@ -333,7 +339,7 @@ class FleetCollector(Collector):
             name = names.get(url, url)
             conns.add_metric([name, "idle"], host.idle)
             conns.add_metric([name, "active"], host.active)
-        yield from (reuse, connects, urgent, conns)
+        yield from (reuse, connects, urgent, resends, conns)
 
 
 class AuditCollector(Collector):

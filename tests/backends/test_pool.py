@@ -37,6 +37,8 @@ class ScriptedServer:
     requests: list[tuple[str, bytes, dict[bytes, bytes]]] = field(default_factory=list)
     server: asyncio.Server | None = None
     writers: set[asyncio.StreamWriter] = field(default_factory=set)
+    vanish: bool = True
+    """`/vanish` closes its connection unanswered the first time, and is answered after."""
 
     @property
     def url(self) -> str:
@@ -186,6 +188,13 @@ class ScriptedServer:
                 await writer.drain()
                 await asyncio.sleep(0.02)
             return False
+        elif target == "/vanish":
+            if self.vanish:  # as a backend whose keep-alive timeout fires as the request comes
+                self.vanish = False
+                return False
+            send(h11.Response(status_code=200, headers=[("content-length", "2")]))
+            send(h11.Data(data=b"ok"))
+            send(h11.EndOfMessage())
         elif target == "/garbage":
             writer.write(b"this is not HTTP\r\n\r\n")
             await writer.drain()
@@ -474,6 +483,20 @@ async def test_backend_closing_an_idle_connection_is_survived(server: ScriptedSe
         await wait_until(lambda: pool.stats().backends[server.url].idle == 0)
         assert await get(pool, server.url, "/ok") == b"ok:"
         assert pool.stats().connects == 2
+    finally:
+        await pool.aclose()
+
+
+async def test_a_request_the_backend_closed_its_reused_connection_on_is_sent_again_once(
+    server: ScriptedServer,
+) -> None:
+    pool = UpstreamPool()
+    try:
+        await get(pool, server.url, "/ok")
+        assert await get(pool, server.url, "/vanish") == b"ok"
+        stats = pool.stats()
+        assert stats.stale_resends == 1 and stats.connects == 2
+        assert [target for target, _, _ in server.requests] == ["/ok", "/vanish", "/vanish"]
     finally:
         await pool.aclose()
 
