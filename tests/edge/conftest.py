@@ -303,4 +303,5 @@ def health_ok(recorded: Recorded) -> Reply | None:
 
 
 def client(edge: Edge, **kwargs: Any) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=edge.url, timeout=20.0, **kwargs)
+    kwargs.setdefault("timeout", 20.0)
+    return httpx.AsyncClient(base_url=edge.url, **kwargs)
