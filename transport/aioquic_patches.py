@@ -74,8 +74,11 @@ repeated work rather than protocol work:
   and ``_write_connection_limits`` now judge by the bytes delivered in order (those handed to
   HTTP/3). A window then doubles only once half of it was delivered, so what a client's gaps
   can hold stays under its connection's window: the initial 1 MiB, or less than four times
-  what it delivered.
-  *Upstream:* the same rule in those two methods.
+  what it delivered. Bytes delivered count once the app has read them (`UnreadBytes`): an app
+  that reads a request body late, or never, holds at most its windows, not every byte each of
+  its streams may carry.
+  *Upstream:* the same rule in those two methods; the app's reads as ``H3Connection``'s
+  consumers acknowledge them (aioquic has no such call).
 - **Out-of-order handshake data.** aioquic buffers up to 512 KiB of CRYPTO data ahead of what
   it has read, filling the gap with zeros: an Initial datagram of 1,200 bytes whose ClientHello
   claims an offset of 500 KB holds half a megabyte until the idle timeout, from an address
@@ -418,22 +421,79 @@ MAX_PENDING_CRYPTO = 16 * 1024
 """CRYPTO bytes a connection buffers ahead of what it has read, per epoch."""
 
 
+class UnreadBytes:
+    """Request-body bytes a connection handed to its app that the app has not read yet, by
+    stream. The receive windows count them as not delivered, so they grow with what the app
+    reads: without this, an app that never read held every byte each stream may carry (16
+    streams of 8 MiB: +157 MB)."""
+
+    __slots__ = ("by_stream", "held_back")
+
+    def __init__(self) -> None:
+        self.by_stream: dict[int, int] = {}
+        self.held_back = False
+        """A window stayed where it was for bytes not yet read: a read should transmit."""
+
+    def delivered(self, stream_id: int, size: int) -> None:
+        by_stream = self.by_stream
+        by_stream[stream_id] = by_stream.get(stream_id, 0) + size
+
+    def read(self, stream_id: int, size: int) -> bool:
+        """The app read `size` bytes of `stream_id`; whether a window held back for them may
+        grow now (the caller transmits, or a client waiting for credit waits on)."""
+        left = self.by_stream.get(stream_id)
+        if left is not None:
+            if left > size:
+                self.by_stream[stream_id] = left - size
+            else:
+                del self.by_stream[stream_id]
+        held_back, self.held_back = self.held_back, False
+        return held_back
+
+    def forget(self, stream_id: int) -> bool:
+        """The stream's app is done: what it left unread no longer holds a window back.
+        Whether a window held back may grow now, as for `read`."""
+        left = self.by_stream.pop(stream_id, 0)
+        return self.read(stream_id, left) if left else False
+
+
+def track_unread(quic: QuicConnection) -> UnreadBytes:
+    """Have `quic`'s receive windows count request-body bytes as delivered once read."""
+    unread = UnreadBytes()
+    cast(Any, quic)._quicedge_unread = unread
+    return unread
+
+
+def _unread(quic: QuicConnection) -> UnreadBytes | None:
+    return cast(UnreadBytes | None, getattr(quic, "_quicedge_unread", None))
+
+
 def _write_stream_limits(
     self: QuicConnection, builder: QuicPacketBuilder, space: Any, stream: QuicStream
 ) -> None:
-    """aioquic's own, with the window doubled by the bytes delivered, not the highest offset
-    seen. aioquic's rule cannot fire after this one has: the peer wrote no further than the
-    old window, half the new one."""
+    """aioquic's own, with the window doubled by the bytes delivered (and read, where the app's
+    reads are tracked), not the highest offset seen. aioquic's rule cannot fire after this one
+    has: the peer wrote no further than the old window, half the new one."""
     local = stream.max_stream_data_local
-    if local and stream.receiver.starting_offset() * 2 > local:
-        stream.max_stream_data_local = local * 2
+    if local:
+        delivered = stream.receiver.starting_offset()
+        if delivered * 2 > local:
+            unread = _unread(self)
+            held = 0
+            if unread is not None and stream.stream_id is not None:
+                held = unread.by_stream.get(stream.stream_id, 0)
+            if (delivered - held) * 2 > local:
+                stream.max_stream_data_local = local * 2
+            elif unread is not None:
+                unread.held_back = True
     if stream.max_stream_data_local_sent != stream.max_stream_data_local:
         ORIGINAL_WRITE_STREAM_LIMITS(self, builder, space, stream)  # writes MAX_STREAM_DATA
 
 
 def _write_connection_limits(self: QuicConnection, builder: QuicPacketBuilder, space: Any) -> None:
-    """aioquic's own, with MAX_DATA doubled by the bytes delivered on every stream, not the sum
-    of the highest offsets seen (`used`, which it reads for that alone on this limit)."""
+    """aioquic's own, with MAX_DATA doubled by the bytes delivered (and read) on every stream,
+    not the sum of the highest offsets seen (`used`, which it reads for that alone on this
+    limit)."""
     limit = self._local_max_data
     if limit.used * 2 <= limit.value:  # aioquic would not raise it: nothing to count
         ORIGINAL_WRITE_CONNECTION_LIMITS(self, builder, space)
@@ -442,6 +502,12 @@ def _write_connection_limits(self: QuicConnection, builder: QuicPacketBuilder, s
     ahead = sum(
         s.receiver.highest_offset - s.receiver.starting_offset() for s in self._streams.values()
     )
+    unread = _unread(self)
+    if unread is not None and unread.by_stream:
+        held = sum(unread.by_stream.values())
+        if (used - ahead - held) * 2 <= limit.value < (used - ahead) * 2:
+            unread.held_back = True
+        ahead += held
     limit.used = used - ahead
     try:
         ORIGINAL_WRITE_CONNECTION_LIMITS(self, builder, space)

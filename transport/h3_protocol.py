@@ -137,6 +137,8 @@ class H3Protocol(QuicConnectionProtocol):
             on_overdue=self._run_actions,
         )  # fmt: skip
         self._channels: dict[int, _StreamChannel] = {}
+        # The receive windows grow with the body bytes the app has read, not those queued.
+        self._unread = aioquic_patches.track_unread(quic)
         self._writable: dict[int, asyncio.Future[None]] = {}
         self._flush: asyncio.Handle | None = None
         self._flush_since = 0.0  # when the write the pending flush is for was made
@@ -291,6 +293,8 @@ class H3Protocol(QuicConnectionProtocol):
         if isinstance(action, RequestBody):
             channel = self._channels.get(action.stream_id)
             if channel is not None:
+                if action.body:
+                    self._unread.delivered(action.stream_id, len(action.body))
                 channel.queue.put_nowait(
                     {"type": "http.request", "body": action.body, "more_body": action.more_body}
                 )
@@ -357,10 +361,16 @@ class H3Protocol(QuicConnectionProtocol):
     ) -> None:
         session = self._session
 
+        unread = self._unread
+
         async def receive() -> Message:
             if channel.queue.empty() and session.response_done(stream_id):
                 return _DISCONNECT
-            return await channel.queue.get()
+            message = await channel.queue.get()
+            body = message.get("body")
+            if body and unread.read(stream_id, len(body)):
+                self.transmit_soon()  # a window held back for these bytes grows
+            return message
 
         async def send(message: Message) -> None:
             kind = message["type"]
@@ -382,9 +392,10 @@ class H3Protocol(QuicConnectionProtocol):
         finally:
             self._channels.pop(stream_id, None)
             self._early.discard(stream_id)
+            held_back = unread.forget(stream_id)
             if not self._session.terminated:
                 self._send_written()  # before a reset that would drop it
-                if session.app_finished(stream_id):
+                if session.app_finished(stream_id) or held_back:
                     self.transmit()
 
     def app_tasks(self) -> list[asyncio.Task[None]]:

@@ -19,6 +19,7 @@ from aioquic.tls import Epoch
 from tests.transport.conftest import H3Factory
 from tests.transport.h3client import H3Client, Response, client_config, h3_connect
 from transport.aioquic_private import local_control_stream_id
+from transport.asgi import Receive, Scope, Send
 from transport.h3_session import H3Limits
 
 MIB = 1 << 20
@@ -150,3 +151,38 @@ async def test_a_head_that_never_comes_on_an_older_stream_gets_408(
             await asyncio.wait_for(response.done.wait(), 5)
             assert response.status == 408
             assert (await c.fetch("GET", "/echo")).status == 200
+
+
+async def test_an_app_that_reads_late_holds_no_more_than_the_windows(
+    h3_server: H3Factory, dev_certs: Any
+) -> None:
+    """Bodies were queued for the app as they came and the windows grew with them: an app that
+    never read held every byte each stream may carry (16 streams of 8 MiB: +157 MB). The
+    windows now grow as the app reads, and the uploads finish once it does."""
+    reading = asyncio.Event()
+
+    async def late_reader(scope: Scope, receive: Receive, send: Send) -> None:
+        await asyncio.wait_for(reading.wait(), 10)
+        size, more = 0, True
+        while more:
+            message = await receive()
+            size += len(message.get("body", b""))
+            more = message.get("more_body", False)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": str(size).encode()})
+
+    async with h3_server(app=late_reader) as server:
+        async with h3_connect(server.port, dev_certs.ca_cert) as c:
+            streams = [c.request("POST", "/", body=b"z" * (3 * MIB)) for _ in range(4)]
+            c.transmit()
+            # Round trips enough for windows granted on what was delivered to grow past 4 MiB.
+            for _ in range(8):
+                await asyncio.wait_for(c.ping(), 5)
+            assert c.quic._remote_max_data == MIB
+            (protocol,) = server.connections()
+            assert protocol.quic._local_max_data.used <= MIB
+            reading.set()
+            for stream_id in streams:
+                response = await c.wait(stream_id)
+                assert (response.status, response.body) == (200, str(3 * MIB).encode())
+            assert c.quic._remote_max_data > 4 * MIB
