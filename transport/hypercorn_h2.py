@@ -55,10 +55,12 @@ request as the parent of the next (as browsers do) ended the connection (a `TooM
 `PriorityLoop` or `RecursionError` out of hypercorn's loop; with a request in flight the
 connection hung, holding its slot), and each entry slowed every later send.
 
-A request answered before its body was read ends cleanly: hypercorn's queue into the app holds
-10 messages, so a body in more pieces than that (a 401 or 413 to a large upload) left the
-stream's `http.disconnect` waiting for room for ever, with the connection's sending behind it
-and its slot held. At the stream's end the body still queued is dropped instead.
+A request body goes back to the client's flow-control windows as its app reads it
+(`transport.h2_body_credit`), not as it is queued for the app: hypercorn's queue of 10
+messages made the connection's read loop wait for an app that read late, and every other
+request on the connection with it. The same queue, full, once left a stream's
+`http.disconnect` (a 401 or 413 to a large upload) waiting for room for ever, with the
+connection's sending behind it and its slot held; the queue that replaces it is never full.
 
 While the server drains, a request that arrives is refused with REFUSED_STREAM, which tells
 the client it was not processed and may go to another edge (hypercorn's reset says NO_ERROR,
@@ -75,7 +77,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any
 
 import h2.errors
@@ -90,9 +92,11 @@ from hypercorn.events import Closed, RawData, Updated
 from hypercorn.protocol.events import Body, Data, EndBody, EndData
 from hypercorn.protocol.events import Event as StreamEvent
 from hypercorn.protocol.h2 import BUFFER_HIGH_WATER, H2Protocol
+from hypercorn.protocol.http_stream import HTTPStream
 from hyperframe.frame import GoAwayFrame
 
 from transport.caps import CONTROL_FLOOD, RAPID_RESET, floods_control, resets_most
+from transport.h2_body_credit import AppQueue, connection_window, take_over
 from transport.h2_stream_errors import adopt, body_length_error, header_list_over
 from transport.hypercorn_send import send_timeout_of
 
@@ -148,6 +152,22 @@ class GuardedH2Protocol(H2Protocol):
         # then ends the connection; `_request` checks them per stream instead.
         self.connection.config.validate_inbound_headers = False
         adopt(self.connection)  # and it records a wrong content-length; the checks are below
+        self._app_queues: dict[int, AppQueue] = {}
+        """Streams' queues into their apps, which return body credit as the app reads."""
+
+    async def initiate(
+        self, headers: list[tuple[bytes, bytes]] | None = None, settings: bytes | None = None
+    ) -> None:
+        await super().initiate(headers, settings)
+        connection = self.connection
+        window = connection_window(
+            connection.local_settings.initial_window_size, self.config.h2_max_concurrent_streams
+        )
+        if window > connection.inbound_flow_control_window:
+            connection.increment_flow_control_window(
+                window - connection.inbound_flow_control_window
+            )
+            await self._flush()
 
     async def _handle_events(self, events: list[h2.events.Event]) -> None:
         # One event at a time: a stream can close while hypercorn awaits an earlier event of
@@ -179,6 +199,9 @@ class GuardedH2Protocol(H2Protocol):
                     return
             if isinstance(event, h2.events.RequestReceived):
                 await self._request(event)
+                continue
+            if isinstance(event, h2.events.DataReceived) and event.stream_id in self._app_queues:
+                await self._body(event)
                 continue
             await super()._handle_events([event])
             if self._retiring and not self._retired:
@@ -218,8 +241,10 @@ class GuardedH2Protocol(H2Protocol):
             return
         await self._create_stream(event)
         stream = self.streams.get(stream_id)
-        if stream is not None and stream.app_put is not None:
-            stream.app_put = _closing_clears(stream.app_put)
+        if isinstance(stream, HTTPStream) and stream.app_put is not None:
+            queue = take_over(stream.app_put, partial(self._body_read, stream_id))
+            if queue is not None:
+                self._app_queues[stream_id] = queue
         await self.send(Updated(idle=False))
         served, most = self.keep_alive_requests, self.config.keep_alive_max_requests
         if served >= most:
@@ -231,6 +256,35 @@ class GuardedH2Protocol(H2Protocol):
             # Past h2's state machine, which after a GOAWAY of its own refuses to send
             # anything more on the streams in flight.
             await self.send(RawData(data=goaway.serialize()))
+
+    async def _body(self, event: h2.events.DataReceived) -> None:
+        """hypercorn's handling of request data, with the bytes returned to the windows as the
+        app reads them (`_body_read`), not here; padding goes back at once."""
+        stream_id = event.stream_id
+        assert stream_id is not None
+        data = event.data or b""
+        await self.streams[stream_id].handle(Body(stream_id=stream_id, data=data))
+        padding = (event.flow_controlled_length or 0) - len(data)
+        if padding > 0:
+            self.connection.acknowledge_received_data(padding, stream_id)
+            await self._flush()
+
+    def _body_read(self, stream_id: int, size: int) -> None:
+        """The app read `size` bytes of `stream_id`'s body: they go back to its windows."""
+        with contextlib.suppress(h2.exceptions.ProtocolError):
+            self.connection.acknowledge_received_data(size, stream_id)
+        if self.connection._data_to_send:  # a WINDOW_UPDATE is due
+            self.task_group.spawn(self._flush)
+
+    async def _close_stream(self, stream_id: int) -> None:
+        queue = self._app_queues.pop(stream_id, None)
+        if queue is not None and (unread := queue.settle()):
+            # What its app never read goes back to the connection's window (the stream's
+            # own is closed).
+            with contextlib.suppress(h2.exceptions.ProtocolError):
+                self.connection.acknowledge_received_data(unread, stream_id)
+            await self._flush()
+        await super()._close_stream(stream_id)
 
     async def _retire_if_idle(self) -> None:
         """GOAWAY once a retiring connection's last answer is wholly sent. The client closes
@@ -323,26 +377,6 @@ _CONTROL_EVENTS = (
 )
 """What h2 makes of the frames `caps.floods_control` counts (with empty DATA that does not end
 its stream)."""
-
-
-def _closing_clears(put: Callable[[Any], Awaitable[None]]) -> Callable[[Any], Awaitable[None]]:
-    """A stream's put into its app's queue (hypercorn's, of 10 messages), where the stream's
-    end is never held up: an app that answered without reading the body leaves the queue full,
-    and hypercorn's `http.disconnect` then waited for room for ever, with the connection's
-    sending behind it. The body still queued is of no use once the stream has ended."""
-    queue = getattr(put, "__self__", None)  # hypercorn 0.18 hands out `asyncio.Queue.put`
-    if not isinstance(queue, asyncio.Queue):
-        return put
-
-    async def app_put(message: Any) -> None:
-        if message["type"] == "http.disconnect" and queue.full():
-            while not queue.empty():
-                queue.get_nowait()
-            queue.put_nowait(message)
-            return
-        await put(message)
-
-    return app_put
 
 
 def install() -> None:

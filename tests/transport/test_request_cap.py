@@ -19,7 +19,7 @@ import h2.events
 import httpx
 
 from certs import DevCertificates
-from transport.asgi import Receive, Scope, Send
+from transport.asgi import ASGIApp, Receive, Scope, Send
 from transport.tcp import TcpListener, TcpOptions
 from transport.tls import TlsMaterial
 
@@ -165,7 +165,7 @@ class _Client:
         self.writer.write(self.conn.data_to_send())
 
 
-async def _serving(tls: TlsMaterial, app: _Answers, max_requests: int) -> TcpListener:
+async def _serving(tls: TlsMaterial, app: ASGIApp, max_requests: int) -> TcpListener:
     options = TcpOptions(max_requests=max_requests, head_timeout=0.5)  # the idle timer too
     listener = TcpListener(app, host="127.0.0.1", port=0, tls=tls, options=options)
     await listener.start()
