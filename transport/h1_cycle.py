@@ -20,6 +20,11 @@ from transport.asgi import Message
 if TYPE_CHECKING:
     from transport.h1_protocol import H1Protocol
 
+DISCARD_MAX = 1024 * 1024
+"""Body bytes read and dropped, after a response that did not wait for them, to keep the
+connection (RFC 9112 §9.6); past them it closes. An answer to a request whose declared body
+has more than this still to come says `connection: close`."""
+
 _DISCONNECT: Message = {"type": "http.disconnect"}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
@@ -43,8 +48,10 @@ class _Cycle:
         "body_bytes",
         "body_done",
         "chunked",
+        "chunks",
         "complete",
         "continued",
+        "declared",
         "disconnected",
         "discarded",
         "expect_100",
@@ -55,6 +62,7 @@ class _Cycle:
         "left",
         "on_gone",
         "proto",
+        "received",
         "scope",
         "started",
         "waiter",
@@ -65,6 +73,9 @@ class _Cycle:
         self.scope = scope
         self.body: list[bytes] = []
         self.body_bytes = 0
+        self.received = 0  # request-body bytes parsed, kept or not
+        self.chunks = 0  # chunks of a chunked request body parsed
+        self.declared = -1  # the request's content-length; -1: none
         self.complete = False  # the whole request body has arrived
         self.discarded = -1  # answered before its body arrived: the body bytes dropped since
         self.body_done = False  # ... and has been handed to the app
@@ -182,6 +193,8 @@ class _Cycle:
         close = not self.keep_alive or self.proto.server.draining
         if self.expect_100 and not self.continued:
             close = True  # its body was never asked for: the connection cannot go on after it
+        elif not self.complete and self.declared - self.received > DISCARD_MAX:
+            close = True  # more body to come than is worth reading to keep the connection
         for name, value in headers:
             if b"\n" in name or b"\r" in name or b"\n" in value or b"\r" in value:
                 raise ValueError("CR or LF in a response header")  # response splitting

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import socket
 import time
 from collections import deque
@@ -26,7 +27,7 @@ from urllib.parse import unquote
 
 import httptools
 
-from transport.h1_cycle import _Cycle
+from transport.h1_cycle import DISCARD_MAX, _Cycle
 
 if TYPE_CHECKING:
     from transport.h1_server import H1Listener
@@ -35,13 +36,33 @@ log = logging.getLogger("quicedge.h1")
 
 BODY_BUFFER = 64 * 1024
 """Request-body bytes buffered for the app before reading pauses."""
-DISCARD_MAX = 1024 * 1024
-"""Body bytes read and dropped, after a response that did not wait for them, to keep the
-connection (RFC 9112 §9.6); past them it closes."""
+MAX_PIPELINED = 32
+"""Pipelined requests parsed and waiting behind the one being answered; the one past them is
+answered 503 and the connection closes (RFC 9112 §9.3.2: the client retries what was not
+answered). One read could queue 4,411 requests, 25 times the bytes it held."""
+LINGER = 30.0
+"""Seconds a connection closed while its client may still be sending goes on reading (and
+dropping) what comes, so that the client reads its answer instead of a reset (nginx's
+lingering close, with its default)."""
+
+CHUNK_FRAMING = 64
+"""Bytes a chunk's size line and its CRLFs may take beyond its data before the body's framing
+counts against the head's limit (`max_header_bytes`): chunk extensions and trailers are
+counted there, as llhttp bounds neither."""
 
 _ERROR = "HTTP/1.1 {} {}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
 _METHODS = {m.encode(): m for m in ("GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH")}
+
+
+_HOST = re.compile(rb"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._~%!$&'()*+,;=-]*)(?::[0-9]*)?")
+"""A Host header's value, or an absolute-form target's authority: RFC 3986's host and port
+(RFC 9112 §3.2: a request with any other is a 400)."""
+
+_DETACHED = httptools.HttpRequestParser(object())
+"""What a closed connection's parser is replaced with: a parser refers to its protocol, and
+that cycle kept what a partial line had buffered (1.5 GB after a trailer flood) until a full
+collection, which `transport.collector` makes rare."""
 
 
 class _Stop(Exception):
@@ -72,8 +93,10 @@ class H1Protocol(asyncio.Protocol):
         self._head_size = 0  # as the callbacks deliver it
         self._in_head = True
         self._head_fed = 0  # bytes fed while the head was incomplete
+        self._body_fed = 0  # bytes fed by reads that began in the body being parsed
         self._read_at = 0.0  # time.perf_counter() of the last read
         self._reading_paused = False
+        self._next_waits = False  # the next request waits until the client reads its answers
         self._drain: asyncio.Future[None] | None = None
         self._closed = False
         self._idle_since: float = 0.0
@@ -110,6 +133,7 @@ class H1Protocol(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
+        self._parser = _DETACHED
         self.server.forget(self)
         if self._timer is not None:
             self._timer.cancel()
@@ -131,6 +155,9 @@ class H1Protocol(asyncio.Protocol):
         self.write_paused = False
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
+        if self._next_waits:
+            self._next_waits = False
+            self._next()
 
     def data_received(self, data: bytes) -> None:
         if self._halt:
@@ -138,10 +165,14 @@ class H1Protocol(asyncio.Protocol):
         self._read_at = time.perf_counter()
         cycle = self._cycle
         was_complete = cycle is not None and cycle.complete
+        reading = None
         if self._in_head:
             if not self._head_fed:
                 self._head_since = self._read_at  # the head deadline runs from here
             self._head_fed += len(data)
+        else:
+            reading = self._reading
+            self._body_fed += len(data)
         try:
             self._parser.feed_data(data)
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
@@ -153,6 +184,8 @@ class H1Protocol(asyncio.Protocol):
         else:
             if self._in_head and self._head_fed > self._max_head:
                 # llhttp sets no limit, and httptools keeps a partial header line itself.
+                self._stop(431)
+            elif reading is not None and reading is self._reading and self._over_framing(reading):
                 self._stop(431)
         cycle = self._cycle
         if cycle is None or self._closed:
@@ -172,6 +205,10 @@ class H1Protocol(asyncio.Protocol):
         self._url += url  # in pieces when the request line is split across reads
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._in_head:
+            # A trailer field (RFC 9112 §7.1.2): dropped, as the apps take none. Kept, it
+            # became a header of the connection's next request. Its size counts as framing.
+            return
         self._head_size += len(name) + len(value) + 4
         # ASGI wants lowercase names; llhttp keeps the case and trailing whitespace.
         self._headers.append((name.lower(), value.rstrip(b" \t")))
@@ -194,21 +231,35 @@ class H1Protocol(asyncio.Protocol):
             self._halt_with(505)  # llhttp takes 0.9 and 2.0 as well
         hosts = 0
         expect_100 = False
+        declared = -1
         for name, value in headers:
             if name == b"host":
                 hosts += 1
+                if _HOST.fullmatch(value) is None:
+                    self._halt_with(400)
+            elif name == b"content-length":
+                declared = int(value)  # llhttp took it as a number, and only one
+            elif name == b"transfer-encoding":
+                # RFC 9112 §6.1: HTTP/1.0 framing with it is faulty; a coding other than
+                # chunked would reach the app undecoded.
+                if version == "1.0":
+                    self._halt_with(400)
+                if value.lower() != b"chunked":
+                    self._halt_with(501)
             elif name == b"expect" and value.lower() == b"100-continue":
                 expect_100 = version == "1.1"
         if hosts > 1 or (not hosts and version == "1.1"):
             self._halt_with(400)  # RFC 9112 §3.2
+        method = parser.get_method()
         if parser.should_upgrade():
             self._upgrade(headers)
             keep_alive = False
+        elif url[:1] != b"/":
+            url = self._origin_form(url, method, headers)
         self._requests_left -= 1
         if not self._requests_left:
             keep_alive = False  # the connection's last: it retires (`max_requests`)
         path, _, query = url.partition(b"?")
-        method = parser.get_method()
         scope: dict[str, Any] = {
             "type": "http",
             "asgi": _ASGI,
@@ -233,21 +284,30 @@ class H1Protocol(asyncio.Protocol):
         scope["extensions"]["quicedge.body_writer"] = cycle
         scope["extensions"]["quicedge.on_disconnect"] = cycle.notify_disconnect
         cycle.expect_100 = expect_100
+        cycle.declared = declared
         self._reading = cycle
         self._body_since = self._read_at  # the body deadline runs from here
         if self._cycle is None:
             self._cycle = cycle
             self.server.spawn(self._run(cycle), self.loop)
         else:
+            if len(self._queue) >= MAX_PIPELINED:
+                self._reading = None
+                self._halt_with(503)
             self._queue.append(cycle)  # answered in order (RFC 9112 §9.3.2)
+
+    def on_chunk_header(self) -> None:
+        if self._reading is not None:
+            self._reading.chunks += 1
 
     def on_body(self, body: bytes) -> None:
         cycle = self._reading
         if cycle is not None:
+            cycle.received += len(body)
             if cycle.discarded >= 0:  # answered already: only the connection wants it read
                 cycle.discarded += len(body)
                 if cycle.discarded > DISCARD_MAX:
-                    self.close()
+                    self._linger()
                     self._halt_with(-1)
                 return
             cycle.body.append(body)
@@ -258,6 +318,7 @@ class H1Protocol(asyncio.Protocol):
         cycle, self._reading = self._reading, None
         self._in_head = True
         self._head_fed = 0
+        self._body_fed = 0
         if cycle is not None:
             cycle.complete = True
             cycle.expect_100 = False
@@ -266,9 +327,35 @@ class H1Protocol(asyncio.Protocol):
             if cycle.discarded >= 0:
                 self.finish(cycle)  # its answer went out already: on to the next request
 
+    def _over_framing(self, cycle: _Cycle) -> bool:
+        """Whether what the reads of `cycle`'s body brought beyond its data (chunk size lines,
+        extensions, trailers) is past the head's limit: llhttp reads a chunk extension or a
+        trailer section of any size, and one client fed 3 GB of extension in 4 s."""
+        return self._body_fed - cycle.received > self._max_head + CHUNK_FRAMING * cycle.chunks
+
     def _halt_with(self, status: int) -> NoReturn:
         self._halt = status
         raise _Stop
+
+    def _origin_form(self, url: bytes, method: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
+        """The path and query of a target not in origin form (RFC 9112 §3.2): an absolute URI's,
+        whose authority then replaces the Host header's, as §3.2.2 asks; `*` for OPTIONS as it
+        is; anything else is a 400."""
+        if url == b"*" and method == b"OPTIONS":
+            return url
+        scheme, sep, rest = url.partition(b"://")
+        if not sep or scheme.lower() not in (b"http", b"https"):
+            self._halt_with(400)
+        end = len(rest)
+        for mark in (b"/", b"?"):
+            at = rest.find(mark)
+            if 0 <= at < end:
+                end = at
+        authority, target = rest[:end], rest[end:]
+        if not authority or b"@" in authority or _HOST.fullmatch(authority) is None:
+            self._halt_with(400)  # userinfo is not allowed in an http(s) URI either (RFC 9110)
+        headers[:] = [(n, authority if n == b"host" else v) for n, v in headers]
+        return target if target[:1] == b"/" else b"/" + target
 
     def _upgrade(self, headers: list[tuple[bytes, bytes]]) -> None:
         """Upgrade or CONNECT: we speak no other protocol, so answer as HTTP/1.1 and close.
@@ -323,8 +410,9 @@ class H1Protocol(asyncio.Protocol):
             self._refuse(status)
         # else finish() refuses once the queue is answered
 
-    def _refuse(self, status: int) -> None:
-        """A malformed request (400) or an oversize head (431): answer and close."""
+    def _refuse(self, status: int, *, linger: bool = True) -> None:
+        """A malformed request (400) or an oversize head (431): answer and close, reading on
+        for a while (`_linger`) unless `linger` is False."""
         cycle = self._cycle
         if cycle is not None and cycle.started:
             if not cycle.finished:  # malformed body mid-response: the app sees disconnect
@@ -334,7 +422,10 @@ class H1Protocol(asyncio.Protocol):
         if cycle is not None:
             cycle.gone()
         self.write(_ERROR.format(status, HTTPStatus(status).phrase).encode())
-        self.close()
+        if linger:
+            self._linger()
+        else:
+            self.close()
 
     def finish(self, cycle: _Cycle) -> None:
         """The response is complete: next request on this connection, or close."""
@@ -352,9 +443,24 @@ class H1Protocol(asyncio.Protocol):
                 return
         if not cycle.keep_alive or not cycle.complete or self.server.draining:
             # An unread remainder of the body would have to be read to find the next request.
-            self.close()
+            if cycle.complete:
+                self.close()
+            else:
+                self._linger()
             return
         self._idle_since = self.loop.time()
+        if self.write_paused:
+            # The client takes none of its answers: no next request until it does, or until
+            # `send_timeout` ends the connection. One that pipelined requests and never read
+            # had every answer buffered (+544 MiB in 20 s).
+            self._next_waits = True
+            return
+        self._next()
+
+    def _next(self) -> None:
+        """On to the next request once the last is answered: a pipelined one, or reading."""
+        if self._closed:
+            return
         if not self._queue:
             self._cycle = None
             if self._halt > 0:
@@ -400,6 +506,28 @@ class H1Protocol(asyncio.Protocol):
         if not self._closed and self._transport is not None:
             self._closed = True
             self._transport.close()  # flushes what is buffered, then connection_lost
+
+    def _linger(self) -> None:
+        """Close after the answer while the client may still be sending: the answer and then
+        our end of the stream go out, and what the client sends is read and dropped until it
+        closes, or for `LINGER` seconds. Closed with its bytes unread, the connection is reset,
+        and a client still writing its body (Python's `http.client`) lost its 413 five times
+        out of five."""
+        transport = self._transport
+        if self._closed or transport is None:
+            return
+        self._closed = True  # nothing more is written
+        if not self._halt:
+            self._halt = -1  # nor parsed: `data_received` drops what comes
+        self._reading = None
+        self._queue.clear()
+        self._cycle = None
+        if not transport.can_write_eof():
+            transport.close()
+            return
+        transport.write_eof()
+        self._resume_reading()
+        self.loop.call_later(LINGER, transport.close)
 
     def abort(self) -> None:
         if self._transport is not None:
@@ -449,4 +577,4 @@ class H1Protocol(asyncio.Protocol):
         self.server.timed_out(phase)
         self._halt = 408
         self._reading = None
-        self._refuse(408)
+        self._refuse(408, linger=False)  # a client that slow gets no more time

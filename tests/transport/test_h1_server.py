@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import httptools
 import httpx
 import pytest
 
@@ -17,7 +18,7 @@ from tests.helpers import settled, wait_until
 from tests.transport.apps import RecordingApp, collector_finds, ok_app
 from transport.asgi import ASGIApp, Message, Receive, Scope, Send
 from transport.h1_cycle import _Cycle
-from transport.h1_protocol import DISCARD_MAX
+from transport.h1_protocol import DISCARD_MAX, MAX_PIPELINED
 from transport.h1_server import H1Listener
 from transport.tcp import TcpOptions
 
@@ -291,18 +292,31 @@ async def test_a_body_answered_before_it_arrived_is_dropped_and_the_connection_g
         assert (await read_response(reader))[0] == 200
 
 
-async def test_a_body_answered_before_it_arrived_closes_past_the_discard_limit() -> None:
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+async def test_an_answer_before_a_body_past_the_discard_limit_reaches_a_client_still_sending(
+    chunked: bool,
+) -> None:
+    """Closed with the rest of the body unread, the connection was reset, and a client that
+    reads only once it has sent its whole body (Python's `http.client`) lost the answer. An
+    answer to a declared body that large says `connection: close`; either way the connection
+    reads on, dropping what comes, until the client closes it."""
     size = DISCARD_MAX + 64 * 1024
+    if chunked:
+        head, body = (
+            b"transfer-encoding: chunked\r\n\r\n",
+            b"%x\r\n%b\r\n0\r\n\r\n" % (size, b"y" * size),
+        )
+    else:
+        head, body = b"content-length: %d\r\n\r\n" % size, b"y" * size
     async with serving(refuse_unread) as listener, connect(listener) as (reader, writer):
-        writer.write(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % size)
-        assert (await read_response(reader))[0] == 404
-        try:
-            writer.write(b"y" * size)
-            await writer.drain()
-            ended = await at_eof(reader)
-        except ConnectionError:  # reset: the edge closed with the rest of the body unread
-            ended = True
-        assert ended
+        writer.write(b"POST / HTTP/1.1\r\nhost: x\r\n" + head)
+        await writer.drain()
+        await asyncio.sleep(0.05)  # the answer goes out before the body comes
+        writer.write(body)
+        await writer.drain()
+        status, headers, _ = await read_response(reader)
+        assert status == 404 and (chunked or headers["connection"] == "close")
+        assert await at_eof(reader)
 
 
 @pytest.mark.parametrize(
@@ -324,6 +338,15 @@ async def test_a_body_answered_before_it_arrived_closes_past_the_discard_limit()
         (b"GET / HTTP/1.1\r\nhost: x\r\nx-a: b\r\n c\r\n\r\n", 400),  # obs-fold
         (b"GET /\xc3\xa9 HTTP/1.1\r\nhost: x\r\n\r\n", 400),
         (b"GET / HTTP/2.0\r\nhost: x\r\n\r\n", 505),
+        (b"GET / HTTP/1.1\r\nhost: a b/c@d\r\n\r\n", 400),  # not a host (RFC 9112 §3.2)
+        (b"GET * HTTP/1.1\r\nhost: x\r\n\r\n", 400),  # `*` is for OPTIONS only
+        (b"GET http://u@x/ HTTP/1.1\r\nhost: x\r\n\r\n", 400),
+        (b"GET ftp://x/ HTTP/1.1\r\nhost: x\r\n\r\n", 400),
+        (
+            b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+            501,  # a coding the app would get undecoded
+        ),
+        (b"POST / HTTP/1.0\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n", 400),
         (
             b"POST / HTTP/1.1\r\nhost: x\r\nconnection: upgrade\r\nupgrade: h2c\r\n"
             b"content-length: 3\r\n\r\nabc",
@@ -782,3 +805,117 @@ async def test_a_served_request_leaves_no_reference_cycle() -> None:
                 writer.write(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\nab")
                 assert (await read_response(reader))[0] == 200
     assert [o for o in found if isinstance(o, _Cycle)] == []
+
+
+async def test_trailer_fields_reach_no_request() -> None:
+    """llhttp reports trailer fields as it does header fields: they became headers of the
+    connection's next request (a trailer `x-request-id` or `authorization` set the next
+    request's, and a trailer `host` made it a 400)."""
+    app = RecordingApp()
+    async with serving(app) as listener, connect(listener) as (reader, writer):
+        writer.write(
+            b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+            b"2\r\nab\r\n0\r\nx-injected: 1\r\nhost: y\r\n\r\n" + GET
+        )
+        assert (await read_response(reader))[0] == 200
+        assert (await read_response(reader))[0] == 200
+    assert [dict(s.headers) for s in app.seen] == [
+        {b"host": b"x", b"transfer-encoding": b"chunked"},
+        {b"host": b"x"},
+    ]
+
+
+@pytest.mark.parametrize(
+    "framing",
+    [b"0\r\n" + b"x-t: y\r\n" * 4000, b"5;" + b"e" * 40_000],
+    ids=["trailers", "chunk-extension"],
+)
+async def test_a_body_framed_past_the_head_limit_is_refused(framing: bytes) -> None:
+    """llhttp reads chunk extensions and trailer sections of any size: one client fed 3 GB of
+    extension in 4 s, and a trailer flood held 1.5 GB after the client left."""
+    async with serving(ok_app, max_header_bytes=16 * 1024) as listener:
+        async with connect(listener) as (reader, writer):
+            writer.write(b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n")
+            for start in range(0, len(framing), 1000):  # in pieces: no read ends the body
+                writer.write(framing[start : start + 1000])
+                await writer.drain()
+                await asyncio.sleep(0)
+            status, headers, _ = await read_response(reader)
+            assert status == 431 and headers["connection"] == "close"
+
+
+async def test_many_small_chunks_are_not_framing_past_the_limit() -> None:
+    body = b"1\r\nz\r\n" * 5000 + b"0\r\nx-t: y\r\n\r\n"
+    async with serving(RecordingApp(), max_header_bytes=1024) as listener:
+        async with connect(listener) as (reader, writer):
+            writer.write(b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n")
+            for start in range(0, len(body), 700):
+                writer.write(body[start : start + 700])
+                await writer.drain()
+            status, _, answer = await read_response(reader)
+            assert status == 200 and json.loads(answer)["body_bytes"] == 5000
+
+
+async def test_a_closed_connection_leaves_no_reference_cycle_with_its_parser() -> None:
+    """A parser refers to its protocol: left in place, it and what a partial line had buffered
+    waited for a full collection (1.5 GB after a trailer flood)."""
+    with collector_finds() as found:
+        async with serving(ok_app) as listener, connect(listener) as (reader, writer):
+            writer.write(b"POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n")
+            writer.write(b"1\r\na\r\n")
+            await wait_until(
+                lambda: any(c._reading and c._reading.received for c in listener.connections)
+            )
+            writer.write(b"0\r\nx-partial: " + b"v" * 4000)  # a trailer line never ended
+            await wait_until(lambda: any(c._body_fed > 4000 for c in listener.connections))
+    assert [o for o in found if isinstance(o, httptools.HttpRequestParser)] == []
+
+
+async def test_pipelined_requests_wait_while_the_client_reads_no_answer() -> None:
+    """Each answer was whole in the transport's buffer when the next pipelined request began:
+    a client that pipelined requests and never read had every answer buffered (+544 MiB in
+    20 s). Now the next waits for the client to read."""
+    answered = 0
+    answer = b"a" * 1_000_000
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        nonlocal answered
+        answered += 1
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": answer})
+
+    async with serving(app) as listener, connect(listener) as (reader, writer):
+        writer.write(GET * 30)
+        assert await settled(lambda: answered) < 30
+        (connection,) = listener.connections
+        assert connection._transport.get_write_buffer_size() < 2 * len(answer)
+        for _ in range(30):  # and each is answered as the client reads
+            status, _, body = await read_response(reader)
+            assert status == 200 and body == answer
+
+
+async def test_pipelined_requests_past_the_cap_get_503_and_the_connection_closes() -> None:
+    """One read queued every request it held (4,411, 25 times its bytes): the one past
+    `MAX_PIPELINED` waiting is answered 503 after those before it, as a client that pipelines
+    retries what was not answered."""
+    async with serving(ok_app) as listener, connect(listener) as (reader, writer):
+        writer.write(GET * (MAX_PIPELINED + 20))
+        statuses = []
+        while not statuses or statuses[-1] == 200:
+            statuses.append((await read_response(reader))[0])
+        assert statuses[-1] == 503 and len(statuses) > MAX_PIPELINED
+        assert await at_eof(reader)
+
+
+async def test_an_absolute_form_target_is_served_with_its_authority_as_host() -> None:
+    """RFC 9112 §3.2.2: a server accepts an absolute URI as the target, and its authority
+    replaces the Host header's. The whole URI was taken for the path (404)."""
+    app = RecordingApp()
+    async with serving(app) as listener, connect(listener) as (reader, writer):
+        writer.write(b"GET http://example.com:8080/echo?a=1 HTTP/1.1\r\nhost: other\r\n\r\n")
+        assert (await read_response(reader))[0] == 200
+        writer.write(b"OPTIONS * HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert (await read_response(reader))[0] == 200
+    seen = app.seen[0]
+    assert seen.path == "/echo" and dict(seen.headers)[b"host"] == b"example.com:8080"
+    assert app.seen[1].path == "*"
