@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import socket
+import time
 from functools import partial
 from typing import Any, cast
 
@@ -56,6 +57,9 @@ from transport.tls import TlsMaterial
 __all__ = ["SEND_HIGH_WATER", "SEND_LOW_WATER", "H3Protocol", "H3Server"]
 
 log = logging.getLogger("quicedge.transport.h3")
+
+TICKET_WARN_EVERY_S = 10.0
+"""Seconds between warnings of ticket store failures (the other Redis users' pace)."""
 
 
 class _Endpoint(QuicServer):
@@ -275,6 +279,8 @@ class H3Server:
         self.app = app
         self.tls = tls
         self.tickets = tickets
+        self._ticket_failures = 0  # since the last warning
+        self._ticket_warned_at = -1e18
         self.policy = policy or EarlyDataPolicy()
         self.limits = limits or H3Limits()
         self.retry_secret = retry_secret
@@ -359,13 +365,26 @@ class H3Server:
 
     # session tickets: called synchronously by aioquic's TLS engine
 
+    def _ticket_trouble(self, what: str, exc: TicketStoreError) -> None:
+        """Log a ticket store failure, at most once per `TICKET_WARN_EVERY_S`: there can be two
+        a handshake (250 lines in 5 s with Redis gone); the metric counts every one."""
+        self._ticket_failures += 1
+        now = time.monotonic()
+        if now - self._ticket_warned_at >= TICKET_WARN_EVERY_S:
+            log.warning(
+                "%s: %s (%d ticket store failures since the last such warning)",
+                what, exc, self._ticket_failures,
+            )  # fmt: skip
+            self._ticket_warned_at = now
+            self._ticket_failures = 0
+
     def _take_ticket(self, ticket_id: bytes) -> SessionTicket | None:
         assert self.tickets is not None
         try:
             ticket = self.tickets.take(ticket_id)
         except TicketStoreError as exc:
             # Fail closed: no ticket, no resumption, no early data without replay protection.
-            log.warning("resumption refused: %s", exc)
+            self._ticket_trouble("resumption refused", exc)
             if self.metrics is not None:
                 self.metrics.ticket_store_errors.labels("take").inc()
                 self.metrics.zero_rtt.labels("rejected").inc()
@@ -379,7 +398,7 @@ class H3Server:
         try:
             self.tickets.put(ticket)
         except TicketStoreError as exc:
-            log.warning("session ticket not kept: %s", exc)
+            self._ticket_trouble("session ticket not kept", exc)
             if self.metrics is not None:
                 self.metrics.ticket_store_errors.labels("put").inc()
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import signal
+import threading
 
 import pytest
 import redis
 from aioquic.tls import CipherSuite, SessionTicket
 
+from tests.helpers import RedisServer
 from transport.early_data import EarlyDataPolicy, Mode, parse_mode
 from transport.retry import SharedRetryTokenHandler
 from transport.tickets import (
@@ -141,6 +144,24 @@ def test_redis_store_unreachable_fails_fast_then_cools_down() -> None:
         store.take(b"x")
     with pytest.raises(ValueError):
         RedisTicketStore("redis://127.0.0.1:1/0", timeout=0)
+
+
+def test_redis_store_answering_slowly_cools_down_too(private_redis: RedisServer) -> None:
+    """Each call holds the worker's loop: a Redis answering under the timeout but slowly
+    (40 ms of 50) stalled every stream, and counted nothing. Such an answer is used, and the
+    calls after it fail fast for the cooldown, saying why."""
+    store = RedisTicketStore(private_redis.url, timeout=0.5, cooldown=30)
+    try:
+        t = ticket(now=dt.datetime.now(dt.UTC).timestamp())
+        store.put(t)
+        private_redis.proc.send_signal(signal.SIGSTOP)
+        threading.Timer(0.25, private_redis.proc.send_signal, (signal.SIGCONT,)).start()
+        assert store.take(t.ticket) == t  # after 0.25 s: over a fifth of the timeout
+        with pytest.raises(TicketStoreError, match=r"cooling down after an answer in \d+ ms"):
+            store.put(t)
+    finally:
+        private_redis.proc.send_signal(signal.SIGCONT)
+        store.close()
 
 
 def test_policy_defaults_override_and_parsing() -> None:
