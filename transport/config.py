@@ -7,6 +7,7 @@ types, docstrings and metadata here. `validate()` checks what one field's type c
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
@@ -137,6 +138,10 @@ class TransportConfig:
 
     def validate(self) -> TransportConfig:
         """Raise ValueError naming the first bad setting; return self for chaining."""
+        for name in ("cert_poll_interval", "redis_timeout", "drain_timeout"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):  # NaN passes every comparison
+                raise ValueError(f"serve.{name} must be a finite number, got {value}")
         if self.workers < 1:
             raise ValueError(f"serve.workers must be >= 1, got {self.workers}")
         if self.workers > 1 and not self.redis:

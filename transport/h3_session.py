@@ -15,6 +15,7 @@ request reordered ahead of the Finished is treated as early: the safe side.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -104,13 +105,14 @@ class H3Limits:
                 "initial_congestion_window must be from 2 to 64 datagrams, got "
                 f"{self.initial_congestion_window}"
             )
-        if self.idle_timeout <= 0:
-            raise ValueError("idle_timeout must be > 0")
-        if self.early_data_handshake_deadline <= 0:
-            raise ValueError("early_data_handshake_deadline must be > 0")
-        for name in ("request_head_timeout", "request_body_timeout", "send_timeout"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0")
+        seconds = (
+            "idle_timeout", "early_data_handshake_deadline", "request_head_timeout",
+            "request_body_timeout", "send_timeout",
+        )  # fmt: skip
+        for name in seconds:
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):  # NaN passed `<= 0`, then broke timers
+                raise ValueError(f"{name} must be a finite number of seconds > 0, got {value}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,7 +68,7 @@ def refused(done: subprocess.CompletedProcess[str]) -> str:
             '[proxy]\nbackends = ["http://a:1"]\nmax_pending_body_bytes = 1000\n',
             "proxy: max_pending_body_bytes must be 0 (no cap) or at least max_body_bytes",
         ),
-        ("[serve]\nrequest_head_timeout = 0\n", "request_head_timeout must be > 0"),
+        ("[serve]\nrequest_head_timeout = 0\n", "request_head_timeout must be a finite"),
         ("[serve]\nmax_connections = -1\n", "serve.max_connections must be >= 0"),
         (
             "[serve]\nmax_requests_per_connection = -1\n",
@@ -95,6 +95,8 @@ def test_a_config_file_mistake_is_one_line_and_exit_2(
         ({"QUICEDGE_QUIC_RETRY": "maybe"}, [], "$QUICEDGE_QUIC_RETRY: expected true or false"),
         ({"QUICEDGE_EARLY_DATA": "often"}, [], "$QUICEDGE_EARLY_DATA: expected one of accept"),
         ({"QUICEDGE_DRAIN_TIMEOUT": "-1"}, [], "serve.drain_timeout must be >= 0"),
+        ({"QUICEDGE_DRAIN_TIMEOUT": "nan"}, [], "serve.drain_timeout must be a finite number"),
+        ({}, ["--send-timeout", "inf"], "send_timeout must be a finite number of seconds > 0"),
         ({}, ["--workers", "x"], "--workers: expected an integer, got 'x'"),
         ({}, ["--early-data", "sometimes"], "--early-data: expected one of accept, defer, reject"),
         ({}, ["--loop", "trio"], "--loop: expected one of auto, asyncio, uvloop"),
