@@ -8,6 +8,7 @@ field is its `--help` text; `validate()` gives a clear error for each bad value.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -162,6 +163,12 @@ class ProxyConfig:
         """Raise ValueError naming the first bad setting; return self for chaining.
 
         `need_backends` is False when discovery finds the backends (`backends.discovery`)."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            # NaN passes every comparison below (`nan <= 0` is False) and then breaks the
+            # timers that take it; an infinite time or share means nothing a large one does not.
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"proxy: {f.name} must be a finite number, got {value!r}")
         if not self.backends and need_backends:
             raise ValueError("proxy: at least one backend is required (--backend URL)")
         for url in self.backends:
@@ -197,7 +204,7 @@ class ProxyConfig:
             "eject_after_failures",
         )
         for name in positive:
-            if getattr(self, name) <= 0:
+            if not getattr(self, name) > 0:
                 raise ValueError(f"proxy: {name} must be > 0, got {getattr(self, name)!r}")
         if self.max_retries < 0:
             raise ValueError(f"proxy: max_retries must be >= 0, got {self.max_retries}")
@@ -216,7 +223,7 @@ class ProxyConfig:
             raise ValueError(
                 f"proxy: max_pending_aborts must be >= 0, got {self.max_pending_aborts}"
             )
-        if self.models_ttl < 0:
+        if not self.models_ttl >= 0:
             raise ValueError(f"proxy: models_ttl must be >= 0, got {self.models_ttl}")
         if not 0 <= self.pool_warm_connections <= self.pool_max_connections:
             raise ValueError("proxy: pool_warm_connections must be in 0..pool_max_connections")
@@ -232,7 +239,7 @@ class ProxyConfig:
         for name in ("degraded_ttft_p99", "degraded_queue", "loads_interval",
                      "config_poll_interval", "drains_interval"):  # fmt: skip
             value = getattr(self, name)
-            if value is not None and value <= 0:
+            if value is not None and not value > 0:
                 raise ValueError(f"proxy: {name} must be > 0, got {value!r}")
         self.state.validate()
         return self

@@ -32,8 +32,9 @@ not built and a request pays nothing for it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import regex
@@ -129,14 +130,17 @@ class WasmConfig:
     def validate(self) -> None:
         if not self.id:
             raise ValueError("policy.wasm.id: required")
+        _finite_numbers(self, "policy.wasm", self.id)
         if not self.path:
             raise ValueError(f"policy.wasm.path: module {self.id!r} needs a path")
         if self.fuel < 1000:
             raise ValueError(f"policy.wasm.fuel: must be >= 1000, got {self.fuel}")
         if self.memory_bytes < 64 * KiB:
             raise ValueError("policy.wasm.memory_bytes: must be >= 65536 (one page)")
-        if self.poll_interval is not None and self.poll_interval <= 0:
-            raise ValueError("policy.wasm.poll_interval: must be > 0")
+        if self.poll_interval is not None and not self.poll_interval > 0:
+            raise ValueError(
+                f"policy.wasm.poll_interval ({self.id}): must be > 0, got {self.poll_interval!r}"
+            )
 
 
 @dataclass
@@ -183,11 +187,12 @@ class JudgeConfig:
     so no padding in front hides the newest text from it; 16000)."""
 
     def validate(self) -> None:
+        _finite_numbers(self, "policy.judge")
         for url in self.backends:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"policy.judge.backends: expected http://HOST:PORT, got {url!r}")
-        if self.timeout <= 0:
-            raise ValueError("policy.judge.timeout: must be > 0")
+        if not self.timeout > 0:
+            raise ValueError(f"policy.judge.timeout: must be > 0, got {self.timeout!r}")
         if self.max_prompt_chars < 1:
             raise ValueError("policy.judge.max_prompt_chars: must be >= 1")
 
@@ -230,6 +235,7 @@ class PolicyConfig:
         return bool(self.stream_rules)
 
     def validate(self) -> None:
+        _finite_numbers(self, "policy")
         ids: set[str] = set()
         items: list[RuleConfig | WasmConfig | StreamRuleConfig] = [
             *self.rules,
@@ -255,6 +261,18 @@ class PolicyConfig:
         config = settings.from_mapping(cls, values, "policy")
         config.validate()
         return config
+
+
+def _finite_numbers(config: Any, where: str, owner: str = "") -> None:
+    """Refuse a NaN or infinite number in `config`'s own fields, naming the setting (and the
+    module or rule `owner`): NaN passes every `<=` check (each comparison is False) and then
+    breaks the timer or poller that takes it; an infinite time means nothing a large one does
+    not."""
+    for f in fields(config):
+        value = getattr(config, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            named = f"{where}.{f.name}" + (f" ({owner})" if owner else "")
+            raise ValueError(f"{named}: must be a finite number, got {value!r}")
 
 
 def _check_pattern(where: str, pattern: str, literal: bool, *, re2: bool = False) -> None:

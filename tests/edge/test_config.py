@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
+import typing
 from typing import Any
 
 import pytest
 
-from edge.config import ProxyConfig
+from edge.config import SECTIONS, ProxyConfig
+from edge.policy.config import PolicyConfig
+from edge.settings import environment_names
 from edge.telemetry import cache_label
 from edge.tracing import tracer_from_env
 from edge.wiring import add_arguments, config_from
@@ -75,6 +80,57 @@ def test_tracing_flag() -> None:
 def test_bad_settings_are_named(section: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         config_from(parse(), {"proxy": section})
+
+
+def _number_fields(kind: type) -> list[str]:
+    hints = typing.get_type_hints(kind)
+    return [
+        f.name
+        for f in dataclasses.fields(kind)
+        if hints[f.name] is float or float in typing.get_args(hints[f.name])
+    ]
+
+
+PROXY_NUMBERS = _number_fields(ProxyConfig)
+ENVIRONMENT = environment_names(SECTIONS)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("name", PROXY_NUMBERS)
+def test_a_number_that_is_not_finite_is_refused_by_name(name: str, value: float) -> None:
+    """TOML and `float()` take `nan` and `inf`; NaN passes every `<= 0` check, then breaks the
+    timers (a 500 on every request), so each number setting refuses both."""
+    assert {"connect_timeout", "chunk_timeout", "models_ttl", "drains_interval"} <= set(
+        PROXY_NUMBERS
+    )
+    with pytest.raises(ValueError, match=rf"^proxy: {name} must be a finite number, got "):
+        config_from(parse(), {"proxy": {"backends": ["http://a:1"], name: value}})
+    variable = next(k for k, v in ENVIRONMENT.items() if v == f"proxy.{name}")
+    with pytest.raises(ValueError, match=rf"^proxy: {name} must be a finite number"):
+        config_from(parse("--backend", "http://a:1"), {}, {variable: str(value)})
+
+
+@pytest.mark.parametrize(
+    ("policy", "message"),
+    [
+        ({"wasm": [{"id": "m", "path": "m.wasm", "poll_interval": math.nan}]},
+         "policy.wasm.poll_interval (m): must be a finite number, got nan"),
+        ({"wasm": [{"id": "m", "path": "m.wasm", "poll_interval": math.inf}]},
+         "policy.wasm.poll_interval (m): must be a finite number, got inf"),
+        ({"judge": {"backends": ["http://g:1"], "timeout": math.nan}},
+         "policy.judge.timeout: must be a finite number, got nan"),
+        ({"judge": {"backends": ["http://g:1"], "timeout": math.inf}},
+         "policy.judge.timeout: must be a finite number, got inf"),
+        ({"judge": {"backends": ["http://g:1"], "timeout": 0}},
+         "policy.judge.timeout: must be > 0, got 0.0"),
+    ],
+)  # fmt: skip
+def test_a_policy_number_that_is_not_finite_is_refused_by_name(
+    policy: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ValueError) as refused:
+        PolicyConfig.from_mapping(policy)
+    assert str(refused.value) == message
 
 
 def test_proxy_section_must_be_a_table() -> None:

@@ -19,7 +19,15 @@ from edge.audit import GENESIS, verify
 from edge.reload import Reloader, differences
 from edge.serve import build_parser, load_settings
 from tests.deploy.processes import sim_process
-from tests.edge.conftest import Recorded, Reply, TinyUpstream, fast_config, health_ok, run_edge
+from tests.edge.conftest import (
+    Recorded,
+    Reply,
+    TinyUpstream,
+    client,
+    fast_config,
+    health_ok,
+    run_edge,
+)
 from tests.edge.state.helpers import ChatUpstream
 from tests.edge.test_many_streams import stand_in  # noqa: F401  (the fixture)
 from tests.helpers import free_port, wait_until
@@ -223,6 +231,44 @@ async def test_a_flood_of_reload_calls_costs_two_reloads_not_one_each(tmp_path: 
         await reloader.aclose()
     assert len(reads) == 2
     assert {r["outcome"] for r in reports} == {"unchanged"}
+
+
+def file_loader(path: Path, backend: str) -> Any:
+    """What `quicedge serve --config PATH --backend BACKEND` reads on each reload."""
+    return lambda: load_settings(
+        build_parser().parse_args(["--config", str(path), "--backend", backend]), {}
+    )
+
+
+async def test_a_number_that_is_not_finite_is_refused_and_the_running_settings_serve_on(
+    tmp_path: Path,
+) -> None:
+    """TOML's `nan` passed `<= 0`: the reload was applied, then every request got 500."""
+    path = tmp_path / "quicedge.toml"
+    path.write_text("[proxy]\nchunk_timeout = 60\n")
+    async with (
+        TinyUpstream(ChatUpstream()) as up,
+        run_edge(fast_config([up.url])) as edge,
+        client(edge) as http,
+    ):
+        load = file_loader(path, up.url)
+        reloader = Reloader(load, load(), edge.wiring)
+        module = '[[policy.wasm]]\nid = "m"\npath = "m.wasm"\npoll_interval = nan\n'
+        for text, error in [
+            ("[proxy]\nchunk_timeout = nan\n", "proxy: chunk_timeout must be a finite number, got"),
+            ("[proxy]\nconnect_timeout = nan\n", "proxy: connect_timeout must be a finite number"),
+            ("[proxy]\nfirst_byte_timeout = inf\n", "proxy: first_byte_timeout must be a finite"),
+            (module, "policy.wasm.poll_interval (m): must be a finite number, got nan"),
+        ]:  # fmt: skip
+            path.write_text(text)
+            report = await reloader.reload_reported()
+            assert report["outcome"] == "refused" and report["changed"] == []
+            assert report["error"].startswith(error)
+            for _ in range(2):
+                assert (await http.post("/v1/chat/completions", json=body("hi"))).status_code == 200
+        assert edge.wiring.proxy is not None
+        assert edge.wiring.proxy.attempts.config.chunk_timeout == 10.0  # fast_config's, kept
+        await reloader.aclose()
 
 
 # -- a running edge -------------------------------------------------------------------------------
