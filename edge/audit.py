@@ -37,7 +37,7 @@ import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, BinaryIO, Literal
 
 import orjson
 
@@ -55,6 +55,11 @@ GENESIS = "0" * 64
 MiB = 1024 * 1024
 WRITE_INTERVAL = 0.05
 """Seconds the writer gathers records for before it writes them as one batch."""
+MAX_LINE_BYTES = 64 * MiB
+"""The longest line a restarted writer reads back (its last one) and `verify` reads: far above
+any record, whose longest part is the prompt (`include_prompts`) under `max_body_bytes`."""
+_BLOCK = 64 * 1024
+"""Bytes read at a time when reading a file back from its end."""
 
 
 @dataclass
@@ -237,7 +242,12 @@ class AuditLog:
                 f"audit.path: another process writes {self.path} (with --workers N, put "
                 "{pid} in the path)"
             ) from None
-        self._prev = await asyncio.to_thread(last_hash, self.path)
+        try:
+            self._prev = await asyncio.to_thread(last_hash, self.path)
+        except BaseException:
+            os.close(self._lock)  # a log this writer cannot continue is left to the next one
+            self._lock = None
+            raise
         if self.export is not None:
             self.export.start()
         self._task = asyncio.get_running_loop().create_task(self._drain())
@@ -300,10 +310,17 @@ class AuditLog:
                     entry["prompt"] = prompt
                 else:
                     entry["prompt_sha256"] = self._digest(prompt)
-            entry["prev"] = prev
-            prev = chain_hash(prev, entry)
-            entry["hash"] = prev
-            lines.append(orjson.dumps(entry) + b"\n")
+            line = self._chain(entry, prev)
+            if len(line) > MAX_LINE_BYTES and prompt is not None and "prompt" in entry:
+                # A line past the bound could not be read back at a restart, nor by `verify`:
+                # the prompt gives way to its hash, and the line says so.
+                for key in ("prompt", "prev", "hash"):
+                    del entry[key]
+                entry["prompt_sha256"] = self._digest(prompt)
+                entry["prompt_omitted"] = "line_too_long"
+                line = self._chain(entry, prev)
+            prev = entry["hash"]
+            lines.append(line)
         data = b"".join(lines)
         self._rotate_if_needed(len(data))
         with open(self.path, "ab") as f:
@@ -315,6 +332,13 @@ class AuditLog:
         self.written += len(batch)
         if self.export is not None:  # only lines the file holds: each copy names its line's hash
             self._export_batch(self.export, batch, lines)
+
+    @staticmethod
+    def _chain(entry: dict[str, Any], prev: str) -> bytes:
+        """Link `entry` to `prev` (sets its `prev` and `hash`); its line, newline included."""
+        entry["prev"] = prev
+        entry["hash"] = chain_hash(prev, entry)
+        return orjson.dumps(entry) + b"\n"
 
     @staticmethod
     def _export_batch(export: AuditExport, batch: list[dict[str, Any]], lines: list[bytes]) -> None:
@@ -352,22 +376,51 @@ def last_hash(path: str) -> str:
     candidates += [f"{path}.{i}" for i in range(n - 1, 0, -1)]
     for name in candidates:
         try:
-            with open(name, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                size = f.tell()
-                f.seek(max(0, size - 65536))
-                tail = f.read().rstrip(b"\n")
+            value = _last_line_hash(name)
         except OSError:
             continue
-        if tail:
-            line = tail.rsplit(b"\n", 1)[-1]
-            try:
-                value = orjson.loads(line).get("hash")
-            except (orjson.JSONDecodeError, AttributeError):
-                raise ValueError(f"{name}: the last line is not an audit record") from None
-            if isinstance(value, str):
-                return value
+        if value is not None:
+            return value
     return GENESIS
+
+
+def _last_line_hash(name: str) -> str | None:
+    """The `hash` of the file's last line; None when the file is empty. The line is found by
+    reading back from the end in blocks, so its length does not matter up to `MAX_LINE_BYTES`
+    (a prompt-bearing line is as long as its prompt)."""
+    with open(name, "rb") as f:
+        end = f.seek(0, os.SEEK_END)
+        if end == 0:
+            return None
+        f.seek(end - 1)
+        if f.read(1) == b"\n":
+            end -= 1
+        start = _line_start(f, end, MAX_LINE_BYTES)
+        if start is None:
+            raise ValueError(f"{name}: the last line is over {MAX_LINE_BYTES} bytes: not an audit "
+                             "record")  # fmt: skip
+        f.seek(start)
+        line = f.read(end - start)
+    try:
+        value = orjson.loads(line).get("hash")
+    except (orjson.JSONDecodeError, AttributeError):
+        raise ValueError(f"{name}: the last line is not an audit record") from None
+    return value if isinstance(value, str) else None
+
+
+def _line_start(f: BinaryIO, end: int, limit: int | None) -> int | None:
+    """Where the line that ends at offset `end` begins: just after the newline before `end`, or
+    0. Read back in blocks; None when no line start is found within `limit` bytes of `end`."""
+    pos = end
+    while pos > 0 and (limit is None or end - pos <= limit):
+        step = min(_BLOCK, pos)
+        f.seek(pos - step)
+        cut = f.read(step).rfind(b"\n")
+        if cut >= 0:
+            start = pos - step + cut + 1
+            return start if limit is None or end - start <= limit else None
+        pos -= step
+    return 0 if pos == 0 and (limit is None or end <= limit) else None
 
 
 # -- verification ----------------------------------------------------------------------------

@@ -5,6 +5,7 @@ burst through the edge written without a drop."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+import edge.audit as audit_module
 from edge.audit import GENESIS, AuditConfig, AuditLog, ordered_files, verify
 from edge.cli import main as cli
 from edge.errors import AuditBacklog
@@ -251,3 +253,49 @@ async def test_one_writer_per_log(tmp_path: Path) -> None:
     third = AuditLog(AuditConfig(path=path))  # the lock went with the first writer
     await third.start()
     await third.aclose()
+
+
+async def test_a_restart_reads_back_a_last_line_of_any_length(tmp_path: Path) -> None:
+    """A prompt-bearing last line longer than the blocks read back from the end of the file
+    (here ~300 KiB) is found whole: the restarted writer continues the chain from it."""
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(AuditConfig(path=str(path), include_prompts=True))
+    await log.start()
+    log.record({**entry(0), "_prompt": "lorem ipsum " * 25_000})
+    await log.flush()
+    await log.aclose()
+    assert len(lines(path)[-1]) > 256 * 1024
+    await write_log(path, 2)
+    result = verify([str(path)], start=GENESIS)
+    assert result.ok and result.lines == 3, result
+
+
+async def test_a_prompt_past_the_line_bound_gives_way_to_its_hash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No line is written longer than what a restart and `verify` read back: a prompt that would
+    make one is replaced by its hash, and the line says so."""
+    monkeypatch.setattr(audit_module, "MAX_LINE_BYTES", 4096)
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(AuditConfig(path=str(path), include_prompts=True))
+    await log.start()
+    log.record({**entry(0), "_prompt": "x" * 10_000})
+    log.record(entry(1))
+    await log.flush()
+    await log.aclose()
+    first, second = (json.loads(line) for line in lines(path))
+    assert "prompt" not in first and first["prompt_omitted"] == "line_too_long"
+    assert first["prompt_sha256"] == hashlib.sha256(b"x" * 10_000).hexdigest()
+    assert second["prompt"] == "secret prompt 1"
+    await write_log(path, 1)  # reads the last line back
+    assert verify([str(path)], start=GENESIS).ok
+
+
+async def test_a_last_line_past_the_bound_is_named_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(audit_module, "MAX_LINE_BYTES", 4096)
+    path = tmp_path / "audit.jsonl"
+    path.write_bytes(b'{"hash": "' + b"a" * 5000 + b'"}\n')
+    with pytest.raises(ValueError, match=r"audit.jsonl: the last line is over 4096 bytes"):
+        await write_log(path, 1)
