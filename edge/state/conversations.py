@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import orjson
 from cachetools import TTLCache
 
-from edge.errors import ConversationBusy, ConversationNotFound, PayloadTooLarge
+from edge.errors import ConversationBusy, ConversationNotFound, PayloadTooLarge, StateUnavailable
 from edge.state.config import ConversationConfig
 from edge.state.redis_store import RedisState
 
@@ -45,6 +45,14 @@ REMOVED = "x_quicedge_removed"
 """Marks a stored message, or one tool call of it, that `DELETE /v1/conversations/{id}/items/
 {item}` took out: its content is gone, its place stays, so every other item keeps its id (ids
 are places). Prompts and item lists leave it out."""
+
+
+BUSY = (
+    "another request holds this conversation's lease: a turn or change of it is in progress; "
+    "retry when it completed"
+)
+"""The 409's message. A lease left behind by a request that failed while Redis did not answer
+is released once Redis answers again, so a 409 means a request really holds it."""
 
 
 def new_conversation_id() -> str:
@@ -293,7 +301,11 @@ def _trim(history: History, new: list[dict[str, Any]], limit: int, *, keep: int)
 
 
 class ConversationStore(Protocol):
-    """Where histories live: `load` refreshes the TTL; a lease is a token under its own key."""
+    """Where histories live: `load` refreshes the TTL; a lease is a token under its own key.
+
+    A lease whose take or commit did not answer (StateUnavailable) may hold its conversation
+    all the same; the store releases it once it answers again. `release` never raises for a
+    store that does not answer: it releases later."""
 
     async def load(self, tenant: str, cid: str) -> bytes | None: ...
     async def create(self, tenant: str, cid: str, token: bytes) -> None: ...
@@ -383,18 +395,31 @@ class RedisConversations:
         return await self._redis.get_refresh(self._key(tenant, cid), self._ttl_ms)
 
     async def create(self, tenant: str, cid: str, token: bytes) -> None:
-        await self._redis.set(self._lease_key(tenant, cid), token, self._lease_ms)
+        lease = self._lease_key(tenant, cid)
+        try:
+            await self._redis.set(lease, token, self._lease_ms)
+        except StateUnavailable:
+            self._redis.release_soon(lease, token, self._lease_ms)
+            raise
 
     async def lease(self, tenant: str, cid: str, token: bytes) -> bool:
-        return await self._redis.set_new(self._lease_key(tenant, cid), token, self._lease_ms)
+        return await self._redis.take_lease(self._lease_key(tenant, cid), token, self._lease_ms)
 
     async def commit(self, tenant: str, cid: str, token: bytes, blob: bytes) -> bool:
-        return await self._redis.commit(
-            self._lease_key(tenant, cid), token, self._key(tenant, cid), blob, self._ttl_ms
-        )
+        lease = self._lease_key(tenant, cid)
+        try:
+            return await self._redis.commit(lease, token, self._key(tenant, cid), blob,
+                                            self._ttl_ms)  # fmt: skip
+        except StateUnavailable:  # written or not, the lease must not outlive the turn
+            self._redis.release_soon(lease, token, self._lease_ms)
+            raise
 
     async def release(self, tenant: str, cid: str, token: bytes) -> None:
-        await self._redis.release(self._lease_key(tenant, cid), token)
+        lease = self._lease_key(tenant, cid)
+        try:
+            await self._redis.release(lease, token)
+        except StateUnavailable:
+            self._redis.release_soon(lease, token, self._lease_ms)
 
     async def extend(self, tenant: str, cid: str, token: bytes) -> bool:
         return await self._redis.extend(self._lease_key(tenant, cid), token, self._lease_ms)
@@ -488,9 +513,7 @@ class Conversations:
         new conversation from it (the Responses API lets any stored response be continued)."""
         token = os.urandom(12) if store else None
         if token is not None and not await self.store.lease(tenant, cid, token):
-            raise ConversationBusy(
-                "another turn of this conversation is in progress; retry when it completed"
-            )
+            raise ConversationBusy(BUSY)
         try:
             blob = await self.store.load(tenant, cid)
             if blob is None:
@@ -568,9 +591,7 @@ class Conversations:
         turn is in progress); what was stored."""
         token = os.urandom(12)
         if not await self.store.lease(tenant, cid, token):
-            raise ConversationBusy(
-                "a turn of this conversation is in progress; retry when it completed"
-            )
+            raise ConversationBusy(BUSY)
         try:
             blob = await self.store.load(tenant, cid)
             if blob is None:

@@ -9,7 +9,11 @@ and calls fail at once, without a round trip, until a background PING finds Redi
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -46,6 +50,24 @@ return 0
 
 FAILURES_TO_OPEN = 3
 """Failed or timed-out calls in a row that open the state store's breaker."""
+ORPHANS_MAX = 1024
+"""Leases this edge may have left behind that it remembers to release (`release_soon`); past
+that, the oldest are left to expire with their TTL."""
+SWEEP_S = 0.25
+"""How often the remembered leases are released while Redis answers."""
+SWEEP_BACKOFF_S = 1.0
+"""The wait after a release that did not answer (the breaker may be about to open)."""
+ORPHAN_GRACE_S = 5.0
+"""How long a remembered lease is still tried after Redis said it is not held: a take that
+timed out may land a moment later (held in a socket buffer or a proxy)."""
+
+
+@dataclass(slots=True)
+class _Orphan:
+    until: float
+    """When its TTL runs out anyway (monotonic s)."""
+    missed_at: float | None = None
+    """When Redis first answered that it is not held."""
 
 
 class RedisState:
@@ -72,6 +94,10 @@ class RedisState:
         self._commit = self.client.register_script(_COMMIT)
         self._release = self.client.register_script(_RELEASE)
         self._extend = self.client.register_script(_EXTEND)
+        self._orphans: dict[tuple[str, bytes], _Orphan] = {}
+        """Leases (key, token) whose take, commit or release did not answer: they may hold
+        their conversation though no turn runs, so they are released once Redis answers."""
+        self._sweeper: asyncio.Task[None] | None = None
 
     async def _call(self, what: str, call: Callable[[], Awaitable[T]]) -> T:
         try:
@@ -111,8 +137,79 @@ class RedisState:
         done = await self._call("extend", lambda: self._extend(keys=[lease], args=[token, ttl_ms]))
         return bool(done)
 
-    async def release(self, lease: str, token: bytes) -> None:
-        await self._call("release", lambda: self._release(keys=[lease], args=[token]))
+    async def release(self, lease: str, token: bytes) -> bool:
+        """Drop `lease` if it holds `token`; whether it did."""
+        done = await self._call("release", lambda: self._release(keys=[lease], args=[token]))
+        return bool(done)
+
+    async def take_lease(self, lease: str, token: bytes, ttl_ms: int) -> bool:
+        """SET NX PX of a lease (`set_new`). Leases this edge left behind on the same key go
+        first; when the take does not answer, Redis may have applied it all the same (only
+        its reply was late), so it is released once Redis answers (`release_soon`)."""
+        if self._orphans:
+            await self._free(lease)
+        sent = self.guard.usable  # an open breaker sends nothing: nothing to undo then
+        try:
+            return await self.set_new(lease, token, ttl_ms)
+        except StateUnavailable:
+            if sent:
+                self.release_soon(lease, token, ttl_ms)
+            raise
+
+    def release_soon(self, lease: str, token: bytes, ttl_ms: int) -> None:
+        """Release `lease` while it holds `token`, in the background, once Redis answers: a
+        lease whose take, commit or release failed, which no turn holds any longer. Tried
+        every `SWEEP_S` while the breaker is closed, until it is released, Redis says it is
+        not held (for `ORPHAN_GRACE_S`), or its TTL runs out. Never raises."""
+        key = (lease, token)
+        self._orphans.pop(key, None)
+        self._orphans[key] = _Orphan(time.monotonic() + ttl_ms / 1000)
+        while len(self._orphans) > ORPHANS_MAX:
+            del self._orphans[next(iter(self._orphans))]
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep())
+
+    @property
+    def orphans(self) -> int:
+        """Leases waiting to be released (`release_soon`)."""
+        return len(self._orphans)
+
+    async def _free(self, lease: str) -> None:
+        """Release this edge's leases left behind on `lease` now (StateUnavailable: not
+        answered; they stay remembered)."""
+        for key in [k for k in self._orphans if k[0] == lease]:
+            await self._release_orphan(key)
+
+    async def _release_orphan(self, key: tuple[str, bytes]) -> None:
+        orphan = self._orphans.get(key)
+        if orphan is None:
+            return
+        now = time.monotonic()
+        if now < orphan.until:
+            if not await self.release(*key):
+                if orphan.missed_at is None:
+                    orphan.missed_at = now
+                if now - orphan.missed_at < ORPHAN_GRACE_S:
+                    return
+        if self._orphans.get(key) is orphan:
+            del self._orphans[key]
+
+    async def _sweep(self) -> None:
+        wait = SWEEP_S
+        while self._orphans:
+            await asyncio.sleep(wait)
+            wait = SWEEP_S
+            if not self.guard.usable:  # nothing can be sent; the breaker's probe closes it
+                now = time.monotonic()
+                for key in [k for k, o in self._orphans.items() if o.until <= now]:
+                    del self._orphans[key]
+                continue
+            for key in list(self._orphans):
+                try:
+                    await self._release_orphan(key)
+                except StateUnavailable:
+                    wait = SWEEP_BACKOFF_S
+                    break
 
     async def replace(self, key: str, value: bytes) -> bool:
         """SET XX KEEPTTL: change an existing key, its TTL as it was; False when none."""
@@ -179,6 +276,10 @@ class RedisState:
         return int(count)
 
     async def aclose(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
         await self.guard.aclose()
 
 

@@ -1,0 +1,174 @@
+"""Redis that misbehaves for a moment: a reply that comes late (a redis-server of the test's own,
+paused with SIGSTOP and resumed with SIGCONT), a breaker open while a turn ends. What the edge
+left in Redis meanwhile must not lock a conversation, keep a background response `in_progress`,
+or cut a resumed stream; and a stored value it cannot read is a clear error, never a 500."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import pytest
+import redis.asyncio
+
+from edge.state.redis_store import FAILURES_TO_OPEN, RedisState
+from tests.edge.conftest import TinyUpstream, client, fast_config, run_edge
+from tests.edge.state.helpers import CHAT, ChatUpstream, state
+from tests.helpers import RedisServer
+
+CONV = "x-quicedge-conversation"
+USER = {"role": "user", "content": "Remember this, please."}
+TIMEOUT = 0.3
+"""The edges' Redis timeout here: a paused server costs that much per call."""
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    """A redis-server of this test's own, which it may pause; resumed and stopped after."""
+    server = RedisServer()
+    try:
+        yield server
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server.proc.pid, signal.SIGCONT)
+        server.stop()
+
+
+@contextlib.contextmanager
+def paused(server: RedisServer) -> Iterator[None]:
+    """Redis stops answering (its socket still takes what is sent), then runs what it got."""
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+
+
+@contextlib.asynccontextmanager
+async def redis_of(server: RedisServer) -> AsyncIterator[Any]:
+    direct = redis.asyncio.Redis.from_url(server.url)
+    try:
+        yield direct
+    finally:
+        await direct.aclose()
+
+
+async def gone(direct: Any, key: str, within: float = 5.0) -> None:
+    """Until `key` is not in Redis (AssertionError past `within` s)."""
+    try:
+        async with asyncio.timeout(within):
+            while await direct.exists(key):  # noqa: ASYNC110  (polled from outside)
+                await asyncio.sleep(0.05)
+    except TimeoutError:
+        ttl = await direct.pttl(key)
+        raise AssertionError(f"{key} still held ({ttl} ms left)") from None
+
+
+async def turn(http: httpx.AsyncClient, name: str, **extra: Any) -> httpx.Response:
+    return await http.post(CHAT, headers={CONV: name}, json={"messages": [USER], **extra})
+
+
+async def until_answered(http: httpx.AsyncClient, name: str, within: float = 5.0) -> None:
+    """A client retrying a turn: 503 while the breaker is open is fine, a 200 must come."""
+    seen: list[int] = []
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(within):
+            while (status := (await turn(http, name)).status_code) != 200:
+                seen.append(status)
+                await asyncio.sleep(0.1)
+            return
+    raise AssertionError(f"no 200 within {within} s: {seen}")
+
+
+# -- leases left behind ----------------------------------------------------------------------
+
+
+async def test_a_lease_whose_take_timed_out_is_released_when_redis_answers(
+    own_redis: RedisServer,
+) -> None:
+    """Redis applied the SET NX of two turns but answered too late (503): the next turn of the
+    one is answered at once, and the other's lease goes without any request (the report's
+    five-minute 409)."""
+    async with TinyUpstream(ChatUpstream()) as up, redis_of(own_redis) as direct:
+        config = fast_config([up.url], state=state(own_redis.url, "t:", timeout=TIMEOUT))
+        async with run_edge(config) as edge, client(edge) as http:
+            names = [(await turn(http, "new")).headers[CONV] for _ in range(2)]
+            with paused(own_redis):
+                for name in names:
+                    late = await turn(http, name)
+                    assert late.status_code == 503, late.text
+            assert (await turn(http, names[0])).status_code == 200
+            await gone(direct, f"t:conv-lease:anonymous:{names[1][len('conv_') :]}")
+            assert (await turn(http, names[1])).status_code == 200
+
+
+async def test_a_conversation_change_whose_take_timed_out_does_not_lock_it(
+    own_redis: RedisServer,
+) -> None:
+    async with TinyUpstream(ChatUpstream()) as up, redis_of(own_redis) as direct:
+        config = fast_config([up.url], state=state(own_redis.url, "t:", timeout=TIMEOUT))
+        async with run_edge(config) as edge, client(edge) as http:
+            name = (await http.post("/v1/conversations", json={})).json()["id"]
+            with paused(own_redis):
+                late = await http.post(f"/v1/conversations/{name}", json={"metadata": {"a": "1"}})
+                assert late.status_code == 503, late.text
+            await gone(direct, f"t:conv-lease:anonymous:{name[len('conv_') :]}")
+            changed = await http.post(f"/v1/conversations/{name}", json={"metadata": {"a": "2"}})
+            assert changed.status_code == 200, changed.text
+
+
+async def test_a_turn_whose_commit_met_an_open_breaker_frees_its_conversation(
+    own_redis: RedisServer,
+) -> None:
+    """The answer streamed to its client while Redis was away; its commit was refused by the
+    open breaker. Once Redis answers, the conversation takes its next turn."""
+    gate = asyncio.Event()
+    gate.set()
+    upstream = ChatUpstream(gate=gate)
+    async with TinyUpstream(upstream) as up, redis_of(own_redis) as direct:
+        config = fast_config([up.url], state=state(own_redis.url, "t:", timeout=TIMEOUT))
+        async with run_edge(config) as edge, client(edge) as http:
+            name = (await turn(http, "new")).headers[CONV]
+            gate.clear()
+            second = asyncio.create_task(turn(http, name, stream=True))
+            async with asyncio.timeout(5):
+                while len(upstream.chats) < 2:  # noqa: ASYNC110  (the turn holds its lease)
+                    await asyncio.sleep(0.01)
+            with paused(own_redis):
+                for _ in range(FAILURES_TO_OPEN):  # the breaker opens
+                    assert (await turn(http, "new")).status_code == 503
+                gate.set()
+                answered = await second
+                assert answered.status_code == 200 and b"[DONE]" in answered.content
+            await until_answered(http, name)
+            async with asyncio.timeout(5):  # the leases of the turns refused meanwhile go too
+                while keys := await direct.keys("t:conv-lease:*"):  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+            assert not keys
+
+
+async def test_a_lease_left_behind_on_a_key_goes_before_this_edge_takes_it_again(
+    redis_url: str, redis_prefix: str
+) -> None:
+    """The next take on the same key releases this edge's own dead lease first, in the same
+    request: no wait for the background sweep."""
+    store = RedisState(redis_url, timeout=1.0, prefix=redis_prefix)
+    key = f"{redis_prefix}conv-lease:t:c"
+    try:
+        assert await store.take_lease(key, b"dead", 60_000)
+        store.release_soon(key, b"dead", 60_000)  # as after a reply that came too late
+        assert await store.take_lease(key, b"next", 60_000)
+        assert await store.client.get(key) == b"next"
+        assert store.orphans == 0
+        # a lease another request holds is not this edge's to free: it stays, and is busy
+        store.release_soon(key, b"other", 60_000)
+        assert not await store.take_lease(key, b"third", 60_000)
+        assert await store.client.get(key) == b"next"
+    finally:
+        await store.client.delete(key)
+        await store.aclose()
