@@ -3,7 +3,9 @@
 `RequestRules.check` takes the body the app already parsed and, in this order:
 
 1. the tenant's model allow-list (`[[policy.tenant_models]]`): 403 `model_not_allowed`;
-2. the tier's limits (`[[policy.tiers]]`): `max_tokens` and prompt length, 400 `policy_limit`;
+2. the tier's limits (`[[policy.tiers]]`): `max_tokens` (every length field the request sets:
+   `max_tokens`, `max_completion_tokens`, `sampling_params.max_new_tokens`) and prompt length,
+   400 `policy_limit`;
 3. the pattern rules (`[[policy.rules]]`) on the folded prompt text (`normalize.fold`, matched
    case-insensitively): an `allow` match exempts the request from the `deny` rules; a `deny`
    match refuses it (403 `policy_violation`, naming the first matching deny rule in the file's
@@ -69,18 +71,28 @@ def text_slots(route: str, body: MutableMapping[str, Any]) -> list[Slot]:
     return slots
 
 
-def requested_tokens(body: MutableMapping[str, Any]) -> int | None:
-    """The completion length the request asks for, whichever field carries it."""
-    for key in ("max_tokens", "max_completion_tokens"):
-        value = body.get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+def _token_fields(body: MutableMapping[str, Any]) -> list[tuple[str, Any]]:
+    """Each completion-length field the request sets, by name, with its value as sent."""
+    found = [
+        (k, body[k]) for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None
+    ]
     params = body.get("sampling_params")
-    if isinstance(params, dict):
-        value = params.get("max_new_tokens")
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return None
+    if isinstance(params, dict) and params.get("max_new_tokens") is not None:
+        found.append(("sampling_params.max_new_tokens", params["max_new_tokens"]))
+    return found
+
+
+def requested_tokens(body: MutableMapping[str, Any]) -> int | None:
+    """The completion length the request asks for: the largest of the fields that carry one.
+
+    Backends do not agree on which field wins (SGLang's chat route uses `max_completion_tokens`
+    before `max_tokens`, `/generate` only `sampling_params.max_new_tokens`), so any one field
+    could be the one obeyed; judging by the largest leaves no field to hide a length in."""
+    asked: int | None = None
+    for _, value in _token_fields(body):
+        if type(value) is int and (asked is None or value > asked):
+            asked = value
+    return asked
 
 
 _OPTIONS = re2.Options()
@@ -161,15 +173,8 @@ class RequestRules:
                 )
         limits = self._tiers.get(tier)
         if limits is not None:
-            asked = requested_tokens(body)
-            if limits.max_tokens is not None and asked is not None and asked > limits.max_tokens:
-                rule = f"tier:{tier}:max_tokens"
-                raise PolicyLimit(
-                    rule,
-                    f"max_tokens {asked} is above this tier's limit of {limits.max_tokens} "
-                    f"(rule `{rule}`)",
-                    param="max_tokens",
-                )
+            if limits.max_tokens is not None:
+                self._check_tokens(body, tier, limits.max_tokens)
             if limits.max_prompt_chars is not None:
                 size = sum(len(c[k]) for c, k in slots)
                 if size > limits.max_prompt_chars:
@@ -205,6 +210,26 @@ class RequestRules:
                 verdict.redacted = True
                 verdict.fired.append((rules[i].id, "redact"))
         return verdict
+
+    @staticmethod
+    def _check_tokens(body: MutableMapping[str, Any], tier: str, limit: int) -> None:
+        """Refuse a request any of whose length fields asks for more than `limit`, or is not a
+        plain integer (a backend may read `"200"` or `200.0` as 200: SGLang's pydantic does)."""
+        rule = f"tier:{tier}:max_tokens"
+        for name, value in _token_fields(body):
+            if type(value) is not int:
+                raise PolicyLimit(
+                    rule,
+                    f"{name} must be an integer to be checked against this tier's limit of "
+                    f"{limit} (rule `{rule}`)",
+                    param=name,
+                )
+            if value > limit:
+                raise PolicyLimit(
+                    rule,
+                    f"{name} {value} is above this tier's limit of {limit} (rule `{rule}`)",
+                    param=name,
+                )
 
     def _redact_with(self, index: int, slots: list[Slot], folded: list[str]) -> bool:
         pattern, replacement = self._redactors[index], self._rules[index].replacement

@@ -13,6 +13,7 @@ from edge.errors import ModelNotAllowed, PolicyLimit, PolicyRefused, StreamRefus
 from edge.policy.config import PolicyConfig
 from edge.policy.gateway import PolicyGateway
 from edge.policy.normalize import fold
+from edge.policy.rules import requested_tokens
 
 CHAT = "/v1/chat/completions"
 
@@ -215,6 +216,67 @@ def test_generate_max_new_tokens_is_limited() -> None:
     body = {"text": "hi", "sampling_params": {"max_new_tokens": 1000}}
     with pytest.raises(PolicyLimit):
         gateway().check("/generate", body, tenant="t", tier="free", stream=False)
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        # SGLang's chat route and the stand-in obey max_completion_tokens over max_tokens
+        (CHAT, chat("hi", max_tokens=1, max_completion_tokens=500), "max_completion_tokens"),
+        (CHAT, chat("hi", max_completion_tokens=1, max_tokens=500), "max_tokens"),
+        # SGLang's `or`: max_completion_tokens 0 falls through to max_tokens
+        (CHAT, chat("hi", max_completion_tokens=0, max_tokens=500), "max_tokens"),
+        # /generate obeys only sampling_params.max_new_tokens
+        ("/generate", {"text": "hi", "max_tokens": 1, "sampling_params": {"max_new_tokens": 500}},
+         "sampling_params.max_new_tokens"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 500, "max_completion_tokens": 1},
+         "max_tokens"),
+    ],
+)  # fmt: skip
+def test_tier_max_tokens_judges_the_largest_length_field(
+    route: str, body: dict[str, Any], param: str
+) -> None:
+    """A small value in one field does not hide a large one in another: every field some backend
+    obeys is held to the limit."""
+    gw = gateway()
+    with pytest.raises(PolicyLimit) as info:
+        gw.check(route, copy.deepcopy(body), tenant="t", tier="free", stream=False)
+    assert info.value.rule == "tier:free:max_tokens"
+    assert json.loads(info.value.body())["error"]["param"] == param
+    gw.check(route, body, tenant="t", tier="pro", stream=False)  # another tier: no limit
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        chat("hi", max_tokens="500"),  # SGLang's pydantic reads "500" as 500
+        chat("hi", max_completion_tokens=500.0),
+        chat("hi", max_tokens=True),
+        {"text": "hi", "sampling_params": {"max_new_tokens": "500"}},
+    ],
+)
+def test_tier_max_tokens_refuses_a_length_that_is_not_an_integer(body: dict[str, Any]) -> None:
+    route = "/generate" if "text" in body else CHAT
+    with pytest.raises(PolicyLimit) as info:
+        gateway().check(route, body, tenant="t", tier="free", stream=False)
+    assert info.value.rule == "tier:free:max_tokens"
+    assert "must be an integer" in json.loads(info.value.body())["error"]["message"]
+
+
+def test_a_module_is_shown_the_largest_length_field() -> None:
+    body = chat("hi", max_tokens=1, max_completion_tokens=64)
+    assert requested_tokens(body) == 64
+    body = {"text": "hi", "max_tokens": 1, "sampling_params": {"max_new_tokens": 64}}
+    assert requested_tokens(body) == 64
+    assert requested_tokens(chat("hi", max_tokens=None, max_completion_tokens="x")) is None
+    assert requested_tokens(chat("hi")) is None
+
+
+def test_lengths_within_the_limit_pass() -> None:
+    gw = gateway()
+    body = chat("hi", max_tokens=100, max_completion_tokens=100)
+    gw.check(CHAT, body, tenant="t", tier="free", stream=False)
+    gw.check(CHAT, chat("hi", max_tokens=None), tenant="t", tier="free", stream=False)
 
 
 def test_decisions_are_counted_by_rule_and_outcome() -> None:
