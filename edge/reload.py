@@ -43,6 +43,7 @@ from edge.cors import CorsApp, CorsConfig
 from edge.models import ModelsConfig
 from edge.policy.config import PolicyConfig
 from edge.policy.gateway import PolicyGateway
+from edge.policy.wasm import WasmPolicy
 from edge.routing.breakers import BreakerConfig
 from edge.settings import Settings
 from edge.wiring import Wiring, make_gateway
@@ -131,6 +132,29 @@ def differences(old: Settings, new: Settings) -> tuple[list[str], list[str]]:
     if relabelled and "proxy" not in restart:  # a backend's domain is fixed while it serves
         restart.insert(0, "proxy")
     return live, restart
+
+
+def _one_line(exc: BaseException) -> str:
+    """An error's first line (wasmtime's run over several), or its type when it has no text."""
+    return next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+
+
+def _gateway(policies: PolicyConfig, **kwargs: Any) -> PolicyGateway | None:
+    """`make_gateway`, whose failure names the setting as `serve` does at start: the raw error
+    (`[Errno 2] ...`, wasmtime's text) says neither which module nor which table. Only when it
+    failed is each module loaded alone, to find the one at fault."""
+    try:
+        return make_gateway(policies, **kwargs)
+    except Exception as exc:
+        for module in policies.wasm:
+            try:
+                WasmPolicy(module)
+            except Exception as own:
+                what = own.strerror if isinstance(own, OSError) and own.strerror else None
+                raise ValueError(
+                    f"policy.wasm {module.id!r} ({module.path}): {what or _one_line(own)}"
+                ) from None
+        raise ValueError(f"policy: {_one_line(exc)}") from None
 
 
 def _report(
@@ -228,25 +252,26 @@ class Reloader:
             gateway = None
             if "policy" in live:
                 gateway = await asyncio.to_thread(
-                    make_gateway,
+                    _gateway,
                     new.get("policy", PolicyConfig),
                     metrics=self.wiring.metrics,
                     pool=self.wiring.pool,
                 )
         except Exception as exc:  # a file that does not load keeps the running settings
+            error = _one_line(exc)
             self.reloads.labels("refused").inc()
             self.wiring.metrics.config_reload_ok.set(0)
-            log.error("config reload refused, the running settings stay: %s", exc)
-            self._audit("refused", error=str(exc))
-            return _report("refused", error=str(exc))
+            log.error("config reload refused, the running settings stay: %s", error)
+            self._audit("refused", error=error)
+            return _report("refused", error=error)
         try:
             await self._apply(new, live, gateway, signal=signal)
         except Exception as exc:  # a bug here must not end the reloads for the process's life
             self.reloads.labels("refused").inc()
             self.wiring.metrics.config_reload_ok.set(0)
             log.exception("config reload failed while applying %s", ", ".join(live))
-            self._audit("refused", error=f"while applying: {exc}")
-            return _report("refused", error=f"while applying: {exc}")
+            self._audit("refused", error=f"while applying: {_one_line(exc)}")
+            return _report("refused", error=f"while applying: {_one_line(exc)}")
         self._applied = new
         self.wiring.metrics.config_reload_ok.set(1)
         self.restart_pending.set(1 if pending else 0)

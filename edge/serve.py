@@ -92,6 +92,11 @@ def load_toml(path: str | None) -> dict[str, Any]:
         raise ValueError(f"--config {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"--config {path}: {exc}") from None
+    except UnicodeDecodeError as exc:  # TOML is UTF-8; the codec's own text names no file
+        bad = exc.object[exc.start : exc.start + 1].hex()
+        raise ValueError(
+            f"--config {path}: not UTF-8 text (byte 0x{bad} at offset {exc.start})"
+        ) from None
 
 
 def load_settings(

@@ -6,12 +6,14 @@ import argparse
 import dataclasses
 import math
 import typing
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from edge.config import SECTIONS, ProxyConfig
 from edge.policy.config import PolicyConfig
+from edge.serve import load_toml
 from edge.settings import environment_names
 from edge.telemetry import cache_label
 from edge.tracing import tracer_from_env
@@ -131,6 +133,15 @@ def test_a_policy_number_that_is_not_finite_is_refused_by_name(
     with pytest.raises(ValueError) as refused:
         PolicyConfig.from_mapping(policy)
     assert str(refused.value) == message
+
+
+def test_a_config_file_that_is_not_utf8_is_named(tmp_path: Path) -> None:
+    """The codec's own error named neither the file nor the setting, at start and on a reload."""
+    path = tmp_path / "quicedge.toml"
+    path.write_bytes(b"[proxy]\nbackends = []\n# caf\xe9\n")  # Latin-1, not UTF-8
+    with pytest.raises(ValueError) as refused:
+        load_toml(str(path))
+    assert str(refused.value) == f"--config {path}: not UTF-8 text (byte 0xe9 at offset 27)"
 
 
 def test_proxy_section_must_be_a_table() -> None:

@@ -271,6 +271,37 @@ async def test_a_number_that_is_not_finite_is_refused_and_the_running_settings_s
         await reloader.aclose()
 
 
+async def test_a_refused_reload_names_the_module_or_the_file_in_one_line(tmp_path: Path) -> None:
+    """The raw errors were `[Errno 2] ...`, wasmtime's lines, a bare codec error: no setting."""
+    path = tmp_path / "quicedge.toml"
+    path.write_text("")
+    missing, broken = tmp_path / "missing.wasm", tmp_path / "broken.wasm"
+    broken.write_bytes(b"\0asm\x01\0\0\0\x01\xff")  # a section cut short
+    async with (
+        TinyUpstream(ChatUpstream()) as up,
+        run_edge(fast_config([up.url])) as edge,
+        client(edge) as http,
+    ):
+        load = file_loader(path, up.url)
+        reloader = Reloader(load, load(), edge.wiring)
+        errors = []
+        for module in (missing, broken):
+            path.write_text(f'[[policy.wasm]]\nid = "m"\npath = "{module}"\n')
+            errors.append((await reloader.reload_reported())["error"])
+        path.write_bytes(b"\xff[proxy]\n")
+        errors.append((await reloader.reload_reported())["error"])
+        assert errors[0] == f"policy.wasm 'm' ({missing}): No such file or directory"
+        assert errors[1].startswith(f"policy.wasm 'm' ({broken}): ")
+        assert errors[2] == f"--config {path}: not UTF-8 text (byte 0xff at offset 0)"
+        assert all("\n" not in error for error in errors), errors
+        refused = edge.registry.get_sample_value(
+            "quicedge_config_reloads_total", {"outcome": "refused"}
+        )
+        assert refused == 3
+        assert (await http.post("/v1/chat/completions", json=body("hi"))).status_code == 200
+        await reloader.aclose()
+
+
 # -- a running edge -------------------------------------------------------------------------------
 
 
