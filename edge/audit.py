@@ -165,6 +165,8 @@ class AuditLog:
         self.dropped = 0
         self.written = 0
         self._prev = GENESIS
+        self._cut_to: tuple[tuple[int, int], int] | None = None
+        """(file, size): a failed write's part that could not be cut off the file at once."""
         self._key = config.hash_key.encode() if config.hash_key else None
         self.export = (
             AuditExport(
@@ -321,13 +323,7 @@ class AuditLog:
                 line = self._chain(entry, prev)
             prev = entry["hash"]
             lines.append(line)
-        data = b"".join(lines)
-        self._rotate_if_needed(len(data))
-        with open(self.path, "ab") as f:
-            f.write(data)
-            if self.config.fsync:
-                f.flush()
-                os.fsync(f.fileno())
+        self._append(b"".join(lines))
         self._prev = prev
         self.written += len(batch)
         if self.export is not None:  # only lines the file holds: each copy names its line's hash
@@ -354,13 +350,50 @@ class AuditLog:
             return hmac.new(self._key, raw, hashlib.sha256).hexdigest()
         return hashlib.sha256(raw).hexdigest()
 
-    def _rotate_if_needed(self, incoming: int) -> None:
+    def _append(self, data: bytes) -> None:
+        """Append whole lines; rotate first past `max_bytes`. A write that fails part-way (a
+        full disk) is cut back off, so that the file still ends with a whole line: the next
+        batch would otherwise be glued onto the cut one, and `verify` stop there."""
+        fd = self._open()
         try:
-            size = os.path.getsize(self.path)
-        except OSError:
-            return
-        if size == 0 or size + incoming <= self.config.max_bytes:
-            return
+            size = os.fstat(fd).st_size
+            if self._cut_to is not None and self._cut_to[0] == self._identity(fd):
+                # the last failed write's part that could not be cut off then
+                size = self._cut_to[1]
+                os.ftruncate(fd, size)
+                log.warning("audit log: cut the part of a failed write off %s", self.path)
+            self._cut_to = None
+            if size and size + len(data) > self.config.max_bytes:
+                self._rotate()
+                os.close(fd)
+                fd = -1
+                fd = self._open()
+                size = 0
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                if self.config.fsync:
+                    os.fsync(fd)
+            except BaseException:
+                try:
+                    os.ftruncate(fd, size)
+                except OSError:  # tried again before the next write
+                    self._cut_to = (self._identity(fd), size)
+                raise
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    def _open(self) -> int:
+        return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+
+    @staticmethod
+    def _identity(fd: int) -> tuple[int, int]:
+        st = os.fstat(fd)
+        return st.st_dev, st.st_ino
+
+    def _rotate(self) -> None:
         n = 1
         while os.path.exists(f"{self.path}.{n}"):
             n += 1
@@ -377,8 +410,10 @@ def last_hash(path: str) -> str:
     for name in candidates:
         try:
             value = _last_line_hash(name)
-        except OSError:
+        except FileNotFoundError:
             continue
+        except OSError as exc:  # read past it, the chain would fork from an older line
+            raise ValueError(f"audit.path: {name}: {exc.strerror}") from None
         if value is not None:
             return value
     return GENESIS
@@ -393,8 +428,11 @@ def _last_line_hash(name: str) -> str | None:
         if end == 0:
             return None
         f.seek(end - 1)
-        if f.read(1) == b"\n":
-            end -= 1
+        if f.read(1) != b"\n":
+            end = _end_the_last_line(f, name, end)
+            if end == 0:
+                return None
+        end -= 1
         start = _line_start(f, end, MAX_LINE_BYTES)
         if start is None:
             raise ValueError(f"{name}: the last line is over {MAX_LINE_BYTES} bytes: not an audit "
@@ -406,6 +444,32 @@ def _last_line_hash(name: str) -> str | None:
     except (orjson.JSONDecodeError, AttributeError):
         raise ValueError(f"{name}: the last line is not an audit record") from None
     return value if isinstance(value, str) else None
+
+
+def _end_the_last_line(f: BinaryIO, name: str, end: int) -> int:
+    """The file ends inside a line: a write cut short (a crash, or a full disk before writes
+    were cut back). A whole record only lacks its newline, which is added; anything else is
+    cut off, for the next line to start a line. The file's new size."""
+    start = _line_start(f, end, None)
+    assert start is not None
+    if end - start <= MAX_LINE_BYTES:
+        f.seek(start)
+        try:
+            record = orjson.loads(f.read(end - start))
+        except orjson.JSONDecodeError:
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("hash"), str):
+            with open(name, "ab") as out:
+                out.write(b"\n")
+            log.warning("audit log: %s: the last line lacked its newline; added it", name)
+            return end + 1
+    with open(name, "r+b") as out:
+        out.truncate(start)
+    log.warning(
+        "audit log: %s ended with %d bytes of a line cut short (a failed write or a crash); "
+        "cut them off, the chain goes on from the line before", name, end - start,
+    )  # fmt: skip
+    return start
 
 
 def _line_start(f: BinaryIO, end: int, limit: int | None) -> int | None:

@@ -8,6 +8,8 @@ import asyncio
 import hashlib
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -299,3 +301,111 @@ async def test_a_last_line_past_the_bound_is_named_at_start(
     path.write_bytes(b'{"hash": "' + b"a" * 5000 + b'"}\n')
     with pytest.raises(ValueError, match=r"audit.jsonl: the last line is over 4096 bytes"):
         await write_log(path, 1)
+
+
+FULL_DISK_WRITER = """
+import asyncio, json, os, resource, sys
+from edge.audit import AuditConfig, AuditLog
+
+async def main(path: str) -> None:
+    log = AuditLog(AuditConfig(path=path))
+    await log.start()
+    def batch(name: str, n: int) -> None:
+        for i in range(n):
+            log.record({"request_id": f"{name}{i}", "status": 200})
+    batch("before", 3)
+    await log.flush()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    # room for part of the next batch only: the write fails part-way, as on a full disk
+    resource.setrlimit(resource.RLIMIT_FSIZE, (os.path.getsize(path) + 150, hard))
+    batch("lost", 3)
+    await log.flush()
+    during = os.path.getsize(path)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    batch("after", 3)
+    await log.flush()
+    await log.aclose()
+    print(json.dumps({"dropped": log.dropped, "written": log.written, "during": during}))
+
+asyncio.run(main(sys.argv[1]))
+"""
+
+
+def test_a_write_that_fails_part_way_is_cut_back_to_a_whole_line(tmp_path: Path) -> None:
+    """A full disk (here the file-size limit) fails a batch's write after part of it is in the
+    file: the part is cut off, the batch is counted as dropped, and the lines written once the
+    disk has room again continue the chain from the last whole line."""
+    path = tmp_path / "audit.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-c", FULL_DISK_WRITER, str(path)],
+        capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    counts = json.loads(done.stdout)
+    records = [json.loads(line) for line in lines(path)]
+    assert counts["dropped"] == 3 and counts["written"] == 6
+    assert counts["during"] == sum(len(line) for line in lines(path)[:3])  # whole lines only
+    assert [r["request_id"] for r in records] == [f"before{i}" for i in range(3)] + [
+        f"after{i}" for i in range(3)
+    ]
+    assert verify([str(path)], start=GENESIS).ok
+
+
+async def test_a_write_whose_cut_failed_is_cut_before_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """When the cut itself fails, the next write makes it first."""
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(AuditConfig(path=str(path)))
+    log._write([entry(0)])
+    good = path.stat().st_size
+    real_write, real_truncate = os.write, os.ftruncate
+
+    def half_then_fail(fd: int, data: Any) -> int:
+        real_write(fd, bytes(data[: len(data) // 2]))
+        raise OSError(28, "No space left on device")
+
+    def refuse(fd: int, size: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "write", half_then_fail)
+    monkeypatch.setattr(os, "ftruncate", refuse)
+    with pytest.raises(OSError):
+        log._write([entry(1)])
+    assert path.stat().st_size > good
+    monkeypatch.setattr(os, "write", real_write)
+    monkeypatch.setattr(os, "ftruncate", real_truncate)
+    log._write([entry(2)])
+    assert [json.loads(line)["request_id"] for line in lines(path)] == ["r0", "r2"]
+    assert verify([str(path)], start=GENESIS).ok
+
+
+async def test_a_restart_cuts_off_a_partial_last_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A log that ends inside a line (a crash during a write) is cut back to its last whole
+    line at start, with a warning; the chain goes on from there."""
+    path = tmp_path / "audit.jsonl"
+    await write_log(path, 2)
+    with path.open("ab") as f:
+        f.write(b'{"ts": 1.5, "request_id": "cut sh')
+    await write_log(path, 2)
+    result = verify([str(path)], start=GENESIS)
+    assert result.ok and result.lines == 4, result
+    assert "cut them off" in caplog.text
+
+
+async def test_a_restart_keeps_a_whole_last_record_without_its_newline(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    await write_log(path, 2)
+    path.write_bytes(path.read_bytes().rstrip(b"\n"))
+    await write_log(path, 1)
+    result = verify([str(path)], start=GENESIS)
+    assert result.ok and result.lines == 3, result
+
+
+async def test_a_log_that_is_only_a_partial_line_starts_over(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    path.write_bytes(b'{"ts": 1.5, "req')
+    await write_log(path, 1)
+    assert verify([str(path)], start=GENESIS).ok
