@@ -14,8 +14,9 @@ the first record after a quiet spell, waits `WRITE_INTERVAL` for more, and write
 as one batch in a thread (`asyncio.to_thread`). When the queue is full,
 `when_full` decides: `drop` (the record is dropped and counted) or `refuse` (`admit` raises 503
 `audit_backlog` for new requests until the queue has room; requests already admitted are still
-recorded). Rotation by size: the file is renamed `PATH.1`, `PATH.2`, ... (the next free number)
-and a new one begun, whose first line's `prev` is the last hash of the old one.
+recorded, the refusals' own records and events are dropped and counted). Rotation by size: the
+file is renamed `PATH.1`, `PATH.2`, ... (the next free number) and a new one begun, whose first
+line's `prev` is the last hash of the old one.
 
 With `otlp` on, each written line is also handed to `edge.audit_export`, which exports it as an
 OpenTelemetry log record from the SDK's own thread (dropping, never waiting, when it falls
@@ -28,6 +29,7 @@ import argparse
 import asyncio
 import collections
 import contextlib
+import contextvars
 import fcntl
 import hashlib
 import hmac
@@ -60,6 +62,10 @@ MAX_LINE_BYTES = 64 * MiB
 any record, whose longest part is the prompt (`include_prompts`) under `max_body_bytes`."""
 _BLOCK = 64 * 1024
 """Bytes read at a time when reading a file back from its end."""
+
+_admitted: contextvars.ContextVar[bool] = contextvars.ContextVar("audit_admitted", default=False)
+"""Set by `AuditLog.admit` in the context of the request it lets in (`refuse`), read by
+`record_exchange` in the same context: the request's record may then pass `queue_size`."""
 
 
 @dataclass
@@ -186,12 +192,20 @@ class AuditLog:
 
     def admit(self) -> None:
         """Refuse a new request while the queue is full (`when_full = "refuse"`)."""
-        if self.config.when_full == "refuse" and len(self._queue) >= self.config.queue_size:
-            raise AuditBacklog("the audit log is behind; retry shortly")
+        if self.config.when_full == "refuse":
+            admitted = len(self._queue) < self.config.queue_size
+            _admitted.set(admitted)
+            if not admitted:
+                raise AuditBacklog("the audit log is behind; retry shortly")
 
-    def record(self, entry: dict[str, Any]) -> bool:
-        """Queue one request's record; False when it was dropped (full queue, `drop`)."""
-        if self.config.when_full == "drop" and len(self._queue) >= self.config.queue_size:
+    def record(self, entry: dict[str, Any], *, admitted: bool = False) -> bool:
+        """Queue one record; False when it was dropped and counted: a full queue drops all
+        but the records of requests `admit` let in (`refuse`), for which the queue may pass its
+        size by the requests in flight. A refused request's own record is dropped, else each
+        refusal would grow the queue it was refused for."""
+        if len(self._queue) >= self.config.queue_size and not (
+            admitted and self.config.when_full == "refuse"
+        ):
             self.dropped += 1
             return False
         self._queue.append(entry)
@@ -203,7 +217,7 @@ class AuditLog:
     def record_event(self, event: str, **fields: Any) -> bool:
         """Queue the record of something done to the edge itself, not a request: a config
         reload, an admin action, a refused one (`event`), in the same chain. The backlog refusal
-        (`when_full = "refuse"`) is for requests; a full queue drops it as it drops them."""
+        (`when_full = "refuse"`) is for requests; a full queue drops an event (counted)."""
         return self.record({"ts": round(time.time(), 6), "event": event, **fields})
 
     def record_exchange(self, ex: Exchange, status: int) -> bool:
@@ -228,7 +242,7 @@ class AuditLog:
             "status": status,
             "_prompt": ex.view.text if ex.view is not None else None,
         }
-        return self.record(entry)
+        return self.record(entry, admitted=self.config.when_full == "refuse" and _admitted.get())
 
     # -- the writer --------------------------------------------------------------------------
 

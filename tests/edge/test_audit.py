@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -184,12 +185,14 @@ async def test_full_queue_refuses_new_requests_when_configured() -> None:
     log = AuditLog(AuditConfig(path="/nonexistent/never-written", queue_size=2,
                                when_full="refuse"))  # fmt: skip
     log.admit()
-    assert log.record(entry(0)) and log.record(entry(1))
+    assert log.record(entry(0), admitted=True) and log.record(entry(1), admitted=True)
     with pytest.raises(AuditBacklog) as info:
         log.admit()
     assert info.value.status == 503 and info.value.payload()["error"]["code"] == "audit_backlog"
-    assert log.record(entry(2))  # an admitted request is still recorded
+    assert log.record(entry(2), admitted=True)  # an admitted request is still recorded
     assert log.dropped == 0
+    assert not log.record(entry(3))  # the refused one's own record, or an event, is not
+    assert log.dropped == 1 and log.depth == 3
 
 
 def test_bad_audit_config_is_named() -> None:
@@ -408,4 +411,61 @@ async def test_a_log_that_is_only_a_partial_line_starts_over(tmp_path: Path) -> 
     path = tmp_path / "audit.jsonl"
     path.write_bytes(b'{"ts": 1.5, "req')
     await write_log(path, 1)
+    assert verify([str(path)], start=GENESIS).ok
+
+
+async def test_refusals_do_not_grow_a_full_queue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`refuse` with the writer stalled (a hung disk): the 503 refusals' own records are dropped
+    and counted, so the queue stays within its size plus the requests in flight however many
+    are refused; a request admitted before the queue filled is recorded past its size."""
+    path = tmp_path / "audit.jsonl"
+    gate, arrived = asyncio.Event(), asyncio.Event()
+
+    async def answer(recorded: Recorded) -> Reply:
+        if b"held" in recorded.body:
+            arrived.set()
+            await asyncio.wait_for(gate.wait(), 30)
+        return health_ok(recorded) or sse_reply(["a"])
+
+    async with TinyUpstream(answer) as up:
+        cfg = fast_config([up.url])
+        audit_config = AuditConfig(path=str(path), queue_size=3, when_full="refuse")
+        async with run_edge(cfg, audit=audit_config) as edge, client(edge) as http:
+            audit = edge.wiring.audit
+            assert audit is not None
+            stalled, release = threading.Event(), threading.Event()
+            write = audit._write
+
+            def stalling(batch: list[dict[str, Any]]) -> None:
+                stalled.set()
+                release.wait(30)
+                write(batch)
+
+            monkeypatch.setattr(audit, "_write", stalling)
+
+            async def send(prompt: str) -> int:
+                body = {"model": "tiny-model", "prompt": prompt}
+                return (await http.post("/v1/completions", json=body)).status_code
+
+            try:
+                assert await send("first") == 200
+                assert await asyncio.to_thread(stalled.wait, 10)  # its batch is in the writer
+                held = asyncio.ensure_future(send("held"))  # admitted now, answered later
+                await asyncio.wait_for(arrived.wait(), 10)
+                statuses = [await send(f"p{i}") for i in range(30)]
+                assert statuses[:3] == [200] * 3 and statuses[3:] == [503] * 27
+                assert audit.depth == 3 and audit.dropped == 27
+                burst = await asyncio.gather(*(send(f"b{i}") for i in range(10)))
+                assert set(burst) == {503} and audit.depth == 3 and audit.dropped == 37
+                gate.set()
+                assert await held == 200
+                assert audit.depth == 4 and audit.dropped == 37
+            finally:
+                gate.set()
+                release.set()
+            await audit.flush()
+    records = [json.loads(line) for line in lines(path)]
+    assert [r["status"] for r in records] == [200] * 5
     assert verify([str(path)], start=GENESIS).ok
