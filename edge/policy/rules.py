@@ -73,12 +73,19 @@ def text_slots(route: str, body: MutableMapping[str, Any]) -> list[Slot]:
 
 def _token_fields(body: MutableMapping[str, Any]) -> list[tuple[str, Any]]:
     """Each completion-length field the request sets, by name, with its value as sent."""
-    found = [
-        (k, body[k]) for k in ("max_tokens", "max_completion_tokens") if body.get(k) is not None
-    ]
+    # (plain statements, not a comprehension: this runs on every request of a limited tier)
+    found: list[tuple[str, Any]] = []
+    value = body.get("max_tokens")
+    if value is not None:
+        found.append(("max_tokens", value))
+    value = body.get("max_completion_tokens")
+    if value is not None:
+        found.append(("max_completion_tokens", value))
     params = body.get("sampling_params")
-    if isinstance(params, dict) and params.get("max_new_tokens") is not None:
-        found.append(("sampling_params.max_new_tokens", params["max_new_tokens"]))
+    if isinstance(params, dict):
+        value = params.get("max_new_tokens")
+        if value is not None:
+            found.append(("sampling_params.max_new_tokens", value))
     return found
 
 
@@ -215,8 +222,10 @@ class RequestRules:
     def _check_tokens(body: MutableMapping[str, Any], tier: str, limit: int) -> None:
         """Refuse a request any of whose length fields asks for more than `limit`, or is not a
         plain integer (a backend may read `"200"` or `200.0` as 200: SGLang's pydantic does)."""
-        rule = f"tier:{tier}:max_tokens"
         for name, value in _token_fields(body):
+            if type(value) is int and value <= limit:
+                continue
+            rule = f"tier:{tier}:max_tokens"
             if type(value) is not int:
                 raise PolicyLimit(
                     rule,
@@ -224,12 +233,11 @@ class RequestRules:
                     f"{limit} (rule `{rule}`)",
                     param=name,
                 )
-            if value > limit:
-                raise PolicyLimit(
-                    rule,
-                    f"{name} {value} is above this tier's limit of {limit} (rule `{rule}`)",
-                    param=name,
-                )
+            raise PolicyLimit(
+                rule,
+                f"{name} {value} is above this tier's limit of {limit} (rule `{rule}`)",
+                param=name,
+            )
 
     def _redact_with(self, index: int, slots: list[Slot], folded: list[str]) -> bool:
         pattern, replacement = self._redactors[index], self._rules[index].replacement
