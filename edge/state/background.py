@@ -9,6 +9,8 @@ it failed or was cancelled, a record under its response id says so; once its ans
 with its conversation, the record goes, and the stored turn is what `GET` shows. Records live
 where conversations do (the memory store or Redis), so any worker answers a poll or a cancel:
 the worker running the turn reads its record every `POLL_S` and stops when it says `cancelled`.
+A running record has a heartbeat beside it that the worker renews (`BEAT_S`): a reader that
+finds it gone knows no edge generates the answer any longer, and reports it failed.
 """
 
 from __future__ import annotations
@@ -28,9 +30,20 @@ from edge.state.redis_store import RedisState
 
 POLL_S = 0.5
 """How often a running background turn reads its record for a cancel."""
+BEAT_S = 30.0
+"""How long a running record's heartbeat lasts: past it with no renewal, no edge is generating
+the answer (its edge stopped, or lost Redis), and readers report it `failed` (`ABANDONED`)."""
+BEAT_EVERY_S = 5.0
+"""How often the edge generating a background answer renews its heartbeat (at a poll)."""
 RUNNING = "in_progress"
 CANCELLED = "cancelled"
 FAILED = "failed"
+ABANDONED = {
+    "code": "abandoned",
+    "message": "the edge generating this response stopped renewing it (it stopped, or lost the "
+    "state store); it will not complete",
+}
+"""The error a reader gives a running record whose heartbeat ran out."""
 
 
 @dataclass(slots=True)
@@ -45,14 +58,29 @@ class Record:
     """A failed one's `{"code", "message"}`."""
     sent: list[list[Any]] = field(default_factory=list)
     """What its turn sends, as `[place, message]` (`History.next_input`), for its input items."""
+    beat: bool = False
+    """Its edge keeps a heartbeat beside it while it runs (`BEAT_S`); False for a record
+    written before heartbeats were kept, which is trusted as it is."""
+    alive: bool = True
+    """Read back: False when it has a heartbeat and the heartbeat ran out (not stored)."""
 
     def encode(self) -> bytes:
-        return orjson.dumps({"s": self.status, "m": self.meta, "e": self.error, "i": self.sent})
+        obj: dict[str, Any] = {"s": self.status, "m": self.meta, "e": self.error, "i": self.sent}
+        if self.beat:
+            obj["h"] = 1
+        return orjson.dumps(obj)
 
     @classmethod
     def decode(cls, blob: bytes) -> Record:
         obj = orjson.loads(blob)
-        return cls(str(obj["s"]), dict(obj["m"]), obj.get("e"), list(obj.get("i") or []))
+        return cls(str(obj["s"]), dict(obj["m"]), obj.get("e"), list(obj.get("i") or []),
+                   bool(obj.get("h")))  # fmt: skip
+
+    def as_read(self) -> Record:
+        """What a reader is told: a running record whose heartbeat ran out is `failed`."""
+        if self.status == RUNNING and not self.alive:
+            return Record(FAILED, self.meta, dict(ABANDONED), self.sent)
+        return self
 
 
 def kept_for(config: ConversationConfig) -> float:
@@ -62,11 +90,18 @@ def kept_for(config: ConversationConfig) -> float:
 
 
 class RecordStore(Protocol):
-    """Background responses' records by tenant and response id (`kept_for`)."""
+    """Background responses' records by tenant and response id (`kept_for`). A running one
+    written with `start` has a heartbeat that its edge renews with `beat`; `get` says whether
+    it is still alive (`Record.alive`)."""
 
     async def put(self, tenant: str, rid: str, record: Record) -> None: ...
     async def get(self, tenant: str, rid: str) -> Record | None: ...
     async def delete(self, tenant: str, rid: str) -> None: ...
+    async def start(self, tenant: str, rid: str, record: Record) -> None: ...
+
+    async def beat(self, tenant: str, rid: str) -> Record | None:
+        """Renew the heartbeat for `BEAT_S` and read the record, in one round trip."""
+        ...
 
 
 class MemoryRecords:
@@ -87,26 +122,56 @@ class MemoryRecords:
     async def delete(self, tenant: str, rid: str) -> None:
         self._data.pop((tenant, rid), None)
 
+    async def start(self, tenant: str, rid: str, record: Record) -> None:
+        # one process's records die with it: no heartbeat needed
+        await self.put(tenant, rid, record)
+
+    async def beat(self, tenant: str, rid: str) -> Record | None:
+        return await self.get(tenant, rid)
+
 
 class RedisRecords:
-    """Records in Redis: `{prefix}bg:{tenant}:{response id}`, for `kept_for`."""
+    """Records in Redis: `{prefix}bg:{tenant}:{response id}`, for `kept_for`; a running one's
+    heartbeat beside it, `{prefix}bg-alive:…`, for `BEAT_S`."""
 
     def __init__(self, redis: RedisState, config: ConversationConfig) -> None:
         self._redis = redis
         self._ttl_ms = int(kept_for(config) * 1000)
+        self._beat_ms = int(BEAT_S * 1000)
 
     def _key(self, tenant: str, rid: str) -> str:
         return f"{self._redis.prefix}bg:{tenant}:{rid}"
+
+    def _alive_key(self, tenant: str, rid: str) -> str:
+        return f"{self._redis.prefix}bg-alive:{tenant}:{rid}"
 
     async def put(self, tenant: str, rid: str, record: Record) -> None:
         await self._redis.set(self._key(tenant, rid), record.encode(), self._ttl_ms)
 
     async def get(self, tenant: str, rid: str) -> Record | None:
-        blob = await self._redis.get(self._key(tenant, rid))
-        return None if blob is None else Record.decode(blob)
+        blob, alive = await self._redis.get_many(
+            [self._key(tenant, rid), self._alive_key(tenant, rid)]
+        )
+        record = None if blob is None else Record.decode(blob)
+        if record is not None and record.beat:
+            record.alive = alive is not None
+        return record
 
     async def delete(self, tenant: str, rid: str) -> None:
         await self._redis.delete(self._key(tenant, rid))
+
+    async def start(self, tenant: str, rid: str, record: Record) -> None:
+        record.beat = True
+        await self._redis.set_many([
+            (self._alive_key(tenant, rid), b"1", self._beat_ms),
+            (self._key(tenant, rid), record.encode(), self._ttl_ms),
+        ])  # fmt: skip
+
+    async def beat(self, tenant: str, rid: str) -> Record | None:
+        blob = await self._redis.get_and_set(
+            self._key(tenant, rid), self._alive_key(tenant, rid), b"1", self._beat_ms
+        )
+        return None if blob is None else Record.decode(blob)
 
 
 END = b""
@@ -278,6 +343,9 @@ async def follow(
 
 
 __all__ = [
+    "ABANDONED",
+    "BEAT_EVERY_S",
+    "BEAT_S",
     "Broadcast",
     "CANCELLED",
     "END",

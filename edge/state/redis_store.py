@@ -266,6 +266,29 @@ class RedisState:
 
         return await self._call("list read", run)
 
+    async def set_many(self, items: list[tuple[str, bytes, int]]) -> None:
+        """SET PX of each (key, value, ttl_ms), in one round trip (not atomic)."""
+
+        async def run() -> None:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for key, value, ttl_ms in items:
+                    pipe.set(key, value, px=ttl_ms)
+                await pipe.execute()
+
+        await self._call("set many", run)
+
+    async def get_and_set(self, key: str, other: str, value: bytes, ttl_ms: int) -> bytes | None:
+        """GET `key` and SET `other` PX, in one round trip (a read and a heartbeat)."""
+
+        async def run() -> bytes | None:
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.get(key)
+                pipe.set(other, value, px=ttl_ms)
+                found, _ = await pipe.execute()
+            return found if isinstance(found, bytes) else None
+
+        return await self._call("get and set", run)
+
     async def get_many(self, keys: list[str]) -> list[bytes | None]:
         values: Any = await self._call("mget", lambda: self.client.mget(keys))
         return [v if isinstance(v, bytes) else None for v in values]

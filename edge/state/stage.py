@@ -12,8 +12,10 @@ wrapper sees every chunk.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +32,7 @@ from edge.errors import (
 from edge.sse import SSEScanner, answer_of_body
 from edge.stages.validate import CHAT, COMPLETIONS, GENERATE
 from edge.state.background import (
+    BEAT_EVERY_S,
     CANCELLED,
     FAILED,
     RUNNING,
@@ -82,6 +85,12 @@ _CONV_HEADER = CONVERSATION_HEADER.encode()
 _CACHE_HEADER = CACHE_HEADER.encode()
 MAX_CHOICES = 128
 """The most choices of a stored stream kept (SGLang's `n` is far below it)."""
+SETTLE_RETRIES_S = (0.25, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
+"""The waits before each new try of a background response's final record (about 2 min)."""
+SETTLE_POLL_S = 0.1
+"""How often a final record waiting for Redis looks whether the breaker closed."""
+MAX_SETTLING = 1024
+"""Final records waiting for Redis at most (past that, left to their heartbeat)."""
 
 
 def _choice(index: int, answer: ChatAnswer) -> dict[str, Any]:
@@ -179,6 +188,8 @@ class StateStage:
         )
         self.running = 0
         """Background answers this process is generating (`queue` to their end)."""
+        self._settling: set[asyncio.Task[None]] = set()
+        """Background responses' final records waiting for Redis (`settle_later`)."""
         self.background_running = Gauge(
             "quicedge_background_responses_running",
             "Background responses this process is generating now",
@@ -186,8 +197,44 @@ class StateStage:
         )
 
     async def aclose(self) -> None:
+        for task in list(self._settling):
+            task.cancel()
+        if self._settling:
+            await asyncio.wait(self._settling, timeout=1.0)
         if self.redis is not None:
             await self.redis.aclose()
+
+    def settle_later(self, write: Callable[[], Awaitable[None]], request_id: str) -> None:
+        """Write a background response's final record in the background, when the breaker
+        closes and then after each of `SETTLE_RETRIES_S`: a record left `in_progress` would
+        be polled for as long as records live. Past them, its heartbeat runs out instead
+        (`BEAT_S`), and readers report it failed all the same."""
+        if len(self._settling) >= MAX_SETTLING:
+            log.warning("request %s: its background record is left to its heartbeat: %d "
+                        "others wait for Redis", request_id, len(self._settling))  # fmt: skip
+            return
+        task = asyncio.get_running_loop().create_task(self._settle(write, request_id))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _settle(self, write: Callable[[], Awaitable[None]], request_id: str) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + sum(SETTLE_RETRIES_S)
+        for wait in SETTLE_RETRIES_S:
+            await asyncio.sleep(wait)
+            # an open breaker refuses without a round trip: try as soon as its probe closes it
+            while self.redis is not None and not self.redis.guard.usable:
+                if loop.time() >= deadline:
+                    break
+                await asyncio.sleep(SETTLE_POLL_S)
+            try:
+                await write()
+            except StateUnavailable:
+                continue
+            log.info("request %s: its background record was written after all", request_id)
+            return
+        log.warning("request %s: its background record was not written; it reads failed "
+                    "once its heartbeat runs out", request_id)  # fmt: skip
 
     async def prepare(
         self, ex: Exchange, raw: bytes, body: dict[str, Any]
@@ -347,6 +394,7 @@ class StateRequest:
         "others",
         "background",
         "background_error",
+        "beat_at",
         "builder",
         "cancelled",
         "detached",
@@ -400,6 +448,8 @@ class StateRequest:
         """A background answer stopped by `POST /v1/responses/{id}/cancel`."""
         self.queued = False
         """A background answer's record was written: it is settled when it ends."""
+        self.beat_at = 0.0
+        """When its heartbeat is renewed next (`cancel_requested`; monotonic s)."""
         self.detached = False
         """A background answer's task owns this request now (and finishes it)."""
         self.keep: dict[str, str] | None = None
@@ -421,7 +471,8 @@ class StateRequest:
         turn = self.turn
         sent = [] if turn is None else [list(p) for p in turn.history.next_input(turn.new)]
         record = Record(RUNNING, meta, sent=sent)
-        await self.stage.records.put(self.ex.tenant, self.builder.id, record)
+        await self.stage.records.start(self.ex.tenant, self.builder.id, record)
+        self.beat_at = time.monotonic() + BEAT_EVERY_S
         self.queued = True
         self.stage.running += 1
         self.stage.background_running.inc()
@@ -438,33 +489,40 @@ class StateRequest:
             return True  # tried again at the next renewal
 
     async def cancel_requested(self) -> bool:
-        """Whether a cancel was recorded for this background response (never raises)."""
-        assert self.builder is not None and self.stage.records is not None
+        """Whether a cancel was recorded for this background response (never raises); every
+        `BEAT_EVERY_S` the same round trip renews its heartbeat (this edge still runs it)."""
+        records = self.stage.records
+        assert self.builder is not None and records is not None
+        tenant, rid = self.ex.tenant, self.builder.id
         try:
-            record = await self.stage.records.get(self.ex.tenant, self.builder.id)
+            if time.monotonic() >= self.beat_at:
+                record = await records.beat(tenant, rid)
+                self.beat_at = time.monotonic() + BEAT_EVERY_S
+            else:
+                record = await records.get(tenant, rid)
         except StateUnavailable:
             return False  # asked again at the next poll
         return record is not None and record.status == CANCELLED
 
-    async def _settle_background(self, committed: bool) -> None:
-        """A background response ended: its record goes once its answer is stored, and says
-        why when it is not."""
+    def _settlement(self, committed: bool) -> Callable[[], Awaitable[None]]:
+        """A background response ended: counted now; what writes its record (it goes once its
+        answer is stored, and says why when it is not)."""
         stage, builder = self.stage, self.builder
-        assert builder is not None and stage.records is not None
+        records = stage.records
+        assert builder is not None and records is not None
         stage.background_running.dec()
         stage.running -= 1
         tenant, rid = self.ex.tenant, builder.id
         if committed:
             stage.background_ended.labels("completed").inc()
-            await stage.records.delete(tenant, rid)
-            return
+            return lambda: records.delete(tenant, rid)
         meta = builder.stored()
         turn = self.turn
         sent = [] if turn is None else [list(p) for p in turn.history.next_input(turn.new)]
         if self.cancelled:
             stage.background_ended.labels("cancelled").inc()
-            await stage.records.put(tenant, rid, Record(CANCELLED, meta, sent=sent))
-            return
+            cancelled = Record(CANCELLED, meta, sent=sent)
+            return lambda: records.put(tenant, rid, cancelled)
         error = self.background_error or builder.failed
         if error is None and self.status not in (0, 200):
             error = {"code": "backend_error", "message": f"the backend answered {self.status}"}
@@ -472,7 +530,8 @@ class StateRequest:
             lost = "the answer completed, but its conversation was deleted or its lease expired"
             error = {"code": "not_stored", "message": lost}
         stage.background_ended.labels("failed").inc()
-        await stage.records.put(tenant, rid, Record(FAILED, meta, error, sent))
+        failed = Record(FAILED, meta, error, sent)
+        return lambda: records.put(tenant, rid, failed)
 
     async def begin(self, send: Send) -> Send | None:
         """Answer from the cache (None: answered), or the `send` the relay should use."""
@@ -684,14 +743,19 @@ class StateRequest:
         except StateUnavailable as err:
             stage.turns.labels("unavailable").inc()
             log.warning("request %s: its turn was not stored: %s", self.ex.request_id, err)
+            if self.queued and self.background_error is None:
+                stored = f"the answer completed, but it could not be stored: {err.message}"
+                self.background_error = {"code": "state_unavailable", "message": stored}
         if self.keep is not None:
             await self._store_completion(complete)
         if self.queued:
+            write = self._settlement(committed)
             try:
-                await self._settle_background(committed)
+                await write()
             except StateUnavailable as err:
-                log.warning("request %s: its background record was not written: %s",
-                            self.ex.request_id, err)  # fmt: skip
+                log.warning("request %s: its background record was not written: %s; "
+                            "tried again as Redis answers", self.ex.request_id, err)  # fmt: skip
+                stage.settle_later(write, self.ex.request_id)
         cache = stage.cache
         if cache is None or self.cache_key is None or self.status == 0:
             return  # not cached, answered from the cache, or failed before any answer

@@ -175,9 +175,12 @@ class StoredObjects:
         """Background responses not stored (yet): running, cancelled or failed."""
 
     async def _record(self, tenant: str, rid: str) -> Record | None:
+        """A background response's record as readers see it: one running whose heartbeat ran
+        out (no edge generates it any longer) is `failed`."""
         if self.records is None or not rid.startswith("resp_"):
             return None
-        return await self.records.get(tenant, rid)
+        record = await self.records.get(tenant, rid)
+        return None if record is None else record.as_read()
 
     async def _history(self, tenant: str, name: str) -> tuple[str, History, int] | None:
         """(conversation, its history, the turn `name` names or 0) for a `resp_` or `conv_`

@@ -16,9 +16,11 @@ import httpx
 import pytest
 import redis.asyncio
 
+from edge.state.background import BEAT_S
 from edge.state.redis_store import FAILURES_TO_OPEN, RedisState
 from tests.edge.conftest import TinyUpstream, client, fast_config, run_edge
 from tests.edge.state.helpers import CHAT, ChatUpstream, state
+from tests.edge.state.test_conversations import metric
 from tests.helpers import RedisServer
 
 CONV = "x-quicedge-conversation"
@@ -172,3 +174,73 @@ async def test_a_lease_left_behind_on_a_key_goes_before_this_edge_takes_it_again
     finally:
         await store.client.delete(key)
         await store.aclose()
+
+
+# -- background responses --------------------------------------------------------------------
+
+
+async def response_status(http: httpx.AsyncClient, rid: str) -> dict[str, Any]:
+    answer = await http.get(f"/v1/responses/{rid}")
+    assert answer.status_code == 200, answer.text
+    body: dict[str, Any] = answer.json()
+    return body
+
+
+async def test_a_background_answer_that_ends_while_redis_is_away_reads_failed_once_it_is_back(
+    own_redis: RedisServer,
+) -> None:
+    """Its commit and its final record were refused by the open breaker: the record is
+    written once Redis answers, so a client polling it stops (not `in_progress` for 1.5 h)."""
+    gate = asyncio.Event()
+    upstream = ChatUpstream(gate=gate)
+    async with TinyUpstream(upstream) as up:
+        config = fast_config([up.url], state=state(own_redis.url, "t:", timeout=TIMEOUT))
+        async with run_edge(config) as edge, client(edge) as http:
+            queued = await http.post("/v1/responses", json={"input": "Hi", "background": True})
+            rid = queued.json()["id"]
+            await asyncio.wait_for(upstream.arrived.wait(), 5)
+            with paused(own_redis):
+                for _ in range(FAILURES_TO_OPEN):  # the breaker opens
+                    assert (await turn(http, "new")).status_code == 503
+                gate.set()
+                async with asyncio.timeout(5):  # the answer ended, its record not written
+                    while await metric(edge, "quicedge_background_responses_running"):  # noqa: ASYNC110
+                        await asyncio.sleep(0.05)
+            seen = []
+            async with asyncio.timeout(5):  # a poll meets the breaker open (503) at first
+                while (answer := await http.get(f"/v1/responses/{rid}")).status_code == 503 or (
+                    answer.json()["status"] == "in_progress"
+                ):
+                    seen.append(answer.status_code)
+                    await asyncio.sleep(0.1)
+            body = answer.json()
+            assert body["status"] == "failed", (body, seen)
+            assert body["error"]["code"] == "state_unavailable", body
+
+
+async def test_a_running_record_whose_heartbeat_ran_out_reads_failed(
+    redis_url: str, redis_prefix: str
+) -> None:
+    """The edge generating a background answer keeps a heartbeat beside its record; a reader
+    that finds the heartbeat gone (its edge stopped, or lost Redis) reports it failed."""
+    gate = asyncio.Event()
+    upstream = ChatUpstream(gate=gate)
+    async with TinyUpstream(upstream) as up:
+        config = fast_config([up.url], state=state(redis_url, redis_prefix))
+        async with run_edge(config) as edge, client(edge) as http:
+            queued = await http.post("/v1/responses", json={"input": "Hi", "background": True})
+            rid = queued.json()["id"]
+            await asyncio.wait_for(upstream.arrived.wait(), 5)
+            assert (await response_status(http, rid))["status"] == "in_progress"
+            alive = f"{redis_prefix}bg-alive:anonymous:{rid}"
+            direct = redis.asyncio.Redis.from_url(redis_url)
+            try:
+                assert 0 < await direct.pttl(alive) <= BEAT_S * 1000
+                await direct.delete(alive)  # as when nothing renewed it for BEAT_S
+            finally:
+                await direct.aclose()
+            body = await response_status(http, rid)
+            assert body["status"] == "failed" and body["error"]["code"] == "abandoned", body
+            cancel = await http.post(f"/v1/responses/{rid}/cancel")
+            assert cancel.json()["status"] == "failed", cancel.text
+            gate.set()
