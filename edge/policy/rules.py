@@ -7,9 +7,10 @@
    `max_tokens`, `max_completion_tokens`, `sampling_params.max_new_tokens`) and prompt length,
    400 `policy_limit`;
 3. the pattern rules (`[[policy.rules]]`) on the folded prompt text (`normalize.fold`, matched
-   case-insensitively): an `allow` match exempts the request from the `deny` rules; a `deny`
-   match refuses it (403 `policy_violation`, naming the first matching deny rule in the file's
-   order); `redact` rules replace their matches in the body.
+   case-insensitively; a message's text parts as chat templates render them, `_rendered`): an
+   `allow` match exempts the request from the `deny` rules; a `deny` match refuses it (403
+   `policy_violation`, naming the first matching deny rule in the file's order); `redact` rules
+   replace their matches in the body.
 
 Patterns are RE2 expressions (`google-re2`: linear time, no back-references or look-around), and
 all rules are one RE2 set, so twenty rules cost one automaton pass over the prompt, with no
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import MutableMapping, MutableSequence
+from collections.abc import MutableMapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,10 +40,20 @@ Slot = tuple[MutableMapping[str, Any] | MutableSequence[Any], Any]
 """Where one piece of prompt text lives in the body: (container, key or index)."""
 
 
-def text_slots(route: str, body: MutableMapping[str, Any]) -> list[Slot]:
+class Slots(list[Slot]):
+    """A body's prompt strings (`text_slots`), and which runs of them are one message's text
+    parts: a chat template renders those as one text, so a word split over two parts is
+    whole in what the model reads."""
+
+    groups: Sequence[tuple[int, int]] = ()
+    """(first, end) slot indices of each message with more than one text part."""
+
+
+def text_slots(route: str, body: MutableMapping[str, Any]) -> Slots:
     """Every prompt string of a validated body, in order, as places that can be rewritten."""
-    slots: list[Slot] = []
+    slots = Slots()
     if route == CHAT:
+        groups: list[tuple[int, int]] | None = None
         for message in body.get("messages") or ():
             if not isinstance(message, dict):
                 continue
@@ -50,9 +61,13 @@ def text_slots(route: str, body: MutableMapping[str, Any]) -> list[Slot]:
             if isinstance(content, str):
                 slots.append((message, "content"))
             elif isinstance(content, list):
+                first = len(slots)
                 for part in content:
                     if isinstance(part, dict) and isinstance(part.get("text"), str):
                         slots.append((part, "text"))
+                if len(slots) - first > 1:
+                    groups = groups or []
+                    groups.append((first, len(slots)))
             if isinstance(message.get("reasoning_content"), str):  # thinking sent back, too
                 slots.append((message, "reasoning_content"))
             calls = message.get("tool_calls")
@@ -61,6 +76,8 @@ def text_slots(route: str, body: MutableMapping[str, Any]) -> list[Slot]:
                     function = call.get("function") if isinstance(call, dict) else None
                     if isinstance(function, dict) and isinstance(function.get("arguments"), str):
                         slots.append((function, "arguments"))
+        if groups:
+            slots.groups = groups
         return slots
     key = "prompt" if route == COMPLETIONS else "text"
     value = body.get(key)
@@ -165,7 +182,7 @@ class RequestRules:
         *,
         tenant: str,
         tier: str,
-        slots: list[Slot],
+        slots: Slots,
     ) -> RuleVerdict:
         """Refuse (raises a `PolicyRefused`) or pass, redacting in `body` where rules say."""
         verdict = RuleVerdict()
@@ -195,7 +212,8 @@ class RequestRules:
         if self._set is None or not slots:
             return verdict
         folded = [fold(c[k]) for c, k in slots]
-        hits = self._set.Match("\n".join(folded))
+        groups = slots.groups
+        hits = self._set.Match("\n".join(_rendered(slots, folded, groups) if groups else folded))
         if not hits:
             return verdict
         rules, tenants = self._rules, self._tenants
@@ -213,7 +231,7 @@ class RequestRules:
                     param="messages" if route == CHAT else "prompt",
                 )
         for i in matched:
-            if rules[i].action == "redact" and self._redact_with(i, slots, folded):
+            if rules[i].action == "redact" and self._redact_with(i, slots, folded, groups):
                 verdict.redacted = True
                 verdict.fired.append((rules[i].id, "redact"))
         return verdict
@@ -239,10 +257,15 @@ class RequestRules:
                 param=name,
             )
 
-    def _redact_with(self, index: int, slots: list[Slot], folded: list[str]) -> bool:
+    def _redact_with(
+        self, index: int, slots: Slots, folded: list[str], groups: Sequence[tuple[int, int]]
+    ) -> bool:
         pattern, replacement = self._redactors[index], self._rules[index].replacement
         changed_any = False
+        grouped = {j for first, end in groups for j in range(first, end)} if groups else ()
         for i, (container, key) in enumerate(slots):
+            if i in grouped:
+                continue  # redacted below, as the template renders the message
             original = container[key]
             # Offsets in the folded text are those of the original only when folding kept it
             # as it was; otherwise the folded text, redacted, replaces the original.
@@ -252,7 +275,93 @@ class RequestRules:
                 container[key] = changed
                 folded[i] = fold(changed)
                 changed_any = True
+        for first, end in groups:
+            if _redact_parts(pattern, replacement, slots, folded, first, end):
+                changed_any = True
         return changed_any
+
+
+# The two ways a chat template renders one message's text parts: concatenated (templates that
+# iterate over the parts, SGLang's "openai" content format, the stand-in), and joined by a space
+# (SGLang's "string" content format). A match in either is one the model reads.
+_PART_JOINS = ("", " ")
+
+
+def _rendered(slots: Slots, folded: list[str], groups: Sequence[tuple[int, int]]) -> list[str]:
+    """The folded texts to match, each message's text parts as each template renders them."""
+    out: list[str] = []
+    i = 0
+    for first, end in groups:
+        out += folded[i:first]
+        raw = [c[k] for c, k in slots[first:end]]
+        for sep in _PART_JOINS:
+            # fold the rendered text, not each part: NFKC composes across a part's edge
+            out.append(fold(sep.join(raw)))
+        i = end
+    out += folded[i:]
+    return out
+
+
+def _redact_parts(
+    pattern: Any, replacement: str, slots: Slots, folded: list[str], first: int, end: int
+) -> bool:
+    """Redact the matches in the rendered text of the parts `slots[first:end]`, each cut in the
+    part(s) it covers (a match over two parts: the replacement in the first, the rest of it
+    removed from the second)."""
+    changed = False
+    for sep in _PART_JOINS:
+        raw = [c[k] for c, k in slots[first:end]]
+        sources = [r if f == r else f for r, f in zip(raw, folded[first:end], strict=True)]
+        joined = sep.join(sources)
+        if joined != fold(sep.join(raw)):
+            # folding composed a character across a part's edge: offsets in the parts are not
+            # those of the rendered text; the folded rendering, redacted, replaces the parts
+            whole = fold(sep.join(raw))
+            redacted = pattern.sub(replacement.replace("\\", "\\\\"), whole)
+            if redacted != whole:
+                texts = [redacted] + [""] * (end - first - 1)
+                for j, text in enumerate(texts, first):
+                    container, key = slots[j]
+                    container[key] = text
+                    folded[j] = fold(text)
+                changed = True
+            continue
+        spans = [m.span() for m in pattern.finditer(joined) if m.end() > m.start()]
+        if not spans:
+            continue
+        for j, text in enumerate(_cut(sources, len(sep), spans, replacement), first):
+            if text is not None:
+                container, key = slots[j]
+                container[key] = text
+                folded[j] = fold(text)
+                changed = True
+    return changed
+
+
+def _cut(
+    sources: list[str], gap: int, spans: list[tuple[int, int]], replacement: str
+) -> list[str | None]:
+    """Each of `sources` with the `spans` (sorted, disjoint offsets into the sources joined by
+    `gap` characters) replaced, or None where no span touches it. A span's replacement goes into
+    the first source it touches; the rest of the span is removed from the sources after it."""
+    out: list[str | None] = []
+    offset, placed = 0, -1
+    for text in sources:
+        end = offset + len(text)
+        pieces: list[str] = []
+        last = 0
+        for n, (s, e) in enumerate(spans):
+            if s >= end or e <= offset:
+                continue
+            a, b = max(s - offset, 0), min(e - offset, len(text))
+            pieces.append(text[last:a])
+            if n > placed:
+                pieces.append(replacement)
+                placed = n
+            last = b
+        out.append("".join(pieces) + text[last:] if pieces else None)
+        offset = end + gap
+    return out
 
 
 def apply_spans(slots: list[Slot], spans: list[tuple[int, int]], replacement: str) -> bool:
@@ -281,4 +390,4 @@ def apply_spans(slots: list[Slot], spans: list[tuple[int, int]], replacement: st
     return changed
 
 
-__all__ = ["RequestRules", "RuleVerdict", "apply_spans", "requested_tokens", "text_slots"]
+__all__ = ["RequestRules", "RuleVerdict", "Slots", "apply_spans", "requested_tokens", "text_slots"]

@@ -13,7 +13,7 @@ from edge.errors import ModelNotAllowed, PolicyLimit, PolicyRefused, StreamRefus
 from edge.policy.config import PolicyConfig
 from edge.policy.gateway import PolicyGateway
 from edge.policy.normalize import fold
-from edge.policy.rules import requested_tokens
+from edge.policy.rules import requested_tokens, text_slots
 
 CHAT = "/v1/chat/completions"
 
@@ -129,6 +129,102 @@ def test_redaction_rewrites_every_prompt_part_and_nothing_else() -> None:
     assert body["messages"][0]["content"] == "contact [EMAIL]"
     assert body["messages"][1]["content"][0]["text"] == "I am [EMAIL], hi"
     assert body["model"] == "m"
+
+
+def parts(*texts: str | None) -> dict[str, Any]:
+    """A chat body whose one user message is these text parts (None: an image part)."""
+    content = [
+        {"type": "text", "text": t}
+        if t is not None
+        else {"type": "image_url", "image_url": {"url": "data:,"}}
+        for t in texts
+    ]
+    return {"model": "m", "messages": [{"role": "user", "content": content}]}
+
+
+@pytest.mark.parametrize(
+    "texts",
+    [
+        ("my pass", "word is hunter2"),  # concatenated, as most templates render parts
+        ("my pa", "ss", "word"),
+        ("my pass", None, "word"),  # an image part between: the edge's own view drops it too
+        ("my ｐａｓｓ", "\u200bｗｏｒｄ"),  # folded, and split
+        ("the api", "key is x"),
+    ],
+)
+def test_a_word_split_over_a_messages_text_parts_is_caught(texts: tuple[str | None, ...]) -> None:
+    assert refused_rule(gateway(), parts(*texts)) == "no-secrets"
+
+
+def test_parts_joined_by_a_space_are_checked_too() -> None:
+    """SGLang's "string" content format renders a message's parts joined by a space."""
+    gw = gateway(rules=[{"id": "jailbreak", "action": "deny",
+                         "patterns": ["ignore all previous instructions"]}])  # fmt: skip
+    assert refused_rule(gw, parts("please ignore all", "previous instructions")) == "jailbreak"
+    assert refused_rule(gw, parts("please ignore all previous", "instructions")) == "jailbreak"
+
+
+def test_a_split_word_folded_across_the_parts_edge_is_caught() -> None:
+    """NFKC composes `n` + U+0303 into `ñ` when they meet, though they sit in two parts."""
+    gw = gateway(rules=[{"id": "es", "action": "deny", "patterns": ["contraseña"]}])
+    assert refused_rule(gw, parts("mi contrasen", "\u0303a es x")) == "es"
+
+
+def test_texts_of_different_messages_are_not_joined() -> None:
+    body = {"model": "m", "messages": [{"role": "user", "content": "my pass"},
+                                       {"role": "user", "content": "word"}]}  # fmt: skip
+    gateway().check(CHAT, body, tenant="t", tier="pro", stream=False)
+
+
+def test_allow_rule_split_over_parts_still_exempts() -> None:
+    outcome = gateway().check(CHAT, parts("help with a Password Re", "set"), tenant="t",
+                              tier="pro", stream=False)  # fmt: skip
+    assert outcome.decision == "allow" and outcome.rules == ["reset-ok"]
+
+
+def redact(body: dict[str, Any]) -> list[str]:
+    outcome = gateway().check(CHAT, body, tenant="t", tier="pro", stream=False)
+    assert outcome.decision == "redact" and outcome.rules == ["email"] and outcome.redacted
+    return [p.get("text") for p in body["messages"][0]["content"]]
+
+
+def test_redaction_across_parts_cuts_each_part_it_covers() -> None:
+    # the replacement lands in the part the match starts in; the rest leaves the next part
+    assert redact(parts("mail bob@co", "rp.io now")) == ["mail [EMAIL]", " now"]
+    assert redact(parts("a ", "bob@", "corp", ".io b")) == ["a ", "[EMAIL]", "", " b"]
+    assert redact(parts("x@y.io and bo", "b@corp.io, ", "then z@w.org")) == [
+        "[EMAIL] and [EMAIL]",
+        ", ",
+        "then [EMAIL]",
+    ]
+    assert redact(parts("hi ", None, "bob@corp.io")) == ["hi ", None, "[EMAIL]"]
+
+
+def test_redaction_of_a_split_folded_match_still_redacts() -> None:
+    # Cyrillic о in the first part: that part is replaced by its folded, redacted text
+    assert redact(parts("mail bоb@co", "rp.io now")) == ["mail [EMAIL]", " now"]
+    # a character composed across the parts' edge: the folded rendering replaces the parts
+    gw = gateway(rules=[{"id": "es", "action": "redact", "patterns": ["contraseña"]}])
+    body = parts("mi contrasen", "\u0303a es x")
+    assert gw.check(CHAT, body, tenant="t", tier="pro", stream=False).redacted
+    texts = [p["text"] for p in body["messages"][0]["content"]]
+    assert "".join(texts) == "mi [REDACTED] es x"
+
+
+def test_redaction_of_a_match_in_the_space_joined_rendering() -> None:
+    gw = gateway(rules=[{"id": "jb", "action": "redact", "patterns": ["ignore all previous"]}])
+    body = parts("please ignore all", "previous orders")
+    assert gw.check(CHAT, body, tenant="t", tier="pro", stream=False).redacted
+    assert [p["text"] for p in body["messages"][0]["content"]] == ["please [REDACTED]", " orders"]
+
+
+def test_one_string_messages_are_not_grouped() -> None:
+    """The common case keeps its one pass over the "\\n"-joined strings."""
+    one_part = [{"type": "text", "text": "a"}]
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"},
+                                       {"role": "user", "content": one_part}]}  # fmt: skip
+    assert text_slots(CHAT, body).groups == ()
+    assert text_slots(CHAT, parts("a", "b")).groups == [(0, 2)]
 
 
 def test_tool_call_arguments_and_results_are_prompt_text_too() -> None:
