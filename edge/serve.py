@@ -233,8 +233,10 @@ class ProxyApps:
 
 
 def check_modules(loaded: Settings) -> None:
-    """Compile each policy module once, as a worker will: a missing or broken one stops
-    `serve` here with its id and path (ValueError), not in a worker."""
+    """Load each policy module once, as a worker will: compiled, then instantiated with the
+    ABI's checks (no imports, the exports and their signatures, the memory limits). A missing,
+    broken or unusable one stops `serve` (and `--check`) here with its id and path
+    (ValueError), not in a worker nor on every request."""
     for module in loaded.get("policy", PolicyConfig).wasm:
         try:
             WasmPolicy(module)

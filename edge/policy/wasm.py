@@ -12,10 +12,15 @@ that traps, runs out of fuel, or answers something that is not the ABI's is drop
 is counted, and the request is refused or let through as the module's `on_error` says; the next
 request gets a fresh one.
 
+Loading compiles the file and instantiates it once with the ABI's checks (no imports; the three
+exports with their signatures; within the memory limits), at start and on every reload: a module
+that cannot answer is refused there, not on each request.
+
 Hot reload: `reload()` (SIGHUP) or a changed modification time (polled in a background task)
-compiles the file again, in a thread, and swaps the compiled module in one assignment. A check
-runs start to end without awaiting, so a request in progress finishes on the module it began
-with; a file that does not compile leaves the running module in place.
+loads the file again, in a thread, and swaps the new module and its first instance in one
+assignment. A check runs start to end without awaiting, so a request in progress finishes on the
+module it began with; a file that fails to load leaves the running module in place and is
+counted (`kind="load"`).
 """
 
 from __future__ import annotations
@@ -74,6 +79,11 @@ class WasmAnswer:
     action: Literal["allow", "deny", "redact"]
     reason: str = ""
     spans: list[tuple[int, int]] | None = None
+
+
+class ModuleLoadError(ValueError):
+    """A module file that cannot serve: it does not compile, imports what the host does not
+    provide, lacks the ABI's exports, or does not instantiate within its limits."""
 
 
 _MEMORY_VIEW: Any = ctypes.pythonapi.PyMemoryView_FromMemory
@@ -220,7 +230,7 @@ def _trap_failure(message: str) -> ModuleFailed:
 
 
 class WasmPolicy:
-    """One configured module: compile, run, reload."""
+    """One configured module: load, run, reload."""
 
     def __init__(
         self,
@@ -232,19 +242,39 @@ class WasmPolicy:
         self.id = config.id
         self.engine = _engine()
         self._on_failure = on_failure
-        self._module: wasmtime.Module = self._compile()
-        self._instance: _Instance | None = None
         self._stamp = _stamp(config.path)
+        module, instance = self._load()  # OSError or ModuleLoadError: this module cannot serve
+        self._module: wasmtime.Module = module
+        self._instance: _Instance | None = instance
         self._poller: asyncio.Task[None] | None = None
         self.generation = 1
         """Counts successful loads: a test or an operator can see that a reload happened."""
 
-    def _compile(self) -> wasmtime.Module:
+    def _load(self) -> tuple[wasmtime.Module, _Instance]:
+        """Compile the file and instantiate it once with the ABI's checks, as a request would:
+        a module that compiles but cannot answer is refused here, not on every request."""
         path = self.config.path
-        if path.endswith(".wat"):
-            with open(path, encoding="utf-8") as f:
-                return wasmtime.Module(self.engine, f.read())
-        return wasmtime.Module.from_file(self.engine, path)
+        try:
+            if path.endswith(".wat"):
+                with open(path, encoding="utf-8") as f:
+                    module = wasmtime.Module(self.engine, f.read())
+            else:
+                module = wasmtime.Module.from_file(self.engine, path)
+        except wasmtime.WasmtimeError as exc:
+            raise ModuleLoadError(_summary(str(exc))) from None
+        imports = module.imports
+        if imports:  # the host provides none: name the first, not just instantiation's count
+            first = imports[0]
+            kind = type(first.type).__name__.removesuffix("Type").lower()
+            raise ModuleLoadError(
+                f"the module imports `{first.module}.{first.name}` ({kind}); the host provides"
+                " no imports"
+            )
+        try:
+            instance = _Instance(self.engine, module, self.config.memory_bytes)
+        except ModuleFailed as exc:
+            raise ModuleLoadError(_summary(str(exc))) from None
+        return module, instance
 
     def check(self, view: bytes) -> WasmAnswer:
         """The module's verdict on the JSON request view (raises ModuleFailed, counted)."""
@@ -263,30 +293,38 @@ class WasmPolicy:
         return answer
 
     def reload(self) -> bool:
-        """Compile the file again now; True when the new module is in place."""
+        """Load the file again now; True when the new module is in place."""
         try:
-            self._swap(self._compile())
-        except (OSError, wasmtime.WasmtimeError) as exc:
-            log.warning("policy module %s: reload of %s failed: %s", self.id, self.config.path, exc)
-            if self._on_failure is not None:
-                self._on_failure(self.id, "load")
+            loaded = self._load()
+        except (OSError, wasmtime.WasmtimeError, ModuleLoadError) as exc:
+            self._load_failed(exc)
             return False
+        self._swap(*loaded)
         return True
 
     async def reload_async(self) -> bool:
-        """`reload`, with the compilation in a thread (it may take milliseconds)."""
+        """`reload`, with the loading in a thread (compiling may take milliseconds)."""
         try:
-            module = await asyncio.to_thread(self._compile)
-        except (OSError, wasmtime.WasmtimeError) as exc:
-            log.warning("policy module %s: reload of %s failed: %s", self.id, self.config.path, exc)
-            if self._on_failure is not None:
-                self._on_failure(self.id, "load")
+            loaded = await asyncio.to_thread(self._load)
+        except (OSError, wasmtime.WasmtimeError, ModuleLoadError) as exc:
+            self._load_failed(exc)
             return False
-        self._swap(module)
+        self._swap(*loaded)
         return True
 
-    def _swap(self, module: wasmtime.Module) -> None:
-        self._module, self._instance = module, None
+    def _load_failed(self, exc: Exception) -> None:
+        detail = _summary(str(exc)) or type(exc).__name__
+        log.warning(
+            "policy module %s: reload of %s failed, the running module stays: %s",
+            self.id,
+            self.config.path,
+            detail,
+        )
+        if self._on_failure is not None:
+            self._on_failure(self.id, "load")
+
+    def _swap(self, module: wasmtime.Module, instance: _Instance) -> None:
+        self._module, self._instance = module, instance
         self.generation += 1
         log.info("policy module %s: loaded %s", self.id, self.config.path)
 
@@ -353,4 +391,21 @@ def _parse_answer(raw: bytes) -> WasmAnswer:
     raise ModuleFailed("abi", f"unknown action {action!r}")
 
 
-__all__ = ["ModuleFailed", "WasmAnswer", "WasmPolicy"]
+def _summary(text: str) -> str:
+    """wasmtime's error text on one line: its first line, and the first cause when it has
+    one (`failed to parse WebAssembly module: multiple memories (at offset 0xa)`)."""
+    lines = [line.strip() for line in text.splitlines()]
+    first = next((line for line in lines if line), "")
+    if "Caused by:" in lines:
+        cause = next((line for line in lines[lines.index("Caused by:") + 1 :] if line), "")
+        if cause:
+            return f"{first.rstrip(':')}: {cause.removeprefix('0: ')}"
+    return first
+
+
+__all__ = [
+    "ModuleFailed",
+    "ModuleLoadError",
+    "WasmAnswer",
+    "WasmPolicy",
+]

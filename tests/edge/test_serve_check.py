@@ -1,5 +1,5 @@
 """`quicedge serve --check`: the whole start-up's checks and nothing started, through the real
-command; and a broken policy module stops a real start with the same line."""
+command; and a broken or unusable policy module stops a real start with the same line."""
 
 from __future__ import annotations
 
@@ -57,6 +57,31 @@ def test_a_broken_module_is_named_by_check_and_by_a_real_start(tmp_path: Path) -
         f"quicedge serve: policy.wasm 'kw' ({missing}): [Errno 2] No such file or directory:"
         f" '{missing}'"
     )
+
+
+def test_a_module_that_compiles_but_cannot_serve_is_named_by_check(tmp_path: Path) -> None:
+    """Compiling is not enough: the module is instantiated with the ABI's checks, so one that
+    imports a host function or lacks `check` stops here (as it stops a real start: the same
+    `check_modules`), and no request ever meets it."""
+    head = """(module (memory (export "memory") 1)
+      (func (export "alloc") (param i32) (result i32) (i32.const 1024))"""
+    answers = '(func (export "check") (param i32 i32) (result i64) (i64.const 0))'
+    unusable = [
+        (
+            head.replace("(module", '(module (import "env" "log" (func (param i32)))')
+            + answers
+            + ")",
+            "the module imports `env.log` (func); the host provides no imports",
+        ),
+        (head + ")", "the module exports no function `check`"),
+    ]
+    config = tmp_path / "quicedge.toml"
+    for i, (wat, error) in enumerate(unusable):
+        path = tmp_path / f"m{i}.wat"
+        path.write_text(wat)
+        config.write_text(f'[[policy.wasm]]\nid = "kw"\npath = "{path}"\n')
+        done = quicedge("serve", "--check", "--config", str(config), "--backend", "http://a:1")
+        assert refused(done) == f"quicedge serve: policy.wasm 'kw' ({path}): {error}"
 
 
 def test_a_bad_setting_fails_the_check_with_its_name(tmp_path: Path) -> None:

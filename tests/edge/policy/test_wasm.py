@@ -1,6 +1,7 @@
 """WebAssembly policies: the shipped example, and modules that trap, loop, eat memory or break
-the ABI, each failing closed or open as configured and counted; reloads keep the old module
-until the new one compiles."""
+the ABI, each failing closed or open as configured and counted; modules that cannot serve
+(imports, missing exports, more memory than allowed) are refused when loaded; reloads keep the
+old module until the new one loads."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from edge.errors import PolicyRefused, PolicyUnavailable
 from edge.policy.config import PolicyConfig, WasmConfig
 from edge.policy.examples.build import build
 from edge.policy.gateway import PolicyGateway
-from edge.policy.wasm import ModuleFailed, WasmPolicy
+from edge.policy.wasm import ModuleFailed, ModuleLoadError, WasmPolicy
 from tests.helpers import wait_until
 
 EXAMPLES = Path(__file__).parents[3] / "edge" / "policy" / "examples"
@@ -119,10 +120,9 @@ def test_example_module_serves_many_requests_and_large_prompts() -> None:
         (TRAPS, "trap"),
         (LOOPS, "fuel"),
         (HUNGRY, "trap"),
-        (BIG_MEMORY, "memory"),
         (GARBAGE, "abi"),
     ],  # fmt: skip
-    ids=["traps", "loops", "memory-hungry", "memory-too-big", "garbage-answer"],
+    ids=["traps", "loops", "memory-hungry", "garbage-answer"],
 )
 def test_failing_module_fails_closed_and_is_counted(tmp_path: Path, wat: str, kind: str) -> None:
     gw, failures = gateway(module_file(tmp_path, "bad", wat), fuel=100_000)
@@ -223,3 +223,71 @@ def test_the_direct_call_path_is_in_use() -> None:
     from edge.policy import wasm
 
     assert wasm._UNCHECKED is not None
+
+
+# -- loading: a module that cannot serve is refused when loaded, not on every request ----------
+
+BODY = HEAD.removeprefix("(module ")
+ANSWERS = '(func (export "check") (param i32 i32) (result i64) (i64.const 18))'
+UNUSABLE = {
+    "imports-a-function": (
+        f'(module (import "env" "log" (func (param i32))) {BODY} {ANSWERS})',
+        "the module imports `env.log` (func); the host provides no imports",
+    ),
+    "imports-its-memory": (
+        '(module (import "env" "memory" (memory 1)) (export "memory" (memory 0))'
+        ' (func (export "alloc") (param i32) (result i32) (i32.const 1024))'
+        f" {ANSWERS})",
+        "the module imports `env.memory` (memory); the host provides no imports",
+    ),
+    "no-check": (HEAD + ")", "the module exports no function `check`"),
+    "check-is-a-global": (
+        HEAD + '(global (export "check") i32 (i32.const 0)))',
+        "the module exports no function `check`",
+    ),
+    "wrong-signature": (
+        HEAD + '(func (export "check") (param i32) (result i32) (i32.const 0)))',
+        "`check` has the wrong signature",
+    ),
+    "no-memory": (
+        f'(module (func (export "alloc") (param i32) (result i32) (i32.const 0)) {ANSWERS})',
+        "the module exports no `memory`",
+    ),
+    "start-traps": (
+        HEAD + f"(func $s unreachable) (start $s) {ANSWERS})",
+        "start trapped: error while executing at wasm backtrace: wasm trap: wasm `unreachable`"
+        " instruction executed",
+    ),
+    "memory-too-big": (
+        BIG_MEMORY,
+        "cannot instantiate: memory minimum size of 1024 pages exceeds memory limits",
+    ),
+}
+
+
+@pytest.mark.parametrize(("wat", "error"), UNUSABLE.values(), ids=UNUSABLE.keys())
+def test_a_module_that_cannot_serve_is_refused_when_loaded(
+    tmp_path: Path, wat: str, error: str
+) -> None:
+    config = WasmConfig(id="m", path=module_file(tmp_path, "unusable", wat))
+    with pytest.raises(ModuleLoadError) as info:
+        WasmPolicy(config)
+    assert str(info.value) == error
+
+
+def test_a_reload_to_a_module_that_cannot_serve_keeps_the_running_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "live.wasm"
+    path.write_bytes((EXAMPLES / "deny_keyword.wasm").read_bytes())
+    gw, failures = gateway(str(path))
+    for name, (wat, error) in UNUSABLE.items():
+        path.write_bytes(wasmtime.wat2wasm(wat))
+        assert gw.modules[0].reload() is False, name
+        with pytest.raises(PolicyRefused):  # the old module still answers
+            check(gw, "forbidden")
+        assert check(gw, "fine").decision == "allow"
+        assert f"policy module mod: reload of {path} failed" in caplog.text
+        assert error in caplog.text
+    assert failures == [("mod", "load")] * len(UNUSABLE)
+    assert gw.modules[0].generation == 1
