@@ -15,8 +15,8 @@ as one batch in a thread (`asyncio.to_thread`). When the queue is full,
 `when_full` decides: `drop` (the record is dropped and counted) or `refuse` (`admit` raises 503
 `audit_backlog` for new requests until the queue has room; requests already admitted are still
 recorded, the refusals' own records and events are dropped and counted). Rotation by size: the
-file is renamed `PATH.1`, `PATH.2`, ... (the next free number) and a new one begun, whose first
-line's `prev` is the last hash of the old one.
+file is renamed `PATH.N`, numbered above every rotated file there (archived ones included), and
+a new one begun, whose first line's `prev` is the last hash of the old one.
 
 With `otlp` on, each written line is also handed to `edge.audit_export`, which exports it as an
 OpenTelemetry log record from the SDK's own thread (dropping, never waiting, when it falls
@@ -171,6 +171,8 @@ class AuditLog:
         self.dropped = 0
         self.written = 0
         self._prev = GENESIS
+        self._rotated = 0
+        """The number of the last file this writer rotated (`PATH.N`)."""
         self._cut_to: tuple[tuple[int, int], int] | None = None
         """(file, size): a failed write's part that could not be cut off the file at once."""
         self._key = config.hash_key.encode() if config.hash_key else None
@@ -408,20 +410,17 @@ class AuditLog:
         return st.st_dev, st.st_ino
 
     def _rotate(self) -> None:
-        n = 1
-        while os.path.exists(f"{self.path}.{n}"):
-            n += 1
+        """Rename the file `PATH.N`, N above every rotated file's number, an archived one's
+        (`PATH.3.gz`) included, and above the last one this writer used: a reused number would
+        put the newest lines where `ordered_files` looks for the oldest."""
+        n = max([self._rotated, *(number for number, _ in _numbered(self.path))]) + 1
         os.replace(self.path, f"{self.path}.{n}")
+        self._rotated = n
 
 
 def last_hash(path: str) -> str:
     """The `hash` of the last line of the log at `path` (or of its latest rotated file)."""
-    candidates = [path]
-    n = 1
-    while os.path.exists(f"{path}.{n}"):
-        n += 1
-    candidates += [f"{path}.{i}" for i in range(n - 1, 0, -1)]
-    for name in candidates:
+    for name in [path, *reversed(rotated_files(path))]:
         try:
             value = _last_line_hash(name)
         except FileNotFoundError:
@@ -545,13 +544,32 @@ def verify(paths: Sequence[str], *, start: str | None = None) -> VerifyResult:
 
 
 def ordered_files(path: str) -> list[str]:
-    """`PATH.1`, `PATH.2`, ... then `PATH`: a rotated log's files, oldest first."""
-    rotated = []
-    n = 1
-    while os.path.exists(f"{path}.{n}"):
-        rotated.append(f"{path}.{n}")
-        n += 1
+    """The rotated files `PATH.N` by number, then `PATH`: a rotated log's files, oldest first.
+    Numbers an operator removed or archived (`PATH.1.gz`) are skipped."""
+    rotated = rotated_files(path)
     return [*rotated, path] if os.path.exists(path) else rotated
+
+
+def rotated_files(path: str) -> list[str]:
+    """The files `PATH.N` (N a number) by number: a log's rotated files, oldest first."""
+    skip = len(os.path.basename(path)) + 1
+    return [name for _, name in sorted(_numbered(path)) if os.path.basename(name)[skip:].isdigit()]
+
+
+def _numbered(path: str) -> list[tuple[int, str]]:
+    """(N, name) of each file named `PATH.N` or `PATH.N.SUFFIX` (one archived: `.gz`)."""
+    folder, base = os.path.split(path)
+    try:
+        names = os.listdir(folder or ".")
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        if name.startswith(base + "."):
+            number = name[len(base) + 1 :].partition(".")[0]
+            if number.isascii() and number.isdigit():
+                found.append((int(number), os.path.join(folder, name)))
+    return found
 
 
 def main(argv: Iterable[str] | None = None) -> int:
@@ -560,7 +578,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("verify", help="check a log's hash chain")
     check.add_argument("files", nargs="+", help="log files, oldest first (or one PATH: its "
-                       "rotated files PATH.1, PATH.2, ... are checked before it)")  # fmt: skip
+                       "rotated files PATH.N are checked before it, by number)")  # fmt: skip
     check.add_argument("--from-genesis", action="store_true",
                        help="the first line must be the log's first (prev = 0...0)")  # fmt: skip
     args = parser.parse_args(list(argv) if argv is not None else None)

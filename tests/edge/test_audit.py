@@ -5,6 +5,7 @@ burst through the edge written without a drop."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import hashlib
 import json
 import os
@@ -150,9 +151,10 @@ async def test_rotation_continues_the_chain_across_files(
     path = tmp_path / "audit.jsonl"
     log = AuditLog(AuditConfig(path=str(path), max_bytes=4096))
     await log.start()
-    for i in range(60):  # ~300 bytes a line: several files
+    for i in range(60):  # ~300 bytes a line, batches of ten: several files
         log.record(entry(i))
-        await log.flush()
+        if i % 10 == 9:
+            await log.flush()
     await log.aclose()
     rotated = ordered_files(str(path))[:-1]
     assert len(rotated) >= 2
@@ -469,3 +471,44 @@ async def test_refusals_do_not_grow_a_full_queue(
     records = [json.loads(line) for line in lines(path)]
     assert [r["status"] for r in records] == [200] * 5
     assert verify([str(path)], start=GENESIS).ok
+
+
+async def rotate(path: Path, first: int, n: int) -> None:
+    log = AuditLog(AuditConfig(path=str(path), max_bytes=4096))
+    await log.start()
+    for i in range(first, first + n):  # ~300 bytes a line: a rotation every ~13 lines
+        log._write([entry(i)])  # the writer's own step, a batch a line
+    await log.aclose()
+
+
+async def test_rotation_numbers_above_archived_and_removed_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The operator archives the oldest rotated file (gzip) and removes the next: the next
+    rotation takes a number above every one there, and what remains still verifies in order."""
+    path = tmp_path / "audit.jsonl"
+    await rotate(path, 0, 40)
+    assert [Path(name).name for name in ordered_files(str(path))] == [
+        "audit.jsonl.1", "audit.jsonl.2", "audit.jsonl",
+    ]  # fmt: skip
+    archived = tmp_path / "audit.jsonl.1.gz"
+    archived.write_bytes(gzip.compress((tmp_path / "audit.jsonl.1").read_bytes()))
+    (tmp_path / "audit.jsonl.1").unlink()
+    await rotate(path, 40, 30)
+    assert not (tmp_path / "audit.jsonl.1").exists()
+    (tmp_path / "audit.jsonl.2").unlink()  # the next oldest, removed
+    names = [Path(name).name for name in ordered_files(str(path))]
+    assert names == ["audit.jsonl.3", "audit.jsonl.4", "audit.jsonl"]
+    assert cli(["audit", "verify", str(path)]) == 0
+    assert "in 3 file(s)" in capsys.readouterr().out
+    assert cli(["audit", "verify", "--from-genesis", str(path)]) == 1  # its start is gone
+    assert f"FAIL {path}.3:1: prev does not match" in capsys.readouterr().out
+
+
+def test_rotated_files_are_ordered_by_number(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    for name in ["audit.jsonl", "audit.jsonl.10", "audit.jsonl.9", "audit.jsonl.11.gz",
+                 "audit.jsonl.x", "audit.jsonl.lock", "other.jsonl.1"]:  # fmt: skip
+        (tmp_path / name).write_text("")
+    names = [Path(name).name for name in ordered_files(str(path))]
+    assert names == ["audit.jsonl.9", "audit.jsonl.10", "audit.jsonl"]
