@@ -19,14 +19,13 @@ that cannot answer is refused there, not on each request.
 Hot reload: `reload()` (SIGHUP) or a changed modification time (polled in a background task)
 loads the file again, in a thread, and swaps the new module and its first instance in one
 assignment. A check runs start to end without awaiting, so a request in progress finishes on the
-module it began with; a file that fails to load leaves the running module in place and is
-counted (`kind="load"`).
+module it began with; a file that fails to load, whatever the reason, leaves the running module
+in place and is counted (`kind="load"`); the poller goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import logging
 import os
@@ -256,8 +255,16 @@ class WasmPolicy:
         path = self.config.path
         try:
             if path.endswith(".wat"):
-                with open(path, encoding="utf-8") as f:
-                    module = wasmtime.Module(self.engine, f.read())
+                with open(path, "rb") as f:
+                    data = f.read()
+                try:
+                    text = data.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise ModuleLoadError(
+                        f"the .wat file is not UTF-8 text (byte {data[exc.start]:#04x} at offset"
+                        f" {exc.start})"
+                    ) from None
+                module = wasmtime.Module(self.engine, text)
             else:
                 module = wasmtime.Module.from_file(self.engine, path)
         except wasmtime.WasmtimeError as exc:
@@ -296,7 +303,7 @@ class WasmPolicy:
         """Load the file again now; True when the new module is in place."""
         try:
             loaded = self._load()
-        except (OSError, wasmtime.WasmtimeError, ModuleLoadError) as exc:
+        except Exception as exc:  # whatever the file is, the running module stays
             self._load_failed(exc)
             return False
         self._swap(*loaded)
@@ -306,7 +313,7 @@ class WasmPolicy:
         """`reload`, with the loading in a thread (compiling may take milliseconds)."""
         try:
             loaded = await asyncio.to_thread(self._load)
-        except (OSError, wasmtime.WasmtimeError, ModuleLoadError) as exc:
+        except Exception as exc:  # whatever the file is, the running module stays
             self._load_failed(exc)
             return False
         self._swap(*loaded)
@@ -334,21 +341,31 @@ class WasmPolicy:
             self._poller = asyncio.get_running_loop().create_task(self._poll())
 
     async def aclose(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
-            self._poller = None
+        """Stop the poller. Never raises what the poller met: a shutdown or a swap of the
+        gateway must go on to close what comes after it (the audit log)."""
+        poller, self._poller = self._poller, None
+        if poller is None:
+            return
+        poller.cancel()
+        try:
+            await poller
+        except asyncio.CancelledError:
+            pass
+        except Exception:  # pragma: no cover - `_poll` catches everything itself
+            log.exception("policy module %s: the file poller had failed", self.id)
 
     async def _poll(self) -> None:
         interval = self.config.poll_interval
         assert interval is not None
         while True:
             await asyncio.sleep(interval)
-            stamp = _stamp(self.config.path)
-            if stamp != self._stamp and stamp is not None:
-                self._stamp = stamp
-                await self.reload_async()
+            try:
+                stamp = _stamp(self.config.path)
+                if stamp != self._stamp and stamp is not None:
+                    self._stamp = stamp
+                    await self.reload_async()
+            except Exception:  # a poller that dies would stop every later reload, silently
+                log.exception("policy module %s: polling %s failed", self.id, self.config.path)
 
 
 def _stamp(path: str) -> tuple[int, int] | None:

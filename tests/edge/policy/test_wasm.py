@@ -1,13 +1,14 @@
 """WebAssembly policies: the shipped example, and modules that trap, loop, eat memory or break
 the ABI, each failing closed or open as configured and counted; modules that cannot serve
 (imports, missing exports, more memory than allowed) are refused when loaded; reloads keep the
-old module until the new one loads."""
+old module until the new one loads, and the poller survives any file."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -291,3 +292,73 @@ def test_a_reload_to_a_module_that_cannot_serve_keeps_the_running_one(
         assert error in caplog.text
     assert failures == [("mod", "load")] * len(UNUSABLE)
     assert gw.modules[0].generation == 1
+
+
+# -- the file poller: any file is a counted load failure, and polling goes on ------------------
+
+
+ALLOW_ALL = HEAD + ANSWERS + ")"
+DENY_ALL = """(module (memory (export "memory") 1)
+  (data (i32.const 0) "{\\"action\\":\\"deny\\",\\"reason\\":\\"v2\\"}")
+  (func (export "alloc") (param i32) (result i32) (i32.const 1024))
+  (func (export "check") (param i32 i32) (result i64) (i64.const 31)))"""
+
+
+def wat_file(path: Path, source: bytes) -> None:
+    """Put `source` at `path` the documented way: written beside it, renamed over it."""
+    staged = path.with_suffix(".new")
+    staged.write_bytes(source)
+    os.replace(staged, path)
+
+
+async def test_a_wat_file_that_is_not_utf8_is_a_load_failure_and_polling_goes_on(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "live.wat"
+    wat_file(path, ALLOW_ALL.encode())
+    gw, failures = gateway(str(path), poll_interval=0.05)
+    module = gw.modules[0]
+    gw.start()
+    try:
+        wat_file(path, b";; policy by M\xfcller\n" + DENY_ALL.encode())
+        await wait_until(lambda: failures == [("mod", "load")], timeout=10)
+        assert check(gw, "hello").decision == "allow"  # the running module stays
+        assert module.generation == 1
+        wat_file(path, DENY_ALL.encode())  # the poller is alive: the next good file loads
+        await wait_until(lambda: module.generation == 2, timeout=10)
+        with pytest.raises(PolicyRefused):
+            check(gw, "hello")
+    finally:
+        await gw.aclose()  # raises nothing
+    assert failures == [("mod", "load")]
+
+
+def test_a_wat_file_that_is_not_utf8_is_named_at_load(tmp_path: Path) -> None:
+    path = tmp_path / "m.wat"
+    path.write_bytes(b";; M\xfcller\n" + ALLOW_ALL.encode())
+    with pytest.raises(ModuleLoadError) as info:
+        WasmPolicy(WasmConfig(id="m", path=str(path)))
+    assert str(info.value) == "the .wat file is not UTF-8 text (byte 0xfc at offset 4)"
+
+
+async def test_a_poll_that_fails_neither_stops_the_poller_nor_raises_from_aclose(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A poll that raises (here `os.stat` on a path with a NUL byte: ValueError) is logged; the
+    next polls run, and closing the gateway (a config reload's swap, a shutdown that then
+    closes the audit log) does not raise it again."""
+    path = tmp_path / "live.wat"
+    wat_file(path, ALLOW_ALL.encode())
+    gw, _ = gateway(str(path), poll_interval=0.05)
+    module = gw.modules[0]
+    gw.start()
+    try:
+        module.config = replace(module.config, path=f"{path}\0")
+        await wait_until(lambda: "polling" in caplog.text, timeout=10)
+        module.config = replace(module.config, path=str(path))
+        wat_file(path, DENY_ALL.encode())
+        await wait_until(lambda: module.generation == 2, timeout=10)
+    finally:
+        await gw.aclose()
+    with pytest.raises(PolicyRefused):
+        check(gw, "hello")
