@@ -90,7 +90,6 @@ def text_slots(route: str, body: MutableMapping[str, Any]) -> Slots:
 
 def _token_fields(body: MutableMapping[str, Any]) -> list[tuple[str, Any]]:
     """Each completion-length field the request sets, by name, with its value as sent."""
-    # (plain statements, not a comprehension: this runs on every request of a limited tier)
     found: list[tuple[str, Any]] = []
     value = body.get("max_tokens")
     if value is not None:
@@ -240,6 +239,17 @@ class RequestRules:
     def _check_tokens(body: MutableMapping[str, Any], tier: str, limit: int) -> None:
         """Refuse a request any of whose length fields asks for more than `limit`, or is not a
         plain integer (a backend may read `"200"` or `200.0` as 200: SGLang's pydantic does)."""
+        # The common case, every field absent or within the limit, in straight-line code: this
+        # runs on every request of a limited tier. Only a refusal looks for the field to name.
+        a, b = body.get("max_tokens"), body.get("max_completion_tokens")
+        params = body.get("sampling_params")
+        c = params.get("max_new_tokens") if isinstance(params, dict) else None
+        if (
+            (a is None or (type(a) is int and a <= limit))
+            and (b is None or (type(b) is int and b <= limit))
+            and (c is None or (type(c) is int and c <= limit))
+        ):
+            return
         for name, value in _token_fields(body):
             if type(value) is int and value <= limit:
                 continue
