@@ -514,15 +514,24 @@ class VerifyResult:
     """The last hash checked: compare it with one kept elsewhere to catch a cut-off tail."""
 
 
-def verify(paths: Sequence[str], *, start: str | None = None) -> VerifyResult:
+def verify(
+    paths: Sequence[str], *, start: str | None = None, max_line: int | None = None
+) -> VerifyResult:
     """Check the chain through `paths` in order (oldest rotated file first). `start` is the
-    `prev` the first line must carry (default: whatever it carries; GENESIS for a whole log)."""
+    `prev` the first line must carry (default: whatever it carries; GENESIS for a whole log).
+    A line longer than `max_line` bytes (default `MAX_LINE_BYTES`) fails unread: a file of one
+    endless line costs that much memory, not the file's size."""
+    limit = MAX_LINE_BYTES if max_line is None else max_line
     prev = start
     count = 0
     for path in paths:
         with open(path, "rb") as f:
-            for number, line in enumerate(f, 1):
+            number = 0
+            while line := f.readline(limit + 1):
+                number += 1
                 where = f"{path}:{number}"
+                if len(line) > limit and not line.endswith(b"\n"):
+                    return VerifyResult(False, count, f"{where}: line over {limit} bytes", prev)
                 try:
                     record = orjson.loads(line)
                 except orjson.JSONDecodeError:
@@ -572,8 +581,19 @@ def _numbered(path: str) -> list[tuple[int, str]]:
     return found
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of bytes >= 1, got {text!r}")
+    return value
+
+
 def main(argv: Iterable[str] | None = None) -> int:
-    """`quicedge audit verify FILE...`: 0 when the chain holds, 1 naming the first bad line."""
+    """`quicedge audit verify FILE...`: 0 when the chain holds, 1 naming the first bad line, 2
+    when it could not be checked (an unreadable file, no memory)."""
     parser = argparse.ArgumentParser(prog="quicedge audit", description="audit log tools")
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("verify", help="check a log's hash chain")
@@ -581,12 +601,21 @@ def main(argv: Iterable[str] | None = None) -> int:
                        "rotated files PATH.N are checked before it, by number)")  # fmt: skip
     check.add_argument("--from-genesis", action="store_true",
                        help="the first line must be the log's first (prev = 0...0)")  # fmt: skip
+    check.add_argument("--max-line-bytes", type=_positive, default=MAX_LINE_BYTES,
+                       help="a longer line fails unread (default: 64 MiB, the writer's "
+                       "bound)")  # fmt: skip
     args = parser.parse_args(list(argv) if argv is not None else None)
     files = args.files if len(args.files) > 1 else ordered_files(args.files[0]) or args.files
     try:
-        result = verify(files, start=GENESIS if args.from_genesis else None)
+        result = verify(
+            files, start=GENESIS if args.from_genesis else None, max_line=args.max_line_bytes
+        )
     except OSError as exc:
         print(f"quicedge audit verify: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # exit 1 says the chain is broken; this says nothing was decided
+        detail = f": {exc}" if str(exc) else ""
+        print(f"quicedge audit verify: {type(exc).__name__}{detail}", file=sys.stderr)
         return 2
     if not result.ok:
         print(f"FAIL {result.error}")

@@ -512,3 +512,57 @@ def test_rotated_files_are_ordered_by_number(tmp_path: Path) -> None:
         (tmp_path / name).write_text("")
     names = [Path(name).name for name in ordered_files(str(path))]
     assert names == ["audit.jsonl.9", "audit.jsonl.10", "audit.jsonl"]
+
+
+async def test_verify_fails_a_line_past_the_bound_unread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A line longer than any the writer writes is a FAIL naming it, read no further than the
+    bound (a file of one endless line must not take the checker's memory)."""
+    path = tmp_path / "audit.jsonl"
+    await write_log(path, 3)
+    text = lines(path)
+    path.write_text(text[0] + "x" * 10_000 + "\n" + "".join(text[1:]))
+    assert cli(["audit", "verify", "--max-line-bytes", "4096", str(path)]) == 1
+    assert capsys.readouterr().out.strip() == f"FAIL {path}:2: line over 4096 bytes"
+    monkeypatch.setattr(audit_module, "MAX_LINE_BYTES", 4096)  # the default bound
+    result = verify([str(path)])
+    assert not result.ok and result.lines == 1 and result.error == f"{path}:2: line over 4096 bytes"
+    assert verify([str(path)], max_line=20_000).error == f"{path}:2: not JSON"
+    # a last line without its newline, exactly at the bound, is read
+    path.write_text("".join(text).rstrip("\n"))
+    assert verify([str(path)], max_line=len(text[-1]) - 1).ok
+
+
+def test_verify_bound_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli(["audit", "verify", "--max-line-bytes", "0", "x"])
+    assert info.value.code == 2
+    assert "--max-line-bytes: expected a whole number of bytes >= 1" in capsys.readouterr().err
+
+
+OUT_OF_MEMORY_VERIFY = """
+import resource, sys
+from edge.audit import main
+
+with open("/proc/self/statm") as f:
+    pages = int(f.read().split()[0])
+room = pages * resource.getpagesize() + 24 * 1024 * 1024
+resource.setrlimit(resource.RLIMIT_AS, (room, resource.getrlimit(resource.RLIMIT_AS)[1]))
+sys.exit(main(["verify", "--max-line-bytes", str(1 << 30), sys.argv[1]]))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="needs Linux's /proc")
+def test_verify_that_runs_out_of_memory_exits_2_with_one_line(tmp_path: Path) -> None:
+    """Exit 1 says the chain is broken; a checker that could not finish (here: a bound raised
+    far past the memory it has) says so in one line and exits 2, not with a traceback."""
+    path = tmp_path / "audit.jsonl"
+    with path.open("wb") as f:
+        f.write(b"x" * (48 * 1024 * 1024))
+    done = subprocess.run(
+        [sys.executable, "-c", OUT_OF_MEMORY_VERIFY, str(path)],
+        capture_output=True, text=True, timeout=60, cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stdout == "" and done.stderr == "quicedge audit verify: MemoryError\n"
