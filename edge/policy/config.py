@@ -37,8 +37,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
-import regex
-
 from edge import settings
 
 KiB = 1024
@@ -276,23 +274,20 @@ def _finite_numbers(config: Any, where: str, owner: str = "") -> None:
 
 
 def _check_pattern(where: str, pattern: str, literal: bool, *, re2: bool = False) -> None:
-    """Request rules are RE2 expressions (`google-re2`), stream rules `regex` ones (which can
-    tell a match that may still complete at the end of the text)."""
+    """Request and stream rules are both RE2 expressions (`google-re2`: linear time, so neither
+    a prompt nor generated text can make one backtrack); a stream rule's must also match at least
+    one character (`edge.policy.stream.check_pattern`)."""
     if not pattern:
         raise ValueError(f"{where}: an empty pattern matches everything")
     if literal:
         return
     if re2:
         from edge.policy.rules import check_pattern
-
-        problem = check_pattern(pattern)
-        if problem is not None:
-            raise ValueError(f"{where}: bad regular expression {pattern!r}: {problem}")
-        return
-    try:
-        regex.compile(pattern)
-    except regex.error as exc:
-        raise ValueError(f"{where}: bad regular expression {pattern!r}: {exc}") from None
+    else:
+        from edge.policy.stream import check_pattern
+    problem = check_pattern(pattern)
+    if problem is not None:
+        raise ValueError(f"{where}: bad regular expression {pattern!r}: {problem}")
 
 
 POLICY_FLAGS: dict[str, str | bool] = {"stream_refusal": "--policy-stream-refusal",

@@ -4,16 +4,18 @@ A `StreamGuard` sits in the relay, one per streamed answer, and sees every upstr
 the client does. It decodes the text of each complete SSE event (in a chat stream, a tool call's
 arguments and a reasoning model's `reasoning_content` too: the client gets them as it gets
 text), folds it (`normalize.fold`) into
-a window of the last `lookbehind` characters, and searches the rules there with the `regex`
-module's partial matching:
+a window of the last `lookbehind` characters, and searches the rules there with RE2 (linear
+time: no generated text can make a pattern backtrack, and the relay's event loop with it):
 
 - no match: the events are passed on at once, unchanged;
 - a match: the chunk that completed it (and anything held) is dropped, the stream ends with a
   well-formed final chunk with `finish_reason: "content_filter"` and `data: [DONE]`, and the
   relay aborts the upstream request;
 - with `stream_hold` on, also: the tail could be the start of a match (`BEGIN PRIV` of
-  `BEGIN PRIVATE KEY`): the events from there on are held back until the match completes or
-  fails, so no part of a match reaches the client (those tokens wait for the deciding ones).
+  `BEGIN PRIVATE KEY`; RE2 has no partial matching, so a second RE2 expression, built from
+  the patterns, matches the prefixes of their matches): the events from there on are held back
+  until the match completes or fails, so no part of a match reaches the client (those tokens
+  wait for the deciding ones).
 
 By default nothing is held but the bytes of an incomplete event (the client could not parse
 them yet either). A match longer than `lookbehind` characters is not caught.
@@ -24,9 +26,10 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
-import regex
+import re2
 
 from edge.policy.config import PolicyConfig
 from edge.policy.normalize import fold
@@ -40,46 +43,78 @@ _ID = re.compile(rb'"id":\s*"([^"\\]{1,200})"')
 _MODEL = re.compile(rb'"model":\s*"([^"\\]{1,200})"')
 
 
-def combined_pattern(rules: list[tuple[str, list[str], bool]], flags: int) -> tuple[str, list[str]]:
-    """One alternation for many rules: group `r<i>` is rule i (ids in the returned list)."""
-    parts, ids = [], []
-    for i, (rule_id, patterns, literal) in enumerate(rules):
-        body = "|".join(f"(?:{regex.escape(p) if literal else p})" for p in patterns)
-        parts.append(f"(?P<r{i}>{body})")
-        ids.append(rule_id)
-    return "|".join(parts), ids
-
-
 @dataclass(slots=True)
 class StreamRules:
     """The compiled stream rules; `guard(route)` makes the per-stream state."""
 
-    pattern: regex.Pattern[str]
+    pattern: Any
+    """Every rule's patterns as one RE2 alternation (no groups: it only says where)."""
+    rules: list[Any]
+    """Each rule's own RE2, to name the one that matched (only after a match)."""
     ids: list[str]
     lookbehind: int
     hold: bool = False
     span: int = 0
     """The longest match any rule can make, capped at `lookbehind`: only the window's last
     `span - 1` characters can hold the start of a match that ends in new text."""
+    starts: Any = None
+    """RE2 matching, at the end of the text, a non-empty prefix of some rule's match: the tail
+    could be the start of one (hold mode)."""
 
     @classmethod
     def from_config(cls, config: PolicyConfig) -> StreamRules | None:
         if not config.stream_rules:
             return None
-        source, ids = combined_pattern(
-            [(r.id, r.patterns, r.literal) for r in config.stream_rules], regex.IGNORECASE
-        )
-        pattern = regex.compile(source, regex.IGNORECASE)
-        span = max(_longest(p, r.literal) for r in config.stream_rules for p in r.patterns)
+        sources: list[str] = []
+        nodes: list[_Node] = []
+        try:
+            for rule in config.stream_rules:
+                sources.append("|".join(_group(_source(p, rule.literal)) for p in rule.patterns))
+                nodes.extend(_node(p, rule.literal) for p in rule.patterns)
+            pattern = _compile("|".join(_group(s) for s in sources))
+            rules = [_compile(s) for s in sources]
+            starts = _compile(_group("|".join(_prefix(n) for n in nodes)) + "\\z")
+        except (ValueError, RecursionError) as exc:  # (each passed `check_pattern`: their sum)
+            raise ValueError(f"policy.stream_rules: {exc}") from None
+        span = max(_widths(n)[1] for n in nodes)
         lookbehind = config.stream_lookbehind
-        return cls(pattern, ids, lookbehind, config.stream_hold, min(span, lookbehind))
+        ids = [r.id for r in config.stream_rules]
+        return cls(pattern, rules, ids, lookbehind, config.stream_hold, min(span, lookbehind),
+                   starts)  # fmt: skip
 
     def guard(self, route: str) -> StreamGuard:
         return StreamGuard(self, route)
 
-    def rule_of(self, match: regex.Match[str]) -> str:
-        name = match.lastgroup
-        return self.ids[int(name[1:])] if name else self.ids[0]
+    def match(self, text: bytes, pos: int) -> str | None:
+        """The id of the rule with the leftmost match in `text[pos:]` (UTF-8), or None."""
+        start = self.pattern.Match(_UNANCHORED, text, pos, len(text))[0][0]
+        if start < 0:
+            return None
+        # leftmost-first, as the alternation: the first rule that matches where the match starts
+        for rule_id, rule in zip(self.ids, self.rules, strict=True):
+            if rule.Match(_ANCHOR_START, text, start, len(text))[0] != _NO_SPAN:
+                return rule_id
+        return self.ids[0]  # (unreachable: the alternation matched there)
+
+    def could_start(self, text: bytes, pos: int) -> bool:
+        """Whether `text` ends with a non-empty prefix of a match starting at `pos` or later."""
+        return bool(self.starts.Match(_UNANCHORED, text, pos, len(text))[0][0] < len(text))
+
+
+def check_pattern(pattern: str) -> str | None:
+    """Why `pattern` cannot be a stream rule's (not RE2, or able to match nothing at all), or
+    None when it can."""
+    try:
+        _compile(pattern)
+        node = _Parser(pattern).parse()
+        if _widths(node)[0] == 0:
+            return "it can match the empty string, so it would end every stream"
+        _compile(_group(_prefix(node)) + "\\z")
+    except RecursionError:
+        return "nested too deeply"
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 class StreamGuard:
@@ -140,20 +175,23 @@ class StreamGuard:
                 return b""
             return self._pass(region)
         new = fold(text)
-        window = self._window + new
+        old = self._window
+        window = old + new
         rules = self._rules
         # a match that ends in the new text starts at most `span - 1` characters before it
-        start = max(0, len(window) - len(new) - rules.span + 1)
-        match = rules.pattern.search(window, start, partial=rules.hold)
+        start = max(0, len(old) - rules.span + 1)
+        data = window.encode()
+        pos = start if len(data) == len(window) else len(window[:start].encode())
         self._window = window[-rules.span :]
-        if match is None or (match.partial and match.start() == match.end()):
-            return self._pass(region)  # (the empty string at the end is a "partial" of anything)
-        if match.partial:
+        rule = rules.match(data, pos)
+        if rule is not None:
+            self.cut = rule
+            self._held.clear()
+            return self._final()
+        if rules.hold and rules.could_start(data, pos):
             self._held.append(region)
             return b""
-        self.cut = self._rules.rule_of(match)
-        self._held.clear()
-        return self._final()
+        return self._pass(region)
 
     def finish(self) -> bytes:
         """The stream ended without a match: whatever is still held goes out."""
@@ -206,17 +244,306 @@ class StreamGuard:
         return final_events(self._route, self._id, self._model, self._released_text)
 
 
-def _longest(pattern: str, literal: bool) -> int:
-    """The most characters a match of `pattern` can span (a large number when unbounded)."""
-    if literal:
-        return len(pattern)
-    try:
-        import re._parser as parser  # Python 3.11+: the parser `re` itself uses
+# ---------------------------------------------------------------------------------------------
+# Patterns: RE2 (linear time), with a second expression for "could this be a match's start".
+#
+# RE2 has no partial matching, so hold mode asks another RE2 expression, built from the rule
+# patterns, whether the window's tail is a non-empty prefix of some match: `prefix(p)` matches
+# exactly the prefixes of the strings `p` matches (the empty string included). Building it takes
+# the pattern's structure (sequence, alternation, repetition); every atom (a character, a class,
+# an escape, an assertion) is copied verbatim from the source, so it keeps RE2's meaning.
 
-        width = parser.parse(pattern, re.IGNORECASE).getwidth()[1]
-    except (ImportError, re.error, AttributeError):
-        return 1 << 30  # unknown: the whole look-behind
-    return int(min(width, 1 << 30))
+_OPTIONS = re2.Options()
+_OPTIONS.case_sensitive = False
+_OPTIONS.log_errors = False
+_OPTIONS.never_capture = True  # one span per search; user groups cost nothing and never clash
+_UNANCHORED = re2._Anchor.UNANCHORED
+_ANCHOR_START = re2._Anchor.ANCHOR_START
+_NO_SPAN = (-1, -1)
+_UNBOUNDED = 1 << 30
+_FLAG_DEFAULTS = {"i": True, "m": False, "s": False}
+"""The flags an atom is read with unless the pattern changes them (case-insensitive: the rules
+are compiled so); `U` (ungreedy) changes which match is found, not whether one is."""
+_REPEAT = re.compile(r"\{(\d+)(?:(,)(\d*))?\}")
+_PERL_CLASS = frozenset("dDsSwW")
+_ASSERTION = frozenset("bBAz")
+_CONTROL = {"a": "\\a", "f": "\\f", "t": "\\t", "n": "\\n", "r": "\\r", "v": "\\v"}
+
+
+@dataclass(frozen=True, slots=True)
+class _Atom:
+    source: str
+    """RE2 text that matches one character (or, width 0, an assertion such as `\\b`)."""
+    width: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Seq:
+    items: tuple[_Node, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Alt:
+    branches: tuple[_Node, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class _Repeat:
+    node: _Node
+    low: int
+    high: int | None
+    """None: unbounded."""
+
+
+_Node = _Atom | _Seq | _Alt | _Repeat
+
+
+class _Parser:
+    """RE2 syntax (https://github.com/google/re2/wiki/Syntax) into `_Node`s. Only patterns RE2
+    has already accepted come here, so this reads structure and does not re-check it."""
+
+    def __init__(self, pattern: str) -> None:
+        self.s = pattern
+        self.i = 0
+        self.flags = dict(_FLAG_DEFAULTS)
+
+    def parse(self) -> _Node:
+        node = self._alternation()
+        if self.i != len(self.s):
+            raise ValueError(f"unexpected {self.s[self.i]!r} at {self.i}")
+        return node
+
+    def _alternation(self) -> _Node:
+        branches = [self._sequence()]
+        while self.s.startswith("|", self.i):
+            self.i += 1
+            branches.append(self._sequence())
+        return branches[0] if len(branches) == 1 else _Alt(tuple(branches))
+
+    def _sequence(self) -> _Node:
+        items: list[_Node] = []
+        s = self.s
+        while self.i < len(s) and s[self.i] not in "|)":
+            node = self._item(items)
+            if node is not None:
+                items.append(self._repeats(node))
+        return items[0] if len(items) == 1 else _Seq(tuple(items))
+
+    def _repeats(self, node: _Node) -> _Node:
+        s = self.s
+        while self.i < len(s):
+            c = s[self.i]
+            if c in "*+?":
+                low, high = (0, None) if c == "*" else (1, None) if c == "+" else (0, 1)
+                self.i += 1
+            elif c == "{" and (m := _REPEAT.match(s, self.i)) is not None:
+                low = int(m.group(1))
+                high = low if m.group(2) is None else int(m.group(3)) if m.group(3) else None
+                self.i = m.end()
+            else:
+                return node
+            if self.s.startswith("?", self.i):  # lazy: the same strings
+                self.i += 1
+            node = _Repeat(node, low, high)
+        return node
+
+    def _atom(self, source: str, width: int = 1) -> _Atom:
+        flags = self.flags
+        if flags == _FLAG_DEFAULTS:
+            return _Atom(source, width)
+        on = "".join(f for f, v in flags.items() if v)
+        off = "".join(f for f, v in flags.items() if not v)
+        return _Atom(f"(?{on}-{off}:{source})" if off else f"(?{on}:{source})", width)
+
+    def _literal(self, char: str) -> _Atom:
+        return self._atom(char if char.isalnum() or ord(char) > 127 else f"\\x{{{ord(char):x}}}")
+
+    def _item(self, items: list[_Node]) -> _Node | None:
+        s, i = self.s, self.i
+        c = s[i]
+        if c == "(":
+            return self._group()
+        if c == "[":
+            end = _class_end(s, i)
+            self.i = end
+            return self._atom(s[i:end])
+        if c == ".":
+            self.i += 1
+            return self._atom(".")
+        if c in "^$":
+            self.i += 1
+            return self._atom(c, 0)
+        if c in "*+?":
+            raise ValueError(f"nothing to repeat at {i}")
+        if c != "\\":
+            self.i += 1
+            return self._literal(c)
+        if i + 1 >= len(s):
+            raise ValueError("trailing backslash")
+        e = s[i + 1]
+        if e == "Q":  # \Q...\E: literal text; a repetition after it takes its last character
+            end = s.find("\\E", i + 2)
+            text = s[i + 2 :] if end < 0 else s[i + 2 : end]
+            self.i = len(s) if end < 0 else end + 2
+            if not text:
+                return None
+            items.extend(self._literal(ch) for ch in text[:-1])
+            return self._literal(text[-1])
+        if e in "pP" or e == "x":
+            if s.startswith("{", i + 2):
+                close = s.find("}", i + 2)
+                if close < 0:
+                    raise ValueError(f"unterminated \\{e}{{ at {i}")
+                self.i = close + 1
+            else:
+                self.i = i + 3 if e in "pP" else i + 4
+            return self._atom(s[i : self.i])
+        if e in "01234567":
+            j = i + 2
+            while j < len(s) and j < i + 4 and s[j] in "01234567":
+                j += 1
+            self.i = j
+            return self._atom(s[i:j])
+        self.i = i + 2
+        if e in _ASSERTION:
+            return self._atom(s[i : i + 2], 0)
+        if e in _PERL_CLASS or e == "C" or e in _CONTROL:
+            return self._atom(s[i : i + 2])
+        if e.isalnum():
+            raise ValueError(f"unknown escape \\{e}")
+        return self._literal(e)
+
+    def _group(self) -> _Node | None:
+        s = self.s
+        saved = dict(self.flags)
+        if s.startswith("(?", self.i):
+            j = self.i + 2
+            if s.startswith("P<", j) or (
+                s.startswith("<", j) and not s.startswith(("<=", "<!"), j)
+            ):
+                close = s.find(">", j)
+                if close < 0:
+                    raise ValueError(f"unterminated group name at {self.i}")
+                self.i = close + 1
+            else:
+                k = j
+                while k < len(s) and s[k] not in ":)":
+                    k += 1
+                if k >= len(s):
+                    raise ValueError(f"unterminated group at {self.i}")
+                on = True
+                for f in s[j:k]:
+                    if f == "-":
+                        on = False
+                    elif f in self.flags:
+                        self.flags[f] = on
+                    elif f != "U":
+                        raise ValueError(f"unknown flag {f!r}")
+                self.i = k + 1
+                if s[k] == ")":  # (?flags): for the rest of the enclosing group
+                    return None
+        else:
+            self.i += 1
+        node = self._alternation()
+        if not s.startswith(")", self.i):
+            raise ValueError("missing )")
+        self.i += 1
+        self.flags = saved
+        return node
+
+
+def _class_end(s: str, i: int) -> int:
+    """The index after the `]` that closes the class opened at `s[i]`."""
+    j = i + 1
+    if s.startswith("^", j):
+        j += 1
+    if s.startswith("]", j):  # a `]` first is a literal
+        j += 1
+    while j < len(s):
+        c = s[j]
+        if c == "]":
+            return j + 1
+        if c == "\\":
+            j += 2
+        elif s.startswith("[:", j) and (close := s.find(":]", j + 2)) >= 0:
+            j = close + 2
+        else:
+            j += 1
+    raise ValueError(f"missing ] for the class at {i}")
+
+
+def _emit(node: _Node) -> str:
+    """RE2 text for `node`."""
+    if isinstance(node, _Atom):
+        return node.source
+    if isinstance(node, _Seq):
+        return "".join(_group(_emit(x)) if isinstance(x, _Alt) else _emit(x) for x in node.items)
+    if isinstance(node, _Alt):
+        return "|".join(_emit(b) for b in node.branches)
+    high = "" if node.high is None else str(node.high)
+    return f"(?:{_emit(node.node)}){{{node.low},{high}}}"
+
+
+def _prefix(node: _Node) -> str:
+    """RE2 text that matches every prefix (the empty one included) of what `node` matches."""
+    if isinstance(node, _Atom):
+        return f"(?:{node.source})?"
+    if isinstance(node, _Seq):
+        # prefix(x1 x2 ... xn) = prefix(x1) | x1 prefix(x2 ... xn), nested from the right;
+        # written front to back, so a long literal costs linear time to build
+        opens, closes = [], []
+        for x in node.items:
+            if isinstance(x, _Atom):  # prefix(x) is "x or nothing"
+                opens.append(f"(?:{x.source}")
+                closes.append(")?")
+            else:
+                opens.append(f"(?:{_prefix(x)}|{_group(_emit(x))}")
+                closes.append(")")
+        return "".join(opens) + "".join(reversed(closes))
+    if isinstance(node, _Alt):
+        return "(?:" + "|".join(_prefix(b) for b in node.branches) + ")"
+    # prefix(x{low,high}) = x{0,high-1} prefix(x): fewer copies may still be followed by more
+    if node.high == 0:
+        return ""
+    whole = _group(_emit(node.node))
+    before = "*" if node.high is None else f"{{0,{node.high - 1}}}"
+    return f"(?:{whole}{before}{_prefix(node.node)})"
+
+
+def _group(source: str) -> str:
+    return f"(?:{source})"
+
+
+def _widths(node: _Node) -> tuple[int, int]:
+    """The fewest and the most characters a match of `node` spans (`_UNBOUNDED` at most)."""
+    if isinstance(node, _Atom):
+        return node.width, node.width
+    if isinstance(node, _Seq):
+        pairs = [_widths(x) for x in node.items]
+        return sum(p[0] for p in pairs), min(_UNBOUNDED, sum(p[1] for p in pairs))
+    if isinstance(node, _Alt):
+        pairs = [_widths(x) for x in node.branches]
+        return min(p[0] for p in pairs), max(p[1] for p in pairs)
+    low, high = _widths(node.node)
+    most = _UNBOUNDED if node.high is None and high else high * (node.high or 0)
+    return min(_UNBOUNDED, low * node.low), min(_UNBOUNDED, most)
+
+
+def _source(pattern: str, literal: bool) -> str:
+    return re2.escape(pattern) if literal else pattern
+
+
+def _node(pattern: str, literal: bool) -> _Node:
+    if literal:
+        return _Seq(tuple(_Atom(re2.escape(c), 1) for c in pattern))
+    return _Parser(pattern).parse()
+
+
+def _compile(source: str) -> Any:
+    compiled = re2._re2.RE2(source.encode(), _OPTIONS)
+    if not compiled.ok():
+        raise ValueError(compiled.error().decode(errors="replace"))
+    return compiled
 
 
 def final_events(
@@ -256,4 +583,4 @@ def _decode(escaped: bytes) -> str:
     return text if isinstance(text, str) else ""
 
 
-__all__ = ["StreamGuard", "StreamRules", "combined_pattern", "final_events"]
+__all__ = ["StreamGuard", "StreamRules", "check_pattern", "final_events"]

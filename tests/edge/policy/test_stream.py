@@ -3,10 +3,13 @@ of it reaches the client; text that never nears a pattern passes at once and unc
 
 from __future__ import annotations
 
+import itertools
 import json
+import time
 from typing import Any
 
 import pytest
+import re2
 
 from edge.policy.config import PolicyConfig
 from edge.policy.stream import StreamGuard, StreamRules
@@ -197,3 +200,100 @@ def test_by_default_every_chunk_passes_as_it_comes() -> None:
 
 def test_no_stream_rules_builds_no_guard() -> None:
     assert StreamRules.from_config(PolicyConfig()) is None
+
+
+def guard_for(patterns: list[str], *, hold: bool = True, route: str = "/v1/chat/completions",
+              lookbehind: int = 256) -> StreamGuard:  # fmt: skip
+    built = StreamRules.from_config(PolicyConfig.from_mapping({
+        "stream_rules": [{"id": "r", "patterns": patterns}], "stream_hold": hold,
+        "stream_lookbehind": lookbehind}))  # fmt: skip
+    assert built is not None
+    return built.guard(route)
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_no_generated_text_makes_a_pattern_backtrack(hold: bool) -> None:
+    """`(.*?,){11}ssn` over `1,1,1,...` took a backtracking engine seconds per chunk (doubling
+    with each chunk), the edge's event loop frozen meanwhile; RE2 is linear in the window."""
+    guard = guard_for(["(.*?,){11}ssn"], hold=hold)
+    started = time.perf_counter()
+    out, _ = run(guard, [chat_event("1,") for _ in range(24)])
+    assert time.perf_counter() - started < 2  # microseconds now; ~20 s with backtracking
+    assert guard.cut is None and delta_text(out) == "1," * 24
+    guard = guard_for(["(.*?,){11}ssn"], hold=hold)
+    run(guard, [*[chat_event("1,") for _ in range(24)], chat_event("s"), chat_event("sn")])
+    assert guard.cut == "r"  # and it still matches
+
+
+@pytest.mark.parametrize(
+    ("pattern", "problem"),
+    [
+        ("(?<=a)b", "invalid perl operator"),  # look-behind: `regex` had it, RE2 does not
+        ("(a)\\1", "invalid escape sequence"),  # a back-reference
+        ("a++", "bad repetition operator"),  # possessive
+        ("x*", "can match the empty string"),  # would end every stream at its first token
+        ("\\bkey|", "can match the empty string"),
+    ],
+)
+def test_a_pattern_that_re2_cannot_take_is_refused_naming_the_rule(
+    pattern: str, problem: str
+) -> None:
+    with pytest.raises(ValueError, match=problem) as err:
+        PolicyConfig.from_mapping({"stream_rules": [{"id": "leaky", "patterns": [pattern]}]})
+    assert str(err.value).startswith("policy.stream_rules.patterns (leaky): ")
+
+
+@pytest.mark.parametrize(
+    ("pattern", "chunks", "held"),
+    [
+        # each chunk but the last could start a match: held; the last completes it
+        ("AKIA[0-9A-Z]{16}", ["key AK", "IA1234", "567890ABCDEF"], 2),
+        (r"\b4\d{3}([ -]?\d{4}){3}\b", ["card 4111", " 1111-1111", " 1111 ok"], 2),
+        (r"(?-i)SECRET[a-z]+", ["a SEC", "RETx"], 1),
+        (r"\pL+@corp\.example", ["mail bob", "@corp.exa", "mple"], 2),
+        (r"[[:digit:]]{3}-[[:digit:]]{4}", ["call 555-", "0100"], 1),
+        (r"\Qa.b\E+!", ["x a.", "bbb", "!"], 2),
+    ],
+)
+def test_hold_mode_holds_exactly_the_possible_starts_of_an_re2_pattern(
+    pattern: str, chunks: list[str], held: int
+) -> None:
+    guard = guard_for([pattern])
+    outs = [guard.feed(chat_event(c)) for c in chunks]
+    assert outs[:held] == [b""] * held and guard.cut == "r"
+    assert delta_text(b"".join(outs)) == ""
+
+
+@pytest.mark.parametrize(
+    ("pattern", "text"),
+    [
+        (r"(?-i)SECRET[a-z]+", "a sec"),  # case-sensitive: lower case cannot start it
+        ("AKIA[0-9A-Z]{16}", "AKIA12-"),  # the class rules the dash out
+        (r"\bkey\b", "monkey"),  # no word boundary before `key`
+        (r"[[:digit:]]{3}-[[:digit:]]{4}", "call 55a"),
+    ],
+)
+def test_text_that_cannot_start_a_match_is_not_held(pattern: str, text: str) -> None:
+    guard = guard_for([pattern])
+    event = chat_event(text)
+    assert guard.feed(event) == event
+
+
+def test_the_prefix_expression_agrees_with_brute_force() -> None:
+    """A text is held exactly when some continuation of it completes a match: checked against
+    every continuation of up to 4 characters, for every text of up to 3 characters."""
+    alphabet = "abc"
+    texts = ["".join(p) for n in range(1, 4) for p in itertools.product(alphabet, repeat=n)]
+    tails = [""] + ["".join(p) for n in range(1, 5) for p in itertools.product(alphabet, repeat=n)]
+    for pattern in ["abc", "a(b|ca)c", "(ab)+c", "a[bc]{2,3}a", "(a|bb)c?a", "c(a*b){2}"]:
+        whole = re2.compile(f"(?:{pattern})")
+        config = {"stream_rules": [{"id": "r", "patterns": [pattern]}], "stream_hold": True}
+        rules = StreamRules.from_config(PolicyConfig.from_mapping(config))
+        assert rules is not None
+        for text in texts:
+            if whole.search(text):
+                continue  # a match: not a question of holding
+            possible = any(  # some non-empty suffix of the text, continued, is a match
+                whole.fullmatch(text[start:] + tail) for start in range(len(text)) for tail in tails
+            )
+            assert rules.could_start(text.encode(), 0) is possible, (pattern, text)
