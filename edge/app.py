@@ -215,6 +215,7 @@ class ProxyApp:
         if stored is None and path == CHAT:
             stored = (CHAT, ("GET", "POST"), "", "")
         label = route or ("/v1/models" if is_models else stored[0] if stored else "other")
+        tracked: _Tracked | None = None
         try:
             if route is not None and methods is not None:
                 if method not in methods:
@@ -240,7 +241,8 @@ class ProxyApp:
                         f"{method} is not allowed on {path}",
                         headers=((b"allow", ", ".join(stored[1]).encode()),),
                     )
-                await self._stored(scope, receive, send, stored[0], stored[2], stored[3])
+                tracked = _Tracked(send)
+                await self._stored(scope, receive, tracked, stored[0], stored[2], stored[3])
                 self.metrics.requests.labels(label, "200", NO_MODEL).inc()
                 if self.access_log is not None:
                     self._log_other(scope, label, 200)
@@ -252,6 +254,14 @@ class ProxyApp:
                 self._log_other(scope, label, 499, "client disconnected")
         except Exception as exc:
             err = exc if isinstance(exc, EdgeError) else _internal(scope, "-")
+            if tracked is not None and tracked.status:  # too late for an error answer
+                log.warning("%s %s failed after its response started: %s", method, path, err)
+                with contextlib.suppress(Exception):  # the body ends, whole, where it was
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                self.metrics.requests.labels(label, str(tracked.status), NO_MODEL).inc()
+                if self.access_log is not None:
+                    self._log_other(scope, label, tracked.status, err.message)
+                return
             await render_error(send, err, body_writer(scope))
             self.metrics.requests.labels(label, str(err.status), NO_MODEL).inc()
             if self.access_log is not None:
@@ -840,8 +850,11 @@ async def _stream_events(
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
             (b"x-request-id", request_id.encode()), *extra]})  # fmt: skip
-        async for chunk in events:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        try:
+            async for chunk in events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except EdgeError as err:  # the head went out: the stream ends here, whole events only
+            log.warning("request %s: its event stream ended early: %s", request_id, err)
         await send({"type": "http.response.body", "body": b"", "more_body": False})
     except (ClientGone, asyncio.CancelledError):
         if not gone:
@@ -849,6 +862,22 @@ async def _stream_events(
         task.uncancel()
     finally:
         watcher.cancel()
+
+
+class _Tracked:
+    """A stored route's `send` that notes the status it started its response with: once it
+    has, a failure can only end that response, never send a second head."""
+
+    __slots__ = ("send", "status")
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.status = 0
+
+    async def __call__(self, message: Any) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+        await self.send(message)
 
 
 def _stop(ex: Exchange, forward: asyncio.Task[None]) -> None:

@@ -178,6 +178,15 @@ END = b""
 """The last entry of a finished event log (events are never empty)."""
 FOLLOW_POLL_S = 0.05
 """How often a stream resumed from Redis looks for new events (from memory, it is woken)."""
+FOLLOW_RETRY_S = 0.25
+"""The wait before a resumed stream reads again after a read the store did not answer."""
+FOLLOW_PATIENCE_S = 10.0
+"""How long a resumed stream tries reads the store does not answer, in a row, before it ends
+with an `error` event."""
+FLUSH_RETRIES_S = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
+"""The waits before each new try of a finished stream's entries the store did not take."""
+_FLUSHING: set[asyncio.Task[None]] = set()
+"""Finished streams' entries waiting for the store (`Broadcast.close`), held until done."""
 
 
 class EventLog(Protocol):
@@ -185,7 +194,10 @@ class EventLog(Protocol):
     that resumes it (`GET /v1/responses/{id}?stream=true&starting_after=N`) from any edge that
     shares the store. Ends with `END`."""
 
-    async def append(self, tenant: str, rid: str, events: list[bytes]) -> None: ...
+    async def append(self, tenant: str, rid: str, events: list[bytes], at: int) -> None:
+        """Add `events` as entries `at` on; those an earlier try already added (its answer
+        came too late) are not added twice."""
+        ...
 
     async def read(self, tenant: str, rid: str, start: int) -> list[bytes] | None:
         """Entries from `start` on (`END` last once finished); None: no log kept."""
@@ -210,11 +222,12 @@ class MemoryEvents:
             maxsize=config.memory_max_conversations, ttl=kept_for(config)
         )
 
-    async def append(self, tenant: str, rid: str, events: list[bytes]) -> None:
+    async def append(self, tenant: str, rid: str, events: list[bytes], at: int) -> None:
         log = self._logs.get((tenant, rid))
         if log is None:
             log = self._logs[(tenant, rid)] = _Log()
-        log.entries.extend(events)
+        if len(log.entries) >= at:  # never fails, so never behind; as Redis does otherwise
+            log.entries.extend(events[len(log.entries) - at :])
         log.changed.set()
         log.changed = asyncio.Event()
 
@@ -243,8 +256,8 @@ class RedisEvents:
     def _key(self, tenant: str, rid: str) -> str:
         return f"{self._redis.prefix}bg-events:{tenant}:{rid}"
 
-    async def append(self, tenant: str, rid: str, events: list[bytes]) -> None:
-        await self._redis.list_append(self._key(tenant, rid), events, self._ttl_ms)
+    async def append(self, tenant: str, rid: str, events: list[bytes], at: int) -> None:
+        await self._redis.list_append_at(self._key(tenant, rid), at, events, self._ttl_ms)
 
     async def read(self, tenant: str, rid: str, start: int) -> list[bytes] | None:
         return await self._redis.list_from(self._key(tenant, rid), start)
@@ -266,6 +279,11 @@ class Broadcast:
         self._waiting = 0
         """Bytes queued for the asking client and not yet taken."""
         self._logging = True
+        self._written = 0
+        """Entries the log holds."""
+        self._pending: list[bytes] = []
+        """Entries not yet in the log (the store did not answer): sent again with the next."""
+        self._flushing: asyncio.Task[None] | None = None
 
     async def send(self, message: Any) -> None:
         """The relay's `send` (an ASGI one): the head is the asking client's to send."""
@@ -297,19 +315,42 @@ class Broadcast:
             self.local.put_nowait(None)
             self.local = None
         await self._write([END])
+        if self._pending and self._flushing is None:  # resumed streams wait for the END
+            self._flushing = asyncio.get_running_loop().create_task(self._flush_later())
+            _FLUSHING.add(self._flushing)
+            self._flushing.add_done_callback(_FLUSHING.discard)
 
     def leave(self) -> None:
         """The asking client went away: its events are no longer queued."""
         self.local = None
 
     async def _write(self, entries: list[bytes]) -> None:
-        if not self._logging:
+        if not self._logging or not entries:
             return
         self._logging = entries[-1] != END
+        self._pending += entries  # at most `cap` bytes: past it, END is all that is added
+        await self._flush()
+
+    async def _flush(self) -> bool:
+        """Send the entries not yet in the log; whether they are all there now. A store that
+        does not answer keeps them for the next try: the stream goes on meanwhile, and a
+        resumed one gets them once the store answers."""
+        pending = list(self._pending)
         try:
-            await self._log.append(self._tenant, self._rid, entries)
-        except StateUnavailable:  # the stream goes on; only its resumption is lost
-            self._logging = False
+            await self._log.append(self._tenant, self._rid, pending, self._written)
+        except StateUnavailable:
+            return False
+        self._written += len(pending)
+        self._pending = self._pending[len(pending) :]
+        return not self._pending
+
+    async def _flush_later(self) -> None:
+        """The stream ended with entries (its END) not yet in the log: tried again for about
+        2 minutes, or a resumed stream would wait for them until `within`."""
+        for wait in FLUSH_RETRIES_S:
+            await asyncio.sleep(wait)
+            if await self._flush():
+                return
 
     async def mine(self) -> AsyncIterator[bytes]:
         """The asking client's events, as they come, until the stream's end."""
@@ -321,14 +362,42 @@ class Broadcast:
             yield chunk
 
 
+def error_event(sequence: int, code: str, message: str) -> bytes:
+    """A Responses stream's `error` event."""
+    data = {"type": "error", "code": code, "message": message, "param": None,
+            "sequence_number": sequence}  # fmt: skip
+    return b"event: error\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
 async def follow(
-    log: EventLog, tenant: str, rid: str, start: int, *, within: float
+    log: EventLog,
+    tenant: str,
+    rid: str,
+    start: int,
+    *,
+    within: float,
+    patience: float = FOLLOW_PATIENCE_S,
 ) -> AsyncIterator[bytes]:
     """The entries of a background stream from `start` as they come, until `END` or for
-    `within` seconds at most (then it stops: a log that is never finished is not waited on)."""
+    `within` seconds at most (then it stops: a log that is never finished is not waited on).
+    A read the store does not answer is tried again, for `patience` seconds in a row at most;
+    then the stream ends with an `error` event whose `sequence_number` is the last one sent,
+    so a client that resumes after it misses nothing."""
     deadline = time.monotonic() + within
+    failing_since: float | None = None
     while True:
-        entries = await log.read(tenant, rid, start)
+        try:
+            entries = await log.read(tenant, rid, start)
+        except StateUnavailable as err:
+            now = time.monotonic()
+            failing_since = now if failing_since is None else failing_since
+            if now - failing_since >= patience or now >= deadline:
+                yield error_event(start - 1, err.code or "state_unavailable", (
+                    f"{err.message}; resume with starting_after={start - 1}"))  # fmt: skip
+                return
+            await asyncio.sleep(FOLLOW_RETRY_S)
+            continue
+        failing_since = None
         if entries is None:
             return
         for entry in entries:
@@ -352,6 +421,7 @@ __all__ = [
     "EventLog",
     "MemoryEvents",
     "RedisEvents",
+    "error_event",
     "follow",
     "kept_for",
     "FAILED",

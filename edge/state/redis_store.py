@@ -46,6 +46,20 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0
 """
+# Append to a list from index ARGV[2] on: entries an earlier try already added (its reply came
+# too late) are not added twice, so an entry's index stays its sequence number.
+_APPEND_AT = """
+local n = redis.call('LLEN', KEYS[1])
+local at = tonumber(ARGV[2])
+if n < at then
+  return 0
+end
+for i = 3 + n - at, #ARGV do
+  redis.call('RPUSH', KEYS[1], ARGV[i])
+end
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+return 1
+"""
 
 
 FAILURES_TO_OPEN = 3
@@ -94,6 +108,7 @@ class RedisState:
         self._commit = self.client.register_script(_COMMIT)
         self._release = self.client.register_script(_RELEASE)
         self._extend = self.client.register_script(_EXTEND)
+        self._append_at = self.client.register_script(_APPEND_AT)
         self._orphans: dict[tuple[str, bytes], _Orphan] = {}
         """Leases (key, token) whose take, commit or release did not answer: they may hold
         their conversation though no turn runs, so they are released once Redis answers."""
@@ -243,16 +258,13 @@ class RedisState:
     async def index_remove(self, index: str, *members: str) -> None:
         await self._call("index remove", lambda: self.client.zrem(index, *members))
 
-    async def list_append(self, key: str, values: list[bytes], ttl_ms: int) -> None:
-        """RPUSH `values` and restart the list's TTL, in one round trip."""
-
-        async def run() -> None:
-            async with self.client.pipeline(transaction=False) as pipe:
-                pipe.rpush(key, *values)
-                pipe.pexpire(key, ttl_ms)
-                await pipe.execute()
-
-        await self._call("list append", run)
+    async def list_append_at(self, key: str, at: int, values: list[bytes], ttl_ms: int) -> bool:
+        """Append `values` as the list's entries from index `at` on (those already there are
+        not added again) and restart its TTL; False when it holds fewer than `at`."""
+        done = await self._call(
+            "list append", lambda: self._append_at(keys=[key], args=[ttl_ms, at, *values])
+        )
+        return bool(done)
 
     async def list_from(self, key: str, start: int) -> list[bytes] | None:
         """The list's entries from index `start` on; None when there is no list."""

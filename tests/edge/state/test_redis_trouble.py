@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 from collections.abc import AsyncIterator, Iterator
@@ -16,10 +17,12 @@ import httpx
 import pytest
 import redis.asyncio
 
-from edge.state.background import BEAT_S
+from edge.errors import StateUnavailable
+from edge.state.background import BEAT_S, MemoryEvents, RedisEvents, follow
+from edge.state.config import ConversationConfig
 from edge.state.redis_store import FAILURES_TO_OPEN, RedisState
-from tests.edge.conftest import TinyUpstream, client, fast_config, run_edge
-from tests.edge.state.helpers import CHAT, ChatUpstream, state
+from tests.edge.conftest import Recorded, Reply, TinyUpstream, client, fast_config, run_edge
+from tests.edge.state.helpers import CHAT, ChatUpstream, chat_chunks, sse_events, state
 from tests.edge.state.test_conversations import metric
 from tests.helpers import RedisServer
 
@@ -244,3 +247,96 @@ async def test_a_running_record_whose_heartbeat_ran_out_reads_failed(
             cancel = await http.post(f"/v1/responses/{rid}/cancel")
             assert cancel.json()["status"] == "failed", cancel.text
             gate.set()
+
+
+# -- resumed background streams --------------------------------------------------------------
+
+
+def numbered(content: bytes) -> list[tuple[str | None, int]]:
+    return [(name, data["sequence_number"]) for name, data in sse_events(content)]
+
+
+async def test_a_resumed_stream_goes_on_through_a_redis_pause(own_redis: RedisServer) -> None:
+    """Reads of the event log that time out (then meet the open breaker) are tried again, and
+    the events the log could not take meanwhile are added once Redis answers: the resumed
+    stream gets every event, in order, to the end (it was cut, and the app tried a second
+    response head)."""
+    texts = [f"w{n} " for n in range(24)]
+
+    def slow(n: int, recorded: Recorded) -> Reply:
+        return Reply(headers=[("content-type", "text/event-stream")], chunks=chat_chunks(texts),
+                     delay=0.08)  # fmt: skip
+
+    async with TinyUpstream(ChatUpstream(slow)) as up:
+        config = fast_config([up.url], state=state(own_redis.url, "t:", timeout=TIMEOUT))
+        async with run_edge(config) as edge, client(edge) as http:
+            body = {"input": "Hi", "background": True, "stream": True}
+            async with http.stream("POST", "/v1/responses", json=body) as asked:
+                async for line in asked.aiter_lines():  # the id comes first; then it leaves
+                    if line.startswith("data: "):
+                        rid = json.loads(line[6:])["response"]["id"]
+                        break
+            pause: asyncio.Task[None] | None = None
+
+            async def stop_a_while() -> None:
+                with paused(own_redis):
+                    await asyncio.sleep(0.8)
+
+            got = b""
+            url = f"/v1/responses/{rid}?stream=true&starting_after=0"
+            async with http.stream("GET", url) as resumed:
+                assert resumed.status_code == 200
+                async for chunk in resumed.aiter_bytes():
+                    got += chunk
+                    if pause is None and got.count(b"event: ") >= 5:
+                        pause = asyncio.create_task(stop_a_while())
+            assert pause is not None
+            await pause
+    events = numbered(got)
+    assert [n for _, n in events] == list(range(1, len(events) + 1)), events
+    assert events[-1][0] == "response.completed", events[-3:]
+    text = "".join(d["delta"] for n, d in sse_events(got) if n == "response.output_text.delta")
+    assert text == "".join(texts)
+
+
+class FailingEvents(MemoryEvents):
+    """A memory log whose reads fail (as Redis's would) once `failing` is set."""
+
+    failing = False
+
+    async def read(self, tenant: str, rid: str, start: int) -> list[bytes] | None:
+        if self.failing:
+            raise StateUnavailable("the state store did not answer (list read): TimeoutError")
+        return await super().read(tenant, rid, start)
+
+
+async def test_a_resumed_stream_whose_reads_keep_failing_ends_with_an_error_event() -> None:
+    log = FailingEvents(ConversationConfig())
+    await log.append("t", "r", [b"event: a\ndata: {}\n\n", b"event: b\ndata: {}\n\n"], 0)
+    stream = follow(log, "t", "r", 1, within=60.0, patience=0.3)
+    assert await anext(stream) == b"event: b\ndata: {}\n\n"
+    log.failing = True
+    await log.append("t", "r", [b"event: c\ndata: {}\n\n"], 2)  # wakes the reader
+    async with asyncio.timeout(5):
+        rest = [e async for e in stream]
+    [(name, data)] = sse_events(b"".join(rest))
+    assert name == "error" and data["type"] == "error"
+    assert data["code"] == "state_unavailable" and data["sequence_number"] == 1, data
+    assert "starting_after=1" in data["message"]
+
+
+async def test_an_event_log_append_tried_again_adds_nothing_twice(
+    redis_url: str, redis_prefix: str
+) -> None:
+    """A try whose answer came too late may have been applied: the next try, from the same
+    place, adds only what is not there yet, so an entry's place stays its sequence number."""
+    store = RedisState(redis_url, timeout=1.0, prefix=redis_prefix)
+    events = RedisEvents(store, ConversationConfig())
+    try:
+        await events.append("t", "r", [b"0", b"1"], 0)
+        await events.append("t", "r", [b"0", b"1", b"2"], 0)  # the first answered late
+        await events.append("t", "r", [b"3"], 3)
+        await events.append("t", "r", [b"9"], 7)  # a gap: refused
+        assert await events.read("t", "r", 0) == [b"0", b"1", b"2", b"3"]
+    finally:
+        await store.aclose()
