@@ -140,12 +140,20 @@ class Wiring:
 
     async def set_backends(self, urls: list[str], drain_timeout: float) -> None:
         """A reloaded `--backend` list: new backends join now, gone ones drain (up to
-        `drain_timeout` s) and leave. With discovery it is the list kept beside what is found."""
+        `drain_timeout` s) and leave. With discovery it is the list kept beside what is found.
+
+        The catalog's list, which still names the models of the backends it last asked, is
+        marked stale: the first request that finds no backend for its model fetches it again
+        (else a model only a removed backend had taught it got 404 until someone fetched
+        `/v1/models`). It is not fetched here: the gone backends still hold their pools while
+        they drain, and a new backend's model learned meanwhile would be a second pool, making
+        a request that names no model ambiguous (400 `model_required`) until they leave."""
         if self.discovery is not None:
             self.discovery.set_static(urls)
             await self.discovery.refresh(self.registry)
-            return
-        apply_membership(self.registry, wanted_urls(urls), drain_timeout, self._drains)
+        else:
+            apply_membership(self.registry, wanted_urls(urls), drain_timeout, self._drains)
+        self.catalog.expire()
 
     async def swap_gateway(self, gateway: PolicyGateway | None) -> None:
         """Serve the requests that start from now on with `gateway` (a reloaded `[policy]`),
@@ -339,6 +347,9 @@ async def build(
         registry=registry, credentials=credentials, breakers=breaker_set,
     )  # fmt: skip
     catalog.on_relabel = breaker_set.relabel  # a learned model moves its backend's domain
+    # A backend healthy again (one a reload added while it was down, one restarted with another
+    # model) may serve what the catalog does not know yet: the next look fetches the list.
+    backends.on_healthy.append(lambda _backend: catalog.expire())
     sync = None
     # Without rollouts too: one a reload adds is shared as the others are.
     if models is not None and (models.share_stops or models.share_advances):

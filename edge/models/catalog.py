@@ -2,7 +2,10 @@
 
 Fetched at start and again when older than `ttl`; a request naming a model outside a known list
 gets 404 `model_not_found` without touching a backend. While the list is unknown (no backend
-answered), requests pass and the backend decides.
+answered), requests pass and the backend decides. A model the list names but no backend serves
+now (a reload replaced the backends that served it) is looked up again too, at most once per
+`ttl`; a change of backends (`expire`: a reload, a backend healthy again) makes the next look
+fetch at once.
 
 Each fetch also tells the pools what a backend serves: its model is the first card's id, its
 version SGLang's `weight_version` from `/get_model_info`, unless `[[models.backends]]` set them.
@@ -50,6 +53,8 @@ class ModelCatalog:
         self.known: frozenset[str] | None = None
         """Model ids served by the fleet; None until a backend answered."""
         self._refreshing: asyncio.Task[None] | None = None
+        self._generation = 0
+        """Counts `expire` calls: a fetch that one overtook runs again."""
         self.pinned: set[str] = set()
         """Backend URLs whose model and version the config set: not discovered."""
         self.discover = True
@@ -63,6 +68,13 @@ class ModelCatalog:
     @property
     def stale(self) -> bool:
         return self._clock() - self._fetched_at > self._ttl
+
+    def expire(self) -> None:
+        """The backends changed (a reload added some, one is healthy again): the next check
+        or listing fetches the models again, and a fetch in flight, which may have missed the
+        new backends, runs once more."""
+        self._fetched_at = float("-inf")
+        self._generation += 1
 
     async def _fetch(self, backend: Backend) -> list[dict[str, Any]]:
         response = await self._pool.request(
@@ -114,6 +126,12 @@ class ModelCatalog:
                 self._refreshing = None
 
     async def _refresh(self) -> None:
+        generation = self._generation
+        await self._refresh_once()
+        if generation != self._generation:  # expired meanwhile: a new backend may be missing
+            await self._refresh_once()
+
+    async def _refresh_once(self) -> None:
         before = [(b.model, b.model_version, b.hw_group) for b in self._backends]
         if self.configure is not None:  # backends discovery added meanwhile get their config
             self.configure()
@@ -153,9 +171,9 @@ class ModelCatalog:
         if model is None or model == DEFAULT_MODEL:
             return
         known = self.known
-        if known is not None and model in known:
+        if known is not None and model in known and self._served(model):
             return  # the hot path: no await
-        if self.stale:
+        if self.stale:  # unknown, or no backend serves it now: look again (once per ttl)
             await self.refresh()
             known = self.known
         if known is not None and model not in known:
@@ -163,3 +181,8 @@ class ModelCatalog:
                 f"The model `{model}` does not exist. Served: {', '.join(sorted(known))}",
                 param="model",
             )
+
+    def _served(self, model: str) -> bool:
+        """Some backend is known to serve `model` (always, with discovery off: nothing to
+        learn). Not so once a reload removed the backends the list learned it from."""
+        return not self.discover or any(b.model == model for b in self._backends)
