@@ -14,7 +14,9 @@ request gets a fresh one.
 
 Loading compiles the file and instantiates it once with the ABI's checks (no imports; the three
 exports with their signatures; within the memory limits), at start and on every reload: a module
-that cannot answer is refused there, not on each request.
+that cannot answer is refused there, not on each request. The engine refuses the proposals that
+give a module memory beside its one linear memory (multi-memory, GC, exceptions, threads), and a
+store allows one memory and one table, so `memory_bytes` bounds the module.
 
 Hot reload: `reload()` (SIGHUP) or a changed modification time (polled in a background task)
 loads the file again, in a thread, and swaps the new module and its first instance in one
@@ -80,6 +82,11 @@ class WasmAnswer:
     spans: list[tuple[int, int]] | None = None
 
 
+MAX_TABLE_ELEMENTS = 1 << 17
+"""The most elements of the module's one table (1 MiB at 8 bytes each): tables, like linear
+memories, are host memory that `memory_bytes` does not count."""
+
+
 class ModuleLoadError(ValueError):
     """A module file that cannot serve: it does not compile, imports what the host does not
     provide, lacks the ABI's exports, or does not instantiate within its limits."""
@@ -97,6 +104,13 @@ def _engine() -> wasmtime.Engine:
     # A linear memory then stays where it was created (growth past the reservation, 4 GiB, fails
     # instead of moving it, far above any `memory_bytes`), so one view of it serves every call.
     config.memory_may_move = False
+    # Each of these gives a module memory beside its one linear memory, which is all that
+    # `memory_bytes` limits: more linear memories, a GC heap (the GC proposal; exception objects
+    # live there too), shared memories (threads). A module that uses one does not compile.
+    config.wasm_multi_memory = False
+    config.wasm_gc = False
+    config.wasm_exceptions = False
+    config.wasm_threads = False
     return wasmtime.Engine(config)
 
 
@@ -119,7 +133,15 @@ class _Instance:
 
     def __init__(self, engine: wasmtime.Engine, module: wasmtime.Module, memory_bytes: int) -> None:
         store = wasmtime.Store(engine)
-        store.set_limits(memory_size=memory_bytes)
+        # One memory and one table, each bounded: the store's limits are per memory and per
+        # table, so the count is what keeps the module's total within them.
+        store.set_limits(
+            memory_size=memory_bytes,
+            memories=1,
+            tables=1,
+            table_elements=MAX_TABLE_ELEMENTS,
+            instances=1,
+        )
         store.set_fuel(1_000_000)  # enough for a start function; reset before each check
         try:
             instance = wasmtime.Instance(store, module, [])
@@ -421,6 +443,7 @@ def _summary(text: str) -> str:
 
 
 __all__ = [
+    "MAX_TABLE_ELEMENTS",
     "ModuleFailed",
     "ModuleLoadError",
     "WasmAnswer",

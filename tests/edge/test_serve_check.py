@@ -61,8 +61,8 @@ def test_a_broken_module_is_named_by_check_and_by_a_real_start(tmp_path: Path) -
 
 def test_a_module_that_compiles_but_cannot_serve_is_named_by_check(tmp_path: Path) -> None:
     """Compiling is not enough: the module is instantiated with the ABI's checks, so one that
-    imports a host function or lacks `check` stops here (as it stops a real start: the same
-    `check_modules`), and no request ever meets it."""
+    imports a host function, lacks `check` or declares a second memory stops here (as it stops
+    a real start: the same `check_modules`), and no request ever meets it."""
     head = """(module (memory (export "memory") 1)
       (func (export "alloc") (param i32) (result i32) (i32.const 1024))"""
     answers = '(func (export "check") (param i32 i32) (result i64) (i64.const 0))'
@@ -74,6 +74,10 @@ def test_a_module_that_compiles_but_cannot_serve_is_named_by_check(tmp_path: Pat
             "the module imports `env.log` (func); the host provides no imports",
         ),
         (head + ")", "the module exports no function `check`"),
+        (
+            head + f"(memory $more 1) {answers})",
+            "failed to parse WebAssembly module: multiple memories (at offset 0x1d)",
+        ),
     ]
     config = tmp_path / "quicedge.toml"
     for i, (wat, error) in enumerate(unusable):

@@ -19,7 +19,7 @@ from edge.errors import PolicyRefused, PolicyUnavailable
 from edge.policy.config import PolicyConfig, WasmConfig
 from edge.policy.examples.build import build
 from edge.policy.gateway import PolicyGateway
-from edge.policy.wasm import ModuleFailed, ModuleLoadError, WasmPolicy
+from edge.policy.wasm import MAX_TABLE_ELEMENTS, ModuleFailed, ModuleLoadError, WasmPolicy
 from tests.helpers import wait_until
 
 EXAMPLES = Path(__file__).parents[3] / "edge" / "policy" / "examples"
@@ -362,3 +362,63 @@ async def test_a_poll_that_fails_neither_stops_the_poller_nor_raises_from_aclose
         await gw.aclose()
     with pytest.raises(PolicyRefused):
         check(gw, "hello")
+
+
+# -- memory: `memory_bytes` bounds the module, not each of its memories -----------------------
+
+ANOTHER_MEMORY = {
+    "multi-memory": (
+        HEAD + f"(memory $more 256 256) {ANSWERS})",
+        "failed to parse WebAssembly module: multiple memories",
+    ),
+    "gc-heap": (
+        HEAD + f"(type $bytes (array (mut i8))) {ANSWERS})",
+        "failed to parse WebAssembly module: array indexed types not supported without the gc",
+    ),
+    "exceptions": (
+        HEAD + f"(tag $oops) {ANSWERS})",
+        "failed to parse WebAssembly module: exceptions proposal not enabled",
+    ),
+    "shared-memory": (
+        '(module (memory (export "memory") 1 1 shared)'
+        ' (func (export "alloc") (param i32) (result i32) (i32.const 1024))'
+        f" {ANSWERS})",
+        "failed to parse WebAssembly module: threads must be enabled for shared memories",
+    ),
+    "two-tables": (
+        HEAD + f"(table 1 funcref) (table 1 funcref) {ANSWERS})",
+        "cannot instantiate: resource limit exceeded: table count too high at 2",
+    ),
+    "a-huge-table": (
+        HEAD + f"(table {MAX_TABLE_ELEMENTS + 1} funcref) {ANSWERS})",
+        f"cannot instantiate: table minimum size of {MAX_TABLE_ELEMENTS + 1} elements exceeds"
+        " table limits",
+    ),
+}
+
+
+@pytest.mark.parametrize(("wat", "error"), ANOTHER_MEMORY.values(), ids=ANOTHER_MEMORY.keys())
+def test_a_module_with_memory_beside_its_one_memory_is_refused(
+    tmp_path: Path, wat: str, error: str
+) -> None:
+    """Each memory, table or heap would get its own limit: 65 memories of 16 MiB took an edge
+    from 97 to 1066 MiB. Such a module does not load."""
+    config = WasmConfig(id="m", path=module_file(tmp_path, "more", wat), memory_bytes=16 << 20)
+    with pytest.raises(ModuleLoadError) as info:
+        WasmPolicy(config)
+    assert str(info.value).startswith(error), str(info.value)
+
+
+def test_the_table_cannot_grow_past_its_limit(tmp_path: Path) -> None:
+    """The module answers deny when `table.grow` succeeds; with the limit it gets -1."""
+    wat = (
+        HEAD
+        + f"""(table 1 funcref)
+      (data (i32.const 100) "{{\\"action\\":\\"deny\\"}}")
+      (func (export "check") (param i32 i32) (result i64)
+        (if (i32.eq (table.grow (ref.null func) (i32.const {MAX_TABLE_ELEMENTS})) (i32.const -1))
+          (then (return (i64.const 18))))
+        (i64.const {(100 << 32) | 17})))"""
+    )
+    policy = WasmPolicy(WasmConfig(id="m", path=module_file(tmp_path, "table", wat)))
+    assert policy.check(b"{}").action == "allow"
