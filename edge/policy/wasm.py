@@ -16,7 +16,9 @@ Loading compiles the file and instantiates it once with the ABI's checks (no imp
 exports with their signatures; within the memory limits), at start and on every reload: a module
 that cannot answer is refused there, not on each request. The engine refuses the proposals that
 give a module memory beside its one linear memory (multi-memory, GC, exceptions, threads), and a
-store allows one memory and one table, so `memory_bytes` bounds the module.
+store allows one memory and one table, so `memory_bytes` bounds the module. An answer is at most
+`MAX_ANSWER_BYTES` long with at most `MAX_SPANS` spans: reading it runs on the event loop,
+outside the fuel.
 
 Hot reload: `reload()` (SIGHUP) or a changed modification time (polled in a background task)
 loads the file again, in a thread, and swaps the new module and its first instance in one
@@ -81,6 +83,14 @@ class WasmAnswer:
     reason: str = ""
     spans: list[tuple[int, int]] | None = None
 
+
+MAX_ANSWER_BYTES = 64 * 1024
+"""The longest answer the host reads: a longer one is an ABI failure. Reading, parsing and
+applying an answer runs on the event loop, outside the module's fuel, so its size is bounded
+here (1024 spans take about 20 KiB)."""
+
+MAX_SPANS = 1024
+"""The most spans one `redact` answer may give: more is an ABI failure."""
 
 MAX_TABLE_ELEMENTS = 1 << 17
 """The most elements of the module's one table (1 MiB at 8 bytes each): tables, like linear
@@ -198,6 +208,10 @@ class _Instance:
         view[buf : buf + n] = data
         packed = self._invoke(self._check, buf, n)
         out_ptr, out_len = (packed >> 32) & 0xFFFFFFFF, packed & 0xFFFFFFFF
+        if out_len > MAX_ANSWER_BYTES:
+            raise ModuleFailed(
+                "abi", f"the answer is {out_len} bytes, above the limit of {MAX_ANSWER_BYTES}"
+            )
         if out_ptr + out_len > len(view):
             view = self._view = self._map()
         if out_ptr + out_len > len(view) or out_len == 0:
@@ -417,17 +431,24 @@ def _parse_answer(raw: bytes) -> WasmAnswer:
         reason = obj.get("reason")
         return WasmAnswer("deny", reason[:200] if isinstance(reason, str) else "")
     if action == "redact":
-        spans = obj.get("spans")
-        if not isinstance(spans, list) or not all(
-            isinstance(s, list)
-            and len(s) == 2
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in s)
-            and 0 <= s[0] <= s[1]
-            for s in spans
-        ):
-            raise ModuleFailed("abi", "redact spans must be [[start, end], ...]")
-        return WasmAnswer("redact", spans=[(s[0], s[1]) for s in spans])
+        return WasmAnswer("redact", spans=_spans(obj.get("spans")))
     raise ModuleFailed("abi", f"unknown action {action!r}")
+
+
+def _spans(spans: object) -> list[tuple[int, int]]:
+    if not isinstance(spans, list):
+        raise ModuleFailed("abi", "redact spans must be [[start, end], ...]")
+    if len(spans) > MAX_SPANS:
+        raise ModuleFailed("abi", f"{len(spans)} redact spans, above the limit of {MAX_SPANS}")
+    if not all(
+        isinstance(s, list)
+        and len(s) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in s)
+        and 0 <= s[0] <= s[1]
+        for s in spans
+    ):
+        raise ModuleFailed("abi", "redact spans must be [[start, end], ...]")
+    return [(s[0], s[1]) for s in spans]
 
 
 def _summary(text: str) -> str:
@@ -443,6 +464,8 @@ def _summary(text: str) -> str:
 
 
 __all__ = [
+    "MAX_ANSWER_BYTES",
+    "MAX_SPANS",
     "MAX_TABLE_ELEMENTS",
     "ModuleFailed",
     "ModuleLoadError",

@@ -1,0 +1,94 @@
+"""WebAssembly policies' answers: an answer past the size or span-count limit is an ABI failure
+(failing closed or open as configured, and counted)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import wasmtime
+
+from edge.errors import PolicyUnavailable
+from edge.policy.config import PolicyConfig, WasmConfig
+from edge.policy.gateway import PolicyGateway
+from edge.policy.wasm import MAX_ANSWER_BYTES, MAX_SPANS
+
+CHAT = "/v1/chat/completions"
+PROMPT = "call me at bob@example.com"  # 26 bytes: "bob@example.com" is [11, 26)
+
+
+def answering(tmp_path: Path, answer: bytes) -> str:
+    """A module whose `check` answers `answer`, held in a data segment (no fuel spent on it)."""
+    at = 65536
+    pages = (at + len(answer)) // 65536 + 1
+    data = "".join(f"\\{b:02x}" for b in answer)
+    packed = (at << 32) | len(answer)
+    wat = f"""(module (memory (export "memory") {pages})
+      (data (i32.const {at}) "{data}")
+      (func (export "alloc") (param i32) (result i32) (i32.const 1024))
+      (func (export "check") (param i32 i32) (result i64) (i64.const {packed})))"""
+    path = tmp_path / "answer.wasm"
+    path.write_bytes(wasmtime.wat2wasm(wat))
+    return str(path)
+
+
+def redact(spans: list[list[int]]) -> bytes:
+    return orjson.dumps({"action": "redact", "spans": spans})
+
+
+def gateway(path: str, **wasm: Any) -> tuple[PolicyGateway, list[tuple[str, str]]]:
+    failures: list[tuple[str, str]] = []
+    config = PolicyConfig(wasm=[WasmConfig(id="mod", path=path, **wasm)])
+    config.validate()
+    gw = PolicyGateway(config, on_module_failure=lambda m, k: failures.append((m, k)))
+    return gw, failures
+
+
+def check(gw: PolicyGateway, body: dict[str, Any]) -> Any:
+    return gw.check(CHAT, body, tenant="t", tier="pro", stream=False)
+
+
+def chat(*texts: str) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": "user", "content": t} for t in texts]}
+
+
+def refused_as_abi(tmp_path: Path, answer: bytes) -> None:
+    """The answer fails closed (503, counted `abi`) and, configured open, lets the request
+    through unchanged as `allow_on_error`."""
+    path = answering(tmp_path, answer)
+    gw, failures = gateway(path)
+    with pytest.raises(PolicyUnavailable) as info:
+        check(gw, chat(PROMPT))
+    assert info.value.status == 503 and info.value.rule == "mod"
+    assert failures == [("mod", "abi")]
+    gw, failures = gateway(path, on_error="open")
+    body = chat(PROMPT)
+    outcome = check(gw, body)
+    assert outcome.decision == "allow_on_error" and outcome.rules == ["mod"]
+    assert body["messages"][0]["content"] == PROMPT
+    assert failures == [("mod", "abi")]
+
+
+def test_an_answer_longer_than_the_limit_is_an_abi_failure(tmp_path: Path) -> None:
+    # well-formed, in memory, and each span valid: only its length is wrong
+    count = MAX_ANSWER_BYTES // len(b"[11,26],") + 1
+    answer = redact([[11, 26]] * count)
+    assert len(answer) > MAX_ANSWER_BYTES
+    refused_as_abi(tmp_path, answer)
+
+
+def test_more_spans_than_the_limit_is_an_abi_failure(tmp_path: Path) -> None:
+    answer = redact([[11, 26]] * (MAX_SPANS + 1))
+    assert len(answer) <= MAX_ANSWER_BYTES  # under the size limit: the count refuses it
+    refused_as_abi(tmp_path, answer)
+
+
+def test_an_answer_at_the_limits_is_applied(tmp_path: Path) -> None:
+    spans = [[2 * i, 2 * i + 1] for i in range(MAX_SPANS)]
+    gw, failures = gateway(answering(tmp_path, redact(spans)))
+    body = chat("ab" * MAX_SPANS)
+    assert check(gw, body).decision == "redact"
+    assert body["messages"][0]["content"] == "[REDACTED]b" * MAX_SPANS
+    assert failures == []
