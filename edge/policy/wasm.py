@@ -17,8 +17,8 @@ exports with their signatures; within the memory limits), at start and on every 
 that cannot answer is refused there, not on each request. The engine refuses the proposals that
 give a module memory beside its one linear memory (multi-memory, GC, exceptions, threads), and a
 store allows one memory and one table, so `memory_bytes` bounds the module. An answer is at most
-`MAX_ANSWER_BYTES` long with at most `MAX_SPANS` spans: reading it runs on the event loop,
-outside the fuel.
+`MAX_ANSWER_BYTES` long with at most `MAX_SPANS` spans, each within the prompt: reading it runs
+on the event loop, outside the fuel.
 
 Hot reload: `reload()` (SIGHUP) or a changed modification time (polled in a background task)
 loads the file again, in a thread, and swaps the new module and its first instance in one
@@ -326,7 +326,7 @@ class WasmPolicy:
         try:
             if instance is None:
                 instance = self._instance = _Instance(self.engine, module, self.config.memory_bytes)
-            answer = _parse_answer(instance.call(view, self.config.fuel))
+            answer = _parse_answer(instance.call(view, self.config.fuel), view)
         except ModuleFailed as exc:
             if self._instance is instance:
                 self._instance = None  # its memory may be in any state now
@@ -417,7 +417,7 @@ _ALLOW = b'{"action":"allow"}'
 JSON parse (~12 us on a cold CPU cache)."""
 
 
-def _parse_answer(raw: bytes) -> WasmAnswer:
+def _parse_answer(raw: bytes, view: bytes) -> WasmAnswer:
     if raw == _ALLOW:
         return WasmAnswer("allow")
     try:
@@ -431,11 +431,14 @@ def _parse_answer(raw: bytes) -> WasmAnswer:
         reason = obj.get("reason")
         return WasmAnswer("deny", reason[:200] if isinstance(reason, str) else "")
     if action == "redact":
-        return WasmAnswer("redact", spans=_spans(obj.get("spans")))
+        return WasmAnswer("redact", spans=_spans(obj.get("spans"), view))
     raise ModuleFailed("abi", f"unknown action {action!r}")
 
 
-def _spans(spans: object) -> list[tuple[int, int]]:
+def _spans(spans: object, view: bytes) -> list[tuple[int, int]]:
+    """A redact answer's spans, checked against the prompt the module read, sorted, with
+    overlapping or touching ones merged (one marker each) and empty ones dropped (they redact
+    nothing)."""
     if not isinstance(spans, list):
         raise ModuleFailed("abi", "redact spans must be [[start, end], ...]")
     if len(spans) > MAX_SPANS:
@@ -444,11 +447,31 @@ def _spans(spans: object) -> list[tuple[int, int]]:
         isinstance(s, list)
         and len(s) == 2
         and all(isinstance(v, int) and not isinstance(v, bool) for v in s)
-        and 0 <= s[0] <= s[1]
         for s in spans
     ):
         raise ModuleFailed("abi", "redact spans must be [[start, end], ...]")
-    return [(s[0], s[1]) for s in spans]
+    # The offsets are into the prompt as the module read it: the view's, parsed again only
+    # here (a redact answer is rare; the view is at most the request body).
+    try:
+        parsed = orjson.loads(view) if spans else None
+    except orjson.JSONDecodeError:
+        parsed = None
+    prompt = parsed.get("prompt") if isinstance(parsed, dict) else None
+    size = len(prompt.encode()) if isinstance(prompt, str) else 0
+    merged: list[tuple[int, int]] = []
+    for start, end in sorted((s[0], s[1]) for s in spans):
+        if not 0 <= start <= end <= size:
+            raise ModuleFailed(
+                "abi", f"redact span [{start}, {end}] is not within the prompt's {size} bytes"
+            )
+        if start == end:
+            continue
+        if merged and start <= merged[-1][1]:
+            if end > merged[-1][1]:
+                merged[-1] = (merged[-1][0], end)
+        else:
+            merged.append((start, end))
+    return merged
 
 
 def _summary(text: str) -> str:

@@ -1,5 +1,6 @@
-"""WebAssembly policies' answers: an answer past the size or span-count limit is an ABI failure
-(failing closed or open as configured, and counted)."""
+"""WebAssembly policies' answers: an answer past the size or span-count limit, and redact spans
+outside the prompt, are ABI failures (failing closed or open as configured, and counted);
+overlapping spans give one marker, empty ones redact nothing."""
 
 from __future__ import annotations
 
@@ -91,4 +92,56 @@ def test_an_answer_at_the_limits_is_applied(tmp_path: Path) -> None:
     body = chat("ab" * MAX_SPANS)
     assert check(gw, body).decision == "redact"
     assert body["messages"][0]["content"] == "[REDACTED]b" * MAX_SPANS
+    assert failures == []
+
+
+@pytest.mark.parametrize(
+    "spans",
+    [[[40, 55]], [[11, 27]], [[11, 26], [26, 30]], [[-1, 3]], [[5, 3]]],
+    ids=["past-the-end", "one-byte-over", "one-of-two", "negative", "reversed"],
+)
+def test_spans_outside_the_prompt_are_an_abi_failure(
+    tmp_path: Path, spans: list[list[int]]
+) -> None:
+    refused_as_abi(tmp_path, redact(spans))
+
+
+def test_span_offsets_are_bytes_of_the_prompt_as_the_module_read_it(tmp_path: Path) -> None:
+    """Two messages are one prompt joined by "\\n"; "é" is two bytes: 4 + 1 + 5 = 10 bytes."""
+    gw, failures = gateway(answering(tmp_path, redact([[5, 10]])))
+    body = chat("name", "José")
+    assert check(gw, body).decision == "redact"
+    assert [m["content"] for m in body["messages"]] == ["name", "[REDACTED]"]
+    gw, failures = gateway(answering(tmp_path, redact([[5, 11]])))
+    with pytest.raises(PolicyUnavailable):
+        check(gw, chat("name", "José"))
+    assert failures == [("mod", "abi")]
+
+
+@pytest.mark.parametrize(
+    ("spans", "redacted"),
+    [
+        ([[11, 20], [13, 15]], "call me at [REDACTED]le.com"),
+        ([[13, 26], [11, 20]], "call me at [REDACTED]"),
+        ([[11, 15], [15, 26]], "call me at [REDACTED]"),
+        ([[0, 4], [11, 26], [5, 5]], "[REDACTED] me at [REDACTED]"),
+    ],
+    ids=["nested", "overlapping-unsorted", "touching", "with-an-empty-one"],
+)
+def test_overlapping_spans_give_one_marker(
+    tmp_path: Path, spans: list[list[int]], redacted: str
+) -> None:
+    gw, failures = gateway(answering(tmp_path, redact(spans)))
+    body = chat(PROMPT)
+    assert check(gw, body).decision == "redact"
+    assert body["messages"][0]["content"] == redacted
+    assert failures == []
+
+
+def test_empty_spans_redact_nothing(tmp_path: Path) -> None:
+    gw, failures = gateway(answering(tmp_path, redact([[5, 5], [26, 26]])))
+    body = chat(PROMPT)
+    outcome = check(gw, body)
+    assert outcome.decision == "allow" and outcome.rules == [] and not outcome.redacted
+    assert body["messages"][0]["content"] == PROMPT
     assert failures == []
