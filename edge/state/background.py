@@ -26,7 +26,7 @@ from cachetools import TTLCache
 
 from edge.errors import StateUnavailable
 from edge.state.config import ConversationConfig
-from edge.state.redis_store import RedisState
+from edge.state.redis_store import RedisState, Unreadable, warn_unreadable
 
 POLL_S = 0.5
 """How often a running background turn reads its record for a cancel."""
@@ -72,9 +72,30 @@ class Record:
 
     @classmethod
     def decode(cls, blob: bytes) -> Record:
-        obj = orjson.loads(blob)
-        return cls(str(obj["s"]), dict(obj["m"]), obj.get("e"), list(obj.get("i") or []),
+        """A stored record; `Unreadable` for a value of any other shape."""
+        try:
+            obj = orjson.loads(blob)
+        except orjson.JSONDecodeError as exc:
+            raise Unreadable(f"not JSON: {exc}") from None
+        if not (
+            isinstance(obj, dict) and isinstance(obj.get("s"), str)
+            and isinstance(obj.get("m"), dict) and isinstance(obj.get("e") or {}, dict)
+            and isinstance(obj.get("i") or [], list)
+        ):  # fmt: skip
+            raise Unreadable("not a background response's record")
+        return cls(obj["s"], obj["m"], obj.get("e"), list(obj.get("i") or []),
                    bool(obj.get("h")))  # fmt: skip
+
+    @classmethod
+    def read(cls, blob: bytes | None, what: str) -> Record | None:
+        """`decode`, with None for no value or one this edge cannot read (logged)."""
+        if blob is None:
+            return None
+        try:
+            return cls.decode(blob)
+        except Unreadable as err:
+            warn_unreadable(what, err)
+            return None
 
     def as_read(self) -> Record:
         """What a reader is told: a running record whose heartbeat ran out is `failed`."""
@@ -116,8 +137,7 @@ class MemoryRecords:
         self._data[(tenant, rid)] = record.encode()
 
     async def get(self, tenant: str, rid: str) -> Record | None:
-        blob = self._data.get((tenant, rid))
-        return None if blob is None else Record.decode(blob)
+        return Record.read(self._data.get((tenant, rid)), f"record {rid}")
 
     async def delete(self, tenant: str, rid: str) -> None:
         self._data.pop((tenant, rid), None)
@@ -152,7 +172,7 @@ class RedisRecords:
         blob, alive = await self._redis.get_many(
             [self._key(tenant, rid), self._alive_key(tenant, rid)]
         )
-        record = None if blob is None else Record.decode(blob)
+        record = Record.read(blob, f"record {rid} of tenant {tenant!r}")
         if record is not None and record.beat:
             record.alive = alive is not None
         return record
@@ -171,7 +191,7 @@ class RedisRecords:
         blob = await self._redis.get_and_set(
             self._key(tenant, rid), self._alive_key(tenant, rid), b"1", self._beat_ms
         )
-        return None if blob is None else Record.decode(blob)
+        return Record.read(blob, f"record {rid} of tenant {tenant!r}")
 
 
 END = b""

@@ -25,7 +25,7 @@ import orjson
 
 from edge.errors import ConversationNotFound, InvalidRequest
 from edge.state.config import ConversationConfig
-from edge.state.redis_store import RedisState
+from edge.state.redis_store import RedisState, Unreadable, warn_unreadable
 from edge.state.stored import order_and_limit, page
 
 MAX_LIST_SCAN = 10_000
@@ -47,8 +47,26 @@ class StoredCompletion:
 
     @classmethod
     def decode(cls, blob: bytes) -> StoredCompletion:
-        obj = orjson.loads(blob)
-        return cls(dict(obj["c"]), list(obj["m"]))
+        """A stored completion; `Unreadable` for a value of any other shape."""
+        try:
+            obj = orjson.loads(blob)
+        except orjson.JSONDecodeError as exc:
+            raise Unreadable(f"not JSON: {exc}") from None
+        if not (isinstance(obj, dict) and isinstance(obj.get("c"), dict)
+                and isinstance(obj.get("m"), list)):  # fmt: skip
+            raise Unreadable("not a stored completion")
+        return cls(obj["c"], obj["m"])
+
+    @classmethod
+    def read(cls, blob: bytes | None, what: str) -> StoredCompletion | None:
+        """`decode`, with None for no value or one this edge cannot read (logged)."""
+        if blob is None:
+            return None
+        try:
+            return cls.decode(blob)
+        except Unreadable as err:
+            warn_unreadable(what, err)
+            return None
 
 
 class CompletionStore(Protocol):
@@ -212,10 +230,11 @@ class StoredCompletions:
         return True
 
     async def _load(self, tenant: str, cid: str) -> StoredCompletion:
-        blob = await self.store.get(tenant, cid)
-        if blob is None:
+        what = f"chat completion {cid[:80]!r} of tenant {tenant!r}"
+        stored = StoredCompletion.read(await self.store.get(tenant, cid), what)
+        if stored is None:
             raise _not_found(cid)
-        return StoredCompletion.decode(blob)
+        return stored
 
     async def retrieve(self, tenant: str, cid: str) -> dict[str, Any]:
         """`GET /v1/chat/completions/{id}`."""
@@ -266,9 +285,10 @@ class StoredCompletions:
         # read in batches, only as far as the page needs (one more tells `has_more`)
         for start in range(0, len(ids), LIST_BATCH):
             for blob in await self.store.get_many(tenant, ids[start : start + LIST_BATCH]):
-                if blob is None:
+                stored = StoredCompletion.read(blob, f"a chat completion of tenant {tenant!r}")
+                if stored is None:
                     continue
-                completion = StoredCompletion.decode(blob).completion
+                completion = stored.completion
                 metadata = completion.get("metadata") or {}
                 if (model is None or completion.get("model") == model) and all(
                     metadata.get(k) == v for k, v in wanted.items()

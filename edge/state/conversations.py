@@ -34,7 +34,7 @@ from cachetools import TTLCache
 
 from edge.errors import ConversationBusy, ConversationNotFound, PayloadTooLarge, StateUnavailable
 from edge.state.config import ConversationConfig
-from edge.state.redis_store import RedisState
+from edge.state.redis_store import RedisState, Unreadable, warn_unreadable
 
 CONVERSATION_HEADER = "x-quicedge-conversation"
 NEW = "new"
@@ -130,12 +130,31 @@ class History:
 
     @classmethod
     def decode(cls, blob: bytes) -> History:
-        obj = orjson.loads(blob)
-        turns = obj["t"]
-        meta = obj.get("u") or []  # a blob stored before turns kept theirs
-        return cls(obj["p"], obj["m"], turns, obj["c"], [{}] * (len(turns) - len(meta)) + meta,
-                   int(obj.get("s") or 0), obj.get("d") or {}, obj.get("q") or [],
-                   int(obj.get("r") or 0))  # fmt: skip
+        """A stored history; `Unreadable` for a value of any other shape (checked whole here,
+        so nothing later meets a part of the wrong type)."""
+        try:
+            obj = orjson.loads(blob)
+        except orjson.JSONDecodeError as exc:
+            raise Unreadable(f"not JSON: {exc}") from None
+        if not isinstance(obj, dict):
+            raise Unreadable("not a JSON object")
+        get: Callable[[str], Any] = obj.get
+        pinned, messages, turns, count = get("p"), get("m"), get("t"), get("c")
+        meta = get("u") or []  # a blob stored before turns kept theirs
+        metadata, pending, created, removed = get("d") or {}, get("q") or [], get("s"), get("r")
+        created, removed = created or 0, removed or 0
+        if not (
+            _objects(pinned) and _objects(messages) and _objects(meta) and _objects(pending)
+            and isinstance(turns, list) and all(type(t) is int for t in turns)
+            and all(0 < a <= b for a, b in zip([1, *turns], turns, strict=False))
+            and (not turns or turns[-1] <= len(messages))
+            and type(count) is int and count >= len(turns) and len(meta) <= len(turns)
+            and isinstance(metadata, dict) and type(removed) is int
+            and type(created) in (int, float)
+        ):  # fmt: skip
+            raise Unreadable("not a stored conversation")
+        return cls(pinned, messages, turns, count, [{}] * (len(turns) - len(meta)) + meta,
+                   int(created), metadata, pending, removed)  # fmt: skip
 
     def copy(self) -> History:
         return History(
@@ -265,6 +284,11 @@ class History:
         self.turns = [t - end for t in self.turns[1:]]
         self.meta = self.meta[1:]
         return True
+
+
+def _objects(value: Any) -> bool:
+    """A JSON list of objects."""
+    return isinstance(value, list) and all(isinstance(v, dict) for v in value)
 
 
 def _without_removed(message: dict[str, Any]) -> dict[str, Any] | None:
@@ -515,10 +539,9 @@ class Conversations:
         if token is not None and not await self.store.lease(tenant, cid, token):
             raise ConversationBusy(BUSY)
         try:
-            blob = await self.store.load(tenant, cid)
-            if blob is None:
+            history = self._decode(await self.store.load(tenant, cid), tenant, cid)
+            if history is None:
                 raise missing
-            history = History.decode(blob)
             base = history if after is None else history.upto(after)
             if base is None:
                 raise missing
@@ -593,10 +616,9 @@ class Conversations:
         if not await self.store.lease(tenant, cid, token):
             raise ConversationBusy(BUSY)
         try:
-            blob = await self.store.load(tenant, cid)
-            if blob is None:
+            history = self._decode(await self.store.load(tenant, cid), tenant, cid)
+            if history is None:
                 raise missing
-            history = History.decode(blob)
             change(history)
             if messages_size(history.prompt(history.pending)) > self.config.max_bytes:
                 raise PayloadTooLarge(
@@ -611,9 +633,21 @@ class Conversations:
         return history
 
     async def history(self, tenant: str, cid: str) -> History | None:
-        """A stored conversation as it is now (None: unknown or expired); read only."""
-        blob = await self.store.load(tenant, cid)
-        return None if blob is None else History.decode(blob)
+        """A stored conversation as it is now (None: unknown, expired or unreadable); read
+        only."""
+        return self._decode(await self.store.load(tenant, cid), tenant, cid)
+
+    @staticmethod
+    def _decode(blob: bytes | None, tenant: str, cid: str) -> History | None:
+        """The stored history; None when there is none, or none this edge can read (logged:
+        answered as not found, as OpenAI's shape has no better word for it)."""
+        if blob is None:
+            return None
+        try:
+            return History.decode(blob)
+        except Unreadable as err:
+            warn_unreadable(f"conversation {conversation_name(cid)} of tenant {tenant!r}", err)
+            return None
 
     async def delete(self, tenant: str, cid: str) -> bool:
         """Forget a conversation, every turn of it; False when there was none."""

@@ -11,18 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from edge.admission.redis_guard import RedisGuard, RedisUnavailable
 from edge.admission.settings import RedisSettings
 from edge.errors import StateUnavailable
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 # Commit a conversation only while this turn still holds its lease (the value is the turn's
 # token): a turn whose lease expired and was taken by another cannot overwrite the history.
@@ -60,6 +63,27 @@ end
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 return 1
 """
+
+
+class Unreadable(ValueError):
+    """A stored value this edge cannot read: another version's format, another program's key
+    under the same prefix, a partial restore. Readers treat it as not there (a 404)."""
+
+
+UNREADABLE_WARN_S = 30.0
+"""At most one warning about unreadable values per this many seconds (a client may ask again
+and again)."""
+_last_unreadable = -UNREADABLE_WARN_S
+
+
+def warn_unreadable(what: str, err: Exception) -> None:
+    """Log an unreadable value (rate-limited): an operator should know, a client gets a 404."""
+    global _last_unreadable
+    now = time.monotonic()
+    if now - _last_unreadable >= UNREADABLE_WARN_S:
+        _last_unreadable = now
+        log.warning("%s holds a value this edge cannot read (%s); answered as not found", what,
+                    err)  # fmt: skip
 
 
 FAILURES_TO_OPEN = 3
@@ -122,14 +146,27 @@ class RedisState:
                 f"the state store did not answer ({what}): {exc}; retry shortly"
             ) from None
 
-    async def get(self, key: str) -> bytes | None:
-        value: Any = await self._call("get", lambda: self.client.get(key))
+    async def _string(self, what: str, call: Callable[[], Awaitable[Any]]) -> bytes | None:
+        """A read of a string key. A key of another type (WRONGTYPE) reads as b"", which no
+        decoder accepts: it is an unreadable value, not a Redis failure for the breaker."""
+
+        async def read() -> Any:
+            try:
+                return await call()
+            except ResponseError as exc:
+                if str(exc).startswith("WRONGTYPE"):
+                    return b""
+                raise
+
+        value = await self._call(what, read)
         return value if isinstance(value, bytes) else None
+
+    async def get(self, key: str) -> bytes | None:
+        return await self._string("get", lambda: self.client.get(key))
 
     async def get_refresh(self, key: str, ttl_ms: int) -> bytes | None:
         """GET that also restarts the key's TTL (GETEX PX), in one round trip."""
-        value: Any = await self._call("getex", lambda: self.client.getex(key, px=ttl_ms))
-        return value if isinstance(value, bytes) else None
+        return await self._string("getex", lambda: self.client.getex(key, px=ttl_ms))
 
     async def set(self, key: str, value: bytes, ttl_ms: int) -> None:
         await self._call("set", lambda: self.client.set(key, value, px=ttl_ms))
@@ -318,4 +355,4 @@ class RedisState:
         await self.guard.aclose()
 
 
-__all__ = ["RedisState"]
+__all__ = ["RedisState", "Unreadable", "warn_unreadable"]

@@ -55,12 +55,17 @@ def paused(server: RedisServer) -> Iterator[None]:
 
 
 @contextlib.asynccontextmanager
-async def redis_of(server: RedisServer) -> AsyncIterator[Any]:
-    direct = redis.asyncio.Redis.from_url(server.url)
+async def redis_of_url(url: str) -> AsyncIterator[Any]:
+    """A client of the test's own, to look at (or spoil) what the edge keeps."""
+    direct = redis.asyncio.Redis.from_url(url)
     try:
         yield direct
     finally:
         await direct.aclose()
+
+
+def redis_of(server: RedisServer) -> contextlib.AbstractAsyncContextManager[Any]:
+    return redis_of_url(server.url)
 
 
 async def gone(direct: Any, key: str, within: float = 5.0) -> None:
@@ -340,3 +345,80 @@ async def test_an_event_log_append_tried_again_adds_nothing_twice(
         assert await events.read("t", "r", 0) == [b"0", b"1", b"2", b"3"]
     finally:
         await store.aclose()
+
+
+# -- values this edge cannot read --------------------------------------------------------------
+
+
+UNREADABLE = {
+    "another shape": b'{"p": []}',
+    "not JSON": b"\x00garbage",
+    "a message not an object": b'{"p":[],"m":[1],"t":[1],"c":1}',
+    "turns past the messages": b'{"p":[],"m":[{"role":"user"}],"t":[3],"c":1}',
+    "a hash": None,
+}
+
+
+@pytest.mark.parametrize("value", list(UNREADABLE), ids=list(UNREADABLE))
+async def test_a_stored_value_this_edge_cannot_read_is_a_404_never_a_500(
+    value: str, redis_url: str, redis_prefix: str
+) -> None:
+    """Another version's format, another program's key, a partial restore: every route that
+    reads the conversation answers 404 in OpenAI's shape, and Redis's breaker is not tripped
+    by a key of the wrong type."""
+    async with TinyUpstream(ChatUpstream()) as up:
+        config = fast_config([up.url], state=state(redis_url, redis_prefix))
+        async with run_edge(config) as edge, client(edge) as http:
+            name = (await turn(http, "new")).headers[CONV]
+            key = f"{redis_prefix}conv:anonymous:{name[len('conv_') :]}"
+            async with redis_of_url(redis_url) as direct:
+                await direct.delete(key)
+                if UNREADABLE[value] is None:
+                    await direct.hset(key, "p", "[]")
+                else:
+                    await direct.set(key, UNREADABLE[value])
+            base = f"/v1/conversations/{name}"
+            added = {"items": [{"role": "user", "content": "x"}]}
+            answers = [
+                await turn(http, name),
+                await http.get(base),
+                await http.get(base + "/items"),
+                await http.post(base, json={"metadata": {"a": "b"}}),
+                await http.post(base + "/items", json=added),
+                await http.post("/v1/responses", json={"input": "Hi", "conversation": name}),
+                await http.post("/v1/responses", json={"input": "Hi", "previous_response_id":
+                                                       f"resp_{name[len('conv_') :]}00000001"}),
+            ]  # fmt: skip
+            for answer in answers:
+                assert answer.status_code == 404, answer.text
+                code = answer.json()["error"]["code"]
+                assert code in ("conversation_not_found", "previous_response_not_found"), code
+            assert (await turn(http, "new")).status_code == 200  # the breaker stayed closed
+            assert await metric(edge, 'quicedge_redis_breaker_trips_total{store="state"}') == 0
+
+
+async def test_an_unreadable_record_or_stored_completion_is_a_404(
+    redis_url: str, redis_prefix: str
+) -> None:
+    async with TinyUpstream(ChatUpstream()) as up:
+        config = fast_config([up.url], state=state(redis_url, redis_prefix))
+        async with run_edge(config) as edge, client(edge) as http:
+            kept = await http.post(CHAT, json={"messages": [USER], "store": True})
+            cid = kept.json()["id"]
+            async with asyncio.timeout(5):  # kept after the answer went out
+                while (await http.get(f"{CHAT}/{cid}")).status_code != 200:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+            rid = "resp_" + "ab" * 16
+            async with redis_of_url(redis_url) as direct:
+                await direct.set(f"{redis_prefix}bg:anonymous:{rid}", b'{"s": 1}')
+                await direct.set(f"{redis_prefix}chatcmpl:anonymous:{cid}", b"[]")
+            for path, code in (
+                (f"/v1/responses/{rid}", "response_not_found"),
+                (f"/v1/responses/{rid}/input_items", "response_not_found"),
+                (f"{CHAT}/{cid}", "chat_completion_not_found"),
+            ):
+                answer = await http.get(path)
+                assert answer.status_code == 404, answer.text
+                assert answer.json()["error"]["code"] == code
+            listed = await http.get(CHAT)
+            assert listed.status_code == 200 and listed.json()["data"] == [], listed.text
