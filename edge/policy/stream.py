@@ -23,8 +23,10 @@ them yet either). A match longer than `lookbehind` characters is not caught.
 
 from __future__ import annotations
 
+import json
 import re
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -88,9 +90,11 @@ class StreamRules:
     def match(self, text: bytes, pos: int) -> str | None:
         """The id of the rule with the leftmost match in `text[pos:]` (UTF-8), or None."""
         start = self.pattern.Match(_UNANCHORED, text, pos, len(text))[0][0]
-        if start < 0:
-            return None
-        # leftmost-first, as the alternation: the first rule that matches where the match starts
+        return None if start < 0 else self.rule_at(text, start)
+
+    def rule_at(self, text: bytes, start: int) -> str:
+        """The rule whose match the alternation found at `start`: leftmost-first, as the
+        alternation, the first rule that matches there."""
         for rule_id, rule in zip(self.ids, self.rules, strict=True):
             if rule.Match(_ANCHOR_START, text, start, len(text))[0] != _NO_SPAN:
                 return rule_id
@@ -117,25 +121,53 @@ def check_pattern(pattern: str) -> str | None:
     return None
 
 
+Key = tuple[int, int, int]
+"""Whose text a window holds: (choice index, kind, tool-call index); kinds below."""
+_TEXT, _REASONING, _CALL = 0, 1, 2
+"""Kinds of text: `content` (`text` outside chat), `reasoning_content`, a tool call's
+`arguments`: a client reads each as a separate string, so each has its own window."""
+_FIRST_TEXT: Key = (0, _TEXT, 0)
+_FIRST_REASONING: Key = (0, _REASONING, 0)
+_FIRST_CALL: Key = (0, _CALL, 0)
+MAX_WINDOWS = 256
+"""Windows one stream keeps (a client chooses `n`, and a model how many tools it calls): past
+it, the windows whose tail cannot start a match are dropped (nothing is lost: a match that ends
+later starts in later text); when none can be, the stream is cut as `WINDOWS_RULE`."""
+WINDOWS_RULE = "stream:windows"
+_OTHER_INDEX = re.compile(rb'"index":\s*[^0\s]')
+"""An `index` other than 0 (a second choice, a second tool call): the events are read whole."""
+_LINE = re.compile(rb"\r\n|\r|\n")
+
+
 class StreamGuard:
     """One stream's watch: `feed` each upstream chunk, send what it returns; `finish` at the end.
+
+    Each text of the stream (each choice's content, its reasoning, each of its tool calls'
+    arguments) has its own window, as the client reassembles each on its own: with `n` > 1 or
+    several tool calls their chunks interleave, and one window for all would let another
+    choice's tokens split a match. The common stream, one choice with index 0, is read with a
+    few regex calls; events that name another index are parsed.
 
     After a match, `cut` names the rule and `feed` returned the stream's final events; the relay
     then stops and aborts the upstream request."""
 
     __slots__ = (
         "_chat",
+        "_choices",
         "_cumulative",
+        "_done",
         "_field",
         "_held",
         "_id",
         "_model",
-        "_released_text",
+        "_pending",
+        "_released",
         "_route",
         "_rules",
         "_seen",
         "_tail",
-        "_window",
+        "_unreleased",
+        "_windows",
         "cut",
     )
 
@@ -147,11 +179,18 @@ class StreamGuard:
         self._chat = route == "/v1/chat/completions"
         self._tail = b""
         self._held: list[bytes] = []
-        self._window = ""
-        self._seen = 0
-        """/generate: characters of its cumulative text already looked at."""
-        self._released_text = ""
-        """/generate: the cumulative text of the last event passed on."""
+        self._windows: dict[Key, str] = {}
+        self._pending: set[Key] = set()
+        """Hold mode: the windows whose tail could be the start of a match."""
+        self._choices: set[int] = set()
+        """Choice indices seen in parsed events (bounded): the final events end each."""
+        self._done: list[int] = []
+        """Choices whose last event (a `finish_reason`) the region being read holds."""
+        self._seen: dict[int, int] = {}
+        """/generate: characters of each index's cumulative text already looked at."""
+        self._unreleased: dict[int, str] = {}
+        self._released: dict[int, str] = {}
+        """/generate: each index's cumulative text in the last event passed on."""
         self._id: str | None = None
         self._model: str | None = None
         self.cut: str | None = None
@@ -166,32 +205,7 @@ class StreamGuard:
             self._tail = data
             return b""
         region, self._tail = data[: end + 2], data[end + 2 :]
-        if self._id is None:
-            self._learn_ids(region)
-        text = self._text_of(region)
-        if not text:
-            if self._held:  # no new text: a possible match is neither done nor disproved
-                self._held.append(region)
-                return b""
-            return self._pass(region)
-        new = fold(text)
-        old = self._window
-        window = old + new
-        rules = self._rules
-        # a match that ends in the new text starts at most `span - 1` characters before it
-        start = max(0, len(old) - rules.span + 1)
-        data = window.encode()
-        pos = start if len(data) == len(window) else len(window[:start].encode())
-        self._window = window[-rules.span :]
-        rule = rules.match(data, pos)
-        if rule is not None:
-            self.cut = rule
-            self._held.clear()
-            return self._final()
-        if rules.hold and rules.could_start(data, pos):
-            self._held.append(region)
-            return b""
-        return self._pass(region)
+        return self._check(region)
 
     def finish(self) -> bytes:
         """The stream ended without a match: whatever is still held goes out."""
@@ -202,35 +216,177 @@ class StreamGuard:
         self._tail = b""
         return out
 
+    def _check(self, region: bytes) -> bytes:
+        """What to send for `region`, complete events: itself, with what was held, or nothing."""
+        if self._id is None:
+            self._learn_ids(region)
+        texts = self._texts(region)
+        for key, text in texts:
+            rule = self._watch(key, text)
+            if rule is not None:
+                self.cut = rule
+                self._held.clear()
+                return self._final()
+        if self._done:  # those choices will say no more: their windows cannot complete a match
+            self._forget(self._done)
+            self._done.clear()
+        if self._pending:  # (no new text for them: a possible match is neither done nor disproved)
+            self._held.append(region)
+            return b""
+        return self._pass(region)
+
+    def _watch(self, key: Key, text: str) -> str | None:
+        """Add `text` to `key`'s window: the rule it completes a match of, or None."""
+        new = fold(text)
+        if not new:
+            return None
+        windows = self._windows
+        old = windows.get(key)
+        if old is None:
+            if len(windows) >= MAX_WINDOWS and not self._make_room():
+                return WINDOWS_RULE
+            old = ""
+        window = old + new
+        rules = self._rules
+        # a match that ends in the new text starts at most `span - 1` characters before it
+        start = max(0, len(old) - rules.span + 1)
+        data = window.encode()
+        pos = start if len(data) == len(window) else len(window[:start].encode())
+        start = rules.pattern.Match(_UNANCHORED, data, pos, len(data))[0][0]
+        if start >= 0:
+            return rules.rule_at(data, start)
+        windows[key] = window[-rules.span :]
+        if rules.hold:
+            if rules.could_start(data, pos):
+                self._pending.add(key)
+            elif self._pending:
+                self._pending.discard(key)
+        return None
+
+    def _make_room(self) -> bool:
+        """Drop every window whose tail cannot start a match; False when none could go."""
+        rules, pending = self._rules, self._pending
+        if rules.hold:  # its partial check already ran: the pending ones are the others
+            idle = [k for k in self._windows if k not in pending]
+        else:
+            idle = [k for k, w in self._windows.items() if not rules.could_start(w.encode(), 0)]
+        for key in idle:
+            del self._windows[key]
+            self._seen.pop(key[0], None)
+        return bool(idle)
+
+    def _forget(self, choices: list[int]) -> None:
+        for key in [k for k in self._windows if k[0] in choices]:
+            del self._windows[key]
+            self._pending.discard(key)
+        for choice in choices:
+            self._seen.pop(choice, None)
+
     def _pass(self, region: bytes) -> bytes:
         if self._held:
             self._held.append(region)
             region = b"".join(self._held)
             self._held.clear()
-        if self._cumulative:
-            self._remember_released(region)
+        if self._unreleased:
+            self._released.update(self._unreleased)
+            self._unreleased.clear()
         return region
 
-    def _text_of(self, region: bytes) -> str:
+    def _texts(self, region: bytes) -> list[tuple[Key, str]]:
+        """The new text of each window in `region`, in the order the events give it."""
+        if self._pending:  # something is held: a choice's end decides it too, so read it whole
+            return self._parsed(region)
         found = self._field.findall(region)
+        calls = thinking = None
         if self._chat:  # (SGLang sends `"reasoning_content":null` in every text chunk)
             if has_string(region, ARGUMENTS_KEY):
-                found += ARGUMENTS.findall(region)
+                calls = ARGUMENTS.findall(region)
             if has_string(region, REASONING_KEY):
-                found += REASONING.findall(region)
-        if not found:
-            return ""
+                thinking = REASONING.findall(region)
+        if not (found or calls or thinking):
+            return []
+        if _OTHER_INDEX.search(region) is not None:
+            return self._parsed(region)
         if self._cumulative:
-            whole = _decode(found[-1])
-            new = whole[self._seen :]
-            self._seen = max(self._seen, len(whole))
-            return new
-        return "".join(_decode(m) for m in found if m)
+            return [(_FIRST_TEXT, self._new_part(0, _decode(found[-1])))]
+        if len(found) == 1 and not (calls or thinking):  # the usual chunk: one event's text
+            return [(_FIRST_TEXT, _decode(found[0]))]
+        return self._scanned(region, found, calls, thinking)
 
-    def _remember_released(self, region: bytes) -> None:
-        found = self._field.findall(region)
+    def _scanned(
+        self,
+        region: bytes,
+        found: list[bytes] | None = None,
+        calls: list[bytes] | None = None,
+        thinking: list[bytes] | None = None,
+    ) -> list[tuple[Key, str]]:
+        """The texts the field regexes find in `region`, as the first choice's."""
+        if found is None:
+            if self._cumulative:
+                return []
+            found = self._field.findall(region)
+            if self._chat:
+                calls, thinking = ARGUMENTS.findall(region), REASONING.findall(region)
+        texts = []
         if found:
-            self._released_text = _decode(found[-1])
+            texts.append((_FIRST_TEXT, "".join(_decode(m) for m in found if m)))
+        if thinking:
+            texts.append((_FIRST_REASONING, "".join(_decode(m) for m in thinking if m)))
+        if calls:
+            texts.append((_FIRST_CALL, "".join(_decode(m) for m in calls if m)))
+        return texts
+
+    def _parsed(self, region: bytes) -> list[tuple[Key, str]]:
+        """`_texts` for events that need their structure (several choices or tool calls)."""
+        texts: dict[Key, list[str]] = {}
+        for payload in _payloads(region):
+            obj = _json(payload)
+            if obj is None:  # not JSON: read as the fast path reads it, the first choice's
+                for key, text in self._scanned(payload):
+                    _add(texts, key, text)
+                continue
+            if self._cumulative:
+                index = _index(obj.get("index"), 0)
+                self._note(index)
+                if isinstance(whole := obj.get("text"), str):
+                    _add(texts, (index, _TEXT, 0), self._new_part(index, whole))
+                meta = obj.get("meta_info")
+                if isinstance(meta, dict) and meta.get("finish_reason") is not None:
+                    self._done.append(index)
+                continue
+            choices = obj.get("choices")
+            for position, choice in enumerate(choices if isinstance(choices, list) else ()):
+                if isinstance(choice, dict):
+                    self._read_choice(texts, _index(choice.get("index"), position), choice)
+        return [(key, "".join(parts)) for key, parts in texts.items()]
+
+    def _read_choice(self, texts: dict[Key, list[str]], index: int, choice: dict[str, Any]) -> None:
+        self._note(index)
+        if not self._chat:
+            _add(texts, (index, _TEXT, 0), choice.get("text"))
+        elif isinstance(delta := choice.get("delta") or choice.get("message"), dict):
+            _add(texts, (index, _TEXT, 0), delta.get("content"))
+            _add(texts, (index, _REASONING, 0), delta.get("reasoning_content"))
+            calls = delta.get("tool_calls")
+            for position, call in enumerate(calls if isinstance(calls, list) else ()):
+                if isinstance(call, dict) and isinstance(function := call.get("function"), dict):
+                    key = (index, _CALL, _index(call.get("index"), position))
+                    _add(texts, key, function.get("arguments"))
+            if isinstance(legacy := delta.get("function_call"), dict):
+                _add(texts, (index, _CALL, 0), legacy.get("arguments"))
+        if choice.get("finish_reason") is not None:
+            self._done.append(index)
+
+    def _note(self, index: int) -> None:
+        if len(self._choices) < MAX_WINDOWS:
+            self._choices.add(index)
+
+    def _new_part(self, index: int, whole: str) -> str:
+        """/generate: what `whole`, an index's cumulative text, adds to what was looked at."""
+        seen = self._seen.get(index, 0)
+        self._seen[index] = max(seen, len(whole))
+        self._unreleased[index] = whole
+        return whole[seen:]
 
     def _learn_ids(self, region: bytes) -> None:
         found = _ID.search(region)
@@ -241,7 +397,47 @@ class StreamGuard:
             self._model = model.group(1).decode("utf-8", "replace")
 
     def _final(self) -> bytes:
-        return final_events(self._route, self._id, self._model, self._released_text)
+        if not self._choices - {0}:
+            return final_events(self._route, self._id, self._model, self._released.get(0, ""))
+        released = self._released
+        ended = {index: released.get(index, "") for index in self._choices | {0}}
+        return final_events(self._route, self._id, self._model, choices=ended)
+
+
+def _payloads(region: bytes) -> Iterator[bytes]:
+    """The `data` of each event in `region` (its `data:` lines joined), `[DONE]` left out."""
+    data: list[bytes] = []
+    for line in [*_LINE.split(region), b""]:
+        if not line:
+            if data:
+                payload = b"\n".join(data)
+                if payload != b"[DONE]":
+                    yield payload
+                data = []
+        elif line.startswith(b"data:"):
+            data.append(line[6:] if line.startswith(b"data: ") else line[5:])
+
+
+def _json(payload: bytes) -> dict[str, Any] | None:
+    try:
+        obj = orjson.loads(payload)
+    except orjson.JSONDecodeError:
+        try:  # Python's json writes NaN and Infinity (a logprob of -inf), which orjson refuses
+            obj = json.loads(payload)
+        except ValueError:
+            return None
+    return obj if isinstance(obj, dict) else None
+
+
+def _index(value: object, default: int) -> int:
+    return (
+        value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else default
+    )
+
+
+def _add(texts: dict[Key, list[str]], key: Key, text: object) -> None:
+    if isinstance(text, str) and text:
+        texts.setdefault(key, []).append(text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -547,22 +743,41 @@ def _compile(source: str) -> Any:
 
 
 def final_events(
-    route: str, response_id: str | None, model: str | None, generated: str = ""
+    route: str,
+    response_id: str | None,
+    model: str | None,
+    generated: str = "",
+    *,
+    choices: Mapping[int, str] | None = None,
 ) -> bytes:
-    """A stream's last chunk with `finish_reason: "content_filter"`, then `data: [DONE]`."""
+    """A stream's last chunk with `finish_reason: "content_filter"`, then `data: [DONE]`.
+
+    `choices`: a stream of several choices (`n` > 1) ends each, index by index (the values are
+    /generate's text of each); without it, the one choice, index 0, with `generated`."""
     rid = response_id or "policy"
+    if not choices:
+        return _final_event(route, rid, model, generated, None) + b"data: [DONE]\n\n"
+    events = [_final_event(route, rid, model, text, i) for i, text in sorted(choices.items())]
+    return b"".join(events) + b"data: [DONE]\n\n"
+
+
+def _final_event(
+    route: str, rid: str, model: str | None, generated: str, index: int | None
+) -> bytes:
     if route == "/generate":
         obj: dict[str, object] = {
             "text": generated,
             "meta_info": {"id": rid, "finish_reason": {"type": "content_filter"}},
         }
+        if index is not None:
+            obj["index"] = index
     elif route == "/v1/chat/completions":
         obj = {
             "id": rid,
             "object": "chat.completion.chunk",
             "created": int(time.time()),
             "model": model or "",
-            "choices": [{"index": 0, "delta": {}, "finish_reason": "content_filter"}],
+            "choices": [{"index": index or 0, "delta": {}, "finish_reason": "content_filter"}],
         }
     else:
         obj = {
@@ -570,12 +785,14 @@ def final_events(
             "object": "text_completion",
             "created": int(time.time()),
             "model": model or "",
-            "choices": [{"index": 0, "text": "", "finish_reason": "content_filter"}],
+            "choices": [{"index": index or 0, "text": "", "finish_reason": "content_filter"}],
         }
-    return b"data: " + orjson.dumps(obj) + b"\n\ndata: [DONE]\n\n"
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
 
 
 def _decode(escaped: bytes) -> str:
+    if b"\\" not in escaped:  # no escape: the JSON string's body is the text itself, in UTF-8
+        return escaped.decode("utf-8", "replace")
     try:
         text = orjson.loads(b'"' + escaped + b'"')
     except orjson.JSONDecodeError:
@@ -583,4 +800,11 @@ def _decode(escaped: bytes) -> str:
     return text if isinstance(text, str) else ""
 
 
-__all__ = ["StreamGuard", "StreamRules", "check_pattern", "final_events"]
+__all__ = [
+    "MAX_WINDOWS",
+    "WINDOWS_RULE",
+    "StreamGuard",
+    "StreamRules",
+    "check_pattern",
+    "final_events",
+]

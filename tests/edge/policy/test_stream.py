@@ -12,7 +12,7 @@ import pytest
 import re2
 
 from edge.policy.config import PolicyConfig
-from edge.policy.stream import StreamGuard, StreamRules
+from edge.policy.stream import MAX_WINDOWS, WINDOWS_RULE, StreamGuard, StreamRules
 
 SECRET = "BEGIN PRIVATE KEY"
 
@@ -297,3 +297,125 @@ def test_the_prefix_expression_agrees_with_brute_force() -> None:
                 whole.fullmatch(text[start:] + tail) for start in range(len(text)) for tail in tails
             )
             assert rules.could_start(text.encode(), 0) is possible, (pattern, text)
+
+
+def choice_event(index: int, **delta: Any) -> bytes:
+    choice = {"index": index, "delta": delta, "finish_reason": delta.pop("finish", None)}
+    chunk = {"id": "c1", "object": "chat.completion.chunk", "model": "m", "choices": [choice]}
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+def tool_event(call: int, arguments: str, choice: int = 0) -> bytes:
+    calls = [{"index": call, "function": {"arguments": arguments}}]
+    return choice_event(choice, tool_calls=calls)
+
+
+def texts_by_choice(stream: bytes) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    for event in stream.split(b"\n\n"):
+        if event.startswith(b"data: {"):
+            for c in json.loads(event[6:])["choices"]:
+                texts[c["index"]] = texts.get(c["index"], "") + (c["delta"].get("content") or "")
+    return texts
+
+
+def finishes(stream: bytes) -> dict[int, str]:
+    return {c["index"]: c["finish_reason"] for e in stream.split(b"\n\n")
+            if e.startswith(b"data: {") for c in json.loads(e[6:])["choices"]
+            if c.get("finish_reason")}  # fmt: skip
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_interleaved_choices_each_have_their_own_window(hold: bool) -> None:
+    """n=2: choice 1's tokens between choice 0's do not hide a match in choice 0."""
+    guard = rules(stream_hold=hold).guard("/v1/chat/completions")
+    chunks = [choice_event(0, content="Here: "), choice_event(1, content="Sure"),
+              choice_event(0, content="BEGIN "), choice_event(1, content="!"),
+              choice_event(0, content="PRIVATE "), choice_event(1, content=" ok"),
+              choice_event(0, content="KEY"), choice_event(1, content=" more")]  # fmt: skip
+    out, outs = run(guard, chunks)
+    assert guard.cut == "key-leak"
+    assert outs[-2:] == [b"", b""]  # after the cut, nothing
+    texts = texts_by_choice(out)
+    assert "KEY" not in texts[0] and " more" not in texts.get(1, "")
+    if hold:  # from `BEGIN ` on, everything waited; none of the match reached the client
+        assert texts == {0: "Here: ", 1: "Sure"}
+    assert finishes(out) == {0: "content_filter", 1: "content_filter"}  # each choice ended
+
+
+def test_interleaved_tool_calls_each_have_their_own_window() -> None:
+    guard = rules().guard("/v1/chat/completions")
+    chunks = [tool_event(0, '{"k":"BEGIN '), tool_event(1, "{}"), tool_event(0, "PRIVATE "),
+              tool_event(1, "{"), tool_event(0, 'KEY"}')]  # fmt: skip
+    out, _ = run(guard, chunks)
+    assert guard.cut == "key-leak" and b"BEGIN" not in out
+
+
+def test_the_same_tool_call_index_in_two_choices_is_two_windows() -> None:
+    guard = rules().guard("/v1/chat/completions")
+    chunks = [tool_event(0, "BEGIN ", choice=0), tool_event(0, "PRIVATE ", choice=1),
+              tool_event(0, "KEY", choice=1)]  # fmt: skip
+    run(guard, chunks)
+    assert guard.cut is None  # choice 0 said `BEGIN `, choice 1 `PRIVATE KEY`: no match
+
+
+def test_interleaved_completions_choices() -> None:
+    guard = rules().guard("/v1/completions")
+
+    def ev(index: int, text: str) -> bytes:
+        return b"data: " + json.dumps({"id": "x", "choices": [{"index": index, "text": text}]}
+                                      ).encode() + b"\n\n"  # fmt: skip
+
+    out, _ = run(guard, [ev(0, "a BEGIN PRIV"), ev(1, "zzz"), ev(0, "ATE KEY b")])
+    assert guard.cut == "key-leak"
+    final = [json.loads(e[6:]) for e in out.split(b"\n\n") if e.startswith(b'data: {"id":"x",')]
+    assert {f["choices"][0]["index"] for f in final[-2:]} == {0, 1}
+
+
+def test_interleaved_generate_indices_with_cumulative_text() -> None:
+    guard = rules().guard("/generate")
+
+    def ev(index: int, text: str) -> bytes:
+        obj = {"text": text, "index": index, "meta_info": {"id": f"g{index}"}}
+        return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+    chunks = [ev(0, "Sure. "), ev(1, "No"), ev(0, "Sure. BEGIN "), ev(1, "No way"),
+              ev(0, "Sure. BEGIN PRIVATE KEY")]  # fmt: skip
+    out, outs = run(guard, chunks)
+    assert outs[:2] == chunks[:2] and guard.cut == "key-leak"
+    finals = [json.loads(e[6:]) for e in out.split(b"\n\n")[-4:-2]]
+    assert {f["index"]: f["text"] for f in finals} == {0: "Sure. ", 1: "No"}
+    assert all(f["meta_info"]["finish_reason"]["type"] == "content_filter" for f in finals)
+
+
+def test_a_choice_that_ends_on_a_possible_start_releases_the_others() -> None:
+    """Hold mode: choice 0 ends on `begin` (a possible start); its end decides it, so choice 1's
+    tokens do not wait for the whole stream."""
+    guard = rules().guard("/v1/chat/completions")
+    a, b = choice_event(0, content="to begin"), choice_event(1, content="one")
+    assert guard.feed(a) == b"" and guard.feed(b) == b""  # held: choice 0 may go on
+    end = choice_event(0, finish="stop")
+    assert guard.feed(end) == a + b + end  # it will not: all of it goes, in order
+    c = choice_event(1, content=" two")
+    assert guard.feed(c) == c and guard.cut is None
+
+
+def test_windows_past_the_bound_drop_the_ones_that_cannot_start_a_match() -> None:
+    guard = rules(stream_hold=False).guard("/v1/chat/completions")
+    for index in range(MAX_WINDOWS * 2):
+        event = choice_event(index, content="hello. ")
+        assert guard.feed(event) == event
+    assert guard.cut is None
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_more_possible_starts_than_the_bound_cut_the_stream(hold: bool) -> None:
+    """A client asks for more choices than the guard keeps windows, each ending on a possible
+    start: dropping one could miss its match, so the stream is cut instead."""
+    guard = rules(stream_hold=hold).guard("/v1/chat/completions")
+    for index in range(MAX_WINDOWS):
+        guard.feed(choice_event(index, content="BEGIN "))
+        assert guard.cut is None
+    out = guard.feed(choice_event(MAX_WINDOWS, content="BEGIN "))
+    assert guard.cut == WINDOWS_RULE and out.endswith(b"data: [DONE]\n\n")
+    assert b"BEGIN" not in out
