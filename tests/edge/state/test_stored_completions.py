@@ -4,16 +4,30 @@ OpenAI SDK; the memory store and real Redis, the stand-in as the backend."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletion
 
 from backends.sim import SimServer
 from edge.state.conversations import CONVERSATION_HEADER as CONVERSATION
 from tests.edge.conftest import Recorded, Reply, TinyUpstream, client, fast_config, run_edge
 from tests.edge.state.helpers import ChatUpstream, as_tenant, sdk_of, state, tenants
 from tests.edge.test_app_sim import sim_config
+
+
+async def kept_as(sdk: openai.AsyncOpenAI, cid: str) -> ChatCompletion:
+    """The stored completion `cid`: it is kept as its answer ends, just after the client has
+    it, so a read that follows at once may come first (then it is read again, for 5 s)."""
+    async with asyncio.timeout(5):
+        while True:
+            try:
+                return await sdk.chat.completions.retrieve(cid)
+            except openai.NotFoundError:
+                await asyncio.sleep(0.05)
+
 
 ASK = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a moon."}]
 
@@ -32,7 +46,7 @@ async def test_stored_completions_read_back_list_update_and_delete(
                     model="default", messages=ASK, max_tokens=6, store=True,  # type: ignore[arg-type]
                     metadata={"topic": "moons"},
                 )  # fmt: skip
-                kept = await sdk.chat.completions.retrieve(whole.id)
+                kept = await kept_as(sdk, whole.id)
                 assert kept.choices[0].message.content == whole.choices[0].message.content
                 assert kept.usage == whole.usage and kept.metadata == {"topic": "moons"}
                 # A stream is kept as the whole completion it adds up to.
@@ -42,7 +56,7 @@ async def test_stored_completions_read_back_list_update_and_delete(
                 )  # fmt: skip
                 chunks = [c async for c in stream]
                 said = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-                streamed = await sdk.chat.completions.retrieve(chunks[0].id)
+                streamed = await kept_as(sdk, chunks[0].id)
                 assert streamed.choices[0].message.content == said
                 assert streamed.choices[0].finish_reason == "length"
                 assert streamed.usage is not None and streamed.usage.completion_tokens == 6
@@ -132,7 +146,7 @@ async def test_a_stream_of_two_choices_is_kept_with_both_and_a_conversation_keep
                     model="default", messages=ASK, n=2, store=True, stream=True,  # type: ignore[arg-type]
                 )  # fmt: skip
                 chunks = [c async for c in stream]
-                kept = await sdk.chat.completions.retrieve(chunks[0].id)
+                kept = await kept_as(sdk, chunks[0].id)
             assert [(c.index, c.message.content, c.finish_reason) for c in kept.choices] == [
                 (0, "Io", "stop"), (1, "Europa too", "length")]  # fmt: skip
             # A conversation's turn holds one answer: the first choice, never the two mixed.
