@@ -29,6 +29,7 @@ import difflib
 import enum
 import functools
 import inspect
+import math
 import textwrap
 import types
 import typing
@@ -192,12 +193,18 @@ def convert(value: Any, tp: Any, where: str, *, text: bool) -> Any:
     if tp is float:
         if text and isinstance(value, str):
             try:
-                return float(value.strip())
+                number = float(value.strip())
             except ValueError:
                 raise bad() from None
-        if isinstance(value, bool) or not isinstance(value, int | float):
+        elif isinstance(value, bool) or not isinstance(value, int | float):
             raise bad()
-        return float(value)
+        else:
+            number = float(value)
+        if not math.isfinite(number):
+            # No setting gives nan or inf a meaning: nan passed every `<= 0` check and then
+            # broke each request or timer that read it, and inf is a wait without a bound.
+            raise SettingsError(f"{where}: expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if not isinstance(value, str):
             raise bad()
