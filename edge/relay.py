@@ -214,6 +214,8 @@ class StreamRelay:
         rest = b""
         if guard is not None and guard.cut is None:
             rest = guard.finish()
+            if guard.cut is not None:  # the last event, without its blank line, matched
+                self.result.filtered = guard.cut
         rest, content = scanner.take(rest) if rest else (b"", 0)
         rest += scanner.rest()
         if rest:
@@ -317,6 +319,8 @@ def _pass_on(
     if guard is not None and (end or cut):
         if not cut:
             rest, more_content = scanner.take(guard.finish())
+            if guard.cut is not None:  # the last event, without its blank line, matched
+                relay.result.filtered = guard.cut
             chunk += rest
             content += more_content
         end = True

@@ -1,11 +1,13 @@
 """Stream policies: patterns watched for in the generated text, across SSE chunk boundaries.
 
 A `StreamGuard` sits in the relay, one per streamed answer, and sees every upstream chunk before
-the client does. It decodes the text of each complete SSE event (in a chat stream, a tool call's
-arguments and a reasoning model's `reasoning_content` too: the client gets them as it gets
-text), folds it (`normalize.fold`) into
-a window of the last `lookbehind` characters, and searches the rules there with RE2 (linear
-time: no generated text can make a pattern backtrack, and the relay's event loop with it):
+the client does. It decodes the text of each complete SSE event (one ends at any blank line:
+`\\n\\n`, `\\r\\n\\r\\n`, `\\r\\r`; in a chat stream, a tool call's arguments and a reasoning
+model's `reasoning_content` too: the client gets them as it gets text), folds it
+(`normalize.fold`) into a window of the last `lookbehind` characters of that text (one window
+per choice and per text in it: see `StreamGuard`), and searches the rules there with RE2
+(linear time: no generated text can make a pattern backtrack, and the relay's event loop with
+it):
 
 - no match: the events are passed on at once, unchanged;
 - a match: the chunk that completed it (and anything held) is dropped, the stream ends with a
@@ -18,7 +20,8 @@ time: no generated text can make a pattern backtrack, and the relay's event loop
   wait for the deciding ones).
 
 By default nothing is held but the bytes of an incomplete event (the client could not parse
-them yet either). A match longer than `lookbehind` characters is not caught.
+them yet either); an event the upstream ends without its blank line is checked at the stream's
+end. A match longer than `lookbehind` characters is not caught.
 """
 
 from __future__ import annotations
@@ -137,6 +140,8 @@ WINDOWS_RULE = "stream:windows"
 _OTHER_INDEX = re.compile(rb'"index":\s*[^0\s]')
 """An `index` other than 0 (a second choice, a second tool call): the events are read whole."""
 _LINE = re.compile(rb"\r\n|\r|\n")
+_BLANK_LINE = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r|\n)")
+"""Two line ends in a row, each `\\r\\n`, `\\n` or `\\r` (SSE): the end of an event."""
 
 
 class StreamGuard:
@@ -200,20 +205,27 @@ class StreamGuard:
         if self.cut is not None:
             return b""
         data = self._tail + chunk if self._tail else chunk
-        end = data.rfind(b"\n\n")
-        if end < 0:
+        end = data.rfind(b"\n\n") + 2  # (1: none)
+        if end != len(data) and b"\r" in data:  # CR or CRLF line ends: any blank line ends one
+            end = max(end, _event_end(data))
+        if end < 2:
             self._tail = data
             return b""
-        region, self._tail = data[: end + 2], data[end + 2 :]
+        region, self._tail = data[:end], data[end:]
         return self._check(region)
 
     def finish(self) -> bytes:
-        """The stream ended without a match: whatever is still held goes out."""
+        """The stream ended: a last event without its blank line is checked like any other,
+        then whatever is still held goes out (or, on a match, the final events)."""
         if self.cut is not None:
             return b""
-        out = b"".join(self._held) + self._tail
+        tail, self._tail = self._tail, b""
+        if tail.strip():
+            tail = self._check(tail)
+            if self.cut is not None:
+                return tail
+        out = b"".join(self._held) + tail
         self._held.clear()
-        self._tail = b""
         return out
 
     def _check(self, region: bytes) -> bytes:
@@ -402,6 +414,14 @@ class StreamGuard:
         released = self._released
         ended = {index: released.get(index, "") for index in self._choices | {0}}
         return final_events(self._route, self._id, self._model, choices=ended)
+
+
+def _event_end(data: bytes) -> int:
+    """Where the last complete event in `data` ends (0: none)."""
+    end = 0
+    for blank in _BLANK_LINE.finditer(data):
+        end = blank.end()
+    return end
 
 
 def _payloads(region: bytes) -> Iterator[bytes]:

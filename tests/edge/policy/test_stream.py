@@ -419,3 +419,52 @@ def test_more_possible_starts_than_the_bound_cut_the_stream(hold: bool) -> None:
     out = guard.feed(choice_event(MAX_WINDOWS, content="BEGIN "))
     assert guard.cut == WINDOWS_RULE and out.endswith(b"data: [DONE]\n\n")
     assert b"BEGIN" not in out
+
+
+def crlf(event: bytes, ending: bytes = b"\r\n\r\n") -> bytes:
+    return event[: -len(b"\n\n")] + ending
+
+
+@pytest.mark.parametrize("ending", [b"\r\n\r\n", b"\r\r", b"\n\r\n"])
+def test_events_ended_by_any_sse_blank_line_pass_at_once(ending: bytes) -> None:
+    """SSE lines may end in CRLF or CR (sse-starlette writes `\\r\\n\\r\\n`): each event goes out
+    as it comes, as with `\\n\\n`, instead of waiting for the end of the stream."""
+    guard = rules().guard("/v1/chat/completions")
+    chunks = [crlf(chat_event(w), ending) for w in ("The ", "quick ", "fox.")]
+    assert [guard.feed(c) for c in chunks] == chunks and guard.cut is None
+
+
+@pytest.mark.parametrize("hold", [True, False])
+@pytest.mark.parametrize("ending", [b"\r\n\r\n", b"\r\r"])
+def test_a_match_split_across_crlf_events_is_caught(hold: bool, ending: bytes) -> None:
+    guard = rules(stream_hold=hold).guard("/v1/chat/completions")
+    chunks = [crlf(chat_event(t), ending) for t in ("ok ", "BEGIN PRIV", "ATE KEY", " MIIE")]
+    out, _ = run(guard, chunks)
+    assert guard.cut == "key-leak" and b"ATE KEY" not in out and b"MIIE" not in out
+    assert out.endswith(b"data: [DONE]\n\n")
+
+
+def test_crlf_events_split_across_tcp_reads_anywhere() -> None:
+    guard = rules().guard("/v1/chat/completions")
+    stream = b"".join(crlf(chat_event(t)) for t in ("ok ", "begin priv", "ate key"))
+    out, _ = run(guard, [stream[i : i + 3] for i in range(0, len(stream), 3)])
+    assert guard.cut == "key-leak" and b"priv" not in out
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_a_last_event_without_its_blank_line_is_checked_at_the_end(hold: bool) -> None:
+    """An upstream that ends the stream right after an event's line (no blank line, no
+    `[DONE]`): `finish` checks that event like any other instead of releasing it."""
+    guard = rules(stream_hold=hold).guard("/v1/chat/completions")
+    first, last = chat_event("tok "), chat_event(SECRET)[:-1]  # one line end, not two
+    assert guard.feed(first) == first and guard.feed(last) == b""
+    out = guard.finish()
+    assert guard.cut == "key-leak" and SECRET.encode() not in out
+    assert out.endswith(b"data: [DONE]\n\n") and b"content_filter" in out
+
+
+def test_a_last_event_without_its_blank_line_that_matches_nothing_goes_out() -> None:
+    guard = rules().guard("/v1/chat/completions")
+    held, last = chat_event("to begin"), chat_event(" lessons")[:-2]
+    assert guard.feed(held) == b"" and guard.feed(last) == b""
+    assert guard.finish() == held + last and guard.cut is None

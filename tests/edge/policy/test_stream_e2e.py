@@ -109,3 +109,37 @@ async def test_interleaved_tool_calls_cannot_split_a_match_past_the_rule(listene
     _, calls, reasons = by_index(response.content)
     assert reasons == {"content_filter"} and "PRIVATE" not in response.text
     assert calls.get(0, "") == "" and FILTERED in metrics
+
+
+@LISTENERS
+async def test_crlf_events_are_checked(listener: str) -> None:
+    """sse-starlette servers end events with `\\r\\n\\r\\n`: the rule still runs on each."""
+    events = [chat_chunk(0, content=t) for t in ("tok ", "tok ", "BEGIN PRIV", "ATE KEY", "!")]
+    response, metrics = await post(events, chat(), listener, end=b"\r\n\r\n",
+                                   policy={**POLICY, "stream_hold": False})  # fmt: skip
+    texts, _, reasons = by_index(response.content)
+    assert reasons == {"content_filter"} and "ATE KEY" not in response.text
+    assert texts[0] == "tok tok BEGIN PRIV" and FILTERED in metrics
+
+
+@LISTENERS
+async def test_a_last_event_without_its_blank_line_is_checked(listener: str) -> None:
+    def answer(recorded: Recorded) -> Reply:
+        chunks = [
+            chat_chunk(0, content="tok ") + b"\n\n",
+            chat_chunk(0, content="BEGIN ") + b"\n\n",
+            chat_chunk(0, content="PRIVATE KEY") + b"\n",
+        ]  # no blank line, no [DONE]
+        return health_ok(recorded) or Reply(
+            headers=[("content-type", "text/event-stream")], chunks=chunks, delay=0.005
+        )  # fmt: skip
+
+    config = PolicyConfig.from_mapping({**POLICY, "stream_hold": False})
+    async with TinyUpstream(answer) as up:
+        async with run_edge(fast_config([up.url]), policies=config, listener=listener) as edge:
+            async with client(edge) as http:
+                response = await http.post("/v1/chat/completions", json=chat())
+            metrics = (await httpx.AsyncClient().get(f"{edge.admin_url}/metrics")).text
+    assert "PRIVATE KEY" not in response.text
+    assert response.content.endswith(b"data: [DONE]\n\n") and b"content_filter" in response.content
+    assert FILTERED in metrics  # the decision is the stream's, as for a cut in mid-stream
