@@ -9,9 +9,12 @@ on the whole fleet, an edge that starts later holds it too, and a restart forget
 The hash is the truth and the poll reads it: a drain is state, not an event, and an edge that
 missed a message (started later, or Redis was away) must still find it. Each change is also
 published on `{drains_key}:changed`, and every edge that hears it reads the hash at once, so a
-drain reaches the fleet in a round trip rather than up to `drains_interval` later. When Redis is
-slow or gone, a drain or undrain is refused (503: nothing changed anywhere), a poll keeps the
-holds as they were, and failures are logged at most every 30 s. Routing never waits on Redis.
+drain reaches the fleet in a round trip rather than up to `drains_interval` later. An
+announcement made while the channel was not subscribed is lost, so the hash is also read as soon
+as a lost subscription is made again (`edge.redis_pubsub` finds one that died without a close).
+When Redis is slow or gone, a drain or undrain is refused (503: nothing changed anywhere), a poll
+keeps the holds as they were, and failures are logged at most every 30 s. Routing never waits on
+Redis.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from redis.backoff import NoBackoff
 
 from backends.registry import BackendRegistry
 from edge.errors import StateUnavailable
-from edge.redis_pubsub import Subscription
+from edge.redis_pubsub import PING_INTERVAL_S, PING_TIMEOUT_S, Subscription, subscriber_client
 from transport.loop import cancelled
 
 log = logging.getLogger(__name__)
@@ -50,12 +53,18 @@ class SharedHolds:
         key: str,
         interval: float,
         timeout: float = 0.5,
+        ping_interval: float = PING_INTERVAL_S,
+        ping_timeout: float = PING_TIMEOUT_S,
     ) -> None:
         self.registry = registry
         self.url = url
         self.key = key
         self.interval = interval
         self.timeout = timeout
+        self.ping_interval = ping_interval
+        """Seconds the change channel may stay silent before its connection is pinged."""
+        self.ping_timeout = ping_timeout
+        """Seconds the answer to that PING may take before the connection is taken as dead."""
         self.origin = f"{socket.gethostname()}:{os.getpid()}"
         self.channel = f"{key}:changed"
         self._redis: Any = None
@@ -67,19 +76,24 @@ class SharedHolds:
         self.subscribed = asyncio.Event()
         """Set while the change channel is subscribed (tests wait on it)."""
 
+    @property
+    def subscription(self) -> Subscription | None:
+        """The change channel's subscription, once started."""
+        return self._subscription
+
     async def start(self) -> None:
         self._redis = aioredis.Redis.from_url(
             self.url, socket_timeout=self.timeout, socket_connect_timeout=self.timeout,
             retry=Retry(NoBackoff(), 0),
         )  # fmt: skip
         # Subscribing holds a connection in a blocking read: a client without a read timeout.
-        self._subscriber = aioredis.Redis.from_url(
-            self.url, socket_connect_timeout=self.timeout, retry=Retry(NoBackoff(), 0)
-        )
+        self._subscriber = subscriber_client(self.url, connect_timeout=self.timeout)
         self._subscription = Subscription(
             self._subscriber, self.channel, lambda _name: self._changed.set(),
             on_error=self._failed, subscribed=self.subscribed, subscribe_timeout=self.timeout * 10,
-            retry_after=max(1.0, self.interval),
+            retry_after=1.0, on_subscribed=self._resubscribed,
+            ping_interval=self.ping_interval, ping_timeout=self.ping_timeout,
+            name="drains",
         )  # fmt: skip
         await self.sync()  # before the first request, when Redis answers at once
         loop = asyncio.get_running_loop()
@@ -129,6 +143,10 @@ class SharedHolds:
             return
         for backend in self.registry.backends:
             backend.held = backend.name in names
+
+    async def _resubscribed(self, _gap: float | None) -> None:
+        """A change announced while the channel was not subscribed was missed: read now."""
+        self._changed.set()
 
     async def _poll(self) -> None:
         """Read the hash every `interval`, or at once when a change was announced."""

@@ -44,6 +44,7 @@ from edge.models import ModelCatalog, Models, ModelsConfig
 from edge.models.rollout_sync import RolloutSync
 from edge.policy.config import PolicyConfig
 from edge.policy.gateway import PolicyGateway
+from edge.redis_pubsub import SubscriptionCollector
 from edge.routing.base import RoutingPolicy, make_policy
 from edge.routing.breakers import BreakerConfig, Breakers
 from edge.routing.fleet import FleetServices, build_fleet
@@ -409,6 +410,10 @@ async def build(
     )  # fmt: skip
     pools.set_aborter(wiring.abort)
     registry.register(AccessLogCollector(lambda: wiring.access_log))  # the one a reload made too
+    view = fleet.view if fleet is not None else None
+    registry.register(SubscriptionCollector(
+        lambda: (part.subscription for part in (holds, sync, view) if part is not None)
+    ))  # fmt: skip
     proxy = ProxyApp(
         config=config,
         pool=pool,

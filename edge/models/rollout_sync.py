@@ -12,9 +12,15 @@ its step, not "one more"), so hearing one twice, through the workers' sockets an
 Redis, is harmless. A resume (a promote of a paused ramp) stays on the edge that took it.
 
 Pub/sub fits: a stop matters now, to whoever is running; an edge that starts later starts from
-its configuration, as it would after a restart anyway. When Redis is slow or gone, publishes and
-the subscription are bounded by `timeout`, failures are logged at most every 30 s, and each
-process keeps its own ramp; routing never waits on Redis.
+its configuration, as it would after a restart anyway. But an edge whose subscription was lost
+(Redis restarted, or the connection died without a close and `Subscription`'s PING found it)
+must not miss a rollback meanwhile: each shared transition is also appended, in the same
+transaction as its publish, to a short stream (`{share_key}:log`, the last `LOG_LENGTH`), and
+once subscribed again the edge takes those published since its previous subscription was last
+known alive (less `CATCH_UP_SLACK_S` for the clocks), but none older than an operator's resume
+or restart of that rollout here. When Redis is slow or gone, publishes and the subscription are
+bounded by `timeout`, failures are logged at most every 30 s, and each process keeps its own
+ramp; routing never waits on Redis.
 """
 
 from __future__ import annotations
@@ -36,11 +42,18 @@ from redis.backoff import NoBackoff
 from edge.models.ramp import ADVANCES, STOPS, Transition
 from edge.models.rollout import Rollout
 from edge.models.service import Models
-from edge.redis_pubsub import Subscription
+from edge.redis_pubsub import PING_INTERVAL_S, PING_TIMEOUT_S, Subscription, subscriber_client
 
 log = logging.getLogger(__name__)
 
 WARN_EVERY_S = 30.0
+LOG_LENGTH = 256
+"""Shared transitions kept in the stream a re-subscribed edge catches up from."""
+CATCH_UP_SLACK_S = 1.0
+"""Seconds before the lost subscription's last sign of life that a catch-up also reads: the
+local and Redis clocks are matched within a round trip; a transition taken twice is harmless."""
+UNDOING = frozenset({"resume", "restart"})
+"""Local transitions after which an older stop or advance is not taken from the log."""
 # Set while this process takes an action it heard of (so it is not published again).
 _heard: contextvars.ContextVar[bool] = contextvars.ContextVar("heard", default=False)
 
@@ -55,15 +68,26 @@ class RolloutSync:
         stops: bool = True,
         advances: bool = False,
         timeout: float = 0.5,
+        ping_interval: float = PING_INTERVAL_S,
+        ping_timeout: float = PING_TIMEOUT_S,
     ) -> None:
         self.models = models
         self.shared = (STOPS if stops else frozenset()) | (ADVANCES if advances else frozenset())
         """The transitions published and taken."""
         self.url = url
         self.channel = key.encode()
+        self.log_key = f"{key}:log"
         self.timeout = timeout
+        self.ping_interval = ping_interval
+        """Seconds the channel may stay silent before its connection is pinged."""
+        self.ping_timeout = ping_timeout
+        """Seconds the answer to that PING may take before the connection is taken as dead."""
         self.instance = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.published = self.received = self.errors = 0
+        self.caught_up = 0
+        """Transitions taken from the log after a subscription was lost."""
+        self._undone_at: dict[str, float] = {}
+        """Monotonic time of each rollout's last resume or restart here."""
         self._redis: Any = None
         self._subscriber: Any = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -80,15 +104,20 @@ class RolloutSync:
             self.url, socket_timeout=self.timeout, socket_connect_timeout=connect, retry=retry
         )
         # The subscriber waits on messages as long as it likes: no socket timeout of its own.
-        self._subscriber = aioredis.Redis.from_url(
-            self.url, socket_connect_timeout=connect, retry=retry
-        )
+        self._subscriber = subscriber_client(self.url, connect_timeout=connect)
         self._subscription = Subscription(
             self._subscriber, self.channel, self.take,
             on_error=lambda exc: self._failed("the subscription", exc),
             subscribed=self.subscribed, subscribe_timeout=self.timeout * 10, retry_after=1.0,
+            on_subscribed=self._catch_up, ping_interval=self.ping_interval,
+            ping_timeout=self.ping_timeout, name="rollouts",
         )  # fmt: skip
         self._listener = asyncio.get_running_loop().create_task(self._subscription.run())
+
+    @property
+    def subscription(self) -> Subscription | None:
+        """The channel's subscription, once started."""
+        return self._subscription
 
     async def aclose(self) -> None:
         tasks = [*self._tasks, *([self._listener] if self._listener else [])]
@@ -110,6 +139,8 @@ class RolloutSync:
 
     # -- out --------------------------------------------------------------------------------
     def _transitioned(self, rollout: Rollout, transition: Transition) -> None:
+        if transition.action in UNDOING:
+            self._undone_at[rollout.pool] = time.monotonic()
         if transition.action not in self.shared or _heard.get():
             return
         fields = {"i": self.instance, "model": rollout.pool, "action": transition.action,
@@ -122,7 +153,10 @@ class RolloutSync:
     async def _publish(self, message: bytes) -> None:
         try:
             async with asyncio.timeout(self.timeout):
-                await self._redis.publish(self.channel, message)
+                async with self._redis.pipeline(transaction=True) as pipe:
+                    pipe.xadd(self.log_key, {"m": message}, maxlen=LOG_LENGTH, approximate=False)
+                    pipe.publish(self.channel, message)
+                    await pipe.execute()
             self.published += 1
         except asyncio.CancelledError:
             raise
@@ -130,8 +164,34 @@ class RolloutSync:
             self._failed("a publish", exc)
 
     # -- in ---------------------------------------------------------------------------------
-    def take(self, raw: bytes) -> None:
-        """Another process's shared transition, taken here too (anything else is skipped)."""
+    async def _catch_up(self, gap: float | None) -> None:
+        """Subscribed again, `gap` seconds after the lost subscription was last known alive:
+        take what was published since from the log (nothing after the first subscription)."""
+        if gap is None:
+            return
+        async with asyncio.timeout(self.timeout):
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.time()
+                pipe.xrange(self.log_key, "-", "+")
+                (seconds, micros), entries = await pipe.execute()
+        now = time.monotonic()
+        redis_now = seconds + micros / 1e6
+        since = redis_now - gap - CATCH_UP_SLACK_S
+        before = self.received
+        for entry_id, fields in entries:
+            at = int(entry_id.split(b"-")[0]) / 1000  # stream ids are Redis's ms clock
+            if at >= since and b"m" in fields:
+                self.take(fields[b"m"], published_at=now - (redis_now - at))
+        taken = self.received - before
+        if taken:
+            self.caught_up += taken
+            log.warning("rollout sync: took %d shared transition(s) published while the"
+                        " subscription to %s was lost", taken, self.url)  # fmt: skip
+
+    def take(self, raw: bytes, *, published_at: float | None = None) -> None:
+        """Another process's shared transition, taken here too (anything else is skipped); one
+        read back from the log (`published_at`, monotonic) not when a resume or restart of its
+        rollout here came after it."""
         try:
             msg = orjson.loads(raw)
             instance, model, action = str(msg["i"]), str(msg["model"]), str(msg["action"])
@@ -141,6 +201,8 @@ class RolloutSync:
             return
         ramp = self.models.ramps.get(model)
         if instance == self.instance or ramp is None or action not in self.shared:
+            return
+        if published_at is not None and self._undone_at.get(model, -1e18) >= published_at:
             return
         self.received += 1
         token = _heard.set(True)

@@ -54,7 +54,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from backends.registry import Backend
-from edge.redis_pubsub import Subscription
+from edge.redis_pubsub import Subscription, subscriber_client
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,7 @@ class FleetView:
         self._loads = Subscription(
             None, self._channel, self._apply_load, on_error=self._failed,
             subscribe_timeout=config.timeout * 10, retry_after=config.interval,
-            idle_timeout=config.load_ttl, closing=lambda: self._closing,
+            idle_timeout=config.load_ttl, closing=lambda: self._closing, name="fleet_view",
         )  # fmt: skip
         self.published = 0
         self.received = 0
@@ -279,10 +279,9 @@ class FleetView:
         since = int((time.time() - cfg.ttl) * 1000)
         self._last_id = f"{max(0, since)}-0".encode()
         # Subscribing holds a connection in a blocking read: a client of its own, whose reads
-        # wait as long as `get_message` says rather than `timeout`.
-        self._subscriber = aioredis.Redis.from_url(
-            self.url, socket_connect_timeout=cfg.timeout, retry=Retry(NoBackoff(), 0)
-        )
+        # wait as long as `get_message` says rather than `timeout`. A lost subscription needs
+        # no catch-up: the load figures are absolute and sent again every `load_ttl / 4`.
+        self._subscriber = subscriber_client(self.url, connect_timeout=cfg.timeout)
         self._loads.client = self._subscriber
         loop = asyncio.get_running_loop()
         self._task = loop.create_task(self._run())
@@ -504,6 +503,11 @@ class FleetView:
         if not learned or len({len(t) for t in learned}) != 1:
             return
         self._adopt([sum(col) / len(learned) for col in zip(*learned, strict=True)])
+
+    @property
+    def subscription(self) -> Subscription:
+        """The load channel's subscription."""
+        return self._loads
 
     @property
     def listening(self) -> bool:

@@ -1,6 +1,6 @@
 """`[proxy] share_drains`: a drain on one edge holds the backend on every edge of the Redis, and
-on one that starts later; Redis away refuses the drain and changes nothing. Edges in-process,
-real Redis, real sockets."""
+on one that starts later; Redis away refuses the drain and changes nothing; a dead subscription
+is found. Edges in-process, real Redis, real sockets."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import httpx
 
 from backends.sim import SimServer
 from tests.edge.conftest import Edge, fast_config, run_edge
+from tests.edge.silent_relay import SilentRelay
 from tests.edge.test_app_sim import sim_config
 from tests.helpers import free_port, wait_until
 
@@ -90,3 +91,33 @@ async def test_redis_away_refuses_the_drain_and_changes_nothing() -> None:
             assert refused.json()["error"]["code"] == "state_unavailable"
             assert "nothing changed" in refused.json()["error"]["message"]
             assert await held(edge) == {name: False}
+
+
+async def test_a_drain_announced_while_the_subscription_was_silently_dead_is_read_at_once(
+    redis_url: str, redis_prefix: str
+) -> None:
+    """A's connections die without a close and B drains meanwhile. With an hour between reads
+    of the hash, only PING (finding the dead subscription) and the read that follows a new
+    subscription can bring the drain to A."""
+    async with (
+        SimServer(sim_config("s1")) as s1,
+        SimServer(sim_config("s2")) as s2,
+        SilentRelay(redis_url) as relay,
+    ):
+        config = fast_config([s1.url, s2.url], share_drains=True, drains_interval=3600.0,
+                             drains_key=redis_prefix + "drains")  # fmt: skip
+        name = s1.url.partition("//")[2]
+        async with (
+            run_edge(config, redis_url=relay.url, start=False) as a,
+            run_edge(config, redis_url=redis_url) as b,
+        ):
+            holds = a.wiring.holds
+            assert holds is not None
+            holds.ping_interval = holds.ping_timeout = 0.25
+            await a.wiring.start()
+            await asyncio.wait_for(holds.subscribed.wait(), 10)
+            assert relay.sever() > 0
+            assert (await post(b, f"/backends/{name}/drain")).status_code == 200
+            await wait_until(lambda: a.wiring.registry.get(name).held, timeout=10)  # type: ignore[union-attr]
+            assert holds.subscription is not None
+            assert holds.subscription.failures["silent"] >= 1

@@ -3,7 +3,10 @@ advances (`share_advances`), and an edge goes on with its own ramp when that Red
 
 from __future__ import annotations
 
+import time
+
 import httpx
+import orjson
 import pytest
 
 from edge.models import ModelsConfig
@@ -11,6 +14,7 @@ from edge.wiring import build
 from tests.edge.conftest import Edge, client, fast_config, run_edge
 from tests.edge.models.test_pools_e2e import chat, sim, sims
 from tests.edge.models.test_rollout_e2e import rollout
+from tests.edge.silent_relay import SilentRelay
 from tests.helpers import RedisServer, wait_until
 
 
@@ -112,3 +116,56 @@ async def test_sharing_stops_without_a_redis_is_refused() -> None:
     with pytest.raises(ValueError, match="share_stops: sharing rollouts needs a Redis"):
         await build(fast_config(["http://127.0.0.1:9"]), registry=CollectorRegistry(),
                     models=models)  # fmt: skip
+
+
+async def test_a_rollback_while_an_edges_subscription_is_silently_dead_still_reaches_it(
+    redis_url: str, redis_prefix: str
+) -> None:
+    """A's connections to Redis die without a close (a failover, a partition); B rolls back
+    at that moment. A's PING finds the dead subscription, A subscribes again and takes the
+    rollback it missed from the log."""
+    async with (
+        sims(sim("m", model_version="v1"), sim("m", model_version="v2")) as (s1, s2),
+        SilentRelay(redis_url) as relay,
+    ):
+        config = fast_config([s1.url, s2.url])
+        models = ModelsConfig(rollouts=[rollout()], share_stops=True, share_key=redis_prefix + "r")
+        async with (
+            run_edge(config, models=models, redis_url=relay.url, start=False) as a,
+            run_edge(config, models=models, redis_url=redis_url) as b,
+            httpx.AsyncClient() as admin,
+        ):
+            sync = a.wiring.rollout_sync
+            assert sync is not None
+            sync.ping_interval = sync.ping_timeout = 0.25
+            await a.wiring.start()
+            await subscribed(a, b)
+            assert relay.sever() > 0
+            assert (await admin.post(b.admin_url + "/rollouts/m/rollback")).status_code == 200
+            await wait_until(lambda: ramp_state(a)[0] == "rolled_back", timeout=10)
+            assert ramp_state(a)[1].startswith("edge ") and ramp_state(a)[1].endswith("operator")
+            assert sync.subscription is not None and sync.subscription.failures["silent"] >= 1
+            assert sync.caught_up == 1
+
+
+async def test_a_stop_read_back_from_the_log_does_not_undo_a_later_resume_here(
+    redis_url: str, redis_prefix: str
+) -> None:
+    async with sims(sim("m", model_version="v1"), sim("m", model_version="v2")) as (s1, s2):
+        config = fast_config([s1.url, s2.url])
+        models = ModelsConfig(rollouts=[rollout()], share_stops=True, share_key=redis_prefix + "r")
+        async with (
+            run_edge(config, models=models, redis_url=redis_url) as a,
+            httpx.AsyncClient() as admin,
+        ):
+            sync = a.wiring.rollout_sync
+            assert sync is not None
+            assert (await admin.post(a.admin_url + "/rollouts/m/pause")).status_code == 200
+            assert (await admin.post(a.admin_url + "/rollouts/m/promote")).status_code == 200
+            assert ramp_state(a)[0] == "ramping"  # an operator's resume, here only
+            stop = orjson.dumps({"i": "elsewhere", "model": "m", "action": "rollback", "step": 0,
+                                 "reason": "canary errors"})  # fmt: skip
+            sync.take(stop, published_at=time.monotonic() - 5)  # from before the resume
+            assert ramp_state(a)[0] == "ramping"
+            sync.take(stop, published_at=time.monotonic())
+            assert ramp_state(a) == ("rolled_back", "edge elsewhere: canary errors")
