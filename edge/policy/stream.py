@@ -396,8 +396,10 @@ class StreamGuard:
     def _new_part(self, index: int, whole: str) -> str:
         """/generate: what `whole`, an index's cumulative text, adds to what was looked at."""
         seen = self._seen.get(index, 0)
-        self._seen[index] = max(seen, len(whole))
-        self._unreleased[index] = whole
+        if len(whole) > seen:  # (then it gets a window, and both are dropped together)
+            self._seen[index] = len(whole)
+        if index == 0 or index in self._choices:  # the final events' texts: bounded as those are
+            self._unreleased[index] = whole
         return whole[seen:]
 
     def _learn_ids(self, region: bytes) -> None:

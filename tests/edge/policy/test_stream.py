@@ -468,3 +468,13 @@ def test_a_last_event_without_its_blank_line_that_matches_nothing_goes_out() -> 
     held, last = chat_event("to begin"), chat_event(" lessons")[:-2]
     assert guard.feed(held) == b"" and guard.feed(last) == b""
     assert guard.finish() == held + last and guard.cut is None
+
+
+def test_generate_streams_with_many_indices_keep_bounded_state() -> None:
+    guard = rules(stream_hold=False).guard("/generate")
+    for index in range(MAX_WINDOWS * 4):
+        event = b"data: " + json.dumps({"text": "hello. ", "index": index}).encode() + b"\n\n"
+        assert guard.feed(event) == event
+    assert guard.cut is None
+    state = (guard._windows, guard._seen, guard._released, guard._choices)
+    assert all(len(part) <= MAX_WINDOWS + 1 for part in state)
