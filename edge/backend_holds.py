@@ -15,6 +15,12 @@ as a lost subscription is made again (`edge.redis_pubsub` finds one that died wi
 When Redis is slow or gone, a drain or undrain is refused (503: nothing changed anywhere), a poll
 keeps the holds as they were, and failures are logged at most every 30 s. Routing never waits on
 Redis.
+
+An empty hash means "nothing is drained" only while the marker key `{drains_key}:marker`, written
+with every change, is there. Without it Redis has lost its data (restarted without persistence,
+flushed, evicted): an operator's drain must not end that way, so each edge keeps its holds,
+writes them back with the marker, and warns (`restored`). An undrain removes the name and keeps
+the marker, so it is still obeyed everywhere.
 """
 
 from __future__ import annotations
@@ -25,10 +31,13 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
@@ -40,6 +49,10 @@ from transport.loop import cancelled
 log = logging.getLogger(__name__)
 
 WARN_EVERY_S = 30.0
+
+
+def _why(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
 
 
 class SharedHolds:
@@ -59,6 +72,8 @@ class SharedHolds:
         self.registry = registry
         self.url = url
         self.key = key
+        self.marker = f"{key}:marker"
+        """Written with every change; its absence says Redis lost the hash (see the module)."""
         self.interval = interval
         self.timeout = timeout
         self.ping_interval = ping_interval
@@ -67,6 +82,8 @@ class SharedHolds:
         """Seconds the answer to that PING may take before the connection is taken as dead."""
         self.origin = f"{socket.gethostname()}:{os.getpid()}"
         self.channel = f"{key}:changed"
+        self.restored = 0
+        """Times this process found the drains gone from Redis and wrote its holds back."""
         self._redis: Any = None
         self._subscriber: Any = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -113,15 +130,10 @@ class SharedHolds:
         take it (nothing changed)."""
         try:
             async with asyncio.timeout(self.timeout):
-                if held:
-                    value = orjson.dumps({"at": round(time.time(), 3), "by": self.origin})
-                    await self._redis.hset(self.key, name, value)
-                else:
-                    await self._redis.hdel(self.key, name)
+                await self._write(name, held)
         except Exception as exc:
             raise StateUnavailable(
-                f"the drain could not be shared through Redis ({str(exc) or type(exc).__name__});"
-                " nothing changed"
+                f"the drain could not be shared through Redis ({_why(exc)}); nothing changed"
             ) from None
         backend = self.registry.get(name)
         if backend is not None:
@@ -133,16 +145,63 @@ class SharedHolds:
         except Exception as exc:
             self._failed(exc)
 
+    async def _write(self, name: str, held: bool) -> None:
+        """The change and the marker, in one transaction."""
+        stamp = orjson.dumps({"at": round(time.time(), 3), "by": self.origin})
+        async with self._redis.pipeline(transaction=True) as pipe:
+            if held:
+                pipe.hset(self.key, name, stamp)
+            else:
+                pipe.hdel(self.key, name)
+            pipe.set(self.marker, stamp)
+            await pipe.execute()
+
     async def sync(self) -> None:
-        """Hold exactly the backends the hash names (it stays as it was when Redis fails)."""
+        """Hold exactly the backends the hash names (it stays as it was when Redis fails); with
+        the marker gone, also those held here, written back."""
         try:
             async with asyncio.timeout(self.timeout):
-                names = {n.decode() for n in await self._redis.hkeys(self.key)}
+                async with self._redis.pipeline(transaction=True) as pipe:
+                    pipe.hkeys(self.key)
+                    pipe.exists(self.marker)
+                    keys, marked = await pipe.execute()
         except Exception as exc:
             self._failed(exc)
             return
+        names = frozenset(n.decode() for n in keys)
+        if not marked:
+            restored = await self._restore(names)
+            if restored is None:
+                return
+            names = restored
         for backend in self.registry.backends:
             backend.held = backend.name in names
+
+    async def _restore(self, names: frozenset[str]) -> frozenset[str] | None:
+        """Redis lost the drains (no marker): what to hold, and the holds Redis lacks written
+        back with the marker; None when that write failed (the holds stay as they are)."""
+        held = frozenset(b.name for b in self.registry.backends if b.held)
+        missing = sorted(held - names)
+        if not missing:
+            # Nothing to write back, and no marker either: a process that has just started
+            # holds nothing yet, and a marker from it would let an empty hash undrain the
+            # backends the other edges still hold.
+            return names | held
+        stamp = orjson.dumps({"at": round(time.time(), 3), "by": self.origin, "restored": True})
+        try:
+            async with asyncio.timeout(self.timeout):
+                async with self._redis.pipeline(transaction=True) as pipe:
+                    pipe.hset(self.key, mapping=dict.fromkeys(missing, stamp))
+                    pipe.set(self.marker, stamp)
+                    await pipe.execute()
+        except Exception as exc:
+            self._failed(exc)
+            return None
+        self.restored += 1
+        log.warning("shared drains: Redis at %s had lost the drains (%s is gone: restarted without"
+                    " persistence, or flushed); still holding %s and written back",
+                    self.url, self.marker, ", ".join(missing))  # fmt: skip
+        return names | held
 
     async def _resubscribed(self, _gap: float | None) -> None:
         """A change announced while the channel was not subscribed was missed: read now."""
@@ -162,7 +221,24 @@ class SharedHolds:
         if now - self._last_warning >= WARN_EVERY_S:
             self._last_warning = now
             log.warning("shared drains: Redis at %s did not answer (%s); holds stay as they are",
-                        self.url, str(exc) or type(exc).__name__)  # fmt: skip
+                        self.url, _why(exc))  # fmt: skip
 
 
-__all__ = ["SharedHolds"]
+class HoldsCollector(Collector):
+    """`quicedge_drains_restored_total`, read at scrape (0 without shared drains)."""
+
+    def __init__(self, holds: Callable[[], SharedHolds | None]) -> None:
+        self._holds = holds
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "quicedge_drains_restored",
+            "Times this process found the shared drains gone from Redis (restarted without"
+            " persistence, or flushed) and wrote the backends it holds back",
+        )
+        holds = self._holds()
+        family.add_metric([], holds.restored if holds is not None else 0)
+        yield family
+
+
+__all__ = ["HoldsCollector", "SharedHolds"]

@@ -36,7 +36,7 @@ from edge.admission import Admission
 from edge.app import ProxyApp, allowed_methods
 from edge.asgi import ASGIApp
 from edge.audit import AuditConfig, AuditLog
-from edge.backend_holds import SharedHolds
+from edge.backend_holds import HoldsCollector, SharedHolds
 from edge.config import SECTIONS, ProxyConfig
 from edge.cors import CorsConfig
 from edge.cors import wrap as wrap_cors
@@ -414,6 +414,7 @@ async def build(
     registry.register(SubscriptionCollector(
         lambda: (part.subscription for part in (holds, sync, view) if part is not None)
     ))  # fmt: skip
+    registry.register(HoldsCollector(lambda: holds))
     proxy = ProxyApp(
         config=config,
         pool=pool,

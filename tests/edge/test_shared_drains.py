@@ -1,6 +1,7 @@
 """`[proxy] share_drains`: a drain on one edge holds the backend on every edge of the Redis, and
-on one that starts later; Redis away refuses the drain and changes nothing; a dead subscription
-is found. Edges in-process, real Redis, real sockets."""
+on one that starts later; Redis away refuses the drain and changes nothing; Redis restarted
+empty undrains nothing; a dead subscription is found. Edges in-process, real Redis, real
+sockets."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import asyncio
 import uuid
 
 import httpx
+import redis.asyncio as aioredis
+from prometheus_client import generate_latest
 
 from backends.sim import SimServer
 from tests.edge.conftest import Edge, fast_config, run_edge
 from tests.edge.silent_relay import SilentRelay
 from tests.edge.test_app_sim import sim_config
-from tests.helpers import free_port, wait_until
+from tests.helpers import RedisServer, free_port, wait_until
 
 
 async def held(edge: Edge) -> dict[str, bool]:
@@ -91,6 +94,42 @@ async def test_redis_away_refuses_the_drain_and_changes_nothing() -> None:
             assert refused.json()["error"]["code"] == "state_unavailable"
             assert "nothing changed" in refused.json()["error"]["message"]
             assert await held(edge) == {name: False}
+
+
+async def test_a_redis_that_restarts_empty_does_not_undrain_a_backend(redis_prefix: str) -> None:
+    """Redis run without persistence (as deploy/ runs it) comes back empty: that is no undrain.
+    The edges keep holding, write the drain back and count it; an undrain still undrains."""
+    redis = RedisServer()
+    try:
+        async with SimServer(sim_config("s1")) as s1, SimServer(sim_config("s2")) as s2:
+            config = fast_config(
+                [s1.url, s2.url], share_drains=True, drains_interval=0.1,
+                drains_key=redis_prefix + "drains",
+            )  # fmt: skip
+            name = s1.url.partition("//")[2]
+            async with (
+                run_edge(config, redis_url=redis.url) as a,
+                run_edge(config, redis_url=redis.url) as b,
+            ):
+                holds = [h for h in (a.wiring.holds, b.wiring.holds) if h is not None]
+                assert len(holds) == 2
+                assert (await post(a, f"/backends/{name}/drain")).status_code == 200
+                await wait_until(lambda: b.wiring.registry.get(name).held)  # type: ignore[union-attr]
+                redis.stop()
+                redis = RedisServer(port=redis.port)  # back, empty
+                await wait_until(lambda: sum(h.restored for h in holds) >= 1)
+                async with aioredis.Redis.from_url(redis.url) as direct:
+                    assert await direct.hexists(config.drains_key, name)
+                await asyncio.sleep(0.5)  # several reads of the hash later
+                assert (await held(a))[name] and (await held(b))[name]
+                restored = [generate_latest(e.registry).decode() for e in (a, b)]
+                assert any("quicedge_drains_restored_total 1.0" in text for text in restored)
+                assert (await post(b, f"/backends/{name}/undrain")).status_code == 200
+                await wait_until(lambda: not a.wiring.registry.get(name).held)  # type: ignore[union-attr]
+                await asyncio.sleep(0.3)
+                assert not (await held(a))[name] and not (await held(b))[name]
+    finally:
+        redis.stop()
 
 
 async def test_a_drain_announced_while_the_subscription_was_silently_dead_is_read_at_once(
