@@ -12,16 +12,19 @@ published on `{drains_key}:changed`, and every edge that hears it reads the hash
 drain reaches the fleet in a round trip rather than up to `drains_interval` later. An
 announcement made while the channel was not subscribed is lost, so the hash is also read as soon
 as a lost subscription is made again (`edge.redis_pubsub` finds one that died without a close).
-When Redis is slow or gone, a drain or undrain is refused (503: nothing changed anywhere), a poll
-keeps the holds as they were, and failures are logged at most every 30 s. Routing never waits on
-Redis.
+When Redis is slow or gone, a drain or undrain is refused (503), a poll keeps the holds as they
+were, and failures are logged at most every 30 s. Routing never waits on Redis.
 
 An empty hash means "nothing is drained" only while the marker key `{drains_key}:marker`, written
 with every change, is there. Without it Redis has lost its data (restarted without persistence,
 flushed, evicted): an operator's drain must not end that way, so each edge keeps its holds,
 writes them back with the marker, and warns (`restored`). An undrain removes the name and keeps
 the marker, so it is still obeyed everywhere.
-"""
+
+A refusal says what is true: "nothing changed" when Redis could not be reached before the
+write went out; when the write went out and its answer did not come back in time, the field is
+read back, and the change is taken (200) when Redis holds it, else the 503 says it may still
+take effect."""
 
 from __future__ import annotations
 
@@ -127,14 +130,27 @@ class SharedHolds:
 
     async def set(self, name: str, held: bool) -> None:
         """Drain (`held`) or undrain `name` for every edge, then here; 503 when Redis did not
-        take it (nothing changed)."""
-        try:
+        take it, saying whether it may still take effect."""
+        try:  # Redis reachable: a failure after this point may have reached it
             async with asyncio.timeout(self.timeout):
-                await self._write(name, held)
+                await self._redis.ping()
         except Exception as exc:
             raise StateUnavailable(
                 f"the drain could not be shared through Redis ({_why(exc)}); nothing changed"
             ) from None
+        try:
+            async with asyncio.timeout(self.timeout):
+                await self._write(name, held)
+        except Exception as exc:
+            written = await self._read_back(name)
+            if written != held:
+                shown = "it may have been applied"
+                if written is not None:
+                    shown = "Redis does not show it, but a write that was late may still apply it"
+                raise StateUnavailable(
+                    f"the drain was sent to Redis but not confirmed ({_why(exc)}): {shown};"
+                    " GET /backends on each edge shows what it holds"
+                ) from None
         backend = self.registry.get(name)
         if backend is not None:
             backend.held = held
@@ -155,6 +171,15 @@ class SharedHolds:
                 pipe.hdel(self.key, name)
             pipe.set(self.marker, stamp)
             await pipe.execute()
+
+    async def _read_back(self, name: str) -> bool | None:
+        """Whether the hash names `name` now; None when Redis did not say in time."""
+        try:
+            async with asyncio.timeout(self.timeout):
+                return bool(await self._redis.hexists(self.key, name))
+        except Exception as exc:
+            self._failed(exc)
+            return None
 
     async def sync(self) -> None:
         """Hold exactly the backends the hash names (it stays as it was when Redis fails); with

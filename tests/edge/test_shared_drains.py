@@ -1,7 +1,7 @@
 """`[proxy] share_drains`: a drain on one edge holds the backend on every edge of the Redis, and
 on one that starts later; Redis away refuses the drain and changes nothing; Redis restarted
-empty undrains nothing; a dead subscription is found. Edges in-process, real Redis, real
-sockets."""
+empty undrains nothing; a late answer is read back; a dead subscription is found. Edges
+in-process, real Redis, real sockets."""
 
 from __future__ import annotations
 
@@ -130,6 +130,42 @@ async def test_a_redis_that_restarts_empty_does_not_undrain_a_backend(redis_pref
                 assert not (await held(a))[name] and not (await held(b))[name]
     finally:
         redis.stop()
+
+
+async def test_a_drain_whose_answer_is_late_is_read_back_not_called_unchanged(
+    redis_url: str, redis_prefix: str
+) -> None:
+    """The write reached Redis but its answer came after `timeout`: the edge reads the field
+    back and answers as Redis has it; when that read is late too, the 503 says the change may
+    have been applied (it was) instead of "nothing changed"."""
+    async with (
+        SimServer(sim_config("s1")) as s1,
+        SimServer(sim_config("s2")) as s2,
+        SilentRelay(redis_url) as relay,
+    ):
+        key = redis_prefix + "drains"
+        config = fast_config([s1.url, s2.url], share_drains=True, drains_interval=3600.0,
+                             drains_key=key)  # fmt: skip
+        other = fast_config([s1.url, s2.url], share_drains=True, drains_interval=0.1,
+                            drains_key=key)  # fmt: skip
+        name = s1.url.partition("//")[2]
+        async with (
+            run_edge(config, redis_url=relay.url) as a,
+            run_edge(other, redis_url=redis_url) as b,
+            aioredis.Redis.from_url(redis_url) as direct,
+        ):
+            relay.slow_after, relay.reply_delay = (b"MULTI",), 0.8  # the write's answer is late
+            drained = await post(a, f"/backends/{name}/drain")
+            assert drained.status_code == 200 and drained.json()["held"] is True
+            await wait_until(lambda: b.wiring.registry.get(name).held)  # type: ignore[union-attr]
+            # Now the read back is late too: the edge cannot tell.
+            relay.slow_after = (b"MULTI", b"HEXISTS")
+            refused = await post(a, f"/backends/{name}/undrain")
+            assert refused.status_code == 503
+            message = refused.json()["error"]["message"]
+            assert "may have been applied" in message and "nothing changed" not in message
+            assert not await direct.hexists(key, name)  # it was
+            await wait_until(lambda: not b.wiring.registry.get(name).held)  # type: ignore[union-attr]
 
 
 async def test_a_drain_announced_while_the_subscription_was_silently_dead_is_read_at_once(
