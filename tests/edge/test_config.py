@@ -105,24 +105,26 @@ def test_a_number_that_is_not_finite_is_refused_by_name(name: str, value: float)
     assert {"connect_timeout", "chunk_timeout", "models_ttl", "drains_interval"} <= set(
         PROXY_NUMBERS
     )
-    with pytest.raises(ValueError, match=rf"^proxy: {name} must be a finite number, got "):
+    with pytest.raises(ValueError, match=rf"^proxy\.{name}: expected a finite number, got "):
         config_from(parse(), {"proxy": {"backends": ["http://a:1"], name: value}})
     variable = next(k for k, v in ENVIRONMENT.items() if v == f"proxy.{name}")
-    with pytest.raises(ValueError, match=rf"^proxy: {name} must be a finite number"):
+    with pytest.raises(ValueError, match=rf"^\${variable}: expected a finite number"):
         config_from(parse("--backend", "http://a:1"), {}, {variable: str(value)})
+    with pytest.raises(ValueError, match=rf"^proxy: {name} must be a finite number, got "):
+        ProxyConfig(backends=["http://a:1"], **{name: value}).validate()  # built in code
 
 
 @pytest.mark.parametrize(
     ("policy", "message"),
     [
         ({"wasm": [{"id": "m", "path": "m.wasm", "poll_interval": math.nan}]},
-         "policy.wasm.poll_interval (m): must be a finite number, got nan"),
+         "policy.wasm[0].poll_interval: expected a finite number, got nan"),
         ({"wasm": [{"id": "m", "path": "m.wasm", "poll_interval": math.inf}]},
-         "policy.wasm.poll_interval (m): must be a finite number, got inf"),
+         "policy.wasm[0].poll_interval: expected a finite number, got inf"),
         ({"judge": {"backends": ["http://g:1"], "timeout": math.nan}},
-         "policy.judge.timeout: must be a finite number, got nan"),
+         "policy.judge.timeout: expected a finite number, got nan"),
         ({"judge": {"backends": ["http://g:1"], "timeout": math.inf}},
-         "policy.judge.timeout: must be a finite number, got inf"),
+         "policy.judge.timeout: expected a finite number, got inf"),
         ({"judge": {"backends": ["http://g:1"], "timeout": 0}},
          "policy.judge.timeout: must be > 0, got 0.0"),
     ],

@@ -255,10 +255,10 @@ async def test_a_number_that_is_not_finite_is_refused_and_the_running_settings_s
         reloader = Reloader(load, load(), edge.wiring)
         module = '[[policy.wasm]]\nid = "m"\npath = "m.wasm"\npoll_interval = nan\n'
         for text, error in [
-            ("[proxy]\nchunk_timeout = nan\n", "proxy: chunk_timeout must be a finite number, got"),
-            ("[proxy]\nconnect_timeout = nan\n", "proxy: connect_timeout must be a finite number"),
-            ("[proxy]\nfirst_byte_timeout = inf\n", "proxy: first_byte_timeout must be a finite"),
-            (module, "policy.wasm.poll_interval (m): must be a finite number, got nan"),
+            ("[proxy]\nchunk_timeout = nan\n", "proxy.chunk_timeout: expected a finite number"),
+            ("[proxy]\nconnect_timeout = nan\n", "proxy.connect_timeout: expected a finite"),
+            ("[proxy]\nfirst_byte_timeout = inf\n", "proxy.first_byte_timeout: expected a finite"),
+            (module, "policy.wasm[0].poll_interval: expected a finite number, got nan"),
         ]:  # fmt: skip
             path.write_text(text)
             report = await reloader.reload_reported()
