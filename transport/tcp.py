@@ -11,7 +11,8 @@ requests finish for ``graceful_timeout`` seconds. A request's head deadline is h
 timer, its body deadline ``transport.deadlines``'s, and the connection caps
 ``transport.caps``'s (docs/transport.md, "Deadlines and caps"). HTTP/2 runs on
 `transport.hypercorn_h2`'s protocol, which keeps a connection alive when the app answers before
-reading a request's body.
+reading a request's body; HTTP/1.1 on `transport.hypercorn_h11`'s, which refuses ambiguous
+framing and never switches to h2c.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
-from transport import hypercorn_h2
+from transport import hypercorn_h2, hypercorn_h11
 from transport.asgi import ASGIApp, Receive, Scope, Send, with_tcp_extensions
 from transport.caps import GATE_ATTRIBUTE, ConnectionGate, gate_hypercorn
 from transport.deadlines import with_body_deadline
@@ -133,6 +134,7 @@ class TcpListener:
         on_timeout: Callable[[str], None] | None = None,
     ) -> None:
         hypercorn_h2.install()
+        hypercorn_h11.install()
         options = options or TcpOptions()
         app = with_body_deadline(app, options.body_timeout, on_timeout)
         self._app = without_lifespan(with_tcp_extensions(app) if add_extensions else app)
