@@ -38,7 +38,7 @@ import re2
 
 from edge.policy.config import PolicyConfig
 from edge.policy.normalize import fold
-from edge.sse import ARGUMENTS, ARGUMENTS_KEY, REASONING, REASONING_KEY, has_string
+from edge.sse import ARGUMENTS, ARGUMENTS_KEY, REASONING, REASONING_KEY
 
 _FIELDS = {
     field: re.compile(rb'"' + field + rb'":\s*"([^"\\]*(?:\\.[^"\\]*)*)"', re.DOTALL)
@@ -140,6 +140,10 @@ WINDOWS_RULE = "stream:windows"
 _OTHER_INDEX = re.compile(rb'"index":\s*[^0\s]')
 """An `index` other than 0 (a second choice, a second tool call): the events are read whole."""
 _LINE = re.compile(rb"\r\n|\r|\n")
+_CALL_STRING = (ARGUMENTS_KEY + b'"', ARGUMENTS_KEY + b' "')
+_REASONING_STRING = (REASONING_KEY + b'"', REASONING_KEY + b' "')
+"""The key with a string value (compact or `": "` spacing): SGLang sends `null` in every chunk
+that has none, so the key alone says nothing; the cheaper test for the key comes first."""
 _BLANK_LINE = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r|\n)")
 """Two line ends in a row, each `\\r\\n`, `\\n` or `\\r` (SSE): the end of an event."""
 
@@ -311,9 +315,9 @@ class StreamGuard:
         found = self._field.findall(region)
         calls = thinking = None
         if self._chat:  # (SGLang sends `"reasoning_content":null` in every text chunk)
-            if has_string(region, ARGUMENTS_KEY):
+            if ARGUMENTS_KEY in region and _has_string(region, _CALL_STRING):
                 calls = ARGUMENTS.findall(region)
-            if has_string(region, REASONING_KEY):
+            if REASONING_KEY in region and _has_string(region, _REASONING_STRING):
                 thinking = REASONING.findall(region)
         if not (found or calls or thinking):
             return []
@@ -416,6 +420,10 @@ class StreamGuard:
         released = self._released
         ended = {index: released.get(index, "") for index in self._choices | {0}}
         return final_events(self._route, self._id, self._model, choices=ended)
+
+
+def _has_string(region: bytes, forms: tuple[bytes, bytes]) -> bool:
+    return forms[0] in region or forms[1] in region
 
 
 def _event_end(data: bytes) -> int:
