@@ -42,7 +42,7 @@ from transport.config import EarlyDataSettings, TransportConfig
 from transport.demo import DemoApps
 from transport.early_data import EarlyDataPolicy
 from transport.tls import TlsError, TlsMaterial, resolve_files
-from transport.workers import AppFactory, Plan, ServedApps, serve
+from transport.workers import AppFactory, Plan, ServedApps, StartupError, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,7 +179,11 @@ class ProxyApps:
             cors=self.settings.get("cors", CorsConfig),
             access_log=self.settings.get("access_log", AccessLogConfig),
         )
-        await built.start()
+        try:
+            await built.start()
+        except (ValueError, OSError) as exc:  # an audit log it refuses, a file it cannot open
+            await built.aclose()
+            raise StartupError(str(exc)) from exc
         reload: Callable[[], None] = built.reload
         reloader = None
         if self.source is not None:

@@ -60,10 +60,17 @@ class ServedApps:
     requests (background answers) finish for up to `timeout` seconds."""
 
 
+class StartupError(Exception):
+    """The apps could not start, for a reason the operator fixes (a log the edge refuses, a file
+    it cannot open): `serve` prints its one line and exits 1, with no traceback."""
+
+
 class AppFactory(Protocol):
     """Makes a worker's apps inside that worker (picklable: it is sent to spawned workers)."""
 
-    async def open(self, registry: CollectorRegistry) -> ServedApps: ...
+    async def open(self, registry: CollectorRegistry) -> ServedApps:
+        """The apps, started; StartupError when they cannot be."""
+        ...
 
     def describe(self) -> str: ...
 
@@ -205,6 +212,9 @@ def _worker_entry(plan: Plan, index: int, ready: Any, h3_socket: socket.socket |
             run_worker(plan, announce=lambda lines: ready.put((index, lines)), h3_socket=h3_socket),
             plan.transport.loop,
         )
+    except StartupError as exc:  # its one line is all there is to say
+        ready.put((index, f"failed: {exc}"))
+        sys.exit(1)
     except Exception as exc:  # report, so the parent does not wait forever
         ready.put((index, f"failed: {exc}"))
         raise
@@ -407,7 +417,7 @@ def serve(plan: Plan, *, announce: Announce = print_ready) -> int:
         return run_workers(plan, announce=announce)
     try:
         run_on_loop(run_worker(plan, announce=announce), plan.transport.loop)
-    except OSError as exc:  # a port in use, an address not on this machine
+    except (OSError, StartupError) as exc:  # a port in use, an address not on this machine
         print(f"quicedge serve: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -417,6 +427,7 @@ __all__ = [
     "AppFactory",
     "Plan",
     "ServedApps",
+    "StartupError",
     "print_ready",
     "run_worker",
     "run_workers",

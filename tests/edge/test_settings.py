@@ -295,3 +295,21 @@ def test_help_comes_from_the_field_docstrings() -> None:
     assert "--mode {fast,safe} How it runs (default: safe; $QUICEDGE_MODE)" in text
     assert "--enabled, --no-enabled" in text
     assert "--window" not in text and "--paths" not in text  # TOML only
+
+
+def test_an_app_that_cannot_start_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    """Settings that pass but apps that cannot start (an audit log whose last line is not a
+    record) ended in a traceback."""
+    log = tmp_path / "audit.jsonl"
+    log.write_text("not a record\n")
+    config = tmp_path / "quicedge.toml"
+    config.write_text(f'[audit]\npath = "{log}"\n')
+    done = quicedge(
+        "serve", "--config", str(config), "--backend", "http://127.0.0.1:1",
+        "--h3", "127.0.0.1:0", "--tcp", "off", "--admin", "off",
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        f"quicedge serve: {log}: the last line is not an audit record"
+    )
