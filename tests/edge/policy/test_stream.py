@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 import time
 from typing import Any
 
@@ -478,3 +479,38 @@ def test_generate_streams_with_many_indices_keep_bounded_state() -> None:
     assert guard.cut is None
     state = (guard._windows, guard._seen, guard._released, guard._choices)
     assert all(len(part) <= MAX_WINDOWS + 1 for part in state)
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_random_interleavings_chunkings_and_line_ends(hold: bool) -> None:
+    """Random streams of up to 3 interleaved choices, cut into random TCP reads, with any SSE
+    line end: the guard cuts exactly when some choice's text holds the match; otherwise the
+    stream goes out byte for byte; in hold mode no part of a match reaches the client."""
+    rnd = random.Random(7)
+    secret = "abcab"
+    config = {"stream_rules": [{"id": "s", "patterns": [secret], "literal": True}],
+              "stream_hold": hold, "stream_lookbehind": 64}  # fmt: skip
+    built = StreamRules.from_config(PolicyConfig.from_mapping(config))
+    assert built is not None
+    for _ in range(300):
+        guard = built.guard("/v1/chat/completions")
+        ending = rnd.choice([b"\n\n", b"\r\n\r\n", b"\r\r"])
+        texts: dict[int, str] = {}
+        stream = b""
+        for _ in range(rnd.randint(1, 12)):
+            index, word = rnd.randrange(3), rnd.choice(["a", "b", "c", "ab", "ca", "bca", " "])
+            texts[index] = texts.get(index, "") + word
+            stream += crlf(choice_event(index, content=word), ending)
+        stream += b"data: [DONE]" + ending
+        cuts = sorted(rnd.sample(range(1, len(stream)), rnd.randint(0, 10)))
+        reads = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True)]
+        out, _ = run(guard, reads)
+        assert (guard.cut is not None) == any(secret in t for t in texts.values()), texts
+        if guard.cut is None:
+            assert out == stream
+            continue
+        got = texts_by_choice(out.replace(ending, b"\n\n"))
+        for index, text in texts.items():
+            if hold and secret in text:  # the client's text ends before the match starts
+                assert len(got.get(index, "")) <= text.index(secret), (texts, got)
+            assert secret not in got.get(index, "")
