@@ -40,6 +40,8 @@ class PolicyOutcome:
     rules: list[str] = field(default_factory=list)
     """Ids of the rules and modules that matched, in order."""
     redacted: bool = False
+    capped: bool = False
+    """A request without a length was given its tier's `max_tokens` (serialised again)."""
 
 
 class PolicyGateway:
@@ -98,6 +100,7 @@ class PolicyGateway:
                     outcome.rules.append(rule)
                     self._count(rule, result)
                 outcome.redacted = verdict.redacted
+                outcome.capped = verdict.capped
             view: bytes | None = None
             for module in self.modules:
                 if view is None:
@@ -156,7 +159,7 @@ class PolicyGateway:
             ex.trace.set("quicedge.policy.rules", outcome.rules)
         if ex.stream and self.stream is not None:
             ex.stream_guard = self.stream.guard(ex.route)
-        return orjson.dumps(body) if outcome.redacted else raw
+        return orjson.dumps(body) if outcome.redacted or outcome.capped else raw
 
     async def judge_stage(self, ex: Exchange) -> None:
         """The model-judged track (`edge.policy.judge`): `hold` waits for the verdict here;

@@ -35,6 +35,7 @@ from edge.policy.normalize import fold
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+GENERATE = "/generate"
 
 Slot = tuple[MutableMapping[str, Any] | MutableSequence[Any], Any]
 """Where one piece of prompt text lives in the body: (container, key or index)."""
@@ -145,6 +146,9 @@ class RuleVerdict:
     """(rule id, outcome) of each rule that matched: `allow` or `redact`."""
     redacted: bool = False
     """The body was changed: it must be serialised again."""
+    capped: bool = False
+    """The request set no length, and was given its tier's (the body must be serialised
+    again)."""
 
 
 class RequestRules:
@@ -197,7 +201,7 @@ class RequestRules:
         limits = self._tiers.get(tier)
         if limits is not None:
             if limits.max_tokens is not None:
-                self._check_tokens(body, tier, limits.max_tokens)
+                verdict.capped = self._check_tokens(route, body, tier, limits.max_tokens)
             if limits.max_prompt_chars is not None:
                 size = sum(len(c[k]) for c, k in slots)
                 if size > limits.max_prompt_chars:
@@ -236,20 +240,32 @@ class RequestRules:
         return verdict
 
     @staticmethod
-    def _check_tokens(body: MutableMapping[str, Any], tier: str, limit: int) -> None:
+    def _check_tokens(route: str, body: MutableMapping[str, Any], tier: str, limit: int) -> bool:
         """Refuse a request any of whose length fields asks for more than `limit`, or is not a
-        plain integer (a backend may read `"200"` or `200.0` as 200: SGLang's pydantic does)."""
+        plain integer (a backend may read `"200"` or `200.0` as 200: SGLang's pydantic does).
+        A request that sets none is given `limit` (True: the body changed): without one, a
+        chat completion may run to the model's context length."""
         # The common case, every field absent or within the limit, in straight-line code: this
         # runs on every request of a limited tier. Only a refusal looks for the field to name.
         a, b = body.get("max_tokens"), body.get("max_completion_tokens")
         params = body.get("sampling_params")
         c = params.get("max_new_tokens") if isinstance(params, dict) else None
+        if a is None and b is None and c is None:
+            if route == GENERATE:
+                if not isinstance(params, dict):
+                    params = body["sampling_params"] = {}
+                params["max_new_tokens"] = limit
+                return True
+            if route == CHAT or route == COMPLETIONS:
+                body["max_tokens"] = limit
+                return True
+            return False
         if (
             (a is None or (type(a) is int and a <= limit))
             and (b is None or (type(b) is int and b <= limit))
             and (c is None or (type(c) is int and c <= limit))
         ):
-            return
+            return False
         for name, value in _token_fields(body):
             if type(value) is int and value <= limit:
                 continue
@@ -266,6 +282,7 @@ class RequestRules:
                 f"{name} {value} is above this tier's limit of {limit} (rule `{rule}`)",
                 param=name,
             )
+        return False  # (not reached: the fast path passed every field within the limit)
 
     def _redact_with(
         self, index: int, slots: Slots, folded: list[str], groups: Sequence[tuple[int, int]]

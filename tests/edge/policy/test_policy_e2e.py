@@ -240,6 +240,8 @@ async def test_admitted_tenant_and_tier_choose_the_rules_and_the_audit_records_t
                 model = await post("sk-free")  # the x-tenant-id header changes nothing
                 limit = await post("sk-big", max_tokens=64)
                 anonymous = await http.post("/v1/completions", json=body)
+                unsized = {"model": "tiny-model", "prompt": "hi"}
+                capped = await http.post("/v1/completions", json=unsized)  # given bronze's 16
             assert edge.wiring.audit is not None
             await edge.wiring.audit.flush()
     assert model.status_code == 403 and model.json()["error"]["code"] == "model_not_allowed"
@@ -247,9 +249,13 @@ async def test_admitted_tenant_and_tier_choose_the_rules_and_the_audit_records_t
     assert limit.status_code == 200  # gold has no limit
     assert anonymous.status_code == 400  # anonymous is bronze: max_tokens 64 > 16
     assert anonymous.headers["x-quicedge-policy-rule"] == "tier:bronze:max_tokens"
+    assert capped.status_code == 200
+    sent = [json.loads(r.body) for r in up.requests if r.path == "/v1/completions"]
+    assert [b.get("max_tokens") for b in sent] == [64, 16]
     lines = [json.loads(line) for line in (tmp_path / "audit.jsonl").read_text().splitlines()]
     assert [(r["tenant"], r["decision"], r["rules"], r["status"]) for r in lines] == [
         ("free-co", "deny", ["models:free-co"], 403),
         ("big-co", "allow", [], 200),
         ("anonymous", "deny", ["tier:bronze:max_tokens"], 400),
+        ("anonymous", "allow", [], 200),
     ]

@@ -371,8 +371,35 @@ def test_a_module_is_shown_the_largest_length_field() -> None:
 def test_lengths_within_the_limit_pass() -> None:
     gw = gateway()
     body = chat("hi", max_tokens=100, max_completion_tokens=100)
-    gw.check(CHAT, body, tenant="t", tier="free", stream=False)
-    gw.check(CHAT, chat("hi", max_tokens=None), tenant="t", tier="free", stream=False)
+    assert not gw.check(CHAT, body, tenant="t", tier="free", stream=False).capped
+    assert body["max_tokens"] == body["max_completion_tokens"] == 100  # as sent
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "field"),
+    [
+        (CHAT, chat("hi"), ("max_tokens",)),
+        (CHAT, chat("hi", max_tokens=None), ("max_tokens",)),
+        ("/v1/completions", {"prompt": "hi"}, ("max_tokens",)),
+        ("/generate", {"text": "hi"}, ("sampling_params", "max_new_tokens")),
+        ("/generate", {"text": "hi", "sampling_params": {"temperature": 0}},
+         ("sampling_params", "max_new_tokens")),
+    ],
+)  # fmt: skip
+def test_a_request_without_a_length_is_given_its_tiers(
+    route: str, body: dict[str, Any], field: tuple[str, ...]
+) -> None:
+    """Without a length field a chat completion runs to the model's context length, whatever
+    the tier's `max_tokens`: the request gets the limit, and is serialised again."""
+    outcome = gateway().check(route, body, tenant="t", tier="free", stream=False)
+    value: Any = body
+    for key in field:
+        value = value[key]
+    assert value == 100 and outcome.capped
+    other = copy.deepcopy(body)
+    other.pop("max_tokens", None)
+    other.pop("sampling_params", None)
+    assert not gateway().check(route, other, tenant="t", tier="pro", stream=False).capped
 
 
 def test_decisions_are_counted_by_rule_and_outcome() -> None:
