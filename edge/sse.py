@@ -112,6 +112,9 @@ class SSEScanner:
     """Incremental `text/event-stream` scanner: feed chunks, learn what accounting needs.
 
     Events end at a blank line (`\\n\\n`; SGLang writes LF line ends, one `data:` line per event).
+    A stream with CR line ends (CRLF, as sse-starlette servers write) is passed on with LF
+    ones, which SSE reads alike; scanned as written, none of its events would end before the
+    stream did.
     A chunk is scanned as a whole, not event by event: the complete events in it are one region,
     searched with a few C-level calls (counts, one regex `findall`), whatever their number; a
     busy edge reads many tokens at once, and a loop per event would be most of its relay cost. Bytes
@@ -135,6 +138,7 @@ class SSEScanner:
         "_pieces_size",
         "_tail",
         "_chat",
+        "_cr",
         "content_events",
         "done",
         "error",
@@ -164,6 +168,8 @@ class SSEScanner:
         self._key = b'"' + field + b'":'
         self._compact = self._key + b'"'
         self._compact_empty = self._compact + b'"'
+        self._cr = False
+        """The last chunk ended with a CR: an LF that starts the next ends the same line."""
         self._chat = field == b"content"
         """Chat: tool-call arguments and reasoning are generated tokens too (counted, not
         collected)."""
@@ -184,6 +190,13 @@ class SSEScanner:
         client dispatches nothing before an event's blank line, so holding them delays
         nothing): a stream that fails after them ends with a well-formed error event, not one
         glued to half an event. Past `_MAX_TAIL` held bytes, everything passes unscanned."""
+        if self._cr:
+            self._cr = False
+            if chunk[:1] == b"\n":
+                chunk = chunk[1:]
+        if b"\r" in chunk:  # (a CR in JSON text is escaped: a raw one ends a line)
+            self._cr = chunk.endswith(b"\r")
+            chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         tail = self._tail
         if tail:
             if len(tail) > _MAX_TAIL:

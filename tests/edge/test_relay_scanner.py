@@ -433,3 +433,18 @@ async def test_a_head_the_writer_refuses_in_the_callback_fails_the_relay() -> No
             await asyncio.wait_for(relay.run(response, _no_send, START), 10)
         assert not response.complete
         assert pool.stats().backends[url].active == 0  # its connection was closed
+
+
+@pytest.mark.parametrize("ending", [b"\r\n", b"\r"], ids=["crlf", "cr"])
+def test_a_stream_with_cr_line_ends_is_scanned_as_it_comes(ending: bytes) -> None:
+    """Only `\\n\\n` ended an event: a CRLF stream (sse-starlette's) was held whole until it
+    ended, its first token with it. It passes with LF line ends, at every split."""
+    stream = CHAT_STREAM.replace(b"\n", ending)
+    for parts in splits(stream):
+        scanner = SSEScanner.for_route(CHAT)
+        passed = b"".join(scanner.take(part)[0] for part in parts) + scanner.rest()
+        assert passed == CHAT_STREAM
+        assert scanner.content_events == 2 and scanner.events == 5 and scanner.done
+    role, first, _ = stream.split(ending * 2, 2)
+    scanner = SSEScanner.for_route(CHAT)
+    assert scanner.take(role + ending * 2 + first + ending * 2)[1] == 1  # at its blank line
