@@ -74,6 +74,8 @@ from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol.events import Body, Data, EndBody
 from hypercorn.protocol.h11 import STREAM_ID, H2ProtocolAssumedError, H11Protocol
 
+from transport.pins import off_pin
+
 TESTED_MINOR = "0.18"
 """hypercorn version whose `H11Protocol` this override was written and tested against."""
 
@@ -248,26 +250,14 @@ def _refusal(request: h11.Request) -> tuple[int, str] | None:
     return None
 
 
-def _version(module: Any, distribution: str) -> str:
-    version = getattr(module, "__version__", None)
-    if version is None:
-        from importlib.metadata import version as dist_version
-
-        version = dist_version(distribution)
-    return str(version)
-
-
 def install() -> None:
     """Make hypercorn's HTTP/1.1 connections use `GuardedH11Protocol` (idempotent)."""
-    for module, distribution, tested in (
-        (hypercorn, "hypercorn", TESTED_MINOR),
-        (h11, "h11", TESTED_H11_MINOR),
-    ):
-        version = _version(module, distribution)
-        if not (version == tested or version.startswith(tested + ".")):
+    for distribution, tested in (("hypercorn", TESTED_MINOR), ("h11", TESTED_H11_MINOR)):
+        found = off_pin(distribution, tested)
+        if found is not None:
             raise RuntimeError(
                 f"transport.hypercorn_h11 is written for {distribution} {tested}.x, found "
-                f"{version}: check whether upstream refuses Content-Length with "
+                f"{found}: check whether upstream refuses Content-Length with "
                 "Transfer-Encoding and dropped the h2c upgrade, and re-test before moving the pin"
             )
     hypercorn.protocol.H11Protocol = GuardedH11Protocol  # type: ignore[misc]

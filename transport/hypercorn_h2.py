@@ -99,6 +99,7 @@ from transport.caps import CONTROL_FLOOD, RAPID_RESET, floods_control, resets_mo
 from transport.h2_body_credit import AppQueue, connection_window, take_over
 from transport.h2_stream_errors import adopt, body_length_error, header_list_over
 from transport.hypercorn_send import send_timeout_of
+from transport.pins import off_pin
 
 TESTED_MINOR = "0.18"
 """hypercorn version whose `H2Protocol` this override was written and tested against."""
@@ -381,14 +382,10 @@ its stream)."""
 
 def install() -> None:
     """Make hypercorn's HTTP/2 connections use `GuardedH2Protocol` (idempotent)."""
-    version = getattr(hypercorn, "__version__", None)
-    if version is None:
-        from importlib.metadata import version as dist_version
-
-        version = dist_version("hypercorn")
-    if not (version == TESTED_MINOR or version.startswith(TESTED_MINOR + ".")):
+    found = off_pin("hypercorn", TESTED_MINOR)
+    if found is not None:
         raise RuntimeError(
-            f"transport.hypercorn_h2 is written for hypercorn {TESTED_MINOR}.x, found {version}: "
+            f"transport.hypercorn_h2 is written for hypercorn {TESTED_MINOR}.x, found {found}: "
             "check whether upstream fixed data on a closed stream (pgjones/hypercorn#329) and "
             "re-test before moving the pin"
         )
