@@ -26,7 +26,7 @@ from cachetools import TTLCache
 
 from edge.errors import StateUnavailable
 from edge.state.config import ConversationConfig
-from edge.state.redis_store import RedisState, Unreadable, warn_unreadable
+from edge.state.redis_store import RedisState, Unreadable, read_or_none
 
 POLL_S = 0.5
 """How often a running background turn reads its record for a cancel."""
@@ -89,13 +89,7 @@ class Record:
     @classmethod
     def read(cls, blob: bytes | None, what: str) -> Record | None:
         """`decode`, with None for no value or one this edge cannot read (logged)."""
-        if blob is None:
-            return None
-        try:
-            return cls.decode(blob)
-        except Unreadable as err:
-            warn_unreadable(what, err)
-            return None
+        return read_or_none(cls.decode, blob, what)
 
     def as_read(self) -> Record:
         """What a reader is told: a running record whose heartbeat ran out is `failed`."""

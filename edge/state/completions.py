@@ -25,7 +25,7 @@ import orjson
 
 from edge.errors import ConversationNotFound, InvalidRequest
 from edge.state.config import ConversationConfig
-from edge.state.redis_store import RedisState, Unreadable, warn_unreadable
+from edge.state.redis_store import RedisState, Unreadable, read_or_none
 from edge.state.stored import order_and_limit, page
 
 MAX_LIST_SCAN = 10_000
@@ -60,13 +60,7 @@ class StoredCompletion:
     @classmethod
     def read(cls, blob: bytes | None, what: str) -> StoredCompletion | None:
         """`decode`, with None for no value or one this edge cannot read (logged)."""
-        if blob is None:
-            return None
-        try:
-            return cls.decode(blob)
-        except Unreadable as err:
-            warn_unreadable(what, err)
-            return None
+        return read_or_none(cls.decode, blob, what)
 
 
 class CompletionStore(Protocol):

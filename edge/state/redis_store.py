@@ -86,6 +86,17 @@ def warn_unreadable(what: str, err: Exception) -> None:
                     err)  # fmt: skip
 
 
+def read_or_none(decode: Callable[[bytes], T], blob: bytes | None, what: str) -> T | None:
+    """`decode(blob)`, with None for no value or one this edge cannot read (logged)."""
+    if blob is None:
+        return None
+    try:
+        return decode(blob)
+    except Unreadable as err:
+        warn_unreadable(what, err)
+        return None
+
+
 FAILURES_TO_OPEN = 3
 """Failed or timed-out calls in a row that open the state store's breaker."""
 ORPHANS_MAX = 1024
