@@ -173,26 +173,39 @@ class Admission:
         assert ex.view is not None
         name = tenant.name
         cap = tenant.max_concurrent
-        if cap is not None and self._in_flight.get(name, 0) >= cap:
-            self._reject(name, "concurrency")
-            raise TooManyRequests(
-                f"tenant {name} has {cap} requests in flight, its maximum; retry when one ends",
-                headers=((b"retry-after", b"1"),),
-            )
+        if cap is not None:
+            held = self._in_flight.get(name, 0)
+            if held >= cap:
+                self._reject(name, "concurrency")
+                raise TooManyRequests(
+                    f"tenant {name} has {cap} requests in flight, its maximum; retry when one ends",
+                    headers=((b"retry-after", b"1"),),
+                )
+            # The slot is taken before the take awaits (a Redis round trip): requests arriving
+            # meanwhile must see it, or all of them pass the check together.
+            self._in_flight[name] = held + 1
         prompt = ex.view.approx_tokens
         if tenant.limited:
-            verdict, reason, standings = await self.limiter.take(tenant, prompt)
+            try:
+                verdict, reason, standings = await self.limiter.take(tenant, prompt)
+            except BaseException:  # cancelled (client gone) or failed: the slot is not used
+                self._release(name, cap)
+                raise
             if not verdict.allowed:
+                self._release(name, cap)
                 self._reject(name, reason)
                 if reason == "requests":
                     self._refused_until[name] = time.monotonic() + verdict.retry_after
                 raise self._over_quota(name, reason, verdict.retry_after, standings)
             ex.ratelimit = ratelimit_headers(standings)
-        if cap is not None:
-            self._in_flight[name] = self._in_flight.get(name, 0) + 1
-            ex.holds_slot = True
+        ex.holds_slot = cap is not None
         self.metrics.tenant_requests.labels(name, tenant.tier).inc()
         self.metrics.tenant_tokens.labels(name, "prompt").inc(prompt)
+
+    def _release(self, name: str, cap: int | None) -> None:
+        """Give back a slot `admit` took for a request it then refused."""
+        if cap is not None:
+            self._in_flight[name] -= 1
 
     async def charge_call(self, tenant: Tenant) -> list[tuple[bytes, bytes]]:
         """Charge a call that is not an inference request (the stored objects' routes) to the

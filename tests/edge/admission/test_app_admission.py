@@ -267,3 +267,44 @@ async def test_the_admin_view_lists_tenants_and_one_tenants_buckets(
         assert 20 < buckets["requests"]["reset_s"] <= 40  # two requests at one per 20 s
         assert buckets["tokens"]["limit"] == 6000 and buckets["tokens"]["remaining"] < 6000
         assert missing.status_code == 404 and refused.status_code == 405
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+async def test_max_concurrent_holds_while_the_bucket_take_awaits(
+    store: str, redis_url: str, redis_prefix: str
+) -> None:
+    """Requests arriving together all reach the concurrency check while the first ones wait on
+    Redis for their take: only `max_concurrent` of them may go on."""
+    release = asyncio.Event()
+
+    async def answer(recorded: Recorded) -> Reply:
+        reply = health_ok(recorded)
+        if reply is not None:
+            return reply
+        await release.wait()
+        return sse_reply(["ok"])
+
+    async with TinyUpstream(answer) as up:
+        redis = RedisSettings(url=redis_url, prefix=redis_prefix, timeout_ms=2000, slow_ms=2000)
+        config = with_admission(
+            fast_config([up.url]),
+            tenants=[tenant("two", "gold", "sk-two", requests_per_second=1000.0, burst=1000,
+                            max_concurrent=2)],
+            **({"redis": redis} if store == "redis" else {}),
+        )  # fmt: skip
+        body = {"model": "tiny-model", "prompt": "Hello", "stream": True}
+        async with run_edge(config) as edge, client(edge) as http:
+            sent = [
+                asyncio.ensure_future(
+                    http.post("/v1/completions", json=body, headers=bearer("sk-two"))
+                )
+                for _ in range(8)
+            ]
+            forwarded = lambda: sum(x.path == "/v1/completions" for x in up.requests)  # noqa: E731
+            # every request is either refused or held by the upstream (all 8 held: the bug)
+            await wait_until(lambda: forwarded() + sum(s.done() for s in sent) >= 8)
+            held = forwarded()
+            release.set()
+            codes = [r.status_code for r in await asyncio.gather(*sent)]
+            assert held == 2 and sorted(codes) == [200] * 2 + [429] * 6
+            assert edge.wiring.admission.tenants()["tenants"][0]["in_flight"] == 0
