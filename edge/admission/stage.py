@@ -177,10 +177,7 @@ class Admission:
             held = self._in_flight.get(name, 0)
             if held >= cap:
                 self._reject(name, "concurrency")
-                raise TooManyRequests(
-                    f"tenant {name} has {cap} requests in flight, its maximum; retry when one ends",
-                    headers=((b"retry-after", b"1"),),
-                )
+                raise await self._over_concurrency(tenant, cap)
             # The slot is taken before the take awaits (a Redis round trip): requests arriving
             # meanwhile must see it, or all of them pass the check together.
             self._in_flight[name] = held + 1
@@ -201,6 +198,16 @@ class Admission:
         ex.holds_slot = cap is not None
         self.metrics.tenant_requests.labels(name, tenant.tier).inc()
         self.metrics.tenant_tokens.labels(name, "prompt").inc(prompt)
+
+    async def _over_concurrency(self, tenant: Tenant, cap: int) -> TooManyRequests:
+        """The 429 for a tenant at its `max_concurrent`: a second's wait (a slot frees when a
+        request ends, which no bucket predicts) and, for a tenant with a quota, its rate-limit
+        headers as every 429 has them, from where its buckets stand (nothing is taken)."""
+        standings = await self.limiter.standing(tenant) if tenant.limited else ()
+        return TooManyRequests(
+            f"tenant {tenant.name} has {cap} requests in flight, its maximum; retry when one ends",
+            headers=(*retry_after(1.0), *ratelimit_headers(standings)),
+        )
 
     def _release(self, name: str, cap: int | None) -> None:
         """Give back a slot `admit` took for a request it then refused."""

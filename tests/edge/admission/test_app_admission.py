@@ -305,6 +305,14 @@ async def test_max_concurrent_holds_while_the_bucket_take_awaits(
             await wait_until(lambda: forwarded() + sum(s.done() for s in sent) >= 8)
             held = forwarded()
             release.set()
-            codes = [r.status_code for r in await asyncio.gather(*sent)]
+            answers = await asyncio.gather(*sent)
+            codes = [r.status_code for r in answers]
             assert held == 2 and sorted(codes) == [200] * 2 + [429] * 6
+            refused = next(r for r in answers if r.status_code == 429)
+            # a 429 like a quota's: the wait in ms too, and where the tenant's buckets stand
+            assert refused.headers["retry-after"] == "1"
+            assert refused.headers["retry-after-ms"] == "1000"
+            assert refused.headers["x-ratelimit-limit-requests"] == "1000"
+            assert 990 <= int(refused.headers["x-ratelimit-remaining-requests"]) <= 1000
+            assert "x-ratelimit-reset-requests" in refused.headers
             assert edge.wiring.admission.tenants()["tenants"][0]["in_flight"] == 0
