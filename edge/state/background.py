@@ -38,6 +38,10 @@ BEAT_EVERY_S = 5.0
 RUNNING = "in_progress"
 CANCELLED = "cancelled"
 FAILED = "failed"
+DELETED = "deleted"
+"""A record's status once `DELETE /v1/responses/{id}` took it: readers find nothing (a 404),
+the edge still generating it stops at its next poll, and its final record is not written over
+it (`RecordStore.settle`), so a deleted response never reads back."""
 ABANDONED = {
     "code": "abandoned",
     "message": "the edge generating this response stopped renewing it (it stopped, or lost the "
@@ -51,7 +55,7 @@ class Record:
     """What `GET /v1/responses/{id}` shows of a background response not stored (yet)."""
 
     status: str
-    """`in_progress`, `cancelled` or `failed`."""
+    """`in_progress`, `cancelled`, `failed` or `deleted` (`DELETED`)."""
     meta: dict[str, Any]
     """The response's own fields, as `ResponseBuilder.stored()` gives them."""
     error: dict[str, Any] | None = None
@@ -63,11 +67,16 @@ class Record:
     written before heartbeats were kept, which is trusted as it is."""
     alive: bool = True
     """Read back: False when it has a heartbeat and the heartbeat ran out (not stored)."""
+    lease: str | None = None
+    """The lease token (hex) its turn holds while it runs: a delete releases that lease, so
+    an answer that completes meanwhile cannot store its turn (its commit needs the lease)."""
 
     def encode(self) -> bytes:
         obj: dict[str, Any] = {"s": self.status, "m": self.meta, "e": self.error, "i": self.sent}
         if self.beat:
             obj["h"] = 1
+        if self.lease is not None:
+            obj["k"] = self.lease
         return orjson.dumps(obj)
 
     @classmethod
@@ -81,10 +90,11 @@ class Record:
             isinstance(obj, dict) and isinstance(obj.get("s"), str)
             and isinstance(obj.get("m"), dict) and isinstance(obj.get("e") or {}, dict)
             and isinstance(obj.get("i") or [], list)
+            and isinstance(obj.get("k") or "", str)
         ):  # fmt: skip
             raise Unreadable("not a background response's record")
         return cls(obj["s"], obj["m"], obj.get("e"), list(obj.get("i") or []),
-                   bool(obj.get("h")))  # fmt: skip
+                   bool(obj.get("h")), lease=obj.get("k") or None)  # fmt: skip
 
     @classmethod
     def read(cls, blob: bytes | None, what: str) -> Record | None:
@@ -96,6 +106,11 @@ class Record:
         if self.status == RUNNING and not self.alive:
             return Record(FAILED, self.meta, dict(ABANDONED), self.sent)
         return self
+
+
+TOMBSTONE = Record(DELETED, {}).encode()
+"""The record a deleted background response leaves (`DELETED`), byte for byte: what `settle`
+compares with, in memory as in Redis."""
 
 
 def kept_for(config: ConversationConfig) -> float:
@@ -113,6 +128,11 @@ class RecordStore(Protocol):
     async def get(self, tenant: str, rid: str) -> Record | None: ...
     async def delete(self, tenant: str, rid: str) -> None: ...
     async def start(self, tenant: str, rid: str, record: Record) -> None: ...
+
+    async def settle(self, tenant: str, rid: str, record: Record) -> bool:
+        """`put`, unless the record there is a deletion's `TOMBSTONE` (then nothing is
+        written: a deleted response stays deleted); whether it was written. One atomic step."""
+        ...
 
     async def beat(self, tenant: str, rid: str) -> Record | None:
         """Renew the heartbeat for `BEAT_S` and read the record, in one round trip."""
@@ -139,6 +159,13 @@ class MemoryRecords:
     async def start(self, tenant: str, rid: str, record: Record) -> None:
         # one process's records die with it: no heartbeat needed
         await self.put(tenant, rid, record)
+
+    async def settle(self, tenant: str, rid: str, record: Record) -> bool:
+        # nothing awaits between the read and the write: atomic within the process
+        if self._data.get((tenant, rid)) == TOMBSTONE:
+            return False
+        self._data[(tenant, rid)] = record.encode()
+        return True
 
     async def beat(self, tenant: str, rid: str) -> Record | None:
         return await self.get(tenant, rid)
@@ -180,6 +207,11 @@ class RedisRecords:
             (self._alive_key(tenant, rid), b"1", self._beat_ms),
             (self._key(tenant, rid), record.encode(), self._ttl_ms),
         ])  # fmt: skip
+
+    async def settle(self, tenant: str, rid: str, record: Record) -> bool:
+        return await self._redis.set_unless(
+            self._key(tenant, rid), record.encode(), self._ttl_ms, TOMBSTONE
+        )
 
     async def beat(self, tenant: str, rid: str) -> Record | None:
         blob = await self._redis.get_and_set(
@@ -431,6 +463,7 @@ __all__ = [
     "BEAT_S",
     "Broadcast",
     "CANCELLED",
+    "DELETED",
     "END",
     "EventLog",
     "MemoryEvents",
@@ -445,4 +478,5 @@ __all__ = [
     "Record",
     "RecordStore",
     "RedisRecords",
+    "TOMBSTONE",
 ]

@@ -595,6 +595,11 @@ class Conversations:
         if turn.token is not None:
             await self.store.release(turn.tenant, turn.cid, turn.token)
 
+    async def release_lease(self, tenant: str, cid: str, token: bytes) -> None:
+        """Release the lease `token` holds, whichever request holds it (a deleted background
+        response's turn, `StoredObjects.delete`): its commit then writes nothing."""
+        await self.store.release(tenant, cid, token)
+
     async def extend(self, turn: Turn) -> bool:
         """Renew the turn's lease for another `lease` seconds (a background answer, which may
         run longer); False when it no longer holds it (its conversation was deleted)."""

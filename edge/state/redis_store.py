@@ -49,6 +49,15 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then
 end
 return 0
 """
+# Write a key unless it holds ARGV[3] (a deleted background response's mark, which a late
+# final record must not overwrite).
+_SET_UNLESS = """
+if redis.call('GET', KEYS[1]) == ARGV[3] then
+  return 0
+end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
 # Append to a list from index ARGV[2] on: entries an earlier try already added (its reply came
 # too late) are not added twice, so an entry's index stays its sequence number.
 _APPEND_AT = """
@@ -144,6 +153,7 @@ class RedisState:
         self._release = self.client.register_script(_RELEASE)
         self._extend = self.client.register_script(_EXTEND)
         self._append_at = self.client.register_script(_APPEND_AT)
+        self._set_unless = self.client.register_script(_SET_UNLESS)
         self._orphans: dict[tuple[str, bytes], _Orphan] = {}
         """Leases (key, token) whose take, commit or release did not answer: they may hold
         their conversation though no turn runs, so they are released once Redis answers."""
@@ -181,6 +191,13 @@ class RedisState:
 
     async def set(self, key: str, value: bytes, ttl_ms: int) -> None:
         await self._call("set", lambda: self.client.set(key, value, px=ttl_ms))
+
+    async def set_unless(self, key: str, value: bytes, ttl_ms: int, unless: bytes) -> bool:
+        """SET PX of `key` unless it holds `unless`, atomically; whether it was written."""
+        done = await self._call(
+            "set unless", lambda: self._set_unless(keys=[key], args=[value, ttl_ms, unless])
+        )
+        return bool(done)
 
     async def set_new(self, key: str, value: bytes, ttl_ms: int) -> bool:
         """SET NX PX: True when the key did not exist (a lease taken)."""

@@ -34,6 +34,7 @@ from edge.stages.validate import CHAT, COMPLETIONS, GENERATE
 from edge.state.background import (
     BEAT_EVERY_S,
     CANCELLED,
+    DELETED,
     FAILED,
     RUNNING,
     EventLog,
@@ -204,7 +205,7 @@ class StateStage:
         if self.redis is not None:
             await self.redis.aclose()
 
-    def settle_later(self, write: Callable[[], Awaitable[None]], request_id: str) -> None:
+    def settle_later(self, write: Callable[[], Awaitable[object]], request_id: str) -> None:
         """Write a background response's final record in the background, when the breaker
         closes and then after each of `SETTLE_RETRIES_S`: a record left `in_progress` would
         be polled for as long as records live. Past them, its heartbeat runs out instead
@@ -217,7 +218,7 @@ class StateStage:
         self._settling.add(task)
         task.add_done_callback(self._settling.discard)
 
-    async def _settle(self, write: Callable[[], Awaitable[None]], request_id: str) -> None:
+    async def _settle(self, write: Callable[[], Awaitable[object]], request_id: str) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + sum(SETTLE_RETRIES_S)
         for wait in SETTLE_RETRIES_S:
@@ -470,7 +471,8 @@ class StateRequest:
         meta = self.builder.stored()
         turn = self.turn
         sent = [] if turn is None else [list(p) for p in turn.history.next_input(turn.new)]
-        record = Record(RUNNING, meta, sent=sent)
+        lease = None if turn is None or turn.token is None else turn.token.hex()
+        record = Record(RUNNING, meta, sent=sent, lease=lease)
         await self.stage.records.start(self.ex.tenant, self.builder.id, record)
         self.beat_at = time.monotonic() + BEAT_EVERY_S
         self.queued = True
@@ -489,8 +491,9 @@ class StateRequest:
             return True  # tried again at the next renewal
 
     async def cancel_requested(self) -> bool:
-        """Whether a cancel was recorded for this background response (never raises); every
-        `BEAT_EVERY_S` the same round trip renews its heartbeat (this edge still runs it)."""
+        """Whether a cancel or a delete was recorded for this background response (never
+        raises); every `BEAT_EVERY_S` the same round trip renews its heartbeat (this edge
+        still runs it)."""
         records = self.stage.records
         assert self.builder is not None and records is not None
         tenant, rid = self.ex.tenant, self.builder.id
@@ -502,11 +505,11 @@ class StateRequest:
                 record = await records.get(tenant, rid)
         except StateUnavailable:
             return False  # asked again at the next poll
-        return record is not None and record.status == CANCELLED
+        return record is not None and record.status in (CANCELLED, DELETED)
 
-    def _settlement(self, committed: bool) -> Callable[[], Awaitable[None]]:
+    def _settlement(self, committed: bool) -> Callable[[], Awaitable[object]]:
         """A background response ended: counted now; what writes its record (it goes once its
-        answer is stored, and says why when it is not)."""
+        answer is stored, and says why when it is not; a deleted one's stays deleted)."""
         stage, builder = self.stage, self.builder
         records = stage.records
         assert builder is not None and records is not None
@@ -522,7 +525,7 @@ class StateRequest:
         if self.cancelled:
             stage.background_ended.labels("cancelled").inc()
             cancelled = Record(CANCELLED, meta, sent=sent)
-            return lambda: records.put(tenant, rid, cancelled)
+            return lambda: records.settle(tenant, rid, cancelled)
         error = self.background_error or builder.failed
         if error is None and self.status not in (0, 200):
             error = {"code": "backend_error", "message": f"the backend answered {self.status}"}
@@ -531,7 +534,7 @@ class StateRequest:
             error = {"code": "not_stored", "message": lost}
         stage.background_ended.labels("failed").inc()
         failed = Record(FAILED, meta, error, sent)
-        return lambda: records.put(tenant, rid, failed)
+        return lambda: records.settle(tenant, rid, failed)
 
     async def begin(self, send: Send) -> Send | None:
         """Answer from the cache (None: answered), or the `send` the relay should use."""

@@ -7,7 +7,7 @@ never forwarded.
 | `GET /v1/responses/{id}` | the response object as it was answered (or a background one's now) |
 | `POST /v1/responses/{id}/cancel` | stops a background response in progress |
 | `GET /v1/responses/{id}/input_items` | what that turn sent, as a list of items |
-| `DELETE /v1/responses/{id}` | forgets its whole conversation |
+| `DELETE /v1/responses/{id}` | forgets its whole conversation; a background one not stored, itself |
 | `POST /v1/conversations` | a new conversation, its `items` first in every prompt |
 | `GET /v1/conversations/{id}` | the conversation object |
 | `POST /v1/conversations/{id}` | sets its `metadata` |
@@ -29,7 +29,7 @@ from typing import Any
 from urllib.parse import parse_qs
 
 from edge.errors import ConversationNotFound, InvalidRequest
-from edge.state.background import CANCELLED, RUNNING, Record, RecordStore
+from edge.state.background import CANCELLED, DELETED, RUNNING, Record, RecordStore
 from edge.state.conversations import (
     REMOVED,
     Conversations,
@@ -176,11 +176,11 @@ class StoredObjects:
 
     async def _record(self, tenant: str, rid: str) -> Record | None:
         """A background response's record as readers see it: one running whose heartbeat ran
-        out (no edge generates it any longer) is `failed`."""
+        out (no edge generates it any longer) is `failed`; a deleted one is not there."""
         if self.records is None or not rid.startswith("resp_"):
             return None
         record = await self.records.get(tenant, rid)
-        return None if record is None else record.as_read()
+        return None if record is None or record.status == DELETED else record.as_read()
 
     async def _history(self, tenant: str, name: str) -> tuple[str, History, int] | None:
         """(conversation, its history, the turn `name` names or 0) for a `resp_` or `conv_`
@@ -231,7 +231,9 @@ class StoredObjects:
         assert self.records is not None
         if record.status == RUNNING:
             record = Record(CANCELLED, record.meta)
-            await self.records.put(tenant, rid, record)
+            # not over a delete that came meanwhile: that response stays deleted
+            if not await self.records.settle(tenant, rid, record):
+                raise self._missing(rid, True)
         return ResponseBuilder.pending(rid, record.meta, record.error).response(record.status)
 
     async def input_items(self, tenant: str, rid: str, query: bytes) -> dict[str, Any]:
@@ -356,16 +358,48 @@ class StoredObjects:
 
     async def delete(self, tenant: str, name: str, *, response: bool) -> dict[str, Any]:
         """`DELETE /v1/responses/{id}` (`response`) or `/v1/conversations/{id}`: forget the
-        conversation, every turn of it (a response's later turns were built on it): OpenAI's
-        deletion object."""
-        prefix = "resp_" if response else "conv_"
-        found = await self._history(tenant, name) if name.startswith(prefix) else None
+        conversation, every turn of it (a response's later turns were built on it); for a
+        background response not stored (running, cancelled or failed), that response alone
+        (`_delete_background`). OpenAI's deletion object."""
+        if response:
+            found = await self._history(tenant, name) if name.startswith("resp_") else None
+            if found is None or found[1].reply(found[2]) is None:
+                await self._delete_background(tenant, name)
+                return {"id": name, "object": "response", "deleted": True}
+        else:
+            found = await self._history(tenant, name) if name.startswith("conv_") else None
         if found is None or self.conversations is None:
             raise self._missing(name, response)
         if not await self.conversations.delete(tenant, found[0]):
             raise self._missing(name, response)  # gone meanwhile (expired, another delete)
         kind = "response" if response else "conversation.deleted"
         return {"id": name, "object": kind, "deleted": True}
+
+    async def _delete_background(self, tenant: str, rid: str) -> None:
+        """Delete a background response that is not a stored turn: its record becomes the
+        `TOMBSTONE` (every reader then finds nothing, the edge running it stops at its next
+        poll as for a cancel, and its final record is not written over it), and its turn's
+        lease is released, so an answer that completes meanwhile is not stored either. One
+        stored just before the lease went is deleted as a stored response is: its
+        conversation with it. 404 when there is no such response."""
+        record = None
+        if self.records is not None and rid.startswith("resp_"):
+            record = await self.records.get(tenant, rid)
+        if record is None or record.status == DELETED:
+            raise self._missing(rid, True)
+        assert self.records is not None
+        await self.records.put(tenant, rid, Record(DELETED, {}))
+        conversations = self.conversations
+        if record.lease is None or conversations is None:
+            return
+        cid, turn = parse_response_id(rid)
+        with contextlib.suppress(ValueError):  # a lease token that is not hex: none to release
+            await conversations.release_lease(tenant, cid, bytes.fromhex(record.lease))
+        # Its answer may have been stored before the lease went (the commit holds it): then
+        # that stored turn goes as any stored response's does, with its conversation.
+        history = await conversations.history(tenant, cid)
+        if history is not None and history.reply(turn) is not None:
+            await conversations.delete(tenant, cid)
 
 
 __all__ = ["DEFAULT_LIMIT", "MAX_LIMIT", "StoredObjects", "order_and_limit", "page"]
