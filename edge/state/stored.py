@@ -7,7 +7,7 @@ never forwarded.
 | `GET /v1/responses/{id}` | the response object as it was answered (or a background one's now) |
 | `POST /v1/responses/{id}/cancel` | stops a background response in progress |
 | `GET /v1/responses/{id}/input_items` | what that turn sent, as a list of items |
-| `DELETE /v1/responses/{id}` | forgets its whole conversation; a background one not stored, itself |
+| `DELETE /v1/responses/{id}` | forgets its conversation; a background one not stored, itself |
 | `POST /v1/conversations` | a new conversation, its `items` first in every prompt |
 | `GET /v1/conversations/{id}` | the conversation object |
 | `POST /v1/conversations/{id}` | sets its `metadata` |
