@@ -26,6 +26,7 @@ import orjson
 from edge.errors import ConversationNotFound, InvalidRequest
 from edge.state.config import ConversationConfig
 from edge.state.redis_store import RedisState, Unreadable, read_or_none
+from edge.state.responses import check_metadata
 from edge.state.stored import order_and_limit, page
 
 MAX_LIST_SCAN = 10_000
@@ -171,22 +172,6 @@ def _not_found(cid: str) -> ConversationNotFound:
     )
 
 
-def _metadata(value: Any) -> dict[str, str]:
-    """OpenAI's metadata: at most 16 string pairs, keys up to 64 characters, values 512."""
-    if not isinstance(value, dict):
-        raise InvalidRequest("'metadata' must be an object", param="metadata")
-    if len(value) > 16 or not all(
-        isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
-        for k, v in value.items()
-    ):
-        raise InvalidRequest(
-            "'metadata' holds at most 16 string values, keys up to 64 characters and values "
-            "up to 512",
-            param="metadata",
-        )
-    return value
-
-
 def check_store(body: dict[str, Any]) -> dict[str, str] | None:
     """The metadata to keep with a `store: true` chat request (None: not stored); 400 for a
     bad `store` or `metadata`."""
@@ -196,7 +181,7 @@ def check_store(body: dict[str, Any]) -> dict[str, str] | None:
     if store is not True:
         raise InvalidRequest("'store' must be true or false", param="store")
     metadata = body.get("metadata")
-    return {} if metadata is None else _metadata(metadata)
+    return {} if metadata is None else check_metadata(metadata)
 
 
 def _page_query(query: bytes) -> dict[str, str]:
@@ -240,7 +225,7 @@ class StoredCompletions:
         if unknown:
             raise InvalidRequest(f"'{unknown[0]}' is not supported by this endpoint",
                                  param=unknown[0], code="unsupported_parameter")  # fmt: skip
-        metadata = _metadata(body.get("metadata"))
+        metadata = check_metadata(body.get("metadata"))
         stored = await self._load(tenant, cid)
         stored.completion["metadata"] = metadata
         if not await self.store.replace(tenant, cid, stored.encode()):

@@ -51,6 +51,29 @@ def _invalid(param: str, what: str) -> InvalidRequest:
     return InvalidRequest(f"'{param}' is invalid: {what}", param=param, code="invalid_value")
 
 
+MAX_METADATA = 16
+"""OpenAI's metadata: at most this many pairs, keys up to 64 characters, values up to 512."""
+
+
+def check_metadata(value: Any) -> dict[str, str]:
+    """OpenAI's `metadata`, wherever one is taken (chat `store: true` and its update,
+    `/v1/responses`, conversations' create and update): at most 16 string pairs, keys up to 64
+    characters, values up to 512; a 400 naming `metadata` otherwise. Stored objects grow by no
+    more than that."""
+    if not isinstance(value, dict):
+        raise InvalidRequest("'metadata' must be an object", param="metadata")
+    if len(value) > MAX_METADATA or not all(
+        isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+        for k, v in value.items()
+    ):
+        raise InvalidRequest(
+            "'metadata' holds at most 16 string values, keys up to 64 characters and values "
+            "up to 512",
+            param="metadata",
+        )
+    return value
+
+
 def check_known(obj: dict[str, Any], known: Any, within: str = "") -> None:
     """400 `unsupported_parameter` naming the first member of `obj` not in `known` (`within`:
     the object's own name, `text.` or `reasoning.`): refused by name, never silently dropped."""
@@ -319,7 +342,7 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
     echo = {
         "instructions": instructions,
         "max_output_tokens": body.get("max_output_tokens"),
-        "metadata": body.get("metadata") or {},
+        "metadata": {} if body.get("metadata") is None else check_metadata(body["metadata"]),
         "previous_response_id": previous,
         "store": store,
         **({"conversation": {"id": conversation}} if conversation is not None else {}),
@@ -357,6 +380,7 @@ __all__ = [
     "RESPONSES",
     "ResponsesRequest",
     "check_known",
+    "check_metadata",
     "conversation_items",
     "parse_request",
 ]

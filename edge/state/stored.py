@@ -40,7 +40,7 @@ from edge.state.conversations import (
 )
 from edge.state.response_builder import ResponseBuilder
 from edge.state.response_tools import call_item, calls_of, output_item
-from edge.state.responses import check_known, conversation_items
+from edge.state.responses import check_known, check_metadata, conversation_items
 
 MAX_LIMIT = 100
 DEFAULT_LIMIT = 20
@@ -269,9 +269,8 @@ class StoredObjects:
         items = conversation_items(body)
         conversations = self._conversations()
         metadata = body.get("metadata")
-        if metadata is not None and not isinstance(metadata, dict):
-            raise InvalidRequest("'metadata' must be an object", param="metadata")
-        cid, history = await conversations.open(tenant, items, metadata or {})
+        metadata = {} if metadata is None else check_metadata(metadata)
+        cid, history = await conversations.open(tenant, items, metadata)
         return _conversation(cid, history)
 
     def _conversations(self) -> Conversations:
@@ -295,9 +294,7 @@ class StoredObjects:
     async def set_metadata(self, tenant: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
         """`POST /v1/conversations/{id}`: replace its `metadata`; the conversation object."""
         check_known(body, {"metadata"})
-        metadata = body.get("metadata")
-        if not isinstance(metadata, dict):
-            raise InvalidRequest("'metadata' must be an object", param="metadata")
+        metadata = check_metadata(body.get("metadata"))
 
         def change(history: History) -> None:
             history.metadata = metadata
