@@ -12,8 +12,11 @@ translated by `edge.state.response_tools`. A member with no chat equivalent is r
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from edge.errors import InvalidRequest
 from edge.state.response_tools import (
@@ -366,6 +369,89 @@ def parse_request(body: dict[str, Any]) -> ResponsesRequest:
                             chat, echo, truncate, background)  # fmt: skip
 
 
+# The chat fields `parse_request` sends under another name, by the Responses field they came
+# from; a backend's refusal names the client's field, not one it never sent. The fields sent
+# under their own name (`temperature`, `top_p`, `seed`, `tools`, ...) need no renaming.
+_FROM_CHAT = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+              "messages": "input", "response_format": "text.format",
+              "reasoning_effort": "reasoning.effort"}  # fmt: skip
+_CHAT_FIELDS = (*_FROM_CHAT, "temperature", "top_p", "seed", "user", "prompt_cache_key",
+                "tools", "tool_choice", "parallel_tool_calls", "top_logprobs", "model")  # fmt: skip
+_NAMES = "|".join(sorted(_CHAT_FIELDS, key=len, reverse=True))
+# A chat field as an error message names it: quoted, at the head of a path (`messages[0]`,
+# a pydantic location line), or bare when its name cannot be an English word (`max_tokens`).
+_NAMED = re.compile(
+    rf"(?P<q>['\"`])(?P<quoted>{_NAMES})(?P=q)"
+    rf"|(?<![\w.])(?P<path>{_NAMES})(?=[\[.])"
+    rf"|(?<![\w.])(?P<bare>\w+_\w+)(?![\w])"
+)
+MAX_REFUSAL_BYTES = 65536
+"""The most of a backend's refusal body read for its message (they are a few hundred bytes)."""
+_MAX_MESSAGE = 2000
+
+
+def _rename(match: re.Match[str]) -> str:
+    name = match.group("quoted") or match.group("path") or match.group("bare")
+    # `messages[N]` counts the whole prompt (history, instructions): no place in `input`
+    if name == "messages" or name not in _FROM_CHAT:
+        return match.group(0)
+    return match.group(0).replace(name, _FROM_CHAT[name], 1)
+
+
+def _param_of(param: Any, message: str) -> str | None:
+    """The Responses field a backend's refusal is about: its `param` or the first chat field
+    its message names, by its Responses name; None when it names none."""
+    if isinstance(param, str) and param:
+        top = re.match(r"\w+", param)
+        name = top.group(0) if top is not None else param
+        return _FROM_CHAT.get(name, name)
+    for match in _NAMED.finditer(message):
+        name = match.group("quoted") or match.group("path") or match.group("bare")
+        if name in _CHAT_FIELDS:
+            return _FROM_CHAT.get(name, name)
+    return None
+
+
+def _refusal_parts(body: bytes) -> tuple[str, Any, Any]:
+    """(message, param, code) of a backend's error body: SGLang's
+    `{"object": "error", "message", "param", "code"}`, OpenAI's `{"error": {...}}`, FastAPI's
+    `{"detail": ...}`, or text."""
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return body.decode("utf-8", "replace").strip(), None, None
+    if isinstance(obj, dict) and isinstance(obj.get("error"), dict):
+        obj = obj["error"]
+    if not isinstance(obj, dict):
+        return "", None, None
+    for key in ("message", "error"):
+        if isinstance(obj.get(key), str):
+            return obj[key], obj.get("param"), obj.get("code")
+    detail = obj.get("detail")
+    if isinstance(detail, list) and detail and isinstance(detail[0], dict):
+        first = detail[0]
+        loc = [str(p) for p in first.get("loc") or [] if p != "body"]
+        msg = str(first.get("msg", ""))
+        return (f"{'.'.join(loc)}: {msg}" if loc else msg), (loc[0] if loc else None), None
+    return (detail if isinstance(detail, str) else ""), None, None
+
+
+def refusal(status: int, body: bytes) -> dict[str, Any]:
+    """A backend's 4xx answer to a `/v1/responses` request's chat translation, as OpenAI's
+    error object: its message with the chat fields renamed to the Responses fields they came
+    from (`max_tokens` is `max_output_tokens`), `param` the field it is about (None when it
+    names none), `type` `invalid_request_error`, and the backend's `code` when it is a string
+    (SGLang's is the status: `invalid_value` with a field, `invalid_request` without)."""
+    message, param, code = _refusal_parts(body[:MAX_REFUSAL_BYTES])
+    message = message[:_MAX_MESSAGE]
+    named = _param_of(param, message)
+    message = _NAMED.sub(_rename, message) or f"the backend refused the request ({status})"
+    if not isinstance(code, str) or not code:
+        code = "invalid_value" if named is not None else "invalid_request"
+    return {"error": {"message": message, "type": "invalid_request_error", "param": named,
+                      "code": code}}  # fmt: skip
+
+
 def conversation_items(body: Any) -> list[dict[str, Any]]:
     """The chat messages of `POST /v1/conversations`' `items` (none without it); 400 naming a
     bad field, as for `input`."""
@@ -383,4 +469,5 @@ __all__ = [
     "check_metadata",
     "conversation_items",
     "parse_request",
+    "refusal",
 ]

@@ -72,7 +72,7 @@ from edge.state.conversations import (
 )
 from edge.state.redis_store import RedisState
 from edge.state.response_builder import ResponseBuilder
-from edge.state.responses import RESPONSES, parse_request
+from edge.state.responses import MAX_REFUSAL_BYTES, RESPONSES, parse_request, refusal
 from edge.state.stored import StoredObjects
 
 if TYPE_CHECKING:
@@ -411,6 +411,7 @@ class StateRequest:
         "keep",
         "queued",
         "normalised",
+        "refused",
         "scanner",
         "sent",
         "stage",
@@ -449,6 +450,8 @@ class StateRequest:
         """A background answer stopped by `POST /v1/responses/{id}/cancel`."""
         self.queued = False
         """A background answer's record was written: it is settled when it ends."""
+        self.refused: str | None = None
+        """A backend's 4xx refusal of this `/v1/responses` request, as its client read it."""
         self.beat_at = 0.0
         """When its heartbeat is renewed next (`cancel_requested`; monotonic s)."""
         self.detached = False
@@ -528,7 +531,8 @@ class StateRequest:
             return lambda: records.settle(tenant, rid, cancelled)
         error = self.background_error or builder.failed
         if error is None and self.status not in (0, 200):
-            error = {"code": "backend_error", "message": f"the backend answered {self.status}"}
+            answered = self.refused or f"the backend answered {self.status}"
+            error = {"code": "backend_error", "message": answered}
         if error is None:
             lost = "the answer completed, but its conversation was deleted or its lease expired"
             error = {"code": "not_stored", "message": lost}
@@ -593,6 +597,9 @@ class StateRequest:
                 if self.builder is not None and not self.ex.stream:
                     self.held = message  # its content-length changes with the translation
                     return
+            elif self.builder is not None and 400 <= self.status < 500:
+                self.held = message  # a refusal, rewritten in OpenAI's shape (`_refused`)
+                return
             await self._send(message)
             return
         if kind != "http.response.body":
@@ -610,9 +617,31 @@ class StateRequest:
                     (k, v) for k, v in start["headers"] if k != b"content-length"
                 ] + [(b"content-length", b"%d" % len(body))]
                 await self._send(start)
+        elif self.held is not None:
+            body = self._refused(body, more)
+            if more:
+                return
+            start, self.held = self.held, None
+            start["headers"] = [
+                (k, v) for k, v in start["headers"] if k not in (b"content-length", b"content-type")
+            ] + [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+            await self._send(start)
         if not more:
             self.ended = True
         await self._send({**message, "body": body, "more_body": more})
+
+    def _refused(self, body: bytes, more: bool) -> bytes:
+        """A backend's 4xx answer to a `/v1/responses` request, read whole (up to
+        `MAX_REFUSAL_BYTES`): `/v1/responses` is the edge's own endpoint, so the client gets
+        OpenAI's error object about the fields it sent (`refusal`), not the backend's about
+        the chat request it never made. A background response's record keeps its message."""
+        if sum(map(len, self.whole)) < MAX_REFUSAL_BYTES:
+            self.whole.append(body)
+        if more:
+            return b""
+        error = refusal(self.status, b"".join(self.whole))
+        self.refused = f"the backend answered {self.status}: {error['error']['message']}"
+        return orjson.dumps(error)
 
     def _watch(self, body: bytes, more: bool) -> bytes:
         """Record one chunk of a 200 answer; return what the client gets for it."""
