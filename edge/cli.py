@@ -7,6 +7,7 @@ Each subcommand lives with the package that owns it and parses its own arguments
 from __future__ import annotations
 
 import importlib
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import version
@@ -44,6 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if name not in SUBCOMMANDS:
         print(f"quicedge: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
+    if name == "serve":
+        # SIGHUP (reload) is held from here until serve's handler is in place
+        # (`transport.workers`): its default action would end the process while it imports.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
     module = importlib.import_module(SUBCOMMANDS[name][0])
     entry: Callable[[list[str]], int] = module.main
     return entry(rest)

@@ -42,6 +42,22 @@ log = logging.getLogger("quicedge.serve")
 
 Announce = Callable[[list[str]], None]
 
+RELOAD_SIGNALS = {signal.SIGHUP}
+"""Held (blocked, so pending rather than lost) from a worker's first instruction until its
+handler is in place: the default action of SIGHUP is to end the process, and a reload sent
+while a worker starts (or starts again) must not cost the worker."""
+
+
+def _hold_reloads() -> set[int | signal.Signals]:
+    """Block SIGHUP in this thread (and in the processes and threads it starts from now on);
+    the mask as it was."""
+    return signal.pthread_sigmask(signal.SIG_BLOCK, RELOAD_SIGNALS)
+
+
+def _release_reloads() -> None:
+    """Unblock SIGHUP: one that came while it was held is delivered now, to the handler."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, RELOAD_SIGNALS)
+
 
 @dataclass
 class ServedApps:
@@ -130,7 +146,26 @@ async def run_worker(
     h3_socket: socket.socket | None = None,
 ) -> None:
     """Run the listeners until SIGTERM/SIGINT (or `stop`), then drain and close. `h3_socket`:
-    this worker's UDP socket of the group its parent bound (`transport.steering`)."""
+    this worker's UDP socket of the group its parent bound (`transport.steering`).
+
+    SIGHUP is held until its handler is installed, then let through: one that came while the
+    worker started reloads once it is up. A spawned worker is born with it held (the parent
+    blocks it around the spawn), since its imports alone take longer than a reload loop's
+    period."""
+    held = _hold_reloads()
+    try:
+        await _run_worker(plan, announce=announce, stop=stop, h3_socket=h3_socket)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+async def _run_worker(
+    plan: Plan,
+    *,
+    announce: Announce,
+    stop: asyncio.Event | None,
+    h3_socket: socket.socket | None,
+) -> None:
     t = plan.transport
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
@@ -180,6 +215,7 @@ async def run_worker(
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         loop.add_signal_handler(signal.SIGHUP, _reloader(tls, metrics, apps))
+        _release_reloads()
         if cert_watch is not None:
             cert_watch.start()
         prepare_collector()
@@ -190,6 +226,7 @@ async def run_worker(
         settling = [apps.settle(t.drain_timeout)] if apps.settle is not None else []
         await asyncio.gather(listeners.drain(), *settling)
     finally:
+        _hold_reloads()  # from here on a SIGHUP has no handler: held, not fatal to the drain
         probe.stop()
         gc_pauses.stop()
         if cert_watch is not None:
@@ -263,6 +300,8 @@ def run_workers(plan: Plan, *, announce: Announce = print_ready) -> int:
     """Spawn `workers` processes on the same ports; forward SIGTERM/SIGINT/SIGHUP to them;
     start one that dies again (`RestartBudget`). The exit status is the worst of theirs (1 if
     one failed before reporting)."""
+    # Held until the handler below forwards it, and inherited held by every worker spawned.
+    _hold_reloads()
     t = plan.transport
     t = replace(
         t,
@@ -277,12 +316,18 @@ def run_workers(plan: Plan, *, announce: Announce = print_ready) -> int:
     workers = _Workers(plan, _steered_sockets(t))
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, workers.forward)
+    _release_reloads()
     reported: dict[int, Any] = {}
     while len(reported) < len(workers.procs):
         try:
             index, lines = workers.ready.get(timeout=0.5)
         except Exception:  # queue.Empty: check that nobody died before reporting
-            if any(not p.is_alive() for p in workers.procs):
+            dead = [(i, p) for i, p in enumerate(workers.procs) if not p.is_alive()]
+            if dead:
+                for i, proc in dead:
+                    proc.join()
+                    print(f"quicedge serve: worker {i} ended (exit {proc.exitcode}) before it "
+                          "was ready", file=sys.stderr)  # fmt: skip
                 workers.forward(signal.SIGTERM, None)
                 break
             continue
@@ -327,7 +372,11 @@ class _Workers:
             args=(plan, index, self.ready, sock),
             name=f"quicedge-worker-{index}",
         )
-        proc.start()
+        held = _hold_reloads()  # the worker is born with SIGHUP held (`run_worker`)
+        try:
+            proc.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         return proc
 
     def forward(self, signum: int, _frame: Any) -> None:
