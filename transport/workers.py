@@ -298,8 +298,8 @@ class RestartBudget:
 
 def run_workers(plan: Plan, *, announce: Announce = print_ready) -> int:
     """Spawn `workers` processes on the same ports; forward SIGTERM/SIGINT/SIGHUP to them;
-    start one that dies again (`RestartBudget`). The exit status is the worst of theirs (1 if
-    one failed before reporting)."""
+    start one that dies again (`RestartBudget`). The exit status is the worst of theirs
+    (`exit_status`), at least 1 when the start-up did not complete."""
     # Held until the handler below forwards it, and inherited held by every worker spawned.
     _hold_reloads()
     t = plan.transport
@@ -318,6 +318,7 @@ def run_workers(plan: Plan, *, announce: Announce = print_ready) -> int:
         signal.signal(sig, workers.forward)
     _release_reloads()
     reported: dict[int, Any] = {}
+    started = False
     while len(reported) < len(workers.procs):
         try:
             index, lines = workers.ready.get(timeout=0.5)
@@ -340,9 +341,28 @@ def run_workers(plan: Plan, *, announce: Announce = print_ready) -> int:
         spread = "connection ID" if workers.group else "client address"
         pids = [p.pid for p in workers.procs]
         announce([*reported[0], f"workers {t.workers} (pids {pids}; QUIC by {spread})"])
+        started = True
         workers.supervise()
     workers.wait()
-    return max((p.exitcode or 0) for p in workers.procs) if reported else 1
+    status = exit_status([p.exitcode for p in workers.procs], workers.stopping)
+    return status if started else max(status, 1)
+
+
+def exit_status(exitcodes: list[int | None], stopped_by: list[int]) -> int:
+    """The worst of the last workers' exit codes, a death by signal N as 128 + N (as a shell
+    reports it), so that a worker killed and left dead (past its restart budget) fails the
+    serve. A death by a signal the parent forwarded to stop them (`stopped_by`: one that
+    reached a worker before its handler was in place) is the stop asked for, not a failure."""
+    worst = 0
+    for code in exitcodes:
+        if code is None or code == 0:
+            continue
+        if code < 0:
+            if -code in stopped_by:
+                continue
+            code = 128 - code
+        worst = max(worst, code)
+    return worst
 
 
 class _Workers:
@@ -477,6 +497,7 @@ __all__ = [
     "Plan",
     "ServedApps",
     "StartupError",
+    "exit_status",
     "print_ready",
     "run_worker",
     "run_workers",

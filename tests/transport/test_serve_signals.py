@@ -1,5 +1,6 @@
 """Signals that reach `quicedge serve` while it, or one of its workers, is still starting: a
-SIGHUP is held until the handler is in place and then reloads, it never ends a process."""
+SIGHUP is held until the handler is in place and then reloads, it never ends a process; and a
+worker left dead makes the exit status say so."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import urllib.request
 import pytest
 
 from tests.helpers import free_port, free_udp_port
+from transport.workers import exit_status
 
 RELOADS = 'quicedge_tls_reloads_total{outcome="applied"}'
 
@@ -153,3 +155,12 @@ def test_sighups_while_workers_start_and_start_again_cost_no_worker(redis_url: s
     finally:
         assert serve.stop() == 0, serve.errors()
 
+
+def test_the_exit_status_counts_a_worker_that_died_and_stayed_dead() -> None:
+    assert exit_status([0, 0], []) == 0
+    assert exit_status([0, -signal.SIGKILL], []) == 128 + signal.SIGKILL
+    assert exit_status([-signal.SIGSEGV, 1], []) == 128 + signal.SIGSEGV
+    assert exit_status([1, 0], [signal.SIGTERM]) == 1  # a worker that failed to start
+    # Stopped by the SIGTERM the parent forwarded, before its handler was in place: as asked.
+    assert exit_status([0, -signal.SIGTERM], [signal.SIGTERM]) == 0
+    assert exit_status([-signal.SIGTERM, None], []) == 128 + signal.SIGTERM

@@ -222,7 +222,7 @@ async def test_a_worker_that_keeps_dying_is_left_dead_and_the_others_serve(
 ) -> None:
     """Past its restart budget a worker stays dead; steered by connection ID, half of the
     new clients would go on reaching its socket, so the parent closes it and goes back to the
-    address hash: every new client reaches the other worker."""
+    address hash: every new client reaches the other worker. The exit status says so."""
     server: ServeProcess = await asyncio.to_thread(
         serve_process, "--demo", "--workers", "2", "--redis", redis_url
     )
@@ -237,6 +237,9 @@ async def test_a_worker_that_keeps_dying_is_left_dead_and_the_others_serve(
         await asyncio.sleep(0.1)
     assert "is not started again" in server.errors()
     assert await _served_by(server.h3_port, 8) == {survivor}
+    # A worker killed and left dead fails the serve (a supervisor sees it), though the other
+    # drained and stopped as told.
+    assert await asyncio.to_thread(server.stop) == 128 + signal.SIGKILL
 
 
 def _sample(metrics: str) -> float:
