@@ -181,7 +181,8 @@ class Admission:
             # The slot is taken before the take awaits (a Redis round trip): requests arriving
             # meanwhile must see it, or all of them pass the check together.
             self._in_flight[name] = held + 1
-        prompt = ex.view.approx_tokens
+        view = ex.view
+        prompt = view.approx_tokens if view.batch_tokens is None else view.batch_tokens
         if tenant.limited:
             try:
                 verdict, reason, standings = await self.limiter.take(tenant, prompt)

@@ -48,6 +48,9 @@ class RequestView:
     choices: int = 1
     """The answers asked for (`n`): with more than one, a stream interleaves them, so its
     text is not one continuation of the prompt to learn."""
+    batch_tokens: int | None = None
+    """A batch of token-id prompts: the tokens of all of them, which admission charges (routing
+    goes by the first, `text` and `approx_tokens`); None: one prompt, `approx_tokens`."""
 
 
 @dataclass(slots=True)

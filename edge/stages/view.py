@@ -86,23 +86,32 @@ def chat_prefix(
     return out
 
 
-def _prompt_text(prompt: Any) -> tuple[str, int | None]:
-    """(text, exact token count if the prompt is token ids) for a completions/generate prompt."""
+def _batch_tokens(prompts: list[Any]) -> int:
+    """The token ids of a batch of token-id prompts, every prompt's (nested batches too, which
+    `/generate`'s `input_ids` lets through)."""
+    return sum(_batch_tokens(p) if p and isinstance(p[0], list) else len(p) for p in prompts)
+
+
+def _prompt_text(prompt: Any) -> tuple[str, int | None, int | None]:
+    """(text, exact token count if the prompt is token ids, every prompt's tokens if it is a
+    batch of token-id prompts) for a completions/generate prompt."""
     if isinstance(prompt, str):
-        return prompt, None
+        return prompt, None, None
     if isinstance(prompt, list) and prompt:
         if isinstance(prompt[0], int):
-            return " ".join(map(str, prompt)), len(prompt)
+            return " ".join(map(str, prompt)), len(prompt), None
         if isinstance(prompt[0], str):
-            return "\n".join(prompt), None
-        if isinstance(prompt[0], list):  # a batch of token-id prompts: route on the first
-            return " ".join(map(str, prompt[0])), len(prompt[0])
-    return "", None
+            return "\n".join(prompt), None, None
+        if isinstance(prompt[0], list):
+            # a batch of token-id prompts: route on the first, charge admission for them all
+            return " ".join(map(str, prompt[0])), len(prompt[0]), _batch_tokens(prompt)
+    return "", None, None
 
 
 def build_view(route: str, body: Mapping[str, Any], session_header: str | None) -> RequestView:
     """The routing view of a validated body."""
     tokens: int | None
+    batch: int | None = None
     messages: list[dict[str, Any]] | None = None
     tools: list[Any] | None = None
     if route == CHAT:
@@ -111,14 +120,16 @@ def build_view(route: str, body: Mapping[str, Any], session_header: str | None) 
         tools = offered if isinstance(offered, list) and offered else None
         text, tokens = render_chat(messages, tools), None
     elif route == COMPLETIONS:
-        text, tokens = _prompt_text(body["prompt"])
+        text, tokens, batch = _prompt_text(body["prompt"])
     elif route == GENERATE:  # text, else input_ids
         source = body.get("text")
-        text, tokens = _prompt_text(source if source is not None else body.get("input_ids"))
+        text, tokens, batch = _prompt_text(source if source is not None else body.get("input_ids"))
     elif route == RERANK:
         text, tokens = "\n".join([body["query"], *body["documents"]]), None
     else:  # embeddings, tokenize, detokenize
-        text, tokens = _prompt_text(body.get("input", body.get("prompt", body.get("tokens"))))
+        text, tokens, batch = _prompt_text(
+            body.get("input", body.get("prompt", body.get("tokens")))
+        )
     if tokens is None:
         tokens = len(text) // CHARS_PER_TOKEN + 1
     user = body.get("user")
@@ -129,7 +140,7 @@ def build_view(route: str, body: Mapping[str, Any], session_header: str | None) 
                or (user if isinstance(user, str) and user else None))  # fmt: skip
     model = body.get("model")
     n = body.get("n")
-    return RequestView(
+    view = RequestView(
         route=route,
         text=text,
         approx_tokens=tokens,
@@ -140,3 +151,6 @@ def build_view(route: str, body: Mapping[str, Any], session_header: str | None) 
         prompt_start=len(tools_header(tools)) if tools else 0,
         choices=n if isinstance(n, int) and n > 1 else 1,
     )
+    if batch is not None:  # set apart: the usual single prompt pays no keyword for it
+        view.batch_tokens = batch
+    return view

@@ -19,6 +19,8 @@ from edge.admission.settings import (
 )
 from edge.admission.tenants import key_digest
 from edge.config import ProxyConfig
+from edge.stages.validate import COMPLETIONS, GENERATE
+from edge.stages.view import build_view
 from tests.edge.conftest import (
     LISTENERS,
     Recorded,
@@ -316,3 +318,44 @@ async def test_max_concurrent_holds_while_the_bucket_take_awaits(
             assert 990 <= int(refused.headers["x-ratelimit-remaining-requests"]) <= 1000
             assert "x-ratelimit-reset-requests" in refused.headers
             assert edge.wiring.admission.tenants()["tenants"][0]["in_flight"] == 0
+
+
+def test_a_batch_of_token_id_prompts_is_charged_for_every_prompt() -> None:
+    """Routing goes by the first prompt of a batch; admission charges them all."""
+    view = build_view(COMPLETIONS, {"prompt": [[1, 2], [3, 4, 5]]}, None)
+    assert (view.text, view.approx_tokens, view.batch_tokens) == ("1 2", 2, 5)
+    nested = build_view(GENERATE, {"input_ids": [[1], [[2, 3], [4, 5, 6]]]}, None)
+    assert nested.batch_tokens == 6
+    for one in ({"prompt": [1, 2, 3]}, {"prompt": "abc"}, {"prompt": ["a", "b"]}):
+        assert build_view(COMPLETIONS, one, None).batch_tokens is None
+
+
+async def test_a_batch_of_token_id_prompts_takes_all_its_tokens_from_the_bucket() -> None:
+    def answer(recorded: Recorded) -> Reply:
+        reply = health_ok(recorded)
+        if reply is not None:
+            return reply
+        body: Any = {"id": "x", "object": "text_completion", "choices": []}
+        if recorded.path == "/generate":
+            body = [{"text": "a", "meta_info": {"prompt_tokens": 1, "completion_tokens": 1}}]
+        return Reply(chunks=[json.dumps(body).encode()], chunked=False,
+                     headers=[("content-type", "application/json")])  # fmt: skip
+
+    async with TinyUpstream(answer) as up:
+        config = with_admission(
+            fast_config([up.url]),
+            tenants=[tenant("c", "bronze", "sk-c", tokens_per_minute=2000),
+                     tenant("g", "bronze", "sk-g", tokens_per_minute=2000)],
+        )  # fmt: skip
+        batch = [[1], [7] * 1500]  # a one-token prompt first: 1501 tokens in all
+        async with run_edge(config) as edge, client(edge) as http:
+            for route, key, body in (
+                ("/v1/completions", "sk-c", {"model": "tiny-model", "prompt": batch}),
+                ("/generate", "sk-g", {"input_ids": batch}),
+            ):
+                first = await http.post(route, json=body, headers=bearer(key))
+                assert first.status_code == 200, first.text
+                assert first.headers["x-ratelimit-remaining-tokens"] == "499"  # 2000 - 1501
+                second = await http.post(route, json=body, headers=bearer(key))
+                assert second.status_code == 429, route
+                assert "tokens per minute" in second.json()["error"]["message"]
