@@ -5,6 +5,7 @@ edge, gold leaves the edge's queue first, and the throttle lets go once the load
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import httpx
@@ -12,7 +13,15 @@ import httpx
 from backends.sim import SimServer
 from edge.admission.settings import AdmissionSettings, AnonymousSettings, ThrottleSettings
 from tests.edge.admission.test_app_admission import bearer, tenant
-from tests.edge.conftest import client, fast_config, run_edge
+from tests.edge.conftest import (
+    Recorded,
+    Reply,
+    TinyUpstream,
+    client,
+    fast_config,
+    health_ok,
+    run_edge,
+)
 from tests.edge.test_app_sim import metrics_text, sim_config
 from tests.helpers import wait_until
 
@@ -136,3 +145,42 @@ async def test_a_request_no_backend_takes_in_time_gets_503_with_retry_after() ->
             text = await metrics_text(edge)
             refused = 'model="default",route="/v1/chat/completions",status="503"'
             assert f"quicedge_requests_total{{{refused}}} 1.0" in text
+
+
+async def test_a_backend_whose_load_polls_fail_is_throttled_by_the_edges_own_count() -> None:
+    """A backend that reported a deep queue once and whose `/v1/loads` then fails (its
+    `/health` fine) is not held at that report: the edge's own count, 0 here, lets it serve."""
+    busy = True
+
+    def answer(recorded: Recorded) -> Reply:
+        if recorded.path in ("/v1/loads", "/get_load") and not busy:
+            return Reply(status=500, chunked=False)
+        if recorded.path in ("/v1/loads", "/get_load"):
+            rank = {"num_running_reqs": 0, "num_waiting_reqs": 50, "num_used_tokens": 0,
+                    "token_usage": 0.0, "max_total_num_tokens": 100000}  # fmt: skip
+            return Reply(chunks=[json.dumps({"loads": [rank]}).encode()], chunked=False,
+                         headers=[("content-type", "application/json")])  # fmt: skip
+        reply = health_ok(recorded)
+        if reply is not None:
+            return reply
+        body = {"id": "x", "object": "text_completion",
+                "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}]}  # fmt: skip
+        return Reply(chunks=[json.dumps(body).encode()], chunked=False,
+                     headers=[("content-type", "application/json")])  # fmt: skip
+
+    async with TinyUpstream(answer) as up:
+        config = fast_config([up.url], loads_interval=0.05)
+        config.admission = AdmissionSettings(
+            throttle=ThrottleSettings(max_queue_depth=8, queue_timeout_s=0.3, recheck_s=0.02)
+        )
+        body = {"model": "tiny-model", "prompt": "Hello"}
+        async with run_edge(config) as edge, client(edge) as http:
+            backend = edge.wiring.registry.backends[0]
+            await wait_until(lambda: backend.load is not None)
+            r = await http.post("/v1/completions", json=body)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
+            busy = False
+            await wait_until(lambda: backend.load_polls_failing >= 1)
+            assert backend.load.num_waiting_reqs == 50  # kept, for routing
+            r = await http.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text

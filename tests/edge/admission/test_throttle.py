@@ -40,6 +40,16 @@ def test_share_falls_linearly_from_80_percent_to_zero_at_the_maximum() -> None:
     assert by_flight.share(backend) == pytest.approx(0.5)
 
 
+def test_a_load_its_polls_no_longer_refresh_gives_way_to_the_edges_own_count() -> None:
+    throttle = Throttle(ThrottleSettings(max_queue_depth=10))
+    backend = Backend(name="b", url="http://b:1", load=load(50))
+    assert throttle.share(backend) == 0.0
+    backend.load_polls_failing = 1  # the registry keeps the 50 for routing, however old
+    assert throttle.depth(backend) == 0 and throttle.share(backend) == 1.0
+    backend.in_prefill = 10  # the edge's own requests still count, exactly
+    assert throttle.share(backend) == 0.0
+
+
 def test_admits_by_the_share() -> None:
     draws = iter([0.2, 0.7])
     throttle = Throttle(ThrottleSettings(max_queue_depth=10), rng=lambda: next(draws))
