@@ -12,8 +12,9 @@ smooth slope rather than a cliff, so several edges do not all stop and start tog
 
 A request that no backend takes waits in the admission queue: gold before silver before bronze,
 FIFO within a tier. Only the head looks for a backend; it looks again when a request ends here
-(`wake`) and every `recheck_s` (a load poll may have freed room). A full queue or a wait past
-`queue_timeout_s` is 503 `overloaded` with Retry-After.
+(`wake`) and every `recheck_s` (a load poll may have freed room). A wait past `queue_timeout_s`
+is 503 `overloaded` with Retry-After, and so is a full queue: for the newcomer, or, when it
+outranks the lowest-ranked waiter, for that waiter, whose place it takes.
 """
 
 from __future__ import annotations
@@ -66,10 +67,12 @@ class Throttle:
 
 
 class _Waiter:
-    __slots__ = ("turn",)
+    __slots__ = ("evicted", "turn")
 
     def __init__(self) -> None:
         self.turn = asyncio.Event()
+        self.evicted = False
+        """A newcomer of a higher tier took its place in the full queue."""
 
 
 class AdmissionQueue:
@@ -121,18 +124,18 @@ class AdmissionQueue:
         fit = self._fit(found)
         if fit and (not self._heap or rank < self._heap[0][0]):
             return fit
-        if len(self._heap) >= self.settings.queue_size:
+        if len(self._heap) >= self.settings.queue_size and not self._evict_below(rank):
             self._report(tier, 0.0, False)
-            raise Overloaded(
-                "every backend is saturated and the admission queue is full; retry later",
-                headers=self.retry_after,
-            )
+            raise self._full()
         entry = (rank, next(self._seq), _Waiter())
         heapq.heappush(self._heap, entry)
         start = time.monotonic()
         deadline = start + self.settings.queue_timeout_s
         try:
             while True:
+                if entry[2].evicted:
+                    self._report(tier, time.monotonic() - start, False)
+                    raise self._full()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -162,6 +165,28 @@ class AdmissionQueue:
             "retry later",
             headers=self.retry_after,
         )
+
+    def _full(self) -> Overloaded:
+        return Overloaded(
+            "every backend is saturated and the admission queue is full; retry later",
+            headers=self.retry_after,
+        )
+
+    def _evict_below(self, rank: int) -> bool:
+        """Make room in the full queue for a newcomer of `rank` by taking out the last to come
+        of its lowest-ranked waiters, if they rank below it; that waiter gets the queue-full
+        503. Without this, a lower tier keeping the queue full would shut the higher ones out,
+        and the queue's order (gold before silver before bronze) would not hold at its bound."""
+        if not self._heap:
+            return False
+        last = max(self._heap)  # the lowest tier, and in it the latest: it has waited least
+        if last[0] <= rank:
+            return False
+        self._heap.remove(last)
+        heapq.heapify(self._heap)
+        last[2].evicted = True
+        last[2].turn.set()
+        return True
 
     def _leave(self, entry: tuple[int, int, _Waiter]) -> None:
         """Take the entry out of the queue and hand the turn to the new head."""

@@ -92,14 +92,56 @@ async def test_a_full_queue_and_a_deadline_are_503_with_retry_after() -> None:
     backend = Backend(name="b", url="http://b:1", in_prefill=1)
     s = settings(queue_size=1, queue_timeout_s=0.2, recheck_s=0.05)
     queue = AdmissionQueue(s, Throttle(s))
-    waiting = asyncio.ensure_future(queue.place(2, "bronze", lambda: [backend]))
+    waiting = asyncio.ensure_future(queue.place(0, "gold", lambda: [backend]))
     await wait_until(lambda: queue.waiting == 1)
-    with pytest.raises(Overloaded, match="queue is full") as full:
-        await queue.place(0, "gold", lambda: [backend])
-    assert full.value.status == 503 and (b"retry-after", b"1") in full.value.extra_headers
+    for rank in (0, 2):  # no one waiting ranks below the newcomer: the newcomer is refused
+        with pytest.raises(Overloaded, match="queue is full") as full:
+            await queue.place(rank, "tier", lambda: [backend])
+        assert full.value.status == 503 and (b"retry-after", b"1") in full.value.extra_headers
     with pytest.raises(Overloaded, match="within 0.2s"):
         await waiting
     assert queue.waiting == 0
+
+
+async def test_a_full_queue_gives_its_lowest_ranked_waiters_place_to_a_higher_tier() -> None:
+    backend = Backend(name="b", url="http://b:1", in_prefill=1)  # full: depth 1 of 1
+    s = settings(queue_size=3)
+    refused: list[str] = []
+    queue = AdmissionQueue(
+        s, Throttle(s), on_wait=lambda tier, _, placed: None if placed else refused.append(tier)
+    )
+    order: list[str] = []
+
+    async def request(name: str, rank: int) -> None:
+        await queue.place(rank, name, lambda: [backend])
+        order.append(name)
+        backend.in_prefill += 1  # it takes the room it was given
+
+    tasks: dict[str, asyncio.Future[None]] = {}
+    arrivals = [
+        ("silver-1", 1, 1, 0),
+        ("bronze-1", 2, 2, 0),
+        ("bronze-2", 2, 3, 0),
+        ("gold", 0, 3, 1),
+        ("silver-2", 1, 3, 2),
+    ]  # (name, rank, waiting, refused)
+    for name, rank, waiting, out in arrivals:
+        tasks[name] = asyncio.ensure_future(request(name, rank))
+        await wait_until(lambda w=waiting, o=out: queue.waiting == w and len(refused) == o)  # type: ignore[misc]
+    # the gold request took the place of the last bronze to come, silver-2 the other bronze's
+    assert refused == ["bronze-2", "bronze-1"]
+    for name in ("bronze-2", "bronze-1"):
+        with pytest.raises(Overloaded, match="queue is full") as full:
+            await tasks.pop(name)
+        assert (b"retry-after", b"20") in full.value.extra_headers  # as the newcomer's 503
+    with pytest.raises(Overloaded, match="queue is full"):  # an equal rank takes no one's place
+        await queue.place(1, "silver-3", lambda: [backend])
+    for placed in range(3):
+        backend.in_prefill = 0  # one request ended: room for one
+        queue.wake()
+        await wait_until(lambda n=placed: len(order) > n)  # type: ignore[misc]
+    await asyncio.gather(*tasks.values())
+    assert order == ["gold", "silver-1", "silver-2"] and queue.waiting == 0
 
 
 async def test_no_candidates_at_all_is_not_queued() -> None:
