@@ -270,9 +270,16 @@ class DnsSource:
                 targets = [_name(bare)]
             urls: set[str] = set()
             for host, port in targets:
-                urls.update(
-                    labelled(backend_url(a, port), labels) for a in await self._addresses(host)
-                )
+                try:
+                    addresses = await self._addresses(host)
+                except dns.resolver.NXDOMAIN:
+                    if not bare.startswith("_"):
+                        raise
+                    addresses = set()  # a gone pod the SRV answer still names: the rest stay
+                if not addresses and bare.startswith("_"):
+                    log.warning("discovery: %s: left out SRV target %s: no address record",
+                                name, host)  # fmt: skip
+                urls.update(labelled(backend_url(a, port), labels) for a in addresses)
             return urls
         except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
             return set()  # the name is authoritatively empty: its backends go

@@ -83,6 +83,28 @@ async def test_a_failed_lookup_keeps_the_backends_it_held() -> None:
     assert not registry.backends[0].draining
 
 
+async def test_an_srv_target_that_no_longer_resolves_is_left_out_and_the_others_stay(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A pod gone while the SRV answer still names it (or one wrong record): its name answers
+    NXDOMAIN, which says nothing of the service's other targets."""
+    with dns_server() as (zone, server):
+        zone.set(SRV_NAME, "SRV", [(30000, f"pod-{x}.fleet.test") for x in "abc"])
+        for i, x in enumerate("abc", start=1):
+            zone.set(f"pod-{x}.fleet.test", "A", [f"10.0.0.{i}"])
+        config = dns_config(server, SRV_NAME, drain_timeout=0.0)
+        discovery = Discovery(config, DnsSource(config))
+        registry = BackendRegistry(await discovery.initial([]), pool=None)
+        assert len(registry.backends) == 3
+        zone.set("pod-c.fleet.test", "A", [])
+        with caplog.at_level("WARNING", logger="backends.discovery"):
+            await discovery.refresh(registry)
+    await wait_until(lambda: len(registry.backends) == 2)  # pod-c's drained and removed
+    serving = sorted(b.url for b in registry.backends if not b.draining)
+    assert serving == ["http://10.0.0.1:30000", "http://10.0.0.2:30000"]
+    assert "pod-c.fleet.test: no address record" in caplog.text
+
+
 def test_settings_are_checked_by_name() -> None:
     with pytest.raises(ValueError, match="discovery.names: mode dns needs at least one name"):
         DiscoveryConfig.from_mapping({"mode": "dns"})
