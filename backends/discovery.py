@@ -64,7 +64,8 @@ class DiscoveryConfig:
     interval: float = 10.0
     """Seconds between two lookups. Default 10."""
     timeout: float = 2.0
-    """Seconds one lookup (all names) may take before it counts as failed. Default 2."""
+    """Seconds one lookup (all names, asked at once; SRV then its targets' A and AAAA) may take
+    before it counts as failed. Default 2."""
     drain_timeout: float = 30.0
     """Seconds a removed backend keeps its requests in flight before it is dropped. Default 30."""
     nameservers: list[str] = field(default_factory=list)
@@ -234,8 +235,19 @@ class Source(Protocol):
         ...
 
 
+FAMILIES = ("A", "AAAA")
+
+
 class DnsSource:
-    """A/AAAA and SRV lookups with dnspython's asyncio resolver."""
+    """A/AAAA and SRV lookups with dnspython's asyncio resolver.
+
+    A name's lookup takes at most `timeout` in all: its SRV query, then A and AAAA of every
+    target at once, each given what is left of the bound. What each (target, family) answered
+    is kept per name: a family that fails (no answer in time, a server error) counts as
+    answering what it did last time, so a resolver that drops AAAA queries does not keep the A
+    records from serving, and a lost answer does not drain a backend. An SRV target that does
+    not exist (NXDOMAIN) or has no address record is left out, with a warning, and the other
+    targets stay."""
 
     def __init__(self, config: DiscoveryConfig) -> None:
         try:
@@ -250,8 +262,11 @@ class DnsSource:
             servers = [_nameserver(s) for s in config.nameservers]
             self.resolver.nameservers = [host for host, _ in servers]
             self.resolver.port = servers[0][1]
-        self.resolver.lifetime = config.timeout
+        self.resolver.lifetime = config.timeout  # a query's; `_one` bounds a name's in all
         self.resolver.cache = None  # every lookup asks: the interval is the cache
+        self._held: dict[str, dict[tuple[str, str], set[str]]] = {}
+        """By name: the addresses each (target, family) last answered; only the targets of
+        the name's last answer, so it stays as small as the fleet."""
 
     async def lookup(self) -> dict[str, set[str] | None]:
         results = await asyncio.gather(*(self._one(n) for n in self.names))
@@ -262,43 +277,92 @@ class DnsSource:
         import dns.resolver
 
         bare, labels = split_name(name)
+        srv = bare.startswith("_")
+        deadline = asyncio.get_running_loop().time() + self.timeout
         try:
-            if bare.startswith("_"):
-                answer = await self.resolver.resolve(bare, "SRV")
+            if srv:
+                async with asyncio.timeout_at(deadline):
+                    answer = await self.resolver.resolve(bare, "SRV")
                 targets = [(r.target.to_text(omit_final_dot=True), int(r.port)) for r in answer]
             else:
                 targets = [_name(bare)]
-            urls: set[str] = set()
-            for host, port in targets:
-                try:
-                    addresses = await self._addresses(host)
-                except dns.resolver.NXDOMAIN:
-                    if not bare.startswith("_"):
-                        raise
-                    addresses = set()  # a gone pod the SRV answer still names: the rest stay
-                if not addresses and bare.startswith("_"):
-                    log.warning("discovery: %s: left out SRV target %s: no address record",
-                                name, host)  # fmt: skip
-                urls.update(labelled(backend_url(a, port), labels) for a in addresses)
-            return urls
         except (dns.resolver.NXDOMAIN, dns.resolver.NoAnswer):
+            self._held[name] = {}
             return set()  # the name is authoritatively empty: its backends go
-        except dns.exception.DNSException as exc:
-            log.warning("discovery: lookup of %s failed (%s); keeping its backends", name, exc)
+        except (TimeoutError, dns.exception.DNSException) as exc:
+            why = str(exc) or f"no answer within {self.timeout:g} s"
+            log.warning("discovery: lookup of %s failed (%s); keeping its backends", name, why)
             return None
+        hosts = sorted({host for host, _ in targets})
+        asked = await asyncio.gather(*(self._ask(host, deadline) for host in hosts))
+        before = self._held.get(name, {})
+        held: dict[tuple[str, str], set[str]] = {}
+        addresses: dict[str, set[str]] = {}
+        unanswered: list[str] = []
+        empty: list[str] = []
+        for host, families in zip(hosts, asked, strict=True):
+            found: set[str] = set()
+            failures: list[str] = []
+            for family, outcome in families.items():
+                if isinstance(outcome, BaseException):  # what it held, if it answered before
+                    kept = before.get((host, family))
+                    if kept is None:
+                        failures.append(f"{family}: {str(outcome) or 'no answer in time'}")
+                        continue
+                    outcome = kept
+                held[(host, family)] = outcome
+                found |= outcome
+            addresses[host] = found
+            if failures and not found:
+                unanswered.append(f"{host} ({'; '.join(failures)})")
+            elif not found:
+                empty.append(host)
+        urls = {
+            labelled(backend_url(address, port), labels)
+            for host, port in targets
+            for address in addresses[host]
+        }
+        if unanswered and not urls:  # nothing to go on: not a reason to empty the name
+            why = ", ".join(unanswered)
+            log.warning("discovery: lookup of %s failed (%s); keeping its backends", name, why)
+            return None
+        self._held[name] = held
+        if srv and (unanswered or empty):
+            log.warning(
+                "discovery: %s: left out SRV target(s) %s", name,
+                ", ".join([*(f"{h}: no address record" for h in empty),
+                           *(f"{h}: no answer" for h in unanswered)]),
+            )  # fmt: skip
+        return urls
 
-    async def _addresses(self, host: str) -> set[str]:
+    async def _ask(self, host: str, deadline: float) -> dict[str, set[str] | BaseException]:
+        """`host`'s addresses by family, A and AAAA asked at once until `deadline`: a set
+        (empty: no such record, or no such name) or the failure (TimeoutError when the
+        deadline came first)."""
         import dns.resolver
 
         with contextlib.suppress(ValueError):
-            return {str(ipaddress.ip_address(host))}
-        found: set[str] = set()
-        for kind in ("A", "AAAA"):
-            try:
-                answer = await self.resolver.resolve(host, kind)
-            except dns.resolver.NoAnswer:
-                continue  # e.g. no AAAA record: only the other family
-            found.update(r.address for r in answer)
+            return {"": {str(ipaddress.ip_address(host))}}
+        queries = [asyncio.ensure_future(self.resolver.resolve(host, kind)) for kind in FAMILIES]
+        try:
+            left = max(0.0, deadline - asyncio.get_running_loop().time())
+            await asyncio.wait(queries, timeout=left)
+        finally:
+            for query in queries:
+                query.cancel()
+            outcomes = await asyncio.gather(*queries, return_exceptions=True)
+        found: dict[str, set[str] | BaseException] = {}
+        for family, outcome in zip(FAMILIES, outcomes, strict=True):
+            if isinstance(outcome, dns.resolver.NXDOMAIN):
+                return dict.fromkeys(FAMILIES, set())  # no such name: no address of any family
+            if isinstance(outcome, dns.resolver.NoAnswer):
+                found[family] = set()
+            elif isinstance(outcome, asyncio.CancelledError):
+                found[family] = TimeoutError()
+            elif isinstance(outcome, BaseException):
+                found[family] = outcome
+            else:
+                found[family] = {r.address for r in outcome}
         return found
 
 

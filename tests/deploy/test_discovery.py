@@ -7,12 +7,15 @@ import asyncio
 import contextlib
 import json
 import ssl
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from dnslib import QTYPE
+from dnslib.server import DNSLogger, DNSServer
 from prometheus_client import CollectorRegistry
 
 from backends.discovery import (
@@ -26,10 +29,10 @@ from backends.registry import BackendRegistry
 from backends.sim import SimConfig, SimServer
 from certs import ensure_dev_certificates
 from edge.wiring import Wiring, build
-from tests.deploy.dns_server import dns_server
+from tests.deploy.dns_server import Zone, dns_server
 from tests.deploy.processes import completion, sim_process, wait_ready
 from tests.edge.conftest import Recorded, Reply, TinyUpstream, fast_config, hypercorn_app
-from tests.helpers import free_port, wait_until
+from tests.helpers import free_port, free_udp_port, wait_until
 from tests.transport.conftest import ServeProcess
 
 SRV_NAME = "_sglang._tcp.fleet.test"
@@ -103,6 +106,75 @@ async def test_an_srv_target_that_no_longer_resolves_is_left_out_and_the_others_
     serving = sorted(b.url for b in registry.backends if not b.draining)
     assert serving == ["http://10.0.0.1:30000", "http://10.0.0.2:30000"]
     assert "pod-c.fleet.test: no address record" in caplog.text
+
+
+class SlowZone(Zone):
+    """A zone whose server takes `delays[type]` seconds to answer a query of that type."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.delays: dict[str, float] = {}
+
+    def resolve(self, request: Any, handler: Any) -> Any:
+        time.sleep(self.delays.get(QTYPE[request.q.qtype], 0.0))  # the server's own thread
+        return super().resolve(request, handler)
+
+
+@contextlib.contextmanager
+def slow_dns_server() -> Iterator[tuple[SlowZone, str]]:
+    """`dns_server`, with a `SlowZone`; each query is answered in a thread of its own."""
+    zone = SlowZone()
+    port = free_udp_port()
+    quiet = DNSLogger(log="-recv,-send,-request,-reply,-truncated,-error,-data", prefix=False)
+    server = DNSServer(zone, address="127.0.0.1", port=port, logger=quiet)
+    server.start_thread()
+    try:
+        yield zone, f"127.0.0.1:{port}"
+    finally:
+        server.stop()
+
+
+async def test_a_lookup_asks_its_targets_at_once_within_the_timeout() -> None:
+    """Six targets whose every answer takes 0.3 s: asked one after another (SRV, then A and
+    AAAA of each) the lookup would take 3.9 s, twice its 2 s bound."""
+    with slow_dns_server() as (zone, server):
+        zone.set(SRV_NAME, "SRV", [(30000, f"pod-{i}.fleet.test") for i in range(6)])
+        for i in range(6):
+            zone.set(f"pod-{i}.fleet.test", "A", [f"10.0.0.{i + 1}"])
+        zone.delays = {"SRV": 0.3, "A": 0.3, "AAAA": 0.3}
+        source = DnsSource(dns_config(server, SRV_NAME, timeout=2.0))
+        started = time.monotonic()
+        found = await source.lookup()
+        took = time.monotonic() - started
+        assert found == {SRV_NAME: {f"http://10.0.0.{i + 1}:30000" for i in range(6)}}
+        assert took < 3.0, took
+        # Slower than the bound: the lookup fails at the bound, keeping what the name held.
+        zone.delays = {"SRV": 0.3, "A": 2.0, "AAAA": 2.0}
+        source = DnsSource(dns_config(server, SRV_NAME, timeout=1.0))
+        started = time.monotonic()
+        assert await source.lookup() == {SRV_NAME: None}
+        assert time.monotonic() - started < 3.0
+
+
+async def test_a_family_that_does_not_answer_leaves_the_other_one_serving() -> None:
+    """A resolver that drops AAAA queries: the A answer serves. One that answered both and then
+    loses an AAAA answer: the AAAA address stays (a lost answer drains nothing)."""
+    name = "sglang.fleet.test:30000"
+    with slow_dns_server() as (zone, server):
+        zone.set("sglang.fleet.test", "A", ["127.0.0.1"])
+        zone.set("sglang.fleet.test", "AAAA", ["::1"])
+        zone.delays = {"AAAA": 2.0}
+        dropped = DnsSource(dns_config(server, name, timeout=0.5))
+        assert await dropped.lookup() == {name: {"http://127.0.0.1:30000"}}
+        zone.delays = {}
+        source = DnsSource(dns_config(server, name, timeout=0.5))
+        both = {"http://127.0.0.1:30000", "http://[::1]:30000"}
+        assert await source.lookup() == {name: both}
+        zone.delays = {"AAAA": 2.0}
+        zone.set("sglang.fleet.test", "A", ["127.0.0.2"])
+        assert await source.lookup() == {name: {"http://127.0.0.2:30000", "http://[::1]:30000"}}
+        zone.delays = {"A": 2.0, "AAAA": 2.0}  # neither answers: the name keeps its backends
+        assert await DnsSource(dns_config(server, name, timeout=0.5)).lookup() == {name: None}
 
 
 def test_settings_are_checked_by_name() -> None:
