@@ -54,8 +54,12 @@ def _is_prompt(value: Any) -> bool:
     if isinstance(value, str):
         return True
     if isinstance(value, list) and value:
-        return all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value) or all(
-            isinstance(v, list) and all(isinstance(t, int) for t in v) for v in value
+        # All strings, all token ids, or all lists of token ids: a mix (`["a", 1]`) is neither
+        # a batch of texts nor one of ids, and broke the routing view (a 500).
+        return (
+            all(isinstance(v, str) for v in value)
+            or all(type(v) is int for v in value)
+            or all(isinstance(v, list) and all(type(t) is int for t in v) for v in value)
         )
     return False
 

@@ -155,6 +155,8 @@ def test_what_rfc_8259_does_not_allow_is_400(body: bytes) -> None:
         (COMPLETIONS, {}, "prompt"),
         (COMPLETIONS, {"prompt": 5}, "prompt"),
         (COMPLETIONS, {"prompt": []}, "prompt"),
+        (COMPLETIONS, {"prompt": ["a", 1]}, "prompt"),  # neither texts nor ids: was a 500
+        (COMPLETIONS, {"prompt": [1, True]}, "prompt"),
         (GENERATE, {}, "text"),
         (GENERATE, {"text": {"a": 1}}, "text"),
         (GENERATE, {"input_ids": "abc"}, "input_ids"),
