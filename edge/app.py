@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 import time
 from collections.abc import Mapping, Sequence
@@ -32,6 +33,7 @@ from edge.errors import (
     EdgeError,
     InternalError,
     InvalidRequest,
+    LoopDetected,
     MethodNotAllowed,
     ModelNotFound,
     RouteNotFound,
@@ -132,6 +134,48 @@ def allowed_methods(path: str) -> tuple[str, ...] | None:
 
 _TRANSPORT_BY_VERSION = {"3": "h3", "2": "h2", "2.0": "h2"}
 
+MAX_EDGE_HOPS = 8
+"""Edges a request may have passed (its `Via` names them) before the next refuses it."""
+
+
+class Via:
+    """This edge's `Via` entry (RFC 9110 §7.6.3), added to every request it forwards after the
+    ones the request came with, and the check that cuts a loop: a request whose `Via` names
+    this edge has come back to it (a backend that is the edge itself, found by discovery or
+    given by hand, or one that leads back to it) and is refused with 508 `loop_detected`,
+    rather than sent around until the upstream pool is exhausted. The name is random per app,
+    so each worker of a serve has its own; `MAX_EDGE_HOPS` cuts a loop through more edges than
+    that, each of which would see the request only once."""
+
+    def __init__(self) -> None:
+        self.name = b"quicedge-" + os.urandom(6).hex().encode()
+        self.headers = {t: (b"via", b"%s %s" % (v, self.name)) for t, v in _VIA_VERSIONS.items()}
+        """The header of a request that came with no `Via`, by transport: made once."""
+        self.h1 = self.headers["h1"]
+
+    def check(self, via: bytes) -> None:
+        """Refuse a request that has passed this edge, or `MAX_EDGE_HOPS` edges."""
+        if self.name in via:
+            raise LoopDetected(
+                "loop detected: this request came back to the edge that forwarded it (its "
+                "Via header names it): a backend of that edge is the edge itself or leads back "
+                "to it; check --backend, [proxy] backends and the [discovery] names"
+            )
+        if via.count(b" quicedge-") >= MAX_EDGE_HOPS:
+            raise LoopDetected(
+                f"loop detected: this request has passed {MAX_EDGE_HOPS} edges already (its Via "
+                "header names them): the edges' backends lead from one to the next in a loop"
+            )
+
+    def after(self, via: bytes, transport: str) -> tuple[bytes, bytes]:
+        """The `Via` header to send upstream for a request that came with `via`: its entries,
+        then this edge's."""
+        return (b"via", via + b", " + self.headers.get(transport, self.h1)[1])
+
+
+_VIA_VERSIONS = {"h1": b"1.1", "h2": b"2", "h3": b"3"}
+"""The protocol version a `Via` entry names, by the transport that carried the request."""
+
 
 class ProxyApp:
     """The ASGI app for the inference routes and `/v1/models`."""
@@ -168,6 +212,7 @@ class ProxyApp:
         self.tracer = tracer
         self.models = models
         self.state = state
+        self.via = Via()
         self._background: set[asyncio.Task[None]] = set()
         """Background responses being generated (`_in_background`)."""
         limit = config.max_pending_body_bytes
@@ -471,6 +516,8 @@ class ProxyApp:
         ex: Exchange | None = None
         try:
             request_id = request_id_from(headers.request_id)
+            if headers.via is not None:  # forwarded by an edge (perhaps this one)
+                self.via.check(headers.via)
             tenant = self.admission.identify(headers.authorization)
             if self.tracer is not None:  # decided once: no tracer, no span objects
                 trace = RequestTrace(
@@ -751,6 +798,10 @@ class ProxyApp:
             traceparent=traceparent,
             tracestate=tracestate,
         )
+        if h.via is None:  # the common case: a header made once
+            ex.upstream_headers.append(self.via.headers.get(ex.transport, self.via.h1))
+        else:
+            ex.upstream_headers.append(self.via.after(h.via, ex.transport))
         await self.admission.admit(ex, tenant)  # last: nothing after it may fail and leak a slot
         t_admitted = time.perf_counter()
         self.metrics.stage_parse.observe(t_parsed - ex.t0)

@@ -195,6 +195,15 @@ class GatewayTimeout(EdgeError):
     code = "upstream_timeout"
 
 
+class LoopDetected(EdgeError):
+    """508 (RFC 5842): the request came back to an edge it had passed (its `Via` names the
+    edge), or has passed too many: a backend of some edge is that edge, or leads back to it."""
+
+    status = 508
+    type = "server_error"
+    code = "loop_detected"
+
+
 class InternalError(EdgeError):
     """500: a fault in the edge itself; logged with its traceback, and the client gets the
     request id to quote instead of an empty answer."""

@@ -33,6 +33,7 @@ class RequestHeaders:
     tracestate: bytes | None = None
     conversation: bytes | None = None
     cache: bytes | None = None
+    via: bytes | None = None
 
 
 _WANTED = {
@@ -46,6 +47,7 @@ _WANTED = {
     b"tracestate": "tracestate",
     b"x-quicedge-conversation": "conversation",
     b"x-quicedge-cache": "cache",
+    b"via": "via",
 }
 
 
