@@ -9,11 +9,11 @@ in this process, or spawns N (`workers` > 1) and forwards signals to them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import multiprocessing
 import multiprocessing.connection
 import os
-import queue
 import signal
 import socket
 import sys
@@ -238,22 +238,30 @@ async def _run_worker(
         tickets.close()
 
 
-def _worker_entry(plan: Plan, index: int, ready: Any, h3_socket: socket.socket | None) -> None:
-    """A spawned worker: run, and report its listening lines once up (or why it failed)."""
+def _worker_entry(
+    plan: Plan,
+    index: int,
+    ready: multiprocessing.connection.Connection,
+    h3_socket: socket.socket | None,
+) -> None:
+    """A spawned worker: run, and report its listening lines once up (or why it failed) on
+    `ready`, its own pipe to the parent."""
     logging.basicConfig(level=logging.WARNING, format=f"worker {index}: %(message)s")
     plan = replace(plan, apps=plan.apps.for_worker(index), worker=index)
+
+    def report(what: list[str] | str) -> None:
+        with contextlib.suppress(OSError):  # a parent gone: nobody to tell
+            ready.send((index, what))
+
     # SIGTERM/SIGINT (from the parent, or a terminal's Ctrl-C to the process group) drain;
     # a second one while draining changes nothing.
     try:
-        run_on_loop(
-            run_worker(plan, announce=lambda lines: ready.put((index, lines)), h3_socket=h3_socket),
-            plan.transport.loop,
-        )
+        run_on_loop(run_worker(plan, announce=report, h3_socket=h3_socket), plan.transport.loop)
     except StartupError as exc:  # its one line is all there is to say
-        ready.put((index, f"failed: {exc}"))
+        report(f"failed: {exc}")
         sys.exit(1)
     except Exception as exc:  # report, so the parent does not wait forever
-        ready.put((index, f"failed: {exc}"))
+        report(f"failed: {exc}")
         raise
 
 
@@ -318,30 +326,29 @@ def run_workers(plan: Plan, *, announce: Announce = print_ready) -> int:
         signal.signal(sig, workers.forward)
     _release_reloads()
     reported: dict[int, Any] = {}
-    started = False
-    while len(reported) < len(workers.procs):
-        try:
-            index, lines = workers.ready.get(timeout=0.5)
-        except Exception:  # queue.Empty: check that nobody died before reporting
-            dead = [(i, p) for i, p in enumerate(workers.procs) if not p.is_alive()]
-            if dead:
-                for i, proc in dead:
-                    proc.join()
-                    print(f"quicedge serve: worker {i} ended (exit {proc.exitcode}) before it "
-                          "was ready", file=sys.stderr)  # fmt: skip
-                workers.forward(signal.SIGTERM, None)
-                break
+    failed = False
+    while len(reported) < len(workers.procs) and not failed:
+        got = workers.reports(timeout=0.5)
+        for index, lines in got:
+            reported[index] = lines
+            if isinstance(lines, str):
+                print(f"quicedge serve: worker {index} {lines}", file=sys.stderr)
+                failed = True
+        if got:
             continue
-        reported[index] = lines
-        if isinstance(lines, str):
-            print(f"quicedge serve: worker {index} {lines}", file=sys.stderr)
-            workers.forward(signal.SIGTERM, None)
-            break
+        for i, proc in enumerate(workers.procs):  # nothing said: did one die meanwhile?
+            if not proc.is_alive():
+                proc.join()
+                print(f"quicedge serve: worker {i} ended (exit {proc.exitcode}) before serve "
+                      "was ready", file=sys.stderr)  # fmt: skip
+                failed = True
+    started = not failed
+    if failed:
+        workers.forward(signal.SIGTERM, None)
     else:
         spread = "connection ID" if workers.group else "client address"
         pids = [p.pid for p in workers.procs]
         announce([*reported[0], f"workers {t.workers} (pids {pids}; QUIC by {spread})"])
-        started = True
         workers.supervise()
     workers.wait()
     status = exit_status([p.exitcode for p in workers.procs], workers.stopping)
@@ -373,8 +380,12 @@ class _Workers:
         self.plan = plan
         self.group = group
         self._ctx = multiprocessing.get_context("spawn")
-        self.ready = self._ctx.Queue()
-        """(index, lines) from each worker once it is up, or (index, why) if it failed."""
+        self._reports: dict[int, multiprocessing.connection.Connection] = {}
+        """By worker index, the parent's end of the pipe the worker reports on: `(index,
+        lines)` once it is up, or `(index, why)` if it failed. A pipe of its own, not a queue
+        all share: a worker killed while it wrote to a shared queue would leave the queue's
+        lock held, and the next worker's report would wait for it forever, and so would that
+        worker's exit."""
         self.stopping: list[int] = []
         """The signals that stop the workers, once one came."""
         self.budget = RestartBudget()
@@ -387,9 +398,10 @@ class _Workers:
         sock = self.group[index] if self.group else None
         self._starts[index] = self._starts.get(index, 0) + 1
         plan = replace(self.plan, starts=self._starts[index])
+        reader, writer = self._ctx.Pipe(duplex=False)
         proc = self._ctx.Process(
             target=_worker_entry,
-            args=(plan, index, self.ready, sock),
+            args=(plan, index, writer, sock),
             name=f"quicedge-worker-{index}",
         )
         held = _hold_reloads()  # the worker is born with SIGHUP held (`run_worker`)
@@ -397,7 +409,26 @@ class _Workers:
             proc.start()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, held)
+            writer.close()  # the worker has its own copy: its exit is the pipe's end
+        old = self._reports.pop(index, None)
+        if old is not None:  # a dead worker's: whatever it said before is of no use now
+            old.close()
+        self._reports[index] = reader
         return proc
+
+    def reports(self, timeout: float | None) -> list[tuple[int, Any]]:
+        """What the workers said (each says one thing), waiting up to `timeout` for the first
+        word; the pipe of a worker that has ended is closed."""
+        pipes = {conn: index for index, conn in self._reports.items()}
+        said: list[tuple[int, Any]] = []
+        for conn in multiprocessing.connection.wait(list(pipes), timeout):
+            assert isinstance(conn, multiprocessing.connection.Connection)
+            try:
+                said.append(conn.recv())
+            except (EOFError, OSError):  # it ended: nothing more will come
+                conn.close()
+                del self._reports[pipes[conn]]
+        return said
 
     def forward(self, signum: int, _frame: Any) -> None:
         if signum != signal.SIGHUP:
@@ -439,13 +470,8 @@ class _Workers:
                     self._give_up(index)
 
     def _read_reports(self) -> None:
-        """What restarted workers said once up (or why they failed): read, so the queue holds
-        at most what came since the last death."""
-        while True:
-            try:
-                index, lines = self.ready.get_nowait()
-            except queue.Empty:
-                return
+        """What restarted workers said once up, or why they failed (logged)."""
+        for index, lines in self.reports(timeout=0):
             if isinstance(lines, str):
                 log.error("worker %d did not start again: %s", index, lines)
 
@@ -465,6 +491,8 @@ class _Workers:
             proc.join()
         for sock in self.group:
             sock.close()
+        for conn in self._reports.values():
+            conn.close()
 
 
 def _steered_sockets(t: TransportConfig) -> list[socket.socket]:

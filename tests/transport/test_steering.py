@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import multiprocessing
 import os
-import queue
 import re
 import select
 import signal
@@ -257,13 +257,22 @@ def _worker_pids(server: ServeProcess) -> list[int]:
 def test_the_parent_reads_every_report_of_a_restarted_worker(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Unread, one report per restart would fill the pipe, and a worker would then hang at exit
-    on its last report."""
+    """Each worker reports on a pipe of its own (a worker killed while it wrote to a shared
+    queue would hold its lock for good); the parent reads them all, logs a failure, and closes
+    the pipe of a worker that has ended."""
     workers = object.__new__(_Workers)
-    workers.ready = queue.Queue()  # type: ignore[assignment]
-    workers.ready.put((0, ["h3 ..."]))
-    workers.ready.put((1, "failed: [Errno 98] address in use"))
+    workers._reports = {}
+    ends = []
+    for index, said in ((0, ["h3 ..."]), (1, "failed: [Errno 98] address in use")):
+        reader, writer = multiprocessing.Pipe(duplex=False)
+        workers._reports[index] = reader
+        writer.send((index, said))
+        ends.append(writer)
+    ends[1].close()  # worker 1 has ended
     with caplog.at_level("ERROR", logger="quicedge.serve"):
         workers._read_reports()
-    assert workers.ready.empty()
+        assert workers.reports(timeout=0) == []
     assert "worker 1 did not start again: failed: [Errno 98]" in caplog.text
+    assert list(workers._reports) == [0]  # worker 1's pipe closed at its end
+    ends[0].close()
+    workers._reports[0].close()
