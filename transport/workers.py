@@ -59,6 +59,11 @@ def _release_reloads() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, RELOAD_SIGNALS)
 
 
+def _ignore() -> None:
+    """SIGHUP's handler once a worker closes: the loop's close removes it, and by then the
+    worker's thread holds SIGHUP blocked again (`run_worker`)."""
+
+
 @dataclass
 class ServedApps:
     """The two apps one worker serves, and how to close them after the drain."""
@@ -226,12 +231,14 @@ async def _run_worker(
         settling = [apps.settle(t.drain_timeout)] if apps.settle is not None else []
         await asyncio.gather(listeners.drain(), *settling)
     finally:
-        _hold_reloads()  # from here on a SIGHUP has no handler: held, not fatal to the drain
+        # Nothing is left to reload, but a SIGHUP must not end the close half-way: with no
+        # handler its default action would, whichever thread (an executor's) it lands on.
+        loop.add_signal_handler(signal.SIGHUP, _ignore)
         probe.stop()
         gc_pauses.stop()
         if cert_watch is not None:
             await cert_watch.aclose()
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         await listeners.aclose()
         await apps.aclose()
