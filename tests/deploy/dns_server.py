@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TypeVar, cast
 
 from dnslib import AAAA, QTYPE, RR, SRV, A, DNSLabel, DNSRecord
 from dnslib.server import BaseResolver, DNSHandler, DNSLogger, DNSServer
@@ -49,10 +50,13 @@ class Zone(BaseResolver):  # type: ignore[misc]
         return reply
 
 
+Z = TypeVar("Z", bound=Zone)
+
+
 @contextmanager
-def dns_server() -> Iterator[tuple[Zone, str]]:
-    """(zone, "127.0.0.1:PORT") for as long as the block runs."""
-    zone = Zone()
+def dns_server(zone: Z | None = None) -> Iterator[tuple[Z, str]]:
+    """(zone, "127.0.0.1:PORT") for as long as the block runs: `zone`, or a new `Zone`."""
+    zone = zone if zone is not None else cast(Z, Zone())
     port = free_udp_port()
     quiet = DNSLogger(log="-recv,-send,-request,-reply,-truncated,-error,-data", prefix=False)
     server = DNSServer(zone, address="127.0.0.1", port=port, logger=quiet)

@@ -15,7 +15,6 @@ from typing import Any
 import httpx
 import pytest
 from dnslib import QTYPE
-from dnslib.server import DNSLogger, DNSServer
 from prometheus_client import CollectorRegistry
 
 from backends.discovery import (
@@ -32,7 +31,7 @@ from edge.wiring import Wiring, build
 from tests.deploy.dns_server import Zone, dns_server
 from tests.deploy.processes import completion, sim_process, wait_ready
 from tests.edge.conftest import Recorded, Reply, TinyUpstream, fast_config, hypercorn_app
-from tests.helpers import free_port, free_udp_port, wait_until
+from tests.helpers import free_port, wait_until
 from tests.transport.conftest import ServeProcess
 
 SRV_NAME = "_sglang._tcp.fleet.test"
@@ -122,16 +121,9 @@ class SlowZone(Zone):
 
 @contextlib.contextmanager
 def slow_dns_server() -> Iterator[tuple[SlowZone, str]]:
-    """`dns_server`, with a `SlowZone`; each query is answered in a thread of its own."""
-    zone = SlowZone()
-    port = free_udp_port()
-    quiet = DNSLogger(log="-recv,-send,-request,-reply,-truncated,-error,-data", prefix=False)
-    server = DNSServer(zone, address="127.0.0.1", port=port, logger=quiet)
-    server.start_thread()
-    try:
-        yield zone, f"127.0.0.1:{port}"
-    finally:
-        server.stop()
+    """`dns_server`, with a `SlowZone`."""
+    with dns_server(SlowZone()) as served:
+        yield served
 
 
 async def test_a_lookup_asks_its_targets_at_once_within_the_timeout() -> None:
