@@ -280,6 +280,20 @@ def sse_reply(texts: Sequence[str], *, delay: float = 0.0, die_after: int | None
     )
 
 
+def held_sse(release: asyncio.Event, texts: Sequence[str] = ("ok",)) -> Script:
+    """A scripted upstream that is healthy and answers each inference request (`texts` as an SSE
+    stream) only once `release` is set: requests that stay in flight."""
+
+    async def held(recorded: Recorded) -> Reply:
+        reply = health_ok(recorded)
+        if reply is not None:
+            return reply
+        await release.wait()
+        return sse_reply(texts)
+
+    return held
+
+
 def health_ok(recorded: Recorded) -> Reply | None:
     """Answers for the routes the registry polls, so a scripted upstream counts as healthy."""
     if recorded.path == "/health":

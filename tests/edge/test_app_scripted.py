@@ -28,6 +28,7 @@ from tests.edge.conftest import (
     client,
     fast_config,
     health_ok,
+    held_sse,
     run_edge,
     sse_reply,
 )
@@ -737,14 +738,7 @@ async def test_a_client_that_stops_reading_slows_the_upstream_instead_of_filling
 async def test_backends_at_their_cap_answer_503_at_capacity() -> None:
     release = asyncio.Event()
 
-    async def held(recorded: Recorded) -> Reply:
-        reply = health_ok(recorded)
-        if reply is not None:
-            return reply
-        await release.wait()
-        return sse_reply(["done"])
-
-    async with TinyUpstream(held) as up:
+    async with TinyUpstream(held_sse(release, ["done"])) as up:
         config = fast_config([up.url], max_concurrency_per_backend=1)
         async with run_edge(config) as edge, client(edge) as http:
             first = asyncio.ensure_future(http.post("/v1/completions", json=COMPLETION))

@@ -29,6 +29,7 @@ from tests.edge.conftest import (
     client,
     fast_config,
     health_ok,
+    held_sse,
     run_edge,
     sse_reply,
 )
@@ -156,14 +157,7 @@ async def test_tenant_on_the_span_and_authorization_never_forwarded() -> None:
 async def test_max_concurrent_refuses_the_extra_request_and_frees_its_slot() -> None:
     release = asyncio.Event()
 
-    async def answer(recorded: Recorded) -> Reply:
-        reply = health_ok(recorded)
-        if reply is not None:
-            return reply
-        await release.wait()
-        return sse_reply(["ok"])
-
-    async with TinyUpstream(answer) as up:
+    async with TinyUpstream(held_sse(release)) as up:
         config = with_admission(
             fast_config([up.url]), tenants=[tenant("one", "gold", "sk-one", max_concurrent=1)]
         )
@@ -279,14 +273,7 @@ async def test_max_concurrent_holds_while_the_bucket_take_awaits(
     Redis for their take: only `max_concurrent` of them may go on."""
     release = asyncio.Event()
 
-    async def answer(recorded: Recorded) -> Reply:
-        reply = health_ok(recorded)
-        if reply is not None:
-            return reply
-        await release.wait()
-        return sse_reply(["ok"])
-
-    async with TinyUpstream(answer) as up:
+    async with TinyUpstream(held_sse(release)) as up:
         redis = RedisSettings(url=redis_url, prefix=redis_prefix, timeout_ms=2000, slow_ms=2000)
         config = with_admission(
             fast_config([up.url]),
