@@ -449,20 +449,24 @@ class _Workers:
         socket, so that its clients' datagrams reach it (and a client of the dead one gets a
         stateless reset it recognises: same index, same key). Past the budget a dead worker
         stays dead, and with steering the group goes back to the address hash (its socket
-        closed), so that the others take its new clients."""
+        closed), so that the others take its new clients.
+
+        Every worker not left dead is watched by its sentinel, alive or not: one that died
+        before a look (between `ready` and the first, or during a restart) has a sentinel
+        already readable, and is started again like any other."""
+        left_dead: set[int] = set()
         while not self.stopping:
-            alive = [p for p in self.procs if p.is_alive()]
-            if not alive:
+            watched = {p.sentinel: i for i, p in enumerate(self.procs) if i not in left_dead}
+            if not watched:
                 return
-            ended = multiprocessing.connection.wait([p.sentinel for p in alive])
+            ended = multiprocessing.connection.wait(list(watched))
             self._read_reports()
             if self.stopping:
                 return
-            for proc in alive:
-                if proc.sentinel not in ended:
-                    continue
+            for sentinel in ended:
+                index = watched[sentinel]
+                proc = self.procs[index]
                 proc.join()
-                index = self.procs.index(proc)
                 if self.budget.take():
                     self.procs[index] = self._spawn(index)
                     log.warning(
@@ -474,6 +478,7 @@ class _Workers:
                         "worker %d ended (exit %s) and is not started again: %d restarts "
                         "within %.0f s", index, proc.exitcode, RESTARTS, RESTART_WINDOW,
                     )  # fmt: skip
+                    left_dead.add(index)
                     self._give_up(index)
 
     def _read_reports(self) -> None:

@@ -13,6 +13,7 @@ import re
 import select
 import signal
 import socket
+import sys
 from typing import Any
 
 import pytest
@@ -276,3 +277,28 @@ def test_the_parent_reads_every_report_of_a_restarted_worker(
     assert list(workers._reports) == [0]  # worker 1's pipe closed at its end
     ends[0].close()
     workers._reports[0].close()
+
+
+def test_a_worker_dead_before_the_parent_first_looks_is_started_again() -> None:
+    """A worker killed between serve's `ready` and the supervisor's first look (its exit not
+    yet collected) is started again, not dropped from the watch as no longer alive."""
+    ctx = multiprocessing.get_context("spawn")
+    dead = ctx.Process(target=sys.exit, args=(3,))
+    dead.start()
+    assert dead.pid is not None
+    os.waitid(os.P_PID, dead.pid, os.WEXITED | os.WNOWAIT)  # ended, not collected
+    workers = object.__new__(_Workers)
+    workers._reports, workers.group, workers.stopping = {}, [], []
+    workers.budget = RestartBudget()
+    workers.procs = [dead]
+    spawned: list[int] = []
+
+    def spawn(index: int) -> Any:
+        spawned.append(index)
+        workers.stopping.append(signal.SIGTERM)  # one look is all this test needs
+        return dead
+
+    workers._spawn = spawn  # type: ignore[method-assign]
+    workers.supervise()
+    assert spawned == [0]
+    assert dead.exitcode == 3
