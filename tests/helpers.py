@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import shutil
 import socket
 import subprocess
 import time
 from collections.abc import Callable
+from typing import BinaryIO
 
 import redis
 
 from bench.children import free_port
+
+
+def child_output(file: BinaryIO) -> str:
+    """What a child process has written so far to `file`, its stdout or stderr. Read at an
+    offset, not after a seek: the child writes at the offset it shares with this open file,
+    and a seek back to 0 would make its next line overwrite the first."""
+    fd = file.fileno()
+    return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
 
 
 def free_udp_port() -> int:

@@ -18,7 +18,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from certs import DevCertificates
-from tests.helpers import RedisServer, free_port, free_udp_port
+from tests.helpers import RedisServer, child_output, free_port, free_udp_port
 from tests.transport.apps import RecordingApp
 from transport.h3_server import H3Server
 from transport.metrics import TransportMetrics
@@ -103,8 +103,7 @@ class ServeProcess:
                     return
 
     def errors(self) -> str:
-        self.stderr.seek(0)
-        return self.stderr.read().decode(errors="replace")
+        return child_output(self.stderr)
 
     def metrics(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/metrics", timeout=10) as r:

@@ -16,7 +16,7 @@ import urllib.request
 
 import pytest
 
-from tests.helpers import free_port, free_udp_port
+from tests.helpers import child_output, free_port, free_udp_port
 from transport.workers import exit_status
 
 RELOADS = 'quicedge_tls_reloads_total{outcome="applied"}'
@@ -86,8 +86,7 @@ class Starting:
         return sent
 
     def errors(self) -> str:
-        self.stderr.seek(0)
-        return self.stderr.read().decode(errors="replace")
+        return child_output(self.stderr)
 
     def metric(self, sample: str) -> float | None:
         """`sample` in `/metrics` (with several workers: the one that answered)."""
