@@ -1,5 +1,6 @@
 """The settings loader: every section's TOML, `QUICEDGE_*` variables and flags, and the one-line
-errors `quicedge serve` gives for each mistake (through the real command, in a subprocess)."""
+errors `quicedge serve` gives for each mistake (its `main`, in this process: a subprocess per
+mistake cost a second each; the real command, in a subprocess, where the process is the point)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
@@ -16,6 +18,7 @@ from typing import Literal
 import pytest
 
 from edge import settings
+from edge.serve import main as serve_main
 from edge.settings import Section, SettingsError
 
 # -- the real command ----------------------------------------------------------------------------
@@ -40,6 +43,28 @@ def refused(done: subprocess.CompletedProcess[str]) -> str:
     assert len(lines) == 1, done.stderr
     assert done.stdout == ""
     return lines[0]
+
+
+@pytest.fixture
+def serve_refused(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> Callable[..., str]:
+    """`serve_refused(*argv, env=...)`: `quicedge serve`'s `main` run here with only `env` for
+    its `QUICEDGE_*` variables; the one line it printed as it refused to start (exit 2)."""
+
+    def run(*argv: str, env: dict[str, str] | None = None) -> str:
+        for name in [name for name in os.environ if name.startswith("QUICEDGE_")]:
+            monkeypatch.delenv(name)
+        for name, value in (env or {}).items():
+            monkeypatch.setenv(name, value)
+        try:
+            status = serve_main(list(argv))
+        except SystemExit as exc:  # argparse's own refusals
+            status = exc.code  # type: ignore[assignment]
+        out, err = capsys.readouterr()
+        return refused(subprocess.CompletedProcess(argv, status, out, err))
+
+    return run
 
 
 @pytest.mark.parametrize(
@@ -80,12 +105,12 @@ def refused(done: subprocess.CompletedProcess[str]) -> str:
     ],
 )
 def test_a_config_file_mistake_is_one_line_and_exit_2(
-    tmp_path: Path, toml: str, message: str
+    tmp_path: Path, toml: str, message: str, serve_refused: Callable[..., str]
 ) -> None:
     config = tmp_path / "edge.toml"
     config.write_text(toml)
     demo = [] if "[proxy]" in toml else ["--demo"]
-    line = refused(quicedge("serve", *demo, "--config", str(config)))
+    line = serve_refused(*demo, "--config", str(config))
     assert message in line and line.startswith("quicedge serve: ")
 
 
@@ -109,29 +134,43 @@ def test_a_config_file_mistake_is_one_line_and_exit_2(
     ],
 )
 def test_a_flag_or_environment_mistake_is_one_line_and_exit_2(
-    env: dict[str, str], argv: list[str], message: str
+    env: dict[str, str], argv: list[str], message: str, serve_refused: Callable[..., str]
 ) -> None:
     demo = [] if "proxy." in message else ["--demo"]
     if not demo:
         argv = [*argv, "--backend", "http://127.0.0.1:1"]
-    line = refused(quicedge("serve", *demo, *argv, env=env))
+    line = serve_refused(*demo, *argv, env=env)
     assert message in line
 
 
-def test_the_proxy_needs_a_backend_unless_demo() -> None:
-    assert "at least one backend" in refused(quicedge("serve"))
-    assert "backend URL must be" in refused(quicedge("serve", "--backend", "ftp://x"))
+def test_the_real_command_refuses_in_one_line_and_exit_2(tmp_path: Path) -> None:
+    """The process itself: one line on stderr, nothing on stdout, status 2, from a file, a
+    variable and a flag."""
+    config = tmp_path / "edge.toml"
+    config.write_text("[serve]\nwrokers = 4\n")
+    line = refused(quicedge("serve", "--demo", "--config", str(config)))
+    assert line == "quicedge serve: [serve]: unknown setting 'wrokers' (did you mean 'workers'?)"
+    env = {"QUICEDGE_WORKERS": "four"}
+    assert "expected an integer, got 'four'" in refused(quicedge("serve", "--demo", env=env))
+    assert "unrecognized arguments: --wrkers" in refused(quicedge("serve", "--wrkers", "2"))
+
+
+def test_the_proxy_needs_a_backend_unless_demo(serve_refused: Callable[..., str]) -> None:
+    assert "at least one backend" in serve_refused()
+    assert "backend URL must be" in serve_refused("--backend", "ftp://x")
     env = {"QUICEDGE_BACKEND": "http://127.0.0.1:1,ftp://y"}
-    assert "got 'ftp://y'" in refused(quicedge("serve", env=env))
+    assert "got 'ftp://y'" in serve_refused(env=env)
 
 
-def test_development_certificates_are_refused_off_loopback() -> None:
-    line = refused(quicedge("serve", "--demo", "--h3", "0.0.0.0:4433"))
+def test_development_certificates_are_refused_off_loopback(
+    serve_refused: Callable[..., str],
+) -> None:
+    line = serve_refused("--demo", "--h3", "0.0.0.0:4433")
     assert "0.0.0.0 is not a loopback address" in line
     assert "--cert and --key, or --dev-certs" in line
     # The admin and plain-HTTP listeners present no certificate: no refusal for them.
-    done = quicedge("serve", "--demo", "--admin", "0.0.0.0:0", "--workers", "0")
-    assert "serve.workers must be >= 1" in refused(done)
+    line = serve_refused("--demo", "--admin", "0.0.0.0:0", "--workers", "0")
+    assert "serve.workers must be >= 1" in line
 
 
 def test_dev_certs_flag_allows_them_anywhere() -> None:
