@@ -255,7 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         print("\nstore cost per put + take (loop time the synchronous fetcher/handler block):")
         mem = MemoryTicketStore()
         print(f"  memory  {_store_cost(mem):8.1f} µs")
-        rs = RedisTicketStore(url, prefix=f"quicedge-bench:{os.getpid()}:")
+        # A generous timeout: the edge's 50 ms makes one answer slower than 10 ms (a loaded
+        # machine) cool the store down and refuse the rest; the cost measured is the same.
+        rs = RedisTicketStore(url, prefix=f"quicedge-bench:{os.getpid()}:", timeout=5.0)
         try:
             print(f"  redis   {_store_cost(rs):8.1f} µs  ({url})")
         finally:
