@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import fcntl
 import ipaddress
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -65,13 +68,33 @@ def _still_valid(paths: DevCertificates) -> bool:
     deadline = _now() + RENEW_MARGIN
     if leaf.not_valid_after_utc < deadline or ca.not_valid_after_utc < deadline:
         return False
-    return leaf.issuer == ca.subject
+    try:  # signed by this CA, not only named by it: every generated CA has the same name
+        leaf.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        return False
+    return True
 
 
-def _write_private(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+@contextlib.contextmanager
+def _generating(directory: Path) -> Iterator[None]:
+    """Held while one process checks and makes the PKI in `directory`: processes started
+    together (workers, a test run's) would otherwise each make one, and a client could trust
+    one's CA while the server presents another's leaf."""
+    with open(directory / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _write(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Whole or not at all: written beside `path`, then renamed over it."""
+    part = path.with_name(path.name + ".part")
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
+    os.replace(part, path)
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -174,11 +197,14 @@ def ensure_dev_certificates(
     if not force and _still_valid(paths):
         return paths
     paths.directory.mkdir(parents=True, exist_ok=True)
-    ca_cert, ca_key = _make_ca()
-    leaf_cert, leaf_key = _make_leaf(ca_cert, ca_key)
-    ca_pem = ca_cert.public_bytes(serialization.Encoding.PEM)
-    _write_private(paths.ca_key, _key_pem(ca_key))
-    _write_private(paths.key, _key_pem(leaf_key))
-    paths.ca_cert.write_bytes(ca_pem)
-    paths.cert.write_bytes(leaf_cert.public_bytes(serialization.Encoding.PEM) + ca_pem)
+    with _generating(paths.directory):
+        if not force and _still_valid(paths):  # made by another process while this one waited
+            return paths
+        ca_cert, ca_key = _make_ca()
+        leaf_cert, leaf_key = _make_leaf(ca_cert, ca_key)
+        ca_pem = ca_cert.public_bytes(serialization.Encoding.PEM)
+        _write(paths.ca_key, _key_pem(ca_key), 0o600)
+        _write(paths.key, _key_pem(leaf_key), 0o600)
+        _write(paths.ca_cert, ca_pem)
+        _write(paths.cert, leaf_cert.public_bytes(serialization.Encoding.PEM) + ca_pem)
     return paths
