@@ -14,9 +14,11 @@ $(STAMP): pyproject.toml scripts/bootstrap.sh
 run: $(STAMP)
 	bash scripts/run-local.sh
 
-## test: set everything up (venv, dependencies, a Redis server) and run the whole suite.
+## test: set everything up (venv, dependencies, a Redis server) and run the whole suite,
+## in TEST_PROCESSES pytest processes (each with a Redis of its own; 0: all in this one).
+TEST_PROCESSES ?= 2
 test: $(STAMP)
-	bash scripts/with-redis.sh $(BIN)/python -m pytest $(PYTEST_ARGS)
+	bash scripts/with-redis.sh $(BIN)/python -m pytest -n $(TEST_PROCESSES) --dist loadfile $(PYTEST_ARGS)
 
 ## lint: ruff and mypy.
 lint: $(STAMP)

@@ -19,9 +19,12 @@ def redis_server_url() -> Iterator[str]:
 
     `make test` starts one and exports QUICEDGE_TEST_REDIS_URL. A bare `pytest` starts its own
     redis-server when the binary exists. Redis is mandatory to test, so its absence fails.
+    Each process of a parallel run (pytest-xdist) starts its own: the edges the tests start use
+    the default key prefixes and pub/sub channels (which no database number separates), and
+    two tests' fleets must not hear each other's rollbacks and drains.
     """
     url = os.environ.get("QUICEDGE_TEST_REDIS_URL")
-    if url:
+    if url and not os.environ.get("PYTEST_XDIST_WORKER"):
         yield url
         return
     try:
