@@ -23,6 +23,10 @@ as DNS. A backend that appears is added with its health checks; one that disappe
 new requests, those in flight finish, up to `drain_timeout`) and is removed. A lookup that
 fails (timeout, server error) changes nothing: the fleet is not emptied by a DNS hiccup, while
 an authoritative "no such name" or an empty slice does remove what it held.
+
+Each name's lookups are counted by outcome (`quicedge_discovery_lookups_total`), and the
+backends its last answer held are a gauge (`quicedge_discovery_backends`): a name whose
+lookups fail keeps serving what it held, so the counter is what tells an operator.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from typing import Any, Literal, Protocol
 from urllib.parse import quote, urlsplit
 
 import h11
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from backends.labels import LABEL_TIERS, parse_labels
 from backends.registry import BackendRegistry
@@ -230,6 +235,10 @@ def backend_url(address: str, port: int) -> str:
 
 
 class Source(Protocol):
+    partial: set[str]
+    """The names whose last lookup answered in part: some queries failed, and what they
+    answered before stands in for them."""
+
     async def lookup(self) -> dict[str, set[str] | None]:
         """Backend URLs by name; None for a name whose lookup failed (keep what it held)."""
         ...
@@ -267,6 +276,7 @@ class DnsSource:
         self._held: dict[str, dict[tuple[str, str], set[str]]] = {}
         """By name: the addresses each (target, family) last answered; only the targets of
         the name's last answer, so it stays as small as the fleet."""
+        self.partial: set[str] = set()
 
     async def lookup(self) -> dict[str, set[str] | None]:
         results = await asyncio.gather(*(self._one(n) for n in self.names))
@@ -276,6 +286,7 @@ class DnsSource:
         import dns.exception
         import dns.resolver
 
+        self.partial.discard(name)
         bare, labels = split_name(name)
         srv = bare.startswith("_")
         deadline = asyncio.get_running_loop().time() + self.timeout
@@ -295,6 +306,11 @@ class DnsSource:
             return None
         hosts = sorted({host for host, _ in targets})
         asked = await asyncio.gather(*(self._ask(host, deadline) for host in hosts))
+        outcomes = [outcome for families in asked for outcome in families.values()]
+        if not srv and all(isinstance(outcome, BaseException) for outcome in outcomes):
+            why = "; ".join(str(outcome) or "no answer in time" for outcome in outcomes)
+            log.warning("discovery: lookup of %s failed (%s); keeping its backends", name, why)
+            return None  # what it answered before, a failed lookup's keep, not an answer
         before = self._held.get(name, {})
         held: dict[tuple[str, str], set[str]] = {}
         addresses: dict[str, set[str]] = {}
@@ -305,6 +321,7 @@ class DnsSource:
             failures: list[str] = []
             for family, outcome in families.items():
                 if isinstance(outcome, BaseException):  # what it held, if it answered before
+                    self.partial.add(name)
                     kept = before.get((host, family))
                     if kept is None:
                         failures.append(f"{family}: {str(outcome) or 'no answer in time'}")
@@ -323,6 +340,7 @@ class DnsSource:
             for address in addresses[host]
         }
         if unanswered and not urls:  # nothing to go on: not a reason to empty the name
+            self.partial.discard(name)
             why = ", ".join(unanswered)
             log.warning("discovery: lookup of %s failed (%s); keeping its backends", name, why)
             return None
@@ -371,6 +389,7 @@ class KubernetesSource:
 
     def __init__(self, config: DiscoveryConfig) -> None:
         self.config = config
+        self.partial: set[str] = set()  # a slice list answers whole or not at all
         self.namespace = config.namespace or _read(f"{SERVICE_ACCOUNT}/namespace") or "default"
         api = config.api_url
         if api is None:
@@ -515,12 +534,38 @@ def wanted_urls(urls: Iterable[str]) -> dict[str, str]:
     return {url.partition("#")[0]: url for url in map(_trimmed, urls)}
 
 
+class DiscoveryMetrics:
+    """Each name's lookups by outcome, and the backends its last answer held."""
+
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        kw: dict[str, Any] = {"registry": registry}
+        self.lookups = Counter(
+            "quicedge_discovery_lookups_total",
+            "Backend discovery lookups by name and outcome (ok; partial: some queries failed "
+            "and their last answers stand; failed: its backends kept)",
+            ["name", "outcome"], **kw,
+        )  # fmt: skip
+        self.backends = Gauge(
+            "quicedge_discovery_backends",
+            "Backends the last answer for a discovery name held", ["name"], **kw,
+        )  # fmt: skip
+
+    def looked_up(self, name: str, urls: set[str] | None, partial: bool) -> None:
+        outcome = "failed" if urls is None else "partial" if partial else "ok"
+        self.lookups.labels(name, outcome).inc()
+        if urls is not None:
+            self.backends.labels(name).set(len(urls))
+
+
 class Discovery:
     """Keeps the registry's backends equal to what the source finds, every `interval`."""
 
-    def __init__(self, config: DiscoveryConfig, source: Source) -> None:
+    def __init__(
+        self, config: DiscoveryConfig, source: Source, metrics: DiscoveryMetrics | None = None
+    ) -> None:
         self.config = config
         self.source = source
+        self.metrics = metrics or DiscoveryMetrics(None)
         self._known: dict[str, set[str]] = {}
         self._task: asyncio.Task[None] | None = None
         self._drains: set[asyncio.Task[None]] = set()
@@ -551,6 +596,7 @@ class Discovery:
 
     async def _lookup(self) -> None:
         for name, urls in (await self.source.lookup()).items():
+            self.metrics.looked_up(name, urls, name in self.source.partial)
             if urls is not None:
                 self._known[name] = urls
 
@@ -582,6 +628,7 @@ __all__ = [
     "MODES",
     "Discovery",
     "DiscoveryConfig",
+    "DiscoveryMetrics",
     "DnsSource",
     "KubernetesSource",
     "LABEL_PREFIX",

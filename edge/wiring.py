@@ -23,6 +23,7 @@ from backends.credentials import BackendCredentials
 from backends.discovery import (
     Discovery,
     DiscoveryConfig,
+    DiscoveryMetrics,
     apply_membership,
     make_source,
     wanted_urls,
@@ -316,7 +317,9 @@ async def build(
         degraded_token_usage=config.degraded_token_usage,
         degraded_queue=config.degraded_queue,
     )
-    finder = Discovery(discovery, source) if discovery and source else None
+    # Registered with or without a mode that uses them: the metrics reference lists them.
+    found = DiscoveryMetrics(registry)
+    finder = Discovery(discovery, source, found) if discovery and source else None
     urls = await finder.initial(config.backends) if finder else config.backends
     backends = BackendRegistry(
         urls,

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from backends.discovery import (
     Discovery,
     DiscoveryConfig,
+    DiscoveryMetrics,
     DnsSource,
     KubernetesSource,
     ready_endpoints,
@@ -73,16 +74,27 @@ async def test_srv_records_give_their_targets_ports() -> None:
 
 
 async def test_a_failed_lookup_keeps_the_backends_it_held() -> None:
+    """...and is counted: kept backends say nothing of a name whose lookups all fail."""
+    name = "sglang.fleet.test:30000"
+    metrics = CollectorRegistry()
+
+    def sample(metric: str, **labels: str) -> float | None:
+        return metrics.get_sample_value(metric, {"name": name, **labels})
+
     with dns_server() as (zone, server):
         zone.set("sglang.fleet.test", "A", ["127.0.0.1"])
-        config = dns_config(server, "sglang.fleet.test:30000", timeout=0.5)
-        discovery = Discovery(config, DnsSource(config))
+        config = dns_config(server, name, timeout=0.5)
+        discovery = Discovery(config, DnsSource(config), DiscoveryMetrics(metrics))
         assert await discovery.initial([]) == ["http://127.0.0.1:30000"]
         registry = BackendRegistry(["http://127.0.0.1:30000"], pool=None)
+    assert sample("quicedge_discovery_lookups_total", outcome="ok") == 1.0
+    assert sample("quicedge_discovery_backends") == 1.0
     # The server is gone: the lookup times out, and nothing is removed.
     await discovery.refresh(registry)
     assert [b.url for b in registry.backends] == ["http://127.0.0.1:30000"]
     assert not registry.backends[0].draining
+    assert sample("quicedge_discovery_lookups_total", outcome="failed") == 1.0
+    assert sample("quicedge_discovery_backends") == 1.0  # what it last held, still served
 
 
 async def test_an_srv_target_that_no_longer_resolves_is_left_out_and_the_others_stay(
@@ -158,15 +170,20 @@ async def test_a_family_that_does_not_answer_leaves_the_other_one_serving() -> N
         zone.delays = {"AAAA": 2.0}
         dropped = DnsSource(dns_config(server, name, timeout=0.5))
         assert await dropped.lookup() == {name: {"http://127.0.0.1:30000"}}
+        assert dropped.partial == {name}  # counted as such by `Discovery`
         zone.delays = {}
         source = DnsSource(dns_config(server, name, timeout=0.5))
         both = {"http://127.0.0.1:30000", "http://[::1]:30000"}
         assert await source.lookup() == {name: both}
+        assert source.partial == set()
         zone.delays = {"AAAA": 2.0}
         zone.set("sglang.fleet.test", "A", ["127.0.0.2"])
         assert await source.lookup() == {name: {"http://127.0.0.2:30000", "http://[::1]:30000"}}
+        assert source.partial == {name}
         zone.delays = {"A": 2.0, "AAAA": 2.0}  # neither answers: the name keeps its backends
         assert await DnsSource(dns_config(server, name, timeout=0.5)).lookup() == {name: None}
+        # Nor with answers from before to stand in: a failed lookup, not an answer.
+        assert await source.lookup() == {name: None}
 
 
 def test_settings_are_checked_by_name() -> None:
