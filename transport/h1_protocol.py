@@ -429,6 +429,7 @@ class H1Protocol(asyncio.Protocol):
     def _refuse(self, status: int, *, linger: bool = True) -> None:
         """A malformed request (400) or an oversize head (431): answer and close, reading on
         for a while (`_linger`) unless `linger` is False."""
+        self.server.refused_request(status)
         cycle = self._cycle
         if cycle is not None and cycle.started:
             if not cycle.finished:  # malformed body mid-response: the app sees disconnect

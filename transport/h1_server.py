@@ -54,6 +54,9 @@ class H1Listener:
         """Connection caps; its `on_refused` is called for each connection closed at once."""
         self.on_timeout: Callable[[str], None] | None = None
         """Called with `head`, `body` or `send` for each request cut off by its deadline."""
+        self.on_refused_request: Callable[[int], None] | None = None
+        """Called with the status of each request refused before the app saw it (not 408:
+        `on_timeout`'s)."""
         o = self.options
         self.timer_period = (
             min(o.keep_alive_timeout, o.head_timeout, o.body_timeout, o.send_timeout) / 4
@@ -91,6 +94,10 @@ class H1Listener:
     def timed_out(self, phase: str) -> None:
         if self.on_timeout is not None:
             self.on_timeout(phase)
+
+    def refused_request(self, status: int) -> None:
+        if self.on_refused_request is not None and status != 408:
+            self.on_refused_request(status)
 
     def forget(self, conn: H1Protocol) -> None:
         if conn.admitted:

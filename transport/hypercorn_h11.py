@@ -82,6 +82,9 @@ TESTED_MINOR = "0.18"
 TESTED_H11_MINOR = "0.16"
 """h11 version whose `ChunkedReader` `_StrictChunkedReader` extends."""
 
+ON_REFUSED_REQUEST_ATTRIBUTE = "quicedge_on_refused_request"
+"""The hypercorn config attribute holding what to call with each refusal's status."""
+
 _CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 """Control characters, which RFC 9110 §5.5 does not allow in a field value (HTAB it does)."""
 
@@ -211,6 +214,11 @@ class GuardedH11Protocol(H11Protocol):
     async def _refuse(self, status: int, reason: str = "", *, head: bool = False) -> None:
         """Answer `status` with `reason` (its phrase when empty) as a text body, and close."""
         self._refused = True
+        counted: Callable[[int], None] | None = getattr(
+            self.config, ON_REFUSED_REQUEST_ATTRIBUTE, None
+        )
+        if counted is not None:
+            counted(status)
         body = f"{reason or HTTPStatus(status).phrase}\n".encode()
         headers = [
             (b"content-type", b"text/plain; charset=utf-8"),
@@ -264,6 +272,7 @@ def install() -> None:
 
 
 __all__ = [
+    "ON_REFUSED_REQUEST_ATTRIBUTE",
     "TESTED_H11_MINOR",
     "TESTED_MINOR",
     "GuardedH11Protocol",

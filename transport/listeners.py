@@ -114,6 +114,7 @@ class Listeners:
                     alt_svc_port=self.h3.port, reuse_port=self._reuse_port, options=options,
                     on_refused=partial(self._refused, "tcp"),
                     on_timeout=partial(self._timed_out, "tcp"),
+                    on_refused_request=partial(self._refused_request, "tcp"),
                 )
             )  # fmt: skip
             alt_svc = f"alt-svc h3 :{self.h3.port}"
@@ -141,6 +142,7 @@ class Listeners:
     def _watched(self, listener: H1Listener, name: str) -> H1Listener:
         listener.gate.on_refused = partial(self._refused, name)
         listener.on_timeout = partial(self._timed_out, name)
+        listener.on_refused_request = partial(self._refused_request, name)
         return listener
 
     def _refused(self, listener: str, reason: str) -> None:
@@ -151,6 +153,9 @@ class Listeners:
 
     def _timed_out(self, listener: str, phase: str) -> None:
         self._metrics.request_timeouts.labels(listener, phase).inc()
+
+    def _refused_request(self, listener: str, status: int) -> None:
+        self._metrics.requests_refused.labels(listener, str(status)).inc()
 
     async def drain(self) -> None:
         """Stop accepting; let open requests finish for up to `drain_timeout` seconds. The admin

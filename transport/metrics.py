@@ -149,6 +149,15 @@ class TransportMetrics:
             ["listener", "reason"],
             registry=registry,
         )
+        self.requests_refused = Counter(
+            "quicedge_requests_refused",
+            "HTTP/1.1 requests answered with an error before the app saw them, by listener and"
+            " status: malformed or ambiguous (400), a head or chunk framing too large (431), a"
+            " transfer coding other than chunked (501), pipelined past the limit (503), a"
+            " version other than 1.0 and 1.1 (505); cut-off ones (408) are request_timeouts",
+            ["listener", "status"],
+            registry=registry,
+        )
         self.request_timeouts = Counter(
             "quicedge_request_timeouts",
             "Requests cut off (408, a close or a reset) because their head or body did not"

@@ -132,6 +132,7 @@ class TcpListener:
         add_extensions: bool = True,
         on_refused: Callable[[str], None] | None = None,
         on_timeout: Callable[[str], None] | None = None,
+        on_refused_request: Callable[[int], None] | None = None,
     ) -> None:
         hypercorn_h2.install()
         hypercorn_h11.install()
@@ -165,6 +166,7 @@ class TcpListener:
         setattr(config, GATE_ATTRIBUTE, self.gate)
         setattr(config, SEND_TIMEOUT_ATTRIBUTE, SendTimeout(options.send_timeout, on_timeout))
         setattr(config, hypercorn_h2.ON_SENT_AWAY_ATTRIBUTE, on_refused)
+        setattr(config, hypercorn_h11.ON_REFUSED_REQUEST_ATTRIBUTE, on_refused_request)
         config.accesslog = None
         config.errorlog = "-"
         config.loglevel = "WARNING"

@@ -320,6 +320,31 @@ async def test_quicedge_serve_counts_refused_connections_and_cut_off_requests(
     assert 'quicedge_request_timeouts_total{listener="http",phase="head"} 1.0' in metrics
     for _, w in held:
         w.close()
+    smuggled = (
+        b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 1\r\ntransfer-encoding: chunked\r\n\r\n"
+    )
+    tls = ssl.create_default_context(cafile=str(ca))
+    for port, context in ((http_port, None), (server.tcp_port, tls)):
+        for request in (smuggled, b"GET / HTTP/2.0\r\nhost: x\r\n\r\n"):
+            answer = b""
+            async with asyncio.timeout(10):
+                while not answer:  # closed unanswered: over the cap until the held ones go
+                    reader, writer = await asyncio.open_connection(
+                        "127.0.0.1", port, ssl=context,
+                        server_hostname="localhost" if context else None,
+                    )  # fmt: skip
+                    writer.write(request)
+                    with contextlib.suppress(ConnectionError):
+                        answer = await reader.read()
+                    writer.close()
+            assert answer.startswith((b"HTTP/1.1 400", b"HTTP/1.1 505")), answer
+    async with httpx.AsyncClient() as client:
+        metrics = (await client.get(f"http://127.0.0.1:{server.admin_port}/metrics")).text
+    for listener in ("http", "tcp"):  # the plain listener's and hypercorn's, over TLS
+        for status in ("400", "505"):
+            sample = f'quicedge_requests_refused_total{{listener="{listener}",status="{status}"}}'
+            assert f"{sample} 1.0" in metrics, metrics
+    assert 'quicedge_requests_refused_total{listener="http",status="408"}' not in metrics
     assert server.stop() == 0
 
 
