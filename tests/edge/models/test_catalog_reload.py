@@ -19,7 +19,16 @@ from backends.sim import SimServer
 from edge.models.catalog import ModelCatalog
 from edge.reload import Reloader
 from edge.serve import build_parser, load_settings
-from tests.edge.conftest import Edge, Recorded, Reply, TinyUpstream, client, fast_config, run_edge
+from tests.edge.conftest import (
+    Edge,
+    Recorded,
+    Reply,
+    TinyUpstream,
+    client,
+    fast_config,
+    held_sse,
+    run_edge,
+)
 from tests.edge.models.test_pools_e2e import chat, sim, sims
 from tests.helpers import restartable_port, wait_until
 
@@ -127,3 +136,28 @@ async def test_a_fetch_under_way_when_the_backends_change_runs_again() -> None:
         finally:
             await registry.aclose()
             await pool.aclose()
+
+
+async def test_a_pool_whose_backends_are_leaving_is_not_a_second_pool(tmp_path: Path) -> None:
+    """A reload drops the only backend of `tiny-model` while it still streams an answer: a
+    request naming no model goes to the pool that stays (`alpha`). It got 400 `model_required`
+    for as long as the drain lasted, the leaving pool counted as a second one."""
+    release = asyncio.Event()
+    async with sims(sim("alpha")) as (a,), TinyUpstream(held_sse(release)) as leaving:
+        async with run_edge(fast_config([a.url, leaving.url])) as edge, client(edge) as http:
+            config = tmp_path / "quicedge.toml"
+            reload = reloader(edge, config, [a.url, leaving.url])
+            await http.get("/v1/models")  # both pools learned
+            nameless = await http.post("/v1/chat/completions", json=chat(None))
+            assert nameless.status_code == 400, nameless.text  # two pools, no default
+            held = asyncio.ensure_future(http.post("/v1/chat/completions", json=chat(MODEL)))
+            await wait_until(lambda: any(b.in_flight for b in edge.wiring.registry.backends))
+            await reload_to(reload, config, [a.url])
+            assert [b.url for b in edge.wiring.registry.backends if b.draining] == [leaving.url]
+            nameless = await http.post("/v1/chat/completions", json=chat(None))
+            assert nameless.status_code == 200, nameless.text
+            assert nameless.headers["x-quicedge-backend"] == urlsplit(a.url).netloc
+            release.set()
+            assert (await held).status_code == 200
+            await gone(edge, leaving.url)
+            await reload.aclose()
