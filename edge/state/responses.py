@@ -437,19 +437,24 @@ def _refusal_parts(body: bytes) -> tuple[str, Any, Any]:
 
 
 def refusal(status: int, body: bytes) -> dict[str, Any]:
-    """A backend's 4xx answer to a `/v1/responses` request's chat translation, as OpenAI's
-    error object: its message with the chat fields renamed to the Responses fields they came
-    from (`max_tokens` is `max_output_tokens`), `param` the field it is about (None when it
-    names none), `type` `invalid_request_error`, and the backend's `code` when it is a string
-    (SGLang's is the status: `invalid_value` with a field, `invalid_request` without)."""
+    """A backend's 4xx or 5xx answer to a `/v1/responses` request's chat translation, as
+    OpenAI's error object: its message with the chat fields renamed to the Responses fields
+    they came from (`max_tokens` is `max_output_tokens`), `param` the field it is about (None
+    when it names none), and the backend's `code` when it is a string (SGLang's is the
+    status). A 4xx is an `invalid_request_error`, coded `invalid_value` with a field and
+    `invalid_request` without; a 5xx a `server_error`, coded `backend_error`."""
     message, param, code = _refusal_parts(body[:MAX_REFUSAL_BYTES])
     message = message[:_MAX_MESSAGE]
-    named = _param_of(param, message)
-    message = _NAMED.sub(_rename, message) or f"the backend refused the request ({status})"
-    if not isinstance(code, str) or not code:
+    failed = status >= 500
+    named = None if failed else _param_of(param, message)
+    default = f"the backend {'failed' if failed else 'refused the request'} ({status})"
+    message = _NAMED.sub(_rename, message) or default
+    if (not isinstance(code, str) or not code) and failed:
+        code = "backend_error"
+    elif not isinstance(code, str) or not code:
         code = "invalid_value" if named is not None else "invalid_request"
-    return {"error": {"message": message, "type": "invalid_request_error", "param": named,
-                      "code": code}}  # fmt: skip
+    kind = "server_error" if failed else "invalid_request_error"
+    return {"error": {"message": message, "type": kind, "param": named, "code": code}}
 
 
 def conversation_items(body: Any) -> list[dict[str, Any]]:

@@ -597,8 +597,8 @@ class StateRequest:
                 if self.builder is not None and not self.ex.stream:
                     self.held = message  # its content-length changes with the translation
                     return
-            elif self.builder is not None and 400 <= self.status < 500:
-                self.held = message  # a refusal, rewritten in OpenAI's shape (`_refused`)
+            elif self.builder is not None and self.status >= 400:
+                self.held = message  # a refusal or failure, in OpenAI's shape (`_refused`)
                 return
             await self._send(message)
             return
@@ -631,7 +631,7 @@ class StateRequest:
         await self._send({**message, "body": body, "more_body": more})
 
     def _refused(self, body: bytes, more: bool) -> bytes:
-        """A backend's 4xx answer to a `/v1/responses` request, read whole (up to
+        """A backend's 4xx or 5xx answer to a `/v1/responses` request, read whole (up to
         `MAX_REFUSAL_BYTES`): `/v1/responses` is the edge's own endpoint, so the client gets
         OpenAI's error object about the fields it sent (`refusal`), not the backend's about
         the chat request it never made. A background response's record keeps its message."""

@@ -13,7 +13,15 @@ import pytest
 
 from backends.sim import SimServer
 from edge.state.responses import refusal
-from tests.edge.conftest import client, fast_config, run_edge
+from tests.edge.conftest import (
+    Recorded,
+    Reply,
+    TinyUpstream,
+    client,
+    fast_config,
+    health_ok,
+    run_edge,
+)
 from tests.edge.state.helpers import CHAT, as_tenant, sdk_of, state, tenants
 from tests.edge.state.test_background import settled
 from tests.edge.test_app_sim import sim_config
@@ -106,3 +114,37 @@ def test_refusals_of_every_shape_read_as_openais_error(
     assert refusal(400, body) == {"error": {"message": message, "type": "invalid_request_error",
                                             "param": param, "code": code}}  # fmt: skip
     json.dumps(refusal(400, body * 100_000))  # a huge body is read only in part
+
+
+async def test_a_backend_failure_reads_as_openais_server_error() -> None:
+    """A backend's 500 (SGLang's error object, about the chat request the edge made) reaches a
+    `/v1/responses` client as OpenAI's `server_error`, whole or streamed; the chat route relays
+    it as it came."""
+    failure = {"object": "error", "message": "CUDA out of memory", "type": "InternalServerError",
+               "param": None, "code": 500}  # fmt: skip
+
+    async def failing(recorded: Recorded) -> Reply:
+        return health_ok(recorded) or Reply(
+            status=500, chunks=[json.dumps(failure).encode()], chunked=False,
+            headers=[("content-type", "application/json")],
+        )  # fmt: skip
+
+    async with TinyUpstream(failing) as upstream:
+        config = fast_config([upstream.url], state=state(), admission=tenants("alpha"))
+        async with run_edge(config) as edge, client(edge) as http:
+            me = as_tenant("alpha")
+            for stream in (False, True):
+                answer = await http.post("/v1/responses", headers=me,
+                                         json={"input": "hi", "stream": stream})  # fmt: skip
+                assert answer.status_code == 500
+                assert answer.json() == {"error": {"message": "CUDA out of memory",
+                    "type": "server_error", "param": None, "code": "backend_error"}}  # fmt: skip
+                assert int(answer.headers["content-length"]) == len(answer.content)
+            chat = {"messages": [{"role": "user", "content": "hi"}]}
+            relayed = await http.post(CHAT, headers=me, json=chat)
+            assert relayed.status_code == 500 and relayed.json() == failure
+
+
+def test_a_failure_without_words_says_the_backend_failed() -> None:
+    assert refusal(503, b"") == {"error": {"message": "the backend failed (503)",
+        "type": "server_error", "param": None, "code": "backend_error"}}  # fmt: skip
