@@ -86,20 +86,14 @@ class ModelPools:
                 out.setdefault(b.model, []).append(b)
         return out
 
-    def _staying(self) -> list[Backend]:
-        """The backends not being removed (a reload or discovery dropped them, and they only
-        finish what they hold); all of them when every one is: a pool the fleet is leaving
-        does not make a second one, nor the only one, for a request that names none."""
-        return [b for b in self.backends if not b.draining] or list(self.backends)
-
     def default_pool(self) -> str | None:
         """The pool of a request that names no model (or `default`): `[models] default`, else
         the only pool; None when no pool or several are known (see `_default`)."""
         if self.config.default is not None:
             return self.config.default
         only: str | None = None
-        for b in self._staying():
-            if b.model is not None and b.model != only:
+        for b in self.backends:  # not those being removed: a pool the fleet leaves is none
+            if b.model is not None and b.model != only and not b.draining:
                 if only is not None:
                     return None  # a second pool
                 only = b.model
@@ -111,7 +105,7 @@ class ModelPools:
         backend list)."""
         pool = self.default_pool()
         if pool is None and self.config.default is None:
-            served = {b.model for b in self._staying() if b.model is not None}
+            served = {b.model for b in self.backends if b.model is not None and not b.draining}
             if len(served) > 1:
                 raise InvalidRequest(
                     "this endpoint serves several models and none is the default: name one as "
