@@ -1,6 +1,7 @@
 """Connection caps per listener and per client address.
 
-`ConnectionGate` counts a listener's open connections, in total and per client IP address;
+`ConnectionGate` counts a listener's open connections, in total and per client IP address,
+and, where a rate is set, how fast each address opens new ones (a token bucket per address);
 `admit` says which cap a new one is over (it is then closed at once and counted by the
 listener's `on_refused`), `release` forgets one that closed. `h1_server.H1Listener` asks it in
 `connection_made`. hypercorn (the TLS listener) accepts its connections itself;
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,6 +27,11 @@ from transport.hypercorn_send import send_timeout_of
 
 LISTENER_CAP = "listener_cap"
 CLIENT_CAP = "client_cap"
+CLIENT_RATE = "client_rate"
+"""A connection over its client address's rate of new connections."""
+RATE_TABLE_MAX = 65536
+"""Client addresses whose rate a gate keeps: past it, the address that opened a connection
+longest ago is forgotten (its bucket has refilled the most: forgetting it gives it the least)."""
 RAPID_RESET = "rapid_reset"
 """A connection sent away for resetting most of its requests (`resets_most`)."""
 CONTROL_FLOOD = "control_flood"
@@ -62,15 +69,21 @@ def resets_most(cancelled: int, requests: int) -> bool:
 
 
 class ConnectionGate:
-    """Open connections of one listener, in total and per client address."""
+    """Open connections of one listener, in total and per client address, and the rate at
+    which each address opens new ones."""
 
-    __slots__ = ("max_connections", "max_per_client", "on_refused", "open", "per_client")
+    __slots__ = ("_buckets", "_clock", "burst", "max_connections", "max_per_client",
+                 "on_refused", "open", "per_client", "rate")  # fmt: skip
 
     def __init__(
         self,
         max_connections: int = 0,
         max_per_client: int = 0,
         on_refused: Callable[[str], None] | None = None,
+        *,
+        rate: float = 0.0,
+        burst: int = 1,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.max_connections = max_connections
         """0: no cap."""
@@ -79,11 +92,18 @@ class ConnectionGate:
         self.on_refused = on_refused
         self.open = 0
         self.per_client: dict[str, int] = {}
+        self.rate = rate
+        """New connections per second one address may open; 0: no limit."""
+        self.burst = max(1, burst)
+        """New connections one address may open at once (its bucket's size)."""
+        self._clock = clock
+        self._buckets: dict[str, tuple[float, float]] = {}
+        """By address, oldest first: its tokens and when they were counted."""
 
     @property
     def active(self) -> bool:
         """Whether any cap is set (without one, a listener need not count)."""
-        return bool(self.max_connections or self.max_per_client)
+        return bool(self.max_connections or self.max_per_client or self.rate)
 
     def admit(self, host: str | None) -> str | None:
         """Count a new connection from `host`; or return the cap it is over (not counted)."""
@@ -93,9 +113,25 @@ class ConnectionGate:
             count = self.per_client.get(host, 0)
             if count >= self.max_per_client:
                 return self._refuse(CLIENT_CAP)
-            self.per_client[host] = count + 1
+        if self.rate and host is not None and not self._take(host):
+            return self._refuse(CLIENT_RATE)
+        if self.max_per_client and host is not None:
+            self.per_client[host] = self.per_client.get(host, 0) + 1
         self.open += 1
         return None
+
+    def _take(self, host: str) -> bool:
+        """One token from `host`'s bucket, refilled at `rate` up to `burst`; whether it had one.
+        A refused connection costs no token: a client that keeps knocking is let in at the
+        rate all the same."""
+        now = self._clock()
+        tokens, at = self._buckets.pop(host, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - at) * self.rate)
+        taken = tokens >= 1.0
+        self._buckets[host] = (tokens - 1.0 if taken else tokens, now)  # now the newest
+        if len(self._buckets) > RATE_TABLE_MAX:
+            del self._buckets[next(iter(self._buckets))]
+        return taken
 
     def release(self, host: str | None) -> None:
         """An admitted connection from `host` closed."""
@@ -185,6 +221,7 @@ def gate_hypercorn() -> None:
 
 __all__ = [
     "CLIENT_CAP",
+    "CLIENT_RATE",
     "GATE_ATTRIBUTE",
     "LISTENER_CAP",
     "CONTROL_FLOOD",

@@ -123,6 +123,14 @@ class TransportConfig:
     """Open connections from one client IP address per listener; one more is closed at once
     and counted. Behind a load balancer that does not keep client addresses, raise it or set 0
     (no cap)."""
+    new_connections_per_client: float = 0.0
+    """New connections per second one client IP address may open on each listener (a token
+    bucket of `new_connection_burst`); one more is closed at once (QUIC: refused before any TLS
+    work) and counted (`client_rate`). A QUIC client's address is unproven until a handshake
+    or a Retry: where spoofed floods are a risk, turn on --quic-retry. 0: no limit."""
+    new_connection_burst: int = 20
+    """New connections one client IP address may open at once under
+    `new_connections_per_client`."""
     max_requests_per_connection: int = 0
     """Requests one HTTP/1.1 or HTTP/2 connection serves before it retires (HTTP/1.1:
     `connection: close` on the last answer; HTTP/2: GOAWAY once no answer is in flight), so
@@ -171,6 +179,15 @@ class TransportConfig:
         for name in caps:
             if getattr(self, name) < 0:
                 raise ValueError(f"serve.{name} must be >= 0 (0: no cap)")
+        rate = self.new_connections_per_client
+        if not math.isfinite(rate) or rate < 0:
+            raise ValueError(
+                f"serve.new_connections_per_client must be >= 0 (0: no limit), got {rate}"
+            )
+        if self.new_connection_burst < 1:
+            raise ValueError(
+                f"serve.new_connection_burst must be >= 1, got {self.new_connection_burst}"
+            )
         if self.qlog_dir is not None:
             check_directory(self.qlog_dir)
         if self.tls_keylog is not None and not Path(self.tls_keylog).parent.is_dir():

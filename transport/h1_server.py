@@ -22,7 +22,6 @@ from collections.abc import Callable
 from typing import Any
 
 from transport.asgi import ASGIApp
-from transport.caps import ConnectionGate
 from transport.h1_protocol import BODY_BUFFER, H1Protocol
 from transport.tcp import TcpOptions, tcp_socket
 
@@ -48,9 +47,7 @@ class H1Listener:
         self.address = (str(name[0]), int(name[1]))
         self.scheme = "http"
         self.connections: set[H1Protocol] = set()
-        self.gate = ConnectionGate(
-            self.options.max_connections, self.options.max_connections_per_client
-        )
+        self.gate = self.options.gate()
         """Connection caps; its `on_refused` is called for each connection closed at once."""
         self.on_timeout: Callable[[str], None] | None = None
         """Called with `head`, `body` or `send` for each request cut off by its deadline."""

@@ -275,6 +275,8 @@ class H3Server:
         metrics: TransportMetrics | None = None,
         max_connections: int = 0,
         max_connections_per_client: int = 0,
+        new_connections_per_client: float = 0.0,
+        new_connection_burst: int = 1,
     ) -> None:
         self.app = app
         self.tls = tls
@@ -294,8 +296,12 @@ class H3Server:
         self.connection_ids = connection_ids
         """Makes connection IDs that name this worker (`transport.steering`; None: aioquic's)."""
         self.metrics = metrics
-        self.gate = ConnectionGate(max_connections, max_connections_per_client)
-        """Connection caps (0: none); its `on_refused` is called for each connection refused."""
+        self.gate = ConnectionGate(
+            max_connections, max_connections_per_client,
+            rate=new_connections_per_client, burst=new_connection_burst,
+        )  # fmt: skip
+        """Connection caps and rate (0: none), asked before any TLS work; its `on_refused` is
+        called for each connection refused."""
         self.address: tuple[str, int] | None = None
         self._endpoint: _Endpoint | None = None
         self._transport: asyncio.DatagramTransport | None = None

@@ -88,6 +88,8 @@ class Listeners:
             metrics=metrics,
             max_connections=config.max_connections,
             max_connections_per_client=config.max_connections_per_client,
+            new_connections_per_client=config.new_connections_per_client,
+            new_connection_burst=config.new_connection_burst,
         )
         self.h3.gate.on_refused = partial(self._refused, "h3")
         self._proxies: list[TcpListener | H1Listener] = []
@@ -104,6 +106,8 @@ class Listeners:
             send_timeout=t.limits.send_timeout,
             max_connections=t.max_connections,
             max_connections_per_client=t.max_connections_per_client,
+            new_connections_per_client=t.new_connections_per_client,
+            new_connection_burst=t.new_connection_burst,
             max_requests=t.max_requests_per_connection,
         )
         lines = [f"h3     https://{format_address(self.h3.address or t.h3)} (QUIC, UDP)"]

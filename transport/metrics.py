@@ -143,7 +143,8 @@ class TransportMetrics:
             "quicedge_connections_refused",
             "connections refused as they opened (TCP: closed as accepted; QUIC:"
             " CONNECTION_REFUSED): over the listener's cap (listener_cap) or one client"
-            " address's (client_cap); or closed for resetting most of their requests"
+            " address's (client_cap), or its rate of new connections (client_rate); or"
+            " closed for resetting most of their requests"
             " (rapid_reset) or for HTTP/2 control frames out of all proportion to their"
             " requests (control_flood)",
             ["listener", "reason"],

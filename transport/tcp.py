@@ -114,6 +114,18 @@ class TcpOptions:
     last answer; HTTP/2: `transport.hypercorn_h2`). 0: no cap."""
     max_connections_per_client: int = 0
     """Open connections from one client IP address; one more is closed at once (0: no cap)."""
+    new_connections_per_client: float = 0.0
+    """New connections per second one client IP address may open; one more is closed at once
+    (0: no limit)."""
+    new_connection_burst: int = 1
+    """New connections one client IP address may open at once, at `new_connections_per_client`."""
+
+    def gate(self, on_refused: Callable[[str], None] | None = None) -> ConnectionGate:
+        """This listener's connection gate, with these caps and rate."""
+        return ConnectionGate(
+            self.max_connections, self.max_connections_per_client, on_refused,
+            rate=self.new_connections_per_client, burst=self.new_connection_burst,
+        )  # fmt: skip
 
 
 class TcpListener:
@@ -160,9 +172,7 @@ class TcpListener:
         # hypercorn's own default is 1,000; 0 means none here.
         config.keep_alive_max_requests = options.max_requests or sys.maxsize
         gate_hypercorn()
-        self.gate = ConnectionGate(
-            options.max_connections, options.max_connections_per_client, on_refused
-        )
+        self.gate = options.gate(on_refused)
         setattr(config, GATE_ATTRIBUTE, self.gate)
         setattr(config, SEND_TIMEOUT_ATTRIBUTE, SendTimeout(options.send_timeout, on_timeout))
         setattr(config, hypercorn_h2.ON_SENT_AWAY_ATTRIBUTE, on_refused)

@@ -96,6 +96,8 @@ def serve_refused(
         ),
         ("[serve]\nrequest_head_timeout = 0\n", "request_head_timeout must be a finite"),
         ("[serve]\nmax_connections = -1\n", "serve.max_connections must be >= 0"),
+        ("[serve]\nnew_connections_per_client = -1\n", "new_connections_per_client must be >= 0"),
+        ("[serve]\nnew_connection_burst = 0\n", "serve.new_connection_burst must be >= 1"),
         (
             "[serve]\nmax_requests_per_connection = -1\n",
             "serve.max_requests_per_connection must be >= 0",

@@ -23,7 +23,8 @@ from tests.helpers import free_port, wait_until
 from tests.transport.apps import RecordingApp
 from tests.transport.conftest import H3Factory
 from tests.transport.h3client import Response, h3_connect, h3_connect_from
-from transport.caps import CLIENT_CAP, LISTENER_CAP, ConnectionGate
+from transport import caps
+from transport.caps import CLIENT_CAP, CLIENT_RATE, LISTENER_CAP, ConnectionGate
 from transport.caps import RAPID_RESETS as RAPID
 from transport.h1_server import H1Listener
 from transport.h3_caps import REASON
@@ -265,6 +266,59 @@ def test_the_gate_counts_and_forgets_per_address() -> None:
     for host in ("a", "a", "b"):
         gate.release(host)
     assert gate.open == 0 and gate.per_client == {}
+
+
+def test_the_gate_lets_each_address_open_new_connections_at_its_rate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [0.0]
+    gate = ConnectionGate(rate=2.0, burst=3, clock=lambda: now[0])
+    assert gate.active
+    assert [gate.admit("a") for _ in range(4)] == [None, None, None, CLIENT_RATE]
+    assert gate.admit("b") is None  # each address its own bucket
+    for _ in range(5):  # a client knocking while refused costs itself nothing more
+        assert gate.admit("a") == CLIENT_RATE
+    now[0] = 0.5  # one token back
+    assert gate.admit("a") is None and gate.admit("a") == CLIENT_RATE
+    now[0] = 100.0  # refilled, never past the burst
+    assert [gate.admit("a") for _ in range(4)] == [None, None, None, CLIENT_RATE]
+    assert gate.open == 8  # admitted ones are counted as any others; refused ones are not
+    monkeypatch.setattr(caps, "RATE_TABLE_MAX", 2)
+    for host in ("c", "d"):
+        gate.admit(host)
+    assert list(gate._buckets) == ["c", "d"]  # the address seen longest ago forgotten first
+
+
+@pytest.mark.parametrize("kind", ["h1", "hypercorn"])
+async def test_new_connections_from_one_address_past_its_rate_are_closed(kind: str) -> None:
+    counts = Counts()
+    async with listener(kind, counts, new_connections_per_client=0.01,
+                        new_connection_burst=2) as address:  # fmt: skip
+        for _ in range(2):  # a connection each, within the burst
+            assert await normal_request(address) == 200
+        with pytest.raises(httpx.TransportError):
+            await normal_request(address)
+        assert counts.refused == [CLIENT_RATE]
+        host, port = address.split(":")
+        other = await asyncio.get_running_loop().run_in_executor(None, get_from, "127.0.0.2", port)
+        assert other.startswith(b"HTTP/1.1 200")
+
+
+async def test_http3_connections_past_one_address_rate_are_refused(
+    h3_server: H3Factory, dev_certs: Any
+) -> None:
+    """Refused at the first Initial, as the caps are: before any TLS work."""
+    async with h3_server(new_connections_per_client=0.01, new_connection_burst=2) as server:
+        refused: list[str] = []
+        server.gate.on_refused = refused.append
+        for body in (b"a", b"b"):
+            async with h3_connect(server.port, dev_certs.ca_cert) as client:
+                assert (await client.fetch("POST", "/echo", body=body)).status == 200
+        code = await refused_h3(server.port, dev_certs.ca_cert)
+        assert code == QuicErrorCode.CONNECTION_REFUSED
+        assert refused == [CLIENT_RATE]
+        async with h3_connect_from("127.0.0.2", server.port, dev_certs.ca_cert) as other:
+            assert (await other.fetch("POST", "/echo", body=b"c")).status == 200
 
 
 async def test_an_http3_body_that_trickles_in_gets_408(h3_server: H3Factory, dev_certs) -> None:
