@@ -220,12 +220,16 @@ class ProxyApp:
         if budget is not None:
             metrics.pending_body_bytes.set_function(lambda: budget.held)
             metrics.pending_body_bytes_limit.set(limit)
+        answers = config.max_pending_answer_bytes
+        self.answer_budget = held = BodyBudget(answers, "non-streamed answers") if answers else None
+        if held is not None:
+            metrics.pending_answer_bytes.set_function(lambda: held.held)
+            metrics.pending_answer_bytes_limit.set(answers)
         self.admission = admission or Admission(AdmissionSettings(), metrics=metrics)
         self.attempts = Attempts(
             config=config, pool=pool, registry=registry, policy=policy, metrics=metrics,
             abort=abort, admission=self.admission, gateway=gateway, breakers=breakers,
-            credentials=credentials,
-            models=models,
+            credentials=credentials, models=models, answer_budget=held,
         )  # fmt: skip
 
     def set_gateway(self, gateway: PolicyGateway | None) -> None:

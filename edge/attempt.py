@@ -34,6 +34,7 @@ from edge.errors import (
     CircuitOpen,
     EdgeError,
     NoHealthyBackend,
+    Overloaded,
     TooManyRequests,
     from_upstream,
 )
@@ -47,6 +48,7 @@ from edge.routing.breaker import serves
 from edge.routing.breakers import STATE_NAMES, Breaker, BreakerConfig, Breakers
 from edge.sse import Usage, answer_of_body
 from edge.stages.account import account_cache, account_stream
+from edge.stages.body import BodyBudget
 from edge.stages.forward import response_headers
 from edge.telemetry import Metrics
 
@@ -93,8 +95,11 @@ class Attempts:
         breakers: Breakers | None = None,
         credentials: BackendCredentials | None = None,
         models: Models | None = None,
+        answer_budget: BodyBudget | None = None,
     ) -> None:
         self.credentials = credentials or BackendCredentials()
+        self.answer_budget = answer_budget
+        """What non-streamed answers hold in this process, and its cap (None: no cap)."""
         self.admission = admission
         self.models = models
         self.config = config
@@ -304,17 +309,27 @@ class Attempts:
                 account_stream(self.metrics, ex, backend, result, t_send, upstream_ttft)
                 ex.content_chunks = len(result.gaps) + (result.first_client is not None)
             else:
+                budget = self.answer_budget
                 try:
                     body = await read_whole(
-                        response, MAX_UPSTREAM_BODY, within=self.config.chunk_timeout
-                    )
+                        response, MAX_UPSTREAM_BODY, within=self.config.chunk_timeout,
+                        budget=budget,
+                    )  # fmt: skip
                 except UpstreamError as exc:
                     error = exc.kind
                     self._upstream_failed(backend, exc.kind)
                     raise from_upstream(exc, expose=self.expose) from None
-                if ex.shadow_tap is not None and response.status == 200:
-                    body = ex.shadow_tap.whole(body)  # a sampled request: its shadow's half
-                usage, completion, error = await self._send_whole(ex, response, body, send)
+                except Overloaded:
+                    error = "overloaded"  # the edge's room, not the backend's failure
+                    raise
+                held = len(body)
+                try:
+                    if ex.shadow_tap is not None and response.status == 200:
+                        body = ex.shadow_tap.whole(body)  # a sampled request: its shadow's half
+                    usage, completion, error = await self._send_whole(ex, response, body, send)
+                finally:
+                    if budget is not None:
+                        budget.give(held)
             if error is None:
                 self.registry.record_success(backend, ttft_s=upstream_ttft)
             elif error == "4xx":

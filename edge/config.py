@@ -61,6 +61,11 @@ class ProxyConfig:
     body that would pass it is refused with 503 `overloaded`, so that many slow or stalled
     uploads cannot take the edge's memory. A body that comes whole in one read is not
     counted. At least `max_body_bytes`; 0: no cap."""
+    max_pending_answer_bytes: int = 512 * MiB
+    """Bytes of non-streamed backend answers this process holds while they arrive and are
+    passed on, over all requests (each is also capped at 64 MiB): an answer that would pass it
+    is refused with 503 `overloaded` and its backend request aborted, so that many large
+    answers at once cannot take the edge's memory. 0: no cap."""
     max_retries: int = 2
     """Extra attempts on other backends, only while nothing has reached the client."""
     retry_budget: float = 0.2
@@ -212,6 +217,11 @@ class ProxyConfig:
             raise ValueError(
                 "proxy: max_pending_body_bytes must be 0 (no cap) or at least max_body_bytes "
                 f"({self.max_body_bytes}), got {self.max_pending_body_bytes}"
+            )
+        if self.max_pending_answer_bytes < 0:
+            raise ValueError(
+                "proxy: max_pending_answer_bytes must be >= 0 (0: no cap), "
+                f"got {self.max_pending_answer_bytes}"
             )
         if not 0 <= self.retry_budget <= 1:
             raise ValueError(f"proxy: retry_budget must be in 0..1, got {self.retry_budget}")

@@ -16,13 +16,16 @@ import asyncio
 import time
 from collections.abc import AsyncIterable, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from backends.errors import UpstreamError, UpstreamResponseTooLarge, UpstreamTimeout
 from backends.pool import UpstreamResponse
 from edge.errors import EdgeError, from_upstream, stream_error_event
 from edge.sse import SSEScanner, Usage
 from transport.asgi import BodyWriter
+
+if TYPE_CHECKING:
+    from edge.stages.body import BodyBudget
 
 Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
@@ -355,7 +358,12 @@ def _guarded(
     return chunk, True
 
 
-async def read_whole(response: UpstreamResponse, limit: int, within: float | None = None) -> bytes:
+async def read_whole(
+    response: UpstreamResponse,
+    limit: int,
+    within: float | None = None,
+    budget: BodyBudget | None = None,
+) -> bytes:
     """Collect a non-streaming answer (one JSON document) before anything is sent to the client.
 
     A JSON answer is useless until complete, so holding it costs no TTFT, and it lets a backend
@@ -363,29 +371,40 @@ async def read_whole(response: UpstreamResponse, limit: int, within: float | Non
     once when the head declares more) and, when given, by `within` seconds for a body that did
     not come whole with its head: each read's own bound (`chunk_timeout`) alone would let a
     backend that trickles its answer hold the request for as long as it liked.
+
+    With a `budget`, each chunk is counted in it as it arrives (503 `overloaded` past its cap,
+    what was counted given back); the whole answer's bytes stay counted until the caller gives
+    them back, once it has passed them on.
     """
     declared = response.header(b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise UpstreamResponseTooLarge(f"backend answer of {int(declared)} bytes is over {limit}")
     if within is None or response.complete:
-        return await _collect(response, limit)
+        return await _collect(response, limit, budget)
     try:
         async with asyncio.timeout(within):
-            return await _collect(response, limit)
+            return await _collect(response, limit, budget)
     except TimeoutError:
         raise UpstreamTimeout(
             f"backend answer not whole within {within:g}s of its head", base_url=""
         ) from None
 
 
-async def _collect(chunks: AsyncIterable[bytes], limit: int) -> bytes:
+async def _collect(chunks: AsyncIterable[bytes], limit: int, budget: BodyBudget | None) -> bytes:
     parts: list[bytes] = []
     size = 0
-    async for chunk in chunks:
-        size += len(chunk)
-        if size > limit:
-            raise UpstreamResponseTooLarge(f"backend answer is over {limit} bytes")
-        parts.append(chunk)
+    try:
+        async for chunk in chunks:
+            size += len(chunk)
+            if size > limit:
+                raise UpstreamResponseTooLarge(f"backend answer is over {limit} bytes")
+            if budget is not None:
+                budget.take(len(chunk))
+            parts.append(chunk)
+    except BaseException:
+        if budget is not None:
+            budget.give(sum(map(len, parts)))
+        raise
     return b"".join(parts)
 
 

@@ -229,6 +229,19 @@ class Metrics:
             " (0: no cap)",
             registry=registry,
         )
+        self.pending_answer_bytes = Gauge(
+            "quicedge_pending_answer_bytes",
+            "Bytes of non-streamed backend answers this process holds while they arrive and"
+            " are passed on; past max_pending_answer_bytes an answer is refused with 503"
+            " overloaded",
+            registry=registry,
+        )
+        self.pending_answer_bytes_limit = Gauge(
+            "quicedge_pending_answer_bytes_limit",
+            "max_pending_answer_bytes: what non-streamed answers may hold in this process"
+            " (0: no cap)",
+            registry=registry,
+        )
         self.config_reload_ok = Gauge(
             "quicedge_config_last_reload_successful",
             "0 when the last reload of the config file was refused (the running settings"

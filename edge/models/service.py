@@ -180,7 +180,7 @@ class Models:
         # `quicedge_upstream_ttft_seconds`, and a histogram costs ~2 us an observation.
         self.metrics.attempt(backend.model, backend.model_version, error,
                              ttft_s if ramp is not None else None)  # fmt: skip
-        if ramp is None or error == "disconnect":
+        if ramp is None or error in ("disconnect", "overloaded"):  # no word on the version
             return
         canary = backend.model_version == ramp.rollout.canary
         ramp.observe(canary=canary, error=error is not None, ttft_s=ttft_s)

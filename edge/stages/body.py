@@ -24,25 +24,27 @@ class ClientGone(Exception):
 
 
 class BodyBudget:
-    """The request-body bytes one process holds for bodies still arriving, over all requests,
-    and their cap (`ProxyConfig.max_pending_body_bytes`). Without it, clients that each send
-    all but the end of a body just under the size limit hold that much memory until the body
-    deadline: 100 such uploads of 8 MB took one edge from 77 to 843 MiB (docs/errors.md, its
-    bodies still arriving)."""
+    """The bytes one process holds for bodies in transit, over all requests, and their cap:
+    request bodies still arriving (`ProxyConfig.max_pending_body_bytes`) or non-streamed
+    answers (`max_pending_answer_bytes`). Without it, clients that each send all but the end
+    of a body just under the size limit hold that much memory until the body deadline: 100
+    such uploads of 8 MB took one edge from 77 to 843 MiB (docs/errors.md, its bodies still
+    arriving)."""
 
-    __slots__ = ("held", "limit", "refusal")
+    __slots__ = ("held", "limit", "refusal", "what")
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, what: str = "request bodies still arriving") -> None:
         self.limit = limit
         self.held = 0
         self.refusal = retry_after(1.0)
+        self.what = what
+        """What the bytes are, for the refusal's message."""
 
     def take(self, size: int) -> None:
         """Count `size` more bytes; 503 `overloaded` when they would pass the cap."""
         if self.held + size > self.limit:
             raise Overloaded(
-                f"request bodies still arriving hold the edge's {self.limit} bytes for them; "
-                "retry later",
+                f"{self.what} hold the edge's {self.limit} bytes for them; retry later",
                 headers=self.refusal,
             )
         self.held += size

@@ -160,6 +160,8 @@ class Reply:
     die_after: int | None = None
     """Close the connection abruptly after this many chunks (mid-body death)."""
     chunked: bool = True
+    hold: asyncio.Event | None = None
+    """The last chunk waits for it: an answer held at all but its end."""
 
 
 Script = Callable[[Recorded], Awaitable[Reply] | Reply]
@@ -243,6 +245,8 @@ class TinyUpstream:
                     pause = reply.delays[i] if i < len(reply.delays) else reply.delay
                     if pause:
                         await asyncio.sleep(pause)
+                    if reply.hold is not None and i == len(reply.chunks) - 1:
+                        await reply.hold.wait()
                     writer.write(conn.send(h11.Data(data=chunk)))
                     await writer.drain()
                     sent = self.body_bytes_sent

@@ -632,6 +632,49 @@ async def test_bodies_still_arriving_past_the_budget_are_refused_until_it_frees(
             assert status == 200 and b"[DONE]" in body
 
 
+async def test_non_streamed_answers_share_a_budget_and_one_past_it_is_refused() -> None:
+    """With 300 kB for non-streamed answers: one of 250 kB that its backend holds at all but
+    its end holds that much; another of 100 kB is refused with 503 `overloaded` and
+    retry-after, while a small one is served; once the first is
+    passed on nothing stays counted, and a large one is served again."""
+    release = asyncio.Event()
+
+    def answer(size: int, hold: asyncio.Event | None = None) -> Reply:
+        text = json.dumps({"choices": [{"index": 0, "text": "x" * size}]}).encode()
+        return Reply(chunks=[text[:-1], text[-1:]], chunked=False, hold=hold,
+                     headers=[("content-type", "application/json")])  # fmt: skip
+
+    def answer_for(recorded: Recorded) -> Reply:
+        size = int(json.loads(recorded.body)["prompt"])  # the answer's size
+        return answer(size, release if size == 250_000 else None)
+
+    async with TinyUpstream(script(answer_for)) as up:
+        async with run_edge(fast_config([up.url], max_pending_answer_bytes=300_000)) as edge:
+            budget = edge.wiring.app.answer_budget
+            assert budget is not None
+            async with client(edge) as http:
+
+                def completion(size: int) -> Any:
+                    body = {**COMPLETION, "prompt": str(size), "stream": False}
+                    return http.post("/v1/completions", json=body)
+
+                held = asyncio.ensure_future(completion(250_000))
+                await wait_until(lambda: budget.held > 250_000)
+                async with httpx.AsyncClient() as admin:
+                    metrics = (await admin.get(edge.admin_url + "/metrics")).text
+                assert "quicedge_pending_answer_bytes_limit 300000.0" in metrics
+                refused = await completion(100_000)
+                assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+                assert refused.json()["error"]["code"] == "overloaded"
+                assert "non-streamed answers hold" in refused.json()["error"]["message"]
+                assert (await completion(10)).status_code == 200
+                release.set()
+                assert (await held).status_code == 200
+                assert budget.held == 0
+                assert (await completion(100_000)).status_code == 200
+                assert budget.held == 0
+
+
 async def test_a_backend_whose_load_polls_fail_keeps_its_last_load_and_is_counted() -> None:
     """An overloaded server's /v1/loads may hang: the edge forgot its load at the first failed
     poll, which cleared its degradation and sent it traffic again."""

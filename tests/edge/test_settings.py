@@ -81,6 +81,10 @@ def serve_refused(
         ('[early_data]\nroutes = { "generate" = "accept" }\n', "a route is a path starting"),
         ("[proxy]\nmax_retries = 1.5\n", "proxy.max_retries: expected an integer, got 1.5"),
         (
+            '[proxy]\nbackends = ["http://a:1"]\nmax_pending_answer_bytes = -1\n',
+            "proxy: max_pending_answer_bytes must be >= 0",
+        ),
+        (
             '[proxy]\nbackends = ["http://a:1"]\nconnect_timeout = 0\n',
             "connect_timeout must be > 0",
         ),
