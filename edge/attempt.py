@@ -45,7 +45,7 @@ from edge.policy.gateway import PolicyGateway
 from edge.relay import RelayResult, StreamRelay, read_whole
 from edge.routing.base import Decision, Outcome, RoutingPolicy
 from edge.routing.breaker import serves
-from edge.routing.breakers import STATE_NAMES, Breaker, BreakerConfig, Breakers
+from edge.routing.breakers import STATE_NAMES, BreakerConfig, Breakers, Ticket
 from edge.sse import Usage, answer_of_body
 from edge.stages.account import account_cache, account_stream
 from edge.stages.body import BodyBudget
@@ -150,7 +150,7 @@ class Attempts:
             last: _Retry | None = None
             # A failed attempt that was retried counts against its domain only when the request was
             # not then served in that same domain (a bad backend there is the registry's to eject).
-            retried: list[tuple[Breaker, str]] = []
+            retried: list[tuple[Ticket, str]] = []
             assert ex.view is not None
             tier = ex.tier
             for attempt in range(self.config.max_retries + 1):
@@ -226,10 +226,10 @@ class Attempts:
             if ex.retries:  # it went on a retry (`_may_retry`): one fewer now
                 self._retrying -= 1
 
-    def _settle(self, retried: list[tuple[Breaker, str]], served_by: Breaker | None) -> None:
-        for breaker, reason in retried:
-            if breaker is not served_by:
-                self.breakers.ended(breaker, _RETRY_KINDS.get(reason, reason), None, held=False)
+    def _settle(self, retried: list[tuple[Ticket, str]], served_by: Ticket | None) -> None:
+        for ticket, reason in retried:
+            if served_by is None or ticket.breaker is not served_by.breaker:
+                self.breakers.ended(ticket, _RETRY_KINDS.get(reason, reason), None, held=False)
 
     async def _one(
         self,
@@ -240,7 +240,7 @@ class Attempts:
         send: Send,
         *,
         last_try: bool,
-        breaker: Breaker | None = None,
+        breaker: Ticket | None = None,
     ) -> None:
         """One backend: send, then relay; observe the outcome exactly once, whatever happens."""
         assert ex.view is not None

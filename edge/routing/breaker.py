@@ -10,6 +10,11 @@
 - **half-open**: at most `half_open_probes` trial requests at once; `half_open_probes`
   successes in a row close it (its windows start empty); one failure opens it again for twice
   as long (up to `open_max`).
+
+Each state change starts a new *period*. An attempt carries the period it began in (its
+`Ticket`), and its outcome counts only in that period: a request sent before the breaker
+opened, or a probe of an earlier half-open period, neither frees a probe slot it never took nor
+decides a verdict it was not admitted for.
 """
 
 from __future__ import annotations
@@ -141,12 +146,14 @@ class Breaker:
         "model",
         "open_s",
         "opened_at",
+        "period",
         "probes",
         "probe_successes",
         "reason",
         "reopen_at",
         "slow",
         "state",
+        "ticket",
         "tier",
         "ttft_p99",
     )
@@ -161,8 +168,13 @@ class Breaker:
         self.opened_at = 0.0
         self.reopen_at = 0.0
         self.open_s = config.open_for
+        self.period = 0
+        """Which period of this breaker is running: each state change starts the next one."""
+        self.ticket = Ticket(self, 0, holding=False)
+        """What every attempt that takes no probe slot gets in this period: one object per
+        period, not per request."""
         self.probes = 0
-        """Trial requests in flight while half-open."""
+        """Trial requests in flight while half-open (this period's)."""
         self.probe_successes = 0
         self.kv_usage: float | None = None
         self.ttft_p99: float | None = None
@@ -230,6 +242,14 @@ class Breaker:
         else:
             self.open_s = min(max(self.open_s, config.open_for), config.open_max)
 
+    def new_period(self) -> None:
+        """Start the next period: the attempts in flight now belong to the last one, so their
+        outcomes are not counted, and the probe slots start free."""
+        self.period += 1
+        self.ticket = Ticket(self, self.period, holding=False)
+        self.probes = 0
+        self.probe_successes = 0
+
     def reset_windows(self) -> None:
         self._errors.clear()
         self._failures = 0
@@ -254,3 +274,24 @@ class Breaker:
             "kv_usage": None if self.kv_usage is None else round(self.kv_usage, 4),
             "probes_in_flight": self.probes,
         }
+
+
+class Ticket:
+    """One attempt's hold on its domain's breaker, from `Breakers.started` to `Breakers.ended`:
+    the breaker, the period the attempt began in, and whether it still holds a probe slot."""
+
+    __slots__ = ("breaker", "holding", "period")
+
+    def __init__(self, breaker: Breaker, period: int, *, holding: bool) -> None:
+        self.breaker = breaker
+        self.period = period
+        self.holding = holding
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return self.breaker.key
+
+    @property
+    def state(self) -> int:
+        """The breaker's state now (not necessarily when the attempt began)."""
+        return self.breaker.state

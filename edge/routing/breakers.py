@@ -34,6 +34,7 @@ from edge.routing.breaker import (
     TIERS,
     Breaker,
     BreakerConfig,
+    Ticket,
     domain_of,
     serves,
 )
@@ -199,29 +200,37 @@ class Breakers:
             self._move(breaker, HALF_OPEN, breaker.reason)
         return breaker.probes < self.config.half_open_probes
 
-    def started(self, backend: Backend, tier: str) -> Breaker | None:
-        """The chosen backend's breaker, holding a probe slot while it is half-open; hand it
-        back to `ended` with the outcome."""
+    def started(self, backend: Backend, tier: str) -> Ticket | None:
+        """The chosen backend's ticket in its domain's breaker, holding a probe slot while it is
+        half-open; hand it back to `ended` with the outcome."""
         if not self.config.enabled:
             return None
         breaker = self._breaker(backend, tier)
-        if breaker is not None and breaker.state == HALF_OPEN:
+        if breaker is None:
+            return None
+        if breaker.state == HALF_OPEN:
             breaker.probes += 1
-        return breaker
+            return Ticket(breaker, breaker.period, holding=True)
+        return breaker.ticket
 
     def ended(
         self,
-        breaker: Breaker,
+        ticket: Ticket,
         error: str | None,
         ttft: float | None,
         uncached_tokens: int = 0,
         *,
         held: bool = True,
     ) -> None:
-        """One attempt's outcome in `breaker`'s domain (from `started`; `held`: this call also
-        gives back the probe slot, which `release` did already otherwise)."""
+        """One attempt's outcome in its domain (`ticket` from `started`; `held`: this call also
+        gives back the probe slot, which `release` did already otherwise). An attempt that
+        began before the breaker's last state change counts for nothing: it was not admitted
+        as a probe of this period, and a close empties the windows of what came before."""
         if held:
-            self.release(breaker)
+            self.release(ticket)
+        breaker = ticket.breaker
+        if ticket.period != breaker.period:
+            return
         state = breaker.state
         if error is not None and error not in FAILING_KINDS:
             return  # the client's mistake or departure says nothing of the domain
@@ -242,15 +251,18 @@ class Breakers:
                 self._move(breaker, CLOSED, None)
             return
         if state == OPEN:
-            return  # an attempt that began before it opened
+            return  # a last resort sent to a domain open on its TTFT: judged by its probes
         why = breaker.record(failed, ttft)
         if why is not None:
             self._open(breaker, why, slow=why.startswith("ttft"))
 
-    def release(self, breaker: Breaker) -> None:
-        """Give back the probe slot `started` took (the outcome comes later, or never)."""
-        if breaker.state == HALF_OPEN and breaker.probes > 0:
-            breaker.probes -= 1
+    def release(self, ticket: Ticket) -> None:
+        """Give back the probe slot `started` took, once (the outcome comes later, or never).
+        A slot of an earlier period is gone already: the state change freed them all."""
+        if ticket.holding:
+            ticket.holding = False
+            if ticket.period == ticket.breaker.period:
+                ticket.breaker.probes -= 1
 
     # -- state changes ----------------------------------------------------------------------
     def _open(self, breaker: Breaker, reason: str, *, slow: bool = False) -> None:
@@ -267,8 +279,7 @@ class Breakers:
         breaker.state = state
         self._not_closed += (state != CLOSED) - (before != CLOSED)
         breaker.reason = reason
-        breaker.probes = 0
-        breaker.probe_successes = 0
+        breaker.new_period()
         level = logging.INFO if state == CLOSED else logging.WARNING
         log.log(level, "breaker %s/%s/%s %s -> %s (%s)", breaker.model, breaker.tier,
                 breaker.hardware, STATE_NAMES[before], STATE_NAMES[state], reason)  # fmt: skip
@@ -404,6 +415,7 @@ __all__ = [
     "Breaker",
     "BreakerConfig",
     "Breakers",
+    "Ticket",
     "domain_of",
     "serves",
 ]

@@ -122,6 +122,69 @@ def test_a_failed_probe_opens_again_for_longer() -> None:
     assert breakers.allowed([a], "gold") == [a]
 
 
+def transitions(registry: CollectorRegistry, to: str, hardware: str = "default") -> float | None:
+    return registry.get_sample_value(
+        "quicedge_breaker_transitions_total",
+        {"model": "default", "tier": "gold", "hardware": hardware, "to": to},
+    )
+
+
+def test_attempts_from_before_the_open_neither_free_probe_slots_nor_decide_anything() -> None:
+    config = BreakerConfig(window=10, min_requests=4, open_for=2.0, half_open_probes=1)
+    a = backend("a")
+    breakers, clock, registry = make(config, a)
+    # long requests sent while the domain was closed, still in flight when it opens
+    before = [breakers.started(a, "gold") for _ in range(6)]
+    fail(breakers, a, "gold", 4)
+    clock.now += 2.5
+    assert breakers.allowed([a], "gold") == [a]
+    probe = breakers.started(a, "gold")
+    assert probe is not None
+    old = [t for t in before if t is not None]
+    # An old success neither frees the probe's slot nor closes the breaker; an old timeout
+    # does not open it again (nor lengthen its next open period).
+    breakers.ended(old[0], None, 0.01)
+    breakers.ended(old[1], "timeout", None)
+    assert breakers.state_of("default", "gold", "default") == "half_open"
+    assert breakers.allowed([a], "gold") == []  # the one slot is still the probe's
+    assert breakers.snapshot()[0]["probes_in_flight"] == 1
+    breakers.ended(probe, None, 0.01)
+    assert breakers.state_of("default", "gold", "default") == "closed"
+    # After the close the windows start empty: the old failures do not re-open it.
+    for ticket in old[2:]:
+        breakers.ended(ticket, "5xx", None)
+    assert breakers.state_of("default", "gold", "default") == "closed"
+    assert breakers.snapshot()[0]["outcomes"] == 0
+    labels = {"model": "default", "tier": "gold", "hardware": "default"}
+    assert registry.get_sample_value("quicedge_breaker_state", labels) == 0
+    assert [transitions(registry, to) for to in ("open", "half_open", "closed")] == [1, 1, 1]
+
+
+def test_a_probe_of_an_earlier_half_open_period_counts_in_none_after_it() -> None:
+    a = backend("a")
+    breakers, clock, _ = make(SMALL, a)  # two probes at once, two successes to close
+    fail(breakers, a, "gold", 4)
+    clock.now += 2.5
+    assert breakers.allowed([a], "gold") == [a]
+    long_probe = breakers.started(a, "gold")  # a long stream
+    fail(breakers, a, "gold", 1)  # the other probe fails: open again, for 4 s
+    clock.now += 4.5
+    assert breakers.allowed([a], "gold") == [a]
+    probe = breakers.started(a, "gold")
+    assert long_probe is not None and probe is not None
+    breakers.ended(long_probe, None, 0.01)  # no slot of this period to give back, no success
+    assert breakers.snapshot()[0]["probes_in_flight"] == 1
+    assert breakers.allowed([a], "gold") == [a]
+    second = breakers.started(a, "gold")
+    assert second is not None
+    breakers.ended(probe, None, 0.01)
+    assert breakers.state_of("default", "gold", "default") == "half_open"  # one of two
+    breakers.release(probe)  # a second release gives nothing back
+    assert breakers.snapshot()[0]["probes_in_flight"] == 1
+    breakers.ended(second, None, 0.01)
+    assert breakers.state_of("default", "gold", "default") == "closed"
+
+
 def test_slow_ttft_opens_and_the_prefill_allowance_is_taken_off() -> None:
     config = BreakerConfig(ttft_window=10, ttft_min_samples=8, ttft_open_p99=0.2,
                            ttft_per_prompt_token=0.001)  # fmt: skip
