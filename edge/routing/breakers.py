@@ -322,13 +322,15 @@ class Breakers:
 
     def relabel(self) -> None:
         """Forget which breaker each backend maps to (its labels changed), and the closed
-        domains no backend is in any more."""
+        domains no backend is in any more. The attempts in flight in a forgotten domain end
+        uncounted: a breaker nobody keeps could open, and stay open, unseen."""
         for table in self._tables.values():
             table.clear()
         self._known = -1
         live = {domain_of(b) for b in self.backends}
         for key, breaker in list(self._domains.items()):
             if breaker.state == CLOSED and (breaker.model, breaker.hardware) not in live:
+                breaker.new_period()
                 del self._domains[key]
                 if self._state is not None:
                     with contextlib.suppress(KeyError):

@@ -185,6 +185,24 @@ def test_a_probe_of_an_earlier_half_open_period_counts_in_none_after_it() -> Non
     assert breakers.state_of("default", "gold", "default") == "closed"
 
 
+def test_attempts_in_flight_in_a_domain_a_relabel_forgot_end_uncounted() -> None:
+    a = backend("a", "model=m@v1")
+    breakers, _, registry = make(SMALL, a)
+    in_flight = [breakers.started(a, "gold") for _ in range(4)]
+    a.set_model("m", "v2")  # the catalog learned another version: a new domain
+    breakers.relabel()
+    for ticket in in_flight:
+        assert ticket is not None
+        breakers.ended(ticket, "5xx", None)
+    # the forgotten domain did not open unseen, with a gauge nobody would ever clear
+    labels = {"model": "m@v1", "tier": "gold", "hardware": "default"}
+    assert registry.get_sample_value("quicedge_breaker_state", labels) is None
+    assert breakers.state_of("m@v1", "gold", "default") is None
+    assert breakers.allowed([a], "gold") == [a]
+    assert breakers.state_of("m@v2", "gold", "default") == "closed"
+    assert [d["model"] for d in breakers.snapshot()] == ["m@v2"]
+
+
 def test_slow_ttft_opens_and_the_prefill_allowance_is_taken_off() -> None:
     config = BreakerConfig(ttft_window=10, ttft_min_samples=8, ttft_open_p99=0.2,
                            ttft_per_prompt_token=0.001)  # fmt: skip
