@@ -347,6 +347,10 @@ class Breakers:
             breaker.reconfigure(config)
             if not config.enabled:
                 breaker.reset_windows()
+                if breaker.state == CLOSED:
+                    # off counts nothing, not even the attempts in flight now (`_move` starts a
+                    # new period for the others): they could open a domain while it is off
+                    breaker.new_period()
                 self._move(breaker, CLOSED, "breakers turned off")
         if was and not config.enabled:
             await self.aclose()

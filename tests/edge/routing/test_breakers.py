@@ -374,3 +374,22 @@ async def test_a_reload_moves_thresholds_keeps_the_newest_outcomes_and_off_close
     with pytest.raises(ValueError, match="min_requests"):
         await breakers.reconfigure(BreakerConfig(window=2, min_requests=3))
     await breakers.aclose()
+
+
+async def test_attempts_in_flight_when_the_breakers_are_turned_off_are_not_counted() -> None:
+    a = backend("a")
+    breakers, _, registry = make(SMALL, a)
+    in_flight = [breakers.started(a, "gold") for _ in range(4)]
+    await breakers.reconfigure(BreakerConfig(enabled=False, window=10, min_requests=4))
+    for ticket in in_flight:
+        assert ticket is not None
+        breakers.ended(ticket, "5xx", None)
+    # off, nothing is counted: their failures do not open the domain behind the operator's back
+    assert breakers.state_of("default", "gold", "default") == "closed"
+    labels = {"model": "default", "tier": "gold", "hardware": "default"}
+    assert registry.get_sample_value("quicedge_breaker_state", labels) == 0
+    await breakers.reconfigure(SMALL)
+    # on again, the domain starts from closed with empty windows
+    assert breakers.allowed([a], "gold") == [a]
+    assert breakers.snapshot()[0]["outcomes"] == 0
+    await breakers.aclose()
