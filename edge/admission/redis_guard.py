@@ -134,7 +134,10 @@ class RedisGuard:
                 async with asyncio.timeout(s.timeout_ms / 1000):
                     await self.client.ping()
                 fast = (time.perf_counter() - start) * 1000 <= s.slow_ms
-            except (RedisError, OSError, TimeoutError) as exc:
+            except Exception as exc:
+                # Any failure, redis-py's own included (an odd answer can make it raise an
+                # AttributeError): were it to end this task, the breaker would stay half-open,
+                # with Redis out of use for good.
                 fast = False
                 self._warn(f"redis ({self.name}) still unavailable: {exc or type(exc).__name__}")
             if fast:
