@@ -23,7 +23,8 @@ from urllib.parse import parse_qs
 
 import orjson
 
-from edge.errors import ConversationNotFound, InvalidRequest
+from edge.admission.tenants import ANONYMOUS
+from edge.errors import ConversationNotFound, InvalidRequest, Unauthorized
 from edge.state.config import ConversationConfig
 from edge.state.redis_store import RedisState, Unreadable, read_or_none
 from edge.state.responses import check_metadata
@@ -246,7 +247,14 @@ class StoredCompletions:
 
     async def listing(self, tenant: str, query: bytes) -> dict[str, Any]:
         """`GET /v1/chat/completions`: the tenant's stored completions, oldest first by
-        default, filtered by `model` and `metadata[key]=value`."""
+        default, filtered by `model` and `metadata[key]=value`. Refused without an API key:
+        every key-less client is the one tenant `anonymous`, so its list would hand each of
+        them all the others' completions (by id, each is read only by whoever got its id)."""
+        if tenant == ANONYMOUS:
+            raise Unauthorized(
+                "Listing stored chat completions needs an API key: requests without one all "
+                "share the tenant 'anonymous'. Read a completion by its id instead."
+            )
         args = _page_query(query)
         order, limit = order_and_limit(args, "asc")
         model = args.get("model")

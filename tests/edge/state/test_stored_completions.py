@@ -116,6 +116,29 @@ async def test_without_stored_conversations_the_routes_say_so() -> None:
             assert listed.json()["error"]["code"] == "conversations_disabled"
 
 
+async def test_clients_without_an_api_key_cannot_list_each_others_completions() -> None:
+    """Every key-less client is the tenant `anonymous`: a list would give each of them the
+    others' stored completions, prompts included. It is a 401; by its id, a client still reads
+    the completion it was answered."""
+    async with TinyUpstream(ChatUpstream()) as up:
+        async with run_edge(fast_config([up.url], state=state())) as edge, client(edge) as http:
+            asked = await http.post("/v1/chat/completions", json={"messages": ASK, "store": True})
+            assert asked.status_code == 200
+            cid = asked.json()["id"]
+            async with asyncio.timeout(5):  # kept just after the client has its answer
+                while True:
+                    kept = await http.get(f"/v1/chat/completions/{cid}")
+                    if kept.status_code != 404:
+                        break
+                    await asyncio.sleep(0.05)
+            assert kept.json()["choices"][0]["message"]["content"] == "answer 0 done"
+            listed = await http.get("/v1/chat/completions")
+            assert listed.status_code == 401, listed.text
+            assert listed.json()["error"]["code"] == "invalid_api_key"
+            assert "anonymous" in listed.json()["error"]["message"]
+            assert "Name a moon" not in listed.text
+
+
 def two_choices(recorded: Recorded) -> Reply:
     """SGLang's stream for `n: 2`: each choice in chunks of its own, by `index`, interleaved;
     and one chunk of an index past `MAX_CHOICES`, which is not kept."""
