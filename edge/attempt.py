@@ -349,8 +349,15 @@ class Attempts:
             raise
         finally:
             ex.error = error
-            if response is not None and not response.complete:
-                await response.aclose()  # aborts the upstream request (its connection closes)
+            # The breaker first, and every report before the one await here: a probe slot
+            # not given back (an observer that raised, a second cancellation during the
+            # close) would keep its domain half-open, refusing, for good.
+            if breaker is not None:
+                if retrying:
+                    self.breakers.release(breaker)  # `run` settles it with the request
+                else:
+                    uncached = (usage.prompt_tokens or 0) - (usage.cached_tokens or 0)
+                    self.breakers.ended(breaker, error, upstream_ttft, uncached)
             if client_span is not None and ex.trace is not None:
                 answered = response.status if response is not None else None
                 ex.trace.end_upstream(client_span, time.perf_counter(), answered, error)
@@ -365,12 +372,8 @@ class Attempts:
                 self.models.observe(
                     ex.model_route, backend, ttft_s=upstream_ttft, error=error, ex=ex
                 )
-            if breaker is not None:
-                if retrying:
-                    self.breakers.release(breaker)  # `run` settles it with the request
-                else:
-                    uncached = (usage.prompt_tokens or 0) - (usage.cached_tokens or 0)
-                    self.breakers.ended(breaker, error, upstream_ttft, uncached)
+            if response is not None and not response.complete:
+                await response.aclose()  # aborts the upstream request (its connection closes)
 
     async def _send_whole(
         self, ex: Exchange, response: UpstreamResponse, body: bytes, send: Send

@@ -80,3 +80,37 @@ async def test_a_probe_retried_and_served_in_its_own_domain_is_no_failed_probe()
             ]  # fmt: skip
             # opened once, by the 500s: no retried 503 opened it again while it probed
             assert [float(line.split()[-1]) for line in opened] == [1.0], opened
+
+
+async def test_a_probe_whose_observer_raises_still_reports_to_its_breaker() -> None:
+    """The attempt's last reports run in one `finally`: the breaker's came after the routing
+    policy's and an await, so an observer that raised (or a second cancellation during the
+    close) kept the probe's slot, and the domain refused every request for good."""
+    status = {"up": 500}
+    breakers = BreakerConfig(window=4, min_requests=4, open_for=0.2, half_open_probes=1)
+    async with TinyUpstream(answering(status, "up")) as up:
+        config = fast_config([up.url], eject_after_failures=1000, max_retries=0)
+        async with run_edge(config, breakers=breakers) as edge, client(edge) as http:
+            domains = edge.wiring.breakers
+            assert domains is not None
+            await wait_until(lambda: all(b.model == "tiny-model" for b in domains.backends))
+            for _ in range(4):
+                assert (await http.post("/v1/chat/completions", json=CHAT)).status_code == 500
+            assert domains.state_of("tiny-model", "bronze", "default") == "open"
+            status["up"] = 200
+            policy = edge.wiring.app.attempts.policy
+            observe = policy.observe
+            raised: list[bool] = []
+
+            def observe_once_failing(outcome: object) -> None:
+                if not raised:
+                    raised.append(True)
+                    raise RuntimeError("an observer's bug")
+                observe(outcome)  # type: ignore[arg-type]
+
+            policy.observe = observe_once_failing  # type: ignore[method-assign]
+            await asyncio.sleep(0.3)  # past the open period: the next request probes
+            await http.post("/v1/chat/completions", json=CHAT)  # the probe: answered, then raised
+            assert raised
+            assert domains.state_of("tiny-model", "bronze", "default") == "closed"
+            assert (await http.post("/v1/chat/completions", json=CHAT)).status_code == 200
