@@ -9,7 +9,8 @@ A request may be answered from the cache only when all of these hold:
   the same keys of `sampling_params` (`sampling_seed` for the seed);
 - it is not a stored-conversation turn (whose reply must be appended to its history).
 
-The key is a SHA-256 of the tenant, the route, the model, the model's version (pinned in
+The key is a SHA-256 of the tenant, the route, the model, the pool and version routing chose
+for the request (a gray release's stable or canary), the model's version (pinned in
 `state.cache.model_versions`, or the `weight_version` the backends last reported for it) and the
 request body with its keys sorted and `rid`/`user`/`metadata` left out. An entry is the whole
 answer: the SSE bytes of a stream, or the JSON body, replayed in the same shape (and the stored
@@ -171,11 +172,27 @@ class ResponseCache:
         if model not in self._pinned and version != "default":
             self._learned[model] = version
 
-    def key(self, tenant: str, route: str, model: str, normalised: bytes) -> str:
+    def key(
+        self,
+        tenant: str,
+        route: str,
+        model: str,
+        normalised: bytes,
+        *,
+        pool: str = "",
+        served: str = "",
+    ) -> str:
+        """`pool` is the pool routing resolved `model` to (an alias's, `default`'s) and
+        `served` the version it chose for this request (a gray release's stable or canary),
+        which neither a pin nor a learned version tells apart; with it, the learned version
+        adds nothing (it follows whichever version answered last). A pin names the model
+        as the request does, or its pool."""
+        pinned = self._pinned.get(model) or self._pinned.get(pool, "")
+        served = served or ("" if pinned else self._learned.get(model, ""))
         digest = hashlib.sha256()
-        for part in (tenant.encode(), route.encode(), model.encode(),
-                     self.version(model).encode()):  # fmt: skip
-            digest.update(b"%d:" % len(part) + part)
+        for part in (tenant, route, model, pool, pinned, served):
+            data = part.encode()
+            digest.update(b"%d:" % len(data) + data)
         digest.update(normalised)
         return digest.hexdigest()
 

@@ -544,6 +544,7 @@ class StateRequest:
         """Answer from the cache (None: answered), or the `send` the relay should use."""
         ex, cache = self.ex, self.stage.cache
         if self.cache_key is not None and cache is not None:
+            self.cache_key = self._cache_key(cache)
             found = await cache.get(self.cache_key)
             if found is not None:
                 entry, tier = found
@@ -555,6 +556,17 @@ class StateRequest:
             self.scanner = SSEScanner.for_route(ex.route)
         self._send = send
         return self.send
+
+    def _cache_key(self, cache: ResponseCache) -> str:
+        """The key for the pool and version routing chose (`ex.model_route`, known only after
+        `prepare`): a gray release's stable and canary, or an alias a reload pointed at
+        another pool, never share an entry. At `finish`, a canary that fell back to stable
+        has stable's route, so its answer is stored as stable's."""
+        ex, route = self.ex, self.ex.model_route
+        pool = (route.pool or "") if route is not None else ""
+        served = (route.version or "") if route is not None else ""
+        return cache.key(ex.tenant, ex.route, self.cache_model, self.normalised, pool=pool,
+                         served=served)  # fmt: skip
 
     async def _replay(self, send: Send, entry: Entry, tier: str) -> None:
         ex, stream, body = self.ex, entry.stream, entry.body
@@ -797,10 +809,9 @@ class StateRequest:
             return
         body = b"".join(self.captured)
         version = self._reported_version(body)
-        key = self.cache_key
         if version is not None and version != cache.version(self.cache_model):
             cache.learn(self.cache_model, version)
-            key = cache.key(self.ex.tenant, self.ex.route, self.cache_model, self.normalised)
+        key = self._cache_key(cache)
         await cache.put(key, stream=self.ex.stream, body=body, content_type=self.content_type)
 
     def _reported_version(self, body: bytes) -> str | None:

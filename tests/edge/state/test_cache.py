@@ -11,9 +11,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from backends.sim import SimServer
+from edge.models import ModelsConfig
+from edge.models.config import Alias
 from edge.state.cache import Entry, ResponseCache
 from edge.state.config import CacheConfig
 from tests.edge.conftest import Reply, TinyUpstream, client, fast_config, run_edge
+from tests.edge.models.test_pools_e2e import netloc, sim, sims
+from tests.edge.models.test_rollout_e2e import rollout
 from tests.edge.state.helpers import (
     CHAT,
     ChatUpstream,
@@ -198,6 +202,37 @@ async def test_a_new_model_version_invalidates_entries(redis_url: str, redis_pre
             assert await ask("x") == "miss"  # x's w1 entry no longer matches
             assert await ask("x") == "hit-l1"
     assert len(learned.chats) == 3
+
+
+async def test_the_version_and_pool_routing_chose_are_part_of_the_key() -> None:
+    """A gray release: the canary's answer is never replayed to a request routed to stable
+    (nor the other way), each shares with its own; an alias a reload points at another pool
+    misses what its old pool answered."""
+    async with sims(sim("m", model_version="v1"), sim("m", model_version="v2"),
+                    sim("other")) as (stable, canary, other):  # fmt: skip
+        models = ModelsConfig(rollouts=[rollout()], aliases=[Alias("chat", "m")])
+        settings = state(cache={"allow_tenants": ["*"]})
+        config = fast_config([stable.url, canary.url, other.url], state=settings)
+        async with run_edge(config, models=models) as edge, client(edge) as http:
+            body = {**GREEDY, "model": "m"}
+
+            async def ask(body: dict[str, Any], split: str | None = None) -> tuple[str, str]:
+                headers = {**USE, **({"x-canary": split} if split is not None else {})}
+                response = await http.post(CHAT, headers=headers, json=body)
+                assert response.status_code == 200, response.text
+                where = response.headers.get("x-quicedge-backend", "cache")
+                return response.headers["x-quicedge-cache"], where
+
+            assert await ask(body, "1") == ("miss", netloc(canary))
+            assert await ask(body, "0") == ("miss", netloc(stable))
+            assert await ask(body, "1") == ("hit-l1", "cache")
+            assert await ask(body, "0") == ("hit-l1", "cache")
+            aliased = {**body, "model": "chat"}
+            assert await ask(aliased, "0") == ("miss", netloc(stable))
+            assert await ask(aliased, "0") == ("hit-l1", "cache")
+            await edge.wiring.models.reconfigure(ModelsConfig(aliases=[Alias("chat", "other")]))
+            assert await ask(aliased) == ("miss", netloc(other))
+            assert await ask(aliased) == ("hit-l1", "cache")
 
 
 async def test_an_answer_over_the_entry_limit_is_relayed_not_stored() -> None:
