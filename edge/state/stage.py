@@ -570,6 +570,13 @@ class StateRequest:
 
     async def _replay(self, send: Send, entry: Entry, tier: str) -> None:
         ex, stream, body = self.ex, entry.stream, entry.body
+        guard = ex.stream_guard if stream else None
+        if guard is not None:  # the stream rules in force now, not those it was stored under
+            body = guard.feed(body)
+            if guard.cut is None:
+                body += guard.finish()
+            if guard.cut is not None:
+                ex.policy_decision, ex.policy_rules = "filtered", (*ex.policy_rules, guard.cut)
         headers = [
             (b"content-type", entry.content_type),
             (b"x-request-id", ex.request_id.encode()),

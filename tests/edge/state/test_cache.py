@@ -13,9 +13,19 @@ from prometheus_client import CollectorRegistry
 from backends.sim import SimServer
 from edge.models import ModelsConfig
 from edge.models.config import Alias
+from edge.policy.config import PolicyConfig
+from edge.policy.gateway import PolicyGateway
 from edge.state.cache import Entry, ResponseCache
 from edge.state.config import CacheConfig
-from tests.edge.conftest import Reply, TinyUpstream, client, fast_config, run_edge
+from tests.edge.conftest import (
+    Reply,
+    TinyUpstream,
+    client,
+    fast_config,
+    health_ok,
+    run_edge,
+    sse_reply,
+)
 from tests.edge.models.test_pools_e2e import netloc, sim, sims
 from tests.edge.models.test_rollout_e2e import rollout
 from tests.edge.state.helpers import (
@@ -233,6 +243,30 @@ async def test_the_version_and_pool_routing_chose_are_part_of_the_key() -> None:
             await edge.wiring.models.reconfigure(ModelsConfig(aliases=[Alias("chat", "other")]))
             assert await ask(aliased) == ("miss", netloc(other))
             assert await ask(aliased) == ("hit-l1", "cache")
+
+
+async def test_a_replayed_stream_meets_the_stream_rules_in_force_now() -> None:
+    """An answer stored before a reload added a stream rule is cut by it when replayed, as a
+    fresh answer is: a hit is no way around the policy."""
+    leak = ["-----BEGIN PRIVATE KEY", "----- abc"]
+    async with TinyUpstream(lambda r: health_ok(r) or sse_reply(leak)) as up:
+        config = fast_config([up.url], state=state(cache={"allow_tenants": ["*"]}))
+        async with run_edge(config) as edge, client(edge) as http:
+            body = {"model": "tiny-model", "prompt": "the key?", "stream": True, "temperature": 0}
+            stored = await http.post("/v1/completions", headers=USE, json=body)
+            assert stored.headers["x-quicedge-cache"] == "miss"
+            assert b"PRIVATE KEY" in stored.content
+            rule = {"id": "key-leak", "patterns": ["BEGIN PRIVATE KEY"], "literal": True}
+            policy = PolicyConfig.from_mapping({"stream_rules": [rule]})
+            await edge.wiring.swap_gateway(PolicyGateway.from_config(policy))
+            hit = await http.post("/v1/completions", headers=USE, json=body)
+            assert hit.status_code == 200 and hit.headers["x-quicedge-cache"] == "hit-l1"
+            assert b"PRIVATE KEY" not in hit.content
+            assert b'"finish_reason":"content_filter"' in hit.content
+            assert hit.content.endswith(b"data: [DONE]\n\n")
+            again = await http.post("/v1/completions", headers=USE, json={**body, "n": 1})
+            assert b"PRIVATE KEY" not in again.content  # a fresh answer is cut the same way
+            assert b'"finish_reason":"content_filter"' in again.content
 
 
 async def test_an_answer_over_the_entry_limit_is_relayed_not_stored() -> None:
