@@ -22,7 +22,15 @@ from edge.state.background import BEAT_S, MemoryEvents, RedisEvents, follow
 from edge.state.config import ConversationConfig
 from edge.state.redis_store import FAILURES_TO_OPEN, RedisState
 from tests.edge.conftest import Recorded, Reply, TinyUpstream, client, fast_config, run_edge
-from tests.edge.state.helpers import CHAT, ChatUpstream, chat_chunks, sse_events, state
+from tests.edge.state.helpers import (
+    CHAT,
+    ChatUpstream,
+    as_tenant,
+    chat_chunks,
+    sse_events,
+    state,
+    tenants,
+)
 from tests.edge.state.test_conversations import metric
 from tests.helpers import RedisServer
 
@@ -400,8 +408,9 @@ async def test_an_unreadable_record_or_stored_completion_is_a_404(
     redis_url: str, redis_prefix: str
 ) -> None:
     async with TinyUpstream(ChatUpstream()) as up:
-        config = fast_config([up.url], state=state(redis_url, redis_prefix))
-        async with run_edge(config) as edge, client(edge) as http:
+        config = fast_config([up.url], state=state(redis_url, redis_prefix),
+                             admission=tenants("alpha"))  # fmt: skip
+        async with run_edge(config) as edge, client(edge, headers=as_tenant("alpha")) as http:
             kept = await http.post(CHAT, json={"messages": [USER], "store": True})
             cid = kept.json()["id"]
             async with asyncio.timeout(5):  # kept after the answer went out
@@ -409,8 +418,8 @@ async def test_an_unreadable_record_or_stored_completion_is_a_404(
                     await asyncio.sleep(0.05)
             rid = "resp_" + "ab" * 16
             async with redis_of_url(redis_url) as direct:
-                await direct.set(f"{redis_prefix}bg:anonymous:{rid}", b'{"s": 1}')
-                await direct.set(f"{redis_prefix}chatcmpl:anonymous:{cid}", b"[]")
+                await direct.set(f"{redis_prefix}bg:alpha:{rid}", b'{"s": 1}')
+                await direct.set(f"{redis_prefix}chatcmpl:alpha:{cid}", b"[]")
             for path, code in (
                 (f"/v1/responses/{rid}", "response_not_found"),
                 (f"/v1/responses/{rid}/input_items", "response_not_found"),
