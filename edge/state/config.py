@@ -52,7 +52,8 @@ class ConversationConfig:
     ttl: float = 1800.0
     """Seconds a conversation lives after its last use (30 min); every turn refreshes it."""
     max_bytes: int = 1 * MiB
-    """Largest stored history of one conversation, in bytes of its JSON messages (1 MiB)."""
+    """Largest stored history of one conversation, in bytes of its JSON messages (1 MiB); what
+    its turns keep besides to give their responses back is held to as much again."""
     overflow: Literal["truncate", "reject"] = "truncate"
     """Past `max_bytes`: `truncate` drops the oldest whole turns (the first turn's system message
     stays), `reject` answers 413 `conversation_too_large`."""

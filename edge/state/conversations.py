@@ -120,12 +120,29 @@ class History:
     removed: int = 0
     """How many items were taken out (`REMOVED`); while 0, a prompt is the stored messages as
     they are, with no pass over them to leave any out."""
+    stored: int = 0
+    """Bytes of the value it was read from (0: not read from the store); never stored."""
 
     def encode(self) -> bytes:
+        # Each turn's echoed request fields are kept apart ("e"), only those that differ from
+        # the turn before's: the same tools and instructions sent every turn are kept once.
+        meta: list[dict[str, Any]] = []
+        echoes: list[list[Any] | None] = []
+        before: dict[str, Any] | None = None
+        for entry in self.meta:
+            echo = entry.get("echo")
+            if isinstance(echo, dict):
+                meta.append({k: v for k, v in entry.items() if k != "echo"})
+                echoes.append(_echo_items(echo, before))
+                before = echo
+            else:
+                meta.append(entry)
+                echoes.append(None)
+                before = None
         return orjson.dumps(
             {"p": self.pinned, "m": self.messages, "t": self.turns, "c": self.count,
-             "u": self.meta, "s": self.created_at, "d": self.metadata, "q": self.pending,
-             "r": self.removed}
+             "u": meta, "e": echoes, "s": self.created_at, "d": self.metadata,
+             "q": self.pending, "r": self.removed}
         )  # fmt: skip
 
     @classmethod
@@ -153,8 +170,11 @@ class History:
             and type(created) in (int, float)
         ):  # fmt: skip
             raise Unreadable("not a stored conversation")
+        echoes = get("e")
+        if echoes is not None:  # a blob stored before echoes were kept apart has none
+            meta = _with_echoes(meta, echoes)
         return cls(pinned, messages, turns, count, [{}] * (len(turns) - len(meta)) + meta,
-                   int(created), metadata, pending, removed)  # fmt: skip
+                   int(created), metadata, pending, removed, len(blob))  # fmt: skip
 
     def copy(self) -> History:
         return History(
@@ -291,6 +311,79 @@ def _objects(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(v, dict) for v in value)
 
 
+def _same(a: Any, b: Any) -> bool:
+    """Two JSON values alike to the byte (`1` is not `true`); after a decode, a value the turn
+    before echoed too is the same object."""
+    return a is b or orjson.dumps(a) == orjson.dumps(b)
+
+
+def _echo_items(echo: dict[str, Any], before: dict[str, Any] | None) -> list[Any]:
+    """A turn's echoed fields as stored, in order: `[name, value]`, or `name` alone for one
+    the turn before echoed alike."""
+    return [
+        name if before is not None and name in before and _same(before[name], value)
+        else [name, value]
+        for name, value in echo.items()
+    ]  # fmt: skip
+
+
+def _with_echoes(meta: list[dict[str, Any]], echoes: Any) -> list[dict[str, Any]]:
+    """Stored turns' metadata with their echoed fields back (`History.encode`);
+    `Unreadable` for any other shape."""
+    if not isinstance(echoes, list) or len(echoes) != len(meta):
+        raise Unreadable("not a stored conversation")
+    out, before = [], None
+    for entry, items in zip(meta, echoes, strict=True):
+        if items is None:
+            out.append(entry)
+            before = None
+            continue
+        if not isinstance(items, list):
+            raise Unreadable("not a stored conversation")
+        echo: dict[str, Any] = {}
+        for item in items:
+            if isinstance(item, str) and before is not None and item in before:
+                echo[item] = before[item]
+            elif isinstance(item, list) and len(item) == 2 and isinstance(item[0], str):
+                echo[item[0]] = item[1]
+            else:
+                raise Unreadable("not a stored conversation")
+        out.append({**entry, "echo": echo})
+        before = echo
+    return out
+
+
+def _meta_size(entry: dict[str, Any], before: dict[str, Any] | None) -> int:
+    """About the bytes a turn's metadata takes stored after a turn that echoed `before` (None:
+    as the first kept turn, or after one that echoed nothing); 0 for a chat turn's `{}`."""
+    if not entry:
+        return 0
+    echo = entry.get("echo")
+    if not isinstance(echo, dict):
+        return len(orjson.dumps(entry))
+    rest = len(orjson.dumps({k: v for k, v in entry.items() if k != "echo"}))
+    return rest + len(orjson.dumps(_echo_items(echo, before)))
+
+
+def _echo_of(entry: dict[str, Any]) -> dict[str, Any] | None:
+    echo = entry.get("echo")
+    return echo if isinstance(echo, dict) else None
+
+
+def _fits(turn: Turn, limit: int) -> bool:
+    return messages_size(turn.messages) <= limit and meta_size(turn.history) <= limit
+
+
+def meta_size(history: History) -> int:
+    """About the bytes of what `history`'s kept turns keep besides their messages (their
+    responses' fields, `History.meta`), as stored."""
+    before, total = None, 0
+    for entry in history.meta:
+        total += _meta_size(entry, before)
+        before = _echo_of(entry)
+    return total
+
+
 def _without_removed(message: dict[str, Any]) -> dict[str, Any] | None:
     """A stored message as a prompt carries it: None when it was taken out, a copy without the
     calls taken out when some were."""
@@ -308,16 +401,27 @@ def messages_size(messages: list[dict[str, Any]]) -> int:
 
 
 def _trim(history: History, new: list[dict[str, Any]], limit: int, *, keep: int) -> bool:
-    """Drop the oldest turns until pinned + kept turns + `new` fit in `limit` bytes of JSON, or
-    only `keep` turns are left; each message is measured once. True when any was dropped."""
+    """Drop the oldest turns until pinned + kept turns + `new` fit in `limit` bytes of JSON,
+    and so does what the kept turns keep besides (`meta_size`), or only `keep` turns are
+    left; each message is measured once. True when any was dropped."""
     sizes = [len(orjson.dumps(m)) for m in history.messages]
     parts = len(history.pinned) + len(sizes) + len(new)
     fixed = sum(len(orjson.dumps(m)) for m in (*history.pinned, *new))
     total = 2 + fixed + sum(sizes) + max(parts - 1, 0)
+    meta = history.meta
+    # each turn's metadata as stored after the one before it; a turn's echoed fields count
+    # whole once it is the first kept
+    after = [_meta_size(m, _echo_of(meta[k - 1]) if k else None) for k, m in enumerate(meta)]
+    kept_meta = sum(after)
     start = dropped = 0
-    while total > limit and len(history.turns) - dropped > keep:
+    while (total > limit or kept_meta > limit) and len(history.turns) - dropped > keep:
         end = history.turns[dropped]
         total -= sum(sizes[start:end]) + (end - start)
+        kept_meta -= after[dropped]
+        if dropped + 1 < len(meta):
+            whole = _meta_size(meta[dropped + 1], None)
+            kept_meta += whole - after[dropped + 1]
+            after[dropped + 1] = whole
         start, dropped = end, dropped + 1
     for _ in range(dropped):
         history.drop_oldest()
@@ -562,18 +666,24 @@ class Conversations:
         return turn
 
     def _fit(self, turn: Turn) -> None:
-        """Apply the size limit to the prompt this turn sends: drop the oldest turns, or 413."""
+        """Apply the size limit to the prompt this turn sends, and to what the turns before it
+        keep besides (`meta_size`): drop the oldest turns, or 413."""
         limit = self.config.max_bytes
-        if messages_size(turn.messages) <= limit:
+        stored = turn.history.stored
+        if stored and stored + messages_size(turn.new) <= limit:
+            return  # the stored value holds both: each is within the limit
+        if _fits(turn, limit):
             return
         if turn.truncate:
             history = turn.history.copy()
             turn.truncated = _trim(history, turn.new, limit, keep=0)
             turn.history = history
-            if messages_size(turn.messages) <= limit:
+            if _fits(turn, limit):
                 return
+        what = "messages" if messages_size(turn.messages) > limit else (
+            "kept responses (their echoed instructions, tools and other fields)")  # fmt: skip
         raise PayloadTooLarge(
-            f"the conversation would exceed {limit} bytes of messages"
+            f"the conversation would exceed {limit} bytes of {what}"
             + ("" if turn.truncate else "; start a new one"),
             code="conversation_too_large",
         )
