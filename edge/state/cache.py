@@ -16,7 +16,8 @@ request body with its keys sorted and `rid`/`user`/`metadata` left out. An entry
 answer: the SSE bytes of a stream, or the JSON body, replayed in the same shape (and the stored
 `content-type`) with `x-quicedge-cache: hit-l1|hit-l2` (`miss` on a request that looked and did
 not find). Only a complete answer is stored: a 200 whose stream reached `[DONE]` with no error
-event, from a request the client did not abandon, no larger than `state.cache.max_entry_bytes`.
+event and no `abort` finish (`aborted`), from a request the client did not abandon, no larger
+than `state.cache.max_entry_bytes`.
 
 L1 is a `cachetools.LRUCache` bounded in bytes (`l1_max_bytes`, counting each entry's body and
 key); L2 is Redis with a TTL. `CacheTier` is the interface a third tier (object storage) would
@@ -125,6 +126,32 @@ def weight_version_of(route: str, body: bytes) -> str | None:
     holder = obj.get("meta_info") if route == "/generate" else obj.get("metadata")
     version = holder.get("weight_version") if isinstance(holder, dict) else None
     return version if isinstance(version, str) else None
+
+
+def aborted(route: str, answer: bytes | None) -> bool:
+    """Whether an answer (a whole JSON body, or a stream's last data event) says its backend
+    aborted it: SGLang ends an aborted `/generate` stream as any other, its last event's
+    `finish_reason` `{"type": "abort"}` and then `[DONE]`, with no error event."""
+    if answer is None or b'"abort"' not in answer:
+        return False
+    try:
+        obj = orjson.loads(answer)
+    except ValueError:
+        return False
+    for item in obj if isinstance(obj, list) else [obj]:  # a /generate batch is a list
+        if not isinstance(item, dict):
+            continue
+        if route == "/generate":
+            meta = item.get("meta_info")
+            reasons = [meta.get("finish_reason")] if isinstance(meta, dict) else []
+        else:
+            choices = item.get("choices")
+            reasons = [c.get("finish_reason") for c in choices if isinstance(c, dict)] if (
+                isinstance(choices, list)) else []  # fmt: skip
+        for reason in reasons:
+            if reason == "abort" or (isinstance(reason, dict) and reason.get("type") == "abort"):
+                return True
+    return False
 
 
 class ResponseCache:
@@ -253,6 +280,7 @@ __all__ = [
     "Entry",
     "RedisTier",
     "ResponseCache",
+    "aborted",
     "deterministic",
     "weight_version_of",
 ]

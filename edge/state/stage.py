@@ -45,7 +45,15 @@ from edge.state.background import (
     RedisEvents,
     RedisRecords,
 )
-from edge.state.cache import CACHE_HEADER, CacheTier, Entry, RedisTier, ResponseCache, deterministic
+from edge.state.cache import (
+    CACHE_HEADER,
+    CacheTier,
+    Entry,
+    RedisTier,
+    ResponseCache,
+    aborted,
+    deterministic,
+)
 from edge.state.cache import weight_version_of as _weight_version
 from edge.state.chat_answer import ChatAnswer, message_of_body
 from edge.state.completions import (
@@ -815,6 +823,11 @@ class StateRequest:
                 cache.stores.labels("incomplete" if not complete else "too_large").inc()
             return
         body = b"".join(self.captured)
+        scanner = self.scanner
+        last = body if not self.ex.stream else scanner.last_data if scanner is not None else None
+        if aborted(self.ex.route, last):  # cut short by its backend, though it ended cleanly
+            cache.stores.labels("incomplete").inc()
+            return
         version = self._reported_version(body)
         if version is not None and version != cache.version(self.cache_model):
             cache.learn(self.cache_model, version)

@@ -171,6 +171,57 @@ async def test_a_failed_or_cut_stream_is_never_stored() -> None:
     assert 'quicedge_cache_stores_total{outcome="incomplete"} 3.0' in text
 
 
+def generate_events(tokens: int, finish: dict[str, Any]) -> list[bytes]:
+    """SGLang's /generate stream: cumulative text, `meta_info` on every event, then [DONE]."""
+    out = []
+    for n in range(1, tokens + 1):
+        meta = {"id": "r", "finish_reason": finish if n == tokens else None,
+                "completion_tokens": n}  # fmt: skip
+        out.append(b"data: " + json.dumps({"text": "w" * n, "meta_info": meta}).encode() + b"\n\n")
+    return [*out, b"data: [DONE]\n\n"]
+
+
+async def test_an_answer_its_backend_aborted_is_not_stored() -> None:
+    """SGLang ends a /generate stream it aborted (`/abort_request`, a full queue, a drain) as
+    any other, `finish_reason` `{"type": "abort"}` and `[DONE]`: it is relayed, never stored,
+    so the next identical request is answered again; a whole answer saying so neither."""
+    abort = {"type": "abort", "message": "Abort by the client."}
+
+    def reply(n: int, recorded: Any) -> Reply:
+        stream = json.loads(recorded.body).get("stream")
+        if recorded.path == "/generate" and stream:
+            finish = abort if n == 0 else {"type": "length", "length": 3}
+            return Reply(headers=[("content-type", "text/event-stream")],
+                         chunks=generate_events(3 if n else 2, finish))  # fmt: skip
+        if recorded.path == "/generate":
+            body = {"text": "w", "meta_info": {"id": "r", "finish_reason": abort}}
+            return Reply(headers=[("content-type", "application/json")], chunked=False,
+                         chunks=[json.dumps(body).encode()])  # fmt: skip
+        whole = json.loads(chat_whole("cut"))
+        whole["choices"][0]["finish_reason"] = "abort"
+        return Reply(headers=[("content-type", "application/json")], chunked=False,
+                     chunks=[json.dumps(whole).encode()])  # fmt: skip
+
+    upstream = ChatUpstream(reply)
+    settings = state(cache={"allow_tenants": ["*"]})
+    async with TinyUpstream(upstream) as up:
+        async with run_edge(fast_config([up.url], state=settings)) as edge, client(edge) as http:
+            body = {"text": "hi", "stream": True, "sampling_params": {"temperature": 0}}
+            seen = []
+            for _ in range(3):
+                response = await http.post("/generate", headers=USE, json=body)
+                assert response.status_code == 200
+                seen.append((response.headers["x-quicedge-cache"], b'"abort"' in response.content))
+            assert seen == [("miss", True), ("miss", False), ("hit-l1", False)]
+            for path, whole in (("/generate", {**body, "stream": False}), (CHAT, GREEDY)):
+                for _ in range(2):
+                    response = await http.post(path, headers=USE, json=whole)
+                    assert response.headers["x-quicedge-cache"] == "miss"
+            text = await metrics(edge)
+    assert len(upstream.chats) == 2 + 2 + 2
+    assert 'quicedge_cache_stores_total{outcome="incomplete"} 5.0' in text
+
+
 async def test_a_new_model_version_invalidates_entries(redis_url: str, redis_prefix: str) -> None:
     """Pinned versions: a second edge on v2 misses what v1 stored. Learned versions: once the
     backend reports a new `weight_version`, older entries miss."""
