@@ -275,10 +275,7 @@ class StateStage:
                 model = body.get("model")
                 request = StateRequest(self, ex)
                 request.cache_model = model if isinstance(model, str) else ""
-                request.normalised = cache.normalise(body)
-                request.cache_key = cache.key(
-                    ex.tenant, ex.route, request.cache_model, request.normalised
-                )
+                request.cached = body  # keyed in `begin`, as policy and routing left it
                 ex.state = request
         return raw, body
 
@@ -410,6 +407,7 @@ class StateRequest:
         "content_type",
         "cache_key",
         "cache_model",
+        "cached",
         "captured",
         "captured_size",
         "ended",
@@ -440,6 +438,8 @@ class StateRequest:
         self.answer_failed = False
         self.cache_key: str | None = None
         self.cache_model = ""
+        self.cached: dict[str, Any] | None = None
+        """The body of a request whose answer may come from (or go to) the cache."""
         self.normalised = b""
         self.captured: list[bytes] | None = None
         self.captured_size = 0
@@ -551,7 +551,10 @@ class StateRequest:
     async def begin(self, send: Send) -> Send | None:
         """Answer from the cache (None: answered), or the `send` the relay should use."""
         ex, cache = self.ex, self.stage.cache
-        if self.cache_key is not None and cache is not None:
+        if self.cached is not None and cache is not None:
+            # The body as the backend gets it: a request rule redacts or caps it in place
+            # (`PolicyGateway.stage`), and an answer to another body is not this one's.
+            self.normalised = cache.normalise(self.cached)
             self.cache_key = self._cache_key(cache)
             found = await cache.get(self.cache_key)
             if found is not None:

@@ -320,6 +320,40 @@ async def test_a_replayed_stream_meets_the_stream_rules_in_force_now() -> None:
             assert b'"finish_reason":"content_filter"' in again.content
 
 
+def echo(recorded: Any) -> Reply:
+    """An answer that repeats the prompt it was given."""
+    found = health_ok(recorded)
+    if found is not None:
+        return found
+    said = json.loads(recorded.body)["messages"][-1]["content"]
+    return Reply(headers=[("content-type", "application/json")], chunked=False,
+                 chunks=[chat_whole(said)])  # fmt: skip
+
+
+async def test_the_key_is_the_body_as_request_rules_left_it() -> None:
+    """A redaction a reload added changes what the backend is sent, so the answer stored for
+    the unredacted prompt is not this request's: it misses, and is answered from the
+    redacted one."""
+    async with TinyUpstream(echo) as up:
+        config = fast_config([up.url], state=state(cache={"allow_tenants": ["*"]}))
+        async with run_edge(config) as edge, client(edge) as http:
+            body = {**GREEDY, "messages": [{"role": "user", "content": "mail a.b@example.com"}]}
+
+            async def ask() -> tuple[str, str]:
+                response = await http.post(CHAT, headers=USE, json=body)
+                assert response.status_code == 200, response.text
+                said = response.json()["choices"][0]["message"]["content"]
+                return response.headers["x-quicedge-cache"], said
+
+            assert await ask() == ("miss", "mail a.b@example.com")
+            rule = {"id": "email", "action": "redact", "patterns": [r"[\w.]+@[\w.]+"],
+                    "replacement": "[EMAIL]"}  # fmt: skip
+            policy = PolicyConfig.from_mapping({"rules": [rule]})
+            await edge.wiring.swap_gateway(PolicyGateway.from_config(policy))
+            assert await ask() == ("miss", "mail [EMAIL]")
+            assert await ask() == ("hit-l1", "mail [EMAIL]")
+
+
 async def test_an_answer_over_the_entry_limit_is_relayed_not_stored() -> None:
     def reply(n: int, recorded: Any) -> Reply:
         return Reply(headers=[("content-type", "text/event-stream")],
