@@ -61,7 +61,8 @@ class ConversationConfig:
     """Seconds one turn holds its conversation (409 `conversation_busy` for another turn
     meanwhile); a turn that outlives it cannot commit, so a history never interleaves."""
     memory_max_conversations: int = 100_000
-    """Conversations the in-process store holds at most (the least recently used go first)."""
+    """Conversations the in-process store holds at most; past it, the tenant holding the most
+    loses its least recently used (one tenant cannot evict another's)."""
     background_max: float = 3600.0
     """Seconds a background answer may run; its turn renews its lease meanwhile."""
     background_running: int = 256

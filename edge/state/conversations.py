@@ -445,22 +445,45 @@ class ConversationStore(Protocol):
 
 
 class MemoryConversations:
-    """One process's conversations: a TTL cache (LRU past its size) and leases with deadlines."""
+    """One process's conversations: a TTL cache per tenant and leases with deadlines. Past
+    `memory_max_conversations` in all, the tenant that holds the most loses its least recently
+    used: a tenant that opens conversations without end evicts its own, not another's."""
 
     def __init__(self, config: ConversationConfig, *, clock: Any = time.monotonic) -> None:
         self._ttl = config.ttl
         self._lease_s = config.lease
         self._clock = clock
-        self._data: TTLCache[tuple[str, str], bytes] = TTLCache(
-            maxsize=config.memory_max_conversations, ttl=config.ttl, timer=clock
-        )
+        self._max = config.memory_max_conversations
+        self._data: dict[str, TTLCache[str, bytes]] = {}
         self._leases: dict[tuple[str, str], tuple[bytes, float]] = {}
 
+    def _put(self, tenant: str, cid: str, blob: bytes) -> None:
+        held = self._data.get(tenant)
+        if held is None:
+            held = self._data[tenant] = TTLCache(maxsize=self._max, ttl=self._ttl,
+                                                 timer=self._clock)  # fmt: skip
+        new = cid not in held
+        held[cid] = blob  # setting again restarts its TTL and makes it the most recently used
+        if new:
+            self._fit()
+
+    def _fit(self) -> None:
+        """Evict down to `memory_max_conversations`: each time the least recently used of the
+        tenant holding the most (the tenants are the configured ones: few)."""
+        for tenant, held in list(self._data.items()):
+            held.expire()
+            if not held:
+                del self._data[tenant]
+        total = sum(len(held) for held in self._data.values())
+        while total > self._max:
+            max(self._data.values(), key=len).popitem()
+            total -= 1
+
     async def load(self, tenant: str, cid: str) -> bytes | None:
-        key = (tenant, cid)
-        blob = self._data.get(key)
+        held = self._data.get(tenant)
+        blob = held.get(cid) if held is not None else None
         if blob is not None:
-            self._data[key] = blob  # setting again restarts its TTL: refreshed on use
+            self._put(tenant, cid, blob)  # refreshed on use
         return blob
 
     async def create(self, tenant: str, cid: str, token: bytes) -> None:
@@ -482,7 +505,7 @@ class MemoryConversations:
         key = (tenant, cid)
         if not self._holds(key, token):
             return False
-        self._data[key] = blob
+        self._put(tenant, cid, blob)
         del self._leases[key]
         return True
 
@@ -500,9 +523,9 @@ class MemoryConversations:
         return True
 
     async def delete(self, tenant: str, cid: str) -> bool:
-        key = (tenant, cid)
-        self._leases.pop(key, None)  # a turn in progress then fails to commit: nothing returns
-        return self._data.pop(key, None) is not None
+        self._leases.pop((tenant, cid), None)  # a turn in progress then fails to commit
+        held = self._data.get(tenant)
+        return held is not None and held.pop(cid, None) is not None
 
 
 class RedisConversations:
