@@ -79,12 +79,20 @@ repeated work rather than protocol work:
   its streams may carry.
   *Upstream:* the same rule in those two methods; the app's reads as ``H3Connection``'s
   consumers acknowledge them (aioquic has no such call).
-- **Out-of-order handshake data.** aioquic buffers up to 512 KiB of CRYPTO data ahead of what
+- **Handshake data held.** aioquic buffers up to 512 KiB of CRYPTO data ahead of what
   it has read, filling the gap with zeros: an Initial datagram of 1,200 bytes whose ClientHello
   claims an offset of 500 KB holds half a megabyte until the idle timeout, from an address
   nobody checked. ``MAX_PENDING_CRYPTO`` is 16 KiB here, as quic-go's limit is (RFC 9000 §7.5
   asks for at least 4,096 bytes); data that arrives in order is never near it.
-  *Upstream:* a smaller constant, or one on ``QuicConfiguration``.
+  Data in order had no bound of its own: aioquic's TLS engine holds a handshake message until
+  it is whole, and a message's header may claim 16 MiB, so a client that sent a ClientHello
+  claiming that much and then fed it held its connection's CPU, from an unchecked address:
+  each CRYPTO frame's bytes are appended to everything held with a copy of it all (4 MiB took
+  4.8 s of CPU, 8 MiB 20 s). A server's engine (``tls.Context.handle_message``) now takes at
+  most ``MAX_HANDSHAKE_BYTES`` (16 KiB) from its client in all: a ClientHello or two (after a
+  HelloRetryRequest) and a Finished are a few kilobytes.
+  *Upstream:* a smaller constant, or one on ``QuicConfiguration``; a bound on the handshake
+  bytes a server's ``tls.Context`` buffers.
 - **Connection IDs that name their worker.** With several workers, a connection's IDs carry
   its worker's index (`transport.steering`). `make_connection_ids` replaces the handshake's ID
   before aioquic's server routes it and has ``_replenish_connection_ids`` make the rest the same
@@ -109,6 +117,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import (
     END_STATES,
     QuicConnection,
+    QuicConnectionError,
     QuicConnectionId,
     QuicErrorCode,
     QuicNetworkPath,
@@ -419,6 +428,28 @@ ORIGINAL_WRITE_STREAM_LIMITS = QuicConnection._write_stream_limits
 ORIGINAL_WRITE_CONNECTION_LIMITS = QuicConnection._write_connection_limits
 MAX_PENDING_CRYPTO = 16 * 1024
 """CRYPTO bytes a connection buffers ahead of what it has read, per epoch."""
+MAX_HANDSHAKE_BYTES = 16 * 1024
+"""Handshake bytes a server's TLS engine takes from its client, in all epochs together."""
+ORIGINAL_HANDLE_MESSAGE = tls.Context.handle_message
+_SERVER_STATES = frozenset(state for state in tls.State if state.name.startswith("SERVER_"))
+
+
+def _handle_message(
+    self: tls.Context, input_data: bytes, output_buf: dict[tls.Epoch, Buffer]
+) -> None:
+    """aioquic's own, on a server's engine only while what it took from its client stays
+    within `MAX_HANDSHAKE_BYTES`: it holds a message until it is whole, whatever length the
+    message claims, and copies all it holds at each piece."""
+    if self.state in _SERVER_STATES:
+        taken = cast(int, getattr(self, "_quicedge_taken", 0)) + len(input_data)
+        if taken > MAX_HANDSHAKE_BYTES:
+            raise QuicConnectionError(
+                error_code=QuicErrorCode.CRYPTO_BUFFER_EXCEEDED,
+                frame_type=QuicFrameType.CRYPTO,
+                reason_phrase="handshake messages too large",
+            )
+        cast(Any, self)._quicedge_taken = taken
+    ORIGINAL_HANDLE_MESSAGE(self, input_data, output_buf)
 
 
 class UnreadBytes:
@@ -589,6 +620,7 @@ def _apply() -> dict[str, bool]:
     cast(Any, QuicConnection)._write_connection_limits = _write_connection_limits
     applied["windows_by_delivered_bytes"] = True
     quic_connection.MAX_PENDING_CRYPTO = MAX_PENDING_CRYPTO
+    cast(Any, tls.Context).handle_message = _handle_message
     applied["crypto_buffer_bounded"] = True
     if cast(Any, tls.Epoch).__hash__ is object.__hash__:
         applied["epoch_identity_hash"] = True

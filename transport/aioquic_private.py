@@ -125,6 +125,8 @@ PATCHED: tuple[tuple[str, str, str], ...] = (
     ("aioquic.quic.connection", "QuicConnection._write_connection_limits",
      "aioquic's own, shown the bytes delivered in order as MAX_DATA's used credit"),
     ("aioquic.quic.connection", "MAX_PENDING_CRYPTO", "16 KiB, not 512 KiB"),
+    ("aioquic.tls", "Context.handle_message",
+     "aioquic's own, on a server's engine once it took at most 16 KiB from its client"),
 )  # fmt: skip
 """What `aioquic_patches` changes: (module, name, how)."""
 

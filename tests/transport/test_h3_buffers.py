@@ -1,8 +1,9 @@
 """What a client can make the HTTP/3 listener hold is bounded by what it sent: a gap in its
-stream data earns no larger window, handshake data far ahead of what was read and a control
-frame too large to hold end the connection, a request may not wait on QPACK entries that never
-come, and a head that never comes is timed out on any stream. Real aioquic clients (some
-writing what no well-behaved client would) against the real listener."""
+stream data earns no larger window, handshake data far ahead of what was read, a handshake
+message that never ends and a control frame too large to hold end the connection, a request
+may not wait on QPACK entries that never come, and a head that never comes is timed out on any
+stream. Real aioquic clients (some writing what no well-behaved client would) against the real
+listener."""
 
 from __future__ import annotations
 
@@ -105,6 +106,41 @@ async def test_handshake_data_far_ahead_of_what_was_read_ends_the_connection(
                 while quic._close_event is None:
                     data = await loop.sock_recv(sock, 65536)
                     quic.receive_datagram(data, ("127.0.0.1", server.port), now=time.time())
+        assert quic._close_event.error_code == QuicErrorCode.CRYPTO_BUFFER_EXCEEDED
+
+
+async def test_a_handshake_message_that_never_ends_ends_the_connection(
+    h3_server: H3Factory, dev_certs: Any
+) -> None:
+    """An Initial whose ClientHello claims 16 MiB, then 24 KiB of it in order: aioquic alone
+    holds it all for the message to be whole, copying everything it holds at each frame (8 MiB
+    took 20 s of CPU), for an address nobody checked."""
+    async with h3_server() as server:
+        quic = QuicConnection(configuration=client_config(dev_certs.ca_cert))
+        loop = asyncio.get_running_loop()
+        address = ("127.0.0.1", server.port)
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.setblocking(False)
+            sock.connect(address)
+            quic.connect(address, now=time.time())
+            sender = quic._crypto_streams[Epoch.INITIAL].sender
+            sender._buffer = bytearray()  # instead of the real ClientHello
+            sender._pending.subtract(0, 1 << 62)
+            sender._buffer_start = sender._buffer_stop = 0
+            sender.write(b"\x01\xff\xff\xf0" + bytes(24 * 1024))
+            async with asyncio.timeout(10):
+                while quic._close_event is None:
+                    for datagram, _ in quic.datagrams_to_send(now=time.time()):
+                        sock.send(datagram)
+                    timer = quic.get_timer()
+                    wait = 0.5 if timer is None else max(0.0, min(0.5, timer - time.time()))
+                    try:
+                        async with asyncio.timeout(wait):
+                            data = await loop.sock_recv(sock, 65536)
+                    except TimeoutError:
+                        quic.handle_timer(now=time.time())
+                        continue
+                    quic.receive_datagram(data, address, now=time.time())
         assert quic._close_event.error_code == QuicErrorCode.CRYPTO_BUFFER_EXCEEDED
 
 
