@@ -410,6 +410,7 @@ class StateRequest:
         "cached",
         "captured",
         "captured_size",
+        "committed",
         "ended",
         "ex",
         "head",
@@ -423,6 +424,7 @@ class StateRequest:
         "stage",
         "status",
         "turn",
+        "turn_settled",
         "usage",
         "whole",
         "_send",
@@ -447,6 +449,9 @@ class StateRequest:
         self.status = 0
         self.content_type = b"application/json"
         self.ended = False
+        self.turn_settled = False
+        """Its turn was committed or released (as the answer's end went out, or at `finish`)."""
+        self.committed = False
         self.held: MutableMapping[str, Any] | None = None
         self.whole: list[bytes] = []
         self._send: Send | None = None
@@ -658,7 +663,26 @@ class StateRequest:
             await self._send(start)
         if not more:
             self.ended = True
+        if self.turn is not None and not self.turn_settled and self._over(more):
+            # Committed before the client has the answer's end: a client that sends its next
+            # turn at once (an agent's loop) found the conversation still held, 409.
+            await self._settle_turn(self.status == 200 and self._complete(ending=True))
         await self._send({**message, "body": body, "more_body": more})
+
+    def _over(self, more: bool) -> bool:
+        """The answer's end is in the chunk about to go out (a stream's end event may come
+        before the last, empty, body message)."""
+        if not more:
+            return True
+        if self.status != 200:
+            return False
+        if self.builder is not None:
+            return self.builder.ended
+        if self.scanner is not None:
+            return self.scanner.done
+        if self.answer is not None and self.ex.stream:
+            return self.answer.done
+        return False
 
     def _refused(self, body: bytes, more: bool) -> bytes:
         """A backend's 4xx or 5xx answer to a `/v1/responses` request, read whole (up to
@@ -757,10 +781,13 @@ class StateRequest:
             return
         stage.completions_kept.labels("stored" if kept else "too_large").inc()
 
-    def _complete(self) -> bool:
-        """The client got a whole, successful answer (a stream that reached its end cleanly)."""
+    def _complete(self, *, ending: bool = False) -> bool:
+        """The client got a whole, successful answer (a stream that reached its end cleanly);
+        `ending`: its end is about to go out."""
         ex = self.ex
-        if self.status != 200 or not self.ended or ex.error is not None or ex.disconnected:
+        if self.status != 200 or not (self.ended or ending):
+            return False
+        if ex.error is not None or ex.disconnected:
             return False
         if self.builder is not None:
             return self.builder.ended and self.builder.failed is None
@@ -787,18 +814,17 @@ class StateRequest:
             text = answer_of_body(b"".join(self.whole))[1]
         return None if text is None else {"role": "assistant", "content": text}
 
-    async def finish(self) -> None:
-        """Commit the turn or release it; store a complete answer. Never raises."""
+    async def _settle_turn(self, complete: bool) -> None:
+        """Commit the turn (`complete`) or release it, once. Never raises."""
         stage, turn = self.stage, self.turn
-        complete = self._complete()
-        committed = False
+        self.turn_settled = True
         try:
             if turn is not None and stage.conversations is not None:
                 reply = self._reply() if complete else None
                 if reply is not None:
                     meta = self.builder.stored() if self.builder is not None else None
-                    committed = await stage.conversations.commit(turn, reply, meta)
-                    stage.turns.labels("committed" if committed else "lost").inc()
+                    self.committed = await stage.conversations.commit(turn, reply, meta)
+                    stage.turns.labels("committed" if self.committed else "lost").inc()
                 else:
                     await stage.conversations.release(turn)
                     stage.turns.labels("failed").inc()
@@ -808,6 +834,15 @@ class StateRequest:
             if self.queued and self.background_error is None:
                 stored = f"the answer completed, but it could not be stored: {err.message}"
                 self.background_error = {"code": "state_unavailable", "message": stored}
+
+    async def finish(self) -> None:
+        """Commit the turn or release it (unless that was done as the answer's end went out);
+        store a complete answer. Never raises."""
+        stage = self.stage
+        complete = self._complete()
+        if not self.turn_settled:
+            await self._settle_turn(complete)
+        committed = self.committed
         if self.keep is not None:
             await self._store_completion(complete)
         if self.queued:
