@@ -245,9 +245,9 @@ class H3Session:
         if isinstance(event, StreamReset | StopSendingReceived):
             self._on_reset(event.stream_id, actions)
         if self._h3.failed_streams:
-            for failed in self._h3.failed_streams:
+            failed_streams, self._h3.failed_streams = self._h3.failed_streams, []
+            for failed in failed_streams:
                 self._on_failed(failed.stream_id, failed.status, failed.reason, actions)
-            self._h3.failed_streams.clear()
         return actions
 
     def _head_late(self, stream_id: int) -> bool:
@@ -462,7 +462,11 @@ class H3Session:
         if stream_id in self._deferred:
             self._deferred.remove(stream_id)
         if status is not None:
-            self._respond(stream_id, status, reason)
+            if req is not None and req.response_started:
+                # An answer has begun (the refusal is of trailers): no status can follow it.
+                self._h3.abort_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
+            else:
+                self._respond(stream_id, status, reason)
         actions.append(RequestRefused(stream_id, status, reason))
 
     def _release_deferred(self, now: float, actions: list[Action]) -> None:

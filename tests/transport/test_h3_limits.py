@@ -113,6 +113,26 @@ async def test_oversize_header_block_is_431(h3_server: H3Factory, dev_certs) -> 
     assert [s.path for s in app.seen] == ["/echo"]
 
 
+async def test_oversize_trailers_after_the_answer_began_reset_the_stream(
+    h3_server: H3Factory, dev_certs
+) -> None:
+    """A status cannot follow an answer that began: the listener tried to send a 431 anyway,
+    which raised at every later datagram of the connection; it served nothing more, and the
+    app never heard the request was gone."""
+    app = RecordingApp()
+    async with h3_server(app=app, limits=H3Limits(max_header_bytes=2048)) as server:
+        async with h3_connect(server.port, dev_certs.ca_cert) as c:
+            held = c.request("POST", "/hold", body=b"abc", end=False)
+            c.send_now()
+            await asyncio.wait_for(c.responses[held].first_data.wait(), 10)
+            c.h3.send_headers(held, [(b"x-big", b"a" * 8000)], end_stream=True)  # trailers
+            c.send_now()
+            response = await c.wait(held)
+            assert response.reset_code == ErrorCode.H3_REQUEST_CANCELLED
+            assert await asyncio.wait_for(app.disconnects.get(), 5) == "/hold"
+            await _connection_still_serves(c)
+
+
 async def test_body_over_limit_is_413(h3_server: H3Factory, dev_certs) -> None:
     limits = H3Limits(max_body_bytes=1000)
     app = RecordingApp()
