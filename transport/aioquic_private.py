@@ -81,6 +81,7 @@ ATTRIBUTES: tuple[Private, ...] = (
     Private(H3Connection, "_receive_request_or_push_data",
             "a header size limit setting (RFC 9114 §4.2.2) and stream-level request errors"),
     Private(H3Connection, "_check_request_or_push_frame_type", "as above"),
+    Private(H3Connection, "_decode_headers", "as above"),
     Private(H3Connection, "_handle_request_or_push_frame",
             "malformed requests as stream errors (RFC 9114 §4.1.2), not connection errors"),
     Private(H3Connection, "_check_control_frame_type",
@@ -135,6 +136,7 @@ H3_HOOK_PARAMETERS: dict[str, tuple[str, ...]] = {
     "_check_control_frame_type": ("self", "frame_type"),
     "_receive_request_or_push_data": ("self", "stream", "data", "stream_ended"),
     "_check_request_or_push_frame_type": ("self", "frame_type", "stream"),
+    "_decode_headers": ("self", "stream_id", "frame_data"),
     "_handle_request_or_push_frame": ("self", "frame_type", "frame_data", "stream", "stream_ended"),
 }
 """The private H3Connection methods `StreamConfinedH3Connection` overrides, with the parameters

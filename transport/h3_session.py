@@ -299,12 +299,11 @@ class H3Session:
             actions.append(RequestRefused(stream_id, None, "after GOAWAY"))
             return
         self._opened += 1
-        size = 0
+        # The section's size was checked as it was decoded (`StreamConfinedH3Connection`).
         method = path = authority = b""
         scheme = b"https"
         headers: list[tuple[bytes, bytes]] = []
         for name, value in event.headers:
-            size += len(name) + len(value) + 32
             if name.startswith(b":"):
                 if name == b":method":
                     method = value
@@ -316,9 +315,6 @@ class H3Session:
                     scheme = value
             else:
                 headers.append((name, value))
-        if size > self._limits.max_header_bytes:
-            self._refuse(stream_id, 431, "request header fields too large", actions)
-            return
         if not path.startswith(b"/"):
             # CONNECT, or an asterisk/absolute form: not served by this proxy.
             self._refuse(stream_id, 400, "request target must be an origin-form path", actions)
