@@ -88,7 +88,7 @@ ATTRIBUTES: tuple[Private, ...] = (
             "a bound on the control-stream frames H3Connection buffers whole"),
     Private(H3Connection, "_peer_control_stream_id", "as above"),
     Private(H3Connection, "_init_connection",
-            "a QPACK_BLOCKED_STREAMS argument to H3Connection"),
+            "QPACK_MAX_TABLE_CAPACITY and QPACK_BLOCKED_STREAMS arguments to H3Connection"),
     Private(H3Connection, "_is_client", "as above"),
     Private(H3Connection, "_blocked_streams", "as above"),
     Private(H3Connection, "_max_table_capacity", "as above"),
@@ -271,12 +271,14 @@ def peer_control_stream(h3: H3Connection) -> H3Stream | None:
     return None if stream_id is None else h3._stream.get(stream_id)
 
 
-def refuse_blocked_streams(h3: H3Connection) -> None:
-    """Allow the peer no QPACK-blocked stream (SETTINGS_QPACK_BLOCKED_STREAMS 0) on a server
+def refuse_qpack_table(h3: H3Connection) -> None:
+    """Allow the peer neither a QPACK dynamic table nor a blocked stream
+    (SETTINGS_QPACK_MAX_TABLE_CAPACITY 0, SETTINGS_QPACK_BLOCKED_STREAMS 0) on a server
     connection; call from `_init_connection`, before the settings are sent."""
     if not h3._is_client:
+        h3._max_table_capacity = 0
         h3._blocked_streams = 0
-        h3._decoder = pylsqpack.Decoder(h3._max_table_capacity, 0)
+        h3._decoder = pylsqpack.Decoder(0, 0)
 
 
 def head_received(stream: H3Stream) -> bool:

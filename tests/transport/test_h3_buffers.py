@@ -1,9 +1,8 @@
 """What a client can make the HTTP/3 listener hold is bounded by what it sent: a gap in its
 stream data earns no larger window, handshake data far ahead of what was read, a handshake
-message that never ends and a control frame too large to hold end the connection, a request
-may not wait on QPACK entries that never come, and a head that never comes is timed out on any
-stream. Real aioquic clients (some writing what no well-behaved client would) against the real
-listener."""
+message that never ends and a control frame too large to hold end the connection, there is no
+QPACK table to fill or wait on, and a head that never comes is timed out on any stream. Real
+aioquic clients (some writing what no well-behaved client would) against the real listener."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ import time
 from typing import Any
 
 from aioquic.buffer import encode_uint_var
-from aioquic.h3.connection import ErrorCode, FrameType
+from aioquic.h3.connection import ErrorCode, FrameType, Setting
 from aioquic.quic.connection import QuicConnection, QuicErrorCode
 from aioquic.tls import Epoch
 
@@ -169,6 +168,23 @@ async def test_a_request_waiting_on_a_qpack_entry_never_sent_ends_the_connection
         frame = encode_uint_var(FrameType.HEADERS) + encode_uint_var(len(block)) + block
         code = await _closed_for(c, c.quic.get_next_available_stream_id(), frame)
         assert code == ErrorCode.QPACK_DECOMPRESSION_FAILED
+
+
+async def test_a_qpack_table_entry_ends_the_connection_the_listener_keeps_none(
+    h3_server: H3Factory, dev_certs: Any
+) -> None:
+    """With a dynamic table of 4 KB, each byte of a header block could stand for 4 KB: a 16 KiB
+    block decoded to 64 MB. The listener offers none, and a client's requests need none."""
+    async with h3_server() as server, h3_connect(server.port, dev_certs.ca_cert) as c:
+        assert (await c.fetch("GET", "/echo", headers=[(b"x-a", b"v" * 100)])).status == 200
+        settings = c.h3.received_settings
+        assert settings is not None and settings[Setting.QPACK_MAX_TABLE_CAPACITY] == 0
+        encoder = c.h3._local_encoder_stream_id
+        assert encoder is not None
+        # RFC 9204 §4.3.1, §4.3.3: Set Dynamic Table Capacity 64, then insert "x-a: v".
+        instructions = b"\x3f\x21" + b"\x43x-a\x01v"
+        code = await _closed_for(c, encoder, instructions)
+        assert code == ErrorCode.QPACK_ENCODER_STREAM_ERROR
 
 
 async def test_a_head_that_never_comes_on_an_older_stream_gets_408(
