@@ -170,6 +170,8 @@ Action = StartRequest | RequestBody | RequestAborted | RequestRefused | EarlyReq
 class _Request:
     scope: Scope
     arrived_at: float
+    body_limit: int
+    """The content-length the request declared, else `max_body_bytes`: no more is taken."""
     started: bool = False
     body_done: bool = False
     received: int = 0
@@ -348,7 +350,8 @@ class H3Session:
                 "arrived_at": time.perf_counter(),
             },
         }
-        req = _Request(scope=scope, arrived_at=now)
+        limit = self._limits.max_body_bytes if length is None else length
+        req = _Request(scope=scope, arrived_at=now, body_limit=limit)
         self._requests[stream_id] = req
         if early:
             mode = self._policy.mode_for(scope["path"])
@@ -377,10 +380,8 @@ class H3Session:
         if req is None or req.body_done:
             return
         req.received += len(data)
-        if req.received > self._limits.max_body_bytes:
-            if req.started:
-                actions.append(RequestAborted(stream_id))
-            self._refuse(stream_id, 413, "request body too large", actions)
+        if req.received > req.body_limit:
+            self._body_over_limit(stream_id, req, actions)
             return
         if not data and not ended:
             return
@@ -393,6 +394,18 @@ class H3Session:
             actions.append(piece)
         else:
             req.pending.append(piece)
+
+    def _body_over_limit(self, stream_id: int, req: _Request, actions: list[Action]) -> None:
+        """More body than the request declared (malformed, RFC 9114 §4.1.2: a stream error at
+        once, not at the stream's end, when the app would have read it all), or than the
+        listener takes (413)."""
+        if _content_length(req.scope["headers"]) is not None:
+            self._h3.abort_stream(stream_id, ErrorCode.H3_MESSAGE_ERROR)
+            self._on_failed(stream_id, None, "body longer than its content-length", actions)
+            return
+        if req.started:
+            actions.append(RequestAborted(stream_id))
+        self._refuse(stream_id, 413, "request body too large", actions)
 
     def _overdue(self, stream_id: int) -> None:
         """The body deadline of `stream_id` passed (a slowloris): 408, the app sees it gone."""

@@ -66,6 +66,24 @@ async def test_a_content_length_the_body_does_not_match_is_a_stream_error(
         await _connection_still_serves(c)
 
 
+async def test_a_body_past_its_content_length_is_a_stream_error_at_once(
+    h3_server: H3Factory, dev_certs
+) -> None:
+    """aioquic compares the two only when the stream ends: the app read up to `max_body_bytes`
+    of a body that declared 10 bytes, for as long as the client kept the stream open."""
+    app = RecordingApp()
+    async with h3_server(app=app) as server, h3_connect(server.port, dev_certs.ca_cert) as c:
+        bad = c.request(
+            "POST", "/echo", body=b"x" * 3000, headers=[(b"content-length", b"10")], end=False
+        )
+        c.send_now()
+        response = await c.wait(bad)
+        assert response.reset_code == ErrorCode.H3_MESSAGE_ERROR and response.status is None
+        assert await asyncio.wait_for(app.disconnects.get(), 5) == "/echo"
+        assert len(app.seen[0].body) <= 10
+        await _connection_still_serves(c)
+
+
 @pytest.mark.parametrize("limit", [2, 4])
 async def test_connection_ids_are_bounded_both_ways(
     h3_server: H3Factory, dev_certs, limit: int
