@@ -33,7 +33,12 @@ repeated work rather than protocol work:
   server. ``QuicConnection._replenish_connection_ids`` issues no more than the connection's own
   ``active_connection_id_limit`` either (`aioquic_private.set_active_connection_id_limit` lowers
   it per connection), which leaves aioquic's behaviour as it was where that limit is its default.
-  *Upstream:* a ``QuicConfiguration.active_connection_id_limit`` for both directions.
+  A client may retire only an ID it was sent (RFC 9000 §19.16): aioquic checked that the ID
+  was made, and makes its replacement at once, so one datagram retiring the IDs made while it
+  was read churned hundreds. ``_handle_retire_connection_id_frame`` refuses one never sent with
+  PROTOCOL_VIOLATION (``_write_new_connection_id_frame`` remembers the highest sent).
+  *Upstream:* a ``QuicConfiguration.active_connection_id_limit`` for both directions; the
+  retirement checked against the IDs sent.
 - **Pacing by the bytes sent.** aioquic's pacer charges every packet a full datagram's time and
   lets at most two full datagrams (or a quarter of the congestion window) go at once. A token
   stream is a packet per token of ~100–250 bytes, so at a new connection's window (12,000
@@ -343,6 +348,40 @@ def _replenish_connection_ids(self: QuicConnection) -> None:
             derived[1](cid)
 
 
+ORIGINAL_WRITE_NEW_CONNECTION_ID = QuicConnection._write_new_connection_id_frame
+ORIGINAL_HANDLE_RETIRE_CONNECTION_ID = QuicConnection._handle_retire_connection_id_frame
+
+
+def _write_new_connection_id_frame(
+    self: QuicConnection, builder: QuicPacketBuilder, connection_id: QuicConnectionId
+) -> None:
+    """aioquic's own, remembering the highest sequence number it has sent."""
+    ORIGINAL_WRITE_NEW_CONNECTION_ID(self, builder, connection_id)
+    sent = cast(int, getattr(self, "_quicedge_sent_cid_seq", 0))
+    if connection_id.sequence_number > sent:
+        cast(Any, self)._quicedge_sent_cid_seq = connection_id.sequence_number
+
+
+def _handle_retire_connection_id_frame(
+    self: QuicConnection, context: Any, frame_type: int, buf: Buffer
+) -> None:
+    """aioquic's own, after RFC 9000 §19.16's check that the ID retired was sent: aioquic checks
+    only that it was made, and makes a new one for each it retires, at once. A datagram of
+    RETIRE_CONNECTION_ID frames for the IDs made while it is read retired hundreds (2.5 ms of
+    CPU a datagram), and without stateless resets each failed an assertion in aioquic's
+    server, which routes an ID only once its frame is written, logged at every datagram."""
+    start = buf.tell()
+    sequence_number = buf.pull_uint_var()
+    buf.seek(start)
+    if sequence_number > cast(int, getattr(self, "_quicedge_sent_cid_seq", 0)):
+        raise QuicConnectionError(
+            error_code=QuicErrorCode.PROTOCOL_VIOLATION,
+            frame_type=frame_type,
+            reason_phrase="Cannot retire a connection ID never sent",
+        )
+    ORIGINAL_HANDLE_RETIRE_CONNECTION_ID(self, context, frame_type, buf)
+
+
 ORIGINAL_RECEIVE_DATAGRAM = QuicConnection.receive_datagram
 
 
@@ -607,6 +646,9 @@ def _apply() -> dict[str, bool]:
         quic_connection.EPOCHS = functools.cache(_original_epochs)
     applied["epochs_memoized"] = True
     cast(Any, QuicConnection)._replenish_connection_ids = _replenish_connection_ids
+    connection = cast(Any, QuicConnection)
+    connection._write_new_connection_id_frame = _write_new_connection_id_frame
+    connection._handle_retire_connection_id_frame = _handle_retire_connection_id_frame
     applied["connection_ids_bounded"] = True
     # A connection's pacer is made with it: connections made before this keep aioquic's.
     recovery.QuicPacketPacer = BytePacer  # type: ignore[misc]

@@ -111,6 +111,10 @@ PATCHED: tuple[tuple[str, str, str], ...] = (
     ("aioquic.quic.connection", "QuicConnection._replenish_connection_ids",
      "issues no more connection IDs than the connection's own active_connection_id_limit;"
      " the connection's own IDs and derived reset tokens, each ID routed as it is made"),
+    ("aioquic.quic.connection", "QuicConnection._write_new_connection_id_frame",
+     "aioquic's own, remembering the highest sequence number sent"),
+    ("aioquic.quic.connection", "QuicConnection._handle_retire_connection_id_frame",
+     "aioquic's own, after a check that the ID retired was sent (RFC 9000 §19.16)"),
     ("aioquic.tls", "Context._server_handle_hello",
      "reads certificate.public_bytes(DER): given pre-encoded certificates"),
     ("aioquic.quic.recovery", "QuicPacketPacer",
