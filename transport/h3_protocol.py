@@ -22,8 +22,9 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol
-from aioquic.quic.connection import NetworkAddress, QuicConnection
+from aioquic.quic.connection import NetworkAddress, QuicConnection, QuicErrorCode
 from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, QuicEvent
+from aioquic.quic.packet import QuicFrameType
 
 from transport import aioquic_patches
 from transport.aioquic_private import (
@@ -57,6 +58,9 @@ _DISCONNECT: Message = {"type": "http.disconnect"}
 # are under the high-water mark; it resumes when acknowledgements bring them under the low one.
 SEND_HIGH_WATER = 1024 * 1024
 SEND_LOW_WATER = 256 * 1024
+
+HANDSHAKE_TIMEOUT = "handshake_timeout"
+"""The reason a connection closed for a handshake past its deadline is counted under."""
 
 
 class _StreamChannel:
@@ -148,6 +152,12 @@ class H3Protocol(QuicConnectionProtocol):
         self._connection = quic
         self._event_loop = asyncio.get_running_loop()
         self._started_at = self._event_loop.time()
+        # A client that never completes its handshake would otherwise hold the connection, and
+        # the requests deferred on it, for as long as it sends anything (a PING resets the idle
+        # timer): the handshake gets the head's deadline, as on the TLS listener.
+        self._handshake_deadline: asyncio.TimerHandle | None = self._event_loop.call_later(
+            limits.request_head_timeout, self._handshake_overdue
+        )
         self.on_closed: Callable[[], None] | None = None
         """Called once, when the connection has ended (the listener's gate forgets it)."""
 
@@ -168,6 +178,7 @@ class H3Protocol(QuicConnectionProtocol):
         if isinstance(event, HandshakeCompleted):
             self._server.handshake_completed(event, self._event_loop.time() - self._started_at)
             self._stop_early_watch()
+            self._stop_handshake_deadline()
         elif isinstance(event, ConnectionTerminated) and self.on_closed is not None:
             on_closed, self.on_closed = self.on_closed, None
             on_closed()
@@ -176,6 +187,7 @@ class H3Protocol(QuicConnectionProtocol):
         if self._session.terminated:
             self._release_writers(everyone=True)
             self._stop_early_watch()
+            self._stop_handshake_deadline()
 
     def _run_actions(self, actions: list[Action]) -> None:
         """Actions the session took outside an event (a request's body deadline)."""
@@ -332,6 +344,29 @@ class H3Protocol(QuicConnectionProtocol):
             self._early_deadline = self._event_loop.call_later(
                 self._server.limits.early_data_handshake_deadline, self._early_data_expired
             )
+
+    def _stop_handshake_deadline(self) -> None:
+        if self._handshake_deadline is not None:
+            self._handshake_deadline.cancel()
+            self._handshake_deadline = None
+
+    def _handshake_overdue(self) -> None:
+        """The handshake is not complete `request_head_timeout` after the first datagram: the
+        connection is closed (CONNECTION_REFUSED: it was never accepted), and so its requests
+        deferred for the handshake go too; those running on early data heard `http.disconnect`
+        at `early_data_handshake_deadline` already."""
+        self._handshake_deadline = None
+        if self._session.handshake_complete or self._session.terminated:
+            return
+        metrics = self._server.metrics
+        if metrics is not None:
+            metrics.connections_refused.labels("h3", HANDSHAKE_TIMEOUT).inc()
+        self._connection.close(
+            error_code=QuicErrorCode.CONNECTION_REFUSED,
+            frame_type=QuicFrameType.PADDING,  # a transport close: no frame caused it
+            reason_phrase="handshake not completed in time",
+        )
+        self.transmit()
 
     def _stop_early_watch(self) -> None:
         self._early.clear()

@@ -79,9 +79,10 @@ class H3Limits:
     it). Default 2 s: a handshake takes one round trip after the server's first flight."""
     request_head_timeout: float = 10 * SECONDS
     """A request head must arrive whole within this many seconds of its first byte, else 408
-    and close (a slowloris holds no worker); HTTP/3: 408 on the stream. On the TLS listener
-    hypercorn counts it from the connection's start or its last response, and it is the idle
-    keep-alive timeout there too."""
+    and close (a slowloris holds no worker); HTTP/3: 408 on the stream, and a connection whose
+    handshake is not complete this long after its first datagram is closed. On the TLS
+    listener hypercorn counts it from the connection's start or its last response, and it is
+    the idle keep-alive timeout there too."""
     request_body_timeout: float = 60 * SECONDS
     """A request body must arrive whole within this many seconds of its head, on every
     listener: else 408 (HTTP/3: on the stream; once a response began, a reset or a close)."""
