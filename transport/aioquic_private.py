@@ -87,6 +87,10 @@ ATTRIBUTES: tuple[Private, ...] = (
     Private(H3Connection, "_check_control_frame_type",
             "a bound on the control-stream frames H3Connection buffers whole"),
     Private(H3Connection, "_peer_control_stream_id", "as above"),
+    Private(H3Connection, "_receive_stream_data_uni",
+            "a bound on the frames and streams that carry nothing a connection reads"),
+    Private(H3Connection, "_abort_incomplete_request", "as above"),
+    Private(H3Stream, "stream_type", "as above"),
     Private(H3Connection, "_init_connection",
             "QPACK_MAX_TABLE_CAPACITY and QPACK_BLOCKED_STREAMS arguments to H3Connection"),
     Private(H3Connection, "_is_client", "as above"),
@@ -137,6 +141,8 @@ PATCHED: tuple[tuple[str, str, str], ...] = (
 
 H3_HOOK_PARAMETERS: dict[str, tuple[str, ...]] = {
     "_init_connection": ("self",),
+    "_receive_stream_data_uni": ("self", "stream", "data", "stream_ended"),
+    "_abort_incomplete_request": ("self", "stream_id"),
     "_check_control_frame_type": ("self", "frame_type"),
     "_receive_request_or_push_data": ("self", "stream", "data", "stream_ended"),
     "_check_request_or_push_frame_type": ("self", "frame_type", "stream"),

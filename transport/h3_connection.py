@@ -21,6 +21,14 @@ appends everything sent on it, with the same copying. A client that inserts an e
 ends its connection with QPACK_ENCODER_STREAM_ERROR, one that refers to one with
 QPACK_DECOMPRESSION_FAILED (RFC 9204 §2.1.2, §4.3.1).
 
+A client can make the listener parse what carries nothing, without bound and at 2 to 25 µs a
+piece: frames of unknown or reserved types (PRIORITY_UPDATE among them) on the control stream
+or a request's, DATA frames of a byte or none, request streams ended before any HEADERS,
+unidirectional streams of unknown types. Two bytes a frame, one client held a core with 1 MB/s,
+40 times the CPU its bytes cost as a request body. They are counted together and weighed
+against the requests as HTTP/2's control frames are (`caps.floods_control`): past 1,000, and
+more than ten a request, the connection ends with H3_EXCESSIVE_LOAD and `flooded` is set.
+
 Each change overrides a private ``H3Connection`` hook, listed with the rest in
 ``transport.aioquic_private``.
 """
@@ -37,6 +45,7 @@ from aioquic.h3.connection import (
     H3Stream,
     MessageError,
     ProtocolError,
+    StreamType,
     encode_frame,
     stream_is_request_response,
 )
@@ -51,9 +60,22 @@ from transport.aioquic_private import (
     peer_control_stream,
     refuse_qpack_table,
 )
+from transport.caps import CONTROL_FRAMES_FREE, floods_control
 
 MAX_CONTROL_FRAME = 16 * 1024
 """Bytes of a SETTINGS or MAX_PUSH_ID frame (a handful of varints each) the listener reads."""
+SMALL_DATA = 64
+"""A DATA frame with fewer bytes than this is counted with the frames that carry nothing: it
+costs the listener what an empty one does, and a body sent in them 3 to 40 times what the same
+bytes cost in large frames."""
+_HEADERS = int(FrameType.HEADERS)
+_DATA = int(FrameType.DATA)
+_KNOWN_UNI_STREAMS = frozenset(
+    int(kind)
+    for kind in (
+        StreamType.CONTROL, StreamType.PUSH, StreamType.QPACK_ENCODER, StreamType.QPACK_DECODER
+    )
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +98,12 @@ class ControlFrameTooLarge(ProtocolError):
     error_code = ErrorCode.H3_EXCESSIVE_LOAD
 
 
+class FrameFlood(ProtocolError):
+    """Frames that carry nothing, out of all proportion to the requests (`caps.floods_control`)."""
+
+    error_code = ErrorCode.H3_EXCESSIVE_LOAD
+
+
 class StreamConfinedH3Connection(H3Connection):
     """A server-side H3Connection that answers bad requests with a stream error."""
 
@@ -87,6 +115,10 @@ class StreamConfinedH3Connection(H3Connection):
         self._max_header_bytes = max_header_bytes
         self.failed_streams: list[StreamFailed] = []
         """Streams refused since the caller last drained this list."""
+        self._idle = 0  # frames (and streams) received that carry nothing
+        self._heads = 0  # HEADERS frames received on request streams
+        self.flooded = False
+        """The connection was closed for frames that carry nothing (`FrameFlood`)."""
 
     def head_pending(self, stream_id: int) -> bool:
         """Whether a request stream has started but its HEADERS are still to come (not
@@ -129,12 +161,37 @@ class StreamConfinedH3Connection(H3Connection):
         self._failed.discard(stream_id)
         forget_h3_stream(self, stream_id)
 
+    def _idle_frame(self) -> None:
+        """One more frame (or stream) that carries nothing: past the free ones, weighed against
+        the requests."""
+        self._idle += 1
+        if self._idle > CONTROL_FRAMES_FREE and floods_control(self._idle, self._heads):
+            self.flooded = True
+            raise FrameFlood(f"{self._idle} frames that carry nothing, {self._heads} requests")
+
     def _init_connection(self) -> None:
         refuse_qpack_table(self)  # before the settings go out
         super()._init_connection()
 
+    def _receive_stream_data_uni(
+        self, stream: H3Stream, data: bytes, stream_ended: bool
+    ) -> list[H3Event]:
+        typed = stream.stream_type is not None
+        events = super()._receive_stream_data_uni(stream, data, stream_ended)
+        if not typed and self._serving and stream.stream_type is not None:
+            if stream.stream_type not in _KNOWN_UNI_STREAMS:
+                self._idle_frame()  # a stream whose bytes are all discarded
+        return events
+
+    def _abort_incomplete_request(self, stream_id: int) -> None:
+        if self._serving:
+            self._idle_frame()  # a request stream that ended, or was reset, before its HEADERS
+        super()._abort_incomplete_request(stream_id)
+
     def _check_control_frame_type(self, frame_type: int) -> None:
         super()._check_control_frame_type(frame_type)
+        if self._serving:
+            self._idle_frame()  # what a client sends here is SETTINGS, then next to nothing
         if frame_type in (FrameType.SETTINGS, FrameType.MAX_PUSH_ID):
             control = peer_control_stream(self)
             size = None if control is None else control.frame_size
@@ -172,15 +229,17 @@ class StreamConfinedH3Connection(H3Connection):
 
     def _check_request_or_push_frame_type(self, frame_type: int, stream: H3Stream) -> None:
         super()._check_request_or_push_frame_type(frame_type, stream)
-        if (
-            self._serving
-            and frame_type == FrameType.HEADERS
-            and stream.frame_size is not None
-            and stream.frame_size > self._max_header_bytes
-        ):
-            # The encoded block is never larger than the decoded field section, so this
-            # refuses only requests that are over the limit anyway.
-            raise _HeaderBlockTooLarge
+        if not self._serving:
+            return
+        size = stream.frame_size  # read with the type: never None here
+        if frame_type == _HEADERS:
+            self._heads += 1
+            if size is not None and size > self._max_header_bytes:
+                # The encoded block is never larger than the decoded field section, so this
+                # refuses only requests that are over the limit anyway.
+                raise _HeaderBlockTooLarge
+        elif frame_type != _DATA or (size is not None and size < SMALL_DATA):
+            self._idle_frame()
 
     def _handle_request_or_push_frame(
         self,

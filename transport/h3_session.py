@@ -34,7 +34,7 @@ from aioquic.quic.events import (
     StreamReset,
 )
 
-from transport.caps import RAPID_RESET, resets_most
+from transport.caps import CONTROL_FLOOD, RAPID_RESET, resets_most
 from transport.early_data import EarlyDataPolicy, Mode
 from transport.h3_connection import StreamConfinedH3Connection
 
@@ -159,7 +159,8 @@ class EarlyRequest:
 
 @dataclass(frozen=True, slots=True)
 class SentAway:
-    """The connection was closed for how its client behaved (`reason`: `caps.RAPID_RESET`)."""
+    """The connection was closed for how its client behaved (`reason`: `caps.RAPID_RESET`,
+    `caps.CONTROL_FLOOD`)."""
 
     reason: str
 
@@ -232,6 +233,8 @@ class H3Session:
             self._release_deferred(now, actions)
             return actions
         if isinstance(event, ConnectionTerminated):
+            if self._h3.flooded:
+                actions.append(SentAway(CONTROL_FLOOD))
             self._end(actions)
             return actions
         for h3_event in self._h3.handle_event(event):
