@@ -154,9 +154,9 @@ class H3Protocol(QuicConnectionProtocol):
         self._started_at = self._event_loop.time()
         # A client that never completes its handshake would otherwise hold the connection, and
         # the requests deferred on it, for as long as it sends anything (a PING resets the idle
-        # timer): the handshake gets the head's deadline, as on the TLS listener.
+        # timer).
         self._handshake_deadline: asyncio.TimerHandle | None = self._event_loop.call_later(
-            limits.request_head_timeout, self._handshake_overdue
+            limits.handshake_timeout, self._handshake_overdue
         )
         self.on_closed: Callable[[], None] | None = None
         """Called once, when the connection has ended (the listener's gate forgets it)."""
@@ -351,7 +351,7 @@ class H3Protocol(QuicConnectionProtocol):
             self._handshake_deadline = None
 
     def _handshake_overdue(self) -> None:
-        """The handshake is not complete `request_head_timeout` after the first datagram: the
+        """The handshake is not complete `handshake_timeout` after the first datagram: the
         connection is closed (CONNECTION_REFUSED: it was never accepted), and so its requests
         deferred for the handshake go too; those running on early data heard `http.disconnect`
         at `early_data_handshake_deadline` already."""

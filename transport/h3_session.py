@@ -79,10 +79,15 @@ class H3Limits:
     it). Default 2 s: a handshake takes one round trip after the server's first flight."""
     request_head_timeout: float = 10 * SECONDS
     """A request head must arrive whole within this many seconds of its first byte, else 408
-    and close (a slowloris holds no worker); HTTP/3: 408 on the stream, and a connection whose
-    handshake is not complete this long after its first datagram is closed. On the TLS
-    listener hypercorn counts it from the connection's start or its last response, and it is
-    the idle keep-alive timeout there too."""
+    and close (a slowloris holds no worker); HTTP/3: 408 on the stream. On the TLS listener
+    hypercorn counts it from the connection's start or its last response, and it is the idle
+    keep-alive timeout there too."""
+    handshake_timeout: float = 10 * SECONDS
+    """An HTTP/3 connection whose handshake is not complete this many seconds after its first
+    datagram is closed (CONNECTION_REFUSED), with the requests deferred for it: a client that
+    never sent its Finished held both for as long as it sent a PING now and then, past the
+    idle timeout. quic-go's is 10 s too; a handshake whose flights are lost twice on a slow
+    path takes a few seconds."""
     request_body_timeout: float = 60 * SECONDS
     """A request body must arrive whole within this many seconds of its head, on every
     listener: else 408 (HTTP/3: on the stream; once a response began, a reset or a close)."""
@@ -108,7 +113,7 @@ class H3Limits:
             )
         seconds = (
             "idle_timeout", "early_data_handshake_deadline", "request_head_timeout",
-            "request_body_timeout", "send_timeout",
+            "handshake_timeout", "request_body_timeout", "send_timeout",
         )  # fmt: skip
         for name in seconds:
             value = getattr(self, name)
