@@ -144,9 +144,10 @@ class TransportMetrics:
             "connections refused as they opened (TCP: closed as accepted; QUIC:"
             " CONNECTION_REFUSED): over the listener's cap (listener_cap) or one client"
             " address's (client_cap), or its rate of new connections (client_rate); or"
-            " closed for resetting most of their requests"
-            " (rapid_reset) or for HTTP/2 control frames out of all proportion to their"
-            " requests (control_flood)",
+            " closed for resetting most of their requests (rapid_reset), for HTTP/2 control"
+            " frames or HTTP/3 frames and streams that carry nothing, out of all proportion"
+            " to their requests (control_flood), or, on HTTP/3, for a handshake not complete"
+            " within handshake_timeout (handshake_timeout)",
             ["listener", "reason"],
             registry=registry,
         )
