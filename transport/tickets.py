@@ -200,6 +200,14 @@ answering in 40 ms, under a 50 ms timeout, cut resumed handshakes from ~150 to ~
 and stalled every stream of the worker 80 ms a handshake, with no error counted."""
 
 
+TICKET_PREFIX = "quicedge:ticket:q0:"
+"""The shared store's keys. Its last part names the HTTP/3 SETTINGS the tickets were issued
+under (`q0`: no QPACK dynamic table): a client resuming with 0-RTT uses the SETTINGS it
+remembers, and one that remembered a table the listener no longer keeps fails that connection
+(RFC 9204 §3.2.3). A release that changes them changes it, so that tickets of edges on either
+side of a rolling deploy are not found, and their clients make a full handshake instead."""
+
+
 class RedisTicketStore:
     """Fleet-wide store: ``SET key value PX ttl`` to keep, ``GETDEL key`` to take once."""
 
@@ -207,7 +215,7 @@ class RedisTicketStore:
         self,
         url: str,
         *,
-        prefix: str = "quicedge:ticket:",
+        prefix: str = TICKET_PREFIX,
         timeout: float = 0.05,
         cooldown: float = 1.0,
         max_ttl: float = DEFAULT_MAX_TTL,

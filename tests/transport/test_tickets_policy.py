@@ -6,15 +6,20 @@ import datetime as dt
 import os
 import signal
 import threading
+from typing import Any
 
 import pytest
 import redis
+from aioquic.h3.connection import Setting
 from aioquic.tls import CipherSuite, SessionTicket
 
 from tests.helpers import RedisServer
+from tests.transport.conftest import H3Factory
+from tests.transport.h3client import h3_connect
 from transport.early_data import EarlyDataPolicy, Mode, parse_mode
 from transport.retry import SharedRetryTokenHandler
 from transport.tickets import (
+    TICKET_PREFIX,
     MemoryTicketStore,
     RedisTicketStore,
     TicketStoreError,
@@ -203,3 +208,29 @@ def test_retry_tokens_validate_across_handlers_with_the_same_secret() -> None:
         late.validate_token(address=addr, destination_cid=b"rscid", token=token, now=0)
     with pytest.raises(ValueError, match="at least 16 bytes"):
         SharedRetryTokenHandler(b"short")
+
+
+async def test_the_shared_store_names_the_settings_its_tickets_were_issued_under(
+    h3_server: H3Factory, dev_certs: Any, redis_url: str
+) -> None:
+    """A 0-RTT client uses the SETTINGS it remembers: the store's keys name the listener's
+    QPACK table capacity, so a release that changes it finds no ticket of the other side of
+    a rolling deploy (a full handshake, not a failed 0-RTT connection)."""
+    async with h3_server() as server, h3_connect(server.port, dev_certs.ca_cert) as client:
+        assert (await client.fetch("GET", "/")).status == 200
+        settings = client.h3.received_settings
+        assert settings is not None
+        capacity = settings.get(Setting.QPACK_MAX_TABLE_CAPACITY, 0)
+    assert TICKET_PREFIX.endswith(f":q{capacity}:")
+    before = RedisTicketStore(redis_url, prefix="quicedge:ticket:")  # a table of 4096
+    now = RedisTicketStore(redis_url)
+    try:
+        t = ticket()
+        before.put(t)
+        assert now.take(t.ticket) is None
+        now.put(t)
+        assert now.take(t.ticket) == t
+    finally:
+        before.take(t.ticket)
+        before.close()
+        now.close()
