@@ -63,6 +63,10 @@ class ConversationConfig:
     memory_max_conversations: int = 100_000
     """Conversations the in-process store holds at most; past it, the tenant holding the most
     loses its least recently used (one tenant cannot evict another's)."""
+    memory_max_bytes: int = 512 * MiB
+    """Bytes of stored histories the in-process store holds at most, over all conversations;
+    past it, the tenant holding the most bytes loses its least recently used. At least four
+    times `max_bytes` (a history and its turns' kept fields, as stored)."""
     background_max: float = 3600.0
     """Seconds a background answer may run; its turn renews its lease meanwhile."""
     background_running: int = 256
@@ -79,6 +83,11 @@ class ConversationConfig:
             raise ValueError("state.conversations.overflow: must be truncate or reject")
         if self.memory_max_conversations < 1:
             raise ValueError("state.conversations.memory_max_conversations: must be >= 1")
+        if self.memory_max_bytes < 4 * self.max_bytes:
+            raise ValueError(
+                "state.conversations.memory_max_bytes: must be at least 4 x max_bytes "
+                f"({4 * self.max_bytes}), got {self.memory_max_bytes}"
+            )
         if self.background_running < 1:
             raise ValueError("state.conversations.background_running: must be >= 1")
 

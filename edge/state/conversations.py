@@ -446,38 +446,45 @@ class ConversationStore(Protocol):
 
 class MemoryConversations:
     """One process's conversations: a TTL cache per tenant and leases with deadlines. Past
-    `memory_max_conversations` in all, the tenant that holds the most loses its least recently
-    used: a tenant that opens conversations without end evicts its own, not another's."""
+    `memory_max_conversations`, or `memory_max_bytes`, in all, the tenant that holds the most
+    (conversations, or bytes) loses its least recently used: a tenant that opens conversations
+    without end, or fills them, evicts its own, not another's."""
 
     def __init__(self, config: ConversationConfig, *, clock: Any = time.monotonic) -> None:
         self._ttl = config.ttl
         self._lease_s = config.lease
         self._clock = clock
         self._max = config.memory_max_conversations
+        self._max_bytes = config.memory_max_bytes
         self._data: dict[str, TTLCache[str, bytes]] = {}
+        """By tenant; each cache's `currsize` is its histories' bytes."""
         self._leases: dict[tuple[str, str], tuple[bytes, float]] = {}
 
     def _put(self, tenant: str, cid: str, blob: bytes) -> None:
         held = self._data.get(tenant)
         if held is None:
-            held = self._data[tenant] = TTLCache(maxsize=self._max, ttl=self._ttl,
-                                                 timer=self._clock)  # fmt: skip
-        new = cid not in held
+            held = self._data[tenant] = TTLCache(
+                maxsize=self._max_bytes, ttl=self._ttl, timer=self._clock, getsizeof=len
+            )
         held[cid] = blob  # setting again restarts its TTL and makes it the most recently used
-        if new:
-            self._fit()
+        self._fit()
 
     def _fit(self) -> None:
-        """Evict down to `memory_max_conversations`: each time the least recently used of the
-        tenant holding the most (the tenants are the configured ones: few)."""
+        """Evict down to `memory_max_conversations` and `memory_max_bytes`: each time the least
+        recently used of the tenant holding the most (the tenants are the configured ones:
+        few)."""
         for tenant, held in list(self._data.items()):
             held.expire()
             if not held:
                 del self._data[tenant]
-        total = sum(len(held) for held in self._data.values())
-        while total > self._max:
+        count = sum(len(held) for held in self._data.values())
+        while count > self._max:
             max(self._data.values(), key=len).popitem()
-            total -= 1
+            count -= 1
+        size = sum(held.currsize for held in self._data.values())
+        while size > self._max_bytes:
+            held = max(self._data.values(), key=lambda h: h.currsize)
+            size -= len(held.popitem()[1])
 
     async def load(self, tenant: str, cid: str) -> bytes | None:
         held = self._data.get(tenant)
