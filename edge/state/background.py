@@ -258,22 +258,41 @@ class EventLog(Protocol):
 class _Log:
     entries: list[bytes] = field(default_factory=list)
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    size: int = 0
+    """Bytes of its entries."""
+
+
+def _log_size(log: _Log) -> int:
+    return log.size
 
 
 class MemoryEvents:
-    """Event logs in this process; a reader waits to be woken by the next append."""
+    """Event logs in this process, each for `kept_for` after its last event, as in Redis; a
+    reader waits to be woken by the next append. At most `memory_max_conversations` logs and
+    `memory_max_bytes` of entries: past either, the log written longest ago goes (a stream
+    that outgrew the whole budget alone is dropped, and reads as not kept)."""
 
     def __init__(self, config: ConversationConfig) -> None:
+        self._max = config.memory_max_conversations
         self._logs: TTLCache[tuple[str, str], _Log] = TTLCache(
-            maxsize=config.memory_max_conversations, ttl=kept_for(config)
+            maxsize=config.memory_max_bytes, ttl=kept_for(config), getsizeof=_log_size
         )
 
     async def append(self, tenant: str, rid: str, events: list[bytes], at: int) -> None:
-        log = self._logs.get((tenant, rid))
+        key = (tenant, rid)
+        log = self._logs.get(key)
         if log is None:
-            log = self._logs[(tenant, rid)] = _Log()
+            log = _Log()
         if len(log.entries) >= at:  # never fails, so never behind; as Redis does otherwise
-            log.entries.extend(events[len(log.entries) - at :])
+            added = events[len(log.entries) - at :]
+            log.entries.extend(added)
+            log.size += sum(map(len, added))
+        try:
+            self._logs[key] = log  # its size counted again; the newest now
+        except ValueError:  # larger than the whole budget on its own
+            self._logs.pop(key, None)
+        while len(self._logs) > self._max:
+            self._logs.popitem()
         log.changed.set()
         log.changed = asyncio.Event()
 

@@ -78,27 +78,43 @@ class CompletionStore(Protocol):
 
 class MemoryCompletions:
     """This process's stored completions: per tenant, oldest evicted past
-    `memory_max_conversations`, each gone after `ttl`."""
+    `memory_max_conversations`, each gone after `ttl`; past `memory_max_bytes` over all
+    tenants, the oldest of the tenant holding the most bytes goes."""
 
     def __init__(self, config: ConversationConfig, *, clock: Any = time.monotonic) -> None:
         self._ttl = config.ttl
         self._max = config.memory_max_conversations
+        self._max_bytes = config.memory_max_bytes
         self._clock = clock
         self._data: dict[str, OrderedDict[str, tuple[float, bytes]]] = {}
+        self._bytes: dict[str, int] = {}
+        """By tenant, the bytes its stored completions hold."""
 
     def _live(self, tenant: str) -> OrderedDict[str, tuple[float, bytes]]:
         kept = self._data.setdefault(tenant, OrderedDict())
         now = self._clock()
         while kept and next(iter(kept.values()))[0] <= now:  # insertion order: oldest first
-            kept.popitem(last=False)
+            self._drop_oldest(tenant)
         return kept
+
+    def _drop_oldest(self, tenant: str) -> None:
+        self._bytes[tenant] -= len(self._data[tenant].popitem(last=False)[1][1])
+
+    def _pop(self, tenant: str, cid: str) -> bool:
+        found = self._data[tenant].pop(cid, None)
+        if found is not None:
+            self._bytes[tenant] -= len(found[1])
+        return found is not None
 
     async def put(self, tenant: str, cid: str, blob: bytes) -> None:
         kept = self._live(tenant)
-        kept.pop(cid, None)
+        self._pop(tenant, cid)
         kept[cid] = (self._clock() + self._ttl, blob)
+        self._bytes[tenant] = self._bytes.get(tenant, 0) + len(blob)
         while len(kept) > self._max:
-            kept.popitem(last=False)
+            self._drop_oldest(tenant)
+        while sum(self._bytes.values()) > self._max_bytes:  # the tenants are few
+            self._drop_oldest(max(self._bytes, key=self._bytes.__getitem__))
 
     async def get(self, tenant: str, cid: str) -> bytes | None:
         found = self._live(tenant).get(cid)
@@ -108,11 +124,13 @@ class MemoryCompletions:
         kept = self._live(tenant)
         if cid not in kept:
             return False
+        self._bytes[tenant] += len(blob) - len(kept[cid][1])
         kept[cid] = (kept[cid][0], blob)
         return True
 
     async def delete(self, tenant: str, cid: str) -> bool:
-        return self._live(tenant).pop(cid, None) is not None
+        self._live(tenant)
+        return self._pop(tenant, cid)
 
     async def newest(self, tenant: str, count: int) -> list[str]:
         return list(reversed(self._live(tenant)))[:count]

@@ -64,9 +64,10 @@ class ConversationConfig:
     """Conversations the in-process store holds at most; past it, the tenant holding the most
     loses its least recently used (one tenant cannot evict another's)."""
     memory_max_bytes: int = 512 * MiB
-    """Bytes of stored histories the in-process store holds at most, over all conversations;
-    past it, the tenant holding the most bytes loses its least recently used. At least four
-    times `max_bytes` (a history and its turns' kept fields, as stored)."""
+    """Bytes the in-process store holds at most for each of conversations' histories, stored
+    chat completions and background responses' event logs; past it, the tenant holding the
+    most bytes loses its least recently used (event logs: the one written longest ago). At
+    least four times `max_bytes` (a history and its turns' kept fields, or one event log)."""
     background_max: float = 3600.0
     """Seconds a background answer may run; its turn renews its lease meanwhile."""
     background_running: int = 256

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from edge.state.background import MemoryEvents
+from edge.state.completions import MemoryCompletions
 from edge.state.config import ConversationConfig
 from edge.state.conversations import Conversations, MemoryConversations
 from tests.edge.conftest import TinyUpstream, client, fast_config, run_edge
@@ -74,3 +76,33 @@ async def test_the_store_never_holds_more_bytes_than_its_bound() -> None:
 def test_the_byte_bound_holds_a_few_whole_conversations() -> None:
     with pytest.raises(ValueError, match="memory_max_bytes: must be at least 4 x max_bytes"):
         ConversationConfig(max_bytes=1024, memory_max_bytes=4095).validate()
+
+
+async def test_stored_completions_in_memory_are_bounded_in_bytes_too() -> None:
+    config = ConversationConfig(max_bytes=1024, memory_max_bytes=4096)
+    store = MemoryCompletions(config)
+    await store.put("a", "mine", b"m" * 100)
+    for n in range(20):
+        await store.put("b", f"c{n}", b"x" * 500)
+    held = [blob for blob in await store.get_many("b", [f"c{n}" for n in range(20)]) if blob]
+    assert await store.get("a", "mine") == b"m" * 100
+    assert 0 < len(held) < 20 and 500 * len(held) + 100 <= 4096
+    assert await store.get("b", "c19") is not None  # the oldest went
+    assert await store.replace("b", "c19", b"y" * 10) and await store.delete("b", "c19")
+    assert store._bytes == {"a": 100, "b": 500 * (len(held) - 1)}  # what it holds, counted
+
+
+async def test_background_event_logs_in_memory_are_bounded_in_bytes_too() -> None:
+    config = ConversationConfig(max_bytes=1024, memory_max_bytes=4096, memory_max_conversations=3)
+    logs = MemoryEvents(config)
+    for n in range(3):
+        for at in range(3):  # a stream appends as it goes: each log grows to 1,500 bytes
+            await logs.append("t", f"r{n}", [b"e" * 500], at)
+    assert await logs.read("t", "r0", 0) is None  # the log written longest ago went
+    assert await logs.read("t", "r1", 0) == await logs.read("t", "r2", 0) == [b"e" * 500] * 3
+    for at in range(9):  # one stream past the whole budget on its own: not kept
+        await logs.append("t", "huge", [b"h" * 500], at)
+    assert await logs.read("t", "huge", 0) is None
+    for n in range(4):  # and no more logs than memory_max_conversations
+        await logs.append("u", f"s{n}", [b"s"], 0)
+    assert [await logs.read("u", f"s{n}", 0) for n in range(4)] == [None, [b"s"], [b"s"], [b"s"]]
