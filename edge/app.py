@@ -559,6 +559,9 @@ class ProxyApp:
                     relay_send = send if ex.state is None else await ex.state.begin(send)
                     if relay_send is not None:  # None: answered from the response cache
                         await self._forward(ex, receive, relay_send)
+                    elif ex.state is not None and ex.state.replay_cut is not None:
+                        if self.gateway is not None:  # as a live stream's cut is
+                            self.gateway.filtered(ex, ex.state.replay_cut)
                 finally:
                     self._finish_admission(ex)
             finally:

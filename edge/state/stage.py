@@ -419,6 +419,7 @@ class StateRequest:
         "queued",
         "normalised",
         "refused",
+        "replay_cut",
         "scanner",
         "sent",
         "stage",
@@ -463,6 +464,8 @@ class StateRequest:
         """A background answer stopped by `POST /v1/responses/{id}/cancel`."""
         self.queued = False
         """A background answer's record was written: it is settled when it ends."""
+        self.replay_cut: str | None = None
+        """The stream rule that cut an answer replayed from the cache (None: none did)."""
         self.refused: str | None = None
         """A backend's 4xx refusal of this `/v1/responses` request, as its client read it."""
         self.beat_at = 0.0
@@ -591,8 +594,7 @@ class StateRequest:
             body = guard.feed(body)
             if guard.cut is None:
                 body += guard.finish()
-            if guard.cut is not None:
-                ex.policy_decision, ex.policy_rules = "filtered", (*ex.policy_rules, guard.cut)
+            self.replay_cut = guard.cut  # noted, counted and traced by the app's gateway
         headers = [
             (b"content-type", entry.content_type),
             (b"x-request-id", ex.request_id.encode()),

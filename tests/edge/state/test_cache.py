@@ -309,12 +309,17 @@ async def test_a_replayed_stream_meets_the_stream_rules_in_force_now() -> None:
             assert b"PRIVATE KEY" in stored.content
             rule = {"id": "key-leak", "patterns": ["BEGIN PRIVATE KEY"], "literal": True}
             policy = PolicyConfig.from_mapping({"stream_rules": [rule]})
-            await edge.wiring.swap_gateway(PolicyGateway.from_config(policy))
+            decisions: list[tuple[str, str]] = []
+            gateway = PolicyGateway.from_config(
+                policy, on_decision=lambda rule, outcome: decisions.append((rule, outcome))
+            )
+            await edge.wiring.swap_gateway(gateway)
             hit = await http.post("/v1/completions", headers=USE, json=body)
             assert hit.status_code == 200 and hit.headers["x-quicedge-cache"] == "hit-l1"
             assert b"PRIVATE KEY" not in hit.content
             assert b'"finish_reason":"content_filter"' in hit.content
             assert hit.content.endswith(b"data: [DONE]\n\n")
+            assert ("key-leak", "filtered") in decisions  # counted as a live stream's cut is
             again = await http.post("/v1/completions", headers=USE, json={**body, "n": 1})
             assert b"PRIVATE KEY" not in again.content  # a fresh answer is cut the same way
             assert b'"finish_reason":"content_filter"' in again.content
