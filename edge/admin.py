@@ -1,7 +1,8 @@
 """The admin ASGI app: liveness, readiness, Prometheus metrics and the state of every backend.
 
 Served on its own (plain HTTP) listener, never on the client-facing ones. With `[proxy]
-admin_token_file`, every action (a POST) needs `Authorization: Bearer TOKEN` (`guard_actions`).
+admin_token_file`, every action (a POST) needs `Authorization: Bearer TOKEN` (`guard_actions`);
+with or without it, what a web page makes a browser send is refused (`from_a_web_page`).
 - `GET /health`: 200 while the process runs (liveness).
 - `GET /ready`: 200 when at least one backend is healthy and not drained, else 503 (readiness).
 - `GET /metrics`: `generate_latest(registry)` of the process's one registry.
@@ -48,6 +49,7 @@ from edge.errors import (
     InvalidJSON,
     InvalidRequest,
     MethodNotAllowed,
+    OriginNotAllowed,
     PayloadTooLarge,
     RouteNotFound,
 )
@@ -71,15 +73,43 @@ PROBES = frozenset({"/health", "/ready"})
 """Reads that never need the admin token: the orchestrator's probes."""
 
 
+def from_a_web_page(method: str, headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether a script or form of some web page made this request, rather than curl, a
+    scraper, an orchestrator or an operator typing the URL.
+
+    A page on any origin can make a browser POST a form to `127.0.0.1:9901` without a CORS
+    preflight (a "simple" request: the answer is opaque to the page, but the drain or reload is
+    done), and a DNS-rebinding page can read the admin answers as its own origin. Browsers mark
+    what a page sends: `Origin` on every POST, and `Sec-Fetch-Site` on every request (`none`
+    only for what the user typed or bookmarked). No tool that is meant to call the admin port
+    sends either, so an action that carries them, and a read that a page fetched (not a
+    top-level navigation, which leaves the answer to the user), are refused."""
+    site = mode = None
+    origin = False
+    for key, value in headers:
+        key = key.lower()
+        if key == b"sec-fetch-site":
+            site = value.strip().lower()
+        elif key == b"sec-fetch-mode":
+            mode = value.strip().lower()
+        elif key == b"origin":
+            origin = True
+    if method not in ("GET", "HEAD"):
+        return origin or (site is not None and site != b"none")
+    return site not in (None, b"none") and mode != b"navigate"
+
+
 def guard_actions(
     app: ASGIApp, token: bytes | None, audit: AuditLog | None = None, *, reads: bool = False
 ) -> ASGIApp:
     """`app` whose actions (POST) need `Authorization: Bearer TOKEN` (401 otherwise, recorded in
     `audit` as `event: admin_refused`); reads pass, or with `reads` all but the probes need it
-    too. Wraps the outermost admin app, so that an action is refused before any worker is asked
-    to take it (their private sockets are not the listener's)."""
+    too. With or without a token, what a web page sent (`from_a_web_page`) is refused with 403
+    `browser_request`: without a token, any page a browser on the admin network opens could
+    otherwise drain every backend. Wraps the outermost admin app, so that an action is refused
+    before any worker is asked to take it (their private sockets are not the listener's)."""
     if token is None:
-        return app
+        return _refuse_pages(app)
     expected = b"Bearer " + token
     last_recorded = [-1.0]
 
@@ -107,7 +137,23 @@ def guard_actions(
                 return
         await app(scope, receive, send)
 
-    return guarded
+    return _refuse_pages(guarded)
+
+
+def _refuse_pages(app: ASGIApp) -> ASGIApp:
+    """`app` behind the refusal of `from_a_web_page` (outermost: before the token is asked)."""
+
+    async def no_pages(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and from_a_web_page(scope["method"], scope["headers"]):
+            await render_error(send, OriginNotAllowed(
+                "the admin port does not answer requests made by web pages (Origin or "
+                "Sec-Fetch-Site); call it with curl or another HTTP client",
+                code="browser_request",
+            ))  # fmt: skip
+            return
+        await app(scope, receive, send)
+
+    return no_pages
 
 
 class AdminApp:
