@@ -9,6 +9,7 @@ does no span bookkeeping.
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -83,6 +84,37 @@ def _otlp_exporter() -> Any:
 
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+
+TRACEPARENT_MAX = 512
+"""The longest `traceparent` the edge reads (OpenTelemetry's own bound; a version-00 one is 55)."""
+TRACESTATE_MAX = 512
+"""The longest `tracestate` the edge continues: the length W3C Trace Context asks every hop to
+carry; a longer one is dropped whole (the trace itself goes on)."""
+TRACESTATE_MEMBERS = 32
+"""The most list members a `tracestate` may have (W3C Trace Context)."""
+_TRACESTATE_MEMBER = re.compile(
+    rb"(?:[a-z][_0-9a-z*/-]{0,255}|[a-z0-9][_0-9a-z*/-]{0,240}@[a-z][_0-9a-z*/-]{0,13})"
+    rb"=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]"
+)
+
+
+def _client_context(traceparent: bytes | None, tracestate: bytes | None) -> dict[str, str]:
+    """The client's W3C trace context as the propagator's carrier, with what it would refuse
+    left out here, silently: OpenTelemetry logs a warning for each oversized `traceparent` and
+    each oversized or malformed `tracestate` (quoting the client's text), so any client could
+    write one application-log line per request of its choosing."""
+    carrier: dict[str, str] = {}
+    if traceparent is None or len(traceparent) > TRACEPARENT_MAX:
+        return carrier
+    carrier["traceparent"] = traceparent.decode("latin-1")
+    if tracestate is not None and len(tracestate) <= TRACESTATE_MAX:
+        members = [m for m in (m.strip(b" \t") for m in tracestate.split(b",")) if m]
+        if len(members) <= TRACESTATE_MEMBERS and all(
+            _TRACESTATE_MEMBER.fullmatch(m) for m in members
+        ):
+            carrier["tracestate"] = tracestate.decode("latin-1")
+    return carrier
+
 
 # OpenTelemetry semantic conventions: HTTP (stable) and GenAI (development; the names of
 # semconv 1.37+, where `gen_ai.system` became `gen_ai.provider.name`).
@@ -163,11 +195,8 @@ class RequestTrace:
         self._tracer = tracer
         self._stages: list[tuple[str, float, float, dict[str, Any] | None]] = []
         self._offset_ns = time.time_ns() - int(time.perf_counter() * 1e9)
-        carrier: dict[str, str] = {}
-        if traceparent is not None:  # W3C Trace Context: continue the client's trace
-            carrier["traceparent"] = traceparent.decode("latin-1")
-            if tracestate is not None:
-                carrier["tracestate"] = tracestate.decode("latin-1")
+        # W3C Trace Context: continue the client's trace
+        carrier = _client_context(traceparent, tracestate)
         parent = _PROPAGATOR.extract(carrier) if carrier else None
         self._root = tracer.start_span(
             "quicedge.request",

@@ -1,0 +1,56 @@
+"""A client's W3C trace context at the edge: a well-formed one is continued with its
+`tracestate`; an oversized `traceparent` or an oversized or malformed `tracestate` is left out
+without a word in the application log (the client chooses how many requests carry one)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+
+from tests.edge.conftest import (
+    Recorded,
+    TinyUpstream,
+    client,
+    fast_config,
+    health_ok,
+    run_edge,
+    sse_reply,
+)
+
+TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+TRACEPARENT = f"00-{TRACE_ID}-b7ad6b7169203331-01"
+BODY = {"prompt": "x", "stream": True}
+
+
+def answer(recorded: Recorded) -> Any:
+    return health_ok(recorded) or sse_reply(["hi"])
+
+
+async def test_hostile_trace_context_is_dropped_without_logging(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    hostile: list[dict[str, str]] = [
+        {"traceparent": "00-" + "a" * 600},
+        {"traceparent": TRACEPARENT, "tracestate": "BAD KEY=" + "x" * 300},
+        {"traceparent": TRACEPARENT, "tracestate": ",".join(f"k{i}=v" for i in range(33))},
+        {"traceparent": TRACEPARENT, "tracestate": "a=" + "b" * 600},
+    ]
+    async with TinyUpstream(answer) as up:
+        async with run_edge(fast_config([up.url]), trace=True) as edge, client(edge) as http:
+            with caplog.at_level(logging.WARNING):
+                for headers in hostile:
+                    response = await http.post("/v1/completions", json=BODY, headers=headers)
+                    assert response.status_code == 200
+            assert [r.getMessage() for r in caplog.records] == []
+            good = {"traceparent": TRACEPARENT, "tracestate": "ven@dor=v1, other=x y"}
+            response = await http.post("/v1/completions", json=BODY, headers=good)
+            assert response.status_code == 200
+    sent = [r.headers for r in up.requests if r.path == "/v1/completions"]
+    assert len(sent) == 5
+    assert TRACE_ID not in sent[0]["traceparent"]  # not continued: a trace of the edge's own
+    for headers in sent[1:4]:  # the trace goes on; the state does not
+        assert TRACE_ID in headers["traceparent"] and "tracestate" not in headers
+    assert TRACE_ID in sent[4]["traceparent"]
+    assert sent[4]["tracestate"] == "ven@dor=v1,other=x y"
