@@ -44,6 +44,10 @@ WRITE_INTERVAL = 0.05
 """Seconds the writer gathers lines for before it writes them (at most this late on screen)."""
 STOP_TIMEOUT = 5.0
 """Seconds `stop` waits for the writer to write what is left (a stalled stderr never ends)."""
+ERROR_MAX = 512
+"""Characters of an error message a line keeps. A message may quote what the client sent (an
+unknown model, a path), which only the body limit bounds: without this a client could make each
+of its requests write megabytes of log."""
 
 
 @dataclass(slots=True)
@@ -158,7 +162,7 @@ class AccessLog:
                 retries=ex.retries,
             )
         if error is not None:
-            line["error"] = error
+            line["error"] = error if len(error) <= ERROR_MAX else error[:ERROR_MAX] + "..."
         writer = self._writer
         if writer is not None:
             self._lines.append(orjson.dumps(line).decode())

@@ -19,7 +19,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from backends.sim import SimConfig, SimServer
-from edge.access_log import LOGGER, AccessLog, AccessLogConfig
+from edge.access_log import ERROR_MAX, LOGGER, AccessLog, AccessLogConfig
 from edge.config import SECTIONS
 from edge.telemetry import AccessLogCollector
 from edge.wiring import build
@@ -94,6 +94,22 @@ async def test_sampling_keeps_errors() -> None:
             assert (await http.post("/v1/chat/completions", json={})).status_code == 400
         await wait_until(lambda: len(lines.lines) >= 1)
     assert [line["status"] for line in lines.lines] == [400]
+
+
+async def test_a_client_cannot_make_a_line_long_or_break_it() -> None:
+    """An error quoting what the client sent (an unknown model) is cut to `ERROR_MAX`; what the
+    client sent with newlines or quotes stays inside its JSON string."""
+    async with logged_edge(AccessLogConfig()) as (url, lines):
+        async with httpx.AsyncClient(base_url=url) as http:
+            huge = {**CHAT, "model": "M" * 200_000}
+            assert (await http.post("/v1/chat/completions", json=huge)).status_code == 404
+            forged = {**CHAT, "model": 'x"}\n{"status":200,"route":"/forged'}
+            assert (await http.post("/v1/chat/completions", json=forged)).status_code == 404
+        await wait_until(lambda: len(lines.lines) == 2)
+    first, second = lines.lines
+    assert first["status"] == 404 and first["error"].startswith("The model `MMM")
+    assert len(first["error"]) == ERROR_MAX + len("...")
+    assert second["status"] == 404 and '"/forged' in second["error"]
 
 
 def test_on_by_default_and_checked() -> None:
