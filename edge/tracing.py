@@ -90,6 +90,8 @@ TRACEPARENT_MAX = 512
 TRACESTATE_MAX = 512
 """The longest `tracestate` the edge continues: the length W3C Trace Context asks every hop to
 carry; a longer one is dropped whole (the trace itself goes on)."""
+STATUS_MAX = 512
+"""Characters of an error message the request span's status keeps."""
 TRACESTATE_MEMBERS = 32
 """The most list members a `tracestate` may have (W3C Trace Context)."""
 _TRACESTATE_MEMBER = re.compile(
@@ -273,6 +275,10 @@ class RequestTrace:
             span.end(end_time=ns(stop))
         self._stages.clear()
         if error is not None:
+            # The message may quote the client's model name or path, which only the body and
+            # header limits bound: cut, as the access log's `error`.
+            if len(error) > STATUS_MAX:
+                error = error[:STATUS_MAX] + "..."
             self._root.set_status(Status(StatusCode.ERROR, error))
         self._root.end(end_time=ns(end))
 

@@ -1,6 +1,7 @@
 """A client's W3C trace context at the edge: a well-formed one is continued with its
 `tracestate`; an oversized `traceparent` or an oversized or malformed `tracestate` is left out
-without a word in the application log (the client chooses how many requests carry one)."""
+without a word in the application log (the client chooses how many requests carry one); an
+error that quotes the client is cut in the span status."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from edge.tracing import STATUS_MAX
 from tests.edge.conftest import (
     Recorded,
     TinyUpstream,
@@ -54,3 +56,16 @@ async def test_hostile_trace_context_is_dropped_without_logging(
         assert TRACE_ID in headers["traceparent"] and "tracestate" not in headers
     assert TRACE_ID in sent[4]["traceparent"]
     assert sent[4]["tracestate"] == "ven@dor=v1,other=x y"
+
+
+async def test_an_error_quoting_the_client_is_cut_in_the_span_status() -> None:
+    async with TinyUpstream(answer) as up:
+        async with run_edge(fast_config([up.url]), trace=True) as edge, client(edge) as http:
+            huge = {"model": "M" * 100_000, "messages": [{"role": "user", "content": "hi"}]}
+            response = await http.post("/v1/chat/completions", json=huge)
+            assert response.status_code == 404
+    assert edge.spans is not None
+    (root,) = [s for s in edge.spans.get_finished_spans() if s.name == "quicedge.request"]
+    description = root.status.description or ""
+    assert description.startswith("The model `MMM")
+    assert len(description) == STATUS_MAX + len("...")
