@@ -1,13 +1,14 @@
 """The admin port refuses what a web page makes a browser send (a cross-site form POST to
 `127.0.0.1:9901`, a DNS-rebinding page's reads), with or without the admin token, and still
-answers curl, scrapers and an operator who types the URL."""
+answers curl, scrapers and an operator who types the URL. Served, as `quicedge serve` serves the
+admin port, on our own HTTP/1.1 listener."""
 
 from __future__ import annotations
 
 import httpx
 
 from edge.admin import guard_actions
-from tests.edge.conftest import TinyUpstream, fast_config, health_ok, hypercorn_app, run_edge
+from tests.edge.conftest import TinyUpstream, fast_config, h1_app, health_ok, run_edge
 
 FORM = {"content-type": "application/x-www-form-urlencoded"}
 """A "simple" request: a browser sends it cross-site without a CORS preflight."""
@@ -23,7 +24,7 @@ async def test_a_web_page_cannot_drain_or_read_without_a_token() -> None:
         name = up.url.removeprefix("http://")
         (backend,) = edge.wiring.registry.backends
         async with (
-            hypercorn_app(guard_actions(edge.wiring.admin_app, None)) as admin,
+            h1_app(guard_actions(edge.wiring.admin_app, None)) as admin,
             httpx.AsyncClient(base_url=admin) as http,
         ):
             page = await http.post(f"/backends/{name}/drain", content=b"x=1",
@@ -48,7 +49,7 @@ async def test_a_web_page_is_refused_before_the_token_is_asked() -> None:
     async with TinyUpstream(health_ok) as up, run_edge(fast_config([up.url])) as edge:
         name = up.url.removeprefix("http://")
         async with (
-            hypercorn_app(guard_actions(edge.wiring.admin_app, b"s3cret")) as admin,
+            h1_app(guard_actions(edge.wiring.admin_app, b"s3cret")) as admin,
             httpx.AsyncClient(base_url=admin) as http,
         ):
             page = await http.post(f"/backends/{name}/drain", headers=CROSS_SITE_FORM)
