@@ -304,7 +304,8 @@ class ProxyApp:
         except Exception as exc:
             err = exc if isinstance(exc, EdgeError) else _internal(scope, "-")
             if tracked is not None and tracked.status:  # too late for an error answer
-                log.warning("%s %s failed after its response started: %s", method, path, err)
+                # %r: the path is the client's, percent-decoded (a %0A would start a line)
+                log.warning("%s %r failed after its response started: %s", method, path, err)
                 with contextlib.suppress(Exception):  # the body ends, whole, where it was
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                 self.metrics.requests.labels(label, str(tracked.status), NO_MODEL).inc()
@@ -980,5 +981,6 @@ def _client_gone(task: asyncio.Task[Any], ex: Exchange) -> None:
 def _internal(scope: Scope, request_id: str) -> InternalError:
     """A fault of the edge's own, called from the `except` that caught it: logged with its
     traceback, answered as a 500 in OpenAI's shape rather than the listener's bare one."""
-    log.exception("request %s (%s %s) failed", request_id, scope["method"], scope["path"])
+    # %r: the path is the client's, percent-decoded (a %0A would start a forged line)
+    log.exception("request %s (%s %r) failed", request_id, scope["method"], scope["path"])
     return InternalError("internal error in the edge; x-request-id names this request in its log")

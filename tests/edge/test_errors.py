@@ -8,6 +8,7 @@ import pytest
 
 from backends.errors import UpstreamConnectError, UpstreamProtocolError, UpstreamTimeout
 from edge import errors
+from edge.app import _internal
 
 CASES = [
     (errors.InvalidJSON, 400, "invalid_request_error", "invalid_json"),
@@ -58,3 +59,18 @@ def test_stream_error_event_is_sse_then_done() -> None:
     assert json.loads(first[6:])["error"]["code"] == "bad_gateway"
     assert second == b"data: [DONE]"
     assert tail == b""
+
+
+def test_an_internal_failure_logs_the_clients_path_on_one_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The path is the client's, percent-decoded: `%0A` in it would start a forged log line."""
+    with caplog.at_level("ERROR", logger="edge.app"):
+        try:
+            raise RuntimeError("a bug")
+        except RuntimeError:
+            err = _internal({"method": "GET", "path": "/v1/x\n2026-12-05 forged line"}, "rid-1")
+    assert err.status == 500
+    (record,) = caplog.records
+    assert "\n" not in record.getMessage()
+    assert "'/v1/x\\n2026-12-05 forged line'" in record.getMessage()
