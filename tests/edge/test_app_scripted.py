@@ -449,7 +449,7 @@ async def test_a_fault_of_the_edge_is_a_500_in_openai_shape_and_the_connection_g
             assert response.status_code == 500
             assert response.json()["error"]["code"] == "internal_error"
             assert response.headers["x-request-id"] == "bug-1"
-            assert "request bug-1 (POST /v1/completions) failed" in caplog.text
+            assert "request bug-1 (POST '/v1/completions') failed" in caplog.text
             assert "KeyError: 'a bug'" in caplog.text  # the traceback is logged
             metrics = (await http.get(edge.admin_url + "/metrics")).text
             assert 'route="/v1/completions",status="500"' in metrics
