@@ -547,6 +547,10 @@ def verify(
                     return VerifyResult(False, count, f"{where}: no prev", prev)
                 if chain_hash(record["prev"], record) != record["hash"]:
                     return VerifyResult(False, count, f"{where}: hash mismatch (edited)", prev)
+                if line.removesuffix(b"\n") != orjson.dumps(record):
+                    # The hash covers the parsed record: a duplicated key, an escaped character
+                    # or spacing changes what a reader or a search sees, not the hash.
+                    return VerifyResult(False, count, f"{where}: not as written (edited)", prev)
                 prev = record["hash"]
                 count += 1
     return VerifyResult(True, count, None, prev)

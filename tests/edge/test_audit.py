@@ -566,3 +566,32 @@ def test_verify_that_runs_out_of_memory_exits_2_with_one_line(tmp_path: Path) ->
     )  # fmt: skip
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert done.stdout == "" and done.stderr == "quicedge audit verify: MemoryError\n"
+
+
+# Edits that leave the parsed record, and so its hash, as it was: a duplicated key whose first
+# value is what a first-wins reader (or a text search) takes, an escaped character that hides
+# the line from a search for its plain text, spacing, a CRLF line end.
+BYTE_EDITS = {
+    "duplicate key": (b'"status":200', b'"status":500,"status":200'),
+    "escaped character": (b'"tenant":"t"', b'"tenant":"\\u0074"'),
+    "spacing": (b'"status":200', b'"status": 200'),
+    "line end": (b"}\n", b"}\r\n"),
+}
+
+
+@pytest.mark.parametrize("how", list(BYTE_EDITS))
+async def test_verify_fails_a_line_edited_without_changing_its_parsed_record(
+    tmp_path: Path, how: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The hash covers the record's canonical form, so a line whose bytes were edited but
+    parse to the same record kept its hash: verify must also find the line as the writer wrote
+    it, or a line can be made to read differently (or hidden from a search) and still pass."""
+    path = tmp_path / "audit.jsonl"
+    await write_log(path, 4)
+    old, new = BYTE_EDITS[how]
+    text = path.read_bytes().splitlines(keepends=True)
+    assert old in text[2]
+    text[2] = text[2].replace(old, new, 1)
+    path.write_bytes(b"".join(text))
+    assert cli(["audit", "verify", str(path)]) == 1
+    assert f"FAIL {path}:3: not as written (edited)" in capsys.readouterr().out
