@@ -162,13 +162,18 @@ class RedisBuckets:
 
     async def take(self, charges: Sequence[Charge]) -> Verdict:
         keys, args = self._encode(charges, check=True)
-        allowed, wait, refused, *levels = await self._guard.run(
-            lambda: self._script(keys=keys, args=args)
-        )
-        took = tuple(float(level) for level in levels)
-        if int(allowed):
-            return Verdict(True, levels=took)
-        return Verdict(False, float(wait), int(refused) - 1, took)
+
+        async def call() -> Verdict:
+            # Read inside the guarded call: an answer of another shape fails like a Redis error.
+            allowed, wait, refused, *levels = await self._script(keys=keys, args=args)
+            took = tuple(float(level) for level in levels)
+            if len(took) != len(keys):
+                raise ValueError(f"the take script answered {len(took)} levels for {len(keys)}")
+            if int(allowed):
+                return Verdict(True, levels=took)
+            return Verdict(False, float(wait), int(refused) - 1, took)
+
+        return await self._guard.run(call)
 
     async def debit(self, key: str, bucket: Bucket, cost: float) -> None:
         keys, args = self._encode([(key, bucket, cost)], check=False)

@@ -20,7 +20,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
 
 from edge.admission.settings import RedisSettings
 from edge.telemetry import REDIS_STATES
@@ -80,14 +79,19 @@ class RedisGuard:
         return self.state == "closed"
 
     async def run(self, call: Callable[[], Awaitable[T]]) -> T:
-        """`await call()` within the deadline; RedisUnavailable when it cannot be had."""
+        """`await call()` within the deadline; RedisUnavailable when it cannot be had (any
+        failure of the call, an odd answer's included)."""
         if self.state != "closed":
             raise RedisUnavailable(f"redis breaker {self.state}")
         start = time.perf_counter()
         try:
             async with asyncio.timeout(self.settings.timeout_ms / 1000):
                 result = await call()
-        except (RedisError, OSError, TimeoutError) as exc:
+        except Exception as exc:
+            # Not only RedisError, OSError and timeouts: a server that answers oddly makes
+            # redis-py (or the caller's reading of the answer) raise anything, and that is
+            # Redis trouble too; let through, it would fail the request instead of the
+            # fallback, and never open the breaker.
             self._failed(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
             raise RedisUnavailable(str(exc) or type(exc).__name__) from exc
         elapsed = time.perf_counter() - start
