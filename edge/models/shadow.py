@@ -33,6 +33,7 @@ from typing import Any
 import orjson
 
 from backends.credentials import BackendCredentials
+from backends.errors import UpstreamProtocolError, UpstreamTimeout
 from backends.pool import UpstreamPool
 from backends.registry import Backend, BackendRegistry
 from edge.models.answers import Answer, Comparison, compare, parse_answer
@@ -263,8 +264,9 @@ class Shadow:
     async def _mirror(
         self, route: str, payload: bytes, rid: str, stable: Answer, canary: Backend
     ) -> None:
+        mirror_rid = rid + "-shadow-c"
         try:
-            body, greedy = shadow_body(route, payload, rid + "-shadow-c")
+            body, greedy = shadow_body(route, payload, mirror_rid)
             async with asyncio.timeout(self.config.shadow_timeout):
                 answer = await self._ask(canary, route, body)
         except asyncio.CancelledError:
@@ -272,6 +274,11 @@ class Shadow:
         except Exception as exc:  # a shadow's failure is counted, never the client's
             log.info("shadow of %s failed: %r", rid, exc)
             self._count("error")
+            if isinstance(exc, TimeoutError | UpstreamTimeout | UpstreamProtocolError):
+                # Abandoned while the canary may still generate it: its closed connection
+                # may be noticed only seconds later, as for a cancelled mirror.
+                if self.abort is not None:
+                    self.abort(canary, mirror_rid)
             return
         self.record(compare(stable, answer, greedy=greedy), stable, answer)
 

@@ -182,3 +182,40 @@ async def test_an_open_breaker_on_the_canary_cancels_its_mirror_and_aborts_it() 
                 ), timeout=20)  # fmt: skip
         finally:
             hold.set()
+
+
+async def test_a_mirror_past_its_timeout_is_aborted_on_the_canary() -> None:
+    """The canary never answers the mirror: at `shadow_timeout` the mirror gives up, is counted
+    as an error, and its generation is aborted by rid (the canary may not notice the closed
+    connection for seconds, and would generate for nobody meanwhile)."""
+    hold = asyncio.Event()
+
+    async def canary(recorded: Recorded) -> Reply:
+        known = health_ok(recorded)
+        if known is not None:
+            return known
+        await hold.wait()  # the mirror: never answered while the test runs
+        return Reply(status=500, chunked=False)
+
+    async with sims(sim("m", model_version="v1")) as (s1,), TinyUpstream(canary) as slow:
+        models = shadowed(shadow_timeout=0.3)
+        models.backends = [BackendModel(slow.url, model="m", version="v2")]
+        try:
+            async with (
+                run_edge(fast_config([s1.url, slow.url]), models=models) as edge,
+                client(edge) as http,
+            ):
+                shadow = edge.wiring.models.shadows["m"]
+                r = await http.post("/v1/chat/completions", json=chat("m"),
+                                    headers={"x-canary": "0"})  # fmt: skip
+                assert r.status_code == 200
+                await wait_until(lambda: len(shadow._tasks) == 1, timeout=20)
+                (mirror,) = shadow._tasks.values()
+                await wait_until(lambda: not shadow._tasks, timeout=20)
+                await wait_until(lambda: any(
+                    q.path == "/abort_request" and json.loads(q.body).get("rid") == mirror.rid
+                    for q in slow.requests
+                ), timeout=20)  # fmt: skip
+                assert shadow.compared == 0
+        finally:
+            hold.set()
