@@ -141,6 +141,8 @@ class _Lane:
 
 
 CHAT_ROUTE = "/v1/chat/completions"
+MEMBERSHIP_INTERVAL = 1.0
+"""Seconds between looks at the registry's backends (those discovery adds or removes)."""
 
 
 def _usage(answer: Any) -> tuple[int, int]:
@@ -170,9 +172,11 @@ class PrewarmService:
         on_reset: Callable[[str], None] | None = None,
         on_warmed: Callable[[str, str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        rescan_interval: float = MEMBERSHIP_INTERVAL,
     ) -> None:
         config.validate()
         self.config = config
+        self.rescan_interval = rescan_interval
         self.registry = registry
         self.pool = pool
         self.hot = hot
@@ -188,8 +192,35 @@ class PrewarmService:
         self.registry.on_healthy.append(self._healthy_again)
         for lane in self._lanes.values():
             self.warm_hot(lane.backend, reason="join")
+        self._spawn(self._watch_members())
         if self.config.restart_check_interval is not None:
             self._spawn(self._watch_restarts())
+
+    async def _watch_members(self) -> None:
+        while True:
+            await asyncio.sleep(self.rescan_interval)
+            self._sync_lanes()
+
+    def _sync_lanes(self) -> None:
+        """A lane for each backend in the registry: one discovery added joins (and is warmed),
+        one it removed is let go (its warm-up cancelled, its series and `/metrics` polls end)."""
+        current = {b.url: b for b in self.registry.backends}
+        for url, lane in list(self._lanes.items()):
+            if current.get(url) is not lane.backend:
+                del self._lanes[url]
+                if lane.task is not None:  # `aclose` still waits for it to end
+                    lane.task.cancel()
+                    self._tasks.add(lane.task)
+                    lane.task.add_done_callback(self._tasks.discard)
+                for job in lane.jobs:
+                    if job.done is not None and not job.done.done():
+                        job.done.set_result({"requests": job.requests, "tokens": job.tokens,
+                                             "chars": 0, "error": "removed"})  # fmt: skip
+                lane.jobs.clear()
+        for url, backend in current.items():
+            if url not in self._lanes:
+                self._lanes[url] = _Lane(backend)
+                self.warm_hot(backend, reason="join")
 
     async def aclose(self) -> None:
         self._closed = True
@@ -238,6 +269,7 @@ class PrewarmService:
         """Warm `text` on the given backends (all by default) now; wait for the results."""
         loop = asyncio.get_running_loop()
         waits: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        self._sync_lanes()  # a backend discovery added since the last look
         for b in backends if backends is not None else self.registry.backends:
             lane = self._lanes.get(b.url)
             if lane is None:
@@ -259,6 +291,7 @@ class PrewarmService:
         lane.state = "warming"
         backend = lane.backend
         shard_chars = self.config.shard_tokens * CHARS_PER_TOKEN
+        job: _Job | None = None
         try:
             while lane.jobs:
                 job = lane.jobs.pop(0)
@@ -293,6 +326,10 @@ class PrewarmService:
         finally:
             backend.warming_until = 0.0
             lane.state = "ready"
+            if job is not None and job.done is not None and not job.done.done():
+                # cancelled (shutdown, or the backend was removed): its caller hears of it
+                job.done.set_result({"requests": job.requests, "tokens": job.tokens,
+                                     "chars": 0, "error": "cancelled"})  # fmt: skip
 
     @staticmethod
     def _chat_body(prefix: HotPrefix, messages: list[dict[str, Any]]) -> dict[str, Any]:

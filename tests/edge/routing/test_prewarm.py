@@ -322,3 +322,27 @@ async def test_a_chat_warm_up_is_a_cache_hit_for_the_chat_requests_it_warms_for(
                 assert cached > 0.6 * usage["prompt_tokens"], usage
             finally:
                 await fresh.stop()
+
+
+async def test_a_backend_discovery_adds_is_warmed_and_one_it_removes_is_let_go() -> None:
+    rng = random.Random(7)
+    system = words(rng, 600)
+    async with sims(sim_config("b0"), sim_config("b1")) as servers:
+        config = fast_config([servers[0].url], policy="ttft")
+        prewarm = PrewarmConfig(enabled=True, deadline=60.0, restart_check_interval=0.1)
+        async with run_edge(config, prewarm=prewarm) as edge, client(edge) as http:
+            for _ in range(4):
+                await generate(http, system + words(rng, 30))
+            registry = edge.wiring.registry
+            joined = name(servers[1])
+            registry.add(servers[1].url)  # what discovery does when a backend appears
+            await wait_until(lambda: prewarm_state(edge).get(joined, {}).get("state") == "ready")
+            state = prewarm_state(edge)[joined]
+            assert state["reason"] == "join" and state["requests"].get("ok", 0) >= 1, state
+            assert await direct_cached(servers[1].url, system) > 0.6 * len(system.split())
+            # Gone from discovery: no lane, no series, no `/metrics` polls of it any more.
+            await registry.remove(joined, drain_timeout=1.0)
+            await wait_until(lambda: joined not in prewarm_state(edge))
+            async with httpx.AsyncClient() as admin:
+                metrics = (await admin.get(edge.admin_url + "/metrics")).text
+            assert f'quicedge_prewarm_state{{backend="{joined}"' not in metrics
