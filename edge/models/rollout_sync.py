@@ -9,7 +9,10 @@ action with the reason and the process it came from. With `share_advances`, so i
 or a promotion, with the step it reached, which a process that is behind goes to
 (`Ramp.follow`). Every one is idempotent (a second rollback changes nothing; an advance names
 its step, not "one more"), so hearing one twice, through the workers' sockets and through
-Redis, is harmless. A resume (a promote of a paused ramp) stays on the edge that took it.
+Redis, is harmless. A resume (a promote of a paused ramp) stays on the edge that took it. Each
+message names the rollout's stable and canary version, and an edge whose rollout of that pool
+has other versions (a reload that has not reached every edge yet) does not take it: one
+canary's advance or stop is no evidence about another.
 
 Pub/sub fits: a stop matters now, to whoever is running; an edge that starts later starts from
 its configuration, as it would after a restart anyway. But an edge whose subscription was lost
@@ -143,7 +146,8 @@ class RolloutSync:
             self._undone_at[rollout.pool] = time.monotonic()
         if transition.action not in self.shared or _heard.get():
             return
-        fields = {"i": self.instance, "model": rollout.pool, "action": transition.action,
+        fields = {"i": self.instance, "model": rollout.pool, "stable": rollout.stable,
+                  "canary": rollout.canary, "action": transition.action,
                   "step": transition.step, "reason": transition.reason}  # fmt: skip
         message = orjson.dumps(fields)
         task = asyncio.get_running_loop().create_task(self._publish(message))
@@ -197,11 +201,14 @@ class RolloutSync:
             instance, model, action = str(msg["i"]), str(msg["model"]), str(msg["action"])
             reason = str(msg.get("reason", ""))
             step = int(msg.get("step", 0))
-        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            versions = (msg.get("stable"), msg.get("canary"))
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
             return
         ramp = self.models.ramps.get(model)
         if instance == self.instance or ramp is None or action not in self.shared:
             return
+        if versions != (None, None) and versions != (ramp.rollout.stable, ramp.rollout.canary):
+            return  # another rollout of the pool (a reload not yet everywhere): no evidence here
         if published_at is not None and self._undone_at.get(model, -1e18) >= published_at:
             return
         self.received += 1

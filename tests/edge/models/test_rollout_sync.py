@@ -169,3 +169,39 @@ async def test_a_stop_read_back_from_the_log_does_not_undo_a_later_resume_here(
             assert ramp_state(a)[0] == "ramping"
             sync.take(stop, published_at=time.monotonic())
             assert ramp_state(a) == ("rolled_back", "edge elsewhere: canary errors")
+
+
+async def test_an_edge_does_not_take_what_another_canary_version_went_through(
+    redis_url: str, redis_prefix: str
+) -> None:
+    """A reload reaches the edges one by one: `a` still ramps canary v2 while `b` and `c` were
+    given v3. What v2's ramp goes through (an advance, a pause) says nothing of v3, which `b`
+    has no evidence for yet; a pause on `c`, of v3, is taken."""
+    async with sims(
+        sim("m", model_version="v1"), sim("m", model_version="v2"), sim("m", model_version="v3")
+    ) as (s1, s2, s3):
+        config = fast_config([s1.url, s2.url, s3.url])
+        key = redis_prefix + "r"
+        steps = {"steps": [5.0, 50.0, 100.0]}
+        old = ModelsConfig(rollouts=[rollout(**steps)], share_stops=True, share_advances=True,
+                           share_key=key)  # fmt: skip
+        new = ModelsConfig(rollouts=[rollout(canary="v3", **steps)], share_stops=True,
+                           share_advances=True, share_key=key)  # fmt: skip
+        async with (
+            run_edge(config, models=old, redis_url=redis_url) as a,
+            run_edge(config, models=new, redis_url=redis_url) as b,
+            run_edge(config, models=new, redis_url=redis_url) as c,
+            httpx.AsyncClient() as admin,
+        ):
+            await subscribed(a, b, c)
+            assert (await admin.post(a.admin_url + "/rollouts/m/promote")).status_code == 200
+            assert (await admin.post(a.admin_url + "/rollouts/m/pause")).status_code == 200
+            sync = a.wiring.rollout_sync
+            assert sync is not None
+            await wait_until(lambda: sync.published == 2)
+            # `c`'s pause is published after `a`'s two: once `b` has it, it had theirs
+            assert (await admin.post(c.admin_url + "/rollouts/m/pause")).status_code == 200
+            await wait_until(lambda: ramp_state(b)[0] == "paused")
+            follower = b.wiring.models.ramps["m"]
+            assert [t.action for t in follower.history] == ["pause"]
+            assert follower.rollout.percent == 5.0 and follower.step == 0
