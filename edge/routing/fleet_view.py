@@ -21,8 +21,8 @@ polling, and nothing needs to be kept in Redis.
 Why a stream rather than pub/sub or hashes: a stream is bounded in Redis (MAXLEN), keeps order,
 costs one round trip to publish and one to read for the whole fleet's news, and lets a process
 that lost Redis for a moment read what it missed (pub/sub drops it), or a new process read the
-last `ttl` seconds (entry ids are millisecond times). Hashes per backend would need a read per
-backend per poll and give no "what changed" cursor.
+last `ttl` seconds (entry ids are Redis's millisecond times). Hashes per backend would need a
+read per backend per poll and give no "what changed" cursor.
 
 Bounds: per backend at most `max_blocks_per_backend` block hashes (oldest dropped first), each
 forgotten `ttl` seconds after it was last published; at most `max_hashes_per_batch` hashes per
@@ -174,7 +174,8 @@ class FleetView:
         self._remote_load: dict[str, tuple[int, int, int]] = {}
         self.processes = 1
         """Edge processes whose load figures are fresh (within `load_ttl`), this one included."""
-        self._last_id = b"0-0"
+        self._last_id: bytes | None = None
+        """The last entry read; None until the first publish says where Redis's clock is."""
         self._channel = (config.key + ":load").encode()
         self._task: asyncio.Task[None] | None = None
         self._load_tasks: list[asyncio.Task[None]] = []
@@ -275,9 +276,6 @@ class FleetView:
             retry=Retry(NoBackoff(), 0),
             retry_on_timeout=False,
         )
-        # A new process reads the last `ttl` seconds of the fleet's news.
-        since = int((time.time() - cfg.ttl) * 1000)
-        self._last_id = f"{max(0, since)}-0".encode()
         # Subscribing holds a connection in a blocking read: a client of its own, whose reads
         # wait as long as `get_message` says rather than `timeout`. A lost subscription needs
         # no catch-up: the load figures are absolute and sent again every `load_ttl / 4`.
@@ -391,11 +389,18 @@ class FleetView:
                 pipe = self._redis.pipeline(transaction=False)
                 pipe.xadd(cfg.key, {b"p": payload}, maxlen=cfg.max_entries, approximate=True)
                 pipe.expire(cfg.key, int(cfg.ttl * 2) + 1)
-                await pipe.execute()
+                added, _ = await pipe.execute()
         except BaseException:
             self._unsend(placed)  # told no one (or perhaps told): the next batch carries them
             raise
         self.published += 1
+        if self._last_id is None:
+            # A new process reads the last `ttl` seconds of the fleet's news. Entry ids are
+            # Redis's clock in ms (the id of the entry just added tells it), not this host's,
+            # which may run ahead of it and would then skip the fleet's entries until Redis
+            # caught up.
+            now_ms = int(added.split(b"-")[0])
+            self._last_id = f"{max(0, now_ms - int(cfg.ttl * 1000))}-0".encode()
         async with asyncio.timeout(cfg.timeout):
             answer = await self._redis.xread({cfg.key: self._last_id}, count=500)
         for _stream, entries in answer or ():

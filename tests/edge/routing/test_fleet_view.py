@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
+import types
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -315,3 +317,23 @@ async def test_entries_an_edge_cannot_read_are_skipped_and_the_sync_goes_on(
         views.view_a.placed(url, [7, 8])
         await wait_until(lambda: views.view_b.depth(url, [7, 8]) == 2)
         assert views.view_b.errors == 0 and views.view_b.connected
+
+
+async def test_an_edge_whose_clock_runs_ahead_of_redis_still_hears_the_fleet(
+    redis_prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stream entry ids are Redis's clock: an edge host whose clock runs ahead of it (by more
+    than `ttl`) must not start reading from an id the fleet's entries reach only later."""
+    import edge.routing.fleet_view as module
+
+    url = f"http://127.0.0.1:{free_port()}"  # never connected to
+    async with two_views([url], redis_prefix, interval=0.05) as views:
+        ahead = types.SimpleNamespace(time=lambda: time.time() + 3600, monotonic=time.monotonic)
+        monkeypatch.setattr(module, "time", ahead)
+        late = FleetView(views.config, url=views.redis.url, backends=views.b.backends)
+        await late.start()
+        try:
+            views.view_a.placed(url, [1, 2])
+            await wait_until(lambda: late.depth(url, [1, 2]) == 2, timeout=5.0)
+        finally:
+            await late.aclose()
