@@ -20,6 +20,7 @@ import httpx
 import yaml
 
 from certs import ensure_dev_certificates
+from tests.deploy.dns_server import dns_server
 from tests.deploy.exported import edge_metric_names
 from tests.deploy.processes import completion, sim_process, wait_ready
 from tests.helpers import free_port, wait_for_tcp
@@ -264,5 +265,38 @@ def test_a_real_prometheus_scrapes_the_edge_and_the_dashboard_shows_h3_ttft(
                     assert asyncio.run(h3_streams(server.h3_port, h3)) == [200] * h3
                 value = float(h3_values[0])
                 assert 0 < value < 30
+        finally:
+            assert server.stop() == 0
+
+
+def alert_expr(name: str) -> str:
+    """The expression of the alert `name` in deploy/prometheus/rules.yml."""
+    rules = yaml.safe_load((ROOT / "deploy" / "prometheus" / "rules.yml").read_text())
+    (expr,) = [r["expr"] for g in rules["groups"] for r in g["rules"] if r.get("alert") == name]
+    return str(expr)
+
+
+def test_the_no_healthy_backend_alert_sees_an_edge_whose_discovery_found_none(
+    tmp_path: Path,
+) -> None:
+    """Discovery empties the backend list when the name is gone (every backend pod down, an
+    empty EndpointSlice): /ready fails, and the edge exports no `quicedge_backend_*` sample at
+    all, so the alert must not need one to fire."""
+    config = tmp_path / "edge.toml"
+    with dns_server() as (_, nameserver):
+        config.write_text(
+            f'[discovery]\nmode = "dns"\nnames = ["gone.fleet.test:30000"]\n'
+            f'nameservers = ["{nameserver}"]\ninterval = 0.5\n'
+        )
+        server = ServeProcess("--config", str(config), "--workers", "1")
+        try:
+            ready = httpx.get(f"http://127.0.0.1:{server.admin_port}/ready", timeout=10)
+            assert (ready.status_code, ready.json()["backends"]) == (503, 0)
+            with prometheus([f"127.0.0.1:{server.admin_port}"]) as url:
+                wait_for(url, 'up{job="quicedge"}', lambda r: r and r[0]["value"][1] == "1")
+                firing = query(url, alert_expr("QuicedgeNoHealthyBackend"))
+                assert [r["metric"]["instance"] for r in firing] == [
+                    f"127.0.0.1:{server.admin_port}"
+                ]
         finally:
             assert server.stop() == 0
