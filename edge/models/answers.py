@@ -92,6 +92,23 @@ def generate_positions(meta: dict[str, Any]) -> list[Position]:
             for top in meta.get("output_top_logprobs") or []]  # fmt: skip
 
 
+def with_tool_calls(text: str, calls: Sequence[tuple[str, str]]) -> str:
+    """An answer's text with its tool calls (name, arguments) after it, one a line: a call is
+    what the model said as much as its text is, so two answers calling a tool with other
+    arguments are no match."""
+    return text + "".join(f"\n{name}({arguments})" for name, arguments in calls)
+
+
+def message_tool_calls(message: Any) -> list[tuple[str, str]]:
+    """(name, arguments) of each tool call of a chat answer's `message`."""
+    calls = message.get("tool_calls") if isinstance(message, dict) else None
+    out: list[tuple[str, str]] = []
+    for call in calls if isinstance(calls, list) else ():
+        function = (call.get("function") if isinstance(call, dict) else None) or {}
+        out.append((str(function.get("name") or ""), str(function.get("arguments") or "")))
+    return out
+
+
 def answer_of(route: str, obj: Any) -> Answer:
     """The answer in a decoded non-streamed response of `route`; ValueError if odd."""
     if not isinstance(obj, dict):
@@ -104,7 +121,11 @@ def answer_of(route: str, obj: Any) -> Answer:
     else:
         choice = (obj.get("choices") or [{}])[0]
         finish = choice.get("finish_reason")
-        text = (choice.get("message") or {}).get("content") if route == CHAT else choice.get("text")
+        if route == CHAT:
+            message = choice.get("message") or {}
+            text = with_tool_calls(message.get("content") or "", message_tool_calls(message))
+        else:
+            text = choice.get("text")
         tokens = int((obj.get("usage") or {}).get("completion_tokens") or 0)
         logprobs = choice.get("logprobs")
         positions = chat_positions(logprobs) if route == CHAT else completion_positions(logprobs)
@@ -152,5 +173,6 @@ def compare(stable: Answer, canary: Answer, *, greedy: bool) -> Comparison:
 
 __all__ = [
     "TOP_K", "Answer", "Comparison", "answer_of", "build_answer", "chat_positions", "compare",
-    "completion_positions", "generate_positions", "parse_answer",
+    "completion_positions", "generate_positions", "message_tool_calls", "parse_answer",
+    "with_tool_calls",
 ]  # fmt: skip

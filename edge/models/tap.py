@@ -30,6 +30,7 @@ from edge.models.answers import (
     chat_positions,
     completion_positions,
     generate_positions,
+    with_tool_calls,
 )
 from edge.relay import Guard
 from edge.stages.validate import CHAT, COMPLETIONS, GENERATE
@@ -71,7 +72,7 @@ class ShadowTap:
     for (`strip`). `inner`: the stream policy's guard, which then sees what the client would."""
 
     __slots__ = ("route", "strip", "inner", "failed", "finish_reason", "tokens", "events", "_tail",
-                 "_texts", "_text", "_positions", "_whole")  # fmt: skip
+                 "_texts", "_text", "_positions", "_whole", "_tools")  # fmt: skip
 
     def __init__(self, route: str, *, strip: bool, inner: Guard | None = None) -> None:
         self.route = route
@@ -89,6 +90,8 @@ class ShadowTap:
         self._text = ""
         self._positions: list[Position] = []
         self._whole: Answer | None = None
+        self._tools: dict[int, tuple[list[str], list[str]]] = {}
+        """A streamed chat answer's tool calls by index: their name's and arguments' parts."""
 
     # -- the guard's side -------------------------------------------------------------------
     @property
@@ -183,7 +186,10 @@ class ShadowTap:
             if choice.get("index", 0) != 0:
                 continue
             if self.route == CHAT:
-                text = (choice.get("delta") or {}).get("content")
+                delta = choice.get("delta") or {}
+                text = delta.get("content")
+                if delta.get("tool_calls"):
+                    self._tool_deltas(delta["tool_calls"])
                 self._positions += chat_positions(choice.get("logprobs"))
             else:
                 text = choice.get("text")
@@ -193,6 +199,18 @@ class ShadowTap:
                 self.events += 1
             if choice.get("finish_reason") is not None:
                 self.finish_reason = choice["finish_reason"]
+
+    def _tool_deltas(self, calls: Any) -> None:
+        """Parts of tool calls (`delta.tool_calls`: by index, the name once, the arguments in
+        pieces); each delta that carries some counts as an event, as a text's does."""
+        for call in calls:
+            name, arguments = self._tools.setdefault(int(call.get("index", 0)), ([], []))
+            function = call.get("function") or {}
+            if function.get("name"):
+                name.append(str(function["name"]))
+            if function.get("arguments"):
+                arguments.append(str(function["arguments"]))
+        self.events += 1
 
     # -- an answer read whole ---------------------------------------------------------------
     def whole(self, body: bytes) -> bytes:
@@ -214,6 +232,9 @@ class ShadowTap:
         if self._whole is not None:
             return self._whole
         text = self._text if self.route == GENERATE else "".join(self._texts)
+        if self._tools:
+            calls = [("".join(n), "".join(a)) for _, (n, a) in sorted(self._tools.items())]
+            text = with_tool_calls(text, calls)
         tokens = self.tokens or len(self._positions) or self.events
         return build_answer(text, self.finish_reason, tokens, self._positions)
 

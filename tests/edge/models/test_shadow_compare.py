@@ -1,0 +1,94 @@
+"""What a shadow pair compares, end to end: scripted stable and canary backends behind the edge
+answer with tool calls, whose names and arguments are the answer as much as its text is."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from edge.models import ModelsConfig
+from edge.models.config import BackendModel
+from tests.edge.conftest import (
+    Recorded,
+    Reply,
+    TinyUpstream,
+    client,
+    fast_config,
+    health_ok,
+    run_edge,
+)
+from tests.edge.models.test_rollout_e2e import rollout
+from tests.helpers import wait_until
+
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]  # fmt: skip
+
+
+def _json(obj: Any) -> Reply:
+    return Reply(chunks=[json.dumps(obj).encode()], chunked=False,
+                 headers=[("content-type", "application/json")])  # fmt: skip
+
+
+def tool_answer(city: str, *, stream: bool) -> Reply:
+    """A chat answer that calls `weather` for `city` (SGLang's shapes, streamed or whole)."""
+    arguments = json.dumps({"city": city})
+    if not stream:
+        call = {"id": "call_1", "type": "function",
+                "function": {"name": "weather", "arguments": arguments}}  # fmt: skip
+        return _json({"choices": [{"index": 0, "message": {"role": "assistant", "content": None,
+                                                           "tool_calls": [call]},
+                                   "logprobs": None, "finish_reason": "tool_calls"}],
+                      "usage": {"completion_tokens": 8}})  # fmt: skip
+    deltas = [
+        {"role": "assistant", "content": None, "tool_calls": [{"index": 0, "id": "call_1",
+         "type": "function", "function": {"name": "weather", "arguments": ""}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": arguments[:5]}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": arguments[5:]}}]},
+    ]  # fmt: skip
+    events = [{"choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": None}]}
+              for d in deltas]  # fmt: skip
+    events.append({"choices": [{"index": 0, "delta": {}, "logprobs": None,
+                                "finish_reason": "tool_calls"}]})  # fmt: skip
+    chunks = [b"data: " + json.dumps(e).encode() + b"\n\n" for e in events]
+    return Reply(headers=[("content-type", "text/event-stream")],
+                 chunks=[*chunks, b"data: [DONE]\n\n"])  # fmt: skip
+
+
+def calling(city: str) -> Any:
+    def script(recorded: Recorded) -> Reply:
+        known = health_ok(recorded)
+        if known is not None:
+            return known
+        return tool_answer(city, stream=json.loads(recorded.body).get("stream", False))
+
+    return script
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("city", ["Rome", "Paris"])
+async def test_tool_calls_are_compared_by_name_and_arguments(stream: bool, city: str) -> None:
+    async with TinyUpstream(calling("Paris")) as stable, TinyUpstream(calling(city)) as canary:
+        models = ModelsConfig(
+            backends=[BackendModel(stable.url, model="m", version="v1"),
+                      BackendModel(canary.url, model="m", version="v2")],
+            rollouts=[rollout(steps=[1e-6], shadow_fraction=1.0, shadow_rate=1000)],
+        )  # fmt: skip
+        body = {"model": "m", "temperature": 0, "stream": stream, "tools": TOOLS,
+                "messages": [{"role": "user", "content": "weather?"}]}  # fmt: skip
+        async with (
+            run_edge(fast_config([stable.url, canary.url]), models=models) as edge,
+            client(edge) as http,
+        ):
+            shadow = edge.wiring.models.shadows["m"]
+            r = await http.post("/v1/chat/completions", json=body, headers={"x-canary": "0"})
+            assert r.status_code == 200 and "Paris" in r.text
+            await wait_until(lambda: shadow.compared == 1, timeout=20)
+            assert shadow.last is not None
+            assert shadow.last.finish_agree is True
+            if city == "Paris":
+                assert shadow.last.exact is True and shadow.last.edit_similarity == 1
+            else:
+                assert shadow.last.exact is False  # Paris is not Rome
+                assert shadow.last.token_overlap < 1 and shadow.last.edit_similarity < 1
