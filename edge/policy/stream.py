@@ -21,7 +21,9 @@ it):
 
 By default nothing is held but the bytes of an incomplete event (the client could not parse
 them yet either); an event the upstream ends without its blank line is checked at the stream's
-end. A match longer than `lookbehind` characters is not caught.
+end. A match that ends where the text so far does and rests on an assertion there (`\\b`, `$`)
+waits for the window's next text, or its choice's or the stream's end, to decide it: the end of
+a chunk is not the end of the text. A match longer than `lookbehind` characters is not caught.
 """
 
 from __future__ import annotations
@@ -103,6 +105,16 @@ class StreamRules:
                 return rule_id
         return self.ids[0]  # (unreachable: the alternation matched there)
 
+    def certain(self, text: bytes, pos: int) -> bool:
+        """Whether `text[pos:]` holds a match whatever follows it. A match that ends where the
+        text does may rest on an assertion there (`\\b`, `$`, `\\z`) that the next character
+        decides: the search runs again with each kind of next character (a word character, a
+        newline, any other) as context after the end."""
+        end = len(text)
+        return all(
+            self.pattern.Match(_UNANCHORED, text + after, pos, end)[0][0] >= 0 for after in _NEXT
+        )
+
     def could_start(self, text: bytes, pos: int) -> bool:
         """Whether `text` ends with a non-empty prefix of a match starting at `pos` or later."""
         return bool(self.starts.Match(_UNANCHORED, text, pos, len(text))[0][0] < len(text))
@@ -144,6 +156,9 @@ _CALL_STRING = (ARGUMENTS_KEY + b'"', ARGUMENTS_KEY + b' "')
 _REASONING_STRING = (REASONING_KEY + b'"', REASONING_KEY + b' "')
 """The key with a string value (compact or `": "` spacing): SGLang sends `null` in every chunk
 that has none, so the key alone says nothing; the cheaper test for the key comes first."""
+_NEXT = (b"a", b"\n", b" ")
+"""A character of each kind an assertion tells apart (word, newline, other): `certain`."""
+_DONE_LINE = re.compile(rb"(?:^|[\r\n])data: ?\[DONE\](?:[\r\n]|$)")
 _BLANK_LINE = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r|\n)")
 """Two line ends in a row, each `\\r\\n`, `\\n` or `\\r` (SSE): the end of an event."""
 
@@ -175,6 +190,7 @@ class StreamGuard:
         "_rules",
         "_seen",
         "_tail",
+        "_undecided",
         "_unreleased",
         "_windows",
         "cut",
@@ -191,6 +207,10 @@ class StreamGuard:
         self._windows: dict[Key, str] = {}
         self._pending: set[Key] = set()
         """Hold mode: the windows whose tail could be the start of a match."""
+        self._undecided: dict[Key, str] = {}
+        """Windows whose text ends with a match that an assertion at its end (`\\b`, `$`) makes
+        depend on what comes next, and the rule: decided by the window's next text, or, when
+        its choice or the stream ends, a match."""
         self._choices: set[int] = set()
         """Choice indices seen in parsed events (bounded): the final events end each."""
         self._done: list[int] = []
@@ -228,6 +248,10 @@ class StreamGuard:
             tail = self._check(tail)
             if self.cut is not None:
                 return tail
+        if self._undecided:  # the text ended there: the match is whole
+            self.cut = next(iter(self._undecided.values()))
+            self._held.clear()
+            return self._final()
         out = b"".join(self._held) + tail
         self._held.clear()
         return out
@@ -243,6 +267,10 @@ class StreamGuard:
                 self.cut = rule
                 self._held.clear()
                 return self._final()
+        if self._undecided and (rule := self._ended(region)) is not None:
+            self.cut = rule
+            self._held.clear()
+            return self._final()
         if self._done:  # those choices will say no more: their windows cannot complete a match
             self._forget(self._done)
             self._done.clear()
@@ -264,20 +292,36 @@ class StreamGuard:
             old = ""
         window = old + new
         rules = self._rules
-        # a match that ends in the new text starts at most `span - 1` characters before it
-        start = max(0, len(old) - rules.span + 1)
+        undecided = self._undecided
+        # a match that ends in the new text starts at most `span - 1` characters before it; an
+        # undecided one, which ended where the old text did, `span` characters before it
+        start = max(0, len(old) - rules.span + (key not in undecided))
         data = window.encode()
         pos = start if len(data) == len(window) else len(window[:start].encode())
-        start = rules.pattern.Match(_UNANCHORED, data, pos, len(data))[0][0]
+        start, end = rules.pattern.Match(_UNANCHORED, data, pos, len(data))[0]
+        keep = rules.span
         if start >= 0:
-            return rules.rule_at(data, start)
-        windows[key] = window[-rules.span :]
+            if end < len(data) or rules.certain(data, pos):
+                return rules.rule_at(data, start)
+            undecided[key] = rules.rule_at(data, start)
+            keep += 1  # and the character before it, which its start may assert on
+        elif undecided:
+            undecided.pop(key, None)
+        windows[key] = window[-keep:]
         if rules.hold:
-            if rules.could_start(data, pos):
+            if key in undecided or rules.could_start(data, pos):
                 self._pending.add(key)
             elif self._pending:
                 self._pending.discard(key)
         return None
+
+    def _ended(self, region: bytes) -> str | None:
+        """The rule of an undecided match whose text `region` ends (its choice's last event, or
+        the stream's `[DONE]`), or None."""
+        done = self._done
+        if _DONE_LINE.search(region) is not None:
+            return next(iter(self._undecided.values()))
+        return next((rule for key, rule in self._undecided.items() if key[0] in done), None)
 
     def _make_room(self) -> bool:
         """Drop every window whose tail cannot start a match; False when none could go."""
@@ -285,7 +329,11 @@ class StreamGuard:
         if rules.hold:  # its partial check already ran: the pending ones are the others
             idle = [k for k in self._windows if k not in pending]
         else:
-            idle = [k for k, w in self._windows.items() if not rules.could_start(w.encode(), 0)]
+            idle = [
+                k
+                for k, w in self._windows.items()
+                if k not in self._undecided and not rules.could_start(w.encode(), 0)
+            ]
         for key in idle:
             del self._windows[key]
             self._seen.pop(key[0], None)
@@ -295,6 +343,7 @@ class StreamGuard:
         for key in [k for k in self._windows if k[0] in choices]:
             del self._windows[key]
             self._pending.discard(key)
+            self._undecided.pop(key, None)
         for choice in choices:
             self._seen.pop(choice, None)
 
@@ -310,7 +359,7 @@ class StreamGuard:
 
     def _texts(self, region: bytes) -> list[tuple[Key, str]]:
         """The new text of each window in `region`, in the order the events give it."""
-        if self._pending:  # something is held: a choice's end decides it too, so read it whole
+        if self._pending or self._undecided:  # a choice's end decides those: read it whole
             return self._parsed(region)
         found = self._field.findall(region)
         calls = thinking = None

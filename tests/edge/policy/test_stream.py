@@ -514,3 +514,36 @@ def test_random_interleavings_chunkings_and_line_ends(hold: bool) -> None:
             if hold and secret in text:  # the client's text ends before the match starts
                 assert len(got.get(index, "")) <= text.index(secret), (texts, got)
             assert secret not in got.get(index, "")
+
+
+WORD_RULE: dict[str, Any] = {"stream_rules": [{"id": "word", "patterns": [r"\bkill\b"]}]}
+DONE = b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("hold", [True, False])
+@pytest.mark.parametrize("after", ["ing", "ed it", "\u200bing"])
+def test_an_assertion_at_a_chunks_end_is_decided_by_the_text_after_it(
+    hold: bool, after: str
+) -> None:
+    """`kill` + `ing`: the `\\b` after `kill` is not at the end of the text, only of a chunk;
+    the next text decides it, as it would over the whole answer (the invisible character is
+    folded away, so `ing` still follows `kill`)."""
+    guard = rules(**WORD_RULE, stream_hold=hold).guard("/v1/chat/completions")
+    chunks = [chat_event("stop "), chat_event("kill"), chat_event(after)]
+    out, _ = run(guard, [*chunks, choice_event(0, finish="stop"), DONE])
+    assert guard.cut is None and delta_text(out) == "stop kill" + after
+
+
+@pytest.mark.parametrize("hold", [True, False])
+@pytest.mark.parametrize("end", ["finish", "done", "eof", "space"])
+def test_an_assertion_at_the_texts_end_matches_there(hold: bool, end: str) -> None:
+    """The match is decided when the choice ends (its `finish_reason`), the stream does
+    (`[DONE]`, or the upstream's end), or text that keeps it comes; held in hold mode."""
+    guard = rules(**WORD_RULE, stream_hold=hold).guard("/v1/chat/completions")
+    chunks = [chat_event("please "), chat_event("kill")]
+    chunks += {"finish": [choice_event(0, finish="stop"), DONE], "done": [DONE], "eof": [],
+               "space": [chat_event(" it"), DONE]}[end]  # fmt: skip
+    out, _ = run(guard, chunks)
+    assert guard.cut == "word"
+    assert out.endswith(DONE) and out.count(b"[DONE]") == 1 and b"content_filter" in out
+    assert delta_text(out) == ("please " if hold else "please kill")

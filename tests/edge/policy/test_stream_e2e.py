@@ -143,3 +143,30 @@ async def test_a_last_event_without_its_blank_line_is_checked(listener: str) -> 
     assert "PRIVATE KEY" not in response.text
     assert response.content.endswith(b"data: [DONE]\n\n") and b"content_filter" in response.content
     assert FILTERED in metrics  # the decision is the stream's, as for a cut in mid-stream
+
+
+WORD: dict[str, Any] = {"stream_rules": [{"id": "kill-word", "patterns": [r"\bkill\b"]}]}
+
+
+def finish_chunk() -> bytes:
+    choice = {"index": 0, "delta": {}, "finish_reason": "stop"}
+    obj = {"id": "c1", "object": "chat.completion.chunk", "model": "tiny-model",
+           "choices": [choice]}  # fmt: skip
+    return b"data: " + json.dumps(obj).encode()
+
+
+@LISTENERS
+async def test_a_word_boundary_at_a_chunks_end_waits_for_the_next_text(listener: str) -> None:
+    """`\\bkill\\b` against `kill` + `ing`, a common token split: the end of a chunk is not the
+    end of the text, so the `\\b` there is decided by the text that follows, as it is over the
+    whole answer; a `kill` that ends the answer still ends the stream."""
+    events = [chat_chunk(0, content=t) for t in ("The job is ", "kill", "ing ", "me")]
+    response, metrics = await post([*events, finish_chunk()], chat(), listener, policy=WORD)
+    texts, _, reasons = by_index(response.content)
+    assert texts[0] == "The job is killing me" and reasons == {"stop"}
+    assert "kill-word" not in metrics
+    events = [chat_chunk(0, content=t) for t in ("Please ", "kill")]
+    response, metrics = await post([*events, finish_chunk()], chat(), listener, policy=WORD)
+    _, _, reasons = by_index(response.content)
+    assert reasons == {"content_filter"}
+    assert 'quicedge_policy_decisions_total{outcome="filtered",rule="kill-word"} 1.0' in metrics
