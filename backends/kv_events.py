@@ -89,6 +89,8 @@ def decode_message(parts: Sequence[bytes]) -> tuple[int, list[KvEvent]]:
         batch = _decode(parts[2])
     except msgspec.DecodeError as exc:
         raise KvEventError(f"payload is not msgpack: {exc}") from None
+    except RecursionError:  # arrays in arrays past the decoder's depth: not a batch either
+        raise KvEventError("payload is nested too deep") from None
     if not isinstance(batch, list) or len(batch) < 2 or not isinstance(batch[1], list):
         raise KvEventError("a batch is [ts, [event, ...], ...]")
     events = [e for e in map(_event, batch[1]) if e is not None]

@@ -219,3 +219,28 @@ async def test_a_new_process_that_numbered_past_the_last_message_seen_is_a_resta
             state = seen(edge)[b0]
             assert state["restarts"] == 1 and state["gaps"] == 0, str(state)
     context.destroy(linger=0)
+
+
+async def test_a_message_nested_too_deep_to_decode_is_counted_and_the_reader_goes_on() -> None:
+    """A payload the decoder gives up on for its depth (msgpack arrays in arrays) is a
+    malformed message like any other: the backend's next messages are still read."""
+    port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    context = zmq.asyncio.Context()
+    async with sims(sim_config("b0")) as servers:
+        config = fast_config([servers[0].url], policy="ttft")
+        events = KvEventsConfig(enabled=True, endpoints={servers[0].url: endpoint})
+        async with run_edge(config, kv_events=events) as edge:
+            b0 = name(servers[0])
+            xpub = context.socket(zmq.XPUB)
+            try:
+                xpub.bind(endpoint)
+                await subscribed(xpub)
+                deep = b"\x92\x00" + b"\x91" * 200_000 + b"\xc0"  # [0, [[[...]]]]
+                await xpub.send_multipart([b"", (0).to_bytes(8, "big"), deep])
+                await wait_until(lambda: seen(edge)[b0]["malformed"] == 1)
+                await xpub.send_multipart(stored(1))
+                await wait_until(lambda: seen(edge)[b0]["stored"] == 1)
+            finally:
+                xpub.close(linger=0)
+    context.destroy(linger=0)
