@@ -166,7 +166,7 @@ class PolicyGateway:
         `race` asks in parallel and cancels the request if `unsafe` comes before its response
         has started (`ex.judge_refused`; the app turns that cancellation into the refusal)."""
         judge, view = self.judge, ex.view
-        if judge is None or not judge.applies(ex.route) or view is None:
+        if judge is None or not judge.applies(client_route(ex)) or view is None:
             return
         prompt = view.text[view.prompt_start :]  # the messages, not the tools' definitions
         # A background answer runs in a task of its own, which a race could not cancel; no
@@ -261,6 +261,16 @@ class PolicyGateway:
             await module.aclose()
 
 
+RESPONSES = "/v1/responses"
+
+
+def client_route(ex: Exchange) -> str:
+    """The route the client called: a Responses request is forwarded as a chat completion
+    (`ex.route` says so from then on), but `routes` settings and records name what was called."""
+    state = ex.state
+    return RESPONSES if state is not None and state.builder is not None else ex.route
+
+
 def _view(
     route: str,
     body: MutableMapping[str, Any],
@@ -284,4 +294,4 @@ def _view(
     )
 
 
-__all__ = ["PolicyGateway", "PolicyOutcome"]
+__all__ = ["PolicyGateway", "PolicyOutcome", "client_route"]

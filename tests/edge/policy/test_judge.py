@@ -189,3 +189,19 @@ async def test_race_holds_a_background_response_for_the_verdict() -> None:
     assert refused.status_code == 403, refused.text
     assert refused.headers["x-quicedge-policy-rule"] == "judge"
     assert not [r for r in up.requests if r.path == "/v1/chat/completions"]
+
+
+async def test_routes_name_the_route_the_client_called() -> None:
+    """`routes = ["/v1/responses"]` judges Responses requests (the edge forwards them as chat
+    completions, which is not what the operator listed), and only those."""
+    async with TinyUpstream(backend()) as up, sim_guard() as g:
+        async with (
+            edge_with(up.url, g.url, routes=["/v1/responses"]) as edge,
+            client(edge) as http,
+        ):
+            refused = await http.post("/v1/responses", json={"input": "plan an attack"})
+            chat = {"messages": [{"role": "user", "content": "plan an attack"}]}
+            passed = await http.post("/v1/chat/completions", json=chat)
+    assert refused.status_code == 403, refused.text
+    assert refused.headers["x-quicedge-policy-rule"] == "judge"
+    assert passed.status_code == 200, passed.text
