@@ -11,8 +11,11 @@ the chance that it takes one falls linearly to zero at `max_queue_depth` (the de
 smooth slope rather than a cliff, so several edges do not all stop and start together).
 
 A request that no backend takes waits in the admission queue: gold before silver before bronze,
-FIFO within a tier. Only the head looks for a backend; it looks again when a request ends here
-(`wake`) and every `recheck_s` (a load poll may have freed room). A wait past `queue_timeout_s`
+FIFO within a tier, among the requests that want the same backends. A waiter looks for a backend
+only when no waiter ahead of it wants any of its candidates (with one pool, only the head looks):
+a request for another pool (a tier's own backends, another model) is not held behind a waiter
+that cannot use its backends. It looks again when a request ends here (`wake`) and every
+`recheck_s` (a load poll may have freed room). A wait past `queue_timeout_s`
 is 503 `overloaded` with Retry-After, and so is a full queue: for the newcomer, or, when it
 outranks the lowest-ranked waiter, for that waiter, whose place it takes.
 """
@@ -67,12 +70,19 @@ class Throttle:
 
 
 class _Waiter:
-    __slots__ = ("evicted", "turn")
+    __slots__ = ("evicted", "turn", "wants")
 
-    def __init__(self) -> None:
+    def __init__(self, wants: frozenset[Backend]) -> None:
         self.turn = asyncio.Event()
         self.evicted = False
         """A newcomer of a higher tier took its place in the full queue."""
+        self.wants = wants
+        """Its candidates at its last look: the waiters behind it that want one of them wait
+        for it; the others do not."""
+
+
+_Entry = tuple[int, int, _Waiter]
+"""(rank, arrival, waiter): the heap's order."""
 
 
 class AdmissionQueue:
@@ -87,7 +97,7 @@ class AdmissionQueue:
     ) -> None:
         self.settings = settings
         self.throttle: Throttle | None = throttle
-        self._heap: list[tuple[int, int, _Waiter]] = []
+        self._heap: list[_Entry] = []
         self._seq = itertools.count()
         self._on_wait = on_wait
         self.retry_after = retry_after(settings.queue_timeout_s)
@@ -122,12 +132,15 @@ class AdmissionQueue:
         if not found:
             return found
         fit = self._fit(found)
-        if fit and (not self._heap or rank < self._heap[0][0]):
+        wants = frozenset(found)
+        # Those waiting that rank with it or above are ahead of it: it passes them only where
+        # none of them wants any of its backends.
+        if fit and not any(e[0] <= rank and not wants.isdisjoint(e[2].wants) for e in self._heap):
             return fit
         if len(self._heap) >= self.settings.queue_size and not self._evict_below(rank):
             self._report(tier, 0.0, False)
             raise self._full()
-        entry = (rank, next(self._seq), _Waiter())
+        entry = (rank, next(self._seq), _Waiter(wants))
         heapq.heappush(self._heap, entry)
         start = time.monotonic()
         deadline = start + self.settings.queue_timeout_s
@@ -139,13 +152,17 @@ class AdmissionQueue:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
-                if self._heap[0] is entry:
+                if not self._held(entry):
                     found = candidates()
                     fit = self._fit(found)
                     if fit or not found:
                         self._leave(entry)
                         self._report(tier, time.monotonic() - start, True)
                         return fit
+                    wants = frozenset(found)
+                    if wants != entry[2].wants:  # those behind it may be free of it now
+                        entry[2].wants = wants
+                        self.wake()
                     wait = min(self.settings.recheck_s, remaining)
                 else:
                     wait = remaining
@@ -188,19 +205,31 @@ class AdmissionQueue:
         last[2].turn.set()
         return True
 
-    def _leave(self, entry: tuple[int, int, _Waiter]) -> None:
-        """Take the entry out of the queue and hand the turn to the new head."""
+    def _held(self, entry: _Entry) -> bool:
+        """Whether a waiter ahead of `entry` wants one of its backends (it waits for that one)."""
+        wants, key = entry[2].wants, entry[:2]
+        return any(e[:2] < key and not wants.isdisjoint(e[2].wants) for e in self._heap)
+
+    def _leave(self, entry: _Entry) -> None:
+        """Take the entry out of the queue and hand the turn to those it held."""
         if entry in self._heap:
-            was_head = self._heap[0] is entry
             self._heap.remove(entry)
             heapq.heapify(self._heap)
-            if was_head:
-                self.wake()
+            self.wake()
 
     def wake(self) -> None:
-        """Room may have been freed: let the head look again."""
-        if self._heap:
+        """Room may have been freed: let every waiter that none ahead of it holds look again
+        (with one pool, the head)."""
+        if not self._heap:
+            return
+        if len(self._heap) == 1:
             self._heap[0][2].turn.set()
+            return
+        ahead: set[Backend] = set()
+        for _, _, waiter in sorted(self._heap):
+            if ahead.isdisjoint(waiter.wants):
+                waiter.turn.set()
+            ahead |= waiter.wants
 
     def _report(self, tier: str, waited: float, placed: bool) -> None:
         if self._on_wait is not None:
