@@ -156,6 +156,9 @@ class ModelPools:
                 if not self._known(pool):
                     if self.catalog.known is None and not self.pools():
                         return ANY  # nothing is known yet: the backend decides
+                    if self.catalog.known is not None and self._undiscovered():
+                        # listed (the check passed) by a backend whose pool is not learned
+                        return self._route(pool, tenant=tenant, canary=canary, session=session)
                     raise ModelNotFound(
                         f"The model `{model}` does not exist. Served: "
                         + ", ".join(sorted({*self.pools(), *self.aliases})),
@@ -167,6 +170,12 @@ class ModelPools:
 
     def _known(self, pool: str) -> bool:
         return any(b.model == pool for b in self.backends)
+
+    def _undiscovered(self) -> bool:
+        """Discovery is off and some backend's model is not set by the config: its pool is
+        never learned, so the models the backends list (the catalog's check) are served by
+        those backends, which decide, as a backend not known yet does."""
+        return not self.catalog.discover and any(b.model is None for b in self.backends)
 
     # -- routing ------------------------------------------------------------------------------
     def candidates(self, route: Route, able: list[Backend]) -> list[Backend]:
@@ -202,9 +211,14 @@ class ModelPools:
     async def listing(self) -> dict[str, Any]:
         """The fleet's models (the backends' cards, merged) and the aliases, OpenAI's shape."""
         listing = await self.catalog.listing()
+        pools = self.pools()
         data = list(listing["data"])
+        if pools and not self._undiscovered():
+            # Only what a request may name: a card whose id is neither a pool nor an alias (the
+            # served name of a backend `[[models.backends]]` puts in another pool) is a 404.
+            data = [card for card in data if card["id"] in pools or card["id"] in self.aliases]
         ids = {card["id"] for card in data}
-        for name in sorted(self.pools()):
+        for name in sorted(pools):
             if name not in ids:
                 data.append({"id": name, "object": "model", "owned_by": "quicedge", "root": name})
                 ids.add(name)

@@ -218,3 +218,37 @@ async def test_a_default_that_names_no_served_pool_says_so() -> None:
 def test_an_empty_default_is_refused_when_the_config_loads() -> None:
     with pytest.raises(ValueError, match="models.default: must name a model pool"):
         ModelsConfig.from_mapping({"default": " "}).validate()
+
+
+async def test_every_model_the_listing_names_is_served() -> None:
+    """`[[models.backends]]` names the pool `llama` for a backend whose served name is the
+    checkpoint's: the listing names the pools and aliases a request may ask for, each of which
+    is answered, and not the backend's own name, which would be a 404."""
+    async with sims(sim("meta-llama/Llama-3-8B"), sim("beta")) as (a, b):
+        models = ModelsConfig(
+            backends=[BackendModel(a.url, model="llama", version="v1")],
+            aliases=[Alias("small", "llama")],
+        )
+        config = fast_config([a.url, b.url])
+        async with run_edge(config, models=models) as edge, client(edge) as http:
+            listing = (await http.get("/v1/models")).json()
+            ids = [card["id"] for card in listing["data"]]
+            assert sorted(ids) == ["beta", "llama", "small"]
+            for model in ids:
+                r = await http.post("/v1/chat/completions", json=chat(model))
+                assert r.status_code == 200, (model, r.text)
+                assert (await http.get(f"/v1/models/{model}")).status_code == 200
+
+
+async def test_without_discovery_a_request_naming_the_served_model_is_served() -> None:
+    """`discover = false` and no `[[models.backends]]`: the edge learns no backend's model, so
+    it has no pools; the backends decide, as before the edge knew any model, and what they list
+    is what a client may name."""
+    async with sims(sim("alpha")) as (a,):
+        models = ModelsConfig(discover=False)
+        async with run_edge(fast_config([a.url]), models=models) as edge, client(edge) as http:
+            listing = (await http.get("/v1/models")).json()
+            assert [card["id"] for card in listing["data"]] == ["alpha"]
+            for model in ("alpha", None, "default"):
+                r = await http.post("/v1/chat/completions", json=chat(model))
+                assert r.status_code == 200, (model, r.text)
