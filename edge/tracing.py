@@ -48,14 +48,23 @@ def tracer_from_env(*, force: bool = False, environ: dict[str, str] | None = Non
     names = exporter_names(env, force=force)
     if not names:
         return TracingSetup(None)
-    resource = Resource.create({"service.name": env.get("OTEL_SERVICE_NAME", "quicedge")})
-    provider = TracerProvider(resource=resource)
+    provider = TracerProvider(resource=service_resource(env))
     for name in names:
         if name == "console":
             provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
         else:
             provider.add_span_processor(BatchSpanProcessor(_otlp_exporter()()))
     return TracingSetup(provider.get_tracer("quicedge.edge"), provider)
+
+
+def service_resource(env: Mapping[str, str]) -> Resource:
+    """The SDK's resource (`OTEL_RESOURCE_ATTRIBUTES`, then `OTEL_SERVICE_NAME` over its
+    `service.name`), named `quicedge` only where neither names the service."""
+    name = env.get("OTEL_SERVICE_NAME")
+    resource = Resource.create({"service.name": name} if name else {})
+    if str(resource.attributes.get("service.name", "")).startswith("unknown_service"):
+        resource = resource.merge(Resource({"service.name": "quicedge"}))
+    return resource
 
 
 def exporter_names(env: Mapping[str, str], *, force: bool = False) -> list[str]:

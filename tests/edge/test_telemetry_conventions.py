@@ -8,9 +8,11 @@ import os
 import subprocess
 import sys
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from backends.sim import SimConfig, SimServer
+from edge.tracing import tracer_from_env
 from tests.edge.conftest import client, fast_config, run_edge
 from tests.edge.test_app_sim import metrics_text
 
@@ -79,3 +81,33 @@ def test_an_exporter_that_is_not_installed_is_one_line() -> None:
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
     assert "OTEL_TRACES_EXPORTER=otlp" in lines[0] and "quicedge[otlp]" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("variables", "service"),
+    [
+        ({}, "quicedge"),
+        ({"OTEL_RESOURCE_ATTRIBUTES": "service.name=edge-eu,deployment.environment=prod"},
+         "edge-eu"),
+        ({"OTEL_RESOURCE_ATTRIBUTES": "service.name=edge-eu", "OTEL_SERVICE_NAME": "edge-us"},
+         "edge-us"),
+    ],
+)  # fmt: skip
+def test_the_service_name_follows_the_sdk_variables_and_defaults_to_quicedge(
+    monkeypatch: pytest.MonkeyPatch, variables: dict[str, str], service: str
+) -> None:
+    """OTEL_SERVICE_NAME over OTEL_RESOURCE_ATTRIBUTES' service.name, as the SDK's own
+    precedence has it; `quicedge` only where neither names one."""
+    for name in ("OTEL_RESOURCE_ATTRIBUTES", "OTEL_SERVICE_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    setup = tracer_from_env(force=True, environ={**os.environ, "OTEL_TRACES_EXPORTER": "console"})
+    try:
+        assert setup.provider is not None
+        attributes = setup.provider.resource.attributes
+        assert attributes["service.name"] == service
+        if "deployment.environment" in variables.get("OTEL_RESOURCE_ATTRIBUTES", ""):
+            assert attributes["deployment.environment"] == "prod"
+    finally:
+        setup.shutdown()
