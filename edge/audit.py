@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+RESPONSES = "/v1/responses"
 GENESIS = "0" * 64
 """`prev` of the very first line of a log."""
 MiB = 1024 * 1024
@@ -226,11 +227,14 @@ class AuditLog:
         """The record of one finished request (the prompt is hashed in the writer's thread)."""
         usage = ex.usage
         backend = ex.backend
+        state = ex.state
+        # the route the client called: a Responses request is forwarded as a chat completion
+        route = RESPONSES if state is not None and state.builder is not None else ex.route
         entry: dict[str, Any] = {
             "ts": round(time.time(), 6),
             "request_id": ex.request_id,
             "tenant": ex.tenant,
-            "route": ex.route,
+            "route": route,
             "model": ex.view.model if ex.view is not None else None,
             "backend": backend.name if backend is not None else None,
             "transport": ex.transport,

@@ -595,3 +595,26 @@ async def test_verify_fails_a_line_edited_without_changing_its_parsed_record(
     path.write_bytes(b"".join(text))
     assert cli(["audit", "verify", str(path)]) == 1
     assert f"FAIL {path}:3: not as written (edited)" in capsys.readouterr().out
+
+
+async def test_a_responses_request_is_recorded_under_its_own_route(tmp_path: Path) -> None:
+    """The edge forwards a `/v1/responses` request as a chat completion; its line names the
+    route the client called, as its metrics do."""
+    path = tmp_path / "audit.jsonl"
+
+    def answer(recorded: Recorded) -> Reply:
+        return health_ok(recorded) or sse_reply(["a", "b"])
+
+    async with TinyUpstream(answer) as up:
+        async with (
+            run_edge(fast_config([up.url]), audit=AuditConfig(path=str(path))) as edge,
+            client(edge) as http,
+        ):
+            response = await http.post("/v1/responses", json={"model": "tiny-model", "input": "hi"},
+                                       headers={"x-request-id": "resp-1"})  # fmt: skip
+            assert response.status_code == 200, response.text
+            assert edge.wiring.audit is not None
+            await edge.wiring.audit.flush()
+    (record,) = [json.loads(line) for line in lines(path)]
+    assert record["request_id"] == "resp-1" and record["status"] == 200
+    assert record["route"] == "/v1/responses"
