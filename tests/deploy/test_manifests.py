@@ -370,3 +370,24 @@ def test_the_image_installs_extras_that_exist_and_exposes_the_listeners() -> Non
     assert 'ENTRYPOINT ["quicedge"]' in dockerfile and "quicedge" in project["project"]["scripts"]
     exposed = set(re.search(r"^EXPOSE (.+)$", dockerfile, re.M).group(1).split())  # type: ignore[union-attr]
     assert {"4433/udp", "8443/tcp", "9901/tcp", "30000/tcp"} == exposed
+
+
+def test_the_pod_monitor_gives_the_edge_pods_the_job_the_alerts_select() -> None:
+    """The Prometheus Operator names a PodMonitor's targets' job `NAMESPACE/NAME` unless
+    `jobLabel` names a pod label to take it from: `up{job="quicedge"}` (QuicedgeDown) must match
+    the edge pods, and only them."""
+    rules = yaml.safe_load((ROOT / "deploy" / "prometheus" / "rules.yml").read_text())
+    (down,) = [
+        r["expr"] for g in rules["groups"] for r in g["rules"] if r.get("alert") == "QuicedgeDown"
+    ]
+    selected = re.search(r'job="([^"]+)"', down)
+    assert selected is not None
+    monitor = yaml.safe_load((K8S / "monitoring" / "podmonitor.yaml").read_text())
+    label = monitor["spec"].get("jobLabel")
+    assert label, f"no jobLabel: every target's job is quicedge/{monitor['metadata']['name']}"
+    docs = render("cpu")
+    jobs = {
+        name: one(docs, "Deployment", name)["spec"]["template"]["metadata"]["labels"].get(label)
+        for name in ("quicedge", "sglang")
+    }
+    assert jobs["quicedge"] == selected.group(1) != jobs["sglang"]
