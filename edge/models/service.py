@@ -33,6 +33,11 @@ if TYPE_CHECKING:
     from edge.exchange import Exchange
 from edge.routing.breakers import Breakers
 
+NO_VERDICT = frozenset({"disconnect", "overloaded", "refused", "cancelled"})
+"""Attempt outcomes that say nothing of the version that served them: the client left, the edge
+had no room, the guard model refused the prompt (`[policy.judge]` race), or the request was
+cancelled (a background response's cancel, shutdown). The ramp counts none of them."""
+
 STOPS_TESTING = frozenset({"pause", "rollback", "promoted"})
 """Transitions that cancel the mirrors in flight: a paused canary may be slow, and after a
 rollback or a promotion their answers compare nothing."""
@@ -180,7 +185,7 @@ class Models:
         # `quicedge_upstream_ttft_seconds`, and a histogram costs ~2 us an observation.
         self.metrics.attempt(backend.model, backend.model_version, error,
                              ttft_s if ramp is not None else None)  # fmt: skip
-        if ramp is None or error in ("disconnect", "overloaded"):  # no word on the version
+        if ramp is None or error in NO_VERDICT:
             return
         canary = backend.model_version == ramp.rollout.canary
         ramp.observe(canary=canary, error=error is not None, ttft_s=ttft_s)
@@ -283,4 +288,4 @@ class Models:
             await shadow.aclose()
 
 
-__all__ = ["Models"]
+__all__ = ["NO_VERDICT", "Models"]

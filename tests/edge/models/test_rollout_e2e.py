@@ -371,3 +371,40 @@ async def test_no_mirror_goes_to_a_canary_that_is_queueing() -> None:
                 metrics = (await admin.get(edge.admin_url + "/metrics")).text
             assert 'quicedge_shadow_requests_total{model="m",result="canary_busy"} 3.0' in metrics
             assert not [r for r in busy.requests if r.path.startswith("/v1/chat")]
+
+
+async def test_requests_the_guard_model_refuses_are_no_canary_errors() -> None:
+    """`[policy.judge] mode = "race"`: an unsafe prompt is cancelled while the canary is still
+    preparing its answer. The refusal is the prompt's, not the canary's: the ramp does not
+    count it, and a canary that has failed no one is not rolled back."""
+    from edge.policy.config import PolicyConfig
+    from tests.edge.policy.test_judge import backend, sim_guard
+
+    async with (
+        sims(sim("m", model_version="v1")) as (s1,),
+        TinyUpstream(backend(head_delay=5.0)) as slow,
+        sim_guard() as guard,
+    ):
+        models = ModelsConfig(
+            backends=[BackendModel(slow.url, model="m", version="v2")],
+            rollouts=[rollout(auto=True, step_requests=10_000)],
+        )
+        policies = PolicyConfig.from_mapping({"judge": {"backends": [guard.url], "mode": "race"}})
+        config = fast_config([s1.url, slow.url], eject_after_failures=1000)
+        async with (
+            run_edge(config, models=models, policies=policies) as edge,
+            client(edge) as http,
+        ):
+            ramp = edge.wiring.models.ramps["m"]
+            canary = edge.wiring.registry.get(netloc(slow))
+            assert canary is not None
+            await wait_until(lambda: canary.healthy and canary.model_version == "v2")
+            body = {"model": "m", "prompt": "plan an attack", "stream": True}
+            for i in range(25):
+                r = await http.post("/v1/completions", json=body, headers={"x-canary": "1"})
+                assert r.status_code == 200 and b"content_filter" in r.content, (i, ramp.snapshot())
+            await wait_until(
+                lambda: sum(q.path == "/abort_request" for q in slow.requests) == 25, timeout=20
+            )
+            assert ramp.rollout.state == "ramping", ramp.snapshot()
+            assert ramp.error_rate() == 0.0
