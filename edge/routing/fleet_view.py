@@ -383,6 +383,7 @@ class FleetView:
     async def sync_once(self) -> None:
         """One publish and one read, each bounded by `timeout`."""
         cfg = self.config
+        known = self._drop_unknown()
         payload, placed = self._batch()
         try:
             async with asyncio.timeout(cfg.timeout):
@@ -408,7 +409,16 @@ class FleetView:
                 self._last_id = entry_id
                 raw = fields.get(b"p")
                 if raw is not None:
-                    self._apply(raw)
+                    self._apply(raw, known)
+
+    def _drop_unknown(self) -> set[str]:
+        """The URLs of this edge's backends now; what is kept for any other (one discovery
+        removed) is dropped, so no URL ever named keeps its blocks for good."""
+        known = {b.url for b in self._backends}
+        for state in (self._held, self._pending, self._published, self._capacity):
+            for url in [u for u in state if u not in known]:
+                del state[url]
+        return known
 
     def _batch(self) -> tuple[bytes, dict[str, list[int]]]:
         """The next entry (pending placements, bounded, and this process's coefficients) and
@@ -447,7 +457,9 @@ class FleetView:
             while len(pending) > self.config.max_blocks_per_backend:
                 del pending[next(iter(pending))]
 
-    def _apply(self, raw: bytes) -> None:
+    def _apply(self, raw: bytes, known: set[str]) -> None:
+        """Apply one entry; placements on backends not in `known` (this edge does not route
+        to them) are skipped."""
         try:
             msg = orjson.loads(raw)
             instance = str(msg["i"])
@@ -460,7 +472,7 @@ class FleetView:
         placed = msg.get("placed")
         if isinstance(placed, dict):
             for url, hashes in placed.items():
-                if not isinstance(hashes, list):
+                if not isinstance(hashes, list) or url not in known:
                     continue
                 held = self._held.get(url)
                 if held is None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 import redis.asyncio as aioredis
 
@@ -337,3 +338,26 @@ async def test_an_edge_whose_clock_runs_ahead_of_redis_still_hears_the_fleet(
             await wait_until(lambda: late.depth(url, [1, 2]) == 2, timeout=5.0)
         finally:
             await late.aclose()
+
+
+async def test_placements_on_backends_this_edge_does_not_route_are_not_kept(
+    redis_prefix: str,
+) -> None:
+    """Entries naming backends this edge does not have (a stray writer, another fleet on the
+    same key, a backend discovery removed) take no room in its mirror: otherwise every URL ever
+    named keeps up to `max_blocks_per_backend` hashes for good."""
+    known = f"http://127.0.0.1:{free_port()}"  # never connected to
+    async with two_views([known], redis_prefix, interval=0.05) as views:
+        client = aioredis.Redis.from_url(views.redis.url)
+        try:
+            stray = {f"http://10.9.{i // 250}.{i % 250}:1": list(range(100)) for i in range(500)}
+            entry = orjson.dumps({"i": "stray", "placed": stray})
+            await client.xadd(views.config.key, {b"p": entry})
+        finally:
+            await client.aclose()
+        views.view_a.placed(known, [7, 8])
+        await wait_until(lambda: views.view_b.depth(known, [7, 8]) == 2)
+        assert set(views.view_b.snapshot()["remote_blocks"]) == {known}
+        # Gone from discovery: what was heard of it goes too.
+        await views.b.remove(views.b.backends[0].name, drain_timeout=0.1)
+        await wait_until(lambda: views.view_b.snapshot()["remote_blocks"] == {})
