@@ -4,7 +4,9 @@ Each version's outputs (from shadow pairs, `edge.models.shadow`) fill a window p
 answer's mean top-1 probability and mean token entropy (where logprobs came back), its length in
 tokens, and whether it ended by itself (`finish_reason == "stop"`). When both windows of a metric
 hold `window` samples, a two-sample test runs and the windows start again (tumbling windows: the
-tests of successive windows use disjoint samples, so they are independent).
+tests of successive windows use disjoint samples, so they are independent). A version's window
+that is full while the other's is not (its answers lack the metric: no logprobs came back) keeps
+its newest `window` samples.
 
 The test is Welch's t-test (unequal variances) for the means, and a two-proportion z-test for
 the finish share; with windows of at least 30 the t statistic is read against the normal
@@ -113,6 +115,10 @@ class DriftDetector:
                 stable, cand = (other, window) if canary else (window, other)
                 results.append(self.test(metric, stable[:n], cand[:n]))
                 del stable[:n], cand[:n]
+            elif len(window) > n:
+                # The other version's answers do not carry this metric (no logprobs came
+                # back): keep the newest window's worth, not one more sample per pair for good.
+                del window[0]
         return results
 
     def test(self, metric: str, stable: list[float], canary: list[float]) -> TestResult:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from edge.models import ModelsConfig
-from edge.models.config import BackendModel
+from edge.models.config import BackendModel, DriftConfig
 from tests.edge.conftest import (
     Recorded,
     Reply,
@@ -19,6 +19,7 @@ from tests.edge.conftest import (
     health_ok,
     run_edge,
 )
+from tests.edge.models.test_pools_e2e import chat, sim, sims
 from tests.edge.models.test_rollout_e2e import rollout
 from tests.helpers import wait_until
 
@@ -92,3 +93,38 @@ async def test_tool_calls_are_compared_by_name_and_arguments(stream: bool, city:
             else:
                 assert shadow.last.exact is False  # Paris is not Rome
                 assert shadow.last.token_overlap < 1 and shadow.last.edit_similarity < 1
+
+
+async def test_a_canary_without_logprobs_does_not_grow_the_stables_windows() -> None:
+    """The canary answers without the logprobs asked (another server build): its top-1 and
+    entropy windows stay empty, and the stable version's hold no more than one window's worth
+    instead of one sample per pair for as long as the rollout runs."""
+
+    def plain(recorded: Recorded) -> Reply:
+        known = health_ok(recorded)
+        if known is not None:
+            return known
+        return _json({"choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"},
+                                   "finish_reason": "stop"}],
+                      "usage": {"completion_tokens": 1}})  # fmt: skip
+
+    async with sims(sim("m", model_version="v1")) as (s1,), TinyUpstream(plain) as canary:
+        models = ModelsConfig(
+            backends=[BackendModel(canary.url, model="m", version="v2")],
+            rollouts=[rollout(steps=[1e-6], shadow_fraction=1.0, shadow_rate=1000,
+                              drift=DriftConfig(window=30))],
+        )  # fmt: skip
+        async with (
+            run_edge(fast_config([s1.url, canary.url]), models=models) as edge,
+            client(edge) as http,
+        ):
+            shadow = edge.wiring.models.shadows["m"]
+            for i in range(45):
+                r = await http.post("/v1/chat/completions", json=chat("m"),
+                                    headers={"x-canary": "0"})  # fmt: skip
+                assert r.status_code == 200
+                await wait_until(lambda i=i: shadow.compared == i + 1, timeout=20)
+            windows = edge.wiring.models.ramps["m"].drift._windows
+            assert len(windows[("top1", False)]) == 30 and ("top1", True) not in windows
+            assert len(windows[("entropy", False)]) == 30
+            assert len(windows[("length", False)]) == 15  # 45 - a window tested
