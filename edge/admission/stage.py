@@ -50,6 +50,9 @@ class Admission:
         self._in_flight: dict[str, int] = {}
         self._refused_until: dict[str, float] = {}
         """Tenant → when its requests bucket holds a request again (monotonic seconds)."""
+        self._refused_standings: dict[str, tuple[float, tuple[Standing, ...]]] = {}
+        """Tenant → when it was refused and where its buckets stood then (as they applied:
+        scaled while Redis is out), for the rate-limit headers of the refusals from memory."""
 
     @staticmethod
     def _names(directory: TenantDirectory) -> dict[str, Tenant]:
@@ -68,7 +71,7 @@ class Admission:
         settings.validate()
         directory = TenantDirectory(settings)
         self.directory, self._by_name = directory, self._names(directory)
-        self._refused_until.clear()
+        self._forget_refusals()
 
     def set_throttle(self, settings: ThrottleSettings) -> None:
         """A reloaded `[admission.throttle]`: the requests that look for a backend next, those
@@ -132,7 +135,31 @@ class Admission:
     def _redis_state(self, name: str, old: str, state: str) -> None:
         self.metrics.redis_breaker(name, old, state)
         if "closed" in (old, state):  # the buckets now come from elsewhere: refusals are void
-            self._refused_until.clear()
+            self._forget_refusals()
+
+    def _forget_refusals(self) -> None:
+        self._refused_until.clear()
+        self._refused_standings.clear()
+
+    def _remember_refusal(self, name: str, wait: float, standings: tuple[Standing, ...]) -> None:
+        """The tenant's requests bucket refused it: refuse it from memory for `wait` s."""
+        now = time.monotonic()
+        self._refused_until[name] = now + wait
+        self._refused_standings[name] = (now, standings)
+
+    def _standings_since(self, tenant: Tenant, wait: float, now: float) -> tuple[Standing, ...]:
+        """Where the buckets of a tenant refused from memory stand now, from where its refusal
+        left them: the requests bucket a request short of one until it holds one in `wait` s,
+        the others refilled since (in the shapes that applied then)."""
+        at, standings = self._refused_standings.get(tenant.name, (now, ()))
+        out: list[Standing] = []
+        for s in standings:
+            rate, cap = s.bucket.rate, s.bucket.capacity
+            level = 1 - wait * rate if s.name == "requests" else s.level + (now - at) * rate
+            out.append(Standing(s.name, s.bucket, min(cap, level)))
+        if not out and tenant.requests is not None:
+            out.append(Standing("requests", tenant.requests, 1 - wait * tenant.requests.rate))
+        return tuple(out)
 
     def _queued(self, tier: str, waited: float, placed: bool) -> None:
         self.metrics.admission_queue_wait.labels(tier, "placed" if placed else "refused").observe(
@@ -148,13 +175,14 @@ class Admission:
         if self._refused_until:
             until = self._refused_until.get(tenant.name)
             if until is not None:
-                wait = until - time.monotonic()
+                now = time.monotonic()
+                wait = until - now
                 if wait > 0 and tenant.requests is not None:
                     self._reject(tenant.name, "requests")
-                    # It holds one request at `until`, so stands a request short of one now.
-                    now = Standing("requests", tenant.requests, 1 - wait * tenant.requests.rate)
-                    raise self._over_quota(tenant.name, "requests", wait, (now,))
+                    standings = self._standings_since(tenant, wait, now)
+                    raise self._over_quota(tenant.name, "requests", wait, standings)
                 del self._refused_until[tenant.name]
+                self._refused_standings.pop(tenant.name, None)
         return tenant
 
     @staticmethod
@@ -193,7 +221,7 @@ class Admission:
                 self._release(name, cap)
                 self._reject(name, reason)
                 if reason == "requests":
-                    self._refused_until[name] = time.monotonic() + verdict.retry_after
+                    self._remember_refusal(name, verdict.retry_after, standings)
                 raise self._over_quota(name, reason, verdict.retry_after, standings)
             ex.ratelimit = ratelimit_headers(standings)
         ex.holds_slot = cap is not None
@@ -226,7 +254,7 @@ class Admission:
         if not verdict.allowed:
             self._reject(tenant.name, reason)
             if reason == "requests":
-                self._refused_until[tenant.name] = time.monotonic() + verdict.retry_after
+                self._remember_refusal(tenant.name, verdict.retry_after, standings)
             raise self._over_quota(tenant.name, reason, verdict.retry_after, standings)
         return ratelimit_headers(standings)
 
