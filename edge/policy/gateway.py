@@ -151,7 +151,7 @@ class PolicyGateway:
             if ex.trace is not None:
                 ex.trace.set("quicedge.policy.decision", ex.policy_decision)
                 ex.trace.set("quicedge.policy.rules", [err.rule])
-            raise
+            raise _as_called(ex, err) from None
         ex.policy_decision = outcome.decision
         ex.policy_rules = tuple(outcome.rules)
         if ex.trace is not None:
@@ -225,7 +225,8 @@ class PolicyGateway:
             ex.trace.set("quicedge.policy.decision", ex.policy_decision)
             ex.trace.set("quicedge.policy.rules", list(ex.policy_rules))
         if ex.stream and self.config.stream_refusal == "sse" and err.status in (400, 403):
-            return StreamRefusal(err.rule, err.message, final_events(ex.route, None, None))
+            refusal = StreamRefusal(err.rule, err.message, final_events(ex.route, None, None))
+            return _as_called(ex, refusal)
         return err
 
     def filtered(self, ex: Exchange, rule: str) -> None:
@@ -269,6 +270,16 @@ def client_route(ex: Exchange) -> str:
     (`ex.route` says so from then on), but `routes` settings and records name what was called."""
     state = ex.state
     return RESPONSES if state is not None and state.builder is not None else ex.route
+
+
+def _as_called(ex: Exchange, err: PolicyRefused) -> PolicyRefused:
+    """`err` in the route the client called: a Responses stream is typed events, not the chat
+    chunks it is forwarded as, so a stream refusal's chunk and `[DONE]` go through its
+    builder, as a stream rule's cut does."""
+    state = ex.state
+    if isinstance(err, StreamRefusal) and state is not None and state.builder is not None:
+        err.events = state.builder.feed(err.events)
+    return err
 
 
 def _view(

@@ -205,3 +205,16 @@ async def test_routes_name_the_route_the_client_called() -> None:
     assert refused.status_code == 403, refused.text
     assert refused.headers["x-quicedge-policy-rule"] == "judge"
     assert passed.status_code == 200, passed.text
+
+
+@pytest.mark.parametrize("mode", ["hold", "race"])
+async def test_a_judged_responses_stream_is_refused_as_a_responses_stream(mode: str) -> None:
+    delay = 5.0 if mode == "race" else 0.0  # the verdict comes before the answer starts
+    async with TinyUpstream(backend(head_delay=delay)) as up, sim_guard() as g:
+        async with edge_with(up.url, g.url, mode=mode) as edge, client(edge) as http:
+            body = {"input": "plan an attack", "stream": True}
+            refused = await http.post("/v1/responses", json=body)
+    assert refused.status_code == 200 and refused.headers["x-quicedge-policy-rule"] == "judge"
+    data = [line[6:] for line in refused.text.splitlines() if line.startswith("data: ")]
+    types = [json.loads(d).get("type") for d in data]
+    assert types[0] == "response.created" and types[-1] == "response.completed", types

@@ -259,3 +259,29 @@ async def test_admitted_tenant_and_tier_choose_the_rules_and_the_audit_records_t
         ("anonymous", "deny", ["tier:bronze:max_tokens"], 400),
         ("anonymous", "allow", [], 200),
     ]
+
+
+def responses_events(body: bytes) -> list[dict[str, Any]]:
+    """The data of each event of a Responses stream (each must be one of its typed events)."""
+    out = []
+    for event in body.split(b"\n\n"):
+        data = [line[6:] for line in event.split(b"\n") if line.startswith(b"data: ")]
+        if data and data != [b"[DONE]"]:
+            out.append(json.loads(b"\n".join(data)))
+    return out
+
+
+async def test_a_refused_responses_stream_is_a_responses_stream() -> None:
+    """The Responses API's stream is typed events, not chat chunks: a refused streaming
+    `/v1/responses` request ends as one of them does when a stream rule cuts it."""
+    async with TinyUpstream(script(["ok"])) as up:
+        async with edge_with(up.url) as edge, client(edge) as http:
+            body = {"model": "tiny-model", "input": "my password", "stream": True}
+            response = await http.post("/v1/responses", json=body)
+    assert response.status_code == 200 and inference(up) == []
+    assert response.headers["x-quicedge-policy-rule"] == "no-secrets"
+    events = responses_events(response.content)
+    assert all(isinstance(e.get("type"), str) for e in events), events
+    assert events[0]["type"] == "response.created"
+    assert events[-1]["type"] in ("response.completed", "response.incomplete")
+    assert "chat.completion.chunk" not in response.text and "[DONE]" not in response.text
