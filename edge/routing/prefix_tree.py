@@ -7,10 +7,11 @@ inserted for it, so what a tenant holds is closed under ancestors: a match walks
 once and gives each tenant the depth of the deepest node it holds there.
 
 Memory is bounded by characters: the sum over tenants of the characters they own never exceeds
-`max_chars` (the tree's own size is at most that). Beyond it, the least recently used
-(node, tenant) leaf pair across *all* tenants is evicted first, mirroring the LRU leaf eviction
-of SGLang's radix cache. A tenant can also have its own character limit (its estimated KV
-capacity), enforced the same way within that tenant.
+`max_chars` (the tree's own size is at most that), and nodes never exceed `max_nodes`
+(`max_chars // 32`: a node costs the same whatever its label's length). Beyond either, the
+least recently used (node, tenant) leaf pair across *all* tenants is evicted first, mirroring
+the LRU leaf eviction of SGLang's radix cache. A tenant can also have its own character limit
+(its estimated KV capacity), enforced the same way within that tenant.
 
 Theory of operation of the LRU: every insert stamps its whole path with a fresh tick and pushes
 (tick, leaf) onto the tenant's heap. Heap entries are validated when popped (the stamp must be
@@ -33,6 +34,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 DEFAULT_MAX_CHARS = 8 * 1024 * 1024
+CHARS_PER_NODE = 32
+"""Nodes are bounded by `max_chars // CHARS_PER_NODE` (at least `MIN_NODES`) as well: a node
+costs ~300 bytes whatever its label's length, and prompts that diverge at every character would
+otherwise fill the character budget with one-character nodes."""
+MIN_NODES = 1024
 _ROOT = 0
 _KEY_SHIFT = 21  # a child's key: its parent << 21 | its label's first code point (< 2**21)
 _NODE_BITS = 64  # a heap entry: stamp << 64 | node
@@ -64,6 +70,7 @@ class PrefixTree:
         if max_chars < 1:
             raise ValueError("max_chars must be >= 1")
         self.max_chars = max_chars
+        self.max_nodes = max(MIN_NODES, max_chars // CHARS_PER_NODE)
         self._label: dict[int, str] = {_ROOT: ""}
         self._parent: dict[int, int] = {}
         self._child: dict[int, int] = {}  # parent << _KEY_SHIFT | ord(first char) -> child
@@ -213,7 +220,7 @@ class PrefixTree:
         limit = self._limits.get(tenant)
         if limit is not None and self._chars[tenant] > limit:
             self._evict_tenant(tenant, limit)
-        if self.total_chars > self.max_chars:
+        if self.total_chars > self.max_chars or len(self._label) > self.max_nodes:
             self._evict_global(self.max_chars)
         return stamp
 
@@ -362,7 +369,7 @@ class PrefixTree:
             entry = self._top(tenant)
             if entry is not None:
                 tops[tenant] = entry
-        while self.total_chars > target and tops:
+        while (self.total_chars > target or len(self._label) > self.max_nodes) and tops:
             tenant = min(tops, key=tops.__getitem__)  # the oldest stamp of all
             self._evict_top(tenant, tops[tenant])
             entry = self._top(tenant)

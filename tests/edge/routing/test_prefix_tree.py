@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import random
 
 import pytest
@@ -229,3 +230,19 @@ def common(a: str, b: str) -> int:
             break
         n += 1
     return n
+
+
+def test_nodes_stay_bounded_when_prompts_diverge_at_every_character() -> None:
+    """A node costs ~300 bytes whatever its label's length: prompts that diverge at every
+    character (every string of up to 4 letters of 16) would fill a tree of `max_chars`
+    characters with as many nodes (8 Mi characters: ~2.4 GB). Nodes are bounded too, by
+    `max_chars // 32`, evicted in the same LRU order."""
+    tree = PrefixTree(max_chars=1 << 20)
+    alphabet = "abcdefghijklmnop"
+    for k in range(1, 5):
+        for letters in itertools.product(alphabet, repeat=k):
+            tree.insert("".join(letters), f"t{len(letters) % 2}")
+    assert tree.node_count() <= (1 << 20) // 32
+    check_invariants(tree)
+    # the most recent survive: the last strings inserted are still matched whole
+    assert tree.match("pppp").chars == {"t0": 4}
