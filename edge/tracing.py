@@ -77,9 +77,28 @@ def exporter_names(env: Mapping[str, str], *, force: bool = False) -> list[str]:
     for name in names:
         if name == "otlp":
             _otlp_exporter()
+            _otlp_protocol(env)
         elif name != "console":
             raise ValueError(f"OTEL_TRACES_EXPORTER: unknown exporter {name!r} (console, otlp)")
     return names
+
+
+OTLP_PROTOCOL = "http/protobuf"
+"""The one OTLP protocol the exporter speaks (opentelemetry-exporter-otlp-proto-http)."""
+
+
+def _otlp_protocol(env: Mapping[str, str]) -> None:
+    """A ValueError, one line, when the variables ask for another OTLP protocol: the exporter
+    would post HTTP to a gRPC port (4317) and lose every span."""
+    for variable in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        protocol = env.get(variable, "").strip().lower()
+        if protocol:  # the traces' own variable first, as the SDK reads them
+            if protocol != OTLP_PROTOCOL:
+                raise ValueError(
+                    f"{variable}={protocol}: the OTLP exporter speaks {OTLP_PROTOCOL} only"
+                    " (a collector's OTLP/HTTP receiver, port 4318)"
+                )
+            return
 
 
 def _otlp_exporter() -> Any:

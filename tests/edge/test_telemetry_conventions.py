@@ -12,7 +12,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from backends.sim import SimConfig, SimServer
-from edge.tracing import tracer_from_env
+from edge.tracing import exporter_names, tracer_from_env
 from tests.edge.conftest import client, fast_config, run_edge
 from tests.edge.test_app_sim import metrics_text
 
@@ -111,3 +111,45 @@ def test_the_service_name_follows_the_sdk_variables_and_defaults_to_quicedge(
             assert attributes["deployment.environment"] == "prod"
     finally:
         setup.shutdown()
+
+
+@pytest.mark.parametrize(
+    "variables",
+    [
+        {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
+        {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/json"},
+        {"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "grpc"},
+    ],
+)  # fmt: skip
+def test_an_otlp_protocol_the_exporter_does_not_speak_is_one_line(
+    variables: dict[str, str],
+) -> None:
+    """The exporter speaks OTLP over HTTP with protobuf only: set to gRPC (port 4317, as many
+    collectors' settings say), it would post HTTP to a gRPC port and every span would be lost,
+    with a warning now and then."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env |= {"OTEL_TRACES_EXPORTER": "otlp", **variables}
+    done = subprocess.run(
+        [sys.executable, "-m", "edge.cli", "serve", "--backend", "http://127.0.0.1:9", "--check"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    (name,) = [n for n, v in variables.items() if v != "http/protobuf"]
+    assert name in lines[0] and "http/protobuf" in lines[0]
+
+
+def test_the_otlp_protocol_the_exporter_speaks_is_taken() -> None:
+    for variables in (
+        {},
+        {"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf"},
+        {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+         "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"},
+    ):  # fmt: skip
+        assert exporter_names({"OTEL_TRACES_EXPORTER": "otlp", **variables}) == ["otlp"]
+    # without the OTLP exporter, the protocol is nobody's business
+    assert exporter_names(
+        {"OTEL_TRACES_EXPORTER": "console", "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
+    ) == ["console"]
