@@ -338,6 +338,11 @@ def test_the_compose_edge_runs_flags_and_config_keys_that_exist(
     doc = tomllib.loads((ROOT / mounts[parsed.config].removeprefix("./")).read_text())
     env = {k: re.sub(r"\$\{\w+:-(.*)\}", r"\1", str(v)) for k, v in edge["environment"].items()}
     _, transport, _, discovery = parse_serve(edge["command"], doc, env, monkeypatch)
+    # `docker compose stop` waits stop_grace_period (10 s unless set) before SIGKILL: the drain
+    # and the shutdown after it (spans, access log lines) must fit, as in the pod's grace period.
+    grace = re.fullmatch(r"(\d+)s", edge.get("stop_grace_period", "10s"))
+    assert grace is not None
+    assert transport.drain_timeout + 5 < int(grace.group(1))
     published = set(edge["ports"])
     assert f"{transport.h3[1]}:{transport.h3[1]}/udp" in published
     assert transport.tcp and f"{transport.tcp[1]}:{transport.tcp[1]}/tcp" in published
