@@ -27,7 +27,9 @@ import logging
 import random
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import orjson
@@ -51,6 +53,17 @@ MAX_SHADOW_BODY = 8 * 1024 * 1024
 WATCH_INTERVAL = 0.05
 """How often the mirrors in flight are checked against their canary's load, s (the queue is
 known from `/v1/loads` polls, every `proxy.loads_interval`, so this adds little to that)."""
+
+_COMPARER: ThreadPoolExecutor | None = None
+
+
+def _comparer() -> ThreadPoolExecutor:
+    """The one thread of this process that compares shadow pairs (created on first use)."""
+    global _COMPARER
+    if _COMPARER is None:
+        _COMPARER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="quicedge-shadow")
+    return _COMPARER
+
 
 Aborter = Callable[[Backend, str], None]
 """Fire-and-forget `/abort_request` for (backend, rid) (`edge.wiring.Wiring.abort`)."""
@@ -280,7 +293,13 @@ class Shadow:
                 if self.abort is not None:
                     self.abort(canary, mirror_rid)
             return
-        self.record(compare(stable, answer, greedy=greedy), stable, answer)
+        # The edit similarity of long answers takes a CPU for a tenth of a second or more: on
+        # the event loop it would stall every client's stream that long. One thread compares,
+        # pair after pair (what waits for it holds its mirror's slot: `shadow_concurrency`).
+        loop = asyncio.get_running_loop()
+        cmp = await loop.run_in_executor(_comparer(), partial(compare, stable, answer,
+                                                               greedy=greedy))  # fmt: skip
+        self.record(cmp, stable, answer)
 
     def record(self, cmp: Comparison, stable: Answer, canary: Answer) -> None:
         model = self.config.model

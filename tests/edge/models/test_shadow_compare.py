@@ -3,7 +3,10 @@ answer with tool calls, whose names and arguments are the answer as much as its 
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
+import random
 from typing import Any
 
 import pytest
@@ -128,3 +131,62 @@ async def test_a_canary_without_logprobs_does_not_grow_the_stables_windows() -> 
             assert len(windows[("top1", False)]) == 30 and ("top1", True) not in windows
             assert len(windows[("entropy", False)]) == 30
             assert len(windows[("length", False)]) == 15  # 45 - a window tested
+
+
+def _long_text(*, every: int) -> str:
+    """2,000 words drawn as a language's are (a few common, many rare; seeded), every
+    `every`-th one changed: a long answer."""
+    vocabulary = [f"w{i}" for i in range(3000)]
+    words = random.Random(3).choices(vocabulary, [1 / (i + 1) for i in range(3000)], k=2000)
+    return " ".join("other" if every and i % every == 0 else w for i, w in enumerate(words))
+
+
+async def test_comparing_long_answers_does_not_hold_up_the_event_loop(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The edit similarity of two 2,000-word answers takes a CPU for a tenth of a second or
+    more: run on the event loop, it would stall every client's stream on this process for
+    that long, once per pair. asyncio's debug mode reports a step of the mirror's task that
+    held the loop longer than `slow_callback_duration`."""
+
+    def answering(text: str) -> Any:
+        def script(recorded: Recorded) -> Reply:
+            known = health_ok(recorded)
+            if known is not None:
+                return known
+            return _json({"choices": [{"index": 0, "message": {"role": "assistant",
+                                                               "content": text},
+                                       "finish_reason": "stop"}],
+                          "usage": {"completion_tokens": 2000}})  # fmt: skip
+
+        return script
+
+    stable_text, canary_text = _long_text(every=0), _long_text(every=50)
+    async with (
+        TinyUpstream(answering(stable_text)) as stable,
+        TinyUpstream(answering(canary_text)) as canary,
+    ):
+        models = ModelsConfig(
+            backends=[BackendModel(stable.url, model="m", version="v1"),
+                      BackendModel(canary.url, model="m", version="v2")],
+            rollouts=[rollout(steps=[1e-6], shadow_fraction=1.0, shadow_rate=1000)],
+        )  # fmt: skip
+        async with (
+            run_edge(fast_config([stable.url, canary.url]), models=models) as edge,
+            client(edge) as http,
+        ):
+            shadow = edge.wiring.models.shadows["m"]
+            loop = asyncio.get_running_loop()
+            loop.set_debug(True)
+            loop.slow_callback_duration = 0.05
+            caplog.set_level(logging.WARNING, logger="asyncio")
+            try:
+                r = await http.post("/v1/chat/completions", json=chat("m"),
+                                    headers={"x-canary": "0"})  # fmt: skip
+                assert r.status_code == 200
+                await wait_until(lambda: shadow.compared == 1, timeout=30)
+            finally:
+                loop.set_debug(False)
+            assert shadow.last is not None and 0.9 < shadow.last.edit_similarity < 1
+            held = [m for m in caplog.messages if "_mirror" in m and " took " in m]
+            assert not held, held
