@@ -17,7 +17,7 @@ from backends.pool import UpstreamPool
 from backends.registry import Backend, BackendRegistry
 from edge.routing.base import Decision, Outcome, RequestView, RoutingPolicy
 from edge.routing.fleet_view import FleetView, FleetViewConfig
-from edge.routing.hot_prefixes import HotPrefixes
+from edge.routing.hot_prefixes import HotPrefixes, model_of
 from edge.routing.kv_events import KvEvents, KvEventsConfig
 from edge.routing.prefix_blocks import BlockHasher
 from edge.routing.prewarm import PrewarmConfig, PrewarmService
@@ -34,7 +34,8 @@ class CountingPolicy:
         self._hot = hot
 
     def choose(self, view: RequestView, candidates: Sequence[Backend]) -> Decision:
-        self._hot.record(view.model, self._hasher.blocks(view.text), view.messages, view.tools)
+        model = model_of(view.model, candidates)
+        self._hot.record(model, self._hasher.blocks(view.text), view.messages, view.tools)
         return self.inner.choose(view, candidates)
 
     def observe(self, outcome: Outcome) -> None:

@@ -20,10 +20,11 @@ also hot is covered by it), hottest first: what pre-warming sends.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from backends.backend import Backend
 from edge.routing.prefix_blocks import PrefixBlocks
 from edge.stages.view import chat_prefix
 
@@ -69,6 +70,16 @@ class _Entry:
         self.score = score
         self.messages = messages
         self.tools = tools
+
+
+def model_of(view_model: str | None, candidates: Sequence[Backend]) -> str | None:
+    """The model a routed prompt is counted under: its candidates' pool (they are always one
+    pool's, and a backend is warmed with its own pool's prefixes), else the name the request
+    gave (no backend's model is known yet)."""
+    for b in candidates:
+        if b.model is not None:
+            return b.model
+    return view_model
 
 
 class HotPrefixes:
@@ -184,4 +195,4 @@ class HotPrefixes:
         ]  # fmt: skip
 
 
-__all__ = ["KEEP_PAST", "HotPrefix", "HotPrefixes"]
+__all__ = ["KEEP_PAST", "HotPrefix", "HotPrefixes", "model_of"]

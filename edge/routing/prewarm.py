@@ -246,7 +246,9 @@ class PrewarmService:
             return 0
         if reset and self._on_reset is not None:
             self._on_reset(backend.url)
-        prefixes = self.hot.top(None, self.config.top, min_count=self.config.min_count)
+        # Its own pool's prefixes only (all of them while its model is not known): another
+        # model's prefill there would be wasted, and would crowd out what its pool needs.
+        prefixes = self.hot.top(backend.model, self.config.top, min_count=self.config.min_count)
         budget = self.config.max_tokens * CHARS_PER_TOKEN
         queued = 0
         for p in prefixes:

@@ -46,7 +46,7 @@ from backends.registry import Backend
 from edge.routing.base import Decision, Outcome, RequestView, register_policy, usable
 from edge.routing.cache_aware import chars_to_tokens
 from edge.routing.fleet_view import FleetView
-from edge.routing.hot_prefixes import HotPrefixes
+from edge.routing.hot_prefixes import HotPrefixes, model_of
 from edge.routing.prefix_blocks import BlockHasher, PrefixBlocks
 from edge.routing.prefix_tree import DEFAULT_MAX_CHARS, PrefixTree
 
@@ -323,7 +323,7 @@ class TTFTPolicy:
             blocks: PrefixBlocks = self._hasher.blocks(view.text)
             hashes, block_chars = blocks.hashes, blocks.block_chars
             if self.hot is not None:
-                self.hot.record(view.model, blocks, view.messages, view.tools)
+                self.hot.record(model_of(view.model, pool), blocks, view.messages, view.tools)
         fleet = self.fleet if hashes else None
         remote_hit = False
         self._turn += 1

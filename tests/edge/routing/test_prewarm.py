@@ -346,3 +346,44 @@ async def test_a_backend_discovery_adds_is_warmed_and_one_it_removes_is_let_go()
             async with httpx.AsyncClient() as admin:
                 metrics = (await admin.get(edge.admin_url + "/metrics")).text
             assert f'quicedge_prewarm_state{{backend="{joined}"' not in metrics
+
+
+async def test_a_backend_is_warmed_with_its_own_models_hot_prefixes_only() -> None:
+    """Two model pools: the hot prefixes of one are not prefilled on the other's backends (a
+    different model: the work is wasted, and it crowds out that pool's own cache)."""
+    rng = random.Random(8)
+    system = words(rng, 600)
+    configs = (
+        sim_config("a0", served_model_name="alpha"),
+        sim_config("b0", served_model_name="beta"),
+    )
+    async with sims(*configs) as servers:
+        labelled = [servers[0].url + "#model=alpha", servers[1].url + "#model=beta"]
+        config = fast_config(labelled, policy="ttft")
+        prewarm = PrewarmConfig(enabled=True, restart_check_interval=None)
+        async with run_edge(config, prewarm=prewarm) as edge, client(edge) as http:
+            for _ in range(4):
+                body = {"model": "alpha", "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": words(rng, 20)},
+                ], "max_tokens": 2}  # fmt: skip
+                response = await http.post("/v1/chat/completions", json=body)
+                assert response.status_code == 200, response.text
+                assert response.headers["x-quicedge-backend"] == name(servers[0])
+            beta = edge.wiring.registry.get(name(servers[1]))
+            assert beta is not None
+            await servers[1].stop()
+            await wait_until(lambda: not beta.healthy)
+            fresh = SimServer(sim_config("b0", served_model_name="beta", port=servers[1].port))
+            await fresh.start()
+            try:
+                await wait_until(lambda: beta.healthy)
+                state = prewarm_state(edge)[name(servers[1])]
+                assert state["warmups"] == 0 and state["requests"] == {}, state
+                # alpha's own backend, restarted the same way, is warmed with them
+                assert edge.wiring.fleet is not None and edge.wiring.fleet.prewarm is not None
+                alpha = edge.wiring.registry.get(name(servers[0]))
+                assert alpha is not None
+                assert edge.wiring.fleet.prewarm.warm_hot(alpha, reason="test") == 1
+            finally:
+                await fresh.stop()
