@@ -156,6 +156,8 @@ _CALL_STRING = (ARGUMENTS_KEY + b'"', ARGUMENTS_KEY + b' "')
 _REASONING_STRING = (REASONING_KEY + b'"', REASONING_KEY + b' "')
 """The key with a string value (compact or `": "` spacing): SGLang sends `null` in every chunk
 that has none, so the key alone says nothing; the cheaper test for the key comes first."""
+_END = 32
+"""/generate: characters of an index's text so far kept to tell its next text extends it."""
 _NEXT = (b"a", b"\n", b" ")
 """A character of each kind an assertion tells apart (word, newline, other): `certain`."""
 _DONE_LINE = re.compile(rb"(?:^|[\r\n])data: ?\[DONE\](?:[\r\n]|$)")
@@ -180,6 +182,7 @@ class StreamGuard:
         "_choices",
         "_cumulative",
         "_done",
+        "_ends",
         "_field",
         "_held",
         "_id",
@@ -189,6 +192,7 @@ class StreamGuard:
         "_route",
         "_rules",
         "_seen",
+        "_segments",
         "_tail",
         "_undecided",
         "_unreleased",
@@ -216,6 +220,12 @@ class StreamGuard:
         self._done: list[int] = []
         """Choices whose last event (a `finish_reason`) the region being read holds."""
         self._seen: dict[int, int] = {}
+        self._ends: dict[int, str] = {}
+        """/generate: the last characters of each index's text so far, which a cumulative
+        text repeats where its new part begins."""
+        self._segments = False
+        """/generate streams disjoint segments, each new text on its own (SGLang's
+        `--stream-output`), not the text so far: found when one does not extend it."""
         """/generate: characters of each index's cumulative text already looked at."""
         self._unreleased: dict[int, str] = {}
         self._released: dict[int, str] = {}
@@ -337,6 +347,7 @@ class StreamGuard:
         for key in idle:
             del self._windows[key]
             self._seen.pop(key[0], None)
+            self._ends.pop(key[0], None)
         return bool(idle)
 
     def _forget(self, choices: list[int]) -> None:
@@ -346,6 +357,7 @@ class StreamGuard:
             self._undecided.pop(key, None)
         for choice in choices:
             self._seen.pop(choice, None)
+            self._ends.pop(choice, None)
 
     def _pass(self, region: bytes) -> bytes:
         if self._held:
@@ -372,8 +384,8 @@ class StreamGuard:
             return []
         if _OTHER_INDEX.search(region) is not None:
             return self._parsed(region)
-        if self._cumulative:
-            return [(_FIRST_TEXT, self._new_part(0, _decode(found[-1])))]
+        if self._cumulative:  # (several events' texts: each in turn, segments or not)
+            return [(_FIRST_TEXT, "".join(self._new_part(0, _decode(m)) for m in found))]
         if len(found) == 1 and not (calls or thinking):  # the usual chunk: one event's text
             return [(_FIRST_TEXT, _decode(found[0]))]
         return self._scanned(region, found, calls, thinking)
@@ -447,10 +459,22 @@ class StreamGuard:
             self._choices.add(index)
 
     def _new_part(self, index: int, whole: str) -> str:
-        """/generate: what `whole`, an index's cumulative text, adds to what was looked at."""
+        """/generate: what `whole`, an index's cumulative text, adds to what was looked at; all
+        of it once the stream is found to send segments."""
+        if self._segments:
+            return whole
         seen = self._seen.get(index, 0)
-        if len(whole) > seen:  # (then it gets a window, and both are dropped together)
+        end = self._ends.get(index, "")
+        if seen and (len(whole) < seen or whole[seen - len(end) : seen] != end):
+            # not the text so far, extended: a segment (and so is every later event's text);
+            # the final events then add no text, as a segment of their own
+            self._segments = True
+            for part in (self._seen, self._ends, self._unreleased, self._released):
+                part.clear()
+            return whole
+        if len(whole) > seen:  # (then it gets a window, and all three are dropped together)
             self._seen[index] = len(whole)
+            self._ends[index] = whole[-_END:]
         if index == 0 or index in self._choices:  # the final events' texts: bounded as those are
             self._unreleased[index] = whole
         return whole[seen:]

@@ -547,3 +547,34 @@ def test_an_assertion_at_the_texts_end_matches_there(hold: bool, end: str) -> No
     assert guard.cut == "word"
     assert out.endswith(DONE) and out.count(b"[DONE]") == 1 and b"content_filter" in out
     assert delta_text(out) == ("please " if hold else "please kill")
+
+
+def generate_event(text: str, index: int | None = None, finish: bool = False) -> bytes:
+    obj: dict[str, Any] = {"text": text, "meta_info": {"id": "g"}}
+    if index is not None:
+        obj["index"] = index
+    if finish:
+        obj["meta_info"]["finish_reason"] = {"type": "stop"}
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+@pytest.mark.parametrize("hold", [True, False])
+@pytest.mark.parametrize("coalesced", [False, True])
+def test_generate_streams_of_disjoint_segments_are_watched_too(hold: bool, coalesced: bool) -> None:
+    """SGLang's `--stream-output` makes `/generate` stream each new segment of text, not the
+    text so far: a segment that does not extend the text seen is read as one, so the secret
+    spread over segments is caught (and the final event adds no text)."""
+    guard = rules(stream_hold=hold).guard("/generate")
+    segments = [generate_event(t) for t in ("Sure, ", "here: ", "BEGIN PRIV", "ATE KEY", " x")]
+    chunks = [b"".join(segments[:3]), *segments[3:]] if coalesced else segments
+    out, _ = run(guard, [*chunks, b"data: [DONE]\n\n"])
+    assert guard.cut == "key-leak" and b"ATE KEY" not in out
+    final = json.loads(out.split(b"\n\n")[-3][6:])
+    assert final["text"] == "" and final["meta_info"]["finish_reason"]["type"] == "content_filter"
+
+
+def test_generate_segments_that_match_nothing_pass_whole() -> None:
+    guard = rules(stream_hold=False).guard("/generate")
+    chunks = [generate_event(t) for t in ("a", "ab", "x", "yz")] + [generate_event("", finish=True)]
+    out, outs = run(guard, chunks)
+    assert guard.cut is None and out == b"".join(chunks)

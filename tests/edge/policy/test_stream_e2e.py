@@ -170,3 +170,29 @@ async def test_a_word_boundary_at_a_chunks_end_waits_for_the_next_text(listener:
     _, _, reasons = by_index(response.content)
     assert reasons == {"content_filter"}
     assert 'quicedge_policy_decisions_total{outcome="filtered",rule="kill-word"} 1.0' in metrics
+
+
+@LISTENERS
+async def test_a_generate_stream_of_segments_is_watched(listener: str) -> None:
+    """`/generate` from an SGLang run with `--stream-output`: each event's text is the new
+    segment, not the text so far; the secret across segments still ends the stream."""
+
+    def segment(text: str) -> bytes:
+        return b"data: " + json.dumps({"text": text, "meta_info": {"id": "g1"}}).encode()
+
+    def answer(recorded: Recorded) -> Reply:
+        chunks = [segment(t) + b"\n\n" for t in ("ok, ", "BEGIN ", "PRIVATE ", "KEY", "!")]
+        return health_ok(recorded) or Reply(
+            headers=[("content-type", "text/event-stream")],
+            chunks=[*chunks, b"data: [DONE]\n\n"], delay=0.005,
+        )  # fmt: skip
+
+    config = PolicyConfig.from_mapping(POLICY)
+    async with TinyUpstream(answer) as up:
+        async with run_edge(fast_config([up.url]), policies=config, listener=listener) as edge:
+            async with client(edge) as http:
+                body = {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 8}}
+                response = await http.post("/generate", json=body)
+            metrics = (await httpx.AsyncClient().get(f"{edge.admin_url}/metrics")).text
+    assert response.status_code == 200 and b"content_filter" in response.content
+    assert b"PRIVATE" not in response.content and FILTERED in metrics
