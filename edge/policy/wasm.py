@@ -20,10 +20,10 @@ store allows one memory and one table, so `memory_bytes` bounds the module. An a
 `MAX_ANSWER_BYTES` long with at most `MAX_SPANS` spans, each within the prompt: reading it runs
 on the event loop, outside the fuel.
 
-Hot reload: `reload()` (SIGHUP) or a changed modification time (polled in a background task)
-loads the file again, in a thread, and swaps the new module and its first instance in one
-assignment. A check runs start to end without awaiting, so a request in progress finishes on the
-module it began with; a file that fails to load, whatever the reason, leaves the running module
+Hot reload: `reload()` (SIGHUP) or a changed file (its inode, modification time or size, polled
+in a background task) loads the file again, in a thread, and swaps the new module and its first
+instance in one assignment. A check runs start to end without awaiting, so a request in
+progress finishes on the module it began with; a file that fails to load, whatever the reason, leaves the running module
 in place and is counted (`kind="load"`); the poller goes on.
 """
 
@@ -372,7 +372,7 @@ class WasmPolicy:
         log.info("policy module %s: loaded %s", self.id, self.config.path)
 
     def start(self) -> None:
-        """Watch the file's modification time (when `poll_interval` is set)."""
+        """Watch the file for changes (when `poll_interval` is set)."""
         if self.config.poll_interval is not None and self._poller is None:
             self._poller = asyncio.get_running_loop().create_task(self._poll())
 
@@ -404,12 +404,15 @@ class WasmPolicy:
                 log.exception("policy module %s: polling %s failed", self.id, self.config.path)
 
 
-def _stamp(path: str) -> tuple[int, int] | None:
+def _stamp(path: str) -> tuple[int, int, int] | None:
+    """What tells that the file changed: its inode (a rename over it, the way to deploy, makes a
+    new one even when the new file has the old one's time and size, as reproducible builds
+    and files from an image can), modification time and size."""
     try:
         st = os.stat(path)
     except OSError:
         return None
-    return st.st_mtime_ns, st.st_size
+    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 _ALLOW = b'{"action":"allow"}'

@@ -422,3 +422,28 @@ def test_the_table_cannot_grow_past_its_limit(tmp_path: Path) -> None:
     )
     policy = WasmPolicy(WasmConfig(id="m", path=module_file(tmp_path, "table", wat)))
     assert policy.check(b"{}").action == "allow"
+
+
+async def test_a_file_renamed_over_with_the_same_time_and_size_is_reloaded(tmp_path: Path) -> None:
+    """Reproducible builds and files from an image carry a fixed modification time, and a
+    one-byte change keeps the size: the rename that deploys the new file still changes the
+    inode, which the poller watches too (as the certificate's and the config's pollers do)."""
+    allow = HEAD + '(func (export "check") (param i32 i32) (result i64) (i64.const 18)))'
+    broken = allow.replace('\\"allow\\"', '\\"alloX\\"')  # an unknown action: fails closed
+    path, fresh = tmp_path / "live.wasm", tmp_path / "next.wasm"
+    path.write_bytes(wasmtime.wat2wasm(allow))
+    fresh.write_bytes(wasmtime.wat2wasm(broken))
+    assert path.stat().st_size == fresh.stat().st_size
+    for file in (path, fresh):
+        os.utime(file, ns=(1_700_000_000 * 10**9, 1_700_000_000 * 10**9))
+    gw, _ = gateway(str(path), poll_interval=0.05)
+    module = gw.modules[0]
+    gw.start()
+    try:
+        assert check(gw, "hi").decision == "allow"
+        os.replace(fresh, path)
+        await wait_until(lambda: module.generation == 2, timeout=5)
+        with pytest.raises(PolicyUnavailable):
+            check(gw, "hi")
+    finally:
+        await gw.aclose()
