@@ -88,6 +88,10 @@ class DriftConfig:
                 raise ValueError(f"models.rollouts.drift.{name}: must be > 0")
 
 
+CANARY_HEADER = "x-canary"
+"""The request header that chooses a version (`edge.exchange` reads it with the others)."""
+
+
 @dataclass(slots=True)
 class RolloutConfig:
     """A pool's stable and canary version and how traffic moves between them."""
@@ -108,7 +112,8 @@ class RolloutConfig:
     """Advance through the steps by itself; false: only the admin API advances it (pauses,
     holds and rollbacks happen either way)."""
     header: str | None = "x-canary"
-    """A request with this header set to `1` goes to the canary, `0` to stable; none: no rule."""
+    """`x-canary`: a request with that header set to `1` goes to the canary, `0` to stable;
+    `"none"` (or empty): no client chooses its version. No other name is read."""
     tenants: list[str] = field(default_factory=list)
     """Tenants (admitted by API key, `[[tenants]]` names) always sent to the canary."""
     shadow_fraction: float = 0.0
@@ -131,6 +136,17 @@ class RolloutConfig:
             raise ValueError("models.rollouts: each entry needs model, stable and canary")
         if self.stable == self.canary:
             raise ValueError("models.rollouts: stable and canary must differ")
+        if self.header is not None:  # TOML has no null: "none" or "" turns the rule off
+            name = self.header.strip().lower()
+            if name in ("", "none"):
+                self.header = None
+            elif name != CANARY_HEADER:
+                raise ValueError(
+                    f'models.rollouts.header: the edge reads `{CANARY_HEADER}` only (or "none":'
+                    f" no header rule), not {self.header!r}"
+                )
+            else:
+                self.header = CANARY_HEADER
         if not self.steps or any(not 0 < s <= 100 for s in self.steps):
             raise ValueError("models.rollouts.steps: percentages in (0, 100]")
         if any(b <= a for a, b in zip(self.steps, self.steps[1:], strict=False)):

@@ -68,3 +68,17 @@ def test_the_documented_table_loads() -> None:
 def test_bad_values_are_refused_by_name(doc: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         load(doc)
+
+
+@pytest.mark.parametrize("value", ["none", "None", ""])
+def test_a_header_of_none_turns_the_header_rule_off(value: str) -> None:
+    loaded = load(DOC.replace("shadow_fraction = 0.1", f'header = "{value}"'))
+    assert loaded.rollouts[0].header is None
+
+
+def test_a_header_the_edge_does_not_read_is_refused() -> None:
+    """The edge reads `x-canary` only: another name would be silently ignored (and `x-canary`
+    would still choose), so it is refused when the config loads."""
+    with pytest.raises(settings.SettingsError, match="x-canary"):
+        load(DOC.replace("shadow_fraction = 0.1", 'header = "x-beta"'))
+    assert load(DOC.replace("shadow_fraction = 0.1", 'header = "X-Canary"')).rollouts[0].header

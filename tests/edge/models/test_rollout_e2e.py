@@ -408,3 +408,20 @@ async def test_requests_the_guard_model_refuses_are_no_canary_errors() -> None:
             )
             assert ramp.rollout.state == "ramping", ramp.snapshot()
             assert ramp.error_rate() == 0.0
+
+
+async def test_a_rollout_whose_header_rule_is_off_ignores_the_header() -> None:
+    """`header = "none"` in TOML (which has no null): no client chooses its version by header;
+    at a share of almost nothing, every request goes to stable."""
+    async with sims(sim("m", model_version="v1"), sim("m", model_version="v2")) as (s1, s2):
+        loaded = ModelsConfig.from_mapping({"rollouts": [{
+            "model": "m", "stable": "v1", "canary": "v2", "steps": [1e-6], "header": "none",
+        }]})  # fmt: skip
+        async with (
+            run_edge(fast_config([s1.url, s2.url]), models=loaded) as edge,
+            client(edge) as http,
+        ):
+            for _ in range(3):
+                r = await http.post("/v1/chat/completions", json=chat("m"),
+                                    headers={"x-canary": "1"})  # fmt: skip
+                assert r.status_code == 200 and r.headers["x-quicedge-backend"] == netloc(s1)
