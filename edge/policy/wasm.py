@@ -23,8 +23,8 @@ on the event loop, outside the fuel.
 Hot reload: `reload()` (SIGHUP) or a changed file (its inode, modification time or size, polled
 in a background task) loads the file again, in a thread, and swaps the new module and its first
 instance in one assignment. A check runs start to end without awaiting, so a request in
-progress finishes on the module it began with; a file that fails to load, whatever the reason, leaves the running module
-in place and is counted (`kind="load"`); the poller goes on.
+progress finishes on the module it began with; a file that fails to load, whatever the reason,
+leaves the running module in place and is counted (`kind="load"`); the poller goes on.
 """
 
 from __future__ import annotations
