@@ -54,6 +54,10 @@ class BucketStore(Protocol):
         """Take `cost` unconditionally (the bucket may go into debt)."""
         ...
 
+    async def give(self, charges: Sequence[Charge]) -> None:
+        """Give every cost back (a take the edge undid), no bucket above its size."""
+        ...
+
 
 class MemoryBuckets:
     """Buckets in this process: a dict of key → [level, last refill time]."""
@@ -91,10 +95,19 @@ class MemoryBuckets:
         return self.take_now(charges)
 
     def debit_now(self, key: str, bucket: Bucket, cost: float) -> None:
-        self._level(key, bucket, self._clock())[0] -= cost
+        """Take `cost` (a negative one gives back, up to the bucket's size)."""
+        state = self._level(key, bucket, self._clock())
+        state[0] = min(bucket.capacity, state[0] - cost)
 
     async def debit(self, key: str, bucket: Bucket, cost: float) -> None:
         self.debit_now(key, bucket, cost)
+
+    def give_now(self, charges: Sequence[Charge]) -> None:
+        for key, bucket, cost in charges:
+            self.debit_now(key, bucket, -cost)
+
+    async def give(self, charges: Sequence[Charge]) -> None:
+        self.give_now(charges)
 
     def level(self, key: str) -> float | None:
         """The bucket's level at its last use (tests and the admin view)."""
@@ -102,7 +115,8 @@ class MemoryBuckets:
         return None if state is None else state[0]
 
 
-# KEYS: one hash per bucket. ARGV: check (1/0), then rate, capacity, cost per bucket.
+# KEYS: one hash per bucket. ARGV: check (1/0), then rate, capacity, cost per bucket (a negative
+# cost gives back, never above the capacity).
 # Returns {allowed (1/0), retry_after (string: Lua numbers become integers on the way out),
 # index of the refusing bucket (1-based, 0 when allowed), then each bucket's level after the
 # take (before it, when refused), as strings}.
@@ -139,7 +153,7 @@ local out = {1, '0', 0}
 for i = 1, #KEYS do
   local rate = tonumber(ARGV[i * 3 - 1])
   local cap = tonumber(ARGV[i * 3])
-  local level = levels[i] - tonumber(ARGV[i * 3 + 1])
+  local level = math.min(cap, levels[i] - tonumber(ARGV[i * 3 + 1]))
   redis.call('HSET', KEYS[i], 'l', tostring(level), 't', tostring(now))
   -- long enough to refill fully from the current debt; a full bucket needs no key at all
   redis.call('PEXPIRE', KEYS[i], math.ceil((cap - level) / rate * 1000) + 1000)
@@ -177,6 +191,10 @@ class RedisBuckets:
 
     async def debit(self, key: str, bucket: Bucket, cost: float) -> None:
         keys, args = self._encode([(key, bucket, cost)], check=False)
+        await self._guard.run(lambda: self._script(keys=keys, args=args))
+
+    async def give(self, charges: Sequence[Charge]) -> None:
+        keys, args = self._encode([(k, b, -c) for k, b, c in charges], check=False)
         await self._guard.run(lambda: self._script(keys=keys, args=args))
 
     def _encode(self, charges: Sequence[Charge], *, check: bool) -> tuple[list[str], list[str]]:

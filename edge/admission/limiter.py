@@ -45,14 +45,7 @@ class RateLimiter:
     ) -> tuple[Verdict, str, tuple[Standing, ...]]:
         """Charge one request and its prompt (`tokens=False`: the request only); (verdict, the
         refusing bucket's reason, where each bucket stands now)."""
-        charges: list[Charge] = []
-        reasons: list[str] = []
-        if tenant.requests is not None:
-            charges.append((tenant.name + ":requests", tenant.requests, 1.0))
-            reasons.append("requests")
-        if tenant.tokens is not None and tokens:
-            charges.append((tenant.name + ":tokens", tenant.tokens, float(prompt_tokens)))
-            reasons.append("tokens")
+        charges, reasons = self._charges(tenant, prompt_tokens, tokens=tokens)
         if not charges:
             return ALLOWED, "", ()
         verdict, applied = await self._take(tenant, charges)
@@ -61,6 +54,20 @@ class RateLimiter:
             for reason, (_, bucket, _), level in zip(reasons, applied, verdict.levels, strict=False)
         )
         return verdict, (reasons[verdict.refused] if not verdict.allowed else ""), standings
+
+    @staticmethod
+    def _charges(
+        tenant: Tenant, prompt_tokens: int, *, tokens: bool
+    ) -> tuple[list[Charge], list[str]]:
+        charges: list[Charge] = []
+        reasons: list[str] = []
+        if tenant.requests is not None:
+            charges.append((tenant.name + ":requests", tenant.requests, 1.0))
+            reasons.append("requests")
+        if tenant.tokens is not None and tokens:
+            charges.append((tenant.name + ":tokens", tenant.tokens, float(prompt_tokens)))
+            reasons.append("tokens")
+        return charges, reasons
 
     async def standing(self, tenant: Tenant) -> tuple[Standing, ...]:
         """Where the tenant's buckets stand now (a take of nothing: the refill is written back,
@@ -113,6 +120,21 @@ class RateLimiter:
             await self.shared.debit(key, tenant.tokens, tokens)
         except RedisUnavailable:
             self.local.debit_now(key, tenant.tokens.scaled(self.share), tokens)
+
+    async def refund(self, tenant: Tenant, prompt_tokens: int) -> None:
+        """Give back what `take` charged for a request (one request, its prompt), to the buckets
+        in use now, none above its size (with Redis, one round trip within its deadline)."""
+        charges, _ = self._charges(tenant, prompt_tokens, tokens=True)
+        if not charges:
+            return
+        if self.shared is not None:
+            assert self.guard is not None
+            if self.guard.usable:
+                with contextlib.suppress(RedisUnavailable):
+                    await self.shared.give(charges)
+                    return
+            charges = [(k, b.scaled(self.share), c) for k, b, c in charges]
+        self.local.give_now(charges)
 
     async def aclose(self) -> None:
         if self._debits:

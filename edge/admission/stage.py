@@ -20,7 +20,7 @@ from edge.admission.redis_guard import RedisGuard
 from edge.admission.settings import AdmissionSettings, ThrottleSettings
 from edge.admission.tenants import Tenant, TenantDirectory
 from edge.admission.throttle import AdmissionQueue, Throttle
-from edge.errors import TooManyRequests, Unauthorized
+from edge.errors import Overloaded, TooManyRequests, Unauthorized
 from edge.exchange import Exchange
 from edge.telemetry import Metrics
 
@@ -262,10 +262,33 @@ class Admission:
         self.metrics.admission_rejections.labels(name, reason).inc()
 
     async def place(self, ex: Exchange, candidates: Callable[[], list[Backend]]) -> list[Backend]:
-        """The backends this attempt may use (waiting in the admission queue when all are full)."""
-        if self.queue is None:
-            return candidates()
-        return await self.queue.place(ex.tier_rank, ex.tier, candidates)
+        """The backends this attempt may use (waiting in the admission queue when all are full).
+
+        None (the caller's 503), or the queue's 503, for a request no backend has had: what its
+        admission took is given back, the edge's own overload is not the tenant's spending."""
+        try:
+            if self.queue is None:
+                found = candidates()
+            else:
+                found = await self.queue.place(ex.tier_rank, ex.tier, candidates)
+        except Overloaded:
+            await self._refund(ex)
+            raise
+        if not found:
+            await self._refund(ex)
+        return found
+
+    async def _refund(self, ex: Exchange) -> None:
+        """Give back the request and prompt `admit` took for `ex`, once, if no backend had it."""
+        if ex.ratelimit is None or ex.backend is not None:  # nothing taken, or a backend had it
+            return
+        ex.ratelimit = None  # the buckets no longer stand as admission left them; and once only
+        tenant = self._by_name.get(ex.tenant)
+        if tenant is None or not tenant.limited or ex.view is None:
+            return
+        view = ex.view
+        prompt = view.approx_tokens if view.batch_tokens is None else view.batch_tokens
+        await self.limiter.refund(tenant, prompt)
 
     def finish(self, ex: Exchange, completion_tokens: int | None) -> None:
         """The request ended (any way): free its slot, debit its answer, wake the queue."""
