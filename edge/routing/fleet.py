@@ -163,8 +163,9 @@ def build_fleet(
                 view.placed(url, hasher.blocks(text).hashes)
 
         service = PrewarmService(
-            prewarm, registry=registry, pool=pool, hot=hot, on_reset=reset, on_warmed=warmed
-        )
+            prewarm, registry=registry, pool=pool, hot=hot, on_reset=reset, on_warmed=warmed,
+            claim=(lambda url, ttl: view.claim("warm:" + url, ttl)) if view is not None else None,
+        )  # fmt: skip
     listener: KvEvents | None = None
     if events:
         assert kv_events is not None

@@ -266,6 +266,26 @@ class FleetView:
         self._held.pop(backend_url, None)
         self._published.pop(backend_url, None)
 
+    async def claim(self, name: str, ttl: float) -> bool:
+        """Whether this process takes on the fleet-wide job `name` (one warm-up of a backend)
+        for `ttl` seconds: False while another process holds it. True when Redis cannot say
+        (not started, failing or slower than `timeout`): the job is then done here rather than
+        nowhere."""
+        if self._redis is None:
+            return True
+        key = f"{self.config.key}:claim:{name}"
+        mine = self.instance.encode()
+        try:
+            async with asyncio.timeout(self.config.timeout):
+                if await self._redis.set(key, mine, nx=True, px=max(1, int(ttl * 1000))):
+                    return True
+                return bool(await self._redis.get(key) == mine)  # held by this process
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._failed(exc)
+            return True
+
     # -- background ----------------------------------------------------------------------
     async def start(self) -> None:
         cfg = self.config

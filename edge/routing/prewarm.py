@@ -32,7 +32,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -138,6 +138,10 @@ class _Lane:
     warmups: int = 0
     max_new_tokens: int = 0
     last_counter: float | None = None
+    to_claim: bool = False
+    """Hot prefixes were queued: claim the warm-up (`claim`) before sending them."""
+    elsewhere: int = 0
+    """Warm-ups left to another edge process, which claimed them first."""
 
 
 CHAT_ROUTE = "/v1/chat/completions"
@@ -173,7 +177,10 @@ class PrewarmService:
         on_warmed: Callable[[str, str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         rescan_interval: float = MEMBERSHIP_INTERVAL,
+        claim: Callable[[str, float], Awaitable[bool]] | None = None,
     ) -> None:
+        """`claim(backend url, seconds)`: whether this process warms that backend now (the
+        shared fleet view's `claim`: one edge process of the fleet does); None: it always does."""
         config.validate()
         self.config = config
         self.rescan_interval = rescan_interval
@@ -182,6 +189,7 @@ class PrewarmService:
         self.hot = hot
         self._on_reset = on_reset
         self._on_warmed = on_warmed
+        self._claim = claim
         self._clock = clock
         self._lanes = {b.url: _Lane(b) for b in registry.backends}
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -258,6 +266,7 @@ class PrewarmService:
             lane.jobs.append(_Job(p.text, chat=p if p.messages else None))
             queued += 1
         if queued:
+            lane.to_claim = True
             backend.warming_until = self._clock() + self.config.deadline
             lane.reason = reason
             lane.warmups += 1
@@ -296,6 +305,17 @@ class PrewarmService:
         job: _Job | None = None
         try:
             while lane.jobs:
+                if lane.to_claim:
+                    lane.to_claim = False
+                    if self._claim is not None and not await self._claim(
+                        backend.url, self.config.deadline
+                    ):
+                        # Another edge process warms it (it noticed the same restart): its
+                        # hot prefixes are not sent twice; `/prewarm`'s texts still are.
+                        lane.jobs = [j for j in lane.jobs if j.done is not None]
+                        lane.elsewhere += 1
+                        backend.warming_until = 0.0
+                        continue
                 job = lane.jobs.pop(0)
                 start = 0
                 # Held back from routing with nothing of ours in flight: no request can use a
@@ -452,6 +472,7 @@ class PrewarmService:
                     "ready": lane.backend.warming_until <= now,
                     "reason": lane.reason,
                     "warmups": lane.warmups,
+                    "elsewhere": lane.elsewhere,
                     "queued": len(lane.jobs),
                     "requests": dict(lane.requests),
                     "tokens": lane.tokens,

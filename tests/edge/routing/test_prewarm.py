@@ -387,3 +387,47 @@ async def test_a_backend_is_warmed_with_its_own_models_hot_prefixes_only() -> No
                 assert edge.wiring.fleet.prewarm.warm_hot(alpha, reason="test") == 1
             finally:
                 await fresh.stop()
+
+
+async def test_edge_processes_sharing_a_fleet_view_warm_a_restarted_backend_once(
+    redis_url: str, redis_prefix: str
+) -> None:
+    """Every edge process (worker or machine) notices a restart; with the shared view, one of
+    them warms the backend, so its warm-up load is one process's, not one per process."""
+    from edge.routing.fleet_view import FleetViewConfig
+
+    rng = random.Random(9)
+    system = words(rng, 600)
+    shared = FleetViewConfig(enabled=True, redis=redis_url, key=redis_prefix + "fv", interval=0.05)
+    async with sims(sim_config("b0")) as servers:
+        config = fast_config([servers[0].url], policy="ttft")
+        prewarm = PrewarmConfig(enabled=True, restart_check_interval=None)
+        async with (
+            run_edge(config, prewarm=prewarm, fleet_view=shared) as a,
+            run_edge(config, prewarm=prewarm, fleet_view=shared) as b,
+            client(a) as http_a,
+            client(b) as http_b,
+        ):
+            for _ in range(3):
+                await generate(http_a, system + words(rng, 30))
+                await generate(http_b, system + words(rng, 30))
+            only = name(servers[0])
+            backends = [e.wiring.registry.get(only) for e in (a, b)]
+            await servers[0].stop()
+            await wait_until(lambda: not any(x is not None and x.healthy for x in backends))
+            fresh = SimServer(sim_config("b0", port=servers[0].port))
+            await fresh.start()
+            try:
+                # each has either warmed it or left it to the other
+                await wait_until(lambda: all(
+                    prewarm_state(e)[only]["state"] != "warming"
+                    and (prewarm_state(e)[only]["requests"].get("ok", 0)
+                         or prewarm_state(e)[only].get("elsewhere", 0))
+                    for e in (a, b)
+                ))  # fmt: skip
+                states = [prewarm_state(e)[only] for e in (a, b)]
+                sent = [s["requests"].get("ok", 0) for s in states]
+                assert sorted(sent)[0] == 0 and sorted(sent)[1] >= 1, states
+                assert await direct_cached(fresh.url, system) > 0.6 * len(system.split())
+            finally:
+                await fresh.stop()
