@@ -35,7 +35,8 @@ class TenantSettings:
     requests_per_second: float | None = None
     """Sustained request rate, requests/s; None: unlimited."""
     burst: int | None = None
-    """Requests allowed at once above the sustained rate; default: max(1, requests_per_second)."""
+    """Requests allowed at once above the sustained rate; default: requests_per_second rounded
+    up, at least 1."""
     tokens_per_minute: int | None = None
     """Prompt + completion tokens per minute (also the token bucket's size); None: unlimited."""
     max_concurrent: int | None = None
@@ -66,7 +67,7 @@ class AnonymousSettings:
     requests_per_second: float | None = None
     """As for a tenant; None: unlimited."""
     burst: int | None = None
-    """As for a tenant; default max(1, requests_per_second)."""
+    """As for a tenant; default requests_per_second rounded up, at least 1."""
     tokens_per_minute: int | None = None
     """As for a tenant; None: unlimited."""
     max_concurrent: int | None = None

@@ -112,3 +112,12 @@ def test_serve_reads_admission_and_tenants_from_its_toml() -> None:
     twice = [{"name": "x", "tier": "gold"}, {"name": "x", "tier": "gold"}]
     with pytest.raises(ValueError, match="tenants"):
         serve.load_settings(args, {}, toml={**doc, "tenants": twice})
+
+
+def test_the_default_burst_is_the_rate_rounded_up_and_at_least_one() -> None:
+    doc = "\n".join(
+        f'[[tenants]]\nname = "t{i}"\nrequests_per_second = {rps}'
+        for i, rps in enumerate((0.2, 2.5, 4.0))
+    )
+    directory = TenantDirectory(AdmissionSettings.from_toml(tomllib.loads(doc)))
+    assert [t.requests.capacity for t in directory.tenants if t.requests] == [1.0, 3.0, 4.0]
