@@ -191,7 +191,9 @@ class RequestRules:
         verdict = RuleVerdict()
         allowed = self._models.get(tenant)
         if allowed is not None:
-            model = body.get("model", "default")  # none named: the backend's own, `default`
+            # none named: the backend's own, `default`; so is /generate's, whatever its body
+            # names (SGLang does not read a `model` there, nor does routing)
+            model = "default" if route == GENERATE else body.get("model", "default")
             name = model if isinstance(model, str) else ""
             if not any(fnmatch.fnmatchcase(name, glob) for glob in allowed):
                 rule = f"models:{tenant}"

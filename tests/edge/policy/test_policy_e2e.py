@@ -285,3 +285,21 @@ async def test_a_refused_responses_stream_is_a_responses_stream() -> None:
     assert events[0]["type"] == "response.created"
     assert events[-1]["type"] in ("response.completed", "response.incomplete")
     assert "chat.completion.chunk" not in response.text and "[DONE]" not in response.text
+
+
+async def test_a_generate_request_is_checked_as_the_model_it_is_routed_to() -> None:
+    """`/generate` is routed to the backends' own model whatever `model` its body names (the
+    field is not SGLang's, and routing does not read it): a tenant held to `small-*` cannot
+    reach the default model by naming a small one there."""
+
+    def answer(recorded: Recorded) -> Reply:
+        body = json.dumps({"text": "ok", "meta_info": {"id": "g"}}).encode()
+        return health_ok(recorded) or Reply(chunks=[body], chunked=False)
+
+    policy = {"tenant_models": [{"tenant": "anonymous", "models": ["small-*"]}]}
+    async with TinyUpstream(answer) as up:
+        async with edge_with(up.url, policy) as edge, client(edge) as http:
+            response = await http.post("/generate", json={"model": "small-1", "text": "hi"})
+    assert response.status_code == 403, response.text
+    assert response.json()["error"]["code"] == "model_not_allowed"
+    assert inference(up) == []
