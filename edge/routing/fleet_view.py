@@ -387,7 +387,14 @@ class FleetView:
             msg = orjson.loads(raw)
             instance = str(msg["i"])
             rows = msg["l"]
-            load = {str(r[0]): (int(r[1]), int(r[2]), int(r[3])) for r in rows}
+            known = {b.url for b in self._backends}
+            # Only this edge's backends, and no figure below 0 (a queue emptier than idle
+            # would draw every request there): a stray or broken publisher costs nothing.
+            load = {
+                url: (max(0, int(r[1])), max(0, int(r[2])), max(0, int(r[3])))
+                for r in rows
+                if (url := str(r[0])) in known
+            }
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, IndexError):
             return  # not ours to understand: skip it
         if instance == self.instance:

@@ -361,3 +361,25 @@ async def test_placements_on_backends_this_edge_does_not_route_are_not_kept(
         # Gone from discovery: what was heard of it goes too.
         await views.b.remove(views.b.backends[0].name, drain_timeout=0.1)
         await wait_until(lambda: views.view_b.snapshot()["remote_blocks"] == {})
+
+
+async def test_load_figures_a_process_cannot_have_are_not_summed(redis_prefix: str) -> None:
+    """A stray or broken publisher on the load channel: negative figures would make a backend
+    look emptier than idle (every request would go there), and figures for backends this edge
+    does not route to would only take room."""
+    urls = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]  # never connected to
+    async with two_views(urls, redis_prefix, interval=30.0, timeout=5.0) as views:
+        view_b = views.view_b
+        await wait_until(lambda: view_b.listening)
+        client = aioredis.Redis.from_url(views.redis.url)
+        try:
+            rows = [[urls[0], -1_000_000, -5, -5], [urls[1], 300, 1, 1],
+                    *([f"http://10.0.0.{i}:1", 1, 1, 1] for i in range(200))]  # fmt: skip
+            message = orjson.dumps({"i": "stray", "l": rows})
+            channel = (views.config.key + ":load").encode()
+            await client.publish(channel, message)
+            await wait_until(lambda: view_b.queued(urls[1]) == (300, 1, 1))
+        finally:
+            await client.aclose()
+        assert view_b.queued(urls[0]) == (0, 0, 0)
+        assert set(view_b._remote_load) <= set(urls)
