@@ -127,7 +127,22 @@ class Models:
     def candidates(self, route: Route | None, able: list[Backend]) -> list[Backend]:
         if route is None:
             return able
-        return self.pools.candidates(route, able)
+        mine = self.pools.candidates(route, able)
+        if mine or route.pool is None:
+            return mine
+        # `able` (`BackendRegistry.candidates`) keeps degraded and warming backends for when no
+        # other backend can take the request, judged over the whole fleet: another pool's ready
+        # backends cannot take this one's requests, so the pool's own are judged by themselves.
+        return self.pools.candidates(route, self._able_in(route.pool))
+
+    def _able_in(self, pool: str) -> list[Backend]:
+        """The backends that may take a request of `pool`: as `BackendRegistry.candidates`
+        chooses among the whole fleet, but among the pool's own."""
+        registry, now = self._backends, self._clock()
+        able = [b for b in registry.backends
+                if (b.model == pool or b.model is None) and registry.available(b, now)]  # fmt: skip
+        ready = [b for b in able if b.warming_until <= now] or able
+        return [b for b in ready if not b.degraded] or ready
 
     def to_stable(self, route: Route, *, refused: bool) -> None:
         """Send a canary request to the stable version. `refused`: the canary's breakers

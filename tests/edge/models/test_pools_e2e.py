@@ -252,3 +252,44 @@ async def test_without_discovery_a_request_naming_the_served_model_is_served() -
             for model in ("alpha", None, "default"):
                 r = await http.post("/v1/chat/completions", json=chat(model))
                 assert r.status_code == 200, (model, r.text)
+
+
+async def test_a_pool_whose_backends_are_all_degraded_is_served_by_them() -> None:
+    """Alpha's one backend is degraded (its KV cache is full: `token_usage` 0.99); beta's is
+    not. A degraded backend takes work when nothing else can, and for alpha's requests nothing
+    else can: beta's backend does not serve alpha, so it must not make alpha's a 503."""
+    from tests.edge.conftest import Recorded, Reply, TinyUpstream, health_ok
+
+    def full(recorded: Recorded) -> Reply:
+        if recorded.path in ("/v1/loads", "/get_load"):
+            load = {"num_running_reqs": 8, "num_waiting_reqs": 0, "num_used_tokens": 99000,
+                    "token_usage": 0.99, "max_total_num_tokens": 100000}  # fmt: skip
+            return Reply(chunks=[json.dumps({"loads": [load]}).encode()], chunked=False,
+                         headers=[("content-type", "application/json")])  # fmt: skip
+        known = health_ok(recorded)
+        if known is not None:
+            return known
+        answer = {
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "ok"},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {"completion_tokens": 1},
+        }
+        return Reply(chunks=[json.dumps(answer).encode()], chunked=False,
+                     headers=[("content-type", "application/json")])  # fmt: skip
+
+    async with TinyUpstream(full) as alpha, sims(sim("beta")) as (beta,):
+        models = ModelsConfig(backends=[BackendModel(alpha.url, model="alpha", version="v1")])
+        config = fast_config([alpha.url, beta.url])
+        async with run_edge(config, models=models) as edge, client(edge) as http:
+            backend = edge.wiring.registry.get(netloc(alpha))
+            assert backend is not None
+            await wait_until(lambda: backend.degraded and backend.healthy)
+            for model in ("alpha", "beta", "alpha"):
+                r = await http.post("/v1/chat/completions", json=chat(model))
+                assert r.status_code == 200, (model, r.text)
+            assert r.headers["x-quicedge-backend"] == netloc(alpha)
