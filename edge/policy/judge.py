@@ -30,6 +30,10 @@ from edge.policy.config import JudgeConfig
 
 Verdict = Literal["safe", "unsafe", "error"]
 
+MAX_ANSWER_BYTES = 64 * 1024
+"""The longest guard answer read (one of a few words is far shorter): a longer one is `error`,
+so a guard gone wrong cannot make each request buffer its whole body."""
+
 
 class Judge:
     """Asks the guard pool; `ask` never raises (a failure is the verdict `error`)."""
@@ -78,13 +82,19 @@ class Judge:
             headers=[(b"content-type", b"application/json")], body=body,
             first_byte_timeout=self.config.timeout, chunk_timeout=self.config.timeout,
         )  # fmt: skip
+        chunks: list[bytes] = []
+        size = 0
         try:
-            raw = await response.read()
+            async for chunk in response:
+                size += len(chunk)
+                if size > MAX_ANSWER_BYTES:  # not an answer of a few words: not read further
+                    return "error"
+                chunks.append(chunk)
         finally:
             await response.aclose()
         if response.status != 200:
             return "error"
-        return verdict_of(raw)
+        return verdict_of(b"".join(chunks))
 
 
 def verdict_of(raw: bytes) -> Verdict:

@@ -218,3 +218,17 @@ async def test_a_judged_responses_stream_is_refused_as_a_responses_stream(mode: 
     data = [line[6:] for line in refused.text.splitlines() if line.startswith("data: ")]
     types = [json.loads(d).get("type") for d in data]
     assert types[0] == "response.created" and types[-1] == "response.completed", types
+
+
+async def test_a_guard_answer_past_the_bound_is_an_error_unread() -> None:
+    """The guard answers a few words (`max_tokens` 8); a body past 64 KiB (a misconfigured
+    backend, a guard gone wrong) is not buffered whole for every request: it is `error`."""
+    head = json.dumps({"choices": [{"message": {"content": "safe"}}]}).encode()
+    huge = Reply(chunks=[head + b" " * (4 << 20)], chunked=False,
+                 headers=[("content-type", "application/json")])  # fmt: skip
+    async with TinyUpstream(backend()) as up, TinyUpstream(misbehaving_guard(huge)) as g:
+        async with edge_with(up.url, g.url, on_error="closed") as edge, client(edge) as http:
+            response = await http.post("/v1/completions", json=completion("hello"))
+            text = await metrics(edge)
+    assert response.status_code == 503 and generations(up) == []
+    assert 'quicedge_policy_judge_seconds_count{verdict="error"} 1.0' in text
