@@ -11,11 +11,11 @@ the chance that it takes one falls linearly to zero at `max_queue_depth` (the de
 smooth slope rather than a cliff, so several edges do not all stop and start together).
 
 A request that no backend takes waits in the admission queue: gold before silver before bronze,
-FIFO within a tier, among the requests that want the same backends. A waiter looks for a backend
-only when no waiter ahead of it wants any of its candidates (with one pool, only the head looks):
-a request for another pool (a tier's own backends, another model) is not held behind a waiter
-that cannot use its backends. It looks again when a request ends here (`wake`) and every
-`recheck_s` (a load poll may have freed room). A wait past `queue_timeout_s`
+FIFO within a tier, among the requests that want the same backends: the backends a waiter wants
+are its own to take first, and a request after it may take only the others. So a request for
+another pool (a tier's own backends, another model) is not held behind a waiter that cannot use
+its backends, and with one pool only the head looks. A waiter looks again when a request ends
+here (`wake`) and every `recheck_s` (a load poll may have freed room). A wait past `queue_timeout_s`
 is 503 `overloaded` with Retry-After, and so is a full queue: for the newcomer, or, when it
 outranks the lowest-ranked waiter, for that waiter, whose place it takes.
 """
@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import math
 import random
 import time
 from collections.abc import Callable
@@ -77,8 +78,7 @@ class _Waiter:
         self.evicted = False
         """A newcomer of a higher tier took its place in the full queue."""
         self.wants = wants
-        """Its candidates at its last look: the waiters behind it that want one of them wait
-        for it; the others do not."""
+        """Its candidates at its last look: the requests after it may not take these."""
 
 
 _Entry = tuple[int, int, _Waiter]
@@ -131,12 +131,13 @@ class AdmissionQueue:
         found = candidates()
         if not found:
             return found
-        fit = self._fit(found)
-        wants = frozenset(found)
-        # Those waiting that rank with it or above are ahead of it: it passes them only where
-        # none of them wants any of its backends.
-        if fit and not any(e[0] <= rank and not wants.isdisjoint(e[2].wants) for e in self._heap):
+        # Those waiting that rank with it or above are ahead of it: it passes them only on
+        # backends none of them wants.
+        claimed = self._claimed((rank, math.inf))
+        fit = self._fit([b for b in found if b not in claimed] if claimed else found)
+        if fit:
             return fit
+        wants = frozenset(found)
         if len(self._heap) >= self.settings.queue_size and not self._evict_below(rank):
             self._report(tier, 0.0, False)
             raise self._full()
@@ -152,9 +153,10 @@ class AdmissionQueue:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
-                if not self._held(entry):
+                claimed = self._claimed(entry[:2])
+                if not entry[2].wants <= claimed:  # it may take some of them: it looks
                     found = candidates()
-                    fit = self._fit(found)
+                    fit = self._fit([b for b in found if b not in claimed] if claimed else found)
                     if fit or not found:
                         self._leave(entry)
                         self._report(tier, time.monotonic() - start, True)
@@ -205,31 +207,34 @@ class AdmissionQueue:
         last[2].turn.set()
         return True
 
-    def _held(self, entry: _Entry) -> bool:
-        """Whether a waiter ahead of `entry` wants one of its backends (it waits for that one)."""
-        wants, key = entry[2].wants, entry[:2]
-        return any(e[:2] < key and not wants.isdisjoint(e[2].wants) for e in self._heap)
+    def _claimed(self, key: tuple[int, float]) -> set[Backend]:
+        """The backends the waiters ahead of `key` (rank, arrival) want: theirs to take first."""
+        claimed: set[Backend] = set()
+        for e in self._heap:
+            if e[:2] < key:
+                claimed |= e[2].wants
+        return claimed
 
     def _leave(self, entry: _Entry) -> None:
-        """Take the entry out of the queue and hand the turn to those it held."""
+        """Take the entry out of the queue and hand the turn to those it kept waiting."""
         if entry in self._heap:
             self._heap.remove(entry)
             heapq.heapify(self._heap)
             self.wake()
 
     def wake(self) -> None:
-        """Room may have been freed: let every waiter that none ahead of it holds look again
-        (with one pool, the head)."""
+        """Room may have been freed: let every waiter that wants a backend no one ahead of it
+        wants look again (with one pool, the head)."""
         if not self._heap:
             return
         if len(self._heap) == 1:
             self._heap[0][2].turn.set()
             return
-        ahead: set[Backend] = set()
+        claimed: set[Backend] = set()
         for _, _, waiter in sorted(self._heap):
-            if ahead.isdisjoint(waiter.wants):
+            if not waiter.wants <= claimed:
                 waiter.turn.set()
-            ahead |= waiter.wants
+            claimed |= waiter.wants
 
     def _report(self, tier: str, waited: float, placed: bool) -> None:
         if self._on_wait is not None:

@@ -1,7 +1,7 @@
 """The admission queue orders requests that want the same backends: a request whose backends
 have room is not held behind a waiter that cannot use them (another tier's backends, another
-model's pool, a retry's untried ones). Only those ahead of it that want one of its backends keep
-it waiting."""
+model's pool, a retry's untried ones). The backends a waiter wants are its own to take first;
+a request after it may take only the others."""
 
 from __future__ import annotations
 
@@ -36,20 +36,31 @@ async def test_a_request_for_free_backends_passes_a_waiter_for_full_ones() -> No
     full = Backend(name="a", url="http://a:1", in_prefill=1)  # depth 1 of 1
     free = Backend(name="b", url="http://b:1")
     queue = AdmissionQueue(settings(), Throttle(settings()))
-    waiting = asyncio.ensure_future(queue.place(0, "gold", lambda: [full]))
+    order: list[str] = []
+
+    async def on_full(name: str) -> list[Backend]:
+        placed = await queue.place(0, "gold", lambda: [full])
+        full.in_prefill += 1  # it takes the room it was given
+        order.append(name)
+        return placed
+
+    waiting = asyncio.ensure_future(on_full("first"))
     await wait_until(lambda: queue.waiting == 1)
     # same tier, a lower one: neither may use `full`, and `free` has room
     assert await queue.place(0, "gold", lambda: [free]) == [free]
     assert await queue.place(2, "bronze", lambda: [free]) == [free]
     assert queue.waiting == 1 and not waiting.done()
-    # one that wants `full` too still waits behind the gold waiter, even with `free` fit
-    both = asyncio.ensure_future(queue.place(2, "bronze", lambda: [full, free]))
+    # one that wants `full` and `free` takes `free`, which the gold waiter does not want
+    assert await queue.place(2, "bronze", lambda: [full, free]) == [free]
+    # one that wants `full` only waits behind the gold waiter, and leaves after it
+    later = asyncio.ensure_future(on_full("later"))
     await wait_until(lambda: queue.waiting == 2)
-    full.in_prefill = 0
-    queue.wake()
-    assert await waiting == [full]
-    assert set(await both) == {full, free}
-    assert queue.waiting == 0
+    for _ in range(2):
+        full.in_prefill = 0  # a request on `full` ended
+        queue.wake()
+        await wait_until(lambda n=len(order): len(order) > n)  # type: ignore[misc]
+    assert await waiting == [full] and await later == [full]
+    assert order == ["first", "later"] and queue.waiting == 0
 
 
 async def test_a_waiter_behind_another_pool_is_woken_when_its_own_room_frees() -> None:
