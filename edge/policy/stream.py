@@ -160,6 +160,9 @@ _END = 32
 """/generate: characters of an index's text so far kept to tell its next text extends it."""
 _NEXT = (b"a", b"\n", b" ")
 """A character of each kind an assertion tells apart (word, newline, other): `certain`."""
+_FINISHED = re.compile(rb'"finish_reason":\s*["{]')
+"""A finish reason that is set (SGLang sends `null` until the last chunk; /generate's is an
+object)."""
 _DONE_LINE = re.compile(rb"(?:^|[\r\n])data: ?\[DONE\](?:[\r\n]|$)")
 _BLANK_LINE = re.compile(rb"(?:\r\n|\r(?!\n)|\n)(?:\r\n|\r|\n)")
 """Two line ends in a row, each `\\r\\n`, `\\n` or `\\r` (SSE): the end of an event."""
@@ -331,6 +334,8 @@ class StreamGuard:
         done = self._done
         if _DONE_LINE.search(region) is not None:
             return next(iter(self._undecided.values()))
+        if not done and _FINISHED.search(region) is not None:  # read by the fast path: choice 0
+            return next((r for key, r in self._undecided.items() if key[0] == 0), None)
         return next((rule for key, rule in self._undecided.items() if key[0] in done), None)
 
     def _make_room(self) -> bool:

@@ -578,3 +578,14 @@ def test_generate_segments_that_match_nothing_pass_whole() -> None:
     chunks = [generate_event(t) for t in ("a", "ab", "x", "yz")] + [generate_event("", finish=True)]
     out, outs = run(guard, chunks)
     assert guard.cut is None and out == b"".join(chunks)
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_an_assertion_at_the_texts_end_is_decided_by_a_finish_in_the_same_read(hold: bool) -> None:
+    """The last text and the choice's finish arrive in one read: the finish decides the match
+    there, before the finish reaches the client."""
+    guard = rules(**WORD_RULE, stream_hold=hold).guard("/v1/chat/completions")
+    last = chat_event("kill") + choice_event(0, finish="stop")
+    out, _ = run(guard, [chat_event("please "), last, DONE])
+    assert guard.cut == "word" and b'"stop"' not in out
+    assert delta_text(out) == "please " and out.count(b"[DONE]") == 1
