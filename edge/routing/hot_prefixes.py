@@ -7,8 +7,9 @@ with `half_life_s`, done the cheap way: a count added at time t weighs 2^(t / ha
 counts need no update (weights are rescaled when they grow large). Each model keeps at most
 `capacity` entries; past twice that, the lowest-scored half is dropped at once, so the cost of
 pruning is amortised to O(log capacity) per new entry. An entry keeps a reference to the text of
-the request that created it (no copy), and for a chat request to its messages; the prefix is cut
-from them only when it is warmed. A prompt that runs on for more than `KEEP_PAST` characters
+the request that created it (no copy), and for a chat request to its messages (less their content
+parts that are not text, which the hashes never covered); the prefix is cut from them only when
+it is warmed. A prompt that runs on for more than `KEEP_PAST` characters
 past its hashed blocks (`max_blocks` of them) is cut to those first, once per request that adds
 an entry, so that entries never keep long prompts alive for the part past them (otherwise up
 to 2 × `capacity` prompts of `max_body_bytes` each); shorter ones are kept as they are, at no cost.
@@ -70,6 +71,30 @@ class _Entry:
         self.score = score
         self.messages = messages
         self.tools = tools
+
+
+def _text_only(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`messages` less their content parts that are not text (images, audio): the blocks are
+    hashed from the text alone, so the cut past them never sees such parts, and an entry would
+    keep its request's images alive (up to `max_body_bytes` each). The list itself when it has
+    none (no copy)."""
+    out: list[dict[str, Any]] | None = None
+    for i, m in enumerate(messages):
+        content = m.get("content")
+        if isinstance(content, list) and any(
+            not isinstance(part, dict) or part.get("type") != "text" for part in content
+        ):
+            if out is None:
+                out = messages[:i]
+            text = [
+                part if part.get("type") == "text" else {"type": "text", "text": part["text"]}
+                for part in content
+                if isinstance(part, dict) and isinstance(part.get("text"), str)
+            ]
+            out.append({**m, "content": text})
+        elif out is not None:
+            out.append(m)
+    return messages if out is None else out
 
 
 def model_of(view_model: str | None, candidates: Sequence[Backend]) -> str | None:
@@ -136,12 +161,16 @@ class HotPrefixes:
         size = blocks.block_chars
         source, span = blocks.text, len(hashes) * size
         get = entries.get
+        bare = messages is None  # the messages hold nothing but the hashed text
         for k, h in enumerate(hashes):
             e = get(h)
             if e is None:
                 if len(source) > span + KEEP_PAST:  # keep what the hashes cover, no more
                     source = source[:span]
                     messages = None if messages is None else chat_prefix(messages, span, tools)
+                if not bare:
+                    assert messages is not None
+                    messages, bare = _text_only(messages), True
                 entries[h] = _Entry(source, (k + 1) * size, parent, w, messages, tools)
             else:
                 e.score += w

@@ -198,3 +198,35 @@ def test_entries_keep_only_the_hashed_part_of_a_long_prompt() -> None:
     assert top.text == shared and top.count == 100
     chat = [p for p in hot.top("chat", 300, min_count=1.0) if len(p.text) == 256]
     assert len(chat) == 100 and all(len(p.messages[0]["content"]) == 256 - 9 for p in chat)
+
+
+def test_an_entry_does_not_keep_a_requests_images_alive() -> None:
+    """Images (content parts that are not text) are not in the text the blocks are hashed from,
+    so the cut past the hashed blocks never saw them: each entry kept its request's images,
+    up to 2 x `capacity` requests of `max_body_bytes` per model."""
+    import tracemalloc
+
+    from edge.stages.view import render_chat
+
+    hasher = BlockHasher(64, max_blocks=4)
+    hot = HotPrefixes(capacity=256, clock=Clock())
+    tracemalloc.start()
+    try:
+        for i in range(60):  # each a fresh prompt (new entries) with a 1 MiB image, dropped after
+            image = {
+                "type": "image_url",
+                "image_url": {"url": "data:image/png;base64," + f"{i:04d}" * (1 << 18)},
+            }
+            content = [{"type": "text", "text": f"{i:03d}" + "q" * 300}, image]
+            messages = [{"role": "user", "content": content}]
+            hot.record("m", hasher.blocks(render_chat(messages)), messages)
+        del image, content, messages
+        kept, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert kept < 4 * 1024 * 1024, kept  # 60 MiB if each entry kept its image
+    # what a warm-up sends: the conversation's text, as parts, without the image
+    entries = hot._models["m"].values()
+    assert all(e.messages is not None for e in entries)
+    parts = [part for e in entries for m in e.messages or () for part in m["content"]]
+    assert parts and all(part == {"type": "text", "text": part["text"]} for part in parts)
