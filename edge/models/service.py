@@ -132,17 +132,23 @@ class Models:
             return mine
         # `able` (`BackendRegistry.candidates`) keeps degraded and warming backends for when no
         # other backend can take the request, judged over the whole fleet: another pool's ready
-        # backends cannot take this one's requests, so the pool's own are judged by themselves.
+        # backends, or another version's, cannot take this request, so they must not make it a
+        # 503. Each version of the pool is judged by its own backends.
         return self.pools.candidates(route, self._able_in(route.pool))
 
     def _able_in(self, pool: str) -> list[Backend]:
         """The backends that may take a request of `pool`: as `BackendRegistry.candidates`
-        chooses among the whole fleet, but among the pool's own."""
+        chooses among the whole fleet, but among each version's of the pool."""
         registry, now = self._backends, self._clock()
-        able = [b for b in registry.backends
-                if (b.model == pool or b.model is None) and registry.available(b, now)]  # fmt: skip
-        ready = [b for b in able if b.warming_until <= now] or able
-        return [b for b in ready if not b.degraded] or ready
+        versions: dict[str | None, list[Backend]] = {}
+        for b in registry.backends:
+            if (b.model == pool or b.model is None) and registry.available(b, now):
+                versions.setdefault(b.model_version, []).append(b)
+        out: list[Backend] = []
+        for members in versions.values():
+            ready = [b for b in members if b.warming_until <= now] or members
+            out += [b for b in ready if not b.degraded] or ready
+        return out
 
     def to_stable(self, route: Route, *, refused: bool) -> None:
         """Send a canary request to the stable version. `refused`: the canary's breakers

@@ -16,8 +16,16 @@ import pytest
 
 from backends.sim import SimConfig, SimServer
 from edge.models import ModelsConfig
-from edge.models.config import Alias, BackendModel
-from tests.edge.conftest import client, fast_config, run_edge
+from edge.models.config import Alias, BackendModel, RolloutConfig
+from tests.edge.conftest import (
+    Recorded,
+    Reply,
+    TinyUpstream,
+    client,
+    fast_config,
+    health_ok,
+    run_edge,
+)
 from tests.helpers import wait_until
 
 
@@ -254,34 +262,27 @@ async def test_without_discovery_a_request_naming_the_served_model_is_served() -
                 assert r.status_code == 200, (model, r.text)
 
 
-async def test_a_pool_whose_backends_are_all_degraded_is_served_by_them() -> None:
-    """Alpha's one backend is degraded (its KV cache is full: `token_usage` 0.99); beta's is
-    not. A degraded backend takes work when nothing else can, and for alpha's requests nothing
-    else can: beta's backend does not serve alpha, so it must not make alpha's a 503."""
-    from tests.edge.conftest import Recorded, Reply, TinyUpstream, health_ok
-
-    def full(recorded: Recorded) -> Reply:
-        if recorded.path in ("/v1/loads", "/get_load"):
-            load = {"num_running_reqs": 8, "num_waiting_reqs": 0, "num_used_tokens": 99000,
-                    "token_usage": 0.99, "max_total_num_tokens": 100000}  # fmt: skip
-            return Reply(chunks=[json.dumps({"loads": [load]}).encode()], chunked=False,
-                         headers=[("content-type", "application/json")])  # fmt: skip
-        known = health_ok(recorded)
-        if known is not None:
-            return known
-        answer = {
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": "ok"},
-                    "finish_reason": "stop",
-                }
-            ],
-            "usage": {"completion_tokens": 1},
-        }
-        return Reply(chunks=[json.dumps(answer).encode()], chunked=False,
+def full(recorded: Recorded) -> Reply:
+    """A scripted backend whose KV cache is full (`token_usage` 0.99: degraded) and answers."""
+    if recorded.path in ("/v1/loads", "/get_load"):
+        load = {"num_running_reqs": 8, "num_waiting_reqs": 0, "num_used_tokens": 99000,
+                "token_usage": 0.99, "max_total_num_tokens": 100000}  # fmt: skip
+        return Reply(chunks=[json.dumps({"loads": [load]}).encode()], chunked=False,
                      headers=[("content-type", "application/json")])  # fmt: skip
+    known = health_ok(recorded)
+    if known is not None:
+        return known
+    message = {"role": "assistant", "content": "ok"}
+    answer = {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}],
+              "usage": {"completion_tokens": 1}}  # fmt: skip
+    return Reply(chunks=[json.dumps(answer).encode()], chunked=False,
+                 headers=[("content-type", "application/json")])  # fmt: skip
 
+
+async def test_a_pool_whose_backends_are_all_degraded_is_served_by_them() -> None:
+    """Alpha's one backend is degraded (its KV cache is full); beta's is not. A degraded
+    backend takes work when nothing else can, and for alpha's requests nothing else can: beta's
+    backend does not serve alpha, so it must not make alpha's a 503."""
     async with TinyUpstream(full) as alpha, sims(sim("beta")) as (beta,):
         models = ModelsConfig(backends=[BackendModel(alpha.url, model="alpha", version="v1")])
         config = fast_config([alpha.url, beta.url])
@@ -293,3 +294,24 @@ async def test_a_pool_whose_backends_are_all_degraded_is_served_by_them() -> Non
                 r = await http.post("/v1/chat/completions", json=chat(model))
                 assert r.status_code == 200, (model, r.text)
             assert r.headers["x-quicedge-backend"] == netloc(alpha)
+
+
+async def test_a_degraded_stable_version_serves_while_its_canary_is_idle() -> None:
+    """Stable takes nearly all of a rollout's traffic and its KV cache is full (degraded); the
+    canary, at a share of almost nothing, is idle. The canary cannot take stable's requests,
+    so it must not turn them into 503s."""
+    async with TinyUpstream(full) as stable, sims(sim("m", model_version="v2")) as (canary,):
+        models = ModelsConfig(
+            backends=[BackendModel(stable.url, model="m", version="v1")],
+            rollouts=[RolloutConfig(model="m", stable="v1", canary="v2", steps=[1e-6])],
+        )
+        config = fast_config([stable.url, canary.url])
+        async with run_edge(config, models=models) as edge, client(edge) as http:
+            backend = edge.wiring.registry.get(netloc(stable))
+            assert backend is not None
+            await wait_until(lambda: backend.degraded and backend.healthy)
+            for _ in range(3):
+                r = await http.post("/v1/chat/completions", json=chat("m"),
+                                    headers={"x-canary": "0"})  # fmt: skip
+                assert r.status_code == 200, r.text
+                assert r.headers["x-quicedge-backend"] == netloc(stable)
