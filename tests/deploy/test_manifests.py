@@ -396,3 +396,28 @@ def test_the_pod_monitor_gives_the_edge_pods_the_job_the_alerts_select() -> None
         for name in ("quicedge", "sglang")
     }
     assert jobs["quicedge"] == selected.group(1) != jobs["sglang"]
+
+
+def test_the_edge_pod_runs_as_the_restricted_pod_security_standard_asks(
+    rendered: tuple[str, list[dict[str, Any]]],
+) -> None:
+    """The edge parses what any client on the internet sends: it runs as a user that is not
+    root, without privilege escalation or capabilities, under the runtime's seccomp profile
+    (Pod Security Standards, "restricted"), on a read-only root filesystem whose one writable
+    place is the temporary directory where the workers keep their metrics sockets."""
+    _, docs = rendered
+    edge = one(docs, "Deployment", "quicedge")
+    spec = edge["spec"]["template"]["spec"]
+    pod = spec.get("securityContext", {})
+    assert pod.get("runAsNonRoot") is True and pod.get("runAsUser", 0) > 0
+    assert pod.get("seccompProfile") == {"type": "RuntimeDefault"}
+    for each in [*spec.get("initContainers", []), *spec["containers"]]:
+        context = each.get("securityContext", {})
+        assert context.get("allowPrivilegeEscalation") is False, each["name"]
+        assert context.get("capabilities", {}).get("drop") == ["ALL"], each["name"]
+        assert context.get("runAsUser", pod["runAsUser"]) > 0, each["name"]
+    main = container(edge)
+    assert main["securityContext"].get("readOnlyRootFilesystem") is True
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    tmp = [m for m in main["volumeMounts"] if m["mountPath"] == "/tmp"]
+    assert len(tmp) == 1 and "emptyDir" in volumes[tmp[0]["name"]]
