@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from backends.labels import name_for
 from edge.light_metrics import LightCounter, LightHistogram
 
 # TTFT spans ~1 ms (cached, idle) to tens of seconds (long prompt, deep queue).
@@ -284,6 +285,9 @@ class FleetCollector(Collector):
     def __init__(self, backends: Sequence[Any], pool_stats: Callable[[], Any]) -> None:
         self._backends = backends
         self._pool_stats = pool_stats
+        self._names: dict[str, str] = {}
+        """URL → name of the backends seen, while the pool holds their connections: a removed
+        backend's idle ones stay until they time out, and keep its name as their label."""
 
     def collect(self) -> Iterator[Metric]:
         in_flight = GaugeMetricFamily(
@@ -347,11 +351,14 @@ class FleetCollector(Collector):
             labels=["backend", "state"],
         )
         # `backend` is the backend's name here too, as on every other metric
-        names = {b.url: b.name for b in self._backends}
+        seen = self._names
+        seen.update((b.url, b.name) for b in self._backends)
         for url, host in stats.backends.items():
-            name = names.get(url, url)
+            name = seen.get(url) or name_for(url)
             conns.add_metric([name, "idle"], host.idle)
             conns.add_metric([name, "active"], host.active)
+        kept = stats.backends.keys() | {b.url for b in self._backends}
+        self._names = {url: name for url, name in seen.items() if url in kept}
         yield from (reuse, connects, urgent, resends, conns)
 
 

@@ -15,6 +15,7 @@ from backends.sim import SimConfig, SimServer
 from edge.tracing import exporter_names, tracer_from_env
 from tests.edge.conftest import client, fast_config, run_edge
 from tests.edge.test_app_sim import metrics_text
+from tests.helpers import wait_until
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": True}
 
@@ -64,6 +65,27 @@ async def test_counters_are_counters_and_backend_is_the_backends_name() -> None:
         if "backend" in s.labels and f.name.startswith("quicedge_")
     }
     assert backends == {name}
+
+
+async def test_a_removed_backends_idle_connections_keep_its_name_as_their_label() -> None:
+    """A backend removed (a reload, discovery) leaves its idle connections in the pool until
+    they time out: they are still labelled with its `host:port`, not with its URL."""
+    async with (
+        SimServer(SimConfig(name="a", port=0, profile="instant")) as kept,
+        SimServer(SimConfig(name="b", port=0, profile="instant")) as gone,
+    ):
+        config = fast_config([kept.url, gone.url], policy="round_robin")
+        async with run_edge(config) as edge, client(edge) as http:
+            for _ in range(4):
+                assert (await http.post("/v1/chat/completions", json=CHAT)).status_code == 200
+            names = {b.url: b.name for b in edge.wiring.registry.backends}
+            await edge.wiring.set_backends([kept.url], drain_timeout=0.0)
+            await wait_until(lambda: len(edge.wiring.registry.backends) == 1)
+            assert gone.url in edge.wiring.pool.stats().backends  # its connections stay a while
+            text = await metrics_text(edge)
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    labels = {s.labels["backend"] for s in families["quicedge_upstream_connections"].samples}
+    assert labels == set(names.values())
 
 
 def test_an_exporter_that_is_not_installed_is_one_line() -> None:
