@@ -441,9 +441,12 @@ class PrewarmService:
 
     async def _request_counter(self, backend: Backend) -> float | None:
         try:
+            # Bounded head and body: a backend that stalls in either must not hold the loop
+            # that checks every backend.
+            timeout = self.registry.health.timeout
             response = await self.pool.request(
                 backend.url, "GET", "/metrics", headers=[], body=b"",
-                first_byte_timeout=self.registry.health.timeout,
+                first_byte_timeout=timeout, chunk_timeout=timeout,
             )  # fmt: skip
             raw = await response.read()
         except UpstreamError:

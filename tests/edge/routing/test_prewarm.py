@@ -431,3 +431,44 @@ async def test_edge_processes_sharing_a_fleet_view_warm_a_restarted_backend_once
                 assert await direct_cached(fresh.url, system) > 0.6 * len(system.split())
             finally:
                 await fresh.stop()
+
+
+async def test_a_backend_whose_metrics_stall_does_not_stop_restart_checks_of_the_others() -> None:
+    """The `/metrics` poll of each backend is bounded as a whole: one that sends its head and
+    then nothing must not hold the poll loop (and every other backend's restart check)."""
+    stalled: list[asyncio.StreamWriter] = []
+
+    async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\nsglang:num_req")
+        stalled.append(writer)  # and nothing more, connection held open
+
+    server = await asyncio.start_server(stall, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    rng = random.Random(10)
+    system = words(rng, 600)
+    try:
+        async with sims(sim_config("b0")) as servers:
+            urls = [f"http://127.0.0.1:{port}", servers[0].url]
+            # Checks too rare to notice a restart: only the `/metrics` counter can.
+            config = fast_config(urls, policy="ttft", health_interval=60.0, health_timeout=0.5)
+            prewarm = PrewarmConfig(enabled=True, restart_check_interval=0.1)
+            async with run_edge(config, prewarm=prewarm) as edge, client(edge) as http:
+                only = name(servers[0])
+                backend = edge.wiring.registry.get(only)
+                assert backend is not None
+                edge.wiring.registry.get(f"127.0.0.1:{port}").healthy = False  # type: ignore[union-attr]
+                for _ in range(4):
+                    await generate(http, system + words(rng, 30))
+                service = edge.wiring.fleet.prewarm  # type: ignore[union-attr]
+                assert service is not None
+                await wait_until(lambda: (service._lanes[servers[0].url].last_counter or 0) >= 4)
+                fresh = await restart(servers[0])
+                try:
+                    await wait_until(lambda: prewarm_state(edge)[only]["reason"] == "restart")
+                finally:
+                    await fresh.stop()
+    finally:
+        for writer in stalled:
+            writer.close()
+        server.close()
