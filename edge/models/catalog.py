@@ -8,7 +8,9 @@ now (a reload replaced the backends that served it) is looked up again too, at m
 fetch at once.
 
 Each fetch also tells the pools what a backend serves: its model is the first card's id, its
-version SGLang's `weight_version` from `/get_model_info`, unless `[[models.backends]]` set them.
+version SGLang's `weight_version` from `/get_model_info`, unless `[[models.backends]]` or the
+URL's labels set them; what a fetch learned, the next learns again (a backend restarted with
+another model or new weights is routed as what it serves now).
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ class ModelCatalog:
         """Counts `expire` calls: a fetch that one overtook runs again."""
         self.pinned: set[str] = set()
         """Backend URLs whose model and version the config set: not discovered."""
+        self._learned_models: set[str] = set()
+        self._learned_versions: set[str] = set()
+        """Backend URLs whose model (version) discovery set, not the config or the URL's
+        labels: learned again on each fetch."""
         self.discover = True
         """Learn each backend's model and version from its answers."""
         self.configure: Callable[[], None] | None = None
@@ -90,15 +96,33 @@ class ModelCatalog:
             raise ValueError(f"{backend.name} /v1/models has no data list")
         cards = [c for c in data if isinstance(c, dict) and isinstance(c.get("id"), str)]
         if self.discover and backend.url not in self.pinned and cards:
-            model = backend.model if backend.model is not None else cards[0]["id"]
-            version = backend.model_version
-            if version is None:
-                version = await self._version(backend)
-            backend.set_model(model, version)
+            await self._learn(backend, cards[0]["id"])
         return cards
 
-    async def _version(self, backend: Backend) -> str | None:
-        """SGLang's `weight_version` (`/get_model_info`), None when it has none."""
+    async def _learn(self, backend: Backend, served: str) -> None:
+        """Set what the config and the URL's labels leave open of `backend`'s model and version
+        from what it serves now. What discovery learned is learned again on each fetch: a
+        backend restarted with another model, or given new weights (a new `weight_version`),
+        is routed as what it serves now, not as what it once served."""
+        url = backend.url
+        learn_model = backend.model is None or url in self._learned_models
+        learn_version = backend.model_version is None or url in self._learned_versions
+        model = served if learn_model else backend.model
+        version = backend.model_version
+        if learn_version:
+            answered, learned = await self._version(backend)
+            if answered or model != backend.model:  # a failed look keeps what was known
+                version = learned
+        if learn_model:
+            self._learned_models.add(url)
+        if learn_version and version is not None:
+            self._learned_versions.add(url)
+        if (model, version) != (backend.model, backend.model_version):
+            backend.set_model(model, version)
+
+    async def _version(self, backend: Backend) -> tuple[bool, str | None]:
+        """Whether `/get_model_info` answered, and SGLang's `weight_version` in it (None when it
+        has none)."""
         try:
             response = await self._pool.request(
                 backend.url, "GET", "/get_model_info",
@@ -107,12 +131,12 @@ class ModelCatalog:
             )  # fmt: skip
             body = await response.read()
             if response.status != 200:
-                return None
+                return False, None
             version = json.loads(body).get("weight_version")
         except Exception as exc:  # an older server without the route: no version
             log.info("model info from %s: %s", backend.name, exc)
-            return None
-        return version if isinstance(version, str) and version else None
+            return False, None
+        return True, version if isinstance(version, str) and version else None
 
     async def refresh(self) -> None:
         """Fetch from every healthy backend at once; concurrent callers share one fetch."""

@@ -161,3 +161,47 @@ async def test_a_pool_whose_backends_are_leaving_is_not_a_second_pool(tmp_path: 
             assert (await held).status_code == 200
             await gone(edge, leaving.url)
             await reload.aclose()
+
+
+def _switchable(served: dict[str, str]) -> Any:
+    """A backend serving `served["model"]` at `served["version"]`, which the test changes (a
+    restart with other weights, or SGLang's `update_weights_from_disk`)."""
+
+    def answer(recorded: Recorded) -> Reply:
+        if recorded.path == "/v1/models":
+            data = {"object": "list", "data": [{"id": served["model"], "object": "model"}]}
+            return Reply(chunks=[json.dumps(data).encode()], chunked=False)
+        if recorded.path == "/get_model_info":
+            info = {"model_path": served["model"], "weight_version": served["version"]}
+            return Reply(chunks=[json.dumps(info).encode()], chunked=False)
+        if recorded.path in ("/health", "/v1/loads", "/get_load"):
+            return Reply(status=200 if recorded.path == "/health" else 404, chunked=False)
+        message = {"role": "assistant", "content": served["model"]}
+        body = {"choices": [{"index": 0, "message": message, "finish_reason": "stop"}]}
+        return Reply(chunks=[json.dumps(body).encode()], chunked=False,
+                     headers=[("content-type", "application/json")])  # fmt: skip
+
+    return answer
+
+
+async def test_a_backend_that_now_serves_another_model_or_version_is_learned_again() -> None:
+    """Discovery learned `alpha` at `v1`. The backend comes back with `beta` at `v2`: once the
+    list is looked at again (older than `models_ttl`), the edge routes `beta` to it and no
+    longer `alpha`, and its version is `v2`."""
+    served = {"model": "alpha", "version": "v1"}
+    async with TinyUpstream(_switchable(served)) as up:
+        async with (
+            run_edge(fast_config([up.url], models_ttl=0.2)) as edge,
+            client(edge) as http,
+        ):
+            (backend,) = edge.wiring.registry.backends
+            assert (backend.model, backend.model_version) == ("alpha", "v1")
+            assert (await http.post("/v1/chat/completions", json=chat("alpha"))).status_code == 200
+            served.update(model="beta", version="v2")
+            await wait_until(lambda: edge.wiring.catalog.stale)  # older than `models_ttl`
+            r = await http.post("/v1/chat/completions", json=chat("beta"))
+            assert r.status_code == 200, r.text
+            assert (backend.model, backend.model_version) == ("beta", "v2")
+            assert backend.labels["model"] == "beta@v2"  # its breakers' domain follows
+            r = await http.post("/v1/chat/completions", json=chat("alpha"))
+            assert r.status_code == 404
