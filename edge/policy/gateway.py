@@ -272,12 +272,23 @@ def client_route(ex: Exchange) -> str:
     return RESPONSES if state is not None and state.builder is not None else ex.route
 
 
+_RESPONSES_FIELDS = {"messages": "input", "max_tokens": "max_output_tokens"}
+"""The chat fields a Responses request's are checked as, and the ones its client sent."""
+
+
 def _as_called(ex: Exchange, err: PolicyRefused) -> PolicyRefused:
-    """`err` in the route the client called: a Responses stream is typed events, not the chat
-    chunks it is forwarded as, so a stream refusal's chunk and `[DONE]` go through its
-    builder, as a stream rule's cut does."""
+    """`err` in the route the client called. A Responses request is checked as the chat
+    completion it is forwarded as: its refusal names the fields its client sent
+    (`max_output_tokens`, not `max_tokens`), and a stream's is typed events, not chat chunks
+    (the chunk and `[DONE]` go through its builder, as a stream rule's cut does)."""
     state = ex.state
-    if isinstance(err, StreamRefusal) and state is not None and state.builder is not None:
+    if state is None or state.builder is None:
+        return err
+    field = _RESPONSES_FIELDS.get(err.param or "")
+    if field is not None:
+        err.message = err.message.replace(err.param or "", field, 1)
+        err.param = field
+    if isinstance(err, StreamRefusal):
         err.events = state.builder.feed(err.events)
     return err
 

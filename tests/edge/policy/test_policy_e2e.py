@@ -303,3 +303,19 @@ async def test_a_generate_request_is_checked_as_the_model_it_is_routed_to() -> N
     assert response.status_code == 403, response.text
     assert response.json()["error"]["code"] == "model_not_allowed"
     assert inference(up) == []
+
+
+async def test_a_responses_request_past_its_tier_is_told_in_its_own_fields() -> None:
+    """A Responses request is checked as the chat completion it becomes, but its client sent
+    `max_output_tokens` and `input`: the refusal names those, as a backend's refusal does."""
+    policy = {"tiers": [{"tier": "bronze", "max_tokens": 100, "max_prompt_chars": 20}]}
+    async with TinyUpstream(script(["ok"])) as up:
+        async with edge_with(up.url, policy) as edge, client(edge) as http:
+            long = await http.post("/v1/responses", json={"input": "hi", "max_output_tokens": 500})
+            wordy = await http.post("/v1/responses", json={"input": "x" * 50})
+    assert long.status_code == 400 and wordy.status_code == 400
+    error = long.json()["error"]
+    assert error["param"] == "max_output_tokens" and error["code"] == "policy_limit"
+    assert error["message"].startswith("max_output_tokens 500 is above")  # (the rule keeps its id)
+    assert wordy.json()["error"]["param"] == "input"
+    assert inference(up) == []
