@@ -113,6 +113,7 @@ class KvEventPublisher:
         self._zmq = zmq
         self._socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.PUB)
         self._socket.set_hwm(hwm)
+        self._socket.setsockopt(zmq.IPV6, 1)  # IPv4 and IPv6 addresses alike
         # SGLang's rule: a wildcard address binds, any other connects.
         if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
             self._socket.bind(endpoint)

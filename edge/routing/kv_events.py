@@ -59,7 +59,8 @@ class KvEventsConfig:
     """Subscribe to every backend's event socket. Off by default: SGLang publishes nothing
     unless started with a zmq publisher."""
     endpoint: str = "tcp://{host}:5557"
-    """Each backend's event socket; `{host}` is the backend URL's host, `{port}` its port."""
+    """Each backend's event socket; `{host}` is the backend URL's host (an IPv6 address in
+    brackets), `{port}` its port."""
     endpoints: dict[str, str] = field(default_factory=dict)
     """Backend name or URL -> its event socket, for backends `endpoint` does not fit (several
     servers on one host)."""
@@ -97,7 +98,10 @@ def endpoint_for(config: KvEventsConfig, backend: Backend) -> str:
     if named is not None:
         return named
     parts = urlsplit(backend.url)
-    return config.endpoint.format(host=parts.hostname or "127.0.0.1", port=parts.port or 80)
+    host = parts.hostname or "127.0.0.1"
+    if ":" in host:  # an IPv6 address, as a URL writes it
+        host = f"[{host}]"
+    return config.endpoint.format(host=host, port=parts.port or 80)
 
 
 @dataclass(slots=True)
@@ -197,6 +201,8 @@ class KvEvents:
         monitor = socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             socket.setsockopt(zmq.LINGER, 0)
+            # IPv4 and IPv6: without it an IPv6 address is never connected to, and silently.
+            socket.setsockopt(zmq.IPV6, 1)
             # Bounded: ZMQ drops the connection of a peer that sends a larger message (SGLang's
             # batches are a few blocks; a long prompt's at page size 1 a few MiB), and at most
             # RCVHWM (1000) messages wait to be read.

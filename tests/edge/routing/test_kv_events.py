@@ -244,3 +244,26 @@ async def test_a_message_nested_too_deep_to_decode_is_counted_and_the_reader_goe
             finally:
                 xpub.close(linger=0)
     context.destroy(linger=0)
+
+
+async def test_a_backend_at_an_ipv6_address_has_its_events_read() -> None:
+    """`{host}` of an IPv6 backend URL is an IPv6 address: the subscription must reach it (ZMQ
+    sockets speak IPv4 only unless told otherwise, and say nothing when they cannot)."""
+    port = free_port()
+    context = zmq.asyncio.Context()
+    async with sims(sim_config("b0")) as servers:
+        backend = f"http://[::1]:{free_port()}"  # the edge needs only its address here
+        config = fast_config([servers[0].url, backend], policy="ttft")
+        events = KvEventsConfig(enabled=True, endpoint=f"tcp://{{host}}:{port}")
+        xpub = context.socket(zmq.XPUB)
+        xpub.setsockopt(zmq.IPV6, 1)
+        try:
+            xpub.bind(f"tcp://[::1]:{port}")
+            async with run_edge(config, kv_events=events) as edge:
+                await subscribed(xpub)
+                await xpub.send_multipart(stored(0))
+                only = backend.removeprefix("http://")  # the edge names it by its host:port
+                await wait_until(lambda: seen(edge)[only]["stored"] == 1)
+        finally:
+            xpub.close(linger=0)
+    context.destroy(linger=0)
