@@ -72,7 +72,7 @@ class ShadowTap:
     for (`strip`). `inner`: the stream policy's guard, which then sees what the client would."""
 
     __slots__ = ("route", "strip", "inner", "failed", "finish_reason", "tokens", "events", "_tail",
-                 "_texts", "_text", "_positions", "_whole", "_tools")  # fmt: skip
+                 "_texts", "_text", "_positions", "_whole", "_tools", "_generate_tops")  # fmt: skip
 
     def __init__(self, route: str, *, strip: bool, inner: Guard | None = None) -> None:
         self.route = route
@@ -90,6 +90,8 @@ class ShadowTap:
         self._text = ""
         self._positions: list[Position] = []
         self._whole: Answer | None = None
+        self._generate_tops: Any = None
+        """A streamed `/generate`'s last `output_top_logprobs` (each event repeats them all)."""
         self._tools: dict[int, tuple[list[str], list[str]]] = {}
         """A streamed chat answer's tool calls by index: their name's and arguments' parts."""
 
@@ -176,8 +178,9 @@ class ShadowTap:
             finish = meta.get("finish_reason")
             if isinstance(finish, dict):
                 self.finish_reason = finish.get("type")
-            if meta.get("output_top_logprobs"):
-                self._positions = generate_positions(meta)
+            tops = meta.get("output_top_logprobs")
+            if tops:  # cumulative: all positions so far; read once, at the end (`answer`)
+                self._generate_tops = tops
             return
         usage = obj.get("usage")
         if isinstance(usage, dict):
@@ -235,8 +238,15 @@ class ShadowTap:
         if self._tools:
             calls = [("".join(n), "".join(a)) for _, (n, a) in sorted(self._tools.items())]
             text = with_tool_calls(text, calls)
-        tokens = self.tokens or len(self._positions) or self.events
-        return build_answer(text, self.finish_reason, tokens, self._positions)
+        try:
+            if self._generate_tops is not None:
+                tops, self._generate_tops = self._generate_tops, None
+                self._positions = generate_positions({"output_top_logprobs": tops})
+            tokens = self.tokens or len(self._positions) or self.events
+            return build_answer(text, self.finish_reason, tokens, self._positions)
+        except (ArithmeticError, ValueError, TypeError, KeyError, IndexError, AttributeError):
+            self.failed = True  # not what SGLang sends (read here, after the reply): no pair
+            return None
 
 
 def _strip(route: str, obj: Any) -> bool:

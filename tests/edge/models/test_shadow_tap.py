@@ -186,3 +186,47 @@ def test_an_error_event_or_an_unfinished_stream_gives_no_pair() -> None:
     tap.feed(b'data: {"choices": [{"index": 0, "delta": {"content": "Hi"}')
     tap.finish()
     assert tap.answer() is None
+
+
+async def test_a_streamed_generate_with_the_clients_logprobs_is_read_once_not_per_event(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A client of `/generate` that streams and asks for its own top logprobs gets them
+    cumulatively, all positions so far in every event. The tap reads them once, at the end:
+    read on every event it would build n²/2 positions for n tokens (1,000 tokens: half a
+    million, seconds of the event loop, in the client's relay)."""
+    import edge.models.tap as tap_module
+
+    built: list[int] = []
+    real = tap_module.generate_positions
+
+    def counting(meta: dict[str, Any]) -> Any:
+        positions = real(meta)
+        built.append(len(positions))
+        return positions
+
+    monkeypatch.setattr(tap_module, "generate_positions", counting)
+    async with sims(sim("m", model_version="v1"), sim("m", model_version="v2")) as (s1, s2):
+        async with (
+            run_edge(fast_config([s1.url, s2.url]), models=shadowed(1.0)) as edge,
+            client(edge) as http,
+        ):
+            shadow = edge.wiring.models.shadows["m"]
+            body = {"text": "question 5", "stream": True, "return_logprob": True,
+                    "top_logprobs_num": 3,
+                    "sampling_params": {"max_new_tokens": 200, "temperature": 0,
+                                        "ignore_eos": True}}  # fmt: skip
+            r = await http.post("/generate", json=body, headers={"x-canary": "0"})
+            assert r.status_code == 200 and "output_top_logprobs" in r.text
+            await wait_until(lambda: shadow.compared == 1, timeout=20)
+            assert shadow.last is not None and shadow.last.top1_agreement == 1.0
+            assert sum(built) <= 2 * 200, (len(built), sum(built))
+
+
+def test_a_streamed_generates_logprobs_that_cannot_be_read_give_no_pair() -> None:
+    tap = ShadowTap(GENERATE, strip=False)
+    event = {"text": "Hi", "meta_info": {"output_top_logprobs": [[["not", "a", "number"]]],
+                                         "finish_reason": {"type": "stop"}}}  # fmt: skip
+    tap.feed(b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n")
+    tap.finish()
+    assert tap.answer() is None
