@@ -8,8 +8,10 @@ does no span bookkeeping.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -23,6 +25,12 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+log = logging.getLogger("quicedge.tracing")
+
+
+SHUTDOWN_TIMEOUT_S = 3.0
+"""How long the stop waits for the spans still queued to go out."""
+
 
 @dataclass(slots=True)
 class TracingSetup:
@@ -31,9 +39,25 @@ class TracingSetup:
     tracer: Tracer | None
     provider: TracerProvider | None = None
 
-    def shutdown(self) -> None:
-        if self.provider is not None:
-            self.provider.shutdown()
+    def shutdown(self, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """Flush and stop the exporters, waiting `timeout` s at most: the SDK waits for the
+        export in progress and then sends every batch left, each up to the exporter's timeout
+        (10 s), which a collector that hangs turns into 30 s, past a pod's grace period. What
+        is not out by then is dropped; the export left waiting ends in its own (daemon)
+        thread."""
+        provider = self.provider
+        if provider is None:
+            return
+        self.provider = None
+        stop = threading.Thread(target=provider.shutdown, name="quicedge-tracing-stop", daemon=True)
+        stop.start()
+        stop.join(timeout)
+        if stop.is_alive():
+            log.warning(
+                "spans not exported within %.0f s of the stop are dropped (the collector does"
+                " not answer)",
+                timeout,
+            )
 
 
 def tracer_from_env(*, force: bool = False, environ: dict[str, str] | None = None) -> TracingSetup:
@@ -313,6 +337,7 @@ class RequestTrace:
 
 __all__ = [
     "GENAI_OPERATIONS",
+    "SHUTDOWN_TIMEOUT_S",
     "RequestTrace",
     "TracingSetup",
     "exporter_names",

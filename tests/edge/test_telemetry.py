@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import threading
+import time
 from typing import Any
 
 from opentelemetry.trace import SpanKind
 
 from backends.sim import SimConfig, SimServer
+from edge.tracing import SHUTDOWN_TIMEOUT_S, tracer_from_env
 from tests.edge.conftest import (
     Recorded,
     TinyUpstream,
@@ -182,3 +186,41 @@ async def test_no_tracer_when_tracing_is_off(monkeypatch: Any) -> None:
         async with run_edge(fast_config([up.url]), start=False) as edge:
             assert edge.wiring.tracing.tracer is None
             assert edge.wiring.app.tracer is None  # type: ignore[attr-defined]
+
+
+def test_a_collector_that_hangs_does_not_hold_the_stop(monkeypatch: Any) -> None:
+    """The SDK's shutdown waits for the export in progress (up to its 10 s timeout), then
+    exports every batch left, each as long, up to 30 s in all: past the pod's grace period.
+    The stop waits SHUTDOWN_TIMEOUT_S (here 0.2 s) for it; the spans not out by then are
+    dropped."""
+    listener = socket.create_server(("127.0.0.1", 0))  # takes connections, never answers
+    held: list[socket.socket] = []
+    threading.Thread(target=lambda: held.append(listener.accept()[0]), daemon=True).start()
+    monkeypatch.setenv(
+        "OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{listener.getsockname()[1]}"
+    )
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "60")
+    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "10")  # ms: the first export starts at once
+    setup = tracer_from_env(environ={"OTEL_TRACES_EXPORTER": "otlp"})
+    try:
+        assert setup.tracer is not None
+        for _ in range(3):
+            setup.tracer.start_span("quicedge.request").end()
+        deadline = time.monotonic() + 10
+        while not held:  # the export is under way, and waits on the collector
+            assert time.monotonic() < deadline, "the exporter never connected"
+            time.sleep(0.01)
+        stop = threading.Thread(target=setup.shutdown, args=(0.2,), daemon=True)
+        stop.start()
+        stop.join(SHUTDOWN_TIMEOUT_S + 10)  # the export waits 60 s
+        assert not stop.is_alive(), "the stop waited for the collector"
+    finally:
+        # The collector answers at last: the export left behind ends, and logs nothing later.
+        for conn in held:
+            conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+        for thread in threading.enumerate():
+            if thread.name == "quicedge-tracing-stop":
+                thread.join(10)
+        for conn in held:
+            conn.close()
+        listener.close()
