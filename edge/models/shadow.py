@@ -133,6 +133,8 @@ class _Mirror:
 
     canary: Backend
     rid: str
+    answered: bool = False
+    """The canary answered: only the comparison is left, which occupies no canary."""
 
 
 class Shadow:
@@ -235,7 +237,7 @@ class Shadow:
     def check(self) -> None:
         """Cancel each mirror in flight whose canary is strained now (`strained`)."""
         for task, mirror in list(self._tasks.items()):
-            reason = strained(mirror.canary, self.breakers)
+            reason = None if mirror.answered else strained(mirror.canary, self.breakers)
             if reason is not None:
                 self._cancel(task, mirror, reason)
 
@@ -252,7 +254,7 @@ class Shadow:
             return
         task.cancel()  # `_ask` closes the upstream connection on its way out
         self.metrics.shadow_cancelled.labels(self.config.model, reason).inc()
-        if self.abort is not None:
+        if self.abort is not None and not mirror.answered:
             self.abort(mirror.canary, mirror.rid)
 
     async def _ask(self, backend: Backend, route: str, body: bytes) -> Answer:
@@ -296,6 +298,10 @@ class Shadow:
         # The edit similarity of long answers takes a CPU for a tenth of a second or more: on
         # the event loop it would stall every client's stream that long. One thread compares,
         # pair after pair (what waits for it holds its mirror's slot: `shadow_concurrency`).
+        current = asyncio.current_task()
+        mirror = next((m for t, m in self._tasks.items() if t is current), None)
+        if mirror is not None:
+            mirror.answered = True
         loop = asyncio.get_running_loop()
         cmp = await loop.run_in_executor(_comparer(), partial(compare, stable, answer,
                                                                greedy=greedy))  # fmt: skip
