@@ -27,6 +27,7 @@ from edge import serve
 from edge.admin import AdminApp
 from edge.config import ProxyConfig
 from edge.routing.base import make_policy
+from edge.tracing import SHUTDOWN_TIMEOUT_S
 from tests.deploy.exported import edge_metric_names
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -216,7 +217,11 @@ def test_the_edge_pod_runs_flags_and_config_keys_that_exist(
     # One core requested per worker; the drain fits in the grace period.
     assert int(edge["resources"]["requests"]["cpu"]) == transport.workers
     grace = edge_deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert transport.drain_timeout + 5 < grace
+    # The preStop pause, the drain, and the stop's wait for the spans still queued (a
+    # collector that hangs) all fit before the kubelet's SIGKILL.
+    pause = edge["lifecycle"]["preStop"]["exec"]["command"]
+    assert pause[0] == "sleep"
+    assert float(pause[1]) + transport.drain_timeout + SHUTDOWN_TIMEOUT_S < grace
     # Discovery lists a headless Service of the stack, by a port name it has, with a service
     # account allowed to list its EndpointSlices.
     assert discovery.mode == "kubernetes"
