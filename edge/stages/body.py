@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
+from array import array
 from collections.abc import Awaitable, Callable, Mapping
+from itertools import accumulate
 from typing import Any
 
 import orjson
@@ -122,12 +125,33 @@ async def read_body(receive: Receive, limit: int, budget: BodyBudget | None = No
             budget.give(taken)
 
 
+MAX_NESTING = 128
+"""Levels of arrays and objects a request body may nest. The edge re-encodes bodies (a client's
+`rid` replaced, an alias's pool name, a redaction, a stored turn) with orjson, which stops at
+254 levels, and walks some fields recursively: a body nested deeper than that answered 500."""
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+
+
+def too_deep(body: bytes) -> bool:
+    """Whether the arrays and objects of a valid JSON text nest deeper than `MAX_NESTING`: the
+    running sum of its brackets outside strings (an opening one +1, a closing one -1), found
+    at C speed; a body with no more brackets than that is not scanned."""
+    if body.count(b"[") + body.count(b"{") <= MAX_NESTING:
+        return False
+    skeleton = _STRING.sub(b"", body).translate(_STEPS, _NOT_BRACKETS)
+    return max(accumulate(array("b", skeleton)), default=0) > MAX_NESTING  # signed bytes
+
+
 def parse_json_object(body: bytes) -> dict[str, Any]:
     """Decode the body once; 400 unless it is a JSON object.
 
     orjson decodes a chat request ~5x faster than `json`, and holds to RFC 8259 where `json`
     does not: UTF-8 only, no NaN or Infinity, no lone surrogate escapes, at most 1024 levels
-    of nesting (`json` overflows the stack on deep nesting instead of answering 400).
+    of nesting (`json` overflows the stack on deep nesting instead of answering 400); the edge
+    takes at most `MAX_NESTING`.
     """
     if not body:
         raise InvalidJSON("request body is empty; expected a JSON object")
@@ -137,4 +161,6 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
         raise InvalidJSON(f"request body is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise InvalidJSON(f"request body must be a JSON object, got {type(value).__name__}")
+    if too_deep(body):
+        raise InvalidJSON(f"request body nests arrays and objects deeper than {MAX_NESTING} levels")
     return value

@@ -109,3 +109,32 @@ async def test_model_cards_including_default() -> None:
     assert default.status_code == 200
     assert default.json()["id"] == "default" and default.json()["root"] == served
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
+def _nested(levels: int, inner: str = "1") -> str:
+    return "[" * levels + inner + "]" * levels
+
+
+CHAT_HI = '"messages": [{"role": "user", "content": "hi"}]'
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/generate", '{"input_ids": ' + _nested(500) + "}"),  # the check recursed: a 500
+        ("/detokenize", '{"tokens": ' + _nested(500) + "}"),
+        # deeper than orjson re-encodes (254): the routing view's tools key, a 500
+        ("/v1/chat/completions", "{" + CHAT_HI + ', "tools": [{"type": "function", '
+         '"function": {"name": "f", "parameters": ' + _nested(300, "{}") + "}}]}"),
+        # a body with its own rid is re-encoded with the edge's: a 500
+        ("/v1/chat/completions", "{" + CHAT_HI + ', "rid": "r1", "x": ' + _nested(300) + "}"),
+    ],
+)  # fmt: skip
+async def test_deeply_nested_bodies_are_a_400_not_an_internal_error(path: str, body: str) -> None:
+    async with stand_in("a") as a:
+        async with run_edge(fast_config([a.url])) as edge, client(edge) as http:
+            r = await http.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["code"] == "invalid_json" and "nest" in error["message"]
+    assert a.api is not None and a.api.requests[path] == 0

@@ -10,6 +10,7 @@ import pytest
 
 from edge import errors
 from edge.stages.body import (
+    MAX_NESTING,
     BodyBudget,
     ClientGone,
     check_content_type,
@@ -142,6 +143,21 @@ def test_non_object_json_is_400(body: bytes) -> None:
 def test_what_rfc_8259_does_not_allow_is_400(body: bytes) -> None:
     with pytest.raises(errors.InvalidJSON, match="not valid JSON"):
         parse_json_object(body)
+
+
+def test_bodies_nest_at_most_max_nesting_levels() -> None:
+    """Deeper bodies are refused as they are read: the edge re-encodes bodies with orjson,
+    which stops at 254 levels (a 500 before)."""
+    at_limit = b'{"x": ' + b"[" * (MAX_NESTING - 1) + b"]" * (MAX_NESTING - 1) + b"}"
+    assert parse_json_object(at_limit)
+    # brackets in strings are text, escaped quotes included
+    texts = b'{"x": "' + b'[\\"' * 500 + b'", "y": [[1], {"z": "]]"}]}'
+    assert parse_json_object(texts)["y"] == [[1], {"z": "]]"}]
+    wide = b'{"x": [' + b",".join([b"[1, {}]"] * 1000) + b"]}"
+    assert len(parse_json_object(wide)["x"]) == 1000
+    over = b'{"x": ' + b'[{"a": ' * (MAX_NESTING // 2) + b"1" + b"}]" * (MAX_NESTING // 2) + b"}"
+    with pytest.raises(errors.InvalidJSON, match=f"deeper than {MAX_NESTING} levels"):
+        parse_json_object(over)
 
 
 @pytest.mark.parametrize(
