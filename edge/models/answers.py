@@ -143,7 +143,8 @@ class Comparison:
     """Texts equal (greedy requests only; None otherwise)."""
     token_overlap: float
     edit_similarity: float
-    length_ratio: float
+    length_ratio: float | None
+    """Canary / stable tokens; None when only the stable answer is empty (no ratio)."""
     finish_agree: bool
     top1_agreement: float | None
     stable_top1: float | None
@@ -157,7 +158,7 @@ def compare(stable: Answer, canary: Answer, *, greedy: bool) -> Comparison:
     edit = difflib.SequenceMatcher(
         None, a[:MAX_COMPARED_WORDS], b[:MAX_COMPARED_WORDS], autojunk=False
     ).ratio()
-    ratio = canary.tokens / stable.tokens if stable.tokens else (1.0 if not canary.tokens else 0.0)
+    ratio = canary.tokens / stable.tokens if stable.tokens else (1.0 if not canary.tokens else None)
     agreement = None
     n = min(len(stable.top1), len(canary.top1))
     if n:

@@ -320,7 +320,8 @@ class Shadow:
             m.shadow_similarity.labels(model, "top1_agreement").observe(cmp.top1_agreement)
         m.shadow_similarity.labels(model, "token_overlap").observe(cmp.token_overlap)
         m.shadow_similarity.labels(model, "edit_similarity").observe(cmp.edit_similarity)
-        m.shadow_similarity.labels(model, "length_ratio").observe(cmp.length_ratio)
+        if cmp.length_ratio is not None:
+            m.shadow_similarity.labels(model, "length_ratio").observe(cmp.length_ratio)
         for result in self.ramp.add_pair(stable.sample(), canary.sample()):
             m.drift_tests.labels(model, result.metric, result.action).inc()
 

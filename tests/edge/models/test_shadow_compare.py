@@ -190,3 +190,44 @@ async def test_comparing_long_answers_does_not_hold_up_the_event_loop(
             assert shadow.last is not None and 0.9 < shadow.last.edit_similarity < 1
             held = [m for m in caplog.messages if "_mirror" in m and " took " in m]
             assert not held, held
+
+
+async def test_an_empty_stable_answer_gives_no_length_ratio_rather_than_zero() -> None:
+    """Stable stops at once (no tokens), the canary answers: canary / stable tokens has no
+    value. Read as 0 it would say the canary's answer was the empty one."""
+
+    def answering(content: str, tokens: int) -> Any:
+        def script(recorded: Recorded) -> Reply:
+            known = health_ok(recorded)
+            if known is not None:
+                return known
+            return _json({"choices": [{"index": 0, "message": {"role": "assistant",
+                                                               "content": content},
+                                       "finish_reason": "stop"}],
+                          "usage": {"completion_tokens": tokens}})  # fmt: skip
+
+        return script
+
+    async with (
+        TinyUpstream(answering("", 0)) as stable,
+        TinyUpstream(answering("a real answer", 3)) as canary,
+    ):
+        models = ModelsConfig(
+            backends=[BackendModel(stable.url, model="m", version="v1"),
+                      BackendModel(canary.url, model="m", version="v2")],
+            rollouts=[rollout(steps=[1e-6], shadow_fraction=1.0, shadow_rate=1000)],
+        )  # fmt: skip
+        async with (
+            run_edge(fast_config([stable.url, canary.url]), models=models) as edge,
+            client(edge) as http,
+        ):
+            shadow = edge.wiring.models.shadows["m"]
+            r = await http.post("/v1/chat/completions", json=chat("m"),
+                                headers={"x-canary": "0"})  # fmt: skip
+            assert r.status_code == 200
+            await wait_until(lambda: shadow.compared == 1, timeout=20)
+            assert shadow.last is not None and shadow.last.length_ratio is None
+            ratio = edge.registry.get_sample_value(
+                "quicedge_shadow_similarity_count", {"model": "m", "measure": "length_ratio"}
+            )
+            assert not ratio, ratio
