@@ -27,11 +27,12 @@ from edge.asgi import ASGIApp, Message, Receive, Scope, Send, render_error
 from edge.errors import OriginNotAllowed
 
 DEFAULT_HEADERS = [
-    "authorization", "content-type", "x-request-id", "x-session-id", "traceparent",
+    "authorization", "content-type", "user-agent", "x-request-id", "x-session-id", "traceparent",
     "tracestate", "openai-organization", "openai-project",
 ]  # fmt: skip
 """What the OpenAI SDKs and tracing send from a browser (the `x-stainless-*` ones are matched
-by prefix)."""
+by prefix). openai-node sets `User-Agent` too, which Firefox and Safari send and ask for in the
+preflight (Chromium drops it); without it, the preflight's answer refused the SDK's calls."""
 DEFAULT_EXPOSE = [
     "x-request-id", "x-quicedge-backend", "retry-after", "retry-after-ms",
     *(f"x-ratelimit-{what}-{bucket}" for bucket in ("requests", "tokens")

@@ -156,3 +156,25 @@ def test_settings_are_checked() -> None:
     ]:
         with pytest.raises(ValueError, match=message):
             bad.validate()
+
+
+async def test_the_openai_js_sdks_preflight_from_firefox_is_allowed_by_default(
+    dev_certs: DevCertificates,
+) -> None:
+    """openai-node sets `User-Agent` and its `x-stainless-*` headers on every call; Firefox
+    and Safari send a page-set `User-Agent` and ask for it in the preflight (Chromium drops
+    it). With the default `[cors] headers`, all of them must be allowed, or the browser
+    refuses the call."""
+    asked = (
+        "authorization,content-type,user-agent,x-stainless-arch,x-stainless-lang,"
+        "x-stainless-os,x-stainless-package-version,x-stainless-retry-count,"
+        "x-stainless-runtime,x-stainless-runtime-version,x-stainless-timeout"
+    )
+    firefox = {**PREFLIGHT, "access-control-request-headers": asked}
+    cors = CorsConfig(origins=[PAGE])
+    async with stand_in() as sim, tls_edge(fast_config([sim.url]), dev_certs, cors=cors) as edge:
+        async with httpx.AsyncClient(http2=True, verify=edge.ssl_context) as http:
+            r = await http.options(edge.url + "/v1/chat/completions", headers=firefox)
+    assert r.status_code == 204
+    allowed = {h.strip() for h in r.headers["access-control-allow-headers"].split(",")}
+    assert set(asked.split(",")) <= allowed
