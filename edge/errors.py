@@ -22,6 +22,12 @@ from backends.errors import (
 
 JSON_HEADERS: tuple[tuple[bytes, bytes], ...] = ((b"content-type", b"application/json"),)
 
+NOT_RETRYABLE = frozenset({"loop_detected", "tier_not_served"})
+"""Codes of 5xx answers that a retry cannot change (the edges' or the fleet's configuration
+causes them): they carry `x-should-retry: false`, which the OpenAI SDKs obey, where they
+would retry any other 5xx (twice, by default)."""
+_NO_RETRY = (b"x-should-retry", b"false")
+
 
 class EdgeError(Exception):
     """Base: a failure with a wire status. Subclasses set the class attributes."""
@@ -63,7 +69,10 @@ class EdgeError(Exception):
     ) -> list[tuple[bytes, bytes]]:
         """The response headers; `length` is the body's, when the caller has encoded it."""
         body_len = b"%d" % (len(self.body()) if length is None else length)
-        return [*JSON_HEADERS, (b"content-length", body_len), *self.extra_headers, *extra]
+        headers = [*JSON_HEADERS, (b"content-length", body_len), *self.extra_headers, *extra]
+        if self.instance_code in NOT_RETRYABLE:
+            headers.append(_NO_RETRY)
+        return headers
 
 
 class InvalidRequest(EdgeError):

@@ -114,3 +114,40 @@ async def test_the_sdk_reads_the_rate_limit_headers_and_retries_after_retry_afte
             assert [r.status_code for r in seen] == [200, 429, 200]
             assert int(seen[1].headers["retry-after-ms"]) <= 200
             assert seen[1].headers["retry-after"] == "1"
+
+
+async def test_the_sdk_does_not_retry_what_a_retry_cannot_change() -> None:
+    """The SDK retries every 5xx unless `x-should-retry: false` says otherwise: a request that
+    loops back through the edges (508) or whose tier no backend serves (503 `tier_not_served`)
+    fails the same way each time, so it is answered once, not three times."""
+    from edge.routing.breakers import BreakerConfig
+    from tests.edge.conftest import run_edge
+
+    config = SimConfig(name="o", port=0, profile="instant", served_model_name="llama-8b")
+    async with SimServer(config) as sim:
+        edge_config = with_client_keys(fast_config([sim.url + "#tiers=gold"]), "sk-client")
+        async with run_edge(edge_config, breakers=BreakerConfig()) as edge:
+            seen: list[httpx.Response] = []
+
+            async def on_response(response: httpx.Response) -> None:
+                seen.append(response)
+
+            http = httpx.AsyncClient(event_hooks={"response": [on_response]})
+            sdk = AsyncOpenAI(
+                base_url=edge.url + "/v1", api_key="sk-client", max_retries=2, http_client=http
+            )
+            messages: list[Any] = [{"role": "user", "content": "hi"}]
+            via = ", ".join(f"1.1 quicedge-{i}" for i in range(8))
+            async with http:
+                with pytest.raises(openai.InternalServerError) as looped:
+                    await sdk.chat.completions.create(
+                        model="llama-8b", messages=messages, extra_headers={"via": via}
+                    )
+                loop_tries = len(seen)
+                with pytest.raises(openai.InternalServerError) as untiered:
+                    await sdk.chat.completions.create(model="llama-8b", messages=messages)
+    assert looped.value.status_code == 508 and looped.value.code == "loop_detected"
+    assert untiered.value.status_code == 503 and untiered.value.code == "tier_not_served"
+    assert [r.status_code for r in seen] == [508, 503]
+    assert loop_tries == 1
+    assert all(r.headers["x-should-retry"] == "false" for r in seen)
