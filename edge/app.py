@@ -432,7 +432,7 @@ class ProxyApp:
     async def _stored_body(self, headers: RequestHeaders, receive: Receive) -> dict[str, Any]:
         """A stored object's POST body, checked as an inference body is (`ClientGone`: the
         client left while sending it, counted 499 by `__call__`)."""
-        check_content_type(headers.content_type)
+        check_content_type(headers.content_type, headers.content_encoding)
         limit = self.config.max_body_bytes
         declared_length(headers.content_length, limit)
         return parse_json_object(await read_body(receive, limit, self.body_budget))
@@ -754,7 +754,7 @@ class ProxyApp:
         h = ex.headers
         if self.audit is not None:
             self.audit.admit()  # a full audit queue may refuse new requests (`when_full`)
-        check_content_type(h.content_type)
+        check_content_type(h.content_type, h.content_encoding)
         limit = self.config.max_body_bytes
         declared_length(h.content_length, limit)
         raw = await read_body(receive, limit, self.body_budget)

@@ -24,6 +24,7 @@ class RequestHeaders:
     """The request headers the app reads, found in one pass."""
 
     content_type: bytes | None = None
+    content_encoding: bytes | None = None
     content_length: bytes | None = None
     request_id: bytes | None = None
     session: bytes | None = None
@@ -38,6 +39,7 @@ class RequestHeaders:
 
 _WANTED = {
     b"content-type": "content_type",
+    b"content-encoding": "content_encoding",
     b"content-length": "content_length",
     b"x-request-id": "request_id",
     b"x-session-id": "session",

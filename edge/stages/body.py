@@ -57,8 +57,16 @@ class BodyBudget:
         self.held -= size
 
 
-def check_content_type(content_type: bytes | None) -> None:
-    """Inference routes take `application/json` (parameters such as charset allowed); else 415."""
+def check_content_type(content_type: bytes | None, encoding: bytes | None = None) -> None:
+    """Inference routes take `application/json` (parameters such as charset allowed), not
+    compressed (RFC 9110 §8.4: 415 with `Accept-Encoding: identity`); else 415. The body is
+    read and forwarded as it is, and inflating it would let a small one pass `max_body_bytes`."""
+    if encoding is not None and encoding.strip().lower() not in (b"", b"identity"):
+        raise UnsupportedMediaType(
+            f"Content-Encoding {encoding.decode('latin-1')!r} is not supported: send the body "
+            "uncompressed",
+            headers=((b"accept-encoding", b"identity"),),
+        )
     if content_type is None:
         raise UnsupportedMediaType("Content-Type must be application/json (none given)")
     media = content_type.split(b";", 1)[0].strip().lower()

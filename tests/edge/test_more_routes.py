@@ -3,6 +3,8 @@ the same routing, limits and errors as chat; every unknown route in OpenAI's err
 
 from __future__ import annotations
 
+import gzip
+import json
 from typing import Any
 
 import pytest
@@ -138,3 +140,25 @@ async def test_deeply_nested_bodies_are_a_400_not_an_internal_error(path: str, b
     error = r.json()["error"]
     assert error["code"] == "invalid_json" and "nest" in error["message"]
     assert a.api is not None and a.api.requests[path] == 0
+
+
+async def test_a_compressed_body_is_refused_as_such() -> None:
+    """The edge reads and forwards bodies as they are: a gzip one was a 400 `invalid_json`
+    ("str is not valid UTF-8"), which sent its client looking for a fault in its JSON."""
+    chat = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    raw = json.dumps(chat).encode()
+
+    def encoded(coding: str) -> dict[str, str]:
+        return {"content-type": "application/json", "content-encoding": coding}
+
+    async with stand_in("a") as a:
+        async with run_edge(fast_config([a.url])) as edge, client(edge) as http:
+            url = "/v1/chat/completions"
+            gzipped = await http.post(url, content=gzip.compress(raw), headers=encoded("gzip"))
+            identity = await http.post(url, content=raw, headers=encoded("identity"))
+    assert gzipped.status_code == 415, gzipped.text
+    error = gzipped.json()["error"]
+    assert error["code"] == "unsupported_media_type" and "Content-Encoding" in error["message"]
+    assert gzipped.headers["accept-encoding"] == "identity"
+    assert identity.status_code == 200, identity.text
+    assert a.api is not None and a.api.requests["/v1/chat/completions"] == 1

@@ -51,6 +51,15 @@ def test_other_content_types_are_415(value: bytes | None) -> None:
         check_content_type(value)
 
 
+def test_a_compressed_body_is_415() -> None:
+    check_content_type(b"application/json", b"identity")
+    check_content_type(b"application/json", b" Identity ")
+    for coding in (b"gzip", b"br", b"deflate, gzip"):
+        with pytest.raises(errors.UnsupportedMediaType, match="Content-Encoding") as refused:
+            check_content_type(b"application/json", coding)
+        assert (b"accept-encoding", b"identity") in refused.value.extra_headers
+
+
 def test_declared_length_over_limit_is_413_before_reading() -> None:
     with pytest.raises(errors.PayloadTooLarge):
         declared_length(b"1001", 1000)
