@@ -259,11 +259,16 @@ class PrewarmService:
         prefixes = self.hot.top(backend.model, self.config.top, min_count=self.config.min_count)
         budget = self.config.max_tokens * CHARS_PER_TOKEN
         queued = 0
+        # A prefix still waiting in the queue is not queued again: one restart is often told
+        # several times (its events, its checks, its request counter), and a flushed cache
+        # each time it is flushed. The one being sent is: it may have been sent before that.
+        waiting = {job.text for job in lane.jobs if job.done is None}
         for p in prefixes:
             if len(p.text) > budget:
                 continue
             budget -= len(p.text)
-            lane.jobs.append(_Job(p.text, chat=p if p.messages else None))
+            if p.text not in waiting:
+                lane.jobs.append(_Job(p.text, chat=p if p.messages else None))
             queued += 1
         if queued:
             lane.to_claim = True

@@ -267,3 +267,42 @@ async def test_a_backend_at_an_ipv6_address_has_its_events_read() -> None:
         finally:
             xpub.close(linger=0)
     context.destroy(linger=0)
+
+
+async def test_a_prefix_already_queued_for_a_warm_up_is_not_queued_again() -> None:
+    """One restart is often told several times (its events, its health checks, its request
+    counter), and an engine whose cache is flushed often says so each time: each told the
+    lane to warm the same hot prefixes again, and the queue grew by `top` per telling."""
+    rng = random.Random(11)
+    prefixes = [words(rng, 900) for _ in range(3)]
+    port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"
+    context = zmq.asyncio.Context()
+    slow = sim_config("b0", profile="h100-llama3-8b", time_scale=4.0)
+    async with sims(slow) as servers:
+        config = fast_config([servers[0].url], policy="ttft")
+        prewarm = PrewarmConfig(enabled=True, restart_check_interval=None)
+        events = KvEventsConfig(enabled=True, endpoints={servers[0].url: endpoint})
+        xpub = context.socket(zmq.XPUB)
+        try:
+            xpub.bind(endpoint)
+            async with (
+                run_edge(config, prewarm=prewarm, kv_events=events) as edge,
+                client(edge) as http,
+            ):
+                for prefix in prefixes:
+                    for _ in range(3):
+                        await generate(http, prefix + words(rng, 30))
+                await subscribed(xpub)
+                b0 = name(servers[0])
+                cleared = encode_batch([["AllBlocksCleared"]])
+                for seq in range(5):
+                    await xpub.send_multipart([b"", seq.to_bytes(8, "big"), cleared])
+                await wait_until(lambda: seen(edge)[b0]["cleared"] == 5)
+                assert prewarm_state(edge)[b0]["queued"] <= len(prefixes), prewarm_state(edge)
+                await wait_until(lambda: prewarm_state(edge)[b0]["state"] == "ready", 30)
+                requests = prewarm_state(edge)[b0]["requests"]
+                assert sum(requests.values()) <= 2 * len(prefixes), requests
+        finally:
+            xpub.close(linger=0)
+    context.destroy(linger=0)
