@@ -144,6 +144,8 @@ TRACESTATE_MAX = 512
 carry; a longer one is dropped whole (the trace itself goes on)."""
 STATUS_MAX = 512
 """Characters of an error message the request span's status keeps."""
+ATTRIBUTE_MAX = 256
+"""Characters of a string the client chose (the request's `model`) a span attribute keeps."""
 TRACESTATE_MEMBERS = 32
 """The most list members a `tracestate` may have (W3C Trace Context)."""
 _TRACESTATE_MEMBER = re.compile(
@@ -213,6 +215,10 @@ def genai_request_attributes(body: Mapping[str, Any]) -> Iterator[tuple[str, Any
     sampling: Mapping[str, Any] = params if isinstance(params, Mapping) else body
     model = body.get("model")
     if isinstance(model, str):
+        # Only the body limit bounds it where the route serves any name (`/generate`): cut,
+        # or every span waiting in the export queue could hold megabytes.
+        if len(model) > ATTRIBUTE_MAX:
+            model = model[:ATTRIBUTE_MAX] + "..."
         yield "gen_ai.request.model", model
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     if limit is None:
@@ -336,6 +342,7 @@ class RequestTrace:
 
 
 __all__ = [
+    "ATTRIBUTE_MAX",
     "GENAI_OPERATIONS",
     "SHUTDOWN_TIMEOUT_S",
     "RequestTrace",

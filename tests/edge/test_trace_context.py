@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from edge.tracing import STATUS_MAX
+from edge.tracing import ATTRIBUTE_MAX, STATUS_MAX
 from tests.edge.conftest import (
     Recorded,
     TinyUpstream,
@@ -69,3 +69,16 @@ async def test_an_error_quoting_the_client_is_cut_in_the_span_status() -> None:
     description = root.status.description or ""
     assert description.startswith("The model `MMM")
     assert len(description) == STATUS_MAX + len("...")
+
+
+async def test_a_model_name_the_client_makes_huge_is_cut_in_the_span() -> None:
+    """`/generate` serves whatever `model` says: a body of megabytes may name one, and each
+    span the queue holds would carry it (2,048 spans waiting on a slow collector)."""
+    async with TinyUpstream(answer) as up:
+        async with run_edge(fast_config([up.url]), trace=True) as edge, client(edge) as http:
+            body = {"text": "hi", "model": "M" * 100_000, "sampling_params": {"max_new_tokens": 2}}
+            assert (await http.post("/generate", json=body)).status_code == 200
+    assert edge.spans is not None
+    (root,) = [s for s in edge.spans.get_finished_spans() if s.name == "quicedge.request"]
+    model = str((root.attributes or {})["gen_ai.request.model"])
+    assert model == "M" * ATTRIBUTE_MAX + "..."
