@@ -38,7 +38,9 @@ REASONING_KEY = b'"reasoning_content":'
 # A reasoning model's thinking delta (SGLang with `--reasoning-parser`), group 1 as above.
 REASONING = re.compile(REASONING_KEY + rb'\s*"([^"\\]*(?:\\.[^"\\]*)*)"', re.DOTALL)
 _MAX_TAIL = 1 << 20
-"""An SSE event larger than this (1 MiB) is relayed but not scanned: accounting gives up on it."""
+"""An SSE event larger than this (1 MiB) is relayed but not scanned: accounting skips it, and
+scans again from the next event (a /generate stream's cumulative events pass it in a long
+answer with logprobs)."""
 
 
 def has_string(region: bytes, key: bytes) -> bool:
@@ -139,6 +141,8 @@ class SSEScanner:
         "_tail",
         "_chat",
         "_cr",
+        "_skipping",
+        "_newline",
         "content_events",
         "done",
         "error",
@@ -170,6 +174,10 @@ class SSEScanner:
         self._compact_empty = self._compact + b'"'
         self._cr = False
         """The last chunk ended with a CR: an LF that starts the next ends the same line."""
+        self._skipping = False
+        """An event over `_MAX_TAIL` is being passed on unscanned, until its blank line."""
+        self._newline = False
+        """While skipping: the last byte passed on was an LF (a blank line may straddle)."""
         self._chat = field == b"content"
         """Chat: tool-call arguments and reasoning are generated tokens too (counted, not
         collected)."""
@@ -189,7 +197,8 @@ class SSEScanner:
         many content events they hold. The bytes of an event still incomplete are held (an SSE
         client dispatches nothing before an event's blank line, so holding them delays
         nothing): a stream that fails after them ends with a well-formed error event, not one
-        glued to half an event. Past `_MAX_TAIL` held bytes, everything passes unscanned."""
+        glued to half an event. An event past `_MAX_TAIL` held bytes passes unscanned, up to
+        its blank line; the events after it are scanned."""
         if self._cr:
             self._cr = False
             if chunk[:1] == b"\n":
@@ -197,10 +206,31 @@ class SSEScanner:
         if b"\r" in chunk:  # (a CR in JSON text is escaped: a raw one ends a line)
             self._cr = chunk.endswith(b"\r")
             chunk = chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        if self._skipping:
+            return self._skip(chunk)
+        return self._split(chunk)
+
+    def _skip(self, chunk: bytes) -> tuple[bytes, int]:
+        """Pass on the rest of an event too large to scan; scan what follows its end."""
+        if self._newline and chunk[:1] == b"\n":
+            cut = 1
+        else:
+            end = chunk.find(b"\n\n")
+            if end < 0:
+                if chunk:
+                    self._newline = chunk.endswith(b"\n")
+                return chunk, 0
+            cut = end + 2
+        self._skipping = False
+        if cut == len(chunk):
+            return chunk, 0
+        rest, content = self._split(chunk[cut:])
+        return chunk[:cut] + rest, content
+
+    def _split(self, chunk: bytes) -> tuple[bytes, int]:
+        """`take` for LF line ends: the complete events of `chunk` after the held bytes."""
         tail = self._tail
         if tail:
-            if len(tail) > _MAX_TAIL:
-                return chunk, 0
             data = tail + chunk
             # the tail held no separator; one may straddle the old end, so start a byte before
             end = data.find(b"\n\n", len(tail) - 1)
@@ -211,7 +241,9 @@ class SSEScanner:
             end = data.rfind(b"\n\n")
         if end < 0:
             if len(data) > _MAX_TAIL:  # no event boundary in sight: stop holding
-                self._tail = data
+                self._tail = b""
+                self._skipping = True
+                self._newline = data.endswith(b"\n")
                 return data, 0
             self._tail = data
             return b"", 0
@@ -225,9 +257,7 @@ class SSEScanner:
     def rest(self) -> bytes:
         """The bytes held after the last complete event (the stream ended without a blank
         line after them); handed out once."""
-        tail = self._tail
-        if len(tail) > _MAX_TAIL:
-            return b""  # passed on already
+        tail = self._tail  # (empty while an event too large to hold is passed on)
         self._tail = b""
         return tail
 

@@ -3,6 +3,7 @@ the same routing, limits and errors as chat; every unknown route in OpenAI's err
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 from typing import Any
@@ -162,3 +163,38 @@ async def test_a_compressed_body_is_refused_as_such() -> None:
     assert gzipped.headers["accept-encoding"] == "identity"
     assert identity.status_code == 200, identity.text
     assert a.api is not None and a.api.requests["/v1/chat/completions"] == 1
+
+
+async def test_a_stream_is_read_again_after_an_event_too_large_to_scan() -> None:
+    """/generate streams its text and, with `return_logprob`, its logprobs cumulatively: an
+    event passes the 1 MiB the relay scans after some thousands of tokens. It is passed on
+    unscanned, and the events after it are read again: before, nothing after it was, and the
+    answer's usage was the last one before it (the tenant charged for a fraction of the
+    tokens, the trace and metrics wrong)."""
+    from tests.edge.conftest import Recorded, Reply, TinyUpstream, health_ok
+
+    def event(tokens: int, pad: int = 0) -> bytes:
+        meta = {"prompt_tokens": 3, "completion_tokens": tokens, "logprobs": "p" * pad}
+        return b"data: " + json.dumps({"text": "x" * tokens, "meta_info": meta}).encode() + b"\n\n"
+
+    big = event(2, pad=1_500_000)
+    chunks = [event(1), *(big[i : i + 65536] for i in range(0, len(big), 65536))]
+    chunks += [event(3), event(4), b"data: [DONE]\n\n"]
+
+    def script(recorded: Recorded) -> Reply:
+        return health_ok(recorded) or Reply(
+            headers=[("content-type", "text/event-stream")], chunks=chunks
+        )
+
+    async with TinyUpstream(script) as up:
+        async with run_edge(fast_config([up.url]), trace=True) as edge, client(edge) as http:
+            r = await http.post("/generate", json={"text": "hi", "stream": True})
+            assert edge.spans is not None
+            for _ in range(200):  # the span ends just after the answer's last byte went out
+                spans = {s.name: s for s in edge.spans.get_finished_spans()}
+                if "quicedge.request" in spans:
+                    break
+                await asyncio.sleep(0.01)
+    assert r.status_code == 200 and r.content == b"".join(chunks)
+    attributes = spans["quicedge.request"].attributes
+    assert attributes is not None and attributes["gen_ai.usage.output_tokens"] == 4
