@@ -275,11 +275,11 @@ class ProxyApp:
                 await self._inference(scope, receive, send, route)
                 return
             if label == "/v1/models":
-                if method != "GET":
+                if method not in ("GET", "HEAD"):  # HEAD: GET without the body (RFC 9110)
                     raise MethodNotAllowed(
-                        f"{method} is not allowed on {path}", headers=((b"allow", b"GET"),)
+                        f"{method} is not allowed on {path}", headers=((b"allow", b"GET, HEAD"),)
                     )
-                await self._models(path, send)
+                await self._models(path, send if method == "GET" else _head_only(send))
                 self.metrics.requests.labels(label, "200", NO_MODEL).inc()
                 if self.access_log is not None:
                     self._log_other(scope, label, 200)
@@ -937,6 +937,17 @@ class _Tracked:
         if message["type"] == "http.response.start":
             self.status = message["status"]
         await self.send(message)
+
+
+def _head_only(send: Send) -> Send:
+    """`send` for a HEAD request: the head as GET's (its `content-length` too), no body."""
+
+    async def sending(message: Any) -> None:
+        if message["type"] == "http.response.body":
+            message = {**message, "body": b""}
+        await send(message)
+
+    return sending
 
 
 def _stop(ex: Exchange, forward: asyncio.Task[None]) -> None:

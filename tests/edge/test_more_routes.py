@@ -198,3 +198,24 @@ async def test_a_stream_is_read_again_after_an_event_too_large_to_scan() -> None
     assert r.status_code == 200 and r.content == b"".join(chunks)
     attributes = spans["quicedge.request"].attributes
     assert attributes is not None and attributes["gen_ai.usage.output_tokens"] == 4
+
+
+@pytest.mark.parametrize("listener", ["hypercorn", "h1"])
+async def test_head_on_the_model_listing_answers_as_get_without_the_body(listener: str) -> None:
+    """RFC 9110 §9.3.2: HEAD is GET without the content; uptime monitors send it by default.
+    It was a 405, so a monitor on /v1/models saw the edge down."""
+    async with stand_in("a") as a:
+        async with run_edge(fast_config([a.url]), listener=listener) as edge, client(edge) as http:
+            get = await http.get("/v1/models")
+            head = await http.head("/v1/models")
+            card = await http.head("/v1/models/" + get.json()["data"][0]["id"])
+            missing = await http.head("/v1/models/nope")
+            post = await http.post("/v1/models", json={})
+            after = await http.get("/v1/models")  # the connection is still in step
+    assert head.status_code == 200 and head.content == b""
+    assert head.headers["content-type"] == "application/json"
+    assert head.headers["content-length"] == get.headers["content-length"]
+    assert card.status_code == 200 and card.content == b""
+    assert missing.status_code == 404
+    assert post.status_code == 405 and post.headers["allow"] == "GET, HEAD"
+    assert after.status_code == 200 and after.json() == get.json()
