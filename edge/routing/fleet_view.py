@@ -262,9 +262,11 @@ class FleetView:
         self._nudged.set()
 
     def forget(self, backend_url: str) -> None:
-        """The backend restarted: nothing anyone placed there before is cached any more."""
+        """The backend restarted: nothing anyone placed there before is cached any more, and
+        what this process placed there but has not told yet is not told."""
         self._held.pop(backend_url, None)
         self._published.pop(backend_url, None)
+        self._pending.pop(backend_url, None)
 
     async def claim(self, name: str, ttl: float) -> bool:
         """Whether this process takes on the fleet-wide job `name` (one warm-up of a backend)

@@ -383,3 +383,23 @@ async def test_load_figures_a_process_cannot_have_are_not_summed(redis_prefix: s
             await client.aclose()
         assert view_b.queued(urls[0]) == (0, 0, 0)
         assert set(view_b._remote_load) <= set(urls)
+
+
+async def test_what_a_process_placed_before_a_restart_is_not_told_after_it_forgot(
+    redis_prefix: str,
+) -> None:
+    """Placements still waiting for the next publish when the backend restarted (the requests
+    of the last interval) were told to the fleet after `forget`: every other process then took
+    the empty cache for one holding them, for `ttl`."""
+    url = f"http://127.0.0.1:{free_port()}"  # never connected to
+    async with two_views([url], redis_prefix, interval=30.0, timeout=5.0) as views:
+        view_a, view_b = views.view_a, views.view_b
+        await wait_until(lambda: view_a.published and view_b.published)  # the first syncs
+        view_a.placed(url, [1, 2])
+        view_b.forget(url)  # B noticed the restart first
+        view_a.forget(url)  # then A did, before its next publish
+        view_a.placed(url, [3])  # a warm-up, after it
+        await view_a.sync_once()
+        await view_b.sync_once()
+        assert view_b.depth(url, [3]) == 1
+        assert view_b.depth(url, [1, 2]) == 0
