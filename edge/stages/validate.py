@@ -101,9 +101,13 @@ def _check_embeddings(body: dict[str, Any]) -> None:
 
 
 def _check_rerank(body: dict[str, Any]) -> None:
-    if not isinstance(body.get("query"), str):
+    if "query" not in body:
         raise _missing("query", "a string")
-    documents = body.get("documents")
+    if not isinstance(body["query"], str):
+        raise _invalid("query", "must be a string")
+    if "documents" not in body:
+        raise _missing("documents", "a list of strings")
+    documents = body["documents"]
     if not isinstance(documents, list) or not all(isinstance(d, str) for d in documents):
         raise _invalid("documents", "must be a list of strings")
 

@@ -219,3 +219,18 @@ async def test_head_on_the_model_listing_answers_as_get_without_the_body(listene
     assert missing.status_code == 404
     assert post.status_code == 405 and post.headers["allow"] == "GET, HEAD"
     assert after.status_code == 200 and after.json() == get.json()
+
+
+async def test_rerank_says_whether_a_field_is_missing_or_invalid() -> None:
+    """A `query` of the wrong type was "'query' is required" (`missing_field`), and absent
+    `documents` were `invalid_value`."""
+    async with stand_in("a") as a:
+        async with run_edge(fast_config([a.url])) as edge, client(edge) as http:
+            wrong = await http.post("/v1/rerank", json={"query": 5, "documents": ["a"]})
+            absent = await http.post("/v1/rerank", json={"query": "q"})
+    assert (wrong.status_code, absent.status_code) == (400, 400)
+    assert wrong.json()["error"]["code"] == "invalid_value"
+    assert wrong.json()["error"]["param"] == "query"
+    assert "required" not in wrong.json()["error"]["message"]
+    assert absent.json()["error"]["code"] == "missing_field"
+    assert absent.json()["error"]["param"] == "documents"
