@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 import redis.asyncio as aioredis
 
 from edge.admission.settings import RedisSettings
+from edge.free_time import FreeDeadline
 from edge.telemetry import REDIS_STATES
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class RedisGuard:
         self.state = "closed"
         self.trips = 0
         self._streak = 0
+        self._bad_until = 0.0
         self._backoff = settings.backoff_s
         self._clock = clock
         self._last_warning = -1e18
@@ -80,28 +82,46 @@ class RedisGuard:
 
     async def run(self, call: Callable[[], Awaitable[T]]) -> T:
         """`await call()` within the deadline; RedisUnavailable when it cannot be had (any
-        failure of the call, an odd answer's included)."""
+        failure of the call, an odd answer's included). The deadline and `slow_ms` count the
+        time the loop was free to read the answer: time it spent behind on other callbacks is
+        the edge's delay, not Redis's (`edge.free_time`)."""
         if self.state != "closed":
             raise RedisUnavailable(f"redis breaker {self.state}")
-        start = time.perf_counter()
+        started = time.perf_counter()
         try:
-            async with asyncio.timeout(self.settings.timeout_ms / 1000):
-                result = await call()
+            result, took = await self._timed(call)
         except Exception as exc:
             # Not only RedisError, OSError and timeouts: a server that answers oddly makes
             # redis-py (or the caller's reading of the answer) raise anything, and that is
             # Redis trouble too; let through, it would fail the request instead of the
             # fallback, and never open the breaker.
-            self._failed(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+            self._failed(
+                f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__, started
+            )
             raise RedisUnavailable(str(exc) or type(exc).__name__) from exc
-        elapsed = time.perf_counter() - start
-        if elapsed * 1000 > self.settings.slow_ms:
-            self._failed(f"slow answer ({elapsed * 1000:.1f} ms)")
+        if took * 1000 > self.settings.slow_ms:
+            self._failed(f"slow answer ({took * 1000:.1f} ms)", started)
         else:
             self._streak = 0
         return result
 
-    def _failed(self, why: str) -> None:
+    async def _timed(self, call: Callable[[], Awaitable[T]]) -> tuple[T, float]:
+        """`await call()` within `timeout_ms` of free loop time; its result and that time."""
+        async with asyncio.timeout(None) as timeout:
+            deadline = FreeDeadline(timeout, self.settings.timeout_ms / 1000)
+            try:
+                result = await call()
+            finally:
+                deadline.cancel()
+        return result, deadline.free()
+
+    def _failed(self, why: str, started: float) -> None:
+        """Count a bad call that began at `started` (perf_counter). One that began before the
+        last counted one ended shares its cause (a burst in flight while Redis, or the edge's
+        host, stalled): the streak counts bad calls one after another, not at once."""
+        if started < self._bad_until:
+            return
+        self._bad_until = time.perf_counter()
         self._streak += 1
         if self.state == "closed" and self._streak >= self.settings.failures_to_open:
             self._set("open")
@@ -133,11 +153,9 @@ class RedisGuard:
         while True:
             await asyncio.sleep(self._backoff)
             self._set("half_open")
-            start = time.perf_counter()
             try:
-                async with asyncio.timeout(s.timeout_ms / 1000):
-                    await self.client.ping()
-                fast = (time.perf_counter() - start) * 1000 <= s.slow_ms
+                _, took = await self._timed(self.client.ping)
+                fast = took * 1000 <= s.slow_ms
             except Exception as exc:
                 # Any failure, redis-py's own included (an odd answer can make it raise an
                 # AttributeError): were it to end this task, the breaker would stay half-open,

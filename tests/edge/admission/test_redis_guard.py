@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import pytest
 
 from edge.admission.redis_guard import MAX_CONNECTIONS, RedisGuard, RedisUnavailable
 from edge.admission.settings import RedisSettings
+from edge.free_time import FreeClock, FreeDeadline
 from tests.helpers import RedisServer, wait_until
 
 
@@ -67,3 +69,70 @@ async def test_a_burst_past_the_pool_size_waits_for_connections_and_keeps_the_br
         assert guard.state == "closed" and guard.trips == 0
     finally:
         await guard.aclose()
+
+
+def _spin(seconds: float) -> None:
+    """Hold the loop, as a request's own Python does between its awaits."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+async def test_a_busy_loop_is_not_blamed_on_redis(redis_url: str) -> None:
+    # 48 requests each holding the loop 1 ms after its Redis call: the last answers are read
+    # ~45 ms after Redis sent them, past the deadline and the slow mark below. That delay is
+    # the edge's, so no call fails and the breaker stays shut.
+    guard = RedisGuard(RedisSettings(url=redis_url, timeout_ms=30, slow_ms=20))
+    walls: list[float] = []
+
+    async def request() -> None:
+        start = time.perf_counter()
+        await guard.run(guard.client.ping)
+        walls.append(time.perf_counter() - start)
+        _spin(0.001)
+
+    try:
+        await guard.run(guard.client.ping)
+        for _ in range(4):
+            await asyncio.gather(*(request() for _ in range(48)))
+        assert max(walls) > 0.03  # the loop did hold answers past the deadline
+        assert guard.state == "closed" and guard.trips == 0
+    finally:
+        await guard.aclose()
+
+
+async def test_bad_calls_at_once_count_as_one(redis_url: str) -> None:
+    # Five slow calls in flight together are one stall, not five: the breaker opens after
+    # failures_to_open bad calls one after another.
+    guard = RedisGuard(RedisSettings(url=redis_url, timeout_ms=5000, slow_ms=100))
+    try:
+        await asyncio.gather(*(guard.run(lambda: asyncio.sleep(0.2)) for _ in range(5)))
+        assert guard.state == "closed"
+        await guard.run(lambda: asyncio.sleep(0.2))
+        assert guard.state == "closed"
+        await guard.run(lambda: asyncio.sleep(0.2))
+        assert guard.state == "open" and guard.trips == 1
+    finally:
+        await guard.aclose()
+
+
+async def test_the_deadline_counts_free_time() -> None:
+    loop = asyncio.get_running_loop()
+    clock = FreeClock()
+    _spin(0.03)
+    assert clock.free() < 0.015  # the thread ran: none of it was free
+    await asyncio.sleep(0.03)
+    assert clock.free() >= 0.025  # the loop waited with nothing to run
+    # A deadline of 50 ms of free time outlives 100 ms of a loop held by other work, and
+    # expires once the loop has been free that long.
+    async with asyncio.timeout(None) as timeout:
+        deadline = FreeDeadline(timeout, 0.05)
+        loop.call_soon(_spin, 0.1)
+        await asyncio.sleep(0.105)
+        deadline.cancel()
+    start = time.perf_counter()
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(None) as timeout:
+            FreeDeadline(timeout, 0.05)
+            await asyncio.sleep(1)
+    assert time.perf_counter() - start < 0.5
