@@ -34,11 +34,12 @@ DEFAULT_HEADERS = [
 by prefix). openai-node sets `User-Agent` too, which Firefox and Safari send and ask for in the
 preflight (Chromium drops it); without it, the preflight's answer refused the SDK's calls."""
 DEFAULT_EXPOSE = [
-    "x-request-id", "x-quicedge-backend", "retry-after", "retry-after-ms",
+    "x-request-id", "x-quicedge-backend", "retry-after", "retry-after-ms", "x-should-retry",
     *(f"x-ratelimit-{what}-{bucket}" for bucket in ("requests", "tokens")
       for what in ("limit", "remaining", "reset")),
 ]  # fmt: skip
-"""What a page may read: the request id, the backend, and the rate-limit headers
+"""What a page may read: the request id, the backend, when and whether to retry (the OpenAI
+SDKs read `x-should-retry`, `edge.errors.NOT_RETRYABLE`), and the rate-limit headers
 (`edge.admission.headers`)."""
 
 

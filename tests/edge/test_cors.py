@@ -178,3 +178,17 @@ async def test_the_openai_js_sdks_preflight_from_firefox_is_allowed_by_default(
     assert r.status_code == 204
     allowed = {h.strip() for h in r.headers["access-control-allow-headers"].split(",")}
     assert set(asked.split(",")) <= allowed
+
+
+async def test_a_page_may_read_whether_to_retry(dev_certs: DevCertificates) -> None:
+    """openai-node reads `x-should-retry` before retrying a 5xx; a page's script sees only the
+    headers the answer exposes, so the edge exposes it with the retry-after ones."""
+    cors = CorsConfig(origins=[PAGE])
+    async with stand_in() as sim, tls_edge(fast_config([sim.url]), dev_certs, cors=cors) as edge:
+        async with httpx.AsyncClient(http2=True, verify=edge.ssl_context) as http:
+            via = ", ".join(f"1.1 quicedge-{i}" for i in range(8))
+            r = await http.post(edge.url + "/v1/chat/completions", json=CHAT,
+                                headers={"origin": PAGE, "via": via})  # fmt: skip
+    assert r.status_code == 508 and r.headers["x-should-retry"] == "false"
+    exposed = r.headers["access-control-expose-headers"].split(", ")
+    assert {"x-should-retry", "retry-after", "retry-after-ms"} <= set(exposed)
