@@ -254,12 +254,29 @@ class PrefixTree:
             self._evict_tenant(tenant, self._limits[tenant])
 
     def remove_tenant(self, tenant: str) -> None:
-        """Forget everything a tenant holds (a backend that restarted has an empty cache)."""
-        self._held.pop(tenant, None)
-        self._prune(_ROOT)
+        """Forget everything a tenant holds (a backend that restarted has an empty cache).
+
+        Costs what the tenant held, not the whole tree: it runs on the request path (a connect
+        error in `ttft.observe`). A node no tenant holds any more has no child another tenant
+        holds (what a tenant holds is closed under ancestors), so climbing from each of the
+        tenant's nodes while they are unheld leaves frees them all, children first."""
+        held = self._held.pop(tenant, None)
         self.total_chars -= self._chars.pop(tenant, 0)
         self._heaps.pop(tenant, None)
         self._heap_live.pop(tenant, None)
+        if not held:
+            return
+        labels, child_chars = self._label, self._child_chars
+        for node in held:
+            while (
+                node != _ROOT
+                and node in labels  # not freed by an earlier climb
+                and node not in child_chars
+                and self._unheld(node)
+            ):
+                parent = self._parent[node]
+                self._free_node(node)
+                node = parent
 
     def trim(self, text: str, tenant: str, keep_chars: int) -> int:
         """The tenant holds at most `keep_chars` of `text`: drop it from the path beyond that,
