@@ -151,3 +151,42 @@ async def test_the_sdk_does_not_retry_what_a_retry_cannot_change() -> None:
     assert [r.status_code for r in seen] == [508, 503]
     assert loop_tries == 1
     assert all(r.headers["x-should-retry"] == "false" for r in seen)
+
+
+async def test_a_stream_the_backend_breaks_off_raises_in_the_sdk() -> None:
+    """A backend that dies mid-stream: the SDK yields the deltas that came whole, then raises
+    `APIError` with the edge's error event (`bad_gateway`), rather than ending quietly as if
+    the answer were complete."""
+    import json
+
+    from tests.edge.conftest import Recorded, Reply, TinyUpstream, health_ok, run_edge
+
+    def chunk(delta: dict[str, str]) -> bytes:
+        event = {"id": "c", "object": "chat.completion.chunk", "created": 1,
+                 "model": "tiny-model", "choices": [{"index": 0, "delta": delta,
+                                                     "finish_reason": None}]}  # fmt: skip
+        return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+    broken = [chunk({"role": "assistant", "content": ""}), chunk({"content": "Hel"})]
+    broken += [chunk({"content": "lo"})[:25], b"never sent"]
+
+    def script(recorded: Recorded) -> Reply:
+        return health_ok(recorded) or Reply(
+            headers=[("content-type", "text/event-stream")], chunks=broken, die_after=3
+        )
+
+    async with TinyUpstream(script) as up:
+        config = with_client_keys(fast_config([up.url]), "sk-client")
+        async with run_edge(config) as edge:
+            sdk = AsyncOpenAI(base_url=edge.url + "/v1", api_key="sk-client", max_retries=0)
+            stream = await sdk.chat.completions.create(
+                model="tiny-model", messages=[{"role": "user", "content": "hi"}], stream=True
+            )
+            texts: list[str] = []
+            with pytest.raises(openai.APIError) as failed:
+                async for part in stream:
+                    texts.append(part.choices[0].delta.content or "")
+            await sdk.close()
+    assert texts == ["", "Hel"]
+    assert not isinstance(failed.value, openai.APIStatusError)
+    assert failed.value.code == "bad_gateway" and failed.value.type == "server_error"
