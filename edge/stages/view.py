@@ -13,7 +13,18 @@ from typing import Any
 import orjson
 
 from edge.routing.base import RequestView
-from edge.stages.validate import CHAT, COMPLETIONS, GENERATE, RERANK
+from edge.stages.validate import (
+    CHAT,
+    COMPLETIONS,
+    DETOKENIZE,
+    EMBEDDINGS,
+    GENERATE,
+    RERANK,
+    TOKENIZE,
+)
+
+_PROMPT_FIELD = {EMBEDDINGS: "input", TOKENIZE: "prompt", DETOKENIZE: "tokens"}
+"""The field each of these routes takes its prompt from (`edge.stages.validate` checks it)."""
 
 CHARS_PER_TOKEN = 4
 """Rough characters per token of English text for BPE tokenizers (OpenAI's rule of thumb)."""
@@ -126,10 +137,8 @@ def build_view(route: str, body: Mapping[str, Any], session_header: str | None) 
         text, tokens, batch = _prompt_text(source if source is not None else body.get("input_ids"))
     elif route == RERANK:
         text, tokens = "\n".join([body["query"], *body["documents"]]), None
-    else:  # embeddings, tokenize, detokenize
-        text, tokens, batch = _prompt_text(
-            body.get("input", body.get("prompt", body.get("tokens")))
-        )
+    else:  # embeddings, tokenize, detokenize: the field the route's check read, no other
+        text, tokens, batch = _prompt_text(body[_PROMPT_FIELD[route]])
     if tokens is None:
         tokens = len(text) // CHARS_PER_TOKEN + 1
     user = body.get("user")

@@ -234,3 +234,23 @@ async def test_rerank_says_whether_a_field_is_missing_or_invalid() -> None:
     assert "required" not in wrong.json()["error"]["message"]
     assert absent.json()["error"]["code"] == "missing_field"
     assert absent.json()["error"]["param"] == "documents"
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/tokenize", {"prompt": "Hello edge", "input": [[1], None]}),
+        ("/detokenize", {"tokens": [1, 2, 3], "prompt": [[1], None]}),
+        ("/detokenize", {"tokens": [1, 2, 3], "input": [[1], 5]}),
+    ],
+)
+async def test_a_route_is_routed_by_its_own_field_not_another_routes(
+    path: str, body: dict[str, Any]
+) -> None:
+    """The routing view read `input`, then `prompt`, then `tokens`, whatever the route: a
+    /tokenize or /detokenize body whose own field was valid but which carried another route's
+    field, unchecked, answered 500."""
+    async with stand_in("a") as a:
+        async with run_edge(fast_config([a.url])) as edge, client(edge) as http:
+            r = await http.post(path, json=body)
+    assert r.status_code == 200, r.text
