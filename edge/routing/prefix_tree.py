@@ -39,6 +39,11 @@ CHARS_PER_NODE = 32
 costs ~300 bytes whatever its label's length, and prompts that diverge at every character would
 otherwise fill the character budget with one-character nodes."""
 MIN_NODES = 1024
+INSERT_SHARE = 8
+"""A text is tracked up to `max_chars // INSERT_SHARE` characters (its start, where prefixes are
+shared; at least `MIN_INSERT`): one prompt near the whole budget would otherwise push every
+other entry out."""
+MIN_INSERT = 64 * 1024
 _ROOT = 0
 _KEY_SHIFT = 21  # a child's key: its parent << 21 | its label's first code point (< 2**21)
 _NODE_BITS = 64  # a heap entry: stamp << 64 | node
@@ -71,6 +76,7 @@ class PrefixTree:
             raise ValueError("max_chars must be >= 1")
         self.max_chars = max_chars
         self.max_nodes = max(MIN_NODES, max_chars // CHARS_PER_NODE)
+        self.max_insert = max(max_chars // INSERT_SHARE, min(max_chars, MIN_INSERT))
         self._label: dict[int, str] = {_ROOT: ""}
         self._parent: dict[int, int] = {}
         self._child: dict[int, int] = {}  # parent << _KEY_SHIFT | ord(first char) -> child
@@ -185,10 +191,13 @@ class PrefixTree:
 
     # -- updates ---------------------------------------------------------------------------
     def insert(self, text: str, tenant: str) -> int:
-        """Record that `tenant` now holds `text` (and so every prefix of it); returns the
-        stamp this insert put on the path (0 for an empty text)."""
+        """Record that `tenant` now holds `text` (and so every prefix of it; of a text longer
+        than `max_insert`, its first `max_insert` characters); returns the stamp this insert
+        put on the path (0 for an empty text)."""
         if not text:
             return 0
+        if len(text) > self.max_insert:
+            text = text[: self.max_insert]
         stamp = next(self._tick)
         held = self._held.get(tenant)
         if held is None:

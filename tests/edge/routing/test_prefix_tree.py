@@ -279,3 +279,21 @@ def test_forgetting_a_backend_costs_what_it_held_not_the_whole_tree() -> None:
     tree._walk = walk  # type: ignore[method-assign]
     check_invariants(tree)
     assert tree.match("00").chars.get("small") is None
+
+
+def test_one_huge_prompt_does_not_push_everything_else_out_of_the_tree() -> None:
+    """The tree is inserted into before the request is sent: one prompt near the whole budget
+    (a client's 8 MB body, which a backend may well refuse as too long) evicted every other
+    backend's holdings to make room, and routing went blind until it learned them again. A
+    text is tracked up to `max_chars // 8` characters: its start, where prefixes are shared."""
+    tree = PrefixTree(max_chars=1 << 20)
+    rng = random.Random(9)
+    prompts = ["".join(rng.choice("abcdefgh") for _ in range(4000)) for _ in range(100)]
+    for i, prompt in enumerate(prompts):
+        tree.insert(prompt, f"b{i % 3}")
+    huge = "z" * (1 << 20)
+    tree.insert(huge, "b0")
+    assert tree.match(huge).chars == {"b0": (1 << 20) // 8}
+    kept = sum(1 for i, p in enumerate(prompts) if tree.match(p).chars.get(f"b{i % 3}") == len(p))
+    assert kept >= 60, kept
+    check_invariants(tree)
