@@ -326,6 +326,8 @@ class Attempts:
                 try:
                     if ex.shadow_tap is not None and response.status == 200:
                         body = ex.shadow_tap.whole(body)  # a sampled request: its shadow's half
+                    if self.gateway is not None and response.status == 200:
+                        body = self.gateway.whole(ex, body)  # the stream rules, over it whole
                     usage, completion, error = await self._send_whole(ex, response, body, send)
                 finally:
                     if budget is not None:

@@ -22,6 +22,7 @@ from edge.policy.judge import Judge
 from edge.policy.rules import RequestRules, apply_spans, requested_tokens, text_slots
 from edge.policy.stream import StreamRules, final_events
 from edge.policy.wasm import ModuleFailed, WasmPolicy
+from edge.policy.whole_answer import filter_whole
 
 if TYPE_CHECKING:
     from edge.exchange import Exchange
@@ -228,6 +229,18 @@ class PolicyGateway:
             refusal = StreamRefusal(err.rule, err.message, final_events(ex.route, None, None))
             return _as_called(ex, refusal)
         return err
+
+    def whole(self, ex: Exchange, body: bytes) -> bytes:
+        """A 200 answer read whole, after the stream rules (`edge.policy.whole_answer`): a
+        client that asks for it unstreamed gets no more past them than a stream would."""
+        if self.stream is None:
+            return body
+        checked = filter_whole(self.stream, ex.route, body)
+        if checked is None:
+            return body
+        body, rule = checked
+        self.filtered(ex, rule)
+        return body
 
     def filtered(self, ex: Exchange, rule: str) -> None:
         """A stream rule ended the answer: note it for the audit log, the span and the metric."""

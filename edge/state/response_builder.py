@@ -4,9 +4,10 @@ completion (`edge.state.responses` translates the request).
 A whole answer becomes a `response` object; a stream becomes the semantic SSE events
 (`response.created`, `response.in_progress`, then per output item `response.output_item.added`,
 its deltas and its `.done` events, and last `response.completed`, `response.incomplete` when the
-token budget ended it, or `response.failed` when the backend failed); there is no `[DONE]`. The
-items are the answer's parts as `ChatAnswer` gathers them: a reasoning model's thinking
-(`reasoning`), the text (`message`) and each tool call (`function_call`).
+token budget or a stream rule (`content_filter`) ended it, or `response.failed` when the backend
+failed); there is no `[DONE]`. The items are the answer's parts as `ChatAnswer` gathers them: a
+reasoning model's thinking (`reasoning`), the text (`message`) and each tool call
+(`function_call`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,16 @@ import orjson
 from edge.sse import usage_from
 from edge.state.chat_answer import MESSAGE, REASONING, Call, ChatAnswer
 from edge.state.response_tools import call_item
+
+_INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"}
+"""The chat `finish_reason`s that leave a response `incomplete`, and its
+`incomplete_details.reason` for each."""
+
+
+def _incomplete(finish: object) -> str | None:
+    """The `incomplete_details.reason` of a chat `finish_reason` (any JSON the backend sent),
+    or None when the answer is complete."""
+    return _INCOMPLETE.get(finish) if isinstance(finish, str) else None
 
 
 def _usage(obj: Any) -> dict[str, Any] | None:
@@ -99,8 +110,8 @@ class ResponseBuilder:
             "created_at": self.created,
             "status": status,
             "error": self.failed,
-            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete"
-            else None,
+            "incomplete_details": {"reason": _incomplete(self._finish) or "max_output_tokens"}
+            if status == "incomplete" else None,
             "model": self.model,
             "output": self._output("completed" if status == "completed" else status)
             if done and self.failed is None else [],
@@ -118,6 +129,7 @@ class ResponseBuilder:
         calls = [call.item_id for call in self.answer.calls]
         return {"id": self.message_id, "created_at": self.created, "model": self.model,
                 "status": self._status(), "usage": self._usage, "echo": self.echo,
+                **({"finish": self._finish} if _incomplete(self._finish) else {}),
                 **({"calls": calls} if calls else {})}  # fmt: skip
 
     @classmethod
@@ -133,7 +145,8 @@ class ResponseBuilder:
         builder.created = int(meta.get("created_at") or 0)
         builder.answer.take_message(reply, meta.get("calls"))
         builder._usage = meta.get("usage")
-        builder._finish = "length" if meta.get("status") == "incomplete" else "stop"
+        incomplete = meta.get("status") == "incomplete"
+        builder._finish = (meta.get("finish") or "length") if incomplete else "stop"
         builder.began = builder.ended = True
         return builder
 
@@ -153,7 +166,7 @@ class ResponseBuilder:
     def _status(self) -> str:
         if self.failed is not None:
             return "failed"
-        return "incomplete" if self._finish == "length" else "completed"
+        return "incomplete" if _incomplete(self._finish) else "completed"
 
     # -- a whole (non-streaming) answer ----------------------------------------------------
 

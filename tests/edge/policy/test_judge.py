@@ -217,7 +217,8 @@ async def test_a_judged_responses_stream_is_refused_as_a_responses_stream(mode: 
     assert refused.status_code == 200 and refused.headers["x-quicedge-policy-rule"] == "judge"
     data = [line[6:] for line in refused.text.splitlines() if line.startswith("data: ")]
     types = [json.loads(d).get("type") for d in data]
-    assert types[0] == "response.created" and types[-1] == "response.completed", types
+    # a refusal is the answer a content filter gave: incomplete, for its content
+    assert types[0] == "response.created" and types[-1] == "response.incomplete", types
 
 
 async def test_a_guard_answer_past_the_bound_is_an_error_unread() -> None:
