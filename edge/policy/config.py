@@ -43,6 +43,18 @@ KiB = 1024
 MiB = 1024 * KiB
 
 
+def _check_name(where: str, name: str) -> None:
+    """A rule or module id, tenant or tier is named in a refusal's `x-quicedge-policy-rule`
+    header (and in metrics and the audit log): one with a control character (a line break, a
+    tab, NUL), an invisible or separator character a header cannot show, or a space at either
+    end (which a header value loses) cannot be carried there, so the config is refused."""
+    if not name.isprintable() or name != name.strip():
+        raise ValueError(
+            f"{where}: {name!r} cannot be named in the x-quicedge-policy-rule header: use"
+            " printable characters, without control characters or spaces at either end"
+        )
+
+
 @dataclass
 class RuleConfig:
     """One declarative rule over the prompt text (`[[policy.rules]]`)."""
@@ -65,6 +77,7 @@ class RuleConfig:
     def validate(self) -> None:
         if not self.id:
             raise ValueError("policy.rules.id: every rule needs an id")
+        _check_name("policy.rules.id", self.id)
         if not self.patterns:
             raise ValueError(f"policy.rules.patterns: rule {self.id!r} has no pattern")
         for pattern in self.patterns:
@@ -83,6 +96,7 @@ class TenantModels:
     def validate(self) -> None:
         if not self.tenant:
             raise ValueError("policy.tenant_models.tenant: required")
+        _check_name("policy.tenant_models.tenant", self.tenant)
 
 
 @dataclass
@@ -100,6 +114,7 @@ class TierLimits:
     def validate(self) -> None:
         if not self.tier:
             raise ValueError("policy.tiers.tier: required")
+        _check_name("policy.tiers.tier", self.tier)
         for name in ("max_tokens", "max_prompt_chars"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -128,6 +143,7 @@ class WasmConfig:
     def validate(self) -> None:
         if not self.id:
             raise ValueError("policy.wasm.id: required")
+        _check_name("policy.wasm.id", self.id)
         _finite_numbers(self, "policy.wasm", self.id)
         if not self.path:
             raise ValueError(f"policy.wasm.path: module {self.id!r} needs a path")
@@ -156,6 +172,7 @@ class StreamRuleConfig:
     def validate(self) -> None:
         if not self.id:
             raise ValueError("policy.stream_rules.id: required")
+        _check_name("policy.stream_rules.id", self.id)
         if not self.patterns:
             raise ValueError(f"policy.stream_rules.patterns: rule {self.id!r} has no pattern")
         for pattern in self.patterns:

@@ -113,3 +113,29 @@ def test_example_toml_in_the_docs_loads() -> None:
     docs = (Path(__file__).parents[3] / "docs" / "policy.md").read_text()
     block = docs.split("```toml\n", 1)[1].split("```", 1)[0]
     PolicyConfig.from_mapping(tomllib.loads(block)["policy"])
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[[policy.rules]]\nid = "no\\nsecrets"\npatterns = ["a"]\n', r"policy.rules.id: 'no\\n"),
+        ('[[policy.rules]]\nid = "x\\r"\npatterns = ["a"]\n', r"policy.rules.id: 'x\\r'"),
+        ('[[policy.rules]]\nid = " x"\npatterns = ["a"]\n', r"policy.rules.id: ' x'"),
+        ('[[policy.wasm]]\nid = "m\\u0000"\npath = "m.wasm"\n', r"policy.wasm.id: 'm\\x00'"),
+        ('[[policy.stream_rules]]\nid = "s\\t"\npatterns = ["a"]\n', r"policy.stream_rules.id"),
+        (
+            '[[policy.tenant_models]]\ntenant = "t\\n"\nmodels = ["a"]\n',
+            r"policy.tenant_models.tenant: 't\\n'",
+        ),
+        ('[[policy.tiers]]\ntier = "b\\n"\nmax_tokens = 1\n', r"policy.tiers.tier: 'b\\n'"),
+    ],
+)
+def test_a_name_a_refusal_header_carries_must_fit_in_a_header(
+    tmp_path: Path, text: str, message: str
+) -> None:
+    """Rule and module ids, tenants and tiers are named in `x-quicedge-policy-rule`: one with a
+    line break or another control character broke every refusal it made (a 500), so it is
+    refused when the config is read, naming the setting."""
+    with pytest.raises(ValueError, match=message) as info:
+        loaded(tmp_path, text)
+    assert "header" in str(info.value)
