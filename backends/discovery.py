@@ -149,6 +149,11 @@ def _host_port(text: str) -> tuple[str, int] | None:
 
 
 def _name(text: str) -> tuple[str, int]:
+    if "@" in text:
+        raise ValueError(
+            "discovery.names: a name must not carry credentials; put the backends' key in a"
+            " file named by proxy.backend_api_key_file"
+        )
     found = _host_port(text)
     if found is None:
         raise ValueError(f"discovery.names: {text!r} is not HOST:PORT or _service._proto.DOMAIN")

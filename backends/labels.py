@@ -7,6 +7,7 @@ the `ttft` policy all read the same labels.
 
 from __future__ import annotations
 
+import ipaddress
 from urllib.parse import urlsplit
 
 DEFAULT_GROUP = "default"
@@ -30,6 +31,62 @@ def name_for(url: str) -> str:
     return urlsplit(url.partition("#")[0]).netloc
 
 
+def shown(url: str) -> str:
+    """`url` fit for a message or a log line: a `user:password@` in it becomes `***@`."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    netloc, slash, tail = rest.partition("/")
+    if "@" in netloc:
+        netloc = "***@" + netloc.rpartition("@")[2]
+    return f"{scheme}{sep}{netloc}{slash}{tail}"
+
+
+def check_url(url: str) -> tuple[str, tuple[str, int]]:
+    """A backend URL without its labels, checked: the URL without trailing `/`, and the
+    address it names (lower-case host, port), one for every spelling of the same backend.
+
+    Raises ValueError saying what is wrong, never echoing a password: credentials in the URL
+    are refused (they would name the backend on every metric, log line and `/backends`); a
+    backend's key belongs in `proxy.backend_api_key_file(s)`."""
+    trimmed = url.rstrip("/")
+    parts = urlsplit(trimmed)
+    what = f"backend URL {shown(url)!r}"
+    if parts.scheme == "https":
+        raise ValueError(
+            f"{what}: https upstreams are not supported (the edge speaks plain HTTP/1.1 to its"
+            " backends); use http://HOST:PORT on a private network"
+        )
+    if parts.scheme != "http" or not parts.netloc:
+        raise ValueError(f"backend URL must be http://HOST:PORT, got {shown(url)!r}")
+    if "@" in parts.netloc:
+        raise ValueError(
+            f"{what}: credentials in a backend URL are not accepted (they would show in"
+            " metrics, logs and /backends); put the backend's key in a file named by"
+            " proxy.backend_api_key_file or [proxy.backend_api_key_files]"
+        )
+    if parts.path:
+        raise ValueError(f"backend URL must be http://HOST:PORT, no path, got {shown(url)!r}")
+    if parts.query or "?" in trimmed:
+        raise ValueError(f"backend URL must be http://HOST:PORT, no query, got {shown(url)!r}")
+    if parts.netloc.count(":") > 1 and not parts.netloc.startswith("["):
+        raise ValueError(f"{what}: an IPv6 address goes in brackets, http://[ADDRESS]:PORT")
+    host = parts.hostname
+    if not host:
+        raise ValueError(f"backend URL must be http://HOST:PORT, got {shown(url)!r}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    if port == 0 or (port is None and parts.netloc.endswith(":")):
+        raise ValueError(f"{what}: the port must be a number in 1..65535")
+    try:
+        host = str(ipaddress.ip_address(host))
+    except ValueError:
+        host = host.rstrip(".")
+    return trimmed, (host, port or 80)
+
+
 LABEL_KEYS = frozenset({"model", "hardware", "tiers"})
 LABEL_TIERS = frozenset({"gold", "silver", "bronze"})
 
@@ -43,13 +100,15 @@ def parse_labels(url: str) -> tuple[str, dict[str, str]]:
         key, eq, value = pair.partition("=")
         if key not in LABEL_KEYS or not eq or not value:
             raise ValueError(
-                f"backend {base}: label {pair!r} is not one of model=, hardware=, tiers="
+                f"backend {shown(base)}: label {pair!r} is not one of model=, hardware=, tiers="
             )
         if key in labels:
-            raise ValueError(f"backend {base}: label {key} is given twice")
+            raise ValueError(f"backend {shown(base)}: label {key} is given twice")
         if key == "tiers":
             bad = sorted(set(value.split("+")) - LABEL_TIERS)
             if bad:
-                raise ValueError(f"backend {base}: tiers has {bad[0]!r}; use gold+silver+bronze")
+                raise ValueError(
+                    f"backend {shown(base)}: tiers has {bad[0]!r}; use gold+silver+bronze"
+                )
         labels[key] = value
     return base, labels

@@ -24,10 +24,9 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
-from urllib.parse import urlsplit
 
 from backends.backend import Backend, InFlight, LoadView
-from backends.labels import name_for, parse_labels
+from backends.labels import check_url, name_for, parse_labels
 from backends.pool import UpstreamPool
 
 log = logging.getLogger(__name__)
@@ -140,12 +139,13 @@ class BackendRegistry:
         self.max_concurrency = max_concurrency
         self.backends: list[Backend] = []
         """Every backend, draining ones included; changed in place by `add` and `remove`."""
-        seen: set[str] = set()
+        seen: set[tuple[str, int]] = set()
         for i, raw in enumerate(urls):
             backend = self._new_backend(raw, names[i] if names is not None else None)
-            if backend.url in seen:
+            address = check_url(backend.url)[1]
+            if address in seen:  # `http://h` and `http://H:80` are one backend
                 raise ValueError(f"backend {backend.url} is listed twice")
-            seen.add(backend.url)
+            seen.add(address)
             self.backends.append(backend)
         self._by_name = {b.name: b for b in self.backends}
         if len(self._by_name) != len(self.backends):
@@ -162,10 +162,7 @@ class BackendRegistry:
 
     def _new_backend(self, raw: str, name: str | None) -> Backend:
         bare, labels = parse_labels(raw)
-        url = bare.rstrip("/")
-        parts = urlsplit(url)
-        if parts.scheme != "http" or not parts.hostname or parts.path:
-            raise ValueError(f"backend URL must be http://host[:port], got {raw!r}")
+        url = check_url(bare)[0]
         backend = Backend(
             name=name if name is not None else name_for(url),
             url=url,
@@ -183,13 +180,15 @@ class BackendRegistry:
         """Add a backend at run time; once started, its checks and load polling start at once.
 
         Adding a URL the registry holds returns its backend (a draining one is taken back)."""
-        bare = parse_labels(url)[0].rstrip("/")
+        bare, address = check_url(parse_labels(url)[0])
         backend = self._by_name.get(name if name is not None else name_for(bare))
         if backend is not None and backend.url == bare:
             backend.draining = False
             return backend
         backend = self._new_backend(url, name)
-        if backend.name in self._by_name or any(b.url == backend.url for b in self.backends):
+        if backend.name in self._by_name or any(
+            check_url(b.url)[1] == address for b in self.backends
+        ):
             raise ValueError(f"backend {backend.url} is already in the registry")
         self.backends.append(backend)
         self._by_name[backend.name] = backend

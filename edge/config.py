@@ -15,7 +15,7 @@ from typing import Any
 
 from backends.credentials import BackendCredentials, read_key
 from backends.discovery import DiscoveryConfig
-from backends.labels import parse_labels
+from backends.labels import check_url, parse_labels
 from edge import settings
 from edge.access_log import AccessLogConfig
 from edge.admission.settings import AdmissionSettings, TenantSettings
@@ -176,17 +176,14 @@ class ProxyConfig:
                 raise ValueError(f"proxy: {f.name} must be a finite number, got {value!r}")
         if not self.backends and need_backends:
             raise ValueError("proxy: at least one backend is required (--backend URL)")
-        for url in self.backends:
-            if not url.startswith(("http://", "https://")) or "://" == url[-3:]:
-                raise ValueError(f"proxy: backend URL must be http://HOST:PORT, got {url!r}")
-        bare = []
+        addresses = []
         for url in self.backends:
             try:
-                bare.append(parse_labels(url)[0].rstrip("/"))
+                addresses.append(check_url(parse_labels(url)[0])[1])
             except ValueError as exc:
                 raise ValueError(f"proxy.backends: {exc}") from None
-        if len(set(bare)) != len(bare):
-            raise ValueError("proxy: a backend URL is listed twice")
+        if len(set(addresses)) != len(addresses):
+            raise ValueError("proxy: a backend URL is listed twice (the same host and port)")
         if self.policy not in POLICY_NAMES:
             raise ValueError(
                 f"proxy.policy: unknown routing policy {self.policy!r}; choose one of "

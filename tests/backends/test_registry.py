@@ -234,8 +234,8 @@ def test_snapshot_is_json() -> None:
     ("kwargs", "message"),
     [
         ({"urls": []}, "at least one"),
-        ({"urls": ["ftp://x"]}, "http://host"),
-        ({"urls": ["http://a:1/v1"]}, "http://host"),
+        ({"urls": ["ftp://x"]}, "http://HOST:PORT"),
+        ({"urls": ["http://a:1/v1"]}, "http://HOST:PORT"),
         ({"urls": ["http://a:1", "http://a:1/"]}, "twice"),
         ({"urls": ["http://a:1"], "names": ["x", "y"]}, "names"),
         ({"urls": ["http://a:1", "http://b:1"], "names": ["x", "x"]}, "unique"),

@@ -18,7 +18,7 @@ async def test_add_remove_and_add_back_while_draining() -> None:
     assert registry.add("http://127.0.0.1:30001/") is one
     with pytest.raises(ValueError, match="already in the registry"):
         registry.add("http://127.0.0.1:30002", name=one.name)
-    with pytest.raises(ValueError, match="http://host"):
+    with pytest.raises(ValueError, match="http://HOST:PORT"):
         registry.add("https://127.0.0.1:30002")
     with registry.track(one, prefill_tokens=10):
         removal = asyncio.ensure_future(registry.remove(one.name, drain_timeout=30))
