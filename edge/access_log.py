@@ -37,6 +37,7 @@ import orjson
 
 from edge import settings
 from edge.exchange import Exchange
+from edge.tracing import ATTRIBUTE_MAX, cut
 
 LOGGER = "quicedge.access"
 _log = logging.getLogger(__name__)
@@ -48,6 +49,9 @@ ERROR_MAX = 512
 """Characters of an error message a line keeps. A message may quote what the client sent (an
 unknown model, a path), which only the body limit bounds: without this a client could make each
 of its requests write megabytes of log."""
+MODEL_MAX = ATTRIBUTE_MAX
+"""Characters of the request's `model` a line keeps (256, as its span's `gen_ai.request.model`):
+`/generate` serves any name, which only the body limit bounds."""
 
 
 @dataclass(slots=True)
@@ -150,7 +154,7 @@ class AccessLog:
             line.update(
                 request_id=ex.request_id,
                 tenant=getattr(ex, "tenant", None),
-                model=ex.view.model if ex.view is not None else None,
+                model=_model(ex),
                 backend=ex.backend.name if ex.backend is not None else None,
                 transport=ex.transport,
                 early_data=ex.early_data,
@@ -162,12 +166,17 @@ class AccessLog:
                 retries=ex.retries,
             )
         if error is not None:
-            line["error"] = error if len(error) <= ERROR_MAX else error[:ERROR_MAX] + "..."
+            line["error"] = cut(error, ERROR_MAX)
         writer = self._writer
         if writer is not None:
             self._lines.append(orjson.dumps(line).decode())
             if not writer.woken.is_set():
                 writer.woken.set()
+
+
+def _model(ex: Exchange) -> str | None:
+    model = ex.view.model if ex.view is not None else None
+    return cut(model, MODEL_MAX) if isinstance(model, str) else None
 
 
 class _Writer(threading.Thread):
@@ -233,4 +242,4 @@ class _Writer(threading.Thread):
                          len(self._lines))  # fmt: skip
 
 
-__all__ = ["LOGGER", "AccessLog", "AccessLogConfig"]
+__all__ = ["ERROR_MAX", "LOGGER", "MODEL_MAX", "AccessLog", "AccessLogConfig"]

@@ -44,8 +44,9 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Literal
 import orjson
 
 from edge import settings
-from edge.audit_export import AuditExport, otlp_exporter_class
+from edge.audit_export import AuditExport, check_otlp
 from edge.errors import AuditBacklog
+from edge.tracing import ATTRIBUTE_MAX, cut
 
 if TYPE_CHECKING:
     from edge.exchange import Exchange
@@ -116,7 +117,7 @@ class AuditConfig:
         if not self.otlp_timeout > 0:
             raise ValueError("audit.otlp_timeout: must be > 0")
         if self.otlp:
-            otlp_exporter_class()  # a missing `otlp` extra is named at start, not at first write
+            check_otlp()  # a missing `otlp` extra or a gRPC protocol: named at start
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, Any]) -> AuditConfig:
@@ -235,7 +236,7 @@ class AuditLog:
             "request_id": ex.request_id,
             "tenant": ex.tenant,
             "route": route,
-            "model": ex.view.model if ex.view is not None else None,
+            "model": _model(ex),
             "backend": backend.name if backend is not None else None,
             "transport": ex.transport,
             "early_data": ex.early_data,
@@ -420,6 +421,16 @@ class AuditLog:
         n = max([self._rotated, *(number for number, _ in _numbered(self.path))]) + 1
         os.replace(self.path, f"{self.path}.{n}")
         self._rotated = n
+
+
+MODEL_MAX = ATTRIBUTE_MAX
+"""Characters of the request's `model` a record keeps (256, as the access log and the span):
+`/generate` serves any name, which only the body limit bounds."""
+
+
+def _model(ex: Exchange) -> str | None:
+    model = ex.view.model if ex.view is not None else None
+    return cut(model, MODEL_MAX) if isinstance(model, str) else None
 
 
 def last_hash(path: str) -> str:

@@ -27,9 +27,10 @@ from opentelemetry.sdk._logs.export import (
     LogRecordExporter,
     LogRecordExportResult,
 )
-from opentelemetry.sdk.resources import Resource
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from edge.tracing import check_otlp_protocol, service_resource
 
 EVENT_NAME = "quicedge.audit"
 """The log records' event name: what a log backend selects audit records by."""
@@ -61,6 +62,17 @@ def otlp_exporter_class() -> Any:
             "audit.otlp: needs the OTLP exporter: pip install 'quicedge[otlp]'"
         ) from None
     return OTLPLogExporter
+
+
+def check_otlp(environ: Mapping[str, str] | None = None) -> None:
+    """A one-line ValueError, at start, for an export this build cannot do: no `otlp` extra,
+    or `OTEL_EXPORTER_OTLP_LOGS_PROTOCOL` / `OTEL_EXPORTER_OTLP_PROTOCOL` naming another
+    protocol than http/protobuf (every record posted to a gRPC port would be lost)."""
+    otlp_exporter_class()
+    try:
+        check_otlp_protocol(os.environ if environ is None else environ, "LOGS")
+    except ValueError as exc:
+        raise ValueError(f"audit.otlp: {exc}") from None
 
 
 class _CountingExporter(LogRecordExporter):
@@ -152,10 +164,9 @@ class AuditExport:
             # OTEL_EXPORTER_OTLP_ENDPOINT + /v1/logs, the collector the spans go to.
             inner = otlp_exporter_class()(endpoint=self.endpoint, timeout=self.timeout)
         self._counting = _CountingExporter(inner, self)
-        resource = Resource.create(
-            {"service.name": os.environ.get("OTEL_SERVICE_NAME", "quicedge")}
-        )
-        provider = LoggerProvider(resource=resource, shutdown_on_exit=False)
+        # The spans' resource: OTEL_SERVICE_NAME, else OTEL_RESOURCE_ATTRIBUTES' service.name,
+        # else quicedge; the variables' other attributes too.
+        provider = LoggerProvider(resource=service_resource(os.environ), shutdown_on_exit=False)
         provider.add_log_record_processor(
             BatchLogRecordProcessor(
                 self._counting,
@@ -276,4 +287,4 @@ class _ExportCollector(Collector):
         yield from (depth, exported, dropped)
 
 
-__all__ = ["ATTRIBUTES", "EVENT_NAME", "AuditExport", "otlp_exporter_class"]
+__all__ = ["ATTRIBUTES", "EVENT_NAME", "AuditExport", "check_otlp", "otlp_exporter_class"]

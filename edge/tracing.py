@@ -101,7 +101,7 @@ def exporter_names(env: Mapping[str, str], *, force: bool = False) -> list[str]:
     for name in names:
         if name == "otlp":
             _otlp_exporter()
-            _otlp_protocol(env)
+            check_otlp_protocol(env, "TRACES")
         elif name != "console":
             raise ValueError(f"OTEL_TRACES_EXPORTER: unknown exporter {name!r} (console, otlp)")
     return names
@@ -111,12 +111,13 @@ OTLP_PROTOCOL = "http/protobuf"
 """The one OTLP protocol the exporter speaks (opentelemetry-exporter-otlp-proto-http)."""
 
 
-def _otlp_protocol(env: Mapping[str, str]) -> None:
-    """A ValueError, one line, when the variables ask for another OTLP protocol: the exporter
-    would post HTTP to a gRPC port (4317) and lose every span."""
-    for variable in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+def check_otlp_protocol(env: Mapping[str, str], signal: str) -> None:
+    """A ValueError, one line, when the variables ask for another OTLP protocol for `signal`
+    (`TRACES`, `LOGS`): the exporter would post HTTP to a gRPC port (4317) and lose every
+    span or log record."""
+    for variable in (f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
         protocol = env.get(variable, "").strip().lower()
-        if protocol:  # the traces' own variable first, as the SDK reads them
+        if protocol:  # the signal's own variable first, as the SDK reads them
             if protocol != OTLP_PROTOCOL:
                 raise ValueError(
                     f"{variable}={protocol}: the OTLP exporter speaks {OTLP_PROTOCOL} only"
@@ -146,6 +147,14 @@ STATUS_MAX = 512
 """Characters of an error message the request span's status keeps."""
 ATTRIBUTE_MAX = 256
 """Characters of a string the client chose (the request's `model`) a span attribute keeps."""
+
+
+def cut(text: str, limit: int = ATTRIBUTE_MAX) -> str:
+    """`text` as a span attribute, a log line or an audit record keeps a string the client
+    chose: its first `limit` characters, and `...` where it was longer."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 TRACESTATE_MEMBERS = 32
 """The most list members a `tracestate` may have (W3C Trace Context)."""
 _TRACESTATE_MEMBER = re.compile(
@@ -217,9 +226,7 @@ def genai_request_attributes(body: Mapping[str, Any]) -> Iterator[tuple[str, Any
     if isinstance(model, str):
         # Only the body limit bounds it where the route serves any name (`/generate`): cut,
         # or every span waiting in the export queue could hold megabytes.
-        if len(model) > ATTRIBUTE_MAX:
-            model = model[:ATTRIBUTE_MAX] + "..."
-        yield "gen_ai.request.model", model
+        yield "gen_ai.request.model", cut(model)
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     if limit is None:
         limit = sampling.get("max_new_tokens")
@@ -347,8 +354,11 @@ __all__ = [
     "SHUTDOWN_TIMEOUT_S",
     "RequestTrace",
     "TracingSetup",
+    "check_otlp_protocol",
+    "cut",
     "exporter_names",
     "genai_request_attributes",
     "server_attributes",
+    "service_resource",
     "tracer_from_env",
 ]

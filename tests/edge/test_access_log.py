@@ -19,9 +19,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from backends.sim import SimConfig, SimServer
-from edge.access_log import ERROR_MAX, LOGGER, AccessLog, AccessLogConfig
+from edge.access_log import ERROR_MAX, LOGGER, MODEL_MAX, AccessLog, AccessLogConfig
 from edge.config import SECTIONS
 from edge.telemetry import AccessLogCollector
+from edge.tracing import ATTRIBUTE_MAX
 from edge.wiring import build
 from tests.edge.conftest import fast_config, hypercorn_app
 from tests.helpers import wait_until
@@ -270,3 +271,19 @@ def test_stop_gives_up_on_a_handler_stuck_for_good(caplog: pytest.LogCaptureFixt
     assert time.monotonic() - started < 2
     assert "the writer is stuck in a handler; 3 lines unwritten" in caplog.text
     handler.unblock.set()  # let the daemon thread end
+
+
+async def test_a_client_chosen_model_name_is_cut_in_the_line() -> None:
+    """`/generate` serves any model name, so only the body limit bounds the `model` a line
+    would carry: it keeps `MODEL_MAX` characters, as the span's `gen_ai.request.model`."""
+    async with logged_edge(AccessLogConfig()) as (url, lines):
+        async with httpx.AsyncClient(base_url=url) as http:
+            body = {"text": "hi", "model": "M" * 100_000, "sampling_params": {"max_new_tokens": 2}}
+            assert (await http.post("/generate", json=body)).status_code == 200
+            short = {**body, "model": "m" * MODEL_MAX}
+            assert (await http.post("/generate", json=short)).status_code == 200
+        await wait_until(lambda: len(lines.lines) == 2)
+    first, second = lines.lines
+    assert first["model"] == "M" * MODEL_MAX + "..."
+    assert second["model"] == "m" * MODEL_MAX
+    assert MODEL_MAX == ATTRIBUTE_MAX

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -23,8 +24,9 @@ from backends.sim import SimConfig, SimServer
 from edge.admission.settings import AdmissionSettings, TenantSettings
 from edge.admission.tenants import key_digest
 from edge.audit import GENESIS, AuditConfig, AuditLog, verify
-from edge.audit_export import EVENT_NAME
+from edge.audit_export import EVENT_NAME, check_otlp
 from edge.policy.config import PolicyConfig
+from edge.tracing import ATTRIBUTE_MAX
 from tests.deploy.test_traces import collector
 from tests.edge.conftest import client, fast_config, run_edge
 from tests.helpers import free_port, wait_until
@@ -211,3 +213,95 @@ def test_serve_without_the_otlp_extra_says_so_in_one_line(tmp_path: Path) -> Non
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
     assert "audit.otlp" in lines[0] and "quicedge[otlp]" in lines[0]
+
+
+async def test_a_client_chosen_model_name_is_cut_in_the_line_and_its_copy(
+    tmp_path: Path,
+) -> None:
+    """`/generate` serves any model name: the line keeps 256 characters of it (as the span's
+    `gen_ai.request.model`), so its copy's body and attribute are bounded too."""
+    path = tmp_path / "audit.jsonl"
+    sim = SimConfig(name="s1", port=0, profile="instant", seed=0)
+    with collector() as (endpoint, received):
+        async with SimServer(sim) as backend:
+            audit = AuditConfig(path=str(path), otlp=True, otlp_endpoint=f"{endpoint}/v1/logs",
+                                otlp_batch_delay=0.05)  # fmt: skip
+            async with run_edge(fast_config([backend.url]), audit=audit) as edge:
+                async with client(edge) as http:
+                    body = {"text": "hi", "model": "M" * 100_000,
+                            "sampling_params": {"max_new_tokens": 2}}  # fmt: skip
+                    assert (await http.post("/generate", json=body)).status_code == 200
+                log = edge.wiring.audit
+                assert log is not None
+                await log.flush()
+                await wait_until(lambda: len(log_records(received)) == 1, 30)
+    (line,) = path.read_text().splitlines()
+    assert json.loads(line)["model"] == "M" * ATTRIBUTE_MAX + "..."
+    (exported,) = log_records(received)
+    assert exported["body"] == line
+    assert exported["attributes"]["gen_ai.request.model"] == "M" * ATTRIBUTE_MAX + "..."
+    assert verify([str(path)], start=GENESIS).ok
+
+
+@pytest.mark.parametrize(
+    ("env", "service"),
+    [
+        ({"OTEL_RESOURCE_ATTRIBUTES": "service.name=edge-eu,deployment.environment=prod"},
+         "edge-eu"),
+        ({"OTEL_RESOURCE_ATTRIBUTES": "service.name=edge-eu", "OTEL_SERVICE_NAME": "edge-us"},
+         "edge-us"),
+        ({}, "quicedge"),
+    ],
+)  # fmt: skip
+async def test_the_service_name_follows_the_sdk_variables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, env: dict[str, str], service: str
+) -> None:
+    """As the spans' (edge/tracing.py): `OTEL_SERVICE_NAME`, else `OTEL_RESOURCE_ATTRIBUTES`'
+    `service.name`, else `quicedge`; the other resource attributes are kept."""
+    for name in ("OTEL_SERVICE_NAME", "OTEL_RESOURCE_ATTRIBUTES"):
+        monkeypatch.delenv(name, raising=False)
+    for name, text in env.items():
+        monkeypatch.setenv(name, text)
+    with collector() as (endpoint, received):
+        config = AuditConfig(path=str(tmp_path / "audit.jsonl"), otlp=True,
+                             otlp_endpoint=f"{endpoint}/v1/logs",
+                             otlp_batch_delay=0.05)  # fmt: skip
+        log = AuditLog(config)
+        await log.start()
+        try:
+            log.record(entry(0))
+            await log.flush()
+            await wait_until(lambda: len(log_records(received)) == 1, 30)
+        finally:
+            await log.aclose()
+    (exported,) = log_records(received)
+    assert exported["service"] == service
+
+
+@pytest.mark.parametrize(
+    "variables",
+    [
+        {"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"},
+        {"OTEL_EXPORTER_OTLP_LOGS_PROTOCOL": "http/json"},
+        {"OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+         "OTEL_EXPORTER_OTLP_LOGS_PROTOCOL": "grpc"},
+    ],
+)  # fmt: skip
+def test_an_otlp_protocol_the_exporter_does_not_speak_is_one_line(
+    tmp_path: Path, variables: dict[str, str]
+) -> None:
+    """The log exporter speaks OTLP/HTTP with protobuf only: told gRPC, it would post every
+    batch to a gRPC port (4317) and lose each record. `serve` says so at start, as for spans."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")} | variables
+    args = ["serve", "--backend", "http://127.0.0.1:9", "--check", "--audit-log",
+            str(tmp_path / "a.jsonl"), "--audit-otlp"]  # fmt: skip
+    done = subprocess.run([sys.executable, "-m", "edge.cli", *args], env=env,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    (name,) = [n for n, v in variables.items() if v != "http/protobuf"]
+    assert "audit.otlp" in lines[0] and name in lines[0] and "http/protobuf" in lines[0]
+    # the protocol it speaks, named in the logs' own variable over the general one, is taken
+    check_otlp({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+                "OTEL_EXPORTER_OTLP_LOGS_PROTOCOL": "http/protobuf"})  # fmt: skip
