@@ -19,7 +19,15 @@ from backends.pool import UpstreamPool
 from edge.errors import PolicyRefused, PolicyUnavailable, StreamRefusal
 from edge.policy.config import PolicyConfig
 from edge.policy.judge import Judge
-from edge.policy.rules import RequestRules, apply_spans, requested_tokens, text_slots
+from edge.policy.rules import (
+    GENERATE,
+    RequestRules,
+    Slots,
+    apply_spans,
+    module_prompt,
+    requested_tokens,
+    text_slots,
+)
 from edge.policy.stream import StreamRules, final_events
 from edge.policy.wasm import ModuleFailed, WasmPolicy
 from edge.policy.whole_answer import filter_whole
@@ -88,8 +96,11 @@ class PolicyGateway:
         tenant: str,
         tier: str,
         stream: bool,
+        called: str | None = None,
     ) -> PolicyOutcome:
-        """Pass (maybe redacting in `body`) or raise the refusal the client gets."""
+        """Pass (maybe redacting in `body`) or raise the refusal the client gets. `route` is
+        the route the request is forwarded as, `called` the one its client called (when they
+        differ: a Responses request is forwarded as a chat completion)."""
         outcome = PolicyOutcome()
         if self.rules is None and not self.modules:
             return outcome
@@ -105,7 +116,7 @@ class PolicyGateway:
             view: bytes | None = None
             for module in self.modules:
                 if view is None:
-                    view = _view(route, body, tenant, tier, stream, slots)
+                    view = _view(route, called or route, body, tenant, tier, stream, slots)
                 try:
                     answer = module.check(view)
                 except ModuleFailed as exc:
@@ -145,7 +156,14 @@ class PolicyGateway:
         """The request stage: check, note the outcome on the exchange and its span, ready the
         stream guard; the bytes to forward."""
         try:
-            outcome = self.check(ex.route, body, tenant=ex.tenant, tier=ex.tier, stream=ex.stream)
+            outcome = self.check(
+                ex.route,
+                body,
+                tenant=ex.tenant,
+                tier=ex.tier,
+                stream=ex.stream,
+                called=client_route(ex),
+            )
         except PolicyRefused as err:
             ex.policy_decision = "deny" if not isinstance(err, PolicyUnavailable) else "error"
             ex.policy_rules = (err.rule,)
@@ -308,23 +326,31 @@ def _as_called(ex: Exchange, err: PolicyRefused) -> PolicyRefused:
 
 def _view(
     route: str,
+    called: str,
     body: MutableMapping[str, Any],
     tenant: str,
     tier: str,
     stream: bool,
-    slots: list[Any],
+    slots: Slots,
 ) -> bytes:
-    """The JSON a module reads (docs/policy.md, "The ABI")."""
+    """The JSON a module reads (docs/policy.md, "The ABI"). `model` is the model the request
+    is checked and routed as, as the request rules' allow-list reads it: `default` when the
+    body names none, and on `/generate` whatever its body names (routing does not read it
+    there, nor does SGLang), so a module's own allow-list cannot be passed by naming an
+    allowed model where it is not used."""
     model = body.get("model")
+    if route == GENERATE or not isinstance(model, str):
+        model = "default"
     return orjson.dumps(
         {
             "route": route,
-            "model": model if isinstance(model, str) else None,
+            "client_route": called,
+            "model": model,
             "tenant": tenant,
             "tier": tier,
             "stream": stream,
             "max_tokens": requested_tokens(body),
-            "prompt": "\n".join(c[k] for c, k in slots),
+            "prompt": module_prompt(slots),
         }
     )
 
