@@ -169,6 +169,8 @@ class AuditLog:
         """Set while nothing is queued or being written."""
         self._idle.set()
         self._closing = False
+        self._closed = False
+        """Set by `aclose`: nothing writes a record queued after it."""
         self._task: asyncio.Task[None] | None = None
         self.dropped = 0
         self.written = 0
@@ -206,7 +208,11 @@ class AuditLog:
         """Queue one record; False when it was dropped and counted: a full queue drops all
         but the records of requests `admit` let in (`refuse`), for which the queue may pass its
         size by the requests in flight. A refused request's own record is dropped, else each
-        refusal would grow the queue it was refused for."""
+        refusal would grow the queue it was refused for. After `aclose` every record is
+        dropped and counted: no writer is left to write it."""
+        if self._closed:
+            self.dropped += 1
+            return False
         if len(self._queue) >= self.config.queue_size and not (
             admitted and self.config.when_full == "refuse"
         ):
@@ -277,14 +283,19 @@ class AuditLog:
 
     async def aclose(self) -> None:
         """Write what is queued, then stop (one writer at a time: the chain has one end)."""
+        if self._closed:
+            return
         if self._task is not None:
             self._closing = True
             self._wake.set()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        elif self._queue:
-            await asyncio.to_thread(self._write, self._take())
+            self._closed = True  # set by the writer as it ends, unless it was cancelled
+        else:
+            self._closed = True  # a record from now on is counted as dropped
+            if self._queue:
+                await asyncio.to_thread(self._write, self._take())
         if self.export is not None:
             await asyncio.to_thread(self.export.close, self.config.otlp_timeout)
         if self._lock is not None:
@@ -318,6 +329,7 @@ class AuditLog:
             if not self._queue:
                 self._idle.set()
                 if self._closing:
+                    self._closed = True  # with the check: no record slips in after the last
                     return
             else:
                 self._wake.set()

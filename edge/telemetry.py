@@ -377,7 +377,8 @@ class AuditCollector(Collector):
         written.add_metric([], self._audit.written)
         dropped = CounterMetricFamily(
             "quicedge_audit_dropped",
-            'Audit records dropped: the queue was full (`when_full = "drop"`) or a write failed',
+            'Audit records dropped: the queue was full (`when_full = "drop"`), a write failed or'
+            " the log was closed",
         )
         dropped.add_metric([], self._audit.dropped)
         yield from (depth, written, dropped)

@@ -618,3 +618,17 @@ async def test_a_responses_request_is_recorded_under_its_own_route(tmp_path: Pat
     (record,) = [json.loads(line) for line in lines(path)]
     assert record["request_id"] == "resp-1" and record["status"] == 200
     assert record["route"] == "/v1/responses"
+
+
+async def test_a_record_after_the_close_is_counted_as_dropped(tmp_path: Path) -> None:
+    """Nothing writes a record that comes after `aclose` (a request or an event that ends late
+    in a shutdown): it is refused and counted, not left in a queue nobody drains."""
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(AuditConfig(path=str(path)))
+    await log.start()
+    assert log.record(entry(0))
+    await log.aclose()
+    assert not log.record(entry(1))
+    assert not log.record_event("config_reload", outcome="applied")
+    assert log.dropped == 2 and log.depth == 0
+    assert [json.loads(line)["request_id"] for line in lines(path)] == ["r0"]
