@@ -403,3 +403,70 @@ async def test_what_a_process_placed_before_a_restart_is_not_told_after_it_forgo
         await view_b.sync_once()
         assert view_b.depth(url, [3]) == 1
         assert view_b.depth(url, [1, 2]) == 0
+
+
+def test_at_the_cap_the_least_recent_block_goes_first_wherever_it_was_heard_of() -> None:
+    """The mirror's order at `max_blocks_per_backend`: a block placed again (here or by
+    another process) moves to the recent end, what is dropped is always the least recent,
+    and the list never holds more than the cap or the backend's pool."""
+    cap = 8
+    url = "http://b0"
+    view = FleetView(
+        FleetViewConfig(enabled=True, max_blocks_per_backend=cap),
+        url="redis://127.0.0.1:1/0",
+        backends=[],
+    )
+    expected: list[int] = []
+
+    def heard(hashes: list[int], remote: bool) -> None:
+        if remote:
+            view._apply(orjson.dumps({"i": "other", "placed": {url: hashes}}), {url})
+        else:
+            view.placed(url, hashes)
+        for h in hashes:
+            if h in expected:
+                expected.remove(h)
+            expected.append(h)
+        del expected[: max(0, len(expected) - min(cap, view._capacity.get(url, cap)))]
+
+    rng = random.Random(11)
+    for step in range(400):
+        hashes = [rng.randrange(24) for _ in range(rng.randrange(1, 6))]
+        heard(list(dict.fromkeys(hashes)), remote=step % 3 == 0)
+        assert list(view._held[url]) == expected
+        if step == 200:
+            view.set_capacity(url, 5)
+            del expected[: max(0, len(expected) - 5)]
+            assert list(view._held[url]) == expected
+    assert view.snapshot()["remote_blocks"] == {url: 5}
+    assert view.depth(url, expected) == 5
+
+
+def test_while_redis_is_away_the_oldest_untold_blocks_go_first() -> None:
+    """Unpublished placements are bounded by `max_blocks_per_backend` too (oldest dropped);
+    the next batch carries the survivors in the order they were placed, and what was told is
+    remembered for at most the cap, the least recently told forgotten first."""
+    url = "http://b0"
+    view = FleetView(
+        FleetViewConfig(enabled=True, max_blocks_per_backend=4, max_hashes_per_batch=3),
+        url="redis://127.0.0.1:1/0",
+        backends=[],
+    )
+    view.placed(url, [1, 2, 3])
+    view.placed(url, [4, 5, 2])  # 2 is still untold: it keeps its place
+    assert list(view._pending[url]) == [2, 3, 4, 5]
+    _payload, placed = view._batch()
+    assert placed == {url: [2, 3, 4]}
+    assert list(view._pending[url]) == [5]
+    assert list(view._published[url]) == [2, 3, 4]
+    view._unsend(placed)  # that batch did not go out: told no one
+    assert list(view._pending[url]) == [5, 2, 3, 4]
+    assert list(view._published[url]) == []
+    _payload, placed = view._batch()
+    assert placed == {url: [5, 2, 3]}
+    _payload, placed = view._batch()
+    assert placed == {url: [4]}
+    view.placed(url, [6, 7])
+    _payload, placed = view._batch()
+    assert placed == {url: [6, 7]}
+    assert list(view._published[url]) == [3, 4, 6, 7]  # 5 and 2 told longest ago: forgotten
