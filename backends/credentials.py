@@ -7,13 +7,16 @@ backend is its own secret, never the client's: a client's `Authorization` header
 
 Keys live in files (a Kubernetes Secret mounted as a file, a file readable only by the edge's
 user), read once at start: one file for the whole fleet and, optionally, one per backend URL
-that overrides it. A backend without either gets no `Authorization` header.
+that overrides it (matched by the host and port the URL names). A backend without either gets
+no `Authorization` header.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+
+from backends.labels import check_url, parse_labels, shown
 
 Header = tuple[bytes, bytes]
 
@@ -34,36 +37,59 @@ def read_key(path: str, setting: str) -> bytes:
 
 
 class BackendCredentials:
-    """`Authorization: Bearer` headers per backend URL, with a fleet-wide fallback."""
+    """`Authorization: Bearer` headers per backend URL, with a fleet-wide fallback.
 
-    __slots__ = ("_fleet", "_by_url")
+    A per-backend key is found by the host and port its URL names, however it is written
+    (labels after `#`, a trailing `/`, the case of the host, `:80` or none)."""
+
+    __slots__ = ("_fleet", "_by_address", "_found")
 
     def __init__(self, fleet: bytes | None = None, by_url: Mapping[str, bytes] | None = None):
         self._fleet: Header | None = _bearer(fleet) if fleet is not None else None
-        self._by_url: dict[str, Header] = {
-            _normal(url): _bearer(key) for url, key in (by_url or {}).items()
-        }
+        self._by_address: dict[tuple[str, int], Header] = {}
+        for url, key in (by_url or {}).items():
+            address = _address(url)
+            if address in self._by_address:
+                raise ValueError(f"backend {shown(url)} has two keys (two spellings of its URL)")
+            self._by_address[address] = _bearer(key)
+        self._found: dict[str, Header | None] = {}
+        """`header`'s answers by URL as given, so a request does not parse its URL."""
 
     @classmethod
     def from_files(
         cls, fleet_file: str | None, files_by_url: Mapping[str, str]
     ) -> BackendCredentials:
         fleet = read_key(fleet_file, "proxy.backend_api_key_file") if fleet_file else None
-        by_url = {
-            url: read_key(path, f"proxy.backend_api_key_files[{url!r}]")
-            for url, path in files_by_url.items()
-        }
+        by_url: dict[str, bytes] = {}
+        for url, path in files_by_url.items():
+            setting = f"proxy.backend_api_key_files[{shown(url)!r}]"
+            try:
+                _address(url)
+            except ValueError as exc:
+                raise ValueError(f"{setting}: {exc}") from None
+            by_url[url] = read_key(path, setting)
         return cls(fleet, by_url)
 
     def __bool__(self) -> bool:
-        return self._fleet is not None or bool(self._by_url)
+        return self._fleet is not None or bool(self._by_address)
 
     def header(self, url: str) -> Header | None:
         """The `Authorization` header for the backend at `url`, or None."""
-        found = self._by_url.get(url)
-        if found is None and self._by_url:
-            found = self._by_url.get(_normal(url))
-        return found if found is not None else self._fleet
+        if not self._by_address:
+            return self._fleet
+        try:
+            return self._found[url]
+        except KeyError:
+            pass
+        try:
+            found = self._by_address.get(_address(url))
+        except ValueError:
+            found = None
+        header = found if found is not None else self._fleet
+        if len(self._found) >= _FOUND_MAX:  # discovery's churn: URLs come and go
+            self._found.clear()
+        self._found[url] = header
+        return header
 
     def api_key(self, url: str) -> str | None:
         """The bare key for `url` (for `backends.sglang.SGLangClient`), or None."""
@@ -76,12 +102,15 @@ class BackendCredentials:
         return headers if header is None else [*headers, header]
 
 
+_FOUND_MAX = 4096
+
+
 def _bearer(key: bytes) -> Header:
     return (b"authorization", b"Bearer " + key)
 
 
-def _normal(url: str) -> str:
-    return url.rstrip("/")
+def _address(url: str) -> tuple[str, int]:
+    return check_url(parse_labels(url)[0])[1]
 
 
 __all__ = ["BackendCredentials", "Header", "read_key"]
