@@ -46,7 +46,7 @@ from urllib.parse import quote, urlsplit
 import h11
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from backends.labels import LABEL_TIERS, parse_labels
+from backends.labels import LABEL_TIERS, parse_labels, shown
 from backends.registry import BackendRegistry
 
 log = logging.getLogger(__name__)
@@ -525,7 +525,10 @@ def apply_membership(
     drain what is gone (each drain a task in `drains` until it ends)."""
     current = {b.url: b for b in registry.backends if not b.draining}
     for bare in sorted(wanted.keys() - current.keys()):
-        registry.add(wanted[bare])
+        try:
+            registry.add(wanted[bare])
+        except ValueError as exc:  # one URL it cannot take must not hold up the others
+            _warn_once(f"{shown(bare)} is not added: {exc}")
     for url in sorted(current.keys() - wanted.keys()):
         task = asyncio.ensure_future(
             registry.remove(current[url].name, drain_timeout=drain_timeout)

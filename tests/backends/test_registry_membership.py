@@ -48,3 +48,18 @@ async def test_a_removal_gives_up_waiting_after_its_drain_timeout() -> None:
 def test_an_empty_registry_needs_allow_empty() -> None:
     with pytest.raises(ValueError, match="at least one backend"):
         BackendRegistry([], pool=None)
+
+
+async def test_a_url_the_registry_refuses_does_not_stop_the_other_changes() -> None:
+    """One found URL the registry cannot take (a second spelling of a backend it holds) is
+    left out; the other additions and the drains still happen."""
+    from backends.discovery import apply_membership
+
+    registry = BackendRegistry(["http://127.0.0.1:80", "http://127.0.0.1:8001"], pool=None)
+    wanted = {url: url for url in ("http://127.0.0.1", "http://127.0.0.1:8002")}
+    drains: set[asyncio.Task[None]] = set()
+    apply_membership(registry, wanted, 0.0, drains)
+    await asyncio.gather(*drains)
+    assert sorted(b.url for b in registry.backends) == ["http://127.0.0.1:8002"]
+    apply_membership(registry, wanted, 0.0, drains)  # the next refresh takes the other
+    assert sorted(b.url for b in registry.backends) == ["http://127.0.0.1", "http://127.0.0.1:8002"]
