@@ -54,11 +54,18 @@ _WANTED = {
 
 
 def read_headers(raw: Iterable[tuple[bytes, bytes]]) -> RequestHeaders:
+    """The headers the app reads; of a repeated one, the last, except `Authorization`, whose
+    lines are joined with commas (RFC 9110 §5.3), so that the tenant check sees them all and
+    refuses them (a singleton field repeated is ambiguous, `TenantDirectory.identify`) rather
+    than take whichever line came last."""
     found = RequestHeaders()
     for name, value in raw:
         attr = _WANTED.get(name.lower())
-        if attr is not None:
-            setattr(found, attr, value)
+        if attr is None:
+            continue
+        if attr == "authorization" and found.authorization is not None:
+            value = found.authorization + b", " + value
+        setattr(found, attr, value)
     return found
 
 

@@ -3,7 +3,8 @@
 Keys are known only by their SHA-256 digest. A presented key is hashed once and looked up in a
 dict keyed by the hex digest: the lookup's timing depends on the digest, which an attacker cannot
 steer toward a stored one, so no constant-time compare is needed. No key means the anonymous
-tenant, unless it is turned off (then 401); a key that is presented and unknown is always 401.
+tenant, unless it is turned off (then 401); a key that is presented and unknown is always 401,
+and so is more than one `Authorization` line or credential (a comma: no Bearer token has one).
 """
 
 from __future__ import annotations
@@ -85,6 +86,11 @@ class TenantDirectory:
                     "You didn't provide an API key. Send it as `Authorization: Bearer <key>`."
                 )
             return self.anonymous
+        if b"," in authorization:  # several lines (`read_headers` joins them) or a list
+            raise Unauthorized(
+                "Send one API key, in one `Authorization: Bearer <key>` header; this request"
+                " carried several credentials."
+            )
         scheme, _, key = authorization.strip().partition(b" ")
         key = key.strip()
         if scheme.lower() != b"bearer" or not key:

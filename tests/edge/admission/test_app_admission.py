@@ -4,11 +4,14 @@ metrics and spans, the client's Authorization never forwarded, per-tenant concur
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
 import pytest
+from prometheus_client import CollectorRegistry
 
 from backends.sim import SimServer
 from edge.admission.settings import (
@@ -21,6 +24,7 @@ from edge.admission.tenants import key_digest
 from edge.config import ProxyConfig
 from edge.stages.validate import COMPLETIONS, GENERATE
 from edge.stages.view import build_view
+from edge.wiring import build
 from tests.edge.conftest import (
     LISTENERS,
     Recorded,
@@ -34,7 +38,12 @@ from tests.edge.conftest import (
     sse_reply,
 )
 from tests.edge.test_app_sim import metrics_text, sim_config
+from tests.edge.tls_edge import tls_edge
 from tests.helpers import wait_until
+from tests.transport.h3client import h3_connect
+from transport.h3_server import H3Server
+from transport.tickets import MemoryTicketStore
+from transport.tls import CertificateFiles, TlsMaterial
 
 CHAT = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
@@ -346,3 +355,105 @@ async def test_a_batch_of_token_id_prompts_takes_all_its_tokens_from_the_bucket(
                 second = await http.post(route, json=body, headers=bearer(key))
                 assert second.status_code == 429, route
                 assert "tokens per minute" in second.json()["error"]["message"]
+
+
+# What a client sends: header lines in order; what it gets: (status, body, www-authenticate).
+Send = Callable[[list[tuple[str, str]]], Awaitable[tuple[int, dict[str, Any], str | None]]]
+
+
+@contextlib.asynccontextmanager
+async def chat_sender(config: ProxyConfig, transport: str, certs: Any) -> AsyncIterator[Send]:
+    """POST /v1/chat/completions to the edge with raw header lines, over `transport`: h1
+    (hypercorn), h1-own (our listener), h2 (the TLS listener) or h3 (the QUIC listener)."""
+    if transport in ("h1", "h1-own", "h2"):
+        async with contextlib.AsyncExitStack() as stack:
+            if transport == "h2":
+                tls = await stack.enter_async_context(tls_edge(config, certs))
+                http = await stack.enter_async_context(
+                    httpx.AsyncClient(base_url=tls.url, http2=True, verify=tls.ssl_context)
+                )
+            else:
+                listener = "h1" if transport == "h1-own" else "hypercorn"
+                edge = await stack.enter_async_context(run_edge(config, listener=listener))
+                http = await stack.enter_async_context(client(edge))
+
+            async def send(
+                headers: list[tuple[str, str]],
+            ) -> tuple[int, dict[str, Any], str | None]:
+                r = await http.post("/v1/chat/completions", json=CHAT, headers=headers)
+                assert r.http_version == ("HTTP/2" if transport == "h2" else "HTTP/1.1")
+                return r.status_code, r.json(), r.headers.get("www-authenticate")
+
+            yield send
+        return
+    wiring = await build(config, registry=CollectorRegistry())
+    await wiring.start()
+    server = H3Server(
+        wiring.app,
+        tls=TlsMaterial(CertificateFiles(certs.cert, certs.key)),
+        tickets=MemoryTicketStore(),
+    )
+    await server.start("127.0.0.1", 0)
+    try:
+        async with h3_connect(server.port, certs.ca_cert) as h3:
+
+            async def send_h3(
+                headers: list[tuple[str, str]],
+            ) -> tuple[int, dict[str, Any], str | None]:
+                r = await h3.fetch(
+                    "POST",
+                    "/v1/chat/completions",
+                    body=json.dumps(CHAT).encode(),
+                    headers=[(b"content-type", b"application/json")]
+                    + [(n.encode(), v.encode()) for n, v in headers],
+                )
+                assert r.status is not None
+                auth = r.header(b"www-authenticate")
+                return r.status, json.loads(r.body), auth.decode() if auth else None
+
+            yield send_h3
+    finally:
+        await server.aclose()
+        await wiring.aclose()
+
+
+@pytest.mark.parametrize("transport", ["h1", "h1-own", "h2", "h3"])
+async def test_ambiguous_credentials_are_refused_on_every_transport(
+    transport: str, dev_certs: Any
+) -> None:
+    """`Authorization` is a singleton field (RFC 9110 §11.6.2): two of them, a list of keys in
+    one, an empty one or another scheme than Bearer is 401 `invalid_api_key`, never the tenant
+    of whichever line came last. `api-key` and `x-api-key` are not read: no key was given."""
+    async with SimServer(sim_config("b1")) as sim:
+        config = with_admission(
+            fast_config([sim.url]),
+            anonymous=AnonymousSettings(enabled=False),
+            tenants=[tenant("acme", "gold", "sk-acme")],
+        )
+        async with chat_sender(config, transport, dev_certs) as send:
+            status, _, _ = await send([("authorization", "Bearer sk-acme")])
+            assert status == 200
+            refused = {
+                "two, the known one last": [
+                    ("authorization", "Bearer sk-wrong"),
+                    ("authorization", "Bearer sk-acme"),
+                ],
+                "the same one twice": [("authorization", "Bearer sk-acme")] * 2,
+                "a known one and an empty one": [
+                    ("authorization", "Bearer sk-acme"),
+                    ("authorization", ""),
+                ],
+                "a list in one line": [("authorization", "Bearer sk-acme, Bearer sk-wrong")],
+                "an empty one": [("authorization", "")],
+                "another scheme": [("authorization", "Basic c2stYWNtZTo=")],
+                "x-api-key": [("x-api-key", "sk-acme")],
+                "api-key": [("api-key", "sk-acme")],
+            }
+            for case, headers in refused.items():
+                status, body, challenge = await send(headers)
+                assert status == 401, case
+                assert body["error"]["code"] == "invalid_api_key", case
+                assert body["error"]["type"] == "invalid_request_error", case
+                assert challenge == "Bearer", case
+                if case in ("two, the known one last", "the same one twice", "a list in one line"):
+                    assert "one API key" in body["error"]["message"], case
