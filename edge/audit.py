@@ -31,12 +31,14 @@ import collections
 import contextlib
 import contextvars
 import fcntl
+import gzip
 import hashlib
 import hmac
 import logging
 import os
 import sys
 import time
+import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO, Literal
@@ -446,17 +448,62 @@ def _model(ex: Exchange) -> str | None:
 
 
 def last_hash(path: str) -> str:
-    """The `hash` of the last line of the log at `path` (or of its latest rotated file)."""
-    for name in [path, *reversed(rotated_files(path))]:
+    """The `hash` of the last line of the log at `path`, else of its newest rotated file that
+    has a line: an archived one (`PATH.N.gz`, which logrotate's `compress` makes of a file it
+    rotated away) included, since continuing from an older file would fork the chain. A newest
+    file archived in a form not read here (`PATH.N.zst`) is a ValueError naming it."""
+    by_number: dict[int, list[str]] = {}
+    for number, name in _numbered(path):
+        by_number.setdefault(number, []).append(name)
+    for name in [path, *(_readable(by_number[n]) for n in sorted(by_number, reverse=True))]:
         try:
-            value = _last_line_hash(name)
+            value = _last_gzip_line_hash(name) if name.endswith(".gz") else _last_line_hash(name)
         except FileNotFoundError:
             continue
         except OSError as exc:  # read past it, the chain would fork from an older line
-            raise ValueError(f"audit.path: {name}: {exc.strerror}") from None
+            raise ValueError(f"audit.path: {name}: {exc.strerror or exc}") from None
         if value is not None:
             return value
     return GENESIS
+
+
+def _readable(names: list[str]) -> str:
+    """Of the files numbered N (`PATH.N`, `PATH.N.gz`, `PATH.N.zst`, ...), the one to read the
+    chain's last line from: the plain one, else the gzip one; a ValueError when neither is
+    there (the chain's newest line is in a file not read here)."""
+    for name in names:
+        if name.rpartition(".")[2].isdigit():
+            return name
+    for name in names:
+        if name.endswith(".gz"):
+            return name
+    raise ValueError(
+        f"audit.path: {sorted(names)[0]} is the newest file of the chain and is archived in a "
+        "form the edge does not read (plain or .gz): its last line is where the chain goes on; "
+        "decompress it (or make it .gz) and start again"
+    )
+
+
+def _last_gzip_line_hash(name: str) -> str | None:
+    """The `hash` of the last line of a gzip-compressed log file, read through (an archived
+    file is read once, at start); None when it holds no line."""
+    last = b""
+    try:
+        with gzip.open(name, "rb") as f:
+            while line := f.readline(MAX_LINE_BYTES + 1):
+                if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+                    raise ValueError(f"{name}: a line is over {MAX_LINE_BYTES} bytes: not an "
+                                     "audit log")  # fmt: skip
+                last = line
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        raise ValueError(f"audit.path: {name}: not a whole gzip file ({exc})") from None
+    if not last.strip():
+        return None
+    try:
+        value = orjson.loads(last).get("hash")
+    except (orjson.JSONDecodeError, AttributeError):
+        raise ValueError(f"{name}: the last line is not an audit record") from None
+    return value if isinstance(value, str) else None
 
 
 def _last_line_hash(name: str) -> str | None:
@@ -612,6 +659,24 @@ def _numbered(path: str) -> list[tuple[int, str]]:
     return found
 
 
+def _archived_gap(path: str, files: Sequence[str], error: str | None) -> str | None:
+    """Where the chain breaks at a file's first line: the archived files (not read) numbered
+    between the file read before it and it, which hold the lines that should come between."""
+    number = {name: n for n, name in _numbered(path)}
+    for i, name in enumerate(files):
+        if error is not None and error.startswith(f"{name}:1: "):
+            low = number.get(files[i - 1], 0) if i else 0
+            high = number.get(name, sys.maxsize)  # PATH itself: after every numbered file
+            read = {n for other, n in number.items() if other in files}
+            skipped = sorted((n, other) for other, n in number.items()
+                             if low < n < high and n not in read)  # fmt: skip
+            if skipped:
+                names = ", ".join(other for _, other in skipped)
+                return (f"{names} (archived, not read) comes before it: decompress and "
+                        "verify the files in order")  # fmt: skip
+    return None
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -649,7 +714,8 @@ def main(argv: Iterable[str] | None = None) -> int:
         print(f"quicedge audit verify: {type(exc).__name__}{detail}", file=sys.stderr)
         return 2
     if not result.ok:
-        print(f"FAIL {result.error}")
+        gap = _archived_gap(args.files[0], files, result.error) if len(args.files) == 1 else None
+        print(f"FAIL {result.error}" + (f"; {gap}" if gap else ""))
         return 1
     print(f"OK {result.lines} lines in {len(files)} file(s); last hash {result.last}")
     return 0

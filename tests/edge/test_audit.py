@@ -632,3 +632,63 @@ async def test_a_record_after_the_close_is_counted_as_dropped(tmp_path: Path) ->
     assert not log.record_event("config_reload", outcome="applied")
     assert log.dropped == 2 and log.depth == 0
     assert [json.loads(line)["request_id"] for line in lines(path)] == ["r0"]
+
+
+def gzip_away(name: Path) -> Path:
+    """What logrotate's `compress` does to a rotated file: `NAME.gz`, the file itself gone."""
+    archived = Path(f"{name}.gz")
+    archived.write_bytes(gzip.compress(name.read_bytes()))
+    name.unlink()
+    return archived
+
+
+async def test_a_restart_continues_from_the_newest_file_even_archived(tmp_path: Path) -> None:
+    """The current file was rotated away and compressed (logrotate: rename, `compress`) before
+    the edge wrote again: the restarted writer continues the chain from that newest file's last
+    line, not from an older file's, which would fork the chain."""
+    path = tmp_path / "audit.jsonl"
+    await rotate(path, 0, 30)
+    assert [Path(name).name for name in ordered_files(str(path))] == [
+        "audit.jsonl.1", "audit.jsonl.2", "audit.jsonl",
+    ]  # fmt: skip
+    os.rename(path, f"{path}.3")
+    last = json.loads(lines(Path(f"{path}.3"))[-1])["hash"]
+    gzip_away(Path(f"{path}.3"))
+    await rotate(path, 30, 2)
+    assert json.loads(lines(path)[0])["prev"] == last
+    # and with every file there (the archived one decompressed), the chain holds from its start
+    (tmp_path / "audit.jsonl.3").write_bytes(gzip.decompress((tmp_path / "audit.jsonl.3.gz")
+                                                             .read_bytes()))  # fmt: skip
+    result = verify([f"{path}.1", f"{path}.2", f"{path}.3", str(path)], start=GENESIS)
+    assert result.ok and result.lines == 32, result.error
+
+
+async def test_verify_names_an_archived_file_it_skipped_where_the_chain_breaks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Given one PATH, `verify` reads the plain files only: a newer file archived leaves a gap
+    in what it reads, and the FAIL names the archived file that fills it."""
+    path = tmp_path / "audit.jsonl"
+    await rotate(path, 0, 30)
+    os.rename(path, f"{path}.3")
+    gzip_away(Path(f"{path}.3"))
+    await rotate(path, 30, 2)
+    assert cli(["audit", "verify", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert f"FAIL {path}:1: prev does not match" in out
+    assert f"{path}.3.gz (archived, not read) comes before it" in out
+    gzip_away(Path(f"{path}.1"))  # the oldest archived: what remains still verifies
+    (tmp_path / "audit.jsonl.3").write_bytes(gzip.decompress((tmp_path / "audit.jsonl.3.gz")
+                                                             .read_bytes()))  # fmt: skip
+    assert cli(["audit", "verify", str(path)]) == 0
+
+
+async def test_a_newest_file_archived_in_a_form_not_read_stops_the_start(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    await rotate(path, 0, 20)
+    os.rename(path, f"{path}.3.zst")  # stands for any compression but gzip
+    log = AuditLog(AuditConfig(path=str(path)))
+    with pytest.raises(ValueError, match=r"audit.jsonl.3.zst is the newest file of the chain"):
+        await log.start()
+    await log.aclose()
+    assert not path.exists()  # nothing written on a fork of the chain
