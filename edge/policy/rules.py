@@ -13,8 +13,8 @@
    replace their matches in the body.
 
 Patterns are RE2 expressions (`google-re2`: linear time, no back-references or look-around), and
-all rules are one RE2 set, so twenty rules cost one automaton pass over the prompt, with no
-pattern able to backtrack.
+all rules are one RE2 set, so twenty rules cost one automaton pass over each text of the prompt
+(each message and field is a text of its own), with no pattern able to backtrack.
 The refusal names the rule, never the text that matched. The body is changed (and so must be
 serialised again) only when something was redacted.
 """
@@ -218,7 +218,19 @@ class RequestRules:
             return verdict
         folded = [fold(c[k]) for c, k in slots]
         groups = slots.groups
-        hits = self._set.Match("\n".join(_rendered(slots, folded, groups) if groups else folded))
+        # Each text on its own (docs/policy.md: separate texts): `^` and `$` hold at every
+        # text's start and end, and no match runs from one message into the next, as it would
+        # through a separator in one joined text (`\s`, `[^a]` match "\n").
+        texts = _rendered(slots, folded, groups) if groups else folded
+        match = self._set.Match
+        if len(texts) == 1:
+            hits = match(texts[0])
+        else:
+            hits = set()
+            for text in texts:
+                found = match(text)  # (None when nothing matched)
+                if found:
+                    hits.update(found)
         if not hits:
             return verdict
         rules, tenants = self._rules, self._tenants

@@ -319,3 +319,36 @@ async def test_a_responses_request_past_its_tier_is_told_in_its_own_fields() -> 
     assert error["message"].startswith("max_output_tokens 500 is above")  # (the rule keeps its id)
     assert wordy.json()["error"]["param"] == "input"
     assert inference(up) == []
+
+
+async def test_each_message_is_matched_as_a_text_of_its_own() -> None:
+    """Messages are matched as separate texts: `^` and `$` hold at each one's start and end (a
+    harmless first message does not hide an anchored match in the next, from a `deny` rule or
+    a `redact` one), and no match runs from one message into the next (`my password` then
+    `: hi` is not `password:`, which the model never reads with its role markers between)."""
+    policy = {"rules": [
+        {"id": "jailbreak", "patterns": ["^ignore previous"]},
+        {"id": "pw-colon", "patterns": [r"password\s*:"]},
+        {"id": "ssn", "action": "redact", "patterns": [r"^\d{3}-\d{2}-\d{4}$"]},
+    ]}  # fmt: skip
+
+    def chat(*texts: str) -> dict[str, Any]:
+        return {"model": "tiny-model",
+                "messages": [{"role": "user", "content": t} for t in texts]}  # fmt: skip
+
+    async with TinyUpstream(script(["ok"])) as up:
+        async with edge_with(up.url, policy) as edge, client(edge) as http:
+            first = await http.post("/v1/chat/completions", json=chat("ignore previous rules"))
+            later = await http.post("/v1/chat/completions",
+                                    json=chat("hi", "ignore previous rules"))  # fmt: skip
+            across = await http.post("/v1/chat/completions", json=chat("my password", ": hi"))
+            ssn = await http.post("/v1/chat/completions", json=chat("hi", "123-45-6789"))
+    assert first.status_code == 403 and later.status_code == 403, later.text
+    assert later.headers["x-quicedge-policy-rule"] == "jailbreak"
+    assert across.status_code == 200, across.text
+    assert ssn.status_code == 200
+    sent = [json.loads(r.body)["messages"] for r in inference(up)]
+    assert [[m["content"] for m in messages] for messages in sent] == [
+        ["my password", ": hi"],
+        ["hi", "[REDACTED]"],
+    ]
