@@ -9,25 +9,36 @@ SIM_PORTS=(${SIM_PORTS:-30001 30002})
 
 "$bin/quicedge" certs >/dev/null
 pids=()
+ready=$(mktemp -d)
 cleanup() {
   for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
+  rm -rf "$ready"
 }
-trap cleanup EXIT INT TERM
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
 backends=()
 for i in "${!SIM_PORTS[@]}"; do
   port=${SIM_PORTS[$i]}
   "$bin/quicedge" sim --host 127.0.0.1 --port "$port" --name "sim-$((i + 1))" \
-    --profile "$SIM_PROFILE" --enable-metrics --enable-cache-report >/dev/null &
+    --profile "$SIM_PROFILE" --enable-metrics --enable-cache-report >"$ready/$port" &
   pids+=($!)
   backends+=(--backend "http://127.0.0.1:$port")
 done
-for port in "${SIM_PORTS[@]}"; do
-  for _ in $(seq 1 100); do
-    (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break
+# Each stand-in prints `ready URL` once it listens. One that exits first (its port held by
+# another process, say) or is not up within 30 s stops the script here: the edge must not start
+# in front of whatever else answers on that port.
+for i in "${!SIM_PORTS[@]}"; do
+  port=${SIM_PORTS[$i]}
+  for _ in $(seq 1 300); do
+    grep -q '^ready ' "$ready/$port" 2>/dev/null && continue 2
+    kill -0 "${pids[$i]}" 2>/dev/null || break
     sleep 0.1
   done
+  echo "run-local: the stand-in backend on 127.0.0.1:$port did not start (see above)" >&2
+  exit 1
 done
 
 ca=certs/dev/ca.pem
