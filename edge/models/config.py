@@ -125,7 +125,8 @@ class RolloutConfig:
     shadow_timeout: float = 30.0
     """Longest a shadow request may take, s."""
     max_error_rate: float = 0.05
-    """Canary error rate (over the last `drift.window` requests) above which it is rolled back."""
+    """Canary error rate (over the last `drift.window` requests) above which it is rolled back;
+    its client errors (4xx) count only beyond stable's (`edge.models.ramp`)."""
     max_ttft_p99: float | None = None
     """Canary TTFT p99 above which the ramp pauses, s; none: not checked."""
     drift: DriftConfig = field(default_factory=DriftConfig)

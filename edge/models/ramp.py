@@ -3,7 +3,11 @@
 A step is held until the canary has served `step_requests` requests there and `step_seconds`
 have passed; it advances only while the canary's SLOs hold (error rate over its last `window`
 requests at most `max_error_rate`, TTFT p99 at most `max_ttft_p99`) and the last drift tests
-found nothing. Otherwise:
+found nothing. The error rate is the canary's server errors (a 5xx, a failed connection or
+stream) plus its client errors (a 4xx, a 429) in excess of stable's client-error rate over
+stable's last `STABLE_WINDOWS` × `window` requests, less `CLIENT_ERROR_Z` standard errors of
+that difference: clients that send bad requests send them to both versions, which says nothing
+of the canary, but a canary that refuses requests stable takes is failing. Otherwise:
 
 - the error rate over the limit (with at least 20 requests seen) rolls back: share 0, every
   request to stable;
@@ -42,7 +46,17 @@ ADVANCES = frozenset({"advance", "promoted"})
 """The transitions other processes take too (`Ramp.take`)."""
 
 MIN_ERROR_SAMPLES = 20
-"""Canary requests seen before its error rate may roll it back (one early error is not a rate)."""
+"""Canary requests seen before its error rate may roll it back (one early error is not a rate);
+stable requests seen before its client-error rate is the canary's baseline (until then every
+canary client error counts)."""
+STABLE_WINDOWS = 5
+"""Stable's client-error baseline is over this many windows of its requests: at a canary share
+of 50 % or less it has as many in a shorter time, and a steadier baseline is a less noisy
+difference."""
+CLIENT_ERROR_Z = 3.0
+"""Standard errors of the difference between the two versions' client-error rates that are
+taken as sampling noise, not counted: the check runs on every canary request, and with 10 % of
+clients sending bad requests a bare difference of the two windows' rates crosses 5 % often."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,20 +95,37 @@ class Ramp:
         self._errors: deque[bool] = deque(maxlen=config.drift.window)
         self._error_count = 0
         """Errors in `_errors`, kept as it slides (the check runs on every canary request)."""
+        self._client: deque[bool] = deque(maxlen=config.drift.window)
+        """Of the same canary requests, those that answered a client error (4xx, 429)."""
+        self._client_count = 0
+        self._stable_client: deque[bool] = deque(maxlen=config.drift.window * STABLE_WINDOWS)
+        """Stable's last requests: whether each answered a client error (the baseline)."""
+        self._stable_client_count = 0
         self._ttfts: deque[float] = deque(maxlen=config.drift.window)
         self.history: deque[Transition] = deque(maxlen=50)
         self.last_tests: list[TestResult] = []
 
     # -- inputs ---------------------------------------------------------------------------
-    def observe(self, *, canary: bool, error: bool, ttft_s: float | None) -> None:
-        """One live request's outcome (O(1) but for the p99 at a step's end)."""
+    def observe(
+        self, *, canary: bool, error: bool, ttft_s: float | None, client_error: bool = False
+    ) -> None:
+        """One live request's outcome (O(1) but for the p99 at a step's end): `error` it failed,
+        `client_error` with a client error (4xx, 429), which is judged against stable's."""
         if not canary:
+            window = self._stable_client
+            if len(window) == window.maxlen:
+                self._stable_client_count -= window[0]
+            window.append(client_error)
+            self._stable_client_count += client_error
             return
         self.step_requests += 1
         if len(self._errors) == self._errors.maxlen:
             self._error_count -= self._errors[0]  # the one the append pushes out
-        self._errors.append(error)
-        self._error_count += error
+            self._client_count -= self._client[0]
+        self._errors.append(error and not client_error)
+        self._error_count += error and not client_error
+        self._client.append(client_error)
+        self._client_count += client_error
         if ttft_s is not None:
             self._ttfts.append(ttft_s)
         self.check()
@@ -117,7 +148,29 @@ class Ramp:
 
     # -- the controller -------------------------------------------------------------------
     def error_rate(self) -> float:
+        """The canary's server-error rate plus its client errors in excess of stable's."""
+        return self.server_error_rate() + self.client_error_excess()
+
+    def server_error_rate(self) -> float:
         return self._error_count / len(self._errors) if self._errors else 0.0
+
+    def client_error_rates(self) -> tuple[float, float | None]:
+        """The canary's client-error rate and stable's (None: too few stable requests yet)."""
+        canary = self._client_count / len(self._client) if self._client else 0.0
+        if len(self._stable_client) < MIN_ERROR_SAMPLES:
+            return canary, None
+        return canary, self._stable_client_count / len(self._stable_client)
+
+    def client_error_excess(self) -> float:
+        """The canary's client-error rate less stable's and less `CLIENT_ERROR_Z` standard
+        errors of that difference (at least 0); all of it while stable has too few requests."""
+        canary, stable = self.client_error_rates()
+        if stable is None or canary <= stable:
+            return canary if stable is None else 0.0
+        n, m = len(self._client), len(self._stable_client)
+        pooled = (self._client_count + self._stable_client_count) / (n + m)
+        noise = CLIENT_ERROR_Z * math.sqrt(pooled * (1 - pooled) * (1 / n + 1 / m))
+        return max(0.0, canary - stable - noise)
 
     def ttft_p99(self) -> float | None:
         if not self._ttfts:
@@ -133,7 +186,7 @@ class Ramp:
             return
         if len(self._errors) >= MIN_ERROR_SAMPLES and self.error_rate() > cfg.max_error_rate:
             self._move("rollback", f"canary error rate {self.error_rate():.1%} > "
-                                   f"{cfg.max_error_rate:.1%}")  # fmt: skip
+                                   f"{cfg.max_error_rate:.1%}{self._client_part()}")  # fmt: skip
             return
         if not cfg.auto or r.state != "ramping":
             return
@@ -148,6 +201,15 @@ class Ramp:
             return
         done = f"{self.step_requests} canary requests, error rate {self.error_rate():.1%}"
         self._advance("step done: " + done)
+
+    def _client_part(self) -> str:
+        """What client errors added to the error rate, for a rollback's reason."""
+        excess = self.client_error_excess()
+        if not excess:
+            return ""
+        canary, stable = self.client_error_rates()
+        baseline = "too few stable requests" if stable is None else f"stable {stable:.1%}"
+        return f" (client errors: {excess:.1%} of it; canary {canary:.1%}, {baseline})"
 
     def _advance(self, reason: str) -> None:
         self._go_to(self.step + 1, reason)
@@ -241,12 +303,15 @@ class Ramp:
         r = self.rollout
         now = self._clock()
         p99 = self.ttft_p99()
+        canary_4xx, stable_4xx = self.client_error_rates()
         return {
             "model": r.pool, "stable": r.stable, "canary": r.canary, "state": r.state,
             "reason": r.reason, "percent": r.percent, "step": self.step,
             "steps": list(self.config.steps), "step_requests": self.step_requests,
             "step_age_s": round(now - self.step_started, 3),
             "canary_error_rate": round(self.error_rate(), 4),
+            "canary_client_error_rate": round(canary_4xx, 4),
+            "stable_client_error_rate": None if stable_4xx is None else round(stable_4xx, 4),
             "canary_ttft_p99_ms": None if p99 is None else round(p99 * 1000, 2),
             "drift_windows_tested": self.drift.windows_tested,
             "last_tests": [
@@ -262,4 +327,12 @@ class Ramp:
         }  # fmt: skip
 
 
-__all__ = ["ADVANCES", "MIN_ERROR_SAMPLES", "STOPS", "Ramp", "Transition"]
+__all__ = [
+    "ADVANCES",
+    "CLIENT_ERROR_Z",
+    "MIN_ERROR_SAMPLES",
+    "STABLE_WINDOWS",
+    "STOPS",
+    "Ramp",
+    "Transition",
+]

@@ -38,6 +38,10 @@ NO_VERDICT = frozenset({"disconnect", "overloaded", "refused", "cancelled"})
 had no room, the guard model refused the prompt (`[policy.judge]` race), or the request was
 cancelled (a background response's cancel, shutdown). The ramp counts none of them."""
 
+CLIENT_ERRORS = frozenset({"4xx", "429"})
+"""Attempt outcomes that may be the client's doing (a bad request, a prompt over the context
+length, a rate limit): the ramp judges the canary's against stable's (`Ramp.observe`)."""
+
 STOPS_TESTING = frozenset({"pause", "rollback", "promoted"})
 """Transitions that cancel the mirrors in flight: a paused canary may be slow, and after a
 rollback or a promotion their answers compare nothing."""
@@ -209,7 +213,8 @@ class Models:
         if ramp is None or error in NO_VERDICT:
             return
         canary = backend.model_version == ramp.rollout.canary
-        ramp.observe(canary=canary, error=error is not None, ttft_s=ttft_s)
+        ramp.observe(canary=canary, error=error is not None, ttft_s=ttft_s,
+                     client_error=error in CLIENT_ERRORS)  # fmt: skip
         tap = ex.shadow_tap if ex is not None else None
         if tap is not None and not canary and error is None:
             assert ex is not None
@@ -309,4 +314,4 @@ class Models:
             await shadow.aclose()
 
 
-__all__ = ["NO_VERDICT", "Models"]
+__all__ = ["CLIENT_ERRORS", "NO_VERDICT", "Models"]
