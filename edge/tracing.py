@@ -236,8 +236,19 @@ def genai_request_attributes(body: Mapping[str, Any]) -> Iterator[tuple[str, Any
         ("gen_ai.request.top_p", sampling.get("top_p")),
         ("gen_ai.request.seed", sampling.get("seed")),
     ):
-        if isinstance(value, int | float) and not isinstance(value, bool):
+        # a bool is no number here (`True` is no `max_tokens`)
+        if type(value) is float or (type(value) is int and _int64(value)):
             yield key, value
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+"""The integers OTLP carries: the exporter leaves one past them out of its span, logging an
+ERROR with a traceback each time (a client's `max_tokens` of 2**64 would write one per request)."""
+
+
+def _int64(value: int) -> bool:
+    """An integer OTLP can carry."""
+    return INT64_MIN <= value <= INT64_MAX
 
 
 class RequestTrace:
@@ -295,7 +306,9 @@ class RequestTrace:
         self._stages.append((name, start, end, attributes))
 
     def set(self, key: str, value: Any) -> None:
-        if value is not None:
+        """Set an attribute of the request span; None, and an integer past OTLP's 64 bits (a
+        backend's usage, say), are left out."""
+        if value is not None and (type(value) is not int or _int64(value)):
             self._root.set_attribute(key, value)
 
     def upstream(

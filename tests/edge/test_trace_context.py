@@ -9,6 +9,7 @@ import logging
 from typing import Any
 
 import pytest
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
 from edge.tracing import ATTRIBUTE_MAX, STATUS_MAX
 from tests.edge.conftest import (
@@ -82,3 +83,31 @@ async def test_a_model_name_the_client_makes_huge_is_cut_in_the_span() -> None:
     (root,) = [s for s in edge.spans.get_finished_spans() if s.name == "quicedge.request"]
     model = str((root.attributes or {})["gen_ai.request.model"])
     assert model == "M" * ATTRIBUTE_MAX + "..."
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2**63, "seed": 2**63}}),
+        ("/v1/completions", {**BODY, "max_tokens": 2**64 - 1, "seed": 2**64 - 1}),
+    ],
+)
+async def test_an_integer_otlp_cannot_carry_is_left_out_of_the_span(
+    route: str, body: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """OTLP's integers are 64-bit: the exporter's encoding leaves a number past them out of the
+    span with an ERROR and its traceback in the application log, one per attribute, so any
+    client could write two tracebacks into the log with each of its requests."""
+    async with TinyUpstream(answer) as up:
+        async with run_edge(fast_config([up.url]), trace=True) as edge, client(edge) as http:
+            await http.post(route, json=body)
+            assert (await http.post("/v1/completions", json=BODY)).status_code == 200
+    assert edge.spans is not None
+    spans = edge.spans.get_finished_spans()
+    with caplog.at_level(logging.WARNING):
+        encode_spans(spans).SerializePartialToString()  # what the OTLP exporter sends
+    assert [r.getMessage() for r in caplog.records] == []
+    root = next(s for s in spans if s.name == "quicedge.request")
+    attributes = root.attributes or {}
+    assert "gen_ai.request.max_tokens" not in attributes
+    assert "gen_ai.request.seed" not in attributes
