@@ -110,6 +110,8 @@ class BackendSlots:
         self.learned_keep_alive = False
         self.last_request = float("-inf")
         """`time.monotonic()` of the last request sent to this backend."""
+        self.retired = False
+        """Forgotten by the pool (`UpstreamPool.forget`): connections close as they come free."""
 
     @property
     def open_count(self) -> int:
@@ -226,7 +228,7 @@ class BackendSlots:
         conn.sink = None
         conn.on_head = None
         conn.not_urgent()
-        if response.keep_alive and not response.extra and not conn.eof:
+        if response.keep_alive and not response.extra and not conn.eof and not self.retired:
             if not self.learned_keep_alive:
                 self._learn_keep_alive(response.headers)
             self._keep(conn)
@@ -326,6 +328,18 @@ class UpstreamPool:
                 host.active -= 1
                 log.warning("warming %s: %s", base_url, result)
         host.wake_one()
+
+    def forget(self, base_url: str) -> None:
+        """Drop a backend that left the fleet: its idle connections close now, those still
+        carrying a request when they end, and its stats go (a fleet whose pods come and go
+        would otherwise keep an entry, and a metric series, for every address it ever had).
+        A later request to `base_url` starts afresh."""
+        host = self._hosts.pop(base_url.rstrip("/"), None)
+        if host is None:
+            return
+        host.retired = True
+        for conn in list(host.idle):
+            conn.close()
 
     def adopt(self, base_url: str, transport: asyncio.BaseTransport) -> Connection:
         """Take an already open stream `transport` to `base_url` as an idle connection (within

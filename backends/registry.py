@@ -219,6 +219,8 @@ class BackendRegistry:
         if client is not None:
             with contextlib.suppress(Exception):
                 await client.aclose()
+        if self.pool is not None:
+            self.pool.forget(backend.url)
         log.info("backend %s removed (%d still in flight)", name, backend.in_flight)
 
     # -- selection ------------------------------------------------------------------------

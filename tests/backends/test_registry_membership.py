@@ -63,3 +63,27 @@ async def test_a_url_the_registry_refuses_does_not_stop_the_other_changes() -> N
     assert sorted(b.url for b in registry.backends) == ["http://127.0.0.1:8002"]
     apply_membership(registry, wanted, 0.0, drains)  # the next refresh takes the other
     assert sorted(b.url for b in registry.backends) == ["http://127.0.0.1", "http://127.0.0.1:8002"]
+
+
+async def test_a_removed_backend_leaves_the_pool_too() -> None:
+    """Discovery replaces pods (new addresses) on every rollout: a removed backend's pool
+    entry, and the `quicedge_upstream_connections` series read from it, must go with it."""
+    from backends.pool import UpstreamPool
+    from backends.sim import SimConfig, SimServer
+
+    pool = UpstreamPool()
+    async with SimServer(SimConfig(name="a", port=0, profile="instant")) as sim:
+        registry = BackendRegistry([sim.url], pool=pool, warm_connections=2)
+        try:
+            await registry.start()
+            assert pool.stats().backends[sim.url].idle == 2
+            await registry.remove(registry.backends[0].name, drain_timeout=0)
+            assert sim.url not in pool.stats().backends
+            registry.add(sim.url)  # back again: a fresh entry, warmed again
+            response = await pool.request(sim.url, "GET", "/health", headers=[], body=b"")
+            assert response.status == 200
+            await response.read()
+            await wait_until(lambda: pool.stats().backends[sim.url].idle >= 2)
+        finally:
+            await registry.aclose()
+            await pool.aclose()
