@@ -31,6 +31,9 @@ class Route:
     version: str | None = None
     canary: bool = False
     """The version is the pool's canary."""
+    canary_failed: bool = False
+    """A canary attempt of this request failed, and its ramp counted it (`Models.observe`): the
+    canary's breaker refusing its retry is no second error."""
 
 
 ANY = Route(None)

@@ -157,10 +157,11 @@ class Models:
     def to_stable(self, route: Route, *, refused: bool) -> None:
         """Send a canary request to the stable version. `refused`: the canary's breakers
         turned it away, which its ramp counts as a canary error (an open breaker would
-        otherwise hide a failing canary from the rollback)."""
+        otherwise hide a failing canary from the rollback), unless one of the request's canary
+        attempts failed already: one request is one canary error at most."""
         self.pools.to_stable(route)
         ramp = self.ramps.get(route.pool) if route.pool is not None else None
-        if refused and ramp is not None:
+        if refused and ramp is not None and not route.canary_failed:
             ramp.observe(canary=True, error=True, ttft_s=None)
 
     def prepare(
@@ -213,6 +214,8 @@ class Models:
         if ramp is None or error in NO_VERDICT:
             return
         canary = backend.model_version == ramp.rollout.canary
+        if canary and error is not None and route.canary:  # (a shared route is never a canary's)
+            route.canary_failed = True
         ramp.observe(canary=canary, error=error is not None, ttft_s=ttft_s,
                      client_error=error in CLIENT_ERRORS)  # fmt: skip
         tap = ex.shadow_tap if ex is not None else None

@@ -1,21 +1,29 @@
 """What a canary's ramp counts as its errors, end to end: clients' bad requests, which reach both
 versions, are no evidence against the canary, but a canary that refuses requests stable takes is
-rolled back."""
+rolled back; and one request is one canary error at most."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 from collections import Counter
 from typing import Any
 
 from edge.models import ModelsConfig
-from edge.models.config import DriftConfig
+from edge.models.config import BackendModel, DriftConfig
+from edge.routing.breakers import BreakerConfig
 from tests.edge.conftest import (
+    Recorded,
+    Reply,
+    TinyUpstream,
     client,
     fast_config,
+    health_ok,
     run_edge,
 )
 from tests.edge.models.test_pools_e2e import chat, sim, sims
 from tests.edge.models.test_rollout_e2e import rollout
+from tests.helpers import wait_until
 
 
 def _body(i: int, *, bad_every: int, long: bool = False) -> dict[str, Any]:
@@ -77,3 +85,63 @@ async def test_a_canary_that_refuses_requests_stable_takes_is_rolled_back() -> N
                                 headers={"x-session-id": f"s{i}"})  # fmt: skip
             assert ramp.rollout.state == "rolled_back", ramp.snapshot()
             assert "client errors" in ramp.rollout.reason
+
+
+def _refusing(release: asyncio.Event) -> Any:
+    """A canary backend: 500 to every request, but a 503 (worth another backend) to the one
+    whose prompt says so, once `release` is set."""
+
+    async def script(recorded: Recorded) -> Reply:
+        known = health_ok(recorded)
+        if known is not None:
+            return known
+        status = 500
+        if b"hold me" in recorded.body:
+            await release.wait()
+            status = 503
+        error = {"error": {"message": "boom", "type": "server_error", "code": status}}
+        return Reply(status=status, chunks=[json.dumps(error).encode()], chunked=False,
+                     headers=[("content-type", "application/json")])  # fmt: skip
+
+    return script
+
+
+async def test_a_request_is_one_canary_error_when_the_breaker_opens_before_its_retry() -> None:
+    """A canary request's attempt fails with a 503 and is retried; meanwhile other canary
+    requests' failures opened the canary's breaker, which sends the retry to stable. The
+    request made one canary attempt: one canary error, not a second for the refusal."""
+    release = asyncio.Event()
+    async with (
+        sims(sim("m", model_version="v1")) as (s1,),
+        TinyUpstream(_refusing(release)) as c1,
+        TinyUpstream(_refusing(release)) as c2,
+    ):
+        models = ModelsConfig(
+            backends=[
+                BackendModel(c1.url, model="m", version="v2"),
+                BackendModel(c2.url, model="m", version="v2"),
+            ],  # fmt: skip
+            rollouts=[rollout(steps=[50.0])],
+        )
+        breakers = BreakerConfig(window=10, min_requests=5, open_for=60.0)
+        config = fast_config([s1.url, c1.url, c2.url], eject_after_failures=1000)
+        async with run_edge(config, models=models, breakers=breakers) as edge, \
+                client(edge) as http:  # fmt: skip
+            assert edge.wiring.breakers is not None
+            ramp = edge.wiring.models.ramps["m"]
+            canary = {"x-canary": "1"}
+            held = {**chat("m"), "messages": [{"role": "user", "content": "hold me"}]}
+            first = asyncio.ensure_future(
+                http.post("/v1/chat/completions", json=held, headers=canary)
+            )
+            await wait_until(  # it reached a canary backend
+                lambda: any(b"hold me" in r.body for r in [*c1.requests, *c2.requests])
+            )
+            for _ in range(5):
+                r = await http.post("/v1/chat/completions", json=chat("m"), headers=canary)
+                assert r.status_code == 500
+            assert edge.wiring.breakers.state_of("m@v2", "bronze", "default") == "open"
+            release.set()
+            answer = await asyncio.wait_for(first, 10)
+            assert answer.status_code == 200  # stable served its retry
+            assert len(ramp._errors) == 6 and ramp._error_count == 6, ramp.snapshot()
