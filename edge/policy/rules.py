@@ -27,6 +27,7 @@ from collections.abc import MutableMapping, MutableSequence, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 import re2
 
 from edge.errors import ModelNotAllowed, PolicyLimit, PolicyRefused
@@ -50,6 +51,21 @@ class Slots(list[Slot]):
     """(first, end) slot indices of each message with more than one text part."""
 
 
+class _ArgumentsText(dict[str, Any]):
+    """A tool call's `arguments` given as an object (SGLang takes `str | dict`), as the one
+    text a chat template renders it as: its compact JSON, keys and all. A rewrite (a
+    redaction) goes to the call too, as that text, which is a string of arguments a backend
+    takes as well; a call nothing rewrote is forwarded as sent."""
+
+    def __init__(self, function: MutableMapping[str, Any], arguments: Any) -> None:
+        super().__init__(arguments=orjson.dumps(arguments).decode())
+        self._function = function
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        self._function[key] = value
+
+
 def text_slots(route: str, body: MutableMapping[str, Any]) -> Slots:
     """Every prompt string of a validated body, in order, as places that can be rewritten."""
     slots = Slots()
@@ -63,20 +79,30 @@ def text_slots(route: str, body: MutableMapping[str, Any]) -> Slots:
                 slots.append((message, "content"))
             elif isinstance(content, list):
                 first = len(slots)
+                thinking: list[Slot] = []
                 for part in content:
-                    if isinstance(part, dict) and isinstance(part.get("text"), str):
-                        slots.append((part, "text"))
+                    if isinstance(part, dict):
+                        if isinstance(part.get("text"), str):
+                            slots.append((part, "text"))
+                        elif isinstance(part.get("thinking"), str):  # SGLang's thinking parts
+                            thinking.append((part, "thinking"))
                 if len(slots) - first > 1:
                     groups = groups or []
                     groups.append((first, len(slots)))
+                slots.extend(thinking)  # reasoning sent back: texts of their own
             if isinstance(message.get("reasoning_content"), str):  # thinking sent back, too
                 slots.append((message, "reasoning_content"))
             calls = message.get("tool_calls")
             if calls and isinstance(calls, list):  # earlier calls' arguments: text sent too
                 for call in calls:
                     function = call.get("function") if isinstance(call, dict) else None
-                    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+                    if not isinstance(function, dict):
+                        continue
+                    arguments = function.get("arguments")
+                    if isinstance(arguments, str):
                         slots.append((function, "arguments"))
+                    elif isinstance(arguments, (dict, list)):  # SGLang takes an object too
+                        slots.append((_ArgumentsText(function, arguments), "arguments"))
         if groups:
             slots.groups = groups
         return slots

@@ -352,3 +352,51 @@ async def test_each_message_is_matched_as_a_text_of_its_own() -> None:
         ["my password", ": hi"],
         ["hi", "[REDACTED]"],
     ]
+
+
+def _tool_turn(arguments: Any) -> dict[str, Any]:
+    """A chat replaying an earlier tool call with `arguments` (a string, or an object, which
+    SGLang takes too and renders as JSON)."""
+    call = {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": arguments}}
+    return {"model": "tiny-model", "messages": [
+        {"role": "user", "content": "look it up"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "done"},
+    ]}  # fmt: skip
+
+
+async def test_tool_call_arguments_given_as_an_object_are_matched_and_redacted() -> None:
+    """A tool call's `arguments` may be an object (SGLang's `str | dict`): the rules read it
+    as the JSON a template renders, keys included, and a redaction forwards that JSON, cut,
+    as the arguments string."""
+    async with TinyUpstream(script(["ok"])) as up:
+        async with edge_with(up.url) as edge, client(edge) as http:
+            value = await http.post("/v1/chat/completions",
+                                    json=_tool_turn({"q": "my password"}))  # fmt: skip
+            key = await http.post("/v1/chat/completions",
+                                  json=_tool_turn({"password": 1}))  # fmt: skip
+            nested = await http.post("/v1/chat/completions",
+                                     json=_tool_turn({"a": [{"b": "mail bob@x.io"}]}))  # fmt: skip
+            plain = await http.post("/v1/chat/completions", json=_tool_turn({"q": "weather"}))
+    assert value.status_code == 403 and key.status_code == 403, key.text
+    assert value.headers["x-quicedge-policy-rule"] == "no-secrets"
+    assert nested.status_code == 200 and plain.status_code == 200
+    sent = [json.loads(r.body)["messages"][1]["tool_calls"][0]["function"] for r in inference(up)]
+    assert sent[0]["arguments"] == '{"a":[{"b":"mail [EMAIL]"}]}'
+    assert sent[1]["arguments"] == {"q": "weather"}  # nothing matched: forwarded as sent
+
+
+async def test_thinking_parts_sent_back_are_matched() -> None:
+    """An assistant message's `thinking` content parts (SGLang's `{"type": "thinking",
+    "thinking": ...}`) are reasoning sent back, as `reasoning_content` is."""
+    body = {"model": "tiny-model", "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "the password"},
+                                          {"type": "text", "text": "hello"}]},
+        {"role": "user", "content": "go on"},
+    ]}  # fmt: skip
+    async with TinyUpstream(script(["ok"])) as up:
+        async with edge_with(up.url) as edge, client(edge) as http:
+            response = await http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 403, response.text
+    assert inference(up) == []
