@@ -23,7 +23,7 @@ from backends.discovery import DiscoveryConfig, make_source
 from edge import settings, wiring
 from edge.access_log import AccessLogConfig
 from edge.admin import AdminApp, guard_actions
-from edge.audit import AuditConfig
+from edge.audit import AuditConfig, last_hash
 from edge.config import SECTIONS, ProxyConfig
 from edge.cors import CorsConfig
 from edge.fleet_metrics import FleetMetrics, FleetPlan
@@ -250,6 +250,25 @@ def check_modules(loaded: Settings) -> None:
             raise ValueError(f"policy.wasm {module.id!r} ({module.path}): {first}") from None
 
 
+def check_audit_log(loaded: Settings) -> None:
+    """The audit log each worker opens: its folder, and the end of the chain it continues
+    (read only: a `--check` beside the running edge must not take the log's lock). A real
+    start refused either only once it listened, in a line naming no setting (ValueError)."""
+    path = loaded.get("audit", AuditConfig).path
+    if not path:
+        return
+    folder = os.path.dirname(path) or "."
+    if "{pid}" not in folder and not os.path.isdir(folder):
+        raise ValueError(f"audit.path: {folder} is not a folder")
+    if "{pid}" in path:
+        return  # each worker's own file: none to continue before it starts
+    try:
+        last_hash(path)
+    except ValueError as exc:
+        text = str(exc)
+        raise ValueError(text if text.startswith("audit.path") else f"audit.path: {text}") from None
+
+
 def check(args: argparse.Namespace, loaded: Settings, tls: TlsMaterial) -> int:
     """`serve --check`: print what would be served (the caller checked the settings, the
     certificate and the modules)."""
@@ -276,6 +295,7 @@ def main(argv: list[str]) -> int:
         if not args.demo:  # an exporter that is not installed: one line now, not in a worker
             exporter_names(os.environ, force=loaded.get("proxy", ProxyConfig).tracing)
             check_modules(loaded)
+            check_audit_log(loaded)
         transport = transport_config(loaded)
         # Fail early on bad TLS files; make the development certificates once, here, so
         # that workers never race to generate them.

@@ -93,3 +93,24 @@ def test_a_bad_setting_fails_the_check_with_its_name(tmp_path: Path) -> None:
     config.write_text("[proxy]\nmax_retries = -1\n")
     line = refused(quicedge("serve", "--check", "--config", str(config), "--backend", "http://a:1"))
     assert line == "quicedge serve: proxy: max_retries must be >= 0, got -1"
+
+
+def test_an_audit_log_a_start_cannot_open_or_continue_fails_the_check(tmp_path: Path) -> None:
+    """`--check` said OK to an audit log in a folder that does not exist, or one whose last
+    line is not a record; a real start refused both only once it had listened, in a line that
+    named no setting (`[Errno 2] ...: '.../audit.log.lock'`). Both now stop `--check` and a
+    real start alike, before anything listens, with `audit.path` named."""
+    missing = tmp_path / "no-such-folder" / "audit.log"
+    broken = tmp_path / "audit.log"
+    broken.write_text("not a record\n")
+    cases = [
+        (missing, f"quicedge serve: audit.path: {missing.parent} is not a folder"),
+        (broken, f"quicedge serve: audit.path: {broken}: the last line is not an audit record"),
+    ]
+    for path, message in cases:
+        for extra in (["--check"], ["--h3", "127.0.0.1:0", "--tcp", "127.0.0.1:0"]):
+            done = quicedge(
+                "serve", *extra, "--audit-log", str(path), "--backend", "http://10.0.0.5:1",
+                "--admin", "127.0.0.1:0",
+            )  # fmt: skip
+            assert refused(done) == message
