@@ -4,7 +4,8 @@ Each line says who asked what, where it went and how it went: the request id (th
 label), tenant (when admission knows one), route, model, backend, transport, whether it came in
 0-RTT, status, TTFT, token counts, retries and duration. On by default at INFO, every request;
 `sample_rate` keeps a share of the successes, and errors are always kept unless
-`always_log_errors` is off.
+`always_log_errors` is off. What the client chose is cut, so that no client makes its lines
+long: the method to `METHOD_MAX` characters, the model to `MODEL_MAX`, an error to `ERROR_MAX`.
 
 The request's task only builds the line (one `orjson.dumps`) and appends the text to a deque; a
 writer thread hands the lines to the logger's handlers, which therefore run off the event loop:
@@ -49,6 +50,9 @@ ERROR_MAX = 512
 """Characters of an error message a line keeps. A message may quote what the client sent (an
 unknown model, a path), which only the body limit bounds: without this a client could make each
 of its requests write megabytes of log."""
+METHOD_MAX = 32
+"""Characters of the request's method a line keeps: the client's word, which only the header
+limit bounds (no method in use is half as long)."""
 MODEL_MAX = ATTRIBUTE_MAX
 """Characters of the request's `model` a line keeps (256, as its span's `gen_ai.request.model`):
 `/generate` serves any name, which only the body limit bounds."""
@@ -144,7 +148,7 @@ class AccessLog:
             return
         line: dict[str, Any] = {
             "ts": round(time.time(), 3),
-            "method": method,
+            "method": cut(method, METHOD_MAX),
             "route": route,
             "status": status,
             "duration_ms": round((t_end - t0) * 1000, 3),
@@ -242,4 +246,4 @@ class _Writer(threading.Thread):
                          len(self._lines))  # fmt: skip
 
 
-__all__ = ["ERROR_MAX", "LOGGER", "MODEL_MAX", "AccessLog", "AccessLogConfig"]
+__all__ = ["ERROR_MAX", "LOGGER", "METHOD_MAX", "MODEL_MAX", "AccessLog", "AccessLogConfig"]

@@ -3,6 +3,7 @@ as configured with errors always kept; on by default in `quicedge serve`."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import io
 import json
@@ -19,7 +20,14 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from backends.sim import SimConfig, SimServer
-from edge.access_log import ERROR_MAX, LOGGER, MODEL_MAX, AccessLog, AccessLogConfig
+from edge.access_log import (
+    ERROR_MAX,
+    LOGGER,
+    METHOD_MAX,
+    MODEL_MAX,
+    AccessLog,
+    AccessLogConfig,
+)
 from edge.config import SECTIONS
 from edge.telemetry import AccessLogCollector
 from edge.tracing import ATTRIBUTE_MAX
@@ -287,3 +295,22 @@ async def test_a_client_chosen_model_name_is_cut_in_the_line() -> None:
     assert first["model"] == "M" * MODEL_MAX + "..."
     assert second["model"] == "m" * MODEL_MAX
     assert MODEL_MAX == ATTRIBUTE_MAX
+
+
+async def test_a_client_chosen_method_is_cut_in_the_line() -> None:
+    """The request line's method is the client's word, which only the header limit bounds
+    (kilobytes): a line keeps `METHOD_MAX` characters of it."""
+    async with logged_edge(AccessLogConfig()) as (url, lines):
+        host, port = url.split("//")[1].rsplit(":", 1)
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            writer.write(b"X" * 12_000 + b" /v1/completions HTTP/1.1\r\nhost: x\r\n"
+                         b"content-length: 0\r\n\r\n")  # fmt: skip
+            await writer.drain()
+            assert (await reader.readuntil(b"\r\n")).startswith(b"HTTP/1.1 405")
+        finally:
+            writer.close()
+        await wait_until(lambda: len(lines.lines) == 1)
+    (line,) = lines.lines
+    assert line["method"] == "X" * METHOD_MAX + "..."
+    assert line["status"] == 405 and len(line["error"]) == ERROR_MAX + len("...")
