@@ -19,6 +19,9 @@ drift) is handed to the others the same way, so that one worker's evidence stops
 everywhere; each records it with the reason and the worker it came from. So is an advance (or
 the promotion at the end), with the step it reached: a worker that is behind goes to that step
 (`Ramp.follow`), so the workers ramp as one instead of each on its own share of the requests.
+Each names the rollout's stable and canary version, and a worker whose rollout of that pool has
+other versions does not take it (it answers 409): a reload reaches the workers one by one, and
+while it does, the old canary's advance or stop is no evidence about the new one.
 """
 
 from __future__ import annotations
@@ -127,6 +130,9 @@ class WorkerAdmin:
         action = request["action"]
         if ramp is None or action not in HANDED_OVER:
             return 404
+        versions = (request.get("stable"), request.get("canary"))
+        if versions != (ramp.rollout.stable, ramp.rollout.canary):
+            return 409  # another rollout of the pool (a reload not yet here, or not there)
         reason = f"worker {int(request['worker'])}: {request['reason']}"
         ramp.take(action, int(request["step"]), reason)
         return 200
@@ -134,7 +140,8 @@ class WorkerAdmin:
     def _transitioned(self, rollout: Rollout, transition: Transition) -> None:
         if transition.action not in HANDED_OVER or _everywhere.get():
             return
-        message = {"rollout": rollout.pool, "action": transition.action, "step": transition.step,
+        message = {"rollout": rollout.pool, "stable": rollout.stable, "canary": rollout.canary,
+                   "action": transition.action, "step": transition.step,
                    "reason": transition.reason, "worker": self.plan.index}  # fmt: skip
         task = asyncio.get_running_loop().create_task(self._hand_over(message))
         self._tasks.add(task)
