@@ -20,6 +20,7 @@ from edge.errors import PolicyRefused, PolicyUnavailable, StreamRefusal
 from edge.policy.config import PolicyConfig
 from edge.policy.judge import Judge
 from edge.policy.rules import (
+    COMPLETIONS,
     GENERATE,
     RequestRules,
     Slots,
@@ -350,9 +351,23 @@ def _view(
             "tier": tier,
             "stream": stream,
             "max_tokens": requested_tokens(body),
+            "token_ids": _token_ids(route, body),
             "prompt": module_prompt(slots),
         }
     )
+
+
+def _token_ids(route: str, body: MutableMapping[str, Any]) -> bool:
+    """Whether the model reads a prompt given as token ids (or embeddings), which no rule can
+    read (the edge has no tokenizer): SGLang's chat route takes `input_ids` in place of the
+    rendered messages, completions a `prompt` of ids, `/generate` `input_ids` or
+    `input_embeds`."""
+    if route == GENERATE:
+        return body.get("input_ids") is not None or body.get("input_embeds") is not None
+    if route == COMPLETIONS:
+        prompt = body.get("prompt")
+        return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], str)
+    return body.get("input_ids") is not None
 
 
 __all__ = ["PolicyGateway", "PolicyOutcome", "client_route"]

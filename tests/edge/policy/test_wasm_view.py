@@ -171,3 +171,23 @@ def test_a_modules_spans_in_either_reading_of_text_parts_redact_the_parts(
     gw, failures = gateway(answering(tmp_path, redact([[6, 7]])))  # past its 6 bytes: abi
     with pytest.raises(PolicyUnavailable):
         gw.check(CHAT, parts("a", "b"), tenant="t", tier="pro", stream=False)
+
+
+async def test_a_module_is_told_when_the_model_reads_token_ids(tmp_path: Path) -> None:
+    """Token ids are a prompt no rule can read (the edge has no tokenizer): SGLang's chat
+    route reads `input_ids` instead of rendering the messages that were checked, and
+    completions and `/generate` take ids as the prompt. `token_ids` says so, and a module
+    that refuses them closes that way around the rules."""
+    no_ids = scanning(tmp_path, b'"token_ids":true', deny_if_found=True)
+    messages = [{"role": "user", "content": "hi"}]
+    async with TinyUpstream(script(["ok"])) as up:
+        async with edge_with(up.url, modules(no_ids)) as edge, client(edge) as http:
+            chat_ids = await http.post(CHAT, json={"model": "tiny-model", "messages": messages,
+                                                   "input_ids": [1, 2, 3]})  # fmt: skip
+            ids = {"model": "tiny-model", "prompt": [1, 2]}
+            prompt_ids = await http.post("/v1/completions", json=ids)
+            generate_ids = await http.post("/generate", json={"input_ids": [1, 2]})
+            text = await http.post(CHAT, json={"model": "tiny-model", "messages": messages})
+    for refused in (chat_ids, prompt_ids, generate_ids):
+        assert refused.status_code == 403, refused.text
+    assert text.status_code == 200
