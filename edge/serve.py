@@ -20,6 +20,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from backends.discovery import DiscoveryConfig, make_source
+from certs.dev import default_dir
 from edge import settings, wiring
 from edge.access_log import AccessLogConfig
 from edge.admin import AdminApp, guard_actions
@@ -41,7 +42,7 @@ from edge.worker_admin import WorkerAdmin
 from transport.config import EarlyDataSettings, TransportConfig
 from transport.demo import DemoApps
 from transport.early_data import EarlyDataPolicy
-from transport.tls import TlsError, TlsMaterial, resolve_files
+from transport.tls import CertificateFiles, TlsError, TlsMaterial, resolve_files
 from transport.workers import AppFactory, Plan, ServedApps, StartupError, serve
 
 
@@ -269,6 +270,21 @@ def check_audit_log(loaded: Settings) -> None:
         raise ValueError(text if text.startswith("audit.path") else f"audit.path: {text}") from None
 
 
+def dev_files_or_given(transport: TransportConfig) -> CertificateFiles:
+    """`--cert`/`--key`, or the development certificates, made here when they must be: a
+    folder they cannot be made in is one line (TlsError), not a traceback."""
+    try:
+        return resolve_files(transport.cert, transport.key)
+    except OSError as exc:
+        where = f"{default_dir()}"
+        if os.environ.get("QUICEDGE_CERTS_DIR"):
+            where += " ($QUICEDGE_CERTS_DIR)"
+        raise TlsError(
+            f"no --cert/--key, and the development certificates cannot be made in {where}: "
+            f"{exc.strerror}"
+        ) from None
+
+
 def check(args: argparse.Namespace, loaded: Settings, tls: TlsMaterial) -> int:
     """`serve --check`: print what would be served (the caller checked the settings, the
     certificate and the modules)."""
@@ -299,7 +315,7 @@ def main(argv: list[str]) -> int:
         transport = transport_config(loaded)
         # Fail early on bad TLS files; make the development certificates once, here, so
         # that workers never race to generate them.
-        files = resolve_files(transport.cert, transport.key)
+        files = dev_files_or_given(transport)
         tls = TlsMaterial(files)
         transport = replace(transport, cert=str(files.cert), key=str(files.key))
         if args.check:
