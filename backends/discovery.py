@@ -46,7 +46,7 @@ from urllib.parse import quote, urlsplit
 import h11
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from backends.labels import LABEL_TIERS, parse_labels, shown
+from backends.labels import LABEL_TIERS, check_url, parse_labels, shown
 from backends.registry import BackendRegistry
 
 log = logging.getLogger(__name__)
@@ -580,11 +580,22 @@ class Discovery:
 
     def _wanted(self) -> dict[str, str]:
         """Every backend wanted: its bare URL → the URL with its labels. A URL two names find
-        takes the labels of the first (the `--backend` list, then the names in order)."""
+        takes the labels of the first (the `--backend` list, then the names in order), and one
+        host and port found under two spellings (`[fd00::5]`, `[fd00:0::5]`) is the first's."""
         wanted: dict[str, str] = {}
+        spelled: dict[tuple[str, int], str] = {}
         for urls in self._known.values():
             for url in sorted(urls):
                 bare = url.partition("#")[0]
+                try:
+                    address = check_url(bare)[1]
+                except ValueError as exc:
+                    _warn_once(f"{exc}; left out")
+                    continue
+                first = spelled.setdefault(address, bare)
+                if first != bare:
+                    _warn_once(f"{bare} is {first} spelled another way; {first} is kept")
+                    continue
                 held = wanted.setdefault(bare, url)
                 if held != url:
                     _warn_once(f"{bare} is found with labels {held!r} and {url!r}; the first hold")

@@ -117,3 +117,22 @@ def test_credentials_in_a_dns_discovery_name_are_refused_without_showing_them() 
         DiscoveryConfig(mode="dns", names=[f"user:{SECRET}@sglang.internal:30000"]).validate()
     assert SECRET not in str(caught.value)
     assert "backend_api_key_file" in str(caught.value)
+
+
+async def test_a_backend_both_listed_and_found_under_another_spelling_is_one_backend() -> None:
+    from backends.discovery import Discovery, DiscoveryConfig, DnsSource
+    from tests.deploy.dns_server import dns_server
+
+    with dns_server() as (zone, server):
+        zone.set("sglang.fleet.test", "A", ["127.0.0.1"])
+        zone.set("sglang.fleet.test", "AAAA", ["::1"])
+        config = DiscoveryConfig(
+            mode="dns", names=["sglang.fleet.test:30000"], nameservers=[server]
+        ).validate()
+        discovery = Discovery(config, DnsSource(config))
+        urls = await discovery.initial(["http://[0:0:0:0:0:0:0:1]:30000/"])
+    registry = BackendRegistry(urls, pool=None)
+    assert sorted(b.url for b in registry.backends) == [
+        "http://127.0.0.1:30000",
+        "http://[0:0:0:0:0:0:0:1]:30000",
+    ]
