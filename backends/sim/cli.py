@@ -119,7 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="think N tokens before each chat answer, sent as reasoning_content (as SGLang with"
         " --reasoning-parser); 0: none",
     )  # fmt: skip
-    p.add_argument("--log-level", default="warning")
+    p.add_argument(
+        "--log-level", type=str.lower, default="warning",
+        choices=("debug", "info", "warning", "error", "critical"),
+    )  # fmt: skip
     p.add_argument(
         "--loop",
         choices=("auto", "asyncio", "uvloop"),

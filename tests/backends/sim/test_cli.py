@@ -106,3 +106,11 @@ def test_process_on_the_asyncio_loop_serves() -> None:
 def test_unknown_loop_is_refused() -> None:
     result = run("--loop", "trio")
     assert result.returncode == 2 and "invalid choice" in result.stderr
+
+
+def test_an_unknown_log_level_is_a_usage_error_not_a_traceback() -> None:
+    result = run("--log-level", "loud")
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "argument --log-level: invalid choice: 'loud'" in result.stderr
+    assert build_parser().parse_args(["--log-level", "INFO"]).log_level == "info"
