@@ -435,7 +435,10 @@ class KubernetesSource:
                 status, body = await self._get(path)
             if status != 200:
                 raise OSError(f"HTTP {status}: {body[:200]!r}")
-            return ready_endpoints(json.loads(body), self.config.port_name, labels)
+            try:
+                return ready_endpoints(json.loads(body), self.config.port_name, labels)
+            except (AttributeError, TypeError, KeyError) as exc:  # 200, but not a slice list
+                raise ValueError(f"not an EndpointSliceList ({exc!r})") from None
         except (OSError, TimeoutError, ValueError, h11.ProtocolError) as exc:
             log.warning("discovery: listing slices of %s failed (%s); keeping them", name, exc)
             return None
