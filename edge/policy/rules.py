@@ -150,13 +150,25 @@ _OPTIONS.case_sensitive = False
 _OPTIONS.log_errors = False
 
 
+_EMPTY_PROBES = ("", "a", " ", "a a", "\n", "a\na", " \n ")
+"""Texts in which a pattern that can match the empty string does so: what an empty match
+may still require is only an assertion (`^`, `$`, `\\b`, `\\B`, `\\A`, `\\z`, multi-line or not),
+and these put every kind of edge next to a letter, a space, a line break and nothing."""
+
+
 def check_pattern(pattern: str) -> str | None:
-    """Why `pattern` is not an RE2 expression, or None when it is one."""
+    """Why `pattern` cannot be a request rule's (not an RE2 expression, or able to match the
+    empty string), or None when it can."""
     try:
-        re2.compile(pattern, _OPTIONS)
+        compiled = re2.compile(pattern, _OPTIONS)
     except re2.error as exc:
         text = exc.args[0] if exc.args else exc
         return text.decode(errors="replace") if isinstance(text, bytes) else str(text)
+    # A match of nothing is a match in every prompt: a deny rule would refuse every request,
+    # and a redact rule put its replacement between every two characters.
+    for probe in _EMPTY_PROBES:
+        if any(m.start() == m.end() for m in compiled.finditer(probe)):
+            return "it can match the empty string, so it would match every prompt"
     return None
 
 

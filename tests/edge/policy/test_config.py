@@ -139,3 +139,27 @@ def test_a_name_a_refusal_header_carries_must_fit_in_a_header(
     with pytest.raises(ValueError, match=message) as info:
         loaded(tmp_path, text)
     assert "header" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("action", "pattern"),
+    [("redact", "(secret)?"), ("deny", "a|"), ("deny", "x*"), ("redact", "\\b"), ("deny", "^")],
+)
+def test_a_request_rule_pattern_that_can_match_nothing_is_refused(
+    tmp_path: Path, action: str, pattern: str
+) -> None:
+    """A pattern that can match the empty string matches every prompt: a `deny` rule refused
+    every request, and a `redact` rule put its replacement between every two characters
+    (`[REDACTED]h[REDACTED]i...`). Refused when loaded, as a stream rule's is."""
+    escaped = pattern.replace("\\", "\\\\")
+    text = f'[[policy.rules]]\nid = "r"\naction = "{action}"\npatterns = ["{escaped}"]\n'
+    with pytest.raises(ValueError, match=r"policy.rules.patterns \(r\): .*empty string"):
+        loaded(tmp_path, text)
+
+
+@pytest.mark.parametrize(
+    "pattern", ["^ignore previous", "password\\s*[:=]", "\\bkey\\b", "(api[_ -]?)?key$", "a+"]
+)
+def test_request_rule_patterns_that_need_a_character_load(tmp_path: Path, pattern: str) -> None:
+    escaped = pattern.replace("\\", "\\\\")
+    loaded(tmp_path, f'[[policy.rules]]\nid = "r"\npatterns = ["{escaped}"]\n')
