@@ -133,12 +133,34 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--jitter-ms and --loss need --rtt-ms")
 
 
+def _check_outputs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The files the run writes, tried before it starts: one that cannot be written ended a
+    finished run (minutes of it) with a traceback and its results lost."""
+    for flag, path in (("--output", args.output), ("--summary-json", args.summary_json)):
+        if path is None:
+            continue
+        existed = path.exists()
+        try:
+            with path.open("a"):
+                pass
+        except OSError as exc:
+            parser.error(f"{flag} {path}: {exc.strerror}")
+        if not existed:
+            path.unlink(missing_ok=True)
+    if args.plots is not None:
+        try:
+            args.plots.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            parser.error(f"--plots {args.plots}: {exc.strerror}")
+
+
 def main(argv: list[str]) -> int:
     if argv and argv[0] == "relay":
         return relay_cli.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     _check(args, parser)
+    _check_outputs(args, parser)
     try:
         url = Target.parse(args.url, server_name=args.server_name)
         configs = _configs(args, url.scheme)
