@@ -143,7 +143,7 @@ def _host_port(text: str) -> tuple[str, int] | None:
         port = parts.port
     except ValueError:
         port = None
-    if not parts.hostname or port is None:
+    if not parts.hostname or not port:  # none, or 0: nothing listens there
         return None
     return parts.hostname, port
 

@@ -136,3 +136,11 @@ async def test_a_backend_both_listed_and_found_under_another_spelling_is_one_bac
         "http://127.0.0.1:30000",
         "http://[0:0:0:0:0:0:0:1]:30000",
     ]
+
+
+@pytest.mark.parametrize("name", ["sglang.internal:0", "sglang.internal:65536", "sglang.internal"])
+def test_a_dns_name_without_a_usable_port_is_refused(name: str) -> None:
+    from backends.discovery import DiscoveryConfig
+
+    with pytest.raises(ValueError, match="is not HOST:PORT"):
+        DiscoveryConfig(mode="dns", names=[name]).validate()
