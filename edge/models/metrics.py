@@ -37,6 +37,13 @@ class ModelMetrics:
             ["model", "action"],
             registry=registry,
         )
+        self.sync_catch_up_failures = Counter(
+            "quicedge_rollout_sync_catch_up_failures",
+            "Reads of the shared rollout transitions' log (after a lost Redis subscription) that"
+            " failed or timed out; each is retried, with a longer wait, while the subscription"
+            " stays (`[models] share_stops`, `share_advances`).",
+            registry=registry,
+        )
         self.shadow = Counter(
             "quicedge_shadow_requests",
             "Shadow pairs by result: compared, error, unreadable, dropped_full, dropped_rate, "

@@ -24,6 +24,14 @@ known alive (less `CATCH_UP_SLACK_S` for the clocks), but none older than an ope
 or restart of that rollout here. When Redis is slow or gone, publishes and the subscription are
 bounded by `timeout`, failures are logged at most every 30 s, and each process keeps its own
 ramp; routing never waits on Redis.
+
+The read of the log runs beside the subscription, not in its way: one that fails or takes
+longer than its wait (`timeout` at first, doubled each time up to `CATCH_UP_MAX_WAITS` ×
+`timeout`) is counted (`catch_up_failures`, `quicedge_rollout_sync_catch_up_failures_total`)
+and tried again after a pause (doubled each time, at most `CATCH_UP_MAX_PAUSE_S`) until it
+succeeds, while the new subscription stays; a Redis slower than `timeout` would otherwise have
+each read's timeout drop the subscription, and the next, for good. A subscription lost again
+meanwhile only widens what the pending read reads.
 """
 
 from __future__ import annotations
@@ -55,6 +63,10 @@ LOG_LENGTH = 256
 CATCH_UP_SLACK_S = 1.0
 """Seconds before the lost subscription's last sign of life that a catch-up also reads: the
 local and Redis clocks are matched within a round trip; a transition taken twice is harmless."""
+CATCH_UP_MAX_WAITS = 10
+"""The longest wait for one read of the log, in `timeout`s (the subscription's own wait)."""
+CATCH_UP_MAX_PAUSE_S = 30.0
+"""The longest pause between two tries of a read of the log that failed."""
 UNDOING = frozenset({"resume", "restart"})
 """Local transitions after which an older stop or advance is not taken from the log."""
 # Set while this process takes an action it heard of (so it is not published again).
@@ -91,7 +103,15 @@ class RolloutSync:
         """Transitions taken from the log after a subscription was lost."""
         self._undone_at: dict[str, float] = {}
         """Monotonic time of each rollout's last resume or restart here."""
+        self.catch_up_failures = 0
+        """Reads of the log that failed or timed out (each tried again)."""
+        self._missed_since: float | None = None
+        """Monotonic time from which the log is still to be read (None: nothing is)."""
+        self._widened = False
+        """A subscription was lost again while a read of the log was under way."""
+        self._catching_up: asyncio.Task[None] | None = None
         self._redis: Any = None
+        self._reader: Any = None
         self._subscriber: Any = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._listener: asyncio.Task[None] | None = None
@@ -106,6 +126,11 @@ class RolloutSync:
         self._redis = aioredis.Redis.from_url(
             self.url, socket_timeout=self.timeout, socket_connect_timeout=connect, retry=retry
         )
+        # The log's reads wait longer than a publish may (`_read_back` bounds each).
+        self._reader = aioredis.Redis.from_url(
+            self.url, socket_timeout=self.timeout * CATCH_UP_MAX_WAITS,
+            socket_connect_timeout=connect, retry=retry,
+        )  # fmt: skip
         # The subscriber waits on messages as long as it likes: no socket timeout of its own.
         self._subscriber = subscriber_client(self.url, connect_timeout=connect)
         self._subscription = Subscription(
@@ -123,11 +148,11 @@ class RolloutSync:
         return self._subscription
 
     async def aclose(self) -> None:
-        tasks = [*self._tasks, *([self._listener] if self._listener else [])]
+        tasks = [*self._tasks, *(t for t in (self._listener, self._catching_up) if t)]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for client in (self._redis, self._subscriber):
+        for client in (self._redis, self._reader, self._subscriber):
             if client is not None:
                 with contextlib.suppress(Exception):
                     await client.aclose()
@@ -170,17 +195,49 @@ class RolloutSync:
     # -- in ---------------------------------------------------------------------------------
     async def _catch_up(self, gap: float | None) -> None:
         """Subscribed again, `gap` seconds after the lost subscription was last known alive:
-        take what was published since from the log (nothing after the first subscription)."""
+        read what was published since from the log, beside the subscription (nothing after the
+        first subscription). Never raises: a failed read is tried again (`_read_back`)."""
         if gap is None:
             return
-        async with asyncio.timeout(self.timeout):
-            async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.time()
-                pipe.xrange(self.log_key, "-", "+")
-                (seconds, micros), entries = await pipe.execute()
+        since = time.monotonic() - gap
+        if self._missed_since is None or since < self._missed_since:
+            self._missed_since = since
+        if self._catching_up is not None and not self._catching_up.done():
+            self._widened = True  # the read under way reads again once done
+            return
+        self._catching_up = asyncio.get_running_loop().create_task(self._read_back())
+
+    async def _read_back(self) -> None:
+        """Read the log from `_missed_since` until one read succeeds after the last loss."""
+        tries = 0
+        while self._missed_since is not None:
+            since, self._widened = self._missed_since, False
+            wait = self.timeout * min(2**tries, CATCH_UP_MAX_WAITS)
+            try:
+                async with asyncio.timeout(wait):
+                    await self._read_log(since)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self.catch_up_failures += 1
+                self.models.metrics.sync_catch_up_failures.inc()
+                self._failed(f"the catch-up read of {self.log_key} (within {wait:g} s)", exc)
+                pause = min(self.timeout * 2**tries, CATCH_UP_MAX_PAUSE_S)
+                tries = min(tries + 1, 16)
+                await asyncio.sleep(pause)
+                continue
+            if not self._widened:
+                self._missed_since = None
+
+    async def _read_log(self, since_monotonic: float) -> None:
+        """Take what the log holds from `since_monotonic` (less `CATCH_UP_SLACK_S`) on."""
+        async with self._reader.pipeline(transaction=False) as pipe:
+            pipe.time()
+            pipe.xrange(self.log_key, "-", "+")
+            (seconds, micros), entries = await pipe.execute()
         now = time.monotonic()
         redis_now = seconds + micros / 1e6
-        since = redis_now - gap - CATCH_UP_SLACK_S
+        since = redis_now - (now - since_monotonic) - CATCH_UP_SLACK_S
         before = self.received
         for entry_id, fields in entries:
             at = int(entry_id.split(b"-")[0]) / 1000  # stream ids are Redis's ms clock

@@ -205,3 +205,37 @@ async def test_an_edge_does_not_take_what_another_canary_version_went_through(
             follower = b.wiring.models.ramps["m"]
             assert [t.action for t in follower.history] == ["pause"]
             assert follower.rollout.percent == 5.0 and follower.step == 0
+
+
+async def test_a_redis_slower_than_the_timeout_does_not_make_the_subscription_flap(
+    redis_url: str, redis_prefix: str
+) -> None:
+    """A's subscription dies silently while B rolls back, and A's Redis answers the catch-up
+    read later than the sync's `timeout`. A stays subscribed (no new subscription each time the
+    read times out) and retries the read, with a longer wait, until the rollback is taken."""
+    async with (
+        sims(sim("m", model_version="v1"), sim("m", model_version="v2")) as (s1, s2),
+        SilentRelay(redis_url) as relay,
+    ):
+        config = fast_config([s1.url, s2.url])
+        models = ModelsConfig(rollouts=[rollout()], share_stops=True, share_key=redis_prefix + "r")
+        async with (
+            run_edge(config, models=models, redis_url=relay.url, start=False) as a,
+            run_edge(config, models=models, redis_url=redis_url) as b,
+            httpx.AsyncClient() as admin,
+        ):
+            sync = a.wiring.rollout_sync
+            assert sync is not None and sync.timeout == 0.5
+            sync.ping_interval = sync.ping_timeout = 0.25
+            await a.wiring.start()
+            await subscribed(a, b)
+            relay.slow_after, relay.reply_delay = (b"XRANGE",), 0.8  # the catch-up's read
+            assert relay.sever() > 0
+            assert (await admin.post(b.admin_url + "/rollouts/m/rollback")).status_code == 200
+            await wait_until(lambda: ramp_state(a)[0] == "rolled_back", timeout=10)
+            assert sync.caught_up == 1 and sync.catch_up_failures >= 1
+            assert sync.subscription is not None
+            assert sync.subscription.failures == {"silent": 1, "error": 0}
+            assert sync.subscribed.is_set()
+            exported = a.registry.get_sample_value("quicedge_rollout_sync_catch_up_failures_total")
+            assert exported == sync.catch_up_failures
