@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, TextIO
@@ -120,6 +121,14 @@ def main(argv: list[str]) -> int:
         tickets = TicketStore(args.ticket) if args.ticket is not None else None
     except (OSError, ValueError) as exc:
         parser.error(f"cannot read ticket file: {exc}")
+    if args.ticket is not None:  # tried now: saving it after the answer ended in a traceback
+        existed = args.ticket.exists()
+        try:
+            os.close(os.open(args.ticket, os.O_WRONLY | os.O_CREAT, 0o600))
+        except OSError as exc:
+            parser.error(f"--ticket {args.ticket}: {exc.strerror}")
+        if not existed:
+            args.ticket.unlink(missing_ok=True)
     options = ClientOptions(
         cacert=args.cacert,
         insecure=args.insecure,
