@@ -3,8 +3,9 @@
 The file chain (`edge/audit.py`) is the record of truth; this is a copy for a log backend, and
 it may lose records, never delay them: the audit writer's thread hands each written line to
 `emit`, which only appends to the OpenTelemetry SDK's batch queue (`BatchLogRecordProcessor`),
-whose own thread encodes and sends. At most `queue_size` records wait for export; past that a
-new record is dropped and counted (`queue_full`), and a batch the collector does not accept
+whose own thread encodes and sends, a batch in parts under the exporter's request bound. At
+most `queue_size` records, and `QUEUE_BYTES` of their lines, wait for export; past that a new
+record is dropped and counted (`queue_full`), and a batch the collector does not accept
 within the export timeout (retries included) is dropped and counted (`failed`). Each log record
 carries its line's chain hash (`quicedge.audit.hash`, and `quicedge.audit.prev`), so an exported
 record can be matched to its line and `quicedge audit verify` can vouch for it.
@@ -53,6 +54,16 @@ ATTRIBUTES: tuple[tuple[str, str], ...] = (
 null in the record is left out (OpenTelemetry attributes have no null)."""
 
 
+REQUEST_MAX = 64 * 1024 * 1024
+"""The exporter's bound on one request (its own default), where it does not say its own."""
+QUEUE_BYTES = 128 * 1024 * 1024
+"""Characters of lines waiting for export (or being exported), at most: past it a new record
+is dropped as `queue_full`. With `include_prompts` a line is as long as its prompt, so
+`queue_size` records alone could hold gigabytes while a collector is slow."""
+RECORD_OVERHEAD = 4096
+"""Bytes a log record is taken to add to its body (attributes, framing), at most."""
+
+
 def otlp_exporter_class() -> Any:
     """The OTLP/HTTP log exporter (the `otlp` extra), or a one-line ValueError without it."""
     try:
@@ -86,17 +97,43 @@ class _CountingExporter(LogRecordExporter):
         self._close_lock = threading.Lock()
 
     def export(self, batch: Sequence[ReadableLogRecord]) -> LogRecordExportResult:
+        """Send the batch in parts of at most half the exporter's request bound: with
+        `include_prompts` a body is as long as its prompt, and a request over the bound is
+        dropped whole by the exporter, every record in it. After a part fails, the rest are
+        counted as failed at once (a dead collector costs one timeout, not one a part)."""
         owner = self._owner
         owner._taken(len(batch))
-        if self._abandoned:
-            owner._done(len(batch), ok=False)
-            return LogRecordExportResult.FAILURE
-        try:
-            result = self._inner.export(batch)
-        except Exception:  # the SDK would log and drop it; it is counted here too
-            result = LogRecordExportResult.FAILURE
-        owner._done(len(batch), ok=result is LogRecordExportResult.SUCCESS)
-        return result
+        ok = True
+        for part, chars in self._parts(batch):
+            if not ok or self._abandoned:
+                owner._done(len(part), chars, ok=False)
+                ok = False
+                continue
+            try:
+                ok = self._inner.export(part) is LogRecordExportResult.SUCCESS
+            except Exception:  # the SDK would log and drop it; it is counted here too
+                ok = False
+            owner._done(len(part), chars, ok=ok)
+        return LogRecordExportResult.SUCCESS if ok else LogRecordExportResult.FAILURE
+
+    def _parts(
+        self, batch: Sequence[ReadableLogRecord]
+    ) -> Iterator[tuple[Sequence[ReadableLogRecord], int]]:
+        """(part, characters of its bodies): the batch cut where a request would pass half the
+        exporter's bound (the rest is room for attributes and framing)."""
+        bound = (getattr(self._inner, "_max_request_size", None) or REQUEST_MAX) // 2
+        start = size = chars = 0
+        for i, record in enumerate(batch):
+            body = record.log_record.body
+            text = body if isinstance(body, str) else ""
+            length = (len(text) if text.isascii() else len(text.encode())) + RECORD_OVERHEAD
+            if i > start and size + length > bound:
+                yield batch[start:i], chars
+                start, size, chars = i, 0, 0
+            size += length
+            chars += len(text)
+        if start < len(batch):
+            yield batch[start:], chars
 
     def abandon(self) -> None:
         """Stop retrying the export in progress and refuse the rest (the shutdown's grace ran
@@ -141,6 +178,8 @@ class AuditExport:
         the oldest, never happens."""
         self._in_flight = 0
         """Records in the batch being exported."""
+        self._chars = 0
+        """Characters of the lines of the `depth` records (bounded by `QUEUE_BYTES`)."""
         self._closed = False
         self.exported = 0
         self.dropped_full = 0
@@ -183,10 +222,14 @@ class AuditExport:
         if self._logger is None:
             return False
         with self._lock:
-            if self._pending + self._in_flight >= self.queue_size:
+            if (
+                self._pending + self._in_flight >= self.queue_size
+                or self._chars + len(line) > QUEUE_BYTES
+            ):
                 self.dropped_full += 1
                 return False
             self._pending += 1
+            self._chars += len(line)
         attributes: dict[str, Any] = {}
         for name, key in ATTRIBUTES:
             value = record.get(key)
@@ -207,6 +250,7 @@ class AuditExport:
         except Exception:
             with self._lock:
                 self._pending -= 1
+                self._chars -= len(line)
                 self.dropped_failed += 1
             raise
         return True
@@ -235,7 +279,7 @@ class AuditExport:
         with self._lock:
             self._closed = True
             self.dropped_failed += self._pending + self._in_flight
-            self._pending = self._in_flight = 0
+            self._pending = self._in_flight = self._chars = 0
 
     # -- counts, from the SDK's export thread --------------------------------------------------
 
@@ -245,11 +289,12 @@ class AuditExport:
                 self._pending -= n
                 self._in_flight += n
 
-    def _done(self, n: int, ok: bool) -> None:
+    def _done(self, n: int, chars: int, ok: bool) -> None:
         with self._lock:
             if self._closed:
                 return  # counted as failed when the close gave up on it
             self._in_flight -= n
+            self._chars -= chars
             if ok:
                 self.exported += n
             else:

@@ -16,10 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import opentelemetry.exporter.otlp.proto.http._log_exporter as log_exporter_module
 import pytest
 from opentelemetry.proto.collector.logs.v1.logs_service_pb2 import ExportLogsServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
+import edge.audit_export as audit_export_module
 from backends.sim import SimConfig, SimServer
 from edge.admission.settings import AdmissionSettings, TenantSettings
 from edge.admission.tenants import key_digest
@@ -305,3 +307,62 @@ def test_an_otlp_protocol_the_exporter_does_not_speak_is_one_line(
     # the protocol it speaks, named in the logs' own variable over the general one, is taken
     check_otlp({"OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
                 "OTEL_EXPORTER_OTLP_LOGS_PROTOCOL": "http/protobuf"})  # fmt: skip
+
+
+async def test_a_batch_past_the_collectors_request_bound_is_sent_in_parts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `include_prompts`, a line is as long as its prompt: 512 lines of 128 KiB made one
+    request over the exporter's bound (64 MiB), which dropped the whole batch, every record in
+    it. Here the bound is 1 MiB, the prompts 64 KiB: a batch of 40 goes out in parts."""
+    monkeypatch.setattr(log_exporter_module, "_DEFAULT_MAX_REQUEST_SIZE", 1024 * 1024)
+    path = tmp_path / "audit.jsonl"
+    total = 40
+    with collector() as (endpoint, received):
+        config = AuditConfig(path=str(path), include_prompts=True, otlp=True,
+                             otlp_endpoint=f"{endpoint}/v1/logs",
+                             otlp_batch_delay=0.05)  # fmt: skip
+        log = AuditLog(config)
+        await log.start()
+        export = log.export
+        assert export is not None
+        try:
+            for i in range(total):
+                log.record({**entry(i), "_prompt": f"{i:02d}" + "p" * 64 * 1024})
+            await log.flush()
+            await wait_until(lambda: export.exported + export.dropped_failed >= total, 30)
+        finally:
+            await log.aclose()
+    assert export.dropped_failed == 0 and export.exported == total
+    hashes = {json.loads(line)["hash"] for line in path.read_text().splitlines()}
+    assert {r["attributes"]["quicedge.audit.hash"] for r in log_records(received)} == hashes
+    assert all(len(body) <= 1024 * 1024 for _, body in received)
+
+
+async def test_what_waits_for_export_is_bounded_in_bytes_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`otlp_queue_size` counts records; with `include_prompts` each is as long as its prompt
+    (8 MiB bodies: 2,048 of them held 16 GiB for a silent collector). Past `QUEUE_BYTES` of
+    lines waiting, a new one is dropped as `queue_full`. Scaled down here: 2 MiB, 256 KiB."""
+    monkeypatch.setattr(audit_export_module, "QUEUE_BYTES", 2 * 1024 * 1024, raising=False)
+    path = tmp_path / "audit.jsonl"
+    total = 20
+    with dead_collector("silent") as endpoint:
+        config = AuditConfig(path=str(path), include_prompts=True, otlp=True,
+                             otlp_endpoint=endpoint, otlp_batch_delay=0.05,
+                             otlp_timeout=30.0)  # fmt: skip
+        log = AuditLog(config)
+        await log.start()
+        export = log.export
+        assert export is not None
+        try:
+            for i in range(total):
+                log.record({**entry(i), "_prompt": "p" * 256 * 1024})
+            await log.flush()
+            assert log.written == total
+            assert export.depth <= 8 and export.dropped_full >= total - 8
+            await asyncio.wait_for(asyncio.to_thread(export.close, 0.2), 20)
+        finally:
+            await log.aclose()
+    assert export.dropped_full + export.dropped_failed == total
