@@ -295,46 +295,52 @@ class RequestRules:
     def _check_tokens(route: str, body: MutableMapping[str, Any], tier: str, limit: int) -> bool:
         """Refuse a request any of whose length fields asks for more than `limit`, or is not a
         plain integer (a backend may read `"200"` or `200.0` as 200: SGLang's pydantic does).
-        A request that sets none is given `limit` (True: the body changed): without one, a
-        chat completion may run to the model's context length."""
+        A request that sets none of the fields its route reads is given `limit` there (True:
+        the body changed): without one, a chat completion may run to the model's context
+        length, and a length in a field the route ignores (`sampling_params.max_new_tokens`
+        on the chat route, `max_tokens` on `/generate`) bounds nothing."""
         # The common case, every field absent or within the limit, in straight-line code: this
         # runs on every request of a limited tier. Only a refusal looks for the field to name.
         a, b = body.get("max_tokens"), body.get("max_completion_tokens")
         params = body.get("sampling_params")
         c = params.get("max_new_tokens") if isinstance(params, dict) else None
-        if a is None and b is None and c is None:
-            if route == GENERATE:
-                if not isinstance(params, dict):
-                    params = body["sampling_params"] = {}
-                params["max_new_tokens"] = limit
-                return True
-            if route == CHAT or route == COMPLETIONS:
-                body["max_tokens"] = limit
-                return True
-            return False
-        if (
+        if not (
             (a is None or (type(a) is int and a <= limit))
             and (b is None or (type(b) is int and b <= limit))
             and (c is None or (type(c) is int and c <= limit))
         ):
-            return False
-        for name, value in _token_fields(body):
-            if type(value) is int and value <= limit:
-                continue
-            rule = f"tier:{tier}:max_tokens"
-            if type(value) is not int:
+            for name, value in _token_fields(body):
+                if type(value) is int and value <= limit:
+                    continue
+                rule = f"tier:{tier}:max_tokens"
+                if type(value) is not int:
+                    raise PolicyLimit(
+                        rule,
+                        f"{name} must be an integer to be checked against this tier's limit of "
+                        f"{limit} (rule `{rule}`)",
+                        param=name,
+                    )
                 raise PolicyLimit(
                     rule,
-                    f"{name} must be an integer to be checked against this tier's limit of "
-                    f"{limit} (rule `{rule}`)",
+                    f"{name} {value} is above this tier's limit of {limit} (rule `{rule}`)",
                     param=name,
                 )
-            raise PolicyLimit(
-                rule,
-                f"{name} {value} is above this tier's limit of {limit} (rule `{rule}`)",
-                param=name,
-            )
-        return False  # (not reached: the fast path passed every field within the limit)
+        # The fields each route's backend reads: SGLang's chat route `max_completion_tokens`
+        # or `max_tokens`, completions `max_tokens`, `/generate` only `max_new_tokens`.
+        if route == GENERATE:
+            if c is None:
+                if not isinstance(params, dict):
+                    params = body["sampling_params"] = {}
+                params["max_new_tokens"] = limit
+                return True
+        elif route == CHAT:
+            if a is None and b is None:
+                body["max_tokens"] = limit
+                return True
+        elif route == COMPLETIONS and a is None:
+            body["max_tokens"] = limit
+            return True
+        return False
 
     def _redact_with(
         self, index: int, slots: Slots, folded: list[str], groups: Sequence[tuple[int, int]]

@@ -400,3 +400,34 @@ async def test_thinking_parts_sent_back_are_matched() -> None:
             response = await http.post("/v1/chat/completions", json=body)
     assert response.status_code == 403, response.text
     assert inference(up) == []
+
+
+async def test_a_length_only_in_a_field_the_route_ignores_still_gets_the_tiers() -> None:
+    """SGLang's chat route reads `max_tokens` / `max_completion_tokens`, `/generate` only
+    `sampling_params.max_new_tokens`: a length sent only in a field the route ignores left
+    the request uncapped (a chat completion then runs to the context length). It is given
+    the tier's limit in the route's own field, as a request with no length is."""
+    policy = {"tiers": [{"tier": "bronze", "max_tokens": 16}]}
+
+    def answer(recorded: Recorded) -> Reply:
+        if recorded.path == "/generate":
+            body = json.dumps({"text": "ok", "meta_info": {"id": "g"}}).encode()
+            return health_ok(recorded) or Reply(chunks=[body], chunked=False)
+        return health_ok(recorded) or sse_reply(["ok"])
+
+    messages = [{"role": "user", "content": "hi"}]
+    async with TinyUpstream(answer) as up:
+        async with edge_with(up.url, policy) as edge, client(edge) as http:
+            chat = await http.post("/v1/chat/completions", json={
+                "model": "tiny-model", "messages": messages,
+                "sampling_params": {"max_new_tokens": 8}})  # fmt: skip
+            generate = await http.post("/generate", json={"text": "hi", "max_tokens": 8})
+            completions = await http.post("/v1/completions", json={
+                "model": "tiny-model", "prompt": "hi", "max_completion_tokens": 8})  # fmt: skip
+    assert chat.status_code == generate.status_code == completions.status_code == 200
+    sent = {r.path: json.loads(r.body) for r in inference(up)}
+    assert sent["/v1/chat/completions"]["max_tokens"] == 16
+    assert sent["/v1/chat/completions"]["sampling_params"] == {"max_new_tokens": 8}
+    assert sent["/generate"]["sampling_params"] == {"max_new_tokens": 16}
+    assert sent["/generate"]["max_tokens"] == 8
+    assert sent["/v1/completions"]["max_tokens"] == 16
