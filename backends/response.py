@@ -18,6 +18,10 @@ from backends.errors import UpstreamError, UpstreamProtocolError
 if TYPE_CHECKING:
     from backends.pool import BackendSlots
 
+MAX_READ_BYTES = 16 * 1024 * 1024
+"""The most `UpstreamResponse.read()` holds unless told otherwise: whole bodies read this way
+(model lists, pre-warm answers) are small, and a backend that sends more is broken."""
+
 
 class UpstreamResponse:
     """Status and headers of a backend response; the body is read by iterating."""
@@ -150,9 +154,22 @@ class UpstreamResponse:
         conn = self._conn
         return conn is None or conn.response.done or conn.response.error is not None or conn.eof
 
-    async def read(self) -> bytes:
-        """The whole (remaining) body."""
-        return b"".join([chunk async for chunk in self])
+    async def read(self, limit: int = MAX_READ_BYTES) -> bytes:
+        """The whole (remaining) body; past `limit` bytes the response is aborted (its
+        connection closed) and UpstreamProtocolError raised, so a body that never ends does
+        not grow the edge's memory without bound."""
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in self:
+            size += len(chunk)
+            if size > limit:
+                self._abort()
+                raise UpstreamProtocolError(
+                    f"{self._host.base_url} sent a body over {limit} bytes",
+                    base_url=self._host.base_url,
+                )
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     def _abort(self) -> None:
         conn, self._conn = self._conn, None
