@@ -38,6 +38,9 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 GENERATE = "/generate"
 
+_PROMPT_FIELD = {CHAT: "messages", GENERATE: "text"}
+"""The field a refusal over the prompt names (`prompt` on the other routes)."""
+
 Slot = tuple[MutableMapping[str, Any] | MutableSequence[Any], Any]
 """Where one piece of prompt text lives in the body: (container, key or index)."""
 
@@ -250,7 +253,7 @@ class RequestRules:
                         rule,
                         f"the prompt has {size} characters, above this tier's limit of "
                         f"{limits.max_prompt_chars} (rule `{rule}`)",
-                        param="messages" if route == CHAT else "prompt",
+                        param=_PROMPT_FIELD.get(route, "prompt"),
                     )
         if self._set is None or not slots:
             return verdict
@@ -283,7 +286,7 @@ class RequestRules:
                 raise PolicyRefused(
                     rule_id,
                     f"the request was refused by policy rule `{rule_id}`",
-                    param="messages" if route == CHAT else "prompt",
+                    param=_PROMPT_FIELD.get(route, "prompt"),
                 )
         for i in matched:
             if rules[i].action == "redact" and self._redact_with(i, slots, folded, groups):

@@ -431,3 +431,17 @@ async def test_a_length_only_in_a_field_the_route_ignores_still_gets_the_tiers()
     assert sent["/generate"]["sampling_params"] == {"max_new_tokens": 16}
     assert sent["/generate"]["max_tokens"] == 8
     assert sent["/v1/completions"]["max_tokens"] == 16
+
+
+async def test_a_generate_refusal_names_its_text_field() -> None:
+    """`/generate`'s prompt is its `text`: a refusal's `param` names that field, as a chat
+    refusal names `messages` and a completions one `prompt`."""
+    policy = {**POLICY, "tiers": [{"tier": "bronze", "max_prompt_chars": 50}]}
+    async with TinyUpstream(script(["ok"])) as up:
+        async with edge_with(up.url, policy) as edge, client(edge) as http:
+            denied = await http.post("/generate", json={"text": "my password"})
+            long = await http.post("/generate", json={"text": "x" * 60})
+            completions = await http.post("/v1/completions", json=completion("my password", False))
+    assert denied.status_code == 403 and long.status_code == 400
+    assert denied.json()["error"]["param"] == long.json()["error"]["param"] == "text"
+    assert completions.json()["error"]["param"] == "prompt"
