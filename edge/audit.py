@@ -61,6 +61,10 @@ GENESIS = "0" * 64
 MiB = 1024 * 1024
 WRITE_INTERVAL = 0.05
 """Seconds the writer gathers records for before it writes them as one batch."""
+QUEUE_BYTES = 256 * MiB
+"""Characters of prompts the queue holds, at most: a record holds its prompt until the writer's
+thread hashes (or writes) it, so `queue_size` records of long prompts could hold gigabytes while
+the disk stalls. Past it the queue is full, as past `queue_size`."""
 MAX_LINE_BYTES = 64 * MiB
 """The longest line a restarted writer reads back (its last one) and `verify` reads: far above
 any record, whose longest part is the prompt (`include_prompts`) under `max_body_bytes`."""
@@ -83,7 +87,8 @@ class AuditConfig:
     max_bytes: int = 100 * MiB
     """Size past which the file is rotated (100 MiB)."""
     queue_size: int = 10_000
-    """Records waiting to be written, at most (10000)."""
+    """Records waiting to be written, at most (10000); the queue is also full at 256 MiB of
+    their prompts (`QUEUE_BYTES`)."""
     when_full: Literal["drop", "refuse"] = "drop"
     """A full queue: `drop` the record and count it, or `refuse` new requests (503)."""
     include_prompts: bool = False
@@ -166,6 +171,8 @@ class AuditLog:
         self.path = config.path.replace("{pid}", str(os.getpid()))
         self._lock: int | None = None
         self._queue: collections.deque[dict[str, Any]] = collections.deque()
+        self._queued_chars = 0
+        """Characters of the prompts of the queued records (bounded by `QUEUE_BYTES`)."""
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         """Set while nothing is queued or being written."""
@@ -201,7 +208,7 @@ class AuditLog:
     def admit(self) -> None:
         """Refuse a new request while the queue is full (`when_full = "refuse"`)."""
         if self.config.when_full == "refuse":
-            admitted = len(self._queue) < self.config.queue_size
+            admitted = not self._full()
             _admitted.set(admitted)
             if not admitted:
                 raise AuditBacklog("the audit log is behind; retry shortly")
@@ -215,16 +222,21 @@ class AuditLog:
         if self._closed:
             self.dropped += 1
             return False
-        if len(self._queue) >= self.config.queue_size and not (
-            admitted and self.config.when_full == "refuse"
-        ):
+        if self._full() and not (admitted and self.config.when_full == "refuse"):
             self.dropped += 1
             return False
+        prompt = entry.get("_prompt")
+        if isinstance(prompt, str):
+            self._queued_chars += len(prompt)
         self._queue.append(entry)
         if not self._wake.is_set():
             self._wake.set()
             self._idle.clear()
         return True
+
+    def _full(self) -> bool:
+        """`queue_size` records are queued, or `QUEUE_BYTES` of their prompts."""
+        return len(self._queue) >= self.config.queue_size or self._queued_chars >= QUEUE_BYTES
 
     def record_event(self, event: str, **fields: Any) -> bool:
         """Queue the record of something done to the edge itself, not a request: a config
@@ -312,6 +324,7 @@ class AuditLog:
         queue = self._queue
         batch = list(queue)
         queue.clear()
+        self._queued_chars = 0
         return batch
 
     async def _drain(self) -> None:

@@ -5,6 +5,7 @@ burst through the edge written without a drop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import hashlib
 import json
@@ -32,6 +33,7 @@ from tests.edge.conftest import (
     run_edge,
     sse_reply,
 )
+from tests.helpers import wait_until
 
 
 def entry(i: int) -> dict[str, Any]:
@@ -692,3 +694,35 @@ async def test_a_newest_file_archived_in_a_form_not_read_stops_the_start(tmp_pat
         await log.start()
     await log.aclose()
     assert not path.exists()  # nothing written on a fork of the chain
+
+
+async def test_what_waits_for_a_stalled_disk_is_bounded_in_bytes_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record holds its prompt until the writer hashes it: `queue_size` (10,000) records of
+    8 MiB prompts held 80 GB while the disk stalled. Past `QUEUE_BYTES` of prompts waiting, a
+    record is dropped and counted as for a full queue (scaled down here: 1 MiB, 128 KiB). The
+    file is a FIFO nobody reads yet: the writer's open blocks, as on a hung disk."""
+    monkeypatch.setattr(audit_module, "QUEUE_BYTES", 1024 * 1024, raising=False)
+    path = tmp_path / "audit.jsonl"
+    log = AuditLog(AuditConfig(path=str(path)))
+    await log.start()
+    os.mkfifo(path)
+    try:
+        kept = [log.record({**entry(i), "_prompt": "p" * 128 * 1024}) for i in range(1)]
+        await wait_until(lambda: log.depth == 0)  # the writer took it, and is stuck in open
+        kept += [log.record({**entry(i), "_prompt": "p" * 128 * 1024}) for i in range(1, 20)]
+        assert kept == [True] * 9 + [False] * 11
+        assert log.dropped == 11 and log.depth == 8
+    finally:
+        reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # let the stuck write through
+        try:
+            closing = asyncio.ensure_future(log.aclose())
+            while not closing.done():
+                with contextlib.suppress(BlockingIOError):
+                    os.read(reader, 1 << 20)
+                await asyncio.sleep(0.01)
+            await closing
+        finally:
+            os.close(reader)
+    assert log.written == 9
