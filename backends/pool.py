@@ -136,6 +136,8 @@ class BackendSlots:
                 return
 
     async def connect(self) -> Connection:
+        if self.pool._closed:  # a request in flight at `aclose` must not open another
+            raise UpstreamConnectError("the upstream pool is closed", base_url=self.base_url)
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(self.pool.connect_timeout):
@@ -153,6 +155,9 @@ class BackendSlots:
             ) from exc
         self.pool._connects += 1
         self.all.add(conn)
+        if self.pool._closed:  # closed while this connect was under way
+            conn.close()
+            raise UpstreamConnectError("the upstream pool is closed", base_url=self.base_url)
         return conn
 
     async def acquire(self) -> tuple[Connection, bool]:
@@ -395,7 +400,7 @@ class UpstreamPool:
                 self.read_urgent()
                 await conn.wait_head(first_byte_timeout, began)
             except (UpstreamError, OSError) as exc:
-                stale = reused and not conn.received_any and conn.eof
+                stale = reused and not conn.received_any and conn.eof and not self._closed
                 conn.close()
                 if stale and attempt == 0 and not isinstance(exc, UpstreamTimeout):
                     # The backend closed this idle connection just as we reused it (its
