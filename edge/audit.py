@@ -31,6 +31,7 @@ import collections
 import contextlib
 import contextvars
 import fcntl
+import functools
 import gzip
 import hashlib
 import hmac
@@ -286,7 +287,8 @@ class AuditLog:
                 "{pid} in the path)"
             ) from None
         try:
-            self._prev = await asyncio.to_thread(last_hash, self.path)
+            self._prev = await asyncio.to_thread(functools.partial(last_hash, repair=True),
+                                                 self.path)  # fmt: skip
         except BaseException:
             os.close(self._lock)  # a log this writer cannot continue is left to the next one
             self._lock = None
@@ -460,17 +462,25 @@ def _model(ex: Exchange) -> str | None:
     return cut(model, MODEL_MAX) if isinstance(model, str) else None
 
 
-def last_hash(path: str) -> str:
+def last_hash(path: str, *, repair: bool = False) -> str:
     """The `hash` of the last line of the log at `path`, else of its newest rotated file that
     has a line: an archived one (`PATH.N.gz`, which logrotate's `compress` makes of a file it
     rotated away) included, since continuing from an older file would fork the chain. A newest
-    file archived in a form not read here (`PATH.N.zst`) is a ValueError naming it."""
+    file archived in a form not read here (`PATH.N.zst`) is a ValueError naming it.
+
+    Read only unless `repair` (the writer's start, which holds the log's lock): a file that
+    ends inside a line then has that part cut off (a crash's) or its newline added; without
+    `repair` the line before it is read, and the file left as it is, which may be a running
+    writer's write in progress (`serve --check` beside the running edge)."""
     by_number: dict[int, list[str]] = {}
     for number, name in _numbered(path):
         by_number.setdefault(number, []).append(name)
     for name in [path, *(_readable(by_number[n]) for n in sorted(by_number, reverse=True))]:
         try:
-            value = _last_gzip_line_hash(name) if name.endswith(".gz") else _last_line_hash(name)
+            if name.endswith(".gz"):
+                value = _last_gzip_line_hash(name)
+            else:
+                value = _last_line_hash(name, repair=repair)
         except FileNotFoundError:
             continue
         except OSError as exc:  # read past it, the chain would fork from an older line
@@ -519,17 +529,23 @@ def _last_gzip_line_hash(name: str) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _last_line_hash(name: str) -> str | None:
+def _last_line_hash(name: str, *, repair: bool) -> str | None:
     """The `hash` of the file's last line; None when the file is empty. The line is found by
     reading back from the end in blocks, so its length does not matter up to `MAX_LINE_BYTES`
-    (a prompt-bearing line is as long as its prompt)."""
+    (a prompt-bearing line is as long as its prompt). A file that ends inside a line is
+    repaired (`repair`), or read up to the line before it."""
     with open(name, "rb") as f:
         end = f.seek(0, os.SEEK_END)
         if end == 0:
             return None
         f.seek(end - 1)
         if f.read(1) != b"\n":
-            end = _end_the_last_line(f, name, end)
+            if repair:
+                end = _end_the_last_line(f, name, end)
+            else:
+                start = _line_start(f, end, None)
+                assert start is not None
+                end = start
             if end == 0:
                 return None
         end -= 1

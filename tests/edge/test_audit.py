@@ -726,3 +726,19 @@ async def test_what_waits_for_a_stalled_disk_is_bounded_in_bytes_too(
         finally:
             os.close(reader)
     assert log.written == 9
+
+
+def test_serve_check_leaves_a_log_it_reads_as_it_is(tmp_path: Path) -> None:
+    """`serve --check` beside the running edge reads the chain's last record; a file that ends
+    inside a line there is the edge's write in progress, which the check must not cut off (the
+    rest of the write would follow a cut line). Only a writer's start repairs the end."""
+    path = tmp_path / "audit.jsonl"
+    asyncio.run(write_log(path, 2))
+    with path.open("ab") as f:
+        f.write(b'{"ts": 1.5, "request_id": "being writ')
+    before = path.read_bytes()
+    args = ["serve", "--backend", "http://127.0.0.1:9", "--check", "--audit-log", str(path)]
+    done = subprocess.run([sys.executable, "-m", "edge.cli", *args], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert path.read_bytes() == before
