@@ -262,10 +262,26 @@ class PolicyConfig:
             if item.id in ids:
                 raise ValueError(f"policy: id {item.id!r} is used twice")
             ids.add(item.id)
+        # A second table for the same tenant or tier would replace the first whole (its
+        # models, or all its limits), silently: refused, so the file says what applies.
+        tenants: set[str] = set()
         for models in self.tenant_models:
             models.validate()
+            if models.tenant in tenants:
+                raise ValueError(
+                    f"policy.tenant_models: tenant {models.tenant!r} is listed twice; give it"
+                    " one table with all its models"
+                )
+            tenants.add(models.tenant)
+        tiers: set[str] = set()
         for tier in self.tiers:
             tier.validate()
+            if tier.tier in tiers:
+                raise ValueError(
+                    f"policy.tiers: tier {tier.tier!r} is listed twice; give it one table with"
+                    " all its limits"
+                )
+            tiers.add(tier.tier)
         self.judge.validate()
         if self.stream_lookbehind < 1:
             raise ValueError("policy.stream_lookbehind: must be >= 1")

@@ -163,3 +163,21 @@ def test_a_request_rule_pattern_that_can_match_nothing_is_refused(
 def test_request_rule_patterns_that_need_a_character_load(tmp_path: Path, pattern: str) -> None:
     escaped = pattern.replace("\\", "\\\\")
     loaded(tmp_path, f'[[policy.rules]]\nid = "r"\npatterns = ["{escaped}"]\n')
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('[[policy.tenant_models]]\ntenant = "t"\nmodels = ["small-*"]\n'
+         '[[policy.tenant_models]]\ntenant = "t"\nmodels = ["big-*"]\n',
+         "policy.tenant_models: tenant 't' is listed twice"),
+        ('[[policy.tiers]]\ntier = "bronze"\nmax_tokens = 10\n'
+         '[[policy.tiers]]\ntier = "bronze"\nmax_prompt_chars = 10\n',
+         "policy.tiers: tier 'bronze' is listed twice"),
+    ],
+)  # fmt: skip
+def test_a_tenant_or_tier_listed_twice_is_refused(tmp_path: Path, text: str, message: str) -> None:
+    """The second table silently replaced the first (its models, or its limits: a tier's
+    `max_tokens` dropped by a second table that sets only `max_prompt_chars`)."""
+    with pytest.raises(ValueError, match=message):
+        loaded(tmp_path, text)
