@@ -318,7 +318,10 @@ def _as_called(ex: Exchange, err: PolicyRefused) -> PolicyRefused:
         return err
     field = _RESPONSES_FIELDS.get(err.param or "")
     if field is not None:
-        err.message = err.message.replace(err.param or "", field, 1)
+        # a limit's message starts with the field it names; a rule's id, which a message
+        # also holds, is left as it is (`no-messages` stays `no-messages`)
+        if err.param and err.message.startswith(err.param + " "):
+            err.message = field + err.message[len(err.param) :]
         err.param = field
     if isinstance(err, StreamRefusal):
         err.events = state.builder.feed(err.events)

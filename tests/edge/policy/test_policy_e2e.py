@@ -445,3 +445,18 @@ async def test_a_generate_refusal_names_its_text_field() -> None:
     assert denied.status_code == 403 and long.status_code == 400
     assert denied.json()["error"]["param"] == long.json()["error"]["param"] == "text"
     assert completions.json()["error"]["param"] == "prompt"
+
+
+async def test_a_responses_refusal_keeps_a_rule_id_that_names_a_chat_field() -> None:
+    """A Responses refusal names `input` where a chat one names `messages`, but only in the
+    field and where a message names the field: a rule whose id says `messages` keeps it."""
+    policy = {"rules": [{"id": "no-messages-with-max_tokens", "patterns": ["password"]}]}
+    async with TinyUpstream(script(["ok"])) as up:
+        async with edge_with(up.url, policy) as edge, client(edge) as http:
+            response = await http.post("/v1/responses", json={"input": "my password"})
+    assert response.status_code == 403
+    error = response.json()["error"]
+    assert error["param"] == "input"
+    assert error["message"] == (
+        "the request was refused by policy rule `no-messages-with-max_tokens`"
+    )
