@@ -46,7 +46,7 @@ from urllib.parse import quote, urlsplit
 import h11
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from backends.labels import LABEL_TIERS, check_url, parse_labels, shown
+from backends.labels import LABEL_TIERS, check_url, has_credentials, parse_labels, shown
 from backends.registry import BackendRegistry
 
 log = logging.getLogger(__name__)
@@ -149,11 +149,6 @@ def _host_port(text: str) -> tuple[str, int] | None:
 
 
 def _name(text: str) -> tuple[str, int]:
-    if "@" in text:
-        raise ValueError(
-            "discovery.names: a name must not carry credentials; put the backends' key in a"
-            " file named by proxy.backend_api_key_file"
-        )
     found = _host_port(text)
     if found is None:
         raise ValueError(f"discovery.names: {text!r} is not HOST:PORT or _service._proto.DOMAIN")
@@ -162,6 +157,11 @@ def _name(text: str) -> tuple[str, int]:
 
 def split_name(name: str) -> tuple[str, dict[str, str]]:
     """A discovery name and the labels after its `#` (none without one)."""
+    if has_credentials(name):
+        raise ValueError(
+            "discovery.names: a name must not carry credentials; put the backends' key in a"
+            " file named by proxy.backend_api_key_file"
+        )
     try:
         return parse_labels(name)
     except ValueError as exc:

@@ -8,6 +8,7 @@ the `ttft` policy all read the same labels.
 from __future__ import annotations
 
 import ipaddress
+import re
 from urllib.parse import urlsplit
 
 DEFAULT_GROUP = "default"
@@ -42,6 +43,38 @@ def shown(url: str) -> str:
     return f"{scheme}{sep}{netloc}{slash}{tail}"
 
 
+def credentials_refused(url: str) -> ValueError:
+    """The error for a URL with credentials: it names the host, never the credentials."""
+    rest = url.partition("://")[2] or url
+    after = rest[_userinfo_ends(rest) + 1 :]
+    host = re.split(r"[/?#&]", after, maxsplit=1)[0]
+    return ValueError(
+        f"backend at {host}: credentials in a backend URL (USER:PASSWORD@) are not accepted:"
+        " they would show in metrics, logs and /backends; put the backend's key in a file"
+        " named by proxy.backend_api_key_file or [proxy.backend_api_key_files]"
+    )
+
+
+def has_credentials(url: str) -> bool:
+    """Whether `url` carries a `user:password@`, however the password is written (a `#`, `/`
+    or `?` in it included): an `@` belongs to a label only after `model=` (`model=llama@v2`)."""
+    return _userinfo_ends(url.partition("://")[2] or url) != -1
+
+
+def _userinfo_ends(rest: str) -> int:
+    """The index in `rest` (a URL after `://`) of the last `@` that is not a model label's,
+    -1 if none."""
+    found = -1
+    at = rest.find("@")
+    while at != -1:
+        before = rest[:at]
+        label = max(before.rfind("#"), before.rfind("&"))
+        if label == -1 or not before[label + 1 :].startswith("model="):
+            found = at
+        at = rest.find("@", at + 1)
+    return found
+
+
 def check_url(url: str) -> tuple[str, tuple[str, int]]:
     """A backend URL without its labels, checked: the URL without trailing `/`, and the
     address it names (lower-case host, port), one for every spelling of the same backend.
@@ -59,12 +92,8 @@ def check_url(url: str) -> tuple[str, tuple[str, int]]:
         )
     if parts.scheme != "http" or not parts.netloc:
         raise ValueError(f"backend URL must be http://HOST:PORT, got {shown(url)!r}")
-    if "@" in parts.netloc:
-        raise ValueError(
-            f"{what}: credentials in a backend URL are not accepted (they would show in"
-            " metrics, logs and /backends); put the backend's key in a file named by"
-            " proxy.backend_api_key_file or [proxy.backend_api_key_files]"
-        )
+    if "@" in parts.netloc or has_credentials(url):
+        raise credentials_refused(url)
     if parts.path:
         raise ValueError(f"backend URL must be http://HOST:PORT, no path, got {shown(url)!r}")
     if parts.query or "?" in trimmed:
@@ -93,7 +122,10 @@ LABEL_TIERS = frozenset({"gold", "silver", "bronze"})
 
 def parse_labels(url: str) -> tuple[str, dict[str, str]]:
     """Split `http://host:port#model=llama3-v2&hardware=h100&tiers=gold+silver` into the URL
-    and its labels; a URL without `#` has none. Raises ValueError naming a bad label."""
+    and its labels; a URL without `#` has none. Raises ValueError naming a bad label, or
+    saying that the URL carries credentials (without showing them)."""
+    if has_credentials(url):
+        raise credentials_refused(url)
     base, _, fragment = url.partition("#")
     labels: dict[str, str] = {}
     for pair in filter(None, fragment.split("&")):

@@ -38,6 +38,15 @@ def test_credentials_in_a_backend_url_are_refused_without_showing_them(url: str)
     for message in (config_error(url), registry_error(url)):
         assert SECRET not in message
         assert "user:" not in message
+
+
+@pytest.mark.parametrize("cut", ["#", "/", "?", "&"])
+def test_a_password_with_a_delimiter_in_it_is_not_shown_either(cut: str) -> None:
+    first, second = SECRET[:5], SECRET[5:]
+    url = f"http://user:{first}{cut}{second}@127.0.0.1:8000"
+    for message in (config_error(url), registry_error(url)):
+        assert first not in message and second not in message, message
+        assert "backend_api_key_file" in message
     assert "backend_api_key_file" in config_error(f"http://user:{SECRET}@127.0.0.1:8000")
 
 
