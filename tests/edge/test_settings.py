@@ -5,6 +5,7 @@ mistake cost a second each; the real command, in a subprocess, where the process
 from __future__ import annotations
 
 import argparse
+import fcntl
 import math
 import os
 import subprocess
@@ -343,18 +344,19 @@ def test_help_comes_from_the_field_docstrings() -> None:
 
 
 def test_an_app_that_cannot_start_is_one_line_and_exit_1(tmp_path: Path) -> None:
-    """Settings that pass but apps that cannot start (an audit log whose last line is not a
-    record) ended in a traceback."""
+    """Settings that pass but apps that cannot start (an audit log another process writes:
+    `--check` reads the log but takes no lock) ended in a traceback."""
     log = tmp_path / "audit.jsonl"
-    log.write_text("not a record\n")
     config = tmp_path / "quicedge.toml"
     config.write_text(f'[audit]\npath = "{log}"\n')
-    done = quicedge(
-        "serve", "--config", str(config), "--backend", "http://127.0.0.1:1",
-        "--h3", "127.0.0.1:0", "--tcp", "off", "--admin", "off",
-    )  # fmt: skip
+    with open(f"{log}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # as the writer of a running edge holds it
+        done = quicedge(
+            "serve", "--config", str(config), "--backend", "http://127.0.0.1:1",
+            "--h3", "127.0.0.1:0", "--tcp", "off", "--admin", "off",
+        )  # fmt: skip
     assert done.returncode == 1, done.stderr
     assert "Traceback" not in done.stderr
-    assert done.stderr.splitlines()[-1] == (
-        f"quicedge serve: {log}: the last line is not an audit record"
-    )
+    assert done.stderr.splitlines()[-1].startswith(
+        f"quicedge serve: audit.path: another process writes {log}"
+    ), done.stderr
