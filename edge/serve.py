@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from prometheus_client import CollectorRegistry
+from redis.connection import parse_url as redis_parse_url
 
 from backends.discovery import DiscoveryConfig, make_source
 from certs.dev import default_dir
@@ -108,6 +109,7 @@ def load_settings(
     doc = load_toml(args.config) if toml is None else toml
     loaded = settings.load(SECTIONS, toml=doc, environ=environ, flags=vars(args))
     loaded.validate(skip=("proxy",))
+    check_redis_urls(loaded)
     if not args.demo:
         discovery = loaded.get("discovery", DiscoveryConfig)
         try:
@@ -121,6 +123,23 @@ def load_settings(
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
     return loaded
+
+
+def check_redis_urls(loaded: Settings) -> None:
+    """Each Redis URL read as the client will read it: a bad port or option passed the
+    sections' checks and then ended a worker with a traceback. The message leaves the URL out
+    (it may carry a password)."""
+    urls = [
+        ("serve.redis", loaded.get("serve", TransportConfig).redis),
+        ("fleet_view.redis", loaded.get("fleet_view", FleetViewConfig).redis),
+    ]
+    for name, url in urls:
+        if url is None:
+            continue
+        try:
+            redis_parse_url(url)
+        except ValueError as exc:
+            raise SettingsError(f"{name}: {exc}") from None
 
 
 def transport_config(loaded: Settings) -> TransportConfig:

@@ -114,3 +114,24 @@ def test_an_audit_log_a_start_cannot_open_or_continue_fails_the_check(tmp_path: 
                 "--admin", "127.0.0.1:0",
             )  # fmt: skip
             assert refused(done) == message
+
+
+def test_a_redis_url_with_a_bad_port_fails_the_check_and_a_start_in_one_line() -> None:
+    """`--redis redis://host:99999` passed `--check`; a real start died in its worker with a
+    traceback (`Port out of range 0-65535`) when it made the ticket store."""
+    url = "redis://:s3cret@127.0.0.1:99999/0"
+    for extra in (["--check"], ["--h3", "127.0.0.1:0", "--tcp", "127.0.0.1:0"]):
+        done = quicedge(
+            "serve", *extra, "--redis", url, "--backend", "http://10.0.0.5:1",
+            "--admin", "127.0.0.1:0",
+        )  # fmt: skip
+        line = refused(done)
+        assert line == "quicedge serve: serve.redis: Port out of range 0-65535", line
+    done = quicedge(
+        "serve", "--check", "--fleet-view", "--fleet-view-redis", "redis://127.0.0.1:port/0",
+        "--backend", "http://10.0.0.5:1",
+    )  # fmt: skip
+    line = refused(done)
+    assert line == (
+        "quicedge serve: fleet_view.redis: Port could not be cast to integer value as 'port'"
+    ), line
