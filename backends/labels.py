@@ -33,14 +33,13 @@ def name_for(url: str) -> str:
 
 
 def shown(url: str) -> str:
-    """`url` fit for a message or a log line: a `user:password@` in it becomes `***@`."""
+    """`url` fit for a message or a log line: a `user:password@` in it (however the password
+    is written) becomes `***@`."""
     scheme, sep, rest = url.partition("://")
     if not sep:
-        return url
-    netloc, slash, tail = rest.partition("/")
-    if "@" in netloc:
-        netloc = "***@" + netloc.rpartition("@")[2]
-    return f"{scheme}{sep}{netloc}{slash}{tail}"
+        scheme, rest = "", url
+    at = _userinfo_ends(rest)
+    return url if at == -1 else f"{scheme}{sep}***@{rest[at + 1 :]}"
 
 
 def credentials_refused(url: str) -> ValueError:

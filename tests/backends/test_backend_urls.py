@@ -153,3 +153,20 @@ def test_a_dns_name_without_a_usable_port_is_refused(name: str) -> None:
 
     with pytest.raises(ValueError, match="is not HOST:PORT"):
         DiscoveryConfig(mode="dns", names=[name]).validate()
+
+
+@pytest.mark.parametrize("cut", ["", "#", "/", "?"])
+def test_a_key_file_named_by_a_url_with_credentials_is_refused_without_them(
+    tmp_path: object, cut: str
+) -> None:
+    from pathlib import Path
+
+    from backends.credentials import BackendCredentials
+
+    key = Path(str(tmp_path)) / "key"
+    key.write_text("k")
+    first, second = SECRET[:5], SECRET[5:]
+    with pytest.raises(ValueError) as caught:
+        BackendCredentials.from_files(None, {f"http://u:{first}{cut}{second}@h:1": str(key)})
+    assert first not in str(caught.value) and second not in str(caught.value)
+    assert "proxy.backend_api_key_files" in str(caught.value)
