@@ -460,3 +460,26 @@ async def test_a_responses_refusal_keeps_a_rule_id_that_names_a_chat_field() -> 
     assert error["message"] == (
         "the request was refused by policy rule `no-messages-with-max_tokens`"
     )
+
+
+async def test_json_escapes_and_a_repeated_key_are_read_as_the_backend_reads_them() -> None:
+    """The rules read the parsed body: `\\u0070assword` is `password`, a surrogate pair is the
+    character it makes (folded like any), and a key sent twice is its last value, as a
+    backend's JSON parser reads it."""
+    head = b'{"model":"tiny-model","messages":[{"role":"user",'
+    bodies = {
+        "escaped": head + b'"content":"my \\u0070assw\\u006Frd"}]}',
+        "surrogates": head + b'"content":"my \\ud835\\udc29assword"}]}',
+        "last-wins": head + b'"content":"hi","content":"my password"}]}',
+        "first-only": head + b'"content":"my password","content":"hi"}]}',
+    }
+    async with TinyUpstream(script(["ok"])) as up:
+        async with edge_with(up.url) as edge, client(edge) as http:
+            status = {}
+            json_type = {"content-type": "application/json"}
+            for name, raw in bodies.items():
+                response = await http.post("/v1/chat/completions", content=raw, headers=json_type)
+                status[name] = response.status_code
+    assert status == {"escaped": 403, "surrogates": 403, "last-wins": 403, "first-only": 200}
+    (sent,) = [r.body for r in inference(up)]
+    assert sent.endswith(bodies["first-only"][1:])  # forwarded as sent (the edge's rid first)
