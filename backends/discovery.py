@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 Mode = Literal["static", "dns", "kubernetes"]
 MODES: tuple[Mode, ...] = ("static", "dns", "kubernetes")
 SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+MAX_SLICES_BYTES = 32 * 1024 * 1024
+"""The most of one EndpointSlice list read (a few KiB per hundred pods); more is a failed
+lookup, not memory the edge gives away to whatever answers at `api_url`."""
 
 
 @dataclass(slots=True)
@@ -467,6 +470,8 @@ class KubernetesSource:
                     status = event.status_code
                 elif isinstance(event, h11.Data):
                     body += event.data
+                    if len(body) > MAX_SLICES_BYTES:
+                        raise ValueError(f"the answer is over {MAX_SLICES_BYTES} bytes")
                 elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
                     return status, bytes(body)
         finally:

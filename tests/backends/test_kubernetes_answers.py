@@ -56,3 +56,21 @@ async def test_a_malformed_slice_list_is_a_failed_lookup(tmp_path: Path, bad: An
         assert not registry.backends[0].draining
         found = discovery.metrics.lookups.labels("inference/sglang", "failed")._value.get()
         assert found == 1
+
+
+async def test_a_slice_list_past_its_bound_is_cut_off_and_a_failed_lookup(tmp_path: Path) -> None:
+    from backends.discovery import MAX_SLICES_BYTES
+
+    block = b" " * (1024 * 1024)
+
+    def api(recorded: Recorded) -> Reply:
+        return Reply(chunks=[block] * (MAX_SLICES_BYTES // len(block) + 64))
+
+    async with TinyUpstream(api) as server:
+        config = DiscoveryConfig.from_mapping(
+            {"mode": "kubernetes", "names": ["inference/sglang"], "api_url": server.url,
+             "token_file": str(tmp_path / "none"), "timeout": 10.0}
+        )  # fmt: skip
+        assert await KubernetesSource(config).lookup() == {"inference/sglang": None}
+        sent = sum(server.body_bytes_sent.values())
+        assert sent < MAX_SLICES_BYTES + 32 * len(block)  # read no further (kernel buffers aside)
