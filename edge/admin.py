@@ -39,6 +39,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from backends.pool import UpstreamPool
 from backends.registry import BackendRegistry
+from edge.access_log import METHOD_MAX
 from edge.admission import Admission
 from edge.asgi import ASGIApp, Receive, Scope, Send, lifespan, render_error
 from edge.audit import AuditLog
@@ -57,6 +58,7 @@ from edge.models import Models
 from edge.routing.base import RoutingPolicy
 from edge.routing.breakers import Breakers
 from edge.routing.fleet import FleetServices
+from edge.tracing import cut
 
 MAX_PREWARM_BODY = 8 * 1024 * 1024
 
@@ -68,6 +70,9 @@ Answer = tuple[int, bytes, bytes]
 
 _ROLLOUT_ACTIONS = ("promote", "pause", "rollback", "restart")
 
+
+PATH_MAX = 512
+"""Characters of a refused call's path kept in its audit event."""
 
 PROBES = frozenset({"/health", "/ready"})
 """Reads that never need the admin token: the orchestrator's probes."""
@@ -120,16 +125,20 @@ def guard_actions(
 
     async def guarded(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and guarded_request(scope):
-            given = next((v for k, v in scope["headers"] if k.lower() == b"authorization"), b"")
-            if not hmac.compare_digest(given.strip(), expected):
+            given = [v for k, v in scope["headers"] if k.lower() == b"authorization"]
+            # one header or none: with two, which counts would be the listener's choice
+            token = given[0].strip() if len(given) == 1 else b""
+            if not hmac.compare_digest(token, expected):
                 # At most ten a second: a flood of refused calls must not fill the audit queue
                 # that requests need (with `when_full = "refuse"` they would be turned away).
                 now = time.monotonic()
                 if audit is not None and now - last_recorded[0] >= REFUSED_RECORD_GAP_S:
                     last_recorded[0] = now
                     client = scope.get("client") or ("-", 0)
-                    audit.record_event("admin_refused", method=scope["method"],
-                                       path=scope["path"], client=client[0])  # fmt: skip
+                    # the client's own words, as long as its request head allows: cut
+                    method, path = cut(scope["method"], METHOD_MAX), cut(scope["path"], PATH_MAX)
+                    audit.record_event("admin_refused", method=method, path=path,
+                                       client=client[0])  # fmt: skip
                 what = "admin actions" if scope["method"] not in ("GET", "HEAD") else "admin reads"
                 await render_error(send, AdminUnauthorized(
                     f"{what} need `Authorization: Bearer <token>` (proxy.admin_token_file)"

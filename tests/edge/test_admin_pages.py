@@ -60,3 +60,18 @@ async def test_a_web_page_is_refused_before_the_token_is_asked() -> None:
                 f"/backends/{name}/drain", headers={"authorization": "Bearer s3cret"}
             )
             assert ok.status_code == 200, ok.text
+
+
+async def test_the_admin_token_must_come_alone() -> None:
+    """Two `Authorization` headers are refused, as a tenant's are: which one counts would be the
+    listener's choice (the first, the last, or both joined), not the caller's."""
+    async with TinyUpstream(health_ok) as up, run_edge(fast_config([up.url])) as edge:
+        name = up.url.removeprefix("http://")
+        (backend,) = edge.wiring.registry.backends
+        async with h1_app(guard_actions(edge.wiring.admin_app, b"s3cret")) as admin:
+            for second in ("Bearer wrong", "Bearer s3cret"):
+                headers = [("authorization", "Bearer s3cret"), ("authorization", second)]
+                async with httpx.AsyncClient(base_url=admin) as http:
+                    refused = await http.post(f"/backends/{name}/drain", headers=headers)
+                assert refused.status_code == 401, refused.text
+            assert not backend.held
