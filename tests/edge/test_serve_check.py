@@ -8,6 +8,7 @@ from pathlib import Path
 
 from edge.admission.tenants import key_digest
 from tests.edge.test_settings import quicedge, refused
+from tests.helpers import free_port
 
 MODULE = Path(__file__).parents[2] / "edge" / "policy" / "examples" / "deny_keyword.wasm"
 
@@ -135,3 +136,24 @@ def test_a_redis_url_with_a_bad_port_fails_the_check_and_a_start_in_one_line() -
     assert line == (
         "quicedge serve: fleet_view.redis: Port could not be cast to integer value as 'port'"
     ), line
+
+
+def test_two_tcp_listeners_on_one_address_fail_the_check_and_a_start_in_one_line() -> None:
+    """`--admin` (or `--http`) on the `--tcp` listener's address passed `--check`; a real
+    start then stopped on `Address already in use`, which sends one looking for another
+    process that holds the port."""
+    port = free_port()
+    cases = [
+        (["--admin", f"127.0.0.1:{port}"], f"--admin 127.0.0.1:{port}"),
+        (["--admin", "127.0.0.1:0", "--http", f"0.0.0.0:{port}"], f"--http 0.0.0.0:{port}"),
+    ]
+    for listeners, named in cases:
+        for extra in (["--check"], []):
+            done = quicedge(
+                "serve", *extra, "--backend", "http://10.0.0.5:1", "--h3", "127.0.0.1:0",
+                "--tcp", f"127.0.0.1:{port}", *listeners,
+            )  # fmt: skip
+            assert refused(done) == (
+                f"quicedge serve: {named}: the address of --tcp; each TCP listener needs a"
+                " port of its own"
+            )
