@@ -41,6 +41,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from bench.children import free_port
+from bench.summary import nearest_rank
 
 WORDS = (
     "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "
@@ -320,10 +321,8 @@ async def closed_loop(
 
 
 def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, int(round(q * len(ordered))) - 1))]
+    """Nearest-rank percentile, q in 0..1; None for no values."""
+    return nearest_rank(values, q * 100)
 
 
 def summary(results: list[Result]) -> dict[str, Any]:

@@ -86,6 +86,7 @@ from bench.children import (
     stop,
     wait_listening,
 )
+from bench.summary import rank_index
 
 _CONTENT = re.compile(rb'"(?:content|text)"\s*:\s*"[^"]')
 
@@ -480,11 +481,11 @@ def measure(
 
 
 def _pcts(values: Any, qs: tuple[int, ...]) -> dict[str, float] | None:
-    """Percentiles (nearest rank below), None for no values."""
+    """Percentiles (nearest rank), None for no values."""
     if not len(values):
         return None
     ordered = sorted(values)
-    return {f"p{q}": ordered[min(len(ordered) - 1, len(ordered) * q // 100)] for q in qs}
+    return {f"p{q}": ordered[rank_index(len(ordered), q)] for q in qs}
 
 
 def summarize(targets: list[Target]) -> list[dict[str, Any]]:

@@ -27,6 +27,8 @@ import urllib.request
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from bench.summary import rank_index
+
 LEGS = ("request_leg_ms", "response_leg_ms", "both_legs_ms")
 Stamps = dict[str, tuple[float, float | None]]
 """rid → (the stand-in's read, its first-token write or None)."""
@@ -42,10 +44,11 @@ def fetch(sim_url: str, timeout: float = 10.0) -> Stamps:
 
 
 def _pcts(values: list[float]) -> dict[str, float] | None:
+    """Nearest-rank percentiles, None for no values."""
     if not values:
         return None
     ordered = sorted(values)
-    return {f"p{q}": ordered[min(len(ordered) - 1, len(ordered) * q // 100)] for q in (50, 90, 99)}
+    return {f"p{q}": ordered[rank_index(len(ordered), q)] for q in (50, 90, 99)}
 
 
 def legs(sent: Iterable[tuple[str, float, float]], stamps: Mapping[str, Any]) -> dict[str, Any]:

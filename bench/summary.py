@@ -21,6 +21,22 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
+def nearest_rank(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100): the smallest value with at least q % of the values
+    at or below it, always a measured value (the p99 of 10 values is the slowest, of 100 the
+    99th); None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[rank_index(len(ordered), q)]
+
+
+def rank_index(n: int, q: float) -> int:
+    """Where `nearest_rank` finds the q-th percentile (q in 0..100) in n > 0 sorted values."""
+    rank = math.ceil(n * q / 100.0 - 1e-9)  # 1e-9: 0.99 * 100 is 99.00000000000001
+    return min(n, max(1, rank)) - 1
+
+
 def _dist(values: Sequence[float]) -> dict[str, float | None]:
     out: dict[str, float | None] = {"mean": statistics.fmean(values) if values else None}
     for q in PERCENTILES:

@@ -10,14 +10,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from bench.summary import nearest_rank
+
 
 def _percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100), as the summary table uses."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100.0 * len(ordered) + 0.5)))
-    return ordered[rank - 1]
+    """Nearest-rank percentile (q in 0..100): a measured value, so with 10 requests p99 is the
+    slowest (the summary table interpolates between ranks instead)."""
+    return nearest_rank(values, q)
 
 
 def by_turn(records: Iterable[dict[str, Any]], turns: Sequence[int]) -> list[dict[str, Any]]:

@@ -26,6 +26,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from prometheus_client import CollectorRegistry
 
 from backends.sim import SimConfig, SimServer
+from bench.summary import nearest_rank
 from edge.config import ProxyConfig
 from edge.tracing import RequestTrace
 from edge.wiring import Wiring, build
@@ -97,8 +98,11 @@ def _micro(tracer: Any, n: int) -> tuple[float, float]:
 
 
 def _pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+    """Nearest-rank percentile, q in 0..1."""
+    found = nearest_rank(values, q * 100)
+    if found is None:
+        raise ValueError("no values")
+    return found
 
 
 async def _run(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ def test_each_request_splits_into_its_two_legs() -> None:
     out = legs(sent, stamps)
     assert out["joined"] == 2  # "gone" was never recorded by the stand-in
     request, response = out["request_leg_ms"], out["response_leg_ms"]
-    assert request["p50"] == pytest.approx(4.0) and request["p99"] == pytest.approx(4.0)
+    assert request["p50"] == pytest.approx(2.0) and request["p99"] == pytest.approx(4.0)
     assert sorted(request) == ["p50", "p90", "p99"]
     # "b" produced no first token: it has a request leg only
     assert response == dict.fromkeys(("p50", "p90", "p99"), pytest.approx(3.0))
