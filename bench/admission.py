@@ -129,6 +129,8 @@ class Result:
     status: int
     ttft: float | None
     total: float
+    whole: bool = True
+    """False for a 200 whose stream ended (closed, failed, timed out) before `[DONE]`."""
 
 
 def completion_body(rng: random.Random, words: int, max_tokens: int) -> bytes:
@@ -190,7 +192,7 @@ async def request(port: int, body: bytes, key: str | None, timeout: float = 120.
             await stream_completion(port, body, key, got)
     except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError):
         got.status = got.status or -1
-    return Result(got.status, got.ttft, time.perf_counter() - t0)
+    return Result(got.status, got.ttft, time.perf_counter() - t0, got.whole or got.status != 200)
 
 
 async def open_loop(
@@ -329,7 +331,8 @@ def summary(results: list[Result]) -> dict[str, Any]:
     ttfts = [r.ttft for r in results if r.ttft is not None]
     statuses: dict[str, int] = {}
     for r in results:
-        statuses[str(r.status)] = statuses.get(str(r.status), 0) + 1
+        key = str(r.status) if r.whole else f"{r.status} cut short"
+        statuses[key] = statuses.get(key, 0) + 1
     ms = 1000.0
     return {
         "requests": len(results),
