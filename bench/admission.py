@@ -27,6 +27,7 @@ import json
 import multiprocessing
 import os
 import random
+import shlex
 import signal
 import socket
 import statistics
@@ -556,7 +557,8 @@ def markdown(report: dict[str, Any]) -> str:
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
-    report: dict[str, Any] = {"command": " ".join(["python -m bench.admission", *sys.argv[1:]])}
+    command = shlex.join(["python", "-m", "bench.admission", *args.argv])
+    report: dict[str, Any] = {"command": command}
     if "cost" in args.scenarios:
         report["cost"] = await cost(args)
     if "noisy" in args.scenarios:
@@ -593,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--redis", default=os.environ.get("QUICEDGE_BENCH_REDIS_URL"))
     p.add_argument("--out", default="bench-out/admission")
     args = p.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     report = asyncio.run(main_async(args))
     print(markdown(report))

@@ -36,6 +36,7 @@ import json
 import os
 import random
 import resource
+import shlex
 import statistics
 import sys
 import time
@@ -345,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # one socket per request in flight
     del soft
     report = {
-        "command": " ".join(["python -m bench.soak", *sys.argv[1:]]),
+        "command": shlex.join(
+            ["python", "-m", "bench.soak", *(sys.argv[1:] if argv is None else argv)]
+        ),
         "soak": asyncio.run(soak(args, out)),
     }
     (out / "report.json").write_text(json.dumps(report, indent=2))
