@@ -10,6 +10,8 @@ import signal
 import sys
 from collections.abc import Callable
 
+import zmq
+
 from backends.sim.config import SimConfig
 from backends.sim.profiles import PROFILES
 from backends.sim.server import SimServer
@@ -207,5 +209,8 @@ def main(argv: list[str] | None = None) -> int:
             runner.run(serve(config))
     except OSError as exc:
         print(f"quicedge sim: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    except zmq.ZMQError as exc:  # the KV-event publisher's endpoint: taken, or not one
+        print(f"quicedge sim: --kv-events-config: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -8,7 +8,9 @@ import subprocess
 import sys
 
 import httpx
+import zmq
 
+from backends.kv_events import KvEventPublisher
 from backends.sim.cli import build_parser, config_from
 
 CMD = [sys.executable, "-m", "backends.sim", "--host", "127.0.0.1"]
@@ -114,3 +116,19 @@ def test_an_unknown_log_level_is_a_usage_error_not_a_traceback() -> None:
     assert "Traceback" not in result.stderr
     assert "argument --log-level: invalid choice: 'loud'" in result.stderr
     assert build_parser().parse_args(["--log-level", "INFO"]).log_level == "info"
+
+
+def test_a_kv_events_endpoint_it_cannot_bind_is_one_line_not_a_traceback() -> None:
+    """A second stand-in given the first's `--kv-events-config` endpoint (SGLang's default is
+    `tcp://*:5557` for every server) ended with a ZMQ traceback."""
+    first = KvEventPublisher("tcp://*:*")  # as the first stand-in's publisher, on a free port
+    try:
+        endpoint = first._socket.getsockopt_string(zmq.LAST_ENDPOINT).replace("[::]", "*")
+        kv_events = f'{{"publisher": "zmq", "endpoint": "{endpoint}"}}'
+        result = run("--port", "0", "--kv-events-config", kv_events)
+    finally:
+        first.close()
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.splitlines() == [
+        f"quicedge sim: --kv-events-config: Address already in use (addr='{endpoint}')"
+    ]
