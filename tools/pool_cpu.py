@@ -6,7 +6,8 @@
 Streams `--requests` chat completions one after another through one `UpstreamPool` and reports
 the process CPU time (user + system) per request: the minimum and median over `--repeats`
 repetitions, and how many reads each body took. Fewer reads per body means chunks arrived
-together, because the backend was ahead of the reader.
+together, because the backend was ahead of the reader. An answer other than 200 fails the run
+(exit 1, the statuses on stderr) rather than be timed as a request.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from transport.loop import run as run_on_loop
 
 async def measure(
     url: str, *, max_tokens: int, requests: int, repeats: int, chunk_timeout: float | None
-) -> tuple[list[float], float]:
+) -> tuple[list[float], float, dict[int, int]]:
+    """CPU seconds per request of each repeat, reads per body, and the count of each status
+    other than 200 (an error answer costs less than a stream: it would pass for the pool's)."""
     body = json.dumps(
         {
             "model": "default",
@@ -38,6 +41,7 @@ async def measure(
     pool = UpstreamPool()
     per_request: list[float] = []
     reads = 0
+    refused: dict[int, int] = {}
     try:
         for _ in range(repeats):
             start = time.process_time()
@@ -46,12 +50,14 @@ async def measure(
                     url, "POST", "/v1/chat/completions", headers=headers, body=body,
                     first_byte_timeout=chunk_timeout, chunk_timeout=chunk_timeout,
                 )  # fmt: skip
+                if response.status != 200:
+                    refused[response.status] = refused.get(response.status, 0) + 1
                 async for _chunk in response:
                     reads += 1
             per_request.append((time.process_time() - start) / requests)
     finally:
         await pool.aclose()
-    return per_request, reads / (requests * repeats)
+    return per_request, reads / (requests * repeats), refused
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loop", choices=LOOPS, default="auto")
     args = p.parse_args(argv)
     try:
-        per_request, reads = run_on_loop(
+        per_request, reads, refused = run_on_loop(
             measure(
                 args.url.rstrip("/"),
                 max_tokens=args.max_tokens,
@@ -76,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     except (OSError, ValueError) as exc:
         print(f"pool_cpu: {exc}", file=sys.stderr)
+        return 1
+    if refused:
+        total = args.requests * args.repeats
+        for status, count in sorted(refused.items()):
+            print(f"pool_cpu: {count} of {total} requests answered {status}", file=sys.stderr)
         return 1
     print(
         f"pool CPU per request: min {min(per_request) * 1e3:.2f} ms,"
