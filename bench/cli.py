@@ -24,6 +24,7 @@ from typing import Any, TextIO
 from bench import edge_cpu, relay_cli
 from bench.clients import ClientError, ClientOptions, Target
 from bench.loop import run
+from bench.request import cacert_problem
 from bench.rtt_relay import Forward, Link, Relay, RelayError
 from bench.runner import BenchConfig, Progress, Runner, RunPlan
 from bench.summary import format_table, summarize
@@ -131,6 +132,9 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("--timeout must be > 0")
     if args.rtt_ms is None and (args.jitter_ms or args.loss):
         parser.error("--jitter-ms and --loss need --rtt-ms")
+    problem = cacert_problem(args.cacert) if args.cacert else None
+    if problem is not None:
+        parser.error(f"--cacert {args.cacert}: {problem}")
 
 
 def _check_outputs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import ssl
 import sys
 from pathlib import Path
 from typing import Any, TextIO
@@ -68,6 +69,20 @@ def prepare_body(text: str, path: str) -> dict[str, Any]:
     return body
 
 
+def cacert_problem(path: str) -> str | None:
+    """Why `--cacert` cannot verify a server, or None. Tried before the first connection: a
+    missing file ended HTTP/2 and HTTP/1.1 calls with a traceback and left an HTTP/3 one
+    waiting out its timeout, and a file with no certificate failed the handshake as if the
+    server had closed it."""
+    try:
+        ssl.create_default_context(cafile=path)
+    except ssl.SSLError:
+        return "not a PEM certificate file"
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
+
+
 def parse_header(text: str) -> tuple[str, str]:
     name, sep, value = text.partition(":")
     if not sep or not name.strip():
@@ -117,6 +132,9 @@ def main(argv: list[str]) -> int:
         parser.error("--ticket needs HTTP/3 (--h3): 0-RTT is a QUIC feature here")
     if args.timeout <= 0:
         parser.error("--timeout must be > 0")
+    problem = cacert_problem(args.cacert) if args.cacert else None
+    if problem is not None:
+        parser.error(f"--cacert {args.cacert}: {problem}")
     try:
         tickets = TicketStore(args.ticket) if args.ticket is not None else None
     except (OSError, ValueError) as exc:
