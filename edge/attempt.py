@@ -293,6 +293,16 @@ class Attempts:
                     {"quicedge.backend": backend.name, "quicedge.reused": response.reused},
                 )  # fmt: skip
             status = response.status
+            if status == 401:
+                # The backend refused the edge's own key for it: a fault of the edge's set-up
+                # that its client's key cannot mend, so never relayed as the client's 401.
+                await _drain_refusal(response)
+                error = "auth"
+                self._upstream_failed(backend, error)
+                refusal = _auth_error(backend, expose=self.expose)
+                if not last_try:
+                    raise _Retry(refusal, reason="401")
+                raise refusal
             if status in RETRY_STATUSES and not last_try:
                 await _drain_refusal(response)
                 error = "429" if status == 429 else "5xx"
@@ -525,6 +535,15 @@ def _retry_error(backend: Backend, status: int, *, expose: bool) -> EdgeError:
     if status == 503:
         return NoHealthyBackend(message)
     return BadGateway(message)
+
+
+def _auth_error(backend: Backend, *, expose: bool) -> EdgeError:
+    who = f"backend {backend.name}" if expose else "a backend"
+    return BadGateway(
+        f"{who} refused the edge's credentials for it (401): check [proxy] "
+        "backend_api_key_file / [proxy.backend_api_key_files]",
+        code="backend_unauthorized",
+    )
 
 
 async def _drain_refusal(response: UpstreamResponse) -> None:

@@ -81,8 +81,27 @@ async def test_without_a_key_the_client_key_is_not_forwarded() -> None:
             )
             assert sim.api is not None
             await wait_until(lambda: sim.api is not None and sim.api.refused["/v1/loads"] >= 1)
-        assert r.status_code == 401
+        # the backend's refusal is the edge's set-up at fault, not the client's key: a 502
+        assert r.status_code == 502, r.text
+        assert r.json()["error"]["code"] == "backend_unauthorized"
         assert sim.api.refused["/v1/chat/completions"] == 1
+
+
+async def test_a_backend_that_refuses_the_edges_key_is_passed_over(tmp_path: Path) -> None:
+    """One backend with another key than the edge's: its 401 is retried on the other backend,
+    counted against it (kind `auth`), and never reaches the client."""
+    async with keyed_sim("fleet-key") as good, keyed_sim("rotated") as bad:
+        config = fast_config(
+            [good.url, bad.url], policy="round_robin",
+            backend_api_key_file=key_file(tmp_path, "fleet-key", "fleet"),
+        )  # fmt: skip
+        async with run_edge(config) as edge, client(edge) as http:
+            statuses = [(await http.post("/v1/chat/completions", json=CHAT)).status_code
+                        for _ in range(4)]  # fmt: skip
+            metrics = (await httpx.AsyncClient().get(f"{edge.admin_url}/metrics")).text
+        assert statuses == [200] * 4
+        assert bad.api is not None and bad.api.refused["/v1/chat/completions"] >= 1
+        assert 'kind="auth"' in metrics
 
 
 async def test_a_backend_key_overrides_the_fleet_key(tmp_path: Path) -> None:
