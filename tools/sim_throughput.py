@@ -24,8 +24,12 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from bench.summary import rank_index
+
 _USAGE_RE = re.compile(rb'"completion_tokens":(\d+)')
 _END = b"\r\n0\r\n\r\n"  # last chunk of a chunked response
+# A content delta with text (the role chunk's `"content":""` has none), in whatever read it came.
+_CONTENT_RE = re.compile(rb'"content":"[^"]')
 
 
 @dataclass
@@ -54,9 +58,9 @@ async def run_client(
                 data = await reader.read(65536)
                 if not data:
                     raise ConnectionError("server closed the connection")
-                if first is None and b'"content":"' in data and b'"content":""' not in data:
-                    first = time.perf_counter() - start
                 buf += data
+                if first is None and _CONTENT_RE.search(buf):
+                    first = time.perf_counter() - start
             usage = buf.rfind(b'"usage":{')
             match = _USAGE_RE.search(buf, usage)
             if usage < 0 or match is None:
@@ -123,7 +127,7 @@ async def measure(url: str, clients: int, duration: float, max_tokens: int) -> d
         "tokens_per_s": tokens / elapsed,
         "tokens_per_event": tokens / max(1, sum(s.events for s in stats)),
         "ttft_median_ms": 1000 * statistics.median(ttfts) if ttfts else float("nan"),
-        "ttft_p99_ms": 1000 * ttfts[int(0.99 * (len(ttfts) - 1))] if ttfts else float("nan"),
+        "ttft_p99_ms": 1000 * ttfts[rank_index(len(ttfts), 99)] if ttfts else float("nan"),
     }
 
 
