@@ -9,7 +9,7 @@ from backends.sim.http import HttpRequest, Responder
 from backends.sim.logprobs import LogprobSource
 from backends.sim.request import SimRequest
 from backends.sim.routes_base import DONE, SSE_HEADERS, RouteContext, dumps, native_error, sse
-from backends.sim.wire import parse_generate, parse_json
+from backends.sim.wire import BadRequest, parse_generate, parse_json
 
 
 class NativeRoutes(RouteContext):
@@ -44,8 +44,21 @@ class NativeRoutes(RouteContext):
         }
 
     async def generate(self, request: HttpRequest, responder: Responder) -> None:
-        params = parse_generate(parse_json(request.body), self.tokenizer)
-        req = self._submit(params, responder)
+        obj = parse_json(request.body)
+        try:
+            params = parse_generate(obj, self.tokenizer)
+            req = self._submit(params, responder)
+        except BadRequest as exc:
+            if obj.get("stream") is not True:
+                raise
+            # SGLang starts a streamed answer before its tokenizer manager validates the
+            # request (http_server.py `generate_request`, `stream_results`): a refusal is
+            # an error event in a 200 stream, then `[DONE]`.
+            await responder.start(200, SSE_HEADERS)
+            await responder.write(sse({"error": {"message": str(exc)}}))
+            await responder.write(DONE)
+            await responder.end()
+            return
         timing = self._timing(request, req, responder)
         logprobs = self._logprobs(params)
         if not params.stream:
