@@ -244,12 +244,21 @@ class Wiring:
         self._aborts.add(task)
         task.add_done_callback(self._aborts.discard)
 
+    async def _forget_clients(self) -> None:
+        """Close the abort clients of backends that left the registry: each holds a connection,
+        and a fleet whose pods come and go would keep one for every address it ever had."""
+        live = {b.url for b in self.registry.backends}
+        for url in [u for u in self._clients if u not in live]:
+            with contextlib.suppress(Exception):
+                await self._clients.pop(url).aclose()
+
     async def _abort(self, backend: Backend, rid: str) -> None:
         try:
             client = self._clients.get(backend.url)
             if client is None:
                 from backends.sglang import SGLangClient
 
+                await self._forget_clients()
                 client = self._clients[backend.url] = SGLangClient(
                     backend.url,
                     timeout=self.config.health_timeout,

@@ -93,3 +93,27 @@ async def test_a_client_that_stops_reading_frees_its_backend_after_the_send_time
             sock.close()
             await listener.stop()
             await wiring.aclose()
+
+
+async def test_a_backend_that_left_does_not_keep_its_abort_client() -> None:
+    """Each backend's abort client holds a connection to it: one for every pod address a
+    fleet ever had would pile up. A backend that left has its client closed when the next
+    backend's is made."""
+    async with (
+        TinyUpstream(health_ok) as a,
+        TinyUpstream(health_ok) as b,
+        TinyUpstream(health_ok) as c,
+    ):
+        wiring = await build(fast_config([a.url, b.url]), registry=CollectorRegistry())
+        try:
+            for backend in wiring.registry.backends:
+                wiring.abort(backend, "rid")
+            await wait_until(lambda: len([r for u in (a, b) for r in u.requests
+                                          if r.path == "/abort_request"]) == 2)  # fmt: skip
+            await wiring.set_backends([b.url, c.url], drain_timeout=0.0)
+            await wait_until(lambda: [x.url for x in wiring.registry.backends] == [b.url, c.url])
+            wiring.abort(wiring.registry.backends[1], "rid")
+            await wait_until(lambda: any(r.path == "/abort_request" for r in c.requests))
+            assert sorted(wiring._clients) == sorted([b.url, c.url])
+        finally:
+            await wiring.aclose()
