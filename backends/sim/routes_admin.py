@@ -154,7 +154,7 @@ class AdminRoutes(RouteContext):
         elif isinstance(rid, str) and rid:
             req = self.scheduler.get(rid)
             if req is not None:
-                self.scheduler.abort(req, "Abort requested by /abort_request.")
+                self.scheduler.abort(req)
         else:
             raise BadRequest("'rid' (a non-empty string) or 'abort_all': true is required")
         # SGLang answers 200 with an empty body whether or not the rid was known.

@@ -187,7 +187,7 @@ class RouteContext:
         self, req: SimRequest, responder: Responder, error: Callable[[str], bytes]
     ) -> bool:
         """Wait for a non-streamed request to finish; False when there is no answer to send:
-        the client went away, or the request was aborted (a 400 went out, as SGLang's)."""
+        the client went away, or the request ended in an error (a 400 went out, as SGLang's)."""
         await self._until_finished(req)
         if responder.disconnected:
             return False
@@ -199,7 +199,10 @@ class RouteContext:
 
     @staticmethod
     def _abort_message(req: SimRequest) -> str | None:
+        """The message of an abort that is an error (one with a status code), which the routes
+        answer as an error; None otherwise. A graceful abort (`/abort_request`) is a finish like
+        any other, with `finish_reason` "abort", as SGLang answers it."""
         reason = req.finish_reason
-        if reason is not None and reason.get("type") == "abort":
+        if reason is not None and reason.get("type") == "abort" and reason.get("status_code"):
             return str(reason.get("message", "aborted"))
         return None

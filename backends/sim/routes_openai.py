@@ -51,10 +51,10 @@ class OpenAIRoutes(RouteContext):
 
     @classmethod
     def _call_finish(cls, req: SimRequest) -> tuple[str | None, Any]:
-        """A function call's finish: `length` when max_tokens cut its arguments, else
-        `tool_calls` (no matched stop, as SGLang's parser reports it)."""
+        """A function call's finish: `length` when max_tokens cut its arguments, `abort` when
+        it was aborted, else `tool_calls` (no matched stop, as SGLang's parser reports it)."""
         reason, matched = cls._finish_fields(req)
-        if reason == "length":
+        if reason in ("length", "abort"):
             return reason, matched
         return "tool_calls", None
 

@@ -92,10 +92,20 @@ class Scheduler:
     def get(self, rid: str) -> SimRequest | None:
         return self._by_rid.get(rid)
 
-    def abort(self, req: SimRequest, message: str = "Abort by the client.") -> bool:
-        """Stop a request wherever it is and free what it holds. False if already finished."""
+    def abort(
+        self, req: SimRequest, message: str | None = None, status_code: int | None = None
+    ) -> bool:
+        """Stop a request wherever it is and free what it holds. False if already finished.
+
+        Without a `status_code` the abort is SGLang's graceful one (`/abort_request`, a client
+        gone: `FINISH_ABORT()`, "Aborted", or "Abort in waiting queue" for a queued request),
+        which the routes answer as a finish with `finish_reason` "abort"; with one it is an
+        error, which they answer as one (SGLang's tokenizer_manager.py
+        `_handle_abort_finish_reason`)."""
         if req.finished:
             return False
+        if message is None:
+            message = "Abort in waiting queue" if req.state is State.WAITING else "Aborted"
         if req.state is State.WAITING:
             self.waiting.remove(req)
         else:
@@ -106,7 +116,13 @@ class Scheduler:
             self._release(req)
         if req.log_metrics:
             self.stats.num_aborted_requests_total += 1
-        self._finish(req, {"type": "abort", "message": message}, cache=False)
+        reason: dict[str, object] = {
+            "type": "abort",
+            "message": message,
+            "status_code": status_code,
+            "err_type": None,
+        }
+        self._finish(req, reason, cache=False)
         return True
 
     def abort_all(self) -> int:
@@ -193,7 +209,7 @@ class Scheduler:
                 # Queued work that cannot be admitted although nothing runs: it never will.
                 req = self.waiting[0]
                 log.warning("request %s does not fit in the KV pool; aborting it", req.rid)
-                self.abort(req, "The request does not fit in the KV cache pool.")
+                self.abort(req, "The request does not fit in the KV cache pool.", 400)
 
     async def _advance(self, duration: float) -> None:
         now = self.clock.now()
@@ -353,7 +369,7 @@ class Scheduler:
             if len(self.running) == 1:
                 req = self.running[0]
                 log.warning("request %s outgrew the whole KV pool; aborting it", req.rid)
-                self.abort(req, "The request does not fit in the KV cache pool.")
+                self.abort(req, "The request does not fit in the KV cache pool.", 400)
                 return False
             # SGLang keeps the requests with the most output (and, on ties, shorter prompts)
             victim = min(self.running, key=lambda r: (r.completion_tokens, -r.prompt_tokens))

@@ -63,7 +63,15 @@ async def test_running_and_queued_in_loads_and_metrics(
     r = await client.post(f"{server.url}/abort_request", json={"abort_all": True})
     assert r.status_code == 200
     replies = await asyncio.gather(*tasks)
-    assert all(r.status_code == 400 and "bort" in r.json()["error"]["message"] for r in replies)
+    # SGLang's graceful abort: a 200 whose finish_reason says so ("Abort in waiting queue" for
+    # the queued ones)
+    reasons = [r.json()["meta_info"]["finish_reason"] for r in replies]
+    assert all(r.status_code == 200 for r in replies)
+    assert (
+        sorted(reason["message"] for reason in reasons)
+        == ["Abort in waiting queue"] * 24 + ["Aborted"] * 16
+    )
+    assert all(reason["type"] == "abort" and reason["status_code"] is None for reason in reasons)
     entry = await load(client, server)
     assert entry["num_running_reqs"] == 0 and entry["num_waiting_reqs"] == 0
     text = (await client.get(f"{server.url}/metrics")).text

@@ -11,9 +11,14 @@ graceful finish, not an error: `finish_reason` "abort" on every route, streamed 
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import httpx
 
+from backends.sim import SimServer
 from tests.backends.sim.conftest import MakeSim, stream_post
+from tests.backends.sim.test_runtime import wait_load
 
 LONG = "word " * 200
 
@@ -36,3 +41,70 @@ async def test_a_refused_streamed_generate_is_an_error_event_in_a_200_stream(
     # not streamed, it stays a 400 (`_create_error_response`)
     r = await client.post(f"{sim.url}/generate", json={"text": LONG})
     assert r.status_code == 400 and "context length" in r.json()["error"]["message"]
+
+
+async def _abort_when_running(client: httpx.AsyncClient, sim: SimServer, rid: str) -> None:
+    await wait_load(client, sim, lambda e: e["num_running_reqs"] == 1)
+    r = await client.post(f"{sim.url}/abort_request", json={"rid": rid})
+    assert r.status_code == 200
+
+
+LONG_RUN = {"max_tokens": 100_000, "ignore_eos": True, "rid": "victim"}
+
+
+async def test_an_aborted_chat_stream_finishes_with_abort(
+    make_sim: MakeSim, client: httpx.AsyncClient
+) -> None:
+    sim = await make_sim(profile="h100-llama3-8b", enable_cache_report=True)
+    body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **LONG_RUN,
+    }
+    aborter = asyncio.create_task(_abort_when_running(client, sim, "victim"))
+    response, events = await stream_post(client, f"{sim.url}/v1/chat/completions", body)
+    await aborter
+    assert response.status_code == 200
+    assert events[-1] == "[DONE]"
+    assert not any("error" in e for e in events[:-1])
+    finish, usage = events[-3], events[-2]
+    assert finish["choices"][0]["finish_reason"] == "abort"
+    assert finish["choices"][0]["matched_stop"] is None
+    assert usage["choices"] == [] and usage["usage"]["prompt_tokens"] > 0
+
+
+async def test_an_aborted_completion_stream_finishes_with_abort(
+    make_sim: MakeSim, client: httpx.AsyncClient
+) -> None:
+    sim = await make_sim(profile="h100-llama3-8b")
+    body = {"prompt": "hi", "stream": True, **LONG_RUN}
+    aborter = asyncio.create_task(_abort_when_running(client, sim, "victim"))
+    response, events = await stream_post(client, f"{sim.url}/v1/completions", body)
+    await aborter
+    assert response.status_code == 200 and events[-1] == "[DONE]"
+    assert events[-2]["choices"][0]["finish_reason"] == "abort"
+    assert not any("error" in e for e in events[:-1])
+
+
+async def test_an_aborted_whole_answer_is_a_200_with_finish_reason_abort(
+    make_sim: MakeSim, client: httpx.AsyncClient
+) -> None:
+    sim = await make_sim(profile="h100-llama3-8b")
+    for path, body in [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **LONG_RUN}),
+        ("/v1/completions", {"prompt": "hi", **LONG_RUN}),
+    ]:
+        aborter = asyncio.create_task(_abort_when_running(client, sim, "victim"))
+        r = await client.post(f"{sim.url}{path}", json=body)
+        await aborter
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "abort" and choice["matched_stop"] is None
+    body = {"text": "hi", "rid": "victim", "sampling_params": {"max_new_tokens": 100_000}}
+    aborter = asyncio.create_task(_abort_when_running(client, sim, "victim"))
+    r = await client.post(f"{sim.url}/generate", json=body)
+    await aborter
+    assert r.status_code == 200, r.text
+    reason = r.json()["meta_info"]["finish_reason"]
+    assert reason == {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}

@@ -144,7 +144,8 @@ async def test_aborted_before_its_first_token_has_no_first_token_time(
         await asyncio.sleep(0.005)
     r = await client.post(f"{server.url}/abort_request", json={"rid": "gone"})
     assert r.status_code == 200
-    assert (await task).status_code == 400
+    answer = await task  # SGLang's graceful abort: a stream that finishes with "abort"
+    assert answer.status_code == 200 and '"finish_reason":"abort"' in answer.text
     [record] = await timings(client, server)
     assert record["rid"] == "gone" and record["first_token_at"] is None
 
