@@ -53,7 +53,11 @@ def summarize(records: Iterable[dict[str, Any]], *, duration_s: float) -> dict[s
 
 
 def _summary(records: list[dict[str, Any]], duration_s: float) -> dict[str, Any]:
-    ok = [r for r in records if r["error"] is None and r["status"] == 200 and r["ttft_ms"]]
+    ok: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
+    for r in records:
+        completed = r["error"] is None and r["status"] == 200 and r["ttft_ms"]
+        (ok if completed else failed).append(r)
     ttft = [r["ttft_ms"] for r in ok]
     itl = [gap for r in ok for gap in r["itl_ms"]]
     latency = [r["latency_ms"] for r in ok]
@@ -61,10 +65,9 @@ def _summary(records: list[dict[str, Any]], duration_s: float) -> dict[str, Any]
     cached = sum(r["cached_tokens"] or 0 for r in ok)
     output = sum(r["completion_tokens"] or 0 for r in ok)
     errors: dict[str, int] = {}
-    for r in records:
-        if r not in ok:
-            key = r["error"] or f"status {r['status']}"
-            errors[key] = errors.get(key, 0) + 1
+    for r in failed:
+        key = r["error"] or f"status {r['status']}"
+        errors[key] = errors.get(key, 0) + 1
     backends: dict[str, int] = {}
     for r in ok:
         backends[r["backend"] or "-"] = backends.get(r["backend"] or "-", 0) + 1

@@ -183,3 +183,28 @@ def test_config_specs(spec: str, new: bool, expected: BenchConfig) -> None:
 def test_bad_config_specs(spec: str) -> None:
     with pytest.raises(ClientError):
         BenchConfig.parse(spec)
+
+
+class _Uncomparable(dict[str, object]):
+    """A record that fails when compared with another: the summary must not compare records
+    pairwise (a failed one against every completed one is quadratic: seconds at 10,000
+    records, minutes at 100,000)."""
+
+    def __eq__(self, other: object) -> bool:
+        raise AssertionError("records compared pairwise")
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def test_summary_sorts_out_failures_without_comparing_records() -> None:
+    base = {
+        "config": "a", "transport": "h3", "status": 200, "error": None, "itl_ms": [],
+        "ttft_ms": 10.0, "latency_ms": 20.0, "prompt_tokens": 1, "cached_tokens": 0,
+        "completion_tokens": 1, "backend": "b1", "early_data": False,
+        "early_data_attempted": False,
+    }  # fmt: skip
+    records = [_Uncomparable(base) for _ in range(3)]
+    records.append(_Uncomparable(base, status=503, ttft_ms=None))
+    summary = summarize(records, duration_s=1.0)["a"]
+    assert (summary["completed"], summary["failed"]) == (3, 1)
+    assert summary["errors"] == {"status 503": 1}
