@@ -23,6 +23,7 @@ from typing import Any
 
 from bench.loop import run
 from bench.rtt_relay import Forward, Link, Relay, RelayError
+from bench.summary import rank_index
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,8 +171,8 @@ def _stats(samples: list[float]) -> dict[str, float]:
     ms = sorted(s * 1000.0 for s in samples)
     return {
         "mean_ms": statistics.fmean(ms),
-        "p50_ms": ms[len(ms) // 2],
-        "p99_ms": ms[min(len(ms) - 1, int(len(ms) * 0.99))],
+        "p50_ms": ms[rank_index(len(ms), 50)],
+        "p99_ms": ms[rank_index(len(ms), 99)],
         "max_ms": ms[-1],
     }
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import admission, edge_latency, legs
+from bench import admission, edge_latency, legs, relay_cli
 from bench.summary import nearest_rank
 from bench.turns import by_turn
 from tools import tracing_overhead
@@ -66,3 +66,8 @@ def test_turn_percentiles_do_not_round_half_to_even(
 ) -> None:
     (row,) = by_turn(_turn_records(ttfts), [10])
     assert (row["ttft_p50_ms"], row["ttft_p99_ms"]) == (p50, p99)
+
+
+def test_relay_selftest_percentiles_are_nearest_rank() -> None:
+    stats = relay_cli._stats([v / 1000 for v in HUNDRED])  # seconds in, ms out
+    assert (stats["p50_ms"], stats["p99_ms"], stats["max_ms"]) == (50.0, 99.0, 100.0)
