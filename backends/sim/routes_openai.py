@@ -26,6 +26,10 @@ from backends.sim.textgen import TokenPlan
 from backends.sim.tools import ToolCall, ToolCallPlan
 from backends.sim.wire import BadRequest, GenParams, parse_chat, parse_completion, parse_json
 
+DEFAULT_MODEL = "default"
+"""The `model` of a request that names none (SGLang's protocol.py `DEFAULT_MODEL_NAME`); an
+answer names the request's model, not the served one."""
+
 ChunkMaker = Callable[..., bytes]
 """A chat stream's chunk builder: (delta, finish_reason=None, matched=None, logprobs=None)."""
 
@@ -93,7 +97,7 @@ class OpenAIRoutes(RouteContext):
         req = self._submit(params, responder, plan)
         req.thinking = thinking
         timing = self._timing(request, req, responder)
-        model = params.model or self.config.model_name
+        model = params.model or DEFAULT_MODEL  # the name asked for, as SGLang answers
         created = int(time.time())
         logprobs = self._logprobs(params)
         if not params.stream:
@@ -304,7 +308,7 @@ class OpenAIRoutes(RouteContext):
         params = parse_completion(parse_json(request.body), self.tokenizer)
         req = self._submit(params, responder)
         timing = self._timing(request, req, responder)
-        model = params.model or self.config.model_name
+        model = params.model or DEFAULT_MODEL  # the name asked for, as SGLang answers
         created = int(time.time())
         logprobs = self._logprobs(params)
         if not params.stream:

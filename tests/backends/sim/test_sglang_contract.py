@@ -108,3 +108,18 @@ async def test_an_aborted_whole_answer_is_a_200_with_finish_reason_abort(
     assert r.status_code == 200, r.text
     reason = r.json()["meta_info"]["finish_reason"]
     assert reason == {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+
+
+async def test_a_request_without_a_model_is_answered_as_model_default(
+    sim: SimServer, client: httpx.AsyncClient
+) -> None:
+    # protocol.py: `model: str = Field(default=DEFAULT_MODEL_NAME)` ("default"), and the answer
+    # names `request.model`, whatever the served model's name
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for path, body in [("/v1/chat/completions", chat), ("/v1/completions", {"prompt": "hi"})]:
+        r = await client.post(f"{sim.url}{path}", json=body)
+        assert r.status_code == 200 and r.json()["model"] == "default"
+        _, events = await stream_post(client, f"{sim.url}{path}", {**body, "stream": True})
+        assert {e["model"] for e in events[:-1]} == {"default"}
+        r = await client.post(f"{sim.url}{path}", json={**body, "model": "any/name"})
+        assert r.json()["model"] == "any/name"
