@@ -32,6 +32,7 @@ import statistics
 import sys
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -110,7 +111,7 @@ def measure_cost(redis_url: str | None) -> dict[str, Any]:
     )
     # The mirror as a busy fleet fills it: every prompt's blocks placed on some backend.
     for i, t in enumerate(texts):
-        view._held.setdefault(backends[i % FLEET].url, {}).update(
+        view._held.setdefault(backends[i % FLEET].url, OrderedDict()).update(
             dict.fromkeys(hasher.blocks(t).hashes, time.monotonic())
         )
     # Three other processes' load figures on every backend, as the load channel keeps them.
