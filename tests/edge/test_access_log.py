@@ -274,11 +274,15 @@ def test_stop_gives_up_on_a_handler_stuck_for_good(caplog: pytest.LogCaptureFixt
     _log_many(log, 0, 1)
     assert handler.entered.wait(5)
     _log_many(log, 1, 3)
+    writer = log._writer
+    assert writer is not None
     started = time.monotonic()
     log.stop(timeout=0.2)
     assert time.monotonic() - started < 2
     assert "the writer is stuck in a handler; 3 lines unwritten" in caplog.text
-    handler.unblock.set()  # let the daemon thread end
+    handler.unblock.set()  # let the daemon thread end: its three lines go to the logger's
+    writer.join(5)  # handlers, which must not be the next test's
+    assert not writer.is_alive()
 
 
 async def test_a_client_chosen_model_name_is_cut_in_the_line() -> None:
