@@ -72,19 +72,18 @@ class LogprobSource:
             })  # fmt: skip
         return out
 
-    def completion(self, pieces: list[str]) -> dict[str, Any]:
-        """Legacy completions' `logprobs` object."""
-        tokens, lps, tops, offsets = [], [], [], []
-        offset = 0
-        for i, raw in enumerate(pieces):
-            piece = raw or EOS_TOKEN
+    def completion(self, pieces: list[str], start: int = 0) -> dict[str, Any]:
+        """Legacy completions' `logprobs` object for pieces[start:] (a stream's chunk has its
+        new tokens'). `text_offset` is -1 for every token, as SGLang writes it
+        (`to_openai_style_logprobs`: "Not supported yet")."""
+        tokens, lps, tops = [], [], []
+        for i in range(start, len(pieces)):
+            piece = pieces[i] or EOS_TOKEN
             lp, top = self.at(i, piece)
             tokens.append(piece)
             lps.append(lp)
             tops.append(dict(top))
-            offsets.append(offset)
-            offset += len(raw)
-        return {"text_offset": offsets, "token_logprobs": lps, "tokens": tokens,
+        return {"text_offset": [-1] * len(tokens), "token_logprobs": lps, "tokens": tokens,
                 "top_logprobs": tops}  # fmt: skip
 
     def native(self, tokenizer: Tokenizer, pieces: list[str], ids: list[int]) -> dict[str, Any]:

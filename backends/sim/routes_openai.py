@@ -345,7 +345,7 @@ class OpenAIRoutes(RouteContext):
         while not responder.disconnected:
             new = req.completion_tokens > sent_tokens
             if new or req.finished:
-                sent_tokens = req.completion_tokens
+                start, sent_tokens = sent_tokens, req.completion_tokens
                 text = req.text()
                 delta, sent_chars = text[sent_chars:], len(text)
                 message = self._abort_message(req)
@@ -367,11 +367,14 @@ class OpenAIRoutes(RouteContext):
                     return
                 # finish_reason rides on the last content chunk (no separate finish chunk).
                 reason, matched = self._finish_fields(req)
-                if delta or reason is not None:
+                # the new tokens' logprobs, as SGLang sends them on every chunk
+                lps = None if logprobs is None or not new else logprobs.completion(
+                    self._pieces(req), start)  # fmt: skip
+                if delta or reason is not None or lps is not None:
                     choice = {
                         "index": 0,
                         "text": delta,
-                        "logprobs": None,
+                        "logprobs": lps,
                         "finish_reason": reason,
                         "matched_stop": matched,
                     }

@@ -123,3 +123,25 @@ async def test_a_request_without_a_model_is_answered_as_model_default(
         assert {e["model"] for e in events[:-1]} == {"default"}
         r = await client.post(f"{sim.url}{path}", json={**body, "model": "any/name"})
         assert r.json()["model"] == "any/name"
+
+
+async def test_streamed_completions_carry_each_chunks_logprobs(
+    sim: SimServer, client: httpx.AsyncClient
+) -> None:
+    # serving_completions.py `_generate_completion_stream`: each chunk's `logprobs` is
+    # `to_openai_style_logprobs` of its new tokens; utils.py writes `text_offset` -1 ("Not
+    # supported yet"), whole answers too
+    body = {"prompt": "hi", "max_tokens": 6, "logprobs": 2, "ignore_eos": True}
+    whole = (await client.post(f"{sim.url}/v1/completions", json=body)).json()
+    expected = whole["choices"][0]["logprobs"]
+    assert expected["text_offset"] == [-1] * 6
+    _, events = await stream_post(client, f"{sim.url}/v1/completions", {**body, "stream": True})
+    chunks = [e["choices"][0] for e in events[:-1]]
+    assert all(c["logprobs"] is not None for c in chunks)
+    joined: dict[str, list[Any]] = {k: [] for k in expected}
+    for c in chunks:
+        assert len(c["logprobs"]["tokens"]) == len(c["logprobs"]["top_logprobs"])
+        for key in joined:
+            joined[key] += c["logprobs"][key]
+    assert joined == expected
+    assert "".join(joined["tokens"]) == whole["choices"][0]["text"]
