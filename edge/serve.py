@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import difflib
 import ipaddress
 import logging
 import os
@@ -124,6 +125,28 @@ def load_settings(
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
     return loaded
+
+
+OTHER_VARIABLES = ("QUICEDGE_CERTS_DIR",)
+"""`QUICEDGE_*` variables read elsewhere (`certs.dev`), not settings."""
+
+
+def misspelt_variables(environ: Mapping[str, str]) -> list[str]:
+    """A line for each `QUICEDGE_*` variable that names no setting but is close to one: the
+    loader reads only the names it knows, so `QUICEDGE_WOKRERS=4` was ignored without a word.
+    Not refused: the prefix is not the settings' alone (a test run's own variables)."""
+    prefix = settings.ENV_PREFIX
+    known = [
+        n.removeprefix(prefix) for n in [*settings.environment_names(SECTIONS), *OTHER_VARIABLES]
+    ]
+    lines = []
+    for name in sorted(environ):
+        if not name.startswith(prefix) or name.removeprefix(prefix) in known:
+            continue
+        close = difflib.get_close_matches(name.removeprefix(prefix), known, n=1, cutoff=0.8)
+        if close:
+            lines.append(f"${name} is not a setting (did you mean ${prefix}{close[0]}?); ignored")
+    return lines
 
 
 def check_redis_urls(loaded: Settings) -> None:
@@ -351,6 +374,8 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("quic").setLevel(logging.WARNING)  # aioquic logs every connection at INFO
+    for line in misspelt_variables(os.environ):
+        print(f"quicedge serve: {line}", file=sys.stderr)
     try:
         loaded = load_settings(args, os.environ)
         if not args.demo:  # an exporter that is not installed: one line now, not in a worker

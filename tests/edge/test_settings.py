@@ -18,6 +18,7 @@ from typing import Literal
 
 import pytest
 
+from certs.dev import default_dir
 from edge import settings
 from edge.serve import main as serve_main
 from edge.settings import Section, SettingsError
@@ -360,3 +361,16 @@ def test_an_app_that_cannot_start_is_one_line_and_exit_1(tmp_path: Path) -> None
     assert done.stderr.splitlines()[-1].startswith(
         f"quicedge serve: audit.path: another process writes {log}"
     ), done.stderr
+
+
+def test_a_misspelt_variable_is_named_with_the_setting_it_is_close_to() -> None:
+    """A misspelt TOML key is refused with the nearest name; a misspelt `QUICEDGE_*` variable
+    was ignored without a word (four workers asked for, one started). It is named, with the
+    variable meant, and the start goes on: the prefix is not the settings' alone."""
+    env = {"QUICEDGE_WOKRERS": "4", "QUICEDGE_CERTS_DIR": str(default_dir())}
+    done = quicedge("serve", "--check", "--backend", "http://10.0.0.5:1", env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == [
+        "quicedge serve: $QUICEDGE_WOKRERS is not a setting (did you mean $QUICEDGE_WORKERS?);"
+        " ignored"
+    ]
