@@ -69,6 +69,15 @@ def main(argv: list[str]) -> int:
         parser.error(str(exc))
     if args.pings < 2:
         parser.error("--pings must be >= 2")
+    if args.report is not None:  # tried now, not after the self-test it would lose
+        existed = args.report.exists()
+        try:
+            with args.report.open("a"):
+                pass
+        except OSError as exc:
+            parser.error(f"--report {args.report}: {exc.strerror}")
+        if not existed:
+            args.report.unlink(missing_ok=True)
     if args.selftest:
         results = run(selftest(links, pings=args.pings))
         print(format_selftest(results))

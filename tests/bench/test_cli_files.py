@@ -61,3 +61,20 @@ async def test_bench_refuses_a_cacert_it_cannot_read_before_the_run(tmp_path: Pa
     assert done.stderr.splitlines()[-1] == (
         f"quicedge bench: error: --cacert {cacert}: No such file or directory"
     ), done.stderr
+
+
+async def test_relay_refuses_a_report_it_cannot_write_before_the_self_test(tmp_path: Path) -> None:
+    """`quicedge bench relay --selftest --report FILE` ran the whole self-test, printed it, and
+    then ended with a traceback where FILE could not be written."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    report = a_file / "relay.json"
+    done = await run_command(
+        "edge.cli", "bench", "relay", "--selftest", "--pings", "2", "--rtt-ms", "1",
+        "--report", str(report), timeout=30,
+    )  # fmt: skip
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stdout == ""  # no self-test was run
+    assert done.stderr.splitlines()[-1] == (
+        f"quicedge bench relay: error: --report {report}: Not a directory"
+    ), done.stderr
