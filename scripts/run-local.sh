@@ -51,7 +51,7 @@ backends ${backends[*]} (CPU stand-ins, profile $SIM_PROFILE).
 Send a request over HTTP/3 (run it twice: the second goes in 0-RTT with the saved ticket):
   $bin/quicedge request https://127.0.0.1:4433/v1/chat/completions --h3 --cacert $ca \\
       --ticket /tmp/quicedge-ticket --json '$body'
-over HTTP/2 or HTTP/1.1:
+over HTTP/2 (add --http1.1 for HTTP/1.1):
   curl --cacert $ca https://localhost:8443/v1/chat/completions -H 'content-type: application/json' \\
       -d '$body'
 Fleet state: curl http://127.0.0.1:9901/backends    Metrics: curl http://127.0.0.1:9901/metrics
