@@ -73,6 +73,10 @@ class SimConfig:
     """Think this many tokens before answering, as a reasoning model behind SGLang's
     `--reasoning-parser`: chat answers carry them as `reasoning_content`, the rest as `content`
     (usage `reasoning_tokens`); 0: no thinking."""
+    health_poll: float = 0.0
+    """Seconds between the looks `/health` takes at its check generation, as SGLang's
+    `health_generate` does (`await asyncio.sleep(1)` before each, so a real server's 200 takes
+    at least 1 s: set 1.0 to see that); 0: the answer goes out as soon as the check is done."""
     kv_events_config: str | None = None
     """SGLang's `--kv-events-config` JSON, e.g. `{"publisher": "zmq", "endpoint":
     "tcp://*:5557"}`: publish the radix cache's changes as KV-cache events (`topic` too);
@@ -103,6 +107,7 @@ class SimConfig:
                 "natural_output_len must be (lo, hi) with 1 <= lo <= hi",
             ),
             (self.startup_delay >= 0, "startup_delay must be >= 0"),
+            (self.health_poll >= 0, "health_poll must be >= 0"),
             (
                 self.new_token_ratio is None or 0 < self.new_token_ratio <= 1,
                 "new_token_ratio must be in (0, 1]",

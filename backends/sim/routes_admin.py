@@ -19,10 +19,14 @@ class AdminRoutes(RouteContext):
         await responder.send(200, b"", b"text/plain; charset=utf-8")
 
     async def health(self, request: HttpRequest, responder: Responder) -> None:
-        """503 until warmed up; then a 1-token generation must come back (SGLang's check)."""
+        """503 until warmed up; then a 1-token generation must come back (SGLang's check).
+        With `health_poll`, the answer waits as SGLang's does: it sleeps `health_poll`, then
+        looks whether the check (or, on a busy server, any request) produced output, and
+        again until it did, so a 200 never comes sooner than `health_poll`."""
         if not self.is_ready():
             await responder.send(503, b"", b"text/plain; charset=utf-8")
             return
+        req = None
         if self.scheduler.idle:
             req = SimRequest(
                 rid=f"HEALTH_CHECK_{uuid.uuid4().hex}",
@@ -33,12 +37,21 @@ class AdminRoutes(RouteContext):
                 log_metrics=False,
             )
             self.scheduler.submit(req)
-            try:
-                await asyncio.wait_for(self._until_finished(req), HEALTH_TIMEOUT)
-            except TimeoutError:
+        try:
+            async with asyncio.timeout(HEALTH_TIMEOUT):
+                poll = self.config.health_poll
+                while True:
+                    if poll:
+                        await asyncio.sleep(poll)
+                    if req is None or req.finished:
+                        break
+                    if not poll:
+                        await self._until_finished(req)
+        except TimeoutError:
+            if req is not None:
                 self.scheduler.abort(req)
-                await responder.send(503, b"", b"text/plain; charset=utf-8")
-                return
+            await responder.send(503, b"", b"text/plain; charset=utf-8")
+            return
         # "If the server is running something, this request will be ignored": it is alive.
         await responder.send(200, b"", b"text/plain; charset=utf-8")
 

@@ -12,6 +12,7 @@ graceful finish, not an error: `finish_reason` "abort" on every route, streamed 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import httpx
@@ -145,3 +146,26 @@ async def test_streamed_completions_carry_each_chunks_logprobs(
             joined[key] += c["logprobs"][key]
     assert joined == expected
     assert "".join(joined["tokens"]) == whole["choices"][0]["text"]
+
+
+async def test_health_answers_no_sooner_than_sglangs_poll(
+    make_sim: MakeSim, client: httpx.AsyncClient
+) -> None:
+    # http_server.py `health_generate`: `await asyncio.sleep(1)` before each look, so a real
+    # server's /health takes at least a second; `health_poll` models it (0.3 s here)
+    sim = await make_sim(health_poll=0.3)
+    started = time.perf_counter()
+    r = await client.get(f"{sim.url}/health")
+    assert r.status_code == 200 and time.perf_counter() - started >= 0.3
+    # a busy server waits the same
+    body = {"text": "x", "sampling_params": {"max_new_tokens": 100_000, "ignore_eos": True}}
+    busy = asyncio.create_task(client.post(f"{sim.url}/generate", json={**body, "rid": "busy"}))
+    await wait_load(client, sim, lambda e: e["num_running_reqs"] == 1)
+    started = time.perf_counter()
+    r = await client.get(f"{sim.url}/health")
+    assert r.status_code == 200 and time.perf_counter() - started >= 0.3
+    await client.post(f"{sim.url}/abort_request", json={"rid": "busy"})
+    await busy
+    # without it, the answer comes as soon as the check is done (the stand-in's default)
+    plain = await make_sim()
+    assert (await client.get(f"{plain.url}/health")).status_code == 200
