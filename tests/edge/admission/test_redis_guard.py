@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from types import SimpleNamespace
 
 import pytest
 
+import edge.free_time
 from edge.admission.redis_guard import MAX_CONNECTIONS, RedisGuard, RedisUnavailable
 from edge.admission.settings import RedisSettings
 from edge.free_time import FreeClock, FreeDeadline
@@ -71,31 +73,56 @@ async def test_a_burst_past_the_pool_size_waits_for_connections_and_keeps_the_br
         await guard.aclose()
 
 
-def _spin(seconds: float) -> None:
-    """Hold the loop, as a request's own Python does between its awaits."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        pass
+class HeldLoop:
+    """The loop thread's CPU clock, as `edge.free_time` reads it, for a thread that has a core
+    whenever the test holds the loop (`spin`, as a request's own Python does between its
+    awaits): the real clock, plus the time the host kept the thread off its core during the
+    spins. A test then does not depend on how busy the machine running it is."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self._waited = 0.0
+        """Wall time less CPU time of the spins so far: the host's waits inside them."""
+        self._since: tuple[float, float] | None = None
+        clocks = SimpleNamespace(perf_counter=time.perf_counter, thread_time=self.thread_time)
+        monkeypatch.setattr(edge.free_time, "time", clocks)
+
+    def thread_time(self) -> float:
+        waited = self._waited
+        if self._since is not None:
+            wall, cpu = self._since
+            waited += (time.perf_counter() - wall) - (time.thread_time() - cpu)
+        return time.thread_time() + waited
+
+    def spin(self, seconds: float) -> None:
+        wall, cpu = self._since = time.perf_counter(), time.thread_time()
+        while time.perf_counter() - wall < seconds:
+            pass
+        self._waited += (time.perf_counter() - wall) - (time.thread_time() - cpu)
+        self._since = None
 
 
-async def test_a_busy_loop_is_not_blamed_on_redis(redis_url: str) -> None:
-    # 48 requests each holding the loop 1 ms after its Redis call: the last answers are read
-    # ~45 ms after Redis sent them, past the deadline and the slow mark below. That delay is
-    # the edge's, so no call fails and the breaker stays shut.
-    guard = RedisGuard(RedisSettings(url=redis_url, timeout_ms=30, slow_ms=20))
+async def test_a_busy_loop_is_not_blamed_on_redis(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 48 requests each holding the loop 5 ms after its Redis call: the last answers are read
+    # ~235 ms after Redis sent them, past the deadline and the slow mark below (set far above
+    # what a Redis starved of CPU on a loaded test machine takes). That delay is the edge's,
+    # so no call fails and the breaker stays shut.
+    held = HeldLoop(monkeypatch)
+    guard = RedisGuard(RedisSettings(url=redis_url, timeout_ms=150, slow_ms=100))
     walls: list[float] = []
 
     async def request() -> None:
         start = time.perf_counter()
         await guard.run(guard.client.ping)
         walls.append(time.perf_counter() - start)
-        _spin(0.001)
+        held.spin(0.005)
 
     try:
         await guard.run(guard.client.ping)
-        for _ in range(4):
+        for _ in range(3):
             await asyncio.gather(*(request() for _ in range(48)))
-        assert max(walls) > 0.03  # the loop did hold answers past the deadline
+        assert max(walls) > 0.15  # the loop did hold answers past the deadline
         assert guard.state == "closed" and guard.trips == 0
     finally:
         await guard.aclose()
@@ -116,18 +143,19 @@ async def test_bad_calls_at_once_count_as_one(redis_url: str) -> None:
         await guard.aclose()
 
 
-async def test_the_deadline_counts_free_time() -> None:
+async def test_the_deadline_counts_free_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    held = HeldLoop(monkeypatch)
     loop = asyncio.get_running_loop()
     clock = FreeClock()
-    _spin(0.03)
-    assert clock.free() < 0.015  # the thread ran: none of it was free
+    held.spin(0.03)
+    assert clock.free() < 0.005  # the thread ran: none of it was free
     await asyncio.sleep(0.03)
     assert clock.free() >= 0.025  # the loop waited with nothing to run
     # A deadline of 50 ms of free time outlives 100 ms of a loop held by other work, and
     # expires once the loop has been free that long.
     async with asyncio.timeout(None) as timeout:
         deadline = FreeDeadline(timeout, 0.05)
-        loop.call_soon(_spin, 0.1)
+        loop.call_soon(held.spin, 0.1)
         await asyncio.sleep(0.105)
         deadline.cancel()
     start = time.perf_counter()
@@ -136,3 +164,13 @@ async def test_the_deadline_counts_free_time() -> None:
             FreeDeadline(timeout, 0.05)
             await asyncio.sleep(1)
     assert time.perf_counter() - start < 0.5
+
+
+def test_free_time_is_wall_time_less_the_threads_cpu() -> None:
+    """The real clocks: a thread that computes 50 ms of CPU had at most its wall time less
+    that free, however long the host made it wait for a core."""
+    start, clock = time.perf_counter(), FreeClock()
+    cpu = time.thread_time()
+    while time.thread_time() - cpu < 0.05:
+        pass
+    assert clock.free() <= time.perf_counter() - start - 0.049
