@@ -2,10 +2,10 @@
 
 A collection runs inside whatever allocation set it off, on the event loop's thread, so every
 request in flight waits it out. A full collection walks every object the collector tracks,
-apart from the startup heap `edge.serve` freezes. `serve` keeps collections rare (a young
-threshold of 10,000, and a prefix tree the collector does not track: docs/benchmarks.md,
-"Seventh pass"), so each one this histogram counts is worth a look. No per-request histogram
-shows this stall as such; this one does.
+apart from the startup heap that `transport.collector.prepare_collector` freezes before serving.
+`serve` keeps collections rare (a young threshold of 10,000, and a prefix tree the collector does
+not track: docs/benchmarks.md, "Seventh pass"), so each one this histogram counts is worth a
+look. No per-request histogram shows this stall as such; this one does.
 """
 
 from __future__ import annotations
