@@ -721,7 +721,14 @@ def main(argv: Iterable[str] | None = None) -> int:
     when it could not be checked (an unreadable file, no memory)."""
     parser = argparse.ArgumentParser(prog="quicedge audit", description="audit log tools")
     sub = parser.add_subparsers(dest="command", required=True)
-    check = sub.add_parser("verify", help="check a log's hash chain")
+    check = sub.add_parser(
+        "verify",
+        help="check a log's hash chain",
+        description="Check the hash chain of an audit log: each line's `prev` must be the hash "
+        "of the line before it. Exit 0 when the chain holds (OK, the line count and the last "
+        "hash), 1 naming the first line that breaks it (FAIL FILE:LINE: why), 2 when it could "
+        "not be checked (an unreadable file).",
+    )
     check.add_argument("files", nargs="+", help="log files, oldest first (or one PATH: its "
                        "rotated files PATH.N are checked before it, by number)")  # fmt: skip
     check.add_argument("--from-genesis", action="store_true",

@@ -125,6 +125,15 @@ def tamper(path: Path, how: str) -> int:
     return bad
 
 
+def test_verify_help_describes_the_command(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli(["audit", "verify", "--help"])
+    assert exited.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Check the hash chain of an audit log" in out
+    assert "Exit 0 when the chain holds" in out
+
+
 @pytest.mark.parametrize("how", ["edited", "removed", "reordered"])
 async def test_verify_names_the_first_bad_line(
     tmp_path: Path, how: str, capsys: pytest.CaptureFixture[str]
