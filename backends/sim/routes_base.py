@@ -164,6 +164,21 @@ class RouteContext:
         responder.on_disconnect = lambda: scheduler.abort(req)
         return req
 
+    def _submit_batch(self, batch: list[GenParams], responder: Responder) -> list[SimRequest]:
+        """A batch's requests, all checked before any is scheduled (a refused one refuses the
+        batch, as SGLang's tokenizer manager does); a client gone aborts them all."""
+        reqs = [self._new_request(params) for params in batch]
+        scheduler = self.scheduler
+        for req in reqs:
+            scheduler.submit(req)
+
+        def abort_all() -> None:
+            for req in reqs:
+                scheduler.abort(req)
+
+        responder.on_disconnect = abort_all
+        return reqs
+
     def _timing(self, request: HttpRequest, req: SimRequest, responder: Responder) -> Timing | None:
         """The request's record, or None when not recording. It joins `timings` once the answer
         is done, so a listed record is final. A stream drops it once the first content is

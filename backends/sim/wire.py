@@ -217,6 +217,57 @@ def parse_generate(obj: dict[str, Any], tokenizer: Tokenizer) -> GenParams:
     )
 
 
+def parse_generate_batch(obj: dict[str, Any], tokenizer: Tokenizer) -> list[GenParams] | None:
+    """POST /generate with a batch of prompts (`text` a list of strings, `input_ids` a list of
+    id lists): one `GenParams` per prompt, as SGLang's `GenerateReqInput` normalises it
+    (`sampling_params` an object for all or a list of one per prompt; a `rid` string becomes
+    `rid_0`, `rid_1`, ...; a list of rids names each prompt). None for a single prompt."""
+    text, input_ids = obj.get("text"), obj.get("input_ids")
+    prompts: list[dict[str, Any]]
+    if text is not None and input_ids is None and isinstance(text, list):
+        if not text or not all(isinstance(t, str) for t in text):
+            raise BadRequest("'text' must be a string or a non-empty list of strings")
+        prompts = [{"text": t} for t in text]
+    elif (
+        input_ids is not None
+        and text is None
+        and isinstance(input_ids, list)
+        and (input_ids and isinstance(input_ids[0], list))
+    ):
+        prompts = [{"input_ids": _token_ids(ids, "input_ids")} for ids in input_ids]
+    else:
+        return None
+    n = len(prompts)
+    sp = obj.get("sampling_params")
+    if sp is None or isinstance(sp, dict):
+        sps = [sp] * n
+    elif isinstance(sp, list) and len(sp) == n:
+        sps = sp
+    else:
+        raise BadRequest("'sampling_params' must be an object or a list of one per prompt")
+    rid = obj.get("rid")
+    if rid is None:
+        rids: list[Any] = [None] * n
+    elif isinstance(rid, str) and rid:
+        rids = [f"{rid}_{i}" for i in range(n)]
+    elif isinstance(rid, list):
+        if len(rid) != n:
+            raise BadRequest(
+                "The specified rids length mismatch with the batch_size for batch processing."
+            )
+        rids = rid
+    else:
+        raise BadRequest("The rid should be a string or a list of strings.")
+    if len({r for r in rids if r is not None}) != sum(r is not None for r in rids):
+        raise BadRequest(f"Duplicate request ID in the batch: {rids}")
+    rest = {k: v for k, v in obj.items() if k not in ("text", "input_ids", "sampling_params",
+                                                      "rid")}  # fmt: skip
+    return [
+        parse_generate({**rest, **prompt, "sampling_params": sp_i, "rid": rid_i}, tokenizer)
+        for prompt, sp_i, rid_i in zip(prompts, sps, rids, strict=True)
+    ]
+
+
 def _openai_common(obj: dict[str, Any], params: GenParams) -> GenParams:
     _sampling(obj)
     if _int(obj, "n", 1, minimum=1) != 1:

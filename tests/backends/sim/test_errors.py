@@ -38,7 +38,8 @@ async def raw_exchange(server: SimServer, data: bytes) -> bytes:
         ("/generate", b'{"text": "a", "sampling_params": {"temperature": -1}}', "temperature"),
         ("/generate", b'{"text": "a", "sampling_params": {"stop": 3}}', "'stop'"),
         ("/generate", b'{"text": "a", "stream": "yes"}', "boolean"),
-        ("/generate", b'{"text": ["a", "b"]}', "batched"),
+        ("/generate", b'{"text": ["a", 1]}', "list of strings"),
+        ("/generate", b'{"text": ["a", "b"], "sampling_params": [{}]}', "one per prompt"),
         ("/generate", b'{"text": "a", "sampling_params": []}', "sampling_params"),
     ],
 )

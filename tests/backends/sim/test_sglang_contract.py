@@ -169,3 +169,44 @@ async def test_health_answers_no_sooner_than_sglangs_poll(
     # without it, the answer comes as soon as the check is done (the stand-in's default)
     plain = await make_sim()
     assert (await client.get(f"{plain.url}/health")).status_code == 200
+
+
+async def test_a_batched_generate_answers_one_output_per_prompt(
+    sim: SimServer, client: httpx.AsyncClient
+) -> None:
+    # io_struct.py GenerateReqInput: a list of texts (or of id lists) is a batch; a `rid` string
+    # becomes `rid_0`, `rid_1`, ...; tokenizer_manager.py `_handle_batch_request` answers a
+    # list in order when whole, and streams each output with its `index` when streamed
+    one = {"sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}
+    body = {"text": ["first prompt", "second prompt here"], "rid": "b", **one}
+    r = await client.post(f"{sim.url}/generate", json=body)
+    assert r.status_code == 200
+    whole = r.json()
+    assert isinstance(whole, list) and len(whole) == 2
+    assert [o["meta_info"]["id"] for o in whole] == ["b_0", "b_1"]
+    assert [o["meta_info"]["completion_tokens"] for o in whole] == [3, 3]
+    assert whole[0]["meta_info"]["prompt_tokens"] != whole[1]["meta_info"]["prompt_tokens"]
+    singles = [
+        (await client.post(f"{sim.url}/generate", json={"text": t, **one})).json()
+        for t in body["text"]
+    ]
+    assert [o["text"] for o in whole] == [o["text"] for o in singles]
+    # streamed: every event names its prompt; each prompt's last event carries its finish
+    _, events = await stream_post(client, f"{sim.url}/generate", {**body, "stream": True})
+    assert events[-1] == "[DONE]"
+    outputs = events[:-1]
+    assert {o["index"] for o in outputs} == {0, 1}
+    for i in (0, 1):
+        mine = [o for o in outputs if o["index"] == i]
+        assert mine[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+        assert mine[-1]["text"] == whole[i]["text"]
+        assert mine[-1]["meta_info"]["id"] == f"b_{i}"
+    # token-id prompts, per-prompt sampling params, and a list of rids
+    ids_body = {"input_ids": [[1, 2, 3], [4, 5]], "rid": ["x", "y"],
+                "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 2}]}  # fmt: skip
+    out = (await client.post(f"{sim.url}/generate", json=ids_body)).json()
+    assert [o["meta_info"]["id"] for o in out] == ["x", "y"]
+    assert [o["meta_info"]["completion_tokens"] for o in out] == [1, 2]
+    bad = {"text": ["a", "b"], "rid": ["only-one"]}
+    r = await client.post(f"{sim.url}/generate", json=bad)
+    assert r.status_code == 400 and "batch_size" in r.json()["error"]["message"]
