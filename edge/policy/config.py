@@ -37,6 +37,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from backends.labels import check_url
 from edge import settings
 
 KiB = 1024
@@ -203,9 +204,16 @@ class JudgeConfig:
 
     def validate(self) -> None:
         _finite_numbers(self, "policy.judge")
+        # checked as [proxy] backends are: a guard URL the pool cannot reach (https, a port out
+        # of range, a path) failed every guard call, so each request went unjudged (`open`) or
+        # was refused (`closed`) with no word at start
+        checked: list[str] = []
         for url in self.backends:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"policy.judge.backends: expected http://HOST:PORT, got {url!r}")
+            try:
+                checked.append(check_url(url)[0])
+            except ValueError as exc:
+                raise ValueError(f"policy.judge.backends: {exc}") from None
+        self.backends = checked
         if not self.timeout > 0:
             raise ValueError(f"policy.judge.timeout: must be > 0, got {self.timeout!r}")
         if self.max_prompt_chars < 1:

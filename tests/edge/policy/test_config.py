@@ -109,6 +109,31 @@ def test_bad_tables_are_named(tmp_path: Path, text: str, message: str) -> None:
         loaded(tmp_path, text)
 
 
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("https://127.0.0.1:9", "https upstreams are not supported"),
+        ("http://127.0.0.1:99999", "the port must be a number in 1..65535"),
+        ("http://127.0.0.1:abc", "the port must be a number in 1..65535"),
+        ("http://127.0.0.1:9/v1", "no path"),
+        ("http://127.0.0.1:9?x=1", "no query"),
+        ("127.0.0.1:9", "must be http://HOST:PORT"),
+        ("http://user:secret@127.0.0.1:9", "credentials"),
+    ],
+)
+def test_a_bad_judge_backend_url_is_refused_at_load(tmp_path: Path, url: str, says: str) -> None:
+    """Each of these made every guard call fail: with `on_error = "open"` every request went
+    through unjudged, with `closed` every request was refused; neither said why at start."""
+    with pytest.raises(ValueError, match="policy.judge.backends") as refused:
+        loaded(tmp_path, f'[policy.judge]\nbackends = ["{url}"]\n')
+    assert says in str(refused.value) and "secret" not in str(refused.value)
+
+
+def test_a_judge_backend_url_is_kept_without_its_trailing_slash(tmp_path: Path) -> None:
+    settings = loaded(tmp_path, '[policy.judge]\nbackends = ["http://127.0.0.1:9/"]\n')
+    assert settings.get("policy", PolicyConfig).judge.backends == ["http://127.0.0.1:9"]
+
+
 def test_example_toml_in_the_docs_loads() -> None:
     docs = (Path(__file__).parents[3] / "docs" / "policy.md").read_text()
     block = docs.split("```toml\n", 1)[1].split("```", 1)[0]
