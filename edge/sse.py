@@ -37,6 +37,10 @@ ARGUMENTS = re.compile(ARGUMENTS_KEY + rb'\s*"([^"\\]*(?:\\.[^"\\]*)*)"', re.DOT
 REASONING_KEY = b'"reasoning_content":'
 # A reasoning model's thinking delta (SGLang with `--reasoning-parser`), group 1 as above.
 REASONING = re.compile(REASONING_KEY + rb'\s*"([^"\\]*(?:\\.[^"\\]*)*)"', re.DOTALL)
+_INDEX = b'"index":'
+"""A `/generate` batch's stream: each output names its prompt (`result["index"]`, SGLang's
+tokenizer_manager.py `_handle_batch_request`); a single prompt's outputs have no such key (a
+quote inside JSON text is escaped, so the bytes cannot come from a text)."""
 _MAX_TAIL = 1 << 20
 """An SSE event larger than this (1 MiB) is relayed but not scanned: accounting skips it, and
 scans again from the next event (a /generate stream's cumulative events pass it in a long
@@ -57,8 +61,25 @@ class Usage:
     completion_tokens: int | None = None
 
 
+def _sum(counts: list[Usage]) -> Usage:
+    """The counts of a batch's answers together (a count none of them reports stays None)."""
+
+    def total(values: list[int | None]) -> int | None:
+        known = [v for v in values if v is not None]
+        return sum(known) if known else None
+
+    return Usage(
+        total([u.prompt_tokens for u in counts]),
+        total([u.cached_tokens for u in counts]),
+        total([u.completion_tokens for u in counts]),
+    )
+
+
 def usage_from(obj: Any) -> Usage:
-    """Counts from one response object: SGLang `meta_info` or OpenAI `usage`."""
+    """Counts from one response object: SGLang `meta_info` or OpenAI `usage`; a whole
+    `/generate` batch (a list of outputs) counts all its outputs."""
+    if isinstance(obj, list):
+        return _sum([usage_from(item) for item in obj])
     if not isinstance(obj, dict):
         return Usage()
     meta = obj.get("meta_info")
@@ -139,6 +160,7 @@ class SSEScanner:
         "_pieces",
         "_pieces_size",
         "_tail",
+        "_batch",
         "_chat",
         "_cr",
         "_skipping",
@@ -178,6 +200,8 @@ class SSEScanner:
         """An event over `_MAX_TAIL` is being passed on unscanned, until its blank line."""
         self._newline = False
         """While skipping: the last byte passed on was an LF (a blank line may straddle)."""
+        self._batch: dict[int, Usage] = {}
+        """A `/generate` batch stream's last counts per prompt index (empty: not a batch)."""
         self._chat = field == b"content"
         """Chat: tool-call arguments and reasoning are generated tokens too (counted, not
         collected)."""
@@ -277,6 +301,8 @@ class SSEScanner:
         self._last_region = region
         if b'"error"' in region:
             self._scan_errors(region)
+        if not self._deltas and _INDEX in region:
+            self._scan_batch(region)
         # Non-empty text fields, counted in compact JSON (SGLang's) by two substring counts;
         # other spacing takes the regex. The text itself is extracted in batches (`_collect`).
         content = region.count(self._compact)
@@ -322,6 +348,21 @@ class SSEScanner:
             if payload is not None and payload[:16].find(b'"error"') >= 0:
                 self._record_error(payload)
 
+    def _scan_batch(self, region: bytes) -> None:
+        """Keep the counts of each prompt of a `/generate` batch (its events are cumulative per
+        prompt, so the last one of each index holds that prompt's counts)."""
+        for event in region.split(b"\n\n"):
+            payload = _data_of(event)
+            if payload is None or _INDEX not in payload:
+                continue
+            try:
+                obj = orjson.loads(payload)
+            except ValueError:
+                continue
+            index = obj.get("index") if isinstance(obj, dict) else None
+            if isinstance(index, int) and not isinstance(index, bool):
+                self._batch[index] = usage_from(obj)
+
     def _record_error(self, payload: bytes) -> None:
         try:
             obj = orjson.loads(payload)
@@ -353,6 +394,8 @@ class SSEScanner:
         text = obj.get("text") if isinstance(obj, dict) and "meta_info" in obj else None
         if not isinstance(text, str):
             text = self._joined_pieces()
+        if self._batch:  # a batch: every prompt's counts, not the last event's
+            return _sum(list(self._batch.values())), text
         return usage_from(obj), text
 
     def _joined_pieces(self) -> str | None:
