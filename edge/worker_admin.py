@@ -19,9 +19,12 @@ drift) is handed to the others the same way, so that one worker's evidence stops
 everywhere; each records it with the reason and the worker it came from. So is an advance (or
 the promotion at the end), with the step it reached: a worker that is behind goes to that step
 (`Ramp.follow`), so the workers ramp as one instead of each on its own share of the requests.
-Each names the rollout's stable and canary version, and a worker whose rollout of that pool has
-other versions does not take it (it answers 409): a reload reaches the workers one by one, and
-while it does, the old canary's advance or stop is no evidence about the new one.
+Each names the rollout's stable and canary version and the digest of its configured entry
+(`entry_digest`), and a worker whose rollout of that pool has other versions or another entry
+does not take it (it answers 409): a reload reaches the workers one by one, and while it does,
+the old canary's advance or stop is no evidence about the new one, and an advance's step index
+under the old steps means another share under the new. One without the digest is judged by its
+versions.
 """
 
 from __future__ import annotations
@@ -133,6 +136,9 @@ class WorkerAdmin:
         versions = (request.get("stable"), request.get("canary"))
         if versions != (ramp.rollout.stable, ramp.rollout.canary):
             return 409  # another rollout of the pool (a reload not yet here, or not there)
+        entry = request.get("entry")
+        if entry is not None and entry != ramp.rollout.entry:
+            return 409  # the same versions, other steps or limits: its step means another share
         reason = f"worker {int(request['worker'])}: {request['reason']}"
         ramp.take(action, int(request["step"]), reason)
         return 200
@@ -141,7 +147,7 @@ class WorkerAdmin:
         if transition.action not in HANDED_OVER or _everywhere.get():
             return
         message = {"rollout": rollout.pool, "stable": rollout.stable, "canary": rollout.canary,
-                   "action": transition.action, "step": transition.step,
+                   "entry": rollout.entry, "action": transition.action, "step": transition.step,
                    "reason": transition.reason, "worker": self.plan.index}  # fmt: skip
         task = asyncio.get_running_loop().create_task(self._hand_over(message))
         self._tasks.add(task)

@@ -25,8 +25,11 @@ steps = [1, 5, 25, 50, 100]
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import hashlib
+from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import orjson
 
 
 @dataclass(slots=True)
@@ -208,4 +211,24 @@ class ModelsConfig:
         return settings.from_mapping(cls, values, "models")
 
 
-__all__ = ["Alias", "BackendModel", "DriftConfig", "ModelsConfig", "RolloutConfig"]
+def _canonical(value: Any) -> Any:
+    """`value` with every number a float, so `steps = [1, 5]` and `[1.0, 5.0]` read the same."""
+    if isinstance(value, dict):
+        return {k: _canonical(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_canonical(v) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def entry_digest(config: RolloutConfig) -> str:
+    """A short digest of a `[[models.rollouts]]` entry as configured, every key (versions,
+    steps, limits, drift): what gives a step index its meaning. Processes that run the same
+    entry agree on it; a reload that changes any key of it (and so restarts the rollout)
+    changes it."""
+    data = orjson.dumps(_canonical(asdict(config)), option=orjson.OPT_SORT_KEYS)
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+__all__ = ["Alias", "BackendModel", "DriftConfig", "ModelsConfig", "RolloutConfig", "entry_digest"]

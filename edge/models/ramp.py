@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from edge.models.config import RolloutConfig
+from edge.models.config import RolloutConfig, entry_digest
 from edge.models.drift import DriftDetector, Sample, TestResult
 from edge.models.rollout import Rollout
 
@@ -86,7 +86,7 @@ class Ramp:
         self.rollout = Rollout(
             config.model, stable=config.stable, canary=config.canary, percent=config.steps[0],
             tenants=frozenset(config.tenants),
-            header_rule=config.header is not None,
+            header_rule=config.header is not None, entry=entry_digest(config),
         )  # fmt: skip
         self.drift = DriftDetector(config.drift)
         self.step = 0

@@ -36,6 +36,7 @@ class Rollout:
         percent: float,
         tenants: frozenset[str] = frozenset(),
         header_rule: bool = True,
+        entry: str = "",
     ) -> None:
         self.pool = pool
         self.stable = stable
@@ -45,6 +46,9 @@ class Rollout:
         self.reason = "started"
         self.tenants = tenants
         self.header_rule = header_rule
+        self.entry = entry
+        """The digest of the configured entry it runs (`entry_digest`): shared transitions
+        carry it, and one of another entry is not taken."""
 
     def to_canary(
         self,

@@ -10,9 +10,12 @@ or a promotion, with the step it reached, which a process that is behind goes to
 (`Ramp.follow`). Every one is idempotent (a second rollback changes nothing; an advance names
 its step, not "one more"), so hearing one twice, through the workers' sockets and through
 Redis, is harmless. A resume (a promote of a paused ramp) stays on the edge that took it. Each
-message names the rollout's stable and canary version, and an edge whose rollout of that pool
-has other versions (a reload that has not reached every edge yet) does not take it: one
-canary's advance or stop is no evidence about another.
+message names the rollout's stable and canary version and the digest of its configured entry
+(`entry_digest`: steps, limits, drift, every key), and an edge whose rollout of that pool has
+other versions or another entry (a reload that has not reached every edge yet) does not take
+it: one canary's advance or stop is no evidence about another, and an advance's step index
+means another share under other steps. A message without the digest (an older edge) is judged
+by its versions, and one without versions too is taken.
 
 Pub/sub fits: a stop matters now, to whoever is running; an edge that starts later starts from
 its configuration, as it would after a restart anyway. But an edge whose subscription was lost
@@ -172,7 +175,7 @@ class RolloutSync:
         if transition.action not in self.shared or _heard.get():
             return
         fields = {"i": self.instance, "model": rollout.pool, "stable": rollout.stable,
-                  "canary": rollout.canary, "action": transition.action,
+                  "canary": rollout.canary, "entry": rollout.entry, "action": transition.action,
                   "step": transition.step, "reason": transition.reason}  # fmt: skip
         message = orjson.dumps(fields)
         task = asyncio.get_running_loop().create_task(self._publish(message))
@@ -259,6 +262,7 @@ class RolloutSync:
             reason = str(msg.get("reason", ""))
             step = int(msg.get("step", 0))
             versions = (msg.get("stable"), msg.get("canary"))
+            entry = msg.get("entry")
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
             return
         ramp = self.models.ramps.get(model)
@@ -266,6 +270,8 @@ class RolloutSync:
             return
         if versions != (None, None) and versions != (ramp.rollout.stable, ramp.rollout.canary):
             return  # another rollout of the pool (a reload not yet everywhere): no evidence here
+        if entry is not None and entry != ramp.rollout.entry:
+            return  # the same versions, other steps or limits: its step index means another share
         if published_at is not None and self._undone_at.get(model, -1e18) >= published_at:
             return
         self.received += 1

@@ -239,3 +239,57 @@ async def test_a_redis_slower_than_the_timeout_does_not_make_the_subscription_fl
             assert sync.subscribed.is_set()
             exported = a.registry.get_sample_value("quicedge_rollout_sync_catch_up_failures_total")
             assert exported == sync.catch_up_failures
+
+
+async def test_an_edge_does_not_take_an_advance_through_steps_it_was_not_given(
+    redis_url: str, redis_prefix: str
+) -> None:
+    """A reload that keeps both versions and changes the steps reaches the edges one by one:
+    `a` still ramps through [5, 50, 100] while `b` and `c` were given [5, 10, 20, 50, 100].
+    `a`'s advance to its step 1 (50 %) is no step of `b`'s rollout: `b` must not go to its own
+    step 1 (10 %) on it. A pause on `c`, of the same entry as `b`'s, is taken."""
+    async with sims(sim("m", model_version="v1"), sim("m", model_version="v2")) as (s1, s2):
+        config = fast_config([s1.url, s2.url])
+        shared = {"share_stops": True, "share_advances": True, "share_key": redis_prefix + "r"}
+        old = ModelsConfig(rollouts=[rollout(steps=[5.0, 50.0, 100.0])], **shared)
+        new = ModelsConfig(rollouts=[rollout(steps=[5.0, 10.0, 20.0, 50.0, 100.0])], **shared)
+        async with (
+            run_edge(config, models=old, redis_url=redis_url) as a,
+            run_edge(config, models=new, redis_url=redis_url) as b,
+            run_edge(config, models=new, redis_url=redis_url) as c,
+            httpx.AsyncClient() as admin,
+        ):
+            await subscribed(a, b, c)
+            assert (await admin.post(a.admin_url + "/rollouts/m/promote")).status_code == 200
+            sync = a.wiring.rollout_sync
+            assert sync is not None
+            await wait_until(lambda: sync.published == 1)
+            # `c`'s pause is published after `a`'s advance: once `b` has it, it had that
+            assert (await admin.post(c.admin_url + "/rollouts/m/pause")).status_code == 200
+            await wait_until(lambda: ramp_state(b)[0] == "paused")
+            follower = b.wiring.models.ramps["m"]
+            assert [t.action for t in follower.history] == ["pause"], follower.snapshot()
+            assert follower.rollout.percent == 5.0 and follower.step == 0
+
+
+async def test_a_transition_without_the_entry_is_judged_by_its_versions(
+    redis_url: str, redis_prefix: str
+) -> None:
+    """An edge of an older release names the versions only (or nothing): it is taken when they
+    are this rollout's (as docs/models.md says), not when they are another's."""
+    async with sims(sim("m", model_version="v1"), sim("m", model_version="v2")) as (s1, s2):
+        models = ModelsConfig(rollouts=[rollout(steps=[5.0, 50.0, 100.0])], share_stops=True,
+                              share_advances=True, share_key=redis_prefix + "r")  # fmt: skip
+        async with run_edge(fast_config([s1.url, s2.url]), models=models,
+                            redis_url=redis_url) as edge:  # fmt: skip
+            sync = edge.wiring.rollout_sync
+            assert sync is not None
+            ramp = edge.wiring.models.ramps["m"]
+            other = {"i": "elsewhere", "model": "m", "stable": "v1", "canary": "v3",
+                     "action": "advance", "step": 1, "reason": "r"}  # fmt: skip
+            sync.take(orjson.dumps(other))
+            assert ramp.step == 0
+            sync.take(orjson.dumps({**other, "canary": "v2"}))
+            assert ramp.step == 1
+            sync.take(orjson.dumps({**other, "canary": None, "stable": None, "step": 2}))
+            assert ramp.step == 2

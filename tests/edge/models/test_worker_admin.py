@@ -63,3 +63,31 @@ async def test_a_worker_does_not_take_what_another_canary_version_went_through(
             first.ramps["m"].promote()
             await wait_until(lambda: second.ramps["m"].step == 1)
             assert second.ramps["m"].rollout.percent == 50.0
+
+
+async def test_a_worker_does_not_take_an_advance_through_steps_it_was_not_given(
+    tmp_path: Path,
+) -> None:
+    """A reload that keeps both versions and changes the steps reaches the workers one by one:
+    worker 0 still ramps through [5, 50, 100], worker 1 was given [5, 10, 20, 50, 100]. Worker
+    0's step 1 (50 %) is not worker 1's step 1 (10 %): it is not taken; once worker 0 has the
+    new steps too, its advance is followed."""
+    async with sims(sim("m", model_version="v1"), sim("m", model_version="v2")) as (s1, s2):
+        config = fast_config([s1.url, s2.url])
+        old = ModelsConfig(rollouts=[rollout(steps=[5.0, 50.0, 100.0])])
+        new = ModelsConfig(rollouts=[rollout(steps=[5.0, 10.0, 20.0, 50.0, 100.0])])
+        async with (
+            run_edge(config, models=old) as w0,
+            run_edge(config, models=new) as w1,
+            workers([w0, w1], tmp_path) as (a0, _),
+        ):
+            first, second = w0.wiring.models, w1.wiring.models
+            first.ramps["m"].promote()
+            await wait_until(lambda: not a0._tasks)  # handed over, and answered
+            follower = second.ramps["m"]
+            assert [t.action for t in follower.history] == [], follower.snapshot()
+            assert (follower.step, follower.rollout.percent) == (0, 5.0)
+            await first.reconfigure(new)  # the reload reaches worker 0
+            first.ramps["m"].promote()
+            await wait_until(lambda: second.ramps["m"].step == 1)
+            assert second.ramps["m"].rollout.percent == 10.0
