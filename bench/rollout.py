@@ -31,6 +31,7 @@ import math
 import os
 import random
 import re
+import shlex
 import statistics
 import sys
 import time
@@ -320,7 +321,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.getLogger("edge.models.ramp").setLevel(logging.ERROR)  # one line per transition
     rng = random.Random(args.seed)
-    report: dict[str, Any] = {"detection": {}, "false_alarms": {}}
+    command = shlex.join(["python", "-m", "bench.rollout",
+                          *(sys.argv[1:] if argv is None else argv)])  # fmt: skip
+    report: dict[str, Any] = {"command": command, "detection": {}, "false_alarms": {}}
     for window in () if args.no_detection else (100, 200, 400):
         runs = [pairs_until_pause(rng, shift=0.08, window=window, limit=20 * window)
                 for _ in range(args.trials)]  # fmt: skip
@@ -340,9 +343,17 @@ def main(argv: list[str] | None = None) -> int:
         shadow_cost(requests=args.requests, rounds=args.rounds, time_scale=args.time_scale)
     )
     report["shadow"]["time_scale"] = args.time_scale
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "rollout.json").write_text(json.dumps(report, indent=2))
-    lines = ["# Gray release", "", "| window | trials | paused | median pairs | p90 | max |",
+    print(write_report(args.out, report))
+    return 0
+
+
+def write_report(out: Path, report: dict[str, Any]) -> str:
+    """Write OUT/rollout.json and OUT/rollout.md (which names `report["command"]`); the
+    markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "rollout.json").write_text(json.dumps(report, indent=2))
+    lines = ["# Gray release", "", f"Command: `{report['command']}`", "",
+             "| window | trials | paused | median pairs | p90 | max |",
              "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for window, d in report["detection"].items():
         lines.append(f"| {window} | {d['trials']} | {d['paused']} | {d['median_pairs']} | "
@@ -364,9 +375,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{p50d['mean']} ± {p50d['sd']} | {p99d['mean']} ± {p99d['sd']} |"
         )
     lines += ["", f"load average at the end: {os.getloadavg()}"]
-    (args.out / "rollout.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
+    text = "\n".join(lines)
+    (out / "rollout.md").write_text(text + "\n")
+    return text
 
 
 if __name__ == "__main__":

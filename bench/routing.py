@@ -27,6 +27,7 @@ import asyncio
 import json
 import math
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -586,6 +587,8 @@ def render(results: list[RunResult], checks: list[dict[str, Any]], args: argpars
     lines = [
         "# Routing benchmark",
         "",
+        f"Command: `{command(args)}`",
+        "",
         f"Fleet: {FLEET} in-process `{PROFILE}` stand-ins, time_scale {args.time_scale}, "
         f"{args.duration:g} s of arrivals per run (first 20 % excluded as warm-up), seed "
         f"{args.seed}. Routing in-process exactly as the edge app does it; TTFT measured at "
@@ -625,6 +628,12 @@ def render(results: list[RunResult], checks: list[dict[str, Any]], args: argpars
             f"{'yes' if c['met'] else 'NO'} | {c['detail']} |"
         )
     return "\n".join(lines) + "\n"
+
+
+def command(args: argparse.Namespace) -> str:
+    """The command line that produced the report, shell-quoted (`args.argv`: what `main` ran
+    with, not this process's)."""
+    return shlex.join(["python", "-m", "bench.routing", *args.argv])
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -673,6 +682,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--duration must be > 0, --time-scale in (0, 10], --calibrate >= 0")
     if args.rate is not None and args.rate <= 0:
         parser.error("--rate must be > 0")
+    args.argv = list(argv)
     return args
 
 
@@ -695,7 +705,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "routing.md").write_text(render(results, checks, args))
     payload = {
-        "args": {k: str(v) for k, v in vars(args).items()},
+        "command": command(args),
+        "args": {k: str(v) for k, v in vars(args).items() if k != "argv"},
         "profile": PROFILE,
         "results": [asdict(r) for r in results],
         "targets": checks,

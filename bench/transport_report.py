@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import sys
 import tempfile
 from collections.abc import AsyncIterator
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(argv)
     if args.num < 1 or any(r < 0 for r in args.rtts):
         print("--num must be >= 1 and RTTs >= 0", file=sys.stderr)
         return 2
@@ -326,9 +328,21 @@ async def _main(args: argparse.Namespace) -> int:
             specs = matrix_specs(ep, edge=edge, stub=stub, reuse=False)
             tag = f"rtt{rtt:g}"
             results[tag] = await _bench(specs, rtt or None, args, certs, tag)
+    path = write_report(args, results)
+    print(f"wrote {path}")
+    failed = sum(s["failed"] for d in results.values() for s in d["summary"].values())
+    return 0 if failed == 0 else 1
+
+
+def write_report(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> Path:
+    """Write OUT/report.md: a header naming the command that produced it (`args.argv`, what
+    `main` ran with) and the setup, then `render_report(results)`. Its path."""
     report = render_report(results)
+    command = shlex.join(["python", "-m", "bench.transport_report", *args.argv])
     header = [
         "# Transport TTFT report",
+        "",
+        f"Command: `{command}`",
         "",
         f"python {sys.version.split()[0]}, {os.cpu_count()} CPUs; {args.num} requests per "
         f"configuration and RTT; prompt {args.input_len} words, {args.output_len} output tokens; "
@@ -339,9 +353,7 @@ async def _main(args: argparse.Namespace) -> int:
     path = args.out / "report.md"
     path.write_text("\n".join(header) + report + "\n")
     print(report)
-    print(f"wrote {path}")
-    failed = sum(s["failed"] for d in results.values() for s in d["summary"].values())
-    return 0 if failed == 0 else 1
+    return path
 
 
 if __name__ == "__main__":

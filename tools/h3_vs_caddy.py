@@ -17,7 +17,8 @@ TTFT is reported in round trips of the relay: expected 1 for 0-RTT, 2 for H3, 3 
 over TCP); the excess over that is what the proxy, the stacks and the client add. The whole
 answer's time (the client's latency to the last token, `--output-len` tokens the stand-in writes
 at once) shows what a new connection's congestion window and pacing let through.
-Needs Debian's `caddy` (`make bench-references`). A measurement, not a test.
+Needs Debian's `caddy` (`make bench-references`). A measurement, not a test. Writes
+OUT/h3_vs_caddy.json: `command` (the command that produced it) and per `system/config` its runs.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import socket
 import statistics
@@ -180,15 +182,27 @@ def main(argv: list[str] | None = None) -> int:
                     last = rows[(name, config)][-1]
                     print(f"  round {r + 1} {name:<9} {config:<8} {json.dumps(last)}", flush=True)
     print(f"\nload average {os.getloadavg()[0]:.1f} at the end\n")
+    command = shlex.join(["python", "-m", "tools.h3_vs_caddy",
+                          *(sys.argv[1:] if argv is None else argv)])  # fmt: skip
+    result = summarize(rows, rtt_ms=args.rtt_ms, command=command)
+    (args.out / "h3_vs_caddy.json").write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def summarize(
+    rows: dict[tuple[str, str], list[dict[str, Any]]], *, rtt_ms: float, command: str
+) -> dict[str, Any]:
+    """Print the table of `rows` (per system and config, each round's numbers); the JSON
+    document: `command` (what produced it) and per `system/config` its runs and TTFT in RTTs."""
     print("| system | config | server CPU / request (ms), per round | TTFT p50 (ms) | "
           "TTFT p50 in RTT | excess over the expected RTTs | whole answer p50 (ms) | "
           "0-RTT accepted |")  # fmt: skip
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    result: dict[str, Any] = {}
+    result: dict[str, Any] = {"command": command}
     for (name, config), runs in rows.items():
         cpus_ = [r["cpu_ms"] for r in runs if r["cpu_ms"] is not None]
         ttft = statistics.median(r["ttft_p50"] for r in runs if r["ttft_p50"] is not None)
-        rtts = ttft / args.rtt_ms
+        rtts = ttft / rtt_ms
         excess = rtts - CONFIGS[config]
         answer = statistics.median(r["answer_p50"] for r in runs)
         early = f"{sum(r['early'] for r in runs)}/{sum(r['requests'] for r in runs)}"
@@ -197,8 +211,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{rtts:.3f} | {excess:+.3f} | {answer:.1f} | {early} |"
         )
         result[f"{name}/{config}"] = {"runs": runs, "ttft_p50_rtt": rtts, "excess_rtt": excess}
-    (args.out / "h3_vs_caddy.json").write_text(json.dumps(result, indent=2) + "\n")
-    return 0
+    return result
 
 
 if __name__ == "__main__":

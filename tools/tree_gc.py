@@ -18,7 +18,8 @@ tracks because of the tree, the time of one full collection at the end, and the 
 time per request. It asserts nothing: speed belongs in reports. Time per request on a shared VM
 varies by ±30 % between identical runs; `--instructions` counts instead (valgrind must be
 installed): it runs this bench under cachegrind twice with the same texts, once feeding the tree
-and once not (`--no-tree`), and reports the difference per request.
+and once not (`--no-tree`), and reports the difference per request. `--json` also writes the
+results with the command that produced them (`command`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import argparse
 import gc
 import json
 import random
+import shlex
 import statistics
 import sys
 import time
@@ -200,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     print(report(result))
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+        command = shlex.join(["python", "-m", "tools.tree_gc",
+                              *(sys.argv[1:] if argv is None else argv)])  # fmt: skip
+        args.json.write_text(json.dumps({"command": command, **result}, indent=2))
     return 0
 
 

@@ -23,11 +23,23 @@ def test_a_small_run_measures_the_edge(tmp_path: Path, capsys: pytest.CaptureFix
             "--configs", "h3+0rtt", "h3", "--out", str(tmp_path)]  # fmt: skip
     assert h3_vs_caddy.main(argv) == 0
     result = json.loads((tmp_path / "h3_vs_caddy.json").read_text())
-    assert set(result) == {"quicedge/h3+0rtt", "quicedge/h3"}
+    assert set(result) == {"command", "quicedge/h3+0rtt", "quicedge/h3"}
+    assert result["command"] == "python -m tools.h3_vs_caddy " + " ".join(argv)
     (early,) = result["quicedge/h3+0rtt"]["runs"]
     (full,) = result["quicedge/h3"]["runs"]
     assert early["completed"] == full["completed"] == 8
     assert early["early"] == 8 and full["early"] == 0
     assert early["cpu_ms"] > 0 and full["cpu_ms"] > 0  # new QUIC connections cost ticks
     assert full["answer_p50"] >= full["ttft_p50"] > 0
+    assert "| quicedge | h3+0rtt |" in capsys.readouterr().out
+
+
+def test_the_json_names_the_command_that_produced_it(capsys: pytest.CaptureFixture[str]) -> None:
+    run = {"ttft_p50": 20.0, "ttft_p90": 25.0, "answer_p50": 30.0, "itl_p99": 1.0,
+           "cpu_ms": 2.0, "completed": 4, "early": 4, "requests": 4}  # fmt: skip
+    result = h3_vs_caddy.summarize(
+        {("quicedge", "h3+0rtt"): [run]}, rtt_ms=10.0, command="python -m tools.h3_vs_caddy x"
+    )
+    assert result["command"] == "python -m tools.h3_vs_caddy x"
+    assert result["quicedge/h3+0rtt"]["ttft_p50_rtt"] == 2.0
     assert "| quicedge | h3+0rtt |" in capsys.readouterr().out

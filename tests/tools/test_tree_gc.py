@@ -57,3 +57,15 @@ def test_without_the_tree_the_texts_are_made_but_nothing_is_learned(
 ) -> None:
     assert tree_gc.main(["--requests", "50", "--no-tree"]) == 0
     assert "50 requests; tree 0 of" in capsys.readouterr().out
+
+
+def test_the_json_names_the_command_that_produced_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("sys.argv", ["pytest", "--something-else"])
+    out = tmp_path / "a dir" / "tree gc.json"
+    out.parent.mkdir()
+    assert tree_gc.main(["--requests", "20", "--no-tree", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["command"] == f"python -m tools.tree_gc --requests 20 --no-tree --json '{out}'"
+    assert result["requests"] == 20
