@@ -108,7 +108,8 @@ class TierLimits:
     """The tier name (as admission names it)."""
     max_tokens: int | None = None
     """Largest `max_tokens` / `max_completion_tokens` / `sampling_params.max_new_tokens` a
-    request may ask for; None: no limit."""
+    request may ask for, times the answers it asks for (`n`, `best_of`, `sampling_params.n`,
+    a batch's prompts); None: no limit."""
     max_prompt_chars: int | None = None
     """Longest prompt, in characters of its text; None: no limit."""
 

@@ -148,6 +148,55 @@ def requested_tokens(body: MutableMapping[str, Any]) -> int | None:
     return asked
 
 
+_COUNT_FIELDS = ("n", "best_of", "sampling_params.n")
+"""Fields that multiply the answers of a request (SGLang's OpenAI routes read `n`, and
+completions `best_of` where a backend implements it; `/generate` `sampling_params.n`): all
+are counted whatever the route, as every length field is."""
+
+
+def _answers(route: str, body: MutableMapping[str, Any], params: Any, tier: str, limit: int) -> int:
+    """How many answers the request asks for: its largest choice count times its prompts
+    (a `/generate` batch, a completions list of prompts). Raises a `PolicyLimit` for a count
+    that is not a plain integer, or one with more answers than `limit` has tokens."""
+    n, best_of = body.get("n"), body.get("best_of")
+    per = params.get("n") if isinstance(params, dict) else None
+    choices = 1
+    if n is not None or best_of is not None or per is not None:
+        rule = f"tier:{tier}:max_tokens"
+        for name, value in zip(_COUNT_FIELDS, (n, best_of, per), strict=True):
+            if value is None:
+                continue
+            if type(value) is not int:
+                raise PolicyLimit(
+                    rule,
+                    f"{name} must be an integer to be checked against this tier's limit of "
+                    f"{limit} (rule `{rule}`)",
+                    param=name,
+                )
+            choices = max(choices, value)
+    prompts = 1
+    if route == GENERATE:
+        text, ids = body.get("text"), body.get("input_ids")
+        if isinstance(text, list):
+            prompts = len(text)
+        elif isinstance(ids, list) and ids and isinstance(ids[0], list):
+            prompts = len(ids)
+    elif route == COMPLETIONS:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            prompts = len(prompt)
+    answers = choices * max(prompts, 1)
+    if answers > limit:
+        rule = f"tier:{tier}:max_tokens"
+        raise PolicyLimit(
+            rule,
+            f"{answers} answers (choices x prompts) leave less than one token each of this "
+            f"tier's limit of {limit} (rule `{rule}`)",
+            param="n" if prompts == 1 else _PROMPT_FIELD.get(route, "prompt"),
+        )
+    return answers
+
+
 _OPTIONS = re2.Options()
 _OPTIONS.case_sensitive = False
 _OPTIONS.log_errors = False
@@ -307,13 +356,17 @@ class RequestRules:
         a, b = body.get("max_tokens"), body.get("max_completion_tokens")
         params = body.get("sampling_params")
         c = params.get("max_new_tokens") if isinstance(params, dict) else None
+        # The limit holds the whole request: each answer it asks for (`n` choices, a batch's
+        # prompts) is as long as the length fields say, so each may have its share only.
+        answers = _answers(route, body, params, tier, limit)
+        share = limit // answers if answers > 1 else limit
         if not (
-            (a is None or (type(a) is int and a <= limit))
-            and (b is None or (type(b) is int and b <= limit))
-            and (c is None or (type(c) is int and c <= limit))
+            (a is None or (type(a) is int and a <= share))
+            and (b is None or (type(b) is int and b <= share))
+            and (c is None or (type(c) is int and c <= share))
         ):
             for name, value in _token_fields(body):
-                if type(value) is int and value <= limit:
+                if type(value) is int and value <= share:
                     continue
                 rule = f"tier:{tier}:max_tokens"
                 if type(value) is not int:
@@ -323,11 +376,13 @@ class RequestRules:
                         f"{limit} (rule `{rule}`)",
                         param=name,
                     )
+                asked = f"{value}" if answers == 1 else f"{value} x {answers} answers"
                 raise PolicyLimit(
                     rule,
-                    f"{name} {value} is above this tier's limit of {limit} (rule `{rule}`)",
+                    f"{name} {asked} is above this tier's limit of {limit} (rule `{rule}`)",
                     param=name,
                 )
+        limit = share
         # The fields each route's backend reads: SGLang's chat route `max_completion_tokens`
         # or `max_tokens`, completions `max_tokens`, `/generate` only `max_new_tokens`.
         if route == GENERATE:

@@ -15,6 +15,7 @@ import httpx
 import pytest
 import wasmtime
 
+from backends.sim import SimConfig, SimServer
 from edge.admission.settings import AdmissionSettings, TenantSettings
 from edge.admission.tenants import key_digest
 from edge.audit import AuditConfig
@@ -483,3 +484,39 @@ async def test_json_escapes_and_a_repeated_key_are_read_as_the_backend_reads_the
     assert status == {"escaped": 403, "surrogates": 403, "last-wins": 403, "first-only": 200}
     (sent,) = [r.body for r in inference(up)]
     assert sent.endswith(bodies["first-only"][1:])  # forwarded as sent (the edge's rid first)
+
+
+async def test_a_tiers_max_tokens_counts_every_answer_the_request_asks_for() -> None:
+    """`n` choices, a `/generate` batch of prompts, or a list of completions prompts each get
+    their own answer of the length asked for: a request at the cap with 4 of them got 4 times
+    its tier's tokens. The cap counts every answer; a request that sets no length is given its
+    share of the cap in each."""
+    policy = {"tiers": [{"tier": "bronze", "max_tokens": 16}]}
+    sim = SimConfig(name="s", port=0, profile="instant")
+    async with SimServer(sim) as backend, edge_with(backend.url, policy) as edge:
+        async with client(edge) as http:
+            batch = await http.post("/generate", json={
+                "text": ["a", "b", "c", "d"],
+                "sampling_params": {"max_new_tokens": 16, "ignore_eos": True}})  # fmt: skip
+            choices = await http.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "n": 16,
+                "max_tokens": 16})  # fmt: skip
+            prompts = await http.post("/v1/completions", json={
+                "prompt": ["a", "b"], "max_tokens": 16, "ignore_eos": True})  # fmt: skip
+            unsized = await http.post(
+                "/generate",
+                json={"text": ["a", "b", "c", "d"], "sampling_params": {"ignore_eos": True}},
+            )
+            within = await http.post("/generate", json={
+                "text": ["a", "b"],
+                "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}})  # fmt: skip
+    for refused, param in ((batch, "sampling_params.max_new_tokens"), (choices, "max_tokens"),
+                           (prompts, "max_tokens")):  # fmt: skip
+        assert refused.status_code == 400, refused.text
+        assert refused.headers["x-quicedge-policy-rule"] == "tier:bronze:max_tokens"
+        assert refused.json()["error"]["param"] == param
+        assert "above this tier's limit of 16" in refused.json()["error"]["message"]
+    assert unsized.status_code == 200, unsized.text
+    assert [o["meta_info"]["completion_tokens"] for o in unsized.json()] == [4, 4, 4, 4]
+    assert within.status_code == 200, within.text
+    assert sum(o["meta_info"]["completion_tokens"] for o in within.json()) == 16

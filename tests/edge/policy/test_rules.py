@@ -438,3 +438,48 @@ def test_bad_config_is_named(values: dict[str, Any], message: str) -> None:
 
 def test_no_config_builds_no_gateway() -> None:
     assert PolicyGateway.from_config(PolicyConfig()) is None
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        (CHAT, chat("hi", n=2, max_tokens=51), "max_tokens"),
+        (CHAT, chat("hi", n=101), "n"),
+        ("/v1/completions", {"prompt": "hi", "best_of": 4, "max_tokens": 26}, "max_tokens"),
+        ("/v1/completions", {"prompt": [[1, 2], [3]], "max_tokens": 51}, "max_tokens"),
+        ("/generate", {"text": "hi", "sampling_params": {"n": 5, "max_new_tokens": 21}},
+         "sampling_params.max_new_tokens"),
+        ("/generate", {"input_ids": [[1], [2]], "sampling_params": {"max_new_tokens": 51}},
+         "sampling_params.max_new_tokens"),
+        (CHAT, chat("hi", n="2", max_tokens=10), "n"),
+        ("/generate", {"text": "hi", "sampling_params": {"n": 2.0}}, "sampling_params.n"),
+    ],
+)  # fmt: skip
+def test_tier_max_tokens_counts_every_answer(route: str, body: dict[str, Any], param: str) -> None:
+    """The limit (100 for `free`) holds the request's answers together: n choices, best_of
+    candidates and a batch's prompts each get the length asked for."""
+    gw = gateway()
+    with pytest.raises(PolicyLimit) as info:
+        gw.check(route, copy.deepcopy(body), tenant="t", tier="free", stream=False)
+    assert info.value.rule == "tier:free:max_tokens"
+    assert json.loads(info.value.body())["error"]["param"] == param
+    gw.check(route, body, tenant="t", tier="pro", stream=False)  # another tier: no limit
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "field", "given"),
+    [
+        (CHAT, chat("hi", n=3), "max_tokens", 33),
+        ("/v1/completions", {"prompt": ["a", "b"], "n": 2}, "max_tokens", 25),
+        ("/v1/completions", {"prompt": [1, 2, 3]}, "max_tokens", 100),  # one prompt of ids
+        ("/generate", {"text": ["a", "b"], "sampling_params": {"n": 2}}, "max_new_tokens", 25),
+    ],
+)
+def test_a_request_without_a_length_gets_its_share_of_the_tier(
+    route: str, body: dict[str, Any], field: str, given: int
+) -> None:
+    gateway().check(route, body, tenant="t", tier="free", stream=False)
+    sent = body["sampling_params"] if route == "/generate" else body
+    assert sent[field] == given
+    exact = chat("hi", n=4, max_tokens=25)  # 4 x 25 = the limit: passes
+    gateway().check(CHAT, exact, tenant="t", tier="free", stream=False)
