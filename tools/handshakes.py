@@ -6,10 +6,11 @@ For each store it starts ``quicedge serve --demo`` in its own process and drives
 clients from this one: *full* handshakes (no ticket; the server stores a new ticket each time)
 and *0-RTT* resumptions (each connection redeems the ticket of the previous one with a GETDEL
 and sends its request in 0-RTT; the server stores the next ticket). Every connection makes one
-request and closes. It reports connections/s and the server's CPU per handshake, and the
-store's own cost per ``put`` + ``take`` pair as the event loop pays it (that is what the
-synchronous fetcher costs). Without ``--redis`` it starts a private ``redis-server``.
-This is a measurement, not a test: the numbers depend on the machine and its load.
+request and closes; an answer other than 2xx ends the run (exit status 1, naming the status):
+it would count an error answer as a handshake. It reports connections/s and the server's CPU
+per handshake, and the store's own cost per ``put`` + ``take`` pair as the event loop pays it
+(that is what the synchronous fetcher costs). Without ``--redis`` it starts a private
+``redis-server``. This is a measurement, not a test: the numbers depend on the machine and its load.
 """
 
 from __future__ import annotations
@@ -44,9 +45,20 @@ from certs import ensure_dev_certificates
 from transport.tickets import MemoryTicketStore, RedisTicketStore, TicketStore
 
 
+class BadStatus(RuntimeError):
+    """A measured request was answered with a status other than 2xx (or none): the connection
+    measured an error answer, not the handshake and request the tool reports."""
+
+    def __init__(self, status: int | None) -> None:
+        said = "no :status" if status is None else f"status {status}"
+        super().__init__(f"the server answered POST /generate with {said}, not 2xx: the run "
+                         "measured error answers, not handshakes")  # fmt: skip
+        self.status = status
+
+
 class H3Client(QuicConnectionProtocol):
-    """An aioquic client connection that notes whether 0-RTT was accepted and sets `done` when
-    a response has ended (one request per connection)."""
+    """An aioquic client connection that notes whether 0-RTT was accepted and the response's
+    status, and sets `done` when a response has ended (one request per connection)."""
 
     def __init__(self, quic: QuicConnection, *args: Any, **kwargs: Any) -> None:
         super().__init__(quic, *args, **kwargs)
@@ -54,6 +66,12 @@ class H3Client(QuicConnectionProtocol):
         self.h3 = H3Connection(quic)
         self.done = asyncio.Event()
         self.early = False
+        self.status: int | None = None
+
+    def raise_for_status(self) -> None:
+        """BadStatus unless the response (ended: `done`) had a 2xx status."""
+        if self.status is None or not 200 <= self.status < 300:
+            raise BadStatus(self.status)
 
     def post_empty(self) -> None:
         """Send one bodiless `POST /generate` (the request each measured connection makes)."""
@@ -70,6 +88,9 @@ class H3Client(QuicConnectionProtocol):
         if isinstance(event, HandshakeCompleted):
             self.early = event.early_data_accepted
         for e in self.h3.handle_event(event):
+            if isinstance(e, HeadersReceived) and self.status is None:
+                status = dict(e.headers).get(b":status", b"")
+                self.status = int(status) if status.isdigit() else None
             if isinstance(e, HeadersReceived | DataReceived) and e.stream_ended:
                 self.done.set()
 
@@ -146,6 +167,7 @@ async def _drive(
                 assert isinstance(client, H3Client)
                 client.post_empty()
                 await asyncio.wait_for(client.done.wait(), 10)
+                client.raise_for_status()
                 for _ in range(100):  # the next ticket comes with the handshake's end
                     if tickets:
                         break
@@ -245,7 +267,11 @@ def main(argv: list[str] | None = None) -> int:
         stores = {"memory": [], "redis": ["--redis", url]}
         for name, store_args in stores.items():
             for resume in (False, True):
-                r = _measure(store_args, ca, resume, args)
+                try:
+                    r = _measure(store_args, ca, resume, args)
+                except BadStatus as exc:
+                    print(f"tools.handshakes: {exc}", file=sys.stderr)
+                    return 1
                 kind = "0-RTT" if resume else "full"
                 per = r.server_cpu / max(1, r.connections)
                 print(
