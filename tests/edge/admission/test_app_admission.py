@@ -457,3 +457,48 @@ async def test_ambiguous_credentials_are_refused_on_every_transport(
                 assert challenge == "Bearer", case
                 if case in ("two, the known one last", "the same one twice", "a list in one line"):
                     assert "one API key" in body["error"]["message"], case
+
+
+async def test_a_request_for_several_answers_is_charged_every_answer() -> None:
+    """Nothing is reserved at admission: `n` > 1 is charged what the backend reports, which
+    for SGLang is every choice's tokens (chat `usage`), or every output's (`/generate` with
+    `sampling_params.n`, a list of outputs)."""
+
+    def answer(recorded: Recorded) -> Reply:
+        ok = health_ok(recorded)
+        if ok is not None:
+            return ok
+        choice = {"index": 0, "message": {"role": "assistant", "content": "x"}}
+        body: Any = {
+            "id": "c",
+            "object": "chat.completion",
+            "choices": [choice, {**choice, "index": 1}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 40, "total_tokens": 43},
+        }
+        if recorded.path == "/generate":
+            body = [
+                {
+                    "text": "x",
+                    "meta_info": {"id": f"g_{i}", "prompt_tokens": 3, "completion_tokens": 20},
+                }
+                for i in range(2)
+            ]
+        return Reply(chunks=[json.dumps(body).encode()], chunked=False,
+                     headers=[("content-type", "application/json")])  # fmt: skip
+
+    async with TinyUpstream(answer) as up:
+        config = with_admission(
+            fast_config([up.url]),
+            tenants=[tenant("tok", "silver", "sk-tok", tokens_per_minute=1000)],
+        )
+        async with run_edge(config) as edge, client(edge) as http:
+            chat = await http.post("/v1/chat/completions", json={**CHAT, "n": 2, "max_tokens": 20},
+                                   headers=bearer("sk-tok"))  # fmt: skip
+            assert chat.status_code == 200
+            text = await metrics_text(edge)
+            assert 'quicedge_tenant_tokens_total{kind="completion",tenant="tok"} 40.0' in text
+            generate = await http.post("/generate", headers=bearer("sk-tok"), json={
+                "text": "hi", "sampling_params": {"n": 2, "max_new_tokens": 20}})  # fmt: skip
+            assert generate.status_code == 200
+            text = await metrics_text(edge)
+            assert 'quicedge_tenant_tokens_total{kind="completion",tenant="tok"} 80.0' in text
