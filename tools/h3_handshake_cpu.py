@@ -40,7 +40,7 @@ from aioquic.tls import SessionTicket
 from prometheus_client import CollectorRegistry
 
 from certs import ensure_dev_certificates
-from tools.handshakes import H3Client, client_config
+from tools.handshakes import BadStatus, H3Client, client_config
 from transport.demo import demo_app
 from transport.h3_server import H3Server
 from transport.loop import loop_factory, resolve
@@ -195,6 +195,7 @@ async def drive(
             assert isinstance(client, H3Client)
             client.post_empty()
             await asyncio.wait_for(client.done.wait(), timeout)
+            client.raise_for_status()  # an error answer is no handshake measured
             for _ in range(1000):  # the next ticket comes with the handshake's end
                 if tickets:
                     break
@@ -298,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
             for k in ("full", "0-RTT")
         ]
         report(plain, profiled, args.top, out)
+    except BadStatus as exc:
+        print(f"tools.h3_handshake_cpu: {exc}", file=sys.stderr)
+        return 1
     finally:
         server.close()
     return 0

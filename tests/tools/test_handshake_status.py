@@ -10,7 +10,7 @@ import pytest
 
 from certs import DevCertificates
 from tests.bench.servers import edge_h3
-from tools import h3_handshake_instructions, handshakes
+from tools import h3_handshake_cpu, h3_handshake_instructions, handshakes
 
 
 async def overloaded(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -37,6 +37,12 @@ async def test_handshakes_counts_2xx_answers(dev_certs: DevCertificates) -> None
     assert done >= 1
 
 
+async def test_handshake_cpu_fails_on_an_error_answer(dev_certs: DevCertificates) -> None:
+    async with edge_h3(dev_certs, app=overloaded) as server:
+        with pytest.raises(handshakes.BadStatus, match="status 503"):
+            await h3_handshake_cpu.drive(server.port, dev_certs.ca_cert, n=2, ticket=None)
+
+
 async def test_handshake_instructions_fails_on_an_error_answer(
     dev_certs: DevCertificates,
 ) -> None:
@@ -58,4 +64,7 @@ def test_an_error_answer_exits_non_zero_naming_the_status(
     assert "status 503, not 2xx" in capsys.readouterr().err
     monkeypatch.setattr(h3_handshake_instructions, "count", measured_an_error)
     assert h3_handshake_instructions.main(["--kinds", "full"]) == 1
+    assert "status 503, not 2xx" in capsys.readouterr().err
+    monkeypatch.setattr(h3_handshake_cpu, "_first_ticket", measured_an_error)
+    assert h3_handshake_cpu.main(["--connections", "1"]) == 1
     assert "status 503, not 2xx" in capsys.readouterr().err
