@@ -6,9 +6,11 @@ backend is its own secret, never the client's: a client's `Authorization` header
 (it authenticates the client to the edge, not the edge to a backend).
 
 Keys live in files (a Kubernetes Secret mounted as a file, a file readable only by the edge's
-user), read once at start: one file for the whole fleet and, optionally, one per backend URL
-that overrides it (matched by the host and port the URL names). A backend without either gets
-no `Authorization` header.
+user), read at start and again on each config reload (`edge.reload`): one file for the whole
+fleet and, optionally, one per backend URL that overrides it (matched by the host and port the
+URL names). A backend without either gets no `Authorization` header. Every holder shares one
+`BackendCredentials`, which a reload updates in place (`replace_with`), so the calls made from
+then on carry the new keys.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class BackendCredentials:
     A per-backend key is found by the host and port its URL names, however it is written
     (labels after `#`, a trailing `/`, the case of the host, `:80` or none)."""
 
-    __slots__ = ("_fleet", "_by_address", "_found")
+    __slots__ = ("_fleet", "_by_address", "_found", "generation")
 
     def __init__(self, fleet: bytes | None = None, by_url: Mapping[str, bytes] | None = None):
         self._fleet: Header | None = _bearer(fleet) if fleet is not None else None
@@ -54,6 +56,9 @@ class BackendCredentials:
             self._by_address[address] = _bearer(key)
         self._found: dict[str, Header | None] = {}
         """`header`'s answers by URL as given, so a request does not parse its URL."""
+        self.generation = 0
+        """Counts the `replace_with` calls that changed a key: a client made with `api_key`
+        under an older generation carries an old key."""
 
     @classmethod
     def from_files(
@@ -69,6 +74,16 @@ class BackendCredentials:
                 raise ValueError(f"{setting}: {exc}") from None
             by_url[url] = read_key(path, setting)
         return cls(fleet, by_url)
+
+    def replace_with(self, other: BackendCredentials) -> bool:
+        """Take `other`'s keys in place (a reload read the files again), so every holder of this
+        object sends them from its next call; True when a key changed."""
+        if other._fleet == self._fleet and other._by_address == self._by_address:
+            return False
+        self._fleet, self._by_address = other._fleet, dict(other._by_address)
+        self._found = {}
+        self.generation += 1
+        return True
 
     def __bool__(self) -> bool:
         return self._fleet is not None or bool(self._by_address)

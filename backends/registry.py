@@ -363,6 +363,15 @@ class BackendRegistry:
             )
         return client
 
+    async def renew_clients(self) -> None:
+        """Forget the health and load clients (each made with its backend's key then): the next
+        check or poll makes a new one, with the key as it is now (a reload rotated the keys).
+        A check in progress finishes on its old client, which is closed after it."""
+        old, self._clients = list(self._clients.values()), {}
+        for client in old:
+            with contextlib.suppress(Exception):
+                await client.aclose()
+
     async def check_once(self, backend: Backend) -> bool:
         """One active `/health` check; any error or timeout counts as a failure."""
         why = ""

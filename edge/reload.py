@@ -19,6 +19,12 @@ validated. A file that does not load or validate changes nothing. Otherwise:
   entry changed starts again at its first step, an unchanged one keeps its state.
 - `[proxy]` retries, retry budget and upstream timeouts (`max_retries`, `retry_budget`,
   `retry_budget_min`, `first_byte_timeout`, `chunk_timeout`), for the attempts that start next.
+- `[proxy] backend_api_key_file` and `[proxy.backend_api_key_files]`: the key files are read
+  again on every reload (a rotated Secret with the same paths included), and the keys apply to
+  every upstream request, health check, load poll, model fetch and abort from then on
+  (`Wiring.set_credentials`); requests in flight keep theirs. A key file that cannot be read,
+  is empty or malformed refuses the reload, naming the setting and the file, never the key:
+  the running keys stay. With `config_poll_interval` the key files are polled too.
 - `[proxy] backends`: a new URL joins the registry at once, a removed one drains (no new
   requests, those in flight finish, up to `[discovery] drain_timeout`) and leaves, as backend
   discovery does it. A kept backend's labels (its isolation domain) wait for a restart.
@@ -35,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import fields
 from typing import Any
 
+from backends.credentials import BackendCredentials
 from backends.discovery import DiscoveryConfig, wanted_urls
 from edge.access_log import AccessLogConfig
 from edge.admission.settings import AdmissionSettings
@@ -59,8 +66,25 @@ _LIVE_PROXY = ("max_retries", "retry_budget", "retry_budget_min", "first_byte_ti
                "chunk_timeout")  # fmt: skip
 """The `[proxy]` fields a reload applies: how each request's attempts go (`Attempts`)."""
 
+_KEY_FILES = ("backend_api_key_file", "backend_api_key_files")
+"""The `[proxy]` fields naming the backends' key files: read again on every reload."""
+
+
+def key_files(proxy: ProxyConfig) -> list[str]:
+    """The backends' key files `proxy` names (the fleet's first)."""
+    fleet = [proxy.backend_api_key_file] if proxy.backend_api_key_file else []
+    return [*fleet, *proxy.backend_api_key_files.values()]
+
+
+def read_keys(proxy: ProxyConfig) -> BackendCredentials:
+    """The backends' keys as the files `proxy` names hold them now; ValueError naming the
+    setting and the file (never the key) when one cannot be read, is empty or malformed."""
+    return BackendCredentials.from_files(proxy.backend_api_key_file, proxy.backend_api_key_files)
+
+
 LIVE = (
     "proxy.attempts",
+    "proxy.backend_api_keys",
     "tenants",
     "admission.anonymous",
     "admission.throttle",
@@ -74,7 +98,7 @@ LIVE = (
 """What a reload applies while serving; every other difference waits for a restart."""
 
 _CARRIED = {
-    "proxy": ("admission", "state", "backends", *_LIVE_PROXY),
+    "proxy": ("admission", "state", "backends", *_LIVE_PROXY, *_KEY_FILES),
     "admission": ("anonymous", "tenants", "throttle"),
     "models": _LIVE_MODELS,
 }
@@ -194,6 +218,17 @@ class Reloader:
             if path is not None and poll_interval is not None
             else None
         )
+        # The key files too, on their own (one missing for a moment must not hide a change of
+        # the config file): a rotated Secret (its `..data` symlink swapped) is read at once.
+        self._key_watch = (
+            FileWatch(
+                key_files(running.get("proxy", ProxyConfig)),
+                poll_interval,
+                lambda: self._schedule(signal=False),
+            )
+            if path is not None and poll_interval is not None
+            else None
+        )
         self._lock = asyncio.Lock()
         self._queued: asyncio.Task[dict[str, Any]] | None = None
         """The reload waiting for the one that runs (`reload_reported`)."""
@@ -201,8 +236,9 @@ class Reloader:
         self.restart_pending = wiring.metrics.config_restart_pending
 
     def start(self) -> None:
-        if self._watch is not None:
-            self._watch.start()
+        for watch in (self._watch, self._key_watch):
+            if watch is not None:
+                watch.start()
 
     def reload(self) -> None:
         """SIGHUP: reload soon, policy modules included."""
@@ -243,10 +279,13 @@ class Reloader:
             return await self._reload(signal=signal)
 
     async def _reload(self, *, signal: bool) -> dict[str, Any]:
-        if self._watch is not None:
-            self._watch.seen()
+        for watch in (self._watch, self._key_watch):
+            if watch is not None:
+                watch.seen()
         try:
             new = await asyncio.to_thread(self._load)
+            # Read on every reload, the paths changed or not: rotating a Secret changes the files.
+            keys = await asyncio.to_thread(read_keys, new.get("proxy", ProxyConfig))
             live, restart = differences(self._applied, new)
             _, pending = differences(self._started, new)
             gateway = None
@@ -264,7 +303,12 @@ class Reloader:
             log.error("config reload refused, the running settings stay: %s", error)
             self._audit("refused", error=error)
             return _report("refused", error=error)
+        if self._key_watch is not None:  # the files the settings name now
+            self._key_watch.paths = key_files(new.get("proxy", ProxyConfig))
+            self._key_watch.seen()
         try:
+            if await self.wiring.set_credentials(keys):
+                live.insert(0, "proxy.backend_api_keys")
             await self._apply(new, live, gateway, signal=signal)
         except Exception as exc:  # a bug here must not end the reloads for the process's life
             self.reloads.labels("refused").inc()
@@ -319,8 +363,9 @@ class Reloader:
             self.wiring.audit.record_event("config_reload", outcome=outcome, **fields)
 
     async def aclose(self) -> None:
-        if self._watch is not None:
-            await self._watch.aclose()
+        for watch in (self._watch, self._key_watch):
+            if watch is not None:
+                await watch.aclose()
         await cancelled(self._task)
         await cancelled(self._queued)
         self._task = self._queued = None

@@ -252,6 +252,19 @@ class Wiring:
             with contextlib.suppress(Exception):
                 await self._clients.pop(url).aclose()
 
+    async def set_credentials(self, keys: BackendCredentials) -> bool:
+        """The backends' keys a reload read (`edge.reload`): every upstream request, check, load
+        poll, model fetch and abort from now on carries them; requests in flight keep theirs.
+        True when a key changed."""
+        if not self.credentials.replace_with(keys):
+            return False
+        await self.registry.renew_clients()  # the health and load clients hold their key
+        old, self._clients = list(self._clients.values()), {}  # so do the abort clients
+        for client in old:
+            with contextlib.suppress(Exception):
+                await client.aclose()
+        return True
+
     async def _abort(self, backend: Backend, rid: str) -> None:
         try:
             client = self._clients.get(backend.url)

@@ -6,6 +6,7 @@ the edge's calls (health, loads, models, generation, abort) reached it with the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -14,6 +15,9 @@ import pytest
 from backends.credentials import BackendCredentials
 from backends.sim import SimConfig, SimServer
 from edge.config import ProxyConfig
+from edge.reload import Reloader
+from edge.serve import build_parser, load_settings
+from edge.settings import Settings
 from tests.edge.conftest import client, fast_config, run_edge
 from tests.edge.tls_edge import with_client_keys
 from tests.helpers import wait_until
@@ -141,3 +145,125 @@ def test_credentials_pick_the_backend_key_then_the_fleet_key() -> None:
     assert creds.api_key("http://b:1") == "own"
     assert not BackendCredentials()
     assert BackendCredentials().with_auth("http://a:1", []) == []
+
+
+def rekey(sim: SimServer, key: str) -> None:
+    """The stand-in restarted with `--api-key KEY`, as a rotation does to SGLang."""
+    assert sim.api is not None
+    sim.api._auth = b"Bearer " + key.encode()
+
+
+def rewrite(path: str, text: str) -> None:
+    Path(path).write_text(text)
+
+
+def secret_volume(tmp_path: Path) -> str:
+    """A Kubernetes Secret volume: `key` -> `..data/key`, `..data` -> `v1` (`key-a`); `v2`
+    (`key-b`) waits for `swap_secret`. The key file's path."""
+    for version, key in (("v1", "key-a"), ("v2", "key-b")):
+        (tmp_path / version).mkdir()
+        (tmp_path / version / "key").write_text(key)
+    (tmp_path / "..data").symlink_to("v1")
+    (tmp_path / "key").symlink_to("..data/key")
+    return str(tmp_path / "key")
+
+
+def swap_secret(tmp_path: Path) -> None:
+    """The kubelet's update: `..data` pointed at `v2` at once (a rename over it)."""
+    (tmp_path / "..new").symlink_to("v2")
+    (tmp_path / "..new").rename(tmp_path / "..data")
+
+
+def keyed_settings(tmp_path: Path, sim: SimServer, key_path: str) -> Callable[[], Settings]:
+    """What `quicedge serve --config FILE --backend URL` reads on each reload: a file naming
+    `key_path` as the fleet's key file."""
+    config = tmp_path / "quicedge.toml"
+    config.write_text(f'[proxy]\nbackend_api_key_file = "{key_path}"\n')
+    argv = ["--config", str(config), "--backend", sim.url]
+    return lambda: load_settings(build_parser().parse_args(argv), {})
+
+
+async def test_a_reload_reads_the_rotated_key_for_every_call(tmp_path: Path) -> None:
+    """The backend's key rotated (its Secret rewritten, SGLang restarted with the new key): a
+    reload reads the file again, and requests, load polls, health checks, the model list and
+    aborts carry the new key. The key was read once at start: every request got 502."""
+    async with keyed_sim("key-a") as sim:
+        path = key_file(tmp_path, "key-a\n")
+        load = keyed_settings(tmp_path, sim, path)
+        config = fast_config([sim.url], backend_api_key_file=path)
+        async with run_edge(config) as edge, client(edge) as http:
+            reloader = Reloader(load, load(), edge.wiring)
+            assert (await http.post("/v1/chat/completions", json=CHAT)).status_code == 200
+            rekey(sim, "key-b")
+            rewrite(path, "key-b\n")
+            report = await reloader.reload_reported()
+            assert sim.api is not None
+            seen = sim.api.requests
+            polls = seen["/v1/loads"]
+            await wait_until(lambda: seen["/v1/loads"] >= polls + 2)  # one in flight: done
+            refused = dict(sim.api.refused)
+            statuses = [(await http.post("/v1/chat/completions", json=CHAT)).status_code
+                        for _ in range(3)]  # fmt: skip
+            edge.wiring.catalog.expire()
+            models = await http.get("/v1/models")
+            backend = edge.wiring.registry.backends[0]
+            edge.wiring.abort(backend, "no-such-rid")
+            checks = seen["/health"]
+            await wait_until(lambda: seen["/abort_request"] >= 1 and seen["/v1/loads"] >= polls + 5)
+            await wait_until(lambda: seen["/health"] >= checks + 2)
+            healthy, failing = backend.healthy, backend.load_polls_failing
+            await reloader.aclose()
+        assert statuses == [200] * 3
+        assert [m["id"] for m in models.json()["data"]] == [sim.config.model_name]
+        assert sim.api.refused == refused, "a call after the reload carried the old key"
+        assert healthy and failing == 0
+        assert report == {"outcome": "applied", "changed": ["proxy.backend_api_keys"],
+                          "restart_pending": [], "error": None}  # fmt: skip
+        async with httpx.AsyncClient(base_url=sim.url) as http:  # the old key is refused
+            old = await http.get("/v1/models", headers={"authorization": "Bearer key-a"})
+            assert old.status_code == 401
+
+
+@pytest.mark.parametrize("text", ["", "two words"])
+async def test_a_key_file_broken_on_reload_keeps_the_running_key(tmp_path: Path, text: str) -> None:
+    """An empty or malformed key file refuses the reload, naming the setting and the file, never
+    the key; the running key serves on, and a reload once the file is fixed applies it."""
+    async with keyed_sim("key-a") as sim:
+        path = key_file(tmp_path, "key-a")
+        load = keyed_settings(tmp_path, sim, path)
+        config = fast_config([sim.url], backend_api_key_file=path)
+        async with run_edge(config) as edge, client(edge) as http:
+            reloader = Reloader(load, load(), edge.wiring)
+            rewrite(path, text)
+            report = await reloader.reload_reported()
+            assert report["outcome"] == "refused"
+            assert report["error"].startswith(f"proxy.backend_api_key_file: {path}")
+            assert "key-a" not in report["error"]
+            assert (await http.post("/v1/chat/completions", json=CHAT)).status_code == 200
+            rekey(sim, "key-b")
+            rewrite(path, "key-b")
+            assert (await reloader.reload_reported())["outcome"] == "applied"
+            assert (await http.post("/v1/chat/completions", json=CHAT)).status_code == 200
+            metrics = (await httpx.AsyncClient().get(f"{edge.admin_url}/metrics")).text
+            await reloader.aclose()
+        assert 'quicedge_config_reloads_total{outcome="refused"} 1.0' in metrics
+
+
+async def test_a_key_file_swapped_on_disk_is_read_when_polled(tmp_path: Path) -> None:
+    """With `config_poll_interval`, the key files are watched as the config file is: a Secret
+    volume's update (its `..data` symlink pointed at a new directory) is a reload."""
+    async with keyed_sim("key-a") as sim:
+        path = secret_volume(tmp_path)
+        load = keyed_settings(tmp_path, sim, path)
+        config = fast_config([sim.url], backend_api_key_file=path)
+        async with run_edge(config) as edge, client(edge) as http:
+            reloader = Reloader(
+                load, load(), edge.wiring, path=str(tmp_path / "quicedge.toml"), poll_interval=0.05
+            )
+            reloader.start()
+            rekey(sim, "key-b")
+            swap_secret(tmp_path)
+            await wait_until(lambda: edge.wiring.credentials.api_key(sim.url) == "key-b")
+            assert (await http.post("/v1/chat/completions", json=CHAT)).status_code == 200
+            await reloader.aclose()
+
