@@ -26,9 +26,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 from urllib.parse import urlsplit
 
 from backends.connection import READ_HIGH_WATER, Connection
+from backends.credentials import BackendCredentials
 from backends.errors import (
     UpstreamConnectError,
     UpstreamError,
@@ -473,11 +475,38 @@ class UpstreamPool:
         return f"<UpstreamPool {'; '.join(parts) or 'empty'}>"
 
 
+class KeyedPool:
+    """`pool` for a caller that sends its own requests to backends (pre-warming): each request
+    gets its backend's `Authorization` from `credentials` as they are when it starts (a reload
+    may have rotated them). Not for other hosts (a guard model): they must not see the key."""
+
+    def __init__(self, pool: UpstreamPool, credentials: BackendCredentials) -> None:
+        self.pool = pool
+        self.credentials = credentials
+
+    async def request(
+        self,
+        base_url: str,
+        method: str,
+        path: str,
+        *,
+        headers: Sequence[tuple[bytes, bytes]],
+        body: bytes,
+        **options: Any,
+    ) -> UpstreamResponse:
+        keyed = self.credentials.with_auth(base_url, list(headers))
+        return await self.pool.request(base_url, method, path, headers=keyed, body=body, **options)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.pool, name)
+
+
 __all__ = [
     "MAX_RESPONSE_HEAD",
     "READ_HIGH_WATER",
     "BackendPoolStats",
     "BackendSlots",
+    "KeyedPool",
     "PoolStats",
     "UpstreamPool",
     "UpstreamResponse",

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -28,7 +28,7 @@ from backends.discovery import (
     make_source,
     wanted_urls,
 )
-from backends.pool import UpstreamPool
+from backends.pool import KeyedPool, UpstreamPool
 from backends.registry import Backend, BackendClient, BackendRegistry, HealthConfig
 from edge import settings
 from edge.access_log import AccessLog, AccessLogConfig
@@ -397,8 +397,11 @@ async def build(
         registry.register(AuditCollector(audit_log))
         if audit_log.export is not None:
             registry.register(audit_log.export.collector())
+    # Pre-warming sends its own requests to the backends: with their keys, those a reload
+    # reads too (it calls only `request`).
+    keyed = cast(UpstreamPool, KeyedPool(pool, credentials))
     fleet = build_fleet(
-        prewarm, fleet_view, redis_url=redis_url, registry=backends, pool=pool, policy=policy,
+        prewarm, fleet_view, redis_url=redis_url, registry=backends, pool=keyed, policy=policy,
         kv_events=kv_events,
     )  # fmt: skip
     if fleet is not None:

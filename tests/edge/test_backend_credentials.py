@@ -16,6 +16,7 @@ from backends.credentials import BackendCredentials
 from backends.sim import SimConfig, SimServer
 from edge.config import ProxyConfig
 from edge.reload import Reloader
+from edge.routing.prewarm import PrewarmConfig
 from edge.serve import build_parser, load_settings
 from edge.settings import Settings
 from tests.edge.conftest import client, fast_config, run_edge
@@ -267,3 +268,29 @@ async def test_a_key_file_swapped_on_disk_is_read_when_polled(tmp_path: Path) ->
             assert (await http.post("/v1/chat/completions", json=CHAT)).status_code == 200
             await reloader.aclose()
 
+
+async def test_prewarm_carries_the_key(tmp_path: Path) -> None:
+    """Pre-warming a backend that wants a key: its warm-up requests and its restart checks'
+    `/metrics` go through the same pool as requests, with the edge's key (they had none: every
+    warm-up got 401 and the backend never warmed)."""
+    async with keyed_sim() as sim:
+        config = fast_config([sim.url], policy="ttft",
+                             backend_api_key_file=key_file(tmp_path, KEY))  # fmt: skip
+        prewarm = PrewarmConfig(enabled=True, deadline=30.0, restart_check_interval=None)
+        async with run_edge(config, prewarm=prewarm) as edge, client(edge) as http:
+            text = "the same system prompt, long enough to be a hot prefix " * 40
+            sampling = {"max_new_tokens": 1}
+            for i in range(4):
+                r = await http.post(
+                    "/generate", json={"text": f"{text}{i}", "sampling_params": sampling}
+                )
+                assert r.status_code == 200, r.text
+            service = edge.wiring.fleet.prewarm if edge.wiring.fleet is not None else None
+            assert service is not None
+            backend = edge.wiring.registry.backends[0]
+            assert service.warm_hot(backend, reason="restart") >= 1
+            lanes = service.snapshot
+            await wait_until(lambda: lanes()["backends"][backend.name]["state"] == "ready")
+            lane = lanes()["backends"][backend.name]
+        assert sim.api is not None and sim.api.refused == {}
+        assert lane["requests"].get("ok", 0) >= 1, lane
