@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from backends.sim import SimConfig, SimServer
 from edge.audit import GENESIS, verify
 from edge.reload import Reloader, differences
 from edge.serve import build_parser, load_settings
@@ -727,3 +728,43 @@ async def test_the_admin_api_reloads_every_worker_and_says_what_the_reload_did(
             assert await status(http, "key-two") == 200  # the running settings stayed
     finally:
         assert proc.stop() == 0, proc.errors()
+
+
+async def test_the_admin_api_and_sighup_apply_a_rotated_backend_key(tmp_path: Path) -> None:
+    """The backend's key rotated (SGLang restarted with `--api-key B`, the Secret rewritten):
+    `POST /config/reload` reads the key file again and says so, requests pass with the new key;
+    a key file emptied meanwhile refuses the reload (the key never in its answer) and the
+    running key serves on; SIGHUP reads the next rotation."""
+    async with SimServer(SimConfig(name="k", port=0, profile="instant", api_key="key-a")) as sim:
+        key = tmp_path / "backend-key"
+        key.write_text("key-a\n")
+        config = tmp_path / "quicedge.toml"
+        config.write_text(f'[proxy]\nbackend_api_key_file = "{key}"\n')
+        proc, url = serve(config, "--backend", sim.url)
+        try:
+            async with (
+                httpx.AsyncClient(base_url=url, timeout=30) as http,
+                httpx.AsyncClient(base_url=f"http://127.0.0.1:{proc.admin_port}", timeout=30) as op,
+            ):
+                chat = body("hi")
+                assert (await http.post("/v1/chat/completions", json=chat)).status_code == 200
+                assert sim.api is not None
+                sim.api._auth = b"Bearer key-b"  # the backend now wants B
+                assert (await http.post("/v1/chat/completions", json=chat)).status_code == 502
+                await asyncio.to_thread(key.write_text, "key-b\n")
+                applied = await op.post("/config/reload")
+                assert applied.json() == {"outcome": "applied",
+                                          "changed": ["proxy.backend_api_keys"],
+                                          "restart_pending": [], "error": None}  # fmt: skip
+                assert (await http.post("/v1/chat/completions", json=chat)).status_code == 200
+                await asyncio.to_thread(key.write_text, "")
+                refused = await op.post("/config/reload")
+                assert refused.status_code == 400, refused.text
+                assert refused.json()["error"] == f"proxy.backend_api_key_file: {key} is empty"
+                assert (await http.post("/v1/chat/completions", json=chat)).status_code == 200
+                sim.api._auth = b"Bearer key-c"
+                await rewritten(proc, key, "key-c", APPLIED, 2)
+                assert (await http.post("/v1/chat/completions", json=chat)).status_code == 200
+                assert total(proc, REFUSED) == 1
+        finally:
+            assert proc.stop() == 0, proc.errors()
