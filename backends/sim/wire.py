@@ -305,7 +305,10 @@ def parse_completion(obj: dict[str, Any], tokenizer: Tokenizer) -> GenParams:
         ids = _token_ids(prompt, "prompt")
     if _bool(obj, "echo"):
         raise BadRequest("'echo' is not supported by the stand-in")
-    params = GenParams(input_ids=ids, max_new_tokens=_int(obj, "max_tokens", 16, minimum=0))
+    max_tokens = _int(obj, "max_tokens", 16, minimum=0)
+    if max_tokens == 0:  # SGLang's protocol.py `validate_max_tokens_positive`
+        raise BadRequest("max_tokens must be positive")
+    params = GenParams(input_ids=ids, max_new_tokens=max_tokens)
     # Legacy completions: `logprobs` is the number of alternatives (0..5), null for none.
     top = _int(obj, "logprobs", None, minimum=0)
     if top is not None:

@@ -210,3 +210,15 @@ async def test_a_batched_generate_answers_one_output_per_prompt(
     bad = {"text": ["a", "b"], "rid": ["only-one"]}
     r = await client.post(f"{sim.url}/generate", json=bad)
     assert r.status_code == 400 and "batch_size" in r.json()["error"]["message"]
+
+
+async def test_completions_refuse_max_tokens_zero(
+    sim: SimServer, client: httpx.AsyncClient
+) -> None:
+    # protocol.py CompletionRequest `validate_max_tokens_positive`: "max_tokens must be
+    # positive" (a 400); chat takes 0 (`max_completion_tokens or max_tokens`: no new token)
+    r = await client.post(f"{sim.url}/v1/completions", json={"prompt": "hi", "max_tokens": 0})
+    assert r.status_code == 400 and "max_tokens must be positive" in r.json()["message"]
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}
+    r = await client.post(f"{sim.url}/v1/chat/completions", json=chat)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 0
