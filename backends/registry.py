@@ -32,8 +32,8 @@ from backends.pool import UpstreamPool
 log = logging.getLogger(__name__)
 
 # Failure kinds `record_failure` accepts; the first four count towards passive ejection.
-EJECTING_KINDS = frozenset({"connect", "timeout", "protocol", "upstream", "5xx", "auth"})
-FAILURE_KINDS = EJECTING_KINDS | {"429", "4xx", "disconnect"}
+EJECTING_KINDS = frozenset({"connect", "timeout", "protocol", "upstream", "5xx"})
+FAILURE_KINDS = EJECTING_KINDS | {"429", "4xx", "auth", "disconnect"}
 
 
 class BackendClient(Protocol):
