@@ -77,8 +77,9 @@ class ProxyConfig:
 
     health_interval: float = 2 * SECONDS
     """Period of the active `/health` checks and `/v1/loads` polls, s."""
-    health_timeout: float = 1 * SECONDS
-    """Deadline of one active check, s."""
+    health_timeout: float = 5 * SECONDS
+    """Deadline of one active check, s. SGLang's `/health` sleeps 1 s before it looks whether
+    its scheduler answered a one-token probe: a deadline of 1 s failed every check."""
     health_failure_threshold: int = 3
     """Consecutive failed checks that mark a backend unhealthy."""
     health_success_threshold: int = 2

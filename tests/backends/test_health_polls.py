@@ -137,3 +137,23 @@ async def test_a_garbage_load_answer_is_a_failed_poll_and_the_next_one_reconnect
         await registry.poll_load_once(backend)
         assert backend.load is not None and backend.load.num_running_reqs == 1
         assert backend.load_polls_failing == 0
+
+
+async def test_the_default_health_deadline_outlasts_sglangs_check() -> None:
+    """SGLang's `/health` answers after a second or more (it sleeps 1 s, then looks whether its
+    scheduler answered a one-token probe). With the default deadline the backend stays healthy,
+    and its load polls, on a connection of their own, go on while a check waits."""
+    from backends.sim import SimConfig, SimServer
+    from edge.config import ProxyConfig
+    from tests.edge.conftest import fast_config, run_edge
+
+    default = ProxyConfig(backends=["http://127.0.0.1:1"]).health_timeout
+    async with SimServer(SimConfig(name="s", port=0, profile="instant", health_poll=1.0)) as sim:
+        config = fast_config([sim.url], health_timeout=default, loads_interval=0.1)
+        async with run_edge(config) as edge:
+            backend = edge.wiring.registry.backends[0]
+            assert sim.api is not None
+            polls = sim.api.requests["/v1/loads"]
+            await asyncio.sleep(2.6)  # two checks past a 1 s deadline would mark it down
+            assert backend.healthy
+            assert sim.api.requests["/v1/loads"] - polls >= 10
