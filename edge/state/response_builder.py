@@ -27,6 +27,9 @@ _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"
 `incomplete_details.reason` for each."""
 
 
+ABORTED = "the backend aborted this answer before it ended"
+
+
 def _incomplete(finish: object) -> str | None:
     """The `incomplete_details.reason` of a chat `finish_reason` (any JSON the backend sent),
     or None when the answer is complete."""
@@ -164,6 +167,10 @@ class ResponseBuilder:
         return builder
 
     def _status(self) -> str:
+        if self.failed is None and self._finish == "abort":
+            # SGLang ends an aborted answer (a restart, `/abort_request`, a full KV pool) as any
+            # other, its finish `abort`: cut short by the backend, it is no answer completed.
+            self.failed = {"code": "server_error", "message": ABORTED}
         if self.failed is not None:
             return "failed"
         return "incomplete" if _incomplete(self._finish) else "completed"
