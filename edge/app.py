@@ -37,6 +37,7 @@ from edge.errors import (
     MethodNotAllowed,
     ModelNotFound,
     RouteNotFound,
+    StateUnavailable,
 )
 from edge.exchange import Exchange, RequestHeaders, read_headers
 from edge.models import DEFAULT_MODEL, ModelCatalog, Models
@@ -465,8 +466,21 @@ class ProxyApp:
                 "asked with stream: true does", param="stream", code="not_resumable",
             )  # fmt: skip
         within = self.state.config.conversations.background_max  # the longest run
+        stored = self.state.stored
+
+        async def ended() -> bool:
+            """The response is no longer running (unknown while the store does not answer)."""
+            try:
+                answer = await stored.response(tenant, rid)
+            except StateUnavailable:
+                return False
+            except EdgeError:  # deleted meanwhile
+                return True
+            return answer.get("status") not in ("queued", "in_progress")
+
         await _stream_events(send, receive, follow(events, tenant, rid, after + 1,
-                                                   within=within), "-", ratelimit)  # fmt: skip
+                                                   within=within, ended=ended), "-",
+                             ratelimit)  # fmt: skip
 
     async def _stored_completions(
         self, scope: Scope, receive: Receive, label: str, tenant: str, name: str, query: bytes

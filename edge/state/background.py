@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -231,6 +231,8 @@ FOLLOW_PATIENCE_S = 10.0
 with an `error` event."""
 FLUSH_RETRIES_S = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 15.0, 30.0, 60.0)
 """The waits before each new try of a finished stream's entries the store did not take."""
+FOLLOW_STATUS_S = 1.0
+"""How often a resumed stream with no new events reads whether its response ended."""
 _FLUSHING: set[asyncio.Task[None]] = set()
 """Finished streams' entries waiting for the store (`Broadcast.close`), held until done."""
 
@@ -442,14 +444,20 @@ async def follow(
     *,
     within: float,
     patience: float = FOLLOW_PATIENCE_S,
+    ended: Callable[[], Awaitable[bool]] | None = None,
 ) -> AsyncIterator[bytes]:
     """The entries of a background stream from `start` as they come, until `END` or for
     `within` seconds at most (then it stops: a log that is never finished is not waited on).
     A read the store does not answer is tried again, for `patience` seconds in a row at most;
     then the stream ends with an `error` event whose `sequence_number` is the last one sent,
-    so a client that resumes after it misses nothing."""
+    so a client that resumes after it misses nothing. While no new entry comes, `ended` (the
+    response is no longer running) is asked every `FOLLOW_STATUS_S`: a log still without its
+    `END` once its last entries' retries (`FLUSH_RETRIES_S`) are over never gets it (the store
+    did not take them), and the stream ends with an `error` event, `events_lost`."""
     deadline = time.monotonic() + within
     failing_since: float | None = None
+    asked_at = time.monotonic()
+    ended_at: float | None = None
     while True:
         try:
             entries = await log.read(tenant, rid, start)
@@ -470,8 +478,20 @@ async def follow(
                 return
             yield entry
         start += len(entries)
-        left = deadline - time.monotonic()
+        now = time.monotonic()
+        left = deadline - now
         if left <= 0:
+            return
+        if entries:
+            ended_at = None
+        elif ended is not None and ended_at is None and now - asked_at >= FOLLOW_STATUS_S:
+            asked_at = now
+            if await ended():
+                ended_at = now
+        if ended_at is not None and now - ended_at > sum(FLUSH_RETRIES_S) + FOLLOW_STATUS_S:
+            yield error_event(start - 1, "events_lost", (
+                "the response ended, but the state store did not take its last events; "
+                "GET the response (without stream) for its final state"))  # fmt: skip
             return
         await log.wait(tenant, rid, min(left, 1.0))
 

@@ -18,6 +18,7 @@ import pytest
 import redis.asyncio
 
 from edge.errors import StateUnavailable
+from edge.state import background
 from edge.state.background import BEAT_S, MemoryEvents, RedisEvents, follow
 from edge.state.config import ConversationConfig
 from edge.state.redis_store import FAILURES_TO_OPEN, RedisState
@@ -310,6 +311,52 @@ async def test_a_resumed_stream_goes_on_through_a_redis_pause(own_redis: RedisSe
     assert events[-1][0] == "response.completed", events[-3:]
     text = "".join(d["delta"] for n, d in sse_events(got) if n == "response.output_text.delta")
     assert text == "".join(texts)
+
+
+async def test_a_resumed_stream_whose_end_the_log_never_got_ends_once_the_response_did(
+    own_redis: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stream ended while Redis was away for longer than its last events are tried
+    again: its log never gets its end. A stream resumed then must end (with an `error` event
+    naming the last event it sent) once the response reads ended, not wait for
+    `background_max` (an hour) for an end that never comes."""
+    monkeypatch.setattr(background, "FLUSH_RETRIES_S", (0.05,))  # "about 2 minutes", shorter
+    gate = asyncio.Event()
+    upstream = ChatUpstream(gate=gate)
+    async with TinyUpstream(upstream) as up:
+        config = fast_config([up.url], state=state(own_redis.url, "t:", timeout=TIMEOUT))
+        async with run_edge(config) as edge, client(edge) as http:
+            body = {"input": "Hi", "background": True, "stream": True}
+            async with http.stream("POST", "/v1/responses", json=body) as asked:
+                async for line in asked.aiter_lines():  # the id comes first; then it leaves
+                    if line.startswith("data: "):
+                        rid = json.loads(line[6:])["response"]["id"]
+                        break
+            await asyncio.wait_for(upstream.arrived.wait(), 5)
+            with paused(own_redis):
+                for _ in range(FAILURES_TO_OPEN):  # the breaker opens
+                    assert (await turn(http, "new")).status_code == 503
+                gate.set()
+                async with asyncio.timeout(5):  # the answer ended, its events not logged
+                    while await metric(edge, "quicedge_background_responses_running"):  # noqa: ASYNC110
+                        await asyncio.sleep(0.05)
+                await asyncio.sleep(0.3)  # its last events' retries ran out
+            async with asyncio.timeout(5):  # the final record is written once Redis answers
+                while (answer := await http.get(f"/v1/responses/{rid}")).status_code == 503 or (  # noqa: ASYNC110
+                    answer.json()["status"] == "in_progress"
+                ):
+                    await asyncio.sleep(0.1)
+            got = b""
+            url = f"/v1/responses/{rid}?stream=true&starting_after=0"
+            async with asyncio.timeout(10), http.stream("GET", url) as resumed:
+                assert resumed.status_code == 200
+                async for chunk in resumed.aiter_bytes():
+                    got += chunk
+    events = sse_events(got)
+    assert events, got
+    name, data = events[-1]
+    assert name == "error" and data["code"] == "events_lost", events
+    assert data["sequence_number"] == 0 + len(events) - 1, events
 
 
 class FailingEvents(MemoryEvents):
