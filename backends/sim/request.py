@@ -80,6 +80,11 @@ class SimRequest:
         if self._event is not None:
             self._event.set()
 
+    def share_event(self, event: asyncio.Event) -> None:
+        """Signal changes on `event`, which other requests may share: waiting on one of them
+        then wakes on any one's progress (an answer with several choices)."""
+        self._event = event
+
     async def wait_change(self) -> None:
         """Wait until new output or the finish exists (returns at once if it already does)."""
         if self._event is None:

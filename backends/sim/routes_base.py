@@ -94,7 +94,11 @@ class RouteContext:
         self.guard = Guard(config.guard_unsafe) if config.guard else None
         """Guard mode's classifier (chat completions answer a verdict); None: a plain model."""
 
-    def _new_request(self, params: GenParams, plan: TokenPlan | None = None) -> SimRequest:
+    def _new_request(
+        self, params: GenParams, plan: TokenPlan | None = None, sample: int = 0
+    ) -> SimRequest:
+        """`sample`: which of a prompt's `n` choices this is; each draws its own answer (the
+        first the one `n` = 1 gives)."""
         n = len(params.input_ids)
         ctx = self.config.effective_context_length
         if n == 0:
@@ -126,7 +130,7 @@ class RouteContext:
                 self.tokenizer,
                 params.input_ids,
                 # `text`: another stream for the same prompt; `long`: answers twice as long
-                seed=cfg.seed ^ 0x5EED if cfg.variant == "text" else cfg.seed,
+                seed=(cfg.seed ^ 0x5EED if cfg.variant == "text" else cfg.seed) + 7919 * sample,
                 natural_len=(2 * lo, 2 * hi) if cfg.variant == "long" else (lo, hi),
             )
         return SimRequest(

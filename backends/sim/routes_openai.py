@@ -7,6 +7,8 @@ the arguments so far) and then one argument chunk per output.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -94,6 +96,14 @@ class OpenAIRoutes(RouteContext):
             plan = ToolCallPlan(self.tokenizer, params.structured)
         # A reasoning model thinks before it answers (not a guard, a call or a fixed format)
         thinking = self.config.reasoning_tokens if plan is None and params.thinking else 0
+        if params.n > 1:
+            if plan is not None or thinking or params.logprobs:
+                raise BadRequest(
+                    "'n' > 1 with tools, response_format, logprobs, thinking or guard mode "
+                    "is not supported by the stand-in"
+                )
+            await self._many_choices(request, responder, params, chat=True)
+            return
         req = self._submit(params, responder, plan)
         req.thinking = thinking
         timing = self._timing(request, req, responder)
@@ -306,6 +316,13 @@ class OpenAIRoutes(RouteContext):
     async def completions(self, request: HttpRequest, responder: Responder) -> None:
         self._require_json(request)
         params = parse_completion(parse_json(request.body), self.tokenizer)
+        if params.n > 1 or params.prompts:
+            if params.logprobs:
+                raise BadRequest(
+                    "'logprobs' with 'n' > 1 or a batch of prompts is not supported by the stand-in"
+                )
+            await self._many_choices(request, responder, params, chat=False)
+            return
         req = self._submit(params, responder)
         timing = self._timing(request, req, responder)
         model = params.model or DEFAULT_MODEL  # the name asked for, as SGLang answers
@@ -393,6 +410,185 @@ class OpenAIRoutes(RouteContext):
                     await responder.end()
                     return
             await req.wait_change()
+
+    # -- several choices: `n` > 1, or a batch of completion prompts -------------------------------
+
+    def _submit_choices(self, params: GenParams, responder: Responder) -> list[SimRequest]:
+        """One request per choice, in SGLang's order (tokenizer_manager.py
+        `_handle_batch_request`): prompt i's choice j is index i * n + j. With n > 1 every choice
+        gets a fresh rid (`regenerate_rid`); a batch with n = 1 names its prompts `rid_0`,
+        `rid_1`, ... when the request names a rid. All are checked before any is scheduled."""
+        n = params.n
+        reqs: list[SimRequest] = []
+        for i, ids in enumerate(params.prompts or [params.input_ids]):
+            for j in range(n):
+                rid = f"{params.rid}_{i}" if n == 1 and params.rid is not None else None
+                one = dataclasses.replace(params, input_ids=ids, rid=rid, prompts=[])
+                reqs.append(self._new_request(one, sample=j))
+        changed = asyncio.Event()  # shared: any choice's progress wakes the answer
+        scheduler = self.scheduler
+        for req in reqs:
+            req.share_event(changed)
+            scheduler.submit(req)
+
+        def abort_all() -> None:
+            for req in reqs:
+                scheduler.abort(req)
+
+        responder.on_disconnect = abort_all
+        return reqs
+
+    def _total_usage(self, reqs: list[SimRequest], n: int) -> dict[str, Any]:
+        """Usage over all choices, as SGLang's usage_processor.py sums it
+        (`calculate_response_usage`, `calculate_streaming_usage`): completion tokens of every
+        choice, prompt (and cached) tokens once per prompt (the first of its n choices)."""
+        firsts = reqs[::n]
+        prompt = sum(r.prompt_tokens for r in firsts)
+        completion = sum(r.completion_tokens for r in reqs)
+        cached = sum(r.cached_tokens for r in firsts)
+        details = {"cached_tokens": cached} if self.config.enable_cache_report and cached else None
+        return {
+            "prompt_tokens": prompt,
+            "total_tokens": prompt + completion,
+            "completion_tokens": completion,
+            "prompt_tokens_details": details,
+            "reasoning_tokens": 0,
+        }
+
+    async def _many_choices(
+        self, request: HttpRequest, responder: Responder, params: GenParams, *, chat: bool
+    ) -> None:
+        """An answer with several choices (serving_chat.py `_generate_chat_stream`,
+        `_build_chat_response`; serving_completions.py `_generate_completion_stream`,
+        `_build_completion_response`). Whole: the choices by index, `id` the first choice's rid.
+        Streamed: each chunk holds one choice, with that choice's rid as `id`; chunks of
+        different choices interleave as their tokens come. A chat choice opens with its role
+        chunk; its finish chunk comes only after every choice is done (in the order they
+        finished, `id` the rid of the last choice that produced output); a completion choice's
+        finish rides on its last content chunk. Then the usage chunk (summed) and `[DONE]`."""
+        reqs = self._submit_choices(params, responder)
+        changed = reqs[0]
+        timing = self._timing(request, reqs[0], responder)
+        model = params.model or DEFAULT_MODEL
+        created = int(time.time())
+        kind = "chat.completion" if chat else "text_completion"
+        if not params.stream:
+            while not all(r.finished for r in reqs):
+                await changed.wait_change()
+            if responder.disconnected:
+                return
+            for req in reqs:
+                message = self._abort_message(req)
+                if message is not None:
+                    await responder.send(400, openai_error(message))
+                    return
+            choices: list[dict[str, Any]] = []
+            for index, req in enumerate(reqs):
+                reason, matched = self._finish_fields(req)
+                choice: dict[str, Any] = {"index": index}
+                if chat:
+                    choice["message"] = {"role": "assistant", "content": req.text(),
+                                         "reasoning_content": None, "tool_calls": None}  # fmt: skip
+                else:
+                    choice["text"] = req.text()
+                choice.update(logprobs=None, finish_reason=reason, matched_stop=matched)
+                choices.append(choice)
+            body = {
+                "id": reqs[0].rid,
+                "object": kind,
+                "created": created,
+                "model": model,
+                "choices": choices,
+                "usage": self._total_usage(reqs, params.n),
+                "metadata": {"weight_version": self.config.model_version},
+            }
+            await responder.send(200, dumps(body))
+            if timing is not None and any(r.text() for r in reqs):
+                timing.first_token_at = time.perf_counter()
+            return
+        # The 200 goes with the first output (of any choice), so an early error is a 400.
+        while not any(r.completion_tokens or r.finished for r in reqs):
+            await changed.wait_change()
+        if responder.disconnected:
+            return
+        first = next(r for r in reqs if r.completion_tokens or r.finished)
+        message = self._abort_message(first)
+        if message is not None and first.completion_tokens == 0:
+            await responder.send(400, openai_error(message))
+            return
+        await responder.start(200, SSE_HEADERS)
+        kind += ".chunk" if chat else ""
+        sent_tokens = [0] * len(reqs)
+        sent_chars = [0] * len(reqs)
+        opened = [False] * len(reqs)
+        finished: list[int] = []  # indexes, in the order their choices finished
+        last_rid = first.rid
+        while not responder.disconnected:
+            for index, req in enumerate(reqs):
+                if index in finished or not (
+                    req.completion_tokens > sent_tokens[index] or req.finished
+                ):
+                    continue
+                sent_tokens[index] = req.completion_tokens
+                last_rid = req.rid
+                message = self._abort_message(req)
+                if message is not None:  # an error ends the whole answer
+                    error = {"message": message, "type": "Bad Request", "param": None,
+                             "code": 400}  # fmt: skip
+                    await responder.write(sse({"error": error}))
+                    await responder.write(DONE)
+                    await responder.end()
+                    return
+                text = req.text()
+                delta, sent_chars[index] = text[sent_chars[index] :], len(text)
+                reason, matched = self._finish_fields(req)
+                head = {"id": req.rid, "object": kind, "created": created, "model": model}
+                outs: list[dict[str, Any]] = []
+                if chat:
+                    if not opened[index]:
+                        role = {"reasoning_content": None, "role": "assistant", "content": ""}
+                        outs.append({"index": index, "delta": role})
+                    if delta:
+                        content = {"reasoning_content": None, "content": delta}
+                        outs.append({"index": index, "delta": content})
+                    for out in outs:
+                        out.update(logprobs=None, finish_reason=None, matched_stop=None)
+                elif delta or reason is not None:
+                    outs.append({"index": index, "text": delta, "logprobs": None,
+                                 "finish_reason": reason, "matched_stop": matched})  # fmt: skip
+                opened[index] = True
+                for out in outs:
+                    chunk: dict[str, Any] = {**head, "choices": [out]}
+                    if not chat:
+                        chunk["usage"] = None
+                    if params.continuous_usage_stats:
+                        chunk["usage"] = self._usage(req)
+                    await responder.write(sse(chunk))
+                if timing is not None and delta:  # the first content, stamped once
+                    timing.first_token_at = time.perf_counter()
+                    timing = None
+                if req.finished:
+                    finished.append(index)
+            if len(finished) == len(reqs):
+                break
+            await changed.wait_change()
+        else:
+            return
+        head = {"id": last_rid, "object": kind, "created": created, "model": model}
+        if chat:
+            empty = {"role": None, "content": None, "reasoning_content": None, "tool_calls": None}
+            for index in finished:
+                reason, matched = self._finish_fields(reqs[index])
+                out = {"index": index, "delta": empty, "logprobs": None,
+                       "finish_reason": reason, "matched_stop": matched}  # fmt: skip
+                await responder.write(sse({**head, "choices": [out]}))
+        if params.include_usage:
+            usage = self._total_usage(reqs, params.n)
+            if not chat:
+                usage = {k: v for k, v in usage.items() if v is not None}
+            await responder.write(sse({**head, "choices": [], "usage": usage}))
+        await responder.write(DONE)
+        await responder.end()
 
     @staticmethod
     def _require_json(request: HttpRequest) -> None:

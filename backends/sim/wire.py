@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from backends.sim.chat_template import TemplateError, render, with_tools
@@ -53,6 +53,11 @@ class GenParams:
     as the answer's text; None for free text."""
     thinking: bool = True
     """Chat only: whether a reasoning model (`--reasoning-tokens`) thinks before this answer."""
+    n: int = 1
+    """OpenAI routes: the choices per prompt (`n`)."""
+    prompts: list[list[int]] = field(default_factory=list)
+    """Completions: every prompt of a batched `prompt` (a list of several); empty for one
+    prompt (`input_ids`)."""
 
 
 _EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
@@ -270,8 +275,7 @@ def parse_generate_batch(obj: dict[str, Any], tokenizer: Tokenizer) -> list[GenP
 
 def _openai_common(obj: dict[str, Any], params: GenParams) -> GenParams:
     _sampling(obj)
-    if _int(obj, "n", 1, minimum=1) != 1:
-        raise BadRequest("'n' > 1 is not supported by the stand-in")
+    params.n = _int(obj, "n", 1, minimum=1) or 1
     model = obj.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest("'model' must be a string")
@@ -298,17 +302,25 @@ def parse_completion(obj: dict[str, Any], tokenizer: Tokenizer) -> GenParams:
     """POST /v1/completions (CompletionRequest): max_tokens defaults to 16."""
     if "prompt" not in obj or obj["prompt"] is None:
         raise BadRequest("Field required: 'prompt'")
-    prompt = _single(obj["prompt"], "prompt")
-    if isinstance(prompt, str):
-        ids = tokenizer.encode(BOS_TOKEN + prompt)
-    else:
-        ids = _token_ids(prompt, "prompt")
+    prompt = obj["prompt"]
+    # A list of strings or of id lists is a batch: one prompt each (SGLang's GenerateReqInput).
+    batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list) \
+        else [prompt]  # fmt: skip
+    prompts: list[list[int]] = []
+    for one in batch:
+        if isinstance(one, str):
+            prompts.append(tokenizer.encode(BOS_TOKEN + one))
+        else:
+            prompts.append(_token_ids(one, "prompt"))
+    ids = prompts[0]
     if _bool(obj, "echo"):
         raise BadRequest("'echo' is not supported by the stand-in")
     max_tokens = _int(obj, "max_tokens", 16, minimum=0)
     if max_tokens == 0:  # SGLang's protocol.py `validate_max_tokens_positive`
         raise BadRequest("max_tokens must be positive")
     params = GenParams(input_ids=ids, max_new_tokens=max_tokens)
+    if len(prompts) > 1:
+        params.prompts = prompts
     # Legacy completions: `logprobs` is the number of alternatives (0..5), null for none.
     top = _int(obj, "logprobs", None, minimum=0)
     if top is not None:

@@ -65,7 +65,7 @@ async def test_generate_bad_input(
             {"messages": [{"role": "user", "content": "x"}], "stream_options": {}},
             "stream=True",
         ),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 2}, "'n'"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 0}, "'n'"),
         ("/v1/completions", {}, "prompt"),
         ("/v1/completions", {"prompt": "x", "max_tokens": -3}, "max_tokens"),
         ("/v1/completions", {"prompt": "x", "max_tokens": 200_000}, "context length"),
