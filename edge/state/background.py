@@ -429,6 +429,14 @@ class Broadcast:
             yield chunk
 
 
+async def _read_or_none(log: EventLog, tenant: str, rid: str) -> list[bytes] | None:
+    """The whole log, or None where the store does not answer."""
+    try:
+        return await log.read(tenant, rid, 0)
+    except StateUnavailable:
+        return None
+
+
 def error_event(sequence: int, code: str, message: str) -> bytes:
     """A Responses stream's `error` event."""
     data = {"type": "error", "code": code, "message": message, "param": None,
@@ -453,10 +461,11 @@ async def follow(
     so a client that resumes after it misses nothing. While no new entry comes, `ended` (the
     response is no longer running) is asked every `FOLLOW_STATUS_S`: a log still without its
     `END` once its last entries' retries (`FLUSH_RETRIES_S`) are over never gets it (the store
-    did not take them), and the stream ends with an `error` event, `events_lost`."""
+    did not take them), and the stream ends with an `error` event, `events_lost`; one resumed
+    at or past the `END` of a finished log ends there."""
     deadline = time.monotonic() + within
     failing_since: float | None = None
-    asked_at = time.monotonic()
+    asked_at = -FOLLOW_STATUS_S  # the first time no new entry comes, asked at once
     ended_at: float | None = None
     while True:
         try:
@@ -488,6 +497,9 @@ async def follow(
             asked_at = now
             if await ended():
                 ended_at = now
+                whole = await _read_or_none(log, tenant, rid)
+                if whole and whole[-1] == END and start >= len(whole) - 1:
+                    return  # resumed at or past its end: nothing more comes
         if ended_at is not None and now - ended_at > sum(FLUSH_RETRIES_S) + FOLLOW_STATUS_S:
             yield error_event(start - 1, "events_lost", (
                 "the response ended, but the state store did not take its last events; "

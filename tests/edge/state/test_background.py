@@ -269,6 +269,27 @@ async def test_a_background_stream_goes_on_when_its_client_leaves_and_resumes(
             assert unknown.status_code == 404
 
 
+@pytest.mark.parametrize("store", ["memory", "redis"])
+async def test_a_finished_stream_resumed_past_its_end_ends_at_once(
+    store: str, redis_url: str, redis_prefix: str
+) -> None:
+    """`starting_after` at or past the last event of a finished stream: nothing more comes,
+    and the stream says so at once (it does not wait for an end the log had already)."""
+    async with TinyUpstream(ChatUpstream()) as up:
+        config = fast_config([up.url], state=stores(redis_url, redis_prefix, store))
+        async with run_edge(config) as edge, client(edge) as http:
+            body = {"input": "Hi", "background": True, "stream": True}
+            whole = await http.post("/v1/responses", json=body)
+            events = sse_events(whole.content)
+            assert events[-1][0] == "response.completed", events
+            rid, last = events[0][1]["response"]["id"], events[-1][1]["sequence_number"]
+            for after in (last, last + 1, 1000):
+                url = f"/v1/responses/{rid}?stream=true&starting_after={after}"
+                async with asyncio.timeout(5):
+                    resumed = await http.get(url)
+                assert resumed.status_code == 200 and sse_events(resumed.content) == [], after
+
+
 async def test_a_stream_resumed_through_another_edge_follows_it_live(
     redis_url: str, redis_prefix: str
 ) -> None:
