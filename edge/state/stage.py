@@ -492,11 +492,22 @@ class StateRequest:
         sent = [] if turn is None else [list(p) for p in turn.history.next_input(turn.new)]
         lease = None if turn is None or turn.token is None else turn.token.hex()
         record = Record(RUNNING, meta, sent=sent, lease=lease)
-        await self.stage.records.start(self.ex.tenant, self.builder.id, record)
+        stage, limit = self.stage, self.stage.config.conversations.background_running
+        if stage.running >= limit:  # others admitted with this one got there first
+            raise Overloaded(
+                f"{limit} background responses are running on this edge; retry later",
+                headers=((b"retry-after", b"1"),),
+            )
+        stage.running += 1  # counted before the record's write: the check above holds
+        try:
+            assert stage.records is not None
+            await stage.records.start(self.ex.tenant, self.builder.id, record)
+        except BaseException:
+            stage.running -= 1
+            raise
         self.beat_at = time.monotonic() + BEAT_EVERY_S
         self.queued = True
-        self.stage.running += 1
-        self.stage.background_running.inc()
+        stage.background_running.inc()
         return self.builder.response("queued")
 
     async def keep_lease(self) -> bool:

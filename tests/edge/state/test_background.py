@@ -440,6 +440,30 @@ async def test_background_answers_running_at_once_are_bounded() -> None:
                 assert (await settled(sdk, later.id)).status == "completed"
 
 
+@pytest.mark.parametrize("store", ["memory", "redis"])
+async def test_background_answers_asked_at_once_stay_within_the_bound(
+    store: str, redis_url: str, redis_prefix: str
+) -> None:
+    """Requests that come together all passed the bound before any was counted running: at
+    most `background_running` of them run, the others are 503 `overloaded`."""
+    gate = asyncio.Event()
+    upstream = ChatUpstream(gate=gate)
+    two = state(redis_url if store == "redis" else None, redis_prefix,
+                conversations={"background_running": 2})  # fmt: skip
+    async with TinyUpstream(upstream) as up:
+        config = fast_config([up.url], state=two)
+        async with run_edge(config) as edge, client(edge) as http:
+            body = {"input": "A", "background": True}
+            answers = await asyncio.gather(
+                *(http.post("/v1/responses", json=body) for _ in range(8))
+            )
+            codes = sorted(a.status_code for a in answers)
+            running = await metric(edge, "quicedge_background_responses_running")
+            gate.set()
+            assert codes == [200, 200] + [503] * 6, codes
+            assert running == 2
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_the_queued_answer_carries_its_request_id_and_rate_limit_headers(
     stream: bool,
