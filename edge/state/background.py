@@ -502,8 +502,9 @@ async def follow(
                     return  # resumed at or past its end: nothing more comes
         if ended_at is not None and now - ended_at > sum(FLUSH_RETRIES_S) + FOLLOW_STATUS_S:
             yield error_event(start - 1, "events_lost", (
-                "the response ended, but the state store did not take its last events; "
-                "GET the response (without stream) for its final state"))  # fmt: skip
+                "the response ended, but its stream's last events were not kept (the state "
+                "store did not take them, or its edge stopped); GET the response (without "
+                "stream) for its final state"))  # fmt: skip
             return
         await log.wait(tenant, rid, min(left, 1.0))
 
