@@ -41,6 +41,7 @@ _INDEX = b'"index":'
 """A `/generate` batch's stream: each output names its prompt (`result["index"]`, SGLang's
 tokenizer_manager.py `_handle_batch_request`); a single prompt's outputs have no such key (a
 quote inside JSON text is escaped, so the bytes cannot come from a text)."""
+_USAGE_KEY = b'"usage":'
 _MAX_TAIL = 1 << 20
 """An SSE event larger than this (1 MiB) is relayed but not scanned: accounting skips it, and
 scans again from the next event (a /generate stream's cumulative events pass it in a long
@@ -50,6 +51,11 @@ answer with logprobs)."""
 def has_string(region: bytes, key: bytes) -> bool:
     """`key` with a string value somewhere in `region` (compact or `": "` spacing)."""
     return key + b'"' in region or key + b' "' in region
+
+
+def has_object(region: bytes, key: bytes) -> bool:
+    """`key` with an object value somewhere in `region` (compact or `": "` spacing)."""
+    return key + b"{" in region or key + b" {" in region
 
 
 @dataclass(slots=True)
@@ -161,6 +167,7 @@ class SSEScanner:
         "_pieces_size",
         "_tail",
         "_batch",
+        "_choices",
         "_chat",
         "_cr",
         "_skipping",
@@ -202,6 +209,9 @@ class SSEScanner:
         """While skipping: the last byte passed on was an LF (a blank line may straddle)."""
         self._batch: dict[int, Usage] = {}
         """A `/generate` batch stream's last counts per prompt index (empty: not a batch)."""
+        self._choices: dict[int, Usage] = {}
+        """An OpenAI stream's last per-choice counts (`continuous_usage_stats` puts each
+        chunk's own choice's counts on it), by choice index."""
         self._chat = field == b"content"
         """Chat: tool-call arguments and reasoning are generated tokens too (counted, not
         collected)."""
@@ -303,6 +313,8 @@ class SSEScanner:
             self._scan_errors(region)
         if not self._deltas and _INDEX in region:
             self._scan_batch(region)
+        elif self._deltas and has_object(region, _USAGE_KEY):
+            self._scan_choice_usage(region)
         # Non-empty text fields, counted in compact JSON (SGLang's) by two substring counts;
         # other spacing takes the regex. The text itself is extracted in batches (`_collect`).
         content = region.count(self._compact)
@@ -363,6 +375,25 @@ class SSEScanner:
             if isinstance(index, int) and not isinstance(index, bool):
                 self._batch[index] = usage_from(obj)
 
+    def _scan_choice_usage(self, region: bytes) -> None:
+        """Keep the counts a chunk of one choice carries (`continuous_usage_stats`), by the
+        choice's index: with `n` > 1 each choice's are its own (SGLang's serving_chat.py and
+        serving_completions.py), so the last chunk's are not the answer's."""
+        for event in region.split(b"\n\n"):
+            payload = _data_of(event)
+            if payload is None or not has_object(payload, _USAGE_KEY):
+                continue
+            try:
+                obj = orjson.loads(payload)
+            except ValueError:
+                continue
+            choices = obj.get("choices") if isinstance(obj, dict) else None
+            if not isinstance(choices, list) or len(choices) != 1:
+                continue  # the usage chunk (`choices: []`) is the answer's own
+            index = choices[0].get("index") if isinstance(choices[0], dict) else None
+            if isinstance(index, int) and not isinstance(index, bool):
+                self._choices[index] = usage_from(obj)
+
     def _record_error(self, payload: bytes) -> None:
         try:
             obj = orjson.loads(payload)
@@ -396,6 +427,13 @@ class SSEScanner:
             text = self._joined_pieces()
         if self._batch:  # a batch: every prompt's counts, not the last event's
             return _sum(list(self._batch.values())), text
+        choices = obj.get("choices") if isinstance(obj, dict) else None
+        if len(self._choices) > 1 and choices:
+            # Several choices, and the last event is one choice's chunk, not a usage chunk
+            # summed over them: the completion tokens are every choice's; the prompt's are
+            # not known (the choices of one prompt share it, a batch's prompts do not).
+            completion = _sum(list(self._choices.values())).completion_tokens
+            return Usage(completion_tokens=completion), text
         return usage_from(obj), text
 
     def _joined_pieces(self) -> str | None:
