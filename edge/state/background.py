@@ -16,6 +16,7 @@ finds it gone knows no edge generates the answer any longer, and reports it fail
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -242,9 +243,14 @@ class EventLog(Protocol):
     that resumes it (`GET /v1/responses/{id}?stream=true&starting_after=N`) from any edge that
     shares the store. Ends with `END`."""
 
-    async def append(self, tenant: str, rid: str, events: list[bytes], at: int) -> None:
+    async def append(
+        self, tenant: str, rid: str, events: list[bytes], at: int, writer: str = ""
+    ) -> None:
         """Add `events` as entries `at` on; those an earlier try already added (its answer
-        came too late) are not added twice."""
+        came too late) are not added twice. At 0 the log starts anew, `writer`'s: a log
+        already there is a deleted response's, whose id the next turn of its conversation
+        took; past 0, another writer's events (that deleted response's, still running until
+        its edge sees the delete) are not added."""
         ...
 
     async def read(self, tenant: str, rid: str, start: int) -> list[bytes] | None:
@@ -262,6 +268,8 @@ class _Log:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     size: int = 0
     """Bytes of its entries."""
+    writer: str = ""
+    """Whose entries it holds (`EventLog.append`)."""
 
 
 def _log_size(log: _Log) -> int:
@@ -280,11 +288,17 @@ class MemoryEvents:
             maxsize=config.memory_max_bytes, ttl=kept_for(config), getsizeof=_log_size
         )
 
-    async def append(self, tenant: str, rid: str, events: list[bytes], at: int) -> None:
+    async def append(
+        self, tenant: str, rid: str, events: list[bytes], at: int, writer: str = ""
+    ) -> None:
         key = (tenant, rid)
         log = self._logs.get(key)
-        if log is None:
-            log = _Log()
+        if log is None or at == 0:  # at 0, another response's log (`EventLog.append`) goes
+            if log is not None:
+                log.changed.set()  # its readers read again, and find the new one
+            log = _Log(writer=writer)
+        elif log.writer != writer:
+            return
         if len(log.entries) >= at:  # never fails, so never behind; as Redis does otherwise
             added = events[len(log.entries) - at :]
             log.entries.extend(added)
@@ -323,8 +337,14 @@ class RedisEvents:
     def _key(self, tenant: str, rid: str) -> str:
         return f"{self._redis.prefix}bg-events:{tenant}:{rid}"
 
-    async def append(self, tenant: str, rid: str, events: list[bytes], at: int) -> None:
-        await self._redis.list_append_at(self._key(tenant, rid), at, events, self._ttl_ms)
+    def _writer_key(self, tenant: str, rid: str) -> str:
+        return f"{self._redis.prefix}bg-events-writer:{tenant}:{rid}"
+
+    async def append(
+        self, tenant: str, rid: str, events: list[bytes], at: int, writer: str = ""
+    ) -> None:
+        await self._redis.list_append_at(self._key(tenant, rid), at, events, self._ttl_ms,
+                                         (self._writer_key(tenant, rid), writer))  # fmt: skip
 
     async def read(self, tenant: str, rid: str, start: int) -> list[bytes] | None:
         return await self._redis.list_from(self._key(tenant, rid), start)
@@ -351,6 +371,9 @@ class Broadcast:
         self._pending: list[bytes] = []
         """Entries not yet in the log (the store did not answer): sent again with the next."""
         self._flushing: asyncio.Task[None] | None = None
+        self._writer = os.urandom(8).hex()
+        """This stream's token in its log: another stream of the same id (a deleted
+        response's, or the next turn's) writes nothing into it."""
 
     async def send(self, message: Any) -> None:
         """The relay's `send` (an ASGI one): the head is the asking client's to send."""
@@ -404,7 +427,7 @@ class Broadcast:
         resumed one gets them once the store answers."""
         pending = list(self._pending)
         try:
-            await self._log.append(self._tenant, self._rid, pending, self._written)
+            await self._log.append(self._tenant, self._rid, pending, self._written, self._writer)
         except StateUnavailable:
             return False
         self._written += len(pending)

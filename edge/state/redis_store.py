@@ -59,17 +59,31 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
 # Append to a list from index ARGV[2] on: entries an earlier try already added (its reply came
-# too late) are not added twice, so an entry's index stays its sequence number.
+# too late) are not added twice, so an entry's index stays its sequence number. From index 0
+# the list starts anew, and KEYS[2] (when given) names its writer, ARGV[3]: what the list held
+# was another writer's (a deleted response's, whose id the next turn took), and a try again
+# from 0 sends every entry. Past 0, a writer that is not the one named adds nothing.
 _APPEND_AT = """
-local n = redis.call('LLEN', KEYS[1])
 local at = tonumber(ARGV[2])
+if at == 0 then
+  redis.call('DEL', KEYS[1])
+  if #KEYS > 1 then
+    redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[1])
+  end
+elseif #KEYS > 1 and redis.call('GET', KEYS[2]) ~= ARGV[3] then
+  return 0
+end
+local n = redis.call('LLEN', KEYS[1])
 if n < at then
   return 0
 end
-for i = 3 + n - at, #ARGV do
+for i = 4 + n - at, #ARGV do
   redis.call('RPUSH', KEYS[1], ARGV[i])
 end
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
+if #KEYS > 1 then
+  redis.call('PEXPIRE', KEYS[2], ARGV[1])
+end
 return 1
 """
 
@@ -323,11 +337,22 @@ class RedisState:
     async def index_remove(self, index: str, *members: str) -> None:
         await self._call("index remove", lambda: self.client.zrem(index, *members))
 
-    async def list_append_at(self, key: str, at: int, values: list[bytes], ttl_ms: int) -> bool:
+    async def list_append_at(
+        self,
+        key: str,
+        at: int,
+        values: list[bytes],
+        ttl_ms: int,
+        writer: tuple[str, str] | None = None,
+    ) -> bool:
         """Append `values` as the list's entries from index `at` on (those already there are
-        not added again) and restart its TTL; False when it holds fewer than `at`."""
+        not added again; from 0, it holds `values` only) and restart its TTL; False when it
+        holds fewer than `at`. `writer` (a key, a token): from 0 the token is kept there, past
+        0 a list whose key holds another token takes nothing (False)."""
+        keys = [key] if writer is None else [key, writer[0]]
+        token = "" if writer is None else writer[1]
         done = await self._call(
-            "list append", lambda: self._append_at(keys=[key], args=[ttl_ms, at, *values])
+            "list append", lambda: self._append_at(keys=keys, args=[ttl_ms, at, token, *values])
         )
         return bool(done)
 

@@ -14,8 +14,9 @@ import pytest
 import redis.asyncio
 from openai.types.responses import Response
 
-from edge.state.background import END, Broadcast, MemoryEvents, follow
+from edge.state.background import END, Broadcast, MemoryEvents, RedisEvents, follow
 from edge.state.config import ConversationConfig
+from edge.state.redis_store import RedisState
 from tests.edge.conftest import Reply, TinyUpstream, client, fast_config, run_edge
 from tests.edge.state.helpers import (
     ChatUpstream,
@@ -438,6 +439,60 @@ async def test_background_answers_running_at_once_are_bounded() -> None:
                     model="default", input="B", conversation=conv.id, background=True
                 )
                 assert (await settled(sdk, later.id)).status == "completed"
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+async def test_a_stream_resumed_gives_its_own_events_not_a_deleted_one_of_the_same_id(
+    store: str, redis_url: str, redis_prefix: str
+) -> None:
+    """A deleted background turn stores nothing: the conversation's next turn takes its
+    number, so its id. Resumed, the new stream gives its own events, not the old log's."""
+    gate = asyncio.Event()
+    upstream = ChatUpstream(gate=gate)
+    async with TinyUpstream(upstream) as up:
+        config = fast_config([up.url], state=stores(redis_url, redis_prefix, store))
+        async with run_edge(config) as edge, client(edge) as http:
+            conv = (await http.post("/v1/conversations", json={})).json()["id"]
+            body = {"input": "A", "background": True, "stream": True, "conversation": conv}
+            async with http.stream("POST", "/v1/responses", json=body) as asked:
+                async for line in asked.aiter_lines():  # the id comes first; then it leaves
+                    if line.startswith("data: "):
+                        first = json.loads(line[6:])["response"]["id"]
+                        break
+            await asyncio.wait_for(upstream.arrived.wait(), 5)
+            deleted = await http.delete(f"/v1/responses/{first}")
+            assert deleted.json()["deleted"] is True, deleted.text
+            gate.set()
+            async with asyncio.timeout(5):  # its turn is free at once
+                again = await http.post("/v1/responses", json={**body, "input": "B"})
+            assert again.status_code == 200, again.text
+            events = sse_events(again.content)
+            second = events[0][1]["response"]["id"]
+            url = f"/v1/responses/{second}?stream=true&starting_after=-1"
+            async with asyncio.timeout(5):
+                resumed = await http.get(url)
+            assert first == second
+            assert sse_events(resumed.content) == events, (first, second)
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
+async def test_an_event_log_takes_nothing_from_a_stream_it_no_longer_belongs_to(
+    store: str, redis_url: str, redis_prefix: str
+) -> None:
+    """A deleted response still running until its edge sees the delete, and the next turn
+    that took its id, write the same log: from the new stream's first event on, the log is
+    the new stream's, and the old one's later events (its end among them) are not added."""
+    config = ConversationConfig()
+    redis_state = RedisState(redis_url, timeout=1.0, prefix=redis_prefix)
+    log = RedisEvents(redis_state, config) if store == "redis" else MemoryEvents(config)
+    try:
+        await log.append("t", "r", [b"old0", b"old1"], 0, "old")
+        await log.append("t", "r", [b"new0"], 0, "new")
+        await log.append("t", "r", [b"old2", END], 2, "old")
+        await log.append("t", "r", [b"new1", END], 1, "new")
+        assert await log.read("t", "r", 0) == [b"new0", b"new1", END]
+    finally:
+        await redis_state.aclose()
 
 
 @pytest.mark.parametrize("store", ["memory", "redis"])
