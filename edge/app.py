@@ -416,6 +416,9 @@ class ProxyApp:
         elif scope["method"] == "DELETE":
             response = label.startswith(RESPONSES)
             answer = await stored.delete(tenant, name, response=response)
+            if response and self.state.events is not None:  # its stream goes with it
+                with contextlib.suppress(StateUnavailable):  # deleted: not a 503 for that
+                    await self.state.events.clear(tenant, name)
             self._audit_stored(f"{'response' if response else 'conversation'}.delete", tenant, name)
         elif label == RESPONSES + "/{id}":
             answer = await stored.response(tenant, name)

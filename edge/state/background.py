@@ -261,6 +261,11 @@ class EventLog(Protocol):
         """Until an entry may have been added (at most `timeout` s)."""
         ...
 
+    async def clear(self, tenant: str, rid: str) -> None:
+        """Drop the log (its response was deleted): its writer, if it still runs, adds
+        nothing after."""
+        ...
+
 
 @dataclass(slots=True)
 class _Log:
@@ -293,11 +298,13 @@ class MemoryEvents:
     ) -> None:
         key = (tenant, rid)
         log = self._logs.get(key)
-        if log is None or at == 0:  # at 0, another response's log (`EventLog.append`) goes
+        if at == 0:  # another response's log (`EventLog.append`) goes
             if log is not None:
                 log.changed.set()  # its readers read again, and find the new one
             log = _Log(writer=writer)
-        elif log.writer != writer:
+        elif log is None:  # cleared (or gone): nothing to add to, as in Redis
+            return
+        elif log.writer != writer:  # another stream's
             return
         if len(log.entries) >= at:  # never fails, so never behind; as Redis does otherwise
             added = events[len(log.entries) - at :]
@@ -315,6 +322,11 @@ class MemoryEvents:
     async def read(self, tenant: str, rid: str, start: int) -> list[bytes] | None:
         log = self._logs.get((tenant, rid))
         return None if log is None else log.entries[start:]
+
+    async def clear(self, tenant: str, rid: str) -> None:
+        log = self._logs.pop((tenant, rid), None)
+        if log is not None:
+            log.changed.set()
 
     async def wait(self, tenant: str, rid: str, timeout: float) -> None:
         log = self._logs.get((tenant, rid))
@@ -351,6 +363,9 @@ class RedisEvents:
 
     async def wait(self, tenant: str, rid: str, timeout: float) -> None:
         await asyncio.sleep(min(timeout, FOLLOW_POLL_S))
+
+    async def clear(self, tenant: str, rid: str) -> None:
+        await self._redis.delete(self._key(tenant, rid), self._writer_key(tenant, rid))
 
 
 class Broadcast:

@@ -476,6 +476,34 @@ async def test_a_stream_resumed_gives_its_own_events_not_a_deleted_one_of_the_sa
 
 
 @pytest.mark.parametrize("store", ["memory", "redis"])
+async def test_a_deleted_stream_is_not_resumed_as_the_turn_that_took_its_id(
+    store: str, redis_url: str, redis_prefix: str
+) -> None:
+    """A deleted background stream's events go with it: the ordinary turn that takes its id
+    next keeps no event stream (400 `not_resumable`), not the deleted one's."""
+    gate = asyncio.Event()
+    upstream = ChatUpstream(gate=gate)
+    async with TinyUpstream(upstream) as up:
+        config = fast_config([up.url], state=stores(redis_url, redis_prefix, store))
+        async with run_edge(config) as edge, client(edge) as http:
+            conv = (await http.post("/v1/conversations", json={})).json()["id"]
+            body = {"input": "A", "background": True, "stream": True, "conversation": conv}
+            async with http.stream("POST", "/v1/responses", json=body) as asked:
+                async for line in asked.aiter_lines():  # the id comes first; then it leaves
+                    if line.startswith("data: "):
+                        first = json.loads(line[6:])["response"]["id"]
+                        break
+            await asyncio.wait_for(upstream.arrived.wait(), 5)
+            assert (await http.delete(f"/v1/responses/{first}")).status_code == 200
+            gate.set()
+            plain = await http.post("/v1/responses", json={"input": "B", "conversation": conv})
+            assert plain.json()["id"] == first, plain.text
+            resumed = await http.get(f"/v1/responses/{first}?stream=true")
+            assert resumed.status_code == 400, resumed.text
+            assert resumed.json()["error"]["code"] == "not_resumable"
+
+
+@pytest.mark.parametrize("store", ["memory", "redis"])
 async def test_an_event_log_takes_nothing_from_a_stream_it_no_longer_belongs_to(
     store: str, redis_url: str, redis_prefix: str
 ) -> None:
