@@ -71,7 +71,7 @@ from edge.stages.validate import (
     validate,
 )
 from edge.stages.view import build_view
-from edge.state.background import POLL_S, Broadcast, follow
+from edge.state.background import POLL_S, RUNNING, Broadcast, follow
 from edge.state.responses import RESPONSES
 from edge.state.stage import StateStage
 from edge.telemetry import Metrics
@@ -469,17 +469,18 @@ class ProxyApp:
                 "asked with stream: true does", param="stream", code="not_resumable",
             )  # fmt: skip
         within = self.state.config.conversations.background_max  # the longest run
-        stored = self.state.stored
+        records = self.state.records
 
         async def ended() -> bool:
-            """The response is no longer running (unknown while the store does not answer)."""
+            """The response is no longer running: its record (one cheap read) says it ended,
+            or is gone (stored, deleted). Unknown while the store does not answer."""
+            if records is None:
+                return False
             try:
-                answer = await stored.response(tenant, rid)
+                record = await records.get(tenant, rid)
             except StateUnavailable:
                 return False
-            except EdgeError:  # deleted meanwhile
-                return True
-            return answer.get("status") not in ("queued", "in_progress")
+            return record is None or record.as_read().status != RUNNING
 
         await _stream_events(send, receive, follow(events, tenant, rid, after + 1,
                                                    within=within, ended=ended), "-",
