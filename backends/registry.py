@@ -152,10 +152,7 @@ class BackendRegistry:
             raise ValueError("backend names must be unique")
         self._tasks: list[asyncio.Task[None]] = []
         self._loops: dict[str, list[asyncio.Task[None]]] = {}
-        self._clients: dict[tuple[str, str], BackendClient] = {}
-        """Per backend URL, one client for its health checks and one for its load polls: an
-        SGLang `/health` takes a second or more (it sleeps 1 s before it looks), and on one
-        kept connection each check would hold the next load poll back as long."""
+        self._clients: dict[str, BackendClient] = {}
         self._started = False
         self.on_healthy: list[Callable[[Backend], None]] = []
         """Called (synchronously) when a backend passes its checks again after failing them."""
@@ -218,11 +215,10 @@ class BackendRegistry:
         del self._by_name[name]
         for task in self._loops.pop(name, []):
             task.cancel()
-        for purpose in ("health", "loads"):
-            client = self._clients.pop((backend.url, purpose), None)
-            if client is not None:
-                with contextlib.suppress(Exception):
-                    await client.aclose()
+        client = self._clients.pop(backend.url, None)
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await client.aclose()
         if self.pool is not None:
             self.pool.forget(backend.url)
         log.info("backend %s removed (%d still in flight)", name, backend.in_flight)
@@ -359,11 +355,12 @@ class BackendRegistry:
         with contextlib.suppress(ValueError):
             self._tasks.remove(task)
 
-    def _client(self, backend: Backend, purpose: str) -> BackendClient:
-        key = (backend.url, purpose)
-        client = self._clients.get(key)
+    def _client(self, backend: Backend) -> BackendClient:
+        client = self._clients.get(backend.url)
         if client is None:
-            client = self._clients[key] = self._client_factory(backend.url, self.health.timeout)
+            client = self._clients[backend.url] = self._client_factory(
+                backend.url, self.health.timeout
+            )
         return client
 
     async def renew_clients(self) -> None:
@@ -378,7 +375,7 @@ class BackendRegistry:
     async def check_once(self, backend: Backend) -> bool:
         """One active `/health` check; any error or timeout counts as a failure."""
         why = ""
-        client = self._client(backend, "health")
+        client = self._client(backend)
         try:
             async with asyncio.timeout(self.health.timeout):
                 ok = bool(await client.health())
@@ -397,7 +394,7 @@ class BackendRegistry:
         counted, and is logged as a warning when it makes `LOAD_POLLS_WARNED` in a row."""
         try:
             async with asyncio.timeout(self.health.timeout):
-                load = await self._client(backend, "loads").loads()
+                load = await self._client(backend).loads()
         except Exception as exc:
             backend.load_polls_failed += 1
             backend.load_polls_failing += 1

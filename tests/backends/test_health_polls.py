@@ -142,7 +142,7 @@ async def test_a_garbage_load_answer_is_a_failed_poll_and_the_next_one_reconnect
 async def test_the_default_health_deadline_outlasts_sglangs_check() -> None:
     """SGLang's `/health` answers after a second or more (it sleeps 1 s, then looks whether its
     scheduler answered a one-token probe). With the default deadline the backend stays healthy,
-    and its load polls, on a connection of their own, go on while a check waits."""
+    and its load polls, which wait behind a check on the same connection, still answer."""
     from backends.sim import SimConfig, SimServer
     from edge.config import ProxyConfig
     from tests.edge.conftest import fast_config, run_edge
@@ -156,4 +156,5 @@ async def test_the_default_health_deadline_outlasts_sglangs_check() -> None:
             polls = sim.api.requests["/v1/loads"]
             await asyncio.sleep(2.6)  # two checks past a 1 s deadline would mark it down
             assert backend.healthy
-            assert sim.api.requests["/v1/loads"] - polls >= 10
+            assert sim.api.requests["/v1/loads"] > polls
+            assert backend.load_polls_failing == 0
