@@ -28,12 +28,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from aioquic.asyncio.client import connect
 from aioquic.tls import SessionTicket
 
 from certs import ensure_dev_certificates
+from tools import h3_handshake_cpu
 from tools.h3_handshake_cpu import first_ticket
-from tools.handshakes import BadStatus, H3Client, client_config, free_port, wait_for_ready
+from tools.handshakes import BadStatus, free_port, wait_for_ready
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,26 +43,8 @@ async def drive(
 ) -> int:
     """`n` connections one after another, each one `POST /generate` (0-RTT on each previous
     ticket when `ticket` is given); how many were accepted in 0-RTT. BadStatus on the first
-    answer that is not 2xx."""
-    early = 0
-    resume = ticket is not None
-    for _ in range(n):
-        tickets: list[SessionTicket] = []
-        config = client_config(ca, ticket if resume else None)
-        async with connect(
-            "127.0.0.1", port, configuration=config, create_protocol=H3Client,
-            session_ticket_handler=tickets.append, wait_connected=not resume,
-        ) as client:  # fmt: skip
-            assert isinstance(client, H3Client)
-            client.post_empty()
-            await asyncio.wait_for(client.done.wait(), timeout)
-            client.raise_for_status()
-            for _ in range(1000):  # the next ticket comes with the handshake's end
-                if tickets:
-                    break
-                await asyncio.sleep(0.001)
-            early += client.early
-            ticket = tickets[-1] if tickets else None
+    answer that is not 2xx (`tools.h3_handshake_cpu.drive`)."""
+    _, early = await h3_handshake_cpu.drive(port, ca, n=n, ticket=ticket, timeout=timeout)
     return early
 
 
