@@ -167,12 +167,7 @@ def _answers(route: str, body: MutableMapping[str, Any], params: Any, tier: str,
             if value is None:
                 continue
             if type(value) is not int:
-                raise PolicyLimit(
-                    rule,
-                    f"{name} must be an integer to be checked against this tier's limit of "
-                    f"{limit} (rule `{rule}`)",
-                    param=name,
-                )
+                raise _not_an_integer(rule, name, limit)
             choices = max(choices, value)
     prompts = 1
     if route == GENERATE:
@@ -370,12 +365,7 @@ class RequestRules:
                     continue
                 rule = f"tier:{tier}:max_tokens"
                 if type(value) is not int:
-                    raise PolicyLimit(
-                        rule,
-                        f"{name} must be an integer to be checked against this tier's limit of "
-                        f"{limit} (rule `{rule}`)",
-                        param=name,
-                    )
+                    raise _not_an_integer(rule, name, limit)
                 asked = f"{value}" if answers == 1 else f"{value} x {answers} answers"
                 raise PolicyLimit(
                     rule,
@@ -592,6 +582,15 @@ def apply_spans(slots: Slots, spans: list[tuple[int, int]], replacement: str) ->
         out.append(raw[last:].decode("utf-8", "ignore"))
         container[key] = "".join(out)
     return bool(cuts)
+
+
+def _not_an_integer(rule: str, name: str, limit: int) -> PolicyLimit:
+    return PolicyLimit(
+        rule,
+        f"{name} must be an integer to be checked against this tier's limit of {limit} "
+        f"(rule `{rule}`)",
+        param=name,
+    )
 
 
 __all__ = [
