@@ -104,21 +104,64 @@ class _Bucket:
         return False
 
 
-def overloaded(backend: Backend) -> bool:
+QUEUE_ALLOWED = 1
+"""Waiting requests one `/v1/loads` poll may show on a canary that is not queueing: SGLang's
+`/health` sends a one-token probe through its scheduler at every check (the edge's, a router's,
+another replica's), and a mirror itself waits in the queue until the canary's next step."""
+
+
+class _Queues:
+    """Which canaries are queueing: more than `QUEUE_ALLOWED` requests waiting in one poll, or
+    some waiting in two polls in a row (a queue that stays). A poll is known by its answer's
+    object (`Backend.load` is replaced at each), and two are taken as in a row when the later
+    comes within `window` s of the earlier with no poll seen between them showing none."""
+
+    def __init__(self, window: float) -> None:
+        self.window = window
+        self._first: dict[str, tuple[object, float]] = {}
+        """Per canary name, the poll first seen with a few waiting, and when it was seen."""
+
+    def __call__(self, backend: Backend) -> bool:
+        load = backend.load
+        waiting = 0 if load is None else load.num_waiting_reqs
+        if waiting <= 0:
+            self._first.pop(backend.name, None)
+            return False
+        if waiting > QUEUE_ALLOWED:
+            return True
+        now = time.monotonic()
+        first = self._first.get(backend.name)
+        if first is None or now - first[1] > self.window:
+            self._first[backend.name] = (load, now)
+            return False
+        return first[0] is not load  # a later poll shows it still waiting
+
+
+def _crowded(backend: Backend) -> bool:
+    load = backend.load
+    return load is not None and load.num_waiting_reqs > QUEUE_ALLOWED
+
+
+def overloaded(backend: Backend, queueing: Callable[[Backend], bool] = _crowded) -> bool:
     """Too busy for a new mirror: degraded, at its concurrency cap or queueing."""
     return (
         backend.max_concurrency is not None and backend.in_flight >= backend.max_concurrency
-    ) or strained(backend, None) is not None
+    ) or strained(backend, None, queueing) is not None
 
 
-def strained(backend: Backend, breakers: Breakers | None) -> str | None:
+def strained(
+    backend: Backend,
+    breakers: Breakers | None,
+    queueing: Callable[[Backend], bool] = _crowded,
+) -> str | None:
     """Why a mirror in flight on `backend` should give way (None: it need not): `degraded`
-    (or unhealthy), `queue` (requests waiting in its `/v1/loads`) or `breaker` (a breaker of its
-    domain is open). The concurrency cap is not a reason: the mirror itself counts against it."""
+    (or unhealthy), `queue` (`queueing`: by default, more than `QUEUE_ALLOWED` requests
+    waiting in its `/v1/loads`; a shadow also counts one that stays, see `_Queues`) or `breaker`
+    (a breaker of its domain is open). The concurrency cap is not a reason: the mirror itself
+    counts against it."""
     if backend.degraded or not backend.healthy:
         return "degraded"
-    load = backend.load
-    if load is not None and load.num_waiting_reqs > 0:
+    if queueing(backend):
         return "queue"
     if breakers is not None and breakers.config.enabled:
         model, hardware = domain_of(backend)
@@ -168,11 +211,21 @@ class Shadow:
         self._bucket = _Bucket(config.shadow_rate, clock)
         self._tasks: dict[asyncio.Task[None], _Mirror] = {}
         self._watcher: asyncio.Task[None] | None = None
+        loads = registry.health.loads_interval or 0.0
+        self._queues = _Queues(loads + registry.health.timeout + WATCH_INTERVAL)
+        """Two polls in a row: the later may wait behind a health check on their connection."""
         self.compared = 0
         self.last: Comparison | None = None
 
     def _count(self, result: str) -> None:
         self.metrics.shadow.labels(self.config.model, result).inc()
+
+    def _strained(self, canary: Backend) -> str | None:
+        return strained(canary, self.breakers, self._queues)
+
+    def _busy(self, canary: Backend) -> bool:
+        """No new mirror on `canary`: overloaded or strained."""
+        return overloaded(canary, self._queues) or self._strained(canary) is not None
 
     def _pick(self, version: str) -> Backend | None:
         mine = [b for b in self.registry.candidates()
@@ -196,7 +249,7 @@ class Shadow:
             self._count("dropped_full")
             return None
         canary = self._pick(self.config.canary)
-        if canary is None or overloaded(canary) or strained(canary, self.breakers) is not None:
+        if canary is None or self._busy(canary):
             self._count("canary_busy")
             return None
         if not self._bucket.take():
@@ -215,7 +268,7 @@ class Shadow:
             self._count("dropped_full")
             return
         canary = self._pick(self.config.canary)
-        if canary is None or overloaded(canary) or strained(canary, self.breakers) is not None:
+        if canary is None or self._busy(canary):
             self._count("canary_busy")
             return
         task = asyncio.ensure_future(self._mirror(route, payload, rid, stable, canary))
@@ -237,7 +290,7 @@ class Shadow:
     def check(self) -> None:
         """Cancel each mirror in flight whose canary is strained now (`strained`)."""
         for task, mirror in list(self._tasks.items()):
-            reason = None if mirror.answered else strained(mirror.canary, self.breakers)
+            reason = None if mirror.answered else self._strained(mirror.canary)
             if reason is not None:
                 self._cancel(task, mirror, reason)
 
