@@ -139,8 +139,10 @@ class AccessLog:
         t_end: float,
         t0: float,
         error: str | None = None,
+        request_id: str | None = None,
     ) -> None:
-        """Log one request (`ex` is None when it failed before its state existed)."""
+        """Log one request (`ex` is None when it failed before its state existed, or is not an
+        inference request: `request_id` then names the id its answer carried)."""
         if not self.wanted(status):
             return
         if len(self._lines) >= self.config.max_pending:
@@ -169,6 +171,8 @@ class AccessLog:
                 completion_tokens=usage.completion_tokens if usage is not None else None,
                 retries=ex.retries,
             )
+        elif request_id is not None:
+            line["request_id"] = request_id
         if error is not None:
             line["error"] = cut(error, ERROR_MAX)
         writer = self._writer

@@ -54,6 +54,7 @@ from edge.stages.body import (
 )
 from edge.stages.forward import (
     label_from_body,
+    new_request_id,
     request_id_from,
     splice_rid,
     upstream_headers,
@@ -266,6 +267,7 @@ class ProxyApp:
             stored = (CHAT, ("GET", "POST"), "", "")
         label = route or ("/v1/models" if is_models else stored[0] if stored else "other")
         tracked: _Tracked | None = None
+        rid = "-"  # the answer's x-request-id; an inference route's own sets its own
         try:
             if route is not None and methods is not None:
                 if method not in methods:
@@ -275,15 +277,16 @@ class ProxyApp:
                     )
                 await self._inference(scope, receive, send, route)
                 return
+            rid = _answer_id(scope["headers"])
             if label == "/v1/models":
                 if method not in ("GET", "HEAD"):  # HEAD: GET without the body (RFC 9110)
                     raise MethodNotAllowed(
                         f"{method} is not allowed on {path}", headers=((b"allow", b"GET, HEAD"),)
                     )
-                await self._models(path, send if method == "GET" else _head_only(send))
+                await self._models(path, send if method == "GET" else _head_only(send), rid)
                 self.metrics.requests.labels(label, "200", NO_MODEL).inc()
                 if self.access_log is not None:
-                    self._log_other(scope, label, 200)
+                    self._log_other(scope, label, 200, rid)
                 return
             if stored is not None:
                 if method not in stored[1]:
@@ -292,18 +295,22 @@ class ProxyApp:
                         headers=((b"allow", ", ".join(stored[1]).encode()),),
                     )
                 tracked = _Tracked(send)
-                await self._stored(scope, receive, tracked, stored[0], stored[2], stored[3])
+                await self._stored(scope, receive, tracked, stored, rid)
                 self.metrics.requests.labels(label, "200", NO_MODEL).inc()
                 if self.access_log is not None:
-                    self._log_other(scope, label, 200)
+                    self._log_other(scope, label, 200, rid)
                 return
             raise RouteNotFound(f"no route for {method} {path}")
         except ClientGone:  # left while sending a body: nothing to answer, no fault of ours
+            if rid == "-":
+                rid = _answer_id(scope["headers"])
             self.metrics.requests.labels(label, "499", NO_MODEL).inc()
             if self.access_log is not None:
-                self._log_other(scope, label, 499, "client disconnected")
+                self._log_other(scope, label, 499, rid, "client disconnected")
         except Exception as exc:
-            err = exc if isinstance(exc, EdgeError) else _internal(scope, "-")
+            if rid == "-":
+                rid = _answer_id(scope["headers"])
+            err = exc if isinstance(exc, EdgeError) else _internal(scope, rid)
             if tracked is not None and tracked.status:  # too late for an error answer
                 # %r: the path is the client's, percent-decoded (a %0A would start a line)
                 log.warning("%s %r failed after its response started: %s", method, path, err)
@@ -311,12 +318,13 @@ class ProxyApp:
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                 self.metrics.requests.labels(label, str(tracked.status), NO_MODEL).inc()
                 if self.access_log is not None:
-                    self._log_other(scope, label, tracked.status, err.message)
+                    self._log_other(scope, label, tracked.status, rid, err.message)
                 return
+            err.extra_headers = (*err.extra_headers, (b"x-request-id", rid.encode()))
             await render_error(send, err, body_writer(scope))
             self.metrics.requests.labels(label, str(err.status), NO_MODEL).inc()
             if self.access_log is not None:
-                self._log_other(scope, label, err.status, err.message)
+                self._log_other(scope, label, err.status, rid, err.message)
 
     def _log(
         self,
@@ -326,21 +334,24 @@ class ProxyApp:
         status: int,
         t0: float,
         error: str | None = None,
+        request_id: str | None = None,
     ) -> None:
         if self.access_log is not None:
             self.access_log.request(
                 ex, route=route, method=scope["method"], status=status,
-                t_end=time.perf_counter(), t0=t0, error=error,
+                t_end=time.perf_counter(), t0=t0, error=error, request_id=request_id,
             )  # fmt: skip
 
-    def _log_other(self, scope: Scope, label: str, status: int, error: str | None = None) -> None:
+    def _log_other(
+        self, scope: Scope, label: str, status: int, rid: str, error: str | None = None
+    ) -> None:
         """A request outside the inference routes (models, unknown paths, wrong methods)."""
         assert self.access_log is not None
         arrived = (scope.get("extensions") or {}).get("arrived_at")
         now = time.perf_counter()
         self.access_log.request(
             None, route=label, method=scope["method"], status=status, t_end=now,
-            t0=arrived or now, error=error,
+            t0=arrived or now, error=error, request_id=rid,
         )  # fmt: skip
 
     def _model_label(self, model: object) -> str:
@@ -361,13 +372,14 @@ class ProxyApp:
 
     # -- /v1/models --------------------------------------------------------------------------
 
-    async def _models(self, path: str, send: Send) -> None:
+    async def _models(self, path: str, send: Send, rid: str) -> None:
         if self.models is not None:
             listing = await self.models.pools.listing()
         else:
             listing = await self.catalog.listing()
+        extra = ((b"x-request-id", rid.encode()),)
         if path == "/v1/models":
-            await send_json(send, 200, listing)
+            await send_json(send, 200, listing, extra)
             return
         model = path[len("/v1/models/") :]
         card = next((c for c in listing["data"] if c["id"] == model), None)
@@ -375,15 +387,21 @@ class ProxyApp:
             card = _default_card(listing)
         if card is None:
             raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
-        await send_json(send, 200, card)
+        await send_json(send, 200, card, extra)
 
     # -- stored responses and conversations --------------------------------------------------
 
     async def _stored(
-        self, scope: Scope, receive: Receive, send: Send, label: str, name: str, item: str
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        route: tuple[str, tuple[str, ...], str, str],
+        rid: str,
     ) -> None:
         """Read back, change, delete or start what `edge.state` stores for the caller's tenant;
         another tenant's id is not found, as an unknown one."""
+        label, _, name, item = route
         headers = read_headers(scope["headers"])
         caller = self.admission.identify(headers.authorization)
         if self.state is None:
@@ -392,7 +410,7 @@ class ProxyApp:
         tenant = caller.name
         stored, query = self.state.stored, scope.get("query_string", b"")
         if label == RESPONSES + "/{id}" and scope["method"] == "GET" and _wants_stream(query):
-            await self._resume(send, receive, tenant, name, query, ratelimit)
+            await self._resume(send, receive, tenant, name, query, ratelimit, rid)
             return
         if label.startswith(CHAT):
             answer = await self._stored_completions(scope, receive, label, tenant, name, query)
@@ -431,7 +449,7 @@ class ProxyApp:
         else:
             answer = await stored.conversation_item(tenant, name, item)
         if answer is not None:  # None: the client left while it sent the body
-            await send_json(send, 200, answer, ratelimit)
+            await send_json(send, 200, answer, [(b"x-request-id", rid.encode()), *ratelimit])
 
     async def _stored_body(self, headers: RequestHeaders, receive: Receive) -> dict[str, Any]:
         """A stored object's POST body, checked as an inference body is (`ClientGone`: the
@@ -449,6 +467,7 @@ class ProxyApp:
         rid: str,
         query: bytes,
         ratelimit: list[tuple[bytes, bytes]],
+        request_id: str,
     ) -> None:
         """`GET /v1/responses/{id}?stream=true&starting_after=N`: a background stream's events
         after N, then the rest as they come, from whichever edge generates it."""
@@ -483,7 +502,7 @@ class ProxyApp:
             return record is None or record.as_read().status != RUNNING
 
         await _stream_events(send, receive, follow(events, tenant, rid, after + 1,
-                                                   within=within, ended=ended), "-",
+                                                   within=within, ended=ended), request_id,
                              ratelimit)  # fmt: skip
 
     async def _stored_completions(
@@ -619,10 +638,12 @@ class ProxyApp:
                 self.metrics.requests.labels(route, str(ex.status), model).inc()
                 self._log(ex, scope, route, ex.status, t0, err.message)
                 return
+            if request_id == "-":  # malformed: refused, and answered with one of the edge's
+                request_id = new_request_id()
             err.extra_headers = (*err.extra_headers, (b"x-request-id", request_id.encode()))
             await render_error(send, err, body_writer(scope))
             self.metrics.requests.labels(route, str(err.status), model).inc()
-            self._log(ex, scope, route, err.status, t0, err.message)
+            self._log(ex, scope, route, err.status, t0, err.message, request_id)
             return
         assert ex is not None
         self._account(ex, scope, route, "client disconnected" if ex.disconnected else None)
@@ -955,6 +976,19 @@ class _Tracked:
         if message["type"] == "http.response.start":
             self.status = message["status"]
         await self.send(message)
+
+
+def _answer_id(raw: Sequence[tuple[bytes, bytes]]) -> str:
+    """The `x-request-id` of an answer outside the inference path: the client's (the last, as
+    `read_headers` takes it) when well-formed, else a new one (a malformed one is not echoed)."""
+    sent = None
+    for name, value in raw:
+        if name.lower() == b"x-request-id":
+            sent = value
+    try:
+        return request_id_from(sent)
+    except InvalidRequest:
+        return new_request_id()
 
 
 def _head_only(send: Send) -> Send:

@@ -20,9 +20,10 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 async def render_error(send: Send, err: EdgeError, writer: BodyWriter | None = None) -> None:
     """The one place an `EdgeError` becomes a response.
 
-    Every error carries an `x-request-id`, so that a client can quote it: an inference route
-    has set the request's own; elsewhere (an unknown route, a refused method, `/v1/models`), or
-    where the client's id was malformed (`-`), the error gets a new one. With the listener's
+    Every error carries an `x-request-id`, so that a client can quote it: the app sets the
+    request's own (`edge.app`: the client's when well-formed, else one it made, so that the
+    access log's line names it too); an error without one, or with `-`, gets a new one. With the
+    listener's
     body writer (`quicedge.body_writer`) head and body leave in one write: a flood of refusals
     (429s) then costs one system call each, not two."""
     body = err.body()
