@@ -15,7 +15,9 @@ from tests.edge.conftest import LISTENERS, client, fast_config, run_edge
 from tests.edge.state.helpers import state
 from tests.edge.test_access_log import Lines
 from tests.edge.test_app_sim import sim_config
+from tests.edge.test_h3_end_to_end import h3_edge
 from tests.helpers import wait_until
+from tests.transport.h3client import h3_connect
 
 # (method, path, body, status): answers outside the inference routes' own path.
 ANSWERS: list[tuple[str, str, Any, int]] = [
@@ -84,3 +86,15 @@ async def test_a_malformed_request_id_is_never_echoed(listener: str, path: str) 
                                       headers={"x-request-id": bad})  # fmt: skip
             assert refused.status_code == 400 and "invalid_request_id" in refused.text
             assert re.fullmatch(r"[0-9a-f]{32}", refused.headers.get("x-request-id", ""))
+
+
+async def test_answers_over_http3_carry_the_request_id(dev_certs: Any) -> None:
+    """The same over the HTTP/3 listener: the model list, a 404 and a 405 echo the client's id."""
+    async with SimServer(sim_config("b1")) as sim, h3_edge(dev_certs, sim) as (_, server):
+        async with h3_connect(server.port, dev_certs.ca_cert) as h3:
+            for n, (method, path, status) in enumerate(
+                [("GET", "/v1/models", 200), ("GET", "/nope", 404), ("DELETE", "/v1/models", 405)]
+            ):
+                rid = f"h3-{n}".encode()
+                answer = await h3.fetch(method, path, headers=[(b"x-request-id", rid)])
+                assert (answer.status, answer.header(b"x-request-id")) == (status, rid), path
