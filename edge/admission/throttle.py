@@ -2,10 +2,12 @@
 
 A backend's depth (`depth = "waiting"`) is the larger of what it last reported
 (`num_waiting_reqs` from `/v1/loads`, up to one poll old) and this edge's own requests on it that
-have no first token yet (exact, and fresh between polls). While its load polls fail, the report
-is older than that and only the edge's own count is the depth. With `depth = "in_flight"` it is
-every request this edge has on the backend: that also bounds the backend's running batch, which
-is what keeps its KV pool from overflowing (a backend retracts when running requests outgrow it).
+have no first token yet (exact, and fresh between polls). A report of one waiting request counts
+as none: it is SGLang's `/health` probe as often as not (see docs/admission.md). While its load
+polls fail, the report is older than that and only the edge's own count is the depth. With
+`depth = "in_flight"` it is every request this edge has on the backend: that also bounds the
+backend's running batch, which is what keeps its KV pool from overflowing (a backend retracts
+when running requests outgrow it).
 Below `start_fraction × max_queue_depth` it takes every request; from there
 the chance that it takes one falls linearly to zero at `max_queue_depth` (the design's rule: a
 smooth slope rather than a cliff, so several edges do not all stop and start together).
@@ -54,7 +56,13 @@ class Throttle:
             # The registry keeps the last load while polls fail (for routing), however old: a
             # backend once busy would stay shut out, so only the edge's own count is trusted.
             return backend.in_prefill
-        return max(load.num_waiting_reqs, backend.in_prefill)
+        reported = load.num_waiting_reqs
+        if reported == 1:
+            # SGLang's /health sends a one-token probe through its scheduler at every check:
+            # a poll that caught it shows one waiting on an idle backend, and at a depth of 1
+            # that shut the backend until the next poll. A real lone waiter is let through.
+            reported = 0
+        return max(reported, backend.in_prefill)
 
     def share(self, backend: Backend) -> float:
         """The share of new requests the backend takes now, 0..1."""
