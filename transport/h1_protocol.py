@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 import socket
 import time
@@ -50,7 +51,9 @@ CHUNK_FRAMING = 64
 counts against the head's limit (`max_header_bytes`): chunk extensions and trailers are
 counted there, as llhttp bounds neither."""
 
-_ERROR = "HTTP/1.1 {} {}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+_ERROR = "HTTP/1.1 {} {}\r\ncontent-length: 0\r\nconnection: close\r\nx-request-id: {}\r\n\r\n"
+"""A refusal of the listener's own: with a fresh `x-request-id` (as the app makes them) for the
+client to quote, as every answer of the edge carries one (docs/errors.md)."""
 _ASGI = {"version": "3.0", "spec_version": "2.3"}
 _METHODS = {m.encode(): m for m in ("GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH")}
 
@@ -411,7 +414,7 @@ class H1Protocol(asyncio.Protocol):
             return
         cycle.finished = True
         if not cycle.started:
-            self.write(_ERROR.format(500, "Internal Server Error").encode())
+            self.write(_ERROR.format(500, "Internal Server Error", os.urandom(16).hex()).encode())
         self.close()
 
     def _stop(self, status: int) -> None:
@@ -438,7 +441,7 @@ class H1Protocol(asyncio.Protocol):
             return
         if cycle is not None:
             cycle.gone()
-        self.write(_ERROR.format(status, HTTPStatus(status).phrase).encode())
+        self.write(_ERROR.format(status, HTTPStatus(status).phrase, os.urandom(16).hex()).encode())
         if linger:
             self._linger()
         else:

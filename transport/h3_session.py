@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -516,6 +517,7 @@ class H3Session:
                 (b":status", str(status).encode()),
                 (b"content-type", b"text/plain; charset=utf-8"),
                 (b"content-length", str(len(body)).encode()),
+                (b"x-request-id", os.urandom(16).hex().encode()),  # to quote, as the app's
             ],
         )
         self._h3.send_data(stream_id, body, end_stream=True)

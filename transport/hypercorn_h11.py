@@ -58,6 +58,7 @@ CVE-2025-43859, which this reader keeps).
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable
 from http import HTTPStatus
@@ -224,6 +225,7 @@ class GuardedH11Protocol(H11Protocol):
             (b"content-type", b"text/plain; charset=utf-8"),
             (b"content-length", str(len(body)).encode()),
             (b"connection", b"close"),
+            (b"x-request-id", os.urandom(16).hex().encode()),  # one to quote, as the app's
             *self.config.response_headers("h11"),
         ]
         await self._send_h11_event(h11.Response(status_code=status, headers=headers))

@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from functools import partial
 from typing import Any
 
@@ -237,7 +238,9 @@ class GuardedH2Protocol(H2Protocol):
             await self._flush()
             return
         if header_list_over(self.connection, event.headers):
-            self.connection.send_headers(stream_id, _TOO_LARGE, end_stream=True)
+            # With an `x-request-id` to quote, as every answer of the edge carries one.
+            rid = (b"x-request-id", os.urandom(16).hex().encode())
+            self.connection.send_headers(stream_id, [*_TOO_LARGE, rid], end_stream=True)
             await self._flush()
             return
         await self._create_stream(event)
