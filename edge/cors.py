@@ -4,9 +4,10 @@ Off by default (no `origins`). When on, `CorsApp` wraps the proxy's ASGI app:
 
 - a preflight (`OPTIONS` with `Origin` and `Access-Control-Request-Method`) on a proxied route
   from an allowed origin is answered by the edge itself: 204 with `Access-Control-Allow-Origin`,
-  `-Allow-Methods` (the route's), `-Allow-Headers`, `-Max-Age` and `Vary`; it never reaches a
-  backend. A preflight from another origin gets 403 in OpenAI's error shape, one for a path the
-  edge does not serve goes on to the app (404).
+  `-Allow-Methods` (the route's), `-Allow-Headers`, `-Max-Age`, `Vary` and `x-request-id` (the
+  client's when well-formed, else a new one); it never reaches a backend. A preflight from
+  another origin gets 403 in OpenAI's error shape (with the same `x-request-id`), one for a path
+  the edge does not serve goes on to the app (404).
 - every other response to an allowed origin gets `Access-Control-Allow-Origin`,
   `-Expose-Headers` (so a page can read `x-request-id`), `Vary: Origin` and, when enabled,
   `Timing-Allow-Origin` (so the page's Resource Timing shows the real TTFT, not zeros).
@@ -24,7 +25,8 @@ from typing import Any
 
 from edge import settings
 from edge.asgi import ASGIApp, Message, Receive, Scope, Send, render_error
-from edge.errors import OriginNotAllowed
+from edge.errors import InvalidRequest, OriginNotAllowed
+from edge.stages.forward import new_request_id, request_id_from
 
 DEFAULT_HEADERS = [
     "authorization", "content-type", "user-agent", "x-request-id", "x-session-id", "traceparent",
@@ -138,7 +140,8 @@ class CorsApp:
         if scope["method"] == "OPTIONS" and request_method is not None:
             methods = self.methods_for(scope["path"])
             if methods is not None:
-                await self._preflight(send, allowed, methods, request_headers)
+                rid = next((v for n, v in scope["headers"] if n == b"x-request-id"), None)
+                await self._preflight(send, allowed, methods, request_headers, rid)
                 return
         if allowed is None:
             await self.app(scope, receive, send)
@@ -170,11 +173,20 @@ class CorsApp:
         allowed: bytes | None,
         methods: tuple[str, ...],
         request_headers: bytes | None,
+        request_id: bytes | None,
     ) -> None:
+        # The client's `x-request-id` when well-formed, else a new one, as the app's answers.
+        try:
+            rid = request_id_from(request_id).encode()
+        except InvalidRequest:
+            rid = new_request_id().encode()
         if allowed is None:
-            await render_error(send, OriginNotAllowed("this origin may not call the edge"))
+            err = OriginNotAllowed("this origin may not call the edge")
+            err.extra_headers = (*err.extra_headers, (b"x-request-id", rid))
+            await render_error(send, err)
             return
         headers = [
+            (b"x-request-id", rid),
             (b"access-control-allow-origin", allowed),
             (b"access-control-allow-methods", ", ".join(methods).encode()),
             (b"access-control-max-age", self.max_age),

@@ -98,3 +98,24 @@ async def test_answers_over_http3_carry_the_request_id(dev_certs: Any) -> None:
                 rid = f"h3-{n}".encode()
                 answer = await h3.fetch(method, path, headers=[(b"x-request-id", rid)])
                 assert (answer.status, answer.header(b"x-request-id")) == (status, rid), path
+
+
+async def test_a_cors_preflight_carries_the_request_id(dev_certs: Any) -> None:
+    """The edge's own preflight answers (204, and 403 to an origin not allowed) echo the
+    client's well-formed id and give a new one otherwise, as every other answer."""
+    from edge.cors import CorsConfig
+    from tests.edge.test_cors import PREFLIGHT, stand_in
+    from tests.edge.tls_edge import tls_edge
+
+    cors = CorsConfig(origins=[PREFLIGHT["origin"]])
+    async with stand_in() as sim, tls_edge(fast_config([sim.url]), dev_certs, cors=cors) as edge:
+        async with httpx.AsyncClient(http2=True, verify=edge.ssl_context) as http:
+            url = edge.url + "/v1/chat/completions"
+            other = {**PREFLIGHT, "origin": "https://elsewhere.example"}
+            for headers, status in ((PREFLIGHT, 204), (other, 403)):
+                mine = await http.options(url, headers={**headers, "x-request-id": "pf-1:a_b"})
+                assert (mine.status_code, mine.headers.get("x-request-id")) == (status, "pf-1:a_b")
+                for extra in ({}, {"x-request-id": "bad id"}):
+                    fresh = await http.options(url, headers={**headers, **extra})
+                    assert fresh.status_code == status
+                    assert re.fullmatch(r"[0-9a-f]{32}", fresh.headers.get("x-request-id", ""))
