@@ -8,6 +8,7 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import httpx
 from openai import AsyncOpenAI
 
 from edge.admission.settings import AdmissionSettings, TenantSettings
@@ -145,3 +146,13 @@ def sse_events(content: bytes) -> list[tuple[str | None, Any]]:
         if name is not None or data is not None:
             out.append((name, data))
     return out
+
+
+async def background_started(http: httpx.AsyncClient, body: dict[str, Any]) -> str:
+    """Start a background stream (`body` with `background` and `stream` true), read its
+    response's id from the first event, and leave it running: the id."""
+    async with http.stream("POST", "/v1/responses", json=body) as asked:
+        async for line in asked.aiter_lines():  # the id comes first; then it leaves
+            if line.startswith("data: "):
+                return str(json.loads(line[6:])["response"]["id"])
+    raise AssertionError("the stream ended before its first event")

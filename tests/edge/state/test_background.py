@@ -21,6 +21,7 @@ from tests.edge.conftest import Reply, TinyUpstream, client, fast_config, run_ed
 from tests.edge.state.helpers import (
     ChatUpstream,
     as_tenant,
+    background_started,
     chat_chunks,
     default_reply,
     sdk_of,
@@ -454,11 +455,7 @@ async def test_a_stream_resumed_gives_its_own_events_not_a_deleted_one_of_the_sa
         async with run_edge(config) as edge, client(edge) as http:
             conv = (await http.post("/v1/conversations", json={})).json()["id"]
             body = {"input": "A", "background": True, "stream": True, "conversation": conv}
-            async with http.stream("POST", "/v1/responses", json=body) as asked:
-                async for line in asked.aiter_lines():  # the id comes first; then it leaves
-                    if line.startswith("data: "):
-                        first = json.loads(line[6:])["response"]["id"]
-                        break
+            first = await background_started(http, body)
             await asyncio.wait_for(upstream.arrived.wait(), 5)
             deleted = await http.delete(f"/v1/responses/{first}")
             assert deleted.json()["deleted"] is True, deleted.text
@@ -488,11 +485,7 @@ async def test_a_deleted_stream_is_not_resumed_as_the_turn_that_took_its_id(
         async with run_edge(config) as edge, client(edge) as http:
             conv = (await http.post("/v1/conversations", json={})).json()["id"]
             body = {"input": "A", "background": True, "stream": True, "conversation": conv}
-            async with http.stream("POST", "/v1/responses", json=body) as asked:
-                async for line in asked.aiter_lines():  # the id comes first; then it leaves
-                    if line.startswith("data: "):
-                        first = json.loads(line[6:])["response"]["id"]
-                        break
+            first = await background_started(http, body)
             await asyncio.wait_for(upstream.arrived.wait(), 5)
             assert (await http.delete(f"/v1/responses/{first}")).status_code == 200
             gate.set()

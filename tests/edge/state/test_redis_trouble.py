@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import os
 import signal
 from collections.abc import AsyncIterator, Iterator
@@ -27,6 +26,7 @@ from tests.edge.state.helpers import (
     CHAT,
     ChatUpstream,
     as_tenant,
+    background_started,
     chat_chunks,
     sse_events,
     state,
@@ -285,11 +285,7 @@ async def test_a_resumed_stream_goes_on_through_a_redis_pause(own_redis: RedisSe
         config = fast_config([up.url], state=state(own_redis.url, "t:", timeout=TIMEOUT))
         async with run_edge(config) as edge, client(edge) as http:
             body = {"input": "Hi", "background": True, "stream": True}
-            async with http.stream("POST", "/v1/responses", json=body) as asked:
-                async for line in asked.aiter_lines():  # the id comes first; then it leaves
-                    if line.startswith("data: "):
-                        rid = json.loads(line[6:])["response"]["id"]
-                        break
+            rid = await background_started(http, body)
             pause: asyncio.Task[None] | None = None
 
             async def stop_a_while() -> None:
@@ -327,11 +323,7 @@ async def test_a_resumed_stream_whose_end_the_log_never_got_ends_once_the_respon
         config = fast_config([up.url], state=state(own_redis.url, "t:", timeout=TIMEOUT))
         async with run_edge(config) as edge, client(edge) as http:
             body = {"input": "Hi", "background": True, "stream": True}
-            async with http.stream("POST", "/v1/responses", json=body) as asked:
-                async for line in asked.aiter_lines():  # the id comes first; then it leaves
-                    if line.startswith("data: "):
-                        rid = json.loads(line[6:])["response"]["id"]
-                        break
+            rid = await background_started(http, body)
             await asyncio.wait_for(upstream.arrived.wait(), 5)
             with paused(own_redis):
                 for _ in range(FAILURES_TO_OPEN):  # the breaker opens
