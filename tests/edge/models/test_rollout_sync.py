@@ -9,6 +9,7 @@ import httpx
 import orjson
 import pytest
 
+from edge.config import ProxyConfig
 from edge.models import ModelsConfig
 from edge.wiring import build
 from tests.edge.conftest import Edge, client, fast_config, run_edge
@@ -187,24 +188,34 @@ async def test_an_edge_does_not_take_what_another_canary_version_went_through(
                            share_key=key)  # fmt: skip
         new = ModelsConfig(rollouts=[rollout(canary="v3", **steps)], share_stops=True,
                            share_advances=True, share_key=key)  # fmt: skip
-        async with (
-            run_edge(config, models=old, redis_url=redis_url) as a,
-            run_edge(config, models=new, redis_url=redis_url) as b,
-            run_edge(config, models=new, redis_url=redis_url) as c,
-            httpx.AsyncClient() as admin,
-        ):
-            await subscribed(a, b, c)
-            assert (await admin.post(a.admin_url + "/rollouts/m/promote")).status_code == 200
-            assert (await admin.post(a.admin_url + "/rollouts/m/pause")).status_code == 200
-            sync = a.wiring.rollout_sync
-            assert sync is not None
-            await wait_until(lambda: sync.published == 2)
-            # `c`'s pause is published after `a`'s two: once `b` has it, it had theirs
-            assert (await admin.post(c.admin_url + "/rollouts/m/pause")).status_code == 200
-            await wait_until(lambda: ramp_state(b)[0] == "paused")
-            follower = b.wiring.models.ramps["m"]
-            assert [t.action for t in follower.history] == ["pause"]
-            assert follower.rollout.percent == 5.0 and follower.step == 0
+        await only_the_pause_of_its_own_entry_is_taken(
+            config, old, new, redis_url, ["promote", "pause"]
+        )
+
+
+async def only_the_pause_of_its_own_entry_is_taken(
+    config: ProxyConfig, old: ModelsConfig, new: ModelsConfig, redis_url: str, actions: list[str]
+) -> None:
+    """Edge `a` runs `old` and takes `actions` (published); `b` and `c` run `new`. `b` takes
+    none of `a`'s transitions, and takes `c`'s pause, published after them: once `b` has it,
+    it had theirs."""
+    async with (
+        run_edge(config, models=old, redis_url=redis_url) as a,
+        run_edge(config, models=new, redis_url=redis_url) as b,
+        run_edge(config, models=new, redis_url=redis_url) as c,
+        httpx.AsyncClient() as admin,
+    ):
+        await subscribed(a, b, c)
+        for action in actions:
+            assert (await admin.post(f"{a.admin_url}/rollouts/m/{action}")).status_code == 200
+        sync = a.wiring.rollout_sync
+        assert sync is not None
+        await wait_until(lambda: sync.published == len(actions))
+        assert (await admin.post(c.admin_url + "/rollouts/m/pause")).status_code == 200
+        await wait_until(lambda: ramp_state(b)[0] == "paused")
+        follower = b.wiring.models.ramps["m"]
+        assert [t.action for t in follower.history] == ["pause"], follower.snapshot()
+        assert follower.rollout.percent == 5.0 and follower.step == 0
 
 
 async def test_a_redis_slower_than_the_timeout_does_not_make_the_subscription_flap(
@@ -253,23 +264,7 @@ async def test_an_edge_does_not_take_an_advance_through_steps_it_was_not_given(
         shared = {"share_stops": True, "share_advances": True, "share_key": redis_prefix + "r"}
         old = ModelsConfig(rollouts=[rollout(steps=[5.0, 50.0, 100.0])], **shared)
         new = ModelsConfig(rollouts=[rollout(steps=[5.0, 10.0, 20.0, 50.0, 100.0])], **shared)
-        async with (
-            run_edge(config, models=old, redis_url=redis_url) as a,
-            run_edge(config, models=new, redis_url=redis_url) as b,
-            run_edge(config, models=new, redis_url=redis_url) as c,
-            httpx.AsyncClient() as admin,
-        ):
-            await subscribed(a, b, c)
-            assert (await admin.post(a.admin_url + "/rollouts/m/promote")).status_code == 200
-            sync = a.wiring.rollout_sync
-            assert sync is not None
-            await wait_until(lambda: sync.published == 1)
-            # `c`'s pause is published after `a`'s advance: once `b` has it, it had that
-            assert (await admin.post(c.admin_url + "/rollouts/m/pause")).status_code == 200
-            await wait_until(lambda: ramp_state(b)[0] == "paused")
-            follower = b.wiring.models.ramps["m"]
-            assert [t.action for t in follower.history] == ["pause"], follower.snapshot()
-            assert follower.rollout.percent == 5.0 and follower.step == 0
+        await only_the_pause_of_its_own_entry_is_taken(config, old, new, redis_url, ["promote"])
 
 
 async def test_a_transition_without_the_entry_is_judged_by_its_versions(
