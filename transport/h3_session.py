@@ -239,8 +239,6 @@ class H3Session:
             self._release_deferred(now, actions)
             return actions
         if isinstance(event, ConnectionTerminated):
-            if self._h3.flooded:
-                actions.append(SentAway(CONTROL_FLOOD))
             self._end(actions)
             return actions
         for h3_event in self._h3.handle_event(event):
@@ -248,6 +246,12 @@ class H3Session:
                 self._on_headers(h3_event, now, actions)
             elif isinstance(h3_event, DataReceived):
                 self._on_data(h3_event.stream_id, h3_event.data, h3_event.stream_ended, actions)
+        if self._h3.flooded and not self.terminated:
+            # Counted now: QUIC reports its own close only three probe timeouts later, and a
+            # listener that stops first would never count it.
+            actions.append(SentAway(CONTROL_FLOOD))
+            self._end(actions)
+            return actions
         if (
             isinstance(event, StreamDataReceived)
             and self._on_overdue is not None

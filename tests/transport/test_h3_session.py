@@ -6,11 +6,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from aioquic.buffer import encode_uint_var
 from aioquic.h3.connection import H3Connection
 from aioquic.quic.connection import QuicConnection
 from aioquic.tls import SessionTicket
 
 from tests.transport.h3client import client_config
+from transport.caps import CONTROL_FLOOD
 from transport.early_data import EarlyDataPolicy, Mode
 from transport.h3_session import (
     Action,
@@ -18,6 +20,7 @@ from transport.h3_session import (
     H3Limits,
     H3Session,
     RequestBody,
+    SentAway,
     StartRequest,
 )
 from transport.tickets import MemoryTicketStore
@@ -130,3 +133,23 @@ def test_request_after_handshake_is_not_early(tls: TlsMaterial, dev_certs) -> No
     actions = pair.to_server(now=0.5)
     assert isinstance(actions[0], StartRequest) and actions[0].stream_id == sid
     assert actions[0].scope["extensions"]["early_data"] is False
+
+
+def test_a_control_flood_is_reported_with_the_flight_that_floods(
+    tls: TlsMaterial, dev_certs
+) -> None:
+    """QUIC hands the listener its own close only three probe timeouts later; a listener that
+    stops before then must still count the connection it sent away."""
+    pair = Pair(tls, dev_certs.ca_cert, MemoryTicketStore())
+    for i in range(3):
+        pair.to_server(now=i * 0.01)
+        pair.to_client(now=i * 0.01 + 0.005)
+    control = pair.h3._local_control_stream_id
+    assert control is not None
+    unknown = encode_uint_var(0x21) + encode_uint_var(0)  # a reserved frame type, empty
+    pair.client.send_stream_data(control, unknown * 3000)
+    actions = pair.to_server(now=0.1)
+    assert SentAway(CONTROL_FLOOD) in actions
+    assert pair.session.terminated
+    pair.to_client(now=0.11)
+    assert pair.to_server(now=10.0) == []  # QUIC's own close later counts nothing more
