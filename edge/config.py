@@ -128,6 +128,10 @@ class ProxyConfig:
 
     tracing: bool = False
     """Create OpenTelemetry spans. Also turned on by OTEL_TRACES_EXPORTER=console|otlp."""
+    trust_client_sampling: bool = False
+    """Let a client's `traceparent` decide whether its request is traced (its sampled flag,
+    and its trace id for `traceidratio`). Off: the edge's own sampler decides every request,
+    continuing the client's trace id."""
     models_ttl: float = 5 * SECONDS
     """How long the merged `/v1/models` list is reused before it is fetched again, s."""
     max_pending_aborts: int = 256

@@ -22,6 +22,15 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+from opentelemetry.sdk.trace.sampling import (
+    ALWAYS_OFF,
+    ALWAYS_ON,
+    ParentBased,
+    Sampler,
+    SamplingResult,
+    TraceIdRatioBased,
+)
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -60,25 +69,78 @@ class TracingSetup:
             )
 
 
-def tracer_from_env(*, force: bool = False, environ: dict[str, str] | None = None) -> TracingSetup:
+def tracer_from_env(
+    *,
+    force: bool = False,
+    trust_client_sampling: bool = False,
+    environ: dict[str, str] | None = None,
+) -> TracingSetup:
     """A tracer whose exporters follow `OTEL_TRACES_EXPORTER` (none by default; console; otlp).
 
     `force` (the `tracing` setting) turns tracing on with the console exporter when the variable
-    names none. Sampling follows `OTEL_TRACES_SAMPLER`, resource attributes `OTEL_SERVICE_NAME` /
-    `OTEL_RESOURCE_ATTRIBUTES`, and the OTLP exporter its own `OTEL_EXPORTER_OTLP_*` variables:
-    the SDK reads them itself.
+    names none. Sampling follows `OTEL_TRACES_SAMPLER` (`edge_sampler`), resource attributes
+    `OTEL_SERVICE_NAME` / `OTEL_RESOURCE_ATTRIBUTES`, and the OTLP exporter its own
+    `OTEL_EXPORTER_OTLP_*` variables: the SDK reads them itself.
     """
     env = os.environ if environ is None else environ
     names = exporter_names(env, force=force)
     if not names:
         return TracingSetup(None)
-    provider = TracerProvider(resource=service_resource(env))
+    provider = TracerProvider(
+        resource=service_resource(env),
+        sampler=edge_sampler(env, trust_client_sampling=trust_client_sampling),
+    )
     for name in names:
         if name == "console":
             provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
         else:
             provider.add_span_processor(BatchSpanProcessor(_otlp_exporter()()))
     return TracingSetup(provider.get_tracer("quicedge.edge"), provider)
+
+
+def edge_sampler(env: Mapping[str, str], *, trust_client_sampling: bool = False) -> Sampler:
+    """The sampler `OTEL_TRACES_SAMPLER` / `OTEL_TRACES_SAMPLER_ARG` name, as the SDK reads
+    them, where the client is trusted; else the edge decides a request with a `traceparent` as
+    it decides one without: the named sampler's own (root) part, given an id of the edge's
+    instead of the client's trace id (which `traceidratio` would read, and a client choose
+    low). The trace id goes on either way; the request's own spans follow the request's."""
+    name = env.get("OTEL_TRACES_SAMPLER", "parentbased_always_on").strip().lower()
+    base = name.removeprefix("parentbased_")
+    root: Sampler
+    if base == "always_off":
+        root = ALWAYS_OFF
+    elif base == "traceidratio":
+        try:
+            root = TraceIdRatioBased(float(env.get("OTEL_TRACES_SAMPLER_ARG", "1.0")))
+        except (ValueError, TypeError):
+            log.warning("OTEL_TRACES_SAMPLER_ARG is no ratio in 0..1: 1.0 it is")
+            root = TraceIdRatioBased(1.0)
+    else:
+        if base != "always_on":
+            log.warning("OTEL_TRACES_SAMPLER=%s is unknown: parentbased_always_on it is", name)
+            name = "parentbased_always_on"
+        root = ALWAYS_ON
+    if trust_client_sampling:
+        return ParentBased(root) if name.startswith("parentbased_") else root
+    edge = _EdgeIdSampler(root)
+    return ParentBased(root, remote_parent_sampled=edge, remote_parent_not_sampled=edge)
+
+
+class _EdgeIdSampler(Sampler):
+    """`sampler` deciding on a random id of the edge's, not the trace id the client sent."""
+
+    def __init__(self, sampler: Sampler) -> None:
+        self._sampler = sampler
+        self._ids = RandomIdGenerator()
+
+    def should_sample(
+        self, parent_context: Any, trace_id: int, *args: Any, **kwargs: Any
+    ) -> SamplingResult:
+        own = self._ids.generate_trace_id()
+        return self._sampler.should_sample(parent_context, own, *args, **kwargs)
+
+    def get_description(self) -> str:
+        return f"EdgeId{{{self._sampler.get_description()}}}"
 
 
 def service_resource(env: Mapping[str, str]) -> Resource:
@@ -369,6 +431,7 @@ __all__ = [
     "TracingSetup",
     "check_otlp_protocol",
     "cut",
+    "edge_sampler",
     "exporter_names",
     "genai_request_attributes",
     "server_attributes",

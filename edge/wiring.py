@@ -360,7 +360,13 @@ async def build(
         model_info=partial(_model_info, config.health_timeout, credentials),
     )  # fmt: skip
     registry.register(FleetCollector(backends.backends, pool.stats))
-    tracing = TracingSetup(tracer) if tracer is not None else tracer_from_env(force=config.tracing)
+    tracing = (
+        TracingSetup(tracer)
+        if tracer is not None
+        else tracer_from_env(
+            force=config.tracing, trust_client_sampling=config.trust_client_sampling
+        )
+    )
     catalog = ModelCatalog(
         backends=backends.backends,
         pool=pool,
