@@ -310,6 +310,7 @@ class Breakers:
                 self._breaker(backend, tier)  # domains exist before their first request
         self._restricted = any("tiers" in b.labels for b in self.backends)
         self._known = len(self.backends)
+        self._forget_gone()
         for breaker in self._domains.values():
             found = usage.get((breaker.model, breaker.hardware))
             breaker.kv_usage = sum(found) / len(found) if found else None
@@ -321,20 +322,38 @@ class Breakers:
                 self._open(breaker, f"kv usage {breaker.kv_usage:.2f}")
 
     def relabel(self) -> None:
-        """Forget which breaker each backend maps to (its labels changed), and the closed
-        domains no backend is in any more. The attempts in flight in a forgotten domain end
-        uncounted: a breaker nobody keeps could open, and stay open, unseen."""
+        """Forget which breaker each backend maps to (its labels changed), and the domains no
+        backend is in any more (`_forget_gone`)."""
         for table in self._tables.values():
             table.clear()
         self._known = -1
-        live = {domain_of(b) for b in self.backends}
+        self._forget_gone()
+
+    def _forget_gone(self) -> None:
+        """Drop the backends that left the list (a reload, discovery) from the per-tier tables,
+        and the domains no backend is in any more, whatever their state, gauge series included:
+        nothing could ever probe or close an open one, whose series would read "open" for good.
+        The attempts still in flight in a dropped domain end uncounted: a breaker nobody keeps
+        could open, and stay open, unseen."""
+        alive = set(self.backends)
+        for table in self._tables.values():
+            for backend in [b for b in table if b not in alive]:
+                del table[backend]
+        for backend in [b for b in self._ask_after if b not in alive]:
+            del self._ask_after[backend]
+        live = {domain_of(b) for b in alive}
         for key, breaker in list(self._domains.items()):
-            if breaker.state == CLOSED and (breaker.model, breaker.hardware) not in live:
-                breaker.new_period()
-                del self._domains[key]
-                if self._state is not None:
-                    with contextlib.suppress(KeyError):
-                        self._state.remove(*key)
+            if (breaker.model, breaker.hardware) in live:
+                continue
+            if breaker.state != CLOSED:
+                self._not_closed -= 1
+                log.info("breaker %s/%s/%s %s -> dropped (no backend is in its domain any more)",
+                         *key, STATE_NAMES[breaker.state])  # fmt: skip
+            breaker.new_period()
+            del self._domains[key]
+            if self._state is not None:
+                with contextlib.suppress(KeyError):
+                    self._state.remove(*key)
 
     async def reconfigure(self, config: BreakerConfig) -> None:
         """A reloaded `[breakers]`, for every domain's next decision (`Breaker.reconfigure`).

@@ -393,3 +393,23 @@ async def test_attempts_in_flight_when_the_breakers_are_turned_off_are_not_count
     assert breakers.allowed([a], "gold") == [a]
     assert breakers.snapshot()[0]["outcomes"] == 0
     await breakers.aclose()
+
+
+def test_a_half_open_domain_whose_backends_left_is_dropped_with_its_gauge() -> None:
+    """Its probes in flight end uncounted, and no gauge series of it is left behind."""
+    a, b = backend("a", "hardware=a"), backend("b", "hardware=b")
+    breakers, clock, registry = make(SMALL, a, b)
+    fail(breakers, a, "gold", 4)
+    clock.now += SMALL.open_for
+    assert breakers.allowed([a, b], "gold") == [a, b]  # half-open now: a probe may go
+    probe = breakers.started(a, "gold")
+    assert probe is not None and breakers.state_of("default", "gold", "a") == "half_open"
+    breakers.backends.remove(a)  # what a reload or discovery does to the registry's list
+    breakers.update_kv()
+    labels = {"model": "default", "tier": "gold", "hardware": "a"}
+    assert registry.get_sample_value("quicedge_breaker_state", labels) is None
+    assert breakers.state_of("default", "gold", "a") is None
+    breakers.ended(probe, "5xx", None)  # the probe's late failure reopens nothing
+    assert registry.get_sample_value("quicedge_breaker_state", labels) is None
+    assert breakers.allowed([b], "gold") == [b]
+    assert breakers._not_closed == 0  # every breaker left is closed: the shortcut is back
