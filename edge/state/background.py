@@ -112,6 +112,9 @@ class Record:
 TOMBSTONE = Record(DELETED, {}).encode()
 """The record a deleted background response leaves (`DELETED`), byte for byte: what `settle`
 compares with, in memory as in Redis."""
+CANCELLED_PREFIX = Record(CANCELLED, {}).encode()[: len(b'{"s":"cancelled"')]
+"""How every cancelled record's encoding begins: what `settle(..., keep_cancelled=True)`
+compares with."""
 
 
 def kept_for(config: ConversationConfig) -> float:
@@ -130,9 +133,13 @@ class RecordStore(Protocol):
     async def delete(self, tenant: str, rid: str) -> None: ...
     async def start(self, tenant: str, rid: str, record: Record) -> None: ...
 
-    async def settle(self, tenant: str, rid: str, record: Record) -> bool:
+    async def settle(
+        self, tenant: str, rid: str, record: Record, *, keep_cancelled: bool = False
+    ) -> bool:
         """`put`, unless the record there is a deletion's `TOMBSTONE` (then nothing is
-        written: a deleted response stays deleted); whether it was written. One atomic step."""
+        written: a deleted response stays deleted), or, with `keep_cancelled`, a cancelled
+        one (a cancel answered `cancelled` stays so); whether it was written. One atomic
+        step."""
         ...
 
     async def beat(self, tenant: str, rid: str) -> Record | None:
@@ -161,9 +168,14 @@ class MemoryRecords:
         # one process's records die with it: no heartbeat needed
         await self.put(tenant, rid, record)
 
-    async def settle(self, tenant: str, rid: str, record: Record) -> bool:
+    async def settle(
+        self, tenant: str, rid: str, record: Record, *, keep_cancelled: bool = False
+    ) -> bool:
         # nothing awaits between the read and the write: atomic within the process
-        if self._data.get((tenant, rid)) == TOMBSTONE:
+        held = self._data.get((tenant, rid))
+        if held == TOMBSTONE or (
+            keep_cancelled and held is not None and held.startswith(CANCELLED_PREFIX)
+        ):
             return False
         self._data[(tenant, rid)] = record.encode()
         return True
@@ -209,10 +221,13 @@ class RedisRecords:
             (self._key(tenant, rid), record.encode(), self._ttl_ms),
         ])  # fmt: skip
 
-    async def settle(self, tenant: str, rid: str, record: Record) -> bool:
+    async def settle(
+        self, tenant: str, rid: str, record: Record, *, keep_cancelled: bool = False
+    ) -> bool:
         return await self._redis.set_unless(
-            self._key(tenant, rid), record.encode(), self._ttl_ms, TOMBSTONE
-        )
+            self._key(tenant, rid), record.encode(), self._ttl_ms, TOMBSTONE,
+            CANCELLED_PREFIX if keep_cancelled else b"",
+        )  # fmt: skip
 
     async def beat(self, tenant: str, rid: str) -> Record | None:
         blob = await self._redis.get_and_set(
@@ -553,6 +568,7 @@ __all__ = [
     "BEAT_S",
     "Broadcast",
     "CANCELLED",
+    "CANCELLED_PREFIX",
     "DELETED",
     "END",
     "EventLog",

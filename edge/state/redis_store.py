@@ -50,9 +50,14 @@ end
 return 0
 """
 # Write a key unless it holds ARGV[3] (a deleted background response's mark, which a late
-# final record must not overwrite).
+# final record must not overwrite), or, when ARGV[4] is given, a value that starts with it (a
+# cancelled one's record, which a late failure must not overwrite).
 _SET_UNLESS = """
-if redis.call('GET', KEYS[1]) == ARGV[3] then
+local held = redis.call('GET', KEYS[1])
+if held == ARGV[3] then
+  return 0
+end
+if held and #ARGV[4] > 0 and string.sub(held, 1, #ARGV[4]) == ARGV[4] then
   return 0
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
@@ -206,11 +211,13 @@ class RedisState:
     async def set(self, key: str, value: bytes, ttl_ms: int) -> None:
         await self._call("set", lambda: self.client.set(key, value, px=ttl_ms))
 
-    async def set_unless(self, key: str, value: bytes, ttl_ms: int, unless: bytes) -> bool:
-        """SET PX of `key` unless it holds `unless`, atomically; whether it was written."""
-        done = await self._call(
-            "set unless", lambda: self._set_unless(keys=[key], args=[value, ttl_ms, unless])
-        )
+    async def set_unless(
+        self, key: str, value: bytes, ttl_ms: int, unless: bytes, unless_prefix: bytes = b""
+    ) -> bool:
+        """SET PX of `key` unless it holds `unless` or (when given) a value that starts with
+        `unless_prefix`, atomically; whether it was written."""
+        args = [value, ttl_ms, unless, unless_prefix]
+        done = await self._call("set unless", lambda: self._set_unless(keys=[key], args=args))
         return bool(done)
 
     async def set_new(self, key: str, value: bytes, ttl_ms: int) -> bool:

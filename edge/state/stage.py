@@ -565,10 +565,15 @@ class StateRequest:
             error = {"code": "not_stored", "message": lost}
         stage.background_ended.labels("failed").inc()
         failed = Record(FAILED, meta, error, sent)
-        return lambda: records.settle(tenant, rid, failed)
+        # a cancel recorded meanwhile (its answer said `cancelled`) is what stays
+        return lambda: records.settle(tenant, rid, failed, keep_cancelled=True)
 
-    async def begin(self, send: Send) -> Send | None:
-        """Answer from the cache (None: answered), or the `send` the relay should use."""
+    async def begin(
+        self, send: Send, whole: Callable[[Exchange, bytes], bytes] | None = None
+    ) -> Send | None:
+        """Answer from the cache (None: answered), or the `send` the relay should use.
+        `whole`: the stream rules over a whole answer (`PolicyGateway.whole`), for one
+        replayed from the cache."""
         ex, cache = self.ex, self.stage.cache
         if self.cached is not None and cache is not None:
             # The body as the backend gets it: a request rule redacts or caps it in place
@@ -578,7 +583,7 @@ class StateRequest:
             found = await cache.get(self.cache_key)
             if found is not None:
                 entry, tier = found
-                await self._replay(send, entry, tier)
+                await self._replay(send, entry, tier, whole)
                 return None
             self.captured = []
         ex.body_writer = None  # relay through `send`, where this request sees the answer
@@ -598,7 +603,13 @@ class StateRequest:
         return cache.key(ex.tenant, ex.route, self.cache_model, self.normalised, pool=pool,
                          served=served)  # fmt: skip
 
-    async def _replay(self, send: Send, entry: Entry, tier: str) -> None:
+    async def _replay(
+        self,
+        send: Send,
+        entry: Entry,
+        tier: str,
+        whole: Callable[[Exchange, bytes], bytes] | None,
+    ) -> None:
         ex, stream, body = self.ex, entry.stream, entry.body
         guard = ex.stream_guard if stream else None
         if guard is not None:  # the stream rules in force now, not those it was stored under
@@ -606,6 +617,8 @@ class StateRequest:
             if guard.cut is None:
                 body += guard.finish()
             self.replay_cut = guard.cut  # noted, counted and traced by the app's gateway
+        elif not stream and whole is not None:  # as over a fresh whole answer (it counts)
+            body = whole(ex, body)
         headers = [
             (b"content-type", entry.content_type),
             (b"x-request-id", ex.request_id.encode()),
@@ -858,6 +871,10 @@ class StateRequest:
         committed = self.committed
         if self.keep is not None:
             await self._store_completion(complete)
+        if self.queued and not committed and not self.cancelled:
+            # A cancel recorded after the last poll (it released the lease, so the commit
+            # wrote nothing): the response ends cancelled, as the cancel answered.
+            self.cancelled = await self.cancel_requested()
         if self.queued:
             write = self._settlement(committed)
             try:
@@ -874,9 +891,9 @@ class StateRequest:
                 cache.stores.labels("incomplete" if not complete else "too_large").inc()
             return
         body = b"".join(self.captured)
-        scanner = self.scanner
-        last = body if not self.ex.stream else scanner.last_data if scanner is not None else None
-        if aborted(self.ex.route, last):  # cut short by its backend, though it ended cleanly
+        if self.ex.policy_decision == "filtered" or aborted(
+            self.ex.route, body, stream=self.ex.stream
+        ):  # cut by a stream rule (the policy's answer, not the model's), or by its backend
             cache.stores.labels("incomplete").inc()
             return
         version = self._reported_version(body)

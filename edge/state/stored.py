@@ -230,11 +230,33 @@ class StoredObjects:
             raise self._missing(rid, True)
         assert self.records is not None
         if record.status == RUNNING:
+            lease = record.lease
             record = Record(CANCELLED, record.meta)
             # not over a delete that came meanwhile: that response stays deleted
             if not await self.records.settle(tenant, rid, record):
                 raise self._missing(rid, True)
+            await self._stop_commit(tenant, rid, lease)
         return ResponseBuilder.pending(rid, record.meta, record.error).response(record.status)
+
+    async def _stop_commit(self, tenant: str, rid: str, lease: str | None) -> None:
+        """After a cancel was recorded: release the running turn's lease, so an answer that
+        completes before its edge reads the cancel cannot store its turn (its commit needs the
+        lease). One stored before that is what the response is: the cancel is a 400, as for
+        any stored response, and the record just written goes."""
+        conversations = self.conversations
+        if lease is None or conversations is None:
+            return
+        cid, turn = parse_response_id(rid)
+        with contextlib.suppress(ValueError):  # a lease token that is not hex: none to release
+            await conversations.release_lease(tenant, cid, bytes.fromhex(lease))
+        history = await conversations.history(tenant, cid)
+        if history is not None and history.reply(turn) is not None:
+            assert self.records is not None
+            await self.records.delete(tenant, rid)
+            raise InvalidRequest(
+                "only a background response in progress can be cancelled; this one completed",
+                code="response_not_cancellable",
+            )
 
     async def input_items(self, tenant: str, rid: str, query: bytes) -> dict[str, Any]:
         """`GET /v1/responses/{rid}/input_items`: the messages that turn sent."""
