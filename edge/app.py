@@ -53,6 +53,8 @@ from edge.stages.body import (
     read_body,
 )
 from edge.stages.forward import (
+    USAGE_ROUTES,
+    ask_usage,
     label_from_body,
     new_request_id,
     request_id_from,
@@ -594,7 +596,11 @@ class ProxyApp:
                     await self._detach(ex, scope, receive, send)
                     return
                 try:
-                    relay_send = send if ex.state is None else await ex.state.begin(send)
+                    relay_send: Send | None = send
+                    if ex.state is not None:  # a hit's whole answer meets the stream rules
+                        gateway = self.gateway
+                        whole = gateway.whole if gateway is not None else None
+                        relay_send = await ex.state.begin(send, whole)
                     if relay_send is not None:  # None: answered from the response cache
                         await self._forward(ex, receive, relay_send)
                     elif ex.state is not None and ex.state.replay_cut is not None:
@@ -836,6 +842,10 @@ class ProxyApp:
             ex.payload = raw
         else:
             _use_edge_rid(ex, raw, sent)
+            if ex.stream and ex.route in USAGE_ROUTES:
+                asked = ask_usage(ex.payload, sent)
+                if asked is not None:
+                    ex.payload, ex.strip_usage = asked, True
         traceparent, tracestate = h.traceparent, h.tracestate
         if ex.trace is not None:
             traceparent, tracestate = ex.trace.upstream_context()

@@ -128,12 +128,26 @@ def weight_version_of(route: str, body: bytes) -> str | None:
     return version if isinstance(version, str) else None
 
 
-def aborted(route: str, answer: bytes | None) -> bool:
-    """Whether an answer (a whole JSON body, or a stream's last data event) says its backend
-    aborted it: SGLang ends an aborted `/generate` stream as any other, its last event's
-    `finish_reason` `{"type": "abort"}` and then `[DONE]`, with no error event."""
+def aborted(route: str, answer: bytes | None, *, stream: bool = False) -> bool:
+    """Whether an answer (a whole JSON body, or a stream's SSE bytes) says its backend aborted
+    it: SGLang ends an aborted stream as any other, a `finish_reason` `abort` (`/generate`:
+    `{"type": "abort"}`) and then `[DONE]`, with no error event. In a stream, the abort is
+    not always the last data event: a usage chunk (`include_usage`) or another choice's
+    chunks may follow it."""
     if answer is None or b'"abort"' not in answer:
         return False
+    if stream:
+        for event in answer.split(b"\n\n"):
+            if b'"abort"' in event:
+                for line in event.split(b"\n"):
+                    if line.startswith(b"data:") and _aborted(route, line[5:].strip()):
+                        return True
+        return False
+    return _aborted(route, answer)
+
+
+def _aborted(route: str, answer: bytes) -> bool:
+    """Whether one JSON answer or event says its backend aborted it."""
     try:
         obj = orjson.loads(answer)
     except ValueError:
