@@ -89,7 +89,9 @@ def from_a_web_page(method: str, headers: list[tuple[bytes, bytes]]) -> bool:
     what a page sends: `Origin` on every POST, and `Sec-Fetch-Site` on every request (`none`
     only for what the user typed or bookmarked). No tool that is meant to call the admin port
     sends either, so an action that carries them, and a read that a page fetched (not a
-    top-level navigation, which leaves the answer to the user), are refused."""
+    navigation, which leaves the answer to the user), are refused. So is a navigation from the
+    port's own origin (`same-origin`): the port serves no page, so only a DNS-rebinding page is
+    that origin, and it can read what it loads in a frame or a window it opened."""
     site = mode = None
     origin = False
     for key, value in headers:
@@ -102,7 +104,7 @@ def from_a_web_page(method: str, headers: list[tuple[bytes, bytes]]) -> bool:
             origin = True
     if method not in ("GET", "HEAD"):
         return origin or (site is not None and site != b"none")
-    return site not in (None, b"none") and mode != b"navigate"
+    return site == b"same-origin" or (site not in (None, b"none") and mode != b"navigate")
 
 
 def guard_actions(
