@@ -6,11 +6,27 @@ Each subcommand lives with the package that owns it and parses its own arguments
 
 from __future__ import annotations
 
-import importlib
 import signal
 import sys
-from collections.abc import Callable, Sequence
-from importlib.metadata import version
+
+
+def _serving(argv: list[str]) -> bool:
+    """Whether this process is `quicedge serve`: the console script, or `python -m edge.cli`."""
+    return argv[1:2] == ["serve"] and (
+        __name__ == "__main__" or argv[0].removesuffix(".exe").endswith("quicedge")
+    )
+
+
+# SIGHUP (reload) is held from the first instruction of ours that the program runs until
+# serve's handler is in place (`transport.workers`): its default action would end the process
+# while it imports, and a config-management tool may send it right after the start. Here, at
+# the top of the module the console script imports first, not in `main`: the imports below and
+# those of the subcommand take tens of milliseconds.
+if _serving(sys.argv):
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+
+import importlib  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
 
 # subcommand -> (module, one-line help). The module exposes `main(argv) -> int`.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -39,15 +55,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(usage())
         return 0
     if args[0] == "--version":
+        from importlib.metadata import version  # tens of ms: only where it is asked for
+
         print(f"quicedge {version('quicedge')}")
         return 0
     name, rest = args[0], args[1:]
     if name not in SUBCOMMANDS:
         print(f"quicedge: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    if name == "serve":
-        # SIGHUP (reload) is held from here until serve's handler is in place
-        # (`transport.workers`): its default action would end the process while it imports.
+    if name == "serve":  # held already where this module is the program (above)
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
     module = importlib.import_module(SUBCOMMANDS[name][0])
     entry: Callable[[list[str]], int] = module.main
