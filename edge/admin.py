@@ -118,7 +118,7 @@ def guard_actions(
     before any worker is asked to take it (their private sockets are not the listener's)."""
     if token is None:
         return _refuse_pages(app)
-    expected = b"Bearer " + token
+    expected = token
     last_recorded = [-1.0]
 
     def guarded_request(scope: Scope) -> bool:
@@ -130,8 +130,9 @@ def guard_actions(
         if scope["type"] == "http" and guarded_request(scope):
             given = [v for k, v in scope["headers"] if k.lower() == b"authorization"]
             # one header or none: with two, which counts would be the listener's choice
-            token = given[0].strip() if len(given) == 1 else b""
-            if not hmac.compare_digest(token, expected):
+            scheme, _, token = (given[0].strip() if len(given) == 1 else b"").partition(b" ")
+            # the scheme is case-insensitive (RFC 9110, 11.1), the token is compared in full
+            if not hmac.compare_digest(token, expected) or scheme.lower() != b"bearer":
                 # At most ten a second: a flood of refused calls must not fill the audit queue
                 # that requests need (with `when_full = "refuse"` they would be turned away).
                 now = time.monotonic()
