@@ -299,12 +299,18 @@ class Breakers:
 
     # -- KV usage ---------------------------------------------------------------------------
     def update_kv(self) -> None:
-        """Read each domain's KV usage from its backends' last `/v1/loads`; open the full ones."""
-        usage: dict[tuple[str, str], list[float]] = {}
+        """Read each domain's KV usage from its backends' last `/v1/loads` (those of its model
+        and hardware group that serve its tier); open the full ones."""
+        usage: dict[tuple[str, str, str], list[float]] = {}
         for backend in self.backends:
             load = backend.load
             if load is not None and backend.healthy and not backend.draining:
-                usage.setdefault(domain_of(backend), []).append(float(load.token_usage))
+                model, hardware = domain_of(backend)
+                for tier in TIERS:
+                    if serves(backend, tier):
+                        usage.setdefault((model, tier, hardware), []).append(
+                            float(load.token_usage)
+                        )
         for tier in TIERS:
             for backend in self.backends:
                 self._breaker(backend, tier)  # domains exist before their first request
@@ -312,7 +318,7 @@ class Breakers:
         self._known = len(self.backends)
         self._forget_gone()
         for breaker in self._domains.values():
-            found = usage.get((breaker.model, breaker.hardware))
+            found = usage.get(breaker.key)
             breaker.kv_usage = sum(found) / len(found) if found else None
             if (
                 breaker.state != OPEN

@@ -1,0 +1,62 @@
+"""A domain's KV usage is that of its own backends: those of its model and hardware group that
+serve its tier. Backends kept for another tier (`#tiers=`) in the same hardware group neither
+hide a full domain nor make a free one look full. The real edge, scripted upstreams answering
+`/v1/loads` over real sockets."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from edge.routing.breakers import BreakerConfig
+from tests.edge.conftest import (
+    Edge,
+    Recorded,
+    Reply,
+    TinyUpstream,
+    fast_config,
+    health_ok,
+    run_edge,
+)
+from tests.helpers import wait_until
+
+
+def loaded(used: int) -> Callable[[Recorded], Reply]:
+    """A healthy upstream whose `/v1/loads` says `used` of its 100,000 KV tokens are taken."""
+
+    def answer(recorded: Recorded) -> Reply:
+        if recorded.path == "/v1/loads":
+            rank = {"num_running_reqs": 1, "num_waiting_reqs": 0, "num_used_tokens": used,
+                    "max_total_num_tokens": 100_000}  # fmt: skip
+            return Reply(chunks=[json.dumps({"loads": [rank]}).encode()], chunked=False,
+                         headers=[("content-type", "application/json")])  # fmt: skip
+        return health_ok(recorded) or Reply(status=404, chunked=False)
+
+    return answer
+
+
+async def domains(edge: Edge) -> dict[str, dict[str, Any]]:
+    async with httpx.AsyncClient(base_url=edge.admin_url) as admin:
+        body = (await admin.get("/backends")).json()
+    return {d["tier"]: d for d in body["breakers"]}
+
+
+async def test_a_tiers_kv_usage_is_its_own_backends_not_the_hardware_groups() -> None:
+    breakers = BreakerConfig(kv_warn=0.6, kv_open=0.85, kv_interval=0.05, open_for=60.0)
+    async with TinyUpstream(loaded(95_000)) as gold, TinyUpstream(loaded(10_000)) as bronze:
+        config = fast_config([f"{gold.url}#hardware=h&tiers=gold",
+                              f"{bronze.url}#hardware=h&tiers=bronze"])  # fmt: skip
+        async with run_edge(config, breakers=breakers) as edge:
+            await wait_until(lambda: all(b.load is not None for b in edge.wiring.registry.backends))
+            assert edge.wiring.breakers is not None
+            edge.wiring.breakers.update_kv()  # what the KV poll does, once more on these loads
+            by_tier = await domains(edge)
+            assert sorted(by_tier) == ["bronze", "gold"]
+            assert by_tier["gold"]["kv_usage"] == 0.95
+            assert by_tier["gold"]["state"] == "open"  # gold's only backend is full: shed
+            assert by_tier["bronze"]["kv_usage"] == 0.1
+            assert by_tier["bronze"]["state"] == "closed"
+            assert by_tier["bronze"]["health"] == "healthy"
