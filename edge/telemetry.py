@@ -407,4 +407,28 @@ class AccessLogCollector(Collector):
         yield from (pending, dropped)
 
 
-__all__ = ["AccessLogCollector", "AuditCollector", "FleetCollector", "Metrics", "cache_label"]
+class TracingCollector(Collector):
+    """Read-at-scrape span export figures: spans the exporters' full queues dropped."""
+
+    def __init__(self, tracing: Any) -> None:
+        self._tracing = tracing
+        """The `edge.tracing.TracingSetup` (no exporters: 0)."""
+
+    def collect(self) -> Iterator[Metric]:
+        dropped = CounterMetricFamily(
+            "quicedge_trace_spans_dropped",
+            "Spans dropped before export: the exporter's queue was full (a collector that is"
+            " down or slow; OTEL_BSP_MAX_QUEUE_SIZE)",
+        )
+        dropped.add_metric([], self._tracing.dropped)
+        yield dropped
+
+
+__all__ = [
+    "AccessLogCollector",
+    "AuditCollector",
+    "FleetCollector",
+    "Metrics",
+    "TracingCollector",
+    "cache_label",
+]

@@ -53,7 +53,13 @@ from edge.routing.fleet_view import FleetViewConfig
 from edge.routing.kv_events import KvEventsConfig
 from edge.routing.prewarm import PrewarmConfig
 from edge.state.stage import StateStage
-from edge.telemetry import AccessLogCollector, AuditCollector, FleetCollector, Metrics
+from edge.telemetry import (
+    AccessLogCollector,
+    AuditCollector,
+    FleetCollector,
+    Metrics,
+    TracingCollector,
+)
 from edge.tracing import Tracer, TracingSetup, tracer_from_env
 
 log = logging.getLogger(__name__)
@@ -367,6 +373,7 @@ async def build(
             force=config.tracing, trust_client_sampling=config.trust_client_sampling
         )
     )
+    registry.register(TracingCollector(tracing))
     catalog = ModelCatalog(
         backends=backends.backends,
         pool=pool,
