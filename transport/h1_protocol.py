@@ -97,6 +97,10 @@ class H1Protocol(asyncio.Protocol):
         self._paused_at = 0.0  # when writing last paused: the client stopped taking the response
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpRequestParser(self)  # one for every request here
+        # llhttp refuses a version other than 0.9, 1.0, 1.1 and 2.0 with a parse error (400);
+        # lenient, it takes any one-digit version, and `on_headers_complete` picks (505 for a
+        # major version other than 1). Only the version check is relaxed.
+        self._parser.set_dangerous_leniencies(lenient_version=True)
         self._max_head = server.options.max_header_bytes
         self._requests_left = server.options.max_requests or -1  # -1: no cap
         self._cycle: _Cycle | None = None  # the request being answered
@@ -243,8 +247,13 @@ class H1Protocol(asyncio.Protocol):
             keep_alive = parser.should_keep_alive()  # Connection: close is a token here
         elif version == "1.0":
             keep_alive = False  # a response with Connection: keep-alive is not worth it
+        elif version.startswith("1."):
+            # RFC 9112 §2.3: a later minor version of HTTP/1 is served as the highest this
+            # server conforms to, and answered as such (llhttp keeps it alive as 1.1).
+            version = "1.1"
+            keep_alive = parser.should_keep_alive()
         else:
-            self._halt_with(505)  # llhttp takes 0.9 and 2.0 as well
+            self._halt_with(505)  # 0.9, 2.0 and other major versions
         hosts = 0
         expect_100 = False
         declared = -1

@@ -194,6 +194,8 @@ class GuardedH11Protocol(H11Protocol):
                         b"PRI * HTTP/2.0\r\n\r\n" + connection.trailing_data[0]
                     )
                 refusal = _refusal(event)
+                if refusal is None and event.http_version != b"1.1":
+                    event, refusal = _as_http11(event)
                 if refusal is not None:
                     await self._refuse(*refusal, head=event.method == b"HEAD")
                     break
@@ -240,10 +242,29 @@ def _is_h2_preface(request: h11.Request) -> bool:
     return request.method == b"PRI" and request.target == b"*" and request.http_version == b"2.0"
 
 
+def _as_http11(request: h11.Request) -> tuple[h11.Request, tuple[int, str] | None]:
+    """`request` as the app sees it: one of a later HTTP/1 minor version (`HTTP/1.2`) as
+    HTTP/1.1 (RFC 9112 §2.3: processed as the highest minor version this server conforms
+    to), which then needs its Host header (h11 asks it of `1.1` alone); else unchanged."""
+    if request.http_version == b"1.0":
+        return request, None
+    try:
+        served = h11.Request(
+            method=request.method,
+            headers=request.headers,
+            target=request.target,
+            http_version=b"1.1",
+            _parsed=True,
+        )
+    except h11.LocalProtocolError:
+        return request, (400, "Bad Request: no Host header (RFC 9112 §3.2)")
+    return served, None
+
+
 def _refusal(request: h11.Request) -> tuple[int, str] | None:
     """The status and reason to refuse `request` with, or None to serve it."""
-    if request.http_version not in (b"1.0", b"1.1"):
-        return 505, "HTTP version not supported: 1.0 and 1.1 only"
+    if request.http_version[:2] != b"1.":
+        return 505, "HTTP version not supported: HTTP/1 only"
     if request.method != request.method.upper():
         # hypercorn would upper-case it into another method.
         return 400, "Bad Request: methods are case-sensitive"
