@@ -26,7 +26,7 @@ import orjson
 from edge.admission.tenants import ANONYMOUS
 from edge.errors import ConversationNotFound, InvalidRequest, Unauthorized
 from edge.state.config import ConversationConfig
-from edge.state.redis_store import RedisState, Unreadable, read_or_none
+from edge.state.redis_store import RedisState, Share, Unreadable, read_or_none
 from edge.state.responses import check_metadata
 from edge.state.stored import order_and_limit, page
 
@@ -83,8 +83,9 @@ class MemoryCompletions:
 
     def __init__(self, config: ConversationConfig, *, clock: Any = time.monotonic) -> None:
         self._ttl = config.ttl
-        self._max = config.memory_max_conversations
+        self._max = min(config.memory_max_conversations, config.tenant_max_conversations)
         self._max_bytes = config.memory_max_bytes
+        self._tenant_max_bytes = config.tenant_max_bytes
         self._clock = clock
         self._data: dict[str, OrderedDict[str, tuple[float, bytes]]] = {}
         self._bytes: dict[str, int] = {}
@@ -111,7 +112,9 @@ class MemoryCompletions:
         self._pop(tenant, cid)
         kept[cid] = (self._clock() + self._ttl, blob)
         self._bytes[tenant] = self._bytes.get(tenant, 0) + len(blob)
-        while len(kept) > self._max:
+        while len(kept) > 1 and (
+            len(kept) > self._max or self._bytes[tenant] > self._tenant_max_bytes
+        ):
             self._drop_oldest(tenant)
         while sum(self._bytes.values()) > self._max_bytes:  # the tenants are few
             self._drop_oldest(max(self._bytes, key=self._bytes.__getitem__))
@@ -147,6 +150,7 @@ class RedisCompletions:
 
     def __init__(self, redis: RedisState, config: ConversationConfig) -> None:
         self._redis = redis
+        self._config = config
         self._ttl = config.ttl
 
     def _key(self, tenant: str, cid: str) -> str:
@@ -155,12 +159,18 @@ class RedisCompletions:
     def _index(self, tenant: str) -> str:
         return f"{self._redis.prefix}chatcmpl-index:{tenant}"
 
+    def _share(self, tenant: str) -> Share:
+        """The tenant's index by time, and its completions' sizes, within its bound."""
+        prefix, config = self._redis.prefix, self._config
+        return Share(self._index(tenant), f"{prefix}chatcmpl-sizes:{tenant}",
+                     f"{prefix}chatcmpl:{tenant}:", config.ttl, config.tenant_max_conversations,
+                     config.tenant_max_bytes)  # fmt: skip
+
     async def put(self, tenant: str, cid: str, blob: bytes) -> None:
-        ttl_ms, now = int(self._ttl * 1000), time.time()
-        await self._redis.set(self._key(tenant, cid), blob, ttl_ms)
-        await self._redis.index_add(
-            self._index(tenant), cid, now, oldest=now - self._ttl, ttl_ms=ttl_ms
-        )
+        # the key, its place in the index and the tenant's bound: one atomic step
+        ttl_ms = int(self._ttl * 1000)
+        await self._redis.set_shared(self._key(tenant, cid), blob, ttl_ms, self._share(tenant),
+                                     cid)  # fmt: skip
 
     async def get(self, tenant: str, cid: str) -> bytes | None:
         return await self._redis.get(self._key(tenant, cid))
@@ -169,8 +179,7 @@ class RedisCompletions:
         return await self._redis.replace(self._key(tenant, cid), blob)
 
     async def delete(self, tenant: str, cid: str) -> bool:
-        await self._redis.index_remove(self._index(tenant), cid)
-        return await self._redis.delete(self._key(tenant, cid)) > 0
+        return await self._redis.delete_shared(self._share(tenant), cid) > 0
 
     async def newest(self, tenant: str, count: int) -> list[str]:
         return await self._redis.index_newest(self._index(tenant), count)
@@ -180,8 +189,8 @@ class RedisCompletions:
             return []
         blobs = await self._redis.get_many([self._key(tenant, cid) for cid in cids])
         gone = [cid for cid, blob in zip(cids, blobs, strict=True) if blob is None]
-        if gone:  # deleted or expired since it was indexed
-            await self._redis.index_remove(self._index(tenant), *gone)
+        if gone:  # deleted or expired since it was indexed: out of its share too
+            await self._redis.delete_shared(self._share(tenant), *gone)
         return blobs
 
 

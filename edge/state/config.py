@@ -68,6 +68,13 @@ class ConversationConfig:
     chat completions and background responses' event logs; past it, the tenant holding the
     most bytes loses its least recently used (event logs: the one written longest ago). At
     least four times `max_bytes` (a history and its turns' kept fields, or one event log)."""
+    tenant_max_conversations: int = 10_000
+    """Conversations one tenant keeps at most, in memory or in Redis, and as many stored chat
+    completions; past it, that tenant's least recently used goes (another tenant's never)."""
+    tenant_max_bytes: int = 256 * MiB
+    """Bytes one tenant's conversations hold at most (their stored values), in memory or in
+    Redis, and as many its stored chat completions; past it, as for the count. At least four
+    times `max_bytes`."""
     background_max: float = 3600.0
     """Seconds a background answer may run; its turn renews its lease meanwhile."""
     background_running: int = 256
@@ -88,6 +95,13 @@ class ConversationConfig:
             raise ValueError(
                 "state.conversations.memory_max_bytes: must be at least 4 x max_bytes "
                 f"({4 * self.max_bytes}), got {self.memory_max_bytes}"
+            )
+        if self.tenant_max_conversations < 1:
+            raise ValueError("state.conversations.tenant_max_conversations: must be >= 1")
+        if self.tenant_max_bytes < 4 * self.max_bytes:
+            raise ValueError(
+                "state.conversations.tenant_max_bytes: must be at least 4 x max_bytes "
+                f"({4 * self.max_bytes}), got {self.tenant_max_bytes}"
             )
         if self.background_running < 1:
             raise ValueError("state.conversations.background_running: must be >= 1")

@@ -34,7 +34,7 @@ from cachetools import TTLCache
 
 from edge.errors import ConversationBusy, ConversationNotFound, PayloadTooLarge, StateUnavailable
 from edge.state.config import ConversationConfig
-from edge.state.redis_store import RedisState, Unreadable, warn_unreadable
+from edge.state.redis_store import RedisState, Share, Unreadable, warn_unreadable
 
 CONVERSATION_HEADER = "x-quicedge-conversation"
 NEW = "new"
@@ -456,6 +456,8 @@ class MemoryConversations:
         self._clock = clock
         self._max = config.memory_max_conversations
         self._max_bytes = config.memory_max_bytes
+        self._tenant_max = config.tenant_max_conversations
+        self._tenant_max_bytes = config.tenant_max_bytes
         self._data: dict[str, TTLCache[str, bytes]] = {}
         """By tenant; each cache's `currsize` is its histories' bytes."""
         self._leases: dict[tuple[str, str], tuple[bytes, float]] = {}
@@ -467,6 +469,11 @@ class MemoryConversations:
                 maxsize=self._max_bytes, ttl=self._ttl, timer=self._clock, getsizeof=len
             )
         held[cid] = blob  # setting again restarts its TTL and makes it the most recently used
+        # the tenant's own bound: its least recently used go (never the one just written)
+        while len(held) > 1 and (
+            len(held) > self._tenant_max or held.currsize > self._tenant_max_bytes
+        ):
+            held.popitem()
         self._fit()
 
     def _fit(self) -> None:
@@ -540,6 +547,7 @@ class RedisConversations:
 
     def __init__(self, redis: RedisState, config: ConversationConfig) -> None:
         self._redis = redis
+        self._config = config
         self._ttl_ms = int(config.ttl * 1000)
         self._lease_ms = int(config.lease * 1000)
 
@@ -549,8 +557,17 @@ class RedisConversations:
     def _lease_key(self, tenant: str, cid: str) -> str:
         return f"{self._redis.prefix}conv-lease:{tenant}:{cid}"
 
+    def _share(self, tenant: str) -> Share:
+        """The tenant's conversations, by last use, within its bound."""
+        prefix, config = self._redis.prefix, self._config
+        return Share(f"{prefix}conv-index:{tenant}", f"{prefix}conv-sizes:{tenant}",
+                     f"{prefix}conv:{tenant}:", config.ttl, config.tenant_max_conversations,
+                     config.tenant_max_bytes)  # fmt: skip
+
     async def load(self, tenant: str, cid: str) -> bytes | None:
-        return await self._redis.get_refresh(self._key(tenant, cid), self._ttl_ms)
+        return await self._redis.get_shared(
+            self._key(tenant, cid), self._ttl_ms, self._share(tenant), cid
+        )
 
     async def create(self, tenant: str, cid: str, token: bytes) -> None:
         lease = self._lease_key(tenant, cid)
@@ -567,7 +584,7 @@ class RedisConversations:
         lease = self._lease_key(tenant, cid)
         try:
             return await self._redis.commit(lease, token, self._key(tenant, cid), blob,
-                                            self._ttl_ms)  # fmt: skip
+                                            self._ttl_ms, self._share(tenant), cid)  # fmt: skip
         except StateUnavailable:  # written or not, the lease must not outlive the turn
             self._redis.release_soon(lease, token, self._lease_ms)
             raise
@@ -586,7 +603,7 @@ class RedisConversations:
         # The lease goes first: a turn in progress then fails its compare-and-set commit, and
         # cannot write the conversation back between the two deletes.
         await self._redis.delete(self._lease_key(tenant, cid))
-        return await self._redis.delete(self._key(tenant, cid)) > 0
+        return await self._redis.delete_shared(self._share(tenant), cid) > 0
 
 
 @dataclass(slots=True)

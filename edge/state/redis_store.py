@@ -27,15 +27,93 @@ from edge.errors import StateUnavailable
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
+# A tenant's share (`Share`): a sorted set of its objects by last use (seconds) and a hash of
+# their sizes, whose field "" holds their sum. `account` records one object written (its size)
+# and drops, with their keys (`prefix` .. member), the least recently used others while the
+# tenant holds more than `max_count` objects or `max_bytes`; those whose TTL ran out leave the
+# count first. ARGV from `first`: member, size, now, ttl (s), max_count, max_bytes, prefix.
+_ACCOUNT = """
+local function account(index, sizes, first, size)
+  local member, now, ttl = ARGV[first], tonumber(ARGV[first + 2]), tonumber(ARGV[first + 3])
+  local max_count, max_bytes = tonumber(ARGV[first + 4]), tonumber(ARGV[first + 5])
+  local prefix = ARGV[first + 6]
+  local total = tonumber(redis.call('HGET', sizes, '') or '0')
+  local old = redis.call('ZRANGEBYSCORE', index, '-inf', '(' .. (now - ttl))
+  for _, m in ipairs(old) do
+    total = total - tonumber(redis.call('HGET', sizes, m) or '0')
+    redis.call('HDEL', sizes, m)
+    redis.call('ZREM', index, m)
+  end
+  total = total - tonumber(redis.call('HGET', sizes, member) or '0') + size
+  redis.call('ZADD', index, now, member)
+  redis.call('HSET', sizes, member, size)
+  while redis.call('ZCARD', index) > max_count or total > max_bytes do
+    local oldest = redis.call('ZRANGE', index, 0, 1)
+    local victim = oldest[1]
+    if victim == member then
+      victim = oldest[2]
+    end
+    if not victim then
+      break
+    end
+    total = total - tonumber(redis.call('HGET', sizes, victim) or '0')
+    redis.call('HDEL', sizes, victim)
+    redis.call('ZREM', index, victim)
+    redis.call('DEL', prefix .. victim)
+  end
+  redis.call('HSET', sizes, '', total)
+  local ttl_ms = math.ceil(ttl * 1000)
+  redis.call('PEXPIRE', index, ttl_ms)
+  redis.call('PEXPIRE', sizes, ttl_ms)
+end
+"""
 # Commit a conversation only while this turn still holds its lease (the value is the turn's
 # token): a turn whose lease expired and was taken by another cannot overwrite the history.
-_COMMIT = """
+# With KEYS[3] and KEYS[4] (its tenant's share), it is accounted there (`_ACCOUNT`).
+_COMMIT = (
+    _ACCOUNT
+    + """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
   redis.call('DEL', KEYS[1])
+  if #KEYS > 2 then
+    account(KEYS[3], KEYS[4], 4, #ARGV[2])
+  end
   return 1
 end
 return 0
+"""
+)
+# SET PX of KEYS[1], accounted in its tenant's share (KEYS[2], KEYS[3]).
+_SET_SHARED = (
+    _ACCOUNT
+    + """
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+account(KEYS[2], KEYS[3], 3, #ARGV[1])
+return 1
+"""
+)
+# GETEX PX of KEYS[1]; when there, its use is noted in its tenant's share (KEYS[2]).
+_GET_SHARED = """
+local value = redis.call('GETEX', KEYS[1], 'PX', ARGV[1])
+if value then
+  redis.call('ZADD', KEYS[2], 'XX', ARGV[2], ARGV[3])
+end
+return value
+"""
+# DEL of KEYS[3] on, whose members ARGV (in the same order) leave their tenant's share
+# (KEYS[1], KEYS[2]); how many of those keys existed.
+_DEL_SHARED = """
+local gone = 0
+for i, member in ipairs(ARGV) do
+  gone = gone + redis.call('DEL', KEYS[i + 2])
+  local size = tonumber(redis.call('HGET', KEYS[2], member) or '0')
+  if redis.call('HDEL', KEYS[2], member) > 0 then
+    redis.call('HINCRBY', KEYS[2], '', -size)
+  end
+  redis.call('ZREM', KEYS[1], member)
+end
+return gone
 """
 _EXTEND = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
@@ -147,6 +225,24 @@ class _Orphan:
     """When Redis first answered that it is not held."""
 
 
+@dataclass(frozen=True, slots=True)
+class Share:
+    """One tenant's share of one kind of object in Redis, bounded (`tenant_max_conversations`,
+    `tenant_max_bytes`): `index`, a sorted set of its members by last use, and `sizes`, a hash
+    of their sizes (field "": their sum). A member's key is `prefix` + member."""
+
+    index: str
+    sizes: str
+    prefix: str
+    ttl_s: float
+    max_count: int
+    max_bytes: int
+
+    def args(self, member: str) -> list[Any]:
+        """The `_ACCOUNT` arguments after its size (the script counts it)."""
+        return [member, 0, time.time(), self.ttl_s, self.max_count, self.max_bytes, self.prefix]
+
+
 class RedisState:
     """A guarded `redis.asyncio` client: every call ends within `timeout` seconds, and none is
     sent while the guard's breaker is open."""
@@ -173,6 +269,9 @@ class RedisState:
         self._extend = self.client.register_script(_EXTEND)
         self._append_at = self.client.register_script(_APPEND_AT)
         self._set_unless = self.client.register_script(_SET_UNLESS)
+        self._set_shared = self.client.register_script(_SET_SHARED)
+        self._get_shared = self.client.register_script(_GET_SHARED)
+        self._del_shared = self.client.register_script(_DEL_SHARED)
         self._orphans: dict[tuple[str, bytes], _Orphan] = {}
         """Leases (key, token) whose take, commit or release did not answer: they may hold
         their conversation though no turn runs, so they are released once Redis answers."""
@@ -204,10 +303,6 @@ class RedisState:
     async def get(self, key: str) -> bytes | None:
         return await self._string("get", lambda: self.client.get(key))
 
-    async def get_refresh(self, key: str, ttl_ms: int) -> bytes | None:
-        """GET that also restarts the key's TTL (GETEX PX), in one round trip."""
-        return await self._string("getex", lambda: self.client.getex(key, px=ttl_ms))
-
     async def set(self, key: str, value: bytes, ttl_ms: int) -> None:
         await self._call("set", lambda: self.client.set(key, value, px=ttl_ms))
 
@@ -226,12 +321,47 @@ class RedisState:
             await self._call("set nx", lambda: self.client.set(key, value, nx=True, px=ttl_ms))
         )
 
-    async def commit(self, lease: str, token: bytes, key: str, value: bytes, ttl_ms: int) -> bool:
-        """Write `key` and drop `lease` only while `lease` still holds `token`."""
-        done = await self._call(
-            "commit", lambda: self._commit(keys=[lease, key], args=[token, value, ttl_ms])
-        )
+    async def commit(
+        self,
+        lease: str,
+        token: bytes,
+        key: str,
+        value: bytes,
+        ttl_ms: int,
+        share: Share | None = None,
+        member: str = "",
+    ) -> bool:
+        """Write `key` and drop `lease` only while `lease` still holds `token`; with `share`,
+        `key` is `member` of it (the tenant's least recently used may go)."""
+        keys, args = [lease, key], [token, value, ttl_ms]
+        if share is not None:
+            keys += [share.index, share.sizes]
+            args += share.args(member)
+        done = await self._call("commit", lambda: self._commit(keys=keys, args=args))
         return bool(done)
+
+    async def set_shared(
+        self, key: str, value: bytes, ttl_ms: int, share: Share, member: str
+    ) -> None:
+        """SET PX of `key`, `member` of `share` (the tenant's least recently used may go),
+        in one atomic step."""
+        keys, args = [key, share.index, share.sizes], [value, ttl_ms, *share.args(member)]
+        await self._call("set", lambda: self._set_shared(keys=keys, args=args))
+
+    async def get_shared(self, key: str, ttl_ms: int, share: Share, member: str) -> bytes | None:
+        """GETEX PX of `key` (its TTL restarted), its use noted in `share`: its most recently
+        used now."""
+        args = [ttl_ms, time.time(), member]
+        return await self._string(
+            "getex", lambda: self._get_shared(keys=[key, share.index], args=args)
+        )
+
+    async def delete_shared(self, share: Share, *members: str) -> int:
+        """DEL of `members`' keys, each leaving `share`, in one atomic step; how many
+        existed."""
+        keys = [share.index, share.sizes, *(share.prefix + m for m in members)]
+        gone: Any = await self._call("del", lambda: self._del_shared(keys=keys, args=list(members)))
+        return int(gone)
 
     async def extend(self, lease: str, token: bytes, ttl_ms: int) -> bool:
         """Restart `lease`'s TTL while it still holds `token`; False when it does not."""
@@ -319,30 +449,12 @@ class RedisState:
         )
         return bool(done)
 
-    async def index_add(
-        self, index: str, member: str, score: float, *, oldest: float, ttl_ms: int
-    ) -> None:
-        """Add `member` to the sorted set `index`, drop members scored below `oldest`, and
-        restart the index's TTL: a time index that never outgrows what it indexes."""
-
-        async def run() -> None:
-            async with self.client.pipeline(transaction=False) as pipe:
-                pipe.zadd(index, {member: score})
-                pipe.zremrangebyscore(index, "-inf", f"({oldest}")
-                pipe.pexpire(index, ttl_ms)
-                await pipe.execute()
-
-        await self._call("index add", run)
-
     async def index_newest(self, index: str, count: int) -> list[str]:
         """The `count` highest-scored members of `index`, highest first."""
         members: Any = await self._call(
             "index read", lambda: self.client.zrevrange(index, 0, count - 1)
         )
         return [m.decode() if isinstance(m, bytes) else str(m) for m in members]
-
-    async def index_remove(self, index: str, *members: str) -> None:
-        await self._call("index remove", lambda: self.client.zrem(index, *members))
 
     async def list_append_at(
         self,
@@ -415,4 +527,4 @@ class RedisState:
         await self.guard.aclose()
 
 
-__all__ = ["RedisState", "Unreadable", "warn_unreadable"]
+__all__ = ["RedisState", "Share", "Unreadable", "warn_unreadable"]
