@@ -17,7 +17,10 @@ on its own, as a record and a write of its own, took the GIL from the event loop
 request: about 0.25 ms on the edge's added TTFT p50 at 32 streams (docs/benchmarks.md,
 "Edge-added latency"). Lines go to stderr unless the caller hands in its own handler, and a
 handler added to the `quicedge.access` logger gets one record per line. The logger does not
-propagate: access lines stay out of the application log. At most `max_pending` lines wait for
+propagate: access lines stay out of the application log. A reload that changes `[access_log]`
+starts a new log before the old one writes what it holds, both on that logger meanwhile: each
+writes to its own handler and the ones added to the logger, never to the other's, so that a
+line is written once. At most `max_pending` lines wait for
 the writer (a stalled stderr); past that a line is dropped and counted, and a handler that fails
 is logged without ending the writer.
 """
@@ -29,6 +32,7 @@ import random
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -53,6 +57,8 @@ of its requests write megabytes of log."""
 METHOD_MAX = 32
 """Characters of the request's method a line keeps: the client's word, which only the header
 limit bounds (no method in use is half as long)."""
+_OWN_HANDLERS: weakref.WeakSet[logging.Handler] = weakref.WeakSet()
+"""Every `AccessLog`'s own handler: a writer passes over another log's (`_Writer._handlers`)."""
 MODEL_MAX = ATTRIBUTE_MAX
 """Characters of the request's `model` a line keeps (256, as its span's `gen_ai.request.model`):
 `/generate` serves any name, which only the body limit bounds."""
@@ -98,6 +104,7 @@ class AccessLog:
             handler = plain = logging.StreamHandler(sys.stderr)
             handler.setFormatter(logging.Formatter("%(message)s"))
         self._handler = handler
+        _OWN_HANDLERS.add(handler)
         self._plain = plain
         self._writer: _Writer | None = None
         """The running writer: set between `start` and `stop`."""
@@ -107,7 +114,7 @@ class AccessLog:
     def start(self) -> None:
         if self._writer is None:
             self.logger.addHandler(self._handler)
-            self._writer = _Writer(self._lines, self.logger, self._plain)
+            self._writer = _Writer(self._lines, self.logger, self._handler, self._plain)
             self._writer.start()
 
     def stop(self, timeout: float = STOP_TIMEOUT) -> None:
@@ -191,11 +198,16 @@ class _Writer(threading.Thread):
     """The thread that turns the lines into `quicedge.access` records and logs them."""
 
     def __init__(
-        self, lines: deque[str], logger: logging.Logger, plain: logging.StreamHandler[Any] | None
+        self,
+        lines: deque[str],
+        logger: logging.Logger,
+        own: logging.Handler,
+        plain: logging.StreamHandler[Any] | None,
     ) -> None:
         super().__init__(name="quicedge-access-log", daemon=True)
         self._lines = lines
         self._logger = logger
+        self._own = own
         self._plain = plain
         self.woken = threading.Event()
         """Set by the first line after the writer last emptied the deque (and by `stop`)."""
@@ -226,7 +238,8 @@ class _Writer(threading.Thread):
         if not batch:
             return
         plain = self._plain
-        if plain is not None and logger.handlers == [plain]:
+        handlers = self._handlers()
+        if plain is not None and handlers == [plain]:
             # Only the default handler: what it would write, in one write. Each line's own
             # record and write took the GIL from the event loop once per request.
             plain.acquire()
@@ -236,8 +249,19 @@ class _Writer(threading.Thread):
             finally:
                 plain.release()
             return
-        for text in batch:
-            logger.handle(logger.makeRecord(LOGGER, logging.INFO, __file__, 0, text, (), None))
+        for text in batch:  # `Logger.handle`, but past another log's handler
+            record = logger.makeRecord(LOGGER, logging.INFO, __file__, 0, text, (), None)
+            if logger.disabled or not logger.filter(record):
+                continue
+            for handler in handlers:
+                if record.levelno >= handler.level:
+                    handler.handle(record)
+
+    def _handlers(self) -> list[logging.Handler]:
+        """The logger's handlers this writer writes to: its own log's and those added to the
+        logger, not another log's (the old or the new one of a reload, running beside it)."""
+        own = self._own
+        return [h for h in self._logger.handlers if h is own or h not in _OWN_HANDLERS]
 
     def stop(self, timeout: float) -> None:
         """Write every line appended before this call, then end the thread (waiting at most
