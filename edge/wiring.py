@@ -450,6 +450,8 @@ async def build(
         holds=holds,
     )  # fmt: skip
     pools.set_aborter(wiring.abort)
+    if wiring.state is not None and wiring.state.cache is not None:  # keyed by what they serve
+        wiring.state.cache.fleet = lambda: backends.backends
     registry.register(AccessLogCollector(lambda: wiring.access_log))  # the one a reload made too
     view = fleet.view if fleet is not None else None
     registry.register(SubscriptionCollector(

@@ -11,13 +11,15 @@ A request may be answered from the cache only when all of these hold:
 
 The key is a SHA-256 of the tenant, the route, the model, the pool and version routing chose
 for the request (a gray release's stable or canary), the model's version (pinned in
-`state.cache.model_versions`, or the `weight_version` the backends last reported for it) and the
+`state.cache.model_versions`; else the one the pool's backends serve now, as the edge knows it,
+or the last that answered, `ResponseCache.key`) and the
 request body with its keys sorted and `rid`/`user`/`metadata` left out. An entry is the whole
 answer: the SSE bytes of a stream, or the JSON body, replayed in the same shape (and the stored
 `content-type`) with `x-quicedge-cache: hit-l1|hit-l2` (`miss` on a request that looked and did
 not find). Only a complete answer is stored: a 200 whose stream reached `[DONE]` with no error
-event and no `abort` finish (`aborted`), from a request the client did not abandon, no larger
-than `state.cache.max_entry_bytes`.
+event and no `abort` finish (`aborted`), that no stream rule cut, from a request the client did
+not abandon, no larger than `state.cache.max_entry_bytes`. A hit meets the stream rules in force
+when it is replayed, streamed or whole.
 
 L1 is a `cachetools.LRUCache` bounded in bytes (`l1_max_bytes`, counting each entry's body and
 key); L2 is Redis with a TTL. `CacheTier` is the interface a third tier (object storage) would
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -35,6 +38,7 @@ import orjson
 from cachetools import LRUCache
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from backends.backend import Backend
 from edge.errors import StateUnavailable
 from edge.state.config import CacheConfig
 from edge.state.redis_store import RedisState
@@ -114,6 +118,12 @@ def deterministic(route: str, body: dict[str, Any]) -> bool:
     return _zero(params.get("temperature")) or _seeded(seed) or params.get("top_k") == 1
 
 
+def known_version(version: str | None) -> str:
+    """A version that tells weights apart: SGLang reports `default` when it was given none,
+    which says nothing ("")."""
+    return "" if version is None or version == "default" else version
+
+
 def weight_version_of(route: str, body: bytes) -> str | None:
     """The model version a JSON answer reports (SGLang's `weight_version`), if any."""
     marker = body.find(b'"weight_version"')
@@ -187,6 +197,9 @@ class ResponseCache:
         )
         self._pinned = dict(pin.split("=", 1) for pin in config.model_versions)
         self._learned: dict[str, str] = {}
+        self.fleet: Callable[[], Iterable[Backend]] | None = None
+        """The backends (`edge.wiring` sets it): the version their pool serves now keys a
+        look-up, so a rollout that gives the backends new weights invalidates at once."""
         self.requests = Counter(
             "quicedge_cache_requests_total",
             "Response-cache look-ups by tier (l1, l2) and outcome (hit, miss, error)",
@@ -222,20 +235,39 @@ class ResponseCache:
         *,
         pool: str = "",
         served: str = "",
+        answered: str | None = None,
     ) -> str:
         """`pool` is the pool routing resolved `model` to (an alias's, `default`'s) and
         `served` the version it chose for this request (a gray release's stable or canary),
         which neither a pin nor a learned version tells apart; with it, the learned version
         adds nothing (it follows whichever version answered last). A pin names the model
-        as the request does, or its pool."""
+        as the request does, or its pool. Otherwise, an answer to store is keyed by the
+        version that gave it (`answered`, "" when unknown), and a look-up (`answered` None)
+        by the one version the pool's backends serve now, else the one that answered last."""
         pinned = self._pinned.get(model) or self._pinned.get(pool, "")
-        served = served or ("" if pinned else self._learned.get(model, ""))
+        if not served and not pinned:
+            if answered is None:
+                answered = self._fleet_version(pool)
+            served = answered or self._learned.get(model, "")
         digest = hashlib.sha256()
         for part in (tenant, route, model, pool, pinned, served):
             data = part.encode()
             digest.update(b"%d:" % len(data) + data)
         digest.update(normalised)
         return digest.hexdigest()
+
+    def _fleet_version(self, pool: str) -> str:
+        """The version every backend of `pool` (not draining) reports; "" when they differ
+        (a rollout under way), or none reports one."""
+        if not pool or self.fleet is None:
+            return ""
+        found: set[str] = set()
+        for backend in self.fleet():
+            if backend.model == pool and not backend.draining:
+                found.add(known_version(backend.model_version))
+                if len(found) > 1:
+                    return ""
+        return found.pop() if found else ""
 
     @staticmethod
     def normalise(body: dict[str, Any]) -> bytes:
@@ -296,5 +328,6 @@ __all__ = [
     "ResponseCache",
     "aborted",
     "deterministic",
+    "known_version",
     "weight_version_of",
 ]

@@ -53,6 +53,7 @@ from edge.state.cache import (
     ResponseCache,
     aborted,
     deterministic,
+    known_version,
 )
 from edge.state.cache import weight_version_of as _weight_version
 from edge.state.chat_answer import ChatAnswer, message_of_body
@@ -592,7 +593,7 @@ class StateRequest:
         self._send = send
         return self.send
 
-    def _cache_key(self, cache: ResponseCache) -> str:
+    def _cache_key(self, cache: ResponseCache, answered: str | None = None) -> str:
         """The key for the pool and version routing chose (`ex.model_route`, known only after
         `prepare`): a gray release's stable and canary, or an alias a reload pointed at
         another pool, never share an entry. At `finish`, a canary that fell back to stable
@@ -601,7 +602,7 @@ class StateRequest:
         pool = (route.pool or "") if route is not None else ""
         served = (route.version or "") if route is not None else ""
         return cache.key(ex.tenant, ex.route, self.cache_model, self.normalised, pool=pool,
-                         served=served)  # fmt: skip
+                         served=served, answered=answered)  # fmt: skip
 
     async def _replay(
         self,
@@ -896,10 +897,14 @@ class StateRequest:
         ):  # cut by a stream rule (the policy's answer, not the model's), or by its backend
             cache.stores.labels("incomplete").inc()
             return
-        version = self._reported_version(body)
-        if version is not None and version != cache.version(self.cache_model):
-            cache.learn(self.cache_model, version)
-        key = self._cache_key(cache)
+        # The version that gave it: its backend's as the edge knows it (`/get_model_info`, the
+        # config), which keys look-ups too (`ResponseCache.key`), else the one it reports.
+        backend = self.ex.backend
+        answered = known_version(backend.model_version if backend is not None else None) or (
+            known_version(self._reported_version(body)))  # fmt: skip
+        if answered and answered != cache.version(self.cache_model):
+            cache.learn(self.cache_model, answered)
+        key = self._cache_key(cache, answered)
         await cache.put(key, stream=self.ex.stream, body=body, content_type=self.content_type)
 
     def _reported_version(self, body: bytes) -> str | None:
