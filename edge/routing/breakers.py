@@ -410,13 +410,31 @@ class Breakers:
             self.relabel()
 
     async def _kv_loop(self) -> None:
-        while True:
-            try:
-                await self.learn_models()
-                self.update_kv()
-            except Exception:  # a bug here must not stop the loop; it is logged
-                log.exception("breaker update failed")
-            await asyncio.sleep(self.config.kv_interval)
+        """Every `kv_interval`: read the KV usage, and start learning models unless the last
+        round still asks. Asking runs beside the poll: backends slow to answer (up to
+        4 × `kv_interval` each, one after another) must not hold up the KV signal."""
+        learning: asyncio.Task[None] | None = None
+        try:
+            while True:
+                idle = learning is None or learning.done()
+                if idle and self.config.learn_model and self._model_info is not None:
+                    learning = asyncio.get_running_loop().create_task(self._learn())
+                try:
+                    self.update_kv()
+                except Exception:  # a bug here must not stop the loop; it is logged
+                    log.exception("breaker update failed")
+                await asyncio.sleep(self.config.kv_interval)
+        finally:
+            if learning is not None:
+                learning.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await learning
+
+    async def _learn(self) -> None:
+        try:
+            await self.learn_models()
+        except Exception:  # a bug here must not stop the poll; it is logged
+            log.exception("breaker model learning failed")
 
     async def aclose(self) -> None:
         task, self._task = self._task, None

@@ -5,12 +5,15 @@ hide a full domain nor make a free one look full. The real edge, scripted upstre
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 from collections.abc import Callable
 from typing import Any
 
 import httpx
 
+from edge.models.config import ModelsConfig
 from edge.routing.breakers import BreakerConfig
 from tests.edge.conftest import (
     Edge,
@@ -60,3 +63,32 @@ async def test_a_tiers_kv_usage_is_its_own_backends_not_the_hardware_groups() ->
             assert by_tier["bronze"]["kv_usage"] == 0.1
             assert by_tier["bronze"]["state"] == "closed"
             assert by_tier["bronze"]["health"] == "healthy"
+
+
+async def test_backends_slow_to_tell_their_model_do_not_hold_up_the_kv_signal() -> None:
+    """`learn_model`: four backends take their time over `/get_model_info` (up to the ask's
+    4 s each). The KV poll goes on meanwhile: the full domain beside them is shed at once, not
+    after the sixteen seconds of asking them one by one."""
+    held = asyncio.Event()
+
+    async def slow(recorded: Recorded) -> Reply:
+        if recorded.path == "/get_model_info":
+            await held.wait()
+        return health_ok(recorded) or Reply(status=404, chunked=False)
+
+    breakers = BreakerConfig(kv_open=0.85, kv_interval=1.0, open_for=60.0, learn_model=True)
+    async with contextlib.AsyncExitStack() as stack:
+        slow_ones = [await stack.enter_async_context(TinyUpstream(slow)) for _ in range(4)]
+        full = await stack.enter_async_context(TinyUpstream(loaded(95_000)))
+        urls = [f"{up.url}#hardware=slow" for up in slow_ones]
+        config = fast_config([*urls, f"{full.url}#model=m&hardware=full"], health_timeout=10.0)
+        edge = await stack.enter_async_context(
+            run_edge(config, breakers=breakers, models=ModelsConfig(discover=False))
+        )
+        stack.callback(held.set)  # the asks end before the upstreams close
+
+        def shed() -> bool:
+            labels = {"model": "m", "tier": "bronze", "hardware": "full"}
+            return edge.registry.get_sample_value("quicedge_breaker_state", labels) == 2
+
+        await wait_until(shed, timeout=8.0)
