@@ -620,6 +620,10 @@ class ProxyApp:
                 trace.end(time.perf_counter(), error="client disconnected")
             self._log(ex, scope, route, 499, t0, "client disconnected")
             return
+        except asyncio.CancelledError:  # the listener cancelled it (a stop past its drain)
+            if trace is not None:
+                trace.end(time.perf_counter(), error="request cancelled (the edge stopping)")
+            raise
         except Exception as exc:
             if ex is not None:
                 request_id = ex.request_id  # the label, which the body may have given
