@@ -190,7 +190,8 @@ class AdminApp:
         """Reload the config and say what it did (`POST /config/reload`); `edge.serve` sets
         it once the process's reloader exists."""
         self.audit = audit
-        """Where each action taken is recorded (`event: admin`), when the audit log is on."""
+        """Where each action taken is recorded (`event: admin`; a `/prewarm` too, its target
+        the backends named, `*` for all), when the audit log is on."""
         self.holds = holds
         """Where drains are shared with every edge (`share_drains`), when they are."""
         self.breakers = breakers
@@ -393,6 +394,8 @@ class AdminApp:
                         raise InvalidRequest(f"no backend named {name!r}", param="backends")
                     chosen.append(backend)
             results = await service.warm_text(text, chosen)
+            named = dict.fromkeys(b.name for b in chosen) if chosen is not None else {"*": None}
+            self._audited("prewarm", " ".join(named))  # each backend once, however often named
             status, body = 200, _json({"chars": len(text), "backends": results})
             extra: tuple[tuple[bytes, bytes], ...] = ()
         except EdgeError as err:
