@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 from urllib.parse import parse_qs
 
 import orjson
+from cachetools import TTLCache
 
 from edge.admission.tenants import ANONYMOUS
 from edge.errors import ConversationNotFound, InvalidRequest, Unauthorized
@@ -75,6 +77,14 @@ class CompletionStore(Protocol):
     async def newest(self, tenant: str, count: int) -> list[str]: ...
     async def get_many(self, tenant: str, cids: list[str]) -> list[bytes | None]: ...
 
+    async def put_aliases(self, tenant: str, aliases: list[str], cid: str) -> None:
+        """Let each of `aliases` name `cid` (for as long as a completion lives)."""
+        ...
+
+    async def alias_of(self, tenant: str, alias: str) -> str | None:
+        """The id `alias` names; None: none."""
+        ...
+
 
 class MemoryCompletions:
     """This process's stored completions: per tenant, oldest evicted past
@@ -90,6 +100,9 @@ class MemoryCompletions:
         self._data: dict[str, OrderedDict[str, tuple[float, bytes]]] = {}
         self._bytes: dict[str, int] = {}
         """By tenant, the bytes its stored completions hold."""
+        self._aliases: TTLCache[tuple[str, str], str] = TTLCache(
+            maxsize=config.memory_max_conversations, ttl=config.ttl, timer=clock
+        )
 
     def _live(self, tenant: str) -> OrderedDict[str, tuple[float, bytes]]:
         kept = self._data.setdefault(tenant, OrderedDict())
@@ -142,6 +155,13 @@ class MemoryCompletions:
         kept = self._live(tenant)
         return [kept[cid][1] if cid in kept else None for cid in cids]
 
+    async def put_aliases(self, tenant: str, aliases: list[str], cid: str) -> None:
+        for alias in aliases:
+            self._aliases[(tenant, alias)] = cid
+
+    async def alias_of(self, tenant: str, alias: str) -> str | None:
+        return self._aliases.get((tenant, alias))
+
 
 class RedisCompletions:
     """Stored completions in Redis: `{prefix}chatcmpl:{tenant}:{id}`, with the conversations'
@@ -193,6 +213,18 @@ class RedisCompletions:
             await self._redis.delete_shared(self._share(tenant), *gone)
         return blobs
 
+    def _alias_key(self, tenant: str, alias: str) -> str:
+        return f"{self._redis.prefix}chatcmpl-alias:{tenant}:{alias}"
+
+    async def put_aliases(self, tenant: str, aliases: list[str], cid: str) -> None:
+        ttl_ms = int(self._ttl * 1000)
+        await self._redis.set_many([(self._alias_key(tenant, a), cid.encode(), ttl_ms)
+                                    for a in aliases])  # fmt: skip
+
+    async def alias_of(self, tenant: str, alias: str) -> str | None:
+        found = await self._redis.get(self._alias_key(tenant, alias))
+        return None if found is None else found.decode(errors="replace")
+
 
 def _not_found(cid: str) -> ConversationNotFound:
     return ConversationNotFound(
@@ -224,9 +256,15 @@ class StoredCompletions:
         self.max_bytes = config.max_bytes
 
     async def keep(
-        self, tenant: str, completion: dict[str, Any], messages: list[dict[str, Any]]
+        self,
+        tenant: str,
+        completion: dict[str, Any],
+        messages: list[dict[str, Any]],
+        aliases: Iterable[str] = (),
     ) -> bool:
-        """Store an answered completion; False when it is larger than `max_bytes`."""
+        """Store an answered completion; False when it is larger than `max_bytes`.
+        `aliases`: the other ids its stream gave (SGLang gives each choice of `n` > 1 its
+        own), which read it back too."""
         cid = completion.get("id")
         if not isinstance(cid, str) or not cid:
             return False
@@ -234,14 +272,27 @@ class StoredCompletions:
         if len(blob) > self.max_bytes:
             return False
         await self.store.put(tenant, cid, blob)
+        others = sorted({a for a in aliases if a and a != cid})
+        if others:
+            await self.store.put_aliases(tenant, others, cid)
         return True
 
     async def _load(self, tenant: str, cid: str) -> StoredCompletion:
+        return (await self._find(tenant, cid))[1]
+
+    async def _find(self, tenant: str, cid: str) -> tuple[str, StoredCompletion]:
+        """The completion `cid` names (its own id, or another id its stream gave): its id
+        and what is stored."""
+        blob = await self.store.get(tenant, cid)
+        if blob is None:
+            primary = await self.store.alias_of(tenant, cid)
+            if primary is not None:
+                cid, blob = primary, await self.store.get(tenant, primary)
         what = f"chat completion {cid[:80]!r} of tenant {tenant!r}"
-        stored = StoredCompletion.read(await self.store.get(tenant, cid), what)
+        stored = StoredCompletion.read(blob, what)
         if stored is None:
             raise _not_found(cid)
-        return stored
+        return cid, stored
 
     async def retrieve(self, tenant: str, cid: str) -> dict[str, Any]:
         """`GET /v1/chat/completions/{id}`."""
@@ -254,21 +305,23 @@ class StoredCompletions:
             raise InvalidRequest(f"'{unknown[0]}' is not supported by this endpoint",
                                  param=unknown[0], code="unsupported_parameter")  # fmt: skip
         metadata = check_metadata(body.get("metadata"))
-        stored = await self._load(tenant, cid)
+        primary, stored = await self._find(tenant, cid)
         stored.completion["metadata"] = metadata
-        if not await self.store.replace(tenant, cid, stored.encode()):
+        if not await self.store.replace(tenant, primary, stored.encode()):
             raise _not_found(cid)  # expired or deleted meanwhile
         return stored.completion
 
     async def delete(self, tenant: str, cid: str) -> dict[str, Any]:
         """`DELETE /v1/chat/completions/{id}`: OpenAI's deletion object."""
         if not await self.store.delete(tenant, cid):
-            raise _not_found(cid)
+            primary = await self.store.alias_of(tenant, cid)
+            if primary is None or not await self.store.delete(tenant, primary):
+                raise _not_found(cid)
         return {"object": "chat.completion.deleted", "id": cid, "deleted": True}
 
     async def messages(self, tenant: str, cid: str, query: bytes) -> dict[str, Any]:
         """`GET /v1/chat/completions/{id}/messages`: what its request sent, each with an id."""
-        stored = await self._load(tenant, cid)
+        cid, stored = await self._find(tenant, cid)
         items = [{**m, "id": f"{cid}-{i}"} for i, m in enumerate(stored.messages)]
         return page(items, query, default_order="asc")
 

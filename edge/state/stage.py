@@ -415,6 +415,7 @@ class StateRequest:
         "ended",
         "ex",
         "head",
+        "chunk_ids",
         "held",
         "keep",
         "queued",
@@ -479,6 +480,9 @@ class StateRequest:
         """What a stored chat request sent (its `messages`)."""
         self.head: dict[str, Any] | None = None
         """A stored stream's `id`, `created` and `model`, from its first chunk."""
+        self.chunk_ids: set[str] = set()
+        """A stored stream's chunks' ids (SGLang gives each choice of `n` > 1 its own): each
+        reads the stored completion back."""
         self.usage: Any = None
         """A stored stream's `usage`, when a chunk gave it."""
         self.others: dict[int, ChatAnswer] = {}
@@ -762,8 +766,12 @@ class StateRequest:
         return out
 
     def _note(self, chunk: dict[str, Any]) -> None:
-        if self.head is None and isinstance(chunk.get("id"), str):
-            self.head = {k: chunk.get(k) for k in ("id", "created", "model")}
+        cid = chunk.get("id")
+        if isinstance(cid, str):
+            if self.head is None:
+                self.head = {k: chunk.get(k) for k in ("id", "created", "model")}
+            if len(self.chunk_ids) <= MAX_CHOICES:
+                self.chunk_ids.add(cid)
         if chunk.get("usage"):
             self.usage = chunk["usage"]
         choices = chunk.get("choices")
@@ -801,7 +809,8 @@ class StateRequest:
             return
         completion["metadata"] = self.keep
         try:
-            kept = await stage.completions.keep(self.ex.tenant, completion, self.sent)
+            kept = await stage.completions.keep(self.ex.tenant, completion, self.sent,
+                                                self.chunk_ids)  # fmt: skip
         except StateUnavailable as err:
             stage.completions_kept.labels("unavailable").inc()
             log.warning("request %s: its completion was not stored: %s", self.ex.request_id, err)
