@@ -507,7 +507,7 @@ def _stream_relay(ex: Exchange, in_flight: InFlight) -> StreamRelay:
     return StreamRelay(
         RelayResult(), route=ex.route, writer=ex.body_writer,
         on_first_token=in_flight.first_token, on_complete=ex.mark_responded,
-        guard=ex.stream_guard,
+        guard=ex.stream_guard, strip_usage=ex.strip_usage,
     )  # fmt: skip
 
 

@@ -84,6 +84,8 @@ class Exchange:
     view: RequestView | None = None
     stream: bool = False
     payload: bytes = b""
+    strip_usage: bool = False
+    """The payload asks for a stream's usage chunk the client did not (`forward.ask_usage`)."""
     abort_rid: str | None = None
     upstream_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     started: bool = False

@@ -100,8 +100,9 @@ class StreamRelay:
         on_first_token: Callable[[], None] | None = None,
         on_complete: Callable[[], None] | None = None,
         guard: Guard | None = None,
+        strip_usage: bool = False,
     ) -> None:
-        self.scanner = SSEScanner.for_route(route)
+        self.scanner = SSEScanner.for_route(route, strip_usage=strip_usage)
         self.guard = guard
         self.result = result
         self.writer = writer

@@ -48,6 +48,28 @@ scans again from the next event (a /generate stream's cumulative events pass it 
 answer with logprobs)."""
 
 
+_NO_CHOICES = b'"choices":[]'
+_NO_CHOICES_SPACED = b'"choices": []'
+"""What marks an OpenAI stream's usage chunk (and nothing else a backend sends)."""
+
+
+def _without_usage_chunks(region: bytes) -> bytes:
+    """`region`'s events, each with its blank line, less the usage chunks among them."""
+    kept = [event for event in region.split(b"\n\n") if not _is_usage_chunk(event)]
+    return b"".join(event + b"\n\n" for event in kept)
+
+
+def _is_usage_chunk(event: bytes) -> bool:
+    payload = _data_of(event)
+    if payload is None or payload == _DONE:
+        return False
+    try:
+        obj = orjson.loads(payload)
+    except ValueError:
+        return False
+    return isinstance(obj, dict) and obj.get("choices") == [] and isinstance(obj.get("usage"), dict)
+
+
 def has_string(region: bytes, key: bytes) -> bool:
     """`key` with a string value somewhere in `region` (compact or `": "` spacing)."""
     return key + b'"' in region or key + b' "' in region
@@ -172,14 +194,20 @@ class SSEScanner:
         "_cr",
         "_skipping",
         "_newline",
+        "_strip_usage",
         "content_events",
         "done",
         "error",
         "events",
     )
 
-    def __init__(self, field: bytes = b"content", *, deltas: bool = True) -> None:
+    def __init__(
+        self, field: bytes = b"content", *, deltas: bool = True, strip_usage: bool = False
+    ) -> None:
         self._content = _FIELDS[field]
+        self._strip_usage = strip_usage
+        """The edge asked for the usage chunk, not the client (`forward.ask_usage`): it is
+        read here and not passed on."""
         self._deltas = deltas
         self._tail = b""
         self._last_region = b""
@@ -217,10 +245,11 @@ class SSEScanner:
         collected)."""
 
     @classmethod
-    def for_route(cls, route: str) -> SSEScanner:
+    def for_route(cls, route: str, *, strip_usage: bool = False) -> SSEScanner:
         if route == "/generate":
             return cls(b"text", deltas=False)
-        return cls(b"content" if route == "/v1/chat/completions" else b"text")
+        field = b"content" if route == "/v1/chat/completions" else b"text"
+        return cls(field, strip_usage=strip_usage)
 
     def feed(self, chunk: bytes) -> int:
         """Scan `chunk`; return how many content events it completed."""
@@ -282,11 +311,15 @@ class SSEScanner:
             self._tail = data
             return b"", 0
         cut = end + 2
+        region = data[:end]
+        content = self._scan(region)
         if cut == len(data):
             self._tail = b""
-            return data, self._scan(data[:end])
-        self._tail = data[cut:]
-        return data[:cut], self._scan(data[:end])
+        else:
+            self._tail, data = data[cut:], data[:cut]
+        if self._strip_usage and (_NO_CHOICES in region or _NO_CHOICES_SPACED in region):
+            data = _without_usage_chunks(region)
+        return data, content
 
     def rest(self) -> bytes:
         """The bytes held after the last complete event (the stream ended without a blank

@@ -82,6 +82,35 @@ def splice_rid(raw: bytes, body: Mapping[str, Any], rid: str) -> bytes:
     return raw[: start + 1] + member + (b"," if body else b"") + raw[start + 1 :]
 
 
+USAGE_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
+"""OpenAI streams, whose usage chunk comes only when asked for (`stream_options`)."""
+_ASK_USAGE = b'"stream_options":{"include_usage":true}'
+
+
+def ask_usage(payload: bytes, body: Mapping[str, Any]) -> bytes | None:
+    """`payload` (an OpenAI streaming request) asking the backend for the stream's usage chunk,
+    or None when it asks already, or when its `stream_options` is not an object (the backend's
+    400 is then the client's). The client's answer goes without that chunk
+    (`SSEScanner(strip_usage=True)`): the edge wants the counts for the tenant's tokens bucket,
+    the audit log and the cache-hit metrics, whatever the client asked for. Spliced in after
+    the opening brace as `splice_rid` does; re-encoded only when the client sent options
+    without `include_usage`."""
+    if "stream_options" not in body:
+        start = 0
+        while payload[start] in _WHITESPACE:
+            start += 1
+        # (a streaming request's body holds `stream` at least: never `{}`)
+        return payload[: start + 1] + _ASK_USAGE + b"," + payload[start + 1 :]
+    options = body["stream_options"]
+    if options is None:
+        options = {}
+    elif not isinstance(options, dict) or options.get("include_usage", False) is not False:
+        return None  # asked for already, or not ours to correct
+    whole = orjson.loads(payload)
+    whole["stream_options"] = {**options, "include_usage": True}
+    return orjson.dumps(whole)
+
+
 def upstream_headers(
     *,
     label: str,

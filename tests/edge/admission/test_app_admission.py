@@ -196,23 +196,48 @@ async def test_the_default_edge_admits_anonymous_requests_as_before() -> None:
             assert r.status_code == 401  # a key nobody configured is unknown, not ignored
 
 
-async def test_a_stream_without_usage_is_charged_its_relayed_chunks() -> None:
-    async with SimServer(sim_config("b1", profile="h100-llama3-8b")) as sim:
+async def _charged(edge: Any, at_least: float) -> float:
+    """The tenant `tok`'s completion tokens, once they reach `at_least` (the debit follows
+    the answer's end), or what they are after a bounded wait."""
+    charged = 0.0
+    for _ in range(200):
+        text = await metrics_text(edge)
+        found = [
+            float(x.split()[-1]) for x in text.splitlines()
+            if x.startswith('quicedge_tenant_tokens_total{kind="completion",tenant="tok"}')
+        ]  # fmt: skip
+        charged = found[0] if found else 0.0
+        if charged >= at_least:
+            break
+        await asyncio.sleep(0.01)
+    return charged
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+async def test_a_stream_without_usage_is_charged_the_tokens_the_backend_reported(
+    route: str,
+) -> None:
+    """The edge asks the backend for the usage chunk and keeps it from a client that did not
+    ask: the tenant pays for every token, where counting the chunks relayed paid once for
+    tokens read together (an instant backend's whole answer in a read or two)."""
+    async with SimServer(sim_config("b1")) as sim:
         config = with_admission(
             fast_config([sim.url]),
             tenants=[tenant("tok", "silver", "sk-tok", tokens_per_minute=100000)],
         )
-        body = {**CHAT, "max_tokens": 12, "ignore_eos": True, "stream": True}
+        body = {**CHAT, "max_tokens": 40, "ignore_eos": True, "stream": True}
+        if route == "/v1/completions":
+            body = {"model": body["model"], "prompt": "Say ok", "max_tokens": 40,
+                    "ignore_eos": True, "stream": True}  # fmt: skip
         async with run_edge(config) as edge, client(edge) as http:
-            r = await http.post("/v1/chat/completions", json=body, headers=bearer("sk-tok"))
-            assert r.status_code == 200 and b'"usage"' not in r.content
-            text = await metrics_text(edge)
-            charged = [
-                float(x.split()[-1]) for x in text.splitlines()
-                if x.startswith('quicedge_tenant_tokens_total{kind="completion",tenant="tok"}')
-            ]  # fmt: skip
-            # chunks read together count once: a lower bound on the 12 tokens, never above them
-            assert charged and 1 <= charged[0] <= 12
+            r = await http.post(route, json=body, headers=bearer("sk-tok"))
+            assert r.status_code == 200
+            events = [e for e in r.content.split(b"\n\n") if e]
+            assert events[-1] == b"data: [DONE]"
+            chunks = [json.loads(e[6:]) for e in events[:-1]]
+            assert all(c["choices"] for c in chunks)  # no usage chunk: the client asked none
+            assert all(c.get("usage") is None for c in chunks)
+            assert await _charged(edge, 40) == 40
 
 
 async def test_a_tenant_over_its_request_rate_is_refused_before_its_body_is_read() -> None:
