@@ -282,8 +282,9 @@ class ResponseCache:
         if entry is not None and entry.expires > now:
             self.requests.labels("l1", "hit").inc()
             return entry, "l1"
-        if entry is not None:
+        if entry is not None:  # expired
             self.l1.pop(key, None)
+            self.l1_bytes.set(self.l1.currsize)
         self.requests.labels("l1", "miss").inc()
         for tier in self.tiers:
             try:
