@@ -311,12 +311,12 @@ class Breakers:
                         usage.setdefault((model, tier, hardware), []).append(
                             float(load.token_usage)
                         )
+        self._forget_gone()
         for tier in TIERS:
             for backend in self.backends:
                 self._breaker(backend, tier)  # domains exist before their first request
         self._restricted = any("tiers" in b.labels for b in self.backends)
         self._known = len(self.backends)
-        self._forget_gone()
         for breaker in self._domains.values():
             found = usage.get(breaker.key)
             breaker.kv_usage = sum(found) / len(found) if found else None
@@ -336,14 +336,21 @@ class Breakers:
         self._forget_gone()
 
     def _forget_gone(self) -> None:
-        """Drop the backends that left the list (a reload, discovery) from the per-tier tables,
-        and the domains no backend is in any more, whatever their state, gauge series included:
-        nothing could ever probe or close an open one, whose series would read "open" for good.
-        The attempts still in flight in a dropped domain end uncounted: a breaker nobody keeps
-        could open, and stay open, unseen."""
+        """Drop from the per-tier tables the backends that left the list (a reload, discovery)
+        and those whose labels moved them to another domain (the catalog learns a model before
+        it calls `relabel`), then the domains no backend is in any more, whatever their state,
+        gauge series included: nothing could ever probe or close an open one, whose series
+        would read "open" for good. The attempts still in flight in a dropped domain end
+        uncounted: a breaker nobody keeps could open, and stay open, unseen."""
         alive = set(self.backends)
         for table in self._tables.values():
-            for backend in [b for b in table if b not in alive]:
+            stale = [
+                backend
+                for backend, breaker in table.items()
+                if backend not in alive
+                or (breaker is not None and (breaker.model, breaker.hardware) != domain_of(backend))
+            ]
+            for backend in stale:
                 del table[backend]
         for backend in [b for b in self._ask_after if b not in alive]:
             del self._ask_after[backend]

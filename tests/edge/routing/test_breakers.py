@@ -413,3 +413,20 @@ def test_a_half_open_domain_whose_backends_left_is_dropped_with_its_gauge() -> N
     assert registry.get_sample_value("quicedge_breaker_state", labels) is None
     assert breakers.allowed([b], "gold") == [b]
     assert breakers._not_closed == 0  # every breaker left is closed: the shortcut is back
+
+
+def test_a_backend_relabelled_before_relabel_is_called_is_never_left_in_a_dropped_domain() -> None:
+    """The catalog sets a backend's model, then awaits its other backends before it calls
+    `relabel`: a KV poll in between drops the old domain, and the requests sent meanwhile
+    count in the new one, not in a dropped breaker whose gauge nobody would clear again."""
+    a = backend("a", "model=m@v1")
+    breakers, _, registry = make(SMALL, a)
+    breakers.update_kv()
+    a.set_model("m", "v2")
+    breakers.update_kv()  # the poll, before the catalog's `relabel`
+    fail(breakers, a, "gold", 4)
+    old = {"model": "m@v1", "tier": "gold", "hardware": "default"}
+    assert registry.get_sample_value("quicedge_breaker_state", old) is None
+    assert breakers.state_of("m@v2", "gold", "default") == "open"
+    breakers.relabel()
+    assert breakers.allowed([a], "gold") == []  # still open: the relabel did not forget it
