@@ -38,6 +38,7 @@ from typing import Any
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from backends.backend import Backend
 from backends.pool import UpstreamPool
 from backends.registry import BackendRegistry
 from edge.access_log import METHOD_MAX
@@ -387,15 +388,15 @@ class AdminApp:
             if names is not None:
                 if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
                     raise InvalidRequest("'backends' must be a list of names", param="backends")
-                chosen = []
+                by_name: dict[str, Backend] = {}  # each once: a name given again is no more work
                 for name in names:
                     backend = self.backends.get(name)
                     if backend is None:
                         raise InvalidRequest(f"no backend named {name!r}", param="backends")
-                    chosen.append(backend)
+                    by_name[name] = backend
+                chosen = list(by_name.values())
             results = await service.warm_text(text, chosen)
-            named = dict.fromkeys(b.name for b in chosen) if chosen is not None else {"*": None}
-            self._audited("prewarm", " ".join(named))  # each backend once, however often named
+            self._audited("prewarm", "*" if chosen is None else " ".join(b.name for b in chosen))
             status, body = 200, _json({"chars": len(text), "backends": results})
             extra: tuple[tuple[bytes, bytes], ...] = ()
         except EdgeError as err:

@@ -49,3 +49,25 @@ async def test_prewarm_refuses_another_method_with_allow() -> None:
                 answer = await http.request(method, "/prewarm")
                 assert answer.status_code == 405, answer.text
                 assert answer.headers.get("allow") == "POST", answer.headers
+
+
+async def test_a_backend_named_again_in_a_prewarm_is_warmed_once() -> None:
+    """Each name in `backends` queued one more warm-up on that backend: one call of 8 MiB,
+    `["b0", "b0", ...]`, sent that backend a request per name (here 50 for one)."""
+    async with sims(sim_config("b0")) as servers:
+        config = fast_config([servers[0].url], policy="ttft")
+        prewarm = PrewarmConfig(enabled=True, restart_check_interval=None)
+        name = servers[0].url.removeprefix("http://")
+        async with (
+            run_edge(config, prewarm=prewarm) as edge,
+            h1_app(guard_actions(edge.wiring.admin_app, None)) as admin,
+            httpx.AsyncClient(base_url=admin) as http,
+        ):
+            api = servers[0].api
+            assert api is not None
+            before = api.requests["/generate"]
+            answer = await http.post("/prewarm", json={"text": "hello", "backends": [name] * 50})
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["backends"][name]["requests"] == 1, answer.text
+            # (the answer waits for the last job queued: every one before it was sent)
+            assert api.requests["/generate"] - before == 1
