@@ -408,7 +408,7 @@ class AccessLogCollector(Collector):
 
 
 class TracingCollector(Collector):
-    """Read-at-scrape span export figures: spans the exporters' full queues dropped."""
+    """Read-at-scrape span export figures: spans not exported, by reason."""
 
     def __init__(self, tracing: Any) -> None:
         self._tracing = tracing
@@ -417,10 +417,13 @@ class TracingCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         dropped = CounterMetricFamily(
             "quicedge_trace_spans_dropped",
-            "Spans dropped before export: the exporter's queue was full (a collector that is"
-            " down or slow; OTEL_BSP_MAX_QUEUE_SIZE)",
+            "Spans not exported, by reason: queue_full (the exporter's queue was full: a"
+            " collector that is down or slow; OTEL_BSP_MAX_QUEUE_SIZE), failed (the collector"
+            " did not take their batch)",
+            labels=["reason"],
         )
-        dropped.add_metric([], self._tracing.dropped)
+        for reason, count in self._tracing.dropped.items():
+            dropped.add_metric([reason], count)
         yield dropped
 
 

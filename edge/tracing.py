@@ -13,7 +13,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -21,7 +21,12 @@ from urllib.parse import urlsplit
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SpanExporter,
+    SpanExportResult,
+)
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import (
     ALWAYS_OFF,
@@ -41,15 +46,44 @@ SHUTDOWN_TIMEOUT_S = 3.0
 """How long the stop waits for the spans still queued to go out."""
 
 
-class CountingSpanProcessor(BatchSpanProcessor):
-    """The SDK's batch processor, counting the spans its full queue drops (a collector that is
-    down or hangs): the SDK logs the first of each 20 s and counts them nowhere Prometheus
-    reads."""
+class _CountingExporter(SpanExporter):
+    """Wraps an exporter to count the spans of the batches it fails to send."""
 
-    def __init__(self, exporter: Any) -> None:
-        super().__init__(exporter)
-        self.dropped = 0
+    def __init__(self, inner: SpanExporter) -> None:
+        self._inner = inner
+        self.failed = 0
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        try:
+            result = self._inner.export(spans)
+        except Exception:
+            self.failed += len(spans)
+            raise  # the SDK logs it
+        if result is not SpanExportResult.SUCCESS:
+            self.failed += len(spans)
+        return result
+
+    def shutdown(self) -> None:
+        self._inner.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30_000) -> bool:
+        return self._inner.force_flush(timeout_millis)
+
+
+class CountingSpanProcessor(BatchSpanProcessor):
+    """The SDK's batch processor, counting the spans it loses: dropped from its full queue
+    (a collector that is down or hangs), or in a batch the exporter failed to send. The SDK
+    logs the first of each 20 s and counts them nowhere Prometheus reads."""
+
+    def __init__(self, exporter: SpanExporter) -> None:
+        self._counting = _CountingExporter(exporter)
+        super().__init__(self._counting)
+        self.queue_full = 0
         self._queue: Any = getattr(getattr(self, "_batch_processor", None), "_queue", None)
+
+    @property
+    def failed(self) -> int:
+        return self._counting.failed
 
     def on_end(self, span: ReadableSpan) -> None:
         queue = self._queue
@@ -60,7 +94,7 @@ class CountingSpanProcessor(BatchSpanProcessor):
             and span.context is not None
             and span.context.trace_flags.sampled
         ):
-            self.dropped += 1  # the SDK drops the oldest one waiting for this one
+            self.queue_full += 1  # the SDK drops the oldest one waiting for this one
         super().on_end(span)
 
 
@@ -73,9 +107,12 @@ class TracingSetup:
     processors: list[CountingSpanProcessor] = field(default_factory=list)
 
     @property
-    def dropped(self) -> int:
-        """Spans the exporters' full queues dropped."""
-        return sum(p.dropped for p in self.processors)
+    def dropped(self) -> dict[str, int]:
+        """Spans lost, by reason: `queue_full` (an exporter's queue), `failed` (an export)."""
+        return {
+            "queue_full": sum(p.queue_full for p in self.processors),
+            "failed": sum(p.failed for p in self.processors),
+        }
 
     def shutdown(self, timeout: float = SHUTDOWN_TIMEOUT_S) -> None:
         """Flush and stop the exporters, waiting `timeout` s at most: the SDK waits for the
