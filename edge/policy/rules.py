@@ -52,6 +52,9 @@ class Slots(list[Slot]):
 
     groups: Sequence[tuple[int, int]] = ()
     """(first, end) slot indices of each message with more than one text part."""
+    fields: Sequence[tuple[int, str]] = ()
+    """(first, field) of the runs of slots, after the prompt's, that are texts of other fields
+    the model reads (`tools`, `suffix`): a refusal names the field that matched."""
 
 
 class _ArgumentsText(dict[str, Any]):
@@ -95,6 +98,8 @@ def text_slots(route: str, body: MutableMapping[str, Any]) -> Slots:
                 slots.extend(thinking)  # reasoning sent back: texts of their own
             if isinstance(message.get("reasoning_content"), str):  # thinking sent back, too
                 slots.append((message, "reasoning_content"))
+            if isinstance(message.get("name"), str):  # templates render a speaker's name
+                slots.append((message, "name"))
             calls = message.get("tool_calls")
             if calls and isinstance(calls, list):  # earlier calls' arguments: text sent too
                 for call in calls:
@@ -108,6 +113,14 @@ def text_slots(route: str, body: MutableMapping[str, Any]) -> Slots:
                         slots.append((_ArgumentsText(function, arguments), "arguments"))
         if groups:
             slots.groups = groups
+        tools = body.get("tools")
+        if isinstance(tools, list) and tools:
+            first = len(slots)
+            for tool in tools:
+                if isinstance(tool, dict) and isinstance(tool.get("function"), dict):
+                    _strings_in(tool["function"], slots)
+            if len(slots) > first:
+                slots.fields = ((first, "tools"),)
         return slots
     key = "prompt" if route == COMPLETIONS else "text"
     value = body.get(key)
@@ -115,7 +128,22 @@ def text_slots(route: str, body: MutableMapping[str, Any]) -> Slots:
         slots.append((body, key))
     elif isinstance(value, list):
         slots.extend((value, i) for i, item in enumerate(value) if isinstance(item, str))
+    if route == COMPLETIONS and isinstance(body.get("suffix"), str):
+        slots.fields = ((len(slots), "suffix"),)
+        slots.append((body, "suffix"))
     return slots
+
+
+def _strings_in(value: MutableMapping[str, Any] | MutableSequence[Any], slots: Slots) -> None:
+    """Every string value in a tool's definition (its name, its description, its parameters'
+    descriptions, titles, enums, defaults), which chat templates render into the prompt. The
+    body's nesting is bounded (`body.MAX_NESTING`), and so is this walk."""
+    items = value.items() if isinstance(value, dict) else enumerate(value)
+    for key, item in items:
+        if isinstance(item, str):
+            slots.append((value, key))
+        elif isinstance(item, (dict, list)):
+            _strings_in(item, slots)
 
 
 def _token_fields(body: MutableMapping[str, Any]) -> list[tuple[str, Any]]:
@@ -330,13 +358,26 @@ class RequestRules:
                 raise PolicyRefused(
                     rule_id,
                     f"the request was refused by policy rule `{rule_id}`",
-                    param=_PROMPT_FIELD.get(route, "prompt"),
+                    param=self._field_of(deny, route, slots, texts),
                 )
         for i in matched:
             if rules[i].action == "redact" and self._redact_with(i, slots, folded, groups):
                 verdict.redacted = True
                 verdict.fired.append((rules[i].id, "redact"))
         return verdict
+
+    def _field_of(self, rule: int, route: str, slots: Slots, texts: list[str]) -> str:
+        """The field a refusal names: the prompt's, unless `rule` matched only in the texts of
+        another field (the last texts, one per slot, `Slots.fields`)."""
+        prompt = _PROMPT_FIELD.get(route, "prompt")
+        if not slots.fields:
+            return prompt
+        extra = len(slots) - slots.fields[0][0]
+        found = [i for i, text in enumerate(texts) if rule in (self._set.Match(text) or ())]
+        if not found or found[0] < len(texts) - extra:
+            return prompt
+        at = found[0] - (len(texts) - len(slots))  # the slot of that text
+        return next(name for first, name in reversed(slots.fields) if at >= first)
 
     @staticmethod
     def _check_tokens(route: str, body: MutableMapping[str, Any], tier: str, limit: int) -> bool:
