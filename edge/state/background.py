@@ -113,6 +113,7 @@ TOMBSTONE = Record(DELETED, {}).encode()
 """The record a deleted background response leaves (`DELETED`), byte for byte: what `settle`
 compares with, in memory as in Redis."""
 CANCELLED_PREFIX = Record(CANCELLED, {}).encode()[: len(b'{"s":"cancelled"')]
+_RUNNING_PREFIX = Record(RUNNING, {}).encode()[: len(b'{"s":"in_progress"')]
 """How every cancelled record's encoding begins: what `settle(..., keep_cancelled=True)`
 compares with."""
 
@@ -148,21 +149,49 @@ class RecordStore(Protocol):
 
 
 class MemoryRecords:
-    """Records in this process (the memory store: one process sees its own only)."""
+    """Records in this process (the memory store: one process sees its own only), per tenant:
+    past `memory_max_conversations` in all, the tenant holding the most loses its oldest ended
+    record (a running one only when it has no other), so a tenant whose responses fail or are
+    cancelled without end evicts its own, never another tenant's."""
 
     def __init__(self, config: ConversationConfig) -> None:
-        self._data: TTLCache[tuple[str, str], bytes] = TTLCache(
-            maxsize=config.memory_max_conversations, ttl=kept_for(config)
-        )
+        self._max = config.memory_max_conversations
+        self._ttl = kept_for(config)
+        self._tenants: dict[str, TTLCache[str, bytes]] = {}
+
+    def _fit(self) -> None:
+        for tenant, held in list(self._tenants.items()):
+            held.expire()
+            if not held:
+                del self._tenants[tenant]
+        count = sum(len(held) for held in self._tenants.values())
+        while count > self._max:
+            held = max(self._tenants.values(), key=len)
+            ended = (rid for rid, blob in held.items() if not blob.startswith(_RUNNING_PREFIX))
+            del held[next(ended, None) or next(iter(held))]
+            count -= 1
+
+    def _set(self, tenant: str, rid: str, blob: bytes) -> None:
+        held = self._tenants.get(tenant)
+        if held is None:
+            held = self._tenants[tenant] = TTLCache(maxsize=self._max, ttl=self._ttl)
+        held[rid] = blob
+        self._fit()
+
+    def _get(self, tenant: str, rid: str) -> bytes | None:
+        held = self._tenants.get(tenant)
+        return None if held is None else held.get(rid)
 
     async def put(self, tenant: str, rid: str, record: Record) -> None:
-        self._data[(tenant, rid)] = record.encode()
+        self._set(tenant, rid, record.encode())
 
     async def get(self, tenant: str, rid: str) -> Record | None:
-        return Record.read(self._data.get((tenant, rid)), f"record {rid}")
+        return Record.read(self._get(tenant, rid), f"record {rid}")
 
     async def delete(self, tenant: str, rid: str) -> None:
-        self._data.pop((tenant, rid), None)
+        held = self._tenants.get(tenant)
+        if held is not None:
+            held.pop(rid, None)
 
     async def start(self, tenant: str, rid: str, record: Record) -> None:
         # one process's records die with it: no heartbeat needed
@@ -172,12 +201,12 @@ class MemoryRecords:
         self, tenant: str, rid: str, record: Record, *, keep_cancelled: bool = False
     ) -> bool:
         # nothing awaits between the read and the write: atomic within the process
-        held = self._data.get((tenant, rid))
+        held = self._get(tenant, rid)
         if held == TOMBSTONE or (
             keep_cancelled and held is not None and held.startswith(CANCELLED_PREFIX)
         ):
             return False
-        self._data[(tenant, rid)] = record.encode()
+        self._set(tenant, rid, record.encode())
         return True
 
     async def beat(self, tenant: str, rid: str) -> Record | None:
