@@ -78,7 +78,13 @@ from edge.state.background import POLL_S, RUNNING, Broadcast, follow
 from edge.state.responses import RESPONSES
 from edge.state.stage import StateStage
 from edge.telemetry import Metrics
-from edge.tracing import RequestTrace, Tracer, genai_request_attributes, server_attributes
+from edge.tracing import (
+    RequestTrace,
+    Tracer,
+    forwarded_context,
+    genai_request_attributes,
+    server_attributes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -850,9 +856,10 @@ class ProxyApp:
                 asked = ask_usage(ex.payload, sent)
                 if asked is not None:
                     ex.payload, ex.strip_usage = asked, True
-        traceparent, tracestate = h.traceparent, h.tracestate
         if ex.trace is not None:
             traceparent, tracestate = ex.trace.upstream_context()
+        else:  # the client's, within the bounds tracing keeps
+            traceparent, tracestate = forwarded_context(h.traceparent, h.tracestate)
         ex.upstream_headers = upstream_headers(
             label=ex.request_id,
             early_data=ex.early_data,

@@ -310,6 +310,22 @@ def _client_context(traceparent: bytes | None, tracestate: bytes | None) -> dict
     return carrier
 
 
+def forwarded_context(
+    traceparent: bytes | None, tracestate: bytes | None
+) -> tuple[bytes | None, bytes | None]:
+    """The client's W3C trace context as the backend gets it where the edge does not trace:
+    as it came, within the bounds the edge's own tracing applies (`_client_context`), and the
+    `traceparent` only where OpenTelemetry reads it as one (a backend's SDK would log a
+    warning quoting each that is not)."""
+    carrier = _client_context(traceparent, tracestate)
+    if not carrier:
+        return None, None
+    parent = trace.get_current_span(_PROPAGATOR.extract(carrier)).get_span_context()
+    if not parent.is_valid:
+        return None, None
+    return traceparent, tracestate if "tracestate" in carrier else None
+
+
 # OpenTelemetry semantic conventions: HTTP (stable) and GenAI (development; the names of
 # semconv 1.37+, where `gen_ai.system` became `gen_ai.provider.name`).
 GENAI_OPERATIONS = {
@@ -501,6 +517,7 @@ __all__ = [
     "cut",
     "edge_sampler",
     "exporter_names",
+    "forwarded_context",
     "genai_request_attributes",
     "server_attributes",
     "service_resource",
