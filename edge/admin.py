@@ -336,7 +336,11 @@ class AdminApp:
                 await self.holds.set(name, action == "drain")  # 503 when Redis did not take it
             backend.held = action == "drain"
             self._audited(f"backend.{action}", name)
-            snapshot = next(b for b in self.backends.snapshot() if b["name"] == name)
+            snapshot = next((b for b in self.backends.snapshot() if b["name"] == name), None)
+            if snapshot is None:  # a reload or discovery took it out while Redis answered
+                raise RouteNotFound(
+                    f"backend {name!r} left the fleet while it was being {action}ed"
+                )
             return 200, b"application/json", _json(snapshot)
 
         return act
