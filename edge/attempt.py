@@ -456,7 +456,7 @@ class Attempts:
                 f"no backend serves tier {tier} (their tiers labels leave it out)",
                 code="tier_not_served",
             )
-        wait = self.breakers.refused(tier)
+        wait = self.breakers.refused(tier, untried)
         return CircuitOpen(
             f"every backend serving tier {tier} is behind an open circuit breaker; retry later",
             headers=retry_after(wait),

@@ -287,13 +287,18 @@ class Breakers:
             self._state.labels(*breaker.key).set(state)
             self._transitions.labels(*breaker.key, STATE_NAMES[state]).inc()
 
-    def refused(self, tier: str) -> float:
-        """Count a request no domain could take; return the seconds until one may probe."""
+    def refused(self, tier: str, untried: Sequence[Backend] = ()) -> float:
+        """Count a request no domain could take; return the seconds until one of the domains
+        of `untried` (the request's own backends not yet tried; all of the tier's when none
+        are given) may probe: another model's domain reopening sooner serves it nothing."""
         if self._refused is not None:
             self._refused.labels(tier).inc()
         now = self._clock()
+        own = {domain_of(b) for b in untried}
         waits = [
-            b.reopen_at - now for b in self._domains.values() if b.state == OPEN and b.tier == tier
+            b.reopen_at - now
+            for b in self._domains.values()
+            if b.state == OPEN and b.tier == tier and (not own or (b.model, b.hardware) in own)
         ]
         return max(1.0, min(waits, default=1.0))
 

@@ -430,3 +430,17 @@ def test_a_backend_relabelled_before_relabel_is_called_is_never_left_in_a_droppe
     assert breakers.state_of("m@v2", "gold", "default") == "open"
     breakers.relabel()
     assert breakers.allowed([a], "gold") == []  # still open: the relabel did not forget it
+
+
+def test_a_refusals_retry_after_is_its_own_domains_wait_not_another_models() -> None:
+    """Another model's domain reopening sooner serves this request nothing: the client told
+    to come back in a second would be refused again for the rest of its own domain's wait."""
+    a, b = backend("a", "model=llama"), backend("b", "model=qwen")
+    breakers, clock, _ = make(BreakerConfig(window=10, min_requests=4, error_rate=0.5,
+                                            open_for=30.0, half_open_probes=2), a, b)  # fmt: skip
+    fail(breakers, a, "silver", 4)  # llama opens, 30 s to go
+    clock.now += 28.0
+    fail(breakers, b, "silver", 4)  # qwen opens 28 s later: 30 s to go, llama's 2 s
+    assert breakers.refused("silver", [b]) == 30.0
+    assert breakers.refused("silver", [a]) == 2.0
+    assert breakers.refused("silver") == 2.0  # the tier's soonest when the request's are unknown
