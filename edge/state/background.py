@@ -27,7 +27,7 @@ from cachetools import TTLCache
 
 from edge.errors import StateUnavailable
 from edge.state.config import ConversationConfig
-from edge.state.redis_store import RedisState, Unreadable, read_or_none
+from edge.state.redis_store import RedisState, Share, Unreadable, read_or_none
 
 POLL_S = 0.5
 """How often a running background turn reads its record for a cancel."""
@@ -219,17 +219,27 @@ class RedisRecords:
 
     def __init__(self, redis: RedisState, config: ConversationConfig) -> None:
         self._redis = redis
+        self._config = config
         self._ttl_ms = int(kept_for(config) * 1000)
         self._beat_ms = int(BEAT_S * 1000)
 
     def _key(self, tenant: str, rid: str) -> str:
         return f"{self._redis.prefix}bg:{tenant}:{rid}"
 
+    def _share(self, tenant: str) -> Share:
+        """The tenant's records, within its bound (`tenant_max_conversations`,
+        `tenant_max_bytes`): past it, its oldest go."""
+        prefix, config = self._redis.prefix, self._config
+        return Share(f"{prefix}bg-index:{tenant}", f"{prefix}bg-sizes:{tenant}",
+                     f"{prefix}bg:{tenant}:", kept_for(config), config.tenant_max_conversations,
+                     config.tenant_max_bytes)  # fmt: skip
+
     def _alive_key(self, tenant: str, rid: str) -> str:
         return f"{self._redis.prefix}bg-alive:{tenant}:{rid}"
 
     async def put(self, tenant: str, rid: str, record: Record) -> None:
-        await self._redis.set(self._key(tenant, rid), record.encode(), self._ttl_ms)
+        await self._redis.set_shared(self._key(tenant, rid), record.encode(), self._ttl_ms,
+                                     self._share(tenant), rid)  # fmt: skip
 
     async def get(self, tenant: str, rid: str) -> Record | None:
         blob, alive = await self._redis.get_many(
@@ -241,21 +251,19 @@ class RedisRecords:
         return record
 
     async def delete(self, tenant: str, rid: str) -> None:
-        await self._redis.delete(self._key(tenant, rid))
+        await self._redis.delete_shared(self._share(tenant), rid)
 
     async def start(self, tenant: str, rid: str, record: Record) -> None:
         record.beat = True
-        await self._redis.set_many([
-            (self._alive_key(tenant, rid), b"1", self._beat_ms),
-            (self._key(tenant, rid), record.encode(), self._ttl_ms),
-        ])  # fmt: skip
+        await self._redis.set(self._alive_key(tenant, rid), b"1", self._beat_ms)
+        await self.put(tenant, rid, record)
 
     async def settle(
         self, tenant: str, rid: str, record: Record, *, keep_cancelled: bool = False
     ) -> bool:
         return await self._redis.set_unless(
             self._key(tenant, rid), record.encode(), self._ttl_ms, TOMBSTONE,
-            CANCELLED_PREFIX if keep_cancelled else b"",
+            CANCELLED_PREFIX if keep_cancelled else b"", self._share(tenant), rid,
         )  # fmt: skip
 
     async def beat(self, tenant: str, rid: str) -> Record | None:

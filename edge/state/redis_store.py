@@ -130,7 +130,10 @@ return 0
 # Write a key unless it holds ARGV[3] (a deleted background response's mark, which a late
 # final record must not overwrite), or, when ARGV[4] is given, a value that starts with it (a
 # cancelled one's record, which a late failure must not overwrite).
-_SET_UNLESS = """
+# With KEYS[2] and KEYS[3] (its tenant's share), what it writes is accounted there (`_ACCOUNT`).
+_SET_UNLESS = (
+    _ACCOUNT
+    + """
 local held = redis.call('GET', KEYS[1])
 if held == ARGV[3] then
   return 0
@@ -139,8 +142,12 @@ if held and #ARGV[4] > 0 and string.sub(held, 1, #ARGV[4]) == ARGV[4] then
   return 0
 end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+if #KEYS > 1 then
+  account(KEYS[2], KEYS[3], 5, #ARGV[1])
+end
 return 1
 """
+)
 # Append to a list from index ARGV[2] on: entries an earlier try already added (its reply came
 # too late) are not added twice, so an entry's index stays its sequence number. From index 0
 # the list starts anew, and KEYS[2] (when given) names its writer, ARGV[3]: what the list held
@@ -307,12 +314,24 @@ class RedisState:
         await self._call("set", lambda: self.client.set(key, value, px=ttl_ms))
 
     async def set_unless(
-        self, key: str, value: bytes, ttl_ms: int, unless: bytes, unless_prefix: bytes = b""
+        self,
+        key: str,
+        value: bytes,
+        ttl_ms: int,
+        unless: bytes,
+        unless_prefix: bytes = b"",
+        share: Share | None = None,
+        member: str = "",
     ) -> bool:
         """SET PX of `key` unless it holds `unless` or (when given) a value that starts with
-        `unless_prefix`, atomically; whether it was written."""
-        args = [value, ttl_ms, unless, unless_prefix]
-        done = await self._call("set unless", lambda: self._set_unless(keys=[key], args=args))
+        `unless_prefix`, atomically; whether it was written. With `share`, `key` is `member`
+        of it (the tenant's least recently used may go)."""
+        keys: list[str] = [key]
+        args: list[Any] = [value, ttl_ms, unless, unless_prefix]
+        if share is not None:
+            keys += [share.index, share.sizes]
+            args += share.args(member)
+        done = await self._call("set unless", lambda: self._set_unless(keys=keys, args=args))
         return bool(done)
 
     async def set_new(self, key: str, value: bytes, ttl_ms: int) -> bool:

@@ -8,6 +8,9 @@ import asyncio
 import json
 from collections.abc import Awaitable, Callable
 
+from edge.state.background import FAILED, RUNNING, Record, RedisRecords
+from edge.state.config import ConversationConfig
+from edge.state.redis_store import RedisState
 from tests.edge.conftest import Recorded, Reply, TinyUpstream, fast_config, health_ok, run_edge
 from tests.edge.state.helpers import default_reply, sdk_of, state, tenants
 from tests.edge.state.test_background import settled
@@ -54,3 +57,31 @@ class _Script:
         if found is not None:
             return found
         return await self.reply(recorded)
+
+
+async def test_redis_keeps_each_tenants_background_records_within_its_bound(
+    redis_url: str, redis_prefix: str
+) -> None:
+    """A failed record keeps what its turn sent (up to `max_bytes`) for `ttl` +
+    `background_max`: unbounded, a tenant failing responses without end filled Redis."""
+    config = ConversationConfig(max_bytes=1024, tenant_max_conversations=3,
+                                tenant_max_bytes=8192)  # fmt: skip
+    redis_state = RedisState(redis_url, timeout=1.0, prefix=redis_prefix)
+    records = RedisRecords(redis_state, config)
+    try:
+        await records.start("alpha", "resp_a", Record(RUNNING, {}))
+        for n in range(6):
+            await records.start("beta", f"resp_{n}", Record(RUNNING, {}))
+            failed = Record(FAILED, {}, {"code": "x", "message": "y"}, [["0", {"c": "z" * 1000}]])
+            assert await records.settle("beta", f"resp_{n}", failed)
+        kept = [n for n in range(6) if await records.get("beta", f"resp_{n}") is not None]
+        assert kept == [3, 4, 5]
+        for n in range(6, 20):  # the bytes bound them too: 8 x 1 KiB do not fit in 8 KiB
+            await records.put("beta", f"resp_{n}", Record(FAILED, {}, None, [["0", "z" * 3000]]))
+        kept = [n for n in range(20) if await records.get("beta", f"resp_{n}") is not None]
+        assert kept == [18, 19]
+        assert await records.get("alpha", "resp_a") is not None
+        await records.delete("beta", "resp_19")
+        assert await records.get("beta", "resp_19") is None
+    finally:
+        await redis_state.aclose()
