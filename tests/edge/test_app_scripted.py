@@ -80,7 +80,9 @@ async def test_forwards_body_with_rid_and_headers_and_names_the_backend() -> Non
     # the client's id labels the answer; the backend gets the edge's own as its rid
     rid = json.loads(sent.body)["rid"]
     assert rid != "req-42" and len(rid) == 32
-    assert json.loads(sent.body) == {"rid": rid, **COMPLETION}
+    # and a stream's usage chunk, which the edge reads and keeps from this client (`forward`)
+    asked = {"stream_options": {"include_usage": True}}
+    assert json.loads(sent.body) == {"rid": rid, **COMPLETION, **asked}
     assert sent.headers["x-request-id"] == "req-42"  # the label, which SGLang does not read
     assert sent.headers["traceparent"] == traceparent  # tracing off: passed through unchanged
     assert "early-data" not in sent.headers
