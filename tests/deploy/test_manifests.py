@@ -426,3 +426,13 @@ def test_the_edge_pod_runs_as_the_restricted_pod_security_standard_asks(
     volumes = {v["name"]: v for v in spec["volumes"]}
     tmp = [m for m in main["volumeMounts"] if m["mountPath"] == "/tmp"]
     assert len(tmp) == 1 and "emptyDir" in volumes[tmp[0]["name"]]
+
+
+def test_compose_publishes_only_the_edges_listeners_beyond_the_host() -> None:
+    """The admin port takes unauthenticated actions in the compose stack (no token file),
+    Prometheus runs with its lifecycle API (`/-/quit`), Grafana lets anyone view: published on
+    every interface, anyone on the network could drain the fleet or stop its monitoring."""
+    public = {"4433:4433/udp", "8443:8443/tcp"}
+    for name, service in compose()["services"].items():
+        for port in service.get("ports", []):
+            assert port in public or port.startswith("127.0.0.1:"), (name, port)
