@@ -68,6 +68,8 @@ ATTRIBUTES: tuple[Private, ...] = (
     Private(QuicStream, "sender", "as for QuicConnection._streams"),
     Private(QuicStream, "receiver", "MAX_STREAM_DATA raised by the bytes delivered in order"),
     Private(QuicStreamSender, "_buffer", "as for QuicConnection._streams"),
+    Private(QuicStreamSender, "_buffer_fin", "a query of whether a connection has sent all"),
+    Private(QuicStreamSender, "_reset_error_code", "as for QuicStreamSender._buffer_fin"),
     Private(QuicConnectionProtocol, "_connection_id_issued_handler",
             "connection IDs routed by the server as they are made, not once their frame is sent"),
     Private(QuicConnectionProtocol, "_process_events",
@@ -178,6 +180,17 @@ def unacked_bytes(quic: QuicConnection, stream_id: int) -> int:
     """Bytes the stream's sender holds: written and not yet acknowledged (0: no such stream)."""
     stream = quic._streams.get(stream_id)
     return len(stream.sender._buffer) if stream is not None else 0
+
+
+def sending(quic: QuicConnection) -> bool:
+    """Whether some stream still has bytes or a FIN written and not yet acknowledged (a stream
+    reset from this side has nothing more to deliver; a connection closing delivers nothing)."""
+    return quic._close_event is None and any(
+        not s.sender.is_finished
+        and s.sender._reset_error_code is None
+        and (bool(s.sender._buffer) or s.sender._buffer_fin is not None)
+        for s in quic._streams.values()
+    )
 
 
 def peer_reset_token(quic: QuicConnection) -> bytes | None:

@@ -34,6 +34,7 @@ from transport.aioquic_private import (
     has_connection,
     mark_address_validated,
     retry_handler,
+    sending,
     server_configuration,
     server_protocols,
     set_retry_handler,
@@ -57,6 +58,9 @@ from transport.tls import TlsMaterial
 __all__ = ["SEND_HIGH_WATER", "SEND_LOW_WATER", "H3Protocol", "H3Server"]
 
 log = logging.getLogger("quicedge.transport.h3")
+
+DRAIN_POLL_S = 0.02
+"""How often a drain looks whether its clients acknowledged the answers their apps finished."""
 
 TICKET_WARN_EVERY_S = 10.0
 """Seconds between warnings of ticket store failures (the other Redis users' pace)."""
@@ -444,7 +448,9 @@ class H3Server:
         return self._endpoint.protocols() if self._endpoint is not None else []
 
     async def drain(self, timeout: float) -> None:
-        """Stop admitting connections, GOAWAY all, wait up to ``timeout`` for open requests."""
+        """Stop admitting connections, GOAWAY all, wait up to ``timeout`` for open requests:
+        for their apps to end, then for the clients to acknowledge what they wrote (the close
+        that follows would drop what is still buffered, cutting a finished answer short)."""
         if self._endpoint is None:
             return
         self._endpoint.draining = True
@@ -455,9 +461,15 @@ class H3Server:
         while True:
             tasks = [t for p in self.connections() for t in p.app_tasks()]
             remaining = deadline - loop.time()
-            if not tasks or remaining <= 0:
+            if remaining <= 0:
                 break
-            await asyncio.wait(tasks, timeout=remaining)
+            if tasks:
+                await asyncio.wait(tasks, timeout=remaining)
+            elif any(sending(p.quic) for p in self.connections()):
+                # No event says "acknowledged": look again shortly.
+                await asyncio.sleep(min(DRAIN_POLL_S, remaining))
+            else:
+                break
         for protocol in self.connections():
             protocol.cancel_all()
 

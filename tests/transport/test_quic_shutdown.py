@@ -1,0 +1,36 @@
+"""Graceful shutdown of the HTTP/3 listener over real sockets: what a drain lets finish reaches
+the client whole before the connection is closed."""
+
+from __future__ import annotations
+
+import asyncio
+
+from tests.transport.conftest import H3Factory
+from tests.transport.h3client import h3_connect
+from transport.asgi import Receive, Scope, Send
+
+BODY = 4 * 1024 * 1024
+
+
+async def _big(scope: Scope, receive: Receive, send: Send) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    chunk = b"x" * 65536
+    for _ in range(BODY // len(chunk)):
+        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    await send({"type": "http.response.body", "body": b""})
+
+
+async def test_a_response_the_app_finished_before_the_close_reaches_the_client_whole(
+    h3_server: H3Factory, dev_certs
+) -> None:
+    """The app wrote its whole answer during the drain: the close that follows the drain waits
+    until the client has it (within the drain's deadline), not only until the app returned."""
+    async with h3_server(app=_big) as server, h3_connect(server.port, dev_certs.ca_cert) as c:
+        sid = c.request("GET", "/big")
+        c.send_now()
+        await asyncio.wait_for(c.responses[sid].first_data.wait(), 10)
+        await asyncio.wait_for(server.drain(timeout=10), 15)
+        await server.aclose()
+        r = await c.wait(sid)
+    assert r.reset_code is None and c.terminated is not None
+    assert len(r.body) == BODY
