@@ -13,8 +13,13 @@ proxy in front shares among many users, one client's bad request would cut every
 - **A header list over the advertised size** (`SETTINGS_MAX_HEADER_LIST_SIZE`, §10.5.1): h2's
   HPACK decoder stopped at that size, mid-block, after which the table could no longer be
   trusted and only the connection could end (GOAWAY ENHANCE_YOUR_CALM, every answer on it
-  lost). The decoder now goes on to twice that size, and a list between the two is answered
-  431 on its own stream (`header_list_over`); past twice the size the connection still ends.
+  lost). The decoder (`_DroppingDecoder`) now decodes the whole block, keeping the table in
+  step, and drops the fields past that size; the request is answered 431 on its own stream
+  (`header_list_over`). Decoding is slow in Python (a field of one byte, an index, costs
+  microseconds), so past `DECODE_FACTOR` times the advertised size (1 MiB by default, about
+  the most h2 buffers of a block: 64 frames of 16 KiB) the connection still ends.
+  Each literal field is decoded from its own bytes: hpack copied the rest of the block for
+  each, which made a block of many small fields cost its size squared.
 - **A stream past the advertised limit** (§5.1.2): its HEADERS are decoded all the same (the
   HPACK state must stay in step with the client's) and the stream is refused with
   REFUSED_STREAM, which tells the client to send it again. A client may open more streams
@@ -38,8 +43,68 @@ import h2.connection
 import h2.errors
 import h2.exceptions
 import h2.stream
-from hpack.struct import Header
+from hpack import Decoder
+from hpack.exceptions import OversizedHeaderListError
+from hpack.hpack import decode_integer
+from hpack.struct import Header, HeaderTuple
+from hpack.table import table_entry_size
 from hyperframe.frame import HeadersFrame, RstStreamFrame
+
+DECODE_FACTOR = 16
+"""Times the advertised header list size a block may decode to before the connection ends
+(below it, a list over the advertised size is refused on its stream alone)."""
+
+
+class _DroppingDecoder(Decoder):
+    """hpack's decoder, which drops the fields of a block past `max_header_list_size` instead
+    of raising there (the block is decoded whole, so the dynamic table stays in step with the
+    client's) and records it in `over`; past `DECODE_FACTOR` times that size it raises."""
+
+    over = False
+    """The last block decoded was over `max_header_list_size`: fields were dropped."""
+
+    _size = 0
+    """What the block decoded so far counts (RFC 7541 §4.1)."""
+
+    def decode(self, data: bytes, raw: bool = False) -> list[HeaderTuple]:
+        self.over = False
+        self._size = 0
+        return super().decode(data, raw)  # type: ignore[return-value]
+
+    def _kept(self, header: HeaderTuple, consumed: int) -> tuple[HeaderTuple | None, int]:
+        """`header`, or None (hpack then neither keeps nor counts it) past the limit."""
+        self._size += table_entry_size(header[0], header[1])
+        if self._size <= self.max_header_list_size:
+            return header, consumed
+        if self._size > DECODE_FACTOR * self.max_header_list_size:
+            raise OversizedHeaderListError(
+                f"a header list over {DECODE_FACTOR * self.max_header_list_size} bytes"
+            )
+        self.over = True
+        return None, consumed
+
+    def _decode_indexed(self, data: bytes | memoryview) -> tuple[HeaderTuple, int]:
+        return self._kept(*super()._decode_indexed(data))  # type: ignore[return-value]
+
+    def _decode_literal(
+        self, data: bytes | memoryview, should_index: bool
+    ) -> tuple[HeaderTuple, int]:
+        # hpack copies `data`, the rest of the block, for each literal: only its own bytes here.
+        header, consumed = super()._decode_literal(
+            data[: _literal_length(data, should_index)], should_index
+        )
+        return self._kept(header, consumed)  # type: ignore[return-value]
+
+
+def _literal_length(data: bytes | memoryview, should_index: bool) -> int:
+    """The encoded length of the literal field `data` begins with (RFC 7541 §6.2): its name's
+    index or string, then its value's string; the lengths are HPACK integers."""
+    name_index, end = decode_integer(data, 6 if should_index else 4)
+    if not name_index:  # a literal name: its length, then its bytes
+        length, used = decode_integer(data[end:], 7)
+        end += used + length
+    length, used = decode_integer(data[end:], 7)
+    return end + used + length
 
 
 class _LengthCheckedStream(h2.stream.H2Stream):
@@ -47,6 +112,9 @@ class _LengthCheckedStream(h2.stream.H2Stream):
 
     body_length_error: str | None = None
     """Why the request's `content-length` is wrong (None: nothing wrong seen so far)."""
+
+    header_list_over = False
+    """The request's header list was over the advertised size: fields were dropped."""
 
     def receive_headers(
         self, headers: Iterable[Header], end_stream: bool, header_encoding: bool | str | None
@@ -84,9 +152,14 @@ class StreamErrorConnection(h2.connection.H2Connection):
 
     def _receive_headers_frame(self, frame: HeadersFrame) -> tuple[list[Any], list[Any]]:
         try:
-            return super()._receive_headers_frame(frame)
+            result = super()._receive_headers_frame(frame)
         except h2.exceptions.TooManyStreamsError:
             pass  # raised before anything was decoded or changed
+        else:
+            stream = self.streams.get(frame.stream_id)
+            if getattr(self.decoder, "over", False) and isinstance(stream, _LengthCheckedStream):
+                stream.header_list_over = True
+            return result
         stream_id = frame.stream_id
         if stream_id % 2 == 0 or stream_id <= self.highest_inbound_stream_id:
             raise h2.exceptions.ProtocolError(f"invalid stream ID {stream_id} for a request")
@@ -104,13 +177,11 @@ def body_length_error(connection: h2.connection.H2Connection, stream_id: int) ->
     return getattr(connection.streams.get(stream_id), "body_length_error", None)
 
 
-def header_list_over(connection: h2.connection.H2Connection, headers: Iterable[Header]) -> bool:
-    """Whether a request's header list is over the size the connection advertised (each field
-    its name, value and 32 bytes, as HPACK counts it: RFC 7541 §4.1)."""
-    advertised = connection.local_settings.max_header_list_size
-    if advertised is None:
-        return False  # none advertised: h2's decoder keeps its own bound
-    return sum(len(name) + len(value) + 32 for name, value in headers) > advertised
+def header_list_over(connection: h2.connection.H2Connection, stream_id: int) -> bool:
+    """Whether the header list of a request on an adopted connection was over the size the
+    connection advertised (each field its name, value and 32 bytes, as HPACK counts it:
+    RFC 7541 §4.1); the fields past it were dropped."""
+    return getattr(connection.streams.get(stream_id), "header_list_over", False)
 
 
 def adopt(connection: h2.connection.H2Connection) -> None:
@@ -120,9 +191,10 @@ def adopt(connection: h2.connection.H2Connection) -> None:
     connection.__class__ = StreamErrorConnection
     table = connection._frame_dispatch_table  # bound when h2 made the connection
     table[HeadersFrame] = connection._receive_headers_frame
+    connection.decoder.__class__ = _DroppingDecoder
     advertised = connection.local_settings.max_header_list_size
-    if advertised is not None:
-        connection.decoder.max_header_list_size = 2 * advertised
+    if advertised is not None:  # else h2's default, 64 KiB; h2 updates it if it changes
+        connection.decoder.max_header_list_size = advertised
 
 
 __all__ = ["StreamErrorConnection", "adopt", "body_length_error", "header_list_over"]

@@ -225,6 +225,14 @@ class GuardedH2Protocol(H2Protocol):
                 self.connection.update_settings({SettingCodes.MAX_CONCURRENT_STREAMS: 0})
             await self._flush()
             return
+        if header_list_over(self.connection, stream_id):
+            # Checked first: the fields past the size were dropped, the rest may not be a
+            # whole request. With an `x-request-id` to quote, as every answer of the edge
+            # carries one.
+            rid = (b"x-request-id", os.urandom(16).hex().encode())
+            self.connection.send_headers(stream_id, [*_TOO_LARGE, rid], end_stream=True)
+            await self._flush()
+            return
         try:
             for _ in validate_headers(event.headers, _REQUEST_HEADERS):
                 pass
@@ -235,12 +243,6 @@ class GuardedH2Protocol(H2Protocol):
             # A stream error, not a connection error (RFC 9113 §8.1.1): the client's other
             # requests on the connection go on.
             self.connection.reset_stream(stream_id, h2.errors.ErrorCodes.PROTOCOL_ERROR)
-            await self._flush()
-            return
-        if header_list_over(self.connection, event.headers):
-            # With an `x-request-id` to quote, as every answer of the edge carries one.
-            rid = (b"x-request-id", os.urandom(16).hex().encode())
-            self.connection.send_headers(stream_id, [*_TOO_LARGE, rid], end_stream=True)
             await self._flush()
             return
         await self._create_stream(event)
