@@ -183,12 +183,19 @@ class ModelPools:
     # -- routing ------------------------------------------------------------------------------
     def candidates(self, route: Route, able: list[Backend]) -> list[Backend]:
         """`able` narrowed to the route's pool and version. A canary with no backend that can
-        take the request falls back to the stable version (the client is served); empty when
-        the pool has none (the caller answers `no_backend`)."""
+        take the request falls back to the stable version (the client is served), and so does
+        one whose rollout was rolled back (or removed) since it was drawn; empty when the pool
+        has none (the caller answers `no_backend`)."""
         pool = route.pool
         if pool is None:
             return able
         mine = [b for b in able if b.model == pool or b.model is None]
+        if route.canary:
+            rollout = self.rollouts.get(pool)
+            if rollout is None or rollout.state == "rolled_back":
+                # Drawn before a rollback (or the rollout's removal): what the request sends
+                # now (a retry, an attempt after its wait for room) goes where new ones do.
+                self.to_stable(route)
         if route.version is not None:
             exact = [b for b in mine if b.model_version == route.version]
             if not exact and route.canary:
