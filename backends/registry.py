@@ -139,6 +139,9 @@ class BackendRegistry:
         self.max_concurrency = max_concurrency
         self.backends: list[Backend] = []
         """Every backend, draining ones included; changed in place by `add` and `remove`."""
+        self._held: set[str] = set()
+        """The names an operator drained (`hold`), kept while their backend is out of the
+        fleet: one that discovery or a reload removes and brings back returns drained."""
         seen: set[tuple[str, int]] = set()
         for i, raw in enumerate(urls):
             backend = self._new_backend(raw, names[i] if names is not None else None)
@@ -170,10 +173,33 @@ class BackendRegistry:
             labels=labels,
         )
         backend.ttfts = deque(maxlen=self.health.ttft_window)
+        backend.held = backend.name in self._held
         return backend
 
     def get(self, name: str) -> Backend | None:
         return self._by_name.get(name)
+
+    # -- operator drains ------------------------------------------------------------------
+    def hold(self, name: str, held: bool) -> None:
+        """Drain (`held`) or undrain the backend `name`, now and whenever it is in the fleet."""
+        if held:
+            self._held.add(name)
+        else:
+            self._held.discard(name)
+        backend = self._by_name.get(name)
+        if backend is not None:
+            backend.held = held
+
+    def hold_exactly(self, names: frozenset[str]) -> None:
+        """Hold the backends `names` names, and no other (a shared drains hash's contents)."""
+        self._held = set(names)
+        for backend in self.backends:
+            backend.held = backend.name in names
+
+    @property
+    def held(self) -> frozenset[str]:
+        """The names held, in the fleet now or not."""
+        return frozenset(self._held)
 
     # -- membership (discovery) -----------------------------------------------------------
     def add(self, url: str, *, name: str | None = None) -> Backend:

@@ -334,7 +334,7 @@ class AdminApp:
         async def act() -> Answer:
             if self.holds is not None:
                 await self.holds.set(name, action == "drain")  # 503 when Redis did not take it
-            backend.held = action == "drain"
+            self.backends.hold(name, action == "drain")
             self._audited(f"backend.{action}", name)
             snapshot = next((b for b in self.backends.snapshot() if b["name"] == name), None)
             if snapshot is None:  # a reload or discovery took it out while Redis answered

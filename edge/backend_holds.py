@@ -151,9 +151,7 @@ class SharedHolds:
                     f"the drain was sent to Redis but not confirmed ({_why(exc)}): {shown};"
                     " GET /backends on each edge shows what it holds"
                 ) from None
-        backend = self.registry.get(name)
-        if backend is not None:
-            backend.held = held
+        self.registry.hold(name, held)
         # The hash holds the change already; an edge that misses this finds it on its poll.
         try:
             async with asyncio.timeout(self.timeout):
@@ -199,13 +197,12 @@ class SharedHolds:
             if restored is None:
                 return
             names = restored
-        for backend in self.registry.backends:
-            backend.held = backend.name in names
+        self.registry.hold_exactly(names)
 
     async def _restore(self, names: frozenset[str]) -> frozenset[str] | None:
         """Redis lost the drains (no marker): what to hold, and the holds Redis lacks written
         back with the marker; None when that write failed (the holds stay as they are)."""
-        held = frozenset(b.name for b in self.registry.backends if b.held)
+        held = self.registry.held
         missing = sorted(held - names)
         if not missing:
             # Nothing to write back, and no marker either: a process that has just started
