@@ -21,7 +21,7 @@ from typing import Any, cast
 
 from aioquic.asyncio.server import QuicServer
 from aioquic.buffer import Buffer
-from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.configuration import SMALLEST_MAX_DATAGRAM_SIZE, QuicConfiguration
 from aioquic.quic.connection import NetworkAddress
 from aioquic.quic.events import HandshakeCompleted
 from aioquic.quic.packet import QuicHeader, QuicPacketType, encode_quic_retry, pull_quic_header
@@ -118,6 +118,11 @@ class _Endpoint(QuicServer):
             else:
                 protocol.datagram_received(raw, addr)
             return
+        if len(raw) < SMALLEST_MAX_DATAGRAM_SIZE and not self._supported(raw):
+            # Too small to open a connection, so no Version Negotiation: aioquic answered any
+            # size, more bytes than came, to an address no one checked (RFC 9000 §5.2.2: MUST
+            # drop). Nor does one answer a Version Negotiation packet (version 0).
+            return
         if self.draining:
             header = self._header(raw)
             if header is None or not has_connection(self, header.destination_cid):
@@ -142,6 +147,11 @@ class _Endpoint(QuicServer):
         if self._metrics is not None:
             outcome = "sent" if reply is not None else "not_sent"
             self._metrics.stateless_resets.labels(outcome).inc()
+
+    def _supported(self, data: bytes) -> bool:
+        """Whether a long-header datagram names a version this listener speaks."""
+        version = int.from_bytes(data[1:5])
+        return len(data) >= 5 and version in server_configuration(self).supported_versions
 
     def _header(self, data: bytes) -> QuicHeader | None:
         try:
