@@ -607,6 +607,8 @@ class ProxyApp:
                         gateway = self.gateway
                         whole = gateway.whole if gateway is not None else None
                         relay_send = await ex.state.begin(send, whole)
+                        if relay_send is None and self.models is not None:
+                            self.models.unsample(ex)  # no stable reply: nothing to mirror
                     if relay_send is not None:  # None: answered from the response cache
                         await self._forward(ex, receive, relay_send)
                     elif ex.state is not None and ex.state.replay_cut is not None:

@@ -192,6 +192,17 @@ class Models:
             return raw, body
         return orjson.dumps(sent), sent
 
+    def unsample(self, ex: Exchange) -> None:
+        """`ex` was answered without a backend (from the response cache): a shadow that sampled
+        it mirrors nothing, and takes back the rate token it spent (`Shadow.unsample`)."""
+        tap, ex.shadow_tap = ex.shadow_tap, None
+        route = ex.model_route
+        if tap is None or route is None or route.pool is None:
+            return
+        shadow = self.shadows.get(route.pool)
+        if shadow is not None:
+            shadow.unsample()
+
     def observe(
         self,
         route: Route | None,

@@ -103,6 +103,10 @@ class _Bucket:
             return True
         return False
 
+    def give_back(self) -> None:
+        """A token taken for nothing (`Shadow.unsample`) goes back."""
+        self.tokens = min(self.capacity, self.tokens + 1)
+
 
 QUEUE_ALLOWED = 1
 """Waiting requests one `/v1/loads` poll may show on a canary that is not queueing: SGLang's
@@ -256,6 +260,12 @@ class Shadow:
             self._count("dropped_rate")
             return None
         return ShadowTap(route, strip=bool(fields), inner=inner), fields
+
+    def unsample(self) -> None:
+        """A request `sample` picked was answered without a backend (the response cache): no
+        stable reply to compare, no mirror; its rate token goes back for a request that has
+        one (`shadow_rate` bounds the mirrors, not the cache's hits)."""
+        self._bucket.give_back()
 
     def start(self, route: str, payload: bytes, rid: str, tap: ShadowTap) -> None:
         """The stable reply of a sampled request succeeded: mirror it to the canary (never
