@@ -7,17 +7,22 @@ bin=.venv/bin
 SIM_PROFILE=${SIM_PROFILE:-h100-llama3-8b}
 SIM_PORTS=(${SIM_PORTS:-30001 30002})
 
-"$bin/quicedge" certs >/dev/null
 pids=()
-ready=$(mktemp -d)
+ready=
 cleanup() {
   for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
-  rm -rf "$ready"
+  if [[ -n $ready ]]; then rm -rf "$ready"; fi
 }
+# The traps come before the first command. Without one, bash takes a Ctrl-C that reaches it
+# while a child runs as handled when that child exits normally (it had just ended, say), and
+# goes on: a Ctrl-C as `quicedge certs` ended was missed and the whole stack started.
 trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
+
+"$bin/quicedge" certs >/dev/null
+ready=$(mktemp -d)
 
 backends=()
 for i in "${!SIM_PORTS[@]}"; do
