@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
+from tests.helpers import settled
+from tests.transport.apps import RecordingApp
 from tests.transport.conftest import H3Factory
-from tests.transport.h3client import h3_connect
+from tests.transport.h3client import fresh_ticket, h3_connect
+from tests.transport.udp_holdback import UdpHoldback
 from transport.asgi import Receive, Scope, Send
+from transport.early_data import EarlyDataPolicy, Mode
 
 BODY = 4 * 1024 * 1024
 
@@ -34,3 +38,34 @@ async def test_a_response_the_app_finished_before_the_close_reaches_the_client_w
         r = await c.wait(sid)
     assert r.reset_code is None and c.terminated is not None
     assert len(r.body) == BODY
+
+
+async def test_a_request_deferred_for_the_handshake_is_served_by_a_drain(
+    h3_server: H3Factory, dev_certs
+) -> None:
+    """A 0-RTT request held for the handshake (`defer`) was received before the GOAWAY: the
+    drain waits for it, within its deadline, rather than ending with no app running and
+    closing the connection under it."""
+    app = RecordingApp()
+    policy = EarlyDataPolicy({"/echo": Mode.DEFER}, Mode.DEFER)
+    async with h3_server(app=app, policy=policy) as server:
+        ticket = await fresh_ticket(server.port, dev_certs.ca_cert)
+        relay = UdpHoldback(server.port, hold_after_reply=True)
+        port = await relay.start()
+        try:
+            async with h3_connect(
+                port, dev_certs.ca_cert, ticket=ticket, wait_connected=False
+            ) as client:
+                sid = client.request("POST", "/echo", body=b"{}")
+                client.send_now()
+                await asyncio.wait_for(client.handshake_done.wait(), 10)
+                await asyncio.wait_for(relay.holding.wait(), 10)  # its Finished is held
+                drain = asyncio.create_task(server.drain(timeout=10))
+                await settled(lambda: relay.bytes_down)
+                assert not drain.done()
+                relay.release()
+                r = await client.wait(sid)
+                await asyncio.wait_for(drain, 10)
+        finally:
+            relay.close()
+    assert r.status == 200 and r.reset_code is None
