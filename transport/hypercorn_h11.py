@@ -1,7 +1,7 @@
 """hypercorn's HTTP/1.1 protocol, parsing as strictly as the plain listener and never switching.
 
 The TLS listener serves HTTP/1.1 (ALPN ``http/1.1``, or none) with hypercorn 0.18's
-`H11Protocol` on h11 0.16. An audit of it against hostile clients found four defects, each
+`H11Protocol` on h11 0.16. An audit of it against hostile clients found five defects, each
 measured against `quicedge serve --tcp` with a relay recording what reached the backend:
 
 - A request with both `Content-Length` and `Transfer-Encoding` was framed by the chunked
@@ -20,6 +20,10 @@ measured against `quicedge serve --tcp` with a relay recording what reached the 
   ignored); the answer goes out whole and the connection then closes. Bytes that arrive while
   that answer is being sent are dropped, not buffered, so a client cannot grow the connection's
   buffer for as long as a streamed answer lasts.
+- A keep-alive request after a stray CRLF (which some clients send after a body they framed
+  by its length) got `400` and a close: h11 raises "no request line received" on an empty line
+  where a request line should be. RFC 9112 §2.2 says a server SHOULD ignore at least one; here
+  (`_StrictConnection.next_event`) they are dropped, as llhttp does on the plain listener.
 - A bare `Upgrade: h2c` (without `Connection: upgrade` or `HTTP2-Settings`, even in an
   HTTP/1.0 request) got `101 Switching Protocols` and HTTP/2 frames. RFC 9113 §3.1 removed the
   h2c upgrade, and HTTP/2 over TLS is negotiated by ALPN alone (§3.2); an intermediary that
@@ -130,7 +134,28 @@ class _StrictChunkedReader(ChunkedReader):
 
 
 class _StrictConnection(h11.Connection):
-    """h11's connection, reading chunked request bodies with `_StrictChunkedReader`."""
+    """h11's connection, reading chunked request bodies with `_StrictChunkedReader`, and
+    ignoring empty lines before a request line."""
+
+    def next_event(self) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
+        if self.their_state is h11.IDLE:
+            # RFC 9112 §2.2: a server SHOULD ignore at least one empty line (CRLF) before a
+            # request line; some clients end a body with one its length does not count. h11
+            # raises "no request line received" for it (the next request got 400), so they are
+            # dropped here, as llhttp drops them on the plain listener.
+            buffer = self._receive_buffer
+            data = buffer._data
+            skip = 0
+            while True:
+                if data[skip : skip + 1] == b"\n":
+                    skip += 1
+                elif data[skip : skip + 2] == b"\r\n":
+                    skip += 2
+                else:
+                    break
+            if skip:
+                buffer.maybe_extract_at_most(skip)
+        return super().next_event()
 
     def _get_io_object(
         self,

@@ -312,6 +312,31 @@ async def test_pipelined_keep_alive_requests_are_still_answered_in_order(served:
     assert [a.headers.get(b"connection") for a in answers] == [None] * 5
 
 
+@pytest.mark.parametrize(
+    ("first", "stray"),
+    [
+        (_post(b"Content-Length: %d" % len(CHAT), body=CHAT), b"\r\n"),
+        (b"GET /models HTTP/1.1\r\nHost: x\r\n\r\n", b"\r\n\r\n"),
+        (b"", b"\r\n"),
+        (b"GET /models HTTP/1.1\r\nHost: x\r\n\r\n", b"\n"),
+    ],
+    ids=["after-a-body", "two-after-a-get", "before-the-first", "bare-lf"],
+)
+async def test_empty_lines_before_a_request_are_ignored(
+    served: _Served, first: bytes, stray: bytes
+) -> None:
+    """RFC 9112 §2.2: a server SHOULD ignore at least one empty line before a request line, as
+    the plain listener does (some clients end a body with a CRLF it does not count). h11
+    answered the next request 400 and closed the connection."""
+    conn = await served.connect()
+    conn.writer.write(first + stray + b"GET /next HTTP/1.1\r\nHost: x\r\n\r\n")
+    if first:
+        assert (await conn.answer()).status == 200
+    answer = await conn.answer()
+    assert (answer.status, answer.body) == (200, b"GET /next 0")
+    assert answer.headers.get(b"connection") is None  # kept alive
+
+
 async def test_a_refusal_leaves_the_other_connections_serving(served: _Served) -> None:
     kept = await served.connect()
     kept.writer.write(b"GET /one HTTP/1.1\r\nHost: x\r\n\r\n")
