@@ -4,10 +4,13 @@ that is dead *or slow* off the request path.
 States: `closed` (calls go to Redis), `open` (calls fail at once with `RedisUnavailable`, the
 caller uses its local fallback), `half_open` (one background probe is asking Redis). The breaker
 opens after `failures_to_open` calls in a row that failed, timed out, or answered slower than
-`slow_ms`. While open, a background task probes with PING after `backoff_s`, doubling up to
-`backoff_max_s`; the first fast answer closes it. Requests never wait for a probe. Warnings are
-logged at most once per `warn_interval_s`; the state is a gauge (0 closed, 1 half-open, 2 open)
-and trips are counted.
+`slow_ms`. While open, a background task probes after `backoff_s`, doubling up to
+`backoff_max_s`, with a write (`probe_key`, which expires within a second): a Redis that answers
+PING but refuses writes (out of memory: OOM; a replica after a failover: READONLY; a failed
+save: MISCONF) is of no use to the callers, whose calls write, and closing on its PING would only
+have their next calls open the breaker again, a trip per probe. The first fast answer closes it.
+Requests never wait for a probe. Warnings are logged at most once per `warn_interval_s`; the
+state is a gauge (0 closed, 1 half-open, 2 open) and trips are counted.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ STATES = REDIS_STATES
 
 MAX_CONNECTIONS = 64
 """Connections to Redis per guard; calls past that wait (within their deadline) for one."""
+PROBE_TTL_MS = 1000
+"""Lifetime of the key a probe writes."""
 
 
 class RedisUnavailable(Exception):
@@ -66,6 +71,9 @@ class RedisGuard:
             retry_on_timeout=False,
         )
         self.client: Any = aioredis.Redis(connection_pool=pool)
+        self.probe_key = f"{settings.prefix}breaker-probe:{name}"
+        """The key a probe sets (for `PROBE_TTL_MS`): no bucket's (those end in the bucket's
+        name), nothing anyone reads."""
         self.state = "closed"
         self.trips = 0
         self._streak = 0
@@ -146,15 +154,20 @@ class RedisGuard:
         if self._probe is None or self._probe.done():
             self._probe = asyncio.get_running_loop().create_task(self._probe_loop())
 
+    async def _probe_write(self) -> object:
+        """A write, which Redis takes when the callers' calls can be taken: PING alone is
+        answered by a Redis that refuses every write (OOM, READONLY, MISCONF)."""
+        return await self.client.set(self.probe_key, b"1", px=PROBE_TTL_MS)
+
     async def _probe_loop(self) -> None:
-        """Ping with backoff until Redis answers fast again; then close the breaker."""
+        """Probe with backoff until Redis takes a write fast again; then close the breaker."""
         s = self.settings
         self._backoff = s.backoff_s
         while True:
             await asyncio.sleep(self._backoff)
             self._set("half_open")
             try:
-                _, took = await self._timed(self.client.ping)
+                _, took = await self._timed(self._probe_write)
                 fast = took * 1000 <= s.slow_ms
             except Exception as exc:
                 # Any failure, redis-py's own included (an odd answer can make it raise an
