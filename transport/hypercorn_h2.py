@@ -62,6 +62,10 @@ request on the connection with it. The same queue, full, once left a stream's
 `http.disconnect` (a 401 or 413 to a large upload) waiting for room for ever, with the
 connection's sending behind it and its slot held; the queue that replaces it is never full.
 
+The HPACK table of the connection's answers stays within 4 KiB (`_CappedEncoder`): h2 sized it
+to the client's SETTINGS_HEADER_TABLE_SIZE, up to 4 GiB, and kept in it every answer's unique
+headers (`x-request-id`, ~70 bytes each) for as long as the connection lasted.
+
 While the server drains, a request that arrives is refused with REFUSED_STREAM, which tells
 the client it was not processed and may go to another edge (hypercorn's reset says NO_ERROR,
 which leaves the client to guess); as in hypercorn, the client is told to open no more streams
@@ -84,6 +88,7 @@ from typing import Any
 import h2.errors
 import h2.events
 import h2.exceptions
+import hpack
 import hypercorn
 import hypercorn.protocol
 import priority
@@ -117,6 +122,28 @@ _TOO_LARGE = [(b":status", b"431"), (b"content-length", b"0")]
 ON_SENT_AWAY_ATTRIBUTE = "quicedge_on_sent_away"
 """The hypercorn `Config` attribute that holds the listener's count of connections sent away
 for how their client behaved (rapid resets, control-frame floods)."""
+
+
+ENCODER_TABLE_MAX = 4096
+"""Bytes of HPACK dynamic table the encoder of a connection's answers keeps at most (RFC 7541
+§4.2 lets an encoder use less than the client's SETTINGS_HEADER_TABLE_SIZE; 4,096 is the
+protocol's default)."""
+
+
+class _CappedEncoder(hpack.Encoder):
+    """hpack's encoder, whose table stays within `ENCODER_TABLE_MAX` whatever the client
+    advertises: h2 sized it to the client's setting (up to 4 GiB), and the table then kept
+    every answer's unique headers (`x-request-id`) for the connection's life."""
+
+    @property
+    def header_table_size(self) -> int:
+        return self.header_table.maxsize
+
+    @header_table_size.setter
+    def header_table_size(self, value: int) -> None:
+        inherited: property = vars(hpack.Encoder)["header_table_size"]
+        assert inherited.fset is not None
+        inherited.fset(self, min(value, ENCODER_TABLE_MAX))  # announced in the next block
 
 
 class GuardedH2Protocol(H2Protocol):
@@ -154,6 +181,7 @@ class GuardedH2Protocol(H2Protocol):
         # then ends the connection; `_request` checks them per stream instead.
         self.connection.config.validate_inbound_headers = False
         adopt(self.connection)  # and it records a wrong content-length; the checks are below
+        self.connection.encoder.__class__ = _CappedEncoder
         self._app_queues: dict[int, AppQueue] = {}
         """Streams' queues into their apps, which return body credit as the app reads."""
 
