@@ -98,6 +98,12 @@ repeated work rather than protocol work:
   HelloRetryRequest) and a Finished are a few kilobytes.
   *Upstream:* a smaller constant, or one on ``QuicConfiguration``; a bound on the handshake
   bytes a server's ``tls.Context`` buffers.
+- **A peer without an idle timeout.** A max_idle_timeout of 0 says the peer has none
+  (RFC 9000 §18.2), so the connection's own applies (§10.1). aioquic took the smaller of the
+  two, 0, raised to three probe timeouts: the listener dropped a connection of such a client,
+  silently, after a fraction of a second of quiet on a near network. `_idle_timeout` takes the
+  peer's value only where it is above 0.
+  *Upstream:* the same test in ``QuicConnection._idle_timeout``.
 - **Connection IDs that name their worker.** With several workers, a connection's IDs carry
   its worker's index (`transport.steering`). `make_connection_ids` replaces the handshake's ID
   before aioquic's server routes it and has ``_replenish_connection_ids`` make the rest the same
@@ -627,6 +633,14 @@ def _write_handshake_done_frame(self: QuicConnection, builder: QuicPacketBuilder
     buf.push_bytes(token)
 
 
+def _idle_timeout(self: QuicConnection) -> float:
+    """aioquic's own, where a peer's max_idle_timeout of 0 is none (RFC 9000 §10.1, §18.2)."""
+    idle_timeout = self._configuration.idle_timeout
+    if self._remote_max_idle_timeout:  # neither None (not sent) nor 0 (none)
+        idle_timeout = min(idle_timeout, self._remote_max_idle_timeout)
+    return max(idle_timeout, 3 * self._loss.get_probe_timeout())
+
+
 def _apply() -> dict[str, bool]:
     applied = {
         "epochs_memoized": False,
@@ -638,6 +652,7 @@ def _apply() -> dict[str, bool]:
         "stateless_reset": False,
         "windows_by_delivered_bytes": False,
         "crypto_buffer_bounded": False,
+        "idle_timeout_zero_is_none": False,
     }
     for name, replacement in FRAMING.items():
         setattr(tls, name, replacement)
@@ -664,6 +679,8 @@ def _apply() -> dict[str, bool]:
     quic_connection.MAX_PENDING_CRYPTO = MAX_PENDING_CRYPTO
     cast(Any, tls.Context).handle_message = _handle_message
     applied["crypto_buffer_bounded"] = True
+    cast(Any, QuicConnection)._idle_timeout = _idle_timeout
+    applied["idle_timeout_zero_is_none"] = True
     if cast(Any, tls.Epoch).__hash__ is object.__hash__:
         applied["epoch_identity_hash"] = True
     elif epochs_hashed():

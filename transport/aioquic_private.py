@@ -68,6 +68,9 @@ ATTRIBUTES: tuple[Private, ...] = (
     Private(QuicStream, "sender", "as for QuicConnection._streams"),
     Private(QuicStream, "receiver", "MAX_STREAM_DATA raised by the bytes delivered in order"),
     Private(QuicStreamSender, "_buffer", "as for QuicConnection._streams"),
+    Private(QuicConnection, "_remote_max_idle_timeout",
+            "a max_idle_timeout of 0 taken as none in QuicConnection._idle_timeout"),
+    Private(QuicConnection, "_configuration", "as for QuicConnection._remote_max_idle_timeout"),
     Private(QuicStreamSender, "_buffer_fin", "a query of whether a connection has sent all"),
     Private(QuicStreamSender, "_reset_error_code", "as for QuicStreamSender._buffer_fin"),
     Private(QuicConnectionProtocol, "_connection_id_issued_handler",
@@ -138,6 +141,8 @@ PATCHED: tuple[tuple[str, str, str], ...] = (
     ("aioquic.quic.connection", "MAX_PENDING_CRYPTO", "16 KiB, not 512 KiB"),
     ("aioquic.tls", "Context.handle_message",
      "aioquic's own, on a server's engine once it took at most 16 KiB from its client"),
+    ("aioquic.quic.connection", "QuicConnection._idle_timeout",
+     "aioquic's own, where the peer's max_idle_timeout of 0 is none, not the smaller"),
 )  # fmt: skip
 """What `aioquic_patches` changes: (module, name, how)."""
 

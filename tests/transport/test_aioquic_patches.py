@@ -33,6 +33,7 @@ def test_every_change_is_in_force_in_a_process_that_imports_the_transport() -> N
         "stateless_reset": True,
         "windows_by_delivered_bytes": True,
         "crypto_buffer_bounded": True,
+        "idle_timeout_zero_is_none": True,
     }
     for name, replacement in patches.FRAMING.items():
         assert getattr(tls, name) is replacement
