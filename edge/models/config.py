@@ -82,7 +82,7 @@ class DriftConfig:
     """A significant relative change of the mean answer length larger than this holds it."""
 
     def __post_init__(self) -> None:
-        if self.window < 30:  # the tests read their statistic against the normal distribution
+        if self.window < 30:  # the finish share's z-test reads the normal distribution
             raise ValueError("models.rollouts.drift.window: must be >= 30")
         if not 0 < self.alpha < 1:
             raise ValueError("models.rollouts.drift.alpha: must be in (0, 1)")
