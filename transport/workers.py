@@ -36,6 +36,7 @@ from transport.loop import run as run_on_loop
 from transport.loop import running_loop_name
 from transport.metrics import TransportMetrics
 from transport.read_delay import ReadDelayProbe
+from transport.sockets import bind_naming
 from transport.tls import TlsMaterial, resolve_files
 
 log = logging.getLogger("quicedge.serve")
@@ -272,12 +273,18 @@ def _worker_entry(
         raise
 
 
-def _concrete(addr: tuple[str, int] | None, kind: int) -> tuple[str, int] | None:
-    """Port 0 → a concrete free port, so that every worker binds the same one."""
-    if addr is None or addr[1] != 0:
-        return addr
+def _claim(addr: tuple[str, int] | None, kind: int) -> tuple[str, int] | None:
+    """The address the workers will bind, free now: port 0 → a concrete free port, so that
+    every worker binds the same one. The workers bind with SO_REUSEPORT, which lets them share
+    the port, and would as well let them join any other process of this user that listens on
+    it so (another serve): a socket without the option, bound here first, is refused wherever
+    a process holds the port (OSError naming it, as one worker's own bind would)."""
+    if addr is None:
+        return None
     with socket.socket(socket.AF_INET6 if ":" in addr[0] else socket.AF_INET, kind) as s:
-        s.bind(addr)
+        if kind == socket.SOCK_STREAM:  # as the listeners: a closed connection's TIME_WAIT
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # holds nothing
+        bind_naming(s, addr[0], addr[1], "TCP" if kind == socket.SOCK_STREAM else "UDP")
         return addr[0], int(s.getsockname()[1])
 
 
@@ -318,13 +325,17 @@ def run_workers(plan: Plan, *, announce: Announce = print_ready) -> int:
     # Held until the handler below forwards it, and inherited held by every worker spawned.
     _hold_reloads()
     t = plan.transport
-    t = replace(
-        t,
-        h3=_concrete(t.h3, socket.SOCK_DGRAM) or t.h3,
-        tcp=_concrete(t.tcp, socket.SOCK_STREAM),
-        admin=_concrete(t.admin, socket.SOCK_STREAM),
-        http=_concrete(t.http, socket.SOCK_STREAM),
-    )
+    try:
+        t = replace(
+            t,
+            h3=_claim(t.h3, socket.SOCK_DGRAM) or t.h3,
+            tcp=_claim(t.tcp, socket.SOCK_STREAM),
+            admin=_claim(t.admin, socket.SOCK_STREAM),
+            http=_claim(t.http, socket.SOCK_STREAM),
+        )
+    except OSError as exc:  # a port in use: one line, as with one worker (`serve`)
+        print(f"quicedge serve: {exc}", file=sys.stderr)
+        return 1
     if t.quic_retry_secret is None:  # one key for every worker's Retry and address tokens
         t = replace(t, quic_retry_secret=os.urandom(24).hex())
     plan = replace(plan, transport=t, reuse_port=True)
