@@ -1,7 +1,7 @@
 """hypercorn's HTTP/1.1 protocol, parsing as strictly as the plain listener and never switching.
 
 The TLS listener serves HTTP/1.1 (ALPN ``http/1.1``, or none) with hypercorn 0.18's
-`H11Protocol` on h11 0.16. An audit of it against hostile clients found five defects, each
+`H11Protocol` on h11 0.16. An audit of it against hostile clients found six defects, each
 measured against `quicedge serve --tcp` with a relay recording what reached the backend:
 
 - A request with both `Content-Length` and `Transfer-Encoding` was framed by the chunked
@@ -24,6 +24,11 @@ measured against `quicedge serve --tcp` with a relay recording what reached the 
   by its length) got `400` and a close: h11 raises "no request line received" on an empty line
   where a request line should be. RFC 9112 §2.2 says a server SHOULD ignore at least one; here
   (`_StrictConnection.next_event`) they are dropped, as llhttp does on the plain listener.
+- An answer given before the request's body arrived (a 413 to an upload over the limit, a
+  401) was lost by a client still writing that body: hypercorn closed the connection with the
+  body's bytes unread, the kernel reset it, and Python's `http.client` got `SSLEOFError` five
+  times out of five. What the client still sends is now read and dropped (`_maybe_recycle`)
+  until it closes, or for the idle timer's time (`head_timeout`), as the plain listener does.
 - A bare `Upgrade: h2c` (without `Connection: upgrade` or `HTTP2-Settings`, even in an
   HTTP/1.0 request) got `101 Switching Protocols` and HTTP/2 frames. RFC 9113 §3.1 removed the
   h2c upgrade, and HTTP/2 over TLS is negotiated by ALPN alone (§3.2); an intermediary that
@@ -174,6 +179,10 @@ class GuardedH11Protocol(H11Protocol):
     _refused = False
     """The connection answered a refusal and is closing: nothing more is read."""
 
+    _lingering = False
+    """The answer went out before the request's body arrived: what the client still sends is
+    read and dropped until it closes, or the idle timer closes the connection."""
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.connection = _StrictConnection(
@@ -188,8 +197,27 @@ class GuardedH11Protocol(H11Protocol):
     def _ignores_input(self) -> bool:
         connection = self.connection
         if isinstance(connection, h11.Connection):
-            return self._refused or connection.their_state in _CLOSING
+            return self._refused or self._lingering or connection.their_state in _CLOSING
         return False  # a WebSocket's frames
+
+    async def _maybe_recycle(self) -> None:
+        connection = self.connection
+        if (
+            isinstance(connection, h11.Connection)
+            and connection.their_state is h11.SEND_BODY
+            and connection.our_state in (h11.DONE, h11.MUST_CLOSE)
+            and not self.context.terminated.is_set()
+        ):
+            # Answered before the body arrived (a 413, a 401): closed now, with the body's
+            # bytes unread, the connection is reset, and a client still writing them loses
+            # the answer. They are read and dropped instead, as nginx's lingering close (and
+            # the plain listener) does; the client closes once it has the answer, or the
+            # idle timer (the head deadline) closes the connection.
+            await self._close_stream()
+            self._lingering = True
+            await self.send(Updated(idle=True))
+            return
+        await super()._maybe_recycle()
 
     async def _handle_events(self) -> None:
         # hypercorn's loop, with the request checked before its stream starts, no h2c
