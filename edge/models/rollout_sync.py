@@ -26,7 +26,11 @@ once subscribed again the edge takes those published since its previous subscrip
 known alive (less `CATCH_UP_SLACK_S` for the clocks), but none older than an operator's resume
 or restart of that rollout here. When Redis is slow or gone, publishes and the subscription are
 bounded by `timeout`, failures are logged at most every 30 s, and each process keeps its own
-ramp; routing never waits on Redis.
+ramp; routing never waits on Redis. A transition whose publish failed is not dropped: one taken
+while Redis was away (restarting, failing over) would otherwise never reach the other edges,
+which after a rollback would stay on the canary for good. It is kept (the last `LOG_LENGTH`) and sent again, in order and before any later one, after a pause (`timeout`,
+doubled after each failed try up to `CATCH_UP_MAX_PAUSE_S`) until Redis takes it, unless a
+resume or restart of its rollout here came after it.
 
 The read of the log runs beside the subscription, not in its way: one that fails or takes
 longer than its wait (`timeout` at first, doubled each time up to `CATCH_UP_MAX_WAITS` ×
@@ -40,6 +44,7 @@ meanwhile only widens what the pending read reads.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import contextvars
 import logging
@@ -70,6 +75,8 @@ CATCH_UP_MAX_WAITS = 10
 """The longest wait for one read of the log, in `timeout`s (the subscription's own wait)."""
 CATCH_UP_MAX_PAUSE_S = 30.0
 """The longest pause between two tries of a read of the log that failed."""
+UNSENT_MAX = LOG_LENGTH
+"""Shared transitions kept to be sent again while Redis does not take them (the oldest go)."""
 UNDOING = frozenset({"resume", "restart"})
 """Local transitions after which an older stop or advance is not taken from the log."""
 # Set while this process takes an action it heard of (so it is not published again).
@@ -113,6 +120,11 @@ class RolloutSync:
         self._widened = False
         """A subscription was lost again while a read of the log was under way."""
         self._catching_up: asyncio.Task[None] | None = None
+        self._unsent: collections.deque[tuple[str, float, bytes]] = collections.deque(
+            maxlen=UNSENT_MAX
+        )
+        """Transitions whose publish failed, oldest first: (pool, monotonic time, message)."""
+        self._resending: asyncio.Task[None] | None = None
         self._redis: Any = None
         self._reader: Any = None
         self._subscriber: Any = None
@@ -151,7 +163,10 @@ class RolloutSync:
         return self._subscription
 
     async def aclose(self) -> None:
-        tasks = [*self._tasks, *(t for t in (self._listener, self._catching_up) if t)]
+        tasks = [
+            *self._tasks,
+            *(t for t in (self._listener, self._catching_up, self._resending) if t),
+        ]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -177,23 +192,56 @@ class RolloutSync:
         fields = {"i": self.instance, "model": rollout.pool, "stable": rollout.stable,
                   "canary": rollout.canary, "entry": rollout.entry, "action": transition.action,
                   "step": transition.step, "reason": transition.reason}  # fmt: skip
-        message = orjson.dumps(fields)
-        task = asyncio.get_running_loop().create_task(self._publish(message))
+        unsent = (rollout.pool, time.monotonic(), orjson.dumps(fields))
+        if self._unsent:  # after those still to be sent, not before them
+            self._keep(unsent)
+            return
+        task = asyncio.get_running_loop().create_task(self._publish(unsent))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _publish(self, message: bytes) -> None:
+    async def _publish(self, unsent: tuple[str, float, bytes]) -> None:
+        if not await self._send(unsent[2]):
+            self._keep(unsent)
+
+    async def _send(self, message: bytes) -> bool:
+        """Append to the log and publish, in one transaction within `timeout`; whether Redis
+        took it."""
         try:
             async with asyncio.timeout(self.timeout):
                 async with self._redis.pipeline(transaction=True) as pipe:
                     pipe.xadd(self.log_key, {"m": message}, maxlen=LOG_LENGTH, approximate=False)
                     pipe.publish(self.channel, message)
                     await pipe.execute()
-            self.published += 1
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             self._failed("a publish", exc)
+            return False
+        self.published += 1
+        return True
+
+    def _keep(self, unsent: tuple[str, float, bytes]) -> None:
+        """Send `unsent` again later, after those kept before it."""
+        self._unsent.append(unsent)
+        if self._resending is None or self._resending.done():
+            self._resending = asyncio.get_running_loop().create_task(self._resend())
+
+    async def _resend(self) -> None:
+        """Send the kept transitions in order, pausing after each failed try (`timeout`,
+        doubled each time up to `CATCH_UP_MAX_PAUSE_S`); one that a resume or restart of its
+        rollout here came after is dropped."""
+        tries = 0
+        while self._unsent:
+            await asyncio.sleep(min(self.timeout * 2**tries, CATCH_UP_MAX_PAUSE_S))
+            tries = min(tries + 1, 16)
+            while self._unsent:
+                head = self._unsent[0]
+                pool, at, message = head
+                if self._undone_at.get(pool, -1e18) < at and not await self._send(message):
+                    break
+                if self._unsent and self._unsent[0] is head:  # not pushed out meanwhile
+                    self._unsent.popleft()
 
     # -- in ---------------------------------------------------------------------------------
     async def _catch_up(self, gap: float | None) -> None:

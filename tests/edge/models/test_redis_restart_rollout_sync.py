@@ -1,0 +1,84 @@
+"""Shared rollout stops across a Redis restart (killed, started again empty on its port): a
+rollback taken on one edge while Redis is away reaches the others once it is back, not never;
+one that a resume here has undone meanwhile is not sent late."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from edge.models import ModelsConfig
+from tests.edge.conftest import fast_config, run_edge
+from tests.edge.models.test_pools_e2e import sim, sims
+from tests.edge.models.test_rollout_e2e import rollout
+from tests.edge.models.test_rollout_sync import ramp_state, subscribed
+from tests.helpers import RedisServer, wait_until
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    server = RedisServer()
+    yield server
+    server.stop()
+
+
+async def test_a_rollback_while_redis_is_down_reaches_the_other_edge_once_it_is_back(
+    own_redis: RedisServer, redis_prefix: str
+) -> None:
+    async with sims(sim("m", model_version="v1"), sim("m", model_version="v2")) as (s1, s2):
+        config = fast_config([s1.url, s2.url])
+        models = ModelsConfig(rollouts=[rollout()], share_stops=True, share_key=redis_prefix + "r")
+        async with (
+            run_edge(config, models=models, redis_url=own_redis.url) as a,
+            run_edge(config, models=models, redis_url=own_redis.url) as b,
+            httpx.AsyncClient() as admin,
+        ):
+            await subscribed(a, b)
+            sync_a, sync_b = a.wiring.rollout_sync, b.wiring.rollout_sync
+            assert sync_a is not None and sync_b is not None
+            own_redis.stop()
+            assert (await admin.post(b.admin_url + "/rollouts/m/rollback")).status_code == 200
+            await wait_until(lambda: sync_b.errors >= 1, timeout=10)  # the publish failed
+            assert ramp_state(a)[0] != "rolled_back"
+            restarted = RedisServer(port=own_redis.port)
+            try:
+                await wait_until(lambda: ramp_state(a)[0] == "rolled_back", timeout=15)
+                assert ramp_state(a)[1].startswith("edge ")
+                assert ramp_state(a)[1].endswith("operator")
+                assert sync_b.published == 1 and sync_a.received == 1
+            finally:
+                restarted.stop()
+
+
+async def test_a_stop_undone_here_while_redis_was_down_is_not_sent_late(
+    own_redis: RedisServer, redis_prefix: str
+) -> None:
+    async with sims(sim("m", model_version="v1"), sim("m", model_version="v2")) as (s1, s2):
+        config = fast_config([s1.url, s2.url])
+        models = ModelsConfig(rollouts=[rollout()], share_stops=True, share_key=redis_prefix + "r")
+        async with (
+            run_edge(config, models=models, redis_url=own_redis.url) as a,
+            run_edge(config, models=models, redis_url=own_redis.url) as b,
+            httpx.AsyncClient() as admin,
+        ):
+            await subscribed(a, b)
+            sync_a, sync_b = a.wiring.rollout_sync, b.wiring.rollout_sync
+            assert sync_a is not None and sync_b is not None
+            own_redis.stop()
+            assert (await admin.post(b.admin_url + "/rollouts/m/pause")).status_code == 200
+            await wait_until(lambda: sync_b.errors >= 1, timeout=10)
+            # the operator resumes it here before Redis is back: the pause is over
+            assert (await admin.post(b.admin_url + "/rollouts/m/promote")).status_code == 200
+            assert ramp_state(b)[0] != "paused"
+            restarted = RedisServer(port=own_redis.port)
+            try:
+                await subscribed(a)
+                # a rollback after it goes out, and only it: A never pauses
+                assert (await admin.post(b.admin_url + "/rollouts/m/rollback")).status_code == 200
+                await wait_until(lambda: ramp_state(a)[0] == "rolled_back", timeout=15)
+                assert [t.action for t in a.wiring.models.ramps["m"].history] == ["rollback"]
+                assert sync_a.received == 1
+            finally:
+                restarted.stop()
