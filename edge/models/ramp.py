@@ -12,6 +12,8 @@ of the canary, but a canary that refuses requests stable takes is failing. Other
 - the error rate over the limit (with at least 20 requests seen) rolls back: share 0, every
   request to stable;
 - a TTFT p99 over the limit, or a top-1 confidence shift, pauses it (share kept, no advance);
+  with `auto` off, the TTFT p99 is still checked once a step would be done (at every
+  `window`th canary request of the step from then on), though only the operator advances it;
 - an entropy, length or finish-share change holds it for review (share kept, no advance).
 
 `promote`, `pause` and `rollback` do the same by hand (the admin API). Every transition is logged
@@ -188,16 +190,22 @@ class Ramp:
             self._move("rollback", f"canary error rate {self.error_rate():.1%} > "
                                    f"{cfg.max_error_rate:.1%}{self._client_part()}")  # fmt: skip
             return
-        if not cfg.auto or r.state != "ramping":
+        if r.state != "ramping":
             return
         if self.step_requests < cfg.step_requests:
             return
         if self._clock() - self.step_started < cfg.step_seconds:
             return
+        if not cfg.auto and (cfg.max_ttft_p99 is None or self.step_requests % cfg.drift.window):
+            # The operator advances it; its TTFT p99 is still checked once the step would be
+            # done, at every `window`th canary request of the step (the p99 sorts the window).
+            return
         p99 = self.ttft_p99()
         if cfg.max_ttft_p99 is not None and p99 is not None and p99 > cfg.max_ttft_p99:
             self._move("pause", f"canary TTFT p99 {p99 * 1000:.0f} ms > "
                                 f"{cfg.max_ttft_p99 * 1000:.0f} ms")  # fmt: skip
+            return
+        if not cfg.auto:
             return
         done = f"{self.step_requests} canary requests, error rate {self.error_rate():.1%}"
         self._advance("step done: " + done)
