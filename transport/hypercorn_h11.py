@@ -23,7 +23,7 @@ measured against `quicedge serve --tcp` with a relay recording what reached the 
 - A keep-alive request after a stray CRLF (which some clients send after a body they framed
   by its length) got `400` and a close: h11 raises "no request line received" on an empty line
   where a request line should be. RFC 9112 §2.2 says a server SHOULD ignore at least one; here
-  (`_StrictConnection.next_event`) they are dropped, as llhttp does on the plain listener.
+  (`_read_request_head`) they are dropped, as llhttp does on the plain listener.
 - An answer given before the request's body arrived (a 413 to an upload over the limit, a
   401) was lost by a client still writing that body: hypercorn closed the connection with the
   body's bytes unread, the kernel reset it, and Python's `http.client` got `SSLEOFError` five
@@ -41,10 +41,11 @@ measured against `quicedge serve --tcp` with a relay recording what reached the 
   line (served; now `505`), a method in lowercase (hypercorn upper-cased `get` into `GET`,
   though methods are case-sensitive (RFC 9110 §9.1) and no registered one has a lowercase
   letter; now `400`), a control character in a field value (RFC 9110 §5.5; now `400`), a bare
-  CR in a chunk extension (RFC 9112 §2.2; now `400`) and a chunk size of 20 hex digits, which
-  waited out the body deadline for 2^80 bytes (now `400` at once: over 64 bits, where llhttp
-  stops too). A front end that parses such a request another way would disagree with the edge
-  on where it ends.
+  LF ending a line of the head (RFC 9112 §2.2 lets h11 take it as CRLF; a front end that
+  does not would see other fields; now `400`), a bare CR in a chunk extension (RFC 9112 §2.2;
+  now `400`) and a chunk size of 20 hex digits, which waited out the body deadline for 2^80
+  bytes (now `400` at once: over 64 bits, where llhttp stops too). A front end that parses
+  such a request another way would disagree with the edge on where it ends.
 
 Every refusal answers with a short text body and `connection: close`, and the connection
 closes; so do h11's own (hypercorn's had an empty body). Other connections are unaffected.
@@ -76,7 +77,7 @@ from typing import Any
 import h11
 import hypercorn
 import hypercorn.protocol
-from h11._readers import ChunkedReader, ReadersType
+from h11._readers import ChunkedReader, ReadersType, maybe_read_from_IDLE_client
 from h11._receivebuffer import ReceiveBuffer
 from h11._util import Sentinel
 from h11._writers import WritersType
@@ -101,6 +102,13 @@ _CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 _CHUNK_LINE = re.compile(rb"(?P<size>[0-9A-Fa-f]{1,20})(?:;[^\x00-\x08\x0a-\x1f\x7f]*)?[ \t]*\r\n")
 """A chunk-size line: h11's grammar (trailing whitespace allowed, the extension not parsed),
 with no control character in the extension."""
+
+_HEAD_END = re.compile(rb"\n\r?\n")
+"""How h11 finds the end of a head (`h11._receivebuffer.blank_line_regex`)."""
+
+_BARE_LF = re.compile(rb"(?<!\r)\n")
+"""An LF not preceded by CR: llhttp refuses one in a request head, h11 takes it as a line's
+end (RFC 9112 §2.2 lets it), and a front end that does neither would see other fields."""
 
 _CHUNK_SIZE_LIMIT = 1 << 64
 """The first chunk size refused as too large (llhttp's limit)."""
@@ -139,28 +147,8 @@ class _StrictChunkedReader(ChunkedReader):
 
 
 class _StrictConnection(h11.Connection):
-    """h11's connection, reading chunked request bodies with `_StrictChunkedReader`, and
-    ignoring empty lines before a request line."""
-
-    def next_event(self) -> h11.Event | type[h11.NEED_DATA] | type[h11.PAUSED]:
-        if self.their_state is h11.IDLE:
-            # RFC 9112 §2.2: a server SHOULD ignore at least one empty line (CRLF) before a
-            # request line; some clients end a body with one its length does not count. h11
-            # raises "no request line received" for it (the next request got 400), so they are
-            # dropped here, as llhttp drops them on the plain listener.
-            buffer = self._receive_buffer
-            data = buffer._data
-            skip = 0
-            while True:
-                if data[skip : skip + 1] == b"\n":
-                    skip += 1
-                elif data[skip : skip + 2] == b"\r\n":
-                    skip += 2
-                else:
-                    break
-            if skip:
-                buffer.maybe_extract_at_most(skip)
-        return super().next_event()
+    """h11's connection, reading request heads with `_read_request_head` and chunked request
+    bodies with `_StrictChunkedReader`."""
 
     def _get_io_object(
         self,
@@ -169,7 +157,34 @@ class _StrictConnection(h11.Connection):
         io_dict: ReadersType | WritersType,
     ) -> Callable[..., Any] | None:
         io = super()._get_io_object(role, event, io_dict)
+        if io is maybe_read_from_IDLE_client:
+            return _read_request_head
         return _StrictChunkedReader() if isinstance(io, ChunkedReader) else io
+
+
+def _read_request_head(buf: ReceiveBuffer) -> h11.Request | None:
+    """h11's reader of a request head, which first drops empty lines before the request line
+    and refuses a head with a bare LF."""
+    data = buf._data
+    skip = 0
+    while True:
+        # RFC 9112 §2.2: a server SHOULD ignore at least one empty line (CRLF) before a
+        # request line; some clients end a body with one its length does not count. h11
+        # raised "no request line received" for it (the next request got 400); llhttp drops
+        # them on the plain listener.
+        if data[skip : skip + 1] == b"\n":
+            skip += 1
+        elif data[skip : skip + 2] == b"\r\n":
+            skip += 2
+        else:
+            break
+    if skip:
+        buf.maybe_extract_at_most(skip)
+    # Where h11 will find the head's end, searched from where h11 will search.
+    end = _HEAD_END.search(data, buf._multiple_lines_search)
+    if end is not None and _BARE_LF.search(data, 0, end.end()) is not None:
+        raise h11.LocalProtocolError("bare LF in the request head")
+    return maybe_read_from_IDLE_client(buf)
 
 
 class GuardedH11Protocol(H11Protocol):

@@ -258,8 +258,14 @@ async def test_upgrade_to_h2c_over_tls_is_ignored_and_the_request_served_as_http
         (b"GET /models HTTP/1.1\r\nHost: x\r\nX: a\x01b\r\n\r\n", 400),
         (b"GET /models HTTP/1.1\r\nHost: x\r\nX: a\x7fb\r\n\r\n", 400),
         (b"HEAD /models HTTP/1.1\r\nHost: x\r\nX: a\x1fb\r\n\r\n", 400),
+        (b"GET /models HTTP/1.1\nHost: x\n\n", 400),
+        (b"GET /models HTTP/1.1\r\nHost: x\nContent-Length: 5\r\n\r\nabcde", 400),
+        (b"GET /models HTTP/1.1\r\nHost: x\r\n\n", 400),
     ],
-    ids=["http2", "http3", "h2-preface", "lowercase-method", "ctl-01", "del", "head-ctl"],
+    ids=[
+        *("http2", "http3", "h2-preface", "lowercase-method", "ctl-01", "del", "head-ctl"),
+        *("bare-lf-lines", "bare-lf-in-a-field", "bare-lf-ending"),
+    ],
 )
 async def test_a_request_the_plain_listener_refuses_is_refused_before_the_app(
     served: _Served, request_: bytes, status: int
