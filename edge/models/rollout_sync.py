@@ -28,9 +28,12 @@ or restart of that rollout here. When Redis is slow or gone, publishes and the s
 bounded by `timeout`, failures are logged at most every 30 s, and each process keeps its own
 ramp; routing never waits on Redis. A transition whose publish failed is not dropped: one taken
 while Redis was away (restarting, failing over) would otherwise never reach the other edges,
-which after a rollback would stay on the canary for good. It is kept (the last `LOG_LENGTH`) and sent again, in order and before any later one, after a pause (`timeout`,
-doubled after each failed try up to `CATCH_UP_MAX_PAUSE_S`) until Redis takes it, unless a
-resume or restart of its rollout here came after it.
+which after a rollback would stay on the canary for good. It is kept (the last `LOG_LENGTH`) and
+sent again, in order and before any later one, after a pause (`timeout`, doubled after each
+failed try up to `CATCH_UP_MAX_PAUSE_S`) until Redis takes it, unless a resume or restart of its
+rollout here came after it. A transition sent late says how long ago it was taken (`ago`), and
+an edge that resumed or restarted that rollout since does not take it, as it would not from the
+log.
 
 The read of the log runs beside the subscription, not in its way: one that fails or takes
 longer than its wait (`timeout` at first, doubled each time up to `CATCH_UP_MAX_WAITS` ×
@@ -120,10 +123,11 @@ class RolloutSync:
         self._widened = False
         """A subscription was lost again while a read of the log was under way."""
         self._catching_up: asyncio.Task[None] | None = None
-        self._unsent: collections.deque[tuple[str, float, bytes]] = collections.deque(
+        self._unsent: collections.deque[tuple[str, float, dict[str, Any]]] = collections.deque(
             maxlen=UNSENT_MAX
         )
-        """Transitions whose publish failed, oldest first: (pool, monotonic time, message)."""
+        """Transitions whose publish failed, oldest first: (pool, monotonic time taken, the
+        message's fields)."""
         self._resending: asyncio.Task[None] | None = None
         self._redis: Any = None
         self._reader: Any = None
@@ -192,7 +196,7 @@ class RolloutSync:
         fields = {"i": self.instance, "model": rollout.pool, "stable": rollout.stable,
                   "canary": rollout.canary, "entry": rollout.entry, "action": transition.action,
                   "step": transition.step, "reason": transition.reason}  # fmt: skip
-        unsent = (rollout.pool, time.monotonic(), orjson.dumps(fields))
+        unsent = (rollout.pool, time.monotonic(), fields)
         if self._unsent:  # after those still to be sent, not before them
             self._keep(unsent)
             return
@@ -200,8 +204,8 @@ class RolloutSync:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _publish(self, unsent: tuple[str, float, bytes]) -> None:
-        if not await self._send(unsent[2]):
+    async def _publish(self, unsent: tuple[str, float, dict[str, Any]]) -> None:
+        if not await self._send(orjson.dumps(unsent[2])):
             self._keep(unsent)
 
     async def _send(self, message: bytes) -> bool:
@@ -221,7 +225,7 @@ class RolloutSync:
         self.published += 1
         return True
 
-    def _keep(self, unsent: tuple[str, float, bytes]) -> None:
+    def _keep(self, unsent: tuple[str, float, dict[str, Any]]) -> None:
         """Send `unsent` again later, after those kept before it."""
         self._unsent.append(unsent)
         if self._resending is None or self._resending.done():
@@ -230,16 +234,19 @@ class RolloutSync:
     async def _resend(self) -> None:
         """Send the kept transitions in order, pausing after each failed try (`timeout`,
         doubled each time up to `CATCH_UP_MAX_PAUSE_S`); one that a resume or restart of its
-        rollout here came after is dropped."""
+        rollout here came after is dropped. Each says how long ago it was taken (`ago`, s), so
+        that an edge that resumed or restarted that rollout since does not take it."""
         tries = 0
         while self._unsent:
             await asyncio.sleep(min(self.timeout * 2**tries, CATCH_UP_MAX_PAUSE_S))
             tries = min(tries + 1, 16)
             while self._unsent:
                 head = self._unsent[0]
-                pool, at, message = head
-                if self._undone_at.get(pool, -1e18) < at and not await self._send(message):
-                    break
+                pool, at, fields = head
+                if self._undone_at.get(pool, -1e18) < at:
+                    late = {**fields, "ago": round(time.monotonic() - at, 3)}
+                    if not await self._send(orjson.dumps(late)):
+                        break
                 if self._unsent and self._unsent[0] is head:  # not pushed out meanwhile
                     self._unsent.popleft()
 
@@ -302,8 +309,9 @@ class RolloutSync:
 
     def take(self, raw: bytes, *, published_at: float | None = None) -> None:
         """Another process's shared transition, taken here too (anything else is skipped); one
-        read back from the log (`published_at`, monotonic) not when a resume or restart of its
-        rollout here came after it."""
+        read back from the log (`published_at`, monotonic), or sent late (`ago`: seconds
+        between its taking and its sending), not when a resume or restart of its rollout here
+        came after it was taken."""
         try:
             msg = orjson.loads(raw)
             instance, model, action = str(msg["i"]), str(msg["model"]), str(msg["action"])
@@ -311,6 +319,7 @@ class RolloutSync:
             step = int(msg.get("step", 0))
             versions = (msg.get("stable"), msg.get("canary"))
             entry = msg.get("entry")
+            ago = float(msg["ago"]) if "ago" in msg else None
         except (orjson.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
             return
         ramp = self.models.ramps.get(model)
@@ -320,6 +329,8 @@ class RolloutSync:
             return  # another rollout of the pool (a reload not yet everywhere): no evidence here
         if entry is not None and entry != ramp.rollout.entry:
             return  # the same versions, other steps or limits: its step index means another share
+        if ago is not None:  # sent late: taken `ago` before it was sent
+            published_at = (time.monotonic() if published_at is None else published_at) - ago
         if published_at is not None and self._undone_at.get(model, -1e18) >= published_at:
             return
         self.received += 1

@@ -82,3 +82,38 @@ async def test_a_stop_undone_here_while_redis_was_down_is_not_sent_late(
                 assert sync_a.received == 1
             finally:
                 restarted.stop()
+
+
+async def test_a_stop_sent_late_is_not_taken_by_an_edge_that_resumed_after_it(
+    own_redis: RedisServer, redis_prefix: str
+) -> None:
+    """B pauses while Redis is away; A pauses and resumes by hand after that. B's pause, sent
+    once Redis is back, is older than A's resume and does not pause A again (as a pause read
+    back from the log would not)."""
+    async with sims(sim("m", model_version="v1"), sim("m", model_version="v2")) as (s1, s2):
+        config = fast_config([s1.url, s2.url])
+        models = ModelsConfig(rollouts=[rollout()], share_stops=True, share_key=redis_prefix + "r")
+        async with (
+            run_edge(config, models=models, redis_url=own_redis.url) as a,
+            run_edge(config, models=models, redis_url=own_redis.url) as b,
+            httpx.AsyncClient() as admin,
+        ):
+            await subscribed(a, b)
+            sync_a, sync_b = a.wiring.rollout_sync, b.wiring.rollout_sync
+            assert sync_a is not None and sync_b is not None
+            own_redis.stop()
+            assert (await admin.post(b.admin_url + "/rollouts/m/pause")).status_code == 200
+            await wait_until(lambda: sync_b.errors >= 1, timeout=10)
+            assert (await admin.post(a.admin_url + "/rollouts/m/pause")).status_code == 200
+            assert (await admin.post(a.admin_url + "/rollouts/m/promote")).status_code == 200
+            restarted = RedisServer(port=own_redis.port)
+            try:
+                await wait_until(lambda: sync_b.published == 1, timeout=15)
+                await subscribed(a)
+                # a rollback after it, which A takes: the pause came before it, or not at all
+                assert (await admin.post(b.admin_url + "/rollouts/m/rollback")).status_code == 200
+                await wait_until(lambda: ramp_state(a)[0] == "rolled_back", timeout=15)
+                actions = [t.action for t in a.wiring.models.ramps["m"].history]
+                assert actions == ["pause", "resume", "rollback"]
+            finally:
+                restarted.stop()
