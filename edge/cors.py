@@ -191,8 +191,7 @@ class CorsApp:
             (b"access-control-allow-methods", ", ".join(methods).encode()),
             (b"access-control-max-age", self.max_age),
             *self._common,
-            (b"content-length", b"0"),
-        ]
+        ]  # no content-length: a 204 must not carry one (RFC 9110 §8.6)
         asked = self._allow_headers(request_headers)
         if asked:
             headers.append((b"access-control-allow-headers", asked))

@@ -10,7 +10,7 @@ import pytest
 from backends.sim import SimConfig, SimServer
 from certs.dev import DevCertificates
 from edge.cors import CorsConfig
-from tests.edge.conftest import fast_config
+from tests.edge.conftest import client, fast_config, run_edge
 from tests.edge.tls_edge import tls_edge
 from transport.h1_server import H1Listener
 
@@ -192,3 +192,26 @@ async def test_a_page_may_read_whether_to_retry(dev_certs: DevCertificates) -> N
     assert r.status_code == 508 and r.headers["x-should-retry"] == "false"
     exposed = r.headers["access-control-expose-headers"].split(", ")
     assert {"x-should-retry", "retry-after", "retry-after-ms"} <= set(exposed)
+
+
+@pytest.mark.parametrize("listener", ["h1", "h1-tls", "h2"])
+async def test_a_preflights_204_carries_no_length_or_chunking(
+    dev_certs: DevCertificates, listener: str
+) -> None:
+    """RFC 9110 §8.6: a server must not send Content-Length in a 204; nor may a 204 be
+    chunked (RFC 9112 §6.1), which would leave a strict client reading a body that never ends."""
+    cors = CorsConfig(origins=[PAGE])
+    async with stand_in() as sim:
+        config = fast_config([sim.url])
+        if listener == "h1":
+            async with run_edge(config, cors=cors) as edge, client(edge) as http:
+                r = await http.options("/v1/chat/completions", headers=PREFLIGHT)
+        else:
+            async with tls_edge(config, dev_certs, cors=cors) as edge:
+                h2 = listener == "h2"
+                async with httpx.AsyncClient(http2=h2, verify=edge.ssl_context) as http:
+                    r = await http.options(edge.url + "/v1/chat/completions", headers=PREFLIGHT)
+                assert r.http_version == ("HTTP/2" if h2 else "HTTP/1.1")
+    assert r.status_code == 204 and r.content == b""
+    assert "content-length" not in r.headers
+    assert "transfer-encoding" not in r.headers
