@@ -199,7 +199,10 @@ def convert(value: Any, tp: Any, where: str, *, text: bool) -> Any:
         elif isinstance(value, bool) or not isinstance(value, int | float):
             raise bad()
         else:
-            number = float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # a TOML integer past a float's range (~1.8e308)
+                number = math.inf
         if not math.isfinite(number):
             # No setting gives nan or inf a meaning: nan passed every `<= 0` check and then
             # broke each request or timer that read it, and inf is a wait without a bound.
