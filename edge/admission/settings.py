@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+from redis.connection import parse_url
+
 Tier = Literal["gold", "silver", "bronze"]
 TIERS: tuple[str, ...] = ("gold", "silver", "bronze")
 """Tiers in the order the admission queue serves them."""
@@ -107,6 +109,11 @@ class RedisSettings:
     def validate(self) -> None:
         if self.url is not None and not self.url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"admission.redis.url: redis://HOST:PORT/DB, got {self.url!r}")
+        if self.url is not None:
+            try:  # as the client reads it: a bad port ended each worker at its start
+                parse_url(self.url)
+            except ValueError as exc:
+                raise ValueError(f"admission.redis.url: {exc}") from None
         for name in ("timeout_ms", "slow_ms", "backoff_s", "backoff_max_s", "warn_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"admission.redis.{name}: must be > 0")

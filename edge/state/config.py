@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
+from redis.connection import parse_url
+
 MiB = 1024 * 1024
 
 
@@ -188,6 +190,8 @@ class StateConfig:
             raise ValueError("state.store: must be memory or redis")
         if self.store == "redis" and not self.redis_url:
             raise ValueError("state.redis_url: needed when state.store is redis")
+        if self.redis_url:
+            _check_redis_url("state.redis_url", self.redis_url)
         if self.redis_timeout <= 0:
             raise ValueError("state.redis_timeout: must be > 0")
         self.conversations.validate()
@@ -209,6 +213,15 @@ class StateConfig:
                 setattr(config, name, _typed("state", name, getattr(config, name), value))
         config.validate()
         return config
+
+
+def _check_redis_url(where: str, url: str) -> None:
+    """`url` read as the Redis client reads it (ValueError naming `where`, not the URL, which may
+    hold a password): a bad port passed the checks and then ended each worker at its start."""
+    try:
+        parse_url(url)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
 
 
 def _table(name: str, value: object) -> Mapping[str, Any]:
