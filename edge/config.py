@@ -213,6 +213,10 @@ class ProxyConfig:
         for name in positive:
             if not getattr(self, name) > 0:
                 raise ValueError(f"proxy: {name} must be > 0, got {getattr(self, name)!r}")
+        if self.eject_max < self.eject_base:
+            raise ValueError(
+                f"proxy.eject_max: must be >= eject_base ({self.eject_base}), got {self.eject_max}"
+            )
         if self.max_retries < 0:
             raise ValueError(f"proxy: max_retries must be >= 0, got {self.max_retries}")
         if 0 < self.max_pending_body_bytes < self.max_body_bytes or self.max_pending_body_bytes < 0:

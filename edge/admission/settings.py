@@ -117,6 +117,8 @@ class RedisSettings:
         for name in ("timeout_ms", "slow_ms", "backoff_s", "backoff_max_s", "warn_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"admission.redis.{name}: must be > 0")
+        if self.backoff_max_s < self.backoff_s:
+            raise ValueError("admission.redis.backoff_max_s: must be >= backoff_s")
         if self.failures_to_open < 1:
             raise ValueError("admission.redis.failures_to_open: must be >= 1")
         if not 0 < self.fallback_share <= 1:
