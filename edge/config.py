@@ -18,7 +18,7 @@ from backends.discovery import DiscoveryConfig
 from backends.labels import check_url, parse_labels
 from edge import settings
 from edge.access_log import AccessLogConfig
-from edge.admission.settings import AdmissionSettings, TenantSettings
+from edge.admission.settings import TIERS, AdmissionSettings, TenantSettings
 from edge.audit import AUDIT_FLAGS, AuditConfig
 from edge.cors import CorsConfig
 from edge.models.config import ModelsConfig
@@ -283,10 +283,34 @@ class ProxyConfig:
         admission = loaded.get("admission", AdmissionSettings)
         admission.tenants = list(loaded.get("tenants", list))
         admission.validate()  # tenant names and keys unique across the array
+        _check_policy_names(loaded.get("policy", PolicyConfig), admission)
         self.admission = admission
         if self.share_drains and getattr(loaded["serve"], "redis", None) is None:
             raise ValueError("proxy.share_drains: sharing drains needs a Redis (--redis)")
         return self
+
+
+def _check_policy_names(policy: PolicyConfig, admission: AdmissionSettings) -> None:
+    """The tiers and tenants `[policy]` names are those admission gives requests: a tier or a
+    tenant it never gives (`tier = "free"`, a tenant's name mistyped) was accepted, and its
+    limits, model allow-list or rule then held no request, without a word."""
+    tenants = [t.name for t in admission.tenants]
+    known = ", ".join(["anonymous", *tenants])
+
+    def check_tenant(where: str, name: str) -> None:
+        if name != "anonymous" and name not in tenants:
+            raise ValueError(f"{where}: {name!r} is not a tenant: [[tenants]] names {known}")
+
+    for limits in policy.tiers:
+        if limits.tier not in TIERS:
+            raise ValueError(
+                f"policy.tiers.tier: {limits.tier!r} is not a tier: {', '.join(TIERS)}"
+            )
+    for models in policy.tenant_models:
+        check_tenant("policy.tenant_models.tenant", models.tenant)
+    for rule in policy.rules:
+        for name in rule.tenants:
+            check_tenant(f"policy.rules.tenants ({rule.id})", name)
 
 
 # Feature sections read from their own top-level tables and carried on `ProxyConfig` for the

@@ -14,7 +14,7 @@ tenant = "free-co"
 models = ["small-*"]
 
 [[policy.tiers]]
-tier = "free"
+tier = "bronze"
 max_tokens = 512
 
 [[policy.wasm]]
@@ -39,6 +39,11 @@ from typing import Any, Literal
 
 from backends.labels import check_url
 from edge import settings
+from edge.stages.validate import GENERATION_ROUTES, WHOLE_ROUTES
+
+INFERENCE_ROUTES = frozenset({*GENERATION_ROUTES, *WHOLE_ROUTES, "/v1/responses"})
+"""The routes a client calls that the edge forwards (`edge.app.INFERENCE_ROUTES`): those
+`policy.judge.routes` may name."""
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -215,6 +220,14 @@ class JudgeConfig:
             except ValueError as exc:
                 raise ValueError(f"policy.judge.backends: {exc}") from None
         self.backends = checked
+        # a route the edge does not serve (a typo: `/v1/chat/completion`) matched no request,
+        # so the guard judged nothing while the operator thought it on
+        for route in self.routes:
+            if route not in INFERENCE_ROUTES:
+                raise ValueError(
+                    f"policy.judge.routes: {route!r} is not an inference route; choose from "
+                    + ", ".join(sorted(INFERENCE_ROUTES))
+                )
         if not self.timeout > 0:
             raise ValueError(f"policy.judge.timeout: must be > 0, got {self.timeout!r}")
         if self.max_prompt_chars < 1:

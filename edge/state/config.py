@@ -12,7 +12,12 @@ from typing import Any, Literal
 
 from redis.connection import parse_url
 
+from edge.stages.validate import CHAT, COMPLETIONS, GENERATE
+
 MiB = 1024 * 1024
+
+CACHEABLE_ROUTES = frozenset({CHAT, COMPLETIONS, GENERATE})
+"""The routes the response cache serves (`edge.state.stage`); `state.cache.routes` names some."""
 
 
 def _check_keys(section: str, cls: type, data: Mapping[str, Any]) -> None:
@@ -145,6 +150,12 @@ class CacheConfig:
             raise ValueError("state.cache.ttl: must be > 0")
         if self.l1_max_bytes < 0 or self.max_entry_bytes < 1:
             raise ValueError("state.cache.l1_max_bytes/max_entry_bytes: must be positive")
+        for route in self.routes:  # another (a typo) matched no request: nothing was cached
+            if route not in CACHEABLE_ROUTES:
+                raise ValueError(
+                    f"state.cache.routes: {route!r} is not a cached route; choose from "
+                    + ", ".join(sorted(CACHEABLE_ROUTES))
+                )
         for pin in self.model_versions:
             name, sep, version = pin.partition("=")
             if not sep or not name or not version:
