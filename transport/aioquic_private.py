@@ -71,8 +71,8 @@ ATTRIBUTES: tuple[Private, ...] = (
     Private(QuicConnection, "_remote_max_idle_timeout",
             "a max_idle_timeout of 0 taken as none in QuicConnection._idle_timeout"),
     Private(QuicConnection, "_configuration", "as for QuicConnection._remote_max_idle_timeout"),
-    Private(QuicStreamSender, "_buffer_fin", "a query of whether a connection has sent all"),
-    Private(QuicStreamSender, "_reset_error_code", "as for QuicStreamSender._buffer_fin"),
+    Private(QuicStreamSender, "_reset_error_code",
+            "a query of whether a connection's requests are all answered and acknowledged"),
     Private(QuicConnectionProtocol, "_connection_id_issued_handler",
             "connection IDs routed by the server as they are made, not once their frame is sent"),
     Private(QuicConnectionProtocol, "_process_events",
@@ -187,14 +187,15 @@ def unacked_bytes(quic: QuicConnection, stream_id: int) -> int:
     return len(stream.sender._buffer) if stream is not None else 0
 
 
-def sending(quic: QuicConnection) -> bool:
-    """Whether some stream still has bytes or a FIN written and not yet acknowledged (a stream
-    reset from this side has nothing more to deliver; a connection closing delivers nothing)."""
+def answering(quic: QuicConnection) -> bool:
+    """Whether a client's request stream still waits for its answer: one neither sent whole
+    and acknowledged, with its FIN, nor reset from this side (a closing connection answers
+    nothing more). Unidirectional streams (control, QPACK) are not requests."""
     return quic._close_event is None and any(
-        not s.sender.is_finished
-        and s.sender._reset_error_code is None
-        and (bool(s.sender._buffer) or s.sender._buffer_fin is not None)
-        for s in quic._streams.values()
+        stream_id % 4 == 0  # client-initiated, bidirectional (RFC 9000 §2.1)
+        and not stream.sender.is_finished
+        and stream.sender._reset_error_code is None
+        for stream_id, stream in quic._streams.items()
     )
 
 

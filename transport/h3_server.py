@@ -30,11 +30,11 @@ from aioquic.tls import SessionTicket
 from transport import aioquic_patches  # (before any connection: see the module)
 from transport.address_tokens import MARK, TOKEN_BYTES, AddressTokens
 from transport.aioquic_private import (
+    answering,
     connection_for,
     has_connection,
     mark_address_validated,
     retry_handler,
-    sending,
     server_configuration,
     server_protocols,
     set_retry_handler,
@@ -60,7 +60,8 @@ __all__ = ["SEND_HIGH_WATER", "SEND_LOW_WATER", "H3Protocol", "H3Server"]
 log = logging.getLogger("quicedge.transport.h3")
 
 DRAIN_POLL_S = 0.02
-"""How often a drain looks whether its clients acknowledged the answers their apps finished."""
+"""How often a drain looks whether its clients acknowledged the answers their apps finished,
+and whether the requests held for a handshake started."""
 
 TICKET_WARN_EVERY_S = 10.0
 """Seconds between warnings of ticket store failures (the other Redis users' pace)."""
@@ -460,7 +461,9 @@ class H3Server:
     async def drain(self, timeout: float) -> None:
         """Stop admitting connections, GOAWAY all, wait up to ``timeout`` for open requests:
         for their apps to end, then for the clients to acknowledge what they wrote (the close
-        that follows would drop what is still buffered, cutting a finished answer short)."""
+        that follows would drop what is still buffered, cutting a finished answer short), and
+        for the requests deferred for a handshake. An idle connection holds nothing up, even
+        where its client acknowledges nothing (it went away)."""
         if self._endpoint is None:
             return
         self._endpoint.draining = True
@@ -475,8 +478,9 @@ class H3Server:
                 break
             if tasks:
                 await asyncio.wait(tasks, timeout=remaining)
-            elif any(sending(p.quic) for p in self.connections()):
-                # No event says "acknowledged": look again shortly.
+            elif any(answering(p.quic) for p in self.connections()):
+                # An answer not yet acknowledged, or a request held for its handshake (its app
+                # not started): no event says when either is done, so look again shortly.
                 await asyncio.sleep(min(DRAIN_POLL_S, remaining))
             else:
                 break
