@@ -276,7 +276,7 @@ def load_dataclass(
             raise unknown_key(where if nested else f"[{where}]", key, known)
     made = _build(cls, table, where, overrides or {}, ())
     if nested:
-        check(made)
+        check(made, where)
     return made
 
 
@@ -320,13 +320,18 @@ def _value(raw: Any, tp: Any, meta: Mapping[str, Any], where: str, *, text: bool
         raise SettingsError(f"{where}: {exc}") from None
 
 
-def check(value: Any) -> None:
-    """Run `value.validate()` if it has one; its ValueError becomes a one-line SettingsError."""
+def check(value: Any, where: str | None = None) -> None:
+    """Run `value.validate()` if it has one; its ValueError becomes a one-line SettingsError.
+    `where` (`[[tenants]][3]`) goes to a `validate(where)` that names the setting with it, so a
+    mistake in one table of an array says which table."""
     validate = getattr(value, "validate", None)
     if validate is None:
         return
     try:
-        validate()
+        if where is not None and "where" in inspect.signature(validate).parameters:
+            validate(where)
+        else:
+            validate()
     except SettingsError:
         raise
     except ValueError as exc:
