@@ -8,7 +8,9 @@ opens after `failures_to_open` calls in a row that failed, timed out, or answere
 `backoff_max_s`, with a write (`probe_key`, which expires within a second): a Redis that answers
 PING but refuses writes (out of memory: OOM; a replica after a failover: READONLY; a failed
 save: MISCONF) is of no use to the callers, whose calls write, and closing on its PING would only
-have their next calls open the breaker again, a trip per probe. The first fast answer closes it.
+have their next calls open the breaker again, a trip per probe. A probe Redis refused closes the
+idle connections, so that the next connects again: after a failover behind one address, the old
+master keeps its connections and refuses them for ever. The first fast answer closes it.
 Requests never wait for a probe. Warnings are logged at most once per `warn_interval_s`; the
 state is a gauge (0 closed, 1 half-open, 2 open) and trips are counted.
 """
@@ -23,6 +25,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
 
 from edge.admission.settings import RedisSettings
 from edge.free_time import FreeDeadline
@@ -175,6 +178,8 @@ class RedisGuard:
                 # with Redis out of use for good.
                 fast = False
                 self._warn(f"redis ({self.name}) still unavailable: {exc or type(exc).__name__}")
+                if isinstance(exc, ResponseError):
+                    await self._reconnect()
             if fast:
                 self._streak = 0
                 self._set("closed")
@@ -182,6 +187,15 @@ class RedisGuard:
                 return
             self._set("open")
             self._backoff = min(s.backoff_max_s, self._backoff * 2)
+
+    async def _reconnect(self) -> None:
+        """Close the idle connections, so that the next call connects again. After a refusal
+        (READONLY, OOM...): the address may lead elsewhere now. A failover behind one address
+        (a Service, a VIP, a DNS name) sends new connections to the new master, while the old
+        one, now a replica, keeps those it had and answers them READONLY for ever."""
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(max(self.settings.timeout_ms / 1000, 0.05)):
+                await self.client.connection_pool.disconnect(inuse_connections=False)
 
     async def aclose(self) -> None:
         if self._probe is not None:

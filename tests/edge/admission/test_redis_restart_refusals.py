@@ -14,6 +14,7 @@ import redis
 
 from backends.sim import SimServer
 from tests.edge.admission.test_redis_trouble import admission, edge_with, statuses
+from tests.edge.silent_relay import SilentRelay
 from tests.edge.test_app_sim import metrics_text, sim_config
 from tests.helpers import RedisServer, free_port, wait_until
 
@@ -76,3 +77,36 @@ async def test_a_redis_refusing_writes_keeps_the_breaker_open_until_it_takes_the
 
 def _failed_probes(caplog: pytest.LogCaptureFixture) -> int:
     return sum("half_open -> open" in r.getMessage() for r in caplog.records)
+
+
+async def test_a_failover_that_moves_the_address_is_followed(
+    own_redis: RedisServer, redis_prefix: str
+) -> None:
+    """A failover behind one address (a Service, a VIP, DNS): the old master, now a replica,
+    keeps the connections it had and answers them READONLY; new connections reach the new
+    master. The breaker opens, and its probe must reach the new master (a connection of its
+    own), not ask the old one for ever over a pooled connection."""
+    promoted = RedisServer()
+    direct = redis.Redis(port=own_redis.port)
+    try:
+        async with SilentRelay(own_redis.url) as relay, SimServer(sim_config("b1")) as sim:
+            settings = admission(relay.url, redis_prefix, burst=40, share=0.5)
+            async with edge_with(settings, sim.url) as edge:
+                guard = edge.wiring.admission.guard
+                assert guard is not None
+                assert await statuses(edge, 2) == [200, 200]  # on the old master: 38 left
+                direct.replicaof("127.0.0.1", str(promoted.port))
+                relay.upstream = ("127.0.0.1", promoted.port)
+                # READONLY from the old master: local buckets at half the quota
+                assert await statuses(edge, 3) == [200] * 3
+                await wait_until(lambda: guard.state == "closed", timeout=20)
+                assert guard.trips == 1
+                # the new master's buckets, full: 40 there
+                codes = await statuses(edge, 42)
+                assert codes == [200] * 40 + [429] * 2
+                with redis.Redis(port=promoted.port) as r:
+                    level = r.hget(redis_prefix + "acme:requests", "l")
+                assert level is not None and float(level) == pytest.approx(0, abs=0.01)
+    finally:
+        direct.close()
+        promoted.stop()
