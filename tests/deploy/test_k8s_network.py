@@ -140,6 +140,8 @@ def test_redis_and_the_backends_take_connections_only_from_the_edge(
     for source in (NEIGHBOUR, ELSEWHERE, CLIENT):
         assert not reaches(docs, source, "sglang", 30000), source
     assert reaches(docs, EDGE, "sglang", 30000)
+    assert reaches(docs, EDGE, "sglang", 5557)  # KV-cache events ([kv_events], docs/routing.md)
+    assert not reaches(docs, PROMETHEUS, "sglang", 5557)
     assert reaches(docs, PROMETHEUS, "sglang", 30000)  # its /metrics
 
 
