@@ -283,17 +283,19 @@ class ProxyConfig:
         admission = loaded.get("admission", AdmissionSettings)
         admission.tenants = list(loaded.get("tenants", list))
         admission.validate()  # tenant names and keys unique across the array
-        _check_policy_names(loaded.get("policy", PolicyConfig), admission)
+        _check_tenant_names(loaded, admission)
         self.admission = admission
         if self.share_drains and getattr(loaded["serve"], "redis", None) is None:
             raise ValueError("proxy.share_drains: sharing drains needs a Redis (--redis)")
         return self
 
 
-def _check_policy_names(policy: PolicyConfig, admission: AdmissionSettings) -> None:
-    """The tiers and tenants `[policy]` names are those admission gives requests: a tier or a
-    tenant it never gives (`tier = "free"`, a tenant's name mistyped) was accepted, and its
-    limits, model allow-list or rule then held no request, without a word."""
+def _check_tenant_names(loaded: settings.Settings, admission: AdmissionSettings) -> None:
+    """The tiers and tenants `[policy]` and `[[models.rollouts]]` name are those admission gives
+    requests: a tier or a tenant it never gives (`tier = "free"`, a tenant's name mistyped) was
+    accepted, and its limits, model allow-list, rule or canary then held no request, without a
+    word."""
+    policy = loaded.get("policy", PolicyConfig)
     tenants = [t.name for t in admission.tenants]
     known = ", ".join(["anonymous", *tenants])
 
@@ -311,6 +313,9 @@ def _check_policy_names(policy: PolicyConfig, admission: AdmissionSettings) -> N
     for rule in policy.rules:
         for name in rule.tenants:
             check_tenant(f"policy.rules.tenants ({rule.id})", name)
+    for i, rollout in enumerate(loaded.get("models", ModelsConfig).rollouts):
+        for name in rollout.tenants:
+            check_tenant(f"models.rollouts[{i}].tenants", name)
 
 
 # Feature sections read from their own top-level tables and carried on `ProxyConfig` for the

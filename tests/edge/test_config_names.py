@@ -1,8 +1,8 @@
 """Names one table gives that another must know: a `[[policy.tiers]]` tier, a tenant of
-`[[policy.tenant_models]]` or of a rule, a route of `[policy.judge]` or `[state.cache]`. A name
-nothing else gives (`tier = "free"`, a tenant's name or a route mistyped) was accepted, and its
-limit, allow-list, rule, guard or cache then held no request, without a word. Refused at load,
-at start and on a reload alike, naming the setting."""
+`[[policy.tenant_models]]`, of a rule or of a rollout, a route of `[policy.judge]` or
+`[state.cache]`. A name nothing else gives (`tier = "free"`, a tenant's name or a route
+mistyped) was accepted, and its limit, allow-list, rule, canary, guard or cache then held no
+request, without a word. Refused at load, at start and on a reload alike, naming the setting."""
 
 from __future__ import annotations
 
@@ -49,6 +49,11 @@ REFUSED = [
         "policy.judge.routes: '/v1/chat/completion' is not an inference route",
     ),
     (
+        tenant("beta-testers")
+        + '[[models.rollouts]]\nmodel = "m"\nstable = "v1"\ncanary = "v2"\ntenants = ["beta"]\n',
+        "models.rollouts[0].tenants: 'beta' is not a tenant",
+    ),
+    (
         '[state.cache]\nallow_tenants = ["*"]\nroutes = ["/v1/chat/completion"]\n',
         "state.cache.routes: '/v1/chat/completion' is not a cached route",
     ),
@@ -70,6 +75,8 @@ def test_a_name_nothing_gives_is_refused_at_load(tmp_path: Path, text: str, mess
         tenant("acme") + '[[policy.tenant_models]]\ntenant = "acme"\nmodels = ["small-*"]\n',
         tenant("acme") + '[[policy.rules]]\nid = "r"\npatterns = ["x"]\ntenants = ["acme"]\n',
         '[policy.judge]\nbackends = ["http://127.0.0.1:9"]\nroutes = ["/v1/responses"]\n',
+        tenant("beta")
+        + '[[models.rollouts]]\nmodel = "m"\nstable = "v1"\ncanary = "v2"\ntenants = ["beta"]\n',
         '[state.cache]\nallow_tenants = ["*"]\nroutes = ["/generate", "/v1/completions"]\n',
     ],
 )
