@@ -21,6 +21,7 @@ from typing import Any, cast
 
 from aioquic.asyncio.server import QuicServer
 from aioquic.buffer import Buffer
+from aioquic.h3.connection import ErrorCode
 from aioquic.quic.configuration import SMALLEST_MAX_DATAGRAM_SIZE, QuicConfiguration
 from aioquic.quic.connection import NetworkAddress
 from aioquic.quic.events import HandshakeCompleted
@@ -492,6 +493,9 @@ class H3Server:
             return
         for protocol in self.connections():
             protocol.cancel_all()
+            # RFC 9114 §5.2: H3_NO_ERROR, not aioquic's default application code 0, which
+            # HTTP/3 does not define; the endpoint's close below sends it.
+            protocol.quic.close(error_code=ErrorCode.H3_NO_ERROR)
         self._endpoint.close()  # CONNECTION_CLOSE to every client, then the socket
         self._endpoint = None
         await asyncio.sleep(0)

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.helpers import settled
+from aioquic.h3.connection import ErrorCode
+
+from tests.helpers import settled, wait_until
 from tests.transport.apps import RecordingApp
 from tests.transport.conftest import H3Factory
 from tests.transport.h3client import fresh_ticket, h3_connect
@@ -87,3 +89,15 @@ async def test_a_drain_does_not_wait_for_a_client_gone_quiet_with_nothing_open(
                 await asyncio.wait_for(server.drain(timeout=60), 5)
         finally:
             relay.close()
+
+
+async def test_the_close_after_a_drain_says_h3_no_error(h3_server: H3Factory, dev_certs) -> None:
+    """RFC 9114 §5.2: a graceful shutdown closes with H3_NO_ERROR (0x100); aioquic's default,
+    0, is no HTTP/3 error code."""
+    async with h3_server() as server, h3_connect(server.port, dev_certs.ca_cert) as c:
+        assert (await c.fetch("GET", "/echo")).status == 200
+        await asyncio.wait_for(server.drain(timeout=10), 5)
+        await server.aclose()
+        await wait_until(lambda: c.terminated is not None, timeout=5)
+    assert c.terminated is not None
+    assert c.terminated.error_code == ErrorCode.H3_NO_ERROR and c.terminated.frame_type is None
