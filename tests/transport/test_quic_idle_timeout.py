@@ -7,6 +7,7 @@ import asyncio
 
 from aioquic.asyncio.client import connect
 
+from certs import DevCertificates
 from tests.helpers import wait_until
 from tests.transport.conftest import H3Factory
 from tests.transport.h3client import H3Client, client_config
@@ -14,7 +15,7 @@ from transport.h3_session import H3Limits
 
 
 async def test_a_client_that_advertises_no_idle_timeout_gets_the_listeners(
-    h3_server: H3Factory, dev_certs
+    h3_server: H3Factory, dev_certs: DevCertificates
 ) -> None:
     """max_idle_timeout 0 means the client has none (§18.2): the listener's own applies, not a
     timeout of three probe timeouts (a fraction of a second on a near network)."""
@@ -39,7 +40,7 @@ async def test_a_client_that_advertises_no_idle_timeout_gets_the_listeners(
 
 
 async def test_a_client_with_a_shorter_idle_timeout_has_its_connection_dropped_at_it(
-    h3_server: H3Factory, dev_certs
+    h3_server: H3Factory, dev_certs: DevCertificates
 ) -> None:
     """The smaller of the two applies where both have one (§10.1): the listener forgets the
     connection when its client does, not 30 s later."""

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import asyncio
 
+from certs import DevCertificates
 from tests.transport.apps import RecordingApp
 from tests.transport.conftest import H3Factory
 from tests.transport.h3client import h3_connect
 from tests.transport.udp_holdback import UdpHoldback
 
 
-async def test_a_nat_rebinding_mid_stream_keeps_the_stream(h3_server: H3Factory, dev_certs) -> None:
+async def test_a_nat_rebinding_mid_stream_keeps_the_stream(
+    h3_server: H3Factory, dev_certs: DevCertificates
+) -> None:
     app = RecordingApp()
     async with h3_server(app=app) as server:
         relay = UdpHoldback(server.port)
@@ -63,7 +66,7 @@ class _Forging(UdpHoldback):
 
 
 async def test_a_packet_copied_from_another_address_does_not_take_the_connection(
-    h3_server: H3Factory, dev_certs
+    h3_server: H3Factory, dev_certs: DevCertificates
 ) -> None:
     """The copy arrives first, so the listener moves to its address, unvalidated: it sends
     there at most three times what came from it (RFC 9000 §9.3.1), and the connection comes

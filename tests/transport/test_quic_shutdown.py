@@ -7,6 +7,7 @@ import asyncio
 
 from aioquic.h3.connection import ErrorCode
 
+from certs import DevCertificates
 from tests.helpers import settled, wait_until
 from tests.transport.apps import RecordingApp
 from tests.transport.conftest import H3Factory
@@ -28,7 +29,7 @@ async def _big(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 async def test_a_response_the_app_finished_before_the_close_reaches_the_client_whole(
-    h3_server: H3Factory, dev_certs
+    h3_server: H3Factory, dev_certs: DevCertificates
 ) -> None:
     """The app wrote its whole answer during the drain: the close that follows the drain waits
     until the client has it (within the drain's deadline), not only until the app returned."""
@@ -44,7 +45,7 @@ async def test_a_response_the_app_finished_before_the_close_reaches_the_client_w
 
 
 async def test_a_request_deferred_for_the_handshake_is_served_by_a_drain(
-    h3_server: H3Factory, dev_certs
+    h3_server: H3Factory, dev_certs: DevCertificates
 ) -> None:
     """A 0-RTT request held for the handshake (`defer`) was received before the GOAWAY: the
     drain waits for it, within its deadline, rather than ending with no app running and
@@ -75,7 +76,7 @@ async def test_a_request_deferred_for_the_handshake_is_served_by_a_drain(
 
 
 async def test_a_drain_does_not_wait_for_a_client_gone_quiet_with_nothing_open(
-    h3_server: H3Factory, dev_certs
+    h3_server: H3Factory, dev_certs: DevCertificates
 ) -> None:
     """A connection with no request open whose client acknowledges nothing (it went away, as
     a phone does, within the idle timeout) does not hold the drain to its deadline."""
@@ -91,7 +92,9 @@ async def test_a_drain_does_not_wait_for_a_client_gone_quiet_with_nothing_open(
             relay.close()
 
 
-async def test_the_close_after_a_drain_says_h3_no_error(h3_server: H3Factory, dev_certs) -> None:
+async def test_the_close_after_a_drain_says_h3_no_error(
+    h3_server: H3Factory, dev_certs: DevCertificates
+) -> None:
     """RFC 9114 §5.2: a graceful shutdown closes with H3_NO_ERROR (0x100); aioquic's default,
     0, is no HTTP/3 error code."""
     async with h3_server() as server, h3_connect(server.port, dev_certs.ca_cert) as c:
