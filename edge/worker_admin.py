@@ -48,8 +48,11 @@ HEADER = b"x-quicedge-workers"
 RELOAD = "/config/reload"
 HANDED_OVER = STOPS | ADVANCES
 """A worker's own transitions that every other worker takes too."""
-# Set while this worker runs an action every worker runs (so its transition is not handed on).
-_everywhere: contextvars.ContextVar[bool] = contextvars.ContextVar("everywhere", default=False)
+# Why a transition happens while this worker runs something every worker runs: `action`, an
+# admin action each worker runs from its own state (a promote: each from its own step, so its
+# advance is still handed on, and one behind follows one ahead); `handed`, another worker's
+# transition taken here (never handed back).
+_everywhere: contextvars.ContextVar[str | None] = contextvars.ContextVar("everywhere", default=None)
 
 
 def _fanned(scope: Any) -> bool:
@@ -109,7 +112,7 @@ class WorkerAdmin:
         try:
             async with asyncio.timeout(PEER_TIMEOUT_S):
                 request = orjson.loads(await reader.readline())
-                token = _everywhere.set(True)
+                token = _everywhere.set("handed" if "rollout" in request else "action")
                 try:
                     if "rollout" in request:
                         status = self._take(request)
@@ -144,8 +147,11 @@ class WorkerAdmin:
         return 200
 
     def _transitioned(self, rollout: Rollout, transition: Transition) -> None:
-        if transition.action not in HANDED_OVER or _everywhere.get():
+        why = _everywhere.get()
+        if transition.action not in HANDED_OVER or why == "handed":
             return
+        if why == "action" and transition.action not in ADVANCES:
+            return  # a stop every worker makes alike
         message = {"rollout": rollout.pool, "stable": rollout.stable, "canary": rollout.canary,
                    "entry": rollout.entry, "action": transition.action, "step": transition.step,
                    "reason": transition.reason, "worker": self.plan.index}  # fmt: skip
@@ -192,7 +198,7 @@ class WorkerAdmin:
                     message = {**message, "headers": [*message.get("headers", []), (HEADER, tally)]}
                 await send(message)
 
-            token = _everywhere.set(True)  # the others run it already
+            token = _everywhere.set("action")  # the others run it already
             try:
                 await admin_app(scope, receive, counted)
             finally:

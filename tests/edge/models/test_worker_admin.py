@@ -9,7 +9,7 @@ from pathlib import Path
 
 from edge.fleet_metrics import FleetPlan
 from edge.models import ModelsConfig
-from edge.worker_admin import WorkerAdmin
+from edge.worker_admin import WorkerAdmin, call
 from tests.edge.conftest import Edge, fast_config, run_edge
 from tests.edge.models.test_pools_e2e import sim, sims
 from tests.edge.models.test_rollout_e2e import rollout
@@ -91,3 +91,25 @@ async def test_a_worker_does_not_take_an_advance_through_steps_it_was_not_given(
             first.ramps["m"].promote()
             await wait_until(lambda: second.ramps["m"].step == 1)
             assert second.ramps["m"].rollout.percent == 10.0
+
+
+async def test_a_promote_from_the_admin_port_leaves_every_worker_at_one_step(
+    tmp_path: Path,
+) -> None:
+    """Workers apart for a moment (one advanced while the other had not heard yet): a promote
+    runs on each from its own step, so each hands its advance on too, and the one behind
+    follows the one ahead rather than staying a step apart for the rest of the ramp."""
+    async with sims(sim("m", model_version="v1"), sim("m", model_version="v2")) as (s1, s2):
+        config = fast_config([s1.url, s2.url])
+        models = ModelsConfig(rollouts=[rollout(steps=[5.0, 25.0, 50.0, 100.0])])
+        async with run_edge(config, models=models) as w0, run_edge(config, models=models) as w1:
+            first, second = w0.wiring.models, w1.wiring.models
+            first.ramps["m"].promote()  # before the workers hear each other: 1 and 0
+            async with workers([w0, w1], tmp_path) as (a0, a1):
+                app = a1.wrap(w1.wiring.admin_app)
+                status, _ = await call(app, "POST", "/rollouts/m/promote")
+                assert status == 200
+                await wait_until(lambda: not a0._tasks and not a1._tasks)
+                await wait_until(lambda: second.ramps["m"].step == 2)
+                assert [first.ramps["m"].step, second.ramps["m"].step] == [2, 2]
+                assert second.ramps["m"].rollout.percent == 50.0
