@@ -10,7 +10,9 @@ SIM_PORTS=(${SIM_PORTS:-30001 30002})
 pids=()
 ready=
 cleanup() {
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  # Every job still running, not only those in $pids: a Ctrl-C between a `&` and the
+  # `pids+=($!)` after it runs this before that child's pid is kept.
+  for pid in "${pids[@]}" $(jobs -p); do kill "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
   if [[ -n $ready ]]; then rm -rf "$ready"; fi
 }

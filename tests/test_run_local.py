@@ -96,3 +96,36 @@ def test_a_ctrl_c_while_the_certificates_are_made_stops_the_script() -> None:
     assert child.returncode == 130, (child.returncode, out, err)
     assert "quicedge local stack" not in out, out
     assert _gone(child.pid)  # nothing it started is left
+
+
+CTRL_C_BEFORE_THE_PID_IS_KEPT = """
+set -T
+hit=
+trap 'if [[ -z $hit && $BASH_COMMAND == "pids+=("* ]]; then hit=1; kill -INT $$; fi' DEBUG
+source scripts/run-local.sh
+"""
+"""The script, run as it is, with a Ctrl-C of its own the moment it has started the first
+stand-in and is about to keep its pid (a debug trap runs before each command)."""
+
+
+def test_a_ctrl_c_as_a_stand_in_is_started_stops_that_stand_in_too() -> None:
+    """The trap ran between the `&` and the `pids+=($!)` after it: the cleanup left that
+    stand-in running and then waited for it forever (4 runs in 40 with Ctrl-C at random)."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUICEDGE_")}
+    environ["SIM_PORTS"] = f"{free_port()} {free_port()}"
+    child = subprocess.Popen(
+        ["bash", "-c", CTRL_C_BEFORE_THE_PID_IS_KEPT, "scripts/run-local.sh"], cwd=ROOT,
+        env=environ, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        out, err = child.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        left = _children(child.pid)
+        raise AssertionError(f"the script still waits for {left}") from None
+    finally:
+        if not _gone(child.pid):
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+    assert child.returncode == 130, (child.returncode, out, err)
+    assert "quicedge local stack" not in out, out
