@@ -55,3 +55,24 @@ def test_the_disruption_arithmetic() -> None:
     assert disruptions_allowed(pdb(minAvailable="50%"), 5) == 2
     assert disruptions_allowed(pdb(maxUnavailable=1), 20) == 1
     assert disruptions_allowed(pdb(maxUnavailable="10%"), 20) == 2
+
+
+def test_the_edge_pods_spread_over_the_nodes() -> None:
+    """With `externalTrafficPolicy: Local` the load balancer shares the traffic out by node, and
+    each node's share goes to the edge pods on it: two pods on one node take half as much each
+    as a pod alone on another, and one node's failure takes both of the two the HPA keeps at
+    least. The scheduler's default spreading tolerates a skew of 3 pods per node."""
+    for overlay in OVERLAYS:
+        spec = one(render(overlay), "Deployment", "quicedge")["spec"]["template"]
+        labels = spec["metadata"]["labels"]
+        spreads = [
+            c
+            for c in spec["spec"].get("topologySpreadConstraints", [])
+            if c["topologyKey"] == "kubernetes.io/hostname"
+        ]
+        assert len(spreads) == 1, overlay
+        (spread,) = spreads
+        assert spread["maxSkew"] == 1
+        assert spread["labelSelector"]["matchLabels"].items() <= labels.items()
+        # More pods than nodes must still be scheduled: the HPA may ask for 20.
+        assert spread["whenUnsatisfiable"] == "ScheduleAnyway"
