@@ -93,11 +93,15 @@ account(KEYS[2], KEYS[3], 3, #ARGV[1])
 return 1
 """
 )
-# GETEX PX of KEYS[1]; when there, its use is noted in its tenant's share (KEYS[2]).
+# GETEX PX of KEYS[1]; when there, its use is noted in its tenant's share (KEYS[2], KEYS[3]),
+# whose TTL restarts with it: the count lives as long as what it counts, or a tenant that only
+# reads for longer than the TTL would write again from a count of nothing.
 _GET_SHARED = """
 local value = redis.call('GETEX', KEYS[1], 'PX', ARGV[1])
 if value then
   redis.call('ZADD', KEYS[2], 'XX', ARGV[2], ARGV[3])
+  redis.call('PEXPIRE', KEYS[2], ARGV[1])
+  redis.call('PEXPIRE', KEYS[3], ARGV[1])
 end
 return value
 """
@@ -372,7 +376,7 @@ class RedisState:
         used now."""
         args = [ttl_ms, time.time(), member]
         return await self._string(
-            "getex", lambda: self._get_shared(keys=[key, share.index], args=args)
+            "getex", lambda: self._get_shared(keys=[key, share.index, share.sizes], args=args)
         )
 
     async def delete_shared(self, share: Share, *members: str) -> int:
