@@ -7,6 +7,7 @@ types, docstrings and metadata here. `validate()` checks what one field's type c
 
 from __future__ import annotations
 
+import ipaddress
 import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -26,6 +27,14 @@ def format_address(addr: Address | None) -> str:
         return "off"
     host, port = addr
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _ipv4(host: str) -> bool:
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def listen_address(value: str) -> Address:
@@ -208,7 +217,26 @@ class TransportConfig:
                 raise ValueError("--ticket-secret seals tickets stored in Redis: it needs --redis")
             if len(self.ticket_secret.encode()) < 16:
                 raise ValueError("serve.ticket_secret must be at least 16 bytes")
+        self._check_tcp_listeners()
         return self
+
+    def _check_tcp_listeners(self) -> None:
+        """Two TCP listeners on one address: a start stopped on `Address already in use`, which
+        sends one looking for another process (ValueError naming the second flag). Only the sure
+        cases: the same host, or the IPv4 wildcard and an IPv4 address. Here, not only at start,
+        so that a reload refuses what a start would (it took it for the next restart, which then
+        did not start)."""
+        tcp = [("--tcp", self.tcp), ("--admin", self.admin), ("--http", self.http)]
+        for i, (flag, address) in enumerate(tcp):
+            for earlier, before in tcp[:i]:
+                if address is None or before is None or address[1] != before[1] or not address[1]:
+                    continue
+                hosts = {address[0], before[0]}
+                if len(hosts) == 1 or ("0.0.0.0" in hosts and all(map(_ipv4, hosts))):
+                    raise ValueError(
+                        f"{flag} {format_address(address)}: the address of {earlier}; each TCP "
+                        "listener needs a port of its own"
+                    )
 
 
 @dataclass(frozen=True, slots=True)
