@@ -217,16 +217,21 @@ class _Endpoint(QuicServer):
     def _token_outcome(self, header: QuicHeader, host: str) -> bool | None:
         """True: the Initial carries a good address token, now used up. False: no token to
         consider (none, or, where Retry is on, one aioquic checks as a Retry token). None: an
-        address token that is not good (used, expired, another address or key) where Retry is
-        on, so the client is sent a Retry, as if it had no token (RFC 9000 §8.1.3)."""
+        address token that is not good (used, expired, another address or key, tokens turned off)
+        where Retry is on, so the client is sent a Retry, as if it had no token (RFC 9000
+        §8.1.3)."""
         token = header.token
-        if not token or self.tokens is None:
+        if not token:
             return False
+        shaped = len(token) == TOKEN_BYTES and token.startswith(MARK)
+        if self.tokens is None:
+            # Turned off, but a client keeps a token for a day: one of ours is still no Retry
+            # token, which aioquic would answer with a close (INVALID_TOKEN), ending it.
+            return None if shaped and self.retry else False
         outcome = self.tokens.accept(token, host)
         if outcome == "accepted":
             self._count_token(outcome)
             return True
-        shaped = len(token) == TOKEN_BYTES and token.startswith(MARK)
         if shaped or not self.retry:
             self._count_token(outcome)
         return None if shaped and self.retry else False

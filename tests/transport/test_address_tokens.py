@@ -212,3 +212,16 @@ async def test_a_token_spares_the_retry_and_a_stale_one_gets_a_retry(
     assert metrics.address_tokens.labels("accepted")._value.get() == 1
     assert metrics.address_tokens.labels("invalid")._value.get() == 1
     assert metrics.address_tokens.labels("replayed")._value.get() == 1
+
+
+async def test_a_token_kept_from_before_tokens_were_turned_off_gets_a_retry(
+    h3_server: H3Factory, dev_certs: Any
+) -> None:
+    """A client keeps its token for a day; a listener with tokens turned off and Retry on
+    answers it with a Retry, as if it had no token (RFC 9000 §8.1.3), not with a close
+    (INVALID_TOKEN), which is for a bad Retry token (§8.1.2), and which ended its connection."""
+    token = AddressTokens(SECRET).issue(HOST)
+    async with h3_server(retry_secret=SECRET, token_secret=SECRET, address_tokens=False) as s:
+        async with h3_connect(s.port, dev_certs.ca_cert, token=token) as c:
+            assert (await c.fetch("GET", "/echo", timeout=5)).status == 200
+            assert retry_count(c.quic) == 1
