@@ -18,6 +18,7 @@ from transport.early_data import DEFAULT_MODE, EarlyDataPolicy, Mode
 from transport.h3_session import H3Limits
 from transport.loop import resolve as resolve_loop
 from transport.qlog import check_directory
+from transport.tls import CertificateFiles, check_files
 
 Address = tuple[str, int]
 
@@ -176,6 +177,10 @@ class TransportConfig:
             )
         if (self.cert is None) != (self.key is None):
             raise ValueError("--cert and --key go together: give both or neither")
+        if self.cert is not None and self.key is not None:
+            # read here, not only at start: a reload took files a start cannot read as a change
+            # for the next restart, which then did not start (TlsError names the file)
+            check_files(CertificateFiles(Path(self.cert), Path(self.key)))
         if self.cert is None and not self.dev_certs:
             # Only the TLS listeners present a certificate; admin and http are plain.
             refusal = dev_certificates_refusal([a[0] for a in (self.h3, self.tcp) if a])
