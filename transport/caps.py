@@ -168,8 +168,8 @@ class _GatedTCPServer(TCPServer):
         await self.idle_task.stop()
 
     async def protocol_send(self, event: Event) -> None:
-        if self._client_gone and isinstance(event, Updated):
-            return  # no idle timer for a connection whose client is gone
+        if isinstance(event, Updated) and (self._client_gone or _cancelling()):
+            return  # no idle timer for a connection whose client is gone, or that is ending
         limit = send_timeout_of(self.config)
         if limit is None or not isinstance(event, RawData):
             await super().protocol_send(event)
@@ -198,6 +198,17 @@ class _GatedTCPServer(TCPServer):
             pass
 
     async def run(self) -> None:
+        try:
+            await self._gated_run()
+        except (asyncio.CancelledError, BaseExceptionGroup) as exc:
+            if not _ended_by_the_drain(exc):
+                raise
+            # hypercorn's graceful timeout cancelled this connection, as the listener asked:
+            # ended quietly, where asyncio would log its task as an unhandled error (3.11's
+            # stream callback reads a cancelled task's exception, and hypercorn's idle timer,
+            # restarted in the cancelled task group, raises "TaskGroup is shutting down").
+
+    async def _gated_run(self) -> None:
         gate: ConnectionGate | None = getattr(self.config, GATE_ATTRIBUTE, None)
         if gate is None:
             await super().run()
@@ -211,6 +222,22 @@ class _GatedTCPServer(TCPServer):
             await super().run()
         finally:
             gate.release(host)
+
+
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+def _ended_by_the_drain(exc: BaseException) -> bool:
+    """The connection's task is being cancelled and `exc` is only what that cancellation raised
+    (in hypercorn's task group too)."""
+    if not _cancelling():
+        return False
+    if isinstance(exc, asyncio.CancelledError):
+        return True
+    assert isinstance(exc, BaseExceptionGroup)
+    return exc.split((asyncio.CancelledError, RuntimeError))[1] is None
 
 
 def gate_hypercorn() -> None:
