@@ -217,13 +217,15 @@ class _Endpoint(QuicServer):
     def _token_outcome(self, header: QuicHeader, host: str) -> bool | None:
         """True: the Initial carries a good address token, now used up. False: no token to
         consider (none, or, where Retry is on, one aioquic checks as a Retry token). None: an
-        address token that is not good (used, expired, another address or key, tokens turned off)
-        where Retry is on, so the client is sent a Retry, as if it had no token (RFC 9000
-        §8.1.3)."""
+        address token that is not good (used, expired, another address or key, tokens turned off),
+        or a token sealed under no key of ours (another server's), where Retry is on, so the
+        client is sent a Retry, as if it had no token (RFC 9000 §8.1.3)."""
         token = header.token
         if not token:
             return False
         shaped = len(token) == TOKEN_BYTES and token.startswith(MARK)
+        if self.retry and not shaped and not self._retry_token(token):
+            return None  # neither kind of ours: another server's, as if there were none
         if self.tokens is None:
             # Turned off, but a client keeps a token for a day: one of ours is still no Retry
             # token, which aioquic would answer with a close (INVALID_TOKEN), ending it.
@@ -235,6 +237,11 @@ class _Endpoint(QuicServer):
         if shaped or not self.retry:
             self._count_token(outcome)
         return None if shaped and self.retry else False
+
+    def _retry_token(self, token: bytes) -> bool:
+        """Whether `token` may be a Retry token of this listener's (for aioquic to check)."""
+        handler = retry_handler(self)
+        return not isinstance(handler, SharedRetryTokenHandler) or handler.sealed_here(token)
 
     def _count_token(self, outcome: str) -> None:
         if self._metrics is not None:

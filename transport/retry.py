@@ -16,7 +16,8 @@ import time
 from collections.abc import Callable
 
 from aioquic.quic.connection import NetworkAddress
-from aioquic.quic.retry import QuicRetryTokenHandler
+from aioquic.quic.retry import NONCE_LENGTH, QuicRetryTokenHandler
+from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
@@ -39,8 +40,19 @@ class SharedRetryTokenHandler(QuicRetryTokenHandler):
 
     def __init__(self, secret: bytes, *, clock: Callable[[], float] = time.time) -> None:
         super().__init__()
-        set_retry_key(self, AESGCM(derive_key(secret)))
+        self._key = AESGCM(derive_key(secret))
+        set_retry_key(self, self._key)
         self._clock = clock
+
+    def sealed_here(self, token: bytes) -> bool:
+        """Whether `token` was sealed under this key (a Retry token of ours, good or not): one
+        that is not (another server's NEW_TOKEN token, kept by its client for that server's
+        name) is no Retry token, and its client gets a Retry, not an INVALID_TOKEN close."""
+        try:
+            self._key.decrypt(token[:NONCE_LENGTH], token[NONCE_LENGTH:], None)
+        except (InvalidTag, ValueError):
+            return False
+        return True
 
     def create_token(
         self,

@@ -225,3 +225,15 @@ async def test_a_token_kept_from_before_tokens_were_turned_off_gets_a_retry(
         async with h3_connect(s.port, dev_certs.ca_cert, token=token) as c:
             assert (await c.fetch("GET", "/echo", timeout=5)).status == 200
             assert retry_count(c.quic) == 1
+
+
+async def test_a_token_of_another_server_gets_a_retry(h3_server: H3Factory, dev_certs: Any) -> None:
+    """Clients keep NEW_TOKEN tokens per server name: one from the QUIC server that had the name
+    before (or a deployment whose secret changed) is sealed under no key of ours. That is no
+    Retry token of ours either, so it gets a Retry as no token would (RFC 9000 §8.1.3), not the
+    INVALID_TOKEN close meant for a Retry token that fails its checks (§8.1.2)."""
+    foreign = bytes(range(60))  # a plausible size for another server's token
+    async with h3_server(retry_secret=SECRET, token_secret=SECRET) as s:
+        async with h3_connect(s.port, dev_certs.ca_cert, token=foreign) as c:
+            assert (await c.fetch("GET", "/echo", timeout=5)).status == 200
+            assert retry_count(c.quic) == 1

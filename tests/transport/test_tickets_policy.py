@@ -199,6 +199,9 @@ def test_retry_tokens_validate_across_handlers_with_the_same_secret() -> None:
         now=0,
     )
     assert b.validate_token(address=addr, destination_cid=b"rscid", token=token, now=0) == b"odcid"
+    # Sealed here (good or not, aioquic checks the rest) or by no key of ours at all.
+    assert b.sealed_here(token) and not other.sealed_here(token)
+    assert not b.sealed_here(b"") and not b.sealed_here(token[:-1])
     with pytest.raises(ValueError):
         other.validate_token(address=addr, destination_cid=b"rscid", token=token, now=0)
     with pytest.raises(ValueError, match="address"):
