@@ -315,7 +315,9 @@ class BackendRegistry:
         backend.consecutive_failures += 1
         if backend.consecutive_failures >= self.health.eject_after:
             h = self.health
-            duration = min(h.eject_max_s, h.eject_base_s * 2**backend.ejections_in_a_row)
+            # (the doubling stops at 2**60: far past any cap, and short of a float's overflow)
+            doubled = h.eject_base_s * 2 ** min(backend.ejections_in_a_row, 60)
+            duration = min(h.eject_max_s, doubled)
             backend.ejected_until = self._clock() + duration
             backend.ejections_in_a_row += 1
             backend.consecutive_failures = 0

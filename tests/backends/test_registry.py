@@ -116,6 +116,21 @@ def test_passive_ejection_backs_off_exponentially_and_returns() -> None:
     assert b.ejections_in_a_row == 0 and b.consecutive_failures == 0
 
 
+def test_ejections_without_end_stay_at_the_cap_and_never_overflow() -> None:
+    """A backend that fails every request while its health check passes is ejected again and
+    again (each `eject_max_s` at most): the 1,024th doubling of `eject_base_s` is past what a
+    float holds, and raised OverflowError on the request path."""
+    registry, clock = make()
+    b = registry.backends[0]
+    for _ in range(1100):
+        for _ in range(3):
+            registry.record_failure(b, "5xx")
+        ejected_for = b.ejected_until - clock.now
+        assert ejected_for == pytest.approx(4.0 if b.ejections_in_a_row > 3 else ejected_for)
+        clock.now = b.ejected_until
+    assert b.ejections_in_a_row == 1100
+
+
 def test_a_success_resets_the_consecutive_failure_count() -> None:
     registry, _ = make()
     b = registry.backends[0]
