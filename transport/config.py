@@ -18,6 +18,7 @@ from transport.early_data import DEFAULT_MODE, EarlyDataPolicy, Mode
 from transport.h3_session import H3Limits
 from transport.loop import resolve as resolve_loop
 from transport.qlog import check_directory
+from transport.tickets import DEFAULT_MAX_TTL
 from transport.tls import CertificateFiles, check_files
 
 Address = tuple[str, int]
@@ -92,6 +93,9 @@ class TransportConfig:
     process's memory."""
     redis_timeout: float = 0.05
     """Socket timeout of one ticket-store call to Redis, s (it runs on the event loop)."""
+    ticket_ttl: float = 86400.0
+    """How long an issued session ticket is kept for its one resumption, s (at most its 24 h
+    lifetime); in Redis each new connection's costs about 0.7 KB for this long."""
     ticket_secret: str | None = field(default=None, metadata=_SECRET)
     """Seals tickets stored in Redis (AES-GCM); at least 16 bytes, the same on every worker."""
     early_data: EarlyDataPolicy = field(default_factory=EarlyDataPolicy, metadata={"load": False})
@@ -210,6 +214,11 @@ class TransportConfig:
             raise ValueError(f"serve.cert_poll_interval must be > 0, got {self.cert_poll_interval}")
         if self.redis_timeout <= 0:
             raise ValueError(f"serve.redis_timeout must be > 0, got {self.redis_timeout}")
+        if not 0 < self.ticket_ttl <= DEFAULT_MAX_TTL:
+            raise ValueError(
+                f"serve.ticket_ttl must be > 0 and <= {DEFAULT_MAX_TTL:.0f} (a ticket's lifetime),"
+                f" got {self.ticket_ttl}"
+            )
         if self.quic_retry and self.workers > 1 and not self.quic_retry_secret:
             raise ValueError(
                 "--quic-retry with several workers needs --quic-retry-secret, so that every "

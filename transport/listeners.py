@@ -32,9 +32,11 @@ log = logging.getLogger("quicedge.serve")
 def ticket_store(config: TransportConfig) -> TicketStore:
     """Redis when configured (shared by every worker and machine), else this process's memory."""
     if not config.redis:
-        return MemoryTicketStore()
+        return MemoryTicketStore(max_ttl=config.ticket_ttl)
     secret = config.ticket_secret.encode() if config.ticket_secret else None
-    return RedisTicketStore(config.redis, timeout=config.redis_timeout, secret=secret)
+    return RedisTicketStore(
+        config.redis, timeout=config.redis_timeout, secret=secret, max_ttl=config.ticket_ttl
+    )
 
 
 class Listeners:
