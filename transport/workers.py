@@ -452,8 +452,12 @@ class _Workers:
         if signum != signal.SIGHUP:
             self.stopping.append(signum)
         for proc in self.procs:
-            if proc.is_alive() and proc.pid is not None:
-                os.kill(proc.pid, signum)
+            self._tell(proc, signum)
+
+    @staticmethod
+    def _tell(proc: Any, signum: int) -> None:
+        if proc.is_alive() and proc.pid is not None:
+            os.kill(proc.pid, signum)
 
     def supervise(self) -> None:
         """Until told to stop: start a worker that dies again, with its index and its steered
@@ -480,6 +484,8 @@ class _Workers:
                 proc.join()
                 if self.budget.take():
                     self.procs[index] = self._spawn(index)
+                    if self.stopping:  # it came during the spawn, when `forward` missed it
+                        self._tell(self.procs[index], self.stopping[-1])
                     log.warning(
                         "worker %d ended (exit %s): started again (pid %s)",
                         index, proc.exitcode, self.procs[index].pid,
