@@ -3,6 +3,8 @@ share it with that process (another `quicedge serve --workers 2`, say) instead o
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -35,7 +37,7 @@ def test_a_port_another_process_shares_out_stops_several_workers(
             *(x for flag, value in ports.items() for x in (flag, value)),
         ]  # fmt: skip
         with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-            proc = subprocess.Popen(cmd, stdout=out, stderr=err)
+            proc = subprocess.Popen(cmd, stdout=out, stderr=err, start_new_session=True)
             try:
                 deadline = time.monotonic() + 60
                 while proc.poll() is None:
@@ -43,8 +45,8 @@ def test_a_port_another_process_shares_out_stops_several_workers(
                     assert time.monotonic() < deadline, child_output(err)
                     time.sleep(0.02)
             finally:
-                if proc.poll() is None:
-                    proc.kill()
+                if proc.poll() is None:  # with its workers
+                    os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
             errors = child_output(err)
     assert proc.returncode == 1, errors
