@@ -48,6 +48,7 @@ from backends.registry import BackendRegistry
 from edge.errors import StateUnavailable
 from edge.redis_pubsub import PING_INTERVAL_S, PING_TIMEOUT_S, Subscription, subscriber_client
 from transport.loop import cancelled
+from transport.redacted import without_password
 
 log = logging.getLogger(__name__)
 
@@ -222,7 +223,7 @@ class SharedHolds:
         self.restored += 1
         log.warning("shared drains: Redis at %s had lost the drains (%s is gone: restarted without"
                     " persistence, or flushed); still holding %s and written back",
-                    self.url, self.marker, ", ".join(missing))  # fmt: skip
+                    without_password(self.url), self.marker, ", ".join(missing))  # fmt: skip
         return names | held
 
     async def _resubscribed(self, _gap: float | None) -> None:
@@ -243,7 +244,7 @@ class SharedHolds:
         if now - self._last_warning >= WARN_EVERY_S:
             self._last_warning = now
             log.warning("shared drains: Redis at %s did not answer (%s); holds stay as they are",
-                        self.url, _why(exc))  # fmt: skip
+                        without_password(self.url), _why(exc))  # fmt: skip
 
 
 class HoldsCollector(Collector):

@@ -44,6 +44,8 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from transport.redacted import without_password
+
 Clock = Callable[[], float]
 
 # Fixed by aioquic (tls.py: ticket_lifetime=86400); RFC 8446 §4.6.1 caps it at 7 days.
@@ -252,7 +254,7 @@ class RedisTicketStore:
         return self._sealer is not None
 
     def __repr__(self) -> str:
-        return f"<RedisTicketStore {self.url} prefix={self._prefix.decode()!r}>"
+        return f"<RedisTicketStore {without_password(self.url)} prefix={self._prefix.decode()!r}>"
 
     def _key(self, ticket_id: bytes) -> bytes:
         return self._prefix + ticket_id.hex().encode()

@@ -17,6 +17,8 @@ from typing import Any, Literal, TypeVar
 
 from redis.connection import parse_url
 
+from transport.redacted import without_password
+
 Tier = Literal["gold", "silver", "bronze"]
 TIERS: tuple[str, ...] = ("gold", "silver", "bronze")
 """Tiers in the order the admission queue serves them."""
@@ -108,7 +110,8 @@ class RedisSettings:
 
     def validate(self) -> None:
         if self.url is not None and not self.url.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"admission.redis.url: redis://HOST:PORT/DB, got {self.url!r}")
+            shown = without_password(self.url)
+            raise ValueError(f"admission.redis.url: redis://HOST:PORT/DB, got {shown!r}")
         if self.url is not None:
             try:  # as the client reads it: a bad port ended each worker at its start
                 parse_url(self.url)
