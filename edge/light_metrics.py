@@ -10,7 +10,7 @@ labelled `Histogram` or `Counter` would expose, minus the `_created` samples.
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from typing import Generic, TypeVar
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
@@ -66,6 +66,7 @@ class _Metric(Collector, Generic[Child]):
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
         self._children: dict[tuple[str, ...], Child] = {}
+        self._bound: tuple[int, Callable[[], Container[str]]] | None = None
         if not self.labelnames:
             self.labels()  # exposed from the start, as prometheus_client does
         if registry is not None:
@@ -78,6 +79,22 @@ class _Metric(Collector, Generic[Child]):
                 raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
             child = self._children[values] = self._new_child()
         return child
+
+    def bound(self, label: str, values: Callable[[], Container[str]]) -> None:
+        """Keep only the children whose `label` is among `values()`, read at each scrape: for
+        a label that names something which may go away (a backend that left the fleet), so
+        that its series leave the exposition with it instead of piling up."""
+        self._bound = (self.labelnames.index(label), values)
+
+    def _live(self) -> list[tuple[tuple[str, ...], Child]]:
+        """The children to expose, once those `bound` rules out are dropped."""
+        if self._bound is not None:
+            index, values = self._bound
+            live = values()
+            for key in list(self._children):  # a copy: a request may add one meanwhile
+                if key[index] not in live:
+                    self._children.pop(key, None)
+        return list(self._children.items())
 
     def _new_child(self) -> Child:
         raise NotImplementedError
@@ -114,7 +131,7 @@ class LightHistogram(_Metric[HistogramChild]):
     def collect(self) -> Iterator[HistogramMetricFamily]:
         family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
         edges = [*(repr(b) for b in self._bounds), "+Inf"]
-        for values, child in list(self._children.items()):
+        for values, child in self._live():
             cumulative, running = [], 0
             for edge, count in zip(edges, child.counts, strict=True):
                 running += count
@@ -135,6 +152,6 @@ class LightCounter(_Metric[CounterChild]):
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
-        for values, child in list(self._children.items()):
+        for values, child in self._live():
             family.add_metric(list(values), child.value)
         yield family

@@ -268,6 +268,20 @@ class Metrics:
         self.stage_admit = self.stage.labels("admit")
         self.stage_route = self.stage.labels("route")
 
+    def bound_backends(self, backends: Sequence[Any]) -> None:
+        """The per-request series labelled `backend` name only the backends of `backends` (the
+        registry's live list) when scraped: a backend that left the fleet (discovery, a reload)
+        leaves them too. Backends come and go for the edge's whole life (a rescheduled pod has
+        a new address, hence a new name); their series would pile up in memory and scrapes."""
+
+        def names() -> set[str]:
+            return {b.name for b in backends}
+
+        for metric in (
+            self.ttft, self.upstream_ttft, self.itl, self.upstream_requests, self.upstream_errors
+        ):  # fmt: skip
+            metric.bound("backend", names)
+
     def redis_breaker(self, store: str, old: str, state: str) -> None:
         """A `RedisGuard`'s state change (its `on_state`): the gauge, and a trip when it opens.
         (closed → closed only sets the gauge, so that it shows before the first trouble.)"""

@@ -360,6 +360,7 @@ async def build(
     )
     policy = make_policy(config.policy)
     metrics = Metrics(registry)
+    metrics.bound_backends(backends.backends)
     admission = Admission(config.admission, metrics=metrics)
     breaker_set = Breakers(
         (breakers or BreakerConfig()).validate(), backends.backends, registry=registry,

@@ -68,3 +68,22 @@ def test_wrong_label_count_and_duplicate_names_are_refused() -> None:
         light.labels("/a", "200")
     with pytest.raises(ValueError):
         LightCounter("reqs", "doc", ["route"], registry=registry)
+
+
+def test_a_bound_label_keeps_only_the_children_its_values_name_at_each_scrape() -> None:
+    registry = CollectorRegistry()
+    live = {"b1", "b2"}
+    counter = LightCounter("y", "doc", ["backend", "kind"], registry=registry)
+    histogram = LightHistogram("z_seconds", "doc", ["backend"], buckets=BUCKETS, registry=registry)
+    for metric in (counter, histogram):
+        metric.bound("backend", lambda: live)
+    for name in ("b1", "b2"):
+        counter.labels(name, "a").inc()
+        histogram.labels(name).observe(0.05)
+    live = {"b2"}
+    names = {(s[0], dict(s[1]).get("backend")) for s in samples(registry)}
+    assert names == {("y_total", "b2"), ("z_seconds_bucket", "b2"), ("z_seconds_count", "b2"),
+                     ("z_seconds_sum", "b2")}  # fmt: skip
+    live = {"b1", "b2"}  # back in the fleet: its series start again from nothing
+    counter.labels("b1", "a").inc()
+    assert ("y_total", (("backend", "b1"), ("kind", "a")), 1.0) in samples(registry)
