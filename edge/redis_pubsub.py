@@ -64,6 +64,17 @@ def subscriber_client(url: str, *, connect_timeout: float) -> Any:
     )
 
 
+async def drop_idle_connections(client: Any, timeout: float) -> None:
+    """Close `client`'s idle pooled connections (within `timeout`), so that its next calls
+    connect again. For a READONLY answer: after a failover behind one address (a Service, a
+    VIP, a DNS name), new connections reach the new master, but the old one, now a replica,
+    keeps the connections it had and refuses their writes for as long as they are reused.
+    (A subscription there needs no such care: a replica hears what its master publishes.)"""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(timeout):
+            await client.connection_pool.disconnect(inuse_connections=False)
+
+
 class SilentConnection(ConnectionError):
     """The subscribed connection did not answer PING in time: dead without a close."""
 
@@ -208,5 +219,6 @@ __all__ = [
     "SilentConnection",
     "Subscription",
     "SubscriptionCollector",
+    "drop_idle_connections",
     "subscriber_client",
 ]

@@ -29,6 +29,7 @@ from redis.exceptions import ResponseError
 
 from edge.admission.settings import RedisSettings
 from edge.free_time import FreeDeadline
+from edge.redis_pubsub import drop_idle_connections
 from edge.telemetry import REDIS_STATES
 
 log = logging.getLogger(__name__)
@@ -178,8 +179,8 @@ class RedisGuard:
                 # with Redis out of use for good.
                 fast = False
                 self._warn(f"redis ({self.name}) still unavailable: {exc or type(exc).__name__}")
-                if isinstance(exc, ResponseError):
-                    await self._reconnect()
+                if isinstance(exc, ResponseError):  # the address may lead elsewhere now
+                    await drop_idle_connections(self.client, max(s.timeout_ms / 1000, 0.05))
             if fast:
                 self._streak = 0
                 self._set("closed")
@@ -187,15 +188,6 @@ class RedisGuard:
                 return
             self._set("open")
             self._backoff = min(s.backoff_max_s, self._backoff * 2)
-
-    async def _reconnect(self) -> None:
-        """Close the idle connections, so that the next call connects again. After a refusal
-        (READONLY, OOM...): the address may lead elsewhere now. A failover behind one address
-        (a Service, a VIP, a DNS name) sends new connections to the new master, while the old
-        one, now a replica, keeps those it had and answers them READONLY for ever."""
-        with contextlib.suppress(Exception):
-            async with asyncio.timeout(max(self.settings.timeout_ms / 1000, 0.05)):
-                await self.client.connection_pool.disconnect(inuse_connections=False)
 
     async def aclose(self) -> None:
         if self._probe is not None:

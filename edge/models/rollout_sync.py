@@ -33,7 +33,9 @@ sent again, in order and before any later one, after a pause (`timeout`, doubled
 failed try up to `CATCH_UP_MAX_PAUSE_S`) until Redis takes it, unless a resume or restart of its
 rollout here came after it. A transition sent late says how long ago it was taken (`ago`), and
 an edge that resumed or restarted that rollout since does not take it, as it would not from the
-log.
+log. A publish answered READONLY closes the idle connections, so the next connects again: after
+a failover behind one address, the old master, now a replica, keeps the connections it had and
+refuses every write on them.
 
 The read of the log runs beside the subscription, not in its way: one that fails or takes
 longer than its wait (`timeout` at first, doubled each time up to `CATCH_UP_MAX_WAITS` ×
@@ -60,11 +62,18 @@ import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ReadOnlyError
 
 from edge.models.ramp import ADVANCES, STOPS, Transition
 from edge.models.rollout import Rollout
 from edge.models.service import Models
-from edge.redis_pubsub import PING_INTERVAL_S, PING_TIMEOUT_S, Subscription, subscriber_client
+from edge.redis_pubsub import (
+    PING_INTERVAL_S,
+    PING_TIMEOUT_S,
+    Subscription,
+    drop_idle_connections,
+    subscriber_client,
+)
 
 log = logging.getLogger(__name__)
 
@@ -221,6 +230,8 @@ class RolloutSync:
             raise
         except Exception as exc:
             self._failed("a publish", exc)
+            if isinstance(exc, ReadOnlyError):  # a failover may have moved the address
+                await drop_idle_connections(self._redis, self.timeout)
             return False
         self.published += 1
         return True

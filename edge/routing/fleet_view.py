@@ -32,7 +32,9 @@ process routes there.
 
 When Redis is slow or gone, every call is bounded by `timeout`, the failure is logged as a
 warning at most once per `warn_every` seconds, remote knowledge ages out, and routing goes on
-with the process's own tree (the policy never calls Redis).
+with the process's own tree (the policy never calls Redis). A publish answered READONLY closes
+the idle connections, so the next connects again: after a failover behind one address, the old
+master, now a replica, would refuse every publish on the connections it kept.
 """
 
 from __future__ import annotations
@@ -54,9 +56,10 @@ import orjson
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ReadOnlyError
 
 from backends.registry import Backend
-from edge.redis_pubsub import Subscription, subscriber_client
+from edge.redis_pubsub import Subscription, drop_idle_connections, subscriber_client
 
 log = logging.getLogger(__name__)
 
@@ -340,6 +343,8 @@ class FleetView:
             except Exception as exc:  # Redis down, slow or odd: carry on with local knowledge
                 self.connected = False
                 self._failed(exc)
+                if isinstance(exc, ReadOnlyError):  # a failover may have moved the address
+                    await drop_idle_connections(self._redis, self.config.timeout)
             await asyncio.sleep(self.config.interval)
 
     def _failed(self, exc: BaseException) -> None:

@@ -8,12 +8,14 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import redis
 
 from edge.models import ModelsConfig
 from tests.edge.conftest import fast_config, run_edge
 from tests.edge.models.test_pools_e2e import sim, sims
 from tests.edge.models.test_rollout_e2e import rollout
 from tests.edge.models.test_rollout_sync import ramp_state, subscribed
+from tests.edge.silent_relay import SilentRelay
 from tests.helpers import RedisServer, wait_until
 
 
@@ -117,3 +119,45 @@ async def test_a_stop_sent_late_is_not_taken_by_an_edge_that_resumed_after_it(
                 assert actions == ["pause", "resume", "rollback"]
             finally:
                 restarted.stop()
+
+
+async def test_a_rollback_after_a_failover_that_moves_the_address_reaches_the_other_edge(
+    own_redis: RedisServer, redis_prefix: str
+) -> None:
+    """A failover behind one address (a Service, a VIP, DNS): the old master, now a replica,
+    keeps the connections it had and refuses their writes (READONLY); new connections reach the
+    new master. A rollback's publish must get there, not be refused for ever (kept and sent
+    again on the same connection)."""
+    promoted = RedisServer()
+    async with (
+        sims(sim("m", model_version="v1"), sim("m", model_version="v2")) as (s1, s2),
+        SilentRelay(own_redis.url) as relay,
+    ):
+        config = fast_config([s1.url, s2.url])
+        models = ModelsConfig(rollouts=[rollout()], share_stops=True, share_key=redis_prefix + "r")
+        try:
+            async with (
+                run_edge(config, models=models, redis_url=relay.url) as a,
+                run_edge(config, models=models, redis_url=relay.url) as b,
+                httpx.AsyncClient() as admin,
+            ):
+                await subscribed(a, b)
+                sync_b = b.wiring.rollout_sync
+                assert sync_b is not None
+                assert (await admin.post(b.admin_url + "/rollouts/m/pause")).status_code == 200
+                await wait_until(lambda: ramp_state(a)[0] == "paused", timeout=10)
+                with redis.Redis(port=own_redis.port) as r:
+                    r.replicaof("127.0.0.1", str(promoted.port))
+                    relay.upstream = ("127.0.0.1", promoted.port)
+                    # A's subscription stays on the old master: a replica hears what its master
+                    # publishes once its link is up (news in between is lost there)
+                    await wait_until(
+                        lambda: r.info("replication")["master_link_status"] == "up", timeout=15
+                    )
+                assert (await admin.post(b.admin_url + "/rollouts/m/rollback")).status_code == 200
+                await wait_until(lambda: ramp_state(a)[0] == "rolled_back", timeout=15)
+                assert sync_b.published == 2
+                with redis.Redis(port=promoted.port) as r:
+                    assert r.xlen(redis_prefix + "r:log") == 1  # the rollback, on the new master
+        finally:
+            promoted.stop()
