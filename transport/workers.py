@@ -340,8 +340,12 @@ def run_workers(plan: Plan, *, announce: Announce = print_ready) -> int:
         t = replace(t, quic_retry_secret=os.urandom(24).hex())
     plan = replace(plan, transport=t, reuse_port=True)
     workers = _Workers(plan, _steered_sockets(t))
+    # Before the first spawn: a SIGTERM while they are spawned (a pipe's worth of settings
+    # each, written as the worker's interpreter reads them) ended this process alone, and
+    # left the workers it had started serving on.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, workers.forward)
+    workers.start()
     _release_reloads()
     reported: dict[int, Any] = {}
     failed = False
@@ -409,8 +413,13 @@ class _Workers:
         self.budget = RestartBudget()
         self._starts: dict[int, int] = {}
         self.procs: list[Any] = []
-        for index in range(plan.transport.workers):
+
+    def start(self) -> None:
+        """Spawn the workers; one told to stop while it was spawned is told now."""
+        for index in range(self.plan.transport.workers):
             self.procs.append(self._spawn(index))
+            if self.stopping:  # it came during the spawn, when `forward` missed it
+                self._tell(self.procs[index], self.stopping[-1])
 
     def _spawn(self, index: int) -> Any:
         sock = self.group[index] if self.group else None

@@ -4,6 +4,7 @@ for that one forever, which served on."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -72,3 +73,37 @@ def test_a_sigterm_while_a_worker_is_started_again_stops_that_worker_too(redis_u
                 proc.kill()
                 proc.wait()
         assert code == 0, child_output(err)
+
+
+def test_a_sigterm_while_the_workers_are_spawned_leaves_none_serving(redis_url: str) -> None:
+    """The parent took over SIGTERM only once every worker was spawned: one in the spawn ended
+    the parent alone, by its default action, and the workers spawned by then served on with
+    nobody to stop them."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("QUICEDGE_")}
+    environ["QUICEDGE_TEST_PADDING"] = "x" * 100_000  # a slow spawn, as above
+    cmd = [
+        sys.executable, "-m", "edge.cli", "serve", "--workers", "2", "--redis", redis_url,
+        "--backend", f"http://127.0.0.1:{free_port()}", "--h3", f"127.0.0.1:{free_udp_port()}",
+        "--tcp", f"127.0.0.1:{free_port()}", "--admin", f"127.0.0.1:{free_port()}",
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env=environ, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        # The second worker in its spawn: the first has its settings, and would serve.
+        while len(spawned := _children(proc.pid)) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "no workers spawned"
+            time.sleep(0.001)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+        while left := [pid for pid in spawned if os.path.exists(f"/proc/{pid}/cmdline")]:
+            assert time.monotonic() < deadline, f"workers serving on: {left}"
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        with contextlib.suppress(ProcessLookupError):  # the workers, if left behind
+            os.killpg(proc.pid, signal.SIGKILL)
