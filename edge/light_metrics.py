@@ -45,7 +45,12 @@ class CounterChild:
         self.value = 0.0
 
     def inc(self, amount: float = 1.0) -> None:
-        self.value += amount
+        """Add `amount`; one that is not above 0 (a count a backend reported negative, or NaN)
+        is left out: a counter that went down would read to Prometheus as a restart, and
+        `rate()` would take all it had counted as new. (prometheus_client raises instead, which
+        here would fail the request that counts it.)"""
+        if amount > 0:
+            self.value += amount
 
 
 Child = TypeVar("Child", HistogramChild, CounterChild)
