@@ -80,9 +80,9 @@ async def async_wait_for_tcp(host: str, port: int, timeout: float = 10.0) -> Non
 class RedisServer:
     """A redis-server of our own on a free loopback port; stopping it tests Redis going away."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, *, password: str | None = None) -> None:
         """Start one on `port` (None: a free one, `restartable_port`; the old port restarts a
-        stopped server)."""
+        stopped server); with `password`, clients must give it (`requirepass`)."""
         binary = shutil.which("redis-server")
         if binary is None:
             raise RuntimeError(
@@ -90,7 +90,9 @@ class RedisServer:
                 "or set QUICEDGE_TEST_REDIS_URL"
             )
         self.port = port or restartable_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        auth = f":{password}@" if password is not None else ""
+        self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
+        more = ["--requirepass", password] if password is not None else []
         self.proc = subprocess.Popen(
             [
                 binary,
@@ -102,11 +104,12 @@ class RedisServer:
                 "",
                 "--appendonly",
                 "no",
+                *more,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        client = redis.Redis(port=self.port)
+        client = redis.Redis(port=self.port, password=password)
         deadline = time.monotonic() + 10
         while True:
             try:

@@ -18,6 +18,7 @@ from transport.early_data import DEFAULT_MODE, EarlyDataPolicy, Mode
 from transport.h3_session import H3Limits
 from transport.loop import resolve as resolve_loop
 from transport.qlog import check_directory
+from transport.redacted import without_password
 from transport.tickets import DEFAULT_MAX_TTL
 from transport.tls import CertificateFiles, check_files
 
@@ -177,7 +178,8 @@ class TransportConfig:
             ("redis://", "rediss://", "unix://")
         ):
             raise ValueError(
-                f"serve.redis: expected a redis://, rediss:// or unix:// URL, got {self.redis!r}"
+                f"serve.redis: expected a redis://, rediss:// or unix:// URL,"
+                f" got {without_password(self.redis)!r}"
             )
         if (self.cert is None) != (self.key is None):
             raise ValueError("--cert and --key go together: give both or neither")

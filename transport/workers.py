@@ -36,6 +36,7 @@ from transport.loop import run as run_on_loop
 from transport.loop import running_loop_name
 from transport.metrics import TransportMetrics
 from transport.read_delay import ReadDelayProbe
+from transport.redacted import without_password
 from transport.sockets import bind_naming
 from transport.tls import TlsMaterial, resolve_files
 
@@ -205,7 +206,8 @@ async def _run_worker(
     try:
         lines = await listeners.start()
         store = (
-            f"redis {t.redis} ({'sealed' if t.ticket_secret else 'NOT sealed: --ticket-secret'})"
+            f"redis {without_password(t.redis)} "
+            f"({'sealed' if t.ticket_secret else 'NOT sealed: --ticket-secret'})"
             if t.redis
             else "memory (this process only)"
         )

@@ -74,6 +74,7 @@ from edge.redis_pubsub import (
     drop_idle_connections,
     subscriber_client,
 )
+from transport.redacted import without_password
 
 log = logging.getLogger(__name__)
 
@@ -193,8 +194,9 @@ class RolloutSync:
         now = time.monotonic()
         if now - self._last_warning >= WARN_EVERY_S:
             self._last_warning = now
+            why = str(exc) or type(exc).__name__
             log.warning("rollout sync: Redis at %s: %s failed (%s); each edge keeps its own ramp",
-                        self.url, what, str(exc) or type(exc).__name__)  # fmt: skip
+                        without_password(self.url), what, why)  # fmt: skip
 
     # -- out --------------------------------------------------------------------------------
     def _transitioned(self, rollout: Rollout, transition: Transition) -> None:

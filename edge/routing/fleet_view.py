@@ -60,6 +60,7 @@ from redis.exceptions import ReadOnlyError
 
 from backends.registry import Backend
 from edge.redis_pubsub import Subscription, drop_idle_connections, subscriber_client
+from transport.redacted import without_password
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,8 @@ class FleetViewConfig:
         if self.redis is not None and not self.redis.startswith(
             ("redis://", "rediss://", "unix://")
         ):
-            raise ValueError(f"fleet_view.redis: expected a redis:// URL, got {self.redis!r}")
+            shown = without_password(self.redis)
+            raise ValueError(f"fleet_view.redis: expected a redis:// URL, got {shown!r}")
         if not 0 < self.refresh <= self.ttl / 2:
             raise ValueError(
                 f"fleet_view.refresh: must be > 0 and <= ttl / 2, got {self.refresh!r}"
@@ -353,7 +355,7 @@ class FleetView:
         if now - self._last_warning >= self.config.warn_every:
             self._last_warning = now
             log.warning("fleet view: Redis at %s failed (%s); routing on local knowledge",
-                        self.url, str(exc) or type(exc).__name__)  # fmt: skip
+                        without_password(self.url), str(exc) or type(exc).__name__)  # fmt: skip
 
     def _load_state(self) -> tuple[tuple[str, int, int, int], ...]:
         return tuple((b.url, b.in_flight_prefill_tokens, b.in_prefill, b.in_flight)
