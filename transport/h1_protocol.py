@@ -121,6 +121,8 @@ class H1Protocol(asyncio.Protocol):
         self._next_waits = False  # the next request waits until the client reads its answers
         self._drain: asyncio.Future[None] | None = None
         self._closed = False
+        self._unsent = -1  # once closed: the bytes still to write at the last progress
+        self._unsent_since = 0.0  # ... and when that was
         self._idle_since: float = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._client: tuple[str, int] | None = None
@@ -574,15 +576,22 @@ class H1Protocol(asyncio.Protocol):
         deadline is noticed at the first check after it passed: within a quarter of the
         shortest timeout."""
         self._timer = None
-        if self._closed:
-            return
         options = self.server.options
         period = self.server.timer_period
-        if self.write_paused and self.loop.time() - self._paused_at > options.send_timeout:
+        if self._transport is None:
+            return
+        if (self.write_paused and self.loop.time() - self._paused_at > options.send_timeout) or (
+            self._closed and self._flush_stalled(options.send_timeout)
+        ):
             # The client took none of the response for `send_timeout`: nothing more will go,
-            # and the app hears of it as the client's going (its disconnect callback).
+            # and the app hears of it as the client's going (its disconnect callback). Closed,
+            # the connection still holds what is unwritten (the end of its last answer, which
+            # the app wrote without a wait): the transport lets go only once it is written.
             self.server.timed_out("send")
             self.abort()
+            return
+        if self._closed:
+            self._timer = self.loop.call_later(period, self._on_timer)  # until it is written
             return
         if self._cycle is None:
             if self._head_fed:  # a head is arriving
@@ -600,6 +609,19 @@ class H1Protocol(asyncio.Protocol):
                 self._timed_out("body")
                 return
         self._timer = self.loop.call_later(period, self._on_timer)
+
+    def _flush_stalled(self, limit: float) -> bool:
+        """Whether the bytes a closed connection has yet to write (the end of its last answer,
+        which the app wrote without a wait) have not shrunk for `limit` seconds: asyncio's
+        transport lets go of a connection only once they are written, and a client that never
+        reads would hold both for ever."""
+        assert self._transport is not None
+        left = self._transport.get_write_buffer_size()
+        now = self.loop.time()
+        if self._unsent < 0 or left < self._unsent:
+            self._unsent, self._unsent_since = left, now  # progress (or the first look)
+            return False
+        return left > 0 and now - self._unsent_since > limit
 
     def _timed_out(self, phase: str) -> None:
         """A head or body past its deadline: 408 (or a close, once a response began)."""
