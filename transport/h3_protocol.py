@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING, Any, cast
 
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.quic.connection import NetworkAddress, QuicConnection, QuicErrorCode
-from aioquic.quic.events import ConnectionTerminated, HandshakeCompleted, QuicEvent
+from aioquic.quic.events import (
+    ConnectionTerminated,
+    HandshakeCompleted,
+    QuicEvent,
+    StopSendingReceived,
+    StreamReset,
+)
 from aioquic.quic.packet import QuicFrameType
 
 from transport import aioquic_patches
@@ -90,7 +96,10 @@ class _StreamChannel:
         proto = self.proto
         sent = proto.session.send_body(self.stream_id, body, more)
         proto.transmit_soon()
-        return not (sent and more) or proto.writable(self.stream_id)
+        if sent and not more:
+            proto.watch_end(self.stream_id)  # the end's write does not wait: it is timed apart
+            return True
+        return not sent or proto.writable(self.stream_id)
 
     async def drained(self) -> None:
         await self.proto.wait_writable(self.stream_id)
@@ -144,6 +153,10 @@ class H3Protocol(QuicConnectionProtocol):
         # The receive windows grow with the body bytes the app has read, not those queued.
         self._unread = aioquic_patches.track_unread(quic)
         self._writable: dict[int, asyncio.Future[None]] = {}
+        # Streams whose response ended with bytes unacknowledged: (bytes at the last progress,
+        # when), looked at every quarter of `send_timeout` while there are any.
+        self._ends: dict[int, tuple[int, float]] = {}
+        self._ends_timer: asyncio.TimerHandle | None = None
         self._flush: asyncio.Handle | None = None
         self._flush_since = 0.0  # when the write the pending flush is for was made
         self._early: set[int] = set()  # started in 0-RTT, handshake not yet complete
@@ -182,12 +195,15 @@ class H3Protocol(QuicConnectionProtocol):
         elif isinstance(event, ConnectionTerminated) and self.on_closed is not None:
             on_closed, self.on_closed = self.on_closed, None
             on_closed()
+        elif self._ends and isinstance(event, StopSendingReceived | StreamReset):
+            self._ends.pop(event.stream_id, None)  # the client ended it: nothing left to time
         for action in self._session.handle(event, self._event_loop.time()):
             self._execute(action)
         if self._session.terminated:
             self._release_writers(everyone=True)
             self._stop_early_watch()
             self._stop_handshake_deadline()
+            self._stop_ends_watch()
 
     def _run_actions(self, actions: list[Action]) -> None:
         """Actions the session took outside an event (a request's body deadline)."""
@@ -300,6 +316,51 @@ class H3Protocol(QuicConnectionProtocol):
         if channel is not None:
             channel.gone()
         self.transmit()
+
+    def watch_end(self, stream_id: int) -> None:
+        """The stream's response has ended: its last write waited for nothing, so the client
+        must take the rest within `send_timeout` of each step forward, else the stream is
+        reset. aioquic holds what is unacknowledged (and the stream, under the connection's
+        MAX_STREAMS) until the client takes it: a client that granted no credit kept a whole
+        answer, of any size, for as long as it kept the connection."""
+        self._ends[stream_id] = (-1, 0.0)
+        if self._ends_timer is None:
+            self._ends_timer = self._event_loop.call_later(
+                self._server.limits.send_timeout / 4, self._check_ends
+            )
+
+    def _check_ends(self) -> None:
+        self._ends_timer = None
+        if self._session.terminated:
+            self._ends.clear()
+            return
+        now = self._event_loop.time()
+        limit = self._server.limits.send_timeout
+        stalled = []
+        for stream_id, (last, since) in list(self._ends.items()):
+            left = self._unacked(stream_id)  # 0 once acknowledged whole: the stream is gone
+            if not left:
+                del self._ends[stream_id]
+            elif last < 0 or left < last:
+                self._ends[stream_id] = (left, now)
+            elif now - since >= limit:
+                del self._ends[stream_id]
+                stalled.append(stream_id)
+        for stream_id in stalled:
+            self._session.abandon(stream_id)
+        if stalled:
+            metrics = self._server.metrics
+            if metrics is not None:
+                metrics.request_timeouts.labels("h3", "send").inc(len(stalled))
+            self.transmit()
+        if self._ends:
+            self._ends_timer = self._event_loop.call_later(limit / 4, self._check_ends)
+
+    def _stop_ends_watch(self) -> None:
+        self._ends.clear()
+        if self._ends_timer is not None:
+            self._ends_timer.cancel()
+            self._ends_timer = None
 
     def _execute(self, action: Action) -> None:
         if isinstance(action, RequestBody):

@@ -585,6 +585,12 @@ class H3Session:
         if self._requests.pop(stream_id, None) is not None:
             self._h3.abort_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
 
+    def abandon(self, stream_id: int) -> None:
+        """Reset a stream whose response has ended but which the client has not taken (the
+        send timeout): what is unacknowledged is never sent."""
+        if not self.terminated:
+            self._h3.abort_stream(stream_id, ErrorCode.H3_REQUEST_CANCELLED)
+
     def goaway(self) -> None:
         """Send GOAWAY (RFC 9114 §5.2): requests already received finish, later ones are refused."""
         if self._goaway_id is not None:

@@ -16,9 +16,16 @@ import socket
 from typing import Any
 
 import pytest
+from aioquic.h3.connection import ErrorCode
+from prometheus_client import CollectorRegistry
 
 from tests.helpers import wait_until
+from tests.transport.conftest import H3Factory
+from tests.transport.h3client import h3_connect
+from transport.aioquic_private import unacked_bytes
 from transport.h1_server import H1Listener
+from transport.h3_session import H3Limits
+from transport.metrics import TransportMetrics
 from transport.tcp import TcpListener, TcpOptions
 
 ANSWER = 16 * 1024 * 1024
@@ -79,3 +86,38 @@ async def test_a_closing_connection_whose_client_takes_none_is_cut_off(
     finally:
         sock.close()
         await served.stop()
+
+
+def withhold_credit(client: Any) -> None:
+    """The client acknowledges what it receives but never raises its flow-control limits
+    (MAX_STREAM_DATA, MAX_DATA): the answer stops at its windows."""
+    client.quic._write_stream_limits = lambda *args, **kwargs: None
+    client.quic._write_connection_limits = lambda *args, **kwargs: None
+
+
+async def test_an_http3_answer_ended_while_the_client_grants_no_credit_is_reset(
+    h3_server: H3Factory, dev_certs: Any
+) -> None:
+    """The response ended (FIN written) with most of it still held for a client that grants no
+    credit: after the send timeout the stream is reset, which frees what it held."""
+    app = WholeAnswer(3 * 1024 * 1024)  # past the client's windows (1 MiB each)
+    registry = CollectorRegistry()
+    async with h3_server(
+        app=app, limits=H3Limits(send_timeout=0.5), metrics=TransportMetrics(registry)
+    ) as server:
+        async with h3_connect(server.port, dev_certs.ca_cert) as client:
+            withhold_credit(client)
+            stream_id = client.request("GET", "/whole")
+            client.transmit()
+            await asyncio.wait_for(app.returned.wait(), 5)
+            response = client.responses[stream_id]
+            await asyncio.wait_for(response.done.wait(), 10)
+            assert response.reset_code == ErrorCode.H3_REQUEST_CANCELLED
+            assert len(response.body) < app.size
+            (protocol,) = server.connections()
+            # the reset acknowledged, the stream is gone, and with it what it held
+            await wait_until(lambda: unacked_bytes(protocol.quic, stream_id) == 0, timeout=5)
+    sent = registry.get_sample_value(
+        "quicedge_request_timeouts_total", {"listener": "h3", "phase": "send"}
+    )
+    assert sent == 1
