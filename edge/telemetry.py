@@ -212,9 +212,9 @@ class Metrics:
         )
         self.config_reloads = LightCounter(
             "quicedge_config_reloads",
-            "Reloads of the config file (SIGHUP, or a change seen with config_poll_interval),"
-            " by outcome: applied (a live section changed), unchanged, refused (the file did"
-            " not load or validate; nothing changed)",
+            "Reloads of the config file (SIGHUP, POST /config/reload, or a change seen with"
+            " config_poll_interval) this worker ran, by outcome: applied (a live section"
+            " changed), unchanged, refused (the file did not load or validate; nothing changed)",
             ["outcome"],
             registry=registry,
         )
