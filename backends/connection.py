@@ -47,6 +47,9 @@ class Connection(asyncio.Protocol):
         self.in_flight = False  # a request was sent and its response is not complete
         self.received_any = False  # any byte of the current response arrived
         self.unread_since = 0.0  # perf_counter() of the read that brought the oldest unread body
+        self.progress_at: float | None = None
+        """`loop.time()` of the consumer's last progress (`progressed`), once it counts its own:
+        the chunk timeout then runs from there, not from the last read. None: each read counts."""
         self.sink: Callable[[], bool] | None = None
         """Called after each read that parsed something; True: it took care of it, the waiting
         consumer need not wake (see `UpstreamResponse.set_sink`)."""
@@ -101,7 +104,11 @@ class Connection(asyncio.Protocol):
         # 2. a relay took the body from here: the request task sleeps on
         sink = self.sink
         if sink is not None and sink():
-            if self._deadline is not None and self._wait_timeout is not None:
+            if (
+                self._deadline is not None
+                and self._wait_timeout is not None
+                and self.progress_at is None
+            ):
                 self._deadline = self.loop.time() + self._wait_timeout  # progress: a new chunk
             return
         # 3. otherwise the task waiting in `wait` takes it
@@ -139,6 +146,7 @@ class Connection(asyncio.Protocol):
         self.sink = None
         self.in_flight = True
         self.received_any = False
+        self.progress_at = None
         self.transport.write(data)
         urgent = self.host.pool.urgent
         if urgent is not None and self.fd >= 0 and is_urgent:
@@ -221,13 +229,15 @@ class Connection(asyncio.Protocol):
 
     async def wait(self, timeout: float | None, what: str, of: float | None = None) -> None:
         """Wait for the next read (or EOF); UpstreamTimeout after `timeout` s without one (the
-        rest of a limit of `of` s, which the error names, when given)."""
+        rest of a limit of `of` s, which the error names, when given), or, once the consumer
+        counts its own progress (`progressed`), `timeout` s after its last."""
         loop = self.loop
         waiter = loop.create_future()
         self._waiter = waiter
         self._wait_timeout = timeout
         if timeout is not None:
-            deadline = self._deadline = loop.time() + timeout
+            since = self.progress_at
+            deadline = self._deadline = (loop.time() if since is None else since) + timeout
             if self._timer is None or self._timer_at > deadline:
                 self._arm(loop, deadline)
         try:
@@ -243,6 +253,14 @@ class Connection(asyncio.Protocol):
             if self._waiter is waiter:
                 self._waiter = None
                 self._deadline = None  # the timer, if it fires now, finds nothing to expire
+
+    def progressed(self) -> None:
+        """The consumer made progress (passed something on): the chunk timeout starts again
+        from now, for the wait in progress and the next ones; from the first call on, reads
+        alone no longer count (`UpstreamResponse.count_progress`)."""
+        now = self.progress_at = self.loop.time()
+        if self._deadline is not None and self._wait_timeout is not None:
+            self._deadline = now + self._wait_timeout
 
     def _arm(self, loop: asyncio.AbstractEventLoop, when: float) -> None:
         if self._timer is not None:

@@ -106,7 +106,8 @@ class UpstreamResponse:
                     base_url=self._host.base_url,
                 )
             try:
-                await conn.wait(self._chunk_timeout, "body chunk")
+                what = "body chunk" if conn.progress_at is None else "whole event"
+                await conn.wait(self._chunk_timeout, what)
             except UpstreamError:
                 self._abort()
                 raise
@@ -122,6 +123,21 @@ class UpstreamResponse:
         error. While the sink takes chunks, each one counts as progress for `chunk_timeout`."""
         if self._conn is not None:
             self._conn.sink = sink
+
+    def count_progress(self) -> None:
+        """From now on only `progressed()` is progress for `chunk_timeout`, not each read: a
+        relay that holds the bytes of an unfinished event calls it as it passes something on,
+        so a backend that trickles bytes but never completes an event is cut as a silent one
+        is, instead of holding the request for good."""
+        conn = self._conn
+        if conn is not None and conn.progress_at is None:
+            conn.progress_at = conn.loop.time()
+
+    def progressed(self) -> None:
+        """Something was passed on (or the client's buffer drained): see `count_progress`."""
+        conn = self._conn
+        if conn is not None:
+            conn.progressed()
 
     def take_ready(self) -> bytes:
         """The body bytes parsed so far, without waiting (b"" when none); sets `arrived_at`."""

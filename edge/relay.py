@@ -122,6 +122,7 @@ class StreamRelay:
         a `writer`. Called from a transport callback: a failure is kept for `run` to raise."""
         assert self.writer is not None
         self.began, self.began_at, self._chunks = True, time.perf_counter(), chunks
+        chunks.count_progress()
         try:
             more = _pass_on(chunks, self.writer, self, chunks.take_ready(), start)
         except Exception as exc:
@@ -145,6 +146,7 @@ class StreamRelay:
         the API's format then `data: [DONE]` (as SGLang does), never a hang. Client-side send
         errors propagate."""
         result = self.result
+        chunks.count_progress()  # bytes of an event never finished are not progress
         try:
             if self._failure is not None:
                 raise self._failed()
@@ -182,6 +184,7 @@ class StreamRelay:
 
     def passed(self, chunks: UpstreamResponse, chunk: bytes, content: int, arrived: float) -> None:
         """`chunk`, read at `arrived` with `content` tokens in it, was handed to the client."""
+        chunks.progressed()
         result = self.result
         result.bytes_out += len(chunk)
         if content:
@@ -255,6 +258,7 @@ class StreamRelay:
             self._blocked = not _pass_on(chunks, writer, self, chunks.take_ready(), start)
         if self._blocked:
             await writer.drained()
+            chunks.progressed()  # the wait was the client's, not the backend's
         if self.ended:
             return
         chunks.set_sink(self._take)
@@ -262,6 +266,7 @@ class StreamRelay:
             async for chunk in chunks:  # only what the callback did not take
                 if not _pass_on(chunks, writer, self, chunk):
                     await writer.drained()
+                    chunks.progressed()
                 chunks.set_sink(self._take)
         except UpstreamError:
             if self._failure is not None:
