@@ -328,6 +328,8 @@ class Attempts:
                 except UpstreamError as exc:
                     error = exc.kind
                     self._upstream_failed(backend, exc.kind)
+                    if isinstance(exc, UpstreamTimeout):
+                        self._abort(ex, backend)  # it may still be working on it
                     raise from_upstream(exc, expose=self.expose) from None
                 except Overloaded:
                     error = "overloaded"  # the edge's room, not the backend's failure

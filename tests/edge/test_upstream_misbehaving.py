@@ -158,6 +158,28 @@ async def test_a_stream_that_trickles_bytes_but_never_ends_an_event_is_cut(liste
         await wait_until(lambda: "/abort_request" in ups[0].paths)
 
 
+async def _stalls_mid_answer(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes
+) -> None:
+    """A non-streamed answer's head and half its body, then nothing."""
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 40\r\n\r\n")
+    writer.write(b"{")
+    await writer.drain()
+    await asyncio.sleep(30)
+
+
+async def test_a_non_streamed_answer_that_stalls_is_504_and_aborted_on_the_backend() -> None:
+    """A timeout leaves the backend working on the request, so the edge aborts it there
+    (`/abort_request`, docs/errors.md); an answer that stalled after its head was not."""
+    async with edge_before(_stalls_mid_answer, chunk_timeout=0.3) as (edge, ups, http):
+        response = await http.post("/v1/completions", json=dict(COMPLETION, stream=False))
+        assert response.status_code == 504
+        assert response.json()["error"]["code"] == "upstream_timeout"
+        assert in_flight(edge) == [0]
+        assert edge.wiring.registry.backends[0].failures == {"timeout": 1}
+        await wait_until(lambda: "/abort_request" in ups[0].paths, timeout=3.0)
+
+
 async def _head_only(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes
 ) -> None:
