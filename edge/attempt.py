@@ -307,9 +307,8 @@ class Attempts:
                 await _drain_refusal(response)
                 error = "429" if status == 429 else "5xx"
                 self._upstream_failed(backend, error)
-                raise _Retry(
-                    _retry_error(backend, status, expose=self.expose), reason=str(status)
-                ) from None
+                refusal = _retry_error(backend, status, _pacing(response), expose=self.expose)
+                raise _Retry(refusal, reason=str(status)) from None
             if ex.stream and status == 200:
                 result = await self._relay(ex, response, backend, in_flight, send, t_head, relay)
                 usage, completion = result.usage, result.text
@@ -529,14 +528,29 @@ def _start_of(
     }
 
 
-def _retry_error(backend: Backend, status: int, *, expose: bool) -> EdgeError:
+_PACING = frozenset({b"retry-after", b"retry-after-ms"})
+
+
+def _pacing(response: UpstreamResponse) -> tuple[tuple[bytes, bytes], ...]:
+    """A refusal's `Retry-After` (and `retry-after-ms`), for the answer the edge gives in its
+    stead when it does not retry it: clients pace themselves on them."""
+    return tuple((name, value) for name, value in response.headers if name in _PACING)
+
+
+def _retry_error(
+    backend: Backend,
+    status: int,
+    headers: tuple[tuple[bytes, bytes], ...] = (),
+    *,
+    expose: bool,
+) -> EdgeError:
     who = f"backend {backend.name}" if expose else "a backend"
     message = f"{who} answered {status}"
     if status == 429:
-        return TooManyRequests(message)
+        return TooManyRequests(message, headers=headers)
     if status == 503:
-        return NoHealthyBackend(message)
-    return BadGateway(message)
+        return NoHealthyBackend(message, headers=headers)
+    return BadGateway(message, headers=headers)
 
 
 def _auth_error(backend: Backend, *, expose: bool) -> EdgeError:

@@ -286,3 +286,36 @@ async def test_a_backend_that_fails_before_its_head_is_retried_on_another() -> N
             failures = edge.wiring.registry.backends[0].failures
             assert list(failures) == ["protocol"], (scenario.__name__, failures)
             await wait_until(lambda: in_flight(edge) == [0, 0])
+
+
+def _refuses(status: bytes, wait: bytes) -> Scenario:
+    async def refuse(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes
+    ) -> None:
+        answer = b'{"error": "busy"}'
+        writer.write(
+            b"HTTP/1.1 %b\r\nretry-after: %b\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%b" % (status, wait, len(answer), answer)
+        )
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    return refuse
+
+
+async def test_a_refusal_the_edge_answers_itself_keeps_the_backends_retry_after() -> None:
+    """A 429 or 503 the retry budget does not let the edge retry is answered as it failed
+    (docs/errors.md): with the backend's own `Retry-After` too, which clients pace themselves on;
+    the last backend's refusal, relayed, keeps it as well."""
+    for status, wait in ((b"429 Too Many Requests", b"7"), (b"503 Service Unavailable", b"9")):
+        refuse = _refuses(status, wait)
+        async with edge_before(refuse, refuse, retry_budget=0.0, retry_budget_min=0) as (
+            edge,
+            ups,
+            http,
+        ):
+            response = await http.post("/v1/completions", json=COMPLETION)
+            assert response.status_code == int(status[:3])
+            assert sum(u.inference for u in ups) == 1  # not retried: no budget
+            assert response.headers.get("retry-after") == wait.decode(), response.headers
+            await wait_until(lambda: in_flight(edge) == [0, 0])
