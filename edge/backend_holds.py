@@ -43,10 +43,17 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ReadOnlyError
 
 from backends.registry import BackendRegistry
 from edge.errors import StateUnavailable
-from edge.redis_pubsub import PING_INTERVAL_S, PING_TIMEOUT_S, Subscription, subscriber_client
+from edge.redis_pubsub import (
+    PING_INTERVAL_S,
+    PING_TIMEOUT_S,
+    Subscription,
+    drop_idle_connections,
+    subscriber_client,
+)
 from transport.loop import cancelled
 from transport.redacted import without_password
 
@@ -140,8 +147,16 @@ class SharedHolds:
                 f"the drain could not be shared through Redis ({_why(exc)}); nothing changed"
             ) from None
         try:
-            async with asyncio.timeout(self.timeout):
-                await self._write(name, held)
+            try:
+                async with asyncio.timeout(self.timeout):
+                    await self._write(name, held)
+            except ReadOnlyError:
+                # A failover behind one address: this pooled connection reaches the old
+                # master, now a replica, which took nothing (the transaction was refused
+                # whole); a new connection reaches the new master.
+                await drop_idle_connections(self._redis, self.timeout)
+                async with asyncio.timeout(self.timeout):
+                    await self._write(name, held)
         except Exception as exc:
             written = await self._read_back(name)
             if written != held:
