@@ -146,7 +146,10 @@ def text_from(obj: Any) -> str | None:
 
 
 def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    """A count as reported: a non-negative integer, else unknown (a negative completion count
+    would give a tenant's tokens back when its answer is debited)."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return value if ok else None
 
 
 def _data_of(event: bytes) -> bytes | None:

@@ -76,3 +76,12 @@ def test_only_the_usage_chunk_goes_and_spaced_json_is_understood() -> None:
 def test_without_strip_the_usage_chunk_is_relayed() -> None:
     scanner = SSEScanner.for_route("/v1/chat/completions")
     assert scanner.take(CHAT_STREAM)[0] == CHAT_STREAM
+
+
+def test_a_negative_count_is_unknown_not_a_credit() -> None:
+    """A backend reporting `completion_tokens: -1000` would have given the tenant 1,000 tokens
+    back when its answer was debited."""
+    bad = {"id": "r1", "choices": [], "usage": {"prompt_tokens": -5, "completion_tokens": -1000}}
+    scanner = SSEScanner.for_route("/v1/chat/completions")
+    scanner.take(sse(chat_chunk({"content": "x"}), bad, b"[DONE]"))
+    assert scanner.usage() == Usage(None, None, None)
