@@ -10,6 +10,13 @@ connection, `hypercorn_h2.GuardedH2Protocol.stream_send` resets the stream, and 
 `http.disconnect` either way. Only a write that would wait is timed: the usual write sets no
 timer. Our own listeners keep the same bound in their connection timer (`h1_protocol`) and in
 their stream's wait for acknowledgements (`h3_protocol`).
+
+That wait on HTTP/2 is `BoundedStreamBuffer`'s: hypercorn's `StreamBuffer` let its writer go
+whenever its sender took less than 16 KiB, which it does each time it finds the client's window
+shut (it takes nothing), so an app's sends never waited there: a client that granted no credit
+had every byte of a streamed answer buffered (8 streams: 54 MB in a minute), the proxy read its
+backend at full speed, and no send timeout ever ran. The writer now goes once the buffer itself
+is under the low-water mark.
 """
 
 from __future__ import annotations
@@ -17,6 +24,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import hypercorn.protocol.h2
+from hypercorn.protocol.h2 import BUFFER_HIGH_WATER, BUFFER_LOW_WATER, StreamBuffer
 
 SEND_TIMEOUT_ATTRIBUTE = "quicedge_send_timeout"
 """The hypercorn `Config` attribute that holds a listener's `SendTimeout`."""
@@ -39,4 +49,34 @@ def send_timeout_of(config: Any) -> SendTimeout | None:
     return getattr(config, SEND_TIMEOUT_ATTRIBUTE, None)
 
 
-__all__ = ["SEND_TIMEOUT_ATTRIBUTE", "SendTimeout", "send_timeout_of"]
+class BoundedStreamBuffer(StreamBuffer):
+    """hypercorn's HTTP/2 stream send buffer, whose writer waits while the buffer holds more
+    than its high-water mark (32 KiB), until the client's credit takes it under the low one
+    (16 KiB). hypercorn's let the writer go on a small take, and its sender takes nothing (a
+    take of 0 bytes) each time it finds the window shut."""
+
+    async def push(self, data: bytes) -> None:
+        if self._complete:
+            raise hypercorn.protocol.h2.BufferCompleteError()
+        self.buffer.extend(data)
+        await self._is_empty.clear()
+        if len(self.buffer) >= BUFFER_HIGH_WATER:
+            await self._paused.clear()  # set by a take that left the buffer low, since
+            await self._paused.wait()
+
+    async def pop(self, max_length: int) -> bytes:
+        length = min(len(self.buffer), max_length)
+        data = bytes(self.buffer[:length])
+        del self.buffer[:length]
+        if len(self.buffer) < BUFFER_LOW_WATER:
+            await self._paused.set()
+        if not self.buffer:
+            await self._is_empty.set()
+        return data
+
+
+# hypercorn's HTTP/2 protocol makes each stream's buffer from this name when the stream opens.
+hypercorn.protocol.h2.StreamBuffer = BoundedStreamBuffer  # type: ignore[misc]
+
+
+__all__ = ["SEND_TIMEOUT_ATTRIBUTE", "BoundedStreamBuffer", "SendTimeout", "send_timeout_of"]
