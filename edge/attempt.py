@@ -410,7 +410,7 @@ class Attempts:
             usage, completion = answer_of_body(body)
             return usage, completion, None
         error = "5xx" if status >= 500 else ("429" if status == 429 else "4xx")
-        if status >= 500:
+        if status >= 500 or status == 429:  # as when it is retried (the 4xx is `_one`'s)
             self._upstream_failed(backend, error)
         return Usage(), None, error
 

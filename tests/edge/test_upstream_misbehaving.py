@@ -319,3 +319,27 @@ async def test_a_refusal_the_edge_answers_itself_keeps_the_backends_retry_after(
             assert sum(u.inference for u in ups) == 1  # not retried: no budget
             assert response.headers.get("retry-after") == wait.decode(), response.headers
             await wait_until(lambda: in_flight(edge) == [0, 0])
+
+
+def upstream_errors(edge: Edge, kind: str) -> float:
+    return sum(
+        edge.registry.get_sample_value(
+            "quicedge_upstream_errors_total", {"backend": b.name, "kind": kind}
+        )
+        or 0.0
+        for b in edge.wiring.registry.backends
+    )
+
+
+async def test_every_429_a_backend_answers_is_counted_whether_retried_or_relayed() -> None:
+    """The first 429 is retried on the other backend, the second (no backend left) relayed to
+    the client: both are failed attempts of kind `429`, in the metric and the registry. The
+    relayed one was counted in neither, so a fleet of one refusing every request showed none."""
+    refuse = _refuses(b"429 Too Many Requests", b"1")
+    async with edge_before(refuse, refuse) as (edge, ups, http):
+        response = await http.post("/v1/completions", json=COMPLETION)
+        assert response.status_code == 429
+        assert [u.inference for u in ups] == [1, 1]
+        assert upstream_errors(edge, "429") == 2
+        assert [b.failures for b in edge.wiring.registry.backends] == [{"429": 1}, {"429": 1}]
+        await wait_until(lambda: in_flight(edge) == [0, 0])
