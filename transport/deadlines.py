@@ -85,10 +85,13 @@ def with_body_deadline(
 
 
 def _has_body(scope: Scope) -> bool:
-    """Whether the request says a body follows (RFC 9112 §6.3: a length above 0, or chunked)."""
+    """Whether the request says a body follows (RFC 9112 §6.3: a length above 0, or chunked).
+    Over HTTP/2 a body needs no `content-length` (RFC 9113 §8.1: DATA frames until the stream
+    ends), so only a length of 0 says there is none; a request that ended with its headers
+    hands the app its empty body at the first `receive`."""
     for name, value in scope["headers"]:
         if name == b"content-length":
             return value.strip() not in (b"0", b"")
         if name == b"transfer-encoding":
             return True
-    return False
+    return scope.get("http_version") == "2"

@@ -15,6 +15,7 @@ from typing import Any
 import h2.errors
 import h2.events
 
+from tests.transport.apps import RecordingApp
 from tests.transport.test_deadlines_and_caps import h2_client, h2_get
 from transport.tcp import TcpListener, TcpOptions
 from transport.tls import TlsMaterial
@@ -86,6 +87,45 @@ async def test_a_shut_window_holds_the_app_and_the_stream_is_reset(
         # was shut, and it handed over all 32 MiB in a tight loop before the reset.
         assert received <= 65535
         assert app.handed <= received + 32 * 1024 + 2 * CHUNK
+    finally:
+        writer.close()
+        await served.stop()
+
+
+async def test_an_http2_body_without_content_length_that_trickles_in_gets_408(
+    tls: TlsMaterial, dev_certs: Any
+) -> None:
+    """HTTP/2 frames a body without `content-length` (DATA until END_STREAM): such a body, a
+    byte every 0.1 s, is cut off by the body deadline as one with a length is."""
+    timeouts: list[str] = []
+    served = TcpListener(RecordingApp(), host="127.0.0.1", port=0, tls=tls,
+                         options=TcpOptions(body_timeout=0.6),
+                         on_timeout=timeouts.append)  # fmt: skip
+    await served.start()
+    conn, reader, writer = await h2_client(served.port, dev_certs.ca_cert)
+    try:
+        stream_id = conn.get_next_available_stream_id()
+        conn.send_headers(stream_id, [(":method", "POST"), (":scheme", "https"),
+                                      (":authority", "localhost"), (":path", "/echo")])  # fmt: skip
+        writer.write(conn.data_to_send())
+        status: bytes | None = None
+        async with asyncio.timeout(10):
+            while status is None:
+                try:
+                    async with asyncio.timeout(0.1):
+                        data = await reader.read(65536)
+                except TimeoutError:
+                    conn.send_data(stream_id, b"x")  # the next byte of a body that never ends
+                    writer.write(conn.data_to_send())
+                    continue
+                assert data, "the connection closed; only the request should have ended"
+                for event in conn.receive_data(data):
+                    if isinstance(event, h2.events.ResponseReceived):
+                        status = dict(event.headers)[b":status"]
+                    assert not isinstance(event, h2.events.StreamReset)
+                writer.write(conn.data_to_send())
+        assert status == b"408"
+        assert timeouts == ["body"]
     finally:
         writer.close()
         await served.stop()
