@@ -124,7 +124,10 @@ class Connection(asyncio.Protocol):
         self.not_urgent()
         if not self.eof:
             self.eof = True
-            self.response.feed_eof()
+            if exc is None:
+                # A reset (`exc`) is no end of a body the close frames: it is cut short
+                # (RFC 9112 §8), and the consumer sees the connection closed before its end.
+                self.response.feed_eof()
         if not self.closed:
             self.closed = True
             self.host.on_connection_lost(self)

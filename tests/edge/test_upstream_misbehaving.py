@@ -343,3 +343,33 @@ async def test_every_429_a_backend_answers_is_counted_whether_retried_or_relayed
         assert upstream_errors(edge, "429") == 2
         assert [b.failures for b in edge.wiring.registry.backends] == [{"429": 1}, {"429": 1}]
         await wait_until(lambda: in_flight(edge) == [0, 0])
+
+
+async def _reset_until_close_body(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, body: bytes
+) -> None:
+    """A stream framed by the connection's close (no length, not chunked: an HTTP/1.0 proxy's),
+    reset after its first event: a reset is not the close that ends such a body."""
+    writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n")
+    writer.write(event("a"))
+    await writer.drain()
+    await asyncio.sleep(0.05)
+    rst(writer)
+
+
+@LISTENERS
+async def test_a_body_framed_by_the_close_that_is_reset_is_broken_off_not_ended(
+    listener: str,
+) -> None:
+    """RFC 9112 §8: a response the connection's premature close cut short is incomplete. The
+    reset used to end the body as a close does: the client got a cut stream as if whole, and the
+    backend a success."""
+    async with edge_before(_reset_until_close_body, listener=listener) as (edge, ups, http):
+        response = await http.post("/v1/completions", json=COMPLETION)
+        assert response.status_code == 200
+        events = events_of(response.content)
+        assert json.loads(events[0][6:])["choices"][0]["text"] == "a"
+        assert json.loads(events[-2][6:])["error"]["code"] == "bad_gateway"
+        assert events[-1] == b"data: [DONE]"
+        assert edge.wiring.registry.backends[0].failures == {"protocol": 1}
+        await wait_until(lambda: in_flight(edge) == [0])
