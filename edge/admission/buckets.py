@@ -125,6 +125,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local check = ARGV[1] == '1'
 local levels = {}
+local ahead = {}
 local wait, refused = 0, 0
 for i = 1, #KEYS do
   local rate = tonumber(ARGV[i * 3 - 1])
@@ -135,7 +136,11 @@ for i = 1, #KEYS do
   if level == nil then
     level = cap
   else
-    level = math.min(cap, level + math.max(0, now - tonumber(h[2])) * rate)
+    local last = tonumber(h[2])
+    -- written at a time ahead of this clock (a failover to a host whose clock is behind, a
+    -- clock stepped back): nothing refills, and the refill counts from now on
+    if last > now then ahead[i] = true end
+    level = math.min(cap, level + math.max(0, now - last) * rate)
   end
   levels[i] = level
   local need = math.min(cost, cap)
@@ -146,7 +151,16 @@ for i = 1, #KEYS do
 end
 if refused > 0 then
   local out = {0, tostring(wait), refused}
-  for i = 1, #KEYS do out[i + 3] = tostring(levels[i]) end
+  for i = 1, #KEYS do
+    out[i + 3] = tostring(levels[i])
+    if ahead[i] then
+      -- else a refusal writes nothing, and the bucket never refills until the clock is back
+      local rate = tonumber(ARGV[i * 3 - 1])
+      local cap = tonumber(ARGV[i * 3])
+      redis.call('HSET', KEYS[i], 'l', tostring(levels[i]), 't', tostring(now))
+      redis.call('PEXPIRE', KEYS[i], math.ceil((cap - levels[i]) / rate * 1000) + 1000)
+    end
+  end
   return out
 end
 local out = {1, '0', 0}
