@@ -42,6 +42,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from operator import mul
 
+import xxhash
+
 from backends.registry import Backend
 from edge.routing.base import Decision, Outcome, RequestView, register_policy, usable
 from edge.routing.cache_aware import chars_to_tokens
@@ -183,6 +185,18 @@ class RecursiveLeastSquares:
         limit = 4 * self._abs_err
         self._abs_err += 0.05 * (min(abs(err), limit) - self._abs_err)
         return max(-limit, min(limit, err))
+
+
+_SESSION_KEY_CHARS = 64
+
+
+def session_id(key: str) -> str:
+    """What the session map keeps of a session key: the key itself, or a 128-bit hash of a
+    long one (a body's `prompt_cache_key` or `user` may be megabytes long, and the map keeps
+    up to `max_sessions` of them)."""
+    if len(key) <= _SESSION_KEY_CHARS:
+        return key
+    return "#" + xxhash.xxh3_128_hexdigest(key.encode("utf-8", "surrogatepass"))
 
 
 @register_policy("ttft")
@@ -368,8 +382,9 @@ class TTFTPolicy:
             if best is None or key < best:
                 best, best_i = key, i
         reason = "ttft"
-        if view.session_key is not None:
-            url = self._sessions.get(view.session_key)
+        session = None if view.session_key is None else session_id(view.session_key)
+        if session is not None:
+            url = self._sessions.get(session)
             if url is not None and url != pool[best_i].url:
                 for i, b in enumerate(pool):
                     if b.url == url:
@@ -390,8 +405,8 @@ class TTFTPolicy:
         self._open[stamp] = None
         while len(self._open) > self.max_sessions:  # observe() never came for the oldest
             del self._open[next(iter(self._open))]
-        if view.session_key is not None:
-            self._remember_session(view.session_key, backend.url)
+        if session is not None:
+            self._remember_session(session, backend.url)
         uncached = view.approx_tokens - cached
         self._mean_uncached += 0.05 * (uncached - self._mean_uncached)
         return Decision(
