@@ -7,7 +7,8 @@ folds them (the texts the guard reads: a chat choice's `content`, `reasoning_con
 tool call's `arguments`; a completion's `text`; `/generate`'s `text`). A choice with a match is
 emptied and finished with `finish_reason: "content_filter"` (`/generate`: `{"type":
 "content_filter"}`), as the stream's last chunk would say, and its usage is kept: the tokens were
-generated; its logprobs, which hold each token's text, are dropped. No part of a matched text
+generated; its logprobs, which hold each token's text, are dropped, and so are `/generate`'s
+`output_ids`, the text's token ids, which a client decodes back to it. No part of a matched text
 reaches the client, since none was sent before the check.
 """
 
@@ -42,6 +43,7 @@ def filter_whole(rules: StreamRules, route: str, body: bytes) -> tuple[bytes, st
             rule = _first_match(rules, [item.get("text")])
             if rule is not None:
                 item["text"] = ""
+                item.pop("output_ids", None)  # the text's tokens: a client decodes them back
                 meta = item.get("meta_info")
                 if isinstance(meta, dict):
                     meta["finish_reason"] = {"type": "content_filter"}
