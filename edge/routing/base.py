@@ -48,6 +48,9 @@ class RequestView:
     choices: int = 1
     """The answers asked for (`n`): with more than one, a stream interleaves them, so its
     text is not one continuation of the prompt to learn."""
+    token_ids: bool = False
+    """The prompt is token ids (`text` is them in decimal, joined by spaces): pre-warming sends
+    its hot prefix back as ids, which the backend caches as such, not the digits' tokens."""
     batch_tokens: int | None = None
     """A batch of token-id prompts: the tokens of all of them, which admission charges (routing
     goes by the first, `text` and `approx_tokens`); None: one prompt, `approx_tokens`."""

@@ -35,7 +35,8 @@ class CountingPolicy:
 
     def choose(self, view: RequestView, candidates: Sequence[Backend]) -> Decision:
         model = model_of(view.model, candidates)
-        self._hot.record(model, self._hasher.blocks(view.text), view.messages, view.tools)
+        blocks = self._hasher.blocks(view.text)
+        self._hot.record(model, blocks, view.messages, view.tools, token_ids=view.token_ids)
         return self.inner.choose(view, candidates)
 
     def observe(self, outcome: Outcome) -> None:

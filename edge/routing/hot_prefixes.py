@@ -47,6 +47,9 @@ class HotPrefix:
     """Chat: the conversation cut where the prefix ends (`chat_prefix`); None otherwise."""
     tools: list[Any] | None = None
     """Chat: the tools the requests offered (the start of the prefix), sent with `messages`."""
+    token_ids: bool = False
+    """The requests' prompts were token ids: `text` is them in decimal, joined by spaces (its
+    last number perhaps cut short by the block boundary)."""
 
     def cut(self, chars: int) -> list[dict[str, Any]] | None:
         """The conversation up to the prefix's first `chars` characters (a warm-up shard)."""
@@ -54,7 +57,7 @@ class HotPrefix:
 
 
 class _Entry:
-    __slots__ = ("end", "messages", "parent", "score", "source", "tools")
+    __slots__ = ("end", "ids", "messages", "parent", "score", "source", "tools")
 
     def __init__(
         self,
@@ -64,7 +67,9 @@ class _Entry:
         score: float,
         messages: list[dict[str, Any]] | None,
         tools: list[Any] | None,
+        ids: bool = False,
     ) -> None:
+        self.ids = ids
         self.source = source
         self.end = end
         self.parent = parent
@@ -143,9 +148,12 @@ class HotPrefixes:
         blocks: PrefixBlocks,
         messages: list[dict[str, Any]] | None = None,
         tools: list[Any] | None = None,
+        *,
+        token_ids: bool = False,
     ) -> None:
         """Count one routed request (`messages`, `tools`: a chat request's, which `blocks` were
-        hashed from). Cheap: a dict update per whole block of its prompt."""
+        hashed from; `token_ids`: its prompt was token ids, `blocks` hashed from them in decimal).
+        Cheap: a dict update per whole block of its prompt."""
         hashes = blocks.hashes
         if not hashes:
             return
@@ -171,7 +179,7 @@ class HotPrefixes:
                 if not bare:
                     assert messages is not None
                     messages, bare = _text_only(messages), True
-                entries[h] = _Entry(source, (k + 1) * size, parent, w, messages, tools)
+                entries[h] = _Entry(source, (k + 1) * size, parent, w, messages, tools, token_ids)
             else:
                 e.score += w
             parent = h
@@ -205,7 +213,8 @@ class HotPrefixes:
             for h, e in hot.items():
                 if h not in covered:
                     cut = None if e.messages is None else chat_prefix(e.messages, e.end, e.tools)
-                    out.append(HotPrefix(name, e.source[: e.end], h, e.score / w, cut, e.tools))
+                    text = e.source[: e.end]
+                    out.append(HotPrefix(name, text, h, e.score / w, cut, e.tools, e.ids))
         out.sort(key=lambda p: p.count, reverse=True)
         return out[:n]
 

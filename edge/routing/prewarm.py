@@ -32,7 +32,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,6 +118,8 @@ class _Job:
     done: asyncio.Future[dict[str, Any]] | None = None
     chat: HotPrefix | None = None
     """A chat prefix: warmed through the chat endpoint with its conversation."""
+    ids: list[int] | None = None
+    """A prefix of token-id prompts: warmed as `input_ids` (`text` is them in decimal)."""
     requests: int = 0
     tokens: int = 0
     error: str | None = None
@@ -156,13 +158,26 @@ def _usage(answer: Any) -> tuple[int, int]:
     return counts.prompt_tokens or 0, counts.cached_tokens or 0
 
 
-def _shards(text: str, shard_chars: int) -> Iterator[int]:
-    """End offsets of the shards of `text`: every `shard_chars`, then the whole text."""
+def _shards(text: Sized, shard_chars: int) -> Iterator[int]:
+    """End offsets of the shards of `text` (or of a list of token ids): every `shard_chars`,
+    then the whole of it."""
     end = shard_chars
     while end < len(text):
         yield end
         end += shard_chars
     yield len(text)
+
+
+def _token_ids(text: str) -> list[int] | None:
+    """The token ids of a hot prefix of token-id prompts (`text`: them in decimal, joined by
+    spaces, cut at a block boundary): all but the last number, which the cut may have split;
+    None if there are none."""
+    pieces = text.split(" ")[:-1]
+    try:
+        ids = [int(piece) for piece in pieces]
+    except ValueError:
+        return None
+    return ids or None
 
 
 class PrewarmService:
@@ -267,8 +282,11 @@ class PrewarmService:
             if len(p.text) > budget:
                 continue
             budget -= len(p.text)
+            ids = _token_ids(p.text) if p.token_ids else None
+            if p.token_ids and ids is None:
+                continue
             if p.text not in waiting:
-                lane.jobs.append(_Job(p.text, chat=p if p.messages else None))
+                lane.jobs.append(_Job(p.text, chat=p if p.messages else None, ids=ids))
             queued += 1
         if queued:
             lane.to_claim = True
@@ -328,6 +346,14 @@ class PrewarmService:
                 # shard, readies the backend sooner.
                 held = backend.warming_until > self._clock() and not backend.in_flight
                 sent: list[dict[str, Any]] | None = None
+                if job.ids is not None:
+                    start = await self._warm_ids(lane, job, job.ids, held)
+                    if start and self._on_warmed is not None:
+                        self._on_warmed(backend.url, " ".join(map(str, job.ids[:start])))
+                    if job.done is not None and not job.done.done():
+                        job.done.set_result({"requests": job.requests, "tokens": job.tokens,
+                                             "chars": start, "error": job.error})  # fmt: skip
+                    continue
                 for end in _shards(job.text, len(job.text) if held else shard_chars):
                     if job.chat is None:
                         prompt = {"text": job.text[:end]}
@@ -357,6 +383,19 @@ class PrewarmService:
                 # cancelled (shutdown, or the backend was removed): its caller hears of it
                 job.done.set_result({"requests": job.requests, "tokens": job.tokens,
                                      "chars": 0, "error": "cancelled"})  # fmt: skip
+
+    async def _warm_ids(self, lane: _Lane, job: _Job, ids: list[int], held: bool) -> int:
+        """Send a prefix of token ids in shards of `shard_tokens` (whole while `held`); returns
+        how many of them were warmed."""
+        start = 0
+        for end in _shards(ids, len(ids) if held else self.config.shard_tokens):
+            prompt = {"input_ids": ids[:end]}
+            if not await self._send(
+                lane, job, "/generate", prompt, (end - start) * CHARS_PER_TOKEN
+            ):
+                break
+            start = end
+        return start
 
     @staticmethod
     def _chat_body(prefix: HotPrefix, messages: list[dict[str, Any]]) -> dict[str, Any]:

@@ -337,7 +337,8 @@ class TTFTPolicy:
             blocks: PrefixBlocks = self._hasher.blocks(view.text)
             hashes, block_chars = blocks.hashes, blocks.block_chars
             if self.hot is not None:
-                self.hot.record(model_of(view.model, pool), blocks, view.messages, view.tools)
+                model = model_of(view.model, pool)
+                self.hot.record(model, blocks, view.messages, view.tools, token_ids=view.token_ids)
         fleet = self.fleet if hashes else None
         remote_hit = False
         self._turn += 1

@@ -139,6 +139,7 @@ def build_view(route: str, body: Mapping[str, Any], session_header: str | None) 
         text, tokens = "\n".join([body["query"], *body["documents"]]), None
     else:  # embeddings, tokenize, detokenize: the field the route's check read, no other
         text, tokens, batch = _prompt_text(body[_PROMPT_FIELD[route]])
+    ids = tokens is not None  # token ids (the view's text is them in decimal)
     if tokens is None:
         tokens = len(text) // CHARS_PER_TOKEN + 1
     user = body.get("user")
@@ -162,4 +163,6 @@ def build_view(route: str, body: Mapping[str, Any], session_header: str | None) 
     )
     if batch is not None:  # set apart: the usual single prompt pays no keyword for it
         view.batch_tokens = batch
+    if ids:
+        view.token_ids = True
     return view
