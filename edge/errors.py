@@ -351,7 +351,11 @@ def from_upstream(exc: UpstreamError, *, expose: bool = False) -> EdgeError:
     if isinstance(exc, UpstreamTimeout):
         return GatewayTimeout(f"upstream timed out{detail}")
     if isinstance(exc, UpstreamResponseTooLarge):  # its text names no backend
-        return BadGateway(f"{exc}: the edge holds no larger non-streamed answer")
+        # The same request makes as large an answer again (an embeddings batch exactly so): a
+        # retry would only have a backend compute it once more.
+        return BadGateway(
+            f"{exc}: the edge holds no larger non-streamed answer", headers=(_NO_RETRY,)
+        )
     if isinstance(exc, UpstreamConnectError):
         return BadGateway(f"could not connect to a backend{detail}")
     if isinstance(exc, UpstreamProtocolError):

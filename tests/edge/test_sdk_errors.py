@@ -1,0 +1,51 @@
+"""The official OpenAI SDK, retries on (its default, two), against the edge's errors: the
+exception class each raises, and which of them the SDK tries again (it retries every 5xx
+unless `x-should-retry: false` says a retry cannot change the answer)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+from tests.edge.conftest import Recorded, Reply, TinyUpstream, fast_config, health_ok, run_edge
+from tests.edge.tls_edge import with_client_keys
+
+MiB = 1024 * 1024
+
+
+async def test_an_answer_too_large_to_hold_is_not_tried_again_by_the_sdk() -> None:
+    """A non-streamed answer over the 64 MiB the edge holds (a large embeddings batch, which
+    is the same each time) is a 502 that a retry only computes again: the SDK asks once."""
+    piece = b" " * MiB
+
+    def script(recorded: Recorded) -> Reply:
+        return health_ok(recorded) or Reply(
+            headers=[("content-type", "application/json")], chunks=[piece] * 65
+        )
+
+    async with TinyUpstream(script) as up:
+        config = with_client_keys(fast_config([up.url]), "sk-client")
+        async with run_edge(config) as edge:
+            seen: list[httpx.Response] = []
+
+            async def on_response(response: httpx.Response) -> None:
+                seen.append(response)
+
+            http = httpx.AsyncClient(event_hooks={"response": [on_response]})
+            sdk = AsyncOpenAI(
+                base_url=edge.url + "/v1", api_key="sk-client", max_retries=2, http_client=http
+            )
+            inputs: Any = ["a"] * 4
+            async with http:
+                with pytest.raises(openai.InternalServerError) as failed:
+                    await sdk.embeddings.create(model="tiny-model", input=inputs)
+            embeddings = [r for r in up.requests if r.path == "/v1/embeddings"]
+    assert failed.value.status_code == 502 and failed.value.code == "bad_gateway"
+    assert "64" in failed.value.message or "holds no larger" in failed.value.message
+    assert [r.status_code for r in seen] == [502]
+    assert seen[0].headers["x-should-retry"] == "false"
+    assert len(embeddings) == 1
