@@ -270,7 +270,7 @@ class Admission:
             if self.queue is None:
                 found = candidates()
             else:
-                found = await self.queue.place(ex.tier_rank, ex.tier, candidates)
+                found = await self.queue.place(ex.tier_rank, ex.tier, candidates, ex.tenant)
         except Overloaded:
             await self._refund(ex)
             raise

@@ -13,13 +13,14 @@ the chance that it takes one falls linearly to zero at `max_queue_depth` (the de
 smooth slope rather than a cliff, so several edges do not all stop and start together).
 
 A request that no backend takes waits in the admission queue: gold before silver before bronze,
-FIFO within a tier, among the requests that want the same backends: the backends a waiter wants
-are its own to take first, and a request after it may take only the others. So a request for
-another pool (a tier's own backends, another model) is not held behind a waiter that cannot use
-its backends, and with one pool only the head looks. A waiter looks again when a request ends
-here (`wake`) and every `recheck_s` (a load poll may have freed room). A wait past `queue_timeout_s`
-is 503 `overloaded` with Retry-After, and so is a full queue: for the newcomer, or, when it
-outranks the lowest-ranked waiter, for that waiter, whose place it takes.
+the tenants of a tier taking turns (FIFO for each), among the requests that want the same
+backends: the backends a waiter wants are its own to take first, and a request after it may take
+only the others. So a request for another pool (a tier's own backends, another model) is not
+held behind a waiter that cannot use its backends, and with one pool only the head looks. A
+waiter looks again when a request ends here (`wake`) and every `recheck_s` (a load poll may have
+freed room). A wait past `queue_timeout_s` is 503 `overloaded` with Retry-After, and so is a
+full queue: for the newcomer, or, when it would come before the last waiter (a lower tier's, or
+a tenant's of its tier with more rounds waiting), for that waiter, whose place it takes.
 """
 
 from __future__ import annotations
@@ -79,9 +80,10 @@ class Throttle:
 
 
 class _Waiter:
-    __slots__ = ("evicted", "turn", "wants")
+    __slots__ = ("evicted", "tenant", "turn", "wants")
 
-    def __init__(self, wants: frozenset[Backend]) -> None:
+    def __init__(self, wants: frozenset[Backend], tenant: str) -> None:
+        self.tenant = tenant
         self.turn = asyncio.Event()
         self.evicted = False
         """A newcomer of a higher tier took its place in the full queue."""
@@ -89,8 +91,11 @@ class _Waiter:
         """Its candidates at its last look: the requests after it may not take these."""
 
 
-_Entry = tuple[int, int, _Waiter]
-"""(rank, arrival, waiter): the heap's order."""
+_Entry = tuple[int, int, int, _Waiter]
+"""(rank, round, arrival, waiter): the heap's order. A tenant's first waiter in its tier takes
+the round of the tier's head, each next one the round after its tenant's last: so the tenants of
+a tier take turns (FIFO for one tenant, and among the requests of one round), and one that sends
+many waits behind the others' first rather than putting them behind all of its own."""
 
 
 class AdmissionQueue:
@@ -130,7 +135,11 @@ class AdmissionQueue:
         self.wake()
 
     async def place(
-        self, rank: int, tier: str, candidates: Callable[[], list[Backend]]
+        self,
+        rank: int,
+        tier: str,
+        candidates: Callable[[], list[Backend]],
+        tenant: str = "",
     ) -> list[Backend]:
         """Backends that may take this request now, waiting in the queue if needed.
 
@@ -141,28 +150,29 @@ class AdmissionQueue:
             return found
         # Those waiting that rank with it or above are ahead of it: it passes them only on
         # backends none of them wants.
-        claimed = self._claimed((rank, math.inf))
+        claimed = self._claimed((rank, math.inf, math.inf))
         fit = self._fit([b for b in found if b not in claimed] if claimed else found)
         if fit:
             return fit
         wants = frozenset(found)
-        if len(self._heap) >= self.settings.queue_size and not self._evict_below(rank):
+        turn = self._round(rank, tenant)
+        if len(self._heap) >= self.settings.queue_size and not self._evict_after((rank, turn)):
             self._report(tier, 0.0, False)
             raise self._full()
-        entry = (rank, next(self._seq), _Waiter(wants))
+        entry = (rank, turn, next(self._seq), _Waiter(wants, tenant))
         heapq.heappush(self._heap, entry)
         start = time.monotonic()
         deadline = start + self.settings.queue_timeout_s
         try:
             while True:
-                if entry[2].evicted:
+                if entry[3].evicted:
                     self._report(tier, time.monotonic() - start, False)
                     raise self._full()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
-                claimed = self._claimed(entry[:2])
-                if not entry[2].wants <= claimed:  # it may take some of them: it looks
+                claimed = self._claimed(entry[:3])
+                if not entry[3].wants <= claimed:  # it may take some of them: it looks
                     found = candidates()
                     fit = self._fit([b for b in found if b not in claimed] if claimed else found)
                     if fit or not found:
@@ -170,16 +180,16 @@ class AdmissionQueue:
                         self._report(tier, time.monotonic() - start, True)
                         return fit
                     wants = frozenset(found)
-                    if wants != entry[2].wants:  # those behind it may be free of it now
-                        entry[2].wants = wants
+                    if wants != entry[3].wants:  # those behind it may be free of it now
+                        entry[3].wants = wants
                         self.wake()
                     wait = min(self.settings.recheck_s, remaining)
                 else:
                     wait = remaining
-                entry[2].turn.clear()
+                entry[3].turn.clear()
                 try:
                     async with asyncio.timeout(wait):
-                        await entry[2].turn.wait()
+                        await entry[3].turn.wait()
                 except TimeoutError:
                     pass
         except BaseException:
@@ -199,28 +209,42 @@ class AdmissionQueue:
             headers=self.retry_after,
         )
 
-    def _evict_below(self, rank: int) -> bool:
-        """Make room in the full queue for a newcomer of `rank` by taking out the last to come
-        of its lowest-ranked waiters, if they rank below it; that waiter gets the queue-full
-        503. Without this, a lower tier keeping the queue full would shut the higher ones out,
-        and the queue's order (gold before silver before bronze) would not hold at its bound."""
+    def _round(self, rank: int, tenant: str) -> int:
+        """The round of a newcomer of `rank` from `tenant`: the one after its tenant's last
+        waiter of that rank, or, with none, the round of that rank's head (0 when none waits)."""
+        own, head = -1, -1
+        for e in self._heap:
+            if e[0] == rank:
+                head = e[1] if head < 0 else min(head, e[1])
+                if e[3].tenant == tenant:
+                    own = max(own, e[1])
+        return own + 1 if own >= 0 else max(head, 0)
+
+    def _evict_after(self, key: tuple[int, int]) -> bool:
+        """Make room in the full queue for a newcomer of `key` (rank, round) by taking out the
+        last waiter in the queue's order, if it comes after the newcomer would: the latest of
+        the lowest tier, and in a tier, the latest of the tenant that has the most rounds
+        waiting. That waiter gets the queue-full 503. Without this, a lower tier keeping the
+        queue full would shut the higher ones out, and one tenant keeping it full the others
+        of its tier."""
         if not self._heap:
             return False
-        last = max(self._heap)  # the lowest tier, and in it the latest: it has waited least
-        if last[0] <= rank:
+        last = max(self._heap)
+        if last[:2] <= key:
             return False
         self._heap.remove(last)
         heapq.heapify(self._heap)
-        last[2].evicted = True
-        last[2].turn.set()
+        last[3].evicted = True
+        last[3].turn.set()
         return True
 
-    def _claimed(self, key: tuple[int, float]) -> set[Backend]:
-        """The backends the waiters ahead of `key` (rank, arrival) want: theirs to take first."""
+    def _claimed(self, key: tuple[float, float, float]) -> set[Backend]:
+        """The backends the waiters ahead of `key` (rank, round, arrival) want: theirs to take
+        first."""
         claimed: set[Backend] = set()
         for e in self._heap:
-            if e[:2] < key:
-                claimed |= e[2].wants
+            if e[:3] < key:
+                claimed |= e[3].wants
         return claimed
 
     def _leave(self, entry: _Entry) -> None:
@@ -236,10 +260,10 @@ class AdmissionQueue:
         if not self._heap:
             return
         if len(self._heap) == 1:
-            self._heap[0][2].turn.set()
+            self._heap[0][3].turn.set()
             return
         claimed: set[Backend] = set()
-        for _, _, waiter in sorted(self._heap):
+        for _, _, _, waiter in sorted(self._heap):
             if not waiter.wants <= claimed:
                 waiter.turn.set()
             claimed |= waiter.wants
