@@ -52,6 +52,7 @@ from edge.routing.fleet import FleetServices, build_fleet
 from edge.routing.fleet_view import FleetViewConfig
 from edge.routing.kv_events import KvEventsConfig
 from edge.routing.prewarm import PrewarmConfig
+from edge.routing.ttft import TTFTPolicy
 from edge.state.stage import StateStage
 from edge.telemetry import (
     AccessLogCollector,
@@ -359,6 +360,10 @@ async def build(
         client_factory=partial(_sglang_client, credentials),
     )
     policy = make_policy(config.policy)
+    if isinstance(policy, TTFTPolicy):
+        # A backend healthy again after failing its checks most likely restarted: an empty cache.
+        forget = policy.forget
+        backends.on_healthy.append(lambda backend: forget(backend.url))
     metrics = Metrics(registry)
     metrics.bound_backends(backends.backends)
     admission = Admission(config.admission, metrics=metrics)
