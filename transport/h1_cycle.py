@@ -138,7 +138,12 @@ class _Cycle:
             return
         if kind != "http.response.body":
             raise RuntimeError(f"unexpected ASGI message {kind!r}")
-        if not self.write_body(message.get("body", b""), message.get("more_body", False)):
+        more = message.get("more_body", False)
+        if not self.write_body(message.get("body", b""), more) or (
+            not more and self.proto.write_paused
+        ):
+            # The last one too: what the client has not taken stays the app's to account for
+            # (a non-streamed answer is counted in the edge's budget until `send` returns).
             await self.proto.drained()
 
     def write_head(self, start: Message, body: bytes = b"", more: bool = True) -> bool:

@@ -121,6 +121,7 @@ class H1Protocol(asyncio.Protocol):
         self._next_waits = False  # the next request waits until the client reads its answers
         self._drain: asyncio.Future[None] | None = None
         self._closed = False
+        self._lost = False  # the transport is gone (`_closed` comes first, when we close)
         self._unsent = -1  # once closed: the bytes still to write at the last progress
         self._unsent_since = 0.0  # ... and when that was
         self._idle_since: float = 0.0
@@ -156,7 +157,7 @@ class H1Protocol(asyncio.Protocol):
         self._timer = self.loop.call_later(self.server.timer_period, self._on_timer)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._closed = True
+        self._closed = self._lost = True
         self._parser = _DETACHED
         self.server.forget(self)
         if self._timer is not None:
@@ -527,8 +528,9 @@ class H1Protocol(asyncio.Protocol):
             self._transport.write(data)
 
     async def drained(self) -> None:
-        """Wait until the transport's buffer is under its low-water mark (or the peer left)."""
-        while self.write_paused and not self._closed:
+        """Wait until the transport's buffer is under its low-water mark (or the connection is
+        gone; one closed after its answer still writes it, for `send_timeout` at most)."""
+        while self.write_paused and not self._lost:
             if self._drain is None or self._drain.done():
                 self._drain = self.loop.create_future()
             await self._drain

@@ -311,7 +311,11 @@ class H3Protocol(QuicConnectionProtocol):
         if metrics is not None:
             metrics.request_timeouts.labels("h3", "send").inc()
         self._writable.pop(stream_id, None)
-        self._session.cancel(stream_id)
+        if self._session.response_done(stream_id):  # its last send waited
+            self._ends.pop(stream_id, None)
+            self._session.abandon(stream_id)
+        else:
+            self._session.cancel(stream_id)
         channel = self._channels.get(stream_id)
         if channel is not None:
             channel.gone()
@@ -474,7 +478,13 @@ class H3Protocol(QuicConnectionProtocol):
                 channel.write_head(message)
             elif kind == "http.response.body":
                 body = message.get("body", b"")
-                if not channel.write_body(body, bool(message.get("more_body", False))):
+                more = bool(message.get("more_body", False))
+                if not channel.write_body(body, more) or (
+                    not more and not self.writable(stream_id)
+                ):
+                    # The last one too: what the client has not taken stays the app's to
+                    # account for (a non-streamed answer is counted in the edge's budget until
+                    # `send` returns).
                     await channel.drained()
             else:
                 raise ValueError(f"unsupported ASGI message type {kind!r}")

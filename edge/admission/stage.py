@@ -3,8 +3,9 @@ backends it may be placed now. `edge.app` calls `identify` on the headers, `admi
 `place` for the candidates of each attempt and `finish` when the request ends.
 
 A tenant refused for its requests bucket cannot pass before that bucket refills (other edges only
-take from it), so until then `identify` refuses its requests at once: before their body is read,
-and without asking the store again. A flood of over-quota requests costs a header lookup each."""
+take from it; a request this process gives back ends the refusal), so until then `identify`
+refuses its requests at once: before their body is read, and without asking the store again. A
+flood of over-quota requests costs a header lookup each."""
 
 from __future__ import annotations
 
@@ -289,6 +290,10 @@ class Admission:
         view = ex.view
         prompt = view.approx_tokens if view.batch_tokens is None else view.batch_tokens
         await self.limiter.refund(tenant, prompt)
+        # Its requests bucket holds a request again: a refusal remembered since (another of the
+        # tenant's requests, while this one held it) no longer says when the next may pass.
+        if self._refused_until.pop(tenant.name, None) is not None:
+            self._refused_standings.pop(tenant.name, None)
 
     def finish(self, ex: Exchange, completion_tokens: int | None) -> None:
         """The request ended (any way): free its slot, debit its answer, wake the queue."""
