@@ -1,6 +1,7 @@
 """docs/architecture.md names every module of the packages it describes, each in its package's
 paragraph, and no module that does not exist; every dotted name a doc gives of our code
-(`edge.serve.load_settings`) is there to import."""
+(`edge.serve.load_settings`) is there to import; the README's list of proxied routes is the
+app's."""
 
 from __future__ import annotations
 
@@ -105,3 +106,12 @@ def test_the_checks_can_fail() -> None:
     paragraph = "**`transport/`: bytes.** `tls.py` the certificate"
     assert named(Path("transport/tls.py"), paragraph)
     assert not named(Path("transport/redacted.py"), paragraph)
+
+
+def test_the_readme_names_every_route_the_edge_forwards() -> None:
+    from edge.app import ROUTE_METHODS
+
+    text = re.sub(r"\s+", " ", (ROOT / "README.md").read_text())
+    listed = text[text.index("Proxied routes:") :].split(";", 1)[0]
+    assert [route for route in ROUTE_METHODS if f"`{route}`" not in listed and
+            f"`POST {route}`" not in listed] == []  # fmt: skip
