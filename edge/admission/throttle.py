@@ -175,9 +175,9 @@ class AdmissionQueue:
                 if not entry[3].wants <= claimed:  # it may take some of them: it looks
                     found = candidates()
                     fit = self._fit([b for b in found if b not in claimed] if claimed else found)
-                    if fit or not found:
+                    if fit or not found:  # none found: the caller's 503, no backend took it
                         self._leave(entry)
-                        self._report(tier, time.monotonic() - start, True)
+                        self._report(tier, time.monotonic() - start, bool(fit))
                         return fit
                     wants = frozenset(found)
                     if wants != entry[3].wants:  # those behind it may be free of it now

@@ -11,7 +11,16 @@ from backends.sim import SimServer
 from edge.admission.settings import AdmissionSettings, AnonymousSettings, ThrottleSettings
 from tests.edge.admission.test_app_admission import bearer, tenant
 from tests.edge.admission.test_queue_app import chat, slow_sim
-from tests.edge.conftest import client, fast_config, run_edge
+from tests.edge.conftest import (
+    Recorded,
+    Reply,
+    TinyUpstream,
+    client,
+    fast_config,
+    held_sse,
+    run_edge,
+)
+from tests.edge.test_app_sim import metrics_text
 from tests.helpers import wait_until
 
 
@@ -56,3 +65,47 @@ async def test_one_tenant_flooding_its_tier_does_not_shut_another_of_the_tier_ou
             assert codes == [200, 200, 200, 503, 200]  # flood-3 gave its place to calm
             assert answers[3].json()["error"]["code"] == "overloaded"
             assert done == ["flood-3", "flood-0", "flood-1", "calm", "flood-2"]
+
+
+async def test_a_waiter_whose_backends_all_go_down_is_counted_refused_not_placed() -> None:
+    """A request waiting in the queue when its only backend goes down gets the 503
+    `no_healthy_backend`; its wait is `outcome="refused"` in
+    `quicedge_admission_queue_wait_seconds`, not `placed`: no backend took it."""
+    release = asyncio.Event()
+    healthy = True
+    held = held_sse(release)
+
+    async def answer(recorded: Recorded) -> Reply:
+        if recorded.path == "/health" and not healthy:
+            return Reply(status=503, chunked=False)
+        return await held(recorded)  # type: ignore[misc]
+
+    async with TinyUpstream(answer) as up:
+        config = fast_config([up.url], loads_interval=60.0)
+        config.admission = AdmissionSettings(
+            throttle=ThrottleSettings(
+                max_queue_depth=1, depth="in_flight", queue_timeout_s=30.0, recheck_s=0.02
+            )
+        )
+        body = {"model": "tiny-model", "prompt": "Hello", "stream": True}
+        async with run_edge(config) as edge, client(edge) as http:
+            queue = edge.wiring.admission.queue
+            backend = edge.wiring.registry.backends[0]
+            assert queue is not None
+            running = asyncio.ensure_future(http.post("/v1/completions", json=body))
+            await wait_until(lambda: backend.in_flight == 1)
+            waiting = asyncio.ensure_future(http.post("/v1/completions", json=body))
+            await wait_until(lambda: queue.waiting == 1)
+            healthy = False
+            r = await waiting
+            assert r.status_code == 503, r.text
+            assert r.json()["error"]["code"] == "no_healthy_backend"
+            release.set()
+            await running
+            text = await metrics_text(edge)
+            counts = {
+                line.split("{")[1].split("}")[0]: float(line.split()[-1])
+                for line in text.splitlines()
+                if line.startswith("quicedge_admission_queue_wait_seconds_count")
+            }
+            assert counts == {'outcome="refused",tier="bronze"': 1.0}
