@@ -41,6 +41,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from operator import mul
+from typing import Any
 
 import xxhash
 
@@ -51,6 +52,7 @@ from edge.routing.fleet_view import FleetView
 from edge.routing.hot_prefixes import HotPrefixes, model_of
 from edge.routing.prefix_blocks import BlockHasher, PrefixBlocks
 from edge.routing.prefix_tree import DEFAULT_MAX_CHARS, PrefixTree
+from edge.stages.view import render_chat
 
 # Feature scaling keeps the least-squares problem well conditioned: seconds per 1k tokens,
 # per 1M token-pairs, per 10 decoding requests.
@@ -197,6 +199,37 @@ def session_id(key: str) -> str:
     if len(key) <= _SESSION_KEY_CHARS:
         return key
     return "#" + xxhash.xxh3_128_hexdigest(key.encode("utf-8", "surrogatepass"))
+
+
+def _opaque(part: Any) -> bool:
+    """A content part the routing view leaves out (an image, audio: no text of its own)."""
+    return not (isinstance(part, dict) and isinstance(part.get("text"), str))
+
+
+def opaque_at(view: RequestView) -> int | None:
+    """Where in a chat request's routing text its first content part that is not text (an
+    image, audio) sits; None if it has none. The view renders text only, so requests that
+    differ in such a part alone share their text past it, which a backend's cache does not."""
+    messages = view.messages
+    if messages is None:
+        return None
+    for i, m in enumerate(messages):  # (text-only conversations: no rendering)
+        content = m.get("content")
+        if isinstance(content, list) and any(_opaque(part) for part in content):
+            break
+    else:
+        return None
+    pos = view.prompt_start + len(render_chat(messages[:i])) - _ASSISTANT_MARK
+    pos += len(f"<|{m['role']}|>\n")
+    for part in content:
+        if _opaque(part):
+            break
+        pos += len(part["text"])
+    return pos
+
+
+_ASSISTANT_MARK = len(render_chat([]))
+"""The assistant marker `render_chat` ends with."""
 
 
 @register_policy("ttft")
@@ -346,6 +379,8 @@ class TTFTPolicy:
         best: tuple[float, int, int, int] | None = None
         best_i = 0
         scored: list[tuple[float, int, list[float], int, float]] = []
+        # Past an image, the text the tree matched is no evidence: the image may differ.
+        opaque = opaque_at(view)
         shared = self.fleet
         if shared is not None and shared.processes > 1:  # the whole fleet's requests there
             flights = [b.in_flight + shared.queued(b.url)[2] for b in pool]
@@ -367,6 +402,8 @@ class TTFTPolicy:
                     depth = fleet.depth(b.url, hashes)
                     if depth < len(hashes) and depth + 1 < chars // block_chars:
                         chars = depth * block_chars
+            if opaque is not None:
+                chars = min(chars, opaque)
             cached = chars_to_tokens(chars, view)
             x = self.features(b, cached, view)
             rls = self.groups.get(b.hw_group) or self.group_model(b.hw_group)
@@ -400,6 +437,9 @@ class TTFTPolicy:
         confirmed = match.stamps.get(backend.url, 0) not in self._open
         if remote_hit and chars != match.chars.get(backend.url, 0):
             confirmed = False  # a hint from the fleet is not this process's knowledge
+        if opaque is not None:
+            # Its report counts the image's tokens, which its text cannot be converted with.
+            confirmed = False
         stamp = self.tree.insert(view.text, backend.url)
         if fleet is not None:
             fleet.placed(backend.url, hashes)
@@ -453,7 +493,8 @@ class TTFTPolicy:
             return
         if self.learn and features is not None and outcome.ttft_s is not None:
             self.group_model(outcome.backend.hw_group).update(features[:4], outcome.ttft_s)
-        if outcome.prompt_tokens and view.text:  # the backend's real tokens per character
+        # (a report that counts an image's tokens does not convert the text's)
+        if outcome.prompt_tokens and view.text and opaque_at(view) is None:
             ratio = outcome.prompt_tokens / len(view.text)
             self._tokens_per_char += 0.05 * (ratio - self._tokens_per_char)
         confirmed = features is not None and features[6] > 0
