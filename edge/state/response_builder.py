@@ -28,6 +28,7 @@ _INCOMPLETE = {"length": "max_output_tokens", "content_filter": "content_filter"
 
 
 ABORTED = "the backend aborted this answer before it ended"
+NOT_CHAT = "the backend's answer was not a chat completion"
 
 
 def _incomplete(finish: object) -> str | None:
@@ -177,16 +178,19 @@ class ResponseBuilder:
 
     # -- a whole (non-streaming) answer ----------------------------------------------------
 
-    def from_chat_body(self, body: bytes) -> bytes | None:
-        """The response object for a chat.completion body (None when it is not one)."""
+    def from_chat_body(self, body: bytes) -> bytes:
+        """The response object for a chat.completion body; a `failed` one when the body is
+        not one (the backend's own bytes are no answer to a `/v1/responses` request)."""
         try:
             obj = orjson.loads(body)
             choice = obj["choices"][0]
             message = choice["message"]
         except (ValueError, KeyError, IndexError, TypeError):
-            return None
+            message = None
         if not isinstance(message, dict):
-            return None
+            self.failed = {"code": "server_error", "message": NOT_CHAT}
+            self.ended = True
+            return orjson.dumps(self.response("failed"))
         self.answer.take_message(message, logprobs=choice.get("logprobs"))
         self._finish = choice.get("finish_reason")
         self._usage = _usage(obj)
