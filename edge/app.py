@@ -122,9 +122,16 @@ STORED_ROUTES: tuple[tuple[re.Pattern[str], str, tuple[str, ...]], ...] = tuple(
 methods). Answered by the edge, never forwarded."""
 
 
+UNSERVED_ROUTES = frozenset({RESPONSES + "/input_tokens", RESPONSES + "/compact"})
+"""OpenAI's own routes under `/v1/responses/` (SDK methods of their own) that the edge does
+not serve: unknown routes (404), not a response's id (which took them for 405s)."""
+
+
 def stored_route(path: str) -> tuple[str, tuple[str, ...], str, str] | None:
     """(the route's label, its methods, the id in the path, the item id in it) for a stored
     object's path."""
+    if path in UNSERVED_ROUTES:
+        return None
     for pattern, label, methods in STORED_ROUTES:
         match = pattern.fullmatch(path)
         if match is not None:

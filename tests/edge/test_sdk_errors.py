@@ -49,3 +49,27 @@ async def test_an_answer_too_large_to_hold_is_not_tried_again_by_the_sdk() -> No
     assert [r.status_code for r in seen] == [502]
     assert seen[0].headers["x-should-retry"] == "false"
     assert len(embeddings) == 1
+
+
+async def test_the_responses_routes_the_edge_does_not_serve_are_not_found() -> None:
+    """OpenAI's `POST /v1/responses/input_tokens` and `/v1/responses/compact` (SDK methods of
+    their own) are routes the edge does not serve: 404 `not_found`, which the SDK raises as
+    `NotFoundError`, not a 405 saying the path takes GET and DELETE (as if a response of
+    that id were there)."""
+    from backends.sim import SimServer
+    from tests.edge.state.helpers import sdk_of, state, tenants
+    from tests.edge.test_app_sim import sim_config
+
+    async with SimServer(sim_config("b1")) as sim:
+        config = fast_config([sim.url], state=state(None), admission=tenants("alpha"))
+        async with run_edge(config) as edge:
+            sdk = sdk_of(edge)
+            async with sdk:
+                with pytest.raises(openai.NotFoundError) as counted:
+                    await sdk.responses.input_tokens.count(model="default", input="hi")
+                with pytest.raises(openai.NotFoundError) as compacted:
+                    await sdk.responses.compact(model="default", input="hi")
+                with pytest.raises(openai.NotFoundError) as read:  # a response's id still is
+                    await sdk.responses.retrieve("resp_0123")
+    assert counted.value.code == compacted.value.code == "not_found"
+    assert read.value.code == "response_not_found"
