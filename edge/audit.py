@@ -37,6 +37,7 @@ import hashlib
 import hmac
 import logging
 import os
+import re
 import sys
 import time
 import zlib
@@ -465,8 +466,11 @@ def _model(ex: Exchange) -> str | None:
 def last_hash(path: str, *, repair: bool = False) -> str:
     """The `hash` of the last line of the log at `path`, else of its newest rotated file that
     has a line: an archived one (`PATH.N.gz`, which logrotate's `compress` makes of a file it
-    rotated away) included, since continuing from an older file would fork the chain. A newest
-    file archived in a form not read here (`PATH.N.zst`) is a ValueError naming it.
+    rotated away) included, since continuing from an older file would fork the chain. The
+    rotated files are taken newest first by their first lines' `ts` (`_by_age`), not by number:
+    the edge numbers the newest highest, logrotate numbers it `PATH.1`. A rotated file the edge
+    cannot read (`PATH.N.zst`) numbered above the file the chain would go on from is a
+    ValueError naming it: it may be the newest.
 
     Read only unless `repair` (the writer's start, which holds the log's lock): a file that
     ends inside a line then has that part cut off (a crash's) or its newline added; without
@@ -475,7 +479,15 @@ def last_hash(path: str, *, repair: bool = False) -> str:
     by_number: dict[int, list[str]] = {}
     for number, name in _numbered(path):
         by_number.setdefault(number, []).append(name)
-    for name in [path, *(_readable(by_number[n]) for n in sorted(by_number, reverse=True))]:
+    files: list[tuple[int, str]] = []
+    unread: list[tuple[int, str]] = []
+    """(number, why) of the rotated files whose age is not known: unreadable forms."""
+    for number, names in by_number.items():
+        try:
+            files.append((number, _readable(names)))
+        except ValueError as exc:
+            unread.append((number, str(exc)))
+    for number, name in [(sys.maxsize, path), *reversed(_by_age(files, unread))]:
         try:
             if name.endswith(".gz"):
                 value = _last_gzip_line_hash(name)
@@ -486,8 +498,68 @@ def last_hash(path: str, *, repair: bool = False) -> str:
         except OSError as exc:  # read past it, the chain would fork from an older line
             raise ValueError(f"audit.path: {name}: {exc.strerror or exc}") from None
         if value is not None:
+            _check_unread(unread, number)
             return value
+    _check_unread(unread, -1)
     return GENESIS
+
+
+def _check_unread(unread: list[tuple[int, str]], number: int) -> None:
+    """A ValueError for a rotated file not read whose number is above `number` (that of the
+    file the chain goes on from): by the edge's numbering it is newer."""
+    above = [why for n, why in sorted(unread, reverse=True) if n > number]
+    if above:
+        raise ValueError(above[0])
+
+
+_FIRST_TS = re.compile(rb'\{"ts":\s*(-?[0-9][0-9.eE+-]*)\s*[,}]')
+"""The start of every line the writer writes: its `ts` is the record's first key."""
+
+
+def _first_ts(name: str) -> float | None:
+    """The `ts` of a log file's first line, from its first bytes (a plain or a gzip file);
+    None when it is empty or does not start as the writer's lines do. A ValueError when it
+    cannot be read."""
+    try:
+        if name.endswith(".gz"):
+            with gzip.open(name, "rb") as g:
+                head = g.read(64)
+        else:
+            with open(name, "rb") as f:
+                head = f.read(64)
+    except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
+        raise ValueError(f"audit.path: {name}: not a whole gzip file ({exc})") from None
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ValueError(f"audit.path: {name}: {exc.strerror or exc}") from None
+    found = _FIRST_TS.match(head)
+    if found is None:
+        return None
+    try:
+        return float(found.group(1))
+    except ValueError:
+        return None
+
+
+def _by_age(
+    files: Sequence[tuple[int, str]], unread: list[tuple[int, str]] | None = None
+) -> list[tuple[int, str]]:
+    """(number, name) of rotated files, oldest first: by their first lines' `ts`, then by
+    number (the edge's own numbering, newest highest; logrotate's is the reverse, newest
+    `PATH.1`). Files with no line to date come first. One whose start cannot be read goes to
+    `unread` (its age is not known), or, without `unread`, is put by its number."""
+    dated: list[tuple[bool, float, int, str]] = []
+    for number, name in files:
+        try:
+            ts = _first_ts(name)
+        except ValueError as exc:
+            if unread is not None:
+                unread.append((number, str(exc)))
+                continue
+            ts = None
+        dated.append((ts is not None, ts or 0.0, number, name))
+    return [(number, name) for _, _, number, name in sorted(dated)]
 
 
 def _readable(names: list[str]) -> str:
@@ -667,9 +739,11 @@ def ordered_files(path: str) -> list[str]:
 
 
 def rotated_files(path: str) -> list[str]:
-    """The files `PATH.N` (N a number) by number: a log's rotated files, oldest first."""
+    """The files `PATH.N` (N a number): a log's rotated files, oldest first (`_by_age`: by
+    their first lines' `ts`, then by number, so logrotate's numbering is read in order too)."""
     skip = len(os.path.basename(path)) + 1
-    return [name for _, name in sorted(_numbered(path)) if os.path.basename(name)[skip:].isdigit()]
+    plain = [(n, name) for n, name in _numbered(path) if os.path.basename(name)[skip:].isdigit()]
+    return [name for _, name in _by_age(plain)]
 
 
 def _numbered(path: str) -> list[tuple[int, str]]:
@@ -730,7 +804,7 @@ def main(argv: Iterable[str] | None = None) -> int:
         "not be checked (an unreadable file).",
     )
     check.add_argument("files", nargs="+", help="log files, oldest first (or one PATH: its "
-                       "rotated files PATH.N are checked before it, by number)")  # fmt: skip
+                       "rotated files PATH.N are checked before it, oldest first)")  # fmt: skip
     check.add_argument("--from-genesis", action="store_true",
                        help="the first line must be the log's first (prev = 0...0)")  # fmt: skip
     check.add_argument("--max-line-bytes", type=_positive, default=MAX_LINE_BYTES,
