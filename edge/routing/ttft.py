@@ -31,8 +31,9 @@ While other processes are heard from, a local match is believed only as far as t
 holds its blocks: the tree sees this process's traffic only, the view the whole fleet's.
 With a hot-prefix tracker attached, every routed prompt is counted there.
 
-A session key is only a tie-breaker: the session's previous backend wins if its prediction is
-within `session_slack` (relative) + `session_slack_s` of the best, so load always wins.
+A session key is only a tie-breaker: the session's previous backend wins if its score (the
+prediction with the miss charge) is within `session_slack` (relative) + `session_slack_s` of the
+best one's, so load always wins.
 """
 
 from __future__ import annotations
@@ -213,15 +214,20 @@ def opaque_at(view: RequestView) -> int | None:
     messages = view.messages
     if messages is None:
         return None
-    for i, m in enumerate(messages):  # (text-only conversations: no rendering)
-        content = m.get("content")
-        if isinstance(content, list) and any(_opaque(part) for part in content):
-            break
-    else:
+    found = next(
+        (
+            i
+            for i, m in enumerate(messages)  # (text-only conversations: no rendering)
+            if isinstance(m.get("content"), list) and any(map(_opaque, m["content"]))
+        ),
+        None,
+    )
+    if found is None:
         return None
-    pos = view.prompt_start + len(render_chat(messages[:i])) - _ASSISTANT_MARK
+    m = messages[found]
+    pos = view.prompt_start + len(render_chat(messages[:found])) - _ASSISTANT_MARK
     pos += len(f"<|{m['role']}|>\n")
-    for part in content:
+    for part in m["content"]:
         if _opaque(part):
             break
         pos += len(part["text"])

@@ -49,3 +49,25 @@ def test_a_long_session_key_still_sticks_to_its_backend() -> None:
     for i in range(5):  # an idle fleet with nothing cached: only the session decides
         decision = policy.choose(view(f"new {i} " * 10, "s" * 100_000), backends)
         assert decision.backend is home
+
+
+def test_the_session_rule_compares_what_the_choice_compares() -> None:
+    """docs/routing.md, "`ttft`": the session's backend wins if its score (the prediction with
+    the miss charge the choice adds) is within the slack of the best one's."""
+    b0, b1 = fleet()
+    policy = TTFTPolicy()
+    prefix = "shared context " * 530  # ~8k characters, ~2k tokens
+    policy.tree.insert(prefix, b1.url)
+    policy._sessions["s"] = b0.url  # the session was on b0, which holds none of it
+    b1.in_flight = b1.in_prefill = 1
+    b1.in_flight_prefill_tokens = 1850  # b1's queue nearly costs the prefill it saves
+    request = RequestView(route="/v1/completions", text=prefix + "question " * 44,
+                          approx_tokens=2100, session_key="s")  # fmt: skip
+    preds = {}
+    for b in (b0, b1):
+        cached = policy.tree.match(request.text).chars.get(b.url, 0) * 2100 // len(request.text)
+        preds[b.name] = policy.model.predict(policy.features(b, min(cached, 2099), request))
+    # within 10 % + 2 ms by prediction, not by score: the score decides
+    assert preds["b0"] <= preds["b1"] * 1.1 + 0.002
+    decision = policy.choose(request, [b0, b1])
+    assert decision.backend is b1 and decision.reason == "ttft"
