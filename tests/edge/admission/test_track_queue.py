@@ -1,24 +1,25 @@
-"""The admission queue under overload, through the app against a one-slot stand-in: tenants of
-one tier share it fairly, whatever one of them sends."""
+"""The admission queue under overload, through the app against a scripted backend held at one
+request: tenants of one tier share it fairly, whatever one of them sends; its metric."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 
-from backends.sim import SimServer
-from edge.admission.settings import AdmissionSettings, AnonymousSettings, ThrottleSettings
+from edge.admission.settings import AdmissionSettings, ThrottleSettings
 from tests.edge.admission.test_app_admission import bearer, tenant
-from tests.edge.admission.test_queue_app import chat, slow_sim
 from tests.edge.conftest import (
     Recorded,
     Reply,
     TinyUpstream,
     client,
     fast_config,
+    health_ok,
     held_sse,
     run_edge,
+    sse_reply,
 )
 from tests.edge.test_app_sim import metrics_text
 from tests.helpers import wait_until
@@ -27,12 +28,21 @@ from tests.helpers import wait_until
 async def test_one_tenant_flooding_its_tier_does_not_shut_another_of_the_tier_out() -> None:
     """Tenant `flood` keeps the queue full; tenant `calm`, of the same tier, still gets a place
     (the flooder's last waiter gives it up) and goes before the flooder's later waiters."""
-    async with SimServer(slow_sim("b1")) as sim:
-        config = fast_config([sim.url], loads_interval=60.0)
+    release = asyncio.Event()
+
+    async def answer(recorded: Recorded) -> Reply:
+        reply = health_ok(recorded)
+        if reply is not None:
+            return reply
+        if json.loads(recorded.body)["prompt"] == "flood-0":
+            await release.wait()
+        return sse_reply(("ok",))
+
+    async with TinyUpstream(answer) as up:
+        config = fast_config([up.url], loads_interval=60.0)
         config.admission = AdmissionSettings(
-            anonymous=AnonymousSettings(tier="bronze"),
             throttle=ThrottleSettings(
-                max_queue_depth=1, depth="in_flight", queue_size=3, queue_timeout_s=60.0
+                max_queue_depth=1, depth="in_flight", queue_size=3, queue_timeout_s=30.0
             ),
             tenants=[
                 tenant("flood", "silver", "sk-flood"),
@@ -43,28 +53,32 @@ async def test_one_tenant_flooding_its_tier_does_not_shut_another_of_the_tier_ou
             queue = edge.wiring.admission.queue
             backend = edge.wiring.registry.backends[0]
             assert queue is not None
-            done: list[str] = []
 
-            async def send(name: str, key: str, tokens: int) -> httpx.Response:
-                body = chat(tokens, stream=True)
-                r = await http.post("/v1/chat/completions", json=body, headers=bearer(key))
-                done.append(name)
-                return r
+            def send(prompt: str, key: str) -> asyncio.Future[httpx.Response]:
+                body = {"model": "tiny-model", "prompt": prompt, "stream": True}
+                return asyncio.ensure_future(
+                    http.post("/v1/completions", json=body, headers=bearer(key))
+                )
 
-            long = asyncio.ensure_future(send("flood-0", "sk-flood", 250))
+            first = send("flood-0", "sk-flood")
             await wait_until(lambda: backend.in_flight == 1)
-            tasks = []
+            flood = []
             for i in range(1, 4):  # the queue's three places, all the flooder's
-                tasks.append(asyncio.ensure_future(send(f"flood-{i}", "sk-flood", 3)))
+                flood.append(send(f"flood-{i}", "sk-flood"))
                 await wait_until(lambda n=i: queue.waiting == n)  # type: ignore[misc]
-            calm = asyncio.ensure_future(send("calm", "sk-calm", 3))
-            await wait_until(lambda: "flood-3" in done or "calm" in done)
-            assert not long.done(), "the long request must outlast the queueing"
-            answers = await asyncio.gather(long, *tasks, calm)
-            codes = [a.status_code for a in answers]
-            assert codes == [200, 200, 200, 503, 200]  # flood-3 gave its place to calm
-            assert answers[3].json()["error"]["code"] == "overloaded"
-            assert done == ["flood-3", "flood-0", "flood-1", "calm", "flood-2"]
+            calm = send("calm", "sk-calm")
+            await wait_until(lambda: calm.done() or flood[2].done())
+            assert not calm.done()  # it waits: flood-3 gave its place to it
+            last = flood[2].result()
+            assert last.status_code == 503 and last.json()["error"]["code"] == "overloaded"
+            assert queue.waiting == 3
+            release.set()
+            answers = await asyncio.gather(first, flood[0], flood[1], calm)
+            assert [a.status_code for a in answers] == [200] * 4
+            sent = [
+                json.loads(r.body)["prompt"] for r in up.requests if r.path == "/v1/completions"
+            ]
+            assert sent == ["flood-0", "flood-1", "calm", "flood-2"]
 
 
 async def test_a_waiter_whose_backends_all_go_down_is_counted_refused_not_placed() -> None:
