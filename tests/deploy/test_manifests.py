@@ -140,6 +140,9 @@ def parse_serve(args: list[str], doc: dict[str, Any], env: dict[str, str], monke
     parsed = serve.build_parser().parse_args(args[1:])
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    # The certificate files are the pod's (its Secret's), not this machine's; the settings read
+    # them as they load, which here would only say they are elsewhere.
+    monkeypatch.setattr("transport.config.check_files", lambda files: None)
     loaded = serve.load_settings(parsed, env, toml=doc)
     transport = serve.transport_config(loaded)
     proxy = loaded.get("proxy", ProxyConfig)
