@@ -54,4 +54,6 @@ async def test_a_negative_token_count_from_the_backend_does_not_turn_the_counter
                 assert response.status_code == 200
                 seen.append(completion_tokens_counted(edge.registry))
         assert seen == sorted(seen), seen  # never down
-        assert seen[-1] == 45
+        # the negative count is unknown, so the answer is charged what it relayed, one content
+        # chunk (`edge.sse`): 40, then 41, then 46
+        assert seen == [40, 41, 46], seen
