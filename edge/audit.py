@@ -98,7 +98,9 @@ class AuditConfig:
     hash_key: str | None = None
     """Key of the HMAC-SHA256 over prompts; None: plain SHA-256."""
     fsync: bool = False
-    """fsync after each batch (durable across a power loss; slower)."""
+    """fsync after each batch, and the log's folder after a batch that starts a file (the
+    first, or a rotation's), whose name fsync of the file does not write (durable across a
+    power loss; slower)."""
     otlp: bool = False
     """Also export each written line as an OpenTelemetry log record over OTLP/HTTP (off); the
     file stays the record of truth, the export may drop (counted) but never delays it."""
@@ -426,6 +428,8 @@ class AuditLog:
                     view = view[os.write(fd, view) :]
                 if self.config.fsync:
                     os.fsync(fd)
+                    if size == 0:  # a new file: its name (and a rotated one's) is the folder's
+                        self._sync_folder()
             except BaseException:
                 try:
                     os.ftruncate(fd, size)
@@ -435,6 +439,15 @@ class AuditLog:
         finally:
             if fd >= 0:
                 os.close(fd)
+
+    def _sync_folder(self) -> None:
+        """fsync the log's folder: a file's name is an entry there, which fsync of the file
+        does not write (a power loss could take a new file, lines and all, or a rename)."""
+        fd = os.open(os.path.dirname(self.path) or ".", os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def _open(self) -> int:
         return os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
