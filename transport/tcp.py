@@ -168,6 +168,9 @@ class TcpListener:
         # client listens to in silence, so it stays off; the body deadline is
         # `transport.deadlines`'s, at the ASGI seam.
         config.keep_alive_timeout = min(options.keep_alive_timeout, options.head_timeout)
+        # The TLS handshake comes before any of that and is the head's too: hypercorn's 60 s let
+        # an idle TCP connection hold ~220 KB, uncapped (the caps count it once it is done).
+        config.ssl_handshake_timeout = options.head_timeout
         config.h11_max_incomplete_size = options.max_header_bytes
         # hypercorn's own default is 1,000; 0 means none here.
         config.keep_alive_max_requests = options.max_requests or sys.maxsize
