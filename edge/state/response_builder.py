@@ -48,9 +48,20 @@ def _usage(obj: Any) -> dict[str, Any] | None:
         "input_tokens": prompt,
         "input_tokens_details": {"cached_tokens": counts.cached_tokens or 0},
         "output_tokens": output,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": _reasoning_tokens(obj["usage"], output)},
         "total_tokens": prompt + output,
     }
+
+
+def _reasoning_tokens(usage: dict[str, Any], output: int) -> int:
+    """The thinking's share of the output tokens: SGLang's `usage.reasoning_tokens` (with
+    `--reasoning-parser`), or OpenAI's `completion_tokens_details.reasoning_tokens`; 0 when
+    neither is a count (never more than the output)."""
+    count = usage.get("reasoning_tokens")
+    details = usage.get("completion_tokens_details")
+    if type(count) is not int and isinstance(details, dict):
+        count = details.get("reasoning_tokens")
+    return min(count, output) if type(count) is int and count > 0 else 0
 
 
 class ResponseBuilder:

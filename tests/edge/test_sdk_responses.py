@@ -6,8 +6,10 @@ from __future__ import annotations
 import openai
 import pytest
 
+from backends.sim import SimServer
 from tests.edge.conftest import Recorded, Reply, TinyUpstream, fast_config, health_ok, run_edge
 from tests.edge.state.helpers import sdk_of, state, tenants
+from tests.edge.test_app_sim import sim_config
 
 
 @pytest.mark.parametrize(
@@ -42,3 +44,25 @@ async def test_a_backend_answer_that_is_no_chat_completion_is_a_failed_response(
                     await sdk.responses.create(
                         model="tiny-model", input="again", previous_response_id=answer.id
                     )
+
+
+async def test_the_thinking_of_a_reasoning_model_is_counted_in_the_usage() -> None:
+    """SGLang with `--reasoning-parser` counts the thinking in `usage.reasoning_tokens`: the
+    response's `output_tokens_details.reasoning_tokens` says how many of its output tokens
+    were thinking, whole and streamed (and read back stored)."""
+    async with SimServer(sim_config("b1", reasoning_tokens=4)) as sim:
+        config = fast_config([sim.url], state=state(None), admission=tenants("alpha"))
+        async with run_edge(config) as edge:
+            sdk = sdk_of(edge)
+            async with sdk:
+                whole = await sdk.responses.create(
+                    model="default", input="Name a moon.", max_output_tokens=12
+                )
+                async with sdk.responses.stream(
+                    model="default", input="Name a moon.", max_output_tokens=500
+                ) as stream:
+                    streamed = await stream.get_final_response()
+                stored = await sdk.responses.retrieve(whole.id)
+    for answer in (whole, streamed, stored):
+        assert answer.usage is not None
+        assert answer.usage.output_tokens_details.reasoning_tokens == 4
