@@ -8,6 +8,7 @@ memory buckets, no throttle.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -212,8 +213,8 @@ class AdmissionSettings:
 def _check_limits(
     where: str, rps: float | None, burst: int | None, tpm: int | None, concurrent: int | None
 ) -> None:
-    if rps is not None and rps <= 0:
-        raise ValueError(f"{where}.requests_per_second: must be > 0")
+    if rps is not None and not (math.isfinite(rps) and rps > 0):  # TOML reads inf and nan too
+        raise ValueError(f"{where}.requests_per_second: must be a finite number > 0, got {rps}")
     if burst is not None and burst < 1:
         raise ValueError(f"{where}.burst: must be >= 1")
     if burst is not None and rps is None:

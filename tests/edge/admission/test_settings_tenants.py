@@ -55,6 +55,11 @@ def test_the_issue_toml_shape_loads() -> None:
         ('[[tenants]]\nname = "anonymous"', "is taken"),
         ('[[tenants]]\nname = "a"\nburst = 3', "burst: needs requests_per_second"),
         ('[[tenants]]\nname = "a"\nrequests_per_second = "fast"', "must be a number"),
+        # TOML reads both: inf overflowed the burst's rounding, nan made a bucket that always
+        # admits
+        ('[[tenants]]\nname = "a"\nrequests_per_second = inf', "requests_per_second: must be"),
+        ('[[tenants]]\nname = "a"\nrequests_per_second = nan', "requests_per_second: must be"),
+        ("[admission.anonymous]\nrequests_per_second = inf", "requests_per_second: must be"),
         ("[admission.redis]\nfallback_share = 0", "fallback_share"),
         ("[admission.throttle]\nmax_queue_depth = 0", "max_queue_depth"),
         ("[admission]\nanonymus = {}", "admission: unknown setting(s) anonymus"),
