@@ -169,13 +169,20 @@ def _messages(value: Any, param: str = "input") -> list[dict[str, Any]]:
         if isinstance(item, dict) and item.get("type") in FUNCTION_ITEMS:
             function_item(item, where, out)
             continue
+        if isinstance(item, dict) and item.get("type") == "reasoning":
+            # An earlier answer's thinking, given back with it (`input += response.output`):
+            # a model is given its earlier answers without their thinking, as a stored
+            # conversation keeps them.
+            continue
         if not isinstance(item, dict) or item.get("type", "message") != "message":
-            raise _invalid(where, "only message, function_call and function_call_output items"
-                           " are supported")  # fmt: skip
+            raise _invalid(where, "only message, reasoning, function_call and "
+                           "function_call_output items are supported")  # fmt: skip
         role = item.get("role")
         if role not in _ROLES:
             raise _invalid(f"{where}.role", "must be user, assistant, system or developer")
         out.append({"role": role, "content": _content_of(item.get("content"), f"{where}.content")})
+    if not out:
+        raise _invalid(param, "holds no message, function_call or function_call_output item")
     return out
 
 

@@ -3,10 +3,13 @@ official OpenAI SDK reads it."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import openai
 import pytest
 
 from backends.sim import SimServer
+from edge.state.responses import parse_request
 from tests.edge.conftest import Recorded, Reply, TinyUpstream, fast_config, health_ok, run_edge
 from tests.edge.state.helpers import sdk_of, state, tenants
 from tests.edge.test_app_sim import sim_config
@@ -66,3 +69,30 @@ async def test_the_thinking_of_a_reasoning_model_is_counted_in_the_usage() -> No
     for answer in (whole, streamed, stored):
         assert answer.usage is not None
         assert answer.usage.output_tokens_details.reasoning_tokens == 4
+
+
+async def test_a_reasoning_models_output_goes_back_as_the_next_input() -> None:
+    """The SDK's way of keeping a conversation on the client (`input += response.output`)
+    with a reasoning model: the output's `reasoning` item goes back with its message, and the
+    thinking is left out of what the model is given, as in a stored conversation."""
+    async with SimServer(sim_config("b1", reasoning_tokens=4)) as sim:
+        config = fast_config([sim.url], state=state(None), admission=tenants("alpha"))
+        async with run_edge(config) as edge:
+            sdk = sdk_of(edge)
+            async with sdk:
+                context: list[Any] = [{"role": "user", "content": "Name a moon."}]
+                first = await sdk.responses.create(
+                    model="default", input=context, store=False, max_output_tokens=12
+                )
+                assert [o.type for o in first.output] == ["reasoning", "message"]
+                context += first.output
+                context.append({"role": "user", "content": "And another?"})
+                again = await sdk.responses.create(
+                    model="default", input=context, store=False, max_output_tokens=12
+                )
+                assert again.output_text
+                sent = parse_request({"input": [o.model_dump() for o in first.output]}).new
+                assert sent == [{"role": "assistant", "content": first.output_text}]
+                with pytest.raises(openai.BadRequestError) as alone:
+                    await sdk.responses.create(model="default", input=first.output[:1])
+    assert alone.value.param == "input"
