@@ -101,6 +101,7 @@ from hypercorn.protocol.h2 import BUFFER_HIGH_WATER, H2Protocol
 from hypercorn.protocol.http_stream import HTTPStream
 from hyperframe.frame import GoAwayFrame
 
+from transport import hypercorn_send
 from transport.caps import CONTROL_FLOOD, RAPID_RESET, floods_control, resets_most
 from transport.h2_body_credit import AppQueue, connection_window, take_over
 from transport.h2_stream_errors import adopt, body_length_error, header_list_over
@@ -423,6 +424,7 @@ def install() -> None:
             "re-test before moving the pin"
         )
     hypercorn.protocol.H2Protocol = GuardedH2Protocol  # type: ignore[misc]
+    hypercorn_send.install()  # each stream's send buffer, bounded
 
 
 __all__ = [

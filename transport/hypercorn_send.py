@@ -75,8 +75,16 @@ class BoundedStreamBuffer(StreamBuffer):
         return data
 
 
-# hypercorn's HTTP/2 protocol makes each stream's buffer from this name when the stream opens.
-hypercorn.protocol.h2.StreamBuffer = BoundedStreamBuffer  # type: ignore[misc]
+def install() -> None:
+    """Have hypercorn's HTTP/2 streams buffer through `BoundedStreamBuffer` (idempotent):
+    its protocol makes each stream's buffer from this name when the stream opens."""
+    hypercorn.protocol.h2.StreamBuffer = BoundedStreamBuffer  # type: ignore[misc]
 
 
-__all__ = ["SEND_TIMEOUT_ATTRIBUTE", "BoundedStreamBuffer", "SendTimeout", "send_timeout_of"]
+__all__ = [
+    "SEND_TIMEOUT_ATTRIBUTE",
+    "BoundedStreamBuffer",
+    "SendTimeout",
+    "install",
+    "send_timeout_of",
+]
