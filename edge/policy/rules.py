@@ -360,10 +360,13 @@ class RequestRules:
                     f"the request was refused by policy rule `{rule_id}`",
                     param=self._field_of(deny, route, slots, texts),
                 )
-        for i in matched:
-            if rules[i].action == "redact" and self._redact_with(i, slots, folded, groups):
-                verdict.redacted = True
-                verdict.fired.append((rules[i].id, "redact"))
+        redactors = [i for i in matched if rules[i].action == "redact"]
+        if redactors:
+            redacted = self._redact(redactors, slots, folded, groups)
+            for i in redactors:
+                if i in redacted:
+                    verdict.redacted = True
+                    verdict.fired.append((rules[i].id, "redact"))
         return verdict
 
     def _field_of(self, rule: int, route: str, slots: Slots, texts: list[str]) -> str:
@@ -431,11 +434,15 @@ class RequestRules:
             return True
         return False
 
-    def _redact_with(
-        self, index: int, slots: Slots, folded: list[str], groups: Sequence[tuple[int, int]]
-    ) -> bool:
-        pattern, replacement = self._redactors[index], self._rules[index].replacement
-        changed_any = False
+    def _redact(
+        self, indices: list[int], slots: Slots, folded: list[str], groups: Sequence[tuple[int, int]]
+    ) -> set[int]:
+        """Redact the matches of the redact rules `indices` in every text; the rules that had
+        one. All the rules' matches are found in the same text, as sent, and a stretch that
+        several cover is replaced once (`_spans`): one rule's replacement applied before
+        another's search would leave the rest of a match it cut short in the clear, or take away
+        what the other's pattern needs (`password: VALUE`, once `password` was replaced)."""
+        redacted: set[int] = set()
         grouped = {j for first, end in groups for j in range(first, end)} if groups else ()
         for i, (container, key) in enumerate(slots):
             if i in grouped:
@@ -444,15 +451,52 @@ class RequestRules:
             # Offsets in the folded text are those of the original only when folding kept it
             # as it was; otherwise the folded text, redacted, replaces the original.
             source = original if folded[i] == original else folded[i]
-            changed = pattern.sub(replacement.replace("\\", "\\\\"), source)
-            if changed != source:
-                container[key] = changed
-                folded[i] = fold(changed)
-                changed_any = True
+            spans = self._spans(indices, source, redacted)
+            if spans:
+                container[key] = _replaced(source, spans)
+                folded[i] = fold(container[key])
         for first, end in groups:
-            if _redact_parts(pattern, replacement, slots, folded, first, end):
-                changed_any = True
-        return changed_any
+            _redact_parts(self, indices, slots, folded, first, end, redacted)
+        return redacted
+
+    def _spans(self, indices: list[int], text: str, redacted: set[int]) -> list[Span]:
+        """The stretches of `text` to replace: every match of the rules `indices`, overlapping
+        ones merged into one, with the replacement of the rule whose match starts first (the
+        first of them in the file's order where two start together). Adds the rules that
+        matched to `redacted`."""
+        found = [
+            (m.start(), i, m.end())
+            for i in indices
+            for m in self._redactors[i].finditer(text)
+            if m.end() > m.start()
+        ]
+        if not found:
+            return []
+        found.sort()
+        merged: list[Span] = []
+        for start, i, end in found:
+            redacted.add(i)
+            if merged and start < merged[-1][1]:
+                if end > merged[-1][1]:
+                    merged[-1] = (merged[-1][0], end, merged[-1][2])
+            else:
+                merged.append((start, end, self._rules[i].replacement))
+        return merged
+
+
+Span = tuple[int, int, str]
+"""A stretch of a text to redact: (start, end, replacement)."""
+
+
+def _replaced(text: str, spans: list[Span]) -> str:
+    """`text` with each of the `spans` (sorted, disjoint) replaced."""
+    out: list[str] = []
+    last = 0
+    for start, end, replacement in spans:
+        out += (text[last:start], replacement)
+        last = end
+    out.append(text[last:])
+    return "".join(out)
 
 
 # The two ways a chat template renders one message's text parts: concatenated (templates that
@@ -477,11 +521,17 @@ def _rendered(slots: Slots, folded: list[str], groups: Sequence[tuple[int, int]]
 
 
 def _redact_parts(
-    pattern: Any, replacement: str, slots: Slots, folded: list[str], first: int, end: int
+    rules: RequestRules,
+    indices: list[int],
+    slots: Slots,
+    folded: list[str],
+    first: int,
+    end: int,
+    redacted: set[int],
 ) -> bool:
-    """Redact the matches in the rendered text of the parts `slots[first:end]`, each cut in the
-    part(s) it covers (a match over two parts: the replacement in the first, the rest of it
-    removed from the second)."""
+    """Redact the matches of the rules `indices` in the rendered text of the parts
+    `slots[first:end]`, each cut in the part(s) it covers (a match over two parts: the
+    replacement in the first, the rest of it removed from the second)."""
     changed = False
     for sep in _PART_JOINS:
         raw = [c[k] for c, k in slots[first:end]]
@@ -491,30 +541,28 @@ def _redact_parts(
             # folding composed a character across a part's edge: offsets in the parts are not
             # those of the rendered text; the folded rendering, redacted, replaces the parts
             whole = fold(sep.join(raw))
-            redacted = pattern.sub(replacement.replace("\\", "\\\\"), whole)
-            if redacted != whole:
-                texts = [redacted] + [""] * (end - first - 1)
+            spans = rules._spans(indices, whole, redacted)
+            if spans:
+                texts = [_replaced(whole, spans)] + [""] * (end - first - 1)
                 for j, text in enumerate(texts, first):
                     container, key = slots[j]
                     container[key] = text
                     folded[j] = fold(text)
                 changed = True
             continue
-        spans = [m.span() for m in pattern.finditer(joined) if m.end() > m.start()]
+        spans = rules._spans(indices, joined, redacted)
         if not spans:
             continue
-        for j, text in enumerate(_cut(sources, len(sep), spans, replacement), first):
-            if text is not None:
+        for j, cut in enumerate(_cut(sources, len(sep), spans), first):
+            if cut is not None:
                 container, key = slots[j]
-                container[key] = text
-                folded[j] = fold(text)
+                container[key] = cut
+                folded[j] = fold(cut)
                 changed = True
     return changed
 
 
-def _cut(
-    sources: list[str], gap: int, spans: list[tuple[int, int]], replacement: str
-) -> list[str | None]:
+def _cut(sources: list[str], gap: int, spans: list[Span]) -> list[str | None]:
     """Each of `sources` with the `spans` (sorted, disjoint offsets into the sources joined by
     `gap` characters) replaced, or None where no span touches it. A span's replacement goes into
     the first source it touches; the rest of the span is removed from the sources after it."""
@@ -524,7 +572,7 @@ def _cut(
         end = offset + len(text)
         pieces: list[str] = []
         last = 0
-        for n, (s, e) in enumerate(spans):
+        for n, (s, e, replacement) in enumerate(spans):
             if s >= end or e <= offset:
                 continue
             a, b = max(s - offset, 0), min(e - offset, len(text))
