@@ -247,8 +247,12 @@ def check_pattern(pattern: str) -> str | None:
     return None
 
 
+def _patterns(rule: RuleConfig) -> list[str]:
+    return [re.escape(p) if rule.literal else p for p in rule.patterns]
+
+
 def _alternation(rule: RuleConfig) -> str:
-    return "|".join(f"(?:{re.escape(p) if rule.literal else p})" for p in rule.patterns)
+    return "|".join(f"(?:{p})" for p in _patterns(rule))
 
 
 @dataclass(slots=True)
@@ -277,15 +281,15 @@ class RequestRules:
         self._rules = list(config.rules)
         self._tenants = [frozenset(r.tenants) if r.tenants else None for r in self._rules]
         self._set: Any = None
-        self._redactors: dict[int, Any] = {}
+        self._redactors: dict[int, list[Any]] = {}
         if self._rules:
             self._set = re2.Set.SearchSet(_OPTIONS)
             for i, rule in enumerate(self._rules):
                 try:
                     if self._set.Add(_alternation(rule)) != i:
                         raise re2.error("not added")
-                    if rule.action == "redact":
-                        self._redactors[i] = re2.compile(_alternation(rule), _OPTIONS)
+                    if rule.action == "redact":  # each pattern on its own: `_spans`
+                        self._redactors[i] = [re2.compile(p, _OPTIONS) for p in _patterns(rule)]
                 except re2.error as exc:
                     raise ValueError(f"policy.rules: rule {rule.id!r}: {exc}") from None
             self._set.Compile()
@@ -460,14 +464,16 @@ class RequestRules:
         return redacted
 
     def _spans(self, indices: list[int], text: str, redacted: set[int]) -> list[Span]:
-        """The stretches of `text` to replace: every match of the rules `indices`, overlapping
-        ones merged into one, with the replacement of the rule whose match starts first (the
-        first of them in the file's order where two start together). Adds the rules that
-        matched to `redacted`."""
+        """The stretches of `text` to replace: every match of each pattern of the rules
+        `indices` (a rule's patterns are searched each on its own: as one alternation, the first
+        to match at a place would hide a longer one there), overlapping ones merged into one,
+        with the replacement of the rule whose match starts first (the first of them in the
+        file's order where two start together). Adds the rules that matched to `redacted`."""
         found = [
             (m.start(), i, m.end())
             for i in indices
-            for m in self._redactors[i].finditer(text)
+            for pattern in self._redactors[i]
+            for m in pattern.finditer(text)
             if m.end() > m.start()
         ]
         if not found:

@@ -56,3 +56,16 @@ async def test_overlapping_redactions_in_text_parts(case: str) -> None:
     content = json.loads(sent)["messages"][0]["content"]
     assert rest not in "".join(p["text"] for p in content), content
     assert rest not in " ".join(p["text"] for p in content), content
+
+
+async def test_overlapping_patterns_of_one_rule_leave_nothing_of_either_match() -> None:
+    # one rule's patterns are one alternation, which takes the first pattern that matches at a
+    # place, not the longest: `password` there, and VALUE was left
+    rule = {"id": "pw", "action": "redact", "patterns": ["password", r"password\s*[:=]\s*\S+"]}
+    body = {"model": "tiny-model", "prompt": "my password: hunter2xyz end", "stream": False}
+    async with TinyUpstream(script(["ok"])) as up:
+        async with edge_with(up.url, {"rules": [rule]}) as edge, client(edge) as http:
+            response = await http.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text
+    (sent,) = inference(up)
+    assert json.loads(sent.body)["prompt"] == "my [REDACTED] end"
