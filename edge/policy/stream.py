@@ -187,6 +187,7 @@ class StreamGuard:
         "_done",
         "_ends",
         "_field",
+        "_finished",
         "_held",
         "_id",
         "_model",
@@ -222,6 +223,9 @@ class StreamGuard:
         """Choice indices seen in parsed events (bounded): the final events end each."""
         self._done: list[int] = []
         """Choices whose last event (a `finish_reason`) the region being read holds."""
+        self._finished: set[int] = set()
+        """Choices whose last event the client was sent (bounded as `_choices`): the final
+        events of a cut leave them as they ended."""
         self._seen: dict[int, int] = {}
         self._ends: dict[int, str] = {}
         """/generate: the last characters of each index's text so far, which a cumulative
@@ -372,7 +376,26 @@ class StreamGuard:
         if self._unreleased:
             self._released.update(self._unreleased)
             self._unreleased.clear()
+        if _FINISHED.search(region) is not None:  # (once per choice)
+            self._note_finished(region)
         return region
+
+    def _note_finished(self, region: bytes) -> None:
+        """Note the choices whose last event `region`, on its way to the client, holds."""
+        for payload in _payloads(region):
+            if _FINISHED.search(payload) is None or (obj := _json(payload)) is None:
+                continue
+            if len(self._finished) >= MAX_WINDOWS:
+                return
+            if self._cumulative:
+                meta = obj.get("meta_info")
+                if isinstance(meta, dict) and meta.get("finish_reason") is not None:
+                    self._finished.add(_index(obj.get("index"), 0))
+                continue
+            choices = obj.get("choices")
+            for position, choice in enumerate(choices if isinstance(choices, list) else ()):
+                if isinstance(choice, dict) and choice.get("finish_reason") is not None:
+                    self._finished.add(_index(choice.get("index"), position))
 
     def _texts(self, region: bytes) -> list[tuple[Key, str]]:
         """The new text of each window in `region`, in the order the events give it."""
@@ -493,10 +516,14 @@ class StreamGuard:
             self._model = model.group(1).decode("utf-8", "replace")
 
     def _final(self) -> bytes:
+        """The stream's last events: one per choice the client has not seen finish (a choice
+        that finished keeps its own `finish_reason`)."""
         if not self._choices - {0}:
             return final_events(self._route, self._id, self._model, self._released.get(0, ""))
+        choices = self._choices | {0}
+        left = choices - self._finished or choices
         released = self._released
-        ended = {index: released.get(index, "") for index in self._choices | {0}}
+        ended = {index: released.get(index, "") for index in left}
         return final_events(self._route, self._id, self._model, choices=ended)
 
 
