@@ -8,6 +8,7 @@ import random
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from typing import BinaryIO
@@ -93,6 +94,9 @@ class RedisServer:
         auth = f":{password}@" if password is not None else ""
         self.url = f"redis://{auth}127.0.0.1:{self.port}/0"
         more = ["--requirepass", password] if password is not None else []
+        # its files (a replica's full sync writes an RDB whatever `--save` says) in a directory
+        # of its own, not the directory the tests run in
+        self.dir = tempfile.mkdtemp(prefix="quicedge-redis-")
         self.proc = subprocess.Popen(
             [
                 binary,
@@ -104,6 +108,8 @@ class RedisServer:
                 "",
                 "--appendonly",
                 "no",
+                "--dir",
+                self.dir,
                 *more,
             ],
             stdout=subprocess.DEVNULL,
@@ -127,6 +133,7 @@ class RedisServer:
         if self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(10)
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 async def wait_until(predicate: Callable[[], object], timeout: float = 10.0) -> None:
