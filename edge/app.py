@@ -38,6 +38,7 @@ from edge.errors import (
     ModelNotFound,
     RouteNotFound,
     StateUnavailable,
+    Unauthorized,
 )
 from edge.exchange import Exchange, RequestHeaders, read_headers
 from edge.models import DEFAULT_MODEL, ModelCatalog, Models
@@ -298,6 +299,7 @@ class ProxyApp:
                     raise MethodNotAllowed(
                         f"{method} is not allowed on {path}", headers=((b"allow", b"GET, HEAD"),)
                     )
+                self._authenticate(scope)
                 await self._models(path, send if method == "GET" else _head_only(send), rid)
                 self.metrics.requests.labels(label, "200", NO_MODEL).inc()
                 if self.access_log is not None:
@@ -386,6 +388,16 @@ class ProxyApp:
         return next(iter(known)) if known is not None and len(known) == 1 else None
 
     # -- /v1/models --------------------------------------------------------------------------
+
+    def _authenticate(self, scope: Scope) -> None:
+        """The caller's key checked as on every route (401 for a key the edge does not know,
+        or for none while the anonymous tenant is off): SDKs and the tools built on them check
+        a key with the model list. Nothing is charged."""
+        try:
+            self.admission.directory.identify(read_headers(scope["headers"]).authorization)
+        except Unauthorized:
+            self.metrics.admission_rejections.labels("-", "unauthorized").inc()
+            raise
 
     async def _models(self, path: str, send: Send, rid: str) -> None:
         if self.models is not None:

@@ -73,3 +73,29 @@ async def test_the_responses_routes_the_edge_does_not_serve_are_not_found() -> N
                     await sdk.responses.retrieve("resp_0123")
     assert counted.value.code == compacted.value.code == "not_found"
     assert read.value.code == "response_not_found"
+
+
+async def test_a_key_the_edge_does_not_know_is_refused_on_the_model_list() -> None:
+    """`client.models.list()` is how SDK users and the tools built on it check a key: an
+    unknown key is a 401 (`AuthenticationError`) there as on every other route, not a list
+    that says the key works until the first chat."""
+    from backends.sim import SimServer
+    from tests.edge.state.helpers import tenants
+    from tests.edge.test_app_sim import sim_config
+
+    async with SimServer(sim_config("b1")) as sim:
+        config = fast_config([sim.url], admission=tenants("alpha"))
+        async with run_edge(config) as edge, httpx.AsyncClient(base_url=edge.url) as http:
+            known = AsyncOpenAI(base_url=edge.url + "/v1", api_key="sk-alpha", max_retries=0)
+            unknown = known.with_options(api_key="sk-nobody")
+            assert [m.id async for m in known.models.list()] == ["quicedge/sim-instant"]
+            with pytest.raises(openai.AuthenticationError) as listed:
+                await unknown.models.list()
+            with pytest.raises(openai.AuthenticationError) as read:
+                await unknown.models.retrieve("default")
+            head = await http.head("/v1/models", headers={"authorization": "Bearer sk-nobody"})
+            anonymous = await http.get("/v1/models")  # no key: the anonymous tenant's
+            await known.close()
+    assert listed.value.code == read.value.code == "invalid_api_key"
+    assert listed.value.response.headers["www-authenticate"] == "Bearer"
+    assert head.status_code == 401 and anonymous.status_code == 200
