@@ -257,15 +257,6 @@ class Attempts:
             relay = _stream_relay(ex, in_flight)
             on_head = partial(_begin_relay, ex, backend, self.expose, relay)
         retrying = False
-        prefilled: asyncio.TimerHandle | None = None
-        if not ex.stream and decision.predicted_ttft_s is not None:
-            # A whole answer shows no first token: its prefill leaves the backend's queue when
-            # the policy predicted it would, not when the last token is generated (a long
-            # answer's decoding looked like queued prefill, and turned its prefix's next
-            # requests away from the backend that holds the prefix).
-            prefilled = asyncio.get_running_loop().call_later(
-                max(0.0, decision.predicted_ttft_s), in_flight.first_token
-            )
         headers = self.credentials.with_auth(backend.url, ex.upstream_headers)
         t_send = time.perf_counter()
         client_span = None
@@ -371,8 +362,6 @@ class Attempts:
             raise
         finally:
             ex.error = error
-            if prefilled is not None:
-                prefilled.cancel()  # (`track` ends the prefill as the attempt ends)
             # The breaker first, and every report before the one await here: a probe slot
             # not given back (an observer that raised, a second cancellation during the
             # close) would keep its domain half-open, refusing, for good.
