@@ -71,7 +71,7 @@ class RuleConfig:
     """`deny` refuses a prompt that matches (403); `allow` exempts a matching prompt from every
     `deny` rule; `redact` replaces each match with `replacement` and forwards the request."""
     patterns: list[str] = field(default_factory=list)
-    """Regular expressions (Python `re` syntax), matched case-insensitively on the normalised
+    """Regular expressions (RE2 syntax), matched case-insensitively on the normalised
     prompt text (see docs/policy.md)."""
     literal: bool = False
     """Treat `patterns` as plain text instead of regular expressions."""
