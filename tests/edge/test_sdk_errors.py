@@ -99,3 +99,43 @@ async def test_a_key_the_edge_does_not_know_is_refused_on_the_model_list() -> No
     assert listed.value.code == read.value.code == "invalid_api_key"
     assert listed.value.response.headers["www-authenticate"] == "Bearer"
     assert head.status_code == 401 and anonymous.status_code == 200
+
+
+async def test_a_policy_refusal_is_the_sdks_permission_denied_error() -> None:
+    """A prompt a policy rule refuses: `PermissionDeniedError` (403 `policy_violation`) with
+    the request's id, on chat and on the Responses API, and not retried; a refused stream is,
+    by default, a well-formed one that ends with `content_filter`."""
+    from backends.sim import SimServer
+    from edge.policy.config import PolicyConfig
+    from tests.edge.state.helpers import state, tenants
+    from tests.edge.test_app_sim import sim_config
+
+    policy = PolicyConfig.from_mapping(
+        {"rules": [{"id": "no-secrets", "action": "deny", "patterns": ["password"]}]}
+    )
+    async with SimServer(sim_config("b1")) as sim:
+        config = fast_config([sim.url], state=state(None), admission=tenants("alpha"))
+        async with run_edge(config, policies=policy) as edge:
+            seen: list[int] = []
+
+            async def on_response(response: httpx.Response) -> None:
+                seen.append(response.status_code)
+
+            http = httpx.AsyncClient(event_hooks={"response": [on_response]})
+            sdk = AsyncOpenAI(
+                base_url=edge.url + "/v1", api_key="sk-alpha", max_retries=2, http_client=http
+            )
+            messages: Any = [{"role": "user", "content": "my password is hunter2"}]
+            async with http:
+                with pytest.raises(openai.PermissionDeniedError) as chat:
+                    await sdk.chat.completions.create(model="default", messages=messages)
+                with pytest.raises(openai.PermissionDeniedError) as response:
+                    await sdk.responses.create(model="default", input=messages)
+                stream = await sdk.chat.completions.create(
+                    model="default", messages=messages, stream=True
+                )
+                parts = [c async for c in stream]
+    for refused in (chat.value, response.value):
+        assert refused.code == "policy_violation" and refused.request_id
+    assert [p.choices[0].finish_reason for p in parts] == ["content_filter"]
+    assert seen == [403, 403, 200]
