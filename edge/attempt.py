@@ -309,6 +309,15 @@ class Attempts:
                 self._upstream_failed(backend, error)
                 refusal = _retry_error(backend, status, _pacing(response), expose=self.expose)
                 raise _Retry(refusal, reason=str(status)) from None
+            if ex.stream and status == 200 and not _event_stream(response):
+                await _drain_refusal(response)
+                error = "protocol"
+                self._upstream_failed(backend, error)
+                who = f"backend {backend.name}" if self.expose else "a backend"
+                refusal = BadGateway(f"{who} answered a streamed request with no event stream")
+                if not last_try:
+                    raise _Retry(refusal, reason=error)
+                raise refusal
             if ex.stream and status == 200:
                 result = await self._relay(ex, response, backend, in_flight, send, t_head, relay)
                 usage, completion = result.usage, result.text
@@ -490,10 +499,19 @@ def _begin_relay(
 ) -> None:
     """`on_head`: a streamed 200 starts at once (anything else waits for the task, which
     may retry it elsewhere)."""
-    if response.status == 200:
+    if response.status == 200 and _event_stream(response):
         ex.started = True
         ex.status = 200
         relay.begin(response, _start_of(ex, response, backend, expose))
+
+
+def _event_stream(response: UpstreamResponse) -> bool:
+    """The answer is an event stream, as a streamed request's 200 must be (a proxy's HTML page
+    or a JSON body relayed as one would be a broken stream the client takes for an answer)."""
+    for name, value in response.headers:
+        if name == b"content-type":
+            return value.split(b";", 1)[0].strip().lower() == b"text/event-stream"
+    return False
 
 
 def _stream_error(result: RelayResult) -> str | None:
