@@ -55,19 +55,17 @@ _NO_CHOICES_SPACED = b'"choices": []'
 
 def _without_usage_chunks(region: bytes) -> bytes:
     """`region`'s events, each with its blank line, less the usage chunks among them."""
+    if b"\n\n" not in region:  # one event, as SGLang writes the usage chunk
+        return b"" if _is_usage_chunk(region) else region + b"\n\n"
     kept = [event for event in region.split(b"\n\n") if not _is_usage_chunk(event)]
     return b"".join(event + b"\n\n" for event in kept)
 
 
 def _is_usage_chunk(event: bytes) -> bool:
-    payload = _data_of(event)
-    if payload is None or payload == _DONE:
-        return False
-    try:
-        obj = orjson.loads(payload)
-    except ValueError:
-        return False
-    return isinstance(obj, dict) and obj.get("choices") == [] and isinstance(obj.get("usage"), dict)
+    """An event whose JSON has `"choices": []` and a `"usage"` object: read from its bytes, as
+    a quote inside JSON text is escaped, so these can only be the JSON's own members (a JSON
+    decode here was most of what the strip cost)."""
+    return (_NO_CHOICES in event or _NO_CHOICES_SPACED in event) and has_object(event, _USAGE_KEY)
 
 
 def has_string(region: bytes, key: bytes) -> bool:
@@ -198,6 +196,7 @@ class SSEScanner:
         "_skipping",
         "_newline",
         "_strip_usage",
+        "_usage_seen",
         "content_events",
         "done",
         "error",
@@ -209,6 +208,7 @@ class SSEScanner:
     ) -> None:
         self._content = _FIELDS[field]
         self._strip_usage = strip_usage
+        self._usage_seen = False
         """The edge asked for the usage chunk, not the client (`forward.ask_usage`): it is
         read here and not passed on."""
         self._deltas = deltas
@@ -320,8 +320,10 @@ class SSEScanner:
             self._tail = b""
         else:
             self._tail, data = data[cut:], data[:cut]
-        if self._strip_usage and (_NO_CHOICES in region or _NO_CHOICES_SPACED in region):
-            data = _without_usage_chunks(region)
+        if self._usage_seen and self._strip_usage:  # (set by `_scan`: a region with usage)
+            self._usage_seen = False
+            if _NO_CHOICES in region or _NO_CHOICES_SPACED in region:
+                data = _without_usage_chunks(region)
         return data, content
 
     def rest(self) -> bytes:
@@ -351,6 +353,7 @@ class SSEScanner:
             self._scan_batch(region)
         elif self._deltas and has_object(region, _USAGE_KEY):
             self._scan_choice_usage(region)
+            self._usage_seen = True
         # Non-empty text fields, counted in compact JSON (SGLang's) by two substring counts;
         # other spacing takes the regex. The text itself is extracted in batches (`_collect`).
         content = region.count(self._compact)
