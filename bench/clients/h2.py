@@ -31,6 +31,7 @@ class _Connection:
         )
         self.streams: dict[int, asyncio.Queue[h2.events.Event | None]] = {}
         self.closed = False
+        self.window_opened = asyncio.Event()  # set when the peer grants more send window
         self.h2.initiate_connection()
         self.h2.increment_flow_control_window(WINDOW)
         self.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: WINDOW})
@@ -55,6 +56,8 @@ class _Connection:
                         self.h2.acknowledge_received_data(
                             event.flow_controlled_length, event.stream_id
                         )
+                    if isinstance(event, h2.events.WindowUpdated | h2.events.RemoteSettingsChanged):
+                        self.window_opened.set()
                     if stream_id is not None and stream_id in self.streams:
                         self.streams[stream_id].put_nowait(event)
                     elif isinstance(event, h2.events.ConnectionTerminated):
@@ -64,6 +67,7 @@ class _Connection:
             pass
         finally:
             self.closed = True
+            self.window_opened.set()
             for queue in self.streams.values():
                 queue.put_nowait(None)
 
@@ -72,6 +76,29 @@ class _Connection:
         queue: asyncio.Queue[h2.events.Event | None] = asyncio.Queue()
         self.streams[stream_id] = queue
         return stream_id, queue
+
+    async def send_body(self, stream_id: int, body: bytes) -> None:
+        """The request body in frames no larger than the peer allows, waiting for its window
+        (RFC 9113 §4.2, §6.9): one DATA frame of the whole body failed every request over
+        16 KiB, the default SETTINGS_MAX_FRAME_SIZE."""
+        view = memoryview(body)
+        while True:
+            size = min(
+                len(view),
+                self.h2.local_flow_control_window(stream_id),
+                self.h2.max_outbound_frame_size,
+            )
+            if size > 0 or not view:
+                chunk, view = view[:size], view[size:]
+                self.h2.send_data(stream_id, chunk.tobytes(), end_stream=not view)
+                self.flush()
+                if not view:
+                    return
+                continue
+            if self.closed:
+                raise ConnectionError("connection closed while sending the request body")
+            self.window_opened.clear()
+            await self.window_opened.wait()
 
     async def close(self) -> None:
         self.closed = True
@@ -147,9 +174,9 @@ class H2Client(StreamingClient):
                 *headers,
             ]
             conn.h2.send_headers(stream_id, request_headers, end_stream=not body)
-            if body:
-                conn.h2.send_data(stream_id, body, end_stream=True)
             conn.flush()
+            if body:
+                await conn.send_body(stream_id, body)
             parser: StreamParser | None = None
             while True:
                 event = await queue.get()
