@@ -33,6 +33,11 @@ from transport.aioquic_patches import pre_encoded
 log = logging.getLogger("quicedge.transport.tls")
 
 TCP_ALPN = ["h2", "http/1.1"]
+TLS12_CIPHERS = "ECDHE+AESGCM:ECDHE+CHACHA20"
+"""TLS 1.2's cipher suites: ECDHE with an AEAD cipher only. Python's default list also has the
+CBC suites (`ECDHE-*-AES*-SHA256/384`), which RFC 9113 Appendix A bars from HTTP/2: a client
+that offered only those got h2 over one, and a strict HTTP/2 client ends such a connection
+(INADEQUATE_SECURITY). TLS 1.3's suites are all AEAD and set apart by OpenSSL."""
 
 
 class TlsError(ValueError):
@@ -112,11 +117,12 @@ class TlsMaterial:
         return pre_encoded(config)  # DER-encoded once, not at every full handshake
 
     def ssl_context(self) -> ssl.SSLContext:
-        """The shared server context for TLS over TCP (ALPN h2, http/1.1; TLS >= 1.2)."""
+        """The shared server context for TLS over TCP (ALPN h2, http/1.1; TLS >= 1.2, AEAD)."""
         if self._ssl is None:
             ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
             ctx.minimum_version = ssl.TLSVersion.TLSv1_2  # RFC 9113 §9.2
             ctx.options |= ssl.OP_NO_COMPRESSION  # RFC 9113 §9.2.1
+            ctx.set_ciphers(TLS12_CIPHERS)  # RFC 9113 §9.2.2
             ctx.set_alpn_protocols(TCP_ALPN)
             # One TLS 1.3 session ticket, not OpenSSL's two: each costs ~35 µs in the handshake
             # step the client's first request waits behind, and a client resumes with one.
