@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 TextCallback = Callable[[str], None]
+BODY_SHOWN = 200  # bytes of an error answer's body kept in `RequestResult.error`
 
 
 @dataclass(slots=True)
@@ -106,14 +107,20 @@ class StreamParser:
             self._buffer = b""
             return
         body = b"".join(self._body)
+        status = self._result.status
         try:
             payload = json.loads(body) if body else None
         except ValueError:
-            if self._result.status == 200:
+            payload = None
+            if status == 200:
                 self._result.error = "response body is not JSON"
-            return
         if isinstance(payload, dict):
             self._on_payload(payload, now, streaming=False)
+        if status != 200 and self._result.error is None and body:
+            # An error answer without an OpenAI-shaped "error" (a proxy's HTML page, SGLang's
+            # top-level "message"): show its start, which printed nothing but the status.
+            shown = " ".join(body[:BODY_SHOWN].decode(errors="replace").split())
+            self._result.error = f"HTTP {status}: {shown}"
 
     def _on_data(self, data: bytes, now: float) -> None:
         if data == b"[DONE]" or not data:

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
 from bench.stub_app import WORDS
 from certs import DevCertificates
 from tests.bench.conftest import Servers, run_command
+from tests.bench.servers import edge_h3, edge_tcp
+
+CHAT = json.dumps({"messages": [{"role": "user", "content": "hi"}]})
 
 
 @pytest.mark.parametrize("transport", ["h3", "h2", "h1"])
@@ -27,3 +31,48 @@ async def test_a_body_over_one_frame_and_one_window_is_sent(
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.startswith("".join(WORDS) + "\n")
     assert "status: 200" in done.stdout
+
+
+async def _html_503(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """A proxy's error page: not JSON, no OpenAI "error" object."""
+    if scope["type"] != "http":
+        return
+    await receive()
+    headers = [(b"content-type", b"text/html")]
+    await send({"type": "http.response.start", "status": 503, "headers": headers})
+    await send({"type": "http.response.body", "body": b"<html>\n upstream overloaded </html>"})
+
+
+async def _sglang_400(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """SGLang's error shape: the message at the top level, not under "error"."""
+    if scope["type"] != "http":
+        return
+    await receive()
+    body = {"object": "error", "message": "context too long", "type": "BadRequestError"}
+    headers = [(b"content-type", b"application/json")]
+    await send({"type": "http.response.start", "status": 400, "headers": headers})
+    await send({"type": "http.response.body", "body": json.dumps(body).encode()})
+
+
+@pytest.mark.parametrize(
+    ("app", "shown"),
+    [
+        (_html_503, "HTTP 503: <html> upstream overloaded </html>"),
+        (_sglang_400, "context too long"),
+    ],
+)
+@pytest.mark.parametrize("transport", ["h3", "h1"])
+async def test_an_error_answer_shows_its_body(
+    dev_certs: DevCertificates, transport: str, app: Any, shown: str
+) -> None:
+    """An error status printed only `status: 503`: the answer's body, the reason, was dropped."""
+    server_cm = edge_h3(dev_certs, app) if transport == "h3" else edge_tcp(dev_certs, app)
+    async with server_cm as server:
+        url = f"https://localhost:{server.port}/v1/chat/completions"
+        done = await run_command(
+            "bench.request", url, "--json", CHAT, f"--{transport}",
+            "--cacert", str(dev_certs.ca_cert), "--timeout", "10",
+        )  # fmt: skip
+    assert done.returncode == 1
+    error = [line for line in done.stdout.splitlines() if line.startswith("error: ")]
+    assert len(error) == 1 and shown in error[0], done.stdout
