@@ -172,6 +172,9 @@ def main(argv: list[str]) -> int:
             target = Target.parse(config.url or args.url)
             if config.transport in ("h3", "h2") and target.scheme != "https":
                 raise ClientError(f"{config.name}: {config.transport} needs an https:// URL")
+            if config.stored and not target.path.endswith("/chat/completions"):
+                # found before the run: from inside it, a traceback after the warm-up
+                raise ClientError(f"{config.name}: +stored needs a /v1/chat/completions URL")
         params = WorkloadParams(
             num=args.num,
             seed=args.seed,
