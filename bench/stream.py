@@ -105,6 +105,9 @@ class StreamParser:
             if self._buffer.startswith(b"data:"):
                 self._on_data(self._buffer[5:].strip(), now)
             self._buffer = b""
+            result = self._result
+            if result.status == 200 and result.error is None and result.ttft_s is None:
+                result.error = "the stream carried no generated text"
             return
         body = b"".join(self._body)
         status = self._result.status

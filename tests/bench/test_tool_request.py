@@ -76,3 +76,30 @@ async def test_an_error_answer_shows_its_body(
     assert done.returncode == 1
     error = [line for line in done.stdout.splitlines() if line.startswith("error: ")]
     assert len(error) == 1 and shown in error[0], done.stdout
+
+
+async def _no_text(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """A 200 event stream with the role chunk and [DONE] but no generated text."""
+    if scope["type"] != "http":
+        return
+    await receive()
+    headers = [(b"content-type", b"text/event-stream")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+    body = b"data: " + json.dumps(role).encode() + b"\n\ndata: [DONE]\n\n"
+    await send({"type": "http.response.body", "body": body})
+
+
+async def test_a_stream_without_generated_text_says_why_it_failed(
+    dev_certs: DevCertificates,
+) -> None:
+    """It exited 1 with `status: 200` and no error line; `quicedge bench` listed it among the
+    errors as "status 200"."""
+    async with edge_tcp(dev_certs, _no_text) as server:
+        url = f"https://localhost:{server.port}/v1/chat/completions"
+        done = await run_command(
+            "bench.request", url, "--json", CHAT, "--h1",
+            "--cacert", str(dev_certs.ca_cert), "--timeout", "10",
+        )  # fmt: skip
+    assert done.returncode == 1
+    assert "error: the stream carried no generated text" in done.stdout, done.stdout
