@@ -16,8 +16,11 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
+import socket
 import sys
 from dataclasses import replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -212,7 +215,7 @@ def main(argv: list[str]) -> int:
         ),
         workload=args.workload,
     )
-    return run(_bench(plan, args, link))
+    return run(_bench(plan, args, link, "quicedge bench " + shlex.join(argv)))
 
 
 async def _start_relay(plan: RunPlan, link: Link, server_name: str | None) -> tuple[Relay, RunPlan]:
@@ -259,7 +262,7 @@ def _edge_cpu(plan: RunPlan, args: argparse.Namespace) -> edge_cpu.EdgeCpu | Non
     return edge_cpu.EdgeCpu(sorted(pids)) if pids else None
 
 
-async def _bench(plan: RunPlan, args: argparse.Namespace, link: Link | None) -> int:
+async def _bench(plan: RunPlan, args: argparse.Namespace, link: Link | None, command: str) -> int:
     edge = _edge_cpu(plan, args)
     relay: Relay | None = None
     if link is not None:
@@ -276,6 +279,7 @@ async def _bench(plan: RunPlan, args: argparse.Namespace, link: Link | None) -> 
     total = sum(len(s.turns) for s in plan.sessions) * len(plan.configs)
     progress = Progress(total, enabled=args.progress)
     runner = Runner(plan, on_record=on_record, progress=progress)
+    started_at = datetime.now(UTC).isoformat(timespec="seconds")
     try:
         for error in await runner.warm_up():
             print(f"warm-up failed: {error}", file=sys.stderr)
@@ -309,6 +313,9 @@ async def _bench(plan: RunPlan, args: argparse.Namespace, link: Link | None) -> 
     if args.summary_json:
         document: dict[str, Any] = {
             "run": {
+                "command": command,
+                "started_at": started_at,
+                "host": socket.gethostname(),
                 "url": plan.url,
                 "workload": plan.workload,
                 "num": args.num,
