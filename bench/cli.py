@@ -280,14 +280,20 @@ async def _bench(plan: RunPlan, args: argparse.Namespace, link: Link | None, com
     progress = Progress(total, enabled=args.progress)
     runner = Runner(plan, on_record=on_record, progress=progress)
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
+    interrupted = False
     try:
-        for error in await runner.warm_up():
-            print(f"warm-up failed: {error}", file=sys.stderr)
-        if edge is not None:
-            edge.start()
-        await runner.run()
-        if edge is not None:
-            edge.stop()
+        try:
+            for error in await runner.warm_up():
+                print(f"warm-up failed: {error}", file=sys.stderr)
+            if edge is not None:
+                edge.start()
+            await runner.run()
+            if edge is not None:
+                edge.stop()
+        except asyncio.CancelledError:
+            # Ctrl-C (asyncio.Runner cancels this task): report the requests that finished, as
+            # a traceback lost them all; a second Ctrl-C still stops at once.
+            interrupted = True
     finally:
         progress.close()
         await runner.aclose()
@@ -295,6 +301,10 @@ async def _bench(plan: RunPlan, args: argparse.Namespace, link: Link | None, com
             await relay.stop()
         if out is not None:
             out.close()
+    if interrupted:
+        print(f"quicedge bench: interrupted after {len(records)} requests", file=sys.stderr)
+        if not records:
+            return 130
     duration = runner.ended - runner.started
     summary = summarize(records, duration_s=duration)
     header = (
@@ -307,7 +317,7 @@ async def _bench(plan: RunPlan, args: argparse.Namespace, link: Link | None, com
     turn_rows = by_turn(records, args.turns) if args.turns else None
     if turn_rows is not None:
         print(format_turns(turn_rows))
-    cpu = None if edge is None else edge.report(len(records))
+    cpu = None if edge is None or interrupted else edge.report(len(records))
     if cpu is not None:
         print(edge_cpu.describe(cpu))
     if args.summary_json:
@@ -324,6 +334,7 @@ async def _bench(plan: RunPlan, args: argparse.Namespace, link: Link | None, com
                 "rtt_ms": None if link is None else link.rtt_ms,
                 "configs": [c.name for c in plan.configs],
                 "duration_s": duration,
+                "interrupted": interrupted,
             },
             "summary": summary,
         }
@@ -341,6 +352,8 @@ async def _bench(plan: RunPlan, args: argparse.Namespace, link: Link | None, com
         except RuntimeError as exc:
             print(f"quicedge bench: {exc}", file=sys.stderr)
             return 2
+    if interrupted:
+        return 130
     ok = records and all(s["completed"] > 0 for s in summary.values())
     return 0 if ok else 1
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
 import shlex
+import signal
 import socket
+import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from backends.sim import SimConfig, SimServer
-from tests.bench.conftest import run_command
+from tests.bench.conftest import REPO, run_command
 from tests.helpers import free_port
 
 
@@ -48,3 +52,37 @@ async def test_the_summary_names_the_command_date_and_machine(tmp_path: Path) ->
     started = datetime.fromisoformat(run["started_at"])
     assert before - timedelta(seconds=1) <= started <= datetime.now(UTC)
     assert run["host"] == socket.gethostname()
+
+
+async def test_ctrl_c_reports_the_requests_that_finished(tmp_path: Path) -> None:
+    """Ctrl-C in a long run ended it with a traceback: no table and no summary JSON for the
+    requests already measured."""
+    config = SimConfig(name="b1", port=0, profile="h100-llama3-8b", seed=0)
+    out, summary = tmp_path / "runs.jsonl", tmp_path / "summary.json"
+    async with SimServer(config) as sim:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "bench.cli", "--url", sim.url + "/v1/chat/completions",
+            "--num", "50", "--warmup", "0", "--output-len", "100", "--output", str(out),
+            "--summary-json", str(summary), cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            for _ in range(200):  # the first request recorded, 20 s at most
+                if out.exists() and out.read_text().count("\n") >= 1:
+                    break
+                await asyncio.sleep(0.1)
+            proc.send_signal(signal.SIGINT)
+            stdout, stderr = await asyncio.wait_for(proc.communicate(), 20)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    assert proc.returncode == 130, stderr.decode()
+    assert b"Traceback" not in stderr
+    assert b"interrupted" in stderr
+    recorded = out.read_text().count("\n")
+    assert 1 <= recorded < 50
+    assert f"completed / requests           {recorded}/{recorded}" in stdout.decode()
+    document = json.loads(summary.read_text())
+    assert document["run"]["interrupted"] is True
+    assert document["summary"]["h1"]["completed"] == recorded
