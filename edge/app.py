@@ -62,6 +62,7 @@ from edge.stages.forward import (
     splice_rid,
     upstream_headers,
     upstream_rid,
+    whole_payload,
 )
 from edge.stages.validate import (
     CHAT,
@@ -870,7 +871,7 @@ class ProxyApp:
             raw, sent = self.models.prepare(ex, raw, body)
         if ex.route in WHOLE_ROUTES:  # answered at once and never aborted: forwarded as sent
             ex.abort_rid = None
-            ex.payload = raw
+            ex.payload = whole_payload(raw, sent)  # but for the client's `rid`
         else:
             _use_edge_rid(ex, raw, sent)
             if ex.stream and ex.route in USAGE_ROUTES:

@@ -2,7 +2,9 @@
 
 SGLang aborts a request by its `rid`, so the upstream `rid` is always one the edge chose
 (`upstream_rid`): a client-chosen one could name another client's request, and that client's
-disconnect would then abort someone else's generation. The client's id (its `x-request-id`, or
+disconnect would then abort someone else's generation; and since SGLang refuses a `rid` that is
+in flight, a route answered in one piece, never aborted, gets the edge's in place of a client's
+too (`whole_payload`). The client's id (its `x-request-id`, or
 its body's `rid`) stays a label: the response's `x-request-id`, logs, the trace, and the upstream
 `x-request-id` header, which SGLang does not read but which lets a backend's logs be joined with
 the client's.
@@ -80,6 +82,18 @@ def splice_rid(raw: bytes, body: Mapping[str, Any], rid: str) -> bytes:
     member = b'"rid":' + json.dumps(rid).encode()
     # `{}` gets no comma; any other object keeps its members after ours
     return raw[: start + 1] + member + (b"," if body else b"") + raw[start + 1 :]
+
+
+def whole_payload(raw: bytes, body: Mapping[str, Any]) -> bytes:
+    """The body of a request answered in one piece (embeddings, rerank, (de)tokenize), which
+    the edge never aborts: `raw` as sent, but for a `rid` of the client's, replaced by a new
+    one of the edge's (`splice_rid`). SGLang refuses a `rid` already in flight (400 `Duplicate
+    request ID`) whoever sent it, so a client's own could refuse another tenant's request that
+    names the same (two clients' `batch-1`), or be chosen to. A body without one gets none:
+    the edge adds no field a route may not take."""
+    if "rid" not in body:
+        return raw
+    return splice_rid(raw, body, new_request_id())
 
 
 USAGE_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions"})
