@@ -154,9 +154,15 @@ def main(argv: list[str]) -> int:
         zero_rtt=tickets is not None,
         timeout=args.timeout,
     )
-    result = run(
-        _call(transport, options, tickets, target, headers, json.dumps(body).encode(), args.quiet)
-    )
+    payload = json.dumps(body).encode()
+    call = _call(transport, options, tickets, target, headers, payload, args.quiet)
+    try:
+        result = run(call)
+    except KeyboardInterrupt:  # Ctrl-C: the connection is closed (asyncio.Runner cancels)
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        print("quicedge request: interrupted", file=sys.stderr)
+        return 130
     if tickets is not None:
         tickets.save()
     out: TextIO = sys.stdout

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import signal
+import sys
 from typing import Any
 
 import pytest
 
 from bench.stub_app import WORDS
 from certs import DevCertificates
-from tests.bench.conftest import Servers, run_command
+from tests.bench.conftest import REPO, Servers, run_command
 from tests.bench.servers import edge_h3, edge_tcp
 
 CHAT = json.dumps({"messages": [{"role": "user", "content": "hi"}]})
@@ -103,3 +107,45 @@ async def test_a_stream_without_generated_text_says_why_it_failed(
         )  # fmt: skip
     assert done.returncode == 1
     assert "error: the stream carried no generated text" in done.stdout, done.stdout
+
+
+def _stalls(release: asyncio.Event) -> Any:
+    """One word of the answer, then nothing until `release`: a stuck generation."""
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        await receive()
+        headers = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        chunk = {"choices": [{"index": 0, "delta": {"content": "Hi"}}]}
+        body = b"data: " + json.dumps(chunk).encode() + b"\n\n"
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+        await release.wait()
+
+    return app
+
+
+async def test_ctrl_c_ends_the_request_without_a_traceback(dev_certs: DevCertificates) -> None:
+    """Ctrl-C on a stuck answer printed a traceback; it ends with a line saying so, exit 130."""
+    release = asyncio.Event()
+    async with edge_tcp(dev_certs, _stalls(release)) as server:
+        url = f"https://localhost:{server.port}/v1/chat/completions"
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "bench.request", url, "--json", CHAT, "--h1",
+            "--cacert", str(dev_certs.ca_cert), cwd=REPO,
+            env=dict(os.environ, PYTHONPATH=str(REPO)),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            assert proc.stdout is not None
+            assert await asyncio.wait_for(proc.stdout.readexactly(2), 20) == b"Hi"
+            proc.send_signal(signal.SIGINT)
+            _, stderr = await asyncio.wait_for(proc.communicate(), 20)
+        finally:
+            release.set()
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+    assert proc.returncode == 130, stderr.decode()
+    assert b"Traceback" not in stderr and b"interrupted" in stderr
