@@ -32,6 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="quicedge request",
         description="Send one request (HTTP/3, HTTP/2 or HTTP/1.1); print the stream and TTFT.",
+        epilog="ttft runs from just before the connection is opened (so it includes the "
+        "handshake) to the first streamed event with generated text; total, to the last byte "
+        '(docs/benchmarks.md, "Definitions"). Exit status: 0 for a 200 answer read to its end '
+        "(a stream without generated text is a failure), 1 for any failure (its reason on the "
+        "error: line), 2 for bad arguments, 130 after Ctrl-C.",
     )
     parser.add_argument("url", help="e.g. https://localhost:8443/v1/chat/completions")
     parser.add_argument("--json", dest="body", required=True, help="the request body (JSON)")
