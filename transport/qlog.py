@@ -41,6 +41,11 @@ MAX_EVENTS = 20_000
 """Events kept per connection, by default."""
 MAX_PENDING = 16
 """Ended traces that may wait for the writer thread, by default."""
+SECRET_HEADERS = frozenset(
+    {"authorization", "proxy-authorization", "cookie", "set-cookie", "x-api-key", "api-key"}
+)
+"""Headers whose values a trace does not keep (`HIDDEN` in their place)."""
+HIDDEN = "***"
 
 Outcome = Callable[[str], None]
 """Told `written`, `dropped` or `failed` for each trace that ends."""
@@ -72,6 +77,15 @@ class BoundedTrace(QuicLoggerTrace):
             self.dropped += 1
             return
         super().log_event(category=category, event=event, data=data)
+
+    def _encode_http3_headers(self, headers: Any) -> list[dict[str, Any]]:
+        """aioquic's record of a HEADERS frame, with credentials' values masked: a trace is a
+        file on disk, and `authorization` would put every client's API key there."""
+        encoded: list[dict[str, Any]] = super()._encode_http3_headers(headers)
+        for entry in encoded:
+            if entry["name"].lower() in SECRET_HEADERS:
+                entry["value"] = HIDDEN
+        return encoded
 
     def to_dict(self) -> dict[str, Any]:
         trace = super().to_dict()

@@ -144,3 +144,22 @@ async def test_serve_writes_traces_into_its_qlog_dir(serve_process: Any, tmp_pat
     await asyncio.to_thread(server.wait_metric, written, 1)
     (document,) = _traces(tmp_path)
     assert "transport:packet_received" in _names(document["traces"][0])
+
+
+async def test_a_trace_keeps_no_credentials(
+    h3_server: H3Factory, dev_certs: Any, tmp_path: Path
+) -> None:
+    """aioquic records every HEADERS frame's fields; a trace is a file on disk, and would hold
+    every client's API key: the values of `authorization` and the like are masked."""
+    outcomes: list[str] = []
+    qlog = QlogWriter(tmp_path, outcome=outcomes.append)
+    async with h3_server(app=demo_app, qlog=qlog) as server:
+        async with h3_connect(server.port, dev_certs.ca_cert) as client:
+            secret = [(b"authorization", b"Bearer sk-CANARY-qlog"), (b"cookie", b"s=CANARY2")]
+            r = await client.fetch("POST", "/x", body=b"hello", headers=secret)
+            assert r.status == 200
+        await wait_until(lambda: outcomes == ["written"])
+    qlog.close()
+    text = json.dumps(list(_files(tmp_path).values()))
+    assert '"authorization"' in text and '"cookie"' in text  # the fields are there
+    assert "CANARY" not in text  # their values are not
