@@ -9,6 +9,7 @@ import time
 
 import h2.config
 import h2.connection
+import h2.errors
 import h2.events
 import h2.settings
 
@@ -18,6 +19,13 @@ from bench.stream import RequestResult, StreamParser, TextCallback
 READ_SIZE = 65536
 # A window large enough that flow control never paces a streamed answer (RFC 9113 §6.9.2).
 WINDOW = 16 * 1024 * 1024
+
+
+_FREES_A_STREAM = (
+    h2.events.StreamEnded,
+    h2.events.StreamReset,
+    h2.events.RemoteSettingsChanged,
+)
 
 
 class _Connection:
@@ -32,6 +40,7 @@ class _Connection:
         self.streams: dict[int, asyncio.Queue[h2.events.Event | None]] = {}
         self.closed = False
         self.window_opened = asyncio.Event()  # set when the peer grants more send window
+        self.stream_freed = asyncio.Event()  # set when a stream closes or the limit changes
         self.h2.initiate_connection()
         self.h2.increment_flow_control_window(WINDOW)
         self.h2.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: WINDOW})
@@ -58,6 +67,8 @@ class _Connection:
                         )
                     if isinstance(event, h2.events.WindowUpdated | h2.events.RemoteSettingsChanged):
                         self.window_opened.set()
+                    if isinstance(event, _FREES_A_STREAM):
+                        self.stream_freed.set()
                     if stream_id is not None and stream_id in self.streams:
                         self.streams[stream_id].put_nowait(event)
                     elif isinstance(event, h2.events.ConnectionTerminated):
@@ -68,10 +79,19 @@ class _Connection:
         finally:
             self.closed = True
             self.window_opened.set()
+            self.stream_freed.set()
             for queue in self.streams.values():
                 queue.put_nowait(None)
 
-    def open_stream(self) -> tuple[int, asyncio.Queue[h2.events.Event | None]]:
+    async def open_stream(self) -> tuple[int, asyncio.Queue[h2.events.Event | None]]:
+        """A new stream, once the peer's SETTINGS_MAX_CONCURRENT_STREAMS allows it: beyond the
+        limit h2 raised TooManyStreamsError, and a reused connection at a higher concurrency
+        failed those requests in the client. The wait is in the request's TTFT, as on QUIC."""
+        while self.h2.open_outbound_streams >= self.h2.remote_settings.max_concurrent_streams:
+            if self.closed:
+                raise ConnectionError("connection closed while waiting for a stream")
+            self.stream_freed.clear()
+            await self.stream_freed.wait()
         stream_id = self.h2.get_next_available_stream_id()
         queue: asyncio.Queue[h2.events.Event | None] = asyncio.Queue()
         self.streams[stream_id] = queue
@@ -113,6 +133,19 @@ class _Connection:
             await self.task
         except asyncio.CancelledError:
             pass
+
+
+def _abandon(conn: _Connection, stream_id: int) -> None:
+    """Reset a stream the request left open (a timeout, a bad answer), so that it frees its
+    slot under the peer's stream limit."""
+    try:
+        stream = conn.h2.streams.get(stream_id)
+        if stream is not None and not stream.closed:
+            conn.h2.reset_stream(stream_id, h2.errors.ErrorCodes.CANCEL)
+            conn.flush()
+    except Exception:  # a broken connection: nothing to reset
+        pass
+    conn.stream_freed.set()
 
 
 class H2Client(StreamingClient):
@@ -163,7 +196,7 @@ class H2Client(StreamingClient):
     ) -> None:
         start = result.start
         conn = await self._connection(result, target)
-        stream_id, queue = conn.open_stream()
+        stream_id, queue = await conn.open_stream()
         try:
             request_headers = [
                 (":method", method),
@@ -208,6 +241,7 @@ class H2Client(StreamingClient):
                     raise ConnectionError(f"stream reset by server (error {event.error_code})")
         finally:
             conn.streams.pop(stream_id, None)
+            _abandon(conn, stream_id)
             if self._options.new_connection_per_request:
                 await conn.close()
 

@@ -11,9 +11,13 @@ import socket
 import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 from backends.sim import SimConfig, SimServer
+from bench.stub_app import stub_app
+from certs import DevCertificates
 from tests.bench.conftest import REPO, run_command
+from tests.bench.servers import edge_tcp
 from tests.helpers import free_port
 
 
@@ -86,3 +90,28 @@ async def test_ctrl_c_reports_the_requests_that_finished(tmp_path: Path) -> None
     document = json.loads(summary.read_text())
     assert document["run"]["interrupted"] is True
     assert document["summary"]["h1"]["completed"] == recorded
+
+
+async def _slow_stub(scope: dict[str, Any], receive: Any, send: Any) -> None:
+    """The stub's answer after 0.3 s, so that every request of a burst is in flight at once."""
+    if scope["type"] == "http":
+        await asyncio.sleep(0.3)
+    await stub_app(scope, receive, send)
+
+
+async def test_h2_reuse_beyond_the_servers_stream_limit_waits_for_a_stream(
+    dev_certs: DevCertificates,
+) -> None:
+    """At a concurrency above the server's SETTINGS_MAX_CONCURRENT_STREAMS (100 here) on one
+    reused HTTP/2 connection, the requests over it failed at once in the client
+    (TooManyStreamsError) and were counted as the server's errors; HTTP/3 waits for a stream."""
+    async with edge_tcp(dev_certs, _slow_stub) as server:
+        done = await run_command(
+            "bench.cli", "--url", f"https://localhost:{server.port}/v1/chat/completions",
+            "--cacert", str(dev_certs.ca_cert), "--compare", "h2+reuse", "--num", "110",
+            "--concurrency", "110", "--warmup", "1", "--timeout", "20", "--no-edge-cpu",
+            "--gsp-system-len", "8", "--gsp-question-len", "4",
+        )  # fmt: skip
+    assert "TooManyStreams" not in done.stdout
+    assert "completed / requests         110/110" in done.stdout, done.stdout
+    assert done.returncode == 0, done.stderr
