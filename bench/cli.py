@@ -19,6 +19,7 @@ import os
 import shlex
 import socket
 import sys
+import time
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -33,6 +34,8 @@ from bench.runner import BenchConfig, Progress, Runner, RunPlan
 from bench.summary import format_table, summarize
 from bench.turns import by_turn, format_turns
 from bench.workloads import WORKLOADS, WorkloadError, WorkloadParams, make_workload
+
+CLIENT_BUSY_WARNING = 0.9  # of one core: above it, the client may be the bottleneck
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -281,13 +284,18 @@ async def _bench(plan: RunPlan, args: argparse.Namespace, link: Link | None, com
     runner = Runner(plan, on_record=on_record, progress=progress)
     started_at = datetime.now(UTC).isoformat(timespec="seconds")
     interrupted = False
+    client_cpu = 0.0  # CPU seconds of this process during the measured run
     try:
         try:
             for error in await runner.warm_up():
                 print(f"warm-up failed: {error}", file=sys.stderr)
             if edge is not None:
                 edge.start()
-            await runner.run()
+            cpu_started = time.process_time()
+            try:
+                await runner.run()
+            finally:
+                client_cpu = time.process_time() - cpu_started
             if edge is not None:
                 edge.stop()
         except asyncio.CancelledError:
@@ -307,12 +315,22 @@ async def _bench(plan: RunPlan, args: argparse.Namespace, link: Link | None, com
             return 130
     duration = runner.ended - runner.started
     summary = summarize(records, duration_s=duration)
+    # This one process sends, reads and times every request (and runs the --rtt-ms relay): near
+    # a whole core, its own CPU, not the server, may have set the pace and the latencies.
+    client_busy = client_cpu / duration if duration > 0 else 0.0
     header = (
         f"workload {plan.workload}: {len(records)} requests in {duration:.2f} s, "
-        f"concurrency {plan.concurrency}, rate {plan.rate or 'max'}"
+        f"concurrency {plan.concurrency}, rate {plan.rate or 'max'}, "
+        f"client CPU {client_busy:.0%} of a core"
         + (f", emulated RTT {link.rtt_ms:g} ms" if link is not None else "")
     )
     print(header)
+    if client_busy >= CLIENT_BUSY_WARNING:
+        print(
+            f"quicedge bench: the client used {client_busy:.0%} of a core: its own CPU may have "
+            "set the pace; lower --concurrency or split the load over several clients",
+            file=sys.stderr,
+        )
     print(format_table(summary))
     turn_rows = by_turn(records, args.turns) if args.turns else None
     if turn_rows is not None:
@@ -334,6 +352,7 @@ async def _bench(plan: RunPlan, args: argparse.Namespace, link: Link | None, com
                 "rtt_ms": None if link is None else link.rtt_ms,
                 "configs": [c.name for c in plan.configs],
                 "duration_s": duration,
+                "client_cpu_busy": client_busy,
                 "interrupted": interrupted,
             },
             "summary": summary,

@@ -115,3 +115,21 @@ async def test_h2_reuse_beyond_the_servers_stream_limit_waits_for_a_stream(
     assert "TooManyStreams" not in done.stdout
     assert "completed / requests         110/110" in done.stdout, done.stdout
     assert done.returncode == 0, done.stderr
+
+
+async def test_the_report_says_how_busy_the_client_itself_was(tmp_path: Path) -> None:
+    """Nothing told a benchmarker whether the client's own CPU, not the server, set the pace
+    (one Python process drives every request): the run now reports the share of a core the
+    client used while it ran, and warns when it was near a whole core."""
+    config = SimConfig(name="b1", port=0, profile="instant", seed=0)
+    summary = tmp_path / "summary.json"
+    async with SimServer(config) as sim:
+        done = await run_command(
+            "bench.cli", "--url", sim.url + "/v1/chat/completions", "--num", "4",
+            "--warmup", "0", "--output-len", "3", "--no-edge-cpu",
+            "--summary-json", str(summary),
+        )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    busy = json.loads(summary.read_text())["run"]["client_cpu_busy"]
+    assert isinstance(busy, float) and busy >= 0
+    assert f"client CPU {busy:.0%} of a core" in done.stdout
