@@ -320,7 +320,8 @@ async def _bench(plan: RunPlan, args: argparse.Namespace, link: Link | None, com
     client_busy = client_cpu / duration if duration > 0 else 0.0
     header = (
         f"workload {plan.workload}: {len(records)} requests in {duration:.2f} s, "
-        f"concurrency {plan.concurrency}, rate {plan.rate or 'max'}, "
+        f"concurrency {plan.concurrency} ({runner.peak_in_flight} reached), "
+        f"rate {plan.rate or 'max'}, "
         f"client CPU {client_busy:.0%} of a core"
         + (f", emulated RTT {link.rtt_ms:g} ms" if link is not None else "")
     )
@@ -349,6 +350,7 @@ async def _bench(plan: RunPlan, args: argparse.Namespace, link: Link | None, com
                 "num": args.num,
                 "rate": plan.rate,
                 "concurrency": plan.concurrency,
+                "concurrency_reached": runner.peak_in_flight,
                 "rtt_ms": None if link is None else link.rtt_ms,
                 "configs": [c.name for c in plan.configs],
                 "duration_s": duration,

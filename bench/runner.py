@@ -182,6 +182,8 @@ class Runner:
         self.tickets: dict[str, TicketStore] = {}
         self.started = 0.0
         self.ended = 0.0
+        self.in_flight = 0
+        self.peak_in_flight = 0  # the concurrency reached (below --concurrency when few sessions)
 
     def _target(self, config: BenchConfig) -> Target:
         if config.name in self.plan.targets:
@@ -303,9 +305,12 @@ class Runner:
         deadline = None if self.plan.duration is None else loop.time() + self.plan.duration
 
         async def job(index: int, config: BenchConfig) -> None:
+            self.in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
             try:
                 await self._run_session(index, config, salts[config.name])
             finally:
+                self.in_flight -= 1
                 gate.release()
 
         next_at = loop.time()

@@ -133,3 +133,19 @@ async def test_the_report_says_how_busy_the_client_itself_was(tmp_path: Path) ->
     busy = json.loads(summary.read_text())["run"]["client_cpu_busy"]
     assert isinstance(busy, float) and busy >= 0
     assert f"client CPU {busy:.0%} of a core" in done.stdout
+
+
+async def test_the_report_gives_the_concurrency_reached(tmp_path: Path) -> None:
+    """`--concurrency 8` over 3 sessions printed "concurrency 8" though never more than 3
+    requests were in flight: the report now gives the most it reached."""
+    config = SimConfig(name="b1", port=0, profile="instant", seed=0)
+    summary = tmp_path / "summary.json"
+    async with SimServer(config) as sim:
+        done = await run_command(
+            "bench.cli", "--url", sim.url + "/v1/chat/completions", "--num", "3",
+            "--concurrency", "8", "--warmup", "0", "--output-len", "3", "--no-edge-cpu",
+            "--summary-json", str(summary),
+        )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "concurrency 8 (3 reached)" in done.stdout
+    assert json.loads(summary.read_text())["run"]["concurrency_reached"] == 3
