@@ -149,3 +149,29 @@ async def test_the_report_gives_the_concurrency_reached(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "concurrency 8 (3 reached)" in done.stdout
     assert json.loads(summary.read_text())["run"]["concurrency_reached"] == 3
+
+
+_MANY_FDS = """
+import os, sys
+held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]  # as ~1000 open connections
+from bench.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+async def test_a_run_past_fd_setsize_does_not_crash(tmp_path: Path) -> None:
+    """The bench loop waits in select() (microsecond timeouts), which stops at FD_SETSIZE
+    (1024): once the process held that many descriptors (a concurrency near 1000), every run
+    ended in "ValueError: filedescriptor out of range in select()" and a traceback."""
+    config = SimConfig(name="b1", port=0, profile="instant", seed=0)
+    async with SimServer(config) as sim:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _MANY_FDS, "--url", sim.url + "/v1/chat/completions",
+            "--num", "2", "--warmup", "1", "--output-len", "3", "--no-edge-cpu", "--rate", "50",
+            cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, stderr.decode()[-2000:]
+    (row,) = [line for line in stdout.decode().splitlines() if line.startswith("completed")]
+    assert row.split()[-1] == "2/2"
