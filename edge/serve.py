@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import difflib
-import ipaddress
 import logging
 import os
 import sys
@@ -42,7 +41,7 @@ from edge.routing.prewarm import PrewarmConfig
 from edge.settings import Settings, SettingsError
 from edge.tracing import exporter_names
 from edge.worker_admin import WorkerAdmin
-from transport.config import EarlyDataSettings, TransportConfig, format_address
+from transport.config import EarlyDataSettings, TransportConfig
 from transport.demo import DemoApps
 from transport.early_data import EarlyDataPolicy
 from transport.tls import CertificateFiles, TlsError, TlsMaterial, resolve_files
@@ -164,31 +163,6 @@ def check_redis_urls(loaded: Settings) -> None:
             redis_parse_url(url)
         except ValueError as exc:
             raise SettingsError(f"{name}: {exc}") from None
-
-
-def _ipv4(host: str) -> bool:
-    try:
-        ipaddress.IPv4Address(host)
-    except ValueError:
-        return False
-    return True
-
-
-def check_listeners(transport: TransportConfig) -> None:
-    """Two TCP listeners on one address: a real start stopped on `Address already in use`,
-    which sends one looking for another process (ValueError naming the second flag). Only
-    the sure cases: the same host, or the IPv4 wildcard and an IPv4 address."""
-    tcp = [("--tcp", transport.tcp), ("--admin", transport.admin), ("--http", transport.http)]
-    for i, (flag, address) in enumerate(tcp):
-        for earlier, before in tcp[:i]:
-            if address is None or before is None or address[1] != before[1] or address[1] == 0:
-                continue
-            hosts = {address[0], before[0]}
-            if len(hosts) == 1 or ("0.0.0.0" in hosts and all(map(_ipv4, hosts))):
-                raise ValueError(
-                    f"{flag} {format_address(address)}: the address of {earlier}; each TCP "
-                    "listener needs a port of its own"
-                )
 
 
 def transport_config(loaded: Settings) -> TransportConfig:
@@ -382,8 +356,7 @@ def main(argv: list[str]) -> int:
             exporter_names(os.environ, force=loaded.get("proxy", ProxyConfig).tracing)
             check_modules(loaded)
             check_audit_log(loaded)
-        transport = transport_config(loaded)
-        check_listeners(transport)
+        transport = transport_config(loaded)  # (its listeners checked as it loaded)
         # Fail early on bad TLS files; make the development certificates once, here, so
         # that workers never race to generate them.
         files = dev_files_or_given(transport)
