@@ -94,17 +94,24 @@ def _check_generate(body: dict[str, Any]) -> None:
 
 
 MAX_EMBEDDING_INPUTS = 2048
-"""Items one embeddings request's `input` list may hold: OpenAI's limit ("any array must be
-2048 dimensions or less"). Without it, two million one-character inputs under
-`max_body_bytes` were checked one by one and joined into the routing text on the event loop
-(~70 ms past the JSON decode, every other stream on the worker stalled meanwhile)."""
+"""Inputs one embeddings request's `input` batch (strings or token-id lists) may hold: OpenAI's
+limit ("any array must be 2048 dimensions or less"); one input of token ids is not a batch.
+Without it, two million one-character inputs under `max_body_bytes` were checked one by one
+and joined into the routing text on the event loop (~70 ms past the JSON decode, every other
+stream on the worker stalled meanwhile)."""
 
 
 def _check_embeddings(body: dict[str, Any]) -> None:
     if "input" not in body:
         raise _missing("input", "a string, a list of strings or token ids")
     value = body["input"]
-    if isinstance(value, list) and len(value) > MAX_EMBEDDING_INPUTS:
+    # a batch of texts or of token-id lists; one input of token ids is a list of ints, as long
+    # as the model takes (LangChain sends each text as its token ids, up to 8191 of them)
+    if (
+        isinstance(value, list)
+        and len(value) > MAX_EMBEDDING_INPUTS
+        and not isinstance(value[0], int)
+    ):
         raise _invalid(
             "input", f"at most {MAX_EMBEDDING_INPUTS} items in one request, got {len(value)}"
         )

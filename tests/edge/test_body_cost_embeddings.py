@@ -31,11 +31,13 @@ async def test_more_embedding_inputs_than_openai_takes_are_refused_with_the_fiel
             )
             most = [item] * MAX_EMBEDDING_INPUTS
             taken = await http.post("/v1/embeddings", json={"model": "default", "input": most})
+            ids = list(range(MAX_EMBEDDING_INPUTS + 1000))  # one input of token ids
+            one = await http.post("/v1/embeddings", json={"model": "default", "input": ids})
     for r in (refused, flood):
         assert r.status_code == 400
         error = r.json()["error"]
         assert error["type"] == "invalid_request_error"
         assert error["param"] == "input" and error["code"] == "invalid_value"
         assert "2048" in error["message"]
-    assert taken.status_code == 200
-    assert a.api is not None and a.api.requests["/v1/embeddings"] == 1  # only the one taken
+    assert taken.status_code == 200 and one.status_code == 200
+    assert a.api is not None and a.api.requests["/v1/embeddings"] == 2  # only those taken
