@@ -26,6 +26,23 @@ def _ephemeral_low() -> int:
 
 _EPHEMERAL_LOW = _ephemeral_low()
 _picks = random.Random()
+_given: set[int] = set()
+"""Ports this process handed out, not handed out again: two servers of one process (a test's
+stand-in and its edge) drew the same port now and then, and the second to bind it failed with
+"Address already in use" (or, binding with SO_REUSEPORT, silently shared it)."""
+
+
+def _share() -> tuple[int, int]:
+    """The ports below the kernel's ephemeral range this process draws from: with test runners
+    in parallel (pytest-xdist's workers), each its own slice, so that they never draw alike."""
+    low, high = max(1024, _EPHEMERAL_LOW - 16384), _EPHEMERAL_LOW - 1
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if worker.startswith("gw") and worker[2:].isdigit() and count.isdigit() and int(count) > 1:
+        span = (high - low + 1) // int(count)
+        low += int(worker[2:]) % int(count) * span
+        high = low + span - 1
+    return low, high
 
 
 def free_port(kind: int = socket.SOCK_STREAM) -> int:
@@ -34,14 +51,19 @@ def free_port(kind: int = socket.SOCK_STREAM) -> int:
     Taken below the kernel's ephemeral range: a port from inside it (what binding port 0 gives)
     can be handed to any process's outgoing connection between this check and the bind that
     needs it, which made a test's server fail with "Address already in use"."""
-    low, high = max(1024, _EPHEMERAL_LOW - 16384), _EPHEMERAL_LOW - 1
+    low, high = _share()
+    if len(_given) > (high - low) * 3 // 4:  # nearly all given: start over rather than fail
+        _given.clear()
     for _ in range(100 if high - low >= 1024 else 0):
         port = _picks.randint(low, high)
+        if port in _given:
+            continue
         with socket.socket(socket.AF_INET, kind) as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _given.add(port)
             return port
     with socket.socket(socket.AF_INET, kind) as s:  # no room below the range: the kernel's pick
         s.bind(("127.0.0.1", 0))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import shutil
 import socket
 import subprocess
@@ -33,22 +32,9 @@ def free_udp_port() -> int:
 def restartable_port() -> int:
     """A free TCP port below the kernel's range for outgoing connections: a server stopped on
     it can start there again (Redis coming back at its address), because no client socket of
-    this or another process is given it in between, as a port from `free_port` may be."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768  # Linux's default
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(10000, max(10001, low))
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
-    raise RuntimeError(f"no free port from 10000 to {low}")
+    this or another process is given it in between. `free_port`'s, which draws from there and
+    never gives one port twice in a process (nor the same as another test runner's)."""
+    return free_port()
 
 
 def wait_for_tcp(host: str, port: int, timeout: float = 10.0) -> None:
