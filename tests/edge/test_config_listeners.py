@@ -1,7 +1,7 @@
-"""Two TCP listeners on one address: `quicedge serve` refuses it at start (`TransportConfig.validate`),
-but a reload read the same file and took it as a change for the next restart, which then did
-not start. The check is the `[serve]` section's own, so a reload refuses it as a start does and
-the running settings stay."""
+"""Two TCP listeners on one address: `quicedge serve` refuses it at start
+(`TransportConfig.validate`), but a reload read the same file and took it as a change for the
+next restart, which then did not start. The check is the `[serve]` section's own, so a reload
+refuses it as a start does and the running settings stay."""
 
 from __future__ import annotations
 
